@@ -1,0 +1,112 @@
+"""What the native looped models share: strict hub-layout loading, generation glue, the KV hook slot."""
+
+from __future__ import annotations
+
+from dataclasses import field, make_dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.generation import utils as generation_utils
+from transformers.utils import ModelOutput
+
+from .cache import LoopKVCache
+from .common import RMSNorm, pick
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's tensors do not match the model built from its config.json."""
+
+
+# transformers 5.x renamed the cache slot of model outputs from ``past_key_values`` to ``cache`` (the
+# GPU image has 5.17, CI the newest): name our field the way the installed generate() reads it.
+CACHE_FIELD = "cache" if "cache" in getattr(generation_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
+
+LoopCausalLMOutput = make_dataclass(
+    "LoopCausalLMOutput",
+    [
+        ("loss", torch.Tensor | None, field(default=None)),
+        ("logits", torch.Tensor | None, field(default=None)),
+        (CACHE_FIELD, Any, field(default=None)),
+        ("loop_hidden_states", tuple | None, field(default=None)),
+        ("gate_logits", tuple | None, field(default=None)),
+    ],
+    bases=(ModelOutput,),
+)
+LoopCausalLMOutput.__doc__ = "Causal-LM output; the cache sits under ``CACHE_FIELD``."
+LoopCausalLMOutput.__module__ = __name__
+
+
+def make_output(cache: LoopKVCache | None, **fields: Any) -> ModelOutput:
+    """Build a :data:`LoopCausalLMOutput` with the cache under the installed transformers' name."""
+    return LoopCausalLMOutput(**fields, **{CACHE_FIELD: cache})
+
+
+class LoopedPreTrainedModel(PreTrainedModel):
+    """Base of the native Ouro and Huginn models."""
+
+    supports_gradient_checkpointing = False
+    _supports_sdpa = True
+    optional_checkpoint_keys: tuple[str, ...] = ()
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.kv_hook = None  # see models/sites.py
+        self.loop_checkpointing = False  # activation checkpointing per loop step (training only)
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # we bring our own LoopKVCache, created in forward
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = getattr(self.config, "initializer_range", 0.02)
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any):  # type: ignore[override]
+        """Load a hub-layout checkpoint; any missing, unexpected or mis-shaped tensor is an error."""
+        wanted_info = kwargs.pop("output_loading_info", False)
+        try:
+            model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        except RuntimeError as err:  # transformers reports size mismatches this way
+            raise CheckpointMismatchError(f"checkpoint does not fit {cls.__name__}: {err}") from err
+        problems = []
+        missing = sorted(k for k in info.get("missing_keys", []) if k not in cls.optional_checkpoint_keys)
+        for what, names in (
+            ("missing", missing),
+            ("unexpected", sorted(info.get("unexpected_keys", []))),
+            ("mis-shaped", sorted(str(m) for m in info.get("mismatched_keys", []))),
+        ):
+            if names:
+                problems.append(f"{what} tensors: {', '.join(names)}")
+        if problems:
+            raise CheckpointMismatchError(
+                f"checkpoint {args[0] if args else ''} does not match {cls.__name__} built from its "
+                f"config.json; " + "; ".join(problems)
+            )
+        return (model, info) if wanted_info else model
+
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, **kwargs: Any) -> dict[str, Any]:
+        """Feed only the tokens the cache has not seen; works with transformers 5.x before and after the
+        ``past_key_values`` -> ``cache`` rename."""
+        cache = pick(kwargs, "cache", "past_key_values")
+        if cache is not None:
+            input_ids = input_ids[:, cache.get_seq_length():]
+        return {
+            "input_ids": input_ids,
+            "cache": cache,
+            "attention_mask": kwargs.get("attention_mask"),
+            "use_cache": kwargs.get("use_cache", True),
+        }
+
+    def _reorder_cache(self, cache: LoopKVCache, beam_idx: torch.LongTensor) -> LoopKVCache:
+        cache.reorder_cache(beam_idx)
+        return cache

@@ -1,0 +1,194 @@
+"""Building blocks shared by the native Ouro and Huginn models.
+
+Everything that touches keys goes through :class:`ForwardContext`: it carries the positions, the RoPE
+tables, the attention mask, the KV cache and the optional KV hook (see ``sites.py``), so that the same
+physical attention module can be called once per loop step with a different site id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+RopeStyle = str  # "half" (rotate_half / NeoX, Ouro) or "interleaved" (GPT-J pairs, Huginn)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as in both reference implementations: fp32 statistics, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """inv_freq_i = theta^(-2i/D), i in [0, D/2), in fp32."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
+def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position * inv_freq, fp32, shape [*positions.shape, D/2]."""
+    inv = rope_inv_freq(head_dim, theta).to(positions.device)
+    with torch.autocast(device_type=positions.device.type, enabled=False):
+        ang = positions.float()[..., None] * inv
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle) -> torch.Tensor:
+    """Rotate ``x`` [B, S, H, D] with per-position angles ``cos``/``sin`` [B, S, D/2] (fp32).
+
+    ``half``: channel i rotates with channel i + D/2 (Ouro, computed in the activation dtype).
+    ``interleaved``: channels (2i, 2i+1) form one pair (Huginn, computed in fp32, cast back).
+    """
+    cos = cos[:, :, None, :]
+    sin = sin[:, :, None, :]
+    if style == "half":
+        c = torch.cat([cos, cos], -1).to(x.dtype)
+        s = torch.cat([sin, sin], -1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * c + rotated * s
+    if style == "interleaved":
+        xf = x.float().unflatten(-1, (-1, 2))
+        x0, x1 = xf[..., 0], xf[..., 1]
+        out = torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], -1)
+        return out.flatten(-2).to(x.dtype)
+    raise ValueError(f"unknown RoPE style {style!r}; expected 'half' or 'interleaved'")
+
+
+class KVHook(Protocol):
+    """Called at every KV site with the pre-RoPE key and the value, [B, S, H_kv, D] each.
+
+    Returns the key and value the attention goes on with (the same tensors to observe, others to
+    substitute). ``positions`` [B, S] are the absolute token positions.
+    """
+
+    def __call__(
+        self, site: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class KVStore(Protocol):
+    """What attention needs from a KV cache: append this call's keys/values and return the whole site."""
+
+    def update(
+        self,
+        site: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        positions: torch.Tensor,
+        rope: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def get_seq_length(self, layer_idx: int = 0) -> int: ...
+
+
+@dataclass
+class ForwardContext:
+    """Per-forward state shared by every attention call."""
+
+    positions: torch.Tensor  # [B, S] absolute positions of the query tokens
+    mask: torch.Tensor | None  # [B, 1, S, P+S] bool (True = attend) or None for plain causal
+    rope_style: RopeStyle
+    rope_theta: float
+    cache: KVStore | None = None
+    hook: KVHook | None = None
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope_angles(positions, x.shape[-1], self.rope_theta)
+        return apply_rope(x, cos, sin, self.rope_style)
+
+
+def attend(
+    ctx: ForwardContext, site: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
+    """Attention at one KV site. q [B,S,Hq,D], k/v pre-RoPE [B,S,Hkv,D]; returns [B,S,Hq*D]."""
+    if ctx.hook is not None:
+        k, v = ctx.hook(site, k, v, ctx.positions)
+    q = ctx.rope(q, ctx.positions)
+    if ctx.cache is not None:
+        k, v = ctx.cache.update(site, k, v, ctx.positions, ctx.rope)
+    else:
+        k = ctx.rope(k, ctx.positions)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    if ctx.mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask)
+    return out.transpose(1, 2).flatten(2)
+
+
+def build_context(
+    input_len: int,
+    batch: int,
+    device: torch.device,
+    rope_style: RopeStyle,
+    rope_theta: float,
+    cache: KVStore | None,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    hook: KVHook | None,
+) -> ForwardContext:
+    """Positions and mask from explicit ``past_len + q_len`` (never from a cache's internals).
+
+    ``attention_mask`` is the usual 2-D padding mask over all tokens so far ([B, past+S], 1 = real token).
+    """
+    past = cache.get_seq_length() if cache is not None else 0
+    total = past + input_len
+    if attention_mask is not None and attention_mask.shape[-1] != total:
+        raise ValueError(
+            f"attention_mask covers {attention_mask.shape[-1]} tokens but the cache holds {past} "
+            f"and the input {input_len} (expected {total})"
+        )
+    if position_ids is None:
+        if attention_mask is not None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+        else:
+            position_ids = torch.arange(past, total, device=device)[None]
+    position_ids = position_ids.expand(batch, input_len)
+    mask = None
+    if attention_mask is not None or (past and input_len > 1):
+        q_idx = torch.arange(past, total, device=device)[:, None]
+        k_idx = torch.arange(total, device=device)[None, :]
+        mask = (k_idx <= q_idx)[None, None].expand(batch, 1, input_len, total)
+        if attention_mask is not None:
+            # a padded query may see no key at all (NaN in softmax, and NaN * 0 still leaks into real
+            # tokens through V): let every query see itself; padded outputs are never read.
+            mask = (mask & attention_mask.bool()[:, None, None, :]) | (k_idx == q_idx)[None, None]
+    return ForwardContext(position_ids, mask, rope_style, rope_theta, cache, hook)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)) with separate gate/up projections (Ouro / Qwen2 naming)."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def pick(kwargs: dict[str, Any], *names: str) -> Any:
+    """First non-None keyword among ``names`` (transformers renamed ``past_key_values`` to ``cache``)."""
+    for name in names:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return None

