@@ -53,6 +53,7 @@ class LoopedPreTrainedModel(PreTrainedModel):
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.kv_hook = None  # see models/sites.py
+        self.query_observer = None  # called with (site, pre-RoPE query [B,S,Hq,D], positions)
         self.loop_checkpointing = False  # activation checkpointing per loop step (training only)
 
     @classmethod

@@ -104,6 +104,7 @@ class ForwardContext:
     rope_theta: float
     cache: KVStore | None = None
     hook: KVHook | None = None
+    query_observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = rope_angles(positions, x.shape[-1], self.rope_theta)
@@ -114,6 +115,8 @@ def attend(
     ctx: ForwardContext, site: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> torch.Tensor:
     """Attention at one KV site. q [B,S,Hq,D], k/v pre-RoPE [B,S,Hkv,D]; returns [B,S,Hq*D]."""
+    if ctx.query_observer is not None:
+        ctx.query_observer(site, q, ctx.positions)
     if ctx.hook is not None:
         k, v = ctx.hook(site, k, v, ctx.positions)
     q = ctx.rope(q, ctx.positions)
@@ -143,6 +146,7 @@ def build_context(
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
     hook: KVHook | None,
+    query_observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> ForwardContext:
     """Positions and mask from explicit ``past_len + q_len`` (never from a cache's internals).
 
@@ -170,7 +174,7 @@ def build_context(
             # a padded query may see no key at all (NaN in softmax, and NaN * 0 still leaks into real
             # tokens through V): let every query see itself; padded outputs are never read.
             mask = (mask & attention_mask.bool()[:, None, None, :]) | (k_idx == q_idx)[None, None]
-    return ForwardContext(position_ids, mask, rope_style, rope_theta, cache, hook)
+    return ForwardContext(position_ids, mask, rope_style, rope_theta, cache, hook, query_observer)
 
 
 class SwiGLU(nn.Module):

@@ -242,7 +242,7 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         b, s_len = input_ids.shape
         ctx = build_context(
             s_len, b, input_ids.device, "interleaved", c.rope_base, cache, attention_mask, position_ids,
-            kwargs.get("kv_hook", self.kv_hook),
+            kwargs.get("kv_hook", self.kv_hook), self.query_observer,
         )
         e = tf.wte(input_ids) * torch.tensor(c.init_values["embed_scale"], dtype=tf.wte.weight.dtype)
         for i, block in enumerate(tf.prelude):

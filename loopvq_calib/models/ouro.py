@@ -205,7 +205,7 @@ class OuroForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         b, s = input_ids.shape
         ctx = build_context(
             s, b, input_ids.device, "half", self.config.rope_theta, cache, attention_mask, position_ids,
-            kwargs.get("kv_hook", self.kv_hook),
+            kwargs.get("kv_hook", self.kv_hook), self.query_observer,
         )
         h = self.model.embed_tokens(input_ids)
         hidden, gates = [], []

@@ -1,0 +1,151 @@
+"""The reference encoder and decoder used by every later stage, the bundle reader and the quantized cache.
+
+Shapes: a block's input is x [N, T, H, D] (N tokens, the block's T loop steps, H KV heads, D channels),
+pre-RoPE for keys. Encoding gathers each head's flat T*D vector into code groups ([N, H, n_groups, G]),
+optionally after the TaSQ transform, and picks the nearest codeword by squared distance in the space
+the codebook lives in. Decoding looks codewords up (exact gradients w.r.t. the codebook entries),
+scatters them back and undoes the transform.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .layouts import BlockLayout
+
+
+@dataclass
+class TasqTransform:
+    """TaSQ on keys: y = x * w / sigma (docs/bundle-format.md gives the exact sigma rule).
+
+    ``weight`` [T, H, D]: per (step, head, channel) weights w (mean(w^2) = 1 per head and step).
+    sigma per (token, step): RMS of the weighted key over all heads and channels of that site,
+    clamped to >= ``sigma_min`` and rounded to fp16 (stored as fp16 next to the indices).
+    """
+
+    weight: torch.Tensor
+    sigma_min: float = 1e-4
+
+    def sigma(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, T, H, D] -> [N, T] float16."""
+        wx = x.float() * self.weight.to(x.device)
+        rms = wx.pow(2).mean(dim=(-1, -2)).sqrt().clamp_min(self.sigma_min)
+        return rms.to(torch.float16)
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        return x * self.weight.to(x.device) / sigma.to(x.dtype)[..., None, None]
+
+    def inverse(self, y: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        return y * sigma.to(y.dtype)[..., None, None] / self.weight.to(y.device)
+
+
+@dataclass
+class Codes:
+    """Encoded block: ``indices`` [N, H, n_groups] (uint8 for K <= 256, else int32), ``sigma`` [N, T] fp16."""
+
+    indices: torch.Tensor
+    sigma: torch.Tensor | None = None
+
+
+def index_dtype(codebook_size: int) -> torch.dtype:
+    return torch.uint8 if codebook_size <= 256 else torch.int32
+
+
+def flatten_block(x: torch.Tensor) -> torch.Tensor:
+    """[N, T, H, D] -> [N, H, T*D] with flat coordinate m*D + channel."""
+    n, t, h, d = x.shape
+    return x.permute(0, 2, 1, 3).reshape(n, h, t * d)
+
+
+def unflatten_block(xf: torch.Tensor, steps: int) -> torch.Tensor:
+    """[N, H, T*D] -> [N, T, H, D]."""
+    n, h, td = xf.shape
+    return xf.view(n, h, steps, td // steps).permute(0, 2, 1, 3)
+
+
+def gather_groups(x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Group vectors of a block: x [N, T, H, D], groups [1|H, n, G] -> [N, H, n, G]."""
+    xf = flatten_block(x)
+    n, h, _ = xf.shape
+    idx = groups.to(x.device).expand(h, -1, -1).reshape(1, h, -1).expand(n, -1, -1)
+    return xf.gather(-1, idx).view(n, h, *groups.shape[1:])
+
+
+def scatter_groups(z: torch.Tensor, groups: torch.Tensor, steps: int) -> torch.Tensor:
+    """Inverse of :func:`gather_groups` (groups partition the coordinates): [N, H, n, G] -> [N, T, H, D]."""
+    n, h = z.shape[:2]
+    inverse = groups.to(z.device).expand(h, -1, -1).reshape(h, -1).argsort(-1)
+    zf = z.reshape(n, h, -1).gather(-1, inverse[None].expand(n, -1, -1))
+    return unflatten_block(zf, steps)
+
+
+def _flat_codebook_index(indices: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Row of each code in ``codebook.view(-1, G)``; shared heads/groups broadcast."""
+    hc, gc, k, _ = codebook.shape
+    _, h, n = indices.shape
+    head = torch.arange(h, device=indices.device)[:, None] if hc > 1 else torch.zeros(h, 1, dtype=torch.long, device=indices.device)
+    grp = torch.arange(n, device=indices.device)[None, :] if gc > 1 else torch.zeros(1, n, dtype=torch.long, device=indices.device)
+    return (head * gc + grp) * k + indices.long()
+
+
+def nearest(z: torch.Tensor, codebook: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """Index of the nearest codeword for each group vector: z [N, H, n, G], codebook [Hc, nc, K, G] -> [N, H, n]."""
+    cb = codebook.detach().to(z.dtype if z.is_floating_point() else torch.float32)
+    h, n = z.shape[1:3]
+    cb = cb.expand(h, n, -1, -1)
+    cb_sq = cb.pow(2).sum(-1)  # [H, n, K]
+    out = []
+    for part in z.detach().split(chunk):
+        dist = cb_sq - 2 * torch.einsum("thng,hnkg->thnk", part, cb)
+        out.append(dist.min(-1).indices)
+    return torch.cat(out) if out else torch.zeros(0, h, n, dtype=torch.long, device=z.device)
+
+
+def lookup(indices: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Codewords for indices [N, H, n] -> [N, H, n, G]; differentiable w.r.t. ``codebook``."""
+    rows = _flat_codebook_index(indices, codebook)
+    return codebook.reshape(-1, codebook.shape[-1]).index_select(0, rows.reshape(-1)).view(*indices.shape, -1)
+
+
+@dataclass
+class BlockCodec:
+    """Encoder/decoder of one (kind, block): layout, codebook [Hc, nc, K, G] and optional TaSQ transform."""
+
+    layout: BlockLayout
+    codebook: torch.Tensor
+    transform: TasqTransform | None = None
+
+    def encode(self, x: torch.Tensor) -> Codes:
+        """x [N, T, H, D] -> indices of the nearest codewords (in the transformed space for TaSQ)."""
+        sigma = None
+        if self.transform is not None:
+            sigma = self.transform.sigma(x)
+            x = self.transform.forward(x.float(), sigma)
+        z = gather_groups(x.float(), self.layout.groups)
+        idx = nearest(z, self.codebook.float())
+        return Codes(idx.to(index_dtype(self.codebook.shape[2])), sigma)
+
+    def decode(self, codes: Codes, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Codes -> [N, T, H, D] (gradients flow to the codebook)."""
+        z = lookup(codes.indices, self.codebook.to(dtype))
+        y = scatter_groups(z, self.layout.groups, self.layout.steps)
+        if self.transform is not None:
+            y = self.transform.inverse(y, codes.sigma)
+        return y
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """decode(encode(x)); the assignment has no gradient, the lookup is exact."""
+        return self.decode(self.encode(x), dtype=self.codebook.dtype if self.codebook.is_floating_point() else torch.float32)
+
+
+def code_bits(codebook_size: int, group_size: int) -> float:
+    """Index bits per element: log2(K) / G."""
+    return math.log2(codebook_size) / group_size
+
+
+def sigma_bits(kv_heads: int, head_dim: int) -> float:
+    """TaSQ's fp16 sigma per token and site, spread over the site's H*D key elements."""
+    return 16.0 / (kv_heads * head_dim)

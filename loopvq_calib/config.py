@@ -1,0 +1,319 @@
+"""The one config tree of ``loopvq-calibrate``: dataclasses loaded from YAML and validated here only.
+
+Every key is documented in docs/config.md. Errors raise :class:`ConfigError` naming the key path and
+what is allowed; the CLI turns them into exit status 2 before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+METHODS = ("cq", "tasq", "loopvq", "tasq+loopvq")
+SHARING = ("none", "heads", "groups", "all")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, mistyped or impossible; ``path`` is its dotted key path."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}" if path else message)
+        self.path = path
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "artifacts/tiny-ouro"  # hub id or local folder
+    revision: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    loop_steps: int | None = None  # Ouro total_ut_steps / Huginn recurrences r; None = config.json
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "artifacts/data/shakespeare-calib.jsonl"  # hub name, local file, folder or glob
+    type: str = "auto"  # auto | hub | text | json | jsonl | parquet
+    config_name: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    text_sample_by: str = "document"  # for type text: line | paragraph | document
+    num_sequences: int = 16
+    sequence_length: int = 512
+    heldout_sequences: int = 4  # of num_sequences, for fine-tuning epoch selection
+    seed: int = 0
+    sink_tokens: int = 8  # first tokens of each sequence kept in full precision (n_s)
+
+
+@dataclass
+class QuantConfig:
+    method: str = "loopvq"  # cq | tasq | loopvq | tasq+loopvq
+    bits: float | None = 0.5  # per element; must equal log2(codebook_size) / group_size
+    codebook_size: int = 256  # K
+    group_size: int = 16  # G coordinates per code
+    steps_per_block: int = 4  # T_c (loop-axis methods); cq/tasq use 1
+    codebook_sharing: str = "none"  # none | heads | groups | all
+
+    @property
+    def loop_axis(self) -> bool:
+        return self.method in ("loopvq", "tasq+loopvq")
+
+    @property
+    def uses_tasq(self) -> bool:
+        return self.method in ("tasq", "tasq+loopvq")
+
+    @property
+    def block_steps(self) -> int:
+        """Steps coded jointly: T_c for loop-axis methods, 1 for channel-only ones."""
+        return self.steps_per_block if self.loop_axis else 1
+
+
+@dataclass
+class CaptureConfig:
+    dtype: str = "bfloat16"  # storage dtype of captured K/V and Fisher
+    batch_size: int = 1  # sequences per forward/backward
+
+
+@dataclass
+class KMeansConfig:
+    backend: str = "auto"  # auto | faiss | torch
+    iterations: int = 100
+    tolerance: float = 1e-5  # stop when the mean centroid change falls below
+    init: str = "kmeans++"  # kmeans++ | random
+    fisher_weighted: bool = True
+    seed: int = 0
+    device: str = "auto"
+    problems_per_batch: int = 512  # torch backend: k-means problems solved together
+    points_per_chunk: int = 16384  # torch backend: distance rows computed at once
+
+
+@dataclass
+class TasqConfig:
+    det_eps: float = 1e-6  # eps in det(Sigma[S,S] + eps I)^(1/|S|)
+    sigma_min: float = 1e-4
+    weight_floor: float = 1e-6  # query-statistic diagonal floored at this fraction of its max
+
+
+@dataclass
+class FinetuneConfig:
+    enabled: bool = True
+    epochs: int = 4
+    lr: float = 1e-3
+    batch_size: int = 1  # sequences per optimizer step (split across processes)
+    kl_chunk: int = 1024  # positions per chunk of the KL computation
+    loop_checkpointing: bool = False  # activation checkpointing per loop step
+    autocast: str = "auto"  # auto (bf16 on GPU) | bfloat16 | none
+    seed: int = 0
+
+
+@dataclass
+class ServingConfig:
+    sink_tokens: int | None = None  # default: data.sink_tokens
+    recent_window: int = 64
+    page_size: int = 8
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs/tiny-ouro"
+    bundle_name: str | None = None  # default: <model>-<method>-<bits>bit
+    codebook_dtype: str = "float16"
+    serving: ServingConfig = field(default_factory=ServingConfig)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    kmeans: KMeansConfig = field(default_factory=KMeansConfig)
+    tasq: TasqConfig = field(default_factory=TasqConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _build(cls: type, raw: Any, path: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(path, f"expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        where = f"{path}.{unknown[0]}" if path else unknown[0]
+        raise ConfigError(where, f"unknown key; allowed here: {', '.join(sorted(names))}")
+    kwargs = {}
+    for name, value in raw.items():
+        kwargs[name] = _coerce(hints[name], value, f"{path}.{name}" if path else name)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        tp = next(a for a in args if a is not type(None))
+    if value is None:
+        raise ConfigError(path, f"must not be null (expected {tp.__name__})")
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:
+            return float(value)  # YAML 1.1 reads 1e-5 as a string
+        except ValueError:
+            pass
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(path, f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _choice(path: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(path, f"{value!r} is not allowed; choose one of {', '.join(allowed)}")
+
+
+def _positive(path: str, value: float, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(path, f"must be {'>= 0' if zero_ok else '> 0'}, got {value}")
+
+
+def validate(cfg: Config) -> Config:
+    """Check every value and combination that does not need the model; returns ``cfg``."""
+    m, d, q, k, f, o = cfg.model, cfg.data, cfg.quant, cfg.kmeans, cfg.finetune, cfg.output
+    _choice("model.dtype", m.dtype, DTYPES)
+    if m.device != "auto" and m.device != "cpu" and not m.device.startswith("cuda"):
+        raise ConfigError("model.device", f"{m.device!r} is not allowed; use auto, cpu, cuda or cuda:N")
+    if m.loop_steps is not None:
+        _positive("model.loop_steps", m.loop_steps)
+    _choice("data.type", d.type, ("auto", "hub", "text", "json", "jsonl", "parquet"))
+    _choice("data.text_sample_by", d.text_sample_by, ("line", "paragraph", "document"))
+    _positive("data.num_sequences", d.num_sequences)
+    _positive("data.sequence_length", d.sequence_length)
+    _positive("data.sink_tokens", d.sink_tokens, zero_ok=True)
+    _positive("data.heldout_sequences", d.heldout_sequences, zero_ok=True)
+    if d.sink_tokens >= d.sequence_length:
+        raise ConfigError("data.sink_tokens", f"{d.sink_tokens} sinks leave no token of a {d.sequence_length}-token sequence to quantize")
+    if f.enabled and not 0 < d.heldout_sequences < d.num_sequences:
+        raise ConfigError(
+            "data.heldout_sequences",
+            f"fine-tuning needs 0 < heldout_sequences < num_sequences ({d.num_sequences}), got {d.heldout_sequences}",
+        )
+    _choice("quant.method", q.method, METHODS)
+    _choice("quant.codebook_sharing", q.codebook_sharing, SHARING)
+    if q.codebook_size < 2 or q.codebook_size & (q.codebook_size - 1) or q.codebook_size > 65536:
+        raise ConfigError("quant.codebook_size", f"must be a power of two in [2, 65536], got {q.codebook_size}")
+    _positive("quant.group_size", q.group_size)
+    _positive("quant.steps_per_block", q.steps_per_block)
+    derived = math.log2(q.codebook_size) / q.group_size
+    if q.bits is None:
+        q.bits = derived
+    elif not math.isclose(q.bits, derived, rel_tol=1e-9):
+        raise ConfigError(
+            "quant.bits",
+            f"{q.bits} does not match log2(codebook_size)/group_size = log2({q.codebook_size})/{q.group_size} = {derived:g}",
+        )
+    if q.loop_axis and q.group_size % q.steps_per_block:
+        raise ConfigError(
+            "quant.group_size",
+            f"group_size {q.group_size} is not divisible by steps_per_block {q.steps_per_block} "
+            "(each code covers c = G / T_c channels in each step of a block)",
+        )
+    if q.uses_tasq and (q.group_size // q.block_steps) % 2:
+        raise ConfigError(
+            "quant.group_size",
+            f"TaSQ keeps each RoPE pair in one group: channels per step G/T_c = {q.group_size // q.block_steps} must be even",
+        )
+    _choice("capture.dtype", cfg.capture.dtype, DTYPES)
+    _positive("capture.batch_size", cfg.capture.batch_size)
+    _choice("kmeans.backend", k.backend, ("auto", "faiss", "torch"))
+    _choice("kmeans.init", k.init, ("kmeans++", "random"))
+    _positive("kmeans.iterations", k.iterations)
+    _positive("kmeans.tolerance", k.tolerance, zero_ok=True)
+    _positive("kmeans.problems_per_batch", k.problems_per_batch)
+    _positive("kmeans.points_per_chunk", k.points_per_chunk)
+    _positive("finetune.epochs", f.epochs, zero_ok=True)
+    _positive("finetune.lr", f.lr)
+    _positive("finetune.batch_size", f.batch_size)
+    _positive("finetune.kl_chunk", f.kl_chunk)
+    _choice("finetune.autocast", f.autocast, ("auto", "bfloat16", "none"))
+    _choice("output.codebook_dtype", o.codebook_dtype, DTYPES)
+    s = o.serving
+    if s.sink_tokens is None:
+        s.sink_tokens = d.sink_tokens
+    for name in ("sink_tokens", "recent_window", "page_size"):
+        value = getattr(s, name)
+        _positive(f"output.serving.{name}", value, zero_ok=name != "page_size")
+    for name in ("sink_tokens", "recent_window"):
+        if getattr(s, name) % s.page_size:
+            raise ConfigError(f"output.serving.{name}", f"{getattr(s, name)} is not a multiple of page_size {s.page_size}")
+    return cfg
+
+
+def validate_for_model(cfg: Config, head_dim: int, kv_heads: int, loop_steps: int, has_prelude: bool) -> None:
+    """Checks that need the model's shapes (read from config.json only, before any work)."""
+    q = cfg.quant
+    c = q.group_size // q.block_steps
+    if head_dim % c:
+        what = "c = G / T_c" if q.loop_axis else "group_size"
+        raise ConfigError("quant.group_size", f"head_dim {head_dim} is not divisible by {what} = {c}")
+    if q.loop_axis and loop_steps % q.steps_per_block:
+        raise ConfigError(
+            "quant.steps_per_block", f"{loop_steps} loop steps cannot be split into blocks of {q.steps_per_block}"
+        )
+    if has_prelude and q.loop_axis and head_dim % q.group_size:
+        raise ConfigError(
+            "quant.group_size",
+            f"non-looped layers are coded per layer like CQ: head_dim {head_dim} is not divisible by G = {q.group_size}",
+        )
+
+
+def load_config(source: str | Path | dict, overrides: list[str] | None = None) -> Config:
+    """Load YAML (a path or an already-parsed mapping), apply ``key.path=value`` overrides, validate."""
+    if isinstance(source, dict):
+        raw = source
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError("", f"config file {path} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError("", f"{path} is not valid YAML: {err}") from err
+    raw = _apply_overrides(dict(raw), overrides or [])
+    return validate(_build(Config, raw, ""))
+
+
+def _apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError("", f"--set {item!r}: expected key.path=value")
+        key, value = item.split("=", 1)
+        node = raw
+        parts = key.strip().split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(".".join(parts[: i + 1]), "is a value, not a section")
+            node[part] = child = dict(child)
+            node = child
+        node[parts[-1]] = yaml.safe_load(value)
+    return raw
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML (written to every run directory)."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,138 @@
+"""Calibration corpora: load documents, concatenate with the tokenizer's separator, cut into sequences.
+
+Windows are non-overlapping ``sequence_length``-token slices of the concatenated stream (documents in
+order, each followed by the separator), drawn from its first ``POOL_FACTOR * num_sequences *
+sequence_length`` tokens; ``seed`` picks which windows and which of them are held out.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from .config import DataConfig
+
+POOL_FACTOR = 16
+LOCAL_TYPES = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+class DataError(ValueError):
+    """The calibration data cannot be loaded or is too small; names the config key."""
+
+
+@dataclass
+class CalibrationSet:
+    """Token ids [n, L] plus which sequences train and which pick the fine-tuning epoch."""
+
+    input_ids: torch.Tensor
+    train: list[int]
+    heldout: list[int]
+    sink_tokens: int
+    description: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def content_hash(self) -> str:
+        ids = self.input_ids.to(torch.int64).contiguous().numpy().tobytes()
+        split = f"{self.train}|{self.heldout}|{self.sink_tokens}".encode()
+        return hashlib.sha256(ids + split).hexdigest()
+
+
+def _local_files(spec: str) -> list[str]:
+    path = Path(spec)
+    if path.is_dir():
+        return sorted(str(p) for p in path.iterdir() if p.suffix in LOCAL_TYPES)
+    if any(ch in spec for ch in "*?["):
+        return sorted(glob.glob(spec))
+    return [spec] if path.is_file() else []
+
+
+def load_documents(cfg: DataConfig, key: str = "data") -> Iterator[str]:
+    """Yield the documents' text from local files (text / json / jsonl / parquet) or a hub dataset."""
+    import datasets
+
+    files = _local_files(cfg.dataset)
+    kind = cfg.type
+    if kind == "jsonl":
+        kind = "json"
+    if files and kind in ("auto", "text", "json", "parquet"):
+        if kind == "auto":
+            kinds = {LOCAL_TYPES.get(Path(f).suffix) for f in files}
+            if len(kinds) != 1 or None in kinds:
+                raise DataError(f"{key}.type: cannot infer the file type of {files}; set {key}.type")
+            kind = kinds.pop()
+        extra = {"sample_by": cfg.text_sample_by} if kind == "text" else {}
+        ds = datasets.load_dataset(kind, data_files=files, split="train", **extra)
+    elif kind in ("auto", "hub") and not files and not os.path.isabs(cfg.dataset) and not cfg.dataset.startswith("."):
+        try:
+            ds = datasets.load_dataset(cfg.dataset, cfg.config_name, split=cfg.split)
+        except Exception as err:  # offline, unknown name, missing split: all surface here
+            offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+            hint = " (offline mode is on: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)" if offline else ""
+            raise DataError(
+                f"{key}.dataset: could not load {cfg.dataset!r} (config {cfg.config_name!r}, split {cfg.split!r}) "
+                f"from the hub{hint}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            ) from err
+    else:
+        raise DataError(f"{key}.dataset: no local file matches {cfg.dataset!r} (type {cfg.type})")
+    if cfg.text_field not in ds.column_names:
+        raise DataError(f"{key}.text_field: column {cfg.text_field!r} not in {cfg.dataset} (columns: {ds.column_names})")
+    for row in ds:
+        text = row[cfg.text_field]
+        if isinstance(text, str) and text.strip():
+            yield text
+
+
+def _token_stream(docs: Iterator[str], tokenizer: Any, limit: int) -> tuple[list[int], int]:
+    sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
+    if sep is None:
+        raise DataError("model.name_or_path: the tokenizer has no eos or bos token to separate documents")
+    ids: list[int] = []
+    count = 0
+    for doc in docs:
+        ids.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
+        ids.append(sep)
+        count += 1
+        if len(ids) >= limit:
+            break
+    return ids, count
+
+
+def build_calibration_set(cfg: DataConfig, tokenizer: Any, key: str = "data") -> CalibrationSet:
+    """Deterministic (given ``cfg.seed``) calibration sequences and their train / held-out split."""
+    n, length = cfg.num_sequences, cfg.sequence_length
+    ids, docs = _token_stream(load_documents(cfg, key), tokenizer, POOL_FACTOR * n * length)
+    windows = len(ids) // length
+    if windows < n:
+        raise DataError(
+            f"{key}.num_sequences: {cfg.dataset} gives {len(ids):,} tokens ({docs} documents), "
+            f"only {windows} windows of {length} tokens; {n} were asked for"
+        )
+    gen = torch.Generator().manual_seed(cfg.seed)
+    chosen = torch.randperm(windows, generator=gen)[:n].sort().values
+    stream = torch.tensor(ids[: windows * length], dtype=torch.long).view(windows, length)
+    order = torch.randperm(n, generator=gen).tolist()
+    heldout = sorted(order[: cfg.heldout_sequences])
+    train = sorted(order[cfg.heldout_sequences :])
+    return CalibrationSet(
+        input_ids=stream[chosen].clone(),
+        train=train,
+        heldout=heldout,
+        sink_tokens=cfg.sink_tokens,
+        description={
+            "dataset": cfg.dataset,
+            "config_name": cfg.config_name,
+            "split": cfg.split,
+            "text_field": cfg.text_field,
+            "documents_read": docs,
+            "tokens_in_pool": len(ids),
+            "num_sequences": n,
+            "sequence_length": length,
+            "seed": cfg.seed,
+        },
+    )

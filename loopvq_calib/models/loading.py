@@ -1,0 +1,127 @@
+"""Load a looped model by hub id or folder, and compute the identity a bundle is tied to."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+NATIVE_TYPES = ("ouro", "huginn_raven")
+
+
+class ModelLoadError(RuntimeError):
+    """The model cannot be found or is not a supported looped architecture; names the config key."""
+
+
+def resolve_model_dir(name_or_path: str, revision: str | None = None, key: str = "model.name_or_path") -> Path:
+    """A local folder as is; a hub id through the local hub cache (downloading unless offline)."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    if path.is_absolute() or name_or_path.startswith(".") or name_or_path.count("/") != 1:
+        raise ModelLoadError(f"{key}: {name_or_path!r} is neither a local folder nor a hub id (org/name)")
+    from huggingface_hub import snapshot_download
+
+    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+    try:
+        return Path(
+            snapshot_download(
+                name_or_path, revision=revision, local_files_only=offline,
+                allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"],
+            )
+        )
+    except Exception as err:
+        hint = " (offline mode: HF_HUB_OFFLINE=1, and it is not in the local cache)" if offline else ""
+        raise ModelLoadError(f"{key}: could not get {name_or_path!r} revision {revision!r}{hint}: {err}") from err
+
+
+def _safetensors_header_hash(path: Path) -> str:
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return hashlib.sha256(f.read(n)).hexdigest()
+
+
+@dataclass
+class ModelIdentity:
+    """What ties a bundle to a model: config hash, weight files (name, size, header hash), name, revision."""
+
+    name: str
+    revision: str | None
+    model_type: str
+    config_sha256: str
+    weights: list[dict[str, Any]]
+
+    @property
+    def weights_sha256(self) -> str:
+        return hashlib.sha256(json.dumps(self.weights, sort_keys=True).encode()).hexdigest()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "revision": self.revision, "model_type": self.model_type,
+            "config_sha256": self.config_sha256, "weights_sha256": self.weights_sha256, "weights": self.weights,
+        }
+
+
+def model_identity(folder: Path, name: str, revision: str | None = None) -> ModelIdentity:
+    """Hash config.json and describe each safetensors file by name, size and header hash (its tensor
+    names, dtypes, shapes and offsets): cheap even for 15 GB checkpoints."""
+    config_bytes = (folder / "config.json").read_bytes()
+    weights = [
+        {"file": p.name, "bytes": p.stat().st_size, "header_sha256": _safetensors_header_hash(p)}
+        for p in sorted(folder.glob("*.safetensors"))
+    ]
+    model_type = json.loads(config_bytes).get("model_type", "")
+    return ModelIdentity(name, revision, model_type, hashlib.sha256(config_bytes).hexdigest(), weights)
+
+
+def read_model_config(folder: Path, key: str = "model.name_or_path") -> Any:
+    """config.json as a transformers config (no weights read)."""
+    from transformers import AutoConfig
+
+    import loopvq_calib.models  # noqa: F401  (registers ouro / huginn_raven)
+
+    raw = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else None
+    if raw is None:
+        raise ModelLoadError(f"{key}: {folder} has no config.json")
+    if raw.get("model_type") not in NATIVE_TYPES:
+        raise ModelLoadError(
+            f"{key}: model_type {raw.get('model_type')!r} in {folder}/config.json is not a supported looped "
+            f"model; supported: {', '.join(NATIVE_TYPES)}"
+        )
+    return AutoConfig.from_pretrained(folder)
+
+
+def set_loop_steps(model: torch.nn.Module, steps: int | None) -> None:
+    """Override the loop count (Ouro ``total_ut_steps``, Huginn recurrences ``mean_recurrence``)."""
+    if steps is None:
+        return
+    attr = "total_ut_steps" if model.config.model_type == "ouro" else "mean_recurrence"
+    setattr(model.config, attr, steps)
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"model.device: {device!r} asked for, but no CUDA device is available")
+    return torch.device(device)
+
+
+def load_model(folder: Path, dtype: str, device: torch.device, loop_steps: int | None = None) -> tuple[Any, Any]:
+    """(model in eval mode with frozen weights, tokenizer) from a hub-layout folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    read_model_config(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype]).to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    set_loop_steps(model, loop_steps)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return model, tokenizer

@@ -1,0 +1,106 @@
+"""Shared tiny fixtures: random tiny Ouro / Huginn models saved in the hub layout, the shipped reference
+model and corpora. Nothing is downloaded (HF_HUB_OFFLINE=1)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+import loopvq_calib  # noqa: F401  (registers the native models)
+from loopvq_calib.models import HuginnConfig, HuginnForCausalLM, OuroConfig, OuroForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE_MODEL = ROOT / "artifacts" / "tiny-ouro"
+DATA = ROOT / "artifacts" / "data"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+def tiny_ouro_config(**overrides) -> OuroConfig:
+    """A tiny Ouro: 2 layers x 4 loops, hidden 64, 4 heads of 16 (MHA unless overridden), vocab 4096."""
+    kw = dict(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=16, rope_theta=10000.0, total_ut_steps=4, max_position_embeddings=512,
+    )
+    kw.update(overrides)
+    return OuroConfig(**kw)
+
+
+def tiny_huginn_config(**overrides) -> HuginnConfig:
+    """A tiny Huginn: prelude 1 / core 2 / coda 1, hidden 64, 4 heads, r = 4, zero initial state."""
+    kw = dict(
+        n_embd=64, n_heads=4, n_layers=4, n_layers_in_prelude=1, n_layers_in_recurrent_block=2,
+        n_layers_in_coda=1, intermediate_size=96, vocab_size=4096, block_size=512, mean_recurrence=4,
+        state_init="zero", rope_base=10000.0, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+    kw.update(overrides)
+    return HuginnConfig(**kw)
+
+
+def save_with_tokenizer(model: torch.nn.Module, folder: Path) -> Path:
+    model.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        shutil.copy(REFERENCE_MODEL / name, folder / name)
+    return folder
+
+
+def _scaled_init(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Weights large enough that loops and keys matter (std 0.02 makes a tiny model nearly constant)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / p.shape[-1]) ** 0.5)
+            elif "bias" in name or "qk_bias" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model.eval()
+
+
+def make_tiny_ouro(seed: int = 0, **overrides) -> OuroForCausalLM:
+    torch.manual_seed(seed)
+    return _scaled_init(OuroForCausalLM(tiny_ouro_config(**overrides)), seed)
+
+
+def make_tiny_huginn(seed: int = 0, **overrides) -> HuginnForCausalLM:
+    torch.manual_seed(seed)
+    return _scaled_init(HuginnForCausalLM(tiny_huginn_config(**overrides)), seed)
+
+
+@pytest.fixture(scope="session")
+def tiny_ouro_dir(tmp_path_factory) -> Path:
+    return save_with_tokenizer(make_tiny_ouro(), tmp_path_factory.mktemp("tiny-ouro"))
+
+
+@pytest.fixture(scope="session")
+def tiny_huginn_dir(tmp_path_factory) -> Path:
+    return save_with_tokenizer(make_tiny_huginn(), tmp_path_factory.mktemp("tiny-huginn"))
+
+
+@pytest.fixture(scope="session")
+def reference_model_dir() -> Path:
+    return REFERENCE_MODEL
+
+
+@pytest.fixture(scope="session")
+def calib_corpus() -> Path:
+    return DATA / "shakespeare-calib.jsonl"
+
+
+@pytest.fixture(scope="session")
+def heldout_corpus() -> Path:
+    return DATA / "shakespeare-heldout.jsonl"
