@@ -1,6 +1,6 @@
 """The run directory: one folder per stage, a manifest, fingerprinted reuse, atomic outputs.
 
-A stage writes into ``.<stage>.tmp-<pid>`` and is renamed to ``<stage>`` only when it finished, then the
+A stage writes into ``.<stage>.tmp`` and is renamed to ``<stage>`` only when it finished, then the
 manifest (itself replaced atomically) records its fingerprint. A rerun reuses a stage only when the
 recorded fingerprint equals the new one and its folder exists; a stage killed midway leaves only a
 temporary folder, which the next run deletes.
@@ -19,7 +19,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -53,16 +53,19 @@ class StageRecord:
 class RunDir:
     """A run directory on disk and its manifest."""
 
-    def __init__(self, root: Path, is_main: bool = True) -> None:
+    def __init__(self, root: Path, is_main: bool = True, barrier: Callable[[], None] | None = None) -> None:
+        """``barrier`` synchronises processes of a distributed run (all share one temporary folder)."""
         self.root = Path(root)
         self.is_main = is_main
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.barrier = barrier or (lambda: None)
+        if is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(".*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
+        self.barrier()
         path = self.root / MANIFEST
         self.manifest: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {"stages": {}}
         self.records: list[StageRecord] = []
-        if is_main:
-            for stale in self.root.glob(".*.tmp-*"):
-                shutil.rmtree(stale, ignore_errors=True)
 
     def path(self, stage: str) -> Path:
         return self.root / stage
@@ -91,12 +94,13 @@ class RunDir:
     @contextmanager
     def stage(self, name: str, fp: str) -> Iterator[tuple[Path, StageRecord]]:
         """Run a stage into a temporary folder; publish it by rename only if the block succeeds."""
-        tmp = self.root / f".{name}.tmp-{os.getpid()}"
+        tmp = self.root / f".{name}.tmp"
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
             self.manifest["stages"][name] = {"fingerprint": fp, "status": "running"}
             self.save()
+        self.barrier()
         rec = StageRecord(name, fp)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -115,6 +119,7 @@ class RunDir:
         rec.peak_gpu_bytes = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
         rec.peak_rss_bytes = _peak_rss()
         rec.status = "done"
+        self.barrier()
         if self.is_main:
             final = self.path(name)
             if final.exists():
@@ -123,6 +128,7 @@ class RunDir:
             self.manifest["stages"][name] = {k: v for k, v in vars(rec).items() if k != "name"}
             self.manifest["stages"][name]["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
             self.save()
+        self.barrier()
         self.records.append(rec)
         log.info("stage %s: done in %.1f s", name, rec.wall_s)
 

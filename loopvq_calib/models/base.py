@@ -75,16 +75,14 @@ class LoopedPreTrainedModel(PreTrainedModel):
     def from_pretrained(cls, *args: Any, **kwargs: Any):  # type: ignore[override]
         """Load a hub-layout checkpoint; any missing, unexpected or mis-shaped tensor is an error."""
         wanted_info = kwargs.pop("output_loading_info", False)
-        try:
-            model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        except RuntimeError as err:  # transformers reports size mismatches this way
-            raise CheckpointMismatchError(f"checkpoint does not fit {cls.__name__}: {err}") from err
+        kwargs["ignore_mismatched_sizes"] = True  # so that mis-shaped tensors are listed below, by name
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         problems = []
         missing = sorted(k for k in info.get("missing_keys", []) if k not in cls.optional_checkpoint_keys)
         for what, names in (
             ("missing", missing),
             ("unexpected", sorted(info.get("unexpected_keys", []))),
-            ("mis-shaped", sorted(str(m) for m in info.get("mismatched_keys", []))),
+            ("mis-shaped", sorted(_describe_mismatch(m) for m in info.get("mismatched_keys", []))),
         ):
             if names:
                 problems.append(f"{what} tensors: {', '.join(names)}")
@@ -111,3 +109,11 @@ class LoopedPreTrainedModel(PreTrainedModel):
     def _reorder_cache(self, cache: LoopKVCache, beam_idx: torch.LongTensor) -> LoopKVCache:
         cache.reorder_cache(beam_idx)
         return cache
+
+
+def _describe_mismatch(item: Any) -> str:
+    """transformers reports (name, checkpoint shape, model shape) tuples, or bare names."""
+    if isinstance(item, (tuple, list)) and len(item) == 3:
+        name, ckpt, ours = item
+        return f"{name} (checkpoint {tuple(ckpt)}, model {tuple(ours)})"
+    return str(item)

@@ -1,0 +1,107 @@
+"""Console scripts: loopvq-calibrate, loopvq-eval, loopvq-inspect, loopvq-push.
+
+Exit status: 0 success, 1 a gate or check failed, 2 bad input (config, paths, bundle), 3 a run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import ConfigError
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return status
+
+
+def calibrate_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="loopvq-calibrate", description="Calibrate LoopVQ KV-cache codebooks.")
+    p.add_argument("--config", required=True, help="YAML config (see docs/config.md)")
+    p.add_argument("--output", help="run directory (default: output.dir of the config)")
+    p.add_argument("--stages", help="comma-separated stages to produce (data,capture,tasq,kmeans,finetune,bundle); "
+                   "earlier stages run or are reused as needed, later ones are skipped")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override a config value (YAML syntax), repeatable")
+    args = p.parse_args(argv)
+    from .config import load_config
+    from .data import DataError
+    from .models.loading import ModelLoadError
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        from .pipeline import Pipeline
+
+        stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
+        pipeline = Pipeline(cfg, args.output, stages)
+    except (ConfigError, ModelLoadError, DataError) as err:
+        return _fail(f"config error: {err}" if isinstance(err, ConfigError) else str(err), 2)
+    except ValueError as err:  # --stages
+        return _fail(str(err), 2)
+    try:
+        result = pipeline.run_all()
+    except (ConfigError, DataError, ModelLoadError) as err:
+        return _fail(str(err), 2)
+    if pipeline.state.is_main_process:
+        if result.bundle:
+            print(f"bundle: {result.bundle}")
+        if result.metrics:
+            print("held-out KL: k-means init {heldout_kl_init:.5f} -> best epoch {best_epoch}: {heldout_kl:.5f}".format(**result.metrics))
+    return 0
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="loopvq-eval", description="Evaluate LoopVQ bundles against full precision.")
+    p.add_argument("--bundle", action="append", required=True, help="bundle folder, repeatable (side by side)")
+    p.add_argument("--model", help="model folder or hub id (default: the bundle's model)")
+    p.add_argument("--data", help="held-out text: local text/json/jsonl/parquet file or hub dataset")
+    p.add_argument("--num-sequences", type=int, default=8)
+    p.add_argument("--sequence-length", type=int, default=512)
+    p.add_argument("--out", help="report folder (report.json, report.md, PNG plots)")
+    p.add_argument("--max-kl", type=float, help="exit 1 if any bundle's held-out KL exceeds this")
+    p.add_argument("--max-ppl-increase", type=float, help="exit 1 if any bundle raises perplexity by more than this fraction")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = p.parse_args(argv)
+    from .evaluate import run_eval
+
+    return run_eval(args.bundle, args.model, args.data, args.num_sequences, args.sequence_length, args.out,
+                    args.max_kl, args.max_ppl_increase, args.device, args.dtype)
+
+
+def inspect_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="loopvq-inspect", description="Summarise a LoopVQ bundle.")
+    p.add_argument("bundle")
+    args = p.parse_args(argv)
+    from .bundle import BundleError, inspect_bundle
+
+    try:
+        print(inspect_bundle(args.bundle))
+    except BundleError as err:
+        return _fail(str(err), 2)
+    return 0
+
+
+def push_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="loopvq-push", description="Publish a LoopVQ bundle to the Hugging Face Hub.")
+    p.add_argument("bundle")
+    p.add_argument("--repo-id", required=True, help="ORG/NAME")
+    p.add_argument("--private", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="list what would be uploaded, upload nothing")
+    p.add_argument("--revision", help="branch to push to")
+    args = p.parse_args(argv)
+    from .bundle import BundleError
+    from .hub import PushError, push_bundle
+
+    try:
+        files = push_bundle(args.bundle, args.repo_id, args.private, args.dry_run, revision=args.revision)
+    except BundleError as err:
+        return _fail(str(err), 2)
+    except PushError as err:
+        return _fail(str(err), 3)
+    verb = "would upload" if args.dry_run else "uploaded"
+    print(f"{verb} {len(files)} files to {args.repo_id}:")
+    for f in files:
+        print(f"  {f}")
+    return 0

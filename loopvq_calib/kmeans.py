@@ -1,0 +1,150 @@
+"""K-means stage: Fisher-weighted codebooks for every (kind, block) layout of a capture.
+
+For each layout the captured vectors (sinks excluded) are gathered into code groups, optionally in
+TaSQ's transformed space, weighted by the group's summed empirical Fisher (method.md 4b / 5) and
+clustered per codebook (sharing: none | heads | groups | all). docs/kmeans.md describes the rules.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from typing import Any, Callable
+
+import torch
+
+from .capture import CaptureReader
+from .codec import BlockCodec, TasqTransform, gather_groups
+from .config import KMeansConfig, QuantConfig
+from .kmeans_backends import (
+    INITS,
+    KMeansResult,
+    kmeans_pp_init,
+    mix_seed,
+    random_init,
+    resolve_backend,
+    weighted_kmeans,
+)
+from .layouts import BlockLayout, codebook_shape
+from .models.sites import KVLayout
+from .quantizer import KVQuantizer
+
+__all__ = [
+    "KMeansResult", "kmeans_pp_init", "random_init", "weighted_kmeans", "resolve_backend",
+    "layout_problems", "layout_seed", "fit_codebooks",
+]
+
+
+def layout_problems(
+    x: torch.Tensor, fisher: torch.Tensor, layout: BlockLayout, transform: TasqTransform | None,
+    codebook_size: int, sharing: str, fisher_weighted: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K-means problems of one layout: x, fisher [N, T, H, D] -> points [P, M, G], weights [P, M].
+
+    Problem index hc * nc + gc matches codebook [Hc, nc, K, G]; a shared axis pools its points.
+    The weight of a group vector is sum F_i over its coordinates (TaSQ: F_i * (sigma / w_i)^2, the
+    Fisher of the transformed coordinate), divided by its problem's maximum (all ones when the
+    Fisher is off or a problem's maximum is zero).
+    """
+    factor = fisher
+    if transform is not None:
+        sigma = transform.sigma(x)
+        x = transform.forward(x, sigma)
+        factor = fisher * (sigma.float()[..., None, None] / transform.weight.to(x.device)).pow(2)
+    hc, nc, _, g = codebook_shape(layout, codebook_size, sharing)
+    n, h = x.shape[0], layout.kv_heads
+    groups = layout.num_groups
+
+    def arrange(t: torch.Tensor) -> torch.Tensor:  # [N, H, n, ...] -> [Hc * nc, M, ...]
+        t = t.reshape(n, hc, h // hc, nc, groups // nc, *t.shape[3:])
+        return t.permute(3, 1, 0, 2, 4, *range(5, t.dim())).reshape(hc * nc, -1, *t.shape[5:])
+
+    points = arrange(gather_groups(x, layout.groups))
+    if not fisher_weighted:
+        return points, torch.ones(points.shape[:2], device=points.device)
+    weights = arrange(gather_groups(factor, layout.groups).sum(-1))
+    peak = weights.amax(-1, keepdim=True)
+    return points, torch.where(peak > 0, weights / peak.clamp_min(torch.finfo(peak.dtype).tiny), torch.ones_like(weights))
+
+
+def layout_seed(seed: int, layout: BlockLayout) -> int:
+    """Per-layout seed from ``kmeans.seed`` and the layout's key, so a layout's codebooks do not
+    depend on which other layouts are fitted or in which order."""
+    return mix_seed(seed, zlib.crc32(layout.key.encode()))
+
+
+def _check_enough_points(reader: CaptureReader, layout: BlockLayout, tokens: int, points: int, k: int) -> None:
+    if points < k:
+        m = reader.meta
+        raise ValueError(
+            f"quant.codebook_size {k} needs at least {k} calibration points per codebook, but {layout.key} has "
+            f"{points} ({tokens} tokens: data.num_sequences {m['num_sequences']} x (sequence_length "
+            f"{m['sequence_length']} - sink_tokens {m['sink_tokens']})); raise data.num_sequences or lower "
+            f"quant.codebook_size"
+        )
+
+
+def fit_codebooks(
+    reader: CaptureReader, layouts: list[BlockLayout], transforms: dict[str, TasqTransform],
+    quant: QuantConfig, cfg: KMeansConfig, kv: KVLayout, device: torch.device,
+    progress: Callable[[int], Any] | None = None,
+) -> tuple[KVQuantizer, dict]:
+    """Fit every layout's codebooks (one layout in memory at a time); codebooks are fp32 on the CPU.
+
+    Returns the quantizer and a report: per layout key the objectives at init and at the end per
+    codebook, Lloyd updates, empty clusters, backend, seconds; plus totals.
+    """
+    device = torch.device(device)
+    backend = resolve_backend(cfg.backend, device)
+    init_fn = INITS[cfg.init]
+    codecs: dict[str, BlockCodec] = {}
+    per_layout: dict[str, dict[str, Any]] = {}
+    for layout in layouts:
+        start = time.perf_counter()
+        x = reader.load(layout.kind, layout.sites).to(device)
+        fisher = reader.load("fisher_" + layout.kind, layout.sites).to(device)
+        transform = transforms.get(layout.key)
+        points, weights = layout_problems(
+            x, fisher, layout, transform, quant.codebook_size, quant.codebook_sharing, cfg.fisher_weighted
+        )
+        tokens = x.shape[0]
+        del x, fisher
+        _check_enough_points(reader, layout, tokens, points.shape[1], quant.codebook_size)
+        seed = layout_seed(cfg.seed, layout)
+        init = init_fn(points, weights, quant.codebook_size, torch.Generator().manual_seed(seed))
+        result = weighted_kmeans(points, weights, init, cfg, backend, device, seed=seed)
+        shape = codebook_shape(layout, quant.codebook_size, quant.codebook_sharing)
+        codecs[layout.key] = BlockCodec(layout, result.centroids.reshape(shape).contiguous(), transform)
+        per_layout[layout.key] = {
+            "objective_init": result.objective_init.tolist(),
+            "objective_final": result.objective_final.tolist(),
+            "iterations": result.iterations.tolist(),
+            "empty_clusters": int(result.empty_clusters.sum()),
+            "points_per_codebook": int(points.shape[1]),
+            "backend": backend,
+            "seconds": time.perf_counter() - start,
+        }
+        del points, weights, init
+        if progress:
+            progress(1)
+    quantizer = KVQuantizer(
+        codecs=codecs, method=quant.method, codebook_size=quant.codebook_size, group_size=quant.group_size,
+        steps_per_block=quant.block_steps, sharing=quant.codebook_sharing, kv=kv,
+    )
+    return quantizer, {"layouts": per_layout, "totals": _totals(per_layout, backend, device)}
+
+
+def _totals(per_layout: dict[str, dict[str, Any]], backend: str, device: torch.device) -> dict[str, Any]:
+    inits = [v for r in per_layout.values() for v in r["objective_init"]]
+    finals = [v for r in per_layout.values() for v in r["objective_final"]]
+    return {
+        "layouts": len(per_layout),
+        "codebooks": len(finals),
+        "objective_init_mean": sum(inits) / max(len(inits), 1),
+        "objective_final_mean": sum(finals) / max(len(finals), 1),
+        "iterations_max": max((i for r in per_layout.values() for i in r["iterations"]), default=0),
+        "empty_clusters": sum(r["empty_clusters"] for r in per_layout.values()),
+        "backend": backend,
+        "device": str(device),
+        "seconds": sum(r["seconds"] for r in per_layout.values()),
+    }

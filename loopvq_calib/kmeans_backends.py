@@ -1,0 +1,242 @@
+"""Batched weighted k-means: initialisation (k-means++ / random) and Lloyd iterations (faiss or torch).
+
+A batch holds P independent problems of the same size: points x [P, N, G] (float32), non-negative
+weights w [P, N] and initial centroids [P, K, G]. Both backends minimise the weighted objective
+sum_n w_n ||x_n - c_a(n)||^2 / sum_n w_n, which we compute ourselves for both (faiss's ``obj`` is
+unweighted). docs/kmeans.md records the rules and the decisions behind them.
+
+Randomness is drawn on the CPU from seeded generators and only indices or uniforms are moved to the
+compute device, so a seed gives the same draws on any device and for any ``problems_per_batch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .config import KMeansConfig
+
+BACKENDS = ("auto", "faiss", "torch")
+
+
+@dataclass
+class KMeansResult:
+    """Centroids [P, K, G]; weighted objectives [P] at the initial and the final centroids; Lloyd
+    updates run [P]; empty clusters met [P] (torch: reseeded, faiss: split)."""
+
+    centroids: torch.Tensor
+    objective_init: torch.Tensor
+    objective_final: torch.Tensor
+    iterations: torch.Tensor
+    empty_clusters: torch.Tensor
+
+
+def mix_seed(*parts: int) -> int:
+    """A 31-bit seed derived from integers (numpy SeedSequence), stable across runs and platforms."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0]) & 0x7FFFFFFF
+
+
+def _check_shapes(x: torch.Tensor, w: torch.Tensor, k: int) -> None:
+    if x.dim() != 3 or w.shape != x.shape[:2]:
+        raise ValueError(f"expected points [P, N, G] and weights [P, N], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.shape[1] < k:
+        raise ValueError(f"{x.shape[1]} points per problem cannot seed {k} distinct centroids")
+    if (w < 0).any() or not (w.sum(-1) > 0).all():
+        raise ValueError("weights must be >= 0 with a positive total in every problem")
+
+
+def _draw_one(prob: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One index per row with probability proportional to ``prob`` [P, N] (uniform where a row sums
+    to zero), by inverse CDF of a CPU-drawn uniform; zero-probability entries are never drawn."""
+    prob = prob.double()
+    prob = torch.where((prob.sum(-1) > 0)[:, None], prob, torch.ones_like(prob))
+    cdf = prob.cumsum(-1)
+    u = torch.rand(prob.shape[0], generator=generator, dtype=torch.float64).to(prob.device)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
+    last_positive = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)
+    return torch.minimum(idx, last_positive).squeeze(1)
+
+
+def kmeans_pp_init(x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+    """Weighted k-means++: the first centroid drawn with probability ~ w, each next one ~ w * D^2
+    (D^2: squared distance to the nearest chosen centroid). x [P, N, G], w [P, N] -> [P, K, G].
+    ``generator`` is a CPU generator; the result is deterministic given its state."""
+    _check_shapes(x, w, k)
+    p, _, g = x.shape
+    rows = torch.arange(p, device=x.device)
+    out = x.new_empty(p, k, g)
+    out[:, 0] = x[rows, _draw_one(w, generator)]
+    d2 = (x - out[:, :1]).pow(2).sum(-1)
+    for j in range(1, k):
+        out[:, j] = x[rows, _draw_one(w * d2, generator)]
+        d2 = torch.minimum(d2, (x - out[:, j : j + 1]).pow(2).sum(-1))
+    return out
+
+
+def random_init(x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+    """K distinct points drawn without replacement with probability ~ w (Efraimidis-Spirakis keys
+    E/w, E ~ Exp(1)); zero-weight points come last, in index order. x [P, N, G] -> [P, K, G]."""
+    _check_shapes(x, w, k)
+    expo = torch.empty(w.shape, dtype=torch.float32).exponential_(generator=generator).to(x.device)
+    keys = torch.where(w > 0, expo / w, torch.full_like(expo, float("inf")))
+    idx = keys.sort(dim=-1, stable=True).indices[:, :k]
+    return x.gather(1, idx[..., None].expand(-1, -1, x.shape[-1]))
+
+
+INITS = {"kmeans++": kmeans_pp_init, "random": random_init}
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``auto``: torch on CUDA, faiss on CPU when importable, else torch."""
+    if backend not in BACKENDS:
+        raise ValueError(f"kmeans.backend: {backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    if torch.device(device).type == "cuda":
+        return "torch"
+    try:
+        import faiss  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "faiss"
+
+
+def weighted_objective(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, chunk: int) -> torch.Tensor:
+    """sum_n w_n min_r ||x_n - c_r||^2 / sum_n w_n per problem -> [P]."""
+    return _assign(x, x.pow(2).sum(-1), w, c, chunk, accumulate=False)[0] / w.sum(-1)
+
+
+def _assign(
+    x: torch.Tensor, x_sq: torch.Tensor, w: torch.Tensor, c: torch.Tensor, chunk: int, accumulate: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Nearest centroid of every point, ``chunk`` points per problem at a time. Returns the weighted
+    squared error [P] and, when ``accumulate``, per-cluster weighted sums [P, K, G] and weights [P, K]."""
+    p, n, g = x.shape
+    k = c.shape[1]
+    c_sq = c.pow(2).sum(-1).unsqueeze(1)
+    ct = c.transpose(1, 2)
+    err = x.new_zeros(p)
+    sums = x.new_zeros(p * k, g) if accumulate else None
+    mass = x.new_zeros(p * k) if accumulate else None
+    offset = torch.arange(p, device=x.device)[:, None] * k
+    for s in range(0, n, chunk):
+        xc, wc = x[:, s : s + chunk], w[:, s : s + chunk]
+        dmin, nearest = torch.baddbmm(c_sq, xc, ct, alpha=-2).min(-1)
+        err += ((dmin + x_sq[:, s : s + chunk]).clamp_min(0) * wc).sum(-1)
+        if accumulate:
+            flat = (nearest + offset).flatten()
+            sums.index_add_(0, flat, (xc * wc[..., None]).reshape(-1, g))
+            mass.index_add_(0, flat, wc.flatten())
+    if not accumulate:
+        return err, None, None
+    return err, sums.view(p, k, g), mass.view(p, k)
+
+
+def _reseed(c: torch.Tensor, empty: torch.Tensor, x: torch.Tensor, w: torch.Tensor, keys: list[tuple[int, ...]]) -> None:
+    """Move each empty centroid of problem q onto a distinct point of positive weight, drawn uniformly
+    by a generator seeded from ``keys[q]`` (seed, problem, iteration)."""
+    for q in empty.any(-1).nonzero().flatten().tolist():
+        slots = empty[q].nonzero().flatten()
+        candidates = (w[q] > 0).nonzero().flatten().cpu()
+        gen = torch.Generator().manual_seed(mix_seed(*keys[q]))
+        pick = candidates[torch.randperm(candidates.numel(), generator=gen)[: slots.numel()]]
+        c[q, slots[: pick.numel()]] = x[q, pick.to(x.device)]
+
+
+def _torch_lloyd(
+    x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, cfg: KMeansConfig, seed: int, first_problem: int
+) -> KMeansResult:
+    """Lloyd on one batch of problems, all on x's device; converged problems drop out of the batch."""
+    p = x.shape[0]
+    x_sq = x.pow(2).sum(-1)
+    total = w.sum(-1)
+    iterations = torch.zeros(p, dtype=torch.long)
+    empties = torch.zeros(p, dtype=torch.long)
+    active = torch.arange(p, device=x.device)
+    objective_init = None
+    for it in range(cfg.iterations):
+        part = [t.index_select(0, active) for t in (x, w, x_sq, c)] if active.numel() < p else [x, w, x_sq, c]
+        xa, wa, sqa, ca = part
+        err, sums, mass = _assign(xa, sqa, wa, ca, cfg.points_per_chunk, accumulate=True)
+        if it == 0:
+            objective_init = err / total
+        new = torch.where(mass[..., None] > 0, sums / mass.clamp_min(torch.finfo(mass.dtype).tiny)[..., None], ca)
+        empty = mass <= 0
+        if empty.any():
+            ids = (active + first_problem).tolist()
+            _reseed(new, empty, xa, wa, [(seed, q, it) for q in ids])
+            empties.index_add_(0, active.cpu(), empty.sum(-1).cpu())
+        change = (new - ca).abs().mean(dim=(-1, -2))
+        c = c.index_copy(0, active, new)
+        iterations[active.cpu()] += 1
+        active = active[change >= cfg.tolerance]
+        if active.numel() == 0:
+            break
+    objective_final = _assign(x, x_sq, w, c, cfg.points_per_chunk, accumulate=False)[0] / total
+    return KMeansResult(c, objective_init, objective_final, iterations, empties)
+
+
+def _import_faiss():
+    try:
+        import faiss
+    except ImportError as err:
+        raise ImportError(
+            "kmeans.backend: 'faiss' needs the faiss package (pip install faiss-cpu); "
+            "set kmeans.backend to 'torch' or 'auto' to run without it"
+        ) from err
+    return faiss
+
+
+def _faiss_kmeans(x: torch.Tensor, w: torch.Tensor, init: torch.Tensor, cfg: KMeansConfig, seed: int) -> KMeansResult:
+    """One faiss.Kmeans per problem: exactly ``cfg.iterations`` updates (faiss has no tolerance stop),
+    never subsampled, empty clusters split by faiss."""
+    faiss = _import_faiss()
+    p, n, g = x.shape
+    k = init.shape[1]
+    xs, ws, cs = (t.detach().cpu().float().numpy() for t in (x, w, init))
+    centroids = np.empty_like(cs)
+    empties = torch.zeros(p, dtype=torch.long)
+    for q in range(p):
+        km = faiss.Kmeans(
+            g, k, niter=cfg.iterations, seed=(seed + q) % 2**31, max_points_per_centroid=-(-n // k),
+            min_points_per_centroid=1, gpu=faiss.get_num_gpus() > 0, verbose=False,
+        )
+        km.train(np.ascontiguousarray(xs[q]), weights=np.ascontiguousarray(ws[q]), init_centroids=np.ascontiguousarray(cs[q]))
+        centroids[q] = km.centroids
+        empties[q] = sum(int(s["nsplit"]) for s in km.iteration_stats)
+    c = torch.from_numpy(centroids)
+    xc, wc = x.detach().cpu().float(), w.detach().cpu().float()
+    return KMeansResult(
+        c, weighted_objective(xc, wc, init.detach().cpu().float(), cfg.points_per_chunk),
+        weighted_objective(xc, wc, c, cfg.points_per_chunk), torch.full((p,), cfg.iterations), empties,
+    )
+
+
+def weighted_kmeans(
+    x: torch.Tensor, w: torch.Tensor, init: torch.Tensor, cfg: KMeansConfig, backend: str,
+    device: torch.device | str, seed: int | None = None,
+) -> KMeansResult:
+    """Weighted Lloyd from ``init`` [P, K, G] on points x [P, N, G] with weights w [P, N].
+
+    ``backend``: faiss | torch | auto (:func:`resolve_backend`). torch runs ``cfg.problems_per_batch``
+    problems at once on ``device`` and stops a problem when the mean absolute centroid change falls
+    below ``cfg.tolerance``. ``seed`` (default ``cfg.seed``) drives empty-cluster reseeding (torch)
+    and faiss's own generator. Results are on the CPU.
+    """
+    name = resolve_backend(backend, device)
+    _check_shapes(x, w, init.shape[1])
+    if init.shape[0] != x.shape[0] or init.shape[2] != x.shape[2]:
+        raise ValueError(f"initial centroids {tuple(init.shape)} do not fit points {tuple(x.shape)}")
+    seed = cfg.seed if seed is None else seed
+    if name == "faiss":
+        return _faiss_kmeans(x, w, init, cfg, seed)
+    device = torch.device(device)
+    parts = []
+    for s in range(0, x.shape[0], cfg.problems_per_batch):
+        sl = slice(s, s + cfg.problems_per_batch)
+        xb, wb, cb = (t[sl].to(device=device, dtype=torch.float32) for t in (x, w, init))
+        r = _torch_lloyd(xb, wb, cb.clone(), cfg, seed, s)
+        parts.append([r.centroids.cpu(), r.objective_init.cpu(), r.objective_final.cpu(), r.iterations, r.empty_clusters])
+    return KMeansResult(*(torch.cat(col) for col in zip(*parts)))

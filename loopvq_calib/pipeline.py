@@ -1,0 +1,264 @@
+"""Wires the stages: data -> capture -> tasq (TaSQ methods) -> kmeans -> finetune -> bundle.
+
+Each stage's fingerprint covers its own config, the toolkit version and its inputs' fingerprints, so a
+change invalidates that stage and every later one; an unchanged stage is reused from the run directory.
+Under ``accelerate launch`` capture and fine-tuning are shared across processes; the other stages run on
+the main process while the rest wait.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from . import __version__
+from .capture import CaptureReader, capture_kv, write_meta
+from .config import Config, dump_config, validate_for_model
+from .data import CalibrationSet, build_calibration_set
+from .finetune import finetune_codebooks
+from .layouts import plan_layouts
+from .models.loading import load_model, model_identity, pick_device, read_model_config, resolve_model_dir, set_loop_steps
+from .models.sites import KVLayout
+from .quantizer import KVQuantizer, load_quantizer, save_quantizer
+from .rundir import RunDir, fingerprint, setup_logging
+
+log = logging.getLogger("loopvq_calib")
+STAGES = ("data", "capture", "tasq", "kmeans", "finetune", "bundle")
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    bundle: Path | None
+    stages: list[dict[str, Any]] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def _distributed_state():
+    from accelerate import PartialState
+
+    return PartialState()
+
+
+def kv_layout_from_config(model_config: Any, loop_steps: int | None) -> KVLayout:
+    """The KV sites of a model built on the meta device (no weights read)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    set_loop_steps(model, loop_steps)
+    return model.kv_layout()
+
+
+class Pipeline:
+    """One calibration run; :meth:`run` executes (or reuses) the stages up to the last one asked for."""
+
+    def __init__(self, cfg: Config, output: str | Path | None = None, stages: list[str] | None = None) -> None:
+        self.cfg = cfg
+        self.state = _distributed_state()
+        self.folder = resolve_model_dir(cfg.model.name_or_path, cfg.model.revision)
+        model_config = read_model_config(self.folder)
+        self.kv = kv_layout_from_config(model_config, cfg.model.loop_steps)
+        validate_for_model(cfg, self.kv.head_dim, self.kv.kv_heads, self.kv.loop_steps,
+                           any(not s.looped for s in self.kv.sites))
+        self.identity = model_identity(self.folder, cfg.model.name_or_path, cfg.model.revision)
+        self.run = RunDir(Path(output or cfg.output.dir), self.state.is_main_process, self.state.wait_for_everyone)
+        wanted = [s for s in STAGES if s != "tasq" or cfg.quant.uses_tasq]
+        if stages:
+            unknown = sorted(set(stages) - set(STAGES))
+            if unknown:
+                raise ValueError(f"--stages: unknown stage(s) {unknown}; stages are {', '.join(STAGES)}")
+            wanted = wanted[: max(wanted.index(s) for s in stages if s in wanted) + 1]
+        self.wanted = wanted
+        self.device = pick_device(cfg.model.device) if cfg.model.device != "auto" else self.state.device
+        self._model = self._tokenizer = None
+        self.fp: dict[str, str] = {}
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def model(self):
+        if self._model is None:
+            self._model, self._tokenizer = load_model(self.folder, self.cfg.model.dtype, self.device, self.cfg.model.loop_steps)
+        return self._model
+
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.folder)
+        return self._tokenizer
+
+    def _progress(self, total: int, desc: str):
+        return tqdm(total=total, desc=desc, disable=not self.state.is_main_process, dynamic_ncols=True)
+
+    def _reuse_or_run(self, name: str, fp: str, body, distributed: bool = False) -> None:
+        self.fp[name] = fp
+        if self.run.reusable(name, fp):
+            self.run.mark_reused(name, fp)
+            return
+        with self.run.stage(name, fp) as (tmp, rec):
+            if distributed or self.state.is_main_process:
+                rec.details = body(tmp) or {}
+
+    # -- stages --------------------------------------------------------------------------------------
+    def stage_data(self) -> CalibrationSet:
+        fp = fingerprint("data", __version__, asdict(self.cfg.data), _tokenizer_hash(self.folder))
+
+        def body(tmp: Path) -> dict:
+            calib = build_calibration_set(self.cfg.data, self.tokenizer())
+            save_file({"input_ids": calib.input_ids}, str(tmp / "sequences.safetensors"))
+            split = {"train": calib.train, "heldout": calib.heldout, "sink_tokens": calib.sink_tokens,
+                     "description": calib.description, "content_sha256": calib.content_hash}
+            (tmp / "split.json").write_text(json.dumps(split, indent=1))
+            return {"content_sha256": calib.content_hash, "tokens": calib.input_ids.numel()}
+
+        self._reuse_or_run("data", fp, body)
+        split = json.loads((self.run.path("data") / "split.json").read_text())
+        ids = load_file(str(self.run.path("data") / "sequences.safetensors"))["input_ids"]
+        self.data_hash = split["content_sha256"]
+        return CalibrationSet(ids, split["train"], split["heldout"], split["sink_tokens"], split["description"])
+
+    def stage_capture(self, calib: CalibrationSet) -> CaptureReader:
+        c = self.cfg
+        fp = fingerprint("capture", __version__, self.fp["data"], self.identity.to_dict(), c.model.dtype,
+                         self.kv.loop_steps, asdict(c.capture))
+
+        def body(tmp: Path) -> dict:
+            bar = self._progress(calib.input_ids.shape[0], "capture")
+            capture_kv(self.model(), calib, self.kv, c.capture, tmp, self.state.process_index,
+                       self.state.num_processes, lambda n: bar.update(n * self.state.num_processes))
+            bar.close()
+            self.state.wait_for_everyone()
+            if self.state.is_main_process:
+                write_meta(tmp, calib, self.kv, c.capture)
+            return {"sequences": int(calib.input_ids.shape[0]), "sites": self.kv.num_sites}
+
+        self._reuse_or_run("capture", fp, body, distributed=True)
+        return CaptureReader(self.run.path("capture"))
+
+    def stage_tasq(self, reader: CaptureReader):
+        from .tasq import TasqResult, fit_tasq
+
+        c = self.cfg
+        fp = fingerprint("tasq", __version__, self.fp["capture"], asdict(c.quant), asdict(c.tasq))
+
+        def body(tmp: Path) -> dict:
+            result = fit_tasq(reader, plan_layouts(self.kv, c.quant), self.kv, c.quant, c.tasq)
+            result.save(tmp)
+            return {"blocks": len(result.transforms)}
+
+        self._reuse_or_run("tasq", fp, body)
+        return TasqResult.load(self.run.path("tasq"))
+
+    def stage_kmeans(self, reader: CaptureReader, tasq: Any) -> KVQuantizer:
+        from .kmeans import fit_codebooks
+
+        c = self.cfg
+        fp = fingerprint("kmeans", __version__, self.fp["capture"], self.fp.get("tasq"), asdict(c.quant), asdict(c.kmeans))
+
+        def body(tmp: Path) -> dict:
+            layouts = tasq.layouts if tasq is not None else plan_layouts(self.kv, c.quant)
+            transforms = tasq.transforms if tasq is not None else {}
+            bar = self._progress(len(layouts), "kmeans")
+            device = pick_device(c.kmeans.device) if c.kmeans.device != "auto" else self.device
+            quantizer, report = fit_codebooks(reader, layouts, transforms, c.quant, c.kmeans, self.kv, device, bar.update)
+            bar.close()
+            save_quantizer(quantizer, tmp)
+            (tmp / "report.json").write_text(json.dumps(report, indent=1, default=float))
+            return {"codebooks": len(quantizer.codecs)}
+
+        self._reuse_or_run("kmeans", fp, body)
+        return load_quantizer(self.run.path("kmeans"))
+
+    def stage_finetune(self, calib: CalibrationSet, init: KVQuantizer) -> tuple[KVQuantizer, dict]:
+        c = self.cfg
+        fp = fingerprint("finetune", __version__, self.fp["kmeans"], self.fp["data"], self.identity.to_dict(),
+                         c.model.dtype, asdict(c.finetune))
+
+        def body(tmp: Path) -> dict:
+            steps = c.finetune.epochs * -(-len(calib.train) // c.finetune.batch_size) if c.finetune.enabled else 0
+            bar = self._progress(steps, "finetune")
+            result = finetune_codebooks(self.model(), calib, init, c.finetune, self.device, bar.update)
+            bar.close()
+            if self.state.is_main_process:
+                save_quantizer(result.quantizer, tmp)
+                (tmp / "curve.json").write_text(json.dumps({"best_epoch": result.best_epoch, "curve": result.curve}, indent=1))
+            return {"best_epoch": result.best_epoch}
+
+        self._reuse_or_run("finetune", fp, body, distributed=True)
+        curve = json.loads((self.run.path("finetune") / "curve.json").read_text())
+        return load_quantizer(self.run.path("finetune")), curve
+
+    def stage_bundle(self, calib: CalibrationSet, quantizer: KVQuantizer, curve: dict) -> Path:
+        from .bundle import write_bundle
+
+        c = self.cfg
+        fp = fingerprint("bundle", __version__, self.fp["finetune"], asdict(c.output))
+        best = curve["curve"][curve["best_epoch"]]
+        metrics = {
+            "heldout_kl": best["heldout_kl"], "heldout_kl_init": curve["curve"][0]["heldout_kl"],
+            "best_epoch": curve["best_epoch"], "finetune_curve": curve["curve"],
+            "heldout_sequences": len(calib.heldout), "bits": quantizer.bits(),
+        }
+        name = c.output.bundle_name or f"{Path(c.model.name_or_path).name}-{c.quant.method}-{c.quant.bits:g}bit"
+
+        def body(tmp: Path) -> dict:
+            write_bundle(tmp, quantizer, name=name, identity=self.identity, calibration=calib.description,
+                         metrics=metrics, serving=c.output.serving, codebook_dtype=c.output.codebook_dtype,
+                         config=c.to_dict(), producer_version=__version__)
+            return {"name": name}
+
+        self._reuse_or_run("bundle", fp, body)
+        return self.run.path("bundle")
+
+    # -- driver --------------------------------------------------------------------------------------
+    def run_all(self) -> RunResult:
+        if self.state.is_main_process:
+            setup_logging(self.run.root)
+            (self.run.root / "config.yaml").write_text(dump_config(self.cfg))
+            self.run.update(toolkit_version=__version__, config=self.cfg.to_dict(), model_identity=self.identity.to_dict(),
+                            processes=self.state.num_processes)
+        result = RunResult(self.run.root, None)
+        calib = self.stage_data()
+        self.run.update(data_sha256=self.data_hash, calibration=calib.description)
+        quantizer = curve = None
+        if "capture" in self.wanted:
+            reader = self.stage_capture(calib)
+            tasq = self.stage_tasq(reader) if "tasq" in self.wanted else None
+            if "kmeans" in self.wanted:
+                quantizer = self.stage_kmeans(reader, tasq)
+        if "finetune" in self.wanted:
+            quantizer, curve = self.stage_finetune(calib, quantizer)
+            result.metrics = {"heldout_kl": curve["curve"][curve["best_epoch"]]["heldout_kl"],
+                              "heldout_kl_init": curve["curve"][0]["heldout_kl"], "best_epoch": curve["best_epoch"]}
+        if "bundle" in self.wanted:
+            result.bundle = self.stage_bundle(calib, quantizer, curve)
+        result.stages = [asdict(r) for r in self.run.records]
+        if self.state.is_main_process:
+            self.run.update(finetune_curve=curve["curve"] if curve else None)
+            log.info("stage summary\n%s", self.run.summary_table())
+        return result
+
+
+def _tokenizer_hash(folder: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(p.name for p in folder.glob("tokenizer*")) + sorted(p.name for p in folder.glob("*.txt")):
+        h.update(name.encode() + (folder / name).read_bytes())
+    return h.hexdigest()
+
+
+def calibrate(config: Config | str | Path | dict, output: str | Path | None = None,
+              stages: list[str] | None = None, overrides: list[str] | None = None) -> RunResult:
+    """Python API of ``loopvq-calibrate``: run (or resume) a calibration and return the run's result."""
+    from .config import load_config
+
+    cfg = config if isinstance(config, Config) else load_config(config, overrides)
+    return Pipeline(cfg, output, stages).run_all()

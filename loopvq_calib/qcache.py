@@ -1,0 +1,252 @@
+"""Reference quantized KV cache: the serving contract of method.md section 8, written for clarity.
+
+Every KV site holds the same tokens, split in three regions by token index:
+
+    [0, sink)                 sink tokens, pre-RoPE keys and values in the model dtype
+    [sink, sink + encoded)    whole pages of ``page_size`` tokens stored as codes of their block
+    [sink + encoded, length)  the window of newest tokens, in the model dtype
+
+When a forward has written its last site (the highest site id of the quantizer's layout), every complete
+page older than the newest ``recent_window`` tokens is encoded, for every block at once (all T_c steps of
+a block exist by then). The window therefore holds between ``recent_window`` and
+``recent_window + page_size - 1`` tokens once the sequence is long enough: in prefill, the whole prompt
+is attended in full precision and encoded afterwards; in decoding, every ``page_size`` generated tokens
+the oldest window page of every layer and step is encoded. Keys are stored before RoPE and rotated with
+their stored positions when read, decoded keys after decoding.
+
+``store="indices"`` keeps uint8 indices (+ fp16 sigma for TaSQ keys); ``store="fake"`` keeps
+full-precision tensors and overwrites the encoded tokens in place by decode(encode(.)) at the same
+moments (the "quantize in place" comparison: identical outputs, no memory saving).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .codec import BlockCodec, Codes
+from .quantizer import KVQuantizer
+
+STORES = ("indices", "fake")
+
+
+class QuantizedLoopKVCache:
+    """KV cache with the same protocol as :class:`~loopvq_calib.models.cache.LoopKVCache`, codes in the middle."""
+
+    is_compileable = False  # generate() asks (transformers 5.17 and 5.24)
+    is_linear = (False,)  # generate() asks (5.24): attention layers, not a recurrent state
+
+    def __init__(self, quantizer: KVQuantizer, sink_tokens: int, recent_window: int, page_size: int = 8,
+                 store: str = "indices") -> None:
+        if store not in STORES:
+            raise ValueError(f"store {store!r}; expected one of {', '.join(STORES)}")
+        if sink_tokens < 0 or recent_window < 0 or page_size < 1:
+            raise ValueError(f"need sink_tokens >= 0, recent_window >= 0, page_size >= 1; got "
+                             f"{sink_tokens}, {recent_window}, {page_size}")
+        self.quantizer = quantizer
+        self.sink_tokens = sink_tokens
+        self.recent_window = recent_window
+        self.page_size = page_size
+        self.store = store
+        self.num_steps: int | None = None
+        self.last_site = max(s.site for s in quantizer.kv.sites)
+        # site -> (key codec name, value codec name, step index inside the block)
+        self.codec_of: dict[int, tuple[str, str, int]] = {}
+        for name, codec in quantizer.codecs.items():
+            for m, site in enumerate(codec.layout.sites):
+                k, v, _ = self.codec_of.get(site, (None, None, m))
+                self.codec_of[site] = (name, v, m) if codec.layout.kind == "key" else (k, name, m)
+        uncovered = [s.site for s in quantizer.kv.sites if None in self.codec_of.get(s.site, (None, None))[:2]]
+        if uncovered:
+            raise ValueError(f"the quantizer has no key or value codec for KV sites {uncovered}")
+        # full-precision tokens per site (sinks + window with store="indices"; everything with "fake")
+        self.keys: dict[int, torch.Tensor] = {}  # pre-RoPE [B, S_fp, H, D]
+        self.values: dict[int, torch.Tensor] = {}
+        self.positions: dict[int, torch.Tensor] = {}  # [B, S_total] absolute positions of every token
+        self.encoded = 0  # tokens after the sinks held as codes (a multiple of page_size)
+        self.codes: dict[str, list[Codes]] = {name: [] for name in quantizer.codecs}  # one entry per page
+        self._is_user_defined = False
+
+    # -- the cache protocol ------------------------------------------------------------------------
+    def update(
+        self,
+        site: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        positions: torch.Tensor,
+        rope: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this call's pre-RoPE ``key`` and ``value``; return the site's post-RoPE keys and values."""
+        if site in self.keys:
+            key = torch.cat([self.keys[site], key], dim=1)
+            value = torch.cat([self.values[site], value], dim=1)
+            positions = torch.cat([self.positions[site], positions.to(self.positions[site].device)], dim=1)
+        self.keys[site], self.values[site], self.positions[site] = key, value, positions
+        out_k, out_v = self.site_kv(site)
+        out = rope(out_k, self.positions[site]), out_v
+        if site == self.last_site:
+            self._encode_ready_pages()
+        return out
+
+    def site_kv(self, site: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The site's pre-RoPE keys and values over all its tokens (decoded where stored as codes)."""
+        k, v = self.keys[site], self.values[site]
+        if self.store == "fake" or not self.encoded:
+            return k, v
+        s = self.sink_tokens
+        dk, dv = (self._decode(name, site, k.dtype) for name in self.codec_of[site][:2])
+        return torch.cat([k[:, :s], dk, k[:, s:]], 1), torch.cat([v[:, :s], dv, v[:, s:]], 1)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if not self.positions:
+            return 0
+        return self.positions[min(self.positions)].shape[1]
+
+    def check_steps(self, num_steps: int) -> None:
+        """The loop count must be the quantizer's (site ids and blocks depend on it), and fixed per cache."""
+        if num_steps != self.quantizer.kv.loop_steps:
+            raise ValueError(f"the quantizer was calibrated for {self.quantizer.kv.loop_steps} loop steps; "
+                             f"this forward runs {num_steps}")
+        if self.num_steps is None:
+            self.num_steps = num_steps
+        elif self.num_steps != num_steps:
+            raise ValueError(f"this cache was filled with {self.num_steps} loop steps, not {num_steps}")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder the batch (beam search): full-precision tensors, positions and codes."""
+        for store in (self.keys, self.values, self.positions):
+            for site, t in store.items():
+                store[site] = t.index_select(0, beam_idx.to(t.device))
+        for name, pages in self.codes.items():
+            self.codes[name] = [_select_codes(c, beam_idx, self.page_size) for c in pages]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    # -- regions -----------------------------------------------------------------------------------
+    @property
+    def window(self) -> int:
+        """Newest tokens in full precision (after the sinks and the encoded pages)."""
+        return max(self.get_seq_length() - self.sink_tokens - self.encoded, 0)
+
+    def regions(self) -> dict[str, int]:
+        """Token counts per region: sinks, encoded, window (the same at every site)."""
+        n = self.get_seq_length()
+        return {"sink": min(n, self.sink_tokens), "encoded": self.encoded, "window": self.window}
+
+    def _encode_ready_pages(self) -> None:
+        while self.window >= self.recent_window + self.page_size:
+            self._encode_page()
+
+    def _encode_page(self) -> None:
+        """Encode the oldest window page of every block (all its steps at once), keys and values."""
+        start = self.sink_tokens + (self.encoded if self.store == "fake" else 0)  # in the stored tensors
+        page = slice(start, start + self.page_size)
+        for name, codec in self.quantizer.codecs.items():
+            store = self.keys if codec.layout.kind == "key" else self.values
+            x = torch.stack([store[site][:, page] for site in codec.layout.sites], dim=2)  # [B, P, T, H, D]
+            codes = codec.encode(x.flatten(0, 1).to(codec.codebook.device))
+            if self.store == "fake":
+                y = codec.decode(codes).to(device=x.device, dtype=x.dtype).reshape(x.shape)
+                for m, site in enumerate(codec.layout.sites):
+                    store[site] = torch.cat([store[site][:, :page.start], y[:, :, m], store[site][:, page.stop:]], 1)
+            else:
+                self.codes[name].append(codes)
+        if self.store == "indices":
+            for store in (self.keys, self.values):
+                for site, t in store.items():
+                    store[site] = torch.cat([t[:, :page.start], t[:, page.stop:]], 1)
+        self.encoded += self.page_size
+
+    def _decode(self, name: str, site: int, dtype: torch.dtype) -> torch.Tensor:
+        """Decoded tokens of the encoded region at ``site`` -> [B, encoded, H, D] in ``dtype``."""
+        codec: BlockCodec = self.quantizer.codecs[name]
+        m = self.codec_of[site][2]
+        ref = self.keys[site]
+        pages = [codec.decode(c)[:, m].reshape(ref.shape[0], self.page_size, *ref.shape[2:]) for c in self.codes[name]]
+        return torch.cat(pages, dim=1).to(device=ref.device, dtype=dtype)
+
+    # -- memory ------------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes of the stored K/V payload: full-precision tokens, indices and sigma (positions excluded)."""
+        fp = sum(t.numel() * t.element_size() for s in (self.keys, self.values) for t in s.values())
+        return fp + self.code_bytes()
+
+    def code_bytes(self) -> int:
+        """Bytes of the stored codes (indices and TaSQ sigma)."""
+        total = 0
+        for pages in self.codes.values():
+            for c in pages:
+                total += c.indices.numel() * c.indices.element_size()
+                if c.sigma is not None:
+                    total += c.sigma.numel() * c.sigma.element_size()
+        return total
+
+    def bytes_per_token(self) -> dict[str, Any]:
+        """Measured bytes per token of this cache against a bf16 cache of the same sites.
+
+        ``bytes_per_token``: everything held / (batch * tokens); ``encoded_bytes_per_token``: codes per
+        encoded token; ``full_precision_bytes_per_token``: a sink/window token at the stored dtype;
+        ``bf16_bytes_per_token`` = sites * 2 (K and V) * H * D * 2 bytes.
+        """
+        kv = self.quantizer.kv
+        first = self.keys[min(self.keys)] if self.keys else None
+        batch = first.shape[0] if first is not None else 0
+        tokens = self.get_seq_length()
+        fp_elem = first.element_size() if first is not None else 2
+        bf16 = kv.num_sites * 2 * kv.kv_heads * kv.head_dim * 2
+        total = self.nbytes()
+        per_token = total / (batch * tokens) if tokens and batch else 0.0
+        encoded = self.code_bytes() / (batch * self.encoded) if self.encoded and self.store == "indices" else None
+        return {
+            "tokens": tokens, "batch": batch, **self.regions(), "store": self.store, "cache_bytes": total,
+            "bytes_per_token": per_token, "encoded_bytes_per_token": encoded,
+            "full_precision_bytes_per_token": kv.num_sites * 2 * kv.kv_heads * kv.head_dim * fp_elem,
+            "bf16_bytes_per_token": bf16, "ratio_to_bf16": per_token / bf16,
+        }
+
+
+def _select_codes(c: Codes, beam_idx: torch.Tensor, page: int) -> Codes:
+    """Reorder the batch of one page's codes (rows are batch-major: b * page + token)."""
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t.view(-1, page, *t.shape[1:]).index_select(0, beam_idx.to(t.device)).flatten(0, 1)
+
+    return Codes(pick(c.indices), pick(c.sigma) if c.sigma is not None else None)
+
+
+@torch.no_grad()
+def sampled_quantizer(model: torch.nn.Module, ids: torch.Tensor, method: str = "loopvq", codebook_size: int = 16,
+                      group_size: int = 16, steps_per_block: int = 4, seed: int = 0) -> KVQuantizer:
+    """A crude quantizer without k-means: each codebook's entries are random group vectors of one
+    full-precision forward over ``ids`` (for tests, smoke runs and byte measurements).
+
+    Layouts are :func:`~loopvq_calib.layouts.plan_layouts`' (no codebook sharing); TaSQ methods get unit
+    channel weights. With ``codebook_size`` >= the number of tokens every group vector of ``ids`` is a
+    codeword, so keys and values are reproduced exactly (non-TaSQ methods).
+    """
+    from .codec import TasqTransform, gather_groups
+    from .config import QuantConfig
+    from .layouts import plan_layouts
+    from .objective import teacher
+
+    quant = QuantConfig(method=method, bits=None, codebook_size=codebook_size, group_size=group_size,
+                        steps_per_block=steps_per_block)
+    kv = model.kv_layout()
+    fp = teacher(model, ids)
+    gen = torch.Generator().manual_seed(seed)
+    codecs = {}
+    for layout in plan_layouts(kv, quant):
+        src = fp.keys if layout.kind == "key" else fp.values
+        x = torch.stack([src[s].flatten(0, 1) for s in layout.sites], dim=1).float()  # [N, T, H, D]
+        transform = None
+        if quant.uses_tasq and layout.kind == "key":
+            transform = TasqTransform(torch.ones(x.shape[1:], device=x.device))
+            x = transform.forward(x, transform.sigma(x))
+        z = gather_groups(x, layout.groups)  # [N, H, n, G]
+        n = z.shape[0]
+        rows = torch.randperm(n, generator=gen)[:codebook_size]
+        if codebook_size > n:
+            rows = torch.cat([rows, torch.randint(n, (codebook_size - n,), generator=gen)])
+        codecs[layout.key] = BlockCodec(layout, z[rows.to(z.device)].permute(1, 2, 0, 3).contiguous(), transform)
+    return KVQuantizer(codecs, method, codebook_size, group_size, quant.block_steps, "none", kv)

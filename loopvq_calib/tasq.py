@@ -1,0 +1,256 @@
+"""TaSQ stage: channel weights w, the sigma rule and the permutation P of the key groups (docs/tasq.md).
+
+For every key block (one site for ``tasq``, the T_c steps of one layer for ``tasq+loopvq``), w comes from
+the captured query statistic of each site, sigma is :meth:`TasqTransform.sigma`, and P is fitted per KV head
+from the covariance of the transformed keys y = x * w / sigma over the block's T*D flat coordinates
+(``m * D + channel``): RoPE pairs are merged pairwise, round by round, by a minimum-weight perfect matching
+with cost det(Sigma[S,S] + eps I)^(1/|S|), until units hold ``group_size`` coordinates.
+Value layouts pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .capture import CaptureReader
+from .codec import TasqTransform, flatten_block, sigma_bits
+from .config import ConfigError, QuantConfig, TasqConfig
+from .layouts import BlockLayout
+from .models.sites import KVLayout
+
+CHUNK_TOKENS = 4096  # tokens per covariance chunk (bounds the transformed copy of a block)
+
+
+@dataclass
+class TasqResult:
+    """Fitted TaSQ: all layouts (key groups replaced by P), one transform per key layout, a fit report."""
+
+    layouts: list[BlockLayout]
+    transforms: dict[str, TasqTransform]
+    report: dict
+
+    def save(self, folder: Path) -> None:
+        """``tasq.safetensors`` (groups and weights) + ``tasq.json`` (layout fields, sigma_min, report)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {f"{lay.key}.groups": lay.groups.to(torch.int64).contiguous().cpu() for lay in self.layouts}
+        tensors.update({f"{k}.tasq_weight": t.weight.float().contiguous().cpu() for k, t in self.transforms.items()})
+        save_file(tensors, str(folder / "tasq.safetensors"))
+        meta = {
+            "layouts": [
+                {"name": lay.name, "kind": lay.kind, "sites": list(lay.sites), "head_dim": lay.head_dim,
+                 "kv_heads": lay.kv_heads}
+                for lay in self.layouts
+            ],
+            "transforms": {k: {"sigma_min": t.sigma_min} for k, t in self.transforms.items()},
+            "report": self.report,
+        }
+        (folder / "tasq.json").write_text(json.dumps(meta, indent=1))
+
+    @classmethod
+    def load(cls, folder: Path) -> "TasqResult":
+        """Inverse of :meth:`save`."""
+        folder = Path(folder)
+        meta = json.loads((folder / "tasq.json").read_text())
+        tensors = load_file(str(folder / "tasq.safetensors"))
+        layouts = [
+            BlockLayout(d["name"], d["kind"], tuple(d["sites"]), d["head_dim"], d["kv_heads"],
+                        tensors[f"{d['kind']}.{d['name']}.groups"])
+            for d in meta["layouts"]
+        ]
+        transforms = {k: TasqTransform(tensors[f"{k}.tasq_weight"], v["sigma_min"]) for k, v in meta["transforms"].items()}
+        return cls(layouts, transforms, meta["report"])
+
+
+def channel_weights(diag: torch.Tensor, floor: float) -> torch.Tensor:
+    """Query statistic diag [H, D] -> w [H, D]: diag floored at ``floor`` * max per head, then
+    w = sqrt(diag / mean(diag)), so that mean(w^2) = 1 per head."""
+    d = diag.double()
+    top = d.amax(-1, keepdim=True)
+    if not (torch.isfinite(d).all() and (top > 0).all()):
+        raise ValueError("query statistic is non-finite or zero for a whole head; cannot derive TaSQ weights")
+    d = torch.maximum(d, floor * top)
+    return (d / d.mean(-1, keepdim=True)).sqrt().float()
+
+
+def rope_pair_units(head_dim: int, steps: int, rope_style: str) -> torch.Tensor:
+    """The RoPE pairs of every step as flat coordinates -> [steps * D/2, 2] (step-major).
+
+    ``half``: {i, i + D/2}; ``interleaved``: {2i, 2i+1}; step m adds m * D.
+    """
+    half = head_dim // 2
+    i = torch.arange(half)
+    if rope_style == "half":
+        pair = torch.stack([i, i + half], -1)
+    elif rope_style == "interleaved":
+        pair = torch.stack([2 * i, 2 * i + 1], -1)
+    else:
+        raise ValueError(f"unknown RoPE style {rope_style!r}; expected 'half' or 'interleaved'")
+    offsets = torch.arange(steps)[:, None, None] * head_dim
+    return (pair[None] + offsets).reshape(steps * half, 2)
+
+
+def _block(m: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """m[rows[..., i], cols[..., j]] -> [..., len(rows), len(cols)] (``take`` on flat indices: much faster
+    on CPU than broadcast advanced indexing)."""
+    return m.take(rows[..., :, None] * m.shape[1] + cols[..., None, :])
+
+
+def set_costs(cov: torch.Tensor, sets: torch.Tensor, eps: float) -> torch.Tensor:
+    """det(cov[S,S] + eps I)^(1/|S|) for each row S of ``sets`` [P, k] (via slogdet, float64) -> [P]."""
+    k = sets.shape[-1]
+    sub = _block(cov.double(), sets, sets) + eps * torch.eye(k, dtype=torch.float64)
+    return torch.exp(torch.linalg.slogdet(sub).logabsdet / k)
+
+
+def merge_costs(cov: torch.Tensor, units: torch.Tensor, eps: float) -> torch.Tensor:
+    """Symmetric [n, n] cost of merging units i and j (rows of ``units`` [n, u]); +inf on the diagonal."""
+    n = units.shape[0]
+    i, j = torch.triu_indices(n, n, offset=1)
+    cost = torch.full((n, n), float("inf"), dtype=torch.float64)
+    c = set_costs(cov, torch.cat([units[i], units[j]], -1), eps)
+    cost[i, j] = c
+    cost[j, i] = c
+    return cost
+
+
+def min_weight_matching(cost: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Perfect matching of n (even) nodes with low total cost: greedy (cheapest available pair first),
+    then best-improvement 2-opt (re-pair two matched edges while that lowers the total). -> (a, b) [n/2]."""
+    n = cost.shape[0]
+    free = cost.clone()
+    a, b = [], []
+    for _ in range(n // 2):
+        flat = int(torch.argmin(free))
+        i, j = divmod(flat, n)
+        a.append(i)
+        b.append(j)
+        free[[i, j], :] = float("inf")
+        free[:, [i, j]] = float("inf")
+    a, b = torch.tensor(a), torch.tensor(b)
+    for _ in range(n * n):
+        cur = cost[a, b]
+        base = cur[:, None] + cur[None, :]
+        gain_aa = base - (_block(cost, a, a) + _block(cost, b, b))  # (a_k,a_l) (b_k,b_l)
+        gain_ab = base - (_block(cost, a, b) + _block(cost, b, a))  # (a_k,b_l) (b_k,a_l)
+        gains = torch.stack([gain_aa, gain_ab])
+        best = int(torch.argmax(gains))
+        if not gains.view(-1)[best] > 1e-12 * cur.sum():
+            break
+        kind, rest = divmod(best, len(a) ** 2)
+        k, l = divmod(rest, len(a))
+        ak, bk, al, bl = int(a[k]), int(b[k]), int(a[l]), int(b[l])
+        (a[k], b[k]), (a[l], b[l]) = ((ak, al), (bk, bl)) if kind == 0 else ((ak, bl), (bk, al))
+    return a, b
+
+
+def check_group_size(group_size: int, coords: int) -> None:
+    """TaSQ groups are RoPE pairs merged by doubling: G must be 2^k (k >= 1) and divide ``coords``."""
+    if group_size < 2 or group_size & (group_size - 1) or coords % group_size:
+        raise ConfigError(
+            "quant.group_size",
+            f"TaSQ merges RoPE pairs by doubling (2, 4, 8, ...) into groups that split the {coords} coordinates "
+            f"of a block; group_size {group_size} is not reachable",
+        )
+
+
+def fit_groups(cov: torch.Tensor, units: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+    """Merge ``units`` [n, u] pairwise by :func:`min_weight_matching` of :func:`merge_costs` until they hold
+    ``group_size`` coordinates. -> [n_groups, G], each row sorted, rows ordered by first coordinate."""
+    check_group_size(group_size, units.numel())
+    while units.shape[1] < group_size:
+        a, b = min_weight_matching(merge_costs(cov, units, eps))
+        units = torch.cat([units[a], units[b]], -1)
+    units = units.sort(-1).values
+    return units[units[:, 0].argsort()]
+
+
+def grouping_cost(cov: torch.Tensor, groups: torch.Tensor, eps: float) -> float:
+    """Total cost sum_S det(cov[S,S] + eps I)^(1/|S|) of groups [n, G]."""
+    return float(set_costs(cov, groups, eps).sum())
+
+
+def mean_abs_corr(cov: torch.Tensor, groups: torch.Tensor) -> float:
+    """Mean |correlation| over the distinct coordinate pairs inside each group [n, G]."""
+    std = cov.double().diagonal().clamp_min(1e-30).sqrt()
+    corr = cov.double() / (std[:, None] * std[None, :])
+    sub = _block(corr, groups, groups).abs()
+    g = groups.shape[1]
+    off = ~torch.eye(g, dtype=torch.bool)
+    return float(sub[:, off].mean())
+
+
+def block_covariance(x: torch.Tensor, transform: TasqTransform) -> torch.Tensor:
+    """Per-head covariance (1/N, centred) of y = forward(x, sigma(x)) over flat coordinates:
+    x [N, T, H, D] -> [H, T*D, T*D] float64. Two passes (mean, then centred products) in chunks."""
+    chunks = x.split(CHUNK_TOKENS)
+
+    def transformed(part: torch.Tensor) -> torch.Tensor:
+        return flatten_block(transform.forward(part.float(), transform.sigma(part)))
+
+    h, td = x.shape[2], x.shape[1] * x.shape[3]
+    mean = torch.zeros(h, td, dtype=torch.float64)
+    for part in chunks:
+        mean += transformed(part).sum(0, dtype=torch.float64)
+    mean /= x.shape[0]
+    cov = torch.zeros(h, td, td, dtype=torch.float64)
+    for part in chunks:
+        yc = (transformed(part) - mean.float()).transpose(0, 1)  # [H, n, TD]
+        cov += (yc.transpose(1, 2) @ yc).double()
+    return cov / x.shape[0]
+
+
+def _fit_block(
+    reader: CaptureReader, layout: BlockLayout, kv: KVLayout, group_size: int, cfg: TasqConfig
+) -> tuple[BlockLayout, TasqTransform, dict]:
+    weight = torch.stack([channel_weights(reader.query_stats(s), cfg.weight_floor) for s in layout.sites])
+    transform = TasqTransform(weight, cfg.sigma_min)
+    x = reader.load("key", layout.sites)
+    cov = block_covariance(x, transform)
+    units = rope_pair_units(kv.head_dim, layout.steps, kv.rope_style)
+    planned = layout.groups.expand(kv.kv_heads, -1, -1)
+    fitted = torch.stack([fit_groups(cov[h], units, group_size, cfg.det_eps) for h in range(kv.kv_heads)])
+    heads = range(kv.kv_heads)
+    stats = {
+        "sites": list(layout.sites),
+        "tokens": int(x.shape[0]),
+        "cost_before": [grouping_cost(cov[h], planned[h], cfg.det_eps) for h in heads],
+        "cost_after": [grouping_cost(cov[h], fitted[h], cfg.det_eps) for h in heads],
+        "corr_before": [mean_abs_corr(cov[h], planned[h]) for h in heads],
+        "corr_after": [mean_abs_corr(cov[h], fitted[h]) for h in heads],
+    }
+    new = dataclasses.replace(layout, groups=fitted)
+    new.check()
+    return new, transform, stats
+
+
+def fit_tasq(
+    reader: CaptureReader, layouts: list[BlockLayout], kv: KVLayout, quant: QuantConfig, cfg: TasqConfig
+) -> TasqResult:
+    """Fit w, sigma_min and P for every key layout; value layouts are returned unchanged."""
+    if not quant.uses_tasq:
+        raise ValueError(f"fit_tasq called for method {quant.method!r}, which uses no TaSQ transform")
+    for lay in layouts:
+        if lay.kind == "key":
+            check_group_size(quant.group_size, lay.steps * lay.head_dim)
+    out, transforms, blocks = [], {}, {}
+    for lay in layouts:
+        if lay.kind != "key":
+            out.append(lay)
+            continue
+        new, transforms[lay.key], blocks[lay.key] = _fit_block(reader, lay, kv, quant.group_size, cfg)
+        out.append(new)
+    report = {
+        "method": quant.method,
+        "group_size": quant.group_size,
+        "det_eps": cfg.det_eps,
+        "sigma_bits": sigma_bits(kv.kv_heads, kv.head_dim),
+        "blocks": blocks,
+    }
+    return TasqResult(out, transforms, report)

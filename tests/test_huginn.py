@@ -1,0 +1,130 @@
+"""Native Huginn: spec fidelity, recurrence argument, initial state, cached decode, hub checkpoint layout."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_tiny_huginn
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from loopvq_calib.models import HuginnForCausalLM, LoopKVCache
+
+
+def reference_huginn_logits(sd: dict, cfg, ids: torch.Tensor, r: int, state: torch.Tensor) -> torch.Tensor:
+    """Eager functional Huginn from docs/looped-architectures.md B3/B4 (interleaved RoPE, sandwich blocks)."""
+    d, h = cfg.n_embd, cfg.n_heads
+    hd = d // h
+    b, s = ids.shape
+    inv = 1.0 / cfg.rope_base ** (torch.arange(0, hd, 2).float() / hd)
+    ang = torch.arange(s).float()[:, None] * inv
+    cos, sin = ang.cos()[:, None], ang.sin()[:, None]  # [s, 1, hd/2]
+
+    def rope(x):  # [b, s, h, hd] complex-pair convention
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], -1).flatten(-2)
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps))
+
+    def block(x, p):
+        a = rms(x, sd[p + "norm_1.weight"])
+        q, k, v = (a @ sd[p + "attn.Wqkv.weight"].T).split(d, -1)
+        q = q.view(b, s, h, hd) + sd[p + "attn.qk_bias"][0]
+        k = k.view(b, s, h, hd) + sd[p + "attn.qk_bias"][1]
+        q, k, v = rope(q).transpose(1, 2), rope(k).transpose(1, 2), v.view(b, s, h, hd).transpose(1, 2)
+        att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(hd) + torch.full((s, s), -math.inf).triu(1), -1) @ v
+        x = rms(x + att.transpose(1, 2).reshape(b, s, d) @ sd[p + "attn.proj.weight"].T, sd[p + "norm_2.weight"])
+        m = rms(x, sd[p + "norm_3.weight"]) @ sd[p + "mlp.fc.weight"].T
+        g, u = m.chunk(2, -1)
+        return rms(x + (F.silu(g) * u) @ sd[p + "mlp.proj.weight"].T, sd[p + "norm_4.weight"])
+
+    e = sd["transformer.wte.weight"][ids] * math.sqrt(d)
+    for i in range(cfg.n_layers_in_prelude):
+        e = block(e, f"transformer.prelude.{i}.")
+    x = state
+    for _ in range(r):
+        x = torch.cat([x, e], -1) @ sd["transformer.adapter.weight"].T
+        for j in range(cfg.n_layers_in_recurrent_block):
+            x = block(x, f"transformer.core_block.{j}.")
+    x = rms(x, sd["transformer.ln_f.weight"])
+    for k in range(cfg.n_layers_in_coda):
+        x = block(x, f"transformer.coda.{k}.")
+    return rms(x, sd["transformer.ln_f.weight"]) @ sd["transformer.wte.weight"].T
+
+
+@pytest.mark.parametrize("r", [1, 3])
+def test_forward_matches_spec_reference(r):
+    model = make_tiny_huginn()
+    ids = torch.randint(0, 4096, (2, 10))
+    state = torch.randn(2, 10, 64)
+    ours = model(ids, num_steps=r, input_states=state).logits
+    ref = reference_huginn_logits(model.state_dict(), model.config, ids, r, state)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    assert ours.dtype == torch.float32
+
+
+def test_kv_sites_follow_the_flat_layout():
+    kv = make_tiny_huginn().kv_layout(num_steps=3)
+    assert kv.num_sites == 1 + 2 * 3 + 1 and kv.rope_style == "interleaved"
+    assert [s.stage for s in kv.sites] == ["prelude"] + ["loop"] * 6 + ["coda"]
+    assert [(s.site, s.step, s.layer) for s in kv.sites if s.looped][-1] == (6, 2, 1)
+
+
+def test_cached_decode_equals_full_forward_with_zero_state():
+    model = make_tiny_huginn()  # state_init "zero": deterministic
+    ids = torch.randint(0, 4096, (1, 12))
+    full = model(ids).logits
+    cache = LoopKVCache()
+    parts = [model(ids[:, :4], cache=cache).logits] + [model(ids[:, i : i + 1], cache=cache).logits for i in range(4, 12)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-4)
+    assert len(cache) == 1 + 2 * 4 + 1 and cache.num_steps == 4
+    with pytest.raises(ValueError, match="loop steps"):
+        model(ids[:, :1], cache=cache, num_steps=5)
+
+
+def test_random_initial_state_by_default_and_settable():
+    model = make_tiny_huginn(state_init="like-init")
+    ids = torch.randint(0, 4096, (1, 6))
+    a, b = model(ids).logits, model(ids).logits
+    assert not torch.allclose(a, b)
+    zeros = torch.zeros(1, 6, 64)
+    torch.testing.assert_close(model(ids, input_states=zeros).logits, model(ids, init_scale=0).logits)
+    s = model.initial_state(torch.zeros(1000, 64))
+    std = model.config.init_values["std"] * model.config.init_values["embed_scale"]
+    assert abs(s.std().item() - std) < 0.1 * std and s.abs().max() <= 3 * std + 1e-6
+
+
+def test_generate_with_cache_matches_uncached_greedy():
+    model = make_tiny_huginn()
+    prompt = torch.randint(0, 4096, (1, 5))
+    out = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ids = prompt
+    for _ in range(6):
+        ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, ids)
+
+
+def test_hub_checkpoint_with_both_embedding_copies_and_rope_table_loads(tmp_path):
+    model = make_tiny_huginn()
+    model.save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    assert "freqs_cis" in sd and tuple(sd["freqs_cis"].shape) == (1, 512, 1, 8, 2)
+    sd["lm_head.weight"] = sd["transformer.wte.weight"].clone()  # the hub stores the tied embedding twice
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(loaded, HuginnForCausalLM)
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    ids = torch.randint(0, 4096, (1, 7))
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+def test_checkpoint_without_rope_table_loads(tmp_path):
+    make_tiny_huginn().save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    sd.pop("freqs_cis")
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert isinstance(AutoModelForCausalLM.from_pretrained(tmp_path), HuginnForCausalLM)
