@@ -64,12 +64,15 @@ class QueryStats:
 
 
 def _check_finite(tensors: dict[str, torch.Tensor], kv: KVLayout, seq: int) -> None:
-    by_id = {s.site: s for s in kv.sites}
-    for name, t in tensors.items():
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            site = by_id.get(int(name.rsplit(".", 1)[1])) if name[-1].isdigit() else None
-            where = f"site {site.site} (loop step {site.step}, layer {site.layer}, {site.stage})" if site else name
-            raise CaptureError(f"non-finite values in {name.split('.')[0]} at {where}, calibration sequence {seq}")
+    """Forward values first, in site order, so the first bad site (not its gradient echo) is named."""
+    order = [(k, s) for kinds in (("key", "value"), ("fisher_key", "fisher_value")) for s in kv.sites for k in kinds]
+    for kind, site in order:
+        t = tensors.get(f"{kind}.{site.site}")
+        if t is not None and not torch.isfinite(t).all():
+            raise CaptureError(
+                f"non-finite values in {kind} at site {site.site} (loop step {site.step}, layer {site.layer}, "
+                f"{site.stage}), calibration sequence {seq}"
+            )
 
 
 def capture_sequence(model: torch.nn.Module, ids: torch.Tensor, kv: KVLayout) -> tuple[dict[str, torch.Tensor], ...]:
@@ -194,6 +197,8 @@ class CaptureReader:
                 if f"qstat.{site}" in f.keys():
                     t = f.get_tensor(f"qstat.{site}")
                     total = t if total is None else total + t
+        if total is None:
+            raise CaptureError(f"capture {self.dir} holds no query statistics for site {site} (qstat.{site})")
         return total / (self.meta["qstat_pairs_per_sequence"] * len(self.files))
 
     def input_ids(self) -> torch.Tensor:

@@ -51,13 +51,13 @@ def layout_problems(
         sigma = transform.sigma(x)
         x = transform.forward(x, sigma)
         factor = fisher * (sigma.float()[..., None, None] / transform.weight.to(x.device)).pow(2)
-    hc, nc, _, g = codebook_shape(layout, codebook_size, sharing)
+    hc, nc, _, _ = codebook_shape(layout, codebook_size, sharing)
     n, h = x.shape[0], layout.kv_heads
     groups = layout.num_groups
 
     def arrange(t: torch.Tensor) -> torch.Tensor:  # [N, H, n, ...] -> [Hc * nc, M, ...]
         t = t.reshape(n, hc, h // hc, nc, groups // nc, *t.shape[3:])
-        return t.permute(3, 1, 0, 2, 4, *range(5, t.dim())).reshape(hc * nc, -1, *t.shape[5:])
+        return t.permute(1, 3, 0, 2, 4, *range(5, t.dim())).reshape(hc * nc, -1, *t.shape[5:])
 
     points = arrange(gather_groups(x, layout.groups))
     if not fisher_weighted:

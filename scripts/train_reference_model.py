@@ -211,14 +211,32 @@ def train(args: argparse.Namespace) -> None:
 
 
 def report(args: argparse.Namespace) -> None:
+    """Held-out loss per loop, and the inter-step structure of pre-RoPE keys and values (paper Fig. 2b)."""
     from transformers import AutoModelForCausalLM
 
-    import loopvq_calib  # noqa: F401  (registers the native models)
+    from loopvq_calib.analysis import average_structure, correlation_structure
+    from loopvq_calib.models import KVRecorder, kv_hook
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).to(device).eval()
-    held = heldout_per_loop(model, np.load(BUILD / "heldout_tokens.npy"), args.seq_len, device)
-    print(json.dumps({"heldout_loss_per_loop": held, "seq_len": args.seq_len}))
+    held_tokens = np.load(BUILD / "heldout_tokens.npy")
+    held = heldout_per_loop(model, held_tokens, args.seq_len, device)
+    data = torch.from_numpy(held_tokens.astype(np.int64))
+    windows = torch.stack([data[i * args.seq_len : (i + 1) * args.seq_len] for i in range(16)]).to(device)
+    rec = KVRecorder()
+    with torch.no_grad(), kv_hook(model, rec):
+        model(windows)
+    kv, sinks = model.kv_layout(), 8
+    structure = {}
+    for kind, store in (("key", rec.keys), ("value", rec.values)):
+        per_layer = []
+        for layer in range(model.config.num_hidden_layers):
+            sites = [s.site for s in kv.sites if s.layer == layer]
+            x = torch.stack([store[s][:, sinks:].flatten(0, 1) for s in sites], 1).cpu()  # [N, T, H, D]
+            per_layer.append(correlation_structure(x, group_size=16))
+        structure[kind] = average_structure(per_layer)
+    print(json.dumps({"heldout_loss_per_loop": held, "seq_len": args.seq_len, "correlation": structure,
+                      "tokens_for_correlation": int(16 * (args.seq_len - sinks))}, indent=1))
 
 
 def main() -> None:

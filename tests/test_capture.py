@@ -1,0 +1,120 @@
+"""Capture stage: stored keys/values/Fisher against direct computations, batching, determinism, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_tiny_huginn, make_tiny_ouro
+from safetensors import safe_open
+
+from loopvq_calib.capture import CaptureError, CaptureReader, capture_kv, write_meta
+from loopvq_calib.config import CaptureConfig
+from loopvq_calib.data import CalibrationSet
+
+
+def calib_set(n: int = 3, length: int = 24, sinks: int = 4) -> CalibrationSet:
+    gen = torch.Generator().manual_seed(0)
+    return CalibrationSet(torch.randint(0, 4096, (n, length), generator=gen), list(range(1, n)), [0], sinks)
+
+
+def run_capture(model, calib, folder, **cfg) -> CaptureReader:
+    config = CaptureConfig(**cfg)
+    capture_kv(model, calib, model.kv_layout(), config, folder)
+    write_meta(folder, calib, model.kv_layout(), config)
+    return CaptureReader(folder)
+
+
+def direct_fisher(model, ids: torch.Tensor, site: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """d(summed next-token loss)/d(pre-RoPE key, value) at one site, by making them autograd leaves."""
+    leaves = {}
+
+    def hook(s, k, v, pos):
+        if s != site:
+            return k, v
+        leaves["k"], leaves["v"] = k.detach().requires_grad_(True), v.detach().requires_grad_(True)
+        return leaves["k"], leaves["v"]
+
+    model.kv_hook = hook
+    try:
+        logits = model(ids).logits
+    finally:
+        model.kv_hook = None
+    loss = F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum")
+    gk, gv = torch.autograd.grad(loss, [leaves["k"], leaves["v"]])
+    return gk[0].pow(2), gv[0].pow(2)
+
+
+@pytest.mark.parametrize("make", [make_tiny_ouro, make_tiny_huginn])
+def test_stored_tensors_equal_direct_computations(tmp_path, make):
+    model = make()
+    calib = calib_set()
+    reader = run_capture(model, calib, tmp_path, dtype="float32")
+    ids = calib.input_ids[1:2]
+    projections = []
+    layer = model.model.layers[0] if hasattr(model, "model") else model.transformer.core_block[0]
+    handle = layer.self_attn.k_proj.register_forward_hook(lambda m, i, o: projections.append(o)) if hasattr(layer, "self_attn") else None
+    model(ids)
+    if handle:
+        handle.remove()
+    kv = model.kv_layout()
+    with safe_open(str(tmp_path / "seq00001.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("input_ids"), ids[0])
+        if handle:  # Ouro: key = k_proj output before RoPE; layer 0 is site step * layers
+            for step, proj in enumerate(projections):
+                torch.testing.assert_close(f.get_tensor(f"key.{step * 2}"), proj[0].view(24, 4, 16))
+        for site in (kv.sites[0].site, kv.sites[-1].site):
+            fk, fv = direct_fisher(model, ids, site)
+            torch.testing.assert_close(f.get_tensor(f"fisher_key.{site}"), fk, rtol=1e-4, atol=1e-10)
+            torch.testing.assert_close(f.get_tensor(f"fisher_value.{site}"), fv, rtol=1e-4, atol=1e-10)
+    x = reader.load("key", (kv.sites[0].site,))
+    assert x.shape == (3 * (24 - 4), 1, 4, 16)  # sinks excluded
+    full = reader.load("key", (kv.sites[0].site,), include_sinks=True)
+    torch.testing.assert_close(full.view(3, 24, 1, 4, 16)[:, 4:].reshape(-1, 1, 4, 16), x)
+
+
+def test_batched_capture_equals_one_sequence_at_a_time(tmp_path):
+    model = make_tiny_ouro()
+    calib = calib_set(n=4)
+    a = run_capture(model, calib, tmp_path / "a", dtype="float32", batch_size=1)
+    b = run_capture(model, calib, tmp_path / "b", dtype="float32", batch_size=2)
+    for name in ("key", "value", "fisher_key", "fisher_value"):
+        torch.testing.assert_close(a.load(name, (0, 3, 7)), b.load(name, (0, 3, 7)), rtol=1e-4, atol=1e-9)
+    torch.testing.assert_close(a.query_stats(5), b.query_stats(5), rtol=1e-5, atol=1e-7)
+
+
+def test_two_runs_give_byte_identical_files(tmp_path):
+    model = make_tiny_ouro()
+    calib = calib_set()
+    run_capture(model, calib, tmp_path / "a")
+    run_capture(model, calib, tmp_path / "b")
+    for path in sorted((tmp_path / "a").iterdir()):
+        assert path.read_bytes() == (tmp_path / "b" / path.name).read_bytes(), path.name
+
+
+def test_storage_dtype(tmp_path):
+    model = make_tiny_ouro()
+    reader = run_capture(model, calib_set(), tmp_path, dtype="bfloat16")
+    with safe_open(str(reader.files[0]), "pt") as f:
+        assert f.get_tensor("key.0").dtype == torch.bfloat16 and f.get_tensor("qstat.0").dtype == torch.float32
+    assert reader.load("value", (1,)).dtype == torch.float32
+
+
+def test_non_finite_values_stop_the_run_naming_site_and_sequence(tmp_path):
+    model = make_tiny_ouro()
+    with torch.no_grad():
+        model.model.layers[1].self_attn.v_proj.weight[0, 0] = float("inf")
+    with pytest.raises(CaptureError, match=r"non-finite values in \w+ at site 1 \(loop step 0, layer 1, loop\), calibration sequence 0"):
+        run_capture(model, calib_set(), tmp_path)
+    assert not list(tmp_path.glob("seq*.safetensors"))
+
+
+def test_processes_split_sequences(tmp_path):
+    model = make_tiny_ouro()
+    calib = calib_set(n=5)
+    kv, cfg = model.kv_layout(), CaptureConfig()
+    assert capture_kv(model, calib, kv, cfg, tmp_path, rank=0, world=2) == [0, 2, 4]
+    with pytest.raises(CaptureError, match=r"sequences \[1, 3\] have no file"):
+        write_meta(tmp_path, calib, kv, cfg)
+    assert capture_kv(model, calib, kv, cfg, tmp_path, rank=1, world=2) == [1, 3]
+    write_meta(tmp_path, calib, kv, cfg)

@@ -1,0 +1,94 @@
+"""Config loading and validation: every bad input fails with the key path and what is allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loopvq_calib.cli import calibrate_main
+from loopvq_calib.config import Config, ConfigError, dump_config, load_config, validate_for_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BAD = [
+    ({"quant": {"method": "vq"}}, "quant.method", "'vq' is not allowed; choose one of cq, tasq, loopvq, tasq+loopvq"),
+    ({"quant": {"bogus": 1}}, "quant.bogus", "unknown key; allowed here:"),
+    ({"bogus": {}}, "bogus", "unknown key; allowed here: capture, data, finetune"),
+    ({"quant": {"group_size": "16"}}, "quant.group_size", "expected int, got str"),
+    ({"quant": {"group_size": 12}}, "quant.bits", "does not match log2(codebook_size)/group_size = log2(256)/12"),
+    ({"quant": {"group_size": 18, "bits": None}}, "quant.group_size", "not divisible by steps_per_block 4"),
+    ({"quant": {"codebook_size": 100, "bits": None}}, "quant.codebook_size", "power of two"),
+    ({"quant": {"method": "tasq+loopvq", "group_size": 4, "bits": None}}, "quant.group_size", "must be even"),
+    ({"data": {"num_sequences": 4, "heldout_sequences": 4}}, "data.heldout_sequences", "0 < heldout_sequences < num_sequences"),
+    ({"data": {"sink_tokens": 512}}, "data.sink_tokens", "leave no token"),
+    ({"data": {"type": "csv"}}, "data.type", "choose one of auto, hub, text, json, jsonl, parquet"),
+    ({"model": {"dtype": "fp8"}}, "model.dtype", "choose one of float32, bfloat16, float16"),
+    ({"model": {"device": "tpu"}}, "model.device", "use auto, cpu, cuda or cuda:N"),
+    ({"kmeans": {"backend": "sklearn"}}, "kmeans.backend", "choose one of auto, faiss, torch"),
+    ({"finetune": {"lr": -1}}, "finetune.lr", "must be > 0"),
+    ({"output": {"serving": {"recent_window": 60}}}, "output.serving.recent_window", "not a multiple of page_size 8"),
+    ({"quant": []}, "quant", "expected a mapping, got list"),
+]
+
+
+@pytest.mark.parametrize("raw,path,message", BAD, ids=[b[1] for b in BAD])
+def test_bad_configs_name_key_path_and_allowed_values(raw, path, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(raw)
+    assert err.value.path == path
+    assert message in str(err.value)
+    assert str(err.value).startswith(path + ":")
+
+
+@pytest.mark.parametrize(
+    "head_dim,steps,method,group,path,message",
+    [
+        (64, 4, "loopvq", 24, "quant.group_size", "head_dim 64 is not divisible by c = G / T_c = 6"),
+        (64, 6, "loopvq", 16, "quant.steps_per_block", "6 loop steps cannot be split into blocks of 4"),
+        (96, 32, "cq", 64, "quant.group_size", "head_dim 96 is not divisible by group_size = 64"),
+    ],
+)
+def test_model_dependent_combinations(head_dim, steps, method, group, path, message):
+    cfg = load_config({"quant": {"method": method, "group_size": group, "bits": None}})
+    with pytest.raises(ConfigError) as err:
+        validate_for_model(cfg, head_dim=head_dim, kv_heads=4, loop_steps=steps, has_prelude=False)
+    assert err.value.path == path and message in str(err.value)
+
+
+def test_defaults_derive_bits_and_serving_sinks():
+    cfg = load_config({"quant": {"group_size": 32, "bits": None}, "data": {"sink_tokens": 16}})
+    assert cfg.quant.bits == 0.25
+    assert cfg.output.serving.sink_tokens == 16
+    assert cfg.quant.block_steps == 4 and load_config({"quant": {"method": "cq"}}).quant.block_steps == 1
+
+
+def test_overrides_and_round_trip(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"quant": {"method": "cq"}}))
+    cfg = load_config(path, ["quant.group_size=32", "quant.bits=0.25", "kmeans.tolerance=1e-4", "output.dir=x"])
+    assert (cfg.quant.group_size, cfg.quant.bits, cfg.kmeans.tolerance, cfg.output.dir) == (32, 0.25, 1e-4, "x")
+    again = load_config(yaml.safe_load(dump_config(cfg)))
+    assert again == cfg
+    with pytest.raises(ConfigError, match="expected key.path=value"):
+        load_config(path, ["quant.group_size"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    if "tiny" not in path.name:
+        assert cfg.model.name_or_path.count("/") == 1  # hub ids
+        assert cfg.data.num_sequences == 16 and cfg.data.sequence_length == 2048
+
+
+def test_cli_exits_2_with_the_key_path_before_any_work(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"quant": {"group_size": 12}, "output": {"dir": str(tmp_path / "run")}}))
+    assert calibrate_main(["--config", str(bad)]) == 2
+    assert "config error: quant.bits:" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

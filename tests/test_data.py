@@ -1,0 +1,93 @@
+"""Calibration corpora: every local file type, determinism, held-out split, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import REFERENCE_MODEL
+from transformers import AutoTokenizer
+
+from loopvq_calib.config import DataConfig
+from loopvq_calib.data import DataError, build_calibration_set, load_documents
+
+DOCS = [f"Document number {i}. " + "To be, or not to be, that is the question. " * (5 + i) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(REFERENCE_MODEL)
+
+
+def write_corpus(tmp_path, kind: str):
+    if kind == "text":
+        path = tmp_path / "c.txt"
+        path.write_text("\n\n".join(DOCS))
+    elif kind == "json":
+        path = tmp_path / "c.json"
+        path.write_text(json.dumps([{"text": d, "id": i} for i, d in enumerate(DOCS)]))
+    elif kind == "jsonl":
+        path = tmp_path / "c.jsonl"
+        path.write_text("\n".join(json.dumps({"text": d}) for d in DOCS))
+    else:
+        path = tmp_path / "c.parquet"
+        pq.write_table(pa.table({"text": DOCS}), path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["json", "jsonl", "parquet"])
+def test_each_structured_file_type_yields_the_documents(tmp_path, kind):
+    path = write_corpus(tmp_path, kind)
+    assert list(load_documents(DataConfig(dataset=str(path)))) == DOCS
+
+
+def test_text_files_split_by_paragraph_line_or_document(tmp_path):
+    path = write_corpus(tmp_path, "text")
+    assert list(load_documents(DataConfig(dataset=str(path), text_sample_by="paragraph"))) == DOCS
+    assert list(load_documents(DataConfig(dataset=str(path), text_sample_by="document"))) == ["\n\n".join(DOCS)]
+
+
+def test_sequences_are_windows_of_the_separated_stream(tmp_path, tokenizer):
+    path = write_corpus(tmp_path, "jsonl")
+    cfg = DataConfig(dataset=str(path), num_sequences=4, sequence_length=16, heldout_sequences=1, seed=3)
+    calib = build_calibration_set(cfg, tokenizer)
+    stream = []
+    for d in DOCS:
+        stream += tokenizer(d, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    windows = torch.tensor(stream[: len(stream) // 16 * 16]).view(-1, 16)
+    for row in calib.input_ids:
+        assert any(torch.equal(row, w) for w in windows)
+    assert calib.input_ids.shape == (4, 16) and len(calib.heldout) == 1
+    assert sorted(calib.train + calib.heldout) == [0, 1, 2, 3]
+
+
+def test_same_seed_same_sequences_other_seed_differs(calib_corpus, tokenizer):
+    cfg = DataConfig(dataset=str(calib_corpus), num_sequences=6, sequence_length=64, heldout_sequences=2, seed=0)
+    a, b = build_calibration_set(cfg, tokenizer), build_calibration_set(cfg, tokenizer)
+    assert torch.equal(a.input_ids, b.input_ids) and a.heldout == b.heldout and a.content_hash == b.content_hash
+    c = build_calibration_set(DataConfig(**{**vars(cfg), "seed": 1}), tokenizer)
+    assert not torch.equal(a.input_ids, c.input_ids) and a.content_hash != c.content_hash
+
+
+def test_too_little_text_names_num_sequences(tmp_path, tokenizer):
+    path = write_corpus(tmp_path, "jsonl")
+    with pytest.raises(DataError, match=r"data\.num_sequences: .* only \d+ windows of 512 tokens; 16 were asked for"):
+        build_calibration_set(DataConfig(dataset=str(path), num_sequences=16, sequence_length=512), tokenizer)
+
+
+def test_missing_text_field_and_missing_file(tmp_path, tokenizer):
+    path = write_corpus(tmp_path, "jsonl")
+    with pytest.raises(DataError, match=r"data\.text_field: column 'body' not in"):
+        list(load_documents(DataConfig(dataset=str(path), text_field="body")))
+    with pytest.raises(DataError, match=r"data\.dataset: no local file matches"):
+        list(load_documents(DataConfig(dataset=str(tmp_path / "none.jsonl"))))
+
+
+def test_offline_hub_dataset_gives_a_clear_message(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError, match=r"data\.dataset: could not load 'someorg/somecorpus' .*offline mode is on"):
+        list(load_documents(DataConfig(dataset="someorg/somecorpus")))
