@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import struct
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -19,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
-from .codec import code_bits, index_dtype
+from .codec import code_bits, index_dtype, sigma_bits
 from .config import ServingConfig
 from .layouts import KINDS, BlockLayout, codebook_shape
 from .models.loading import DTYPES, ModelIdentity, ModelLoadError, model_identity, resolve_model_dir
@@ -89,9 +89,12 @@ def write_bundle(out_dir: Path, quantizer: KVQuantizer, *, name: str, identity: 
         meta = _bundle_meta(quantizer, name, identity, calibration, metrics, serving, codebook_dtype, config,
                             producer_version)
         _save_tensors(tmp / TENSOR_FILE, quantizer.tensors(DTYPES[codebook_dtype]))
+        from .hub import model_card
+
         (tmp / CARD_FILE).write_text(model_card(meta), encoding="utf-8")
         meta["files"] = {f: _file_entry(tmp / f) for f in (TENSOR_FILE, CARD_FILE)}
         (tmp / META_FILE).write_text(json.dumps(_json_safe(meta), indent=1, allow_nan=False) + "\n", encoding="utf-8")
+        load_bundle(tmp)  # never publish what the reader would reject
         _swap_in(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -104,16 +107,15 @@ def _bundle_meta(q: KVQuantizer, name: str, identity: ModelIdentity, calibration
     qm = q.meta()
     kv = kv_layout_to_dict(q.kv)
     rope = {"style": kv.pop("rope_style"), "theta": kv.pop("rope_theta")}
-    bits = q.bits()
+    key_sigma = sigma_bits(q.kv.kv_heads, q.kv.head_dim) if any(b["tasq"] for b in qm["blocks"]) else 0.0
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     created = datetime.fromtimestamp(int(epoch), timezone.utc) if epoch else datetime.now(timezone.utc)
     return {
         "format": "loopvq", "format_version": FORMAT_VERSION,
         "producer": {"name": "loopvq-calib", "version": producer_version},
         "created": created.strftime("%Y-%m-%dT%H:%M:%SZ"), "name": name, "method": q.method,
-        "bits": bits,
-        "bits_detail": {"index": code_bits(q.codebook_size, q.group_size),
-                        "key_sigma": bits["key"] - code_bits(q.codebook_size, q.group_size)},
+        "bits": q.bits(),
+        "bits_detail": {"index": code_bits(q.codebook_size, q.group_size), "key_sigma": key_sigma},
         "codebook_size": q.codebook_size, "group_size": q.group_size, "steps_per_block": q.steps_per_block,
         "codebook_sharing": q.sharing, "codebook_dtype": codebook_dtype,
         "index_dtype": _TORCH_INDEX[index_dtype(q.codebook_size)],
@@ -141,11 +143,23 @@ def _json_safe(obj: Any) -> Any:
     return str(obj)
 
 
-def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """A safetensors file as bytes, byte-reproducible (safetensors orders metadata keys at random)."""
     from safetensors.torch import save
 
+    seen: set[int] = set()  # safetensors refuses tensors that share memory (e.g. one groups tensor, two blocks)
+    for k, t in list(tensors.items()):
+        tensors[k] = t.clone() if t.data_ptr() in seen else t
+        seen.add(t.data_ptr())
+    data = save(tensors, metadata=metadata)
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.dumps(json.loads(data[8:8 + n]), separators=(",", ":"), sort_keys=True).encode()
+    return data[:8] + header.ljust(n) + data[8 + n:] if len(header) <= n else data
+
+
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     # through bytes: safetensors' save_file creates files with mode 0600 regardless of the umask
-    path.write_bytes(save(tensors, metadata={"format": "loopvq", "format_version": FORMAT_VERSION}))
+    path.write_bytes(safetensors_bytes(tensors, {"format": "loopvq", "format_version": FORMAT_VERSION}))
 
 
 def _file_entry(path: Path) -> dict[str, Any]:
@@ -169,61 +183,6 @@ def _swap_in(tmp: Path, final: Path) -> None:
         os.replace(old, final)
         raise
     shutil.rmtree(old, ignore_errors=True)
-
-
-def model_card(meta: dict[str, Any]) -> str:
-    """README.md of a bundle: hub front matter and a human summary."""
-    ident, bits, serving, metrics = meta["model"], meta["bits"], meta["serving"], meta["metrics"]
-    front: dict[str, Any] = {
-        "base_model": ident["name"],
-        "tags": ["loopvq", "kv-cache", "quantization", "vector-quantization", "looped-transformer", ident["model_type"]],
-        "library_name": "loopvq-calib",
-    }
-    cfg = meta.get("config") or {}
-    license_ = cfg.get("license") or (cfg.get("output") or {}).get("license")
-    if license_:
-        front["license"] = license_
-    kv = meta["kv_layout"]
-    n_key = sum(b["kind"] == "key" for b in meta["blocks"])
-    lines = [
-        "---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "",
-        f"# {meta['name']}", "",
-        f"LoopVQ KV-cache codebooks for `{ident['name']}`"
-        + (f" (revision `{ident['revision']}`)" if ident.get("revision") else "")
-        + f", model type `{ident['model_type']}`, produced by loopvq-calib {meta['producer']['version']} "
-        f"(bundle format {meta['format_version']}). The codes replace the pre-RoPE keys and values of the KV "
-        "cache; the model weights are unchanged.", "",
-        "| | |", "|---|---|",
-        f"| method | {meta['method']} |",
-        f"| bits per element | key {bits['key']:.4f}, value {bits['value']:.4f} |",
-        f"| codebook size K / group size G / loop steps per block T_c | {meta['codebook_size']} / "
-        f"{meta['group_size']} / {meta['steps_per_block']} |",
-        f"| codebook sharing | {meta['codebook_sharing']} |",
-        f"| blocks | {n_key} key + {len(meta['blocks']) - n_key} value |",
-        f"| KV sites | {len(kv['sites'])} ({kv['loop_steps']} loop steps, {kv['kv_heads']} KV heads, head dim "
-        f"{kv['head_dim']}) |",
-        f"| codebook memory | {meta['codebook_bytes']:,} bytes ({meta['codebook_dtype']}) |",
-        f"| RoPE | {meta['rope']['style']}, theta {meta['rope']['theta']:g} (applied after decoding) |",
-    ]
-    if "heldout_kl" in metrics:
-        lines.append(f"| held-out KL to full precision | {metrics['heldout_kl']} |")
-    lines += [
-        "", "## Load", "", "```python",
-        "from huggingface_hub import snapshot_download",
-        "from loopvq_calib import load_bundle", "",
-        "path = snapshot_download(\"<this repo id>\")  # or a local bundle folder",
-        f"bundle = load_bundle(path, model=\"{ident['name']}\")  # checks checksums and the model identity",
-        "codec = bundle.quantizer.codecs[\"" + meta["blocks"][0]["key"] + "\"]  # one (kind, block)",
-        "codes = codec.encode(x)        # x [N, T_c, H, D] pre-RoPE, fp32",
-        "x_hat = codec.decode(codes)    # apply RoPE afterwards for keys", "```", "",
-        "## Serving defaults", "",
-        f"- sink tokens kept in full precision: {serving['sink_tokens']}",
-        f"- recent window kept in full precision: {serving['recent_window']} tokens",
-        f"- page size (tokens encoded together once they leave the window): {serving['page_size']}", "",
-        "The file format (tensor names, group layout, encoder/decoder rules) is specified in loopvq-calib's "
-        "docs/bundle-format.md.", "",
-    ]
-    return "\n".join(lines)
 
 
 # -- reading -----------------------------------------------------------------------------------------
@@ -275,6 +234,9 @@ def _read_meta(path: Path) -> dict[str, Any]:
                                  "sites": list}, file, "kv_layout.")
     if meta["codebook_dtype"] not in DTYPES:
         raise BundleError(f"{file}: field codebook_dtype {meta['codebook_dtype']!r} is not one of {', '.join(DTYPES)}")
+    for i, site in enumerate(meta["kv_layout"]["sites"]):
+        _require(site, {"site": int, "step": int, "layer": int, "looped": bool, "stage": str}, file,
+                 f"kv_layout.sites[{i}].")
     for i, block in enumerate(meta["blocks"]):
         _require(block, _REQUIRED_BLOCK, file, f"blocks[{i}].")
     return meta
@@ -295,6 +257,8 @@ def _check_files(path: Path, meta: dict[str, Any]) -> None:
     if TENSOR_FILE not in files:
         raise BundleError(f"{path / META_FILE}: field files does not list {TENSOR_FILE}")
     for name, entry in files.items():
+        if not isinstance(entry, dict):
+            raise BundleError(f"{path / META_FILE}: files entry {name!r} must be an object with sha256 and bytes")
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise BundleError(f"{path / META_FILE}: files entry {name!r} points outside the bundle")
         file = path / name
@@ -329,12 +293,14 @@ def _expected_tensors(meta: dict[str, Any], file: Path) -> dict[str, tuple[list[
     h, d = kv["kv_heads"], kv["head_dim"]
     site_ids = {s.get("site") for s in kv["sites"] if isinstance(s, dict)}
     out: dict[str, tuple[list[int], torch.dtype, str]] = {}
+    covered: dict[str, list[int]] = {kind: [] for kind in KINDS}
     for b in meta["blocks"]:
         key, where = b["key"], f"{file.parent / META_FILE}: block {b['key']!r}"
         if b["kind"] not in KINDS or key != f"{b['kind']}.{b['name']}":
             raise BundleError(f"{where}: kind must be key/value and key must be '<kind>.<name>'")
         if not b["sites"] or not set(b["sites"]) <= site_ids:
             raise BundleError(f"{where}: sites {b['sites']} are not all in kv_layout.sites")
+        covered[b["kind"]] += b["sites"]
         steps, gs = len(b["sites"]), b["groups_shape"]
         if len(gs) != 3 or gs[0] not in (1, h) or gs[2] != meta["group_size"] or gs[1] * gs[2] != steps * d:
             raise BundleError(f"{where}: groups_shape {gs} is not [1 or {h}, n, {meta['group_size']}] with "
@@ -350,6 +316,10 @@ def _expected_tensors(meta: dict[str, Any], file: Path) -> dict[str, tuple[list[
             if not isinstance(b.get("sigma_min"), (int, float)) or b["sigma_min"] <= 0:
                 raise BundleError(f"{where}: a TaSQ block needs sigma_min > 0, got {b.get('sigma_min')!r}")
             out[f"{key}.tasq_weight"] = ([steps, h, d], torch.float32, key)
+    for kind, sites in covered.items():
+        if sorted(sites) != sorted(site_ids):
+            raise BundleError(f"{file.parent / META_FILE}: the {kind} blocks must cover every KV site exactly once "
+                              f"(missing {sorted(site_ids - set(sites))}, repeated {sorted({s for s in sites if sites.count(s) > 1})})")
     return out
 
 

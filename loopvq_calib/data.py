@@ -95,7 +95,7 @@ def _token_stream(docs: Iterator[str], tokenizer: Any, limit: int) -> tuple[list
     ids: list[int] = []
     count = 0
     for doc in docs:
-        ids.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
+        ids.extend(tokenizer(doc, add_special_tokens=False, verbose=False)["input_ids"])
         ids.append(sep)
         count += 1
         if len(ids) >= limit:

@@ -41,10 +41,11 @@ class RunResult:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
-def _distributed_state():
+def _distributed_state(device: str):
+    """accelerate's process state; CPU processes (no CUDA, or model.device cpu) talk over gloo."""
     from accelerate import PartialState
 
-    return PartialState()
+    return PartialState(cpu=device == "cpu" or not torch.cuda.is_available())
 
 
 def kv_layout_from_config(model_config: Any, loop_steps: int | None) -> KVLayout:
@@ -62,7 +63,7 @@ class Pipeline:
 
     def __init__(self, cfg: Config, output: str | Path | None = None, stages: list[str] | None = None) -> None:
         self.cfg = cfg
-        self.state = _distributed_state()
+        self.state = _distributed_state(cfg.model.device)
         self.folder = resolve_model_dir(cfg.model.name_or_path, cfg.model.revision)
         model_config = read_model_config(self.folder)
         self.kv = kv_layout_from_config(model_config, cfg.model.loop_steps)

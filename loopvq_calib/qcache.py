@@ -51,13 +51,11 @@ class QuantizedLoopKVCache:
         self.store = store
         self.num_steps: int | None = None
         self.last_site = max(s.site for s in quantizer.kv.sites)
-        # site -> (key codec name, value codec name, step index inside the block)
-        self.codec_of: dict[int, tuple[str, str, int]] = {}
+        self.codec_of: dict[int, dict[str, str]] = {}  # site -> {"key": codec name, "value": codec name}
         for name, codec in quantizer.codecs.items():
-            for m, site in enumerate(codec.layout.sites):
-                k, v, _ = self.codec_of.get(site, (None, None, m))
-                self.codec_of[site] = (name, v, m) if codec.layout.kind == "key" else (k, name, m)
-        uncovered = [s.site for s in quantizer.kv.sites if None in self.codec_of.get(s.site, (None, None))[:2]]
+            for site in codec.layout.sites:
+                self.codec_of.setdefault(site, {})[codec.layout.kind] = name
+        uncovered = [s.site for s in quantizer.kv.sites if set(self.codec_of.get(s.site, ())) != {"key", "value"}]
         if uncovered:
             raise ValueError(f"the quantizer has no key or value codec for KV sites {uncovered}")
         # full-precision tokens per site (sinks + window with store="indices"; everything with "fake")
@@ -81,7 +79,7 @@ class QuantizedLoopKVCache:
         if site in self.keys:
             key = torch.cat([self.keys[site], key], dim=1)
             value = torch.cat([self.values[site], value], dim=1)
-            positions = torch.cat([self.positions[site], positions.to(self.positions[site].device)], dim=1)
+            positions = torch.cat([self.positions[site], positions], dim=1)
         self.keys[site], self.values[site], self.positions[site] = key, value, positions
         out_k, out_v = self.site_kv(site)
         out = rope(out_k, self.positions[site]), out_v
@@ -95,7 +93,7 @@ class QuantizedLoopKVCache:
         if self.store == "fake" or not self.encoded:
             return k, v
         s = self.sink_tokens
-        dk, dv = (self._decode(name, site, k.dtype) for name in self.codec_of[site][:2])
+        dk, dv = (self._decode(self.codec_of[site][kind], site, k.dtype) for kind in ("key", "value"))
         return torch.cat([k[:, :s], dk, k[:, s:]], 1), torch.cat([v[:, :s], dv, v[:, s:]], 1)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -162,7 +160,7 @@ class QuantizedLoopKVCache:
     def _decode(self, name: str, site: int, dtype: torch.dtype) -> torch.Tensor:
         """Decoded tokens of the encoded region at ``site`` -> [B, encoded, H, D] in ``dtype``."""
         codec: BlockCodec = self.quantizer.codecs[name]
-        m = self.codec_of[site][2]
+        m = codec.layout.sites.index(site)
         ref = self.keys[site]
         pages = [codec.decode(c)[:, m].reshape(ref.shape[0], self.page_size, *ref.shape[2:]) for c in self.codes[name]]
         return torch.cat(pages, dim=1).to(device=ref.device, dtype=dtype)

@@ -12,7 +12,7 @@ from transformers.generation import utils as generation_utils
 from transformers.utils import ModelOutput
 
 from .cache import LoopKVCache
-from .common import RMSNorm, pick
+from .common import RMSNorm
 
 
 class CheckpointMismatchError(ValueError):
@@ -93,10 +93,12 @@ class LoopedPreTrainedModel(PreTrainedModel):
             )
         return (model, info) if wanted_info else model
 
-    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, **kwargs: Any) -> dict[str, Any]:
+    def prepare_inputs_for_generation(
+        self, input_ids: torch.Tensor, cache: Any = None, past_key_values: Any = None, **kwargs: Any
+    ) -> dict[str, Any]:
         """Feed only the tokens the cache has not seen; works with transformers 5.x before and after the
-        ``past_key_values`` -> ``cache`` rename."""
-        cache = pick(kwargs, "cache", "past_key_values")
+        ``past_key_values`` -> ``cache`` rename (declaring both lets generate() accept a user cache)."""
+        cache = cache if cache is not None else past_key_values
         if cache is not None:
             input_ids = input_ids[:, cache.get_seq_length():]
         return {

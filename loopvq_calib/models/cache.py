@@ -15,6 +15,9 @@ import torch
 class LoopKVCache:
     """Post-RoPE keys and values per site, each [B, S, H_kv, D], grown along S."""
 
+    is_compileable = False  # read by generate() from a user-passed cache
+    is_linear = (False,)
+
     def __init__(self, num_steps: int | None = None) -> None:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}

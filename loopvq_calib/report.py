@@ -1,0 +1,136 @@
+"""The ``loopvq-eval`` report: report.json, a side-by-side report.md and PNG plots (matplotlib, Agg).
+
+The report dict is :func:`loopvq_calib.evaluate.run_eval`'s: ``bundles`` is a list of per-bundle results
+(:func:`loopvq_calib.evaluate.evaluate_quantizer` plus name, bundle path, serving, fine-tuning curve).
+Loop steps are 0-based in JSON (as ``KVSite.step``) and labelled 1-based in report.md and the plots,
+like the paper's tables.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def _fmt(v: float | None, spec: str = ".4g") -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def _bits(r: dict[str, Any]) -> str:
+    return f"{r['bits']['key']:.3f} / {r['bits']['value']:.3f}"
+
+
+def markdown_report(report: dict[str, Any]) -> str:
+    """Side-by-side tables: method, bits, held-out KL, perplexities, per-step KL and NMSE."""
+    rows = report["bundles"]
+    steps = report["loop_steps"]
+    d = report.get("data") or {}
+    lines = [
+        "# LoopVQ evaluation", "",
+        f"Model `{report['model']}` ({report['dtype']}, {report['device']}); held-out data `{d.get('dataset')}`: "
+        f"{d.get('num_sequences')} sequences of {d.get('sequence_length')} tokens. KL and perplexity count the "
+        "positions after each bundle's sink tokens; every other position's keys and values are quantized at "
+        "every site (no recent window).", "",
+    ]
+    head = ["bundle", "method", "bits K / V", "sinks", "held-out KL", "ppl fp", "ppl quantized", "ppl increase"]
+    head += [f"KL step {t + 1} only" for t in range(steps)]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["name"], r["method"], _bits(r), str(r["sink_tokens"]), _fmt(r["heldout_kl"], ".5f"),
+                 _fmt(r["ppl_fp"], ".3f"), _fmt(r["ppl_quantized"], ".3f"), f"{r['ppl_increase']:+.2%}"]
+        per = r.get("per_step_kl") or [None] * steps
+        cells += [_fmt(v, ".5f") for v in per]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Reconstruction error (NMSE, non-sink tokens)", ""]
+    head = ["bundle", "keys", "values"] + [f"K / V step {t + 1}" for t in range(steps)]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        n = r["nmse"]
+        cells = [r["name"], _fmt(n["key"]), _fmt(n["value"])]
+        cells += [f"{_fmt(k)} / {_fmt(v)}" for k, v in zip(r["nmse_per_step"]["key"], r["nmse_per_step"]["value"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Bundles", "", "| bundle | path | K | G | T_c | codebook bytes | calibration held-out KL |",
+              "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | `{r['bundle']}` | {r['codebook_size']} | {r['group_size']} | "
+                     f"{r['steps_per_block']} | {r['codebook_bytes']:,} | {_fmt(r.get('calibration_heldout_kl'), '.5f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Write report.json, report.md and the plots into ``out_dir``; returns the written paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [out_dir / "report.json", out_dir / "report.md"]
+    written[0].write_text(json.dumps(report, indent=1, allow_nan=True) + "\n", encoding="utf-8")
+    written[1].write_text(markdown_report(report), encoding="utf-8")
+    return written + write_plots(report, out_dir)
+
+
+def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    """kl_by_method.png, kl_per_step.png, nmse_per_step.png and, when any bundle has one,
+    finetune_curve.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, steps = report["bundles"], report["loop_steps"]
+    x_steps = list(range(1, steps + 1))
+    out = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        out.append(out_dir / name)
+
+    methods = sorted({r["method"] for r in rows})
+    colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.3 * len(rows) + 1.5), 3.6))
+    labels = [f"{r['name']}\n{r['method']}, {r['bits']['key']:.3g}/{r['bits']['value']:.3g} bit" for r in rows]
+    ax.bar(range(len(rows)), [r["heldout_kl"] for r in rows], color=[colors[r["method"]] for r in rows])
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel("held-out KL to full precision")
+    ax.set_title("KL per method and width")
+    save(fig, "kl_by_method.png")
+
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    for r in rows:
+        if r.get("per_step_kl"):
+            ax.plot(x_steps, r["per_step_kl"], marker="o", label=r["name"])
+    ax.set_xlabel("quantized loop step (only)")
+    ax.set_ylabel("KL to full precision")
+    ax.set_xticks(x_steps)
+    ax.set_title("KL when one loop step is quantized")
+    ax.legend(fontsize=7)
+    save(fig, "kl_per_step.png")
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=False)
+    for ax, kind in zip(axes, ("key", "value")):
+        for r in rows:
+            ax.plot(x_steps, r["nmse_per_step"][kind], marker="o", label=r["name"])
+        ax.set_xlabel("loop step")
+        ax.set_ylabel("NMSE")
+        ax.set_xticks(x_steps)
+        ax.set_title(f"{kind}s")
+    axes[0].legend(fontsize=7)
+    save(fig, "nmse_per_step.png")
+
+    curves = [r for r in rows if r.get("finetune_curve")]
+    if curves:
+        fig, ax = plt.subplots(figsize=(5, 3.6))
+        for r in curves:
+            c = r["finetune_curve"]
+            epochs = [e["epoch"] for e in c]
+            line = ax.plot(epochs, [e.get("heldout_kl") for e in c], marker="o", label=f"{r['name']} held-out")
+            if any(e.get("train_kl") is not None for e in c):
+                ax.plot(epochs, [e.get("train_kl") for e in c], ls="--", color=line[0].get_color(),
+                        label=f"{r['name']} train")
+        ax.set_xlabel("epoch (0 = k-means init)")
+        ax.set_ylabel("KL to full precision")
+        ax.set_title("Codebook fine-tuning")
+        ax.legend(fontsize=7)
+        save(fig, "finetune_curve.png")
+    return out

@@ -1,0 +1,176 @@
+"""The golden vectors (tests/golden/, written by scripts/make_golden.py) against our reference codec."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from loopvq_calib.bundle import load_bundle
+from loopvq_calib.models.common import apply_rope, rope_angles
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "golden"
+CASES = ("ouro_loopvq", "huginn_tasq_loopvq")
+
+
+def _make_golden():
+    spec = importlib.util.spec_from_file_location("make_golden", ROOT / "scripts" / "make_golden.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def inputs() -> dict[str, torch.Tensor]:
+    return load_file(str(GOLDEN / "inputs.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, torch.Tensor]:
+    return load_file(str(GOLDEN / "expected.safetensors"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_reference_codec_reproduces_golden(case, inputs, expected):
+    bundle = load_bundle(GOLDEN / case)
+    kv = bundle.quantizer.kv
+    positions = inputs[f"{case}/positions"]
+    cos, sin = rope_angles(positions[None], kv.head_dim, kv.rope_theta)
+    assert len(bundle.quantizer.codecs) == len(bundle.meta["blocks"]) >= 4
+    for key, codec in bundle.quantizer.codecs.items():
+        codes = codec.encode(inputs[f"{case}/{key}"])
+        want = expected[f"{case}/{key}.indices"]
+        assert codes.indices.dtype == want.dtype == torch.uint8
+        assert torch.equal(codes.indices, want), key
+        if codec.transform is not None:
+            assert torch.equal(codes.sigma, expected[f"{case}/{key}.sigma"]), key
+        else:
+            assert f"{case}/{key}.sigma" not in expected
+        decoded = codec.decode(codes)
+        torch.testing.assert_close(decoded, expected[f"{case}/{key}.decoded"], atol=1e-6, rtol=0)
+        if codec.layout.kind == "key":
+            roped = torch.stack([apply_rope(decoded[:, m][None], cos, sin, kv.rope_style)[0]
+                                 for m in range(codec.layout.steps)], 1)
+            torch.testing.assert_close(roped, expected[f"{case}/{key}.decoded_rope"], atol=1e-5, rtol=0)
+
+
+class SpecReader:
+    """A reader written from docs/bundle-format.md alone (numpy, float32), not from our codec."""
+
+    def __init__(self, folder: Path) -> None:
+        self.meta = json.loads((folder / "loopvq.json").read_text())
+        self.t = {k: v.float().numpy() if v.is_floating_point() else v.numpy().astype(np.int64)
+                  for k, v in load_file(str(folder / "codebooks.safetensors")).items()}
+        kv = self.meta["kv_layout"]
+        self.h, self.d = kv["kv_heads"], kv["head_dim"]
+
+    def _parts(self, key: str, h: int, g: int) -> tuple[np.ndarray, np.ndarray]:
+        cb, groups = self.t[f"{key}.codebook"], self.t[f"{key}.groups"]
+        hc = h if cb.shape[0] == self.h else 0
+        gc = g if cb.shape[1] == groups.shape[1] else 0
+        return cb[hc, gc], groups[h if groups.shape[0] == self.h else 0, g]
+
+    def encode(self, block: dict, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        n_tok, steps = x.shape[:2]
+        sigma = None
+        if block["tasq"]:
+            w = self.t[f"{block['key']}.tasq_weight"]
+            rms = np.sqrt(np.mean((w * x) ** 2, axis=(2, 3), dtype=np.float32))
+            sigma = np.maximum(rms, np.float32(block["sigma_min"])).astype(np.float16)
+            x = (x * w) / sigma.astype(np.float32)[:, :, None, None]
+        n = self.t[f"{block['key']}.groups"].shape[1]
+        idx = np.zeros((n_tok, self.h, n), np.uint8)
+        for h in range(self.h):
+            flat = x[:, :, h, :].reshape(n_tok, steps * self.d)  # coordinate m*D + d
+            for g in range(n):
+                e, coords = self._parts(block["key"], h, g)
+                dist = (e * e).sum(-1)[None] - 2 * flat[:, coords] @ e.T
+                idx[:, h, g] = dist.argmin(-1)  # first (lowest) index on ties
+        return idx, sigma
+
+    def decode(self, block: dict, idx: np.ndarray, sigma: np.ndarray | None) -> np.ndarray:
+        n_tok, steps = idx.shape[0], len(block["sites"])
+        flat = np.zeros((n_tok, self.h, steps * self.d), np.float32)
+        for h in range(self.h):
+            for g in range(idx.shape[2]):
+                e, coords = self._parts(block["key"], h, g)
+                flat[:, h, coords] = e[idx[:, h, g]]
+        x = flat.reshape(n_tok, self.h, steps, self.d).transpose(0, 2, 1, 3)
+        if block["tasq"]:
+            x = (x * sigma.astype(np.float32)[:, :, None, None]) / self.t[f"{block['key']}.tasq_weight"]
+        return x
+
+    def rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        d, style = self.d, self.meta["rope"]["style"]
+        inv = 1.0 / (self.meta["rope"]["theta"] ** (np.arange(0, d, 2, dtype=np.float32) / d))
+        ang = positions.astype(np.float32)[:, None, None, None] * inv.astype(np.float32)
+        cos, sin = np.cos(ang), np.sin(ang)
+        a, b = (x[..., : d // 2], x[..., d // 2:]) if style == "half" else (x[..., 0::2], x[..., 1::2])
+        ra, rb = a * cos - b * sin, b * cos + a * sin
+        return np.concatenate([ra, rb], -1) if style == "half" else np.stack([ra, rb], -1).reshape(x.shape)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_reader_written_from_the_spec_agrees(case, inputs, expected):
+    reader = SpecReader(GOLDEN / case)
+    positions = inputs[f"{case}/positions"].numpy()
+    for block in reader.meta["blocks"]:
+        key = block["key"]
+        idx, sigma = reader.encode(block, inputs[f"{case}/{key}"].numpy())
+        np.testing.assert_array_equal(idx, expected[f"{case}/{key}.indices"].numpy())
+        if block["tasq"]:
+            np.testing.assert_array_equal(sigma, expected[f"{case}/{key}.sigma"].numpy())
+        decoded = reader.decode(block, idx, sigma)
+        np.testing.assert_allclose(decoded, expected[f"{case}/{key}.decoded"].numpy(), atol=1e-6, rtol=0)
+        if block["kind"] == "key":
+            np.testing.assert_allclose(reader.rope(decoded, positions), expected[f"{case}/{key}.decoded_rope"].numpy(),
+                                       atol=1e-5, rtol=0)
+
+
+def test_golden_covers_the_edge_cases(expected):
+    huginn = load_bundle(GOLDEN / "huginn_tasq_loopvq")
+    assert huginn.meta["codebook_sharing"] == "heads" and huginn.meta["rope"]["style"] == "interleaved"
+    assert {b["name"] for b in huginn.meta["blocks"]} >= {"prelude.l0", "coda.l0", "b0.l0", "b0.l1"}
+    clamp = torch.tensor(1e-4).half()
+    sigmas = [t for k, t in expected.items() if k.endswith(".sigma")]
+    assert sigmas and all(s[0, -1] == clamp for s in sigmas)  # the all-zero site hits the sigma clamp
+    tasq = huginn.quantizer.codecs["key.b0.l0"]
+    assert tasq.layout.groups.shape[0] == 2 and not torch.equal(tasq.layout.groups[0], tasq.layout.groups[1])
+    pairs = tasq.layout.groups // 2  # interleaved RoPE pair id (flat coordinate // 2)
+    assert all((pairs[h, g].view(-1, 2)[:, 0] == pairs[h, g].view(-1, 2)[:, 1]).all() for h in range(2) for g in range(4))
+    assert load_bundle(GOLDEN / "ouro_loopvq").meta["rope"]["style"] == "half"
+
+
+def test_builder_is_deterministic(inputs, expected, tmp_path):
+    module = _make_golden()
+    cases = module.build_cases()
+    assert [c.name for c in cases] == list(CASES)
+    rebuilt = {k: v for c in cases for part in (c.inputs, c.expected) for k, v in part.items()}
+    assert rebuilt.keys() == inputs.keys() | expected.keys()
+    for name, t in rebuilt.items():
+        ref = inputs.get(name, expected.get(name))
+        assert t.dtype == ref.dtype and torch.equal(t, ref), name
+    module.write_golden(tmp_path)  # and the files byte for byte (loopvq.json up to the producer version)
+    files = sorted(p.relative_to(GOLDEN) for p in GOLDEN.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    for rel in files:
+        if rel.name == "loopvq.json":
+            old, new = (json.loads((root / rel).read_text()) for root in (GOLDEN, tmp_path))
+            assert {**old, "producer": None, "files": None} == {**new, "producer": None, "files": None}, rel
+            assert old["files"]["codebooks.safetensors"] == new["files"]["codebooks.safetensors"], rel
+        elif rel.name != "README.md" or rel.parent == Path("."):
+            assert (GOLDEN / rel).read_bytes() == (tmp_path / rel).read_bytes(), rel
+
+
+def test_golden_files_are_small():
+    total = sum(p.stat().st_size for p in GOLDEN.rglob("*") if p.is_file())
+    assert total < 200_000

@@ -1,0 +1,157 @@
+"""The staged run: fingerprinted reuse and invalidation, crash recovery, determinism, multi-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import loopvq_calib.pipeline as pipeline_module
+from loopvq_calib.cli import calibrate_main
+from loopvq_calib.config import load_config
+from loopvq_calib.pipeline import calibrate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_config(model_dir: Path, corpus: Path, out: Path, **sections) -> dict:
+    cfg = {
+        "model": {"name_or_path": str(model_dir)},
+        "data": {"dataset": str(corpus), "num_sequences": 6, "sequence_length": 32, "heldout_sequences": 2, "sink_tokens": 4},
+        "quant": {"method": "loopvq", "codebook_size": 16, "group_size": 8, "bits": 0.5},
+        "kmeans": {"iterations": 8, "backend": "torch"},
+        "finetune": {"epochs": 2, "lr": 1e-2},
+        "output": {"dir": str(out), "serving": {"sink_tokens": 8, "recent_window": 16}},
+    }
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    return cfg
+
+
+def without_timings(path: Path):
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k != "seconds"}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+
+    return strip(json.loads(path.read_text()))
+
+
+def statuses(run: Path) -> dict[str, str]:
+    stages = json.loads((run / "manifest.json").read_text())["stages"]
+    return {k: v["status"] for k, v in stages.items()}
+
+
+def test_full_run_then_reuse_then_partial_invalidation(tiny_ouro_dir, calib_corpus, tmp_path):
+    out = tmp_path / "run"
+    first = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, out))
+    assert [s["name"] for s in first.stages] == ["data", "capture", "kmeans", "finetune", "bundle"]
+    assert all(not s["reused"] for s in first.stages) and first.bundle == out / "bundle"
+    assert (out / "bundle" / "loopvq.json").is_file() and (out / "run.log").is_file()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model_identity"]["config_sha256"] and manifest["data_sha256"] and manifest["toolkit_version"]
+    assert len(manifest["finetune_curve"]) == 3
+
+    again = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, out))
+    assert all(s["reused"] for s in again.stages)
+
+    changed = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, out, finetune={"epochs": 2, "lr": 5e-3}))
+    assert {s["name"]: s["reused"] for s in changed.stages} == {
+        "data": True, "capture": True, "kmeans": True, "finetune": False, "bundle": False}
+
+    requant = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, out, quant={"method": "cq"}))
+    assert {s["name"]: s["reused"] for s in requant.stages} == {
+        "data": True, "capture": True, "kmeans": False, "finetune": False, "bundle": False}
+
+
+def test_stages_option_stops_early_and_tasq_only_for_tasq_methods(tiny_ouro_dir, calib_corpus, tmp_path):
+    out = tmp_path / "run"
+    res = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, out, quant={"method": "tasq"}), stages=["capture", "kmeans"])
+    assert [s["name"] for s in res.stages] == ["data", "capture", "tasq", "kmeans"]
+    assert not (out / "finetune").exists() and res.bundle is None
+    assert (out / "tasq" / "tasq.safetensors").is_file() and (out / "kmeans" / "quantizer.safetensors").is_file()
+
+
+def test_crash_leaves_nothing_a_rerun_mistakes_for_a_result(tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    cfg = tiny_config(tiny_ouro_dir, calib_corpus, out)
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("simulated crash in fine-tuning")
+
+    monkeypatch.setattr(pipeline_module, "finetune_codebooks", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        calibrate(cfg)
+    assert statuses(out)["finetune"] == "failed" and not (out / "finetune").exists()
+    assert not list(out.glob(".*.tmp"))
+    monkeypatch.undo()
+
+    # a process killed mid-stage leaves its temporary folder and a "running" record: neither is reused
+    (out / ".finetune.tmp").mkdir()
+    (out / ".finetune.tmp" / "quantizer.json").write_text("{partial")
+    resumed = calibrate(cfg)
+    assert {s["name"]: s["reused"] for s in resumed.stages} == {
+        "data": True, "capture": True, "kmeans": True, "finetune": False, "bundle": False}
+    assert statuses(out) == dict.fromkeys(["data", "capture", "kmeans", "finetune", "bundle"], "done")
+    assert not (out / ".finetune.tmp").exists()
+
+
+def test_two_runs_with_the_same_seed_are_byte_identical(tiny_ouro_dir, calib_corpus, tmp_path):
+    a = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "a")).run_dir
+    b = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "b")).run_dir
+    for stage in ("data", "capture", "kmeans", "finetune"):
+        for path in sorted((a / stage).iterdir()):
+            if path.name == "report.json":  # holds wall times; everything else in it must match
+                assert without_timings(path) == without_timings(b / stage / path.name)
+            else:
+                assert path.read_bytes() == (b / stage / path.name).read_bytes(), f"{stage}/{path.name}"
+    assert (a / "bundle" / "codebooks.safetensors").read_bytes() == (b / "bundle" / "codebooks.safetensors").read_bytes()
+
+
+def test_cli_run_writes_bundle_and_reports(tiny_ouro_dir, calib_corpus, tmp_path, capsys):
+    import yaml
+
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "unused")))
+    out = tmp_path / "cli-run"
+    assert calibrate_main(["--config", str(cfg_path), "--output", str(out), "--set", "finetune.epochs=1"]) == 0
+    printed = capsys.readouterr().out
+    assert f"bundle: {out / 'bundle'}" in printed and "held-out KL" in printed
+    assert load_config(out / "config.yaml").finetune.epochs == 1
+    assert calibrate_main(["--config", str(cfg_path), "--stages", "bogus"]) == 2
+
+
+@pytest.mark.slow
+def test_two_cpu_processes_equal_one(tiny_ouro_dir, calib_corpus, tmp_path):
+    """accelerate launch, 2 processes on gloo: capture shards sequences, fine-tuning averages gradients."""
+    import yaml
+
+    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "x", finetune={"epochs": 1, "batch_size": 2, "lr": 1e-2})
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    single = calibrate(cfg, output=tmp_path / "one").run_dir
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    # accelerate's multi-process launcher (its flag says GPU; without CUDA our processes use gloo on CPU)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "loopvq_calib",
+           "--config", str(cfg_path), "--output", str(tmp_path / "two")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = tmp_path / "two"
+    for path in sorted((single / "capture").glob("seq*.safetensors")):
+        assert path.read_bytes() == (two / "capture" / path.name).read_bytes()
+    a = load_file(single / "finetune" / "quantizer.safetensors")
+    b = load_file(two / "finetune" / "quantizer.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
+    curve_a = json.loads((single / "finetune" / "curve.json").read_text())["curve"]
+    curve_b = json.loads((two / "finetune" / "curve.json").read_text())["curve"]
+    assert curve_a[1]["heldout_kl"] == pytest.approx(curve_b[1]["heldout_kl"], rel=1e-4)
+    assert json.loads((two / "manifest.json").read_text())["processes"] == 2
