@@ -377,8 +377,8 @@ def _check_identity(path: Path, meta: dict[str, Any], actual: dict[str, Any], wh
         elif name not in want:
             diffs.append(f"weight file {name} not in the bundle's model")
         elif want[name] != have[name]:
-            diffs.append(f"weight file {name} differs (size {want[name].get('bytes')} vs {have[name].get('bytes')}, "
-                         "or safetensors header)")
+            fields = [k for k in sorted(set(want[name]) | set(have[name])) if want[name].get(k) != have[name].get(k)]
+            diffs.append(f"weight file {name} differs in {', '.join(fields)}")
     if diffs:
         raise BundleError(f"{path}: calibrated for {stored.get('name')!r} (revision {stored.get('revision')!r}); "
                           f"{what} differs: " + "; ".join(diffs))

@@ -92,16 +92,19 @@ def _flat_codebook_index(indices: torch.Tensor, codebook: torch.Tensor) -> torch
 
 
 def nearest(z: torch.Tensor, codebook: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
-    """Index of the nearest codeword for each group vector: z [N, H, n, G], codebook [Hc, nc, K, G] -> [N, H, n]."""
-    cb = codebook.detach().to(z.dtype if z.is_floating_point() else torch.float32)
-    h, n = z.shape[1:3]
-    cb = cb.expand(h, n, -1, -1)
-    cb_sq = cb.pow(2).sum(-1)  # [H, n, K]
-    out = []
-    for part in z.detach().split(chunk):
-        dist = cb_sq - 2 * torch.einsum("thng,hnkg->thnk", part, cb)
-        out.append(dist.min(-1).indices)
-    return torch.cat(out) if out else torch.zeros(0, h, n, dtype=torch.long, device=z.device)
+    """Index of the nearest codeword for each group vector: z [N, H, n, G], codebook [Hc, nc, K, G] -> [N, H, n].
+
+    Distance ||c||^2 - 2 z.c in fp32 (||z||^2 is common to all codewords); ties go to the lowest index.
+    """
+    n_tok, h, n = z.shape[:3]
+    cb = codebook.detach().float().expand(h, n, -1, -1).reshape(h * n, *codebook.shape[2:])  # [HN, K, G]
+    cb_sq = cb.pow(2).sum(-1)[:, None, :]  # [HN, 1, K]
+    cb_t = (-2 * cb).transpose(1, 2)  # [HN, G, K]
+    zt = z.detach().float().reshape(n_tok, h * n, -1).transpose(0, 1)  # [HN, N, G]
+    out = [torch.baddbmm(cb_sq, part, cb_t).min(-1).indices for part in zt.split(chunk, dim=1)]
+    if not out:
+        return torch.zeros(0, h, n, dtype=torch.long, device=z.device)
+    return torch.cat(out, dim=1).transpose(0, 1).reshape(n_tok, h, n).contiguous()
 
 
 def lookup(indices: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:

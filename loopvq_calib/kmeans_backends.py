@@ -62,16 +62,26 @@ def _draw_one(prob: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 def kmeans_pp_init(x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
     """Weighted k-means++: the first centroid drawn with probability ~ w, each next one ~ w * D^2
     (D^2: squared distance to the nearest chosen centroid). x [P, N, G], w [P, N] -> [P, K, G].
-    ``generator`` is a CPU generator; the result is deterministic given its state."""
+    ``generator`` is a CPU generator; the result is deterministic given its state.
+
+    D^2 to a new centroid is ||x||^2 - 2 x.c + ||c||^2 (one batched matrix-vector product per draw,
+    not a pass over an [P, N, G] difference); drawn points are pinned to exactly zero."""
     _check_shapes(x, w, k)
     p, _, g = x.shape
     rows = torch.arange(p, device=x.device)
+    x_sq = x.pow(2).sum(-1)
+    xt = x.transpose(1, 2).contiguous()  # [P, G, N]: a row-vector product over it is fast on CPU and GPU
     out = x.new_empty(p, k, g)
-    out[:, 0] = x[rows, _draw_one(w, generator)]
-    d2 = (x - out[:, :1]).pow(2).sum(-1)
-    for j in range(1, k):
-        out[:, j] = x[rows, _draw_one(w * d2, generator)]
-        d2 = torch.minimum(d2, (x - out[:, j : j + 1]).pow(2).sum(-1))
+    chosen = _draw_one(w, generator)
+    d2 = torch.full_like(x_sq, float("inf"))
+    for j in range(k):
+        out[:, j] = x[rows, chosen]
+        c = out[:, j]
+        dist = torch.baddbmm((x_sq + c.pow(2).sum(-1)[:, None])[:, None, :], c[:, None, :], xt, alpha=-2.0)[:, 0]
+        d2 = torch.minimum(d2, dist.clamp_min_(0))
+        d2[rows, chosen] = 0.0
+        if j + 1 < k:
+            chosen = _draw_one(w * d2, generator)
     return out
 
 

@@ -232,7 +232,7 @@ def write_golden(out: Path = OUT) -> None:
     meta = {"format": "loopvq-golden", "tokens": str(TOKENS), "margin": str(MARGIN)}
     (out / "inputs.safetensors").write_bytes(safetensors_bytes(inputs, meta))
     (out / "expected.safetensors").write_bytes(safetensors_bytes(expected, meta))
-    (out / ".gitattributes").write_text("* binary\n")  # checksummed files must keep their bytes
+    (out / ".gitattributes").write_text("* -text\n")  # checksummed files must keep their bytes
     (out / "README.md").write_text(golden_readme(inputs, expected))
 
 

@@ -30,7 +30,7 @@ def model_a(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def model_b(tmp_path_factory) -> Path:
-    """Another tiny Ouro whose config differs (rope_theta); same-config seeds share an identity (see xfail below)."""
+    """Another tiny Ouro whose config differs (rope_theta); other seeds differ by content hash."""
     return save_with_tokenizer(make_tiny_ouro(seed=1, rope_theta=20000.0), tmp_path_factory.mktemp("ouro-b"))
 
 
@@ -255,11 +255,10 @@ def test_identity_mismatch(bundle_dir, model_a, model_b, tmp_path):
         load_bundle(bundle_dir, model=tmp_path / "no-such-model")
 
 
-@pytest.mark.xfail(strict=True, reason="ModelIdentity hashes safetensors headers, not weight values: a model with the "
-                   "same config and tensor layout but other weights is not detected")
 def test_identity_detects_other_weights_with_same_layout(bundle_dir, tmp_path):
+    """Same config and tensor layout, other weight values (a fine-tune): the content hash differs."""
     other = save_with_tokenizer(make_tiny_ouro(seed=1), tmp_path / "same-layout")
-    with pytest.raises(BundleError):
+    with pytest.raises(BundleError, match="sample_sha256|weights"):
         load_bundle(bundle_dir, model=other)
 
 

@@ -42,10 +42,29 @@ def resolve_model_dir(name_or_path: str, revision: str | None = None, key: str =
         raise ModelLoadError(f"{key}: could not get {name_or_path!r} revision {revision!r}{hint}: {err}") from err
 
 
+SAMPLE_CHUNKS = 64
+SAMPLE_BYTES = 1 << 16
+
+
 def _safetensors_header_hash(path: Path) -> str:
     with path.open("rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         return hashlib.sha256(f.read(n)).hexdigest()
+
+
+def _content_hash(path: Path) -> dict[str, str]:
+    """The file's sha256 when the hub cache names its blob by it (free); otherwise a sha256 over 64
+    evenly spaced 64 KiB chunks, which any change of the weight values (a fine-tune) alters."""
+    target = path.resolve()
+    if target != path.absolute() and len(target.name) == 64 and all(c in "0123456789abcdef" for c in target.name):
+        return {"sha256": target.name}
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for i in range(SAMPLE_CHUNKS):
+            f.seek(max(0, (size - SAMPLE_BYTES) * i // max(SAMPLE_CHUNKS - 1, 1)))
+            h.update(f.read(SAMPLE_BYTES))
+    return {"sample_sha256": h.hexdigest()}
 
 
 @dataclass
@@ -70,11 +89,11 @@ class ModelIdentity:
 
 
 def model_identity(folder: Path, name: str, revision: str | None = None) -> ModelIdentity:
-    """Hash config.json and describe each safetensors file by name, size and header hash (its tensor
-    names, dtypes, shapes and offsets): cheap even for 15 GB checkpoints."""
+    """Hash config.json and describe each safetensors file by name, size, header hash (tensor names,
+    dtypes, shapes, offsets) and a content hash (:func:`_content_hash`): cheap even for 15 GB checkpoints."""
     config_bytes = (folder / "config.json").read_bytes()
     weights = [
-        {"file": p.name, "bytes": p.stat().st_size, "header_sha256": _safetensors_header_hash(p)}
+        {"file": p.name, "bytes": p.stat().st_size, "header_sha256": _safetensors_header_hash(p), **_content_hash(p)}
         for p in sorted(folder.glob("*.safetensors"))
     ]
     model_type = json.loads(config_bytes).get("model_type", "")
