@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -75,8 +74,16 @@ def _check_finite(tensors: dict[str, torch.Tensor], kv: KVLayout, seq: int) -> N
             )
 
 
-def capture_sequence(model: torch.nn.Module, ids: torch.Tensor, kv: KVLayout) -> tuple[dict[str, torch.Tensor], ...]:
-    """One forward + backward over ``ids`` [B, S]; returns per-sequence tensor dicts (on CPU, fp32)."""
+def capture_sequence(
+    model: torch.nn.Module, ids: torch.Tensor, kv: KVLayout, seqs: list[int], dtype: torch.dtype = torch.float32,
+    fisher_channels: int = 1,
+) -> tuple[dict[str, torch.Tensor], ...]:
+    """One forward + backward over ``ids`` [B, S]; per sequence, the tensors to store, on CPU in ``dtype``.
+
+    Values are checked on the device (non-finite -> :class:`CaptureError` naming site and sequence
+    ``seqs[b]``). With ``fisher_channels`` c > 1 the squared gradients are summed over c consecutive
+    channels ([S, H, D/c]); the reader spreads each sum evenly back over its c channels.
+    """
     rec = KVRecorder(fisher=True)
     qstats = QueryStats(kv)
     model.query_observer = qstats
@@ -88,17 +95,31 @@ def capture_sequence(model: torch.nn.Module, ids: torch.Tensor, kv: KVLayout) ->
     finally:
         model.query_observer = None
     fisher = rec.fisher()
+
+    def chunked(f: torch.Tensor) -> torch.Tensor:
+        return f if fisher_channels == 1 else f.unflatten(-1, (-1, fisher_channels)).sum(-1)
+
     out = []
-    for b in range(ids.shape[0]):
-        t: dict[str, torch.Tensor] = {"input_ids": ids[b].cpu()}
+    for b, seq in enumerate(seqs):
+        t: dict[str, torch.Tensor] = {"input_ids": ids[b]}
         for site in rec.keys:
-            t[f"key.{site}"] = rec.keys[site][b].float().cpu()
-            t[f"value.{site}"] = rec.values[site][b].float().cpu()
-            t[f"fisher_key.{site}"] = fisher[site][0][b].float().cpu()
-            t[f"fisher_value.{site}"] = fisher[site][1][b].float().cpu()
-        t.update({f"qstat.{site}": v[b].float() for site, v in qstats.sums.items()})
-        out.append(t)
+            t[f"key.{site}"] = rec.keys[site][b]
+            t[f"value.{site}"] = rec.values[site][b]
+            t[f"fisher_key.{site}"] = chunked(fisher[site][0][b])
+            t[f"fisher_value.{site}"] = chunked(fisher[site][1][b])
+        _check_finite(t, kv, seq)
+        stored = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in t.items()}
+        stored.update({f"qstat.{site}": v[b].float() for site, v in qstats.sums.items()})
+        out.append(stored)
     return tuple(out)
+
+
+class MemoryCapture:
+    """Capture held in this process's memory (``capture.store: memory``): no files, nothing to reuse."""
+
+    def __init__(self) -> None:
+        self.sequences: dict[int, dict[str, torch.Tensor]] = {}
+        self.meta: dict[str, Any] = {}
 
 
 def capture_kv(
@@ -106,40 +127,39 @@ def capture_kv(
     calib: CalibrationSet,
     kv: KVLayout,
     cfg: CaptureConfig,
-    out_dir: Path,
+    out: Path | MemoryCapture,
     rank: int = 0,
     world: int = 1,
     progress: Callable[[int], Any] | None = None,
 ) -> list[int]:
-    """Capture the sequences of this process (``i % world == rank``) into ``out_dir``; returns their ids.
+    """Capture the sequences of this process (``i % world == rank``) into ``out``; returns their ids.
 
-    Files are written under a temporary name and renamed, so a killed run leaves no partial shard.
+    On disk, files are written under a temporary name and renamed, so a killed run leaves no partial shard.
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if isinstance(out, Path):
+        out.mkdir(parents=True, exist_ok=True)
     for p in model.parameters():
         p.requires_grad_(False)
     device = next(model.parameters()).device
     mine = [i for i in range(calib.input_ids.shape[0]) if i % world == rank]
-    dtype = DTYPES[cfg.dtype]
     for start in range(0, len(mine), cfg.batch_size):
         batch = mine[start : start + cfg.batch_size]
-        results = capture_sequence(model, calib.input_ids[batch].to(device), kv)
-        for seq, tensors in zip(batch, results):
-            _check_finite(tensors, kv, seq)
-            stored = {
-                k: (v.to(dtype) if v.is_floating_point() and not k.startswith("qstat") else v).contiguous()
-                for k, v in tensors.items()
-            }
-            tmp = out_dir / f".seq{seq:05d}.tmp{os.getpid()}"
-            save_file(stored, str(tmp), metadata={"sequence": str(seq)})
-            os.replace(tmp, out_dir / f"seq{seq:05d}.safetensors")
+        results = capture_sequence(model, calib.input_ids[batch].to(device), kv, batch, DTYPES[cfg.dtype], cfg.fisher_channels)
+        for seq, stored in zip(batch, results):
+            if isinstance(out, MemoryCapture):
+                out.sequences[seq] = stored
+            else:
+                tmp = out / f".seq{seq:05d}.tmp{os.getpid()}"
+                save_file(stored, str(tmp), metadata={"sequence": str(seq)})
+                os.replace(tmp, out / f"seq{seq:05d}.safetensors")
             if progress:
                 progress(1)
     return mine
 
 
-def write_meta(out_dir: Path, calib: CalibrationSet, kv: KVLayout, cfg: CaptureConfig) -> dict[str, Any]:
-    """Describe the capture (called once all sequences exist)."""
+def write_meta(out_dir: Path, calib: CalibrationSet, kv: KVLayout, cfg: CaptureConfig,
+               memory: MemoryCapture | None = None) -> dict[str, Any]:
+    """Describe the capture in ``out_dir/meta.json`` (called once all sequences exist)."""
     meta = {
         "num_sequences": int(calib.input_ids.shape[0]),
         "sequence_length": int(calib.input_ids.shape[1]),
@@ -152,58 +172,87 @@ def write_meta(out_dir: Path, calib: CalibrationSet, kv: KVLayout, cfg: CaptureC
         "rope_theta": kv.rope_theta,
         "sites": [vars(s) for s in kv.sites],
         "qstat_pairs_per_sequence": calib.input_ids.shape[1] * (calib.input_ids.shape[1] + 1) / 2,
+        "fisher_channels": cfg.fisher_channels,
+        "store": "memory" if memory is not None else "disk",
     }
-    missing = [i for i in range(meta["num_sequences"]) if not (out_dir / f"seq{i:05d}.safetensors").is_file()]
+    if memory is not None:
+        have = set(memory.sequences)
+        memory.meta = meta
+    else:
+        have = {i for i in range(meta["num_sequences"]) if (out_dir / f"seq{i:05d}.safetensors").is_file()}
+    missing = [i for i in range(meta["num_sequences"]) if i not in have]
     if missing:
         raise CaptureError(f"capture incomplete: sequences {missing} have no file in {out_dir}")
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
     return meta
 
 
-@dataclass
-class CaptureReader:
-    """Reads a capture block by block."""
+class CaptureData:
+    """Reading a capture block by block (shared by the disk reader and the in-memory store)."""
 
-    dir: Path
+    meta: dict[str, Any]
 
-    def __post_init__(self) -> None:
-        self.dir = Path(self.dir)
-        self.meta = json.loads((self.dir / "meta.json").read_text())
-        self.files = [self.dir / f"seq{i:05d}.safetensors" for i in range(self.meta["num_sequences"])]
+    def _tensor(self, seq: int, name: str) -> torch.Tensor | None:
+        raise NotImplementedError
 
     @property
     def sink_tokens(self) -> int:
         return self.meta["sink_tokens"]
 
-    def load(
-        self, name: str, sites: tuple[int, ...], sequences: list[int] | None = None, include_sinks: bool = False
-    ) -> torch.Tensor:
-        """Tensor ``name`` (key | value | fisher_key | fisher_value) of ``sites`` -> [N, T, H, D] fp32.
+    @property
+    def num_sequences(self) -> int:
+        return self.meta["num_sequences"]
 
-        N runs over the tokens of ``sequences`` (default all), sinks excluded unless asked for.
+    def load(
+        self, name: str, sites: tuple[int, ...], sequences: list[int] | None = None, include_sinks: bool = False,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """Tensor ``name`` (key | value | fisher_key | fisher_value) of ``sites`` -> [N, T, H, D] fp32 on ``device``.
+
+        N runs over the tokens of ``sequences`` (default all), sinks excluded unless asked for. The data moves
+        in its storage dtype and is widened on the device.
         """
         start = 0 if include_sinks else self.sink_tokens
-        parts = []
-        for i in sequences if sequences is not None else range(len(self.files)):
-            with safe_open(str(self.files[i]), framework="pt") as f:
-                parts.append(torch.stack([f.get_tensor(f"{name}.{s}")[start:] for s in sites], dim=1))
-        return torch.cat(parts).float()
+        parts = [
+            torch.stack([self._tensor(i, f"{name}.{s}")[start:] for s in sites], dim=1)
+            for i in (sequences if sequences is not None else range(self.num_sequences))
+        ]
+        out = torch.cat(parts).to(device or "cpu").float()
+        c = self.meta.get("fisher_channels", 1)
+        if name.startswith("fisher") and c > 1:
+            out = out.repeat_interleave(c, dim=-1) / c
+        return out
 
     def query_stats(self, site: int) -> torch.Tensor:
         """TaSQ's query statistic of ``site``, averaged over causal pairs and sequences -> [H, D]."""
-        total = None
-        for path in self.files:
-            with safe_open(str(path), framework="pt") as f:
-                if f"qstat.{site}" in f.keys():
-                    t = f.get_tensor(f"qstat.{site}")
-                    total = t if total is None else total + t
-        if total is None:
-            raise CaptureError(f"capture {self.dir} holds no query statistics for site {site} (qstat.{site})")
-        return total / (self.meta["qstat_pairs_per_sequence"] * len(self.files))
+        found = [t for i in range(self.num_sequences) if (t := self._tensor(i, f"qstat.{site}")) is not None]
+        if not found:
+            raise CaptureError(f"the capture holds no query statistics for site {site} (qstat.{site})")
+        return sum(found) / (self.meta["qstat_pairs_per_sequence"] * self.num_sequences)
 
     def input_ids(self) -> torch.Tensor:
-        out = []
-        for path in self.files:
-            with safe_open(str(path), framework="pt") as f:
-                out.append(f.get_tensor("input_ids"))
-        return torch.stack(out)
+        return torch.stack([self._tensor(i, "input_ids") for i in range(self.num_sequences)])
+
+
+class CaptureReader(CaptureData):
+    """A capture on disk (one safetensors file per sequence, read lazily tensor by tensor)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.dir = Path(folder)
+        self.meta = json.loads((self.dir / "meta.json").read_text())
+        self.files = [self.dir / f"seq{i:05d}.safetensors" for i in range(self.meta["num_sequences"])]
+
+    def _tensor(self, seq: int, name: str) -> torch.Tensor | None:
+        with safe_open(str(self.files[seq]), framework="pt") as f:
+            return f.get_tensor(name) if name in f.keys() else None
+
+
+class MemoryReader(CaptureData):
+    """Reads a :class:`MemoryCapture`."""
+
+    def __init__(self, capture: MemoryCapture) -> None:
+        self.capture = capture
+        self.meta = capture.meta
+
+    def _tensor(self, seq: int, name: str) -> torch.Tensor | None:
+        return self.capture.sequences[seq].get(name)

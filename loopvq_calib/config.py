@@ -80,6 +80,8 @@ class QuantConfig:
 class CaptureConfig:
     dtype: str = "bfloat16"  # storage dtype of captured K/V and Fisher
     batch_size: int = 1  # sequences per forward/backward
+    store: str = "disk"  # disk (safetensors shards, reusable) | memory (this process only, no files)
+    fisher_channels: int = 1  # sum squared gradients over this many consecutive channels (1 = per coordinate)
 
 
 @dataclass
@@ -239,6 +241,16 @@ def validate(cfg: Config) -> Config:
         )
     _choice("capture.dtype", cfg.capture.dtype, DTYPES)
     _positive("capture.batch_size", cfg.capture.batch_size)
+    _choice("capture.store", cfg.capture.store, ("disk", "memory"))
+    fc = cfg.capture.fisher_channels
+    _positive("capture.fisher_channels", fc)
+    if fc > 1 and q.uses_tasq:
+        raise ConfigError("capture.fisher_channels", f"{fc}: TaSQ weights each channel separately and needs 1")
+    if (q.group_size // q.block_steps) % fc:
+        raise ConfigError(
+            "capture.fisher_channels",
+            f"{fc} does not divide the {q.group_size // q.block_steps} channels per step of a code group",
+        )
     _choice("kmeans.backend", k.backend, ("auto", "faiss", "torch"))
     _choice("kmeans.init", k.init, ("kmeans++", "random"))
     _positive("kmeans.iterations", k.iterations)

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from .capture import CaptureReader
+from .capture import CaptureData
 from .codec import BlockCodec, TasqTransform, gather_groups
 from .config import KMeansConfig, QuantConfig
 from .kmeans_backends import (
@@ -73,7 +73,7 @@ def layout_seed(seed: int, layout: BlockLayout) -> int:
     return mix_seed(seed, zlib.crc32(layout.key.encode()))
 
 
-def _check_enough_points(reader: CaptureReader, layout: BlockLayout, tokens: int, points: int, k: int) -> None:
+def _check_enough_points(reader: CaptureData, layout: BlockLayout, tokens: int, points: int, k: int) -> None:
     if points < k:
         m = reader.meta
         raise ValueError(
@@ -85,7 +85,7 @@ def _check_enough_points(reader: CaptureReader, layout: BlockLayout, tokens: int
 
 
 def fit_codebooks(
-    reader: CaptureReader, layouts: list[BlockLayout], transforms: dict[str, TasqTransform],
+    reader: CaptureData, layouts: list[BlockLayout], transforms: dict[str, TasqTransform],
     quant: QuantConfig, cfg: KMeansConfig, kv: KVLayout, device: torch.device,
     progress: Callable[[int], Any] | None = None,
 ) -> tuple[KVQuantizer, dict]:
@@ -101,8 +101,8 @@ def fit_codebooks(
     per_layout: dict[str, dict[str, Any]] = {}
     for layout in layouts:
         start = time.perf_counter()
-        x = reader.load(layout.kind, layout.sites).to(device)
-        fisher = reader.load("fisher_" + layout.kind, layout.sites).to(device)
+        x = reader.load(layout.kind, layout.sites, device=device)
+        fisher = reader.load("fisher_" + layout.kind, layout.sites, device=device)
         transform = transforms.get(layout.key)
         points, weights = layout_problems(
             x, fisher, layout, transform, quant.codebook_size, quant.codebook_sharing, cfg.fisher_weighted

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import kmeans_triton
 from .config import KMeansConfig
 
 BACKENDS = ("auto", "faiss", "torch")
@@ -125,6 +126,12 @@ def _assign(
     squared error [P] and, when ``accumulate``, per-cluster weighted sums [P, K, G] and weights [P, K]."""
     p, n, g = x.shape
     k = c.shape[1]
+    if kmeans_triton.available(x, k):
+        try:
+            err, sums, mass = kmeans_triton.lloyd_step(x, w, c)
+            return (err, sums, mass) if accumulate else (err, None, None)
+        except Exception as err:  # a Triton/driver problem must not lose the run: use the torch step
+            kmeans_triton.disable(err)
     c_sq = c.pow(2).sum(-1).unsqueeze(1)
     ct = c.transpose(1, 2)
     err = x.new_zeros(p)

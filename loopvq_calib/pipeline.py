@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from . import __version__
-from .capture import CaptureReader, capture_kv, write_meta
-from .config import Config, dump_config, validate_for_model
+from .capture import CaptureData, CaptureReader, MemoryCapture, MemoryReader, capture_kv, write_meta
+from .config import Config, ConfigError, dump_config, validate_for_model
 from .data import CalibrationSet, build_calibration_set
 from .finetune import finetune_codebooks
 from .layouts import plan_layouts
@@ -125,25 +126,29 @@ class Pipeline:
         self.data_hash = split["content_sha256"]
         return CalibrationSet(ids, split["train"], split["heldout"], split["sink_tokens"], split["description"])
 
-    def stage_capture(self, calib: CalibrationSet) -> CaptureReader:
+    def stage_capture(self, calib: CalibrationSet) -> CaptureData:
         c = self.cfg
+        memory = MemoryCapture() if c.capture.store == "memory" else None
+        if memory is not None and self.state.num_processes > 1:
+            raise ConfigError("capture.store", "memory holds one process's sequences only; use disk with several processes")
+        nonce = time.time() if memory is not None else None  # an in-memory capture is never reused
         fp = fingerprint("capture", __version__, self.fp["data"], self.identity.to_dict(), c.model.dtype,
-                         self.kv.loop_steps, asdict(c.capture))
+                         self.kv.loop_steps, asdict(c.capture), nonce)
 
         def body(tmp: Path) -> dict:
             bar = self._progress(calib.input_ids.shape[0], "capture")
-            capture_kv(self.model(), calib, self.kv, c.capture, tmp, self.state.process_index,
+            capture_kv(self.model(), calib, self.kv, c.capture, memory or tmp, self.state.process_index,
                        self.state.num_processes, lambda n: bar.update(n * self.state.num_processes))
             bar.close()
             self.state.wait_for_everyone()
             if self.state.is_main_process:
-                write_meta(tmp, calib, self.kv, c.capture)
-            return {"sequences": int(calib.input_ids.shape[0]), "sites": self.kv.num_sites}
+                write_meta(tmp, calib, self.kv, c.capture, memory)
+            return {"sequences": int(calib.input_ids.shape[0]), "sites": self.kv.num_sites, "store": c.capture.store}
 
         self._reuse_or_run("capture", fp, body, distributed=True)
-        return CaptureReader(self.run.path("capture"))
+        return MemoryReader(memory) if memory is not None else CaptureReader(self.run.path("capture"))
 
-    def stage_tasq(self, reader: CaptureReader):
+    def stage_tasq(self, reader: CaptureData):
         from .tasq import TasqResult, fit_tasq
 
         c = self.cfg
@@ -157,7 +162,7 @@ class Pipeline:
         self._reuse_or_run("tasq", fp, body)
         return TasqResult.load(self.run.path("tasq"))
 
-    def stage_kmeans(self, reader: CaptureReader, tasq: Any) -> KVQuantizer:
+    def stage_kmeans(self, reader: CaptureData, tasq: Any) -> KVQuantizer:
         from .kmeans import fit_codebooks
 
         c = self.cfg

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .capture import CaptureReader
+from .capture import CaptureData
 from .codec import TasqTransform, flatten_block, sigma_bits
 from .config import ConfigError, QuantConfig, TasqConfig
 from .layouts import BlockLayout
@@ -208,7 +208,7 @@ def block_covariance(x: torch.Tensor, transform: TasqTransform) -> torch.Tensor:
 
 
 def _fit_block(
-    reader: CaptureReader, layout: BlockLayout, kv: KVLayout, group_size: int, cfg: TasqConfig
+    reader: CaptureData, layout: BlockLayout, kv: KVLayout, group_size: int, cfg: TasqConfig
 ) -> tuple[BlockLayout, TasqTransform, dict]:
     weight = torch.stack([channel_weights(reader.query_stats(s), cfg.weight_floor) for s in layout.sites])
     transform = TasqTransform(weight, cfg.sigma_min)
@@ -232,7 +232,7 @@ def _fit_block(
 
 
 def fit_tasq(
-    reader: CaptureReader, layouts: list[BlockLayout], kv: KVLayout, quant: QuantConfig, cfg: TasqConfig
+    reader: CaptureData, layouts: list[BlockLayout], kv: KVLayout, quant: QuantConfig, cfg: TasqConfig
 ) -> TasqResult:
     """Fit w, sigma_min and P for every key layout; value layouts are returned unchanged."""
     if not quant.uses_tasq:

@@ -118,3 +118,34 @@ def test_processes_split_sequences(tmp_path):
         write_meta(tmp_path, calib, kv, cfg)
     assert capture_kv(model, calib, kv, cfg, tmp_path, rank=1, world=2) == [1, 3]
     write_meta(tmp_path, calib, kv, cfg)
+
+
+def test_memory_store_reads_like_disk(tmp_path):
+    from loopvq_calib.capture import MemoryCapture, MemoryReader
+
+    model = make_tiny_ouro()
+    calib = calib_set()
+    disk = run_capture(model, calib, tmp_path, dtype="float32")
+    mem = MemoryCapture()
+    cfg = CaptureConfig(dtype="float32", store="memory")
+    capture_kv(model, calib, model.kv_layout(), cfg, mem)
+    (tmp_path / "m").mkdir()
+    write_meta(tmp_path / "m", calib, model.kv_layout(), cfg, mem)
+    reader = MemoryReader(mem)
+    for name in ("key", "fisher_value"):
+        torch.testing.assert_close(reader.load(name, (2, 4)), disk.load(name, (2, 4)))
+    torch.testing.assert_close(reader.query_stats(3), disk.query_stats(3))
+    assert torch.equal(reader.input_ids(), calib.input_ids)
+
+
+def test_fisher_summed_over_channel_chunks_keeps_group_weights(tmp_path):
+    model = make_tiny_ouro()
+    calib = calib_set()
+    full = run_capture(model, calib, tmp_path / "full", dtype="float32")
+    chunked = run_capture(model, calib, tmp_path / "chunk", dtype="float32", fisher_channels=4)
+    with safe_open(str(chunked.files[0]), "pt") as f:
+        assert tuple(f.get_tensor("fisher_key.0").shape) == (24, 4, 4)  # [S, H, D/4]
+    a, b = full.load("fisher_key", (0, 2)), chunked.load("fisher_key", (0, 2))
+    assert a.shape == b.shape
+    # any group made of whole 4-channel chunks gets the same summed weight
+    torch.testing.assert_close(a.unflatten(-1, (4, 4)).sum(-1), b.unflatten(-1, (4, 4)).sum(-1), rtol=1e-5, atol=1e-12)

@@ -1,0 +1,76 @@
+"""k-means backends on the same problems: batched torch (fused Triton step on CUDA, plain torch step, or
+CPU) against faiss-cpu, from the same k-means++ initial centroids and the same number of iterations.
+Problems have Ouro-1.4B's k-means shape (32,768 points of G = 16 or 32 dims, K = 256 per codebook); data
+are Gaussian mixtures with Fisher-like log-normal weights. Prints one JSON line per backend.
+
+    python scripts/bench_kmeans.py --problems 256 --iterations 25 --backends torch-fused torch faiss
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from loopvq_calib import kmeans_triton
+from loopvq_calib.config import KMeansConfig
+from loopvq_calib.kmeans_backends import kmeans_pp_init, weighted_kmeans
+
+
+def problems(p: int, n: int, g: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    centres = torch.randn(p, k, g, generator=gen) * 2
+    pick = torch.randint(0, k, (p, n), generator=gen)
+    x = centres.gather(1, pick[..., None].expand(-1, -1, g)) + torch.randn(p, n, g, generator=gen)
+    w = torch.exp(torch.randn(p, n, generator=gen) * 1.5)
+    return x, w / w.amax(-1, keepdim=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--problems", type=int, default=256)
+    ap.add_argument("--points", type=int, default=32768)
+    ap.add_argument("--dims", type=int, default=16)
+    ap.add_argument("--k", type=int, default=256)
+    ap.add_argument("--iterations", type=int, default=25)
+    ap.add_argument("--backends", nargs="+", default=["torch-fused", "torch", "faiss"])
+    args = ap.parse_args()
+    x, w = problems(args.problems, args.points, args.dims, args.k)
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    t = time.time()
+    init = kmeans_pp_init(x.to(dev), w.to(dev), args.k, torch.Generator().manual_seed(1))
+    if cuda:
+        torch.cuda.synchronize()
+    init_s = time.time() - t
+    print(json.dumps({"what": "kmeans++ init", "device": str(dev), "problems": args.problems, "seconds": round(init_s, 3)}))
+    cfg = KMeansConfig(iterations=args.iterations, tolerance=0.0, problems_per_batch=args.problems if cuda else 16,
+                       points_per_chunk=args.points if cuda else 4096)
+    for backend in args.backends:
+        device = dev if backend.startswith("torch") else torch.device("cpu")
+        if backend == "torch" and cuda:
+            kmeans_triton._disabled.append("benchmark: plain torch step")
+        try:
+            t = time.time()
+            res = weighted_kmeans(x.to(device), w.to(device), init.to(device), cfg, backend.split("-")[0], device, seed=0)
+            if cuda:
+                torch.cuda.synchronize()
+            seconds = time.time() - t
+        except ImportError as err:
+            print(json.dumps({"backend": backend, "error": str(err)}))
+            continue
+        finally:
+            kmeans_triton._disabled.clear()
+        print(json.dumps({
+            "backend": backend, "device": str(device), "problems": args.problems, "points": args.points, "dims": args.dims,
+            "k": args.k, "iterations": args.iterations, "seconds": round(seconds, 3),
+            "ms_per_problem": round(1000 * seconds / args.problems, 2),
+            "objective_final_mean": round(res.objective_final.mean().item(), 6),
+            "threads": torch.get_num_threads(),
+        }))
+
+
+if __name__ == "__main__":
+    main()
