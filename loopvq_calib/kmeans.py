@@ -87,19 +87,22 @@ def _check_enough_points(reader: CaptureData, layout: BlockLayout, tokens: int, 
 def fit_codebooks(
     reader: CaptureData, layouts: list[BlockLayout], transforms: dict[str, TasqTransform],
     quant: QuantConfig, cfg: KMeansConfig, kv: KVLayout, device: torch.device,
-    progress: Callable[[int], Any] | None = None,
+    progress: Callable[[int], Any] | None = None, shard: tuple[int, int] = (0, 1),
 ) -> tuple[KVQuantizer, dict]:
     """Fit every layout's codebooks (one layout in memory at a time); codebooks are fp32 on the CPU.
 
-    Returns the quantizer and a report: per layout key the objectives at init and at the end per
-    codebook, Lloyd updates, empty clusters, backend, seconds; plus totals.
+    ``shard = (rank, world)`` fits only layouts ``i % world == rank`` (several processes share the work;
+    :func:`loopvq_calib.quantizer.merge_quantizers` joins the parts). Returns the quantizer and a report:
+    per layout key the objectives at init and at the end per codebook, Lloyd updates, empty clusters,
+    backend, seconds; plus totals.
     """
     device = torch.device(device)
     backend = resolve_backend(cfg.backend, device)
     init_fn = INITS[cfg.init]
     codecs: dict[str, BlockCodec] = {}
     per_layout: dict[str, dict[str, Any]] = {}
-    for layout in layouts:
+    rank, world = shard
+    for layout in layouts[rank::world]:
         start = time.perf_counter()
         x = reader.load(layout.kind, layout.sites, device=device)
         fisher = reader.load("fisher_" + layout.kind, layout.sites, device=device)

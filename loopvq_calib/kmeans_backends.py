@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import kmeans_triton
 from .config import KMeansConfig
 
 BACKENDS = ("auto", "faiss", "torch")
@@ -48,13 +47,13 @@ def _check_shapes(x: torch.Tensor, w: torch.Tensor, k: int) -> None:
         raise ValueError("weights must be >= 0 with a positive total in every problem")
 
 
-def _draw_one(prob: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def _draw_one(prob: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One index per row with probability proportional to ``prob`` [P, N] (uniform where a row sums
-    to zero), by inverse CDF of a CPU-drawn uniform; zero-probability entries are never drawn."""
+    to zero), by inverse CDF of the uniforms ``u`` [P] (drawn on the CPU by the caller); zero-probability
+    entries are never drawn."""
     prob = prob.double()
     prob = torch.where((prob.sum(-1) > 0)[:, None], prob, torch.ones_like(prob))
     cdf = prob.cumsum(-1)
-    u = torch.rand(prob.shape[0], generator=generator, dtype=torch.float64).to(prob.device)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     last_positive = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)
     return torch.minimum(idx, last_positive).squeeze(1)
@@ -63,7 +62,8 @@ def _draw_one(prob: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 def kmeans_pp_init(x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
     """Weighted k-means++: the first centroid drawn with probability ~ w, each next one ~ w * D^2
     (D^2: squared distance to the nearest chosen centroid). x [P, N, G], w [P, N] -> [P, K, G].
-    ``generator`` is a CPU generator; the result is deterministic given its state.
+    ``generator`` is a CPU generator drawing all K x P uniforms at once (one transfer to the device);
+    the result is deterministic given its state and the same on CPU and GPU.
 
     D^2 to a new centroid is ||x||^2 - 2 x.c + ||c||^2 (one batched matrix-vector product per draw,
     not a pass over an [P, N, G] difference); drawn points are pinned to exactly zero."""
@@ -73,7 +73,8 @@ def kmeans_pp_init(x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Ge
     x_sq = x.pow(2).sum(-1)
     xt = x.transpose(1, 2).contiguous()  # [P, G, N]: a row-vector product over it is fast on CPU and GPU
     out = x.new_empty(p, k, g)
-    chosen = _draw_one(w, generator)
+    uniforms = torch.rand(k, p, generator=generator, dtype=torch.float64).to(x.device)
+    chosen = _draw_one(w, uniforms[0])
     d2 = torch.full_like(x_sq, float("inf"))
     for j in range(k):
         out[:, j] = x[rows, chosen]
@@ -82,7 +83,7 @@ def kmeans_pp_init(x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Ge
         d2 = torch.minimum(d2, dist.clamp_min_(0))
         d2[rows, chosen] = 0.0
         if j + 1 < k:
-            chosen = _draw_one(w * d2, generator)
+            chosen = _draw_one(w * d2, uniforms[j + 1])
     return out
 
 
@@ -126,12 +127,6 @@ def _assign(
     squared error [P] and, when ``accumulate``, per-cluster weighted sums [P, K, G] and weights [P, K]."""
     p, n, g = x.shape
     k = c.shape[1]
-    if kmeans_triton.available(x, k):
-        try:
-            err, sums, mass = kmeans_triton.lloyd_step(x, w, c)
-            return (err, sums, mass) if accumulate else (err, None, None)
-        except Exception as err:  # a Triton/driver problem must not lose the run: use the torch step
-            kmeans_triton.disable(err)
     c_sq = c.pow(2).sum(-1).unsqueeze(1)
     ct = c.transpose(1, 2)
     err = x.new_zeros(p)

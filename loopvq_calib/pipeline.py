@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ from .finetune import finetune_codebooks
 from .layouts import plan_layouts
 from .models.loading import load_model, model_identity, pick_device, read_model_config, resolve_model_dir, set_loop_steps
 from .models.sites import KVLayout
-from .quantizer import KVQuantizer, load_quantizer, save_quantizer
+from .quantizer import KVQuantizer, load_quantizer, merge_quantizers, save_quantizer
 from .rundir import RunDir, fingerprint, setup_logging
 
 log = logging.getLogger("loopvq_calib")
@@ -163,23 +164,36 @@ class Pipeline:
         return TasqResult.load(self.run.path("tasq"))
 
     def stage_kmeans(self, reader: CaptureData, tasq: Any) -> KVQuantizer:
+        """Processes share the layouts (disk capture: every process reads every sequence); main merges."""
         from .kmeans import fit_codebooks
 
         c = self.cfg
         fp = fingerprint("kmeans", __version__, self.fp["capture"], self.fp.get("tasq"), asdict(c.quant), asdict(c.kmeans))
+        rank, world = self.state.process_index, self.state.num_processes
 
         def body(tmp: Path) -> dict:
             layouts = tasq.layouts if tasq is not None else plan_layouts(self.kv, c.quant)
             transforms = tasq.transforms if tasq is not None else {}
             bar = self._progress(len(layouts), "kmeans")
             device = pick_device(c.kmeans.device) if c.kmeans.device != "auto" else self.device
-            quantizer, report = fit_codebooks(reader, layouts, transforms, c.quant, c.kmeans, self.kv, device, bar.update)
+            part, report = fit_codebooks(reader, layouts, transforms, c.quant, c.kmeans, self.kv, device,
+                                         lambda n: bar.update(n * world), shard=(rank, world))
             bar.close()
-            save_quantizer(quantizer, tmp)
-            (tmp / "report.json").write_text(json.dumps(report, indent=1, default=float))
-            return {"codebooks": len(quantizer.codecs)}
+            save_quantizer(part, _mkdir(tmp / f"part{rank}"), {"report": report})
+            self.state.wait_for_everyone()
+            if self.state.is_main_process:
+                parts = [load_quantizer(tmp / f"part{r}") for r in range(world)]
+                reports = [json.loads((tmp / f"part{r}" / "quantizer.json").read_text())["report"] for r in range(world)]
+                quantizer = merge_quantizers(parts, [lay.key for lay in layouts])
+                save_quantizer(quantizer, tmp)
+                merged = {"layouts": {k: v for r in reports for k, v in r["layouts"].items()},
+                          "totals": [r["totals"] for r in reports]}
+                (tmp / "report.json").write_text(json.dumps(merged, indent=1, default=float))
+                for r in range(world):
+                    shutil.rmtree(tmp / f"part{r}")
+            return {"codebooks": len(layouts), "processes": world}
 
-        self._reuse_or_run("kmeans", fp, body)
+        self._reuse_or_run("kmeans", fp, body, distributed=True)
         return load_quantizer(self.run.path("kmeans"))
 
     def stage_finetune(self, calib: CalibrationSet, init: KVQuantizer) -> tuple[KVQuantizer, dict]:
@@ -250,6 +264,11 @@ class Pipeline:
             self.run.update(finetune_curve=curve["curve"] if curve else None)
             log.info("stage summary\n%s", self.run.summary_table())
         return result
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _tokenizer_hash(folder: Path) -> str:

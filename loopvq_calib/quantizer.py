@@ -140,3 +140,14 @@ def load_quantizer(folder) -> KVQuantizer:
     folder = Path(folder)
     meta = json.loads((folder / "quantizer.json").read_text())
     return KVQuantizer.from_tensors(meta, load_file(str(folder / "quantizer.safetensors")))
+
+
+def merge_quantizers(parts: list[KVQuantizer], order: list[str]) -> KVQuantizer:
+    """Join quantizers fitted on disjoint sets of layouts (one per process), codecs in ``order``."""
+    codecs = {key: codec for part in parts for key, codec in part.codecs.items()}
+    missing = [key for key in order if key not in codecs]
+    if missing:
+        raise ValueError(f"no process fitted the codebooks of {missing}")
+    first = parts[0]
+    return KVQuantizer({key: codecs[key] for key in order}, first.method, first.codebook_size, first.group_size,
+                       first.steps_per_block, first.sharing, first.kv)

@@ -1,9 +1,8 @@
-"""k-means backends on the same problems: batched torch (fused Triton step on CUDA, plain torch step, or
-CPU) against faiss-cpu, from the same k-means++ initial centroids and the same number of iterations.
+"""k-means backends on the same problems: batched torch (GPU, or CPU) against faiss-cpu, from the same k-means++ initial centroids and the same number of iterations.
 Problems have Ouro-1.4B's k-means shape (32,768 points of G = 16 or 32 dims, K = 256 per codebook); data
 are Gaussian mixtures with Fisher-like log-normal weights. Prints one JSON line per backend.
 
-    python scripts/bench_kmeans.py --problems 256 --iterations 25 --backends torch-fused torch faiss
+    python scripts/bench_kmeans.py --problems 512 --iterations 25 --backends torch faiss
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import time
 
 import torch
 
-from loopvq_calib import kmeans_triton
 from loopvq_calib.config import KMeansConfig
 from loopvq_calib.kmeans_backends import kmeans_pp_init, weighted_kmeans
 
@@ -35,7 +33,7 @@ def main() -> None:
     ap.add_argument("--dims", type=int, default=16)
     ap.add_argument("--k", type=int, default=256)
     ap.add_argument("--iterations", type=int, default=25)
-    ap.add_argument("--backends", nargs="+", default=["torch-fused", "torch", "faiss"])
+    ap.add_argument("--backends", nargs="+", default=["torch", "faiss"])
     args = ap.parse_args()
     x, w = problems(args.problems, args.points, args.dims, args.k)
     cuda = torch.cuda.is_available()
@@ -49,20 +47,16 @@ def main() -> None:
     cfg = KMeansConfig(iterations=args.iterations, tolerance=0.0, problems_per_batch=args.problems if cuda else 16,
                        points_per_chunk=args.points if cuda else 4096)
     for backend in args.backends:
-        device = dev if backend.startswith("torch") else torch.device("cpu")
-        if backend == "torch" and cuda:
-            kmeans_triton._disabled.append("benchmark: plain torch step")
+        device = dev if backend == "torch" else torch.device("cpu")
         try:
             t = time.time()
-            res = weighted_kmeans(x.to(device), w.to(device), init.to(device), cfg, backend.split("-")[0], device, seed=0)
+            res = weighted_kmeans(x.to(device), w.to(device), init.to(device), cfg, backend, device, seed=0)
             if cuda:
                 torch.cuda.synchronize()
             seconds = time.time() - t
         except ImportError as err:
             print(json.dumps({"backend": backend, "error": str(err)}))
             continue
-        finally:
-            kmeans_triton._disabled.clear()
         print(json.dumps({
             "backend": backend, "device": str(device), "problems": args.problems, "points": args.points, "dims": args.dims,
             "k": args.k, "iterations": args.iterations, "seconds": round(seconds, 3),

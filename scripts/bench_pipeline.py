@@ -30,7 +30,7 @@ from loopvq_calib.kmeans import fit_codebooks
 from loopvq_calib.layouts import plan_layouts
 from loopvq_calib.models import HuginnConfig, HuginnForCausalLM, OuroConfig, OuroForCausalLM
 from loopvq_calib.models.loading import ModelIdentity
-from loopvq_calib.quantizer import load_quantizer, save_quantizer
+from loopvq_calib.quantizer import load_quantizer, merge_quantizers, save_quantizer
 
 OURO = dict(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=16,
             rope_theta=1e6, total_ut_steps=4, max_position_embeddings=65536)
@@ -57,6 +57,11 @@ def build_model(name: str, device: torch.device) -> torch.nn.Module:
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 class Timer:
@@ -88,6 +93,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=1, help="fine-tuning sequences per step (split across processes)")
     p.add_argument("--kmeans-backend", default="auto", choices=["auto", "torch", "faiss"])
     p.add_argument("--kmeans-iterations", type=int, default=100)
+    p.add_argument("--problems-per-batch", type=int, default=512)
+    p.add_argument("--points-per-chunk", type=int, default=16384)
     p.add_argument("--store", default="auto", choices=["auto", "memory", "disk"],
                    help="capture store; auto = memory for one process, disk (under --workdir) for several")
     p.add_argument("--fisher-channels", type=int, default=None, help="default: channels per step of a code group")
@@ -112,7 +119,8 @@ def main() -> None:
         "data": {"num_sequences": args.num_sequences, "sequence_length": args.seq_len, "heldout_sequences": args.heldout},
         "quant": {"method": args.method, "bits": args.bits, "group_size": group, "steps_per_block": steps_per_block},
         "capture": {"store": store, "fisher_channels": fisher_channels},
-        "kmeans": {"backend": args.kmeans_backend, "iterations": args.kmeans_iterations},
+        "kmeans": {"backend": args.kmeans_backend, "iterations": args.kmeans_iterations,
+                   "problems_per_batch": args.problems_per_batch, "points_per_chunk": args.points_per_chunk},
         "finetune": {"epochs": args.epochs, "batch_size": args.batch_size, "loop_checkpointing": args.loop_checkpointing},
     })
     base = Path(args.workdir or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()))
@@ -134,6 +142,8 @@ def main() -> None:
         if rank == 0:
             (work / "capture").mkdir(parents=True, exist_ok=True)
             write_meta(work / "capture", calib, kv, cfg.capture, memory)
+        if world > 1:
+            dist.barrier()
         reader = MemoryReader(memory) if memory else CaptureReader(work / "capture")
     layouts, transforms = plan_layouts(kv, cfg.quant), {}
     if cfg.quant.uses_tasq:
@@ -143,13 +153,14 @@ def main() -> None:
 
                 result = fit_tasq(reader, layouts, kv, cfg.quant, cfg.tasq)
                 layouts, transforms = result.layouts, result.transforms
-    with timer.stage("kmeans"):
-        if rank == 0:
-            quantizer, report = fit_codebooks(reader, layouts, transforms, cfg.quant, cfg.kmeans, kv, device)
-            save_quantizer(quantizer, work.mkdir(parents=True, exist_ok=True) or work)
+    with timer.stage("kmeans"):  # processes share the layouts, then every process joins the parts
+        quantizer, report = fit_codebooks(reader, layouts, transforms, cfg.quant, cfg.kmeans, kv, device,
+                                          shard=(rank, world))
         if world > 1:
+            save_quantizer(quantizer, _mkdir(work / f"part{rank}"))
             dist.barrier()
-            quantizer = load_quantizer(work)
+            parts = [load_quantizer(work / f"part{r}") for r in range(world)]
+            quantizer = merge_quantizers(parts, [lay.key for lay in layouts])
     del reader, memory
     with timer.stage("finetune"):
         result = finetune_codebooks(model, calib, quantizer, cfg.finetune, device)
