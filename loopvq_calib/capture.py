@@ -192,8 +192,11 @@ class CaptureData:
 
     meta: dict[str, Any]
 
-    def _tensor(self, seq: int, name: str) -> torch.Tensor | None:
+    def _tensors(self, seq: int, names: list[str]) -> list[torch.Tensor | None]:
         raise NotImplementedError
+
+    def _tensor(self, seq: int, name: str) -> torch.Tensor | None:
+        return self._tensors(seq, [name])[0]
 
     @property
     def sink_tokens(self) -> int:
@@ -213,8 +216,9 @@ class CaptureData:
         in its storage dtype and is widened on the device.
         """
         start = 0 if include_sinks else self.sink_tokens
+        names = [f"{name}.{s}" for s in sites]
         parts = [
-            torch.stack([self._tensor(i, f"{name}.{s}")[start:] for s in sites], dim=1)
+            torch.stack([t[start:] for t in self._tensors(i, names)], dim=1)
             for i in (sequences if sequences is not None else range(self.num_sequences))
         ]
         out = torch.cat(parts).to(device or "cpu").float()
@@ -242,9 +246,10 @@ class CaptureReader(CaptureData):
         self.meta = json.loads((self.dir / "meta.json").read_text())
         self.files = [self.dir / f"seq{i:05d}.safetensors" for i in range(self.meta["num_sequences"])]
 
-    def _tensor(self, seq: int, name: str) -> torch.Tensor | None:
-        with safe_open(str(self.files[seq]), framework="pt") as f:
-            return f.get_tensor(name) if name in f.keys() else None
+    def _tensors(self, seq: int, names: list[str]) -> list[torch.Tensor | None]:
+        with safe_open(str(self.files[seq]), framework="pt") as f:  # one open per sequence and call
+            present = set(f.keys())
+            return [f.get_tensor(n) if n in present else None for n in names]
 
 
 class MemoryReader(CaptureData):
@@ -254,5 +259,6 @@ class MemoryReader(CaptureData):
         self.capture = capture
         self.meta = capture.meta
 
-    def _tensor(self, seq: int, name: str) -> torch.Tensor | None:
-        return self.capture.sequences[seq].get(name)
+    def _tensors(self, seq: int, names: list[str]) -> list[torch.Tensor | None]:
+        stored = self.capture.sequences[seq]
+        return [stored.get(n) for n in names]

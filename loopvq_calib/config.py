@@ -113,6 +113,7 @@ class FinetuneConfig:
     kl_chunk: int = 1024  # positions per chunk of the KL computation
     loop_checkpointing: bool = False  # activation checkpointing per loop step
     autocast: str = "auto"  # auto (bf16 on GPU) | bfloat16 | none
+    cache_teacher: str = "auto"  # keep full-precision outputs across epochs: auto (when <= 2 GiB) | true | false
     seed: int = 0
 
 
@@ -262,6 +263,7 @@ def validate(cfg: Config) -> Config:
     _positive("finetune.batch_size", f.batch_size)
     _positive("finetune.kl_chunk", f.kl_chunk)
     _choice("finetune.autocast", f.autocast, ("auto", "bfloat16", "none"))
+    _choice("finetune.cache_teacher", f.cache_teacher, ("auto", "true", "false"))
     _choice("output.codebook_dtype", o.codebook_dtype, DTYPES)
     s = o.serving
     if s.sink_tokens is None:

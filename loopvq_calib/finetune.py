@@ -49,25 +49,51 @@ def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+TEACHER_CACHE_BYTES = 2 << 30
+
+
+class TeacherCache:
+    """Full-precision outputs per sequence, kept across epochs when they fit ``TEACHER_CACHE_BYTES``
+    (``finetune.cache_teacher: auto``), saving one forward per step; otherwise recomputed."""
+
+    def __init__(self, model: torch.nn.Module, cfg: FinetuneConfig, sequences: int, length: int) -> None:
+        c = model.config
+        sites = model.kv_layout().num_sites
+        width = c.num_key_value_heads * c.head_dim
+        per_seq = length * (c.vocab_size + 2 * sites * width) * 4
+        self.enabled = cfg.cache_teacher == "true" or (cfg.cache_teacher == "auto" and per_seq * sequences <= TEACHER_CACHE_BYTES)
+        self.model, self.cfg, self.store = model, cfg, {}
+
+    def get(self, seq: int, ids: torch.Tensor, device: torch.device):
+        if seq in self.store:
+            return self.store[seq]
+        with _autocast(self.cfg, device):
+            fp = teacher(self.model, ids)
+        if self.enabled:
+            self.store[seq] = fp
+        return fp
+
+
 def sequence_kl(model: torch.nn.Module, ids: torch.Tensor, quantizer: KVQuantizer, sink_tokens: int,
-                cfg: FinetuneConfig, device: torch.device) -> torch.Tensor:
-    """KL objective of one sequence [1, S] (differentiable w.r.t. the codebooks)."""
+                cfg: FinetuneConfig, device: torch.device, fp=None) -> torch.Tensor:
+    """KL objective of one sequence [1, S] (differentiable w.r.t. the codebooks); ``fp`` a cached teacher."""
     with _autocast(cfg, device):
-        fp = teacher(model, ids)
+        fp = fp if fp is not None else teacher(model, ids)
         q = quantized_logits(model, ids, quantizer, fp, sink_tokens)
     return mean_kl(fp.logits, q, sink_tokens, cfg.kl_chunk)
 
 
 @torch.no_grad()
 def heldout_kl(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, cfg: FinetuneConfig,
-               device: torch.device) -> float:
+               device: torch.device, cache: TeacherCache | None = None) -> float:
     """Mean KL over the held-out sequences (each process takes a share; summed across processes)."""
     rank, world = _world()
     total = torch.zeros(2, device=device)
     for n, i in enumerate(calib.heldout):
         if n % world == rank:
             ids = calib.input_ids[i : i + 1].to(device)
-            total[0] += sequence_kl(model, ids, quantizer, calib.sink_tokens, cfg, device).float()
+            fp = cache.get(i, ids, device) if cache is not None else None
+            total[0] += sequence_kl(model, ids, quantizer, calib.sink_tokens, cfg, device, fp).float()
             total[1] += 1
     total = _all_reduce_sum(total)
     return (total[0] / total[1]).item()
@@ -85,7 +111,8 @@ def finetune_codebooks(
     gradients averaged), held-out KL after every epoch; returns the best epoch's codebooks."""
     rank, world = _world()
     quantizer = copy.deepcopy(quantizer).to(device, torch.float32)
-    init_kl = heldout_kl(model, calib, quantizer, cfg, device) if calib.heldout else float("nan")
+    cache = TeacherCache(model, cfg, -(-calib.input_ids.shape[0] // world), calib.input_ids.shape[1])
+    init_kl = heldout_kl(model, calib, quantizer, cfg, device, cache) if calib.heldout else float("nan")
     curve = [{"epoch": 0, "train_kl": None, "heldout_kl": init_kl}]
     if not cfg.enabled or cfg.epochs == 0:
         return FinetuneResult(quantizer, 0, curve)
@@ -108,7 +135,8 @@ def finetune_codebooks(
                 for n, i in enumerate(batch):
                     if n % world != rank:
                         continue
-                    kl = sequence_kl(model, calib.input_ids[i : i + 1].to(device), quantizer, calib.sink_tokens, cfg, device)
+                    ids = calib.input_ids[i : i + 1].to(device)
+                    kl = sequence_kl(model, ids, quantizer, calib.sink_tokens, cfg, device, cache.get(i, ids, device))
                     (kl / len(batch)).backward()
                     train_sum += torch.stack([kl.detach().float(), torch.ones((), device=device)])
                 if world > 1:
@@ -118,7 +146,7 @@ def finetune_codebooks(
                 if progress:
                     progress(1)
             train_sum = _all_reduce_sum(train_sum)
-            held = heldout_kl(model, calib, quantizer, cfg, device)
+            held = heldout_kl(model, calib, quantizer, cfg, device, cache)
             curve.append({"epoch": epoch, "train_kl": (train_sum[0] / train_sum[1]).item(), "heldout_kl": held})
             log.info("fine-tune epoch %d: train KL %.5f, held-out KL %.5f", epoch, curve[-1]["train_kl"], held)
             if held < best_kl:

@@ -111,3 +111,32 @@ def test_codebook_gradient_is_exact_through_the_lookup(reference_setup):
     used = torch.zeros(cb.shape[:3], dtype=torch.bool)
     used.scatter_(2, idx.permute(1, 2, 0), True)
     assert grad[~used].abs().max() == 0 and grad[used].abs().sum() > 0
+
+
+def test_cached_teacher_gives_the_same_result(reference_setup):
+    model, calib, init = reference_setup
+    a = finetune_codebooks(model, calib, init, FinetuneConfig(epochs=1, cache_teacher="true"), torch.device("cpu"))
+    b = finetune_codebooks(model, calib, init, FinetuneConfig(epochs=1, cache_teacher="false"), torch.device("cpu"))
+    assert a.curve == b.curve
+    for key in a.quantizer.codecs:
+        assert torch.equal(a.quantizer.codecs[key].codebook, b.quantizer.codecs[key].codebook)
+
+
+@pytest.mark.parametrize("make", ["ouro", "huginn"])
+def test_loop_checkpointing_gives_the_same_gradients(make):
+    from conftest import make_tiny_huginn, make_tiny_ouro
+    from test_quantizer import random_quantizer
+
+    model = make_tiny_ouro() if make == "ouro" else make_tiny_huginn()
+    ids = torch.randint(0, 4096, (1, 20), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for on in (False, True):
+        q = random_quantizer(model.kv_layout())
+        for c in q.codecs.values():
+            c.codebook.requires_grad_(True)
+        model.loop_checkpointing = on
+        sequence_kl(model, ids, q, 4, FinetuneConfig(), torch.device("cpu")).backward()
+        grads.append(torch.cat([c.codebook.grad.flatten() for c in q.codecs.values()]))
+    model.loop_checkpointing = False
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-8)

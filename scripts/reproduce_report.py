@@ -1,0 +1,206 @@
+"""Tables and figures of docs/results.md from the data gathered by scripts/reproduce.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+METHODS = ("cq", "tasq", "loopvq", "tasq+loopvq")
+NAMES = {"cq": "CQ", "tasq": "TaSQ", "loopvq": "LoopVQ", "tasq+loopvq": "TaSQ+LoopVQ"}
+WIDTHS = (0.5, 0.25)
+
+
+def _f(v: float, spec: str = ".4f") -> str:
+    return format(v, spec)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def structure_section(s: dict) -> str:
+    rows = [[kind + "s"] + [_f(v, ".3f") for v in s[kind]["adjacent_steps"]]
+            + [_f(s[kind]["adjacent_mean"], ".3f"), _f(s[kind]["within_group"], ".3f")] for kind in ("key", "value")]
+    rows.append(["paper, Ouro-1.4B keys", "0.69", "", "0.94", "0.85", "0.16"])
+    return _table(["", "steps 1-2", "steps 2-3", "steps 3-4", "adjacent mean", "other channels, one 16-channel group"], rows)
+
+
+def nmse_section(m: dict) -> str:
+    rows = []
+    for bits in WIDTHS:
+        for weighted in (False, True):
+            for method in ("cq", "loopvq"):
+                r = m[f"{method}-{bits}{'' if weighted else '-plain'}/kmeans"]
+                rows.append([f"{bits:g}", "Fisher" if weighted else "plain", "per-step (CQ)" if method == "cq" else "loop-axis",
+                             *(_f(v) for v in r["nmse_per_step"]["key"]), _f(r["nmse"]["key"]), _f(r["nmse"]["value"])])
+    return _table(["bits", "k-means", "groups", "key NMSE step 1", "step 2", "step 3", "step 4", "key NMSE", "value NMSE"], rows)
+
+
+def method_section(m: dict) -> str:
+    rows = []
+    for bits in WIDTHS:
+        for method in METHODS:
+            r = m[f"{method}-{bits}/finetune"]
+            rows.append([NAMES[method], f"{bits:g}", f"{r['bits']['key']:.3f} / {r['bits']['value']:.3f}",
+                         _f(m[f"{method}-{bits}/kmeans"]["heldout_kl"]), _f(r["heldout_kl"]),
+                         _f(r["ppl_fp"], ".2f"), _f(r["ppl_quantized"], ".2f"), f"{100 * r['ppl_increase']:+.1f}%"])
+    return _table(["method", "width", "bits key / value", "KL k-means", "KL fine-tuned", "ppl fp", "ppl quantized", "ppl change"], rows)
+
+
+def ablation_section(m: dict) -> str:
+    rows = []
+    for bits in WIDTHS:
+        for base, coupled in (("cq", "loopvq"), ("tasq", "tasq+loopvq")):
+            cells = [m[f"{name}-{bits}/{stage}"]["heldout_kl"] for name in (base, coupled) for stage in ("kmeans", "finetune")]
+            rows.append([NAMES[base], f"{bits:g}", *(_f(v) for v in cells)])
+    return _table(["base", "width", "plain", "+ fine-tuning", "+ coupling (loop axis)", "+ coupling + fine-tuning"], rows)
+
+
+def step_section(m: dict) -> str:
+    rows = []
+    for bits in WIDTHS:
+        for method in METHODS:
+            r = m[f"{method}-{bits}/finetune"]
+            rows.append([NAMES[method], f"{bits:g}", *(_f(v) for v in r["per_step_kl"]), _f(r["heldout_kl"])])
+    rows.append(["paper Ouro-1.4B (Table 1)", "0.5", "0.069", "0.018", "0.013", "0.030", ""])
+    rows.append(["paper Ouro-1.4B (Table 1)", "0.25", "0.123", "0.029", "0.026", "0.065", ""])
+    return _table(["method", "width", "KL step 1 only", "step 2 only", "step 3 only", "step 4 only", "all steps"], rows)
+
+
+def size_corpus_section(m: dict) -> str:
+    rows = [[f"LoopVQ 0.25, {n} sequences", _f(m[f'{name}/kmeans']['heldout_kl']), _f(m[f'{name}/finetune']['heldout_kl'])]
+            for n, name in ((8, "loopvq-0.25-n8"), (16, "loopvq-0.25"), (32, "loopvq-0.25-n32"))]
+    for method in ("cq", "tasq+loopvq"):
+        for corpus, name in (("Shakespeare", f"{method}-0.25"), ("KJV", f"{method}-0.25-kjv")):
+            rows.append([f"{NAMES[method]} 0.25, calibrated on {corpus}", _f(m[f"{name}/kmeans"]["heldout_kl"]),
+                         _f(m[f"{name}/finetune"]["heldout_kl"])])
+    return _table(["run", "held-out KL k-means", "held-out KL fine-tuned"], rows)
+
+
+def curve_section(curves: dict) -> str:
+    rows = []
+    for bits in WIDTHS:
+        for method in METHODS:
+            c = curves[f"{method}-{bits}"]
+            rows.append([NAMES[method], f"{bits:g}", *(_f(e["heldout_kl"]) for e in c["curve"]), str(c["best_epoch"]),
+                         f"{100 * (1 - c['curve'][c['best_epoch']]['heldout_kl'] / c['curve'][0]['heldout_kl']):.1f}%"])
+    return _table(["method", "width", "epoch 0 (k-means)", "1", "2", "3", "4", "best", "reduction"], rows)
+
+
+def figures(data: dict, figs: Path) -> None:
+    m, s = data["metrics"], data["structure"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for kind in ("key", "value"):
+        ax.plot([1, 2, 3], s[kind]["adjacent_steps"], marker="o", label=f"{kind}s: same channel, adjacent steps")
+        ax.axhline(s[kind]["within_group"], ls="--", color="C0" if kind == "key" else "C1", label=f"{kind}s: other channels, one group")
+    ax.set_xticks([1, 2, 3], ["1-2", "2-3", "3-4"])
+    ax.set(xlabel="loop steps", ylabel="mean |r|", ylim=(0, 1), title="Inter-step structure (reference model)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(figs / "structure.png", dpi=120)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5), sharey=True)
+    for ax, bits in zip(axes, WIDTHS):
+        labels, values = [], []
+        for weighted in (False, True):
+            for method in ("cq", "loopvq"):
+                labels.append(f"{'CQ' if method == 'cq' else 'loop'}\n{'Fisher' if weighted else 'plain'}")
+                values.append(m[f"{method}-{bits}{'' if weighted else '-plain'}/kmeans"]["nmse"]["key"])
+        ax.bar(labels, values, color=["C0", "C1", "C0", "C1"])
+        ax.set(title=f"key NMSE at {bits:g} bit", ylabel="NMSE (held-out)")
+    fig.tight_layout()
+    fig.savefig(figs / "nmse.png", dpi=120)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5), sharey=True)
+    for ax, bits in zip(axes, WIDTHS):
+        for method in METHODS:
+            ax.plot([1, 2, 3, 4], m[f"{method}-{bits}/finetune"]["per_step_kl"], marker="o", label=NAMES[method])
+        ax.set(title=f"KL, one loop step quantized, {bits:g} bit", xlabel="quantized step", ylabel="held-out KL", yscale="log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(figs / "per_step_kl.png", dpi=120)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for ax, bits in zip(axes, WIDTHS):
+        for method in METHODS:
+            c = data["curves"][f"{method}-{bits}"]["curve"]
+            ax.plot([e["epoch"] for e in c], [e["heldout_kl"] for e in c], marker="o", label=NAMES[method])
+        ax.set(title=f"Fine-tuning, {bits:g} bit", xlabel="epoch (0 = k-means)", ylabel="held-out KL (calibration split)", yscale="log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(figs / "finetune_curves.png", dpi=120)
+    plt.close("all")
+
+
+def write_results(data: dict, path: Path, figs: Path) -> None:
+    figures(data, figs)
+    m = data["metrics"]
+    h = data["heldout"]
+    text = f"""# Results on the shipped reference model
+
+Everything on this page was measured by `python scripts/reproduce.py` on the 2-core CPU development machine
+(total {data['total_s'] / 60:.1f} min), on the shipped reference model (`artifacts/tiny-ouro`, a 4-layer x
+4-loop Ouro, head_dim 64, 6 KV heads: docs/reference-model.md). Raw numbers: `docs/data/results.json`.
+
+Setup. Calibration: 16 sequences x {data['settings']['sequence_length']} tokens of *Hamlet* + *Macbeth*
+(`artifacts/data/shakespeare-calib.jsonl`), 8 sink tokens, 12 train / 4 held-out for epoch selection;
+k-means {data['settings']['kmeans_iterations']} Lloyd iterations (faiss) from Fisher-weighted k-means++ seeds; fine-tuning 4 epochs, Adam lr 1e-3,
+one sequence per step. Evaluation: {h['num_sequences']} windows of {h['sequence_length']} tokens of *The Tempest* +
+*Twelfth Night* (`artifacts/data/shakespeare-heldout.jsonl`, never used for calibration); every position
+after the 8 sinks quantized at every KV site (no bf16 recent window), KL to the full-precision output
+averaged over those positions. K = 256 everywhere; 0.5 bit = G 16, 0.25 bit = G 32; T_c = 4.
+
+## Inter-step structure (paper Fig. 2b)
+
+Mean |Pearson r| of pre-RoPE keys and values over the calibration tokens, averaged over layers and heads.
+
+{structure_section(data['structure'])}
+
+![structure](figures/structure.png)
+
+## k-means error: per-step vs loop-axis groups (paper Fig. 2c)
+
+Held-out NMSE (sum of squared error / sum of squares) of the k-means codebooks (before fine-tuning),
+plain or Fisher-weighted, CQ groups (G channels of one step) vs loop-axis groups (G/4 channels x 4 steps).
+
+{nmse_section(m)}
+
+![nmse](figures/nmse.png)
+
+## Methods (paper Table 2 in spirit)
+
+Bits include TaSQ's fp16 sigma (16 / (H x D) = 16/384 = 0.042 bit per key element for this model's 6 heads x 64).
+
+{method_section(m)}
+
+## Ablation: coupling and fine-tuning (paper Table 4)
+
+Held-out KL. "Coupling" = loop-axis grouping (CQ -> LoopVQ, TaSQ -> TaSQ+LoopVQ).
+
+{ablation_section(m)}
+
+## Per-step sensitivity (paper Table 1)
+
+Held-out KL when only one loop step's keys and values are quantized (fine-tuned codebooks).
+
+{step_section(m)}
+
+![per-step](figures/per_step_kl.png)
+
+## Fine-tuning curves (paper Fig. 4)
+
+Held-out KL on the 4 calibration hold-out sequences after each epoch (epoch 0 = k-means initialisation).
+
+{curve_section(data['curves'])}
+
+![curves](figures/finetune_curves.png)
+
+## Calibration size (paper Table 5) and calibration corpus (paper Fig. 9)
+
+Held-out KL on the Shakespeare evaluation text.
+
+{size_corpus_section(m)}
+"""
+    path.write_text(text)

@@ -1,0 +1,100 @@
+"""The reference encoder / decoder and the group layouts, on hand-made data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loopvq_calib.codec import BlockCodec, Codes, TasqTransform, code_bits, gather_groups, nearest, scatter_groups, sigma_bits
+from loopvq_calib.config import QuantConfig
+from loopvq_calib.layouts import BlockLayout, channel_groups, codebook_shape, loop_axis_groups, plan_layouts
+from loopvq_calib.models.sites import KVLayout, KVSite
+
+
+def test_cq_groups_are_consecutive_channels():
+    assert channel_groups(8, 4).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="not divisible"):
+        channel_groups(8, 3)
+
+
+def test_loop_axis_coordinate_order_is_channel_major_step_minor():
+    """Ouro-1.4B at 0.5 bit: D 128, T_c 4, G 16 -> c 4 channels per step, 32 joint groups; joint coordinate
+    i*T_c + m holds channel g*c + i of step m (flat m*D + channel)."""
+    g = loop_axis_groups(128, 4, 16)
+    assert g.shape == (32, 16)
+    group, i, m = 5, 2, 3
+    assert g[group, i * 4 + m].item() == m * 128 + group * 4 + i
+    assert sorted(g.flatten().tolist()) == list(range(512))
+
+
+def test_plan_layouts_blocks_and_codebook_shapes():
+    sites = tuple(KVSite(t * 2 + l, t, l, True, "loop") for t in range(4) for l in range(2))
+    kv = KVLayout("ouro", sites, 4, 3, 8, "half", 1e4)
+    loop = plan_layouts(kv, QuantConfig(method="loopvq", group_size=8, codebook_size=16, bits=None))
+    assert [(x.key, x.sites) for x in loop] == [("key.b0.l0", (0, 2, 4, 6)), ("value.b0.l0", (0, 2, 4, 6)),
+                                               ("key.b0.l1", (1, 3, 5, 7)), ("value.b0.l1", (1, 3, 5, 7))]
+    cq = plan_layouts(kv, QuantConfig(method="cq", group_size=8, codebook_size=16, bits=None))
+    assert len(cq) == 16 and all(x.steps == 1 for x in cq)
+    for lay in loop + cq:
+        lay.check()
+    assert codebook_shape(loop[0], 16, "none") == (3, 4, 16, 8)
+    assert codebook_shape(loop[0], 16, "heads") == (1, 4, 16, 8)
+    assert codebook_shape(loop[0], 16, "all") == (1, 1, 16, 8)
+
+
+def test_gather_and_scatter_are_inverse_permutations():
+    x = torch.randn(5, 4, 3, 8)
+    groups = loop_axis_groups(8, 4, 8)[None]
+    z = gather_groups(x, groups)
+    assert z.shape == (5, 3, 4, 8)
+    assert torch.equal(z[:, :, 1, 6], x[:, 2, :, 3])  # group 1, i = 1, m = 2 -> channel 1*2+1 of step 2
+    assert torch.equal(scatter_groups(z, groups, 4), x)
+
+
+def test_nearest_and_decode_on_hand_made_codebook():
+    """2 heads, one group of G 2 per head, K 3 codewords; the expected indices are worked out by hand."""
+    layout = BlockLayout("x", "value", (0,), head_dim=2, kv_heads=2, groups=torch.tensor([[[0, 1]]]))
+    codebook = torch.tensor([[[[0.0, 0.0], [1.0, 0.0], [0.0, 2.0]]], [[[5.0, 5.0], [-1.0, -1.0], [3.0, 0.0]]]])
+    x = torch.tensor([[[[0.9, 0.1], [2.0, 1.0]]], [[[0.1, 1.5], [-2.0, 0.0]]]])  # [N=2, T=1, H=2, D=2]
+    codec = BlockCodec(layout, codebook)
+    codes = codec.encode(x)
+    assert codes.indices.dtype == torch.uint8
+    assert codes.indices[..., 0].tolist() == [[1, 2], [2, 1]]
+    decoded = codec.decode(codes)
+    assert decoded[0, 0].tolist() == [[1.0, 0.0], [3.0, 0.0]] and decoded[1, 0].tolist() == [[0.0, 2.0], [-1.0, -1.0]]
+
+
+def test_nearest_matches_brute_force_and_shared_codebooks_broadcast():
+    z = torch.randn(50, 3, 4, 8)
+    for cb in (torch.randn(3, 4, 16, 8), torch.randn(1, 4, 16, 8), torch.randn(1, 1, 16, 8)):
+        full = cb.expand(3, 4, -1, -1)
+        brute = ((z[:, :, :, None] - full[None]) ** 2).sum(-1).argmin(-1)
+        assert torch.equal(nearest(z, cb, chunk=7), brute)
+
+
+def test_lookup_gradient_reaches_only_used_codewords():
+    layout = BlockLayout("b0.l0", "key", (0, 1), head_dim=4, kv_heads=1, groups=loop_axis_groups(4, 2, 4)[None])
+    cb = torch.randn(1, 2, 8, 4, requires_grad=True)
+    codec = BlockCodec(layout, cb)
+    y = codec.decode(Codes(torch.tensor([[[3, 5]]], dtype=torch.uint8)))
+    y.sum().backward()
+    used = torch.zeros(1, 2, 8, dtype=torch.bool)
+    used[0, 0, 3] = used[0, 1, 5] = True
+    assert (cb.grad[used] == 1).all() and (cb.grad[~used] == 0).all()
+
+
+def test_tasq_sigma_rule_and_exact_inverse():
+    w = torch.rand(2, 3, 8) + 0.5
+    t = TasqTransform(w, sigma_min=1e-4)
+    x = torch.randn(6, 2, 3, 8)
+    sigma = t.sigma(x)
+    expected = ((x * w) ** 2).mean(dim=(-1, -2)).sqrt().clamp_min(1e-4).half()
+    assert sigma.dtype == torch.float16 and torch.equal(sigma, expected)
+    torch.testing.assert_close(t.inverse(t.forward(x, sigma), sigma), x)
+    assert t.sigma(torch.zeros(1, 2, 3, 8)).float().tolist() == [[pytest.approx(1e-4, rel=1e-3)] * 2]
+
+
+def test_bits_accounting():
+    assert code_bits(256, 16) == 0.5 and code_bits(256, 32) == 0.25
+    assert code_bits(256, 16) + sigma_bits(16, 128) == pytest.approx(0.5078125)
+    assert code_bits(256, 16) + sigma_bits(55, 96) == pytest.approx(0.503, abs=1e-3)
