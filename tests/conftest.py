@@ -81,6 +81,16 @@ def make_tiny_huginn(seed: int = 0, **overrides) -> HuginnForCausalLM:
     return _scaled_init(HuginnForCausalLM(tiny_huginn_config(**overrides)), seed)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second intra-op thread; on a busy 2-core machine OpenMP spinning
+    made such modules ~10x slower with two (use with pytest.mark.usefixtures)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_ouro_dir(tmp_path_factory) -> Path:
     return save_with_tokenizer(make_tiny_ouro(), tmp_path_factory.mktemp("tiny-ouro"))

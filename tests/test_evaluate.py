@@ -14,14 +14,7 @@ from loopvq_calib.models.loading import load_model, model_identity
 from loopvq_calib.qcache import sampled_quantizer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are too small to gain from a second intra-op thread; on a busy 2-core machine OpenMP
-    spinning made this module ~10x slower with two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def explicit_metrics(model, ids, quantizer, sink, only_step=None):

@@ -12,7 +12,7 @@ from transformers.generation import utils as generation_utils
 from transformers.utils import ModelOutput
 
 from .cache import LoopKVCache
-from .common import RMSNorm
+from .common import ForwardContext, RMSNorm, build_context, pick
 
 
 class CheckpointMismatchError(ValueError):
@@ -92,6 +92,26 @@ class LoopedPreTrainedModel(PreTrainedModel):
                 f"config.json; " + "; ".join(problems)
             )
         return (model, info) if wanted_info else model
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def _forward_context(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+        use_cache: bool | None, steps: int, kwargs: dict[str, Any],
+    ) -> tuple[Any, ForwardContext]:
+        """The cache (given as ``cache`` / ``past_key_values``, or a new :class:`LoopKVCache` when
+        ``use_cache``) and the per-forward context (positions, mask, RoPE, hooks) shared by both models."""
+        cache = pick(kwargs, "cache", "past_key_values")
+        if cache is None and use_cache:
+            cache = LoopKVCache()
+        if cache is not None and hasattr(cache, "check_steps"):
+            cache.check_steps(steps)
+        kv = self.kv_layout(steps)
+        b, s = input_ids.shape
+        ctx = build_context(s, b, input_ids.device, kv.rope_style, kv.rope_theta, cache, attention_mask, position_ids,
+                            kwargs.get("kv_hook", self.kv_hook), self.query_observer)
+        return cache, ctx
 
     def prepare_inputs_for_generation(
         self, input_ids: torch.Tensor, cache: Any = None, past_key_values: Any = None, **kwargs: Any

@@ -19,8 +19,7 @@ from transformers import GenerationMixin, PretrainedConfig
 from transformers.utils import ModelOutput
 
 from .base import LoopedPreTrainedModel, make_output
-from .cache import LoopKVCache
-from .common import ForwardContext, RMSNorm, attend, build_context, pick
+from .common import ForwardContext, RMSNorm, attend
 from .sites import KVLayout, KVSite
 
 
@@ -188,9 +187,6 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.transformer.wte
 
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
     def kv_layout(self, num_steps: int | None = None) -> KVLayout:
         c = self.config
         r = num_steps or c.mean_recurrence
@@ -234,16 +230,7 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         """``num_steps`` recurrences (default ``mean_recurrence``); ``input_states`` fixes the initial state."""
         c, tf = self.config, self.transformer
         r = num_steps or c.mean_recurrence
-        cache = pick(kwargs, "cache", "past_key_values")
-        if cache is None and use_cache:
-            cache = LoopKVCache()
-        if cache is not None and hasattr(cache, "check_steps"):
-            cache.check_steps(r)
-        b, s_len = input_ids.shape
-        ctx = build_context(
-            s_len, b, input_ids.device, "interleaved", c.rope_base, cache, attention_mask, position_ids,
-            kwargs.get("kv_hook", self.kv_hook), self.query_observer,
-        )
+        cache, ctx = self._forward_context(input_ids, attention_mask, position_ids, use_cache, r, kwargs)
         e = tf.wte(input_ids) * torch.tensor(c.init_values["embed_scale"], dtype=tf.wte.weight.dtype)
         for i, block in enumerate(tf.prelude):
             e = block(e, ctx, i)

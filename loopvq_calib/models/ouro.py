@@ -16,8 +16,7 @@ from transformers import GenerationMixin, PretrainedConfig
 from transformers.utils import ModelOutput
 
 from .base import LoopedPreTrainedModel, make_output
-from .cache import LoopKVCache
-from .common import ForwardContext, RMSNorm, SwiGLU, attend, build_context, pick
+from .common import ForwardContext, RMSNorm, SwiGLU, attend
 from .sites import KVLayout, KVSite
 
 
@@ -168,9 +167,6 @@ class OuroForCausalLM(LoopedPreTrainedModel, GenerationMixin):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
     def kv_layout(self, num_steps: int | None = None) -> KVLayout:
         """KV sites: slot ``step * num_hidden_layers + layer``, all looped."""
         c = self.config
@@ -196,17 +192,8 @@ class OuroForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         **kwargs: Any,
     ) -> ModelOutput:
         """``use_cache`` creates a :class:`LoopKVCache` unless one is passed as ``cache`` / ``past_key_values``."""
-        cache = pick(kwargs, "cache", "past_key_values")
-        if cache is None and use_cache:
-            cache = LoopKVCache()
         steps = self.config.total_ut_steps
-        if cache is not None and hasattr(cache, "check_steps"):
-            cache.check_steps(steps)
-        b, s = input_ids.shape
-        ctx = build_context(
-            s, b, input_ids.device, "half", self.config.rope_theta, cache, attention_mask, position_ids,
-            kwargs.get("kv_hook", self.kv_hook), self.query_observer,
-        )
+        cache, ctx = self._forward_context(input_ids, attention_mask, position_ids, use_cache, steps, kwargs)
         h = self.model.embed_tokens(input_ids)
         hidden, gates = [], []
         for t in range(steps):
