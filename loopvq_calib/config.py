@@ -93,8 +93,8 @@ class KMeansConfig:
     fisher_weighted: bool = True
     seed: int = 0
     device: str = "auto"
-    problems_per_batch: int = 512  # torch backend: k-means problems solved together
-    points_per_chunk: int = 16384  # torch backend: distance rows computed at once
+    problems_per_batch: int | None = None  # torch backend: problems solved together (null: 512 GPU, 8 CPU)
+    points_per_chunk: int | None = None  # torch backend: points per problem per distance block (null: 16384 GPU, 512 CPU)
 
 
 @dataclass
@@ -256,8 +256,9 @@ def validate(cfg: Config) -> Config:
     _choice("kmeans.init", k.init, ("kmeans++", "random"))
     _positive("kmeans.iterations", k.iterations)
     _positive("kmeans.tolerance", k.tolerance, zero_ok=True)
-    _positive("kmeans.problems_per_batch", k.problems_per_batch)
-    _positive("kmeans.points_per_chunk", k.points_per_chunk)
+    for name in ("problems_per_batch", "points_per_chunk"):
+        if getattr(k, name) is not None:
+            _positive(f"kmeans.{name}", getattr(k, name))
     _positive("finetune.epochs", f.epochs, zero_ok=True)
     _positive("finetune.lr", f.lr)
     _positive("finetune.batch_size", f.batch_size)

@@ -39,14 +39,14 @@ class _Sums:
         s = self.sink
         if ids.shape[1] <= max(s, 1):
             raise ValueError(f"sequences of {ids.shape[1]} tokens leave no position after {s} sink tokens")
-        q_logits = quantized_logits(model, ids, self.q, fp, s)
+        qk, qv = self.q.quantize_sites(fp.keys, fp.values)  # encoded once, reused below
+        q_logits = quantized_logits(model, ids, self.q, fp, s, quantized=(qk, qv))
         kl = kl_per_position(fp.logits[:, s:], q_logits[:, s:], kl_chunk)
         self.kl += kl.sum().item()
         self.positions += kl.numel()
         self.nll_fp += next_token_nll(fp.logits, ids, s).item()
         self.nll_q += next_token_nll(q_logits, ids, s).item()
         self.targets += ids.shape[0] * (ids.shape[1] - max(s, 1))
-        qk, qv = self.q.quantize_sites(fp.keys, fp.values)
         for kind, x, y in (("key", fp.keys, qk), ("value", fp.values, qv)):
             for site in self.err[kind]:
                 ref, rec = x[site][:, s:].float(), y[site][:, s:].float()
@@ -54,7 +54,7 @@ class _Sums:
                 self.ref[kind][site] += ref.pow(2).sum().item()
         if per_step:
             for t in range(len(self.step_kl)):
-                q_t = quantized_logits(model, ids, self.q, fp, s, only_steps={t})
+                q_t = quantized_logits(model, ids, self.q, fp, s, only_steps={t}, quantized=(qk, qv))
                 self.step_kl[t] += kl_per_position(fp.logits[:, s:], q_t[:, s:], kl_chunk).sum().item()
         self.sequences += ids.shape[0]
 

@@ -47,13 +47,14 @@ def quantized_logits(
     fp: Teacher,
     sink_tokens: int,
     only_steps: set[int] | None = None,
+    quantized: tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Logits when every site (or only the sites of ``only_steps``) attends to the quantized cache.
 
     Gradients flow to the codebooks through the lookup; assignments are recomputed, without gradient,
-    from the current codebooks.
+    from the current codebooks. ``quantized`` passes an already computed ``quantize_sites`` result.
     """
-    qk, qv = quantizer.quantize_sites(fp.keys, fp.values)
+    qk, qv = quantized if quantized is not None else quantizer.quantize_sites(fp.keys, fp.values)
     if only_steps is not None:
         keep = {s.site for s in quantizer.kv.sites if s.looped and s.step in only_steps}
         qk = {s: t for s, t in qk.items() if s in keep}

@@ -44,8 +44,7 @@ def main() -> None:
         torch.cuda.synchronize()
     init_s = time.time() - t
     print(json.dumps({"what": "kmeans++ init", "device": str(dev), "problems": args.problems, "seconds": round(init_s, 3)}))
-    cfg = KMeansConfig(iterations=args.iterations, tolerance=0.0, problems_per_batch=args.problems if cuda else 16,
-                       points_per_chunk=args.points if cuda else 4096)
+    cfg = KMeansConfig(iterations=args.iterations, tolerance=0.0)  # device-dependent batch sizes
     for backend in args.backends:
         device = dev if backend == "torch" else torch.device("cpu")
         try:

@@ -93,8 +93,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=1, help="fine-tuning sequences per step (split across processes)")
     p.add_argument("--kmeans-backend", default="auto", choices=["auto", "torch", "faiss"])
     p.add_argument("--kmeans-iterations", type=int, default=100)
-    p.add_argument("--problems-per-batch", type=int, default=512)
-    p.add_argument("--points-per-chunk", type=int, default=16384)
+    p.add_argument("--problems-per-batch", type=int, default=None)
+    p.add_argument("--points-per-chunk", type=int, default=None)
     p.add_argument("--store", default="auto", choices=["auto", "memory", "disk"],
                    help="capture store; auto = memory for one process, disk (under --workdir) for several")
     p.add_argument("--fisher-channels", type=int, default=None, help="default: channels per step of a code group")

@@ -6,7 +6,7 @@ same data (their fingerprints match, so the pipeline reuses them), and runs go t
 single-threaded workers. Held-out text (artifacts/data/shakespeare-heldout.jsonl) is never used for
 calibration.
 
-    python scripts/reproduce.py            # about 15-20 minutes on 2 CPU cores
+    python scripts/reproduce.py            # about 16 minutes on 2 CPU cores
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ FIGS = DOCS / "figures"
 METHODS = ("cq", "tasq", "loopvq", "tasq+loopvq")
 WIDTHS = {0.5: 16, 0.25: 32}
 CORPORA = {"shakespeare": "artifacts/data/shakespeare-calib.jsonl", "kjv": "artifacts/data/kjv-calib.jsonl"}
-SEQ_LEN, KMEANS_ITERS, HELDOUT_SEQS, HELDOUT_LEN = 256, 10, 8, 512
+SEQ_LEN, KMEANS_ITERS, HELDOUT_SEQS, HELDOUT_LEN = 192, 10, 8, 512
 
 
 def run_config(method: str, bits: float, corpus: str = "shakespeare", sequences: int = 16, fisher: bool = True) -> dict:
@@ -35,7 +35,7 @@ def run_config(method: str, bits: float, corpus: str = "shakespeare", sequences:
         "data": {"dataset": str(ROOT / CORPORA[corpus]), "num_sequences": sequences, "sequence_length": SEQ_LEN,
                  "heldout_sequences": sequences // 4, "sink_tokens": 8},
         "quant": {"method": method, "bits": bits, "group_size": WIDTHS[bits], "codebook_size": 256, "steps_per_block": 4},
-        "kmeans": {"iterations": KMEANS_ITERS, "fisher_weighted": fisher, "backend": "faiss"},
+        "kmeans": {"iterations": KMEANS_ITERS, "fisher_weighted": fisher},
         "finetune": {"epochs": 4, "lr": 1e-3},
     }
 
@@ -59,12 +59,6 @@ def _worker_init() -> None:
     import torch
 
     torch.set_num_threads(1)
-    try:
-        import faiss
-
-        faiss.omp_set_num_threads(1)
-    except ImportError:
-        pass
 
 
 def _calibrate(name: str, cfg: dict, stages: list[str] | None) -> tuple[str, float]:

@@ -188,10 +188,11 @@ def test_empty_clusters_are_reseeded_deterministically():
 
 
 def test_backend_resolution_and_missing_faiss(monkeypatch):
-    assert resolve_backend("auto", CPU) == ("faiss" if HAS_FAISS else "torch")
-    assert resolve_backend("auto", torch.device("cuda")) == "torch"
+    assert resolve_backend("auto", CPU) == resolve_backend("auto", torch.device("cuda")) == "torch"
+    assert resolve_backend("faiss", CPU) == "faiss"
+    with pytest.raises(ValueError, match="kmeans.backend"):
+        resolve_backend("sklearn", CPU)
     monkeypatch.setitem(sys.modules, "faiss", None)
-    assert resolve_backend("auto", CPU) == "torch"
     x, w = blobs(1, 100, 4, 2, seed=10)
     with pytest.raises(ImportError, match="kmeans.backend"):
         weighted_kmeans(x, w, x[:, :K], KMeansConfig(), "faiss", CPU)
