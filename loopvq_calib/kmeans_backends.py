@@ -102,7 +102,7 @@ INITS = {"kmeans++": kmeans_pp_init, "random": random_init}
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     """``auto`` is the batched torch backend on any device: on the H200 it was 16x faster than faiss-cpu
-    on 32 threads, and on the 2-core CPU 1.6x faster than faiss with cache-sized batches
+    on 32 threads, and on the 2-core CPU 1.5x faster than faiss with cache-sized batches
     (docs/performance.md)."""
     if backend not in BACKENDS:
         raise ValueError(f"kmeans.backend: {backend!r} is not one of {', '.join(BACKENDS)}")
