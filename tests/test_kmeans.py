@@ -19,6 +19,7 @@ from loopvq_calib.kmeans import (
     fit_codebooks, kmeans_pp_init, layout_problems, random_init, resolve_backend, weighted_kmeans,
 )
 from loopvq_calib.layouts import plan_layouts
+from loopvq_calib.kmeans_backends import _draw_one
 
 CPU = torch.device("cpu")
 K, G = 16, 8
@@ -102,6 +103,31 @@ def test_kmeans_pp_spreads_over_separated_clusters():
     c = kmeans_pp_init(x, torch.rand(6, 400, generator=gen(5)) + 0.1, K, gen(0))
     for p in range(6):
         assert len(set(np_assign(c[p].double().numpy(), centres[p].double().numpy()).tolist())) == K
+
+
+def test_two_level_draw_matches_the_distribution():
+    """Frequencies of 200,000 draws over 3 blocks equal prob / sum within 4 standard errors; zero-probability
+    entries (incl. whole zero blocks and the ends, u near 0 and 1) are never drawn."""
+    prob = torch.zeros(1, 3 * 8)
+    prob[0, [1, 7, 16, 23]] = torch.tensor([1.0, 3.0, 2.0, 2.0])  # block 1 (entries 8..15) has no mass
+    n = 200_000
+    u = torch.cat([torch.rand(n - 2, dtype=torch.float64, generator=gen(0)), torch.tensor([0.0, 1 - 1e-16], dtype=torch.float64)])
+    idx = _draw_one(prob.expand(n, -1).contiguous(), prob.expand(n, -1).contiguous(), u, block=8)
+    freq = torch.bincount(idx, minlength=24).double() / n
+    expect = (prob[0] / prob.sum()).double()
+    assert freq[expect == 0].sum() == 0
+    se = (expect * (1 - expect) / n).sqrt()
+    assert ((freq - expect).abs() <= 4 * se + 1e-12).all(), (freq, expect)
+
+
+def test_draw_falls_back_when_a_row_has_no_mass():
+    """A row whose probabilities are all zero draws from the fallback (here: only entry 5)."""
+    prob = torch.zeros(4, 16)
+    prob[1, 9] = 1.0
+    fallback = torch.zeros(4, 16)
+    fallback[:, 5] = 2.0
+    idx = _draw_one(prob, fallback, torch.rand(4, dtype=torch.float64, generator=gen(1)), block=4)
+    assert idx.tolist() == [5, 9, 5, 5]
 
 
 # ---------- Lloyd ----------
