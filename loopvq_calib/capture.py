@@ -76,9 +76,10 @@ def _check_finite(tensors: dict[str, torch.Tensor], kv: KVLayout, seq: int) -> N
 
 def capture_sequence(
     model: torch.nn.Module, ids: torch.Tensor, kv: KVLayout, seqs: list[int], dtype: torch.dtype = torch.float32,
-    fisher_channels: int = 1,
+    fisher_channels: int = 1, on_device: bool = False,
 ) -> tuple[dict[str, torch.Tensor], ...]:
-    """One forward + backward over ``ids`` [B, S]; per sequence, the tensors to store, on CPU in ``dtype``.
+    """One forward + backward over ``ids`` [B, S]; per sequence, the tensors to store in ``dtype``, on the
+    CPU (or left on the model's device with ``on_device``; query statistics always go to the CPU).
 
     Values are checked on the device (non-finite -> :class:`CaptureError` naming site and sequence
     ``seqs[b]``). With ``fisher_channels`` c > 1 the squared gradients are summed over c consecutive
@@ -108,14 +109,16 @@ def capture_sequence(
             t[f"fisher_key.{site}"] = chunked(fisher[site][0][b])
             t[f"fisher_value.{site}"] = chunked(fisher[site][1][b])
         _check_finite(t, kv, seq)
-        stored = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in t.items()}
+        stored = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in t.items()}
+        stored = stored if on_device else {k: v.cpu() for k, v in stored.items()}
         stored.update({f"qstat.{site}": v[b].float() for site, v in qstats.sums.items()})
         out.append(stored)
     return tuple(out)
 
 
 class MemoryCapture:
-    """Capture held in this process's memory (``capture.store: memory``): no files, nothing to reuse."""
+    """Capture held in this process's memory: host RAM (``capture.store: memory``) or the accelerator's
+    (``capture.store: device``); no files, nothing to reuse."""
 
     def __init__(self) -> None:
         self.sequences: dict[int, dict[str, torch.Tensor]] = {}
@@ -144,7 +147,8 @@ def capture_kv(
     mine = [i for i in range(calib.input_ids.shape[0]) if i % world == rank]
     for start in range(0, len(mine), cfg.batch_size):
         batch = mine[start : start + cfg.batch_size]
-        results = capture_sequence(model, calib.input_ids[batch].to(device), kv, batch, DTYPES[cfg.dtype], cfg.fisher_channels)
+        results = capture_sequence(model, calib.input_ids[batch].to(device), kv, batch, DTYPES[cfg.dtype],
+                                   cfg.fisher_channels, on_device=cfg.store == "device")
         for seq, stored in zip(batch, results):
             if isinstance(out, MemoryCapture):
                 out.sequences[seq] = stored
@@ -173,7 +177,7 @@ def write_meta(out_dir: Path, calib: CalibrationSet, kv: KVLayout, cfg: CaptureC
         "sites": [vars(s) for s in kv.sites],
         "qstat_pairs_per_sequence": calib.input_ids.shape[1] * (calib.input_ids.shape[1] + 1) / 2,
         "fisher_channels": cfg.fisher_channels,
-        "store": "memory" if memory is not None else "disk",
+        "store": cfg.store if memory is not None else "disk",
     }
     if memory is not None:
         have = set(memory.sequences)
@@ -235,7 +239,7 @@ class CaptureData:
         return sum(found) / (self.meta["qstat_pairs_per_sequence"] * self.num_sequences)
 
     def input_ids(self) -> torch.Tensor:
-        return torch.stack([self._tensor(i, "input_ids") for i in range(self.num_sequences)])
+        return torch.stack([self._tensor(i, "input_ids").cpu() for i in range(self.num_sequences)])
 
 
 class CaptureReader(CaptureData):

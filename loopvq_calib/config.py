@@ -80,7 +80,7 @@ class QuantConfig:
 class CaptureConfig:
     dtype: str = "bfloat16"  # storage dtype of captured K/V and Fisher
     batch_size: int = 1  # sequences per forward/backward
-    store: str = "disk"  # disk (safetensors shards, reusable) | memory (this process only, no files)
+    store: str = "disk"  # disk (safetensors shards, reusable) | memory (host RAM) | device (accelerator memory)
     fisher_channels: int = 1  # sum squared gradients over this many consecutive channels (1 = per coordinate)
 
 
@@ -242,7 +242,7 @@ def validate(cfg: Config) -> Config:
         )
     _choice("capture.dtype", cfg.capture.dtype, DTYPES)
     _positive("capture.batch_size", cfg.capture.batch_size)
-    _choice("capture.store", cfg.capture.store, ("disk", "memory"))
+    _choice("capture.store", cfg.capture.store, ("disk", "memory", "device"))
     fc = cfg.capture.fisher_channels
     _positive("capture.fisher_channels", fc)
     if fc > 1 and q.uses_tasq:

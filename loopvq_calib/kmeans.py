@@ -94,7 +94,7 @@ def fit_codebooks(
     ``shard = (rank, world)`` fits only layouts ``i % world == rank`` (several processes share the work;
     :func:`loopvq_calib.quantizer.merge_quantizers` joins the parts). Returns the quantizer and a report:
     per layout key the objectives at init and at the end per codebook, Lloyd updates, empty clusters,
-    backend, seconds; plus totals.
+    backend, seconds (and of those, ``seconds_init`` in the initialisation); plus totals.
     """
     device = torch.device(device)
     backend = resolve_backend(cfg.backend, device)
@@ -114,7 +114,10 @@ def fit_codebooks(
         del x, fisher
         _check_enough_points(reader, layout, tokens, points.shape[1], quant.codebook_size)
         seed = layout_seed(cfg.seed, layout)
+        seeding = time.perf_counter()
         init = init_fn(points, weights, quant.codebook_size, torch.Generator().manual_seed(seed))
+        _sync(device)
+        seeding = time.perf_counter() - seeding
         result = weighted_kmeans(points, weights, init, cfg, backend, device, seed=seed)
         shape = codebook_shape(layout, quant.codebook_size, quant.codebook_sharing)
         codecs[layout.key] = BlockCodec(layout, result.centroids.reshape(shape).contiguous(), transform)
@@ -126,6 +129,7 @@ def fit_codebooks(
             "points_per_codebook": int(points.shape[1]),
             "backend": backend,
             "seconds": time.perf_counter() - start,
+            "seconds_init": seeding,
         }
         del points, weights, init
         if progress:
@@ -150,4 +154,10 @@ def _totals(per_layout: dict[str, dict[str, Any]], backend: str, device: torch.d
         "backend": backend,
         "device": str(device),
         "seconds": sum(r["seconds"] for r in per_layout.values()),
+        "seconds_init": sum(r["seconds_init"] for r in per_layout.values()),
     }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

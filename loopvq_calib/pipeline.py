@@ -129,9 +129,9 @@ class Pipeline:
 
     def stage_capture(self, calib: CalibrationSet) -> CaptureData:
         c = self.cfg
-        memory = MemoryCapture() if c.capture.store == "memory" else None
+        memory = MemoryCapture() if c.capture.store in ("memory", "device") else None
         if memory is not None and self.state.num_processes > 1:
-            raise ConfigError("capture.store", "memory holds one process's sequences only; use disk with several processes")
+            raise ConfigError("capture.store", f"{c.capture.store} holds one process's sequences only; use disk with several processes")
         nonce = time.time() if memory is not None else None  # an in-memory capture is never reused
         fp = fingerprint("capture", __version__, self.fp["data"], self.identity.to_dict(), c.model.dtype,
                          self.kv.loop_steps, asdict(c.capture), nonce)
@@ -238,6 +238,13 @@ class Pipeline:
         return self.run.path("bundle")
 
     # -- driver --------------------------------------------------------------------------------------
+    def codebooks(self, calib: CalibrationSet) -> KVQuantizer | None:
+        """capture -> [tasq] -> [kmeans]; the capture (which may hold host or accelerator memory) is
+        released when this returns, before fine-tuning."""
+        reader = self.stage_capture(calib)
+        tasq = self.stage_tasq(reader) if "tasq" in self.wanted else None
+        return self.stage_kmeans(reader, tasq) if "kmeans" in self.wanted else None
+
     def run_all(self) -> RunResult:
         if self.state.is_main_process:
             setup_logging(self.run.root)
@@ -247,12 +254,8 @@ class Pipeline:
         result = RunResult(self.run.root, None)
         calib = self.stage_data()
         self.run.update(data_sha256=self.data_hash, calibration=calib.description)
-        quantizer = curve = None
-        if "capture" in self.wanted:
-            reader = self.stage_capture(calib)
-            tasq = self.stage_tasq(reader) if "tasq" in self.wanted else None
-            if "kmeans" in self.wanted:
-                quantizer = self.stage_kmeans(reader, tasq)
+        quantizer = self.codebooks(calib) if "capture" in self.wanted else None
+        curve = None
         if "finetune" in self.wanted:
             quantizer, curve = self.stage_finetune(calib, quantizer)
             result.metrics = {"heldout_kl": curve["curve"][curve["best_epoch"]]["heldout_kl"],

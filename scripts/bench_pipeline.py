@@ -95,7 +95,7 @@ def main() -> None:
     p.add_argument("--kmeans-iterations", type=int, default=100)
     p.add_argument("--problems-per-batch", type=int, default=None)
     p.add_argument("--points-per-chunk", type=int, default=None)
-    p.add_argument("--store", default="auto", choices=["auto", "memory", "disk"],
+    p.add_argument("--store", default="auto", choices=["auto", "memory", "device", "disk"],
                    help="capture store; auto = memory for one process, disk (under --workdir) for several")
     p.add_argument("--fisher-channels", type=int, default=None, help="default: channels per step of a code group")
     p.add_argument("--loop-checkpointing", action="store_true")
@@ -135,7 +135,7 @@ def main() -> None:
     calib = CalibrationSet(ids, list(range(n_train)), list(range(n_train, args.num_sequences)), cfg.data.sink_tokens)
 
     with timer.stage("capture"):
-        memory = MemoryCapture() if store == "memory" else None
+        memory = MemoryCapture() if store in ("memory", "device") else None
         capture_kv(model, calib, kv, cfg.capture, memory or work / "capture", rank, world)
         if world > 1:
             dist.barrier()
@@ -180,6 +180,7 @@ def main() -> None:
             "model": args.model, "method": args.method, "bits": args.bits, "sequences": args.num_sequences,
             "seq_len": args.seq_len, "processes": world, "store": store, "fisher_channels": fisher_channels,
             "kmeans_backend": report["totals"]["backend"], "kmeans_iterations_max": report["totals"]["iterations_max"],
+            "kmeans_init_s": round(report["totals"]["seconds_init"], 2),
             "stages": timer.stages, "pipeline_s": round(sum(timer.stages[s]["wall_s"] for s in timed), 2),
             "peak_gpu_gib": max((timer.stages[s]["peak_gpu_gib"] or 0) for s in timed),
             "best_epoch": result.best_epoch, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -120,22 +120,35 @@ def test_processes_split_sequences(tmp_path):
     write_meta(tmp_path, calib, kv, cfg)
 
 
-def test_memory_store_reads_like_disk(tmp_path):
+def _store_reads_like_disk(tmp_path, model, store):
     from loopvq_calib.capture import MemoryCapture, MemoryReader
 
-    model = make_tiny_ouro()
     calib = calib_set()
     disk = run_capture(model, calib, tmp_path, dtype="float32")
     mem = MemoryCapture()
-    cfg = CaptureConfig(dtype="float32", store="memory")
+    cfg = CaptureConfig(dtype="float32", store=store)
     capture_kv(model, calib, model.kv_layout(), cfg, mem)
     (tmp_path / "m").mkdir()
-    write_meta(tmp_path / "m", calib, model.kv_layout(), cfg, mem)
+    assert write_meta(tmp_path / "m", calib, model.kv_layout(), cfg, mem)["store"] == store
     reader = MemoryReader(mem)
     for name in ("key", "fisher_value"):
-        torch.testing.assert_close(reader.load(name, (2, 4)), disk.load(name, (2, 4)))
+        torch.testing.assert_close(reader.load(name, (2, 4)), disk.load(name, (2, 4)), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(reader.query_stats(3), disk.query_stats(3))
     assert torch.equal(reader.input_ids(), calib.input_ids)
+    return mem
+
+
+@pytest.mark.parametrize("store", ["memory", "device"])
+def test_memory_and_device_stores_read_like_disk(tmp_path, store):
+    mem = _store_reads_like_disk(tmp_path, make_tiny_ouro(), store)
+    assert all(t.device.type == "cpu" for seq in mem.sequences.values() for t in seq.values())
+
+
+@pytest.mark.gpu
+def test_device_store_keeps_the_capture_on_the_gpu(tmp_path):
+    mem = _store_reads_like_disk(tmp_path, make_tiny_ouro().cuda(), "device")
+    seq = mem.sequences[0]
+    assert seq["key.0"].is_cuda and seq["fisher_value.3"].is_cuda and not seq["qstat.0"].is_cuda
 
 
 def test_fisher_summed_over_channel_chunks_keeps_group_weights(tmp_path):

@@ -30,7 +30,7 @@ BAD = [
     ({"finetune": {"lr": -1}}, "finetune.lr", "must be > 0"),
     ({"output": {"serving": {"recent_window": 60}}}, "output.serving.recent_window", "not a multiple of page_size 8"),
     ({"quant": []}, "quant", "expected a mapping, got list"),
-    ({"capture": {"store": "ram"}}, "capture.store", "choose one of disk, memory"),
+    ({"capture": {"store": "ram"}}, "capture.store", "choose one of disk, memory, device"),
     ({"capture": {"fisher_channels": 8}}, "capture.fisher_channels", "does not divide the 4 channels per step"),
     ({"quant": {"method": "tasq"}, "capture": {"fisher_channels": 4}}, "capture.fisher_channels", "TaSQ weights each channel"),
 ]
@@ -78,6 +78,26 @@ def test_overrides_and_round_trip(tmp_path):
         load_config(path, ["quant.group_size"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_every_config_key_is_documented():
+    """docs/config.md has a table row for every key of the config tree, under its section."""
+    import dataclasses
+    import re
+
+    text = (ROOT / "docs" / "config.md").read_text()
+    sections = dict(re.findall(r"^## (\w+)\n(.*?)(?=^## |\Z)", text, flags=re.S | re.M))
+
+    def keys(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+                yield from keys(f.default_factory, f"{prefix}{f.name}.")
+            else:
+                yield prefix + f.name
+
+    missing = [f"{sec.name}.{k}" for sec in dataclasses.fields(Config)
+               for k in keys(sec.default_factory) if f"| `{k}` |" not in sections.get(sec.name, "")]
+    assert not missing, f"undocumented config keys: {missing}"
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)

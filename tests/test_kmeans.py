@@ -288,6 +288,7 @@ def test_fit_codebooks_shapes_objectives_and_encoding(tiny_capture, sharing):
         assert tuple(codec.codebook.shape) == (hc, nc, K, G) and codec.codebook.dtype == torch.float32
         r = report["layouts"][lay.key]
         assert len(r["objective_init"]) == hc * nc and r["backend"] == "torch"
+        assert 0 < r["seconds_init"] < r["seconds"]
         assert all(f <= i + 1e-6 for i, f in zip(r["objective_init"], r["objective_final"]))
         # encoding the calibration data picks the nearest codeword of the codebook its (head, group) uses
         x = reader.load(lay.kind, lay.sites)
@@ -300,6 +301,8 @@ def test_fit_codebooks_shapes_objectives_and_encoding(tiny_capture, sharing):
                 d = ((z[:, h, g, None, :] - book[None]) ** 2).sum(-1)
                 np.testing.assert_allclose(d[np.arange(len(d)), idx[:, h, g]], d.min(-1), rtol=1e-5, atol=1e-6)
     assert report["totals"]["codebooks"] == len(layouts) * hc * nc
+    t = report["totals"]
+    assert t["seconds_init"] == pytest.approx(sum(r["seconds_init"] for r in report["layouts"].values()))
 
 
 def test_fit_codebooks_tasq_encoding_and_cq(tiny_capture):

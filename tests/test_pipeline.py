@@ -114,6 +114,19 @@ def test_two_runs_with_the_same_seed_are_byte_identical(tiny_ouro_dir, calib_cor
     assert (a / "bundle" / "codebooks.safetensors").read_bytes() == (b / "bundle" / "codebooks.safetensors").read_bytes()
 
 
+@pytest.mark.parametrize("store", ["memory", "device"])
+def test_in_memory_stores_give_the_disk_codebooks_and_are_never_reused(tiny_ouro_dir, calib_corpus, tmp_path, store):
+    disk = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "disk"), stages=["capture", "kmeans"]).run_dir
+    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / store, capture={"store": store, "dtype": "bfloat16"})
+    run = calibrate(cfg, stages=["capture", "kmeans"]).run_dir
+    assert not list((run / "capture").glob("seq*.safetensors"))
+    assert json.loads((run / "capture" / "meta.json").read_text())["store"] == store
+    a, b = load_file(disk / "kmeans" / "quantizer.safetensors"), load_file(run / "kmeans" / "quantizer.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    again = calibrate(cfg, stages=["capture", "kmeans"])
+    assert {s["name"]: s["reused"] for s in again.stages} == {"data": True, "capture": False, "kmeans": False}
+
+
 def test_cli_run_writes_bundle_and_reports(tiny_ouro_dir, calib_corpus, tmp_path, capsys):
     import yaml
 
