@@ -181,6 +181,8 @@ def main() -> None:
             "seq_len": args.seq_len, "processes": world, "store": store, "fisher_channels": fisher_channels,
             "kmeans_backend": report["totals"]["backend"], "kmeans_iterations_max": report["totals"]["iterations_max"],
             "kmeans_init_s": round(report["totals"]["seconds_init"], 2),
+            "kmeans_iterations_mean": round(sum(sum(r["iterations"]) for r in report["layouts"].values())
+                                            / max(report["totals"]["codebooks"], 1), 1),
             "stages": timer.stages, "pipeline_s": round(sum(timer.stages[s]["wall_s"] for s in timed), 2),
             "peak_gpu_gib": max((timer.stages[s]["peak_gpu_gib"] or 0) for s in timed),
             "best_epoch": result.best_epoch, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
