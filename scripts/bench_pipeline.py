@@ -13,6 +13,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -79,6 +80,7 @@ class Timer:
             torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None
         self.stages[name] = {"wall_s": round(time.time() - start, 2), "peak_gpu_gib": round(peak, 2) if peak else None}
+        print(json.dumps({"stage": name, **self.stages[name]}), file=sys.stderr, flush=True)  # partial results survive a kill
 
 
 def main() -> None:

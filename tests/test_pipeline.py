@@ -37,7 +37,7 @@ def tiny_config(model_dir: Path, corpus: Path, out: Path, **sections) -> dict:
 def without_timings(path: Path):
     def strip(x):
         if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if k != "seconds"}
+            return {k: strip(v) for k, v in x.items() if not k.startswith("seconds")}
         return [strip(v) for v in x] if isinstance(x, list) else x
 
     return strip(json.loads(path.read_text()))
