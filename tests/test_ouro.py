@@ -173,3 +173,25 @@ def test_bad_checkpoint_errors_name_the_tensors(tmp_path, edit, expected):
     save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointMismatchError, match=expected.replace(".", r"\.")):
         AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_rope_tables_are_computed_once_per_forward(monkeypatch):
+    """Every site of a forward rotates at the same positions: the angles are computed once per forward (not
+    twice per site, which also cost a host-to-device copy each time), with unchanged outputs."""
+    import loopvq_calib.models.common as common
+
+    model = make_tiny_ouro()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    sites = model.kv_layout().num_sites
+    calls = []
+    real = common.rope_angles
+    monkeypatch.setattr(common, "rope_angles", lambda *a: calls.append(a[1]) or real(*a))
+    logits = model(ids, use_cache=False).logits
+    assert len(calls) == 1 and sites > 1
+
+    def per_site_rope(self, x, positions):  # the uncached rule, at every site
+        cos, sin = real(positions, x.shape[-1], self.rope_theta)
+        return common.apply_rope(x, cos, sin, self.rope_style)
+
+    monkeypatch.setattr(common.ForwardContext, "rope", per_site_rope)
+    assert torch.equal(model(ids, use_cache=False).logits, logits)

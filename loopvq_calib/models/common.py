@@ -7,7 +7,8 @@ physical attention module can be called once per loop step with a different site
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
@@ -33,16 +34,45 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    """inv_freq_i = theta^(-2i/D), i in [0, D/2), in fp32."""
+    """inv_freq_i = theta^(-2i/D), i in [0, D/2), in fp32 (computed on the CPU, as the hub code does)."""
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
+@functools.lru_cache(maxsize=32)
+def _inv_freq_on(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """:func:`rope_inv_freq` moved to ``device`` once: a host-to-device copy per call would make the
+    host wait for the GPU at every KV site."""
+    return rope_inv_freq(head_dim, theta).to(device)
 
 
 def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position * inv_freq, fp32, shape [*positions.shape, D/2]."""
-    inv = rope_inv_freq(head_dim, theta).to(positions.device)
+    inv = _inv_freq_on(head_dim, float(theta), positions.device)
     with torch.autocast(device_type=positions.device.type, enabled=False):
         ang = positions.float()[..., None] * inv
     return ang.cos(), ang.sin()
+
+
+def rope_factors(cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`rotate` multiplies by, from ``cos``/``sin`` [B, S, D/2]: [B, S, 1, D] in ``dtype``
+    (``half``) or [B, S, 1, D/2] fp32 (``interleaved``)."""
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    if style == "half":
+        return torch.cat([cos, cos], -1).to(dtype), torch.cat([sin, sin], -1).to(dtype)
+    if style == "interleaved":
+        return cos, sin
+    raise ValueError(f"unknown RoPE style {style!r}; expected 'half' or 'interleaved'")
+
+
+def rotate(x: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor], style: RopeStyle) -> torch.Tensor:
+    """Apply RoPE to ``x`` [B, S, H, D] with :func:`rope_factors`."""
+    c, s = factors
+    if style == "half":
+        half = x.shape[-1] // 2
+        return x * c + torch.cat([-x[..., half:], x[..., :half]], -1) * s
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    return torch.stack([x0 * c - x1 * s, x1 * c + x0 * s], -1).flatten(-2).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle) -> torch.Tensor:
@@ -51,20 +81,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: Rop
     ``half``: channel i rotates with channel i + D/2 (Ouro, computed in the activation dtype).
     ``interleaved``: channels (2i, 2i+1) form one pair (Huginn, computed in fp32, cast back).
     """
-    cos = cos[:, :, None, :]
-    sin = sin[:, :, None, :]
-    if style == "half":
-        c = torch.cat([cos, cos], -1).to(x.dtype)
-        s = torch.cat([sin, sin], -1).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-        return x * c + rotated * s
-    if style == "interleaved":
-        xf = x.float().unflatten(-1, (-1, 2))
-        x0, x1 = xf[..., 0], xf[..., 1]
-        out = torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], -1)
-        return out.flatten(-2).to(x.dtype)
-    raise ValueError(f"unknown RoPE style {style!r}; expected 'half' or 'interleaved'")
+    return rotate(x, rope_factors(cos, sin, style, x.dtype), style)
 
 
 class KVHook(Protocol):
@@ -105,10 +122,19 @@ class ForwardContext:
     cache: KVStore | None = None
     hook: KVHook | None = None
     query_observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+    _rope: dict = field(default_factory=dict, repr=False)  # (head_dim, dtype) -> rope_factors at self.positions
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = rope_angles(positions, x.shape[-1], self.rope_theta)
-        return apply_rope(x, cos, sin, self.rope_style)
+        """RoPE at ``positions``; the factors at this forward's own positions are computed once and
+        shared by every site (every loop step and layer rotates at the same positions)."""
+        if positions is not self.positions:
+            cos, sin = rope_angles(positions, x.shape[-1], self.rope_theta)
+            return apply_rope(x, cos, sin, self.rope_style)
+        key = (x.shape[-1], x.dtype)
+        if key not in self._rope:
+            cos, sin = rope_angles(positions, x.shape[-1], self.rope_theta)
+            self._rope[key] = rope_factors(cos, sin, self.rope_style, x.dtype)
+        return rotate(x, self._rope[key], self.rope_style)
 
 
 def attend(
