@@ -47,30 +47,17 @@ def _check_shapes(x: torch.Tensor, w: torch.Tensor, k: int) -> None:
         raise ValueError("weights must be >= 0 with a positive total in every problem")
 
 
-SAMPLING_BLOCK = 256  # points per block of the two-level inverse-CDF draw
-
-
-def _draw_one(prob: torch.Tensor, fallback: torch.Tensor, u: torch.Tensor, block: int = SAMPLING_BLOCK) -> torch.Tensor:
-    """One index per row with probability proportional to ``prob`` [P, nb * block] (float32, >= 0), by
-    inverse CDF of the uniforms ``u`` [P] in two levels: float64 sums of blocks of ``block`` entries pick
-    a block, the float64 prefix sum inside it picks the entry. Rows whose total is zero draw from
-    ``fallback`` instead (same shape, >= 0, positive total). Zero-probability entries are never drawn.
-    Only [P, nb] and [P, block] float64 tensors are formed, not a prefix sum over all N points."""
-    p, n = prob.shape
-    rows = torch.arange(p, device=prob.device)
-    sums = prob.view(p, n // block, block).sum(-1, dtype=torch.float64)
-    empty = sums.sum(-1) <= 0
-    sums = torch.where(empty[:, None], fallback.view(p, n // block, block).sum(-1, dtype=torch.float64), sums)
-    cdf = sums.cumsum(-1)
-    target = u * cdf[:, -1]
-    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False).squeeze(1)  # last block with mass
-    b = torch.minimum(torch.searchsorted(cdf, target[:, None], right=True).squeeze(1), last)
-    local = torch.where(empty[:, None], fallback.view(p, -1, block)[rows, b], prob.view(p, -1, block)[rows, b]).double()
-    local_cdf = local.cumsum(-1)
-    rest = (target - (cdf[rows, b] - sums[rows, b])).clamp_min(0)
-    last_in = torch.searchsorted(local_cdf, local_cdf[:, -1:].contiguous(), right=False).squeeze(1)
-    j = torch.minimum(torch.searchsorted(local_cdf, rest[:, None], right=True).squeeze(1), last_in)
-    return b * block + j
+def _draw_one(prob: torch.Tensor, fallback: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One index per row with probability proportional to ``prob`` [P, N] (>= 0), by inverse CDF of the
+    uniforms ``u`` [P] (drawn on the CPU by the caller); a row whose total is zero draws from ``fallback``
+    (same shape, positive total). Zero-probability entries are never drawn. One float64 prefix sum per
+    row: few, large kernels, since the k-means++ draws are sequential and bound by kernel launches on GPU."""
+    prob = prob.double()
+    prob = torch.where((prob.sum(-1) > 0)[:, None], prob, fallback.double())
+    cdf = prob.cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
+    last_positive = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)
+    return torch.minimum(idx, last_positive).squeeze(1)
 
 
 def kmeans_pp_init(x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
@@ -80,29 +67,24 @@ def kmeans_pp_init(x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Ge
     K x P uniforms at once (one transfer to the device); the result is deterministic given its state.
 
     D^2 to a new centroid is ||x||^2 - 2 x.c + ||c||^2 (one batched matrix-vector product per draw,
-    not a pass over an [P, N, G] difference); drawn points are pinned to exactly zero. The point axis
-    is padded to whole sampling blocks with zero weight (never drawn)."""
+    not a pass over an [P, N, G] difference); drawn points are pinned to exactly zero."""
     _check_shapes(x, w, k)
-    p, n, g = x.shape
+    p, _, g = x.shape
     rows = torch.arange(p, device=x.device)
-    padded = -(-n // SAMPLING_BLOCK) * SAMPLING_BLOCK
-    wp = torch.nn.functional.pad(w.float(), (0, padded - n))
     x_sq = x.pow(2).sum(-1)
     xt = x.transpose(1, 2).contiguous()  # [P, G, N]: a row-vector product over it is fast on CPU and GPU
     out = x.new_empty(p, k, g)
     uniforms = torch.rand(k, p, generator=generator, dtype=torch.float64).to(x.device)
-    chosen = _draw_one(wp, wp, uniforms[0])
-    d2p = torch.zeros_like(wp)
-    d2 = d2p[:, :n]
-    d2.fill_(float("inf"))
+    chosen = _draw_one(w, w, uniforms[0])
+    d2 = torch.full_like(x_sq, float("inf"))
     for j in range(k):
         out[:, j] = x[rows, chosen]
         c = out[:, j]
         dist = torch.baddbmm((x_sq + c.pow(2).sum(-1)[:, None])[:, None, :], c[:, None, :], xt, alpha=-2.0)[:, 0]
-        torch.minimum(d2, dist.clamp_min_(0), out=d2)
-        d2p[rows, chosen] = 0.0
+        d2 = torch.minimum(d2, dist.clamp_min_(0))
+        d2[rows, chosen] = 0.0
         if j + 1 < k:
-            chosen = _draw_one(wp * d2p, wp, uniforms[j + 1])
+            chosen = _draw_one(w * d2, w, uniforms[j + 1])
     return out
 
 

@@ -69,7 +69,8 @@ def main() -> None:
     ap.add_argument("--method", default="loopvq", choices=["cq", "loopvq"])
     ap.add_argument("--bits", type=float, default=0.5, choices=[0.5, 0.25])
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per configuration (the first warms up)")
+    ap.add_argument("--steps", type=int, default=3,
+                    help="steps per configuration; each part's minimum over them is reported, and the fastest whole step")
     ap.add_argument("--loop-checkpointing", choices=["off", "on", "both"], default="off")
     ap.add_argument("--profile", default=None, help="write the profiler table of the last step here")
     args = ap.parse_args()

@@ -105,14 +105,14 @@ def test_kmeans_pp_spreads_over_separated_clusters():
         assert len(set(np_assign(c[p].double().numpy(), centres[p].double().numpy()).tolist())) == K
 
 
-def test_two_level_draw_matches_the_distribution():
-    """Frequencies of 200,000 draws over 3 blocks equal prob / sum within 4 standard errors; zero-probability
-    entries (incl. whole zero blocks and the ends, u near 0 and 1) are never drawn."""
+def test_draw_matches_the_distribution():
+    """Frequencies of 200,000 draws equal prob / sum within 4 standard errors; zero-probability entries
+    (incl. a zero run and the ends, u = 0 and u near 1) are never drawn."""
     prob = torch.zeros(1, 3 * 8)
-    prob[0, [1, 7, 16, 23]] = torch.tensor([1.0, 3.0, 2.0, 2.0])  # block 1 (entries 8..15) has no mass
+    prob[0, [1, 7, 16, 23]] = torch.tensor([1.0, 3.0, 2.0, 2.0])  # entries 8..15 have no mass
     n = 200_000
     u = torch.cat([torch.rand(n - 2, dtype=torch.float64, generator=gen(0)), torch.tensor([0.0, 1 - 1e-16], dtype=torch.float64)])
-    idx = _draw_one(prob.expand(n, -1).contiguous(), prob.expand(n, -1).contiguous(), u, block=8)
+    idx = _draw_one(prob.expand(n, -1).contiguous(), prob.expand(n, -1).contiguous(), u)
     freq = torch.bincount(idx, minlength=24).double() / n
     expect = (prob[0] / prob.sum()).double()
     assert freq[expect == 0].sum() == 0
@@ -126,8 +126,20 @@ def test_draw_falls_back_when_a_row_has_no_mass():
     prob[1, 9] = 1.0
     fallback = torch.zeros(4, 16)
     fallback[:, 5] = 2.0
-    idx = _draw_one(prob, fallback, torch.rand(4, dtype=torch.float64, generator=gen(1)), block=4)
+    idx = _draw_one(prob, fallback, torch.rand(4, dtype=torch.float64, generator=gen(1)))
     assert idx.tolist() == [5, 9, 5, 5]
+
+
+def test_kmeans_pp_never_seeds_on_zero_weight_points_when_positive_ones_run_out():
+    """3 positive-weight points at 2 locations, K 5: once every w D^2 is 0 the draws fall back to ~ w,
+    so every centroid is one of the 2 locations and no zero-weight point is chosen."""
+    x = torch.randn(1, 40, 4, generator=gen(7))
+    x[0, 1] = x[0, 0]
+    w = torch.zeros(1, 40)
+    w[0, :3] = torch.tensor([1.0, 2.0, 0.5])
+    c = kmeans_pp_init(x, w, 5, gen(8))[0]
+    allowed = {tuple(x[0, 0].tolist()), tuple(x[0, 2].tolist())}
+    assert {tuple(v) for v in c.tolist()} == allowed
 
 
 # ---------- Lloyd ----------

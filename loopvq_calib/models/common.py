@@ -122,7 +122,7 @@ class ForwardContext:
     cache: KVStore | None = None
     hook: KVHook | None = None
     query_observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
-    _rope: dict = field(default_factory=dict, repr=False)  # (head_dim, dtype) -> rope_factors at self.positions
+    _rope: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # (head_dim, dtype) -> factors
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """RoPE at ``positions``; the factors at this forward's own positions are computed once and
