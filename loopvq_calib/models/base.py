@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import field, make_dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 from transformers.generation import utils as generation_utils
 from transformers.utils import ModelOutput
@@ -55,6 +56,12 @@ class LoopedPreTrainedModel(PreTrainedModel):
         self.kv_hook = None  # see models/sites.py
         self.query_observer = None  # called with (site, pre-RoPE query [B,S,Hq,D], positions)
         self.loop_checkpointing = False  # activation checkpointing per loop step (training only)
+
+    def _loop_step(self, step: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        """One loop step, recomputed in the backward pass when ``loop_checkpointing`` is on and gradients flow."""
+        if self.loop_checkpointing and torch.is_grad_enabled():
+            return checkpoint(step, *args, use_reentrant=False)
+        return step(*args)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

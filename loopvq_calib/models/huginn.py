@@ -14,7 +14,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PretrainedConfig
 from transformers.utils import ModelOutput
 
@@ -237,10 +236,7 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         state = input_states if input_states is not None else self.initial_state(e, init_scale)
         hidden = []
         for t in range(r):
-            if self.loop_checkpointing and torch.is_grad_enabled():
-                state = checkpoint(self._core_step, state, e, ctx, t, use_reentrant=False)
-            else:
-                state = self._core_step(state, e, ctx, t)
+            state = self._loop_step(self._core_step, state, e, ctx, t)
             hidden.append(state)
         x = tf.ln_f(state)
         coda_base = c.n_layers_in_prelude + c.n_layers_in_recurrent_block * r

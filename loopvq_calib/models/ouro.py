@@ -11,7 +11,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PretrainedConfig
 from transformers.utils import ModelOutput
 
@@ -197,10 +196,7 @@ class OuroForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         h = self.model.embed_tokens(input_ids)
         hidden, gates = [], []
         for t in range(steps):
-            if self.loop_checkpointing and torch.is_grad_enabled():
-                h = checkpoint(self.model.run_loop, h, ctx, t, use_reentrant=False)
-            else:
-                h = self.model.run_loop(h, ctx, t)
+            h = self._loop_step(self.model.run_loop, h, ctx, t)
             hidden.append(h)
             gates.append(self.model.early_exit_gate(h))
         keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
