@@ -5,6 +5,7 @@ memory (docs/performance.md has the measured numbers and the commands).
 
     python scripts/bench_pipeline.py --model ouro-1.4b --method loopvq --bits 0.5
     accelerate launch --multi_gpu --num_processes 2 scripts/bench_pipeline.py --model ouro-2.6b --batch-size 2
+    python scripts/bench_pipeline.py --model huginn-3.5b --stages codebooks   # then --stages finetune: two calls
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from loopvq_calib.config import load_config
 from loopvq_calib.data import CalibrationSet
 from loopvq_calib.finetune import finetune_codebooks
 from loopvq_calib.kmeans import fit_codebooks
-from loopvq_calib.layouts import plan_layouts
+from loopvq_calib.codec import BlockCodec
+from loopvq_calib.layouts import codebook_shape, plan_layouts
 from loopvq_calib.models import HuginnConfig, HuginnForCausalLM, OuroConfig, OuroForCausalLM
 from loopvq_calib.models.loading import ModelIdentity
-from loopvq_calib.quantizer import load_quantizer, merge_quantizers, save_quantizer
+from loopvq_calib.quantizer import KVQuantizer, load_quantizer, merge_quantizers, save_quantizer
 
 OURO = dict(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=16,
             rope_theta=1e6, total_ut_steps=4, max_position_embeddings=65536)
@@ -83,59 +85,10 @@ class Timer:
         print(json.dumps({"stage": name, **self.stages[name]}), file=sys.stderr, flush=True)  # partial results survive a kill
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=sorted(MODELS), default="ouro-1.4b")
-    p.add_argument("--method", default="loopvq", choices=["cq", "tasq", "loopvq", "tasq+loopvq"])
-    p.add_argument("--bits", type=float, default=0.5, choices=[0.5, 0.25])
-    p.add_argument("--num-sequences", type=int, default=16)
-    p.add_argument("--heldout", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=1, help="fine-tuning sequences per step (split across processes)")
-    p.add_argument("--kmeans-backend", default="auto", choices=["auto", "torch", "faiss"])
-    p.add_argument("--kmeans-iterations", type=int, default=100)
-    p.add_argument("--problems-per-batch", type=int, default=None)
-    p.add_argument("--points-per-chunk", type=int, default=None)
-    p.add_argument("--store", default="auto", choices=["auto", "memory", "device", "disk"],
-                   help="capture store; auto = memory for one process, disk (under --workdir) for several")
-    p.add_argument("--fisher-channels", type=int, default=None, help="default: channels per step of a code group")
-    p.add_argument("--loop-checkpointing", action="store_true")
-    p.add_argument("--workdir", default=None, help="where disk captures and the bundle go (default: /dev/shm or tmp)")
-    args = p.parse_args()
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    group = 16 if args.bits == 0.5 else 32
-    steps_per_block = 4
-    channels = group // (steps_per_block if "loopvq" in args.method else 1)
-    fisher_channels = args.fisher_channels or (1 if "tasq" in args.method else channels)
-    store = args.store if args.store != "auto" else ("memory" if world == 1 else "disk")
-    cfg = load_config({
-        "model": {"dtype": "bfloat16" if device.type == "cuda" else "float32"},
-        "data": {"num_sequences": args.num_sequences, "sequence_length": args.seq_len, "heldout_sequences": args.heldout},
-        "quant": {"method": args.method, "bits": args.bits, "group_size": group, "steps_per_block": steps_per_block},
-        "capture": {"store": store, "fisher_channels": fisher_channels},
-        "kmeans": {"backend": args.kmeans_backend, "iterations": args.kmeans_iterations,
-                   "problems_per_batch": args.problems_per_batch, "points_per_chunk": args.points_per_chunk},
-        "finetune": {"epochs": args.epochs, "batch_size": args.batch_size, "loop_checkpointing": args.loop_checkpointing},
-    })
-    base = Path(args.workdir or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()))
-    work = base / f"loopvq-bench-{args.model}-{args.method}-{args.bits}-{args.num_sequences}"
-    timer = Timer(device)
-    with timer.stage("build_model"):
-        model = build_model(args.model, device)
+def build_codebooks(model, calib: CalibrationSet, cfg, store: str, work: Path, timer: Timer, device: torch.device,
+                    rank: int, world: int):
+    """capture -> [tasq] -> k-means (layouts shared by the processes, parts merged); the capture is released."""
     kv = model.kv_layout()
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, model.config.vocab_size, (args.num_sequences, args.seq_len), generator=gen)
-    n_train = args.num_sequences - args.heldout
-    calib = CalibrationSet(ids, list(range(n_train)), list(range(n_train, args.num_sequences)), cfg.data.sink_tokens)
-
     with timer.stage("capture"):
         memory = MemoryCapture() if store in ("memory", "device") else None
         capture_kv(model, calib, kv, cfg.capture, memory or work / "capture", rank, world)
@@ -164,30 +117,113 @@ def main() -> None:
             parts = [load_quantizer(work / f"part{r}") for r in range(world)]
             quantizer = merge_quantizers(parts, [lay.key for lay in layouts])
     del reader, memory
-    with timer.stage("finetune"):
-        result = finetune_codebooks(model, calib, quantizer, cfg.finetune, device)
-    with timer.stage("bundle"):
-        if rank == 0:
-            from loopvq_calib.bundle import write_bundle
+    return quantizer, report
 
-            conf = json.dumps(model.config.to_dict(), sort_keys=True).encode()
-            identity = ModelIdentity(f"random-{args.model}", None, model.config.model_type, hashlib.sha256(conf).hexdigest(), [])
-            write_bundle(work / "bundle", result.quantizer, name=f"bench-{args.model}", identity=identity,
-                         calibration={"synthetic_ids": True}, metrics={"finetune_curve": result.curve},
-                         serving=cfg.output.serving, codebook_dtype="float16", config=cfg.to_dict(),
-                         producer_version=__version__)
+
+def random_quantizer(model: torch.nn.Module, quant, device: torch.device) -> KVQuantizer:
+    """Codebooks of the method's layouts with random values (for timing fine-tuning without k-means)."""
+    kv = model.kv_layout()
+    gen = torch.Generator().manual_seed(0)
+    codecs = {lay.key: BlockCodec(lay, torch.randn(codebook_shape(lay, quant.codebook_size, quant.codebook_sharing),
+                                                   generator=gen).to(device))
+              for lay in plan_layouts(kv, quant)}
+    return KVQuantizer(codecs=codecs, method=quant.method, codebook_size=quant.codebook_size, group_size=quant.group_size,
+                       steps_per_block=quant.block_steps, sharing=quant.codebook_sharing, kv=kv)
+
+
+def kmeans_summary(report: dict) -> dict:
+    totals = report["totals"]
+    return {"kmeans_backend": totals["backend"], "kmeans_iterations_max": totals["iterations_max"],
+            "kmeans_init_s": round(totals["seconds_init"], 2),
+            "kmeans_iterations_mean": round(sum(sum(r["iterations"]) for r in report["layouts"].values())
+                                            / max(totals["codebooks"], 1), 1)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), default="ouro-1.4b")
+    p.add_argument("--method", default="loopvq", choices=["cq", "tasq", "loopvq", "tasq+loopvq"])
+    p.add_argument("--bits", type=float, default=0.5, choices=[0.5, 0.25])
+    p.add_argument("--num-sequences", type=int, default=16)
+    p.add_argument("--heldout", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=1, help="fine-tuning sequences per step (split across processes)")
+    p.add_argument("--kmeans-backend", default="auto", choices=["auto", "torch", "faiss"])
+    p.add_argument("--kmeans-iterations", type=int, default=100)
+    p.add_argument("--problems-per-batch", type=int, default=None)
+    p.add_argument("--points-per-chunk", type=int, default=None)
+    p.add_argument("--store", default="auto", choices=["auto", "memory", "device", "disk"],
+                   help="capture store; auto = memory for one process, disk (under --workdir) for several")
+    p.add_argument("--fisher-channels", type=int, default=None, help="default: channels per step of a code group")
+    p.add_argument("--loop-checkpointing", action="store_true")
+    p.add_argument("--workdir", default=None, help="where disk captures and the bundle go (default: /dev/shm or tmp)")
+    p.add_argument("--stages", default="all", choices=["all", "codebooks", "finetune"],
+                   help="codebooks: capture -> [tasq] -> k-means only; finetune: fine-tuning + bundle from random "
+                        "codebooks (timing does not depend on their values), so a large model can be timed in two calls")
+    args = p.parse_args()
+    if args.stages == "finetune" and "tasq" in args.method:
+        p.error("--stages finetune times random codebooks without TaSQ transforms: use --method cq or loopvq")
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = 16 if args.bits == 0.5 else 32
+    steps_per_block = 4
+    channels = group // (steps_per_block if "loopvq" in args.method else 1)
+    fisher_channels = args.fisher_channels or (1 if "tasq" in args.method else channels)
+    store = args.store if args.store != "auto" else ("memory" if world == 1 else "disk")
+    cfg = load_config({
+        "model": {"dtype": "bfloat16" if device.type == "cuda" else "float32"},
+        "data": {"num_sequences": args.num_sequences, "sequence_length": args.seq_len, "heldout_sequences": args.heldout},
+        "quant": {"method": args.method, "bits": args.bits, "group_size": group, "steps_per_block": steps_per_block},
+        "capture": {"store": store, "fisher_channels": fisher_channels},
+        "kmeans": {"backend": args.kmeans_backend, "iterations": args.kmeans_iterations,
+                   "problems_per_batch": args.problems_per_batch, "points_per_chunk": args.points_per_chunk},
+        "finetune": {"epochs": args.epochs, "batch_size": args.batch_size, "loop_checkpointing": args.loop_checkpointing},
+    })
+    base = Path(args.workdir or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()))
+    work = base / f"loopvq-bench-{args.model}-{args.method}-{args.bits}-{args.num_sequences}"
+    timer = Timer(device)
+    with timer.stage("build_model"):
+        model = build_model(args.model, device)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (args.num_sequences, args.seq_len), generator=gen)
+    n_train = args.num_sequences - args.heldout
+    calib = CalibrationSet(ids, list(range(n_train)), list(range(n_train, args.num_sequences)), cfg.data.sink_tokens)
+
+    report = None
+    if args.stages in ("all", "codebooks"):
+        quantizer, report = build_codebooks(model, calib, cfg, store, work, timer, device, rank, world)
+    else:
+        quantizer = random_quantizer(model, cfg.quant, device)
+    if args.stages == "codebooks":
+        result = None
+    else:
+        with timer.stage("finetune"):
+            result = finetune_codebooks(model, calib, quantizer, cfg.finetune, device)
+        with timer.stage("bundle"):
+            if rank == 0:
+                from loopvq_calib.bundle import write_bundle
+
+                conf = json.dumps(model.config.to_dict(), sort_keys=True).encode()
+                identity = ModelIdentity(f"random-{args.model}", None, model.config.model_type, hashlib.sha256(conf).hexdigest(), [])
+                write_bundle(work / "bundle", result.quantizer, name=f"bench-{args.model}", identity=identity,
+                             calibration={"synthetic_ids": True}, metrics={"finetune_curve": result.curve},
+                             serving=cfg.output.serving, codebook_dtype="float16", config=cfg.to_dict(),
+                             producer_version=__version__)
     if rank == 0:
         timed = [s for s in timer.stages if s != "build_model"]
         print(json.dumps({
-            "model": args.model, "method": args.method, "bits": args.bits, "sequences": args.num_sequences,
+            "model": args.model, "method": args.method, "bits": args.bits, "sequences": args.num_sequences, "run": args.stages,
             "seq_len": args.seq_len, "processes": world, "store": store, "fisher_channels": fisher_channels,
-            "kmeans_backend": report["totals"]["backend"], "kmeans_iterations_max": report["totals"]["iterations_max"],
-            "kmeans_init_s": round(report["totals"]["seconds_init"], 2),
-            "kmeans_iterations_mean": round(sum(sum(r["iterations"]) for r in report["layouts"].values())
-                                            / max(report["totals"]["codebooks"], 1), 1),
-            "stages": timer.stages, "pipeline_s": round(sum(timer.stages[s]["wall_s"] for s in timed), 2),
+            **(kmeans_summary(report) if report else {}), "stages": timer.stages, "pipeline_s": round(sum(timer.stages[s]["wall_s"] for s in timed), 2),
             "peak_gpu_gib": max((timer.stages[s]["peak_gpu_gib"] or 0) for s in timed),
-            "best_epoch": result.best_epoch, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "best_epoch": result.best_epoch if result else None, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         }))
     if world > 1:
         dist.destroy_process_group()

@@ -18,25 +18,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pipeline import MODELS, build_model  # noqa: E402
+from bench_pipeline import MODELS, build_model, random_quantizer  # noqa: E402
 
-from loopvq_calib.codec import BlockCodec  # noqa: E402
 from loopvq_calib.config import load_config  # noqa: E402
-from loopvq_calib.layouts import codebook_shape, plan_layouts  # noqa: E402
 from loopvq_calib.objective import mean_kl, quantized_logits, teacher  # noqa: E402
-from loopvq_calib.quantizer import KVQuantizer  # noqa: E402
-
-
-def random_quantizer(model: torch.nn.Module, method: str, bits: float, device: torch.device) -> KVQuantizer:
-    group = 16 if bits == 0.5 else 32
-    quant = load_config({"quant": {"method": method, "bits": bits, "group_size": group}}).quant
-    kv = model.kv_layout()
-    codecs = {}
-    for lay in plan_layouts(kv, quant):
-        shape = codebook_shape(lay, quant.codebook_size, quant.codebook_sharing)
-        codecs[lay.key] = BlockCodec(lay, torch.randn(shape, device=device))
-    return KVQuantizer(codecs=codecs, method=quant.method, codebook_size=quant.codebook_size, group_size=quant.group_size,
-                       steps_per_block=quant.block_steps, sharing=quant.codebook_sharing, kv=kv)
 
 
 def timed(fn, sync):
@@ -76,7 +61,8 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(args.model, device)
-    quantizer = random_quantizer(model, args.method, args.bits, device)
+    quant = load_config({"quant": {"method": args.method, "bits": args.bits, "group_size": 16 if args.bits == 0.5 else 32}}).quant
+    quantizer = random_quantizer(model, quant, device)
     params = [torch.nn.Parameter(c.codebook) for c in quantizer.codecs.values()]
     for c, p in zip(quantizer.codecs.values(), params):
         c.codebook = p
