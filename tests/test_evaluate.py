@@ -136,7 +136,7 @@ def test_check_gates():
 
 @pytest.fixture(scope="module")
 def bundle_dir(reference, tmp_path_factory):
-    bundle = pytest.importorskip("loopvq_calib.bundle")
+    from loopvq_calib import bundle
     from loopvq_calib.config import ServingConfig
 
     model, _, calib = reference
