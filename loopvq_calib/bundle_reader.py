@@ -21,11 +21,16 @@ FORMAT_VERSION = "1.0"
 META_FILE = "loopvq.json"
 TENSOR_FILE = "codebooks.safetensors"
 CARD_FILE = "README.md"
-_REQUIRED: dict[str, type | tuple[type, ...]] = {
-    "format": str, "producer": dict, "method": str, "bits": dict, "codebook_size": int, "group_size": int,
-    "steps_per_block": int, "codebook_sharing": str, "codebook_dtype": str, "index_dtype": str, "model": dict,
-    "kv_layout": dict, "rope": dict, "serving": dict, "blocks": list, "files": dict,
+_NUMBER = (int, float)
+_REQUIRED: dict[str, type | tuple[type, ...]] = {  # docs/bundle-format.md section 2: all present in 1.0
+    "format": str, "producer": dict, "created": str, "name": str, "method": str, "bits": dict, "bits_detail": dict,
+    "codebook_size": int, "group_size": int, "steps_per_block": int, "codebook_sharing": str,
+    "codebook_dtype": str, "index_dtype": str, "codebook_bytes": int, "model": dict, "kv_layout": dict,
+    "rope": dict, "serving": dict, "sigma_rule": str, "blocks": list, "calibration": dict, "metrics": dict,
+    "config": dict, "files": dict,
 }
+_REQUIRED_MODEL = {"name": str, "revision": (str, type(None)), "model_type": str, "config_sha256": str,
+                   "weights_sha256": str, "weights": list}
 _REQUIRED_BLOCK = {"key": str, "kind": str, "name": str, "sites": list, "codebook_shape": list,
                    "groups_shape": list, "tasq": bool}
 
@@ -100,7 +105,11 @@ def _read_meta(path: Path) -> dict[str, Any]:
     _require(meta, _REQUIRED, file, "")
     if meta["format"] != "loopvq":
         raise BundleError(f"{file}: field format is {meta['format']!r}, expected 'loopvq'")
+    _require(meta["producer"], {"name": str, "version": str}, file, "producer.")
+    _require(meta["bits"], {"key": _NUMBER, "value": _NUMBER}, file, "bits.")
+    _require(meta["model"], _REQUIRED_MODEL, file, "model.")
     _require(meta["serving"], {k: int for k in ("sink_tokens", "recent_window", "page_size")}, file, "serving.")
+    _check_serving(meta["serving"], file)
     _require(meta["rope"], {"style": str, "theta": (int, float)}, file, "rope.")
     _require(meta["kv_layout"], {"model_type": str, "loop_steps": int, "kv_heads": int, "head_dim": int,
                                  "sites": list}, file, "kv_layout.")
@@ -112,6 +121,17 @@ def _read_meta(path: Path) -> dict[str, Any]:
     for i, block in enumerate(meta["blocks"]):
         _require(block, _REQUIRED_BLOCK, file, f"blocks[{i}].")
     return meta
+
+
+def _check_serving(serving: dict[str, int], file: Path) -> None:
+    """Section 12: pages of at least one token; sinks and window non-negative multiples of the page."""
+    page = serving["page_size"]
+    if page <= 0:
+        raise BundleError(f"{file}: field serving.page_size must be > 0, got {page}")
+    for key in ("sink_tokens", "recent_window"):
+        if serving[key] < 0 or serving[key] % page:
+            raise BundleError(f"{file}: field serving.{key} must be a non-negative multiple of page_size {page}, "
+                              f"got {serving[key]}")
 
 
 def _require(obj: Any, spec: dict[str, Any], file: Path, prefix: str) -> None:

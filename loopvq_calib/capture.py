@@ -251,9 +251,13 @@ class CaptureReader(CaptureData):
         self.files = [self.dir / f"seq{i:05d}.safetensors" for i in range(self.meta["num_sequences"])]
 
     def _tensors(self, seq: int, names: list[str]) -> list[torch.Tensor | None]:
-        with safe_open(str(self.files[seq]), framework="pt") as f:  # one open per sequence and call
-            present = set(f.keys())
-            return [f.get_tensor(n) if n in present else None for n in names]
+        try:
+            with safe_open(str(self.files[seq]), framework="pt") as f:  # one open per sequence and call
+                present = set(f.keys())
+                return [f.get_tensor(n) if n in present else None for n in names]
+        except Exception as err:  # missing, truncated or corrupted shard
+            raise CaptureError(f"{self.files[seq]}: cannot be read ({type(err).__name__}: {err}); delete the "
+                               f"capture folder {self.dir} to capture again") from err
 
 
 class MemoryReader(CaptureData):

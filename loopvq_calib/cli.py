@@ -28,6 +28,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     from .config import load_config
     from .data import DataError
     from .models.loading import ModelLoadError
+    from .rundir import RunDirError
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -37,18 +38,32 @@ def calibrate_main(argv: list[str] | None = None) -> int:
         pipeline = Pipeline(cfg, args.output, stages)
     except (ConfigError, ModelLoadError, DataError) as err:
         return _fail(f"config error: {err}" if isinstance(err, ConfigError) else str(err), 2)
-    except ValueError as err:  # --stages
+    except ValueError as err:  # --stages, run directory
         return _fail(str(err), 2)
     try:
         result = pipeline.run_all()
-    except (ConfigError, DataError, ModelLoadError) as err:
+    except (ConfigError, DataError, ModelLoadError, RunDirError) as err:
         return _fail(str(err), 2)
+    except Exception as err:  # a stage failed: say which and where the traceback is, exit 3
+        return _fail(_run_failure(pipeline, err), 3)
     if pipeline.state.is_main_process:
         if result.bundle:
             print(f"bundle: {result.bundle}")
         if result.metrics:
             print("held-out KL: k-means init {heldout_kl_init:.5f} -> best epoch {best_epoch}: {heldout_kl:.5f}".format(**result.metrics))
     return 0
+
+
+def _run_failure(pipeline, err: Exception) -> str:
+    """One line for a failed run; the traceback goes to run.log (the stage's temporary output is gone)."""
+    import traceback
+
+    failed = [name for name, rec in pipeline.run.manifest["stages"].items() if rec.get("status") in ("failed", "running")]
+    log_file = pipeline.run.root / "run.log"
+    with open(log_file, "a", encoding="utf-8") as f:
+        f.write("".join(traceback.format_exception(err)))
+    where = f"stage {failed[-1]}" if failed else "the run"
+    return f"{where} failed: {type(err).__name__}: {err} (traceback in {log_file})"
 
 
 def eval_main(argv: list[str] | None = None) -> int:
@@ -92,11 +107,11 @@ def push_main(argv: list[str] | None = None) -> int:
     p.add_argument("--revision", help="branch to push to")
     args = p.parse_args(argv)
     from .bundle import BundleError
-    from .hub import PushError, push_bundle
+    from .hub import PushError, RepoIdError, push_bundle
 
     try:
         files = push_bundle(args.bundle, args.repo_id, args.private, args.dry_run, revision=args.revision)
-    except BundleError as err:
+    except (BundleError, RepoIdError) as err:
         return _fail(str(err), 2)
     except PushError as err:
         return _fail(str(err), 3)

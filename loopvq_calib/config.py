@@ -172,6 +172,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         tp = next(a for a in args if a is not type(None))
     if value is None:
         raise ConfigError(path, f"must not be null (expected {tp.__name__})")
+    if tp is str and isinstance(value, bool):
+        return "true" if value else "false"  # YAML reads true/false unquoted as booleans (cache_teacher: true)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):
@@ -198,8 +200,9 @@ def validate(cfg: Config) -> Config:
     """Check every value and combination that does not need the model; returns ``cfg``."""
     m, d, q, k, f, o = cfg.model, cfg.data, cfg.quant, cfg.kmeans, cfg.finetune, cfg.output
     _choice("model.dtype", m.dtype, DTYPES)
-    if m.device != "auto" and m.device != "cpu" and not m.device.startswith("cuda"):
-        raise ConfigError("model.device", f"{m.device!r} is not allowed; use auto, cpu, cuda or cuda:N")
+    for key, device in (("model.device", m.device), ("kmeans.device", k.device)):
+        if device != "auto" and device != "cpu" and not device.startswith("cuda"):
+            raise ConfigError(key, f"{device!r} is not allowed; use auto, cpu, cuda or cuda:N")
     if m.loop_steps is not None:
         _positive("model.loop_steps", m.loop_steps)
     _choice("data.type", d.type, ("auto", "hub", "text", "json", "jsonl", "parquet"))
@@ -308,6 +311,8 @@ def load_config(source: str | Path | dict, overrides: list[str] | None = None) -
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as err:
             raise ConfigError("", f"{path} is not valid YAML: {err}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError("", f"the top level of the config must be a mapping of sections, got {type(raw).__name__}")
     raw = _apply_overrides(dict(raw), overrides or [])
     return validate(_build(Config, raw, ""))
 

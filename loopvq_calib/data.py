@@ -52,6 +52,19 @@ def _local_files(spec: str) -> list[str]:
     return [spec] if path.is_file() else []
 
 
+def source_fingerprint(cfg: DataConfig) -> list[tuple[str, int, str]]:
+    """(file name, size, sha256) of every local file ``data.dataset`` names (empty for a hub dataset), so an
+    edited corpus invalidates the data stage of a run directory."""
+    out = []
+    for name in _local_files(cfg.dataset):
+        h = hashlib.sha256()
+        with open(name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        out.append((os.path.basename(name), os.path.getsize(name), h.hexdigest()))
+    return out
+
+
 def load_documents(cfg: DataConfig, key: str = "data") -> Iterator[str]:
     """Yield the documents' text from local files (text / json / jsonl / parquet) or a hub dataset."""
     import datasets

@@ -144,6 +144,8 @@ def run_eval(bundles: list[str], model: str | None, data: str | None, num_sequen
 
     try:
         data = _data_source(data, num_sequences, sequence_length)
+        if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
+            raise EvalInputError(f"--out {out_dir}: exists and is not a folder")
         loaded, model_obj, tokenizer, model_name = _load_inputs(bundles, model, device, dtype)
         for b in loaded:
             if sequence_length <= max(b.serving["sink_tokens"], 1):

@@ -21,6 +21,10 @@ class PushError(RuntimeError):
     """The bundle could not be pushed (offline, no network, authentication, bad repo id)."""
 
 
+class RepoIdError(PushError):
+    """``--repo-id`` is not ORG/NAME (bad input, not a failed push)."""
+
+
 def bundle_files(path: Path) -> list[str]:
     """Every file under the bundle folder, as sorted POSIX paths relative to it."""
     return sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
@@ -39,9 +43,9 @@ def push_bundle(path: str | Path, repo_id: str, private: bool = False, dry_run: 
     try:
         validate_repo_id(repo_id)
     except HFValidationError as err:
-        raise PushError(f"--repo-id {repo_id!r} is not a valid hub repo id (ORG/NAME): {err}") from err
+        raise RepoIdError(f"--repo-id {repo_id!r} is not a valid hub repo id (ORG/NAME): {err}") from err
     if "/" not in repo_id:
-        raise PushError(f"--repo-id {repo_id!r}: give the namespace too (ORG/NAME)")
+        raise RepoIdError(f"--repo-id {repo_id!r}: give the namespace too (ORG/NAME)")
     files = bundle_files(path)
     if dry_run:
         return files

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from . import __version__
 from .capture import CaptureData, CaptureReader, MemoryCapture, MemoryReader, capture_kv, write_meta
 from .config import Config, ConfigError, dump_config, validate_for_model
-from .data import CalibrationSet, build_calibration_set
+from .data import CalibrationSet, build_calibration_set, source_fingerprint
 from .finetune import finetune_codebooks
 from .layouts import plan_layouts
 from .models.loading import load_model, model_identity, pick_device, read_model_config, resolve_model_dir, set_loop_steps
@@ -78,9 +78,14 @@ class Pipeline:
             unknown = sorted(set(stages) - set(STAGES))
             if unknown:
                 raise ValueError(f"--stages: unknown stage(s) {unknown}; stages are {', '.join(STAGES)}")
+            if "tasq" in stages and not cfg.quant.uses_tasq:
+                raise ValueError(f"--stages: the tasq stage exists only for quant.method tasq or tasq+loopvq, "
+                                 f"not {cfg.quant.method}")
             wanted = wanted[: max(wanted.index(s) for s in stages if s in wanted) + 1]
         self.wanted = wanted
         self.device = pick_device(cfg.model.device) if cfg.model.device != "auto" else self.state.device
+        if cfg.kmeans.device != "auto":
+            pick_device(cfg.kmeans.device, "kmeans.device")  # fail before any work
         self._model = self._tokenizer = None
         self.fp: dict[str, str] = {}
 
@@ -111,7 +116,8 @@ class Pipeline:
 
     # -- stages --------------------------------------------------------------------------------------
     def stage_data(self) -> CalibrationSet:
-        fp = fingerprint("data", __version__, asdict(self.cfg.data), _tokenizer_hash(self.folder))
+        fp = fingerprint("data", __version__, asdict(self.cfg.data), _tokenizer_hash(self.folder),
+                         source_fingerprint(self.cfg.data))
 
         def body(tmp: Path) -> dict:
             calib = build_calibration_set(self.cfg.data, self.tokenizer())
@@ -175,7 +181,7 @@ class Pipeline:
             layouts = tasq.layouts if tasq is not None else plan_layouts(self.kv, c.quant)
             transforms = tasq.transforms if tasq is not None else {}
             bar = self._progress(len(layouts), "kmeans")
-            device = pick_device(c.kmeans.device) if c.kmeans.device != "auto" else self.device
+            device = pick_device(c.kmeans.device, "kmeans.device") if c.kmeans.device != "auto" else self.device
             part, report = fit_codebooks(reader, layouts, transforms, c.quant, c.kmeans, self.kv, device,
                                          lambda n: bar.update(n * world), shard=(rank, world))
             bar.close()

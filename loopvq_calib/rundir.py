@@ -1,9 +1,10 @@
 """The run directory: one folder per stage, a manifest, fingerprinted reuse, atomic outputs.
 
 A stage writes into ``.<stage>.tmp`` and is renamed to ``<stage>`` only when it finished, then the
-manifest (itself replaced atomically) records its fingerprint. A rerun reuses a stage only when the
-recorded fingerprint equals the new one and its folder exists; a stage killed midway leaves only a
-temporary folder, which the next run deletes.
+manifest (itself replaced atomically) records its fingerprint and the size of every file it wrote. A
+rerun reuses a stage only when the recorded fingerprint equals the new one and every recorded file is
+still there with its size (a deleted or truncated file makes the stage run again); a stage killed
+midway leaves only a temporary folder, which the next run deletes.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ class StageRecord:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+class RunDirError(ValueError):
+    """The run directory cannot be used (not a folder, unreadable manifest); the message names the path."""
+
+
 class RunDir:
     """A run directory on disk and its manifest."""
 
@@ -58,13 +63,14 @@ class RunDir:
         self.root = Path(root)
         self.is_main = is_main
         self.barrier = barrier or (lambda: None)
+        if self.root.exists() and not self.root.is_dir():
+            raise RunDirError(f"output.dir: {self.root} exists and is not a directory")
         if is_main:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob(".*.tmp"):
                 shutil.rmtree(stale, ignore_errors=True)
         self.barrier()
-        path = self.root / MANIFEST
-        self.manifest: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {"stages": {}}
+        self.manifest: dict[str, Any] = _read_manifest(self.root / MANIFEST)
         self.records: list[StageRecord] = []
 
     def path(self, stage: str) -> Path:
@@ -81,7 +87,14 @@ class RunDir:
 
     def reusable(self, stage: str, fp: str) -> bool:
         rec = self.manifest["stages"].get(stage)
-        return bool(rec and rec.get("status") == "done" and rec.get("fingerprint") == fp and self.path(stage).is_dir())
+        if not (rec and rec.get("status") == "done" and rec.get("fingerprint") == fp and self.path(stage).is_dir()):
+            return False
+        changed = [name for name, size in rec.get("files", {}).items()
+                   if not (self.path(stage) / name).is_file() or (self.path(stage) / name).stat().st_size != size]
+        if changed:
+            log.warning("stage %s: %s missing or changed size since the stage finished; running it again",
+                        stage, ", ".join(sorted(changed)[:5]) + (" ..." if len(changed) > 5 else ""))
+        return not changed
 
     def record(self, stage: str) -> dict[str, Any]:
         return self.manifest["stages"].get(stage, {})
@@ -126,6 +139,8 @@ class RunDir:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             self.manifest["stages"][name] = {k: v for k, v in vars(rec).items() if k != "name"}
+            self.manifest["stages"][name]["files"] = {
+                str(f.relative_to(final)): f.stat().st_size for f in sorted(final.rglob("*")) if f.is_file()}
             self.manifest["stages"][name]["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
             self.save()
         self.barrier()
@@ -140,6 +155,18 @@ class RunDir:
             status = "reused" if r.reused else r.status
             rows.append(f"| {r.name} | {status} | {r.wall_s:.1f} | {gpu} | {r.peak_rss_bytes / 1e9:.2f} |")
         return "\n".join(rows)
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {"stages": {}}
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RunDirError(f"{path} is not valid JSON ({err}); delete it (and the stage folders) to start the run over") from err
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("stages"), dict):
+        raise RunDirError(f"{path} has no 'stages' mapping; delete it (and the stage folders) to start the run over")
+    return manifest
 
 
 def _peak_rss() -> int:

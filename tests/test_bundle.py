@@ -220,6 +220,31 @@ def test_format_versions(bundle_dir):
         load_bundle(bundle_dir)
 
 
+@pytest.mark.parametrize("path,value,message", [
+    (("name",), None, "required field name is missing"),
+    (("codebook_bytes",), None, "required field codebook_bytes is missing"),
+    (("model", "weights"), None, "required field model.weights is missing"),
+    (("bits", "key"), None, "required field bits.key is missing"),
+    (("producer", "version"), 3, "field producer.version has the wrong type"),
+    (("serving", "page_size"), 0, "serving.page_size must be > 0"),
+    (("serving", "sink_tokens"), -8, "serving.sink_tokens must be a non-negative multiple of page_size"),
+    (("serving", "recent_window"), 12, "serving.recent_window must be a non-negative multiple of page_size"),
+])
+def test_required_fields_and_serving_values(bundle_dir, path, value, message):
+    """Every field docs/bundle-format.md marks as present in 1.0 is checked (inspect never hits a KeyError)."""
+    meta = _meta(bundle_dir)
+    node = meta
+    for key in path[:-1]:
+        node = node[key]
+    if value is None:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    _set_meta(bundle_dir, meta)
+    with pytest.raises(BundleError, match=message):
+        inspect_bundle(bundle_dir)
+
+
 def test_tensor_validation(bundle_dir):
     tensors = load_file(str(bundle_dir / "codebooks.safetensors"))
     cases = [

@@ -33,6 +33,8 @@ BAD = [
     ({"capture": {"store": "ram"}}, "capture.store", "choose one of disk, memory, device"),
     ({"capture": {"fisher_channels": 8}}, "capture.fisher_channels", "does not divide the 4 channels per step"),
     ({"quant": {"method": "tasq"}, "capture": {"fisher_channels": 4}}, "capture.fisher_channels", "TaSQ weights each channel"),
+    ({"kmeans": {"device": "gpu"}}, "kmeans.device", "use auto, cpu, cuda or cuda:N"),
+    ({"finetune": {"cache_teacher": "maybe"}}, "finetune.cache_teacher", "choose one of auto, true, false"),
 ]
 
 
@@ -78,6 +80,15 @@ def test_overrides_and_round_trip(tmp_path):
         load_config(path, ["quant.group_size"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_yaml_booleans_for_true_false_choices_and_a_non_mapping_config(tmp_path):
+    assert load_config({"finetune": {"cache_teacher": True}}).finetune.cache_teacher == "true"
+    assert load_config({}, ["finetune.cache_teacher=false"]).finetune.cache_teacher == "false"
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- model\n- data\n")
+    with pytest.raises(ConfigError, match="top level of the config must be a mapping of sections, got list"):
+        load_config(listed)
 
 
 def test_every_config_key_is_documented():

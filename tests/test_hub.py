@@ -63,6 +63,9 @@ def test_invalid_bundle_or_repo_id_fails_before_any_upload(bundle_dir):
         push_bundle(GOLDEN, "not a repo", dry_run=True)
     with pytest.raises(PushError, match="namespace"):
         push_bundle(GOLDEN, "just-a-name", dry_run=True)
+    from loopvq_calib.cli import push_main
+
+    assert push_main([str(GOLDEN), "--repo-id", "just-a-name", "--dry-run"]) == 2  # bad input, not a failed push
 
 
 def test_offline_push_fails_at_once_with_a_clear_message(bundle_dir, monkeypatch):

@@ -168,3 +168,56 @@ def test_two_cpu_processes_equal_one(tiny_ouro_dir, calib_corpus, tmp_path):
     curve_b = json.loads((two / "finetune" / "curve.json").read_text())["curve"]
     assert curve_a[1]["heldout_kl"] == pytest.approx(curve_b[1]["heldout_kl"], rel=1e-4)
     assert json.loads((two / "manifest.json").read_text())["processes"] == 2
+
+
+def test_damaged_stage_files_rerun_the_stage(tiny_ouro_dir, calib_corpus, tmp_path):
+    """A truncated or deleted file of a finished stage is noticed (recorded sizes) and the stage runs again."""
+    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")
+    run = calibrate(cfg, stages=["capture", "kmeans"]).run_dir
+    shard = run / "capture" / "seq00001.safetensors"
+    good = shard.read_bytes()
+    shard.write_bytes(good[: len(good) // 2])
+    (run / "kmeans" / "report.json").unlink()
+    again = calibrate(cfg, stages=["capture", "kmeans"])
+    assert {s["name"]: s["reused"] for s in again.stages} == {"data": True, "capture": False, "kmeans": False}
+    assert shard.read_bytes() == good  # the capture is deterministic: the same shard again
+
+
+def test_edited_corpus_reruns_the_data_stage(tiny_ouro_dir, calib_corpus, tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(calib_corpus.read_bytes())
+    cfg = tiny_config(tiny_ouro_dir, corpus, tmp_path / "run")
+    first = calibrate(cfg, stages=["data"]).run_dir
+    ids = load_file(first / "data" / "sequences.safetensors")["input_ids"]
+    assert all(s["reused"] for s in calibrate(cfg, stages=["data"]).stages)
+    lines = corpus.read_text().splitlines()
+    corpus.write_text("\n".join(reversed(lines)) + "\n")
+    again = calibrate(cfg, stages=["data"])
+    assert not again.stages[0]["reused"]
+    assert not torch.equal(load_file(first / "data" / "sequences.safetensors")["input_ids"], ids)
+
+
+def test_cli_exit_codes_for_a_failed_stage_and_a_bad_run_directory(tiny_ouro_dir, calib_corpus, tmp_path, capsys, monkeypatch):
+    import yaml
+
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated k-means failure")
+
+    monkeypatch.setattr("loopvq_calib.kmeans.fit_codebooks", broken)
+    assert calibrate_main(["--config", str(cfg_path), "--stages", "kmeans"]) == 3
+    err = capsys.readouterr().err
+    assert "stage kmeans failed: RuntimeError: simulated k-means failure" in err and "run.log" in err
+    assert "simulated k-means failure" in (tmp_path / "run" / "run.log").read_text()
+    assert "Traceback" in (tmp_path / "run" / "run.log").read_text()
+
+    (tmp_path / "run" / "manifest.json").write_text('{"stages": {')
+    assert calibrate_main(["--config", str(cfg_path), "--stages", "data"]) == 2
+    assert "manifest.json is not valid JSON" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert calibrate_main(["--config", str(cfg_path), "--output", str(tmp_path / "afile")]) == 2
+    assert "afile exists and is not a directory" in capsys.readouterr().err
+    assert calibrate_main(["--config", str(cfg_path), "--output", str(tmp_path / "r2"), "--stages", "tasq"]) == 2
+    assert "tasq stage exists only for quant.method tasq or tasq+loopvq" in capsys.readouterr().err

@@ -125,11 +125,12 @@ def set_loop_steps(model: torch.nn.Module, steps: int | None) -> None:
     setattr(model.config, attr, steps)
 
 
-def pick_device(device: str) -> torch.device:
+def pick_device(device: str, key: str = "model.device") -> torch.device:
+    """``auto`` -> CUDA when available, else CPU; a CUDA device without CUDA is an error naming ``key``."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelLoadError(f"model.device: {device!r} asked for, but no CUDA device is available")
+        raise ModelLoadError(f"{key}: {device!r} asked for, but no CUDA device is available")
     return torch.device(device)
 
 
