@@ -65,8 +65,15 @@ def source_fingerprint(cfg: DataConfig) -> list[tuple[str, int, str]]:
     return out
 
 
-def load_documents(cfg: DataConfig, key: str = "data") -> Iterator[str]:
-    """Yield the documents' text from local files (text / json / jsonl / parquet) or a hub dataset."""
+def _option(names: dict[str, str | None] | None, name: str) -> str | None:
+    """How the user sets DataConfig field ``name`` (``data.<name>`` in a config; a CLI flag in loopvq-eval;
+    None: not settable there)."""
+    return (names or {}).get(name, f"data.{name}")
+
+
+def load_documents(cfg: DataConfig, names: dict[str, str | None] | None = None) -> Iterator[str]:
+    """Yield the documents' text from local files (text / json / jsonl / parquet) or a hub dataset.
+    ``names`` renames fields in error messages (see :func:`_option`)."""
     import datasets
 
     files = _local_files(cfg.dataset)
@@ -77,7 +84,9 @@ def load_documents(cfg: DataConfig, key: str = "data") -> Iterator[str]:
         if kind == "auto":
             kinds = {LOCAL_TYPES.get(Path(f).suffix) for f in files}
             if len(kinds) != 1 or None in kinds:
-                raise DataError(f"{key}.type: cannot infer the file type of {files}; set {key}.type")
+                how = f"; set {_option(names, 'type')}" if _option(names, "type") else ""
+                raise DataError(f"{_option(names, 'dataset')}: cannot infer the file type of {files} (known suffixes: "
+                                f"{', '.join(LOCAL_TYPES)}){how}")
             kind = kinds.pop()
         extra = {"sample_by": cfg.text_sample_by} if kind == "text" else {}
         ds = datasets.load_dataset(kind, data_files=files, split="train", **extra)
@@ -88,13 +97,13 @@ def load_documents(cfg: DataConfig, key: str = "data") -> Iterator[str]:
             offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
             hint = " (offline mode is on: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)" if offline else ""
             raise DataError(
-                f"{key}.dataset: could not load {cfg.dataset!r} (config {cfg.config_name!r}, split {cfg.split!r}) "
+                f"{_option(names, 'dataset')}: could not load {cfg.dataset!r} (config {cfg.config_name!r}, split {cfg.split!r}) "
                 f"from the hub{hint}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             ) from err
     else:
-        raise DataError(f"{key}.dataset: no local file matches {cfg.dataset!r} (type {cfg.type})")
+        raise DataError(f"{_option(names, 'dataset')}: no local file matches {cfg.dataset!r} (type {cfg.type})")
     if cfg.text_field not in ds.column_names:
-        raise DataError(f"{key}.text_field: column {cfg.text_field!r} not in {cfg.dataset} (columns: {ds.column_names})")
+        raise DataError(f"{_option(names, 'text_field') or _option(names, 'dataset')}: column {cfg.text_field!r} not in {cfg.dataset} (columns: {ds.column_names})")
     for row in ds:
         text = row[cfg.text_field]
         if isinstance(text, str) and text.strip():
@@ -116,15 +125,15 @@ def _token_stream(docs: Iterator[str], tokenizer: Any, limit: int) -> tuple[list
     return ids, count
 
 
-def build_calibration_set(cfg: DataConfig, tokenizer: Any, key: str = "data") -> CalibrationSet:
+def build_calibration_set(cfg: DataConfig, tokenizer: Any, names: dict[str, str | None] | None = None) -> CalibrationSet:
     """Deterministic (given ``cfg.seed``) calibration sequences and their train / held-out split."""
     n, length = cfg.num_sequences, cfg.sequence_length
-    ids, docs = _token_stream(load_documents(cfg, key), tokenizer, POOL_FACTOR * n * length)
+    ids, docs = _token_stream(load_documents(cfg, names), tokenizer, POOL_FACTOR * n * length)
     windows = len(ids) // length
     if windows < n:
         raise DataError(
-            f"{key}.num_sequences: {cfg.dataset} gives {len(ids):,} tokens ({docs} documents), "
-            f"only {windows} windows of {length} tokens; {n} were asked for"
+            f"{_option(names, 'num_sequences')}: {cfg.dataset} gives {len(ids):,} tokens ({docs} documents), "
+            f"only {windows} windows of {length} tokens ({_option(names, 'sequence_length')}); {n} were asked for"
         )
     gen = torch.Generator().manual_seed(cfg.seed)
     chosen = torch.randperm(windows, generator=gen)[:n].sort().values

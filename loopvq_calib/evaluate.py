@@ -233,5 +233,7 @@ def _heldout(data: str, tokenizer: Any, num_sequences: int, sequence_length: int
     from .data import build_calibration_set
 
     cfg = DataConfig(dataset=data, num_sequences=num_sequences, sequence_length=sequence_length, heldout_sequences=0)
-    calib = build_calibration_set(cfg, tokenizer, key="data")
+    names = {"dataset": "--data", "num_sequences": "--num-sequences", "sequence_length": "--sequence-length",
+             "type": None, "text_field": None}
+    calib = build_calibration_set(cfg, tokenizer, names)
     return calib.input_ids, calib.description

@@ -74,8 +74,14 @@ def test_same_seed_same_sequences_other_seed_differs(calib_corpus, tokenizer):
 
 def test_too_little_text_names_num_sequences(tmp_path, tokenizer):
     path = write_corpus(tmp_path, "jsonl")
-    with pytest.raises(DataError, match=r"data\.num_sequences: .* only \d+ windows of 512 tokens; 16 were asked for"):
+    with pytest.raises(DataError, match=r"data\.num_sequences: .* only \d+ windows of 512 tokens \(data\.sequence_length\); 16 were asked for"):
         build_calibration_set(DataConfig(dataset=str(path), num_sequences=16, sequence_length=512), tokenizer)
+
+
+def test_unknown_file_type_says_how_to_set_it(tmp_path):
+    (tmp_path / "notes.md").write_text("# text")
+    with pytest.raises(DataError, match=r"data\.dataset: cannot infer the file type of .*notes\.md.*; set data\.type"):
+        list(load_documents(DataConfig(dataset=str(tmp_path / "notes.md"))))
 
 
 def test_missing_text_field_and_missing_file(tmp_path, tokenizer):

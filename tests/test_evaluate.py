@@ -185,6 +185,12 @@ def test_run_eval_bad_input_returns_2(bundle_dir, tmp_path, capsys):
     assert "loopvq.json" in capsys.readouterr().err
     assert run_eval([str(bundle_dir)], None, None, 1, 8, None, None, None) == 2  # nothing after 8 sinks
     assert "leaves no position after the 8 sink tokens" in capsys.readouterr().err
+    (tmp_path / "notes.md").write_text("# not a corpus file type")
+    assert run_eval([str(bundle_dir)], None, str(tmp_path / "notes.md"), 1, 32, None, None, None) == 2
+    err = capsys.readouterr().err
+    assert "--data: cannot infer the file type" in err and "data.type" not in err
+    assert run_eval([str(bundle_dir)], None, None, 1, 10**7, None, None, None) == 2
+    assert "--num-sequences: " in capsys.readouterr().err
     (tmp_path / "report.md").write_text("not a folder")
     assert run_eval([str(bundle_dir)], None, None, 1, 32, str(tmp_path / "report.md"), None, None) == 2
     assert "report.md: exists and is not a folder" in capsys.readouterr().err
