@@ -6,6 +6,11 @@ Every KV site holds the same tokens, split in three regions by token index:
     [sink, sink + encoded)    whole pages of ``page_size`` tokens stored as codes of their block
     [sink + encoded, length)  the window of newest tokens, in the model dtype
 
+``sink`` is ``sink_tokens`` plus the left padding of the batch's most padded row (read from the prefill's
+positions, where padding sits at position 0): every row keeps its first ``sink_tokens`` real tokens in
+full precision and padding is never encoded; rows with less padding keep a few more tokens in full
+precision. The most padded row (and every row of an unpadded batch) matches its own single run exactly.
+
 When a forward has written its last site (the highest site id of the quantizer's layout), every complete
 page older than the newest ``recent_window`` tokens is encoded, for every block at once (all T_c steps of
 a block exist by then). The window therefore holds between ``recent_window`` and
@@ -63,6 +68,7 @@ class QuantizedLoopKVCache:
         self.values: dict[int, torch.Tensor] = {}
         self.positions: dict[int, torch.Tensor] = {}  # [B, S_total] absolute positions of every token
         self.encoded = 0  # tokens after the sinks held as codes (a multiple of page_size)
+        self.sink_columns: int | None = None  # sink_tokens + the prefill's largest left padding (set on first update)
         self.codes: dict[str, list[Codes]] = {name: [] for name in quantizer.codecs}  # one entry per page
         self._is_user_defined = False
 
@@ -76,6 +82,9 @@ class QuantizedLoopKVCache:
         rope: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this call's pre-RoPE ``key`` and ``value``; return the site's post-RoPE keys and values."""
+        if self.sink_columns is None:
+            padding = ((positions == 0).sum(-1) - 1).clamp_min(0)  # left padding takes position 0 (build_context)
+            self.sink_columns = self.sink_tokens + int(padding.max())
         if site in self.keys:
             key = torch.cat([self.keys[site], key], dim=1)
             value = torch.cat([self.values[site], value], dim=1)
@@ -92,7 +101,7 @@ class QuantizedLoopKVCache:
         k, v = self.keys[site], self.values[site]
         if self.store == "fake" or not self.encoded:
             return k, v
-        s = self.sink_tokens
+        s = self._sinks
         dk, dv = (self._decode(self.codec_of[site][kind], site, k.dtype) for kind in ("key", "value"))
         return torch.cat([k[:, :s], dk, k[:, s:]], 1), torch.cat([v[:, :s], dv, v[:, s:]], 1)
 
@@ -124,14 +133,18 @@ class QuantizedLoopKVCache:
 
     # -- regions -----------------------------------------------------------------------------------
     @property
+    def _sinks(self) -> int:
+        return self.sink_tokens if self.sink_columns is None else self.sink_columns
+
+    @property
     def window(self) -> int:
         """Newest tokens in full precision (after the sinks and the encoded pages)."""
-        return max(self.get_seq_length() - self.sink_tokens - self.encoded, 0)
+        return max(self.get_seq_length() - self._sinks - self.encoded, 0)
 
     def regions(self) -> dict[str, int]:
-        """Token counts per region: sinks, encoded, window (the same at every site)."""
+        """Token counts (columns) per region: sinks (with left padding), encoded, window; the same at every site."""
         n = self.get_seq_length()
-        return {"sink": min(n, self.sink_tokens), "encoded": self.encoded, "window": self.window}
+        return {"sink": min(n, self._sinks), "encoded": self.encoded, "window": self.window}
 
     def _encode_ready_pages(self) -> None:
         while self.window >= self.recent_window + self.page_size:
@@ -139,7 +152,7 @@ class QuantizedLoopKVCache:
 
     def _encode_page(self) -> None:
         """Encode the oldest window page of every block (all its steps at once), keys and values."""
-        start = self.sink_tokens + (self.encoded if self.store == "fake" else 0)  # in the stored tensors
+        start = self._sinks + (self.encoded if self.store == "fake" else 0)  # in the stored tensors
         page = slice(start, start + self.page_size)
         for name, codec in self.quantizer.codecs.items():
             store = self.keys if codec.layout.kind == "key" else self.values

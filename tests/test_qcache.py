@@ -192,3 +192,27 @@ def test_bad_arguments():
     q.codecs.pop(next(iter(q.codecs)))
     with pytest.raises(ValueError, match="no key or value codec"):
         QuantizedLoopKVCache(q, 4, 8)
+
+
+def test_left_padded_batch_keeps_every_rows_sinks_in_full_precision(reference):
+    """A batch with a left-padded short prompt: the sink region covers the padding plus the short row's
+    sinks (padding is never encoded), and the short row's logits equal its own single run; a longer
+    row keeps a few extra tokens in full precision."""
+    model, ids, q = reference
+    long, short = ids[:, :45], ids[:, 60:85]  # 45 and 25 tokens
+    pad = long.shape[1] - short.shape[1]
+    batch = torch.cat([long, torch.cat([torch.zeros(1, pad, dtype=ids.dtype), short], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :pad] = 0
+    cache = QuantizedLoopKVCache(q, sink_tokens=8, recent_window=8, page_size=8)
+    out = model(batch, attention_mask=mask, cache=cache, use_cache=True)
+    logits, m = [out.logits[:, -1]], mask
+    for _ in range(10):
+        m = torch.cat([m, torch.ones(2, 1, dtype=m.dtype)], 1)
+        out = model(out.logits[:, -1:].argmax(-1), attention_mask=m, cache=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+    assert cache.regions()["sink"] == 8 + pad and cache.regions()["encoded"] > 0
+    alone = QuantizedLoopKVCache(q, sink_tokens=8, recent_window=8, page_size=8)
+    single = list(greedy(model, short, alone, 10))
+    assert alone.regions()["sink"] == 8 and alone.regions()["encoded"] > 0
+    torch.testing.assert_close(torch.stack(logits)[:, 1], torch.stack(single)[:, 0], atol=1e-4, rtol=1e-4)
