@@ -268,9 +268,10 @@ def _check_identity(path: Path, meta: dict[str, Any], actual: dict[str, Any], wh
             diffs.append(f"weight file {name} missing from the model")
         elif name not in want:
             diffs.append(f"weight file {name} not in the bundle's model")
-        elif want[name] != have[name]:
-            fields = [k for k in sorted(set(want[name]) | set(have[name])) if want[name].get(k) != have[name].get(k)]
-            diffs.append(f"weight file {name} differs in {', '.join(fields)}")
+        else:  # fields both sides carry (sha256 only where both came from the hub cache)
+            fields = [k for k in sorted(set(want[name]) & set(have[name])) if want[name][k] != have[name][k]]
+            if fields or not {"bytes", "header_sha256"} <= set(want[name]) & set(have[name]):
+                diffs.append(f"weight file {name} differs in {', '.join(fields) or 'its description'}")
     if diffs:
         raise BundleError(f"{path}: calibrated for {stored.get('name')!r} (revision {stored.get('revision')!r}); "
                           f"{what} differs: " + "; ".join(diffs))

@@ -287,6 +287,32 @@ def test_identity_detects_other_weights_with_same_layout(bundle_dir, tmp_path):
         load_bundle(bundle_dir, model=other)
 
 
+def test_hub_cache_and_plain_copy_of_the_same_model_match(tmp_path, model_a):
+    """A model read from the hub cache (weights as symlinks to blobs named by their sha256) and a plain copy
+    of the same files describe their weights differently (sha256 only in the cache) but are the same model."""
+    import hashlib
+    import shutil
+
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
+    blobs.mkdir()
+    snapshot.mkdir()
+    for f in model_a.iterdir():
+        if f.suffix == ".safetensors":
+            blob = blobs / hashlib.sha256(f.read_bytes()).hexdigest()
+            shutil.copy(f, blob)
+            (snapshot / f.name).symlink_to(blob)
+        else:
+            shutil.copy(f, snapshot / f.name)
+    cached = model_identity(snapshot, "org/tiny-ouro")
+    assert all("sha256" in w and "sample_sha256" in w for w in cached.weights)
+    assert all("sha256" not in w for w in model_identity(model_a, "org/tiny-ouro").weights)
+    bundle = write(tmp_path / "bundle", snapshot)
+    assert load_bundle(bundle, model=model_a)  # calibrated from the cache, served from a plain copy
+    other = save_with_tokenizer(make_tiny_ouro(seed=1), tmp_path / "same-layout")
+    with pytest.raises(BundleError, match="sample_sha256"):
+        load_bundle(bundle, model=other)
+
+
 def test_inspect(bundle_dir):
     text = inspect_bundle(bundle_dir)
     for needle in ("tasq+loopvq", "key 0.7500  value 0.5000", "K=16  G=8  T_c=4  sharing=none", "float16",

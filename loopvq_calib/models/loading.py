@@ -53,18 +53,20 @@ def _safetensors_header_hash(path: Path) -> str:
 
 
 def _content_hash(path: Path) -> dict[str, str]:
-    """The file's sha256 when the hub cache names its blob by it (free); otherwise a sha256 over 64
-    evenly spaced 64 KiB chunks, which any change of the weight values (a fine-tune) alters."""
-    target = path.resolve()
-    if target != path.absolute() and len(target.name) == 64 and all(c in "0123456789abcdef" for c in target.name):
-        return {"sha256": target.name}
+    """``sample_sha256``: a sha256 over 64 evenly spaced 64 KiB chunks, which any change of the weight
+    values (a fine-tune) alters; plus ``sha256``, the whole file's, when the hub cache names the blob by it
+    (free). The sampled hash is always there, so a hub-cache copy and a plain copy of the same files compare."""
     size = path.stat().st_size
     h = hashlib.sha256()
     with path.open("rb") as f:
         for i in range(SAMPLE_CHUNKS):
             f.seek(max(0, (size - SAMPLE_BYTES) * i // max(SAMPLE_CHUNKS - 1, 1)))
             h.update(f.read(SAMPLE_BYTES))
-    return {"sample_sha256": h.hexdigest()}
+    out = {"sample_sha256": h.hexdigest()}
+    target = path.resolve()
+    if target != path.absolute() and len(target.name) == 64 and all(c in "0123456789abcdef" for c in target.name):
+        out["sha256"] = target.name
+    return out
 
 
 @dataclass
