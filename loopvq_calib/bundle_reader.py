@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from .layouts import KINDS, BlockLayout, codebook_shape
 from .models.loading import DTYPES, ModelIdentity, ModelLoadError, model_identity, resolve_model_dir
 from .quantizer import KVQuantizer
+from .rundir import sha256_file
 
 FORMAT_VERSION = "1.0"
 META_FILE = "loopvq.json"
@@ -55,11 +55,7 @@ class Bundle:
 
 def file_entry(path: Path) -> dict[str, Any]:
     """sha256 and size of a bundle file, as recorded under ``files`` in ``loopvq.json``."""
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return {"sha256": h.hexdigest(), "bytes": path.stat().st_size}
+    return {"sha256": sha256_file(path), "bytes": path.stat().st_size}
 
 
 # -- reading -----------------------------------------------------------------------------------------

@@ -64,10 +64,11 @@ class QueryStats:
 
 def _check_finite(tensors: dict[str, torch.Tensor], kv: KVLayout, seq: int) -> None:
     """Forward values first, in site order, so the first bad site (not its gradient echo) is named."""
-    order = [(k, s) for kinds in (("key", "value"), ("fisher_key", "fisher_value")) for s in kv.sites for k in kinds]
-    for kind, site in order:
-        t = tensors.get(f"{kind}.{site.site}")
-        if t is not None and not torch.isfinite(t).all():
+    order = [(k, s) for kinds in (("key", "value"), ("fisher_key", "fisher_value")) for s in kv.sites for k in kinds
+             if f"{k}.{s.site}" in tensors]
+    finite = torch.stack([torch.isfinite(tensors[f"{k}.{s.site}"]).all() for k, s in order]).tolist()  # one host sync
+    for (kind, site), ok in zip(order, finite):
+        if not ok:
             raise CaptureError(
                 f"non-finite values in {kind} at site {site.site} (loop step {site.step}, layer {site.layer}, "
                 f"{site.stage}), calibration sequence {seq}"

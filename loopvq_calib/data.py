@@ -55,14 +55,9 @@ def _local_files(spec: str) -> list[str]:
 def source_fingerprint(cfg: DataConfig) -> list[tuple[str, int, str]]:
     """(file name, size, sha256) of every local file ``data.dataset`` names (empty for a hub dataset), so an
     edited corpus invalidates the data stage of a run directory."""
-    out = []
-    for name in _local_files(cfg.dataset):
-        h = hashlib.sha256()
-        with open(name, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        out.append((os.path.basename(name), os.path.getsize(name), h.hexdigest()))
-    return out
+    from .rundir import sha256_file
+
+    return [(os.path.basename(n), os.path.getsize(n), sha256_file(n)) for n in _local_files(cfg.dataset)]
 
 
 def _option(names: dict[str, str | None] | None, name: str) -> str | None:

@@ -84,8 +84,7 @@ class Pipeline:
             wanted = wanted[: max(wanted.index(s) for s in stages if s in wanted) + 1]
         self.wanted = wanted
         self.device = pick_device(cfg.model.device) if cfg.model.device != "auto" else self.state.device
-        if cfg.kmeans.device != "auto":
-            pick_device(cfg.kmeans.device, "kmeans.device")  # fail before any work
+        self.kmeans_device = pick_device(cfg.kmeans.device, "kmeans.device") if cfg.kmeans.device != "auto" else self.device
         self._model = self._tokenizer = None
         self.fp: dict[str, str] = {}
 
@@ -181,8 +180,7 @@ class Pipeline:
             layouts = tasq.layouts if tasq is not None else plan_layouts(self.kv, c.quant)
             transforms = tasq.transforms if tasq is not None else {}
             bar = self._progress(len(layouts), "kmeans")
-            device = pick_device(c.kmeans.device, "kmeans.device") if c.kmeans.device != "auto" else self.device
-            part, report = fit_codebooks(reader, layouts, transforms, c.quant, c.kmeans, self.kv, device,
+            part, report = fit_codebooks(reader, layouts, transforms, c.quant, c.kmeans, self.kv, self.kmeans_device,
                                          lambda n: bar.update(n * world), shard=(rank, world))
             bar.close()
             save_quantizer(part, _mkdir(tmp / f"part{rank}"), {"report": report})
