@@ -86,7 +86,7 @@ class CaptureConfig:
 
 @dataclass
 class KMeansConfig:
-    backend: str = "auto"  # auto | faiss | torch
+    backend: str = "auto"  # auto | faiss | torch | triton
     iterations: int = 100
     tolerance: float = 1e-5  # stop when the mean centroid change falls below
     init: str = "kmeans++"  # kmeans++ | random
@@ -255,7 +255,7 @@ def validate(cfg: Config) -> Config:
             "capture.fisher_channels",
             f"{fc} does not divide the {q.group_size // q.block_steps} channels per step of a code group",
         )
-    _choice("kmeans.backend", k.backend, ("auto", "faiss", "torch"))
+    _choice("kmeans.backend", k.backend, ("auto", "faiss", "torch", "triton"))
     _choice("kmeans.init", k.init, ("kmeans++", "random"))
     _positive("kmeans.iterations", k.iterations)
     _positive("kmeans.tolerance", k.tolerance, zero_ok=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -98,7 +99,7 @@ def fit_codebooks(
     """
     device = torch.device(device)
     backend = resolve_backend(cfg.backend, device)
-    init_fn = INITS[cfg.init]
+    init_fn = partial(kmeans_pp_init, fused=backend == "triton") if cfg.init == "kmeans++" else INITS[cfg.init]
     codecs: dict[str, BlockCodec] = {}
     per_layout: dict[str, dict[str, Any]] = {}
     rank, world = shard

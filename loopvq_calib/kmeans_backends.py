@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import kmeans_triton
 from .config import KMeansConfig
 
-BACKENDS = ("auto", "faiss", "torch")
+BACKENDS = ("auto", "faiss", "torch", "triton")
 
 
 @dataclass
@@ -60,21 +61,26 @@ def _draw_one(prob: torch.Tensor, fallback: torch.Tensor, u: torch.Tensor) -> to
     return torch.minimum(idx, last_positive).squeeze(1)
 
 
-def kmeans_pp_init(x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+def kmeans_pp_init(
+    x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Generator, fused: bool = False
+) -> torch.Tensor:
     """Weighted k-means++: the first centroid drawn with probability ~ w, each next one ~ w * D^2
     (D^2: squared distance to the nearest chosen centroid; a problem whose w * D^2 is all zero draws
     ~ w again). x [P, N, G], w [P, N] -> [P, K, G]. ``generator`` is a CPU generator drawing all
     K x P uniforms at once (one transfer to the device); the result is deterministic given its state.
 
     D^2 to a new centroid is ||x||^2 - 2 x.c + ||c||^2 (one batched matrix-vector product per draw,
-    not a pass over an [P, N, G] difference); drawn points are pinned to exactly zero."""
+    not a pass over an [P, N, G] difference); drawn points are pinned to exactly zero. ``fused``: the
+    Triton kernels of :mod:`kmeans_triton` (same rules and uniforms, D^2 as ||x - c||^2)."""
     _check_shapes(x, w, k)
     p, _, g = x.shape
+    uniforms = torch.rand(k, p, generator=generator, dtype=torch.float64).to(x.device)
+    if fused:
+        return kmeans_triton.kmeans_pp(x.float().contiguous(), w.float().contiguous(), k, uniforms)
     rows = torch.arange(p, device=x.device)
     x_sq = x.pow(2).sum(-1)
     xt = x.transpose(1, 2).contiguous()  # [P, G, N]: a row-vector product over it is fast on CPU and GPU
     out = x.new_empty(p, k, g)
-    uniforms = torch.rand(k, p, generator=generator, dtype=torch.float64).to(x.device)
     chosen = _draw_one(w, w, uniforms[0])
     d2 = torch.full_like(x_sq, float("inf"))
     for j in range(k):
@@ -101,13 +107,20 @@ def random_init(x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Gener
 INITS = {"kmeans++": kmeans_pp_init, "random": random_init}
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """``auto`` is the batched torch backend on any device: on the H200 it was 16x faster than faiss-cpu
-    on 32 threads, and on the 2-core CPU 1.5x faster than faiss with cache-sized batches
-    (docs/performance.md)."""
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """``auto`` is the fused Triton kernels on a CUDA device with triton installed, else the batched
+    torch backend (on the H200 torch was 16x faster than faiss-cpu on 32 threads, and on the 2-core CPU
+    1.5x faster than faiss with cache-sized batches; docs/performance.md)."""
     if backend not in BACKENDS:
         raise ValueError(f"kmeans.backend: {backend!r} is not one of {', '.join(BACKENDS)}")
-    return "torch" if backend == "auto" else backend
+    if backend == "auto":
+        return "triton" if torch.device(device).type == "cuda" and kmeans_triton.available(device) else "torch"
+    if backend == "triton" and not kmeans_triton.available(device):
+        raise ValueError(
+            f"kmeans.backend: 'triton' needs the triton package and a CUDA device (kmeans.device is {device}); "
+            "use 'auto' or 'torch'"
+        )
+    return backend
 
 
 def batch_sizes(cfg: KMeansConfig, device: torch.device | str) -> tuple[int, int]:
@@ -148,40 +161,50 @@ def _assign(
     return err, sums.view(p, k, g), mass.view(p, k)
 
 
-def _reseed(c: torch.Tensor, empty: torch.Tensor, x: torch.Tensor, w: torch.Tensor, keys: list[tuple[int, ...]]) -> None:
-    """Move each empty centroid of problem q onto a distinct point of positive weight, drawn uniformly
-    by a generator seeded from ``keys[q]`` (seed, problem, iteration)."""
+def _reseed(
+    c: torch.Tensor, empty: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rows: list[int], keys: list[tuple[int, ...]]
+) -> None:
+    """Move each empty centroid of row q of ``c`` (problem ``rows[q]`` of x, w) onto a distinct point of
+    positive weight, drawn uniformly by a generator seeded from ``keys[q]`` (seed, problem, iteration)."""
     for q in empty.any(-1).nonzero().flatten().tolist():
         slots = empty[q].nonzero().flatten()
-        candidates = (w[q] > 0).nonzero().flatten().cpu()
+        candidates = (w[rows[q]] > 0).nonzero().flatten().cpu()
         gen = torch.Generator().manual_seed(mix_seed(*keys[q]))
         pick = candidates[torch.randperm(candidates.numel(), generator=gen)[: slots.numel()]]
-        c[q, slots[: pick.numel()]] = x[q, pick.to(x.device)]
+        c[q, slots[: pick.numel()]] = x[rows[q], pick.to(x.device)]
 
 
-def _torch_lloyd(
-    x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, cfg: KMeansConfig, seed: int, first_problem: int
+def _lloyd(
+    x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, cfg: KMeansConfig, seed: int, first_problem: int, fused: bool
 ) -> KMeansResult:
-    """Lloyd on one batch of problems, all on x's device; converged problems drop out of the batch."""
+    """Lloyd on one batch of problems, all on x's device; converged problems drop out of the batch.
+    ``fused``: each step is one Triton kernel over the active problems (:func:`kmeans_triton.lloyd_step`),
+    else the chunked torch assignment over copies of the active problems."""
     p = x.shape[0]
     chunk = batch_sizes(cfg, x.device)[1]
-    x_sq = x.pow(2).sum(-1)
+    x_sq = None if fused else x.pow(2).sum(-1)
+
+    def step(active: torch.Tensor, ca: torch.Tensor, accumulate: bool):
+        if fused:
+            return kmeans_triton.lloyd_step(x, w, ca, active, accumulate)
+        part = [t.index_select(0, active) for t in (x, x_sq, w)] if active.numel() < p else [x, x_sq, w]
+        return _assign(*part, ca, chunk, accumulate)
+
     total = w.sum(-1)
     iterations = torch.zeros(p, dtype=torch.long)
     empties = torch.zeros(p, dtype=torch.long)
     active = torch.arange(p, device=x.device)
     objective_init = None
     for it in range(cfg.iterations):
-        part = [t.index_select(0, active) for t in (x, w, x_sq, c)] if active.numel() < p else [x, w, x_sq, c]
-        xa, wa, sqa, ca = part
-        err, sums, mass = _assign(xa, sqa, wa, ca, chunk, accumulate=True)
+        ca = c.index_select(0, active) if active.numel() < p else c
+        err, sums, mass = step(active, ca, True)
         if it == 0:
             objective_init = err / total
         new = torch.where(mass[..., None] > 0, sums / mass.clamp_min(torch.finfo(mass.dtype).tiny)[..., None], ca)
         empty = mass <= 0
         if empty.any():
-            ids = (active + first_problem).tolist()
-            _reseed(new, empty, xa, wa, [(seed, q, it) for q in ids])
+            rows = active.tolist()
+            _reseed(new, empty, x, w, rows, [(seed, q + first_problem, it) for q in rows])
             empties.index_add_(0, active.cpu(), empty.sum(-1).cpu())
         change = (new - ca).abs().mean(dim=(-1, -2))
         c = c.index_copy(0, active, new)
@@ -189,7 +212,7 @@ def _torch_lloyd(
         active = active[change >= cfg.tolerance]
         if active.numel() == 0:
             break
-    objective_final = _assign(x, x_sq, w, c, chunk, accumulate=False)[0] / total
+    objective_final = step(torch.arange(p, device=x.device), c, False)[0] / total
     return KMeansResult(c, objective_init, objective_final, iterations, empties)
 
 
@@ -253,6 +276,6 @@ def weighted_kmeans(
     for s in range(0, x.shape[0], per_batch):
         sl = slice(s, s + per_batch)
         xb, wb, cb = (t[sl].to(device=device, dtype=torch.float32) for t in (x, w, init))
-        r = _torch_lloyd(xb, wb, cb.clone(), cfg, seed, s)
+        r = _lloyd(xb.contiguous(), wb.contiguous(), cb.clone(), cfg, seed, s, fused=name == "triton")
         parts.append([r.centroids.cpu(), r.objective_init.cpu(), r.objective_final.cpu(), r.iterations, r.empty_clusters])
     return KMeansResult(*(torch.cat(col) for col in zip(*parts)))

@@ -1,8 +1,8 @@
-"""k-means backends on the same problems: batched torch (GPU, or CPU) against faiss-cpu, from the same k-means++ initial centroids and the same number of iterations.
+"""k-means backends on the same problems: fused Triton kernels and batched torch (GPU, or CPU) against faiss-cpu, from the same k-means++ initial centroids and the same number of iterations; k-means++ seeding timed with both the torch draws and the fused kernels.
 Problems have Ouro-1.4B's k-means shape (32,768 points of G = 16 or 32 dims, K = 256 per codebook); data
 are Gaussian mixtures with Fisher-like log-normal weights. Prints one JSON line per backend.
 
-    python scripts/bench_kmeans.py --problems 512 --iterations 25 --backends torch faiss
+    python scripts/bench_kmeans.py --problems 512 --iterations 25 --backends triton torch faiss
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 import torch
 
 from loopvq_calib.config import KMeansConfig
+from loopvq_calib import kmeans_triton
 from loopvq_calib.kmeans_backends import kmeans_pp_init, weighted_kmeans
 
 
@@ -33,31 +34,36 @@ def main() -> None:
     ap.add_argument("--dims", type=int, default=16)
     ap.add_argument("--k", type=int, default=256)
     ap.add_argument("--iterations", type=int, default=25)
-    ap.add_argument("--backends", nargs="+", default=["torch", "faiss"])
+    ap.add_argument("--backends", nargs="+", default=["triton", "torch", "faiss"])
     args = ap.parse_args()
     x, w = problems(args.problems, args.points, args.dims, args.k)
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     xd, wd = x.to(dev), w.to(dev)
-    kmeans_pp_init(xd[:2], wd[:2], args.k, torch.Generator().manual_seed(1))  # warm-up: CUDA/cuBLAS start-up is not seeding
-    if cuda:
-        torch.cuda.synchronize()
-    t = time.time()
-    init = kmeans_pp_init(xd, wd, args.k, torch.Generator().manual_seed(1))
-    if cuda:
-        torch.cuda.synchronize()
-    init_s = time.time() - t
-    print(json.dumps({"what": "kmeans++ init", "device": str(dev), "problems": args.problems, "seconds": round(init_s, 3)}))
+    fused_modes = [False, True] if cuda and kmeans_triton.available(dev) else [False]
+    for fused in fused_modes:  # warm-up: CUDA/cuBLAS start-up and Triton compilation are not seeding
+        kmeans_pp_init(xd[:2], wd[:2], args.k, torch.Generator().manual_seed(1), fused=fused)
+    for fused in fused_modes:
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.time()
+        init = kmeans_pp_init(xd, wd, args.k, torch.Generator().manual_seed(1), fused=fused)
+        if cuda:
+            torch.cuda.synchronize()
+        print(json.dumps({"what": "kmeans++ init", "fused": fused, "device": str(dev), "problems": args.problems,
+                          "seconds": round(time.time() - t, 3)}))
     cfg = KMeansConfig(iterations=args.iterations, tolerance=0.0)  # device-dependent batch sizes
     for backend in args.backends:
-        device = dev if backend == "torch" else torch.device("cpu")
+        device = torch.device("cpu") if backend == "faiss" else dev
         try:
+            if backend == "triton":  # warm-up: Triton compilation
+                weighted_kmeans(x[:2].to(device), w[:2].to(device), init[:2].to(device), cfg, backend, device, seed=0)
             t = time.time()
             res = weighted_kmeans(x.to(device), w.to(device), init.to(device), cfg, backend, device, seed=0)
             if cuda:
                 torch.cuda.synchronize()
             seconds = time.time() - t
-        except ImportError as err:
+        except (ImportError, ValueError) as err:
             print(json.dumps({"backend": backend, "error": str(err)}))
             continue
         print(json.dumps({

@@ -11,6 +11,7 @@ import torch
 from conftest import make_tiny_ouro
 from safetensors.torch import load_file, save_file
 
+from loopvq_calib import kmeans_triton
 from loopvq_calib.capture import CaptureReader, capture_kv, write_meta
 from loopvq_calib.codec import TasqTransform, gather_groups
 from loopvq_calib.config import CaptureConfig, Config, KMeansConfig, QuantConfig, validate
@@ -26,6 +27,12 @@ K, G = 16, 8
 SINKS = 4
 HAS_FAISS = importlib.util.find_spec("faiss") is not None
 needs_faiss = pytest.mark.skipif(not HAS_FAISS, reason="faiss is not installed")
+# the fused Triton kernels run on the GPU, or in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1)
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+needs_triton = pytest.mark.skipif(
+    not kmeans_triton.available(TRITON_DEVICE), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1"
+)
+LLOYD = [pytest.param(("torch", CPU), id="torch"), pytest.param(("triton", TRITON_DEVICE), id="triton", marks=needs_triton)]
 
 
 # ---------- independent references ----------
@@ -70,9 +77,17 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def fused_pp(x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+    return kmeans_pp_init(x.to(TRITON_DEVICE), w.to(TRITON_DEVICE), k, generator, fused=True).cpu()
+
+
+INITS = [kmeans_pp_init, random_init, pytest.param(fused_pp, marks=needs_triton)]
+PP_INITS = [kmeans_pp_init, pytest.param(fused_pp, marks=needs_triton)]
+
+
 # ---------- init ----------
 
-@pytest.mark.parametrize("init", [kmeans_pp_init, random_init])
+@pytest.mark.parametrize("init", INITS)
 def test_init_picks_only_positive_weight_points(init):
     """With exactly k positive weights, both inits must return those k points (zero weight: never drawn)."""
     x, w = blobs(3, 200, 4, 5, seed=1)
@@ -85,7 +100,7 @@ def test_init_picks_only_positive_weight_points(init):
         assert {tuple(v) for v in c[p].tolist()} == expect
 
 
-@pytest.mark.parametrize("init", [kmeans_pp_init, random_init])
+@pytest.mark.parametrize("init", INITS)
 def test_init_is_deterministic_for_a_seed(init):
     x, w = blobs(4, 300, 4, 8, seed=2)
     a, b, other = init(x, w, K, gen(5)), init(x, w, K, gen(5)), init(x, w, K, gen(6))
@@ -95,12 +110,13 @@ def test_init_is_deterministic_for_a_seed(init):
     assert all(len({tuple(v) for v in a[p].tolist()}) == K for p in range(4))  # distinct
 
 
-def test_kmeans_pp_spreads_over_separated_clusters():
+@pytest.mark.parametrize("init", PP_INITS)
+def test_kmeans_pp_spreads_over_separated_clusters(init):
     """D^2 sampling on K tight, far-apart clusters puts one centroid in each (misses have odds ~1e-6)."""
     centres = torch.randn(6, K, 4, generator=gen(3)) * 300
     label = torch.arange(400).remainder(K).expand(6, -1)
     x = centres.gather(1, label[..., None].expand(-1, -1, 4)) + 0.1 * torch.randn(6, 400, 4, generator=gen(4))
-    c = kmeans_pp_init(x, torch.rand(6, 400, generator=gen(5)) + 0.1, K, gen(0))
+    c = init(x, torch.rand(6, 400, generator=gen(5)) + 0.1, K, gen(0))
     for p in range(6):
         assert len(set(np_assign(c[p].double().numpy(), centres[p].double().numpy()).tolist())) == K
 
@@ -130,26 +146,28 @@ def test_draw_falls_back_when_a_row_has_no_mass():
     assert idx.tolist() == [5, 9, 5, 5]
 
 
-def test_kmeans_pp_never_seeds_on_zero_weight_points_when_positive_ones_run_out():
+@pytest.mark.parametrize("init", PP_INITS)
+def test_kmeans_pp_never_seeds_on_zero_weight_points_when_positive_ones_run_out(init):
     """3 positive-weight points at 2 locations, K 5: once every w D^2 is 0 the draws fall back to ~ w,
     so every centroid is one of the 2 locations and no zero-weight point is chosen."""
     x = torch.randn(1, 40, 4, generator=gen(7))
     x[0, 1] = x[0, 0]
     w = torch.zeros(1, 40)
     w[0, :3] = torch.tensor([1.0, 2.0, 0.5])
-    c = kmeans_pp_init(x, w, 5, gen(8))[0]
+    c = init(x, w, 5, gen(8))[0]
     allowed = {tuple(x[0, 0].tolist()), tuple(x[0, 2].tolist())}
     assert {tuple(v) for v in c.tolist()} == allowed
 
 
 # ---------- Lloyd ----------
 
-def test_torch_lloyd_matches_numpy_reference():
+@pytest.mark.parametrize("backend", LLOYD)
+def test_lloyd_matches_numpy_reference(backend):
     """Weighted update, iteration count under the tolerance stop, and both objectives vs numpy."""
     x, w = blobs(5, 600, 4, 6, seed=4)
     init = kmeans_pp_init(x, w, 6, gen(1))
     cfg = KMeansConfig(iterations=30, tolerance=1e-3, points_per_chunk=97, problems_per_batch=2)
-    res = weighted_kmeans(x, w, init, cfg, "torch", CPU)
+    res = weighted_kmeans(x, w, init, cfg, *backend)
     for p in range(5):
         xp, wp, cp = x[p].double().numpy(), w[p].double().numpy(), init[p].double().numpy()
         ref, its = np_lloyd(xp, wp, cp, cfg.iterations, cfg.tolerance)
@@ -160,10 +178,11 @@ def test_torch_lloyd_matches_numpy_reference():
     assert (res.objective_final <= res.objective_init).all() and len(set(res.iterations.tolist())) > 1
 
 
-def test_one_update_is_the_weighted_mean():
+@pytest.mark.parametrize("backend", LLOYD)
+def test_one_update_is_the_weighted_mean(backend):
     x, w = blobs(2, 500, 4, 8, seed=5)
     init = random_init(x, w, 8, gen(2))
-    res = weighted_kmeans(x, w, init, KMeansConfig(iterations=1, tolerance=0), "torch", CPU)
+    res = weighted_kmeans(x, w, init, KMeansConfig(iterations=1, tolerance=0), *backend)
     for p in range(2):
         xp, wp = x[p].double().numpy(), w[p].double().numpy()
         a = np_assign(xp, init[p].double().numpy())
@@ -193,40 +212,51 @@ def test_faiss_and_torch_agree(n):
         assert not np.allclose(km.centroids, a.centroids[0].numpy(), atol=1e-4)
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("faiss", marks=needs_faiss)])
+@pytest.mark.parametrize("backend", LLOYD + [pytest.param(("faiss", CPU), id="faiss", marks=needs_faiss)])
 def test_zero_weight_points_do_not_move_centroids(backend):
     x, w = blobs(2, 400, 4, 6, seed=7)
     outliers = torch.randn(2, 50, 4, generator=gen(8)) * 5 + 20
     x_all, w_all = torch.cat([x, outliers], 1), torch.cat([w, torch.zeros(2, 50)], 1)
     init = kmeans_pp_init(x, w, 6, gen(4))
     cfg = KMeansConfig(iterations=10, tolerance=0.0)
-    with_outliers = weighted_kmeans(x_all, w_all, init, cfg, backend, CPU)
-    without = weighted_kmeans(x, w, init, cfg, backend, CPU)
+    with_outliers = weighted_kmeans(x_all, w_all, init, cfg, *backend)
+    without = weighted_kmeans(x, w, init, cfg, *backend)
     torch.testing.assert_close(with_outliers.centroids, without.centroids, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(with_outliers.objective_final, without.objective_final)
 
 
-def test_empty_clusters_are_reseeded_deterministically():
+@pytest.mark.parametrize("backend", LLOYD)
+def test_empty_clusters_are_reseeded_deterministically(backend):
     x, w = blobs(3, 300, 4, 4, seed=9)
     w[:, :10] = 0.0
     init = kmeans_pp_init(x, w, 4, gen(5))
     init[:, 0] = 1e3  # no point is nearest to centroid 0: it is empty in the first update
     cfg = KMeansConfig(iterations=1, tolerance=0.0, seed=11)
-    res = weighted_kmeans(x, w, init, cfg, "torch", CPU)
+    res = weighted_kmeans(x, w, init, cfg, *backend)
     assert res.empty_clusters.tolist() == [1, 1, 1]
     for p in range(3):
         positive = {tuple(v) for v in x[p, 10:].tolist()}
         assert tuple(res.centroids[p, 0].tolist()) in positive
-    again = weighted_kmeans(x, w, init, KMeansConfig(iterations=1, tolerance=0.0, seed=11, problems_per_batch=1), "torch", CPU)
-    assert torch.equal(res.centroids, again.centroids)  # same seed, any batching
-    other = weighted_kmeans(x, w, init, KMeansConfig(iterations=1, tolerance=0.0, seed=12), "torch", CPU)
+    again = weighted_kmeans(x, w, init, KMeansConfig(iterations=1, tolerance=0.0, seed=11, problems_per_batch=1), *backend)
+    assert torch.equal(res.centroids[:, 0], again.centroids[:, 0])  # same seed, any batching: same reseeded point
+    torch.testing.assert_close(res.centroids, again.centroids)  # (GPU atomic adds may differ in the last bits)
+    other = weighted_kmeans(x, w, init, KMeansConfig(iterations=1, tolerance=0.0, seed=12), *backend)
     assert not torch.equal(res.centroids[:, 0], other.centroids[:, 0])
-    full = weighted_kmeans(x, w, init, KMeansConfig(iterations=20, tolerance=0.0), "torch", CPU)
+    full = weighted_kmeans(x, w, init, KMeansConfig(iterations=20, tolerance=0.0), *backend)
     assert (full.objective_final < full.objective_init).all()
 
 
 def test_backend_resolution_and_missing_faiss(monkeypatch):
-    assert resolve_backend("auto", CPU) == resolve_backend("auto", torch.device("cuda")) == "torch"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(kmeans_triton, "triton", object())  # installed
+    assert resolve_backend("auto", CPU) == "torch" and resolve_backend("auto", torch.device("cuda")) == "triton"
+    assert resolve_backend("triton", "cuda:1") == "triton" and resolve_backend("torch", "cuda") == "torch"
+    with pytest.raises(ValueError, match=r"kmeans.backend: 'triton' needs .* a CUDA device \(kmeans.device is cpu\)"):
+        resolve_backend("triton", CPU)
+    monkeypatch.setattr(kmeans_triton, "triton", None)  # not installed: auto falls back to torch
+    assert resolve_backend("auto", torch.device("cuda")) == "torch"
+    with pytest.raises(ValueError, match="kmeans.backend: 'triton' needs the triton package"):
+        resolve_backend("triton", "cuda")
     assert resolve_backend("faiss", CPU) == "faiss"
     with pytest.raises(ValueError, match="kmeans.backend"):
         resolve_backend("sklearn", CPU)
@@ -237,14 +267,15 @@ def test_backend_resolution_and_missing_faiss(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_torch_backend_on_cuda_matches_cpu():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gpu_backends_match_cpu(backend):
     x, w = blobs(6, 3000, G, K, seed=12)
     w[:, :100] = 0.0
     init = kmeans_pp_init(x.cuda(), w.cuda(), K, gen(6))
     assert torch.equal(init.cpu(), kmeans_pp_init(x, w, K, gen(6)))  # same draws on any device
     init[:, 0] = 1e3  # forces a reseed on both devices
     cfg = KMeansConfig(iterations=30, tolerance=1e-6, points_per_chunk=1000, problems_per_batch=4)
-    on_gpu = weighted_kmeans(x, w, init.cpu(), cfg, "auto", torch.device("cuda"))
+    on_gpu = weighted_kmeans(x, w, init.cpu(), cfg, backend, torch.device("cuda"))
     on_cpu = weighted_kmeans(x, w, init.cpu(), cfg, "torch", CPU)
     torch.testing.assert_close(on_gpu.centroids, on_cpu.centroids, atol=1e-4, rtol=1e-4)
     assert torch.equal(on_gpu.iterations, on_cpu.iterations) and on_gpu.empty_clusters.sum() >= 6
@@ -439,7 +470,7 @@ def test_fit_codebooks_on_cuda_matches_cpu(tiny_capture):
     transforms = tasq_transforms(layouts, kv)
     on_cpu, _ = fit_codebooks(reader, layouts, transforms, quant, FAST, kv, CPU)
     on_gpu, report = fit_codebooks(reader, layouts, transforms, quant, KMeansConfig(iterations=25), kv, torch.device("cuda"))
-    assert report["totals"]["backend"] == "torch" and report["totals"]["device"] == "cuda"
+    assert report["totals"]["backend"] == "triton" and report["totals"]["device"] == "cuda"  # auto on CUDA
     for lay in layouts:
         torch.testing.assert_close(on_gpu.codecs[lay.key].codebook, on_cpu.codecs[lay.key].codebook, atol=1e-4, rtol=1e-4)
 

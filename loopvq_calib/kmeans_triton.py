@@ -1,0 +1,156 @@
+"""Fused Triton kernels for the k-means stage on CUDA (``kmeans.backend: triton``, the ``auto`` choice there).
+
+The plain torch path materialises a [problems, points, K] fp32 distance block per Lloyd step and launches
+about 17 small kernels per k-means++ draw; both bind it to memory traffic and launch latency
+(docs/performance.md). Here:
+
+- :func:`lloyd_step`: one program per (problem, block of points). The distances to the problem's K
+  centroids stay in registers (a tensor-core dot at ``precision``; the default ``tf32x3`` is about fp32
+  accurate), the nearest centroid is taken there, and the weighted point and its weight are added to the
+  cluster's sums with atomic adds. Grid rows are an index list, so converged problems cost nothing and
+  nothing is copied. Atomic adds make the last bits of the sums run-dependent (so does torch's
+  ``index_add_`` on CUDA).
+- :func:`kmeans_pp`: two kernels per draw. One updates D^2 with the last chosen centroid and writes
+  per-block sums of w * D^2 (float64); one per problem picks a block by inverse CDF over the block sums,
+  then the point inside it, with the same rules as ``kmeans_backends._draw_one``.
+
+The kernels also run in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``), which is how the tests
+check them on a machine without a GPU when triton is installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch path is used
+    triton = None
+
+LLOYD_BLOCK = 64  # points per program in a Lloyd step (K = 256: a [64, 256] distance tile in registers)
+DRAW_BLOCK = 1024  # points per block of the k-means++ draw
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether the fused kernels can run on ``device``: triton importable and a CUDA device (or any
+    device under ``TRITON_INTERPRET=1``)."""
+    if triton is None:
+        return False
+    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _pow2(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << (int(n) - 1).bit_length())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _lloyd_kernel(
+        x_ptr, w_ptr, c_ptr, rows_ptr, err_ptr, sums_ptr, mass_ptr, n,
+        K: tl.constexpr, G: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr,
+        NB: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        a = tl.program_id(0)
+        b = tl.program_id(1)
+        p = tl.load(rows_ptr + a).to(tl.int64)
+        pts = b * BLOCK + tl.arange(0, BLOCK)
+        valid = pts < n
+        gg = tl.arange(0, GP)
+        kk = tl.arange(0, KP)
+        x = tl.load(x_ptr + (p * n + pts[:, None]) * G + gg[None, :], mask=valid[:, None] & (gg[None, :] < G), other=0.0)
+        w = tl.load(w_ptr + p * n + pts, mask=valid, other=0.0)
+        c = tl.load(c_ptr + (a.to(tl.int64) * K + kk[:, None]) * G + gg[None, :], mask=(kk[:, None] < K) & (gg[None, :] < G), other=0.0)
+        c_sq = tl.where(kk < K, tl.sum(c * c, axis=1), float("inf"))
+        d = c_sq[None, :] - 2.0 * tl.dot(x, tl.trans(c), input_precision=PRECISION)
+        dmin, idx = tl.min(d, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        err = tl.where(valid, w * tl.maximum(dmin + tl.sum(x * x, axis=1), 0.0), 0.0)
+        tl.store(err_ptr + a * NB + b, tl.sum(err, axis=0))
+        if ACCUMULATE:
+            slot = a.to(tl.int64) * K + idx
+            tl.atomic_add(sums_ptr + slot[:, None] * G + gg[None, :], x * w[:, None], mask=valid[:, None] & (gg[None, :] < G), sem="relaxed")
+            tl.atomic_add(mass_ptr + slot, w, mask=valid, sem="relaxed")
+
+    @triton.jit
+    def _pp_distance_kernel(
+        x_ptr, w_ptr, d2_ptr, chosen_ptr, out_ptr, bsum_ptr, n, j,
+        K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+    ):
+        p = tl.program_id(0).to(tl.int64)
+        b = tl.program_id(1)
+        gg = tl.arange(0, GP)
+        gmask = gg < G
+        ch = tl.load(chosen_ptr + p)
+        c = tl.load(x_ptr + (p * n + ch) * G + gg, mask=gmask, other=0.0)
+        if b == 0:
+            tl.store(out_ptr + (p * K + j) * G + gg, c, mask=gmask)
+        pts = b * BLOCK + tl.arange(0, BLOCK)
+        valid = pts < n
+        x = tl.load(x_ptr + (p * n + pts[:, None]) * G + gg[None, :], mask=valid[:, None] & gmask[None, :], other=0.0)
+        diff = x - c[None, :]
+        d2 = tl.minimum(tl.load(d2_ptr + p * n + pts, mask=valid, other=0.0), tl.sum(diff * diff, axis=1))
+        tl.store(d2_ptr + p * n + pts, d2, mask=valid)
+        w = tl.load(w_ptr + p * n + pts, mask=valid, other=0.0)
+        tl.store(bsum_ptr + p * NB + b, tl.sum(tl.where(valid, w * d2, 0.0).to(tl.float64), axis=0))
+
+    @triton.jit
+    def _pp_draw_kernel(
+        w_ptr, d2_ptr, bsum_ptr, wsum_ptr, u_ptr, chosen_ptr, n,
+        BLOCK: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
+    ):
+        p = tl.program_id(0).to(tl.int64)
+        nb = tl.arange(0, NBP)
+        bs = tl.load(bsum_ptr + p * NB + nb, mask=nb < NB, other=0.0)
+        fallback = tl.sum(bs, axis=0) <= 0.0
+        bs = tl.where(fallback, tl.load(wsum_ptr + p * NB + nb, mask=nb < NB, other=0.0), bs)
+        cum = tl.cumsum(bs, axis=0)
+        target = tl.load(u_ptr + p) * tl.sum(tl.where(nb == NB - 1, cum, 0.0), axis=0)
+        blk = tl.minimum(tl.sum((cum <= target).to(tl.int32), axis=0), tl.max(tl.where(bs > 0, nb, -1), axis=0))
+        target -= tl.sum(tl.where(nb == blk - 1, cum, 0.0), axis=0)
+        pts = blk * BLOCK + tl.arange(0, BLOCK)
+        valid = pts < n
+        w = tl.load(w_ptr + p * n + pts, mask=valid, other=0.0)
+        d2 = tl.load(d2_ptr + p * n + pts, mask=valid, other=0.0)
+        prob = tl.where(valid, tl.where(fallback, w, w * d2), 0.0).to(tl.float64)
+        local = tl.cumsum(prob, axis=0)
+        last = tl.max(tl.where(prob > 0, tl.arange(0, BLOCK), -1), axis=0)
+        idx = tl.minimum(tl.sum((local <= target).to(tl.int32), axis=0), last)
+        tl.store(chosen_ptr + p, (blk * BLOCK + idx).to(tl.int64))
+
+
+def lloyd_step(
+    x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, rows: torch.Tensor, accumulate: bool, precision: str = "tf32x3"
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Assign the points of problems ``rows`` [A] to their nearest centroid in ``c`` [A, K, G] (row a of c
+    belongs to problem rows[a]); x [P, N, G], w [P, N] fp32 contiguous. Returns the weighted squared
+    error [A] and, when ``accumulate``, per-cluster weighted sums [A, K, G] and weights [A, K]."""
+    _, n, g = x.shape
+    a, k = c.shape[0], c.shape[1]
+    nb = triton.cdiv(n, LLOYD_BLOCK)
+    err = torch.empty(a, nb, device=x.device, dtype=torch.float32)
+    sums = torch.zeros(a, k, g, device=x.device, dtype=torch.float32) if accumulate else err
+    mass = torch.zeros(a, k, device=x.device, dtype=torch.float32) if accumulate else err
+    _lloyd_kernel[(a, nb)](
+        x, w, c.contiguous(), rows, err, sums, mass, n, K=k, G=g, KP=_pow2(k, 16), GP=_pow2(g, 16),
+        BLOCK=LLOYD_BLOCK, NB=nb, ACCUMULATE=accumulate, PRECISION=precision, num_warps=4,
+    )
+    return (err.sum(1), sums, mass) if accumulate else (err.sum(1), None, None)
+
+
+def kmeans_pp(x: torch.Tensor, w: torch.Tensor, k: int, uniforms: torch.Tensor) -> torch.Tensor:
+    """Weighted k-means++ (the rules of ``kmeans_backends.kmeans_pp_init``) on x [P, N, G], w [P, N] fp32
+    contiguous, with the draws' uniforms [K, P] float64 on x's device -> centroids [P, K, G]."""
+    p, n, g = x.shape
+    nb = triton.cdiv(n, DRAW_BLOCK)
+    out = x.new_empty(p, k, g)
+    d2 = torch.full((p, n), float("inf"), device=x.device, dtype=torch.float32)
+    bsum = torch.zeros(p, nb, device=x.device, dtype=torch.float64)  # all zero: the first draw is ~ w
+    wsum = torch.nn.functional.pad(w.double(), (0, nb * DRAW_BLOCK - n)).view(p, nb, DRAW_BLOCK).sum(-1)
+    chosen = torch.empty(p, device=x.device, dtype=torch.int64)
+    for j in range(k):
+        _pp_draw_kernel[(p,)](w, d2, bsum, wsum, uniforms[j], chosen, n, BLOCK=DRAW_BLOCK, NB=nb, NBP=_pow2(nb), num_warps=4)
+        _pp_distance_kernel[(p, nb)](x, w, d2, chosen, out, bsum, n, j, K=k, G=g, GP=_pow2(g), BLOCK=DRAW_BLOCK, NB=nb, num_warps=4)
+    return out
