@@ -30,11 +30,15 @@ class FinetuneResult:
     quantizer: KVQuantizer  # codebooks of the best epoch
     best_epoch: int
     curve: list[dict[str, Any]] = field(default_factory=list)  # per epoch: epoch, train_kl, heldout_kl
+    teacher_cached: bool = False  # whether the teacher outputs were kept across epochs
+
+
+def _autocast_on(cfg: FinetuneConfig, device: torch.device) -> bool:
+    return cfg.autocast == "bfloat16" or (cfg.autocast == "auto" and device.type == "cuda")
 
 
 def _autocast(cfg: FinetuneConfig, device: torch.device):
-    on = cfg.autocast == "bfloat16" or (cfg.autocast == "auto" and device.type == "cuda")
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=_autocast_on(cfg, device))
 
 
 def _world() -> tuple[int, int]:
@@ -49,19 +53,30 @@ def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-TEACHER_CACHE_BYTES = 2 << 30
+TEACHER_CACHE_BYTES = 2 << 30  # host memory (CPU runs)
+TEACHER_CACHE_DEVICE_FRACTION = 0.25  # of a CUDA device's memory
+
+
+def teacher_cache_budget(device: torch.device) -> int:
+    """Bytes ``finetune.cache_teacher: auto`` may spend on teacher outputs: a quarter of a CUDA device's
+    memory (35 GB on an H200, 12 GB on a 48 GB card), 2 GiB of host memory on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory * TEACHER_CACHE_DEVICE_FRACTION)
+    return TEACHER_CACHE_BYTES
 
 
 class TeacherCache:
-    """Full-precision outputs per sequence, kept across epochs when they fit ``TEACHER_CACHE_BYTES``
-    (``finetune.cache_teacher: auto``), saving one forward per step; otherwise recomputed."""
+    """Full-precision outputs per sequence, kept across epochs when all of them fit
+    :func:`teacher_cache_budget` (``finetune.cache_teacher: auto``), saving one forward per step;
+    otherwise recomputed."""
 
-    def __init__(self, model: torch.nn.Module, cfg: FinetuneConfig, sequences: int, length: int) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: FinetuneConfig, sequences: int, length: int, device: torch.device) -> None:
         c = model.config
         sites = model.kv_layout().num_sites
         width = c.num_key_value_heads * c.head_dim
-        per_seq = length * (c.vocab_size + 2 * sites * width) * 4
-        self.enabled = cfg.cache_teacher == "true" or (cfg.cache_teacher == "auto" and per_seq * sequences <= TEACHER_CACHE_BYTES)
+        itemsize = 2 if _autocast_on(cfg, device) else next(model.parameters()).dtype.itemsize
+        self.bytes = sequences * length * (c.vocab_size + 2 * sites * width) * itemsize
+        self.enabled = cfg.cache_teacher == "true" or (cfg.cache_teacher == "auto" and self.bytes <= teacher_cache_budget(device))
         self.model, self.cfg, self.store = model, cfg, {}
 
     def get(self, seq: int, ids: torch.Tensor, device: torch.device):
@@ -111,11 +126,12 @@ def finetune_codebooks(
     gradients averaged), held-out KL after every epoch; returns the best epoch's codebooks."""
     rank, world = _world()
     quantizer = copy.deepcopy(quantizer).to(device, torch.float32)
-    cache = TeacherCache(model, cfg, -(-calib.input_ids.shape[0] // world), calib.input_ids.shape[1])
+    cache = TeacherCache(model, cfg, -(-calib.input_ids.shape[0] // world), calib.input_ids.shape[1], device)
+    log.info("teacher outputs (%.1f GB): %s", cache.bytes / 1e9, "kept across epochs" if cache.enabled else "recomputed each step")
     init_kl = heldout_kl(model, calib, quantizer, cfg, device, cache) if calib.heldout else float("nan")
     curve = [{"epoch": 0, "train_kl": None, "heldout_kl": init_kl}]
     if not cfg.enabled or cfg.epochs == 0:
-        return FinetuneResult(quantizer, 0, curve)
+        return FinetuneResult(quantizer, 0, curve, cache.enabled)
     params = [torch.nn.Parameter(c.codebook) for c in quantizer.codecs.values()]
     for c, p in zip(quantizer.codecs.values(), params):
         c.codebook = p
@@ -155,4 +171,4 @@ def finetune_codebooks(
         model.loop_checkpointing = previous
     for c, state in zip(quantizer.codecs.values(), best_state):
         c.codebook = state
-    return FinetuneResult(quantizer, best_epoch, curve)
+    return FinetuneResult(quantizer, best_epoch, curve, cache.enabled)

@@ -149,7 +149,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=1, help="fine-tuning sequences per step (split across processes)")
-    p.add_argument("--kmeans-backend", default="auto", choices=["auto", "torch", "faiss"])
+    p.add_argument("--kmeans-backend", default="auto", choices=["auto", "torch", "triton", "faiss"])
     p.add_argument("--kmeans-iterations", type=int, default=100)
     p.add_argument("--problems-per-batch", type=int, default=None)
     p.add_argument("--points-per-chunk", type=int, default=None)
@@ -157,6 +157,7 @@ def main() -> None:
                    help="capture store; auto = memory for one process, disk (under --workdir) for several")
     p.add_argument("--fisher-channels", type=int, default=None, help="default: channels per step of a code group")
     p.add_argument("--loop-checkpointing", action="store_true")
+    p.add_argument("--cache-teacher", default="auto", choices=["auto", "true", "false"])
     p.add_argument("--workdir", default=None, help="where disk captures and the bundle go (default: /dev/shm or tmp)")
     p.add_argument("--stages", default="all", choices=["all", "codebooks", "finetune"],
                    help="codebooks: capture -> [tasq] -> k-means only; finetune: fine-tuning + bundle from random "
@@ -184,7 +185,8 @@ def main() -> None:
         "capture": {"store": store, "fisher_channels": fisher_channels},
         "kmeans": {"backend": args.kmeans_backend, "iterations": args.kmeans_iterations,
                    "problems_per_batch": args.problems_per_batch, "points_per_chunk": args.points_per_chunk},
-        "finetune": {"epochs": args.epochs, "batch_size": args.batch_size, "loop_checkpointing": args.loop_checkpointing},
+        "finetune": {"epochs": args.epochs, "batch_size": args.batch_size, "loop_checkpointing": args.loop_checkpointing,
+                     "cache_teacher": args.cache_teacher},
     })
     base = Path(args.workdir or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()))
     work = base / f"loopvq-bench-{args.model}-{args.method}-{args.bits}-{args.num_sequences}"
@@ -223,7 +225,7 @@ def main() -> None:
             "seq_len": args.seq_len, "processes": world, "store": store, "fisher_channels": fisher_channels,
             **(kmeans_summary(report) if report else {}), "stages": timer.stages, "pipeline_s": round(sum(timer.stages[s]["wall_s"] for s in timed), 2),
             "peak_gpu_gib": max((timer.stages[s]["peak_gpu_gib"] or 0) for s in timed),
-            "best_epoch": result.best_epoch if result else None, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "best_epoch": result.best_epoch if result else None, "teacher_cached": result.teacher_cached if result else None, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         }))
     if world > 1:
         dist.destroy_process_group()

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from loopvq_calib.config import FinetuneConfig
-from loopvq_calib.finetune import finetune_codebooks, heldout_kl, sequence_kl
+from loopvq_calib import finetune as finetune_module
+from loopvq_calib.finetune import TeacherCache, finetune_codebooks, heldout_kl, sequence_kl
 from loopvq_calib.models.loading import load_model
 from loopvq_calib.pipeline import calibrate
 from loopvq_calib.quantizer import load_quantizer
@@ -120,6 +121,26 @@ def test_cached_teacher_gives_the_same_result(reference_setup):
     assert a.curve == b.curve
     for key in a.quantizer.codecs:
         assert torch.equal(a.quantizer.codecs[key].codebook, b.quantizer.codecs[key].codebook)
+
+
+def test_teacher_cache_auto_fits_the_device_budget(reference_setup, monkeypatch):
+    """auto keeps the teacher outputs when all sequences' logits + keys/values fit: 2 GiB of host memory
+    on CPU, a quarter of the device's memory on CUDA (bf16 under autocast, so 2 bytes per element)."""
+    model, _, _ = reference_setup
+    c = model.config
+    per_seq = 64 * (c.vocab_size + 2 * model.kv_layout().num_sites * c.num_key_value_heads * c.head_dim)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    auto = FinetuneConfig(cache_teacher="auto")
+    cache = TeacherCache(model, auto, 10, 64, cpu)
+    assert cache.bytes == 10 * per_seq * 4 and cache.enabled  # float32 reference model on CPU: 4 bytes
+    monkeypatch.setattr(finetune_module, "TEACHER_CACHE_BYTES", 10 * per_seq * 4 - 1)
+    assert not TeacherCache(model, auto, 10, 64, cpu).enabled
+    assert TeacherCache(model, FinetuneConfig(cache_teacher="true"), 10, 64, cpu).enabled
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 4 * 10 * per_seq * 2}))
+    on_gpu = TeacherCache(model, auto, 10, 64, cuda)
+    assert on_gpu.bytes == 10 * per_seq * 2 and on_gpu.enabled
+    assert not TeacherCache(model, auto, 11, 64, cuda).enabled
+    assert not TeacherCache(model, FinetuneConfig(cache_teacher="false"), 1, 64, cuda).enabled
 
 
 @pytest.mark.parametrize("make", ["ouro", "huginn"])
