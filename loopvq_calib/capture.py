@@ -218,15 +218,16 @@ class CaptureData:
         """Tensor ``name`` (key | value | fisher_key | fisher_value) of ``sites`` -> [N, T, H, D] fp32 on ``device``.
 
         N runs over the tokens of ``sequences`` (default all), sinks excluded unless asked for. The data moves
-        in its storage dtype and is widened on the device.
+        tensor by tensor in its storage dtype and is stacked and widened on the device.
         """
         start = 0 if include_sinks else self.sink_tokens
         names = [f"{name}.{s}" for s in sites]
-        parts = [
-            torch.stack([t[start:] for t in self._tensors(i, names)], dim=1)
+        dev = torch.device(device or "cpu")
+        parts = [  # each tensor goes to the device as read: no stacked or concatenated host copies
+            torch.stack([t[start:].to(dev) for t in self._tensors(i, names)], dim=1)
             for i in (sequences if sequences is not None else range(self.num_sequences))
         ]
-        out = torch.cat(parts).to(device or "cpu").float()
+        out = torch.cat(parts).float()
         c = self.meta.get("fisher_channels", 1)
         if name.startswith("fisher") and c > 1:
             out = out.repeat_interleave(c, dim=-1) / c
