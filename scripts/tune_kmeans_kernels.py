@@ -1,0 +1,91 @@
+"""Tile and precision choices of the fused Lloyd kernel (loopvq_calib/kmeans_triton.py) on one GPU.
+
+On 512 problems of Ouro-1.4B's k-means shape (32,640 points of 16 dims, K 256), times one Lloyd step of
+the torch path and of the Triton kernel for each dot precision (tf32x3, ieee, tf32), points per program and
+warps, with and without the cluster-sum atomics; compares each against the torch step (relative error of
+the weighted objective, largest difference of the cluster weights and sums), then times k-means++ seeding
+with the torch draws and the fused kernels. One JSON line per measurement.
+
+    python scripts/tune_kmeans_kernels.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kmeans import problems  # noqa: E402
+
+from loopvq_calib import kmeans_triton  # noqa: E402
+from loopvq_calib.kmeans_backends import _assign, kmeans_pp_init  # noqa: E402
+
+P, N, G, K = 512, 32640, 16, 256
+
+
+def ms_per_call(fn, reps: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.time()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.time() - start) / reps * 1000
+
+
+def main() -> None:
+    x, w = problems(P, N, G, K)
+    x, w = x.cuda().contiguous(), w.cuda().contiguous()
+    c = x[:, torch.randperm(N, generator=torch.Generator().manual_seed(0))[:K]].contiguous()
+    rows = torch.arange(P, device="cuda")
+    x_sq = x.pow(2).sum(-1)
+    err0, sums0, mass0 = _assign(x, x_sq, w, c, 16384, True)
+    print(json.dumps({"torch_assign_ms": round(ms_per_call(lambda: _assign(x, x_sq, w, c, 16384, True)), 2)}), flush=True)
+
+    def step(block: int, warps: int, precision: str, accumulate: bool):
+        nb = triton.cdiv(N, block)
+        err = torch.empty(P, nb, device="cuda")
+        sums, mass = torch.zeros(P, K, G, device="cuda"), torch.zeros(P, K, device="cuda")
+
+        def run() -> None:
+            sums.zero_()
+            mass.zero_()
+            kmeans_triton._lloyd_kernel[(P, nb)](
+                x, w, c, rows, err, sums, mass, N, K=K, G=G, KP=K, GP=G, BLOCK=block, NB=nb,
+                ACCUMULATE=accumulate, PRECISION=precision, num_warps=warps,
+            )
+        return ms_per_call(run), err.sum(1), sums, mass
+
+    for precision in ("tf32x3", "ieee", "tf32"):
+        for block in (32, 64, 128):
+            for warps in (4, 8):
+                ms, err, sums, mass = step(block, warps, precision, True)
+                print(json.dumps({
+                    "prec": precision, "block": block, "warps": warps, "ms": round(ms, 2),
+                    "ms_no_accumulate": round(step(block, warps, precision, False)[0], 2),
+                    "err_rel": ((err - err0).abs() / err0).max().item(), "mass_diff": (mass - mass0).abs().max().item(),
+                    "sums_diff": (sums - sums0).abs().max().item(),
+                }), flush=True)
+
+    def gen() -> torch.Generator:
+        return torch.Generator().manual_seed(1)
+
+    for fused in (True, False):  # warm-up (compilation)
+        kmeans_pp_init(x[:2], w[:2], K, gen(), fused=fused)
+    seeds = {}
+    for fused in (True, False):
+        torch.cuda.synchronize()
+        start = time.time()
+        seeds[fused] = kmeans_pp_init(x, w, K, gen(), fused=fused)
+        torch.cuda.synchronize()
+        print(json.dumps({"pp_fused": fused, "s": round(time.time() - start, 3)}), flush=True)
+    print(json.dumps({"pp_equal_rows": (seeds[True] == seeds[False]).all(-1).all(-1).float().mean().item()}))
+
+
+if __name__ == "__main__":
+    main()
