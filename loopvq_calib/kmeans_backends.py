@@ -107,18 +107,25 @@ def random_init(x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Gener
 INITS = {"kmeans++": kmeans_pp_init, "random": random_init}
 
 
-def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """``auto`` is the fused Triton kernels on a CUDA device with triton installed, else the batched
-    torch backend (on the H200 torch was 16x faster than faiss-cpu on 32 threads, and on the 2-core CPU
-    1.5x faster than faiss with cache-sized batches; docs/performance.md)."""
+def resolve_backend(backend: str, device: torch.device | str, codebook_size: int | None = None) -> str:
+    """``auto`` is the fused Triton kernels on a CUDA device with triton installed (codebooks of at most
+    1,024 entries), else the batched torch backend (on the H200 torch was 16x faster than faiss-cpu on
+    32 threads, and on the 2-core CPU 1.5x faster than faiss with cache-sized batches; docs/performance.md)."""
     if backend not in BACKENDS:
         raise ValueError(f"kmeans.backend: {backend!r} is not one of {', '.join(BACKENDS)}")
+    fits = codebook_size is None or kmeans_triton.supports(codebook_size)
     if backend == "auto":
-        return "triton" if torch.device(device).type == "cuda" and kmeans_triton.available(device) else "torch"
+        usable = torch.device(device).type == "cuda" and kmeans_triton.available(device) and fits
+        return "triton" if usable else "torch"
     if backend == "triton" and not kmeans_triton.available(device):
         raise ValueError(
             f"kmeans.backend: 'triton' needs the triton package and a CUDA device (kmeans.device is {device}); "
             "use 'auto' or 'torch'"
+        )
+    if backend == "triton" and not fits:
+        raise ValueError(
+            f"kmeans.backend: 'triton' takes codebooks of at most {kmeans_triton.MAX_CODEBOOK} entries, "
+            f"quant.codebook_size is {codebook_size}; use 'auto' or 'torch'"
         )
     return backend
 
@@ -263,7 +270,7 @@ def weighted_kmeans(
     below ``cfg.tolerance``. ``seed`` (default ``cfg.seed``) drives empty-cluster reseeding (torch)
     and faiss's own generator. Results are on the CPU.
     """
-    name = resolve_backend(backend, device)
+    name = resolve_backend(backend, device, init.shape[1])
     _check_shapes(x, w, init.shape[1])
     if init.shape[0] != x.shape[0] or init.shape[2] != x.shape[2]:
         raise ValueError(f"initial centroids {tuple(init.shape)} do not fit points {tuple(x.shape)}")

@@ -4,7 +4,7 @@ The plain torch path materialises a [problems, points, K] fp32 distance block pe
 about 17 small kernels per k-means++ draw; both bind it to memory traffic and launch latency
 (docs/performance.md). Here:
 
-- :func:`lloyd_step`: one program per (problem, block of points). The distances to the problem's K
+- :func:`lloyd_step`: one program per (problem, block of points; 64 at K = 256, K <= 1024). The distances to the problem's K
   centroids stay in registers (a tensor-core dot at ``precision``; the default ``tf32x3`` is about fp32
   accurate), the nearest centroid is taken there, and the weighted point and its weight are added to the
   cluster's sums with atomic adds. Grid rows are an index list, so converged problems cost nothing and
@@ -30,7 +30,8 @@ try:
 except ImportError:  # CPU-only installs: the torch path is used
     triton = None
 
-LLOYD_BLOCK = 64  # points per program in a Lloyd step (K = 256: a [64, 256] distance tile in registers)
+LLOYD_TILE = 16384  # distance-tile elements per program in a Lloyd step (K = 256: 64 points x 256 centroids)
+MAX_CODEBOOK = 1024  # larger K would need a tile of fewer than 16 points: the torch path serves them
 DRAW_BLOCK = 1024  # points per block of the k-means++ draw
 
 
@@ -40,6 +41,11 @@ def available(device: torch.device | str) -> bool:
     if triton is None:
         return False
     return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def supports(k: int) -> bool:
+    """Whether the Lloyd kernel takes codebooks of ``k`` centroids (k <= :data:`MAX_CODEBOOK`)."""
+    return k <= MAX_CODEBOOK
 
 
 def _pow2(n: int, floor: int = 1) -> int:
@@ -129,13 +135,15 @@ def lloyd_step(
     error [A] and, when ``accumulate``, per-cluster weighted sums [A, K, G] and weights [A, K]."""
     _, n, g = x.shape
     a, k = c.shape[0], c.shape[1]
-    nb = triton.cdiv(n, LLOYD_BLOCK)
+    kp = _pow2(k, 16)
+    block = max(16, LLOYD_TILE // kp)
+    nb = triton.cdiv(n, block)
     err = torch.empty(a, nb, device=x.device, dtype=torch.float32)
     sums = torch.zeros(a, k, g, device=x.device, dtype=torch.float32) if accumulate else err
     mass = torch.zeros(a, k, device=x.device, dtype=torch.float32) if accumulate else err
     _lloyd_kernel[(a, nb)](
-        x, w, c.contiguous(), rows, err, sums, mass, n, K=k, G=g, KP=_pow2(k, 16), GP=_pow2(g, 16),
-        BLOCK=LLOYD_BLOCK, NB=nb, ACCUMULATE=accumulate, PRECISION=precision, num_warps=4,
+        x, w, c.contiguous(), rows, err, sums, mass, n, K=k, G=g, KP=kp, GP=_pow2(g, 16),
+        BLOCK=block, NB=nb, ACCUMULATE=accumulate, PRECISION=precision, num_warps=4,
     )
     return (err.sum(1), sums, mass) if accumulate else (err.sum(1), None, None)
 

@@ -25,6 +25,7 @@ from .capture import CaptureData, CaptureReader, MemoryCapture, MemoryReader, ca
 from .config import Config, ConfigError, dump_config, validate_for_model
 from .data import CalibrationSet, build_calibration_set, source_fingerprint
 from .finetune import finetune_codebooks
+from .kmeans_backends import resolve_backend
 from .layouts import plan_layouts
 from .models.loading import load_model, model_identity, pick_device, read_model_config, resolve_model_dir, set_loop_steps
 from .models.sites import KVLayout
@@ -85,6 +86,8 @@ class Pipeline:
         self.wanted = wanted
         self.device = pick_device(cfg.model.device) if cfg.model.device != "auto" else self.state.device
         self.kmeans_device = pick_device(cfg.kmeans.device, "kmeans.device") if cfg.kmeans.device != "auto" else self.device
+        if "kmeans" in wanted:  # an unusable kmeans.backend fails here, before any work
+            resolve_backend(cfg.kmeans.backend, self.kmeans_device, cfg.quant.codebook_size)
         self._model = self._tokenizer = None
         self.fp: dict[str, str] = {}
 

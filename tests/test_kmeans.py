@@ -251,6 +251,9 @@ def test_backend_resolution_and_missing_faiss(monkeypatch):
     monkeypatch.setattr(kmeans_triton, "triton", object())  # installed
     assert resolve_backend("auto", CPU) == "torch" and resolve_backend("auto", torch.device("cuda")) == "triton"
     assert resolve_backend("triton", "cuda:1") == "triton" and resolve_backend("torch", "cuda") == "torch"
+    assert resolve_backend("auto", "cuda", 1024) == "triton" and resolve_backend("auto", "cuda", 4096) == "torch"
+    with pytest.raises(ValueError, match="kmeans.backend: 'triton' takes codebooks of at most 1024 entries, quant.codebook_size is 4096"):
+        resolve_backend("triton", "cuda", 4096)
     with pytest.raises(ValueError, match=r"kmeans.backend: 'triton' needs .* a CUDA device \(kmeans.device is cpu\)"):
         resolve_backend("triton", CPU)
     monkeypatch.setattr(kmeans_triton, "triton", None)  # not installed: auto falls back to torch
