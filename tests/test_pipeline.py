@@ -221,8 +221,8 @@ def test_cli_exit_codes_for_a_failed_stage_and_a_bad_run_directory(tiny_ouro_dir
     assert "afile exists and is not a directory" in capsys.readouterr().err
     assert calibrate_main(["--config", str(cfg_path), "--output", str(tmp_path / "r2"), "--stages", "tasq"]) == 2
     assert "tasq stage exists only for quant.method tasq or tasq+loopvq" in capsys.readouterr().err
-    cfg_path.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "r3", kmeans={"backend": "triton"})))
+    cfg_path.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "r3", kmeans={"backend": "triton", "device": "cpu"})))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert calibrate_main(["--config", str(cfg_path)]) == 2  # CPU: refused before the data stage
+    assert calibrate_main(["--config", str(cfg_path)]) == 2  # k-means on the CPU: refused before the data stage
     assert "kmeans.backend: 'triton' needs the triton package and a CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "r3" / "data").exists()
