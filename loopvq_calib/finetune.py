@@ -30,7 +30,7 @@ class FinetuneResult:
     quantizer: KVQuantizer  # codebooks of the best epoch
     best_epoch: int
     curve: list[dict[str, Any]] = field(default_factory=list)  # per epoch: epoch, train_kl, heldout_kl
-    teacher_cached: bool = False  # whether the teacher outputs were kept across epochs
+    teacher_kept: int = 0  # sequences (of this process) whose teacher outputs were kept across epochs
 
 
 def _autocast_on(cfg: FinetuneConfig, device: torch.device) -> bool:
@@ -54,37 +54,48 @@ def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 TEACHER_CACHE_BYTES = 2 << 30  # host memory (CPU runs)
-TEACHER_CACHE_DEVICE_FRACTION = 0.25  # of a CUDA device's memory
-
-
-def teacher_cache_budget(device: torch.device) -> int:
-    """Bytes ``finetune.cache_teacher: auto`` may spend on teacher outputs: a quarter of a CUDA device's
-    memory (35 GB on an H200, 12 GB on a 48 GB card), 2 GiB of host memory on CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory * TEACHER_CACHE_DEVICE_FRACTION)
-    return TEACHER_CACHE_BYTES
+TEACHER_CACHE_MARGIN = 0.10  # of a CUDA device's memory, left free beside the first step's peak
 
 
 class TeacherCache:
-    """Full-precision outputs per sequence, kept across epochs when all of them fit
-    :func:`teacher_cache_budget` (``finetune.cache_teacher: auto``), saving one forward per step;
-    otherwise recomputed."""
+    """Full-precision outputs per sequence, kept across epochs for as many sequences as fit
+    (``finetune.cache_teacher``: ``true`` all, ``false`` none, ``auto`` what fits), each kept sequence
+    saving one forward per later use.
+
+    ``auto`` on CPU: what fits ``TEACHER_CACHE_BYTES`` of host memory. On CUDA: undecided until
+    :meth:`settle` after the first training step, then what fits the device memory that step left
+    unused (its peak), less a margin of ``TEACHER_CACHE_MARGIN``; sequences are kept in the order they are
+    next asked for."""
 
     def __init__(self, model: torch.nn.Module, cfg: FinetuneConfig, sequences: int, length: int, device: torch.device) -> None:
         c = model.config
         sites = model.kv_layout().num_sites
         width = c.num_key_value_heads * c.head_dim
         itemsize = 2 if _autocast_on(cfg, device) else next(model.parameters()).dtype.itemsize
-        self.bytes = sequences * length * (c.vocab_size + 2 * sites * width) * itemsize
-        self.enabled = cfg.cache_teacher == "true" or (cfg.cache_teacher == "auto" and self.bytes <= teacher_cache_budget(device))
+        self.per_sequence = length * (c.vocab_size + 2 * sites * width) * itemsize
+        self.sequences = sequences
+        self.capacity: int | None = {"true": sequences, "false": 0}.get(cfg.cache_teacher)
+        if self.capacity is None and device.type != "cuda":
+            self.capacity = min(sequences, TEACHER_CACHE_BYTES // self.per_sequence)
         self.model, self.cfg, self.store = model, cfg, {}
+
+    def settle(self, device: torch.device) -> None:
+        """Fix an undecided capacity from the peak device memory since the last reset (the caller resets
+        it before the first step)."""
+        if self.capacity is not None:
+            return
+        total = torch.cuda.get_device_properties(device).total_memory
+        free = total * (1 - TEACHER_CACHE_MARGIN) - torch.cuda.max_memory_allocated(device)
+        self.capacity = int(min(self.sequences, max(free, 0) // self.per_sequence))
+        log.info("teacher outputs: keeping %d of %d sequences (%.1f GB each)", self.capacity, self.sequences,
+                 self.per_sequence / 1e9)
 
     def get(self, seq: int, ids: torch.Tensor, device: torch.device):
         if seq in self.store:
             return self.store[seq]
         with _autocast(self.cfg, device):
             fp = teacher(self.model, ids)
-        if self.enabled:
+        if self.capacity is not None and len(self.store) < self.capacity:
             self.store[seq] = fp
         return fp
 
@@ -127,11 +138,12 @@ def finetune_codebooks(
     rank, world = _world()
     quantizer = copy.deepcopy(quantizer).to(device, torch.float32)
     cache = TeacherCache(model, cfg, -(-calib.input_ids.shape[0] // world), calib.input_ids.shape[1], device)
-    log.info("teacher outputs (%.1f GB): %s", cache.bytes / 1e9, "kept across epochs" if cache.enabled else "recomputed each step")
+    if device.type == "cuda":  # the first step's peak decides how many teacher outputs fit (cache_teacher auto)
+        torch.cuda.reset_peak_memory_stats(device)
     init_kl = heldout_kl(model, calib, quantizer, cfg, device, cache) if calib.heldout else float("nan")
     curve = [{"epoch": 0, "train_kl": None, "heldout_kl": init_kl}]
     if not cfg.enabled or cfg.epochs == 0:
-        return FinetuneResult(quantizer, 0, curve, cache.enabled)
+        return FinetuneResult(quantizer, 0, curve, len(cache.store))
     params = [torch.nn.Parameter(c.codebook) for c in quantizer.codecs.values()]
     for c, p in zip(quantizer.codecs.values(), params):
         c.codebook = p
@@ -159,6 +171,7 @@ def finetune_codebooks(
                     for p in params:
                         _all_reduce_sum(p.grad)
                 opt.step()
+                cache.settle(device)
                 if progress:
                     progress(1)
             train_sum = _all_reduce_sum(train_sum)
@@ -171,4 +184,4 @@ def finetune_codebooks(
         model.loop_checkpointing = previous
     for c, state in zip(quantizer.codecs.values(), best_state):
         c.codebook = state
-    return FinetuneResult(quantizer, best_epoch, curve, cache.enabled)
+    return FinetuneResult(quantizer, best_epoch, curve, len(cache.store))

@@ -225,7 +225,7 @@ def main() -> None:
             "seq_len": args.seq_len, "processes": world, "store": store, "fisher_channels": fisher_channels,
             **(kmeans_summary(report) if report else {}), "stages": timer.stages, "pipeline_s": round(sum(timer.stages[s]["wall_s"] for s in timed), 2),
             "peak_gpu_gib": max((timer.stages[s]["peak_gpu_gib"] or 0) for s in timed),
-            "best_epoch": result.best_epoch if result else None, "teacher_cached": result.teacher_cached if result else None, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "best_epoch": result.best_epoch if result else None, "teacher_sequences_kept": result.teacher_kept if result else None, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         }))
     if world > 1:
         dist.destroy_process_group()

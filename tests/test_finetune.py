@@ -123,24 +123,40 @@ def test_cached_teacher_gives_the_same_result(reference_setup):
         assert torch.equal(a.quantizer.codecs[key].codebook, b.quantizer.codecs[key].codebook)
 
 
-def test_teacher_cache_auto_fits_the_device_budget(reference_setup, monkeypatch):
-    """auto keeps the teacher outputs when all sequences' logits + keys/values fit: 2 GiB of host memory
-    on CPU, a quarter of the device's memory on CUDA (bf16 under autocast, so 2 bytes per element)."""
-    model, _, _ = reference_setup
+def test_teacher_cache_auto_keeps_what_fits(reference_setup, monkeypatch):
+    """auto keeps the teacher outputs (logits + keys/values) of as many sequences as fit: 2 GiB of host
+    memory on CPU; on CUDA (bf16 under autocast: 2 bytes per element) what the first step's peak left of
+    the device's memory less a 10 % margin, decided after that step. The first sequences asked for are
+    kept, and a kept sequence is not recomputed."""
+    model, calib, _ = reference_setup
     c = model.config
     per_seq = 64 * (c.vocab_size + 2 * model.kv_layout().num_sites * c.num_key_value_heads * c.head_dim)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     auto = FinetuneConfig(cache_teacher="auto")
     cache = TeacherCache(model, auto, 10, 64, cpu)
-    assert cache.bytes == 10 * per_seq * 4 and cache.enabled  # float32 reference model on CPU: 4 bytes
-    monkeypatch.setattr(finetune_module, "TEACHER_CACHE_BYTES", 10 * per_seq * 4 - 1)
-    assert not TeacherCache(model, auto, 10, 64, cpu).enabled
-    assert TeacherCache(model, FinetuneConfig(cache_teacher="true"), 10, 64, cpu).enabled
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 4 * 10 * per_seq * 2}))
+    assert cache.per_sequence == per_seq * 4 and cache.capacity == 10  # float32 reference model on CPU
+    monkeypatch.setattr(finetune_module, "TEACHER_CACHE_BYTES", 3 * per_seq * 4 + 1)
+    part = TeacherCache(model, auto, 10, 64, cpu)
+    assert part.capacity == 3 and TeacherCache(model, FinetuneConfig(cache_teacher="true"), 10, 64, cpu).capacity == 10
+    ids = calib.input_ids[:, :64]
+    first = [part.get(i, ids[i : i + 1], cpu) for i in range(5)]
+    assert sorted(part.store) == [0, 1, 2]
+    assert part.get(1, ids[1:2], cpu) is first[1] and part.get(4, ids[4:5], cpu) is not first[4]
+    torch.testing.assert_close(part.get(4, ids[4:5], cpu).logits, first[4].logits)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 100 * per_seq * 2}))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 82.5 * per_seq * 2)
     on_gpu = TeacherCache(model, auto, 10, 64, cuda)
-    assert on_gpu.bytes == 10 * per_seq * 2 and on_gpu.enabled
-    assert not TeacherCache(model, auto, 11, 64, cuda).enabled
-    assert not TeacherCache(model, FinetuneConfig(cache_teacher="false"), 1, 64, cuda).enabled
+    assert on_gpu.per_sequence == per_seq * 2 and on_gpu.capacity is None  # undecided before the first step
+    on_gpu.settle(cuda)
+    assert on_gpu.capacity == 7  # 90 % of 100 sequences' worth, less the peak of 82.5
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 95 * per_seq * 2)
+    over = TeacherCache(model, auto, 10, 64, cuda)
+    over.settle(cuda)
+    assert over.capacity == 0
+    never = TeacherCache(model, FinetuneConfig(cache_teacher="false"), 1, 64, cuda)
+    never.settle(cuda)
+    assert never.capacity == 0
 
 
 @pytest.mark.parametrize("make", ["ouro", "huginn"])
