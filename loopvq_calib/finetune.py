@@ -63,9 +63,10 @@ class TeacherCache:
     saving one forward per later use.
 
     ``auto`` on CPU: what fits ``TEACHER_CACHE_BYTES`` of host memory. On CUDA: undecided until
-    :meth:`settle` after the first training step, then what fits the device memory that step left
-    unused (its peak), less a margin of ``TEACHER_CACHE_MARGIN``; sequences are kept in the order they are
-    next asked for."""
+    :meth:`settle` after the second training step (the optimizer's state exists by then), then what fits
+    the device memory those steps left unused (peak reserved by the allocator), less a margin of
+    ``TEACHER_CACHE_MARGIN`` and memory still to come (the best epoch's copy of the codebooks); sequences
+    are kept in the order they are next asked for."""
 
     def __init__(self, model: torch.nn.Module, cfg: FinetuneConfig, sequences: int, length: int, device: torch.device) -> None:
         c = model.config
@@ -79,13 +80,13 @@ class TeacherCache:
             self.capacity = min(sequences, TEACHER_CACHE_BYTES // self.per_sequence)
         self.model, self.cfg, self.store = model, cfg, {}
 
-    def settle(self, device: torch.device) -> None:
-        """Fix an undecided capacity from the peak device memory since the last reset (the caller resets
-        it before the first step)."""
+    def settle(self, device: torch.device, to_come: int = 0) -> None:
+        """Fix an undecided capacity from the peak memory the allocator reserved since the last reset
+        (the caller resets it before the first step) and ``to_come`` bytes still to be allocated."""
         if self.capacity is not None:
             return
         total = torch.cuda.get_device_properties(device).total_memory
-        free = total * (1 - TEACHER_CACHE_MARGIN) - torch.cuda.max_memory_allocated(device)
+        free = total * (1 - TEACHER_CACHE_MARGIN) - torch.cuda.max_memory_reserved(device) - to_come
         self.capacity = int(min(self.sequences, max(free, 0) // self.per_sequence))
         log.info("teacher outputs: keeping %d of %d sequences (%.1f GB each)", self.capacity, self.sequences,
                  self.per_sequence / 1e9)
@@ -138,7 +139,7 @@ def finetune_codebooks(
     rank, world = _world()
     quantizer = copy.deepcopy(quantizer).to(device, torch.float32)
     cache = TeacherCache(model, cfg, -(-calib.input_ids.shape[0] // world), calib.input_ids.shape[1], device)
-    if device.type == "cuda":  # the first step's peak decides how many teacher outputs fit (cache_teacher auto)
+    if device.type == "cuda":  # the first steps' peak decides how many teacher outputs fit (cache_teacher auto)
         torch.cuda.reset_peak_memory_stats(device)
     init_kl = heldout_kl(model, calib, quantizer, cfg, device, cache) if calib.heldout else float("nan")
     curve = [{"epoch": 0, "train_kl": None, "heldout_kl": init_kl}]
@@ -149,6 +150,7 @@ def finetune_codebooks(
         c.codebook = p
     opt = torch.optim.Adam(params, lr=cfg.lr)
     best_kl, best_epoch, best_state = init_kl, 0, [p.detach().clone() for p in params]
+    steps, settle_after = 0, min(2, cfg.epochs * -(-len(calib.train) // cfg.batch_size))
     previous = getattr(model, "loop_checkpointing", False)
     model.loop_checkpointing = cfg.loop_checkpointing
     try:
@@ -171,7 +173,9 @@ def finetune_codebooks(
                     for p in params:
                         _all_reduce_sum(p.grad)
                 opt.step()
-                cache.settle(device)
+                steps += 1
+                if steps == settle_after:
+                    cache.settle(device, to_come=sum(p.numel() * p.element_size() for p in params))
                 if progress:
                     progress(1)
             train_sum = _all_reduce_sum(train_sum)

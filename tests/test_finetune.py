@@ -125,8 +125,8 @@ def test_cached_teacher_gives_the_same_result(reference_setup):
 
 def test_teacher_cache_auto_keeps_what_fits(reference_setup, monkeypatch):
     """auto keeps the teacher outputs (logits + keys/values) of as many sequences as fit: 2 GiB of host
-    memory on CPU; on CUDA (bf16 under autocast: 2 bytes per element) what the first step's peak left of
-    the device's memory less a 10 % margin, decided after that step. The first sequences asked for are
+    memory on CPU; on CUDA (bf16 under autocast: 2 bytes per element) what the first steps' peak (reserved)
+    left of the device's memory less a 10 % margin and memory still to come, decided after those steps. The first sequences asked for are
     kept, and a kept sequence is not recomputed."""
     model, calib, _ = reference_setup
     c = model.config
@@ -145,12 +145,12 @@ def test_teacher_cache_auto_keeps_what_fits(reference_setup, monkeypatch):
     torch.testing.assert_close(part.get(4, ids[4:5], cpu).logits, first[4].logits)
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 100 * per_seq * 2}))
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 82.5 * per_seq * 2)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d=None: 80.5 * per_seq * 2)
     on_gpu = TeacherCache(model, auto, 10, 64, cuda)
     assert on_gpu.per_sequence == per_seq * 2 and on_gpu.capacity is None  # undecided before the first step
-    on_gpu.settle(cuda)
-    assert on_gpu.capacity == 7  # 90 % of 100 sequences' worth, less the peak of 82.5
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 95 * per_seq * 2)
+    on_gpu.settle(cuda, to_come=2 * per_seq * 2)
+    assert on_gpu.capacity == 7  # 90 % of 100 sequences' worth, less the peak of 80.5 and 2 to come
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d=None: 95 * per_seq * 2)
     over = TeacherCache(model, auto, 10, 64, cuda)
     over.settle(cuda)
     assert over.capacity == 0
