@@ -113,7 +113,7 @@ class FinetuneConfig:
     kl_chunk: int = 1024  # positions per chunk of the KL computation
     loop_checkpointing: bool = False  # activation checkpointing per loop step
     autocast: str = "auto"  # auto (bf16 on GPU) | bfloat16 | none
-    cache_teacher: str = "auto"  # keep full-precision outputs across epochs: auto (when they fit a quarter of the GPU, 2 GiB on CPU) | true | false
+    cache_teacher: str = "auto"  # keep full-precision outputs across epochs: auto (as many sequences as fit) | true | false
     seed: int = 0
 
 
