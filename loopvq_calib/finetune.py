@@ -54,7 +54,7 @@ def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 TEACHER_CACHE_BYTES = 2 << 30  # host memory (CPU runs)
-TEACHER_CACHE_MARGIN = 0.10  # of a CUDA device's memory, left free beside the first step's peak
+TEACHER_CACHE_MARGIN = 0.10  # of a CUDA device's memory, left free beside the first two steps' peak
 
 
 class TeacherCache:
@@ -135,7 +135,8 @@ def finetune_codebooks(
     progress: Callable[[int], Any] | None = None,
 ) -> FinetuneResult:
     """Adam on the codebooks, ``cfg.batch_size`` training sequences per step (split across processes,
-    gradients averaged), held-out KL after every epoch; returns the best epoch's codebooks."""
+    gradients averaged), held-out KL after every epoch; returns the best epoch's codebooks. On CUDA it
+    resets the device's peak-memory statistics (the teacher cache is sized from the first steps' peak)."""
     rank, world = _world()
     quantizer = copy.deepcopy(quantizer).to(device, torch.float32)
     cache = TeacherCache(model, cfg, -(-calib.input_ids.shape[0] // world), calib.input_ids.shape[1], device)
