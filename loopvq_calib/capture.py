@@ -227,7 +227,9 @@ class CaptureData:
             torch.stack([t[start:].to(dev) for t in self._tensors(i, names)], dim=1)
             for i in (sequences if sequences is not None else range(self.num_sequences))
         ]
-        out = torch.cat(parts).float()
+        out = torch.cat(parts)
+        del parts  # the stored-dtype copies go before the float32 one is made
+        out = out.float()
         c = self.meta.get("fisher_channels", 1)
         if name.startswith("fisher") and c > 1:
             out = out.repeat_interleave(c, dim=-1) / c

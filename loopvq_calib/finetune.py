@@ -33,12 +33,9 @@ class FinetuneResult:
     teacher_kept: int = 0  # sequences (of this process) whose teacher outputs were kept across epochs
 
 
-def _autocast_on(cfg: FinetuneConfig, device: torch.device) -> bool:
-    return cfg.autocast == "bfloat16" or (cfg.autocast == "auto" and device.type == "cuda")
-
-
 def _autocast(cfg: FinetuneConfig, device: torch.device):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=_autocast_on(cfg, device))
+    on = cfg.autocast == "bfloat16" or (cfg.autocast == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
 
 
 def _world() -> tuple[int, int]:
@@ -62,28 +59,24 @@ class TeacherCache:
     (``finetune.cache_teacher``: ``true`` all, ``false`` none, ``auto`` what fits), each kept sequence
     saving one forward per later use.
 
-    ``auto`` on CPU: what fits ``TEACHER_CACHE_BYTES`` of host memory. On CUDA: undecided until
+    A sequence's size is measured on the first output (logits in the model's output dtype, keys and
+    values in the compute dtype). ``auto`` on CPU: what fits ``TEACHER_CACHE_BYTES`` of host memory. On
+    CUDA: undecided until
     :meth:`settle` after the second training step (the optimizer's state exists by then), then what fits
     the device memory those steps left unused (peak reserved by the allocator), less a margin of
     ``TEACHER_CACHE_MARGIN`` and memory still to come (the best epoch's copy of the codebooks); sequences
     are kept in the order they are next asked for."""
 
-    def __init__(self, model: torch.nn.Module, cfg: FinetuneConfig, sequences: int, length: int, device: torch.device) -> None:
-        c = model.config
-        sites = model.kv_layout().num_sites
-        width = c.num_key_value_heads * c.head_dim
-        itemsize = 2 if _autocast_on(cfg, device) else next(model.parameters()).dtype.itemsize
-        self.per_sequence = length * (c.vocab_size + 2 * sites * width) * itemsize
+    def __init__(self, model: torch.nn.Module, cfg: FinetuneConfig, sequences: int) -> None:
         self.sequences = sequences
+        self.per_sequence: int | None = None  # bytes of one sequence's outputs, measured on the first one
         self.capacity: int | None = {"true": sequences, "false": 0}.get(cfg.cache_teacher)
-        if self.capacity is None and device.type != "cuda":
-            self.capacity = min(sequences, TEACHER_CACHE_BYTES // self.per_sequence)
         self.model, self.cfg, self.store = model, cfg, {}
 
     def settle(self, device: torch.device, to_come: int = 0) -> None:
         """Fix an undecided capacity from the peak memory the allocator reserved since the last reset
         (the caller resets it before the first step) and ``to_come`` bytes still to be allocated."""
-        if self.capacity is not None:
+        if self.capacity is not None or self.per_sequence is None:
             return
         total = torch.cuda.get_device_properties(device).total_memory
         free = total * (1 - TEACHER_CACHE_MARGIN) - torch.cuda.max_memory_reserved(device) - to_come
@@ -96,6 +89,11 @@ class TeacherCache:
             return self.store[seq]
         with _autocast(self.cfg, device):
             fp = teacher(self.model, ids)
+        if self.per_sequence is None:
+            tensors = [fp.logits, *fp.keys.values(), *fp.values.values()]
+            self.per_sequence = sum(t.numel() * t.element_size() for t in tensors)
+            if self.capacity is None and device.type != "cuda":
+                self.capacity = min(self.sequences, TEACHER_CACHE_BYTES // self.per_sequence)
         if self.capacity is not None and len(self.store) < self.capacity:
             self.store[seq] = fp
         return fp
@@ -139,7 +137,7 @@ def finetune_codebooks(
     resets the device's peak-memory statistics (the teacher cache is sized from the first steps' peak)."""
     rank, world = _world()
     quantizer = copy.deepcopy(quantizer).to(device, torch.float32)
-    cache = TeacherCache(model, cfg, -(-calib.input_ids.shape[0] // world), calib.input_ids.shape[1], device)
+    cache = TeacherCache(model, cfg, -(-calib.input_ids.shape[0] // world))
     if device.type == "cuda":  # the first steps' peak decides how many teacher outputs fit (cache_teacher auto)
         torch.cuda.reset_peak_memory_stats(device)
     init_kl = heldout_kl(model, calib, quantizer, cfg, device, cache) if calib.heldout else float("nan")

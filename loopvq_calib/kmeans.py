@@ -98,7 +98,7 @@ def fit_codebooks(
     backend, seconds (and of those, ``seconds_init`` in the initialisation); plus totals.
     """
     device = torch.device(device)
-    backend = resolve_backend(cfg.backend, device, quant.codebook_size)
+    backend = resolve_backend(cfg.backend, device, (quant.codebook_size, quant.group_size))
     init_fn = partial(kmeans_pp_init, fused=backend == "triton") if cfg.init == "kmeans++" else INITS[cfg.init]
     codecs: dict[str, BlockCodec] = {}
     per_layout: dict[str, dict[str, Any]] = {}

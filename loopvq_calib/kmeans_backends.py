@@ -1,8 +1,9 @@
-"""Batched weighted k-means: initialisation (k-means++ / random) and Lloyd iterations (faiss or torch).
+"""Batched weighted k-means: initialisation (k-means++ / random) and Lloyd iterations (torch, fused
+Triton kernels from :mod:`kmeans_triton`, or faiss).
 
 A batch holds P independent problems of the same size: points x [P, N, G] (float32), non-negative
-weights w [P, N] and initial centroids [P, K, G]. Both backends minimise the weighted objective
-sum_n w_n ||x_n - c_a(n)||^2 / sum_n w_n, which we compute ourselves for both (faiss's ``obj`` is
+weights w [P, N] and initial centroids [P, K, G]. Every backend minimises the weighted objective
+sum_n w_n ||x_n - c_a(n)||^2 / sum_n w_n, which we compute ourselves for all (faiss's ``obj`` is
 unweighted). docs/kmeans.md records the rules and the decisions behind them.
 
 Randomness is drawn on the CPU from seeded generators and only indices or uniforms are moved to the
@@ -25,7 +26,7 @@ BACKENDS = ("auto", "faiss", "torch", "triton")
 @dataclass
 class KMeansResult:
     """Centroids [P, K, G]; weighted objectives [P] at the initial and the final centroids; Lloyd
-    updates run [P]; empty clusters met [P] (torch: reseeded, faiss: split)."""
+    updates run [P]; empty clusters met [P] (torch, triton: reseeded; faiss: split)."""
 
     centroids: torch.Tensor
     objective_init: torch.Tensor
@@ -107,25 +108,24 @@ def random_init(x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Gener
 INITS = {"kmeans++": kmeans_pp_init, "random": random_init}
 
 
-def resolve_backend(backend: str, device: torch.device | str, codebook_size: int | None = None) -> str:
-    """``auto`` is the fused Triton kernels on a CUDA device with triton installed (codebooks of at most
-    1,024 entries), else the batched torch backend (on the H200 torch was 16x faster than faiss-cpu on
-    32 threads, and on the 2-core CPU 1.5x faster than faiss with cache-sized batches; docs/performance.md)."""
+def resolve_backend(backend: str, device: torch.device | str, shape: tuple[int, int] | None = None) -> str:
+    """``auto`` is the fused Triton kernels on a CUDA device with triton installed, for codebooks of
+    ``shape`` = (K, G) the kernels take (:func:`kmeans_triton.supports`), else the batched torch backend
+    (on the H200 torch was 16x faster than faiss-cpu on 32 threads, and on the 2-core CPU 1.5x faster
+    than faiss with cache-sized batches; docs/performance.md)."""
     if backend not in BACKENDS:
         raise ValueError(f"kmeans.backend: {backend!r} is not one of {', '.join(BACKENDS)}")
-    fits = codebook_size is None or kmeans_triton.supports(codebook_size)
+    fits = shape is None or kmeans_triton.supports(*shape)
     if backend == "auto":
         usable = torch.device(device).type == "cuda" and kmeans_triton.available(device) and fits
         return "triton" if usable else "torch"
     if backend == "triton" and not kmeans_triton.available(device):
-        raise ValueError(
-            f"kmeans.backend: 'triton' needs the triton package and a CUDA device (kmeans.device is {device}); "
-            "use 'auto' or 'torch'"
-        )
+        raise ValueError(f"kmeans.backend: 'triton' needs the triton package and a CUDA device, not {device}; use 'auto' or 'torch'")
     if backend == "triton" and not fits:
         raise ValueError(
-            f"kmeans.backend: 'triton' takes codebooks of at most {kmeans_triton.MAX_CODEBOOK} entries, "
-            f"quant.codebook_size is {codebook_size}; use 'auto' or 'torch'"
+            f"kmeans.backend: 'triton' takes codebooks of at most {kmeans_triton.LLOYD_TILE} entries x dimensions "
+            f"(each rounded up to a power of two >= 16); quant.codebook_size {shape[0]} x group size {shape[1]} "
+            "is larger; use 'auto' or 'torch'"
         )
     return backend
 
@@ -265,12 +265,12 @@ def weighted_kmeans(
 ) -> KMeansResult:
     """Weighted Lloyd from ``init`` [P, K, G] on points x [P, N, G] with weights w [P, N].
 
-    ``backend``: faiss | torch | auto (:func:`resolve_backend`). torch runs ``cfg.problems_per_batch``
-    problems at once on ``device`` and stops a problem when the mean absolute centroid change falls
-    below ``cfg.tolerance``. ``seed`` (default ``cfg.seed``) drives empty-cluster reseeding (torch)
-    and faiss's own generator. Results are on the CPU.
+    ``backend``: faiss | torch | triton | auto (:func:`resolve_backend`). torch and triton run
+    ``cfg.problems_per_batch`` problems at once on ``device`` and stop a problem when the mean absolute
+    centroid change falls below ``cfg.tolerance``. ``seed`` (default ``cfg.seed``) drives empty-cluster
+    reseeding (torch, triton) and faiss's own generator. Results are on the CPU.
     """
-    name = resolve_backend(backend, device, init.shape[1])
+    name = resolve_backend(backend, device, (init.shape[1], init.shape[2]))
     _check_shapes(x, w, init.shape[1])
     if init.shape[0] != x.shape[0] or init.shape[2] != x.shape[2]:
         raise ValueError(f"initial centroids {tuple(init.shape)} do not fit points {tuple(x.shape)}")

@@ -4,7 +4,7 @@ The plain torch path materialises a [problems, points, K] fp32 distance block pe
 about 17 small kernels per k-means++ draw; both bind it to memory traffic and launch latency
 (docs/performance.md). Here:
 
-- :func:`lloyd_step`: one program per (problem, block of points; 64 at K = 256, K <= 1024). The distances to the problem's K
+- :func:`lloyd_step`: one program per (problem, block of points; 64 points at K = 256). The distances to the problem's K
   centroids stay in registers (a tensor-core dot at ``precision``; the default ``tf32x3`` is about fp32
   accurate), the nearest centroid is taken there, and the weighted point and its weight are added to the
   cluster's sums with atomic adds. Grid rows are an index list, so converged problems cost nothing and
@@ -31,7 +31,7 @@ except ImportError:  # CPU-only installs: the torch path is used
     triton = None
 
 LLOYD_TILE = 16384  # distance-tile elements per program in a Lloyd step (K = 256: 64 points x 256 centroids)
-MAX_CODEBOOK = 1024  # larger K would need a tile of fewer than 16 points: the torch path serves them
+POINT_TILE = 8192  # point-tile elements per program (64 points of G <= 128)
 DRAW_BLOCK = 1024  # points per block of the k-means++ draw
 
 
@@ -43,9 +43,16 @@ def available(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def supports(k: int) -> bool:
-    """Whether the Lloyd kernel takes codebooks of ``k`` centroids (k <= :data:`MAX_CODEBOOK`)."""
-    return k <= MAX_CODEBOOK
+def supports(k: int, g: int) -> bool:
+    """Whether the kernels take ``k`` centroids of ``g`` dimensions: the codebook tile (both padded to
+    powers of two >= 16) holds at most ``LLOYD_TILE`` entries, e.g. K 1,024 x G 16 or K 256 x G 64."""
+    return _pow2(k, 16) * _pow2(g, 16) <= LLOYD_TILE
+
+
+def _lloyd_block(k: int, g: int) -> int:
+    """Points per Lloyd program: the distance tile holds ``LLOYD_TILE`` and the point tile ``POINT_TILE``
+    entries (at least 16 points, the smallest dot tile)."""
+    return max(16, min(LLOYD_TILE // _pow2(k, 16), POINT_TILE // _pow2(g, 16)))
 
 
 def _pow2(n: int, floor: int = 1) -> int:
@@ -56,12 +63,13 @@ if triton is not None:
 
     @triton.jit
     def _lloyd_kernel(
-        x_ptr, w_ptr, c_ptr, rows_ptr, err_ptr, sums_ptr, mass_ptr, n,
+        x_ptr, w_ptr, c_ptr, rows_ptr, err_ptr, sums_ptr, mass_ptr, n, n_rows, nb,
         K: tl.constexpr, G: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr,
-        NB: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+        ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        a = tl.program_id(0)
-        b = tl.program_id(1)
+        # one flat grid axis (2^31 programs; the second axis would cap blocks at 65,535), problems fastest
+        a = tl.program_id(0) % n_rows
+        b = tl.program_id(0) // n_rows
         p = tl.load(rows_ptr + a).to(tl.int64)
         pts = b * BLOCK + tl.arange(0, BLOCK)
         valid = pts < n
@@ -74,19 +82,19 @@ if triton is not None:
         d = c_sq[None, :] - 2.0 * tl.dot(x, tl.trans(c), input_precision=PRECISION)
         dmin, idx = tl.min(d, axis=1, return_indices=True, return_indices_tie_break_left=True)
         err = tl.where(valid, w * tl.maximum(dmin + tl.sum(x * x, axis=1), 0.0), 0.0)
-        tl.store(err_ptr + a * NB + b, tl.sum(err, axis=0))
+        tl.store(err_ptr + a.to(tl.int64) * nb + b, tl.sum(err, axis=0))
         if ACCUMULATE:
             slot = a.to(tl.int64) * K + idx
             tl.atomic_add(sums_ptr + slot[:, None] * G + gg[None, :], x * w[:, None], mask=valid[:, None] & (gg[None, :] < G), sem="relaxed")
             tl.atomic_add(mass_ptr + slot, w, mask=valid, sem="relaxed")
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["j"])
     def _pp_distance_kernel(
-        x_ptr, w_ptr, d2_ptr, chosen_ptr, out_ptr, bsum_ptr, n, j,
-        K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+        x_ptr, w_ptr, d2_ptr, chosen_ptr, out_ptr, bsum_ptr, n, j, n_problems, nb,
+        K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        p = tl.program_id(0).to(tl.int64)
-        b = tl.program_id(1)
+        p = (tl.program_id(0) % n_problems).to(tl.int64)  # flat grid, problems fastest (as in the Lloyd kernel)
+        b = tl.program_id(0) // n_problems
         gg = tl.arange(0, GP)
         gmask = gg < G
         ch = tl.load(chosen_ptr + p)
@@ -100,22 +108,22 @@ if triton is not None:
         d2 = tl.minimum(tl.load(d2_ptr + p * n + pts, mask=valid, other=0.0), tl.sum(diff * diff, axis=1))
         tl.store(d2_ptr + p * n + pts, d2, mask=valid)
         w = tl.load(w_ptr + p * n + pts, mask=valid, other=0.0)
-        tl.store(bsum_ptr + p * NB + b, tl.sum(tl.where(valid, w * d2, 0.0).to(tl.float64), axis=0))
+        tl.store(bsum_ptr + p * nb + b, tl.sum(tl.where(valid, w * d2, 0.0).to(tl.float64), axis=0))
 
     @triton.jit
     def _pp_draw_kernel(
-        w_ptr, d2_ptr, bsum_ptr, wsum_ptr, u_ptr, chosen_ptr, n,
-        BLOCK: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
+        w_ptr, d2_ptr, bsum_ptr, wsum_ptr, u_ptr, chosen_ptr, n, nb,
+        BLOCK: tl.constexpr, NBP: tl.constexpr,
     ):
         p = tl.program_id(0).to(tl.int64)
-        nb = tl.arange(0, NBP)
-        bs = tl.load(bsum_ptr + p * NB + nb, mask=nb < NB, other=0.0)
+        blocks = tl.arange(0, NBP)
+        bs = tl.load(bsum_ptr + p * nb + blocks, mask=blocks < nb, other=0.0)
         fallback = tl.sum(bs, axis=0) <= 0.0
-        bs = tl.where(fallback, tl.load(wsum_ptr + p * NB + nb, mask=nb < NB, other=0.0), bs)
+        bs = tl.where(fallback, tl.load(wsum_ptr + p * nb + blocks, mask=blocks < nb, other=0.0), bs)
         cum = tl.cumsum(bs, axis=0)
-        target = tl.load(u_ptr + p) * tl.sum(tl.where(nb == NB - 1, cum, 0.0), axis=0)
-        blk = tl.minimum(tl.sum((cum <= target).to(tl.int32), axis=0), tl.max(tl.where(bs > 0, nb, -1), axis=0))
-        target -= tl.sum(tl.where(nb == blk - 1, cum, 0.0), axis=0)
+        target = tl.load(u_ptr + p) * tl.sum(tl.where(blocks == nb - 1, cum, 0.0), axis=0)
+        blk = tl.minimum(tl.sum((cum <= target).to(tl.int32), axis=0), tl.max(tl.where(bs > 0, blocks, -1), axis=0))
+        target -= tl.sum(tl.where(blocks == blk - 1, cum, 0.0), axis=0)
         pts = blk * BLOCK + tl.arange(0, BLOCK)
         valid = pts < n
         w = tl.load(w_ptr + p * n + pts, mask=valid, other=0.0)
@@ -135,15 +143,14 @@ def lloyd_step(
     error [A] and, when ``accumulate``, per-cluster weighted sums [A, K, G] and weights [A, K]."""
     _, n, g = x.shape
     a, k = c.shape[0], c.shape[1]
-    kp = _pow2(k, 16)
-    block = max(16, LLOYD_TILE // kp)
+    block = _lloyd_block(k, g)
     nb = triton.cdiv(n, block)
     err = torch.empty(a, nb, device=x.device, dtype=torch.float32)
     sums = torch.zeros(a, k, g, device=x.device, dtype=torch.float32) if accumulate else err
     mass = torch.zeros(a, k, device=x.device, dtype=torch.float32) if accumulate else err
-    _lloyd_kernel[(a, nb)](
-        x, w, c.contiguous(), rows, err, sums, mass, n, K=k, G=g, KP=kp, GP=_pow2(g, 16),
-        BLOCK=block, NB=nb, ACCUMULATE=accumulate, PRECISION=precision, num_warps=4,
+    _lloyd_kernel[(a * nb,)](
+        x, w, c.contiguous(), rows, err, sums, mass, n, a, nb, K=k, G=g, KP=_pow2(k, 16), GP=_pow2(g, 16),
+        BLOCK=block, ACCUMULATE=accumulate, PRECISION=precision, num_warps=4,
     )
     return (err.sum(1), sums, mass) if accumulate else (err.sum(1), None, None)
 
@@ -159,6 +166,6 @@ def kmeans_pp(x: torch.Tensor, w: torch.Tensor, k: int, uniforms: torch.Tensor) 
     wsum = torch.nn.functional.pad(w.double(), (0, nb * DRAW_BLOCK - n)).view(p, nb, DRAW_BLOCK).sum(-1)
     chosen = torch.empty(p, device=x.device, dtype=torch.int64)
     for j in range(k):
-        _pp_draw_kernel[(p,)](w, d2, bsum, wsum, uniforms[j], chosen, n, BLOCK=DRAW_BLOCK, NB=nb, NBP=_pow2(nb), num_warps=4)
-        _pp_distance_kernel[(p, nb)](x, w, d2, chosen, out, bsum, n, j, K=k, G=g, GP=_pow2(g), BLOCK=DRAW_BLOCK, NB=nb, num_warps=4)
+        _pp_draw_kernel[(p,)](w, d2, bsum, wsum, uniforms[j], chosen, n, nb, BLOCK=DRAW_BLOCK, NBP=_pow2(nb), num_warps=4)
+        _pp_distance_kernel[(p * nb,)](x, w, d2, chosen, out, bsum, n, j, p, nb, K=k, G=g, GP=_pow2(g), BLOCK=DRAW_BLOCK, num_warps=4)
     return out

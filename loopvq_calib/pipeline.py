@@ -87,7 +87,7 @@ class Pipeline:
         self.device = pick_device(cfg.model.device) if cfg.model.device != "auto" else self.state.device
         self.kmeans_device = pick_device(cfg.kmeans.device, "kmeans.device") if cfg.kmeans.device != "auto" else self.device
         if "kmeans" in wanted:  # an unusable kmeans.backend fails here, before any work
-            resolve_backend(cfg.kmeans.backend, self.kmeans_device, cfg.quant.codebook_size)
+            resolve_backend(cfg.kmeans.backend, self.kmeans_device, (cfg.quant.codebook_size, cfg.quant.group_size))
         self._model = self._tokenizer = None
         self.fp: dict[str, str] = {}
 

@@ -7,6 +7,9 @@ the weighted objective, largest difference of the cluster weights and sums), the
 with the torch draws and the fused kernels. One JSON line per measurement.
 
     python scripts/tune_kmeans_kernels.py
+
+The sweep in docs/data/tune-kmeans-kernels-h200.jsonl ran at `d2a1f64`, with a two-axis grid of (problem,
+block); the kernel now takes one flat axis in the same order, problems fastest.
 """
 
 from __future__ import annotations
@@ -55,8 +58,8 @@ def main() -> None:
         def run() -> None:
             sums.zero_()
             mass.zero_()
-            kmeans_triton._lloyd_kernel[(P, nb)](
-                x, w, c, rows, err, sums, mass, N, K=K, G=G, KP=K, GP=G, BLOCK=block, NB=nb,
+            kmeans_triton._lloyd_kernel[(P * nb,)](
+                x, w, c, rows, err, sums, mass, N, P, nb, K=K, G=G, KP=K, GP=G, BLOCK=block,
                 ACCUMULATE=accumulate, PRECISION=precision, num_warps=warps,
             )
         return ms_per_call(run), err.sum(1), sums, mass

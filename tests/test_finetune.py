@@ -124,39 +124,54 @@ def test_cached_teacher_gives_the_same_result(reference_setup):
 
 
 def test_teacher_cache_auto_keeps_what_fits(reference_setup, monkeypatch):
-    """auto keeps the teacher outputs (logits + keys/values) of as many sequences as fit: 2 GiB of host
-    memory on CPU; on CUDA (bf16 under autocast: 2 bytes per element) what the first steps' peak (reserved)
-    left of the device's memory less a 10 % margin and memory still to come, decided after those steps. The first sequences asked for are
-    kept, and a kept sequence is not recomputed."""
+    """auto keeps the teacher outputs (logits + keys/values, size measured on the first one) of as many
+    sequences as fit: 2 GiB of host memory on CPU; on CUDA what the first steps' reserved peak left of the
+    device's memory less a 10 % margin and memory still to come. The first sequences asked for are kept,
+    and a kept sequence is not recomputed."""
     model, calib, _ = reference_setup
     c = model.config
-    per_seq = 64 * (c.vocab_size + 2 * model.kv_layout().num_sites * c.num_key_value_heads * c.head_dim)
+    per_seq = 64 * (c.vocab_size + 2 * model.kv_layout().num_sites * c.num_key_value_heads * c.head_dim) * 4  # fp32
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     auto = FinetuneConfig(cache_teacher="auto")
-    cache = TeacherCache(model, auto, 10, 64, cpu)
-    assert cache.per_sequence == per_seq * 4 and cache.capacity == 10  # float32 reference model on CPU
-    monkeypatch.setattr(finetune_module, "TEACHER_CACHE_BYTES", 3 * per_seq * 4 + 1)
-    part = TeacherCache(model, auto, 10, 64, cpu)
-    assert part.capacity == 3 and TeacherCache(model, FinetuneConfig(cache_teacher="true"), 10, 64, cpu).capacity == 10
     ids = calib.input_ids[:, :64]
+    cache = TeacherCache(model, auto, 10)
+    assert cache.capacity is None and cache.per_sequence is None
+    cache.get(0, ids[:1], cpu)
+    assert cache.per_sequence == per_seq and cache.capacity == 10
+    monkeypatch.setattr(finetune_module, "TEACHER_CACHE_BYTES", 3 * per_seq + 1)
+    part = TeacherCache(model, auto, 10)
     first = [part.get(i, ids[i : i + 1], cpu) for i in range(5)]
-    assert sorted(part.store) == [0, 1, 2]
+    assert part.capacity == 3 and sorted(part.store) == [0, 1, 2]
     assert part.get(1, ids[1:2], cpu) is first[1] and part.get(4, ids[4:5], cpu) is not first[4]
     torch.testing.assert_close(part.get(4, ids[4:5], cpu).logits, first[4].logits)
+    assert TeacherCache(model, FinetuneConfig(cache_teacher="true"), 10).capacity == 10
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 100 * per_seq * 2}))
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d=None: 80.5 * per_seq * 2)
-    on_gpu = TeacherCache(model, auto, 10, 64, cuda)
-    assert on_gpu.per_sequence == per_seq * 2 and on_gpu.capacity is None  # undecided before the first step
-    on_gpu.settle(cuda, to_come=2 * per_seq * 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 100 * per_seq}))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d=None: 80.5 * per_seq)
+    on_gpu = TeacherCache(model, auto, 10)
+    on_gpu.settle(cuda)
+    assert on_gpu.capacity is None  # nothing measured yet: still undecided
+    on_gpu.per_sequence = per_seq  # as measured on the first teacher output
+    on_gpu.settle(cuda, to_come=2 * per_seq)
     assert on_gpu.capacity == 7  # 90 % of 100 sequences' worth, less the peak of 80.5 and 2 to come
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d=None: 95 * per_seq * 2)
-    over = TeacherCache(model, auto, 10, 64, cuda)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d=None: 95 * per_seq)
+    over = TeacherCache(model, auto, 10)
+    over.per_sequence = per_seq
     over.settle(cuda)
     assert over.capacity == 0
-    never = TeacherCache(model, FinetuneConfig(cache_teacher="false"), 1, 64, cuda)
-    never.settle(cuda)
-    assert never.capacity == 0
+    assert TeacherCache(model, FinetuneConfig(cache_teacher="false"), 1).capacity == 0
+
+
+def test_teacher_cache_is_sized_after_the_second_step(reference_setup, monkeypatch):
+    """finetune_codebooks settles the cache once, after the second optimizer step, passing the bytes of
+    the codebooks (the best epoch's copy still to come)."""
+    model, calib, init = reference_setup
+    calls = []
+    progress = []
+    monkeypatch.setattr(TeacherCache, "settle", lambda self, device, to_come=0: calls.append((len(progress), to_come)))
+    finetune_codebooks(model, calib, init, FinetuneConfig(epochs=1), torch.device("cpu"), progress.append)
+    codebook_bytes = sum(c.codebook.numel() * 4 for c in init.codecs.values())  # fp32 during fine-tuning
+    assert calls == [(1, codebook_bytes)] and len(progress) > 2
 
 
 @pytest.mark.parametrize("make", ["ouro", "huginn"])

@@ -23,7 +23,7 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.parametrize("k, g", [(32, 16), (20, 12), (6, 4), (600, 16)])  # K, G padded to the tile; 600: 16-point tiles
+@pytest.mark.parametrize("k, g", [(32, 16), (20, 12), (6, 4), (600, 16), (256, 32)])  # padded K, G; tiles of 16 to 128 points
 def test_lloyd_step_on_a_subset_of_problems_matches_numpy(k, g):
     x = torch.randn(4, 300, g, generator=gen(0))
     w = torch.rand(4, 300, generator=gen(1))
