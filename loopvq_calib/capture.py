@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -162,9 +163,8 @@ def capture_kv(
     return mine
 
 
-def write_meta(out_dir: Path, calib: CalibrationSet, kv: KVLayout, cfg: CaptureConfig,
-               memory: MemoryCapture | None = None) -> dict[str, Any]:
-    """Describe the capture in ``out_dir/meta.json`` (called once all sequences exist)."""
+def capture_meta(calib: CalibrationSet, kv: KVLayout, cfg: CaptureConfig, memory: MemoryCapture | None = None) -> dict[str, Any]:
+    """What a reader needs to know about a capture (``meta.json``); also set as ``memory.meta``."""
     meta = {
         "num_sequences": int(calib.input_ids.shape[0]),
         "sequence_length": int(calib.input_ids.shape[1]),
@@ -181,8 +181,16 @@ def write_meta(out_dir: Path, calib: CalibrationSet, kv: KVLayout, cfg: CaptureC
         "store": cfg.store if memory is not None else "disk",
     }
     if memory is not None:
-        have = set(memory.sequences)
         memory.meta = meta
+    return meta
+
+
+def write_meta(out_dir: Path, calib: CalibrationSet, kv: KVLayout, cfg: CaptureConfig,
+               memory: MemoryCapture | None = None) -> dict[str, Any]:
+    """Describe the capture in ``out_dir/meta.json`` (called once all sequences exist)."""
+    meta = capture_meta(calib, kv, cfg, memory)
+    if memory is not None:
+        have = set(memory.sequences)
     else:
         have = {i for i in range(meta["num_sequences"]) if (out_dir / f"seq{i:05d}.safetensors").is_file()}
     missing = [i for i in range(meta["num_sequences"]) if i not in have]
@@ -190,6 +198,35 @@ def write_meta(out_dir: Path, calib: CalibrationSet, kv: KVLayout, cfg: CaptureC
         raise CaptureError(f"capture incomplete: sequences {missing} have no file in {out_dir}")
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
     return meta
+
+
+def share_sequences(capture: MemoryCapture, needs: list[list[str]], rank: int, world: int, num_sequences: int) -> None:
+    """An in-memory capture across processes: after each process captured the sequences ``i % world ==
+    rank``, process r receives the tensors ``needs[r]`` of every sequence it did not capture, by
+    point-to-point transfers (NCCL between GPUs, host tensors staged through this process's GPU; gloo on
+    CPU); then each process drops the tensors named for other processes only."""
+    if not capture.sequences:
+        raise CaptureError(f"process {rank} captured no sequence: data.num_sequences {num_sequences} is below the "
+                           f"{world} processes")
+    own = next(iter(capture.sequences.values()))  # every captured sequence holds every tensor
+    via = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    for seq in range(num_sequences):
+        owner = seq % world
+        ops, received = [], []
+        if owner == rank:
+            stored = capture.sequences[seq]
+            ops = [dist.P2POp(dist.isend, stored[n].to(via).contiguous(), r) for r in range(world) if r != rank for n in needs[r]]
+        else:
+            received = [(n, torch.empty_like(own[n], device=via)) for n in needs[rank]]
+            ops = [dist.P2POp(dist.irecv, t, owner) for _, t in received]
+        for req in dist.batch_isend_irecv(ops) if ops else []:
+            req.wait()
+        if received:
+            capture.sequences[seq] = {n: t.to(own[n].device) for n, t in received}
+    others = {n for r in range(world) if r != rank for n in needs[r]} - set(needs[rank])
+    for stored in capture.sequences.values():
+        for n in others & stored.keys():
+            del stored[n]
 
 
 class CaptureData:

@@ -32,7 +32,7 @@ from .quantizer import KVQuantizer
 
 __all__ = [
     "KMeansResult", "kmeans_pp_init", "random_init", "weighted_kmeans", "resolve_backend",
-    "layout_problems", "layout_seed", "fit_codebooks",
+    "layout_problems", "layout_seed", "fit_codebooks", "shard_tensor_names",
 ]
 
 
@@ -72,6 +72,15 @@ def layout_seed(seed: int, layout: BlockLayout) -> int:
     """Per-layout seed from ``kmeans.seed`` and the layout's key, so a layout's codebooks do not
     depend on which other layouts are fitted or in which order."""
     return mix_seed(seed, zlib.crc32(layout.key.encode()))
+
+
+def shard_tensor_names(layouts: list[BlockLayout], world: int) -> list[list[str]]:
+    """Capture tensors each process reads when ``world`` processes share the layouts as
+    :func:`fit_codebooks` does (layout i on process i % world): per process, its layouts' data and Fisher."""
+    names: list[list[str]] = [[] for _ in range(world)]
+    for i, layout in enumerate(layouts):
+        names[i % world] += [f"{kind}.{s}" for kind in (layout.kind, "fisher_" + layout.kind) for s in layout.sites]
+    return names
 
 
 def _check_enough_points(reader: CaptureData, layout: BlockLayout, tokens: int, points: int, k: int) -> None:

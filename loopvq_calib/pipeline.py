@@ -21,10 +21,13 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from . import __version__
-from .capture import CaptureData, CaptureReader, MemoryCapture, MemoryReader, capture_kv, write_meta
+from .capture import (
+    CaptureData, CaptureReader, MemoryCapture, MemoryReader, capture_kv, capture_meta, share_sequences, write_meta,
+)
 from .config import Config, ConfigError, dump_config, validate_for_model
 from .data import CalibrationSet, build_calibration_set, source_fingerprint
 from .finetune import finetune_codebooks
+from .kmeans import fit_codebooks, shard_tensor_names
 from .kmeans_backends import resolve_backend
 from .layouts import plan_layouts
 from .models.loading import load_model, model_identity, pick_device, read_model_config, resolve_model_dir, set_loop_steps
@@ -138,18 +141,24 @@ class Pipeline:
     def stage_capture(self, calib: CalibrationSet) -> CaptureData:
         c = self.cfg
         memory = MemoryCapture() if c.capture.store in ("memory", "device") else None
-        if memory is not None and self.state.num_processes > 1:
-            raise ConfigError("capture.store", f"{c.capture.store} holds one process's sequences only; use disk with several processes")
+        rank, world = self.state.process_index, self.state.num_processes
+        if memory is not None and world > 1 and c.quant.uses_tasq:
+            raise ConfigError("capture.store", f"{c.capture.store} with several processes serves k-means only; TaSQ "
+                              f"(quant.method {c.quant.method}) reads every layout in one process: use disk")
         nonce = time.time() if memory is not None else None  # an in-memory capture is never reused
         fp = fingerprint("capture", __version__, self.fp["data"], self.identity.to_dict(), c.model.dtype,
                          self.kv.loop_steps, asdict(c.capture), nonce)
 
         def body(tmp: Path) -> dict:
             bar = self._progress(calib.input_ids.shape[0], "capture")
-            capture_kv(self.model(), calib, self.kv, c.capture, memory or tmp, self.state.process_index,
-                       self.state.num_processes, lambda n: bar.update(n * self.state.num_processes))
+            capture_kv(self.model(), calib, self.kv, c.capture, memory or tmp, rank, world,
+                       lambda n: bar.update(n * world))
             bar.close()
             self.state.wait_for_everyone()
+            if memory is not None and world > 1:  # each process gets its k-means layouts of every sequence
+                names = shard_tensor_names(plan_layouts(self.kv, c.quant), world)
+                share_sequences(memory, names, rank, world, calib.input_ids.shape[0])
+                capture_meta(calib, self.kv, c.capture, memory)
             if self.state.is_main_process:
                 write_meta(tmp, calib, self.kv, c.capture, memory)
             return {"sequences": int(calib.input_ids.shape[0]), "sites": self.kv.num_sites, "store": c.capture.store}
@@ -172,9 +181,8 @@ class Pipeline:
         return TasqResult.load(self.run.path("tasq"))
 
     def stage_kmeans(self, reader: CaptureData, tasq: Any) -> KVQuantizer:
-        """Processes share the layouts (disk capture: every process reads every sequence); main merges."""
-        from .kmeans import fit_codebooks
-
+        """Processes share the layouts (disk capture: every process reads every sequence; in-memory capture:
+        each process holds its layouts of every sequence, see ``share_sequences``); main merges."""
         c = self.cfg
         fp = fingerprint("kmeans", __version__, self.fp["capture"], self.fp.get("tasq"), asdict(c.quant), asdict(c.kmeans))
         rank, world = self.state.process_index, self.state.num_processes

@@ -24,11 +24,13 @@ import torch
 import torch.distributed as dist
 
 from loopvq_calib import __version__
-from loopvq_calib.capture import MemoryCapture, MemoryReader, CaptureReader, capture_kv, write_meta
+from loopvq_calib.capture import (
+    CaptureReader, MemoryCapture, MemoryReader, capture_kv, capture_meta, share_sequences, write_meta,
+)
 from loopvq_calib.config import load_config
 from loopvq_calib.data import CalibrationSet
 from loopvq_calib.finetune import finetune_codebooks
-from loopvq_calib.kmeans import fit_codebooks
+from loopvq_calib.kmeans import fit_codebooks, shard_tensor_names
 from loopvq_calib.codec import BlockCodec
 from loopvq_calib.layouts import codebook_shape, plan_layouts
 from loopvq_calib.models import HuginnConfig, HuginnForCausalLM, OuroConfig, OuroForCausalLM
@@ -94,6 +96,10 @@ def build_codebooks(model, calib: CalibrationSet, cfg, store: str, work: Path, t
         capture_kv(model, calib, kv, cfg.capture, memory or work / "capture", rank, world)
         if world > 1:
             dist.barrier()
+        if memory is not None and world > 1:  # each process gets its k-means layouts of every sequence
+            share_sequences(memory, shard_tensor_names(plan_layouts(kv, cfg.quant), world), rank, world,
+                            calib.input_ids.shape[0])
+            capture_meta(calib, kv, cfg.capture, memory)
         if rank == 0:
             (work / "capture").mkdir(parents=True, exist_ok=True)
             write_meta(work / "capture", calib, kv, cfg.capture, memory)
@@ -163,6 +169,8 @@ def main() -> None:
                    help="codebooks: capture -> [tasq] -> k-means only; finetune: fine-tuning + bundle from random "
                         "codebooks (timing does not depend on their values), so a large model can be timed in two calls")
     args = p.parse_args()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "tasq" in args.method:
+        p.error("TaSQ methods are timed in one process (the benchmark fits TaSQ on rank 0 only)")
     if args.stages == "finetune" and "tasq" in args.method:
         p.error("--stages finetune times random codebooks without TaSQ transforms: use --method cq or loopvq")
 

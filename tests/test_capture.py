@@ -185,3 +185,49 @@ def test_fisher_summed_over_channel_chunks_keeps_group_weights(tmp_path):
     assert a.shape == b.shape
     # any group made of whole 4-channel chunks gets the same summed weight
     torch.testing.assert_close(a.unflatten(-1, (4, 4)).sum(-1), b.unflatten(-1, (4, 4)).sum(-1), rtol=1e-5, atol=1e-12)
+
+
+def _share_worker(rank: int, world: int, init_file: str, queue) -> None:
+    import torch.distributed as dist
+
+    from loopvq_calib.capture import MemoryCapture, share_sequences
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    names = ["key.0", "key.1", "fisher_key.0", "value.0"]
+    memory = MemoryCapture()
+    for seq in range(rank, 5, world):  # this process's captured sequences, every tensor of each
+        memory.sequences[seq] = {n: torch.full((3, 2), 10.0 * seq + i) for i, n in enumerate(names)}
+    needs = [["key.0", "fisher_key.0"], ["key.1", "value.0"]]
+    share_sequences(memory, needs, rank, world, num_sequences=5)
+    queue.put((rank, {seq: {n: t.tolist() for n, t in d.items()} for seq, d in memory.sequences.items()}))
+    dist.destroy_process_group()
+
+
+def test_share_sequences_gives_each_process_its_tensors_of_every_sequence(tmp_path):
+    """Two gloo processes, 5 sequences captured 3 + 2: afterwards each holds exactly the tensors it needs
+    of all 5 sequences, with the capturing process's values."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_share_worker, args=(r, 2, str(tmp_path / "init"), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    index = {"key.0": 0, "key.1": 1, "fisher_key.0": 2, "value.0": 3}
+    for rank, needs in ((0, ["key.0", "fisher_key.0"]), (1, ["key.1", "value.0"])):
+        assert sorted(results[rank]) == [0, 1, 2, 3, 4]
+        for seq, stored in results[rank].items():
+            assert sorted(stored) == sorted(needs)
+            for n, t in stored.items():
+                assert torch.equal(torch.tensor(t), torch.full((3, 2), 10.0 * seq + index[n]))
+
+
+def test_share_sequences_needs_a_sequence_per_process():
+    from loopvq_calib.capture import MemoryCapture, share_sequences
+
+    with pytest.raises(CaptureError, match="process 1 captured no sequence: data.num_sequences 1 is below the 2 processes"):
+        share_sequences(MemoryCapture(), [[], []], 1, 2, 1)

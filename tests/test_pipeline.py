@@ -141,11 +141,14 @@ def test_cli_run_writes_bundle_and_reports(tiny_ouro_dir, calib_corpus, tmp_path
 
 
 @pytest.mark.slow
-def test_two_cpu_processes_equal_one(tiny_ouro_dir, calib_corpus, tmp_path):
-    """accelerate launch, 2 processes on gloo: capture shards sequences, fine-tuning averages gradients."""
+@pytest.mark.parametrize("store", ["disk", "memory"])
+def test_two_cpu_processes_equal_one(tiny_ouro_dir, calib_corpus, tmp_path, store):
+    """accelerate launch, 2 processes on gloo: capture shards sequences (disk: files; memory: each process
+    receives its k-means layouts of the other's sequences), fine-tuning averages gradients."""
     import yaml
 
-    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "x", finetune={"epochs": 1, "batch_size": 2, "lr": 1e-2})
+    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "x", finetune={"epochs": 1, "batch_size": 2, "lr": 1e-2},
+                      capture={"store": store})
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     single = calibrate(cfg, output=tmp_path / "one").run_dir
@@ -157,8 +160,13 @@ def test_two_cpu_processes_equal_one(tiny_ouro_dir, calib_corpus, tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = tmp_path / "two"
-    for path in sorted((single / "capture").glob("seq*.safetensors")):
+    shards = sorted((single / "capture").glob("seq*.safetensors"))
+    assert len(shards) == (6 if store == "disk" else 0)
+    for path in shards:
         assert path.read_bytes() == (two / "capture" / path.name).read_bytes()
+    kmeans_a = load_file(single / "kmeans" / "quantizer.safetensors")
+    kmeans_b = load_file(two / "kmeans" / "quantizer.safetensors")
+    assert kmeans_a.keys() == kmeans_b.keys() and all(torch.equal(kmeans_a[n], kmeans_b[n]) for n in kmeans_a)
     a = load_file(single / "finetune" / "quantizer.safetensors")
     b = load_file(two / "finetune" / "quantizer.safetensors")
     assert a.keys() == b.keys()
