@@ -214,7 +214,7 @@ def test_cli_exit_codes_for_a_failed_stage_and_a_bad_run_directory(tiny_ouro_dir
     def broken(*args, **kwargs):
         raise RuntimeError("simulated k-means failure")
 
-    monkeypatch.setattr("loopvq_calib.kmeans.fit_codebooks", broken)
+    monkeypatch.setattr("loopvq_calib.pipeline.fit_codebooks", broken)
     assert calibrate_main(["--config", str(cfg_path), "--stages", "kmeans"]) == 3
     err = capsys.readouterr().err
     assert "stage kmeans failed: RuntimeError: simulated k-means failure" in err and "run.log" in err
