@@ -123,7 +123,7 @@ def resolve_backend(backend: str, device: torch.device | str, shape: tuple[int, 
         raise ValueError(f"kmeans.backend: 'triton' needs the triton package and a CUDA device, not {device}; use 'auto' or 'torch'")
     if backend == "triton" and not fits:
         raise ValueError(
-            f"kmeans.backend: 'triton' takes codebooks of at most {kmeans_triton.LLOYD_TILE} entries x dimensions "
+            f"kmeans.backend: 'triton' takes codebooks of at most {kmeans_triton.CODEBOOK_TILE} entries x dimensions "
             f"(each rounded up to a power of two >= 16); quant.codebook_size {shape[0]} x group size {shape[1]} "
             "is larger; use 'auto' or 'torch'"
         )

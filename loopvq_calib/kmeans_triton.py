@@ -32,6 +32,7 @@ except ImportError:  # CPU-only installs: the torch path is used
 
 LLOYD_TILE = 16384  # distance-tile elements per program in a Lloyd step (K = 256: 64 points x 256 centroids)
 POINT_TILE = 8192  # point-tile elements per program (64 points of G <= 128)
+CODEBOOK_TILE = 8192  # K x G entries a program holds (K 256 x G 32: 64 KiB of shared memory, under sm_86/89's 99 KiB)
 DRAW_BLOCK = 1024  # points per block of the k-means++ draw
 
 
@@ -45,8 +46,8 @@ def available(device: torch.device | str) -> bool:
 
 def supports(k: int, g: int) -> bool:
     """Whether the kernels take ``k`` centroids of ``g`` dimensions: the codebook tile (both padded to
-    powers of two >= 16) holds at most ``LLOYD_TILE`` entries, e.g. K 1,024 x G 16 or K 256 x G 64."""
-    return _pow2(k, 16) * _pow2(g, 16) <= LLOYD_TILE
+    powers of two >= 16) holds at most ``CODEBOOK_TILE`` entries, e.g. K 256 x G 32 or K 512 x G 16."""
+    return _pow2(k, 16) * _pow2(g, 16) <= CODEBOOK_TILE
 
 
 def _lloyd_block(k: int, g: int) -> int:
@@ -61,7 +62,8 @@ def _pow2(n: int, floor: int = 1) -> int:
 
 if triton is not None:
 
-    @triton.jit
+    # counts that change between calls (active problems, blocks) are not specialised on: no recompilation
+    @triton.jit(do_not_specialize=["n_rows", "nb"])
     def _lloyd_kernel(
         x_ptr, w_ptr, c_ptr, rows_ptr, err_ptr, sums_ptr, mass_ptr, n, n_rows, nb,
         K: tl.constexpr, G: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr,
@@ -88,7 +90,7 @@ if triton is not None:
             tl.atomic_add(sums_ptr + slot[:, None] * G + gg[None, :], x * w[:, None], mask=valid[:, None] & (gg[None, :] < G), sem="relaxed")
             tl.atomic_add(mass_ptr + slot, w, mask=valid, sem="relaxed")
 
-    @triton.jit(do_not_specialize=["j"])
+    @triton.jit(do_not_specialize=["j", "n_problems", "nb"])
     def _pp_distance_kernel(
         x_ptr, w_ptr, d2_ptr, chosen_ptr, out_ptr, bsum_ptr, n, j, n_problems, nb,
         K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr,
@@ -110,7 +112,7 @@ if triton is not None:
         w = tl.load(w_ptr + p * n + pts, mask=valid, other=0.0)
         tl.store(bsum_ptr + p * nb + b, tl.sum(tl.where(valid, w * d2, 0.0).to(tl.float64), axis=0))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["nb"])
     def _pp_draw_kernel(
         w_ptr, d2_ptr, bsum_ptr, wsum_ptr, u_ptr, chosen_ptr, n, nb,
         BLOCK: tl.constexpr, NBP: tl.constexpr,

@@ -260,9 +260,9 @@ def test_backend_resolution_and_missing_faiss(monkeypatch):
     monkeypatch.setattr(kmeans_triton, "triton", object())  # installed
     assert resolve_backend("auto", CPU) == "torch" and resolve_backend("auto", torch.device("cuda")) == "triton"
     assert resolve_backend("triton", "cuda:1") == "triton" and resolve_backend("torch", "cuda") == "torch"
-    # codebook tiles up to 16,384 entries x dimensions (powers of two >= 16): K 1,024 x G 16, K 256 x G 64
-    assert resolve_backend("auto", "cuda", (1024, 16)) == resolve_backend("auto", "cuda", (200, 60)) == "triton"
-    assert resolve_backend("auto", "cuda", (4096, 12)) == resolve_backend("auto", "cuda", (256, 65)) == "torch"
+    # codebook tiles up to 8,192 entries x dimensions (powers of two >= 16): K 256 x G 32, K 512 x G 16
+    assert resolve_backend("auto", "cuda", (512, 16)) == resolve_backend("auto", "cuda", (200, 30)) == "triton"
+    assert resolve_backend("auto", "cuda", (4096, 12)) == resolve_backend("auto", "cuda", (256, 33)) == "torch"
     with pytest.raises(ValueError, match="quant.codebook_size 4096 x group size 12 is larger"):
         resolve_backend("triton", "cuda", (4096, 12))
     with pytest.raises(ValueError, match=r"kmeans.backend: 'triton' needs .* a CUDA device, not cpu"):

@@ -1,10 +1,14 @@
-"""The fused Triton k-means kernels against float64 numpy references and the torch k-means++ draws.
+"""The fused Triton k-means kernels against float64 numpy references and the torch k-means++ draws, and
+their compilation for the GPUs we target.
 
-They run on a CUDA GPU, or on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1`` with triton
-installed); otherwise the module is skipped. test_kmeans.py runs the Lloyd and init behaviour tests on
-this backend too."""
+The kernels run on a CUDA GPU, or on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1`` with
+triton installed). The compilation test needs triton (with its bundled ptxas) but no GPU, and does not run
+under the interpreter. Without triton everything here is skipped. test_kmeans_backends.py runs the Lloyd
+and init behaviour tests on this backend too."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -14,8 +18,12 @@ from loopvq_calib import kmeans_triton
 from loopvq_calib.kmeans_backends import kmeans_pp_init
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(
+needs_kernels = pytest.mark.skipif(
     not kmeans_triton.available(DEVICE), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1"
+)
+needs_compiler = pytest.mark.skipif(
+    kmeans_triton.triton is None or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs triton, not in interpreter mode",
 )
 
 
@@ -23,7 +31,8 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.parametrize("k, g", [(32, 16), (20, 12), (6, 4), (600, 16), (256, 32)])  # padded K, G; tiles of 16 to 128 points
+@needs_kernels
+@pytest.mark.parametrize("k, g", [(32, 16), (20, 12), (6, 4), (300, 16), (256, 32)])  # padded K, G; tiles of 32 to 512 points
 def test_lloyd_step_on_a_subset_of_problems_matches_numpy(k, g):
     x = torch.randn(4, 300, g, generator=gen(0))
     w = torch.rand(4, 300, generator=gen(1))
@@ -45,6 +54,7 @@ def test_lloyd_step_on_a_subset_of_problems_matches_numpy(k, g):
         np.testing.assert_allclose(sums[a].numpy(), ref, rtol=1e-4, atol=1e-4)
 
 
+@needs_kernels
 def test_fused_kmeans_pp_makes_the_torch_draws():
     """Same uniforms, same rules: the fused draws pick the same points as the torch draws, including
     blocks of zero weight, a problem longer than one draw block and points past the last full block."""
@@ -58,6 +68,7 @@ def test_fused_kmeans_pp_makes_the_torch_draws():
     assert not (fused[0, :, None] == x[0, None, : kmeans_triton.DRAW_BLOCK]).all(-1).any()
 
 
+@needs_kernels
 def test_available_needs_triton_and_cuda_or_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert kmeans_triton.available("cuda") and not kmeans_triton.available("cpu")
@@ -65,3 +76,40 @@ def test_available_needs_triton_and_cuda_or_the_interpreter(monkeypatch):
     assert kmeans_triton.available("cpu")
     monkeypatch.setattr(kmeans_triton, "triton", None)
     assert not kmeans_triton.available("cuda")
+
+
+SHARED_MEMORY_LIMIT = 99 * 1024  # per block on sm_86 / sm_89 cards, the smallest of the targets below
+
+
+@needs_compiler
+@pytest.mark.parametrize("capability", [80, 89, 90])  # A100, RTX 6000 Ada / L40S, H100 / H200
+def test_kernels_compile_within_shared_memory_for_every_supported_tile(capability):
+    """Every kernel compiles to a cubin for the target, for the largest codebooks :func:`supports` takes
+    and the shipped shapes, with a program's shared memory under the smallest limit of these GPUs."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def compile_(fn, types: dict, constants: dict):
+        signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
+        constexprs = {(fn.arg_names.index(name),): value for name, value in constants.items()}
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        return kmeans_triton.triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4})
+
+    lloyd = {"x_ptr": "*fp32", "w_ptr": "*fp32", "c_ptr": "*fp32", "rows_ptr": "*i64", "err_ptr": "*fp32",
+             "sums_ptr": "*fp32", "mass_ptr": "*fp32", "n": "i32", "n_rows": "i32", "nb": "i32"}
+    shapes = [(256, 16), (256, 32), (512, 16), (16, 128), (6, 4)]
+    assert all(kmeans_triton.supports(k, g) for k, g in shapes) and not kmeans_triton.supports(512, 32)
+    for k, g in shapes:
+        out = compile_(kmeans_triton._lloyd_kernel, lloyd, dict(
+            K=k, G=g, KP=kmeans_triton._pow2(k, 16), GP=kmeans_triton._pow2(g, 16), BLOCK=kmeans_triton._lloyd_block(k, g),
+            ACCUMULATE=True, PRECISION="tf32x3"))
+        assert out.asm["cubin"] and out.metadata.shared <= SHARED_MEMORY_LIMIT, (k, g, out.metadata.shared)
+    distance = {"x_ptr": "*fp32", "w_ptr": "*fp32", "d2_ptr": "*fp32", "chosen_ptr": "*i64", "out_ptr": "*fp32",
+                "bsum_ptr": "*fp64", "n": "i32", "j": "i32", "n_problems": "i32", "nb": "i32"}
+    draw = {"w_ptr": "*fp32", "d2_ptr": "*fp32", "bsum_ptr": "*fp64", "wsum_ptr": "*fp64", "u_ptr": "*fp64",
+            "chosen_ptr": "*i64", "n": "i32", "nb": "i32"}
+    for g in (16, 32):
+        out = compile_(kmeans_triton._pp_distance_kernel, distance, dict(K=256, G=g, GP=g, BLOCK=kmeans_triton.DRAW_BLOCK))
+        assert out.metadata.shared <= SHARED_MEMORY_LIMIT
+    out = compile_(kmeans_triton._pp_draw_kernel, draw, dict(BLOCK=kmeans_triton.DRAW_BLOCK, NBP=256))
+    assert out.asm["cubin"] and out.metadata.shared <= SHARED_MEMORY_LIMIT
