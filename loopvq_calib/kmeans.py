@@ -74,12 +74,14 @@ def layout_seed(seed: int, layout: BlockLayout) -> int:
     return mix_seed(seed, zlib.crc32(layout.key.encode()))
 
 
-def shard_tensor_names(layouts: list[BlockLayout], world: int) -> list[list[str]]:
+def shard_tensor_names(layouts: list[BlockLayout], world: int, tasq: bool = False) -> list[list[str]]:
     """Capture tensors each process reads when ``world`` processes share the layouts as
-    :func:`fit_codebooks` does (layout i on process i % world): per process, its layouts' data and Fisher."""
+    :func:`fit_codebooks` (and ``fit_tasq``) do, layout i on process i % world: per process, its layouts'
+    data and Fisher, plus the query statistics of its key layouts when ``tasq``."""
     names: list[list[str]] = [[] for _ in range(world)]
     for i, layout in enumerate(layouts):
-        names[i % world] += [f"{kind}.{s}" for kind in (layout.kind, "fisher_" + layout.kind) for s in layout.sites]
+        kinds = (layout.kind, "fisher_" + layout.kind) + (("qstat",) if tasq and layout.kind == "key" else ())
+        names[i % world] += [f"{kind}.{s}" for kind in kinds for s in layout.sites]
     return names
 
 

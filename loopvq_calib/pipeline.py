@@ -24,7 +24,7 @@ from . import __version__
 from .capture import (
     CaptureData, CaptureReader, MemoryCapture, MemoryReader, capture_kv, capture_meta, share_sequences, write_meta,
 )
-from .config import Config, ConfigError, dump_config, validate_for_model
+from .config import Config, dump_config, validate_for_model
 from .data import CalibrationSet, build_calibration_set, source_fingerprint
 from .finetune import finetune_codebooks
 from .kmeans import fit_codebooks, shard_tensor_names
@@ -142,9 +142,6 @@ class Pipeline:
         c = self.cfg
         memory = MemoryCapture() if c.capture.store in ("memory", "device") else None
         rank, world = self.state.process_index, self.state.num_processes
-        if memory is not None and world > 1 and c.quant.uses_tasq:
-            raise ConfigError("capture.store", f"{c.capture.store} with several processes serves k-means only; TaSQ "
-                              f"(quant.method {c.quant.method}) reads every layout in one process: use disk")
         nonce = time.time() if memory is not None else None  # an in-memory capture is never reused
         fp = fingerprint("capture", __version__, self.fp["data"], self.identity.to_dict(), c.model.dtype,
                          self.kv.loop_steps, asdict(c.capture), nonce)
@@ -156,7 +153,7 @@ class Pipeline:
             bar.close()
             self.state.wait_for_everyone()
             if memory is not None and world > 1:  # each process gets its k-means layouts of every sequence
-                names = shard_tensor_names(plan_layouts(self.kv, c.quant), world)
+                names = shard_tensor_names(plan_layouts(self.kv, c.quant), world, c.quant.uses_tasq)
                 share_sequences(memory, names, rank, world, calib.input_ids.shape[0])
                 capture_meta(calib, self.kv, c.capture, memory)
             if self.state.is_main_process:
@@ -167,17 +164,29 @@ class Pipeline:
         return MemoryReader(memory) if memory is not None else CaptureReader(self.run.path("capture"))
 
     def stage_tasq(self, reader: CaptureData):
-        from .tasq import TasqResult, fit_tasq
+        """Processes share the key layouts as k-means does (each fits the ones it will cluster); main joins."""
+        from .tasq import TasqResult, fit_tasq, merge_tasq
 
         c = self.cfg
         fp = fingerprint("tasq", __version__, self.fp["capture"], asdict(c.quant), asdict(c.tasq))
+        rank, world = self.state.process_index, self.state.num_processes
 
         def body(tmp: Path) -> dict:
-            result = fit_tasq(reader, plan_layouts(self.kv, c.quant), self.kv, c.quant, c.tasq)
+            part = fit_tasq(reader, plan_layouts(self.kv, c.quant), self.kv, c.quant, c.tasq, shard=(rank, world))
+            if world == 1:
+                part.save(tmp)
+                return {"blocks": len(part.transforms)}
+            part.save(tmp / f"part{rank}")
+            self.state.wait_for_everyone()
+            if not self.state.is_main_process:
+                return {}
+            result = merge_tasq([TasqResult.load(tmp / f"part{r}") for r in range(world)])
             result.save(tmp)
-            return {"blocks": len(result.transforms)}
+            for r in range(world):
+                shutil.rmtree(tmp / f"part{r}")
+            return {"blocks": len(result.transforms), "processes": world}
 
-        self._reuse_or_run("tasq", fp, body)
+        self._reuse_or_run("tasq", fp, body, distributed=True)
         return TasqResult.load(self.run.path("tasq"))
 
     def stage_kmeans(self, reader: CaptureData, tasq: Any) -> KVQuantizer:

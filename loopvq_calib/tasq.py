@@ -232,17 +232,23 @@ def _fit_block(
 
 
 def fit_tasq(
-    reader: CaptureData, layouts: list[BlockLayout], kv: KVLayout, quant: QuantConfig, cfg: TasqConfig
+    reader: CaptureData, layouts: list[BlockLayout], kv: KVLayout, quant: QuantConfig, cfg: TasqConfig,
+    shard: tuple[int, int] = (0, 1),
 ) -> TasqResult:
-    """Fit w, sigma_min and P for every key layout; value layouts are returned unchanged."""
+    """Fit w, sigma_min and P for every key layout; value layouts are returned unchanged.
+
+    ``shard = (rank, world)`` fits only the key layouts ``i % world == rank`` (the layouts k-means gives
+    that process); the others are returned as planned, without a transform, and :func:`merge_tasq` joins
+    the parts."""
     if not quant.uses_tasq:
         raise ValueError(f"fit_tasq called for method {quant.method!r}, which uses no TaSQ transform")
     for lay in layouts:
         if lay.kind == "key":
             check_group_size(quant.group_size, lay.steps * lay.head_dim)
+    rank, world = shard
     out, transforms, blocks = [], {}, {}
-    for lay in layouts:
-        if lay.kind != "key":
+    for i, lay in enumerate(layouts):
+        if lay.kind != "key" or i % world != rank:
             out.append(lay)
             continue
         new, transforms[lay.key], blocks[lay.key] = _fit_block(reader, lay, kv, quant.group_size, cfg)
@@ -255,3 +261,13 @@ def fit_tasq(
         "blocks": blocks,
     }
     return TasqResult(out, transforms, report)
+
+
+def merge_tasq(parts: list[TasqResult]) -> TasqResult:
+    """Join the results of ``fit_tasq(..., shard=(r, len(parts)))``, r = 0 .. len(parts) - 1."""
+    world = len(parts)
+    layouts = [parts[i % world].layouts[i] for i in range(len(parts[0].layouts))]
+    transforms = {k: t for part in parts for k, t in part.transforms.items()}
+    found = {k: v for part in parts for k, v in part.report["blocks"].items()}
+    blocks = {lay.key: found[lay.key] for lay in layouts if lay.key in found}
+    return TasqResult(layouts, transforms, {**parts[0].report, "blocks": blocks})

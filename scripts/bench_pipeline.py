@@ -97,8 +97,8 @@ def build_codebooks(model, calib: CalibrationSet, cfg, store: str, work: Path, t
         if world > 1:
             dist.barrier()
         if memory is not None and world > 1:  # each process gets its k-means layouts of every sequence
-            share_sequences(memory, shard_tensor_names(plan_layouts(kv, cfg.quant), world), rank, world,
-                            calib.input_ids.shape[0])
+            share_sequences(memory, shard_tensor_names(plan_layouts(kv, cfg.quant), world, cfg.quant.uses_tasq), rank,
+                            world, calib.input_ids.shape[0])
             capture_meta(calib, kv, cfg.capture, memory)
         if rank == 0:
             (work / "capture").mkdir(parents=True, exist_ok=True)
@@ -107,13 +107,12 @@ def build_codebooks(model, calib: CalibrationSet, cfg, store: str, work: Path, t
             dist.barrier()
         reader = MemoryReader(memory) if memory else CaptureReader(work / "capture")
     layouts, transforms = plan_layouts(kv, cfg.quant), {}
-    if cfg.quant.uses_tasq:
+    if cfg.quant.uses_tasq:  # each process fits the key layouts it will cluster
         with timer.stage("tasq"):
-            if rank == 0:
-                from loopvq_calib.tasq import fit_tasq
+            from loopvq_calib.tasq import fit_tasq
 
-                result = fit_tasq(reader, layouts, kv, cfg.quant, cfg.tasq)
-                layouts, transforms = result.layouts, result.transforms
+            result = fit_tasq(reader, layouts, kv, cfg.quant, cfg.tasq, shard=(rank, world))
+            layouts, transforms = result.layouts, result.transforms
     with timer.stage("kmeans"):  # processes share the layouts, then every process joins the parts
         quantizer, report = fit_codebooks(reader, layouts, transforms, cfg.quant, cfg.kmeans, kv, device,
                                           shard=(rank, world))
@@ -169,8 +168,6 @@ def main() -> None:
                    help="codebooks: capture -> [tasq] -> k-means only; finetune: fine-tuning + bundle from random "
                         "codebooks (timing does not depend on their values), so a large model can be timed in two calls")
     args = p.parse_args()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "tasq" in args.method:
-        p.error("TaSQ methods are timed in one process (the benchmark fits TaSQ on rank 0 only)")
     if args.stages == "finetune" and "tasq" in args.method:
         p.error("--stages finetune times random codebooks without TaSQ transforms: use --method cq or loopvq")
 

@@ -141,14 +141,15 @@ def test_cli_run_writes_bundle_and_reports(tiny_ouro_dir, calib_corpus, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("store", ["disk", "memory"])
-def test_two_cpu_processes_equal_one(tiny_ouro_dir, calib_corpus, tmp_path, store):
+@pytest.mark.parametrize("store, method", [("disk", "loopvq"), ("memory", "loopvq"), ("memory", "tasq+loopvq")])
+def test_two_cpu_processes_equal_one(tiny_ouro_dir, calib_corpus, tmp_path, store, method):
     """accelerate launch, 2 processes on gloo: capture shards sequences (disk: files; memory: each process
-    receives its k-means layouts of the other's sequences), fine-tuning averages gradients."""
+    receives its layouts of the other's sequences), TaSQ and k-means share the layouts, fine-tuning averages
+    gradients. Everything up to k-means equals the single-process run exactly."""
     import yaml
 
     cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "x", finetune={"epochs": 1, "batch_size": 2, "lr": 1e-2},
-                      capture={"store": store})
+                      capture={"store": store}, quant={"method": method})
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     single = calibrate(cfg, output=tmp_path / "one").run_dir
@@ -164,6 +165,10 @@ def test_two_cpu_processes_equal_one(tiny_ouro_dir, calib_corpus, tmp_path, stor
     assert len(shards) == (6 if store == "disk" else 0)
     for path in shards:
         assert path.read_bytes() == (two / "capture" / path.name).read_bytes()
+    if "tasq" in method:
+        tasq_a, tasq_b = (load_file(run / "tasq" / "tasq.safetensors") for run in (single, two))
+        assert tasq_a.keys() == tasq_b.keys() and all(torch.equal(tasq_a[n], tasq_b[n]) for n in tasq_a)
+        assert json.loads((single / "tasq" / "tasq.json").read_text()) == json.loads((two / "tasq" / "tasq.json").read_text())
     kmeans_a = load_file(single / "kmeans" / "quantizer.safetensors")
     kmeans_b = load_file(two / "kmeans" / "quantizer.safetensors")
     assert kmeans_a.keys() == kmeans_b.keys() and all(torch.equal(kmeans_a[n], kmeans_b[n]) for n in kmeans_a)

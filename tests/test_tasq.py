@@ -17,7 +17,7 @@ from loopvq_calib.layouts import BlockLayout, plan_layouts
 from loopvq_calib.models.sites import KVLayout, kv_layout
 from loopvq_calib.quantizer import KVQuantizer
 from loopvq_calib.tasq import (
-    TasqResult, block_covariance, channel_weights, fit_groups, fit_tasq, grouping_cost, merge_costs,
+    TasqResult, block_covariance, channel_weights, fit_groups, fit_tasq, grouping_cost, merge_costs, merge_tasq,
     min_weight_matching, rope_pair_units,
 )
 
@@ -344,3 +344,23 @@ def test_save_load_round_trip(fits, tmp_path):
     assert back.transforms.keys() == res.transforms.keys()
     for k, t in res.transforms.items():
         assert torch.equal(back.transforms[k].weight, t.weight) and back.transforms[k].sigma_min == t.sigma_min
+
+
+def test_sharded_fit_merges_into_the_single_fit(captures, fits):
+    """fit_tasq(shard=(r, 2)) fits only the key layouts i % 2 == r (the others stay as planned, without a
+    transform); merge_tasq of the two parts equals the fit in one process."""
+    _, kv, _, reader = captures["ouro"]
+    layouts, whole = fits["ouro", "tasq+loopvq"]
+    parts = [fit_tasq(reader, layouts, kv, quant("tasq+loopvq"), TasqConfig(), shard=(r, 2)) for r in range(2)]
+    for r, part in enumerate(parts):
+        mine = {lay.key for i, lay in enumerate(layouts) if lay.kind == "key" and i % 2 == r}
+        assert set(part.transforms) == set(part.report["blocks"]) == mine
+        for i, lay in enumerate(part.layouts):
+            if lay.key not in mine:
+                assert torch.equal(lay.groups, layouts[i].groups)
+    merged = merge_tasq(parts)
+    assert merged.report == whole.report and merged.transforms.keys() == whole.transforms.keys()
+    for a, b in zip(merged.layouts, whole.layouts):
+        assert a.key == b.key and torch.equal(a.groups, b.groups)
+    for k, t in whole.transforms.items():
+        assert torch.equal(merged.transforms[k].weight, t.weight) and merged.transforms[k].sigma_min == t.sigma_min
