@@ -120,7 +120,10 @@ def resolve_backend(backend: str, device: torch.device | str, shape: tuple[int, 
         usable = torch.device(device).type == "cuda" and kmeans_triton.available(device) and fits
         return "triton" if usable else "torch"
     if backend == "triton" and not kmeans_triton.available(device):
-        raise ValueError(f"kmeans.backend: 'triton' needs the triton package and a CUDA device, not {device}; use 'auto' or 'torch'")
+        raise ValueError(
+            f"kmeans.backend: 'triton' needs the triton package and a CUDA device of compute capability 8.0 or newer, "
+            f"not {device}; use 'auto' or 'torch'"
+        )
     if backend == "triton" and not fits:
         raise ValueError(
             f"kmeans.backend: 'triton' takes codebooks of at most {kmeans_triton.CODEBOOK_TILE} entries x dimensions "

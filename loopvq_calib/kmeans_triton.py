@@ -37,11 +37,15 @@ DRAW_BLOCK = 1024  # points per block of the k-means++ draw
 
 
 def available(device: torch.device | str) -> bool:
-    """Whether the fused kernels can run on ``device``: triton importable and a CUDA device (or any
-    device under ``TRITON_INTERPRET=1``)."""
+    """Whether the fused kernels can run on ``device``: triton importable and a CUDA device of compute
+    capability 8.0 or newer (the 3-pass TF32 dot; Ampere, Ada, Hopper), or any device under
+    ``TRITON_INTERPRET=1``."""
     if triton is None:
         return False
-    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def supports(k: int, g: int) -> bool:

@@ -258,6 +258,12 @@ def test_reseed_maps_batch_rows_to_their_problems():
 def test_backend_resolution_and_missing_faiss(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(kmeans_triton, "triton", object())  # installed
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 5))  # T4: no TF32 dot
+    assert resolve_backend("auto", torch.device("cuda")) == "torch"
+    with pytest.raises(ValueError, match=r"'triton' needs .* compute capability 8.0 or newer, not cuda"):
+        resolve_backend("triton", "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))  # H100 / H200
     assert resolve_backend("auto", CPU) == "torch" and resolve_backend("auto", torch.device("cuda")) == "triton"
     assert resolve_backend("triton", "cuda:1") == "triton" and resolve_backend("torch", "cuda") == "torch"
     # codebook tiles up to 8,192 entries x dimensions (powers of two >= 16): K 256 x G 32, K 512 x G 16
@@ -265,7 +271,7 @@ def test_backend_resolution_and_missing_faiss(monkeypatch):
     assert resolve_backend("auto", "cuda", (4096, 12)) == resolve_backend("auto", "cuda", (256, 33)) == "torch"
     with pytest.raises(ValueError, match="quant.codebook_size 4096 x group size 12 is larger"):
         resolve_backend("triton", "cuda", (4096, 12))
-    with pytest.raises(ValueError, match=r"kmeans.backend: 'triton' needs .* a CUDA device, not cpu"):
+    with pytest.raises(ValueError, match=r"kmeans.backend: 'triton' needs .* a CUDA device .*, not cpu"):
         resolve_backend("triton", CPU)
     monkeypatch.setattr(kmeans_triton, "triton", None)  # not installed: auto falls back to torch
     assert resolve_backend("auto", torch.device("cuda")) == "torch"

@@ -71,7 +71,11 @@ def test_fused_kmeans_pp_makes_the_torch_draws():
 @needs_kernels
 def test_available_needs_triton_and_cuda_or_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
     assert kmeans_triton.available("cuda") and not kmeans_triton.available("cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 0))
+    assert not kmeans_triton.available("cuda")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert kmeans_triton.available("cpu")
     monkeypatch.setattr(kmeans_triton, "triton", None)
