@@ -109,8 +109,9 @@ INITS = {"kmeans++": kmeans_pp_init, "random": random_init}
 
 
 def resolve_backend(backend: str, device: torch.device | str, shape: tuple[int, int] | None = None) -> str:
-    """``auto`` is the fused Triton kernels on a CUDA device with triton installed, for codebooks of
-    ``shape`` = (K, G) the kernels take (:func:`kmeans_triton.supports`), else the batched torch backend
+    """``auto`` is the fused Triton kernels on a CUDA device with triton installed where they compile and
+    run, for codebooks of ``shape`` = (K, G) the kernels take (:func:`kmeans_triton.supports`), else the
+    batched torch backend
     (on the H200 torch was 16x faster than faiss-cpu on 32 threads, and on the 2-core CPU 1.5x faster
     than faiss with cache-sized batches; docs/performance.md)."""
     if backend not in BACKENDS:
@@ -118,6 +119,7 @@ def resolve_backend(backend: str, device: torch.device | str, shape: tuple[int, 
     fits = shape is None or kmeans_triton.supports(*shape)
     if backend == "auto":
         usable = torch.device(device).type == "cuda" and kmeans_triton.available(device) and fits
+        usable = usable and kmeans_triton.works(str(device))
         return "triton" if usable else "torch"
     if backend == "triton" and not kmeans_triton.available(device):
         raise ValueError(

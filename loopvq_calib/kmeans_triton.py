@@ -20,6 +20,8 @@ check them on a machine without a GPU when triton is installed.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 
 import torch
@@ -30,6 +32,7 @@ try:
 except ImportError:  # CPU-only installs: the torch path is used
     triton = None
 
+log = logging.getLogger("loopvq_calib")
 LLOYD_TILE = 16384  # distance-tile elements per program in a Lloyd step (K = 256: 64 points x 256 centroids)
 POINT_TILE = 8192  # point-tile elements per program (64 points of G <= 128)
 CODEBOOK_TILE = 8192  # K x G entries a program holds (K 256 x G 32: 64 KiB of shared memory, under sm_86/89's 99 KiB)
@@ -46,6 +49,24 @@ def available(device: torch.device | str) -> bool:
         return True
     device = torch.device(device)
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def works(device: str) -> bool:
+    """Whether the kernels compile and run on ``device`` (once per process and device): Triton needs a C
+    compiler and a matching driver at first use. ``kmeans.backend: auto`` falls back to torch, with a
+    warning, where this fails."""
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(2, 64, 16, generator=gen).to(device)
+        w = torch.rand(2, 64, generator=gen).to(device)
+        c = kmeans_pp(x, w, 16, torch.rand(16, 2, generator=gen, dtype=torch.float64).to(device))
+        lloyd_step(x, w, c, torch.arange(2, device=device), accumulate=True)
+        return True
+    except Exception as err:  # compiler, driver or launch failure: any of them means "use torch"
+        log.warning("the fused Triton k-means kernels do not run on %s (%s: %s); using the torch backend",
+                    device, type(err).__name__, err)
+        return False
 
 
 def supports(k: int, g: int) -> bool:

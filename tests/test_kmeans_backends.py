@@ -255,9 +255,29 @@ def test_reseed_maps_batch_rows_to_their_problems():
     assert torch.equal(c, again)
 
 
+def test_kernel_probe_failure_is_logged_and_cached(monkeypatch, caplog):
+    """works() runs the kernels once per device; a failure (here a missing compiler) is a warning, not an error."""
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(kmeans_triton, "kmeans_pp", broken)
+    kmeans_triton.works.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="loopvq_calib"):
+            assert not kmeans_triton.works("cpu") and not kmeans_triton.works("cpu")
+        assert len(calls) == 1
+        assert "do not run on cpu (RuntimeError: Failed to find C compiler); using the torch backend" in caplog.text
+    finally:
+        kmeans_triton.works.cache_clear()
+
+
 def test_backend_resolution_and_missing_faiss(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(kmeans_triton, "triton", object())  # installed
+    monkeypatch.setattr(kmeans_triton, "works", lambda device: True)  # compiles and runs there
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 5))  # T4: no TF32 dot
     assert resolve_backend("auto", torch.device("cuda")) == "torch"
@@ -273,6 +293,8 @@ def test_backend_resolution_and_missing_faiss(monkeypatch):
         resolve_backend("triton", "cuda", (4096, 12))
     with pytest.raises(ValueError, match=r"kmeans.backend: 'triton' needs .* a CUDA device .*, not cpu"):
         resolve_backend("triton", CPU)
+    monkeypatch.setattr(kmeans_triton, "works", lambda device: False)  # e.g. no C compiler: auto falls back
+    assert resolve_backend("auto", torch.device("cuda")) == "torch" and resolve_backend("triton", "cuda") == "triton"
     monkeypatch.setattr(kmeans_triton, "triton", None)  # not installed: auto falls back to torch
     assert resolve_backend("auto", torch.device("cuda")) == "torch"
     with pytest.raises(ValueError, match="kmeans.backend: 'triton' needs the triton package"):

@@ -69,6 +69,12 @@ def test_fused_kmeans_pp_makes_the_torch_draws():
 
 
 @needs_kernels
+def test_the_kernels_work_here():
+    kmeans_triton.works.cache_clear()
+    assert kmeans_triton.works(str(DEVICE))
+
+
+@needs_kernels
 def test_available_needs_triton_and_cuda_or_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
