@@ -62,6 +62,8 @@ def works(device: str) -> bool:
         w = torch.rand(2, 64, generator=gen).to(device)
         c = kmeans_pp(x, w, 16, torch.rand(16, 2, generator=gen, dtype=torch.float64).to(device))
         lloyd_step(x, w, c, torch.arange(2, device=device), accumulate=True)
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)  # a launch failure surfaces here
         return True
     except Exception as err:  # compiler, driver or launch failure: any of them means "use torch"
         log.warning("the fused Triton k-means kernels do not run on %s (%s: %s); using the torch backend",
