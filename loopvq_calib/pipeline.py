@@ -14,7 +14,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -119,6 +119,19 @@ class Pipeline:
             if distributed or self.state.is_main_process:
                 rec.details = body(tmp) or {}
 
+    def _join_parts(self, tmp: Path, save: Callable[[Path], Any], load: Callable[[Path], Any]) -> list | None:
+        """Each process saves its share of a stage under ``tmp/part{rank}``; the main process gets every
+        part, in rank order (their folders are then removed), the others None."""
+        rank, world = self.state.process_index, self.state.num_processes
+        save(_mkdir(tmp / f"part{rank}"))
+        self.state.wait_for_everyone()
+        if not self.state.is_main_process:
+            return None
+        parts = [load(tmp / f"part{r}") for r in range(world)]
+        for r in range(world):
+            shutil.rmtree(tmp / f"part{r}")
+        return parts
+
     # -- stages --------------------------------------------------------------------------------------
     def stage_data(self) -> CalibrationSet:
         fp = fingerprint("data", __version__, asdict(self.cfg.data), _tokenizer_hash(self.folder),
@@ -173,18 +186,12 @@ class Pipeline:
 
         def body(tmp: Path) -> dict:
             part = fit_tasq(reader, plan_layouts(self.kv, c.quant), self.kv, c.quant, c.tasq, shard=(rank, world))
-            if world == 1:
-                part.save(tmp)
-                return {"blocks": len(part.transforms)}
-            part.save(tmp / f"part{rank}")
-            self.state.wait_for_everyone()
-            if not self.state.is_main_process:
-                return {}
-            result = merge_tasq([TasqResult.load(tmp / f"part{r}") for r in range(world)])
-            result.save(tmp)
-            for r in range(world):
-                shutil.rmtree(tmp / f"part{r}")
-            return {"blocks": len(result.transforms), "processes": world}
+            parts = self._join_parts(tmp, part.save, TasqResult.load)
+            if parts is not None:
+                result = merge_tasq(parts)
+                result.save(tmp)
+                return {"blocks": len(result.transforms), "processes": world}
+            return {}
 
         self._reuse_or_run("tasq", fp, body, distributed=True)
         return TasqResult.load(self.run.path("tasq"))
@@ -203,18 +210,15 @@ class Pipeline:
             part, report = fit_codebooks(reader, layouts, transforms, c.quant, c.kmeans, self.kv, self.kmeans_device,
                                          lambda n: bar.update(n * world), shard=(rank, world))
             bar.close()
-            save_quantizer(part, _mkdir(tmp / f"part{rank}"), {"report": report})
-            self.state.wait_for_everyone()
-            if self.state.is_main_process:
-                parts = [load_quantizer(tmp / f"part{r}") for r in range(world)]
-                reports = [json.loads((tmp / f"part{r}" / "quantizer.json").read_text())["report"] for r in range(world)]
-                quantizer = merge_quantizers(parts, [lay.key for lay in layouts])
-                save_quantizer(quantizer, tmp)
-                merged = {"layouts": {k: v for r in reports for k, v in r["layouts"].items()},
-                          "totals": [r["totals"] for r in reports]}
+            parts = self._join_parts(
+                tmp, lambda d: save_quantizer(part, d, {"report": report}),
+                lambda d: (load_quantizer(d), json.loads((d / "quantizer.json").read_text())["report"]),
+            )
+            if parts is not None:
+                save_quantizer(merge_quantizers([q for q, _ in parts], [lay.key for lay in layouts]), tmp)
+                merged = {"layouts": {k: v for _, r in parts for k, v in r["layouts"].items()},
+                          "totals": [r["totals"] for _, r in parts]}
                 (tmp / "report.json").write_text(json.dumps(merged, indent=1, default=float))
-                for r in range(world):
-                    shutil.rmtree(tmp / f"part{r}")
             return {"codebooks": len(layouts), "processes": world}
 
         self._reuse_or_run("kmeans", fp, body, distributed=True)
