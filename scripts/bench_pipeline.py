@@ -88,7 +88,7 @@ class Timer:
 
 
 def build_codebooks(model, calib: CalibrationSet, cfg, store: str, work: Path, timer: Timer, device: torch.device,
-                    rank: int, world: int):
+                    rank: int, world: int, profile: Path | None = None):
     """capture -> [tasq] -> k-means (layouts shared by the processes, parts merged); the capture is released."""
     kv = model.kv_layout()
     with timer.stage("capture"):
@@ -113,7 +113,7 @@ def build_codebooks(model, calib: CalibrationSet, cfg, store: str, work: Path, t
 
             result = fit_tasq(reader, layouts, kv, cfg.quant, cfg.tasq, shard=(rank, world))
             layouts, transforms = result.layouts, result.transforms
-    with timer.stage("kmeans"):  # processes share the layouts, then every process joins the parts
+    with timer.stage("kmeans"), profiled(profile, device):  # processes share the layouts, then every process joins the parts
         quantizer, report = fit_codebooks(reader, layouts, transforms, cfg.quant, cfg.kmeans, kv, device,
                                           shard=(rank, world))
         if world > 1:
@@ -123,6 +123,23 @@ def build_codebooks(model, calib: CalibrationSet, cfg, store: str, work: Path, t
             quantizer = merge_quantizers(parts, [lay.key for lay in layouts])
     del reader, memory
     return quantizer, report
+
+
+@contextmanager
+def profiled(path: Path | None, device: torch.device):
+    """torch.profiler over the block when ``path`` is given: the operators' table (by device time, then by
+    host time) is written there."""
+    if path is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        yield
+    table = prof.key_averages()
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    path.write_text(table.table(sort_by=sort, row_limit=30) + "\n" + table.table(sort_by="self_cpu_time_total", row_limit=30))
 
 
 def random_quantizer(model: torch.nn.Module, quant, device: torch.device) -> KVQuantizer:
@@ -140,6 +157,7 @@ def kmeans_summary(report: dict) -> dict:
     totals = report["totals"]
     return {"kmeans_backend": totals["backend"], "kmeans_iterations_max": totals["iterations_max"],
             "kmeans_init_s": round(totals["seconds_init"], 2),
+            "kmeans_loop_iterations": sum(max(r["iterations"]) for r in report["layouts"].values()),
             "kmeans_iterations_mean": round(sum(sum(r["iterations"]) for r in report["layouts"].values())
                                             / max(totals["codebooks"], 1), 1)}
 
@@ -164,6 +182,8 @@ def main() -> None:
     p.add_argument("--loop-checkpointing", action="store_true")
     p.add_argument("--cache-teacher", default="auto", choices=["auto", "true", "false"])
     p.add_argument("--workdir", default=None, help="where disk captures and the bundle go (default: /dev/shm or tmp)")
+    p.add_argument("--profile-kmeans", type=Path, default=None,
+                   help="write a torch.profiler table of the k-means stage here (the profiler slows the stage)")
     p.add_argument("--stages", default="all", choices=["all", "codebooks", "finetune"],
                    help="codebooks: capture -> [tasq] -> k-means only; finetune: fine-tuning + bundle from random "
                         "codebooks (timing does not depend on their values), so a large model can be timed in two calls")
@@ -205,7 +225,8 @@ def main() -> None:
 
     report = None
     if args.stages in ("all", "codebooks"):
-        quantizer, report = build_codebooks(model, calib, cfg, store, work, timer, device, rank, world)
+        quantizer, report = build_codebooks(model, calib, cfg, store, work, timer, device, rank, world,
+                                            args.profile_kmeans if rank == 0 else None)
     else:
         quantizer = random_quantizer(model, cfg.quant, device)
     if args.stages == "codebooks":
