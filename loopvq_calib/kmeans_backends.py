@@ -205,28 +205,25 @@ def _lloyd(
     total = w.sum(-1)
     iterations = torch.zeros(p, dtype=torch.long)
     empties = torch.zeros(p, dtype=torch.long)
-    rows = torch.arange(p)  # the active problems, on the host; ``active`` is their copy on x's device
-    active = rows.to(x.device)
+    active = torch.arange(p, device=x.device)
     objective_init = None
     for it in range(cfg.iterations):
-        ca = c.index_select(0, active) if rows.numel() < p else c
+        ca = c.index_select(0, active) if active.numel() < p else c
         err, sums, mass = step(active, ca, True)
         if it == 0:
             objective_init = err / total
         new = torch.where(mass[..., None] > 0, sums / mass.clamp_min(torch.finfo(mass.dtype).tiny)[..., None], ca)
         empty = mass <= 0
+        if empty.any():
+            rows = active.tolist()
+            _reseed(new, empty, x, w, rows, [(seed, q + first_problem, it) for q in rows])
+            empties.index_add_(0, active.cpu(), empty.sum(-1).cpu())
         change = (new - ca).abs().mean(dim=(-1, -2))
-        keep, has_empty = torch.stack([change >= cfg.tolerance, empty.any(-1)]).cpu()  # the step's one host sync
-        if has_empty.any():
-            _reseed(new, empty, x, w, rows.tolist(), [(seed, q + first_problem, it) for q in rows.tolist()])
-            empties.index_add_(0, rows, empty.sum(-1).cpu())
-            keep = ((new - ca).abs().mean(dim=(-1, -2)) >= cfg.tolerance).cpu()
         c = c.index_copy(0, active, new)
-        iterations[rows] += 1
-        rows = rows[keep]
-        if rows.numel() == 0:
+        iterations[active.cpu()] += 1
+        active = active[change >= cfg.tolerance]
+        if active.numel() == 0:
             break
-        active = rows.to(x.device, non_blocking=True)  # from a fresh host tensor: no wait for the device
     objective_final = step(torch.arange(p, device=x.device), c, False)[0] / total
     return KMeansResult(c, objective_init, objective_final, iterations, empties)
 

@@ -10,11 +10,9 @@ about 17 small kernels per k-means++ draw; both bind it to memory traffic and la
   cluster's sums with atomic adds. Grid rows are an index list, so converged problems cost nothing and
   nothing is copied. Atomic adds make the last bits of the sums run-dependent (so does torch's
   ``index_add_`` on CUDA).
-- :func:`kmeans_pp`: two kernels per draw. One per problem picks a block by inverse CDF over per-block
-  sums of w * D^2 (float64), then the point inside it, with the same rules as
-  ``kmeans_backends._draw_one``, and stores the new centroid's squared distances to the earlier ones. The
-  other updates D^2 with the new centroid and writes the block sums; it skips (does not read) the points
-  whose nearest centroid is at least twice their distance from the new one, which cannot come closer.
+- :func:`kmeans_pp`: two kernels per draw. One updates D^2 with the last chosen centroid and writes
+  per-block sums of w * D^2 (float64); one per problem picks a block by inverse CDF over the block sums,
+  then the point inside it, with the same rules as ``kmeans_backends._draw_one``.
 
 The kernels also run in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``), which is how the tests
 check them on a machine without a GPU when triton is installed.
@@ -39,7 +37,6 @@ LLOYD_TILE = 16384  # distance-tile elements per program in a Lloyd step (K = 25
 POINT_TILE = 8192  # point-tile elements per program (64 points of G <= 128)
 CODEBOOK_TILE = 8192  # K x G entries a program holds (K 256 x G 32: 64 KiB of shared memory, under sm_86/89's 99 KiB)
 DRAW_BLOCK = 1024  # points per block of the k-means++ draw
-PRUNE_MARGIN = 1e-3  # relative slack of the k-means++ triangle-inequality test (fp32 rounding is ~1e-6)
 
 
 def available(device: torch.device | str) -> bool:
@@ -122,36 +119,30 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["j", "n_problems", "nb"])
     def _pp_distance_kernel(
-        x_ptr, w_ptr, d2_ptr, near_ptr, cc_ptr, out_ptr, bsum_ptr, n, j, n_problems, nb,
-        K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, MARGIN: tl.constexpr,
+        x_ptr, w_ptr, d2_ptr, chosen_ptr, out_ptr, bsum_ptr, n, j, n_problems, nb,
+        K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr,
     ):
         p = (tl.program_id(0) % n_problems).to(tl.int64)  # flat grid, problems fastest (as in the Lloyd kernel)
         b = tl.program_id(0) // n_problems
         gg = tl.arange(0, GP)
         gmask = gg < G
-        c = tl.load(out_ptr + (p * K + j) * G + gg, mask=gmask, other=0.0)
+        ch = tl.load(chosen_ptr + p)
+        c = tl.load(x_ptr + (p * n + ch) * G + gg, mask=gmask, other=0.0)
+        if b == 0:
+            tl.store(out_ptr + (p * K + j) * G + gg, c, mask=gmask)
         pts = b * BLOCK + tl.arange(0, BLOCK)
         valid = pts < n
-        d2 = tl.load(d2_ptr + p * n + pts, mask=valid, other=0.0)
-        near = tl.load(near_ptr + p * n + pts, mask=valid, other=0)
-        # triangle inequality: ||c_near - c|| >= 2 ||x - c_near|| means ||x - c|| >= ||x - c_near||, so D^2
-        # stays; the margin keeps the skipped points' D^2 what the exact pass would give, and their x unread
-        bound = tl.load(cc_ptr + p * K + near, mask=valid, other=0.0)
-        need = valid & (bound < d2 * (4.0 * (1.0 + MARGIN)))
-        x = tl.load(x_ptr + (p * n + pts[:, None]) * G + gg[None, :], mask=need[:, None] & gmask[None, :], other=0.0)
+        x = tl.load(x_ptr + (p * n + pts[:, None]) * G + gg[None, :], mask=valid[:, None] & gmask[None, :], other=0.0)
         diff = x - c[None, :]
-        dist = tl.sum(diff * diff, axis=1)
-        closer = need & (dist < d2)
-        d2 = tl.where(closer, dist, d2)
-        tl.store(d2_ptr + p * n + pts, d2, mask=closer)
-        tl.store(near_ptr + p * n + pts, tl.zeros_like(near) + j, mask=closer)
+        d2 = tl.minimum(tl.load(d2_ptr + p * n + pts, mask=valid, other=0.0), tl.sum(diff * diff, axis=1))
+        tl.store(d2_ptr + p * n + pts, d2, mask=valid)
         w = tl.load(w_ptr + p * n + pts, mask=valid, other=0.0)
         tl.store(bsum_ptr + p * nb + b, tl.sum(tl.where(valid, w * d2, 0.0).to(tl.float64), axis=0))
 
-    @triton.jit(do_not_specialize=["j", "nb"])
+    @triton.jit(do_not_specialize=["nb"])
     def _pp_draw_kernel(
-        x_ptr, w_ptr, d2_ptr, bsum_ptr, wsum_ptr, u_ptr, out_ptr, cc_ptr, n, j, nb,
-        K: tl.constexpr, G: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr,
+        w_ptr, d2_ptr, bsum_ptr, wsum_ptr, u_ptr, chosen_ptr, n, nb,
+        BLOCK: tl.constexpr, NBP: tl.constexpr,
     ):
         p = tl.program_id(0).to(tl.int64)
         blocks = tl.arange(0, NBP)
@@ -169,15 +160,8 @@ if triton is not None:
         prob = tl.where(valid, tl.where(fallback, w, w * d2), 0.0).to(tl.float64)
         local = tl.cumsum(prob, axis=0)
         last = tl.max(tl.where(prob > 0, tl.arange(0, BLOCK), -1), axis=0)
-        chosen = (blk * BLOCK + tl.minimum(tl.sum((local <= target).to(tl.int32), axis=0), last)).to(tl.int64)
-        # centroid j, and its squared distances to centroids 0..j-1 (the distance kernel's bounds)
-        gg = tl.arange(0, GP)
-        kk = tl.arange(0, KP)
-        c = tl.load(x_ptr + (p * n + chosen) * G + gg, mask=gg < G, other=0.0)
-        tl.store(out_ptr + (p * K + j) * G + gg, c, mask=gg < G)
-        earlier = (kk[:, None] < j) & (gg[None, :] < G)
-        diff = tl.load(out_ptr + (p * K + kk[:, None]) * G + gg[None, :], mask=earlier, other=0.0) - c[None, :]
-        tl.store(cc_ptr + p * K + kk, tl.sum(tl.where(earlier, diff * diff, 0.0), axis=1), mask=kk < j)
+        idx = tl.minimum(tl.sum((local <= target).to(tl.int32), axis=0), last)
+        tl.store(chosen_ptr + p, (blk * BLOCK + idx).to(tl.int64))
 
 
 def lloyd_step(
@@ -202,19 +186,15 @@ def lloyd_step(
 
 def kmeans_pp(x: torch.Tensor, w: torch.Tensor, k: int, uniforms: torch.Tensor) -> torch.Tensor:
     """Weighted k-means++ (the rules of ``kmeans_backends.kmeans_pp_init``) on x [P, N, G], w [P, N] fp32
-    contiguous, with the draws' uniforms [K, P] float64 on x's device -> centroids [P, K, G]. Each point
-    keeps its nearest centroid so far; a point whose D^2 the new centroid cannot lower (triangle
-    inequality) is not read."""
+    contiguous, with the draws' uniforms [K, P] float64 on x's device -> centroids [P, K, G]."""
     p, n, g = x.shape
     nb = triton.cdiv(n, DRAW_BLOCK)
     out = x.new_empty(p, k, g)
     d2 = torch.full((p, n), float("inf"), device=x.device, dtype=torch.float32)
-    near = torch.zeros(p, n, device=x.device, dtype=torch.int32)
-    cc = torch.zeros(p, k, device=x.device, dtype=torch.float32)
     bsum = torch.zeros(p, nb, device=x.device, dtype=torch.float64)  # all zero: the first draw is ~ w
     wsum = torch.nn.functional.pad(w.double(), (0, nb * DRAW_BLOCK - n)).view(p, nb, DRAW_BLOCK).sum(-1)
-    shape = dict(K=k, G=g, GP=_pow2(g), BLOCK=DRAW_BLOCK, num_warps=4)
+    chosen = torch.empty(p, device=x.device, dtype=torch.int64)
     for j in range(k):
-        _pp_draw_kernel[(p,)](x, w, d2, bsum, wsum, uniforms[j], out, cc, n, j, nb, KP=_pow2(k), NBP=_pow2(nb), **shape)
-        _pp_distance_kernel[(p * nb,)](x, w, d2, near, cc, out, bsum, n, j, p, nb, MARGIN=PRUNE_MARGIN, **shape)
+        _pp_draw_kernel[(p,)](w, d2, bsum, wsum, uniforms[j], chosen, n, nb, BLOCK=DRAW_BLOCK, NBP=_pow2(nb), num_warps=4)
+        _pp_distance_kernel[(p * nb,)](x, w, d2, chosen, out, bsum, n, j, p, nb, K=k, G=g, GP=_pow2(g), BLOCK=DRAW_BLOCK, num_warps=4)
     return out
