@@ -26,7 +26,7 @@ from .kmeans_backends import (
     resolve_backend,
     weighted_kmeans,
 )
-from .layouts import BlockLayout, codebook_shape
+from .layouts import BlockLayout, codebook_shape, layout_owner
 from .models.sites import KVLayout
 from .quantizer import KVQuantizer
 
@@ -76,12 +76,12 @@ def layout_seed(seed: int, layout: BlockLayout) -> int:
 
 def shard_tensor_names(layouts: list[BlockLayout], world: int, tasq: bool = False) -> list[list[str]]:
     """Capture tensors each process reads when ``world`` processes share the layouts as
-    :func:`fit_codebooks` (and ``fit_tasq``) do, layout i on process i % world: per process, its layouts'
+    :func:`fit_codebooks` (and ``fit_tasq``) do (:func:`~loopvq_calib.layouts.layout_owner`): per process, its layouts'
     data and Fisher, plus the query statistics of its key layouts when ``tasq``."""
     names: list[list[str]] = [[] for _ in range(world)]
     for i, layout in enumerate(layouts):
         kinds = (layout.kind, "fisher_" + layout.kind) + (("qstat",) if tasq and layout.kind == "key" else ())
-        names[i % world] += [f"{kind}.{s}" for kind in kinds for s in layout.sites]
+        names[layout_owner(i, world)] += [f"{kind}.{s}" for kind in kinds for s in layout.sites]
     return names
 
 
@@ -103,7 +103,7 @@ def fit_codebooks(
 ) -> tuple[KVQuantizer, dict]:
     """Fit every layout's codebooks (one layout in memory at a time); codebooks are fp32 on the CPU.
 
-    ``shard = (rank, world)`` fits only layouts ``i % world == rank`` (several processes share the work;
+    ``shard = (rank, world)`` fits only the layouts ``layout_owner`` gives process ``rank`` (several processes share the work;
     :func:`loopvq_calib.quantizer.merge_quantizers` joins the parts). Returns the quantizer and a report:
     per layout key the objectives at init and at the end per codebook, Lloyd updates, empty clusters,
     backend, seconds (and of those, ``seconds_init`` in the initialisation); plus totals.
@@ -114,7 +114,7 @@ def fit_codebooks(
     codecs: dict[str, BlockCodec] = {}
     per_layout: dict[str, dict[str, Any]] = {}
     rank, world = shard
-    for layout in layouts[rank::world]:
+    for layout in (lay for i, lay in enumerate(layouts) if layout_owner(i, world) == rank):
         start = time.perf_counter()
         x = reader.load(layout.kind, layout.sites, device=device)
         fisher = reader.load("fisher_" + layout.kind, layout.sites, device=device)

@@ -19,6 +19,12 @@ from .models.sites import KVLayout
 KINDS = ("key", "value")
 
 
+def layout_owner(index: int, world: int) -> int:
+    """The process that fits layout ``index`` of a plan when ``world`` processes share the layouts (TaSQ and
+    k-means give each process the same ones, so a process reads only its layouts' capture tensors)."""
+    return index % world
+
+
 @dataclass
 class BlockLayout:
     """Where each code's coordinates come from, for one block and one kind (key or value)."""

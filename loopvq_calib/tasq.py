@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from .capture import CaptureData
 from .codec import TasqTransform, flatten_block, sigma_bits
 from .config import ConfigError, QuantConfig, TasqConfig
-from .layouts import BlockLayout
+from .layouts import BlockLayout, layout_owner
 from .models.sites import KVLayout
 
 CHUNK_TOKENS = 4096  # tokens per covariance chunk (bounds the transformed copy of a block)
@@ -237,8 +237,8 @@ def fit_tasq(
 ) -> TasqResult:
     """Fit w, sigma_min and P for every key layout; value layouts are returned unchanged.
 
-    ``shard = (rank, world)`` fits only the key layouts ``i % world == rank`` (the layouts k-means gives
-    that process); the others are returned as planned, without a transform, and :func:`merge_tasq` joins
+    ``shard = (rank, world)`` fits only the key layouts that :func:`~loopvq_calib.layouts.layout_owner` gives
+    process ``rank`` (as k-means does); the others are returned as planned, without a transform, and :func:`merge_tasq` joins
     the parts."""
     if not quant.uses_tasq:
         raise ValueError(f"fit_tasq called for method {quant.method!r}, which uses no TaSQ transform")
@@ -248,7 +248,7 @@ def fit_tasq(
     rank, world = shard
     out, transforms, blocks = [], {}, {}
     for i, lay in enumerate(layouts):
-        if lay.kind != "key" or i % world != rank:
+        if lay.kind != "key" or layout_owner(i, world) != rank:
             out.append(lay)
             continue
         new, transforms[lay.key], blocks[lay.key] = _fit_block(reader, lay, kv, quant.group_size, cfg)
@@ -266,7 +266,7 @@ def fit_tasq(
 def merge_tasq(parts: list[TasqResult]) -> TasqResult:
     """Join the results of ``fit_tasq(..., shard=(r, len(parts)))``, r = 0 .. len(parts) - 1."""
     world = len(parts)
-    layouts = [parts[i % world].layouts[i] for i in range(len(parts[0].layouts))]
+    layouts = [parts[layout_owner(i, world)].layouts[i] for i in range(len(parts[0].layouts))]
     transforms = {k: t for part in parts for k, t in part.transforms.items()}
     found = {k: v for part in parts for k, v in part.report["blocks"].items()}
     blocks = {lay.key: found[lay.key] for lay in layouts if lay.key in found}
