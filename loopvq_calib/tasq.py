@@ -97,58 +97,87 @@ def rope_pair_units(head_dim: int, steps: int, rope_style: str) -> torch.Tensor:
 
 
 def _block(m: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """m[rows[..., i], cols[..., j]] -> [..., len(rows), len(cols)] (index_select on flat indices: much
-    faster on a busy CPU than broadcast advanced indexing)."""
-    flat = rows[..., :, None] * m.shape[1] + cols[..., None, :]
+    """m[rows[..., i], cols[..., j]] -> [..., len(rows), len(cols)]; for a batch m [B, C, C], rows and cols
+    lead with B and index their own matrix. (index_select on flat indices: much faster on a busy CPU than
+    broadcast advanced indexing.)"""
+    c = m.shape[-1]
+    flat = rows[..., :, None] * c + cols[..., None, :]
+    if m.dim() == 3:
+        flat = flat + (torch.arange(m.shape[0]) * c * c).view(-1, *[1] * (flat.dim() - 1))
     return m.reshape(-1).index_select(0, flat.reshape(-1)).view(flat.shape)
 
 
 def set_costs(cov: torch.Tensor, sets: torch.Tensor, eps: float) -> torch.Tensor:
-    """det(cov[S,S] + eps I)^(1/|S|) for each row S of ``sets`` [P, k] (via slogdet, float64) -> [P]."""
+    """det(cov[S,S] + eps I)^(1/|S|) for each row S of ``sets`` [..., P, k] (via slogdet, float64) -> [..., P];
+    cov [C, C], or [B, C, C] with sets [B, P, k]."""
     k = sets.shape[-1]
     sub = _block(cov.double(), sets, sets) + eps * torch.eye(k, dtype=torch.float64)
     return torch.exp(torch.linalg.slogdet(sub).logabsdet / k)
 
 
 def merge_costs(cov: torch.Tensor, units: torch.Tensor, eps: float) -> torch.Tensor:
-    """Symmetric [n, n] cost of merging units i and j (rows of ``units`` [n, u]); +inf on the diagonal."""
-    n = units.shape[0]
+    """Symmetric [..., n, n] cost of merging units i and j (rows of ``units`` [..., n, u]); +inf on the
+    diagonal. cov [C, C], or [B, C, C] with units [B, n, u]."""
+    n = units.shape[-2]
     i, j = torch.triu_indices(n, n, offset=1)
-    cost = torch.full((n, n), float("inf"), dtype=torch.float64)
-    c = set_costs(cov, torch.cat([units[i], units[j]], -1), eps)
-    cost[i, j] = c
-    cost[j, i] = c
+    cost = torch.full((*units.shape[:-2], n, n), float("inf"), dtype=torch.float64)
+    c = set_costs(cov, torch.cat([units[..., i, :], units[..., j, :]], -1), eps)
+    cost[..., i, j] = c
+    cost[..., j, i] = c
     return cost
 
 
 def min_weight_matching(cost: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Perfect matching of n (even) nodes with low total cost: greedy (cheapest available pair first),
-    then best-improvement 2-opt (re-pair two matched edges while that lowers the total). -> (a, b) [n/2]."""
-    n = cost.shape[0]
+    then best-improvement 2-opt (re-pair two matched edges while that lowers the total). -> (a, b) [n/2].
+    A batch cost [B, n, n] is matched per matrix, in lockstep (same result as one at a time) -> [B, n/2]."""
+    if cost.dim() == 2:
+        a, b = min_weight_matching(cost[None])
+        return a[0], b[0]
+    batch, n, _ = cost.shape
+    m, rb = n // 2, torch.arange(batch)
     free = cost.clone()
-    a, b = [], []
-    for _ in range(n // 2):
-        flat = int(torch.argmin(free))
-        i, j = divmod(flat, n)
-        a.append(i)
-        b.append(j)
-        free[[i, j], :] = float("inf")
-        free[:, [i, j]] = float("inf")
-    a, b = torch.tensor(a), torch.tensor(b)
+    a = torch.empty(batch, m, dtype=torch.long)
+    b = torch.empty(batch, m, dtype=torch.long)
+    for t in range(m):
+        flat = free.view(batch, -1).argmin(-1)
+        i, j = flat // n, flat % n
+        a[:, t], b[:, t] = i, j
+        for end in (i, j):
+            free[rb, end, :] = float("inf")
+            free[rb, :, end] = float("inf")
+    cur = cost[rb[:, None], a, b]
+    gains = torch.empty(batch, 2, m, m, dtype=cost.dtype)  # re-pairing edges k, l as (a_k,a_l) (b_k,b_l) | (a_k,b_l) (b_k,a_l)
+    gains[:, 0] = cur[:, :, None] + cur[:, None, :] - (_block(cost, a, a) + _block(cost, b, b))
+    gains[:, 1] = cur[:, :, None] + cur[:, None, :] - (_block(cost, a, b) + _block(cost, b, a))
     for _ in range(n * n):
-        cur = cost[a, b]
-        base = cur[:, None] + cur[None, :]
-        gain_aa = base - (_block(cost, a, a) + _block(cost, b, b))  # (a_k,a_l) (b_k,b_l)
-        gain_ab = base - (_block(cost, a, b) + _block(cost, b, a))  # (a_k,b_l) (b_k,a_l)
-        gains = torch.stack([gain_aa, gain_ab])
-        best = int(torch.argmax(gains))
-        if not gains.view(-1)[best] > 1e-12 * cur.sum():
+        best_gain, best = gains.view(batch, -1).max(-1)
+        h = (best_gain > 1e-12 * cur.sum(-1)).nonzero().flatten()
+        if h.numel() == 0:
             break
-        kind, rest = divmod(best, len(a) ** 2)
-        k, l = divmod(rest, len(a))
-        ak, bk, al, bl = int(a[k]), int(b[k]), int(a[l]), int(b[l])
-        (a[k], b[k]), (a[l], b[l]) = ((ak, al), (bk, bl)) if kind == 0 else ((ak, bl), (bk, al))
+        kind, rest = best[h] // (m * m), best[h] % (m * m)
+        k, l = rest // m, rest % m
+        bk, al, bl = b[h, k], a[h, l], b[h, l]
+        b[h, k] = torch.where(kind == 0, al, bl)  # a[h, k] stays
+        a[h, l], b[h, l] = bk, torch.where(kind == 0, bl, al)
+        for e in (k, l):  # only the gains of pairs with a re-paired edge change: same values as recomputing all
+            cur[h, e] = cost[h, a[h, e], b[h, e]]
+        for e in (k, l):
+            _refresh_gains(cost, a, b, cur, gains, h, e)
     return a, b
+
+
+def _refresh_gains(
+    cost: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cur: torch.Tensor, gains: torch.Tensor,
+    h: torch.Tensor, e: torch.Tensor,
+) -> None:
+    """Row and column e[i] of matrix h[i]'s 2-opt gains, by the formulas of the full computation."""
+    hc, ae, be, ce = h[:, None], a[h, e][:, None], b[h, e][:, None], cur[h, e][:, None]
+    ah, bh, ch = a[h], b[h], cur[h]
+    gains[h, 0, e, :] = ce + ch - (cost[hc, ae, ah] + cost[hc, be, bh])
+    gains[h, 0, :, e] = ch + ce - (cost[hc, ah, ae] + cost[hc, bh, be])
+    gains[h, 1, e, :] = ce + ch - (cost[hc, ae, bh] + cost[hc, be, ah])
+    gains[h, 1, :, e] = ch + ce - (cost[hc, ah, be] + cost[hc, bh, ae])
 
 
 def check_group_size(group_size: int, coords: int) -> None:
@@ -163,13 +192,18 @@ def check_group_size(group_size: int, coords: int) -> None:
 
 def fit_groups(cov: torch.Tensor, units: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
     """Merge ``units`` [n, u] pairwise by :func:`min_weight_matching` of :func:`merge_costs` until they hold
-    ``group_size`` coordinates. -> [n_groups, G], each row sorted, rows ordered by first coordinate."""
+    ``group_size`` coordinates. -> [n_groups, G], each row sorted, rows ordered by first coordinate. A
+    batch cov [B, C, C] (the heads of a block) is fitted at once -> [B, n_groups, G]."""
     check_group_size(group_size, units.numel())
-    while units.shape[1] < group_size:
+    if cov.dim() == 2:
+        return fit_groups(cov[None], units, group_size, eps)[0]
+    rb = torch.arange(cov.shape[0])[:, None]
+    units = units.expand(cov.shape[0], *units.shape)
+    while units.shape[-1] < group_size:
         a, b = min_weight_matching(merge_costs(cov, units, eps))
-        units = torch.cat([units[a], units[b]], -1)
+        units = torch.cat([units[rb, a], units[rb, b]], -1)
     units = units.sort(-1).values
-    return units[units[:, 0].argsort()]
+    return units.gather(1, units[..., :1].argsort(1).expand_as(units))
 
 
 def grouping_cost(cov: torch.Tensor, groups: torch.Tensor, eps: float) -> float:
@@ -216,7 +250,7 @@ def _fit_block(
     cov = block_covariance(x, transform)
     units = rope_pair_units(kv.head_dim, layout.steps, kv.rope_style)
     planned = layout.groups.expand(kv.kv_heads, -1, -1)
-    fitted = torch.stack([fit_groups(cov[h], units, group_size, cfg.det_eps) for h in range(kv.kv_heads)])
+    fitted = fit_groups(cov, units, group_size, cfg.det_eps)
     heads = range(kv.kv_heads)
     stats = {
         "sites": list(layout.sites),

@@ -286,6 +286,23 @@ def test_matching_is_perfect_and_two_opt_optimal():
             assert total >= min(sum(float(c[i, j]) for i, j in m) for m in perfect_matchings(list(range(n)))) - 1e-12
 
 
+def test_a_batch_is_matched_and_fitted_as_one_matrix_at_a_time():
+    """Heads fitted at once (in lockstep, each stopping its 2-opt on its own) give each head's own result."""
+    gen = torch.Generator().manual_seed(5)
+    c = torch.rand(5, 12, 12, generator=gen, dtype=torch.float64)
+    c = c + c.transpose(1, 2)
+    c.diagonal(dim1=1, dim2=2).fill_(float("inf"))
+    a, b = min_weight_matching(c)
+    singles = [min_weight_matching(m) for m in c]
+    assert torch.equal(a, torch.stack([s[0] for s in singles])) and torch.equal(b, torch.stack([s[1] for s in singles]))
+    x = torch.randn(4, 300, 32, generator=gen, dtype=torch.float64) @ torch.randn(4, 32, 32, generator=gen, dtype=torch.float64)
+    cov = x.transpose(1, 2) @ x / 300
+    units = rope_pair_units(8, 4, "half")
+    fitted = fit_groups(cov, units, 8, 1e-6)
+    assert fitted.shape == (4, 4, 8)
+    assert torch.equal(fitted, torch.stack([fit_groups(m, units, 8, 1e-6) for m in cov]))
+
+
 def test_matching_close_to_exact_blossom_on_captured_keys(captures, fits):
     nx = pytest.importorskip("networkx")
     _, kv, _, reader = captures["ouro"]
