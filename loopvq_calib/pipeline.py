@@ -54,6 +54,22 @@ def _distributed_state(device: str):
     return PartialState(cpu=device == "cpu" or not torch.cuda.is_available())
 
 
+def capture_for_processes(
+    model: torch.nn.Module, calib: CalibrationSet, kv: KVLayout, cfg: Config, out: MemoryCapture | Path, rank: int,
+    world: int, barrier: Callable[[], Any], progress: Callable[[int], Any] | None = None,
+) -> None:
+    """Capture process ``rank``'s sequences into ``out``; an in-memory capture under several processes then
+    gives each process its TaSQ and k-means layouts of every sequence (``share_sequences``) and its meta
+    (the main process sets it in ``write_meta``)."""
+    capture_kv(model, calib, kv, cfg.capture, out, rank, world, progress)
+    barrier()
+    if isinstance(out, MemoryCapture) and world > 1:
+        names = shard_tensor_names(plan_layouts(kv, cfg.quant), world, cfg.quant.uses_tasq)
+        share_sequences(out, names, rank, world, calib.input_ids.shape[0])
+        if rank != 0:
+            capture_meta(calib, kv, cfg.capture, out)
+
+
 def kv_layout_from_config(model_config: Any, loop_steps: int | None) -> KVLayout:
     """The KV sites of a model built on the meta device (no weights read)."""
     from transformers import AutoModelForCausalLM
@@ -161,14 +177,9 @@ class Pipeline:
 
         def body(tmp: Path) -> dict:
             bar = self._progress(calib.input_ids.shape[0], "capture")
-            capture_kv(self.model(), calib, self.kv, c.capture, memory or tmp, rank, world,
-                       lambda n: bar.update(n * world))
+            capture_for_processes(self.model(), calib, self.kv, c, memory or tmp, rank, world,
+                                  self.state.wait_for_everyone, lambda n: bar.update(n * world))
             bar.close()
-            self.state.wait_for_everyone()
-            if memory is not None and world > 1:  # each process gets its k-means layouts of every sequence
-                names = shard_tensor_names(plan_layouts(self.kv, c.quant), world, c.quant.uses_tasq)
-                share_sequences(memory, names, rank, world, calib.input_ids.shape[0])
-                capture_meta(calib, self.kv, c.capture, memory)
             if self.state.is_main_process:
                 write_meta(tmp, calib, self.kv, c.capture, memory)
             return {"sequences": int(calib.input_ids.shape[0]), "sites": self.kv.num_sites, "store": c.capture.store}

@@ -24,17 +24,16 @@ import torch
 import torch.distributed as dist
 
 from loopvq_calib import __version__
-from loopvq_calib.capture import (
-    CaptureReader, MemoryCapture, MemoryReader, capture_kv, capture_meta, share_sequences, write_meta,
-)
+from loopvq_calib.capture import CaptureReader, MemoryCapture, MemoryReader, write_meta
 from loopvq_calib.config import load_config
 from loopvq_calib.data import CalibrationSet
 from loopvq_calib.finetune import finetune_codebooks
-from loopvq_calib.kmeans import fit_codebooks, shard_tensor_names
+from loopvq_calib.kmeans import fit_codebooks
 from loopvq_calib.codec import BlockCodec
 from loopvq_calib.layouts import codebook_shape, plan_layouts
 from loopvq_calib.models import HuginnConfig, HuginnForCausalLM, OuroConfig, OuroForCausalLM
 from loopvq_calib.models.loading import ModelIdentity
+from loopvq_calib.pipeline import capture_for_processes
 from loopvq_calib.quantizer import KVQuantizer, load_quantizer, merge_quantizers, save_quantizer
 
 OURO = dict(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=16,
@@ -93,13 +92,8 @@ def build_codebooks(model, calib: CalibrationSet, cfg, store: str, work: Path, t
     kv = model.kv_layout()
     with timer.stage("capture"):
         memory = MemoryCapture() if store in ("memory", "device") else None
-        capture_kv(model, calib, kv, cfg.capture, memory or work / "capture", rank, world)
-        if world > 1:
-            dist.barrier()
-        if memory is not None and world > 1:  # each process gets its k-means layouts of every sequence
-            share_sequences(memory, shard_tensor_names(plan_layouts(kv, cfg.quant), world, cfg.quant.uses_tasq), rank,
-                            world, calib.input_ids.shape[0])
-            capture_meta(calib, kv, cfg.capture, memory)
+        capture_for_processes(model, calib, kv, cfg, memory or work / "capture", rank, world,
+                              dist.barrier if world > 1 else lambda: None)
         if rank == 0:
             (work / "capture").mkdir(parents=True, exist_ok=True)
             write_meta(work / "capture", calib, kv, cfg.capture, memory)
