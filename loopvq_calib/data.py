@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from .config import DataConfig
+from .rundir import sha256_file
 
 POOL_FACTOR = 16
 LOCAL_TYPES = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -55,8 +56,6 @@ def _local_files(spec: str) -> list[str]:
 def source_fingerprint(cfg: DataConfig) -> list[tuple[str, int, str]]:
     """(file name, size, sha256) of every local file ``data.dataset`` names (empty for a hub dataset), so an
     edited corpus invalidates the data stage of a run directory."""
-    from .rundir import sha256_file
-
     return [(os.path.basename(n), os.path.getsize(n), sha256_file(n)) for n in _local_files(cfg.dataset)]
 
 

@@ -124,6 +124,11 @@ def heldout_kl(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuant
     return (total[0] / total[1]).item()
 
 
+def training_steps(cfg: FinetuneConfig, train_sequences: int) -> int:
+    """Optimizer steps of a fine-tuning run (0 when it is off)."""
+    return cfg.epochs * -(-train_sequences // cfg.batch_size) if cfg.enabled else 0
+
+
 def finetune_codebooks(
     model: torch.nn.Module,
     calib: CalibrationSet,
@@ -149,7 +154,7 @@ def finetune_codebooks(
         c.codebook = p
     opt = torch.optim.Adam(params, lr=cfg.lr)
     best_kl, best_epoch, best_state = init_kl, 0, [p.detach().clone() for p in params]
-    steps, settle_after = 0, min(2, cfg.epochs * -(-len(calib.train) // cfg.batch_size))
+    steps, settle_after = 0, min(2, training_steps(cfg, len(calib.train)))
     previous = getattr(model, "loop_checkpointing", False)
     model.loop_checkpointing = cfg.loop_checkpointing
     try:

@@ -26,7 +26,7 @@ from .capture import (
 )
 from .config import Config, dump_config, validate_for_model
 from .data import CalibrationSet, build_calibration_set, source_fingerprint
-from .finetune import finetune_codebooks
+from .finetune import finetune_codebooks, training_steps
 from .kmeans import fit_codebooks, shard_tensor_names
 from .kmeans_backends import resolve_backend
 from .layouts import plan_layouts
@@ -241,8 +241,7 @@ class Pipeline:
                          c.model.dtype, asdict(c.finetune))
 
         def body(tmp: Path) -> dict:
-            steps = c.finetune.epochs * -(-len(calib.train) // c.finetune.batch_size) if c.finetune.enabled else 0
-            bar = self._progress(steps, "finetune")
+            bar = self._progress(training_steps(c.finetune, len(calib.train)), "finetune")
             result = finetune_codebooks(self.model(), calib, init, c.finetune, self.device, bar.update)
             bar.close()
             if self.state.is_main_process:
