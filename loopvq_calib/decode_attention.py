@@ -1,0 +1,252 @@
+"""Decode attention straight from coded pages: one query token per sequence, a Triton kernel and its reference.
+
+At a KV site (loop step ``step`` of a block) a sequence's cache is: coded tokens (a block's indices, shared by
+all its steps, plus TaSQ's fp16 sigma per step) and full-precision pre-RoPE sink/window tokens.
+:func:`decode_attention` attends a query to both without writing decoded keys or values anywhere:
+
+- **Step tables** (:func:`step_tables`, built once per site, weights-like): for every KV head, the step's
+  codeword values per *channel*, ``[H, K, D]``, gathered from the codebook through the block's group layout
+  and divided by TaSQ's channel weight; plus, per channel, the code (index column) that holds it. Any layout
+  (loop-axis, channel, TaSQ's permuted groups) decodes the same way: channel d of a token is
+  ``table[h, idx[token, h, code[h, d]], d]`` (times sigma for TaSQ keys).
+- **RoPE on the query side.** Keys are decoded pre-RoPE and never rotated: for a RoPE pair (a, b) at angle
+  theta, ``q . R(theta) k = k_a (q_a cos + q_b sin) + k_b (q_b cos - q_a sin)``. Encoded tokens of a row sit at
+  consecutive positions (left padding lives in the sink columns), so a tile of ``BLOCK_N`` tokens starting
+  at position p rotates the query once by p (one row of the cos/sin table) and its tokens by 0..BLOCK_N-1 (the
+  table's first rows, held in registers for the whole loop): angle addition instead of one table row per
+  token and head. Full-precision tokens read their own row of the table.
+- **Split-K**: program (sequence, KV head, split) runs an online softmax (base 2) over its token range and
+  writes (max, sum, accumulator); the last split of each row takes the full-precision tokens. A second
+  kernel merges the splits by log-sum-exp. GQA: a program serves the KV head's ``Hq / H`` query heads.
+
+Triton offers no explicit shared-memory placement for a gather: the step tables are read through the L1
+cache (``[K, D]`` per head and kind: 64 KiB in fp16 at K = 256, D = 128). The kernels need CUDA compute
+capability 8.0+ or Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors), like ``kmeans_triton``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .codec import BlockCodec, Codes
+from .kmeans_triton import _pow2, available, triton  # noqa: F401  (available: re-exported for callers)
+from .models.common import apply_rope, rope_angles
+
+if triton is not None:
+    import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass
+class StepTables:
+    """What the kernel reads at one site: codeword values per channel and the code of each channel.
+
+    ``key_a`` / ``key_b`` [H, K, D/2]: the first / second channel of every RoPE pair (``half``: i and i + D/2;
+    ``interleaved``: 2i and 2i+1), divided by TaSQ's weight; ``key_code_a`` / ``key_code_b`` [H, D/2] int32;
+    ``value`` [H, K, D], ``value_code`` [H, D] int32; ``tasq``: keys are multiplied by the token's sigma;
+    ``rope_style`` the pairs' convention.
+    """
+
+    key_a: torch.Tensor
+    key_b: torch.Tensor
+    key_code_a: torch.Tensor
+    key_code_b: torch.Tensor
+    value: torch.Tensor
+    value_code: torch.Tensor
+    step: int
+    tasq: bool
+    rope_style: str
+
+
+def pair_channels(head_dim: int, style: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Channels (a, b) of every RoPE pair: ``half`` (i, i + D/2), ``interleaved`` (2i, 2i + 1)."""
+    i = torch.arange(head_dim // 2)
+    if style == "half":
+        return i, i + head_dim // 2
+    if style == "interleaved":
+        return 2 * i, 2 * i + 1
+    raise ValueError(f"unknown RoPE style {style!r}; expected 'half' or 'interleaved'")
+
+
+def channel_codes(codec: BlockCodec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For step ``step`` of the block: the code and the position inside the codeword of every channel, [H, D] each."""
+    lay = codec.layout
+    d, g = lay.head_dim, lay.group_size
+    flat = lay.groups.detach().cpu().reshape(lay.groups.shape[0], -1)  # entry e = code * G + position
+    code = torch.empty(flat.shape[0], d, dtype=torch.long)
+    pos = torch.empty(flat.shape[0], d, dtype=torch.long)
+    for hg in range(flat.shape[0]):
+        entries = ((flat[hg] // d) == step).nonzero().squeeze(1)
+        channels = flat[hg, entries] % d
+        if entries.numel() != d or torch.unique(channels).numel() != d:
+            raise ValueError(f"layout {lay.key}: step {step} does not cover the {d} channels exactly once")
+        code[hg, channels] = entries // g
+        pos[hg, channels] = entries % g
+    return code.expand(lay.kv_heads, -1), pos.expand(lay.kv_heads, -1)
+
+
+def channel_table(codec: BlockCodec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's codeword value of every channel, [H, K, D] float32 (divided by TaSQ's weight), and the codes [H, D]."""
+    code, pos = channel_codes(codec, step)
+    cb = codec.codebook.detach().float().cpu()  # [Hc, nc, K, G]
+    heads = codec.layout.kv_heads
+    hc = torch.arange(heads) if cb.shape[0] == heads else torch.zeros(heads, dtype=torch.long)
+    gc = code if cb.shape[1] == codec.layout.num_groups else torch.zeros_like(code)
+    table = cb[hc[:, None], gc, :, pos].permute(0, 2, 1)  # [H, D, K] -> [H, K, D]
+    if codec.transform is not None:
+        table = table / codec.transform.weight.detach().float().cpu()[step][:, None, :]
+    return table.contiguous(), code
+
+
+def step_tables(key_codec: BlockCodec, value_codec: BlockCodec, step: int, rope_style: str,
+                device: torch.device | str, dtype: torch.dtype = torch.float16) -> StepTables:
+    """Build a site's :class:`StepTables` on ``device``; codeword values in ``dtype`` (float32 where ``dtype``
+    would overflow)."""
+    kt, kc = channel_table(key_codec, step)
+    vt, vc = channel_table(value_codec, step)
+    a, b = pair_channels(key_codec.layout.head_dim, rope_style)
+    big = max(kt.abs().max().item(), vt.abs().max().item())
+    if dtype != torch.float32 and big >= torch.finfo(dtype).max / 2:
+        dtype = torch.float32
+
+    def put(t: torch.Tensor, as_code: bool = False) -> torch.Tensor:
+        return t.to(device=device, dtype=torch.int32 if as_code else dtype).contiguous()
+
+    return StepTables(put(kt[:, :, a]), put(kt[:, :, b]), put(kc[:, a], True), put(kc[:, b], True),
+                      put(vt), put(vc, True), step, key_codec.transform is not None, rope_style)
+
+
+class RopeTable:
+    """cos / sin of ``position * inv_freq`` [P, D/2] float32 on one device, the model's arithmetic
+    (:func:`~loopvq_calib.models.common.rope_angles`), grown to a power of two on demand."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        self.head_dim, self.theta = head_dim, theta
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    def covering(self, positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables of at least ``positions`` rows on ``device``."""
+        if self.cos is None or self.cos.shape[0] < positions or self.cos.device != device:
+            n = _pow2(max(positions, 64))
+            cos, sin = rope_angles(torch.arange(n, device=device)[None], self.head_dim, self.theta)
+            self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+        return self.cos, self.sin
+
+
+@dataclass
+class CodedTokens:
+    """One block's coded tokens of a batch: ``key_indices`` [B, >=N, H, nk], ``value_indices`` [B, >=N, H, nv]
+    (uint8 or int32), ``key_sigma`` [B, >=N, T_b] float16 (TaSQ) or None, ``count`` N valid tokens, and
+    ``first_position`` [B] the position of each row's first coded token (the others follow one by one)."""
+
+    key_indices: torch.Tensor
+    value_indices: torch.Tensor
+    key_sigma: torch.Tensor | None
+    count: int
+    first_position: torch.Tensor
+
+
+def decode_attention_reference(
+    q: torch.Tensor, key_codec: BlockCodec, value_codec: BlockCodec, step: int, coded: CodedTokens,
+    fp_keys: torch.Tensor, fp_values: torch.Tensor, fp_positions: torch.Tensor, fp_mask: torch.Tensor | None,
+    rope_style: str, rope_theta: float,
+) -> torch.Tensor:
+    """The same attention in plain PyTorch (float64 after decoding): codecs decode the coded tokens, RoPE
+    rotates keys at their positions, softmax over coded then full-precision tokens. q [B, Hq, D] post-RoPE;
+    fp_keys / fp_values [B, S, H, D] pre-RoPE; fp_positions [B, S]; fp_mask [B, S] bool (True = attend) or
+    None. Returns [B, Hq, D] float64."""
+    b, n = q.shape[0], coded.count
+    keys, values = [], []
+    if n:
+        def decode(codec: BlockCodec, idx: torch.Tensor, sigma: torch.Tensor | None) -> torch.Tensor:
+            codes = Codes(idx[:, :n].flatten(0, 1), None if sigma is None else sigma[:, :n].flatten(0, 1))
+            return codec.decode(codes)[:, step].reshape(b, n, *idx.shape[2:3], -1)
+
+        pos = coded.first_position.to(q.device)[:, None].long() + torch.arange(n, device=q.device)
+        cos, sin = rope_angles(pos, key_codec.layout.head_dim, rope_theta)
+        keys.append(apply_rope(decode(key_codec, coded.key_indices, coded.key_sigma), cos, sin, rope_style))
+        values.append(decode(value_codec, coded.value_indices, None))
+    cos, sin = rope_angles(fp_positions, fp_keys.shape[-1], rope_theta)
+    keys.append(apply_rope(fp_keys.float(), cos, sin, rope_style))
+    values.append(fp_values.float())
+    k = torch.cat(keys, 1).double().transpose(1, 2)  # [B, H, S, D]
+    v = torch.cat(values, 1).double().transpose(1, 2)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = torch.einsum("bhd,bhsd->bhs", q.double(), k) / math.sqrt(q.shape[-1])
+    if fp_mask is not None:
+        keep = torch.cat([torch.ones(b, n, dtype=torch.bool, device=q.device), fp_mask.bool()], 1)
+        scores = scores.masked_fill(~keep[:, None, :], float("-inf"))
+    return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), v)
+
+
+def plan_splits(n_coded: int, rows: int, block_n: int, programs: int) -> tuple[int, int]:
+    """(coded splits, tokens per split): about ``programs`` programs over ``rows`` (sequence, KV head) pairs,
+    each split a whole number of ``block_n`` tiles; one (empty) split when nothing is coded."""
+    tiles = -(-n_coded // block_n)
+    if not tiles:
+        return 1, block_n
+    per_split = -(-tiles // max(1, min(tiles, -(-programs // rows)))) * block_n
+    return -(-n_coded // per_split), per_split
+
+
+def _programs_for(device: torch.device) -> int:
+    """Programs per (sequence, KV head) row to aim for, divided by the rows: 4 per multiprocessor on CUDA."""
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 0  # the interpreter: one split per row unless asked (tests ask for several)
+
+
+def decode_attention(
+    q: torch.Tensor, tables: StepTables, coded: CodedTokens, fp_keys: torch.Tensor, fp_values: torch.Tensor,
+    fp_positions: torch.Tensor, fp_mask: torch.Tensor | None, rope: RopeTable, block_n: int = 16,
+    num_splits: int | None = None, num_warps: int = 4,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over coded and full-precision tokens (the Triton kernels).
+
+    q [B, Hq, D] post-RoPE; ``tables`` from :func:`step_tables` for this site; ``coded`` the block's coded
+    tokens; fp_keys / fp_values [B, S, H, D] pre-RoPE (sinks and window, S >= 1); fp_positions [B, S];
+    fp_mask [B, S] (nonzero = attend) or None. Returns [B, Hq, D] in q's dtype (softmax scale 1/sqrt(D)).
+    """
+    bsz, hq, d = q.shape
+    heads, k = tables.value.shape[0], tables.value.shape[1]
+    if hq % heads or d % 2 or d & (d - 1):
+        raise ValueError(f"need query heads ({hq}) a multiple of KV heads ({heads}) and a power-of-two head dim ({d})")
+    if fp_keys.shape[1] < 1:
+        raise ValueError("decode attention needs at least one full-precision token (the new one)")
+    n = coded.count
+    programs = num_splits * bsz * heads if num_splits else _programs_for(q.device)
+    splits, per_split = plan_splits(n, bsz * heads, block_n, programs)
+    last = int(coded.first_position.max()) + n if n else 0
+    cos, sin = rope.covering(max(last + block_n, int(fp_positions.max()) + 1, block_n), q.device)
+    q = q.contiguous()
+    fk, fv = fp_keys, fp_values
+    fpos = fp_positions.to(torch.int32).contiguous()
+    fmask = fp_mask.to(torch.int8).contiguous() if fp_mask is not None else fpos
+    kidx, vidx = coded.key_indices, coded.value_indices
+    sig = coded.key_sigma if tables.tasq else cos
+    if tables.tasq and sig is None:
+        raise ValueError("TaSQ key tables need the coded tokens' key_sigma")
+    qg = hq // heads
+    acc = torch.empty(bsz, hq, splits + 1, d, device=q.device, dtype=torch.float32)
+    ml = torch.empty(bsz, hq, splits + 1, 2, device=q.device, dtype=torch.float32)
+    from .decode_kernels import _merge_kernel, _split_kernel
+
+    _split_kernel[(bsz * heads, splits + 1)](
+        q, kidx, vidx, sig, tables.key_a, tables.key_b, tables.key_code_a, tables.key_code_b, tables.value,
+        tables.value_code, coded.first_position.to(device=q.device, dtype=torch.int32).contiguous(), cos, sin,
+        fk, fv, fpos, fmask, acc, ml, n, fk.shape[1], per_split, LOG2E / math.sqrt(d),
+        kidx.stride(0), kidx.stride(1), kidx.stride(2), vidx.stride(0), vidx.stride(1), vidx.stride(2),
+        sig.stride(0), sig.stride(1), fk.stride(0), fk.stride(1), fk.stride(2), fv.stride(0), fv.stride(1),
+        fv.stride(2), fpos.stride(0),
+        H=heads, QG=qg, QGP=_pow2(qg), D=d, K=k, HALF=tables.rope_style == "half", TASQ=tables.tasq, STEP=tables.step, HAS_MASK=fp_mask is not None, BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
+    out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype)
+    _merge_kernel[(bsz * hq,)](acc, ml, out, S=splits + 1, SP=_pow2(splits + 1), D=d, num_warps=4)
+    return out
