@@ -32,11 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from .codec import BlockCodec, Codes
-from .kmeans_triton import _pow2, available, triton  # noqa: F401  (available: re-exported for callers)
+from .kmeans_triton import _pow2, available
 from .models.common import apply_rope, rope_angles
-
-if triton is not None:
-    import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
@@ -215,8 +212,8 @@ def decode_attention(
     """
     bsz, hq, d = q.shape
     heads, k = tables.value.shape[0], tables.value.shape[1]
-    if hq % heads or d % 2 or d & (d - 1):
-        raise ValueError(f"need query heads ({hq}) a multiple of KV heads ({heads}) and a power-of-two head dim ({d})")
+    if hq % heads or d % 2:
+        raise ValueError(f"need query heads ({hq}) a multiple of KV heads ({heads}) and an even head dim ({d})")
     if fp_keys.shape[1] < 1:
         raise ValueError("decode attention needs at least one full-precision token (the new one)")
     n = coded.count
@@ -235,6 +232,9 @@ def decode_attention(
     qg = hq // heads
     acc = torch.empty(bsz, hq, splits + 1, d, device=q.device, dtype=torch.float32)
     ml = torch.empty(bsz, hq, splits + 1, 2, device=q.device, dtype=torch.float32)
+    if not available(q.device):
+        raise RuntimeError(f"the decode-attention kernels need triton and a CUDA GPU of compute capability 8.0+, "
+                           f"or TRITON_INTERPRET=1 for CPU tensors; got device {q.device}")
     from .decode_kernels import _merge_kernel, _split_kernel
 
     _split_kernel[(bsz * heads, splits + 1)](
@@ -245,8 +245,8 @@ def decode_attention(
         sig.stride(0), sig.stride(1), fk.stride(0), fk.stride(1), fk.stride(2), fv.stride(0), fv.stride(1),
         fv.stride(2), fpos.stride(0),
         H=heads, QG=qg, QGP=_pow2(qg), D=d, K=k, HALF=tables.rope_style == "half", TASQ=tables.tasq, STEP=tables.step, HAS_MASK=fp_mask is not None, BLOCK_N=block_n,
-        num_warps=num_warps,
+        DP=_pow2(d), num_warps=num_warps,
     )
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype)
-    _merge_kernel[(bsz * hq,)](acc, ml, out, S=splits + 1, SP=_pow2(splits + 1), D=d, num_warps=4)
+    _merge_kernel[(bsz * hq,)](acc, ml, out, S=splits + 1, SP=_pow2(splits + 1), D=d, DP=_pow2(d), num_warps=4)
     return out

@@ -1,0 +1,221 @@
+"""Decode attention over coded pages: the Triton kernels against the float64 PyTorch reference, for every
+method's layouts, both RoPE styles, GQA and MHA, page boundaries and full-precision regions of several sizes.
+
+The kernels run on a CUDA GPU, or on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``, about a
+second per case). Tolerance: relative L2 error of the output 1e-5 with float32 tables and inputs (the only
+differences are float32 rounding and the angle-addition RoPE), 1e-2 with float16 tables and bf16 inputs
+and output (codeword values to fp16, the output to bf16: about 4e-3 measured). The compile test needs
+triton but no GPU, and does not run under the interpreter."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from loopvq_calib import decode_attention as da
+from loopvq_calib.codec import BlockCodec, TasqTransform
+from loopvq_calib.kmeans_triton import triton
+from loopvq_calib.layouts import BlockLayout, channel_groups, loop_axis_groups
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+needs_kernels = pytest.mark.skipif(not da.available(DEVICE), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1")
+needs_compiler = pytest.mark.skipif(
+    triton is None or os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton, not in interpreter mode")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def permuted_groups(heads: int, steps: int, d: int, g: int, seed: int) -> torch.Tensor:
+    """A TaSQ-like per-head layout: any permutation of the flat coordinates (the kernel must not assume pairs)."""
+    return torch.stack([torch.randperm(steps * d, generator=gen(seed + h)) for h in range(heads)]).view(heads, -1, g)
+
+
+def make_codecs(method: str, heads: int, d: int, k: int, g: int, steps: int, sharing: str = "none", seed: int = 0):
+    """Key and value codecs of one block with the layouts of ``method`` (T_b = ``steps`` for loop-axis methods)."""
+    loop = method in ("loopvq", "tasq+loopvq")
+    t_b = steps if loop else 1
+    plain = loop_axis_groups(d, t_b, g)[None] if loop else channel_groups(d, g)[None]
+    key_groups = permuted_groups(heads, t_b, d, g, seed) if method.startswith("tasq") else plain
+
+    def codec(kind: str, groups: torch.Tensor, tasq: bool, s: int) -> BlockCodec:
+        lay = BlockLayout("b0.l0", kind, tuple(range(t_b)), d, heads, groups.clone())
+        hc = 1 if sharing in ("heads", "all") else heads
+        nc = 1 if sharing in ("groups", "all") else groups.shape[1]
+        cb = torch.randn(hc, nc, k, g, generator=gen(s))
+        weight = torch.rand(t_b, heads, d, generator=gen(s + 1)) + 0.5 if tasq else None
+        return BlockCodec(lay, cb, TasqTransform(weight) if tasq else None)
+
+    return codec("key", key_groups, method.startswith("tasq"), seed + 10), codec("value", plain, False, seed + 20)
+
+
+def make_inputs(kc: BlockCodec, vc: BlockCodec, batch: int, q_heads: int, n: int, s_fp: int, seed: int,
+                dtype: torch.dtype = torch.float32, pad: int = 0):
+    """Random coded tokens (with spare capacity past ``n``), query and full-precision tokens; row 0 has ``pad``
+    masked (left-padding) tokens at position 0 in its full-precision part."""
+    heads, d, k = kc.layout.kv_heads, kc.layout.head_dim, kc.codebook.shape[2]
+    idt = torch.uint8 if k <= 256 else torch.int32
+    cap = n + 3
+    first = torch.randint(s_fp, 3 * s_fp + 2, (batch,), generator=gen(seed))
+    sigma = (torch.rand(batch, cap, kc.layout.steps, generator=gen(seed + 1)) + 0.5).half() if kc.transform else None
+    coded = da.CodedTokens(torch.randint(0, k, (batch, cap, heads, kc.layout.num_groups), generator=gen(seed + 2)).to(idt),
+                           torch.randint(0, k, (batch, cap, heads, vc.layout.num_groups), generator=gen(seed + 3)).to(idt),
+                           sigma, n, first)
+    q = torch.randn(batch, q_heads, d, generator=gen(seed + 4)).to(dtype)
+    fk = torch.randn(batch, s_fp, heads, d, generator=gen(seed + 5)).to(dtype)
+    fv = torch.randn(batch, s_fp, heads, d, generator=gen(seed + 6)).to(dtype)
+    fpos = torch.arange(s_fp)[None].repeat(batch, 1)
+    fpos[:, s_fp // 2:] += (first + n - s_fp // 2)[:, None]  # window tokens after the coded ones
+    mask = torch.ones(batch, s_fp, dtype=torch.bool)
+    mask[0, :pad] = False
+    fpos[0, :pad] = 0
+    fpos[0, pad:s_fp // 2] = torch.arange(s_fp // 2 - pad)
+    return coded, q, fk, fv, fpos, (mask if pad else None)
+
+
+def check(method, style, heads, q_heads, n, s_fp, *, steps=4, d=16, k=16, g=8, sharing="none", block_n=8,
+          splits=None, pad=0, seed=0, table_dtype=torch.float32, dtype=torch.float32, tol=1e-5):
+    kc, vc = make_codecs(method, heads, d, k, g, steps, sharing, seed)
+    coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, 2, q_heads, n, s_fp, seed, dtype, pad)
+    rope = da.RopeTable(d, 10000.0)
+    for step in range(kc.layout.steps):
+        tables = da.step_tables(kc, vc, step, style, DEVICE, table_dtype)
+        dev = [t.to(DEVICE) if t is not None else None for t in (q, fk, fv, fpos, mask)]
+        moved = da.CodedTokens(coded.key_indices.to(DEVICE), coded.value_indices.to(DEVICE),
+                               coded.key_sigma.to(DEVICE) if coded.key_sigma is not None else None, n, coded.first_position)
+        out = da.decode_attention(dev[0], tables, moved, *dev[1:], rope, block_n=block_n, num_splits=splits)
+        ref = da.decode_attention_reference(q.float(), kc, vc, step, coded, fk, fv, fpos, mask, style, 10000.0)
+        assert out.dtype == dtype and out.shape == ref.shape and torch.isfinite(out).all()
+        err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+        assert err < tol, (method, style, step, err)
+
+
+@needs_kernels
+@pytest.mark.parametrize("method", ["cq", "tasq", "loopvq", "tasq+loopvq"])
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_every_method_and_rope_style_matches_the_reference(method, style):
+    """MHA, coded tokens over several splits and a partial last tile, a masked left padding."""
+    check(method, style, heads=2, q_heads=2, n=37, s_fp=6, splits=3, pad=2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n, s_fp, block_n, splits", [
+    (0, 1, 8, None),  # nothing coded yet: the new token alone
+    (1, 3, 8, None), (8, 9, 8, 1), (15, 4, 8, 2), (16, 20, 8, 2), (17, 2, 16, 4), (40, 12, 16, 8),
+])
+def test_page_and_tile_boundaries_and_region_sizes(n, s_fp, block_n, splits):
+    check("loopvq", "half", heads=2, q_heads=2, n=n, s_fp=s_fp, block_n=block_n, splits=splits, seed=n)
+
+
+@needs_kernels
+@pytest.mark.parametrize("method, style", [("loopvq", "half"), ("tasq+loopvq", "interleaved")])
+def test_gqa_query_groups_share_their_kv_head(method, style):
+    check(method, style, heads=2, q_heads=6, n=21, s_fp=5, splits=2, seed=3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("sharing", ["heads", "groups", "all"])
+def test_shared_codebooks(sharing):
+    check("loopvq", "half", heads=3, q_heads=3, n=12, s_fp=4, sharing=sharing, seed=5)
+
+
+@needs_kernels
+def test_head_dim_that_is_no_power_of_two():
+    """Huginn's head dim is 96: channels are padded to 128 inside the kernel."""
+    check("tasq+loopvq", "interleaved", heads=2, q_heads=2, n=19, s_fp=5, d=24, g=4, splits=2, seed=9)
+
+
+@needs_kernels
+def test_int32_indices_for_large_codebooks():
+    check("cq", "interleaved", heads=1, q_heads=2, n=10, s_fp=3, k=300, seed=7)
+
+
+@needs_kernels
+def test_float16_tables_and_bf16_inputs_within_bf16_tolerance():
+    check("tasq+loopvq", "half", heads=2, q_heads=2, n=30, s_fp=7, table_dtype=torch.float16,
+          dtype=torch.bfloat16, tol=1e-2, seed=11)
+
+
+def test_step_tables_reproduce_the_codec_decode():
+    """Channel table x indices = BlockCodec.decode at every step (TaSQ weight divided in, sigma apart)."""
+    kc, _ = make_codecs("tasq+loopvq", 2, 16, 16, 8, 4)
+    idx = torch.randint(0, 16, (5, 2, kc.layout.num_groups), generator=gen(1)).to(torch.uint8)
+    sigma = torch.ones(5, 4).half()
+    from loopvq_calib.codec import Codes
+    full = kc.decode(Codes(idx, sigma))  # [5, T, H, D]
+    for step in range(4):
+        table, code = da.channel_table(kc, step)
+        picked = idx.long().gather(2, code[None].expand(5, -1, -1))  # [5, H, D]
+        got = table[torch.arange(2)[None, :, None], picked, torch.arange(16)]
+        torch.testing.assert_close(got, full[:, step], rtol=1e-6, atol=1e-6)
+
+
+def test_step_tables_refuse_a_layout_that_misses_channels():
+    kc, vc = make_codecs("loopvq", 1, 16, 16, 8, 4)
+    kc.layout.groups = kc.layout.groups.clone()
+    kc.layout.groups[0, 0, 0] = kc.layout.groups[0, 0, 1]  # one coordinate twice, another never
+    with pytest.raises(ValueError, match="does not cover the 16 channels exactly once"):
+        da.step_tables(kc, vc, 0, "half", "cpu")
+
+
+def test_plan_splits_covers_every_token_in_whole_tiles():
+    for n in (0, 1, 15, 16, 1000, 32768):
+        for rows in (1, 16, 256):
+            splits, per = da.plan_splits(n, rows, 16, 528)
+            assert per % 16 == 0 and splits >= 1
+            assert (splits - 1) * per < max(n, 1) <= splits * per or n == 0
+    assert da.plan_splits(32768, 8 * 16, 16, 528)[0] == 5  # 128 rows x 5 splits ~ 4 programs per SM of 132
+
+
+@needs_kernels
+def test_bad_shapes_are_refused():
+    kc, vc = make_codecs("tasq", 2, 16, 16, 8, 1)
+    coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 3, 4, 2, 0)
+    tables = da.step_tables(kc, vc, 0, "half", DEVICE)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        da.decode_attention(q.to(DEVICE), tables, coded, fk, fv, fpos, None, da.RopeTable(16, 1e4))
+    coded.key_sigma = None
+    with pytest.raises(ValueError, match="key_sigma"):
+        da.decode_attention(q[:, :2].to(DEVICE), tables, coded, fk.to(DEVICE), fv.to(DEVICE), fpos.to(DEVICE),
+                            None, da.RopeTable(16, 1e4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["loopvq", "tasq+loopvq"])
+def test_ouro_shapes_on_the_gpu(method):
+    """Ouro-1.4B's site shapes (16 KV heads, D 128, K 256, G 16, T_c 4), bf16 inputs, fp16 tables, default splits."""
+    check(method, "half", heads=16, q_heads=16, n=3000, s_fp=72, steps=4, d=128, k=256, g=16,
+          block_n=16, table_dtype=torch.float16, dtype=torch.bfloat16, tol=1e-2)
+
+
+SHARED_MEMORY_LIMIT = 99 * 1024  # per block on sm_86 / sm_89 cards, the smallest of the targets below
+
+
+@needs_compiler
+@pytest.mark.parametrize("capability", [80, 90])
+def test_kernels_compile_for_ouro_and_huginn_shapes(capability):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from loopvq_calib import decode_kernels as dk
+
+    def compile_(fn, types: dict, constants: dict):
+        signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
+        constexprs = {(fn.arg_names.index(name),): value for name, value in constants.items()}
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4})
+
+    ptr = {name: "*fp32" for name in dk._split_kernel.arg_names if name.endswith("_ptr")}
+    ptr.update(q_ptr="*bf16", kidx_ptr="*u8", vidx_ptr="*u8", sig_ptr="*fp16", ka_ptr="*fp16", kb_ptr="*fp16",
+               tv_ptr="*fp16", kca_ptr="*i32", kcb_ptr="*i32", vc_ptr="*i32", p0_ptr="*i32", fk_ptr="*bf16",
+               fv_ptr="*bf16", fpos_ptr="*i32", fmask_ptr="*i8")
+    ints = {name: "i32" for name in dk._split_kernel.arg_names if name.startswith("s_") or name in ("n_coded", "n_fp", "split_len")}
+    for half, d, qg, tasq in ((True, 128, 1, True), (False, 96, 1, False), (True, 128, 4, False)):  # Ouro, Huginn, GQA
+        out = compile_(dk._split_kernel, {**ptr, **ints, "qk_scale": "fp32"}, dict(
+            H=16, QG=qg, QGP=qg, D=d, K=256, HALF=half, TASQ=tasq, STEP=2, HAS_MASK=True, BLOCK_N=16, DP=128))
+        assert out.asm["cubin"] and out.metadata.shared <= SHARED_MEMORY_LIMIT
+    out = compile_(dk._merge_kernel, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16"}, dict(S=6, SP=8, D=96, DP=128))
+    assert out.asm["cubin"]
