@@ -27,9 +27,11 @@ capability 8.0+ or Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors), l
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from typing import Any
 
 from .codec import BlockCodec, Codes
 from .kmeans_triton import _pow2, available
@@ -226,9 +228,9 @@ def decode_attention(
     fpos = fp_positions.to(torch.int32).contiguous()
     fmask = fp_mask.to(torch.int8).contiguous() if fp_mask is not None else fpos
     kidx, vidx = coded.key_indices, coded.value_indices
-    sig = coded.key_sigma if tables.tasq else cos
-    if tables.tasq and sig is None:
+    if tables.tasq and n and coded.key_sigma is None:
         raise ValueError("TaSQ key tables need the coded tokens' key_sigma")
+    sig = coded.key_sigma if tables.tasq and n else cos
     qg = hq // heads
     acc = torch.empty(bsz, hq, splits + 1, d, device=q.device, dtype=torch.float32)
     ml = torch.empty(bsz, hq, splits + 1, 2, device=q.device, dtype=torch.float32)
@@ -250,3 +252,76 @@ def decode_attention(
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype)
     _merge_kernel[(bsz * hq,)](acc, ml, out, S=splits + 1, SP=_pow2(splits + 1), D=d, DP=_pow2(d), num_warps=4)
     return out
+
+
+class CodeBuffer:
+    """One (kind, block)'s coded pages as a [B, capacity, ...] tensor that doubles when full, so the kernel
+    reads tokens at a fixed stride; pages are copied in once, as the cache encodes them."""
+
+    def __init__(self) -> None:
+        self.indices: torch.Tensor | None = None
+        self.sigma: torch.Tensor | None = None
+        self.pages = 0
+        self.count = 0
+
+    def sync(self, pages: list[Codes], batch: int, page_size: int) -> "CodeBuffer":
+        """Copy in the pages added since the last call (pages' rows are batch-major: b * page + token)."""
+        for c in pages[self.pages:]:
+            idx = c.indices.view(batch, page_size, *c.indices.shape[1:])
+            sig = None if c.sigma is None else c.sigma.view(batch, page_size, -1)
+            if self.indices is None or self.count + page_size > self.indices.shape[1]:
+                cap = max(2 * self.count, self.count + page_size, 64)
+                self.indices = _grown(self.indices, idx, cap, self.count)
+                self.sigma = _grown(self.sigma, sig, cap, self.count) if sig is not None else None
+            self.indices[:, self.count:self.count + page_size] = idx
+            if sig is not None:
+                self.sigma[:, self.count:self.count + page_size] = sig
+            self.count += page_size
+        self.pages = len(pages)
+        return self
+
+
+def _grown(old: torch.Tensor | None, like: torch.Tensor, capacity: int, count: int) -> torch.Tensor:
+    new = like.new_empty(like.shape[0], capacity, *like.shape[2:])
+    if old is not None:
+        new[:, :count] = old[:, :count]
+    return new
+
+
+@dataclass
+class KernelState:
+    """What a :class:`~loopvq_calib.qcache.QuantizedLoopKVCache` keeps for the kernel: the RoPE table, each
+    site's step tables and each (kind, block)'s code buffer."""
+
+    head_dim: int
+    rope_theta: float
+    tables: dict[int, StepTables] = field(default_factory=dict)
+    buffers: dict[str, CodeBuffer] = field(default_factory=dict)
+    rope: RopeTable | None = None
+
+    def attend(self, cache: Any, site: int, q: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Attention of q [B, Hq, D] (post-RoPE) over the cache's tokens at ``site`` (the new token appended)."""
+        if self.rope is None:
+            self.rope = RopeTable(self.head_dim, self.rope_theta)
+        names = cache.codec_of[site]
+        kc, vc = (cache.quantizer.codecs[names[kind]] for kind in ("key", "value"))
+        step = kc.layout.sites.index(site)
+        if site not in self.tables:
+            dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
+            self.tables[site] = step_tables(kc, vc, step, ctx.rope_style, q.device, dtype)
+        sinks, n, bsz = cache._sinks, cache.encoded, q.shape[0]
+        pos = cache.positions[site]
+        if n:
+            kb, vb = (self.buffers.setdefault(names[kind], CodeBuffer()).sync(cache.codes[names[kind]], bsz, cache.page_size)
+                      for kind in ("key", "value"))
+            coded = CodedTokens(kb.indices, vb.indices, kb.sigma, n, pos[:, sinks])
+        else:
+            empty = torch.zeros(bsz, 1, 1, 1, dtype=torch.uint8, device=q.device)
+            coded = CodedTokens(empty, empty, None, 0, pos[:, 0])
+        fp_pos = torch.cat([pos[:, :sinks], pos[:, sinks + n:]], 1)
+        fp_mask = None
+        if ctx.mask is not None:
+            m = ctx.mask[:, 0, -1]
+            fp_mask = torch.cat([m[:, :sinks], m[:, sinks + n:]], 1)
+        return decode_attention(q, self.tables[site], coded, cache.keys[site], cache.values[site], fp_pos, fp_mask,
+                                self.rope)

@@ -19,6 +19,11 @@ is attended in full precision and encoded afterwards; in decoding, every ``page_
 the oldest window page of every layer and step is encoded. Keys are stored before RoPE and rotated with
 their stored positions when read, decoded keys after decoding.
 
+Decode steps (one new token) can attend straight from the codes: :meth:`QuantizedLoopKVCache.attend`, which
+the models' attention calls when a cache offers it, runs :mod:`~loopvq_calib.decode_attention`'s Triton kernel
+(``kernel="auto"``: on CUDA; ``"triton"``: also on CPU under ``TRITON_INTERPRET=1``; ``"torch"``: never) and
+returns None otherwise, so that ``update`` (this reference path) serves the call.
+
 ``store="indices"`` keeps uint8 indices (+ fp16 sigma for TaSQ keys); ``store="fake"`` keeps
 full-precision tensors and overwrites the encoded tokens in place by decode(encode(.)) at the same
 moments (the "quantize in place" comparison: identical outputs, no memory saving).
@@ -34,6 +39,7 @@ from .codec import BlockCodec, Codes
 from .quantizer import KVQuantizer
 
 STORES = ("indices", "fake")
+KERNELS = ("auto", "triton", "torch")
 
 
 class QuantizedLoopKVCache:
@@ -43,9 +49,11 @@ class QuantizedLoopKVCache:
     is_linear = (False,)  # generate() asks (5.24): attention layers, not a recurrent state
 
     def __init__(self, quantizer: KVQuantizer, sink_tokens: int, recent_window: int, page_size: int = 8,
-                 store: str = "indices") -> None:
+                 store: str = "indices", kernel: str = "auto") -> None:
         if store not in STORES:
             raise ValueError(f"store {store!r}; expected one of {', '.join(STORES)}")
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
         if sink_tokens < 0 or recent_window < 0 or page_size < 1:
             raise ValueError(f"need sink_tokens >= 0, recent_window >= 0, page_size >= 1; got "
                              f"{sink_tokens}, {recent_window}, {page_size}")
@@ -54,6 +62,8 @@ class QuantizedLoopKVCache:
         self.recent_window = recent_window
         self.page_size = page_size
         self.store = store
+        self.kernel = kernel
+        self._kernel_state: Any = None  # decode_attention.KernelState, made at the first kernel call
         self.num_steps: int | None = None
         self.last_site = max(s.site for s in quantizer.kv.sites)
         self.codec_of: dict[int, dict[str, str]] = {}  # site -> {"key": codec name, "value": codec name}
@@ -82,6 +92,41 @@ class QuantizedLoopKVCache:
         rope: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this call's pre-RoPE ``key`` and ``value``; return the site's post-RoPE keys and values."""
+        self._append(site, key, value, positions)
+        out_k, out_v = self.site_kv(site)
+        out = rope(out_k, self.positions[site]), out_v
+        if site == self.last_site:
+            self._encode_ready_pages()
+        return out
+
+    def attend(self, site: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: Any) -> torch.Tensor | None:
+        """A decode step's attention from the codes (the Triton kernel), or None when the kernel does not take
+        this call (more than one query token, ``store="fake"``, ``kernel="torch"``, no CUDA under ``auto``).
+
+        q [B, 1, Hq, D] post-RoPE; key/value [B, 1, H, D] pre-RoPE; ``ctx`` the forward's context (RoPE
+        convention, attention mask). Returns [B, 1, Hq * D]. The mask is applied to the full-precision tokens;
+        coded tokens are never padding (left padding stays in the sink columns).
+        """
+        from . import decode_attention as da
+
+        if self.kernel == "torch" or self.store != "indices" or q.shape[1] != 1:
+            return None
+        if not da.available(q.device):
+            if self.kernel == "triton":
+                raise RuntimeError(f"kernel='triton' needs a CUDA GPU of compute capability 8.0+ or TRITON_INTERPRET=1; "
+                                   f"got device {q.device}")
+            return None
+        if self.kernel == "auto" and q.device.type != "cuda":
+            return None
+        self._append(site, key, value, ctx.positions)
+        if self._kernel_state is None:
+            self._kernel_state = da.KernelState(self.quantizer.kv.head_dim, ctx.rope_theta)
+        out = self._kernel_state.attend(self, site, q[:, 0], ctx)
+        if site == self.last_site:
+            self._encode_ready_pages()
+        return out.reshape(q.shape[0], 1, -1)
+
+    def _append(self, site: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
         if self.sink_columns is None:
             padding = ((positions == 0).sum(-1) - 1).clamp_min(0)  # left padding takes position 0 (build_context)
             self.sink_columns = self.sink_tokens + int(padding.max())
@@ -90,11 +135,6 @@ class QuantizedLoopKVCache:
             value = torch.cat([self.values[site], value], dim=1)
             positions = torch.cat([self.positions[site], positions], dim=1)
         self.keys[site], self.values[site], self.positions[site] = key, value, positions
-        out_k, out_v = self.site_kv(site)
-        out = rope(out_k, self.positions[site]), out_v
-        if site == self.last_site:
-            self._encode_ready_pages()
-        return out
 
     def site_kv(self, site: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The site's pre-RoPE keys and values over all its tokens (decoded where stored as codes)."""
@@ -127,6 +167,8 @@ class QuantizedLoopKVCache:
                 store[site] = t.index_select(0, beam_idx.to(t.device))
         for name, pages in self.codes.items():
             self.codes[name] = [_select_codes(c, beam_idx, self.page_size) for c in pages]
+        if self._kernel_state is not None:
+            self._kernel_state.buffers.clear()  # packed copies of the codes, rebuilt from the reordered pages
 
     def __len__(self) -> int:
         return len(self.keys)

@@ -146,6 +146,10 @@ def attend(
     if ctx.hook is not None:
         k, v = ctx.hook(site, k, v, ctx.positions)
     q = ctx.rope(q, ctx.positions)
+    if ctx.cache is not None and q.shape[1] == 1 and hasattr(ctx.cache, "attend"):
+        out = ctx.cache.attend(site, q, k, v, ctx)  # a cache with its own decode kernel (qcache); None: not this call
+        if out is not None:
+            return out
     if ctx.cache is not None:
         k, v = ctx.cache.update(site, k, v, ctx.positions, ctx.rope)
     else:
