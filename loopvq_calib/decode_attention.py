@@ -184,33 +184,34 @@ def decode_attention_reference(
     return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), v)
 
 
-def plan_splits(n_coded: int, rows: int, block_n: int, programs: int) -> tuple[int, int]:
-    """(coded splits, tokens per split): about ``programs`` programs over ``rows`` (sequence, KV head) pairs,
-    each split a whole number of ``block_n`` tiles; one (empty) split when nothing is coded."""
+def plan_splits(n_coded: int, heads: int, block_n: int, programs: int) -> tuple[int, int]:
+    """(coded splits, tokens per split): at most ``programs`` programs over the KV heads (at least one split
+    each), each split a whole number of ``block_n`` tiles; one (empty) split when nothing is coded."""
     tiles = -(-n_coded // block_n)
     if not tiles:
         return 1, block_n
-    per_split = -(-tiles // max(1, min(tiles, -(-programs // rows)))) * block_n
+    per_split = -(-tiles // max(1, min(tiles, programs // heads))) * block_n
     return -(-n_coded // per_split), per_split
 
 
 def _programs_for(device: torch.device) -> int:
-    """Programs per (sequence, KV head) row to aim for, divided by the rows: 4 per multiprocessor on CUDA."""
+    """Coded-split programs to aim for: one per multiprocessor on CUDA (each keeps one head's tables in L1)."""
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        return torch.cuda.get_device_properties(device).multi_processor_count
     return 0  # the interpreter: one split per row unless asked (tests ask for several)
 
 
 def decode_attention(
     q: torch.Tensor, tables: StepTables, coded: CodedTokens, fp_keys: torch.Tensor, fp_values: torch.Tensor,
     fp_positions: torch.Tensor, fp_mask: torch.Tensor | None, rope: RopeTable, block_n: int = 16,
-    num_splits: int | None = None, num_warps: int = 4,
+    num_splits: int | None = None, num_warps: int = 4, max_position: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over coded and full-precision tokens (the Triton kernels).
 
     q [B, Hq, D] post-RoPE; ``tables`` from :func:`step_tables` for this site; ``coded`` the block's coded
     tokens; fp_keys / fp_values [B, S, H, D] pre-RoPE (sinks and window, S >= 1); fp_positions [B, S];
     fp_mask [B, S] (nonzero = attend) or None. Returns [B, Hq, D] in q's dtype (softmax scale 1/sqrt(D)).
+    ``max_position``: an upper bound of every position (read from the tensors when None: a device sync).
     """
     bsz, hq, d = q.shape
     heads, k = tables.value.shape[0], tables.value.shape[1]
@@ -219,10 +220,11 @@ def decode_attention(
     if fp_keys.shape[1] < 1:
         raise ValueError("decode attention needs at least one full-precision token (the new one)")
     n = coded.count
-    programs = num_splits * bsz * heads if num_splits else _programs_for(q.device)
-    splits, per_split = plan_splits(n, bsz * heads, block_n, programs)
-    last = int(coded.first_position.max()) + n if n else 0
-    cos, sin = rope.covering(max(last + block_n, int(fp_positions.max()) + 1, block_n), q.device)
+    programs = num_splits * heads if num_splits else _programs_for(q.device)
+    splits, per_split = plan_splits(n, heads, block_n, programs)
+    if max_position is None:
+        max_position = max(int(coded.first_position.max()) + n if n else 0, int(fp_positions.max()))
+    cos, sin = rope.covering(max_position + 1 + block_n, q.device)
     q = q.contiguous()
     fk, fv = fp_keys, fp_values
     fpos = fp_positions.to(torch.int32).contiguous()
@@ -239,10 +241,10 @@ def decode_attention(
                            f"or TRITON_INTERPRET=1 for CPU tensors; got device {q.device}")
     from .decode_kernels import _merge_kernel, _split_kernel
 
-    _split_kernel[(bsz * heads, splits + 1)](
+    _split_kernel[(heads, splits + 1)](
         q, kidx, vidx, sig, tables.key_a, tables.key_b, tables.key_code_a, tables.key_code_b, tables.value,
         tables.value_code, coded.first_position.to(device=q.device, dtype=torch.int32).contiguous(), cos, sin,
-        fk, fv, fpos, fmask, acc, ml, n, fk.shape[1], per_split, LOG2E / math.sqrt(d),
+        fk, fv, fpos, fmask, acc, ml, bsz, n, fk.shape[1], per_split, LOG2E / math.sqrt(d),
         kidx.stride(0), kidx.stride(1), kidx.stride(2), vidx.stride(0), vidx.stride(1), vidx.stride(2),
         sig.stride(0), sig.stride(1), fk.stride(0), fk.stride(1), fk.stride(2), fv.stride(0), fv.stride(1),
         fv.stride(2), fpos.stride(0),
@@ -298,6 +300,15 @@ class KernelState:
     tables: dict[int, StepTables] = field(default_factory=dict)
     buffers: dict[str, CodeBuffer] = field(default_factory=dict)
     rope: RopeTable | None = None
+    _forward: Any = None  # the forward context whose positions were last read
+    _largest: int = 0
+
+    def _max_position(self, ctx: Any) -> int:
+        """Largest position so far: one device read per forward (not per site)."""
+        if ctx is not self._forward:
+            self._forward = ctx
+            self._largest = max(self._largest, int(ctx.positions.max()))
+        return self._largest
 
     def attend(self, cache: Any, site: int, q: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Attention of q [B, Hq, D] (post-RoPE) over the cache's tokens at ``site`` (the new token appended)."""
@@ -324,4 +335,4 @@ class KernelState:
             m = ctx.mask[:, 0, -1]
             fp_mask = torch.cat([m[:, :sinks], m[:, sinks + n:]], 1)
         return decode_attention(q, self.tables[site], coded, cache.keys[site], cache.values[site], fp_pos, fp_mask,
-                                self.rope)
+                                self.rope, max_position=self._max_position(ctx))

@@ -165,11 +165,12 @@ def test_step_tables_refuse_a_layout_that_misses_channels():
 
 def test_plan_splits_covers_every_token_in_whole_tiles():
     for n in (0, 1, 15, 16, 1000, 32768):
-        for rows in (1, 16, 256):
-            splits, per = da.plan_splits(n, rows, 16, 528)
+        for heads in (1, 16, 256):
+            splits, per = da.plan_splits(n, heads, 16, 132)
             assert per % 16 == 0 and splits >= 1
             assert (splits - 1) * per < max(n, 1) <= splits * per or n == 0
-    assert da.plan_splits(32768, 8 * 16, 16, 528)[0] == 5  # 128 rows x 5 splits ~ 4 programs per SM of 132
+            assert splits * heads <= max(132, heads)
+    assert da.plan_splits(32768, 16, 16, 132) == (8, 4096)  # 16 heads x 8 splits on 132 multiprocessors
 
 
 @needs_kernels
@@ -214,7 +215,8 @@ def test_kernels_compile_for_ouro_and_huginn_shapes(capability):
     ptr.update(q_ptr="*bf16", kidx_ptr="*u8", vidx_ptr="*u8", sig_ptr="*fp16", ka_ptr="*fp16", kb_ptr="*fp16",
                tv_ptr="*fp16", kca_ptr="*i32", kcb_ptr="*i32", vc_ptr="*i32", p0_ptr="*i32", fk_ptr="*bf16",
                fv_ptr="*bf16", fpos_ptr="*i32", fmask_ptr="*i8")
-    ints = {name: "i32" for name in dk._split_kernel.arg_names if name.startswith("s_") or name in ("n_coded", "n_fp", "split_len")}
+    ints = {name: "i32" for name in dk._split_kernel.arg_names
+            if name.startswith("s_") or name in ("n_batch", "n_coded", "n_fp", "split_len")}
     for half, d, qg, tasq in ((True, 128, 1, True), (False, 96, 1, False), (True, 128, 4, False)):  # Ouro, Huginn, GQA
         out = compile_(dk._split_kernel, {**ptr, **ints, "qk_scale": "fp32"}, dict(
             H=16, QG=qg, QGP=qg, D=d, K=256, HALF=half, TASQ=tasq, STEP=2, HAS_MASK=True, BLOCK_N=16, DP=128))

@@ -1,0 +1,217 @@
+"""Decode attention from coded pages (the Triton kernel) against bf16 attention over an uncompressed cache
+(PyTorch SDPA), at Ouro-1.4B's shapes: 24 layers x 4 loop steps = 96 KV sites, 16 query and 16 KV heads,
+head dim 128; codes LoopVQ K 256, G 16, T_c 4 (0.5 bit; 32 index bytes per head and kind and token, shared
+by the block's 4 steps); 8 sinks + 68 window tokens in bf16 (the serving defaults, mid-page).
+
+For every (context, batch): the median time of one site's attention (CUDA-graph replays, so launch gaps do
+not count), the bytes it must read, the bandwidth that implies, and whole-model decode tokens/s =
+batch / (body + 96 * attention), where ``body`` is a CUDA graph of the model's weight matmuls for one decode
+step (q/k/v/o projections and SwiGLU of 24 layers x 4 steps, the LM head; norms and elementwise work left
+out). Also: the copy bandwidth of the card (device-to-device, bytes read + written) and the longest context
+that fits at batch 1 (free memory after the weights, over the cache bytes per token).
+
+    python scripts/bench_decode.py --out docs/data/bench-decode-h200.json     # on the GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loopvq_calib import decode_attention as da  # noqa: E402
+from loopvq_calib.codec import BlockCodec, TasqTransform  # noqa: E402
+from loopvq_calib.layouts import BlockLayout, loop_axis_groups  # noqa: E402
+
+LAYERS, STEPS, HEADS, KV_HEADS, D = 24, 4, 16, 16, 128
+HIDDEN, INTER, VOCAB, THETA = 2048, 5632, 49152, 1_000_000.0
+K, G, T_C = 256, 16, 4
+SINKS, WINDOW = 8, 68
+SITES = LAYERS * STEPS
+WEIGHT_BYTES = 2 * (LAYERS * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTER) + 2 * VOCAB * HIDDEN)
+
+
+def codecs(method: str) -> tuple[BlockCodec, BlockCodec]:
+    """One block's random codebooks with the method's layouts (TaSQ: a random per-head permutation)."""
+    gen = torch.Generator().manual_seed(0)
+    plain = loop_axis_groups(D, T_C, G)[None]
+    keys = plain
+    if method == "tasq+loopvq":
+        keys = torch.stack([torch.randperm(T_C * D, generator=gen) for _ in range(KV_HEADS)]).view(KV_HEADS, -1, G)
+
+    def make(kind: str, groups: torch.Tensor, tasq: bool) -> BlockCodec:
+        lay = BlockLayout("b0.l0", kind, tuple(range(T_C)), D, KV_HEADS, groups)
+        transform = TasqTransform(torch.rand(T_C, KV_HEADS, D, generator=gen) + 0.5) if tasq else None
+        return BlockCodec(lay, torch.randn(KV_HEADS, D * T_C // G, K, G, generator=gen).half(), transform)
+
+    return make("key", keys, method == "tasq+loopvq"), make("value", plain, False)
+
+
+def graph_ms(fn, reps: int = 50) -> float:
+    """Median time of ``fn`` replayed from a CUDA graph (triton.testing.do_bench_cudagraph)."""
+    from triton.testing import do_bench_cudagraph
+
+    return float(do_bench_cudagraph(fn, rep=reps, return_mode="median"))
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy of 4 GiB: (read + written) bytes / median time, GB/s."""
+    src = torch.empty(2**30, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = graph_ms(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * 4 * 2**30 / ms / 1e6
+
+
+def body_ms(batch: int, device: torch.device) -> float:
+    """One decode step's weight matmuls (distinct weights per layer; each layer runs 4 steps) from a graph."""
+    w = [[torch.randn(o, i, device=device, dtype=torch.bfloat16) * 0.02 for o, i in
+          ((3 * HIDDEN, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))] for _ in range(LAYERS)]
+    head = torch.randn(VOCAB, HIDDEN, device=device, dtype=torch.bfloat16) * 0.02
+    x = torch.randn(batch, HIDDEN, device=device, dtype=torch.bfloat16)
+
+    def step() -> torch.Tensor:
+        h = x
+        for _ in range(STEPS):
+            for qkv, o, gate_up, down in w:
+                a = F.linear(F.linear(h, qkv)[:, :HIDDEN], o)
+                gu = F.linear(a, gate_up)
+                h = F.linear(F.silu(gu[:, :INTER]) * gu[:, INTER:], down)
+        return F.linear(h, head)
+
+    ms = graph_ms(step, reps=20)
+    del w, head
+    return ms
+
+
+def bench_case(context: int, batch: int, method: str, tables: da.StepTables, device: torch.device,
+               block_n: int, num_warps: int) -> dict:
+    gen = torch.Generator(device=device).manual_seed(context + batch)
+    n = context - SINKS - WINDOW
+    n_groups = D * T_C // G
+    q = torch.randn(batch, HEADS, D, device=device, dtype=torch.bfloat16, generator=gen)
+    coded = da.CodedTokens(
+        torch.randint(0, K, (batch, n, KV_HEADS, n_groups), device=device, dtype=torch.uint8, generator=gen),
+        torch.randint(0, K, (batch, n, KV_HEADS, n_groups), device=device, dtype=torch.uint8, generator=gen),
+        (torch.rand(batch, n, T_C, device=device, generator=gen) + 0.5).half() if tables.tasq else None,
+        n, torch.full((batch,), SINKS, device=device, dtype=torch.int32))
+    fp = torch.randn(2, batch, SINKS + WINDOW, KV_HEADS, D, device=device, dtype=torch.bfloat16, generator=gen)
+    fpos = torch.cat([torch.arange(SINKS), torch.arange(SINKS + n, context)]).to(device)[None].repeat(batch, 1)
+    rope = da.RopeTable(D, THETA)
+
+    def coded_call() -> torch.Tensor:
+        return da.decode_attention(q, tables, coded, fp[0], fp[1], fpos, None, rope, block_n=block_n,
+                                   num_warps=num_warps, max_position=context)
+
+    coded_call()
+    coded_ms = graph_ms(coded_call)
+    sigma = 2 * batch * n if tables.tasq else 0
+    coded_bytes = (batch * n * KV_HEADS * 2 * n_groups + sigma + 2 * fp[0].numel() * 2
+                   + sum(t.numel() * t.element_size() for t in (tables.key_a, tables.key_b, tables.value)))
+    out = {"context": context, "batch": batch, "method": method, "coded_ms": coded_ms, "coded_bytes": coded_bytes,
+           "coded_GBps": coded_bytes / coded_ms / 1e6, "block_n": block_n, "num_warps": num_warps}
+    del coded, fp
+    bf16_bytes = 2 * batch * KV_HEADS * context * D * 2
+    kv = torch.randn(2, batch, KV_HEADS, context, D, device=device, dtype=torch.bfloat16, generator=gen)
+    q4 = q[:, :, None, :]
+    out["bf16_ms"] = graph_ms(lambda: F.scaled_dot_product_attention(q4, kv[0], kv[1]))
+    out.update(bf16_bytes=bf16_bytes, bf16_GBps=bf16_bytes / out["bf16_ms"] / 1e6, speedup=out["bf16_ms"] / coded_ms)
+    del kv
+    torch.cuda.empty_cache()
+    return out
+
+
+def check_accuracy(method: str, tables: da.StepTables, kc: BlockCodec, vc: BlockCodec, device: torch.device) -> float:
+    """Relative error against the float64 reference at these shapes (batch 2, 3000 coded tokens)."""
+    gen = torch.Generator().manual_seed(1)
+    n, s = 3000, SINKS + WINDOW
+    coded = da.CodedTokens(torch.randint(0, K, (2, n, KV_HEADS, 32), generator=gen, dtype=torch.uint8),
+                           torch.randint(0, K, (2, n, KV_HEADS, 32), generator=gen, dtype=torch.uint8),
+                           (torch.rand(2, n, T_C, generator=gen) + 0.5).half() if tables.tasq else None, n,
+                           torch.tensor([SINKS, SINKS]))
+    q = torch.randn(2, HEADS, D, generator=gen).bfloat16()
+    fk, fv = (torch.randn(2, s, KV_HEADS, D, generator=gen).bfloat16() for _ in range(2))
+    fpos = torch.cat([torch.arange(SINKS), torch.arange(SINKS + n, SINKS + n + WINDOW)])[None].repeat(2, 1)
+    moved = da.CodedTokens(coded.key_indices.to(device), coded.value_indices.to(device),
+                           None if coded.key_sigma is None else coded.key_sigma.to(device), n, coded.first_position)
+    out = da.decode_attention(q.to(device), tables, moved, fk.to(device), fv.to(device), fpos.to(device), None,
+                              da.RopeTable(D, THETA))
+    ref = da.decode_attention_reference(q.float(), kc, vc, tables.step, coded, fk, fv, fpos, None, "half", THETA)
+    return float((out.cpu().double() - ref).norm() / ref.norm())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--methods", nargs="+", default=["loopvq", "tasq+loopvq"])
+    ap.add_argument("--tiles", default="16x4,32x4,16x8,32x8", help="BLOCK_N x num_warps variants tried at 32k, batch 8")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       cwd=Path(__file__).parent).stdout.strip() or None,
+              "copy_GBps": copy_bandwidth(device), "cases": [], "tiles": []}
+    print(f"copy bandwidth {result['copy_GBps']:.0f} GB/s", flush=True)
+    tables, accuracy = {}, {}
+    for method in args.methods:
+        kc, vc = codecs(method)
+        tables[method] = da.step_tables(kc, vc, 2, "half", device, torch.float16)
+        accuracy[method] = check_accuracy(method, tables[method], kc, vc, device)
+        print(f"{method}: relative error vs float64 reference {accuracy[method]:.2e}", flush=True)
+    result["relative_error"] = accuracy
+    best = (16, 4)
+    for tile in args.tiles.split(","):
+        bn, nw = (int(x) for x in tile.split("x"))
+        r = bench_case(32768, 8, "loopvq", tables["loopvq"], device, bn, nw)
+        result["tiles"].append(r)
+        print(f"tile BLOCK_N {bn} warps {nw}: {r['coded_ms'] * 1e3:.1f} us", flush=True)
+        if r["coded_ms"] <= min(t["coded_ms"] for t in result["tiles"]):
+            best = (bn, nw)
+    result["best_tile"] = best
+    bodies = {b: body_ms(b, device) for b in args.batches}
+    result["body_ms"] = bodies
+    for context in sorted(set(args.contexts) | {32768}):
+        for batch in args.batches:
+            for method in args.methods:
+                r = bench_case(context, batch, method, tables[method], device, *best)
+                for kind in ("coded", "bf16"):
+                    r[f"{kind}_tokens_per_s"] = batch / (bodies[batch] + SITES * r[f"{kind}_ms"]) * 1e3
+                result["cases"].append(r)
+                print(json.dumps(r), flush=True)
+    free, total = torch.cuda.mem_get_info(device)
+    code_bytes = SITES // T_C * 2 * KV_HEADS * 32  # 24 blocks x (K, V) x 16 heads x 32 index bytes
+    codebooks = SITES * 2 * KV_HEADS * K * D * 2  # fp16 step tables
+    spare = total - WEIGHT_BYTES - 2 * 2**30  # 2 GiB for activations and the allocator
+    result["fits_batch1"] = {
+        "total_bytes": total, "weight_bytes": WEIGHT_BYTES,
+        "bf16_tokens": spare // (SITES * 2 * KV_HEADS * D * 2),
+        "coded_tokens": (spare - codebooks - (SINKS + WINDOW) * SITES * 2 * KV_HEADS * D * 2) // code_bytes + SINKS + WINDOW,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(table(result))
+
+
+def table(result: dict) -> str:
+    """Markdown table of the cases (what docs/quantized-cache.md shows)."""
+    rows = ["| context | batch | method | bf16 SDPA ms | coded ms | speedup | bf16 GB/s | coded GB/s | "
+            "tokens/s bf16 | tokens/s coded |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["cases"]:
+        rows.append(f"| {r['context']} | {r['batch']} | {r['method']} | {r['bf16_ms']:.4f} | {r['coded_ms']:.4f} | "
+                    f"{r['speedup']:.2f} | {r['bf16_GBps']:.0f} | {r['coded_GBps']:.0f} | "
+                    f"{r['bf16_tokens_per_s']:.1f} | {r['coded_tokens_per_s']:.1f} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()
