@@ -195,7 +195,7 @@ def plan_splits(n_coded: int, heads: int, block_n: int, programs: int) -> tuple[
 
 
 def _programs_for(device: torch.device) -> int:
-    """Coded-split programs to aim for: one per multiprocessor on CUDA (each keeps one head's tables in L1)."""
+    """Multiprocessors on CUDA (programs are planned per multiprocessor)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 0  # the interpreter: one split per row unless asked (tests ask for several)
@@ -205,6 +205,7 @@ def decode_attention(
     q: torch.Tensor, tables: StepTables, coded: CodedTokens, fp_keys: torch.Tensor, fp_values: torch.Tensor,
     fp_positions: torch.Tensor, fp_mask: torch.Tensor | None, rope: RopeTable, block_n: int = 16,
     num_splits: int | None = None, num_warps: int = 4, max_position: int | None = None,
+    programs_per_sm: int = 4, batch_per_program: int = 1,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over coded and full-precision tokens (the Triton kernels).
 
@@ -212,6 +213,8 @@ def decode_attention(
     tokens; fp_keys / fp_values [B, S, H, D] pre-RoPE (sinks and window, S >= 1); fp_positions [B, S];
     fp_mask [B, S] (nonzero = attend) or None. Returns [B, Hq, D] in q's dtype (softmax scale 1/sqrt(D)).
     ``max_position``: an upper bound of every position (read from the tensors when None: a device sync).
+    Launch shape: ``block_n`` tokens per tile and ``num_warps``; programs are (KV head, split, slice of
+    ``batch_per_program`` sequences), about ``programs_per_sm`` per multiprocessor (``num_splits`` overrides).
     """
     bsz, hq, d = q.shape
     heads, k = tables.value.shape[0], tables.value.shape[1]
@@ -220,7 +223,8 @@ def decode_attention(
     if fp_keys.shape[1] < 1:
         raise ValueError("decode attention needs at least one full-precision token (the new one)")
     n = coded.count
-    programs = num_splits * heads if num_splits else _programs_for(q.device)
+    slices = -(-bsz // batch_per_program)
+    programs = num_splits * heads if num_splits else _programs_for(q.device) * programs_per_sm // slices
     splits, per_split = plan_splits(n, heads, block_n, programs)
     if max_position is None:
         max_position = max(int(coded.first_position.max()) + n if n else 0, int(fp_positions.max()))
@@ -241,10 +245,10 @@ def decode_attention(
                            f"or TRITON_INTERPRET=1 for CPU tensors; got device {q.device}")
     from .decode_kernels import _merge_kernel, _split_kernel
 
-    _split_kernel[(heads, splits + 1)](
+    _split_kernel[(heads, splits + 1, slices)](
         q, kidx, vidx, sig, tables.key_a, tables.key_b, tables.key_code_a, tables.key_code_b, tables.value,
         tables.value_code, coded.first_position.to(device=q.device, dtype=torch.int32).contiguous(), cos, sin,
-        fk, fv, fpos, fmask, acc, ml, bsz, n, fk.shape[1], per_split, LOG2E / math.sqrt(d),
+        fk, fv, fpos, fmask, acc, ml, bsz, batch_per_program, n, fk.shape[1], per_split, LOG2E / math.sqrt(d),
         kidx.stride(0), kidx.stride(1), kidx.stride(2), vidx.stride(0), vidx.stride(1), vidx.stride(2),
         sig.stride(0), sig.stride(1), fk.stride(0), fk.stride(1), fk.stride(2), fv.stride(0), fv.stride(1),
         fv.stride(2), fpos.stride(0),

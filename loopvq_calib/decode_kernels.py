@@ -10,21 +10,23 @@ if triton is not None:
     import triton.language as tl
 
     # counts that change between calls are not specialised on: no recompilation as the cache grows
-    @triton.jit(do_not_specialize=["n_batch", "n_coded", "n_fp", "split_len"])
+    @triton.jit(do_not_specialize=["n_batch", "batch_per_program", "n_coded", "n_fp", "split_len"])
     def _split_kernel(
         q_ptr, kidx_ptr, vidx_ptr, sig_ptr, ka_ptr, kb_ptr, kca_ptr, kcb_ptr, tv_ptr, vc_ptr,
         p0_ptr, cos_ptr, sin_ptr, fk_ptr, fv_ptr, fpos_ptr, fmask_ptr, acc_ptr, ml_ptr,
-        n_batch, n_coded, n_fp, split_len, qk_scale,
+        n_batch, batch_per_program, n_coded, n_fp, split_len, qk_scale,
         s_kib, s_kit, s_kih, s_vib, s_vit, s_vih, s_sb, s_st,
         s_fkb, s_fkt, s_fkh, s_fvb, s_fvt, s_fvh, s_fpb,
         H: tl.constexpr, QG: tl.constexpr, QGP: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
         HALF: tl.constexpr, TASQ: tl.constexpr, STEP: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr,
         DP: tl.constexpr,
     ):
-        # one program per (KV head, split), looping over the batch: the head's step tables (the codebook
-        # slice, [K, D] per kind) stay hot in the multiprocessor's L1 cache for every sequence
+        # one program per (KV head, split, batch slice), looping over its sequences: the head's step tables
+        # (the codebook slice, [K, D] per kind) stay hot in the multiprocessor's L1 cache across them
         h = tl.program_id(0)
         s = tl.program_id(1)
+        b_first = tl.program_id(2) * batch_per_program
+        b_last = tl.minimum(b_first + batch_per_program, n_batch)
         n_splits = tl.num_programs(1) - 1  # the last split takes the full-precision tokens
         D2: tl.constexpr = D // 2
         i = tl.arange(0, DP // 2)  # head dims that are no power of two (Huginn's 96) are padded to DP
@@ -53,7 +55,7 @@ if triton is not None:
         end = tl.where(s < n_splits, tl.minimum(start + split_len, n_coded), start)
         fend = tl.where(s == n_splits, n_fp, 0)
 
-        for bi in range(0, n_batch):
+        for bi in range(b_first, b_last):
             b = tl.cast(bi, tl.int64)
             qrow = (b * H * QG + h * QG + r) * D
             qa = tl.load(q_ptr + qrow[:, None] + ca_ch[None, :], mask=q_ok, other=0.0).to(tl.float32) * qk_scale

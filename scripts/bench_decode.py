@@ -93,7 +93,7 @@ def body_ms(batch: int, device: torch.device) -> float:
 
 
 def bench_case(context: int, batch: int, method: str, tables: da.StepTables, device: torch.device,
-               block_n: int, num_warps: int) -> dict:
+               launch: dict) -> dict:
     gen = torch.Generator(device=device).manual_seed(context + batch)
     n = context - SINKS - WINDOW
     n_groups = D * T_C // G
@@ -108,8 +108,7 @@ def bench_case(context: int, batch: int, method: str, tables: da.StepTables, dev
     rope = da.RopeTable(D, THETA)
 
     def coded_call() -> torch.Tensor:
-        return da.decode_attention(q, tables, coded, fp[0], fp[1], fpos, None, rope, block_n=block_n,
-                                   num_warps=num_warps, max_position=context)
+        return da.decode_attention(q, tables, coded, fp[0], fp[1], fpos, None, rope, max_position=context, **launch)
 
     coded_call()
     coded_ms = graph_ms(coded_call)
@@ -117,7 +116,7 @@ def bench_case(context: int, batch: int, method: str, tables: da.StepTables, dev
     coded_bytes = (batch * n * KV_HEADS * 2 * n_groups + sigma + 2 * fp[0].numel() * 2
                    + sum(t.numel() * t.element_size() for t in (tables.key_a, tables.key_b, tables.value)))
     out = {"context": context, "batch": batch, "method": method, "coded_ms": coded_ms, "coded_bytes": coded_bytes,
-           "coded_GBps": coded_bytes / coded_ms / 1e6, "block_n": block_n, "num_warps": num_warps}
+           "coded_GBps": coded_bytes / coded_ms / 1e6, **launch}
     del coded, fp
     bf16_bytes = 2 * batch * KV_HEADS * context * D * 2
     kv = torch.randn(2, batch, KV_HEADS, context, D, device=device, dtype=torch.bfloat16, generator=gen)
@@ -153,14 +152,15 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--methods", nargs="+", default=["loopvq", "tasq+loopvq"])
-    ap.add_argument("--tiles", default="16x4,32x4,16x8,32x8", help="BLOCK_N x num_warps variants tried at 32k, batch 8")
+    ap.add_argument("--launches", default="16x4x4x1,16x4x8x1,32x4x4x1,32x8x2x1,64x8x2x1,16x4x4x8,32x8x1x8",
+                    help="block_n x num_warps x programs_per_sm x batch_per_program variants tried at 32k, batch 8")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     device = torch.device("cuda")
     result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                        cwd=Path(__file__).parent).stdout.strip() or None,
-              "copy_GBps": copy_bandwidth(device), "cases": [], "tiles": []}
+              "copy_GBps": copy_bandwidth(device), "cases": [], "launches": []}
     print(f"copy bandwidth {result['copy_GBps']:.0f} GB/s", flush=True)
     tables, accuracy = {}, {}
     for method in args.methods:
@@ -169,21 +169,22 @@ def main() -> None:
         accuracy[method] = check_accuracy(method, tables[method], kc, vc, device)
         print(f"{method}: relative error vs float64 reference {accuracy[method]:.2e}", flush=True)
     result["relative_error"] = accuracy
-    best = (16, 4)
-    for tile in args.tiles.split(","):
-        bn, nw = (int(x) for x in tile.split("x"))
-        r = bench_case(32768, 8, "loopvq", tables["loopvq"], device, bn, nw)
-        result["tiles"].append(r)
-        print(f"tile BLOCK_N {bn} warps {nw}: {r['coded_ms'] * 1e3:.1f} us", flush=True)
-        if r["coded_ms"] <= min(t["coded_ms"] for t in result["tiles"]):
-            best = (bn, nw)
-    result["best_tile"] = best
+    best = None
+    for spec in args.launches.split(","):
+        bn, nw, pps, bpp = (int(x) for x in spec.split("x"))
+        launch = dict(block_n=bn, num_warps=nw, programs_per_sm=pps, batch_per_program=bpp)
+        r = bench_case(32768, 8, "loopvq", tables["loopvq"], device, launch)
+        result["launches"].append(r)
+        print(f"launch {launch}: coded {r['coded_ms'] * 1e3:.1f} us, bf16 {r['bf16_ms'] * 1e3:.1f} us", flush=True)
+        if r["coded_ms"] <= min(t["coded_ms"] for t in result["launches"]):
+            best = launch
+    result["best_launch"] = best
     bodies = {b: body_ms(b, device) for b in args.batches}
     result["body_ms"] = bodies
     for context in sorted(set(args.contexts) | {32768}):
         for batch in args.batches:
             for method in args.methods:
-                r = bench_case(context, batch, method, tables[method], device, *best)
+                r = bench_case(context, batch, method, tables[method], device, best)
                 for kind in ("coded", "bf16"):
                     r[f"{kind}_tokens_per_s"] = batch / (bodies[batch] + SITES * r[f"{kind}_ms"]) * 1e3
                 result["cases"].append(r)

@@ -79,16 +79,17 @@ def make_inputs(kc: BlockCodec, vc: BlockCodec, batch: int, q_heads: int, n: int
 
 
 def check(method, style, heads, q_heads, n, s_fp, *, steps=4, d=16, k=16, g=8, sharing="none", block_n=8,
-          splits=None, pad=0, seed=0, table_dtype=torch.float32, dtype=torch.float32, tol=1e-5):
+          splits=None, pad=0, seed=0, table_dtype=torch.float32, dtype=torch.float32, tol=1e-5, batch=2, per_program=1):
     kc, vc = make_codecs(method, heads, d, k, g, steps, sharing, seed)
-    coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, 2, q_heads, n, s_fp, seed, dtype, pad)
+    coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, batch, q_heads, n, s_fp, seed, dtype, pad)
     rope = da.RopeTable(d, 10000.0)
     for step in range(kc.layout.steps):
         tables = da.step_tables(kc, vc, step, style, DEVICE, table_dtype)
         dev = [t.to(DEVICE) if t is not None else None for t in (q, fk, fv, fpos, mask)]
         moved = da.CodedTokens(coded.key_indices.to(DEVICE), coded.value_indices.to(DEVICE),
                                coded.key_sigma.to(DEVICE) if coded.key_sigma is not None else None, n, coded.first_position)
-        out = da.decode_attention(dev[0], tables, moved, *dev[1:], rope, block_n=block_n, num_splits=splits)
+        out = da.decode_attention(dev[0], tables, moved, *dev[1:], rope, block_n=block_n, num_splits=splits,
+                                  batch_per_program=per_program)
         ref = da.decode_attention_reference(q.float(), kc, vc, step, coded, fk, fv, fpos, mask, style, 10000.0)
         assert out.dtype == dtype and out.shape == ref.shape and torch.isfinite(out).all()
         err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
@@ -116,6 +117,13 @@ def test_page_and_tile_boundaries_and_region_sizes(n, s_fp, block_n, splits):
 @pytest.mark.parametrize("method, style", [("loopvq", "half"), ("tasq+loopvq", "interleaved")])
 def test_gqa_query_groups_share_their_kv_head(method, style):
     check(method, style, heads=2, q_heads=6, n=21, s_fp=5, splits=2, seed=3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("per_program", [2, 3])
+def test_programs_that_loop_over_several_sequences(per_program):
+    check("tasq+loopvq", "half", heads=2, q_heads=4, n=13, s_fp=5, splits=2, batch=5, per_program=per_program,
+          pad=1, seed=13)
 
 
 @needs_kernels
@@ -216,7 +224,7 @@ def test_kernels_compile_for_ouro_and_huginn_shapes(capability):
                tv_ptr="*fp16", kca_ptr="*i32", kcb_ptr="*i32", vc_ptr="*i32", p0_ptr="*i32", fk_ptr="*bf16",
                fv_ptr="*bf16", fpos_ptr="*i32", fmask_ptr="*i8")
     ints = {name: "i32" for name in dk._split_kernel.arg_names
-            if name.startswith("s_") or name in ("n_batch", "n_coded", "n_fp", "split_len")}
+            if name.startswith("s_") or name in ("n_batch", "batch_per_program", "n_coded", "n_fp", "split_len")}
     for half, d, qg, tasq in ((True, 128, 1, True), (False, 96, 1, False), (True, 128, 4, False)):  # Ouro, Huginn, GQA
         out = compile_(dk._split_kernel, {**ptr, **ints, "qk_scale": "fp32"}, dict(
             H=16, QG=qg, QGP=qg, D=d, K=256, HALF=half, TASQ=tasq, STEP=2, HAS_MASK=True, BLOCK_N=16, DP=128))
