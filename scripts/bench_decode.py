@@ -148,17 +148,23 @@ def check_accuracy(method: str, tables: da.StepTables, kc: BlockCodec, vc: Block
 
 
 def main() -> None:
+    global K
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--methods", nargs="+", default=["loopvq", "tasq+loopvq"])
     ap.add_argument("--launches", default="16x4x4x1,16x4x8x1,32x4x4x1,32x8x2x1,64x8x2x1,16x4x4x8,32x8x1x8",
                     help="block_n x num_warps x programs_per_sm x batch_per_program variants tried at 32k, batch 8")
+    ap.add_argument("--codebook-size", type=int, default=K, help="K (256 is the 0.5-bit bundle; smaller K shrinks the "
+                    "step tables, to see what a cache-resident codebook slice gives)")
+    ap.add_argument("--launches-only", action="store_true", help="only the launch variants at 32k, batch 8")
+    ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    K = args.codebook_size
     device = torch.device("cuda")
     result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+              "codebook_size": K, "commit": args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                        cwd=Path(__file__).parent).stdout.strip() or None,
               "copy_GBps": copy_bandwidth(device), "cases": [], "launches": []}
     print(f"copy bandwidth {result['copy_GBps']:.0f} GB/s", flush=True)
@@ -179,6 +185,10 @@ def main() -> None:
         if r["coded_ms"] <= min(t["coded_ms"] for t in result["launches"]):
             best = launch
     result["best_launch"] = best
+    if args.launches_only:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        return
     bodies = {b: body_ms(b, device) for b in args.batches}
     result["body_ms"] = bodies
     for context in sorted(set(args.contexts) | {32768}):
