@@ -205,7 +205,7 @@ def decode_attention(
     q: torch.Tensor, tables: StepTables, coded: CodedTokens, fp_keys: torch.Tensor, fp_values: torch.Tensor,
     fp_positions: torch.Tensor, fp_mask: torch.Tensor | None, rope: RopeTable, block_n: int = 16,
     num_splits: int | None = None, num_warps: int = 4, max_position: int | None = None,
-    programs_per_sm: int = 4, batch_per_program: int = 1,
+    programs_per_sm: int = 4, batch_per_program: int = 1, cache_hints: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over coded and full-precision tokens (the Triton kernels).
 
@@ -214,7 +214,8 @@ def decode_attention(
     fp_mask [B, S] (nonzero = attend) or None. Returns [B, Hq, D] in q's dtype (softmax scale 1/sqrt(D)).
     ``max_position``: an upper bound of every position (read from the tensors when None: a device sync).
     Launch shape: ``block_n`` tokens per tile and ``num_warps``; programs are (KV head, split, slice of
-    ``batch_per_program`` sequences), about ``programs_per_sm`` per multiprocessor (``num_splits`` overrides).
+    ``batch_per_program`` sequences), about ``programs_per_sm`` per multiprocessor (``num_splits`` overrides);
+    ``cache_hints``: tables loaded evict-last and the index stream evict-first.
     """
     bsz, hq, d = q.shape
     heads, k = tables.value.shape[0], tables.value.shape[1]
@@ -253,7 +254,8 @@ def decode_attention(
         sig.stride(0), sig.stride(1), fk.stride(0), fk.stride(1), fk.stride(2), fv.stride(0), fv.stride(1),
         fv.stride(2), fpos.stride(0),
         H=heads, QG=qg, QGP=_pow2(qg), D=d, K=k, HALF=tables.rope_style == "half", TASQ=tables.tasq, STEP=tables.step, HAS_MASK=fp_mask is not None, BLOCK_N=block_n,
-        DP=_pow2(d), num_warps=num_warps,
+        DP=_pow2(d), TABLE_EVICT="evict_last" if cache_hints else "", STREAM_EVICT="evict_first" if cache_hints else "",
+        num_warps=num_warps,
     )
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype)
     _merge_kernel[(bsz * hq,)](acc, ml, out, S=splits + 1, SP=_pow2(splits + 1), D=d, DP=_pow2(d), num_warps=4)

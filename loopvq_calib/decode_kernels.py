@@ -19,7 +19,7 @@ if triton is not None:
         s_fkb, s_fkt, s_fkh, s_fvb, s_fvt, s_fvh, s_fpb,
         H: tl.constexpr, QG: tl.constexpr, QGP: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
         HALF: tl.constexpr, TASQ: tl.constexpr, STEP: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr,
-        DP: tl.constexpr,
+        DP: tl.constexpr, TABLE_EVICT: tl.constexpr = "", STREAM_EVICT: tl.constexpr = "",
     ):
         # one program per (KV head, split, batch slice), looping over its sequences: the head's step tables
         # (the codebook slice, [K, D] per kind) stay hot in the multiprocessor's L1 cache across them
@@ -76,10 +76,12 @@ if triton is not None:
                 w = qb2[:, None, :] * cos_d[None] - qa2[:, None, :] * sin_d[None]
                 krow = kidx_ptr + b * s_kib + tok.to(tl.int64)[:, None] * s_kit + h * s_kih
                 t_ok = ok[:, None] & i_ok[None, :]
-                ia = tl.load(krow + code_a[None, :], mask=t_ok, other=0).to(tl.int32)
-                ib = tl.load(krow + code_b[None, :], mask=t_ok, other=0).to(tl.int32)
-                ka = tl.load(tab_a + ia * D2 + i[None, :], mask=i_ok[None, :], other=0.0).to(tl.float32)
-                kb = tl.load(tab_b + ib * D2 + i[None, :], mask=i_ok[None, :], other=0.0).to(tl.float32)
+                ia = tl.load(krow + code_a[None, :], mask=t_ok, other=0, eviction_policy=STREAM_EVICT).to(tl.int32)
+                ib = tl.load(krow + code_b[None, :], mask=t_ok, other=0, eviction_policy=STREAM_EVICT).to(tl.int32)
+                ka = tl.load(tab_a + ia * D2 + i[None, :], mask=i_ok[None, :], other=0.0, eviction_policy=TABLE_EVICT)
+                kb = tl.load(tab_b + ib * D2 + i[None, :], mask=i_ok[None, :], other=0.0, eviction_policy=TABLE_EVICT)
+                ka = ka.to(tl.float32)
+                kb = kb.to(tl.float32)
                 if TASQ:
                     sg = tl.load(sig_ptr + b * s_sb + tok.to(tl.int64) * s_st + STEP, mask=ok, other=0.0).to(tl.float32)
                     ka = ka * sg[:, None]
@@ -91,8 +93,10 @@ if triton is not None:
                 p = tl.exp2(sc - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 vrow = vidx_ptr + b * s_vib + tok.to(tl.int64)[:, None] * s_vit + h * s_vih
-                iv = tl.load(vrow + code_v[None, :], mask=ok[:, None] & d_ok[None, :], other=0).to(tl.int32)
-                v = tl.load(tab_v + iv * D + d[None, :], mask=d_ok[None, :], other=0.0).to(tl.float32)
+                iv = tl.load(vrow + code_v[None, :], mask=ok[:, None] & d_ok[None, :], other=0,
+                             eviction_policy=STREAM_EVICT).to(tl.int32)
+                v = tl.load(tab_v + iv * D + d[None, :], mask=d_ok[None, :], other=0.0, eviction_policy=TABLE_EVICT)
+                v = v.to(tl.float32)
                 acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None], axis=1)
                 m_i = m_new
 

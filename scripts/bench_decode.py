@@ -154,7 +154,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--methods", nargs="+", default=["loopvq", "tasq+loopvq"])
     ap.add_argument("--launches", default="16x4x4x1,16x4x8x1,32x4x4x1,32x8x2x1,64x8x2x1,16x4x4x8,32x8x1x8",
-                    help="block_n x num_warps x programs_per_sm x batch_per_program variants tried at 32k, batch 8")
+                    help="block_n x num_warps x programs_per_sm x batch_per_program variants tried at 32k, batch 8 "
+                    "(a trailing h: cache hints)")
     ap.add_argument("--codebook-size", type=int, default=K, help="K (256 is the 0.5-bit bundle; smaller K shrinks the "
                     "step tables, to see what a cache-resident codebook slice gives)")
     ap.add_argument("--launches-only", action="store_true", help="only the launch variants at 32k, batch 8")
@@ -177,8 +178,8 @@ def main() -> None:
     result["relative_error"] = accuracy
     best = None
     for spec in args.launches.split(","):
-        bn, nw, pps, bpp = (int(x) for x in spec.split("x"))
-        launch = dict(block_n=bn, num_warps=nw, programs_per_sm=pps, batch_per_program=bpp)
+        bn, nw, pps, bpp = (int(x) for x in spec.rstrip("h").split("x"))
+        launch = dict(block_n=bn, num_warps=nw, programs_per_sm=pps, batch_per_program=bpp, cache_hints=spec.endswith("h"))
         r = bench_case(32768, 8, "loopvq", tables["loopvq"], device, launch)
         result["launches"].append(r)
         print(f"launch {launch}: coded {r['coded_ms'] * 1e3:.1f} us, bf16 {r['bf16_ms'] * 1e3:.1f} us", flush=True)
