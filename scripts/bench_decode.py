@@ -160,8 +160,14 @@ def main() -> None:
                     "step tables, to see what a cache-resident codebook slice gives)")
     ap.add_argument("--launches-only", action="store_true", help="only the launch variants at 32k, batch 8")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--table-from", type=Path, help="print the markdown tables of a saved result and exit (no GPU)")
+    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.table_from:
+        print(table(json.loads(args.table_from.read_text())))
+        return
+    if args.out is None:
+        ap.error("--out is required")
     K = args.codebook_size
     device = torch.device("cuda")
     result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
@@ -215,8 +221,15 @@ def main() -> None:
 
 
 def table(result: dict) -> str:
-    """Markdown table of the cases (what docs/quantized-cache.md shows)."""
-    rows = ["| context | batch | method | bf16 SDPA ms | coded ms | speedup | bf16 GB/s | coded GB/s | "
+    """Markdown tables of the launch variants and the cases (what docs/quantized-cache.md shows)."""
+    rows = ["| block_n | warps | programs/SM | sequences/program | cache hints | coded ms | bf16 SDPA ms |",
+            "|---|---|---|---|---|---|---|"]
+    for r in result["launches"]:
+        rows.append(f"| {r['block_n']} | {r['num_warps']} | {r['programs_per_sm']} | {r['batch_per_program']} | "
+                    f"{'yes' if r.get('cache_hints') else 'no'} | {r['coded_ms']:.3f} | {r['bf16_ms']:.3f} |")
+    if not result["cases"]:
+        return "\n".join(rows)
+    rows += ["", "| context | batch | method | bf16 SDPA ms | coded ms | speedup | bf16 GB/s | coded GB/s | "
             "tokens/s bf16 | tokens/s coded |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["cases"]:
         rows.append(f"| {r['context']} | {r['batch']} | {r['method']} | {r['bf16_ms']:.4f} | {r['coded_ms']:.4f} | "
