@@ -9,18 +9,23 @@ triton but no GPU, and does not run under the interpreter."""
 
 from __future__ import annotations
 
+import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import make_tiny_huginn, make_tiny_ouro
 from loopvq_calib import decode_attention as da
+from loopvq_calib import load_bundle
 from loopvq_calib.codec import BlockCodec, TasqTransform
 from loopvq_calib.kmeans_triton import triton
 from loopvq_calib.layouts import BlockLayout, channel_groups, loop_axis_groups
 from loopvq_calib.qcache import QuantizedLoopKVCache, sampled_quantizer
 
+ROOT = Path(__file__).resolve().parents[1]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_kernels = pytest.mark.skipif(not da.available(DEVICE), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1")
 needs_compiler = pytest.mark.skipif(
@@ -303,3 +308,76 @@ def test_cache_kernel_choice(monkeypatch):
     model(torch.randint(0, 4096, (1, 12)), cache=strict, use_cache=True)
     with pytest.raises(RuntimeError, match="kernel='triton' needs a CUDA GPU"):
         model(torch.randint(0, 4096, (1, 1)), cache=strict, use_cache=True)
+
+
+# -- attention-level golden vectors (tests/golden_attention) --------------------------------------------------
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN_ATTENTION = Path(__file__).resolve().parent / "golden_attention"
+
+
+def _golden_case(case: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_attention_golden", ROOT / "scripts" / "make_attention_golden.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    block = module.BLOCKS[case]
+    bundle = load_bundle(GOLDEN / case)
+    codecs = [bundle.quantizer.codecs[f"{kind}.{block}"] for kind in ("key", "value")]
+    return module, block, bundle, codecs
+
+
+def test_attention_golden_vectors_are_rebuilt_identically():
+    module, *_ = _golden_case("ouro_loopvq")
+    stored = load_file(str(GOLDEN_ATTENTION / "attention.safetensors"))
+    rebuilt = module.build()
+    assert rebuilt.keys() == stored.keys()
+    for name, t in rebuilt.items():
+        assert t.dtype == stored[name].dtype and torch.equal(t, stored[name]), name
+    assert (GOLDEN_ATTENTION / "README.md").read_text() == module.README
+
+
+@pytest.mark.parametrize("case", ["ouro_loopvq", "huginn_tasq_loopvq"])
+def test_attention_golden_output_from_the_decoded_golden_tensors(case):
+    """Independent of the reference function: the decoded (and rotated) keys and decoded values stored in
+    tests/golden/expected.safetensors, the full-precision tokens rotated with the model's apply_rope, a float64
+    softmax."""
+    from loopvq_calib.models.common import apply_rope, rope_angles
+
+    _, block, bundle, _ = _golden_case(case)
+    gold = load_file(str(GOLDEN_ATTENTION / "attention.safetensors"))
+    expected = load_file(str(GOLDEN / "expected.safetensors"))
+    rope = bundle.meta["rope"]
+    keys = expected[f"{case}/key.{block}.decoded_rope"]  # [N, T, H, D]
+    values = expected[f"{case}/value.{block}.decoded"]
+    fp_pos = gold[f"{case}/fp_positions"]
+    for m in range(keys.shape[1]):
+        cos, sin = rope_angles(fp_pos[None], keys.shape[-1], rope["theta"])
+        fk = apply_rope(gold[f"{case}/fp_keys"][m][None], cos, sin, rope["style"])[0]
+        k = torch.cat([keys[:, m], fk]).double().repeat_interleave(2, 1)  # [S, Hq, D]
+        v = torch.cat([values[:, m], gold[f"{case}/fp_values"][m]]).double().repeat_interleave(2, 1)
+        q = gold[f"{case}/query"][m].double()
+        w = (torch.einsum("hd,shd->hs", q, k) / math.sqrt(q.shape[-1])).softmax(-1)
+        out = torch.einsum("hs,shd->hd", w, v)
+        assert ((out - gold[f"{case}/output"][m].double()).norm() / out.norm()) < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", ["ouro_loopvq", "huginn_tasq_loopvq"])
+def test_kernel_reproduces_the_attention_golden_vectors(case):
+    _, block, bundle, (kc, vc) = _golden_case(case)
+    gold = load_file(str(GOLDEN_ATTENTION / "attention.safetensors"))
+    expected = load_file(str(GOLDEN / "expected.safetensors"))
+    sigma = expected.get(f"{case}/key.{block}.sigma")
+    coded = da.CodedTokens(expected[f"{case}/key.{block}.indices"][None].to(DEVICE),
+                           expected[f"{case}/value.{block}.indices"][None].to(DEVICE),
+                           None if sigma is None else sigma[None].to(DEVICE), 16, gold[f"{case}/coded_positions"][:1])
+    rope = da.RopeTable(kc.layout.head_dim, bundle.meta["rope"]["theta"])
+    for m in range(kc.layout.steps):
+        tables = da.step_tables(kc, vc, m, bundle.meta["rope"]["style"], DEVICE, torch.float32)
+        out = da.decode_attention(gold[f"{case}/query"][m][None].to(DEVICE), tables, coded,
+                                  gold[f"{case}/fp_keys"][m][None].to(DEVICE), gold[f"{case}/fp_values"][m][None].to(DEVICE),
+                                  gold[f"{case}/fp_positions"][None].to(DEVICE), None, rope, block_n=8, num_splits=2)
+        ref = gold[f"{case}/output"][m]
+        assert ((out[0].cpu() - ref).norm() / ref.norm()) < 1e-5
