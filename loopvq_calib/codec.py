@@ -152,3 +152,36 @@ def code_bits(codebook_size: int, group_size: int) -> float:
 def sigma_bits(kv_heads: int, head_dim: int) -> float:
     """TaSQ's fp16 sigma per token and site, spread over the site's H*D key elements."""
     return 16.0 / (kv_heads * head_dim)
+
+
+def index_bits(codebook_size: int) -> int:
+    """Bits of one packed index: ceil(log2(K)) (K is a power of two in bundles: exactly log2(K))."""
+    return max(1, (codebook_size - 1).bit_length())
+
+
+def pack_indices(indices: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack the last axis of ``indices`` ([..., n], every value < 2**bits) into ``ceil(n * bits / 8)`` uint8.
+
+    Bit order (docs/bundle-format.md section 8): index j of a row occupies bits ``j*bits .. j*bits + bits - 1``
+    of the row's bit stream, least significant bit first; bit ``t`` of the stream is bit ``t % 8`` of byte
+    ``t // 8``; the last byte is zero-padded. Indices may straddle bytes (e.g. 3 or 6 bits).
+    """
+    if not 1 <= bits <= 16:
+        raise ValueError(f"index bits must be in 1..16, got {bits}")
+    x = indices.long()
+    if x.numel() and (x.min() < 0 or x.max() >= 1 << bits):
+        raise ValueError(f"indices must lie in [0, {1 << bits}) to pack into {bits} bits")
+    shifts = torch.arange(bits, device=x.device)
+    stream = ((x[..., None] >> shifts) & 1).flatten(-2)  # [..., n * bits], LSB first
+    pad = (-stream.shape[-1]) % 8
+    stream = torch.nn.functional.pad(stream, (0, pad)).unflatten(-1, (-1, 8))
+    return (stream << torch.arange(8, device=x.device)).sum(-1).to(torch.uint8)
+
+
+def unpack_indices(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_indices`: [..., bytes] uint8 -> [..., count] int64."""
+    if packed.shape[-1] * 8 < count * bits:
+        raise ValueError(f"{packed.shape[-1]} bytes hold fewer than {count} indices of {bits} bits")
+    stream = ((packed.long()[..., None] >> torch.arange(8, device=packed.device)) & 1).flatten(-2)
+    chunks = stream[..., : count * bits].unflatten(-1, (count, bits))
+    return (chunks << torch.arange(bits, device=packed.device)).sum(-1)

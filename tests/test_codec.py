@@ -98,3 +98,35 @@ def test_bits_accounting():
     assert code_bits(256, 16) == 0.5 and code_bits(256, 32) == 0.25
     assert code_bits(256, 16) + sigma_bits(16, 128) == pytest.approx(0.5078125)
     assert code_bits(256, 16) + sigma_bits(55, 96) == pytest.approx(0.503, abs=1e-3)
+
+
+def test_pack_indices_bit_order_by_hand():
+    """LSB-first bit stream, indices straddling bytes, last byte zero-padded (bundle-format section 8)."""
+    from loopvq_calib.codec import pack_indices, unpack_indices
+
+    assert pack_indices(torch.tensor([1, 2, 15]), 4).tolist() == [0x21, 0x0F]
+    assert pack_indices(torch.tensor([5, 3, 7]), 3).tolist() == [0b11011101, 0b1]  # 101 | 011 | 111, LSB first
+    assert pack_indices(torch.tensor([[300, 1]]), 9).tolist() == [[300 & 0xFF, (300 >> 8) | (1 << 1), 0]]
+    assert unpack_indices(torch.tensor([0x21, 0x0F], dtype=torch.uint8), 4, 3).tolist() == [1, 2, 15]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 6, 8, 12, 16])
+def test_pack_indices_round_trip(bits):
+    from loopvq_calib.codec import index_bits, pack_indices, unpack_indices
+
+    x = torch.randint(0, 1 << bits, (3, 4, 33), generator=torch.Generator().manual_seed(bits))
+    packed = pack_indices(x, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 4, -(-33 * bits // 8))
+    assert torch.equal(unpack_indices(packed, bits, 33), x)
+    assert index_bits(1 << bits) == bits
+
+
+def test_pack_indices_refuses_out_of_range():
+    from loopvq_calib.codec import pack_indices, unpack_indices
+
+    with pytest.raises(ValueError, match=r"\[0, 16\)"):
+        pack_indices(torch.tensor([16]), 4)
+    with pytest.raises(ValueError, match="1..16"):
+        pack_indices(torch.tensor([1]), 17)
+    with pytest.raises(ValueError, match="fewer than 5 indices"):
+        unpack_indices(torch.zeros(2, dtype=torch.uint8), 4, 5)
