@@ -35,7 +35,7 @@ class CodebookParams:
             self.params = list(self.words.values())
             if min_usage > 0 and usage is not None:  # Adam moves nothing whose gradient is always zero
                 for key, p in self.words.items():
-                    keep = (usage[key] >= min_usage).to(p.dtype)[..., None]
+                    keep = (usage[key] >= min_usage).to(p.device, p.dtype)[..., None]
                     p.register_hook(lambda g, keep=keep: g * keep)
         self.apply()
 

@@ -44,7 +44,9 @@ VARIANTS = {
                       "parameterization": "affine"},
     "batch4-lr1e-2": {"lr": 1e-2, "batch_size": 4, "epochs": 12, "lr_schedule": "cosine", "select_every": 3},
 }
-SEQUENCES = {16: list(VARIANTS), 64: ["paper", "lr1e-2-cosine-every4", "proximal10", "affine-lr1e-2"]}
+SEQUENCES = {16: ["paper", "lr1e-2-cosine-every4", "proximal1", "min-usage32", "affine-lr1e-2", "affine-lr3e-2",
+                  "batch4-lr1e-2"],
+             64: ["proximal1", "affine-lr1e-2"]}
 SMOKE = {"cells": CELLS[2:3], "sequences": {8: ["paper", "affine-lr3e-2"]}}
 SMOKE_SHAPES = {"sequence_length": 64, "kmeans_iterations": 3, "epochs": 1, "eval": (2, 64)}  # a quick CPU check
 
