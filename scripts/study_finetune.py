@@ -136,8 +136,8 @@ def main() -> None:
     args = p.parse_args()
     cells = SMOKE["cells"] if args.grid == "smoke" else CELLS
     sequences = SMOKE["sequences"] if args.grid == "smoke" else SEQUENCES
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    commit = commit or os.environ.get("STUDY_COMMIT", "")  # a copy without .git (the GPU machine)
+    commit = os.environ.get("STUDY_COMMIT") or subprocess.run(  # STUDY_COMMIT: a copy without its own .git
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     results = {"command": f"python scripts/study_finetune.py --device {args.device} --grid {args.grid}",
                "commit": commit or None, "variants": VARIANTS, "paper": PAPER, "cells": []}
     t0 = time.perf_counter()
