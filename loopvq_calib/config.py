@@ -108,14 +108,14 @@ class TasqConfig:
 class FinetuneConfig:
     enabled: bool = True
     epochs: int = 4
-    lr: float = 1e-3
-    lr_schedule: str = "constant"  # constant | cosine | linear (decay after the warm-up)
-    warmup_steps: int = 0  # optimizer steps of linear warm-up
+    lr: float = 1e-2  # the paper: 1e-3 (docs/finetune.md has the study behind these defaults)
+    lr_schedule: str = "cosine"  # constant | cosine | linear (decay after the warm-up); the paper: constant
+    warmup_steps: int = 4  # optimizer steps of linear warm-up; the paper: 0
     batch_size: int = 1  # sequences per optimizer step (split across processes)
-    select_every: int = 0  # measure the selection KL every N optimizer steps (0: after each epoch)
+    select_every: int = 4  # measure the selection KL every N optimizer steps (0: after each epoch, the paper)
     parameterization: str = "codewords"  # codewords (every entry free) | affine (per-codebook scale and shift)
     min_usage: int = 0  # codewords: train only entries that >= this many training vectors use (0: all)
-    proximal: float = 0.0  # weight of sum ||C - C0||^2 / sum ||C0||^2 toward the k-means codebooks
+    proximal: float = 1.0  # weight of sum ||C - C0||^2 / sum ||C0||^2 toward the k-means codebooks; the paper: 0
     kl_chunk: int = 1024  # positions per chunk of the KL computation
     loop_checkpointing: bool = False  # activation checkpointing per loop step
     autocast: str = "auto"  # auto (bf16 on GPU) | bfloat16 | none

@@ -10,6 +10,7 @@ figure only (it plays no part in any choice). Writes one JSON file.
 
     python scripts/study_finetune.py --device cuda --out docs/data/finetune-study.json
     python scripts/study_finetune.py --grid smoke --device cpu --out /tmp/smoke.json   # two variants, one cell
+    python scripts/study_finetune.py --report docs/data/finetune-study.json  # tables (stdout) + docs/figures PNG
 """
 
 from __future__ import annotations
@@ -127,13 +128,68 @@ def study_cell(method: str, bits: float, sequences: int, variants: list[str], de
     return out
 
 
+def report(path: Path, figure: Path) -> str:
+    """Markdown tables of a study file (evaluation KL per cell and variant, relative change against the same
+    run's k-means codebooks, mean over cells) and the figure of evaluation KL against optimizer step."""
+    data = json.loads(path.read_text())
+    cells = data["cells"]
+    names = list(dict.fromkeys(n for c in cells for n in c["variants"]))
+    head = [f"{c['method']} {c['bits']:g} bit" + (" *" if c.get("partial") else "") for c in cells]
+    lines = ["| variant | " + " | ".join(head) + " | mean change | fine-tuning s (H200, mean) |",
+             "|---|" + "---|" * (len(cells) + 2),
+             "| k-means (no fine-tuning) | " + " | ".join(f"{c['kmeans_evaluation_kl']:.5f}" for c in cells) + " | | |"]
+    for name in names:
+        row, changes, secs = [], [], []
+        for c in cells:
+            v = c["variants"].get(name)
+            if v is None:
+                row.append("-")
+                continue
+            changes.append(-v["reduction"])
+            secs.append(v["finetune_s"])
+            row.append(f"{v['evaluation_kl']:.5f} ({-v['reduction']:+.1%}, step {v['best_step']})")
+        mean = f"{sum(changes) / len(changes):+.1%}" + ("" if len(changes) == len(cells) else f" ({len(changes)} cells)")
+        lines.append(f"| {name} | " + " | ".join(row) + f" | {mean} | {sum(secs) / len(secs):.1f} |")
+    _figure(cells, figure)
+    return "\n".join(lines)
+
+
+def _figure(cells: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [c for c in cells if not c.get("partial")]
+    fig, axes = plt.subplots(1, len(shown), figsize=(4.2 * len(shown), 3.4), squeeze=False)
+    for ax, c in zip(axes[0], shown):
+        for name in ("paper", "lr1e-2-cosine-every4", "proximal1", "affine-lr1e-2", "batch4-lr1e-2"):
+            v = c["variants"].get(name)
+            if v and v["curve"]:
+                steps = [p["step"] * v["settings"].get("batch_size", 1) for p in v["curve"]]
+                ax.plot(steps, [p["evaluation_kl"] for p in v["curve"]], marker=".", label=name)
+        ax.axhline(c["kmeans_evaluation_kl"], color="grey", lw=0.8, ls="--")
+        ax.set_title(f"{c['method']} {c['bits']:g} bit")
+        ax.set_xlabel("training sequences seen")
+    axes[0][0].set_ylabel("evaluation KL (held-out plays)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(ROOT / "docs/data/finetune-study.json"))
     p.add_argument("--device", default="auto")
     p.add_argument("--grid", choices=["main", "smoke"], default="main")
     p.add_argument("--runs", default=str(ROOT / "runs/study-finetune"))
+    p.add_argument("--report", help="print the tables of this study file and write the figure instead of running")
+    p.add_argument("--figure", default=str(ROOT / "docs/figures/finetune-study.png"))
     args = p.parse_args()
+    if args.report:
+        print(report(Path(args.report), Path(args.figure)))
+        return
     cells = SMOKE["cells"] if args.grid == "smoke" else CELLS
     sequences = SMOKE["sequences"] if args.grid == "smoke" else SEQUENCES
     commit = os.environ.get("STUDY_COMMIT") or subprocess.run(  # STUDY_COMMIT: a copy without its own .git

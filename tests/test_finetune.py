@@ -41,19 +41,21 @@ def test_finetuning_lowers_selection_kl_and_keeps_the_best_epoch(reference_setup
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     result = finetune_codebooks(model, calib, init, FinetuneConfig(epochs=2, lr=1e-3), torch.device("cpu"))
     curve = [c["selection_kl"] for c in result.curve]
-    assert len(curve) == 3 and result.curve[0]["train_kl"] is None
+    assert [c["step"] for c in result.curve] == [0, 4, 8, 12] and result.curve[0]["train_kl"] is None
     assert min(curve[1:]) < curve[0]
-    assert result.best_epoch == min(range(3), key=curve.__getitem__)
-    # the returned codebooks are the best epoch's: re-measuring gives its selection KL
+    best = min(range(4), key=curve.__getitem__)
+    assert (result.best_step, result.best_epoch) == (result.curve[best]["step"], result.curve[best]["epoch"])
+    # the returned codebooks are the best point's: re-measuring gives its selection KL
     again = selection_kl(model, calib, result.quantizer, FinetuneConfig(), torch.device("cpu"))
-    assert again == pytest.approx(curve[result.best_epoch], rel=1e-5)
+    assert again == pytest.approx(curve[best], rel=1e-5)
     for k, v in model.state_dict().items():
         assert torch.equal(v, weights[k]), f"model weight {k} changed"
 
 
 def test_epoch_zero_is_kept_when_training_only_hurts(reference_setup):
     model, calib, init = reference_setup
-    result = finetune_codebooks(model, calib, init, FinetuneConfig(epochs=1, lr=5.0), torch.device("cpu"))
+    paper = FinetuneConfig(epochs=1, lr=5.0, lr_schedule="constant", warmup_steps=0, select_every=0, proximal=0.0)
+    result = finetune_codebooks(model, calib, init, paper, torch.device("cpu"))
     assert result.curve[1]["selection_kl"] > result.curve[0]["selection_kl"]
     assert result.best_epoch == 0
     for key, codec in result.quantizer.codecs.items():
