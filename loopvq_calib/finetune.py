@@ -215,7 +215,7 @@ def finetune_codebooks(
                 opt.step()
                 steps += 1
                 if steps == settle_after:
-                    cache.settle(device, to_come=sum(p.numel() * p.element_size() for p in free.params))
+                    cache.settle(device, to_come=sum(c.numel() * c.element_size() for c in free.init.values()))
                 if progress:
                     progress(1)
                 last_of_epoch = start + cfg.batch_size >= len(order)
