@@ -254,7 +254,7 @@ def test_select_every_n_steps(tiny_setup):
         torch.testing.assert_close(codec.codebook, seen[best][1].codecs[key].codebook, rtol=0, atol=0)
     result4, _ = _run(tiny_setup, epochs=2, lr=3e-2, select_every=4)
     assert [e["step"] for e in result4.curve] == [0, 4, 6]
-    per_epoch, _ = _run(tiny_setup, epochs=2, lr=3e-2)
+    per_epoch, _ = _run(tiny_setup, epochs=2, lr=3e-2, select_every=0)
     assert [(e["epoch"], e["step"]) for e in per_epoch.curve] == [(0, 0), (1, 3), (2, 6)]
 
 
@@ -285,7 +285,7 @@ def test_proximal_penalty_keeps_codebooks_near_kmeans(tiny_setup):
     def moved(seen):  # squared distance of the last step's codebooks from the k-means ones
         return sum((seen[-1][1].codecs[k].codebook - c.codebook).pow(2).sum().item() for k, c in init.codecs.items())
 
-    _, free = _run(tiny_setup, epochs=1, lr=3e-2, select_every=3)
+    _, free = _run(tiny_setup, epochs=1, lr=3e-2, select_every=3, proximal=0.0)
     _, held = _run(tiny_setup, epochs=1, lr=3e-2, select_every=3, proximal=1e4)
     assert 0 < moved(held) < 0.5 * moved(free)
 
