@@ -193,3 +193,18 @@ def test_capture_uses_the_teachers_initial_state():
     for site in fp.keys:
         torch.testing.assert_close(stored[1][f"key.{site}"], fp.keys[site][0], rtol=0, atol=0)
         torch.testing.assert_close(stored[1][f"value.{site}"], fp.values[site][0], rtol=0, atol=0)
+
+
+def test_seeded_state_is_drawn_once_for_repeated_forwards(monkeypatch):
+    """The teacher and the quantized forward of one sequence reuse the drawn state (one draw, not two)."""
+    model = make_tiny_huginn(state_init="like-init")
+    ids = torch.randint(0, 4096, (1, 8))
+    draws = []
+    original = torch.nn.init.trunc_normal_
+    monkeypatch.setattr(torch.nn.init, "trunc_normal_", lambda *a, **k: draws.append(1) or original(*a, **k))
+    with model.seeded_initial_state():
+        a = model(ids).logits
+    with model.seeded_initial_state():
+        b = model(ids).logits
+        model(ids[:, :5])
+    assert torch.equal(a, b) and len(draws) == 2
