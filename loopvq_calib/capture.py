@@ -25,6 +25,7 @@ from .config import CaptureConfig
 from .data import CalibrationSet
 from .models.common import apply_rope, rope_angles
 from .models.sites import KVLayout, KVRecorder, kv_hook
+from .objective import shared_initial_state
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -91,7 +92,7 @@ def capture_sequence(
     qstats = QueryStats(kv)
     model.query_observer = qstats
     try:
-        with kv_hook(model, rec), torch.enable_grad():
+        with kv_hook(model, rec), torch.enable_grad(), shared_initial_state(model):
             logits = model(ids, use_cache=False).logits
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
             loss.backward()

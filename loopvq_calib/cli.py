@@ -50,7 +50,9 @@ def calibrate_main(argv: list[str] | None = None) -> int:
         if result.bundle:
             print(f"bundle: {result.bundle}")
         if result.metrics:
-            print("held-out KL: k-means init {heldout_kl_init:.5f} -> best epoch {best_epoch}: {heldout_kl:.5f}".format(**result.metrics))
+            print("selection KL (calibration selection sequences): k-means {selection_kl_init:.5f} -> fine-tuned "
+                  "{selection_kl:.5f} (step {best_step}, epoch {best_epoch}); the evaluation KL on unseen text "
+                  "comes from loopvq-eval".format(**result.metrics))
     return 0
 
 

@@ -108,8 +108,14 @@ class TasqConfig:
 class FinetuneConfig:
     enabled: bool = True
     epochs: int = 4
-    lr: float = 1e-3
+    lr: float = 1e-2  # the paper: 1e-3 (docs/finetune.md has the study behind these defaults)
+    lr_schedule: str = "cosine"  # constant | cosine | linear (decay after the warm-up); the paper: constant
+    warmup_steps: int = 4  # optimizer steps of linear warm-up; the paper: 0
     batch_size: int = 1  # sequences per optimizer step (split across processes)
+    select_every: int = 4  # measure the selection KL every N optimizer steps (0: after each epoch, the paper)
+    parameterization: str = "codewords"  # codewords (every entry free) | affine (per-codebook scale and shift)
+    min_usage: int = 0  # codewords: train only entries that >= this many training vectors use (0: all)
+    proximal: float = 1.0  # weight of sum ||C - C0||^2 / sum ||C0||^2 toward the k-means codebooks; the paper: 0
     kl_chunk: int = 1024  # positions per chunk of the KL computation
     loop_checkpointing: bool = False  # activation checkpointing per loop step
     autocast: str = "auto"  # auto (bf16 on GPU) | bfloat16 | none
@@ -196,6 +202,25 @@ def _positive(path: str, value: float, zero_ok: bool = False) -> None:
         raise ConfigError(path, f"must be {'>= 0' if zero_ok else '> 0'}, got {value}")
 
 
+def validate_finetune(f: FinetuneConfig) -> None:
+    """The ``finetune`` section's own values."""
+    _positive("finetune.epochs", f.epochs, zero_ok=True)
+    _positive("finetune.lr", f.lr)
+    _choice("finetune.lr_schedule", f.lr_schedule, ("constant", "cosine", "linear"))
+    _positive("finetune.warmup_steps", f.warmup_steps, zero_ok=True)
+    _positive("finetune.batch_size", f.batch_size)
+    _positive("finetune.select_every", f.select_every, zero_ok=True)
+    _choice("finetune.parameterization", f.parameterization, ("codewords", "affine"))
+    _positive("finetune.min_usage", f.min_usage, zero_ok=True)
+    if f.min_usage and f.parameterization != "codewords":
+        raise ConfigError("finetune.min_usage", f"{f.min_usage} restricts codewords; it needs parameterization "
+                          f"codewords, not {f.parameterization}")
+    _positive("finetune.proximal", f.proximal, zero_ok=True)
+    _positive("finetune.kl_chunk", f.kl_chunk)
+    _choice("finetune.autocast", f.autocast, ("auto", "bfloat16", "none"))
+    _choice("finetune.cache_teacher", f.cache_teacher, ("auto", "true", "false"))
+
+
 def validate(cfg: Config) -> Config:
     """Check every value and combination that does not need the model; returns ``cfg``."""
     m, d, q, k, f, o = cfg.model, cfg.data, cfg.quant, cfg.kmeans, cfg.finetune, cfg.output
@@ -262,12 +287,7 @@ def validate(cfg: Config) -> Config:
     for name in ("problems_per_batch", "points_per_chunk"):
         if getattr(k, name) is not None:
             _positive(f"kmeans.{name}", getattr(k, name))
-    _positive("finetune.epochs", f.epochs, zero_ok=True)
-    _positive("finetune.lr", f.lr)
-    _positive("finetune.batch_size", f.batch_size)
-    _positive("finetune.kl_chunk", f.kl_chunk)
-    _choice("finetune.autocast", f.autocast, ("auto", "bfloat16", "none"))
-    _choice("finetune.cache_teacher", f.cache_teacher, ("auto", "true", "false"))
+    validate_finetune(f)
     _choice("output.codebook_dtype", o.codebook_dtype, DTYPES)
     s = o.serving
     if s.sink_tokens is None:

@@ -1,10 +1,12 @@
-"""Loop-aware codebook fine-tuning against the full-precision output (method.md section 7).
+"""Loop-aware codebook fine-tuning against the full-precision output (docs/finetune.md).
 
 Objective: mean over positions after the sinks of KL(p_j || q_j), q_j the frozen model's output when
 every site's keys/values after the sinks are replaced by decode(encode(.)) of that sequence's
-full-precision cache with the current codebooks. Assignments are recomputed each step without
-gradient; codebook entries get exact gradients through the lookup. Model weights never change.
-The k-means initialisation counts as epoch 0; the epoch with the lowest held-out KL is kept.
+full-precision cache with the current codebooks, plus an optional proximal penalty toward the k-means
+codebooks. Assignments are recomputed each step without gradient; the free parameters
+(finetune_recipe.py) get exact gradients through the lookup. Model weights never change. The k-means
+initialisation is step 0; the selection point (epoch end or every ``select_every`` steps) with the
+lowest selection KL (KL on the calibration set's selection sequences) is kept.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.distributed as dist
 
 from .config import FinetuneConfig
 from .data import CalibrationSet
+from .finetune_recipe import CodebookParams, add_usage, lr_factor
 from .objective import mean_kl, quantized_logits, teacher
 from .quantizer import KVQuantizer
 
@@ -27,10 +30,11 @@ log = logging.getLogger("loopvq_calib")
 
 @dataclass
 class FinetuneResult:
-    quantizer: KVQuantizer  # codebooks of the best epoch
-    best_epoch: int
-    curve: list[dict[str, Any]] = field(default_factory=list)  # per epoch: epoch, train_kl, heldout_kl
+    quantizer: KVQuantizer  # codebooks of the best selection point
+    best_epoch: int  # the epoch of that point (0: the k-means codebooks)
+    curve: list[dict[str, Any]] = field(default_factory=list)  # per selection point: epoch, step, train_kl, selection_kl
     teacher_kept: int = 0  # sequences (of this process) whose teacher outputs were kept across epochs
+    best_step: int = 0  # optimizer steps taken at that point
 
 
 def _autocast(cfg: FinetuneConfig, device: torch.device):
@@ -109,9 +113,10 @@ def sequence_kl(model: torch.nn.Module, ids: torch.Tensor, quantizer: KVQuantize
 
 
 @torch.no_grad()
-def heldout_kl(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, cfg: FinetuneConfig,
+def selection_kl(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, cfg: FinetuneConfig,
                device: torch.device, cache: TeacherCache | None = None) -> float:
-    """Mean KL over the held-out sequences (each process takes a share; summed across processes)."""
+    """Selection KL: mean KL over the selection sequences of the calibration set (``calib.heldout``; each
+    process takes a share, summed across processes)."""
     rank, world = _world()
     total = torch.zeros(2, device=device)
     for n, i in enumerate(calib.heldout):
@@ -129,6 +134,19 @@ def training_steps(cfg: FinetuneConfig, train_sequences: int) -> int:
     return cfg.epochs * -(-train_sequences // cfg.batch_size) if cfg.enabled else 0
 
 
+def usage_counts(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, cache: TeacherCache,
+                 device: torch.device) -> dict[str, torch.Tensor]:
+    """Per codebook [Hc, nc, K]: training vectors (this process's share, summed across processes)
+    assigned to each codeword."""
+    rank, world = _world()
+    counts: dict[str, torch.Tensor] = {}
+    for n, i in enumerate(calib.train):
+        if n % world == rank:
+            ids = calib.input_ids[i : i + 1].to(device)
+            add_usage(quantizer, cache.get(i, ids, device), calib.sink_tokens, counts)
+    return {k: _all_reduce_sum(v.to(device)).cpu() for k, v in counts.items()}
+
+
 def finetune_codebooks(
     model: torch.nn.Module,
     calib: CalibrationSet,
@@ -136,60 +154,82 @@ def finetune_codebooks(
     cfg: FinetuneConfig,
     device: torch.device,
     progress: Callable[[int], Any] | None = None,
+    on_select: Callable[[dict[str, Any], KVQuantizer], Any] | None = None,
 ) -> FinetuneResult:
-    """Adam on the codebooks, ``cfg.batch_size`` training sequences per step (split across processes,
-    gradients averaged), held-out KL after every epoch; returns the best epoch's codebooks. On CUDA it
+    """Adam on the codebooks' free parameters (``cfg.parameterization``), ``cfg.batch_size`` training
+    sequences per step (split across processes, gradients averaged), the selection KL after every epoch
+    (or every ``cfg.select_every`` steps); returns the codebooks of the best selection point.
+    ``on_select(entry, quantizer)`` sees every curve entry with the codebooks it measured. On CUDA it
     resets the device's peak-memory statistics (the teacher cache is sized from the first steps' peak)."""
     rank, world = _world()
     quantizer = copy.deepcopy(quantizer).to(device, torch.float32)
     cache = TeacherCache(model, cfg, -(-calib.input_ids.shape[0] // world))
     if device.type == "cuda":  # the first steps' peak decides how many teacher outputs fit (cache_teacher auto)
         torch.cuda.reset_peak_memory_stats(device)
-    init_kl = heldout_kl(model, calib, quantizer, cfg, device, cache) if calib.heldout else float("nan")
-    curve = [{"epoch": 0, "train_kl": None, "heldout_kl": init_kl}]
-    if not cfg.enabled or cfg.epochs == 0:
+    total = training_steps(cfg, len(calib.train))
+
+    def select(epoch: int, step: int, train: torch.Tensor | None) -> dict[str, Any]:
+        sel = selection_kl(model, calib, quantizer, cfg, device, cache) if calib.heldout else float("nan")
+        mean = None if train is None else (_all_reduce_sum(train)[0] / train[1].clamp_min(1)).item()
+        entry = {"epoch": epoch, "step": step, "train_kl": mean, "selection_kl": sel}
+        curve.append(entry)
+        if on_select is not None:
+            on_select(entry, quantizer)
+        return entry
+
+    curve: list[dict[str, Any]] = []
+    select(0, 0, None)
+    if total == 0:
         return FinetuneResult(quantizer, 0, curve, len(cache.store))
-    params = [torch.nn.Parameter(c.codebook) for c in quantizer.codecs.values()]
-    for c, p in zip(quantizer.codecs.values(), params):
-        c.codebook = p
-    opt = torch.optim.Adam(params, lr=cfg.lr)
-    best_kl, best_epoch, best_state = init_kl, 0, [p.detach().clone() for p in params]
-    steps, settle_after = 0, min(2, training_steps(cfg, len(calib.train)))
+    usage = usage_counts(model, calib, quantizer, cache, device) if cfg.min_usage > 0 else None
+    free = CodebookParams(quantizer, cfg.parameterization, usage, cfg.min_usage)
+    opt = torch.optim.Adam(free.params, lr=cfg.lr)
+    best, best_state = 0, free.snapshot()
+    steps, settle_after = 0, min(2, total)
     previous = getattr(model, "loop_checkpointing", False)
     model.loop_checkpointing = cfg.loop_checkpointing
     try:
+        train_sum = torch.zeros(2, device=device)
         for epoch in range(1, cfg.epochs + 1):
             gen = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
             order = [calib.train[i] for i in torch.randperm(len(calib.train), generator=gen).tolist()]
-            train_sum = torch.zeros(2, device=device)
             for start in range(0, len(order), cfg.batch_size):
                 batch = order[start : start + cfg.batch_size]
-                for p in params:
+                for p in free.params:
                     p.grad = torch.zeros_like(p)
+                free.apply()
+                if cfg.proximal > 0 and rank == 0:
+                    free.penalty(cfg.proximal).backward(retain_graph=True)
                 for n, i in enumerate(batch):
                     if n % world != rank:
                         continue
                     ids = calib.input_ids[i : i + 1].to(device)
                     kl = sequence_kl(model, ids, quantizer, calib.sink_tokens, cfg, device, cache.get(i, ids, device))
-                    (kl / len(batch)).backward()
+                    (kl / len(batch)).backward(retain_graph=cfg.parameterization == "affine")
                     train_sum += torch.stack([kl.detach().float(), torch.ones((), device=device)])
                 if world > 1:
-                    for p in params:
+                    for p in free.params:
                         _all_reduce_sum(p.grad)
+                for group in opt.param_groups:
+                    group["lr"] = cfg.lr * lr_factor(steps, total, cfg.warmup_steps, cfg.lr_schedule)
                 opt.step()
                 steps += 1
                 if steps == settle_after:
-                    cache.settle(device, to_come=sum(p.numel() * p.element_size() for p in params))
+                    cache.settle(device, to_come=sum(c.numel() * c.element_size() for c in free.init.values()))
                 if progress:
                     progress(1)
-            train_sum = _all_reduce_sum(train_sum)
-            held = heldout_kl(model, calib, quantizer, cfg, device, cache)
-            curve.append({"epoch": epoch, "train_kl": (train_sum[0] / train_sum[1]).item(), "heldout_kl": held})
-            log.info("fine-tune epoch %d: train KL %.5f, held-out KL %.5f", epoch, curve[-1]["train_kl"], held)
-            if held < best_kl:
-                best_kl, best_epoch, best_state = held, epoch, [p.detach().clone() for p in params]
+                last_of_epoch = start + cfg.batch_size >= len(order)
+                if (cfg.select_every and steps % cfg.select_every == 0) or (
+                        last_of_epoch and (not cfg.select_every or steps == total)):
+                    with torch.no_grad():
+                        free.apply()
+                    entry = select(epoch, steps, train_sum)
+                    train_sum = torch.zeros(2, device=device)
+                    log.info("fine-tune epoch %d step %d: train KL %.5f, selection KL %.5f", epoch, steps,
+                             entry["train_kl"], entry["selection_kl"])
+                    if entry["selection_kl"] < curve[best]["selection_kl"]:
+                        best, best_state = len(curve) - 1, free.snapshot()
     finally:
         model.loop_checkpointing = previous
-    for c, state in zip(quantizer.codecs.values(), best_state):
-        c.codebook = state
-    return FinetuneResult(quantizer, best_epoch, curve, len(cache.store))
+    free.restore(best_state)
+    return FinetuneResult(quantizer, curve[best]["epoch"], curve, len(cache.store), curve[best]["step"])

@@ -111,9 +111,10 @@ def model_card(meta: dict[str, Any]) -> str:
         f"| codebook memory | {meta['codebook_bytes']:,} bytes ({meta['codebook_dtype']}) |",
         f"| RoPE | {meta['rope']['style']}, theta {meta['rope']['theta']:g} (applied after decoding) |",
     ]
-    if "heldout_kl" in metrics:
-        init = f" (after k-means: {_num(metrics['heldout_kl_init'])})" if "heldout_kl_init" in metrics else ""
-        lines.append(f"| held-out KL to full precision | {_num(metrics['heldout_kl'])}{init} |")
+    if "selection_kl" in metrics:
+        init = f" (after k-means: {_num(metrics['selection_kl_init'])})" if "selection_kl_init" in metrics else ""
+        lines.append(f"| selection KL to full precision (calibration selection sequences) | "
+                     f"{_num(metrics['selection_kl'])}{init} |")
     lines += [
         "", "## Load", "", "```python",
         "from huggingface_hub import snapshot_download",

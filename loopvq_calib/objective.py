@@ -2,11 +2,14 @@
 
 ``teacher`` runs the frozen model in full precision and records every site's pre-RoPE keys/values.
 ``quantized_logits`` reruns it with the keys/values after the sink tokens replaced by decode(encode(.))
-of that full-precision cache (method.md eq. 6), optionally only at some loop steps.
+of that full-precision cache (method.md eq. 6), optionally only at some loop steps. Both run inside
+:func:`shared_initial_state`, so a model with a random initial state (Huginn ``like-init``) starts the
+teacher and the quantized forward of one sequence from the same state.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +28,17 @@ class Teacher:
     values: dict[int, torch.Tensor]
 
 
+def shared_initial_state(model: torch.nn.Module) -> AbstractContextManager:
+    """Forwards inside draw each sequence's random initial state from a seed of its tokens (models with
+    ``seeded_initial_state``, i.e. Huginn); a no-op for models without a random state."""
+    seeded = getattr(model, "seeded_initial_state", None)
+    return seeded() if seeded is not None else nullcontext()
+
+
 @torch.no_grad()
 def teacher(model: torch.nn.Module, ids: torch.Tensor) -> Teacher:
     rec = KVRecorder()
-    with kv_hook(model, rec):
+    with kv_hook(model, rec), shared_initial_state(model):
         logits = model(ids, use_cache=False).logits
     return Teacher(logits, rec.keys, rec.values)
 
@@ -59,7 +69,7 @@ def quantized_logits(
         keep = {s.site for s in quantizer.kv.sites if s.looped and s.step in only_steps}
         qk = {s: t for s, t in qk.items() if s in keep}
     sub = KVSubstituter(lambda site: (qk[site], qv[site]) if site in qk else None, sink_mask(ids, sink_tokens))
-    with kv_hook(model, sub):
+    with kv_hook(model, sub), shared_initial_state(model):
         return model(ids, use_cache=False).logits
 
 

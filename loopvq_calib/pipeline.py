@@ -246,8 +246,9 @@ class Pipeline:
             bar.close()
             if self.state.is_main_process:
                 save_quantizer(result.quantizer, tmp)
-                (tmp / "curve.json").write_text(json.dumps({"best_epoch": result.best_epoch, "curve": result.curve}, indent=1))
-            return {"best_epoch": result.best_epoch}
+                best = {"best_epoch": result.best_epoch, "best_step": result.best_step, "curve": result.curve}
+                (tmp / "curve.json").write_text(json.dumps(best, indent=1))
+            return {"best_epoch": result.best_epoch, "best_step": result.best_step}
 
         self._reuse_or_run("finetune", fp, body, distributed=True)
         curve = json.loads((self.run.path("finetune") / "curve.json").read_text())
@@ -258,12 +259,8 @@ class Pipeline:
 
         c = self.cfg
         fp = fingerprint("bundle", __version__, self.fp["finetune"], asdict(c.output))
-        best = curve["curve"][curve["best_epoch"]]
-        metrics = {
-            "heldout_kl": best["heldout_kl"], "heldout_kl_init": curve["curve"][0]["heldout_kl"],
-            "best_epoch": curve["best_epoch"], "finetune_curve": curve["curve"],
-            "heldout_sequences": len(calib.heldout), "bits": quantizer.bits(),
-        }
+        metrics = {**selection_metrics(curve), "finetune_curve": curve["curve"],
+                   "selection_sequences": len(calib.heldout), "bits": quantizer.bits()}
         name = c.output.bundle_name or f"{Path(c.model.name_or_path).name}-{c.quant.method}-{c.quant.bits:g}bit"
 
         def body(tmp: Path) -> dict:
@@ -296,8 +293,7 @@ class Pipeline:
         curve = None
         if "finetune" in self.wanted:
             quantizer, curve = self.stage_finetune(calib, quantizer)
-            result.metrics = {"heldout_kl": curve["curve"][curve["best_epoch"]]["heldout_kl"],
-                              "heldout_kl_init": curve["curve"][0]["heldout_kl"], "best_epoch": curve["best_epoch"]}
+            result.metrics = selection_metrics(curve)
         if "bundle" in self.wanted:
             result.bundle = self.stage_bundle(calib, quantizer, curve)
         result.stages = [asdict(r) for r in self.run.records]
@@ -305,6 +301,14 @@ class Pipeline:
             self.run.update(finetune_curve=curve["curve"] if curve else None)
             log.info("stage summary\n%s", self.run.summary_table())
         return result
+
+
+def selection_metrics(curve: dict) -> dict[str, Any]:
+    """The selection KL (KL on the calibration set's selection sequences, which pick the fine-tuning step;
+    not the evaluation KL of ``loopvq-eval``) of the kept codebooks and of the k-means codebooks."""
+    best = next(e for e in curve["curve"] if e["step"] == curve["best_step"])
+    return {"selection_kl": best["selection_kl"], "selection_kl_init": curve["curve"][0]["selection_kl"],
+            "best_epoch": curve["best_epoch"], "best_step": curve["best_step"]}
 
 
 def _mkdir(path: Path) -> Path:

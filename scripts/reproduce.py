@@ -15,8 +15,10 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +38,7 @@ def run_config(method: str, bits: float, corpus: str = "shakespeare", sequences:
                  "heldout_sequences": sequences // 4, "sink_tokens": 8},
         "quant": {"method": method, "bits": bits, "group_size": WIDTHS[bits], "codebook_size": 256, "steps_per_block": 4},
         "kmeans": {"iterations": KMEANS_ITERS, "fisher_weighted": fisher},
-        "finetune": {"epochs": 4, "lr": 1e-3},
+        "finetune": {},  # the shipped recipe (FinetuneConfig's defaults)
     }
 
 
@@ -144,7 +146,12 @@ def main() -> None:
     times = calibrate_all(args.workers)
     data = evaluate_all()
     data["times"], data["total_s"] = times, time.time() - start
-    data["settings"] = {"sequence_length": SEQ_LEN, "kmeans_iterations": KMEANS_ITERS, "workers": args.workers}
+    from loopvq_calib.config import FinetuneConfig
+
+    data["settings"] = {"sequence_length": SEQ_LEN, "kmeans_iterations": KMEANS_ITERS, "workers": args.workers,
+                        "finetune": asdict(FinetuneConfig())}
+    data["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                    text=True).stdout.strip() or None
     FIGS.mkdir(parents=True, exist_ok=True)
     (DOCS / "data" / "results.json").write_text(json.dumps(data, indent=1, default=float))
     from reproduce_report import write_results

@@ -82,14 +82,22 @@ def size_corpus_section(m: dict) -> str:
     return _table(["run", "held-out KL k-means", "held-out KL fine-tuned"], rows)
 
 
-def curve_section(curves: dict) -> str:
+def kept(curve: dict) -> dict:
+    """The curve point whose codebooks the run kept."""
+    return next(e for e in curve["curve"] if e["step"] == curve["best_step"])
+
+
+def curve_section(curves: dict, m: dict) -> str:
     rows = []
     for bits in WIDTHS:
         for method in METHODS:
-            c = curves[f"{method}-{bits}"]
-            rows.append([NAMES[method], f"{bits:g}", *(_f(e["heldout_kl"]) for e in c["curve"]), str(c["best_epoch"]),
-                         f"{100 * (1 - c['curve'][c['best_epoch']]['heldout_kl'] / c['curve'][0]['heldout_kl']):.1f}%"])
-    return _table(["method", "width", "epoch 0 (k-means)", "1", "2", "3", "4", "best", "reduction"], rows)
+            name, c = f"{method}-{bits}", curves[f"{method}-{bits}"]
+            sel0, sel = c["curve"][0]["selection_kl"], kept(c)["selection_kl"]
+            ev0, ev = m[f"{name}/kmeans"]["heldout_kl"], m[f"{name}/finetune"]["heldout_kl"]
+            rows.append([NAMES[method], f"{bits:g}", _f(sel0), f"{c['best_step']} of {c['curve'][-1]['step']}", _f(sel),
+                         f"{100 * (sel / sel0 - 1):+.1f}%", _f(ev0), _f(ev), f"{100 * (ev / ev0 - 1):+.1f}%"])
+    return _table(["method", "width", "selection KL, k-means", "kept step", "selection KL, kept", "change",
+                   "evaluation KL, k-means", "evaluation KL, fine-tuned", "change"], rows)
 
 
 def figures(data: dict, figs: Path) -> None:
@@ -127,8 +135,8 @@ def figures(data: dict, figs: Path) -> None:
     for ax, bits in zip(axes, WIDTHS):
         for method in METHODS:
             c = data["curves"][f"{method}-{bits}"]["curve"]
-            ax.plot([e["epoch"] for e in c], [e["heldout_kl"] for e in c], marker="o", label=NAMES[method])
-        ax.set(title=f"Fine-tuning, {bits:g} bit", xlabel="epoch (0 = k-means)", ylabel="held-out KL (calibration split)", yscale="log")
+            ax.plot([e["step"] for e in c], [e["selection_kl"] for e in c], marker="o", label=NAMES[method])
+        ax.set(title=f"Fine-tuning, {bits:g} bit", xlabel="optimizer step (0 = k-means)", ylabel="selection KL", yscale="log")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(figs / "finetune_curves.png", dpi=120)
@@ -145,11 +153,18 @@ def discussion(data: dict) -> str:
     nmse = {b: m[f"loopvq-{b}/kmeans"]["nmse"]["key"] / m[f"cq-{b}/kmeans"]["nmse"]["key"] for b in WIDTHS}
     gain = {b: kl(f"loopvq-{b}") / kl(f"cq-{b}") for b in WIDTHS}
     ft = [1 - kl(f"{meth}-{b}") / kl(f"{meth}-{b}", "kmeans") for meth in METHODS for b in WIDTHS]
-    ft_cal = [1 - cv["curve"][cv["best_epoch"]]["heldout_kl"] / cv["curve"][0]["heldout_kl"] for cv in c.values()]
+    ft_cal = [1 - kept(cv)["selection_kl"] / cv["curve"][0]["selection_kl"] for cv in c.values()]
     tasq = {b: kl(f"tasq-{b}") / kl(f"cq-{b}") for b in WIDTHS}
     steps = m["loopvq-0.5/finetune"]["per_step_kl"]
     corpus = {meth: kl(f"{meth}-0.25-kjv") / kl(f"{meth}-0.25") for meth in ("cq", "tasq+loopvq")}
-    calib_gap = kl("loopvq-0.5") / c["loopvq-0.5"]["curve"][c["loopvq-0.5"]["best_epoch"]]["heldout_kl"]
+    calib_gap = kl("loopvq-0.5") / kept(c["loopvq-0.5"])["selection_kl"]
+    f = data["settings"]["finetune"]
+    recipe = f"Adam lr {f['lr']:g}, {f['lr_schedule']} schedule, {f['warmup_steps']} warm-up steps, selection every " \
+             f"{f['select_every'] or 'epoch'}{' steps' if f['select_every'] else ''}, proximal {f['proximal']:g}"
+    adjacent = data["structure"]["key"]["adjacent_steps"]
+    tasq_verdict = "TaSQ helps this model a little" if max(tasq.values()) < 1 else (
+        "TaSQ does not help this model" if min(tasq.values()) >= 1 else "TaSQ helps this model at one width only")
+    loop_gain = "behind" if kl("tasq+loopvq-0.5") > kl("loopvq-0.5") else "ahead of"
     return f"""## Agreement and disagreement with the paper
 
 Agrees:
@@ -166,25 +181,22 @@ Agrees:
 - **Per-step sensitivity** (Table 1) differs strongly between steps, and the first step is the most sensitive.
 
 Disagrees, and why we think so:
-- **Fine-tuning gains are small**: {100 * min(ft):.1f}% to {100 * max(ft):.1f}% lower held-out KL on the evaluation
-  text ({100 * min(ft_cal):.1f}% to {100 * max(ft_cal):.1f}% on the calibration hold-out), against about half in
-  Fig. 4. Each epoch sees 12 x {data['settings']['sequence_length']} tokens here (the paper: 12 x 2,048), while a
-  method has ~0.8 M codebook entries (one 256 x G codebook per block, K/V, head and group); with this little
-  signal Adam at 1e-3 moves the codebooks little in 4 epochs, and the calibration-to-evaluation shift
-  (other plays, 512-token windows instead of {data['settings']['sequence_length']}) dominates: the evaluation KL
-  is x{calib_gap:.1f} the calibration hold-out KL for LoopVQ at 0.5 bit. The paper's result is on real Ouro with
-  2,048-token calibration sequences; we did not tune learning rate or epochs to this model (issue 8 forbids
-  tuning to the held-out text).
-- **TaSQ does not help this model**: TaSQ / CQ held-out KL x{tasq[0.5]:.2f} at 0.5 bit and x{tasq[0.25]:.2f} at
-  0.25 bit, and TaSQ+LoopVQ is behind LoopVQ. Its fp16 sigma costs 16 / (6 x 64) = 0.042 bit per key element
-  here (0.008 on Ouro-1.4B) on top of the same codebooks; with head_dim 64 the
-  consecutive channels of a group are already correlated (|r| 0.37 vs 0.16 on Ouro-1.4B), so the permutation
-  has less to gain; and the channel weights come from query statistics over only ~3 k calibration tokens.
+- **Fine-tuning gains are small**: {100 * min(ft):.1f}% to {100 * max(ft):.1f}% lower evaluation KL
+  ({100 * min(ft_cal):.1f}% to {100 * max(ft_cal):.1f}% lower selection KL), against about half in Fig. 4, with
+  the shipped recipe ({recipe}; the study behind it is in docs/finetune.md). Each epoch sees
+  12 x {data['settings']['sequence_length']} tokens here (the paper: 12 x 2,048) for ~0.8 M codebook entries,
+  and the evaluation KL is x{calib_gap:.1f} the selection KL for LoopVQ at 0.5 bit (other plays, 512-token
+  windows instead of {data['settings']['sequence_length']}).
+- **{tasq_verdict}**: TaSQ / CQ evaluation KL x{tasq[0.5]:.2f} at 0.5 bit and x{tasq[0.25]:.2f} at
+  0.25 bit, and TaSQ+LoopVQ is {loop_gain} LoopVQ at 0.5 bit. Its fp16 sigma costs 16 / (6 x 64) = 0.042 bit per
+  key element here (0.008 on Ouro-1.4B) on top of the same codebooks; with head_dim 64 the consecutive
+  channels of a group are already correlated (|r| {data['structure']['key']['within_group']:.2f} here, 0.16 on
+  Ouro-1.4B in the paper), so the permutation has less to gain.
 - **Step 1 dominates more than in Table 1**: quantizing only step 1 costs {steps[0]:.4f} KL (LoopVQ, 0.5 bit),
   {steps[0] / max(steps[1:]):.0f}x any later step (the paper: about 2-5x). On this small model later loops change
-  the hidden state little (held-out loss per loop 4.41 / 4.33 / 4.31 / 4.31, docs/reference-model.md) and
-  correct errors of the first loop only partly, while the first loop's keys are the least correlated with
-  the others (|r| 0.75 between steps 1 and 2 vs 0.98-0.99 later).
+  the hidden state little (loss per loop: docs/reference-model.md) and correct errors of the first loop only
+  partly, while the first loop's keys are the least correlated with the others (|r| {adjacent[0]:.2f} between
+  steps 1 and 2 vs {min(adjacent[1:]):.2f}-{max(adjacent[1:]):.2f} later).
 - **Absolute KL** is not comparable to the paper's accuracy tables: a 10 M-parameter model evaluated by KL
   and perplexity on Shakespeare, not a 1.4 B model on GSM8K / MATH500 / HumanEval / MBPP.
 
@@ -197,14 +209,14 @@ def write_results(data: dict, path: Path, figs: Path) -> None:
     h = data["heldout"]
     text = f"""# Results on the shipped reference model
 
-Everything on this page was measured by `python scripts/reproduce.py` on the 2-core CPU development machine
-(total {data['total_s'] / 60:.1f} min), on the shipped reference model (`artifacts/tiny-ouro`, a 4-layer x
+Everything on this page was measured by `python scripts/reproduce.py` at commit `{data.get('commit') or 'unknown'}`
+on the 2-core CPU development machine (total {data['total_s'] / 60:.1f} min), on the shipped reference model (`artifacts/tiny-ouro`, a 4-layer x
 4-loop Ouro, head_dim 64, 6 KV heads: docs/reference-model.md). Raw numbers: `docs/data/results.json`.
 
 Setup. Calibration: 16 sequences x {data['settings']['sequence_length']} tokens of *Hamlet* + *Macbeth*
-(`artifacts/data/shakespeare-calib.jsonl`), 8 sink tokens, 12 train / 4 held-out for epoch selection;
-k-means {data['settings']['kmeans_iterations']} Lloyd iterations (batched torch backend) from Fisher-weighted k-means++ seeds; fine-tuning 4 epochs, Adam lr 1e-3,
-one sequence per step. Evaluation: {h['num_sequences']} windows of {h['sequence_length']} tokens of *The Tempest* +
+(`artifacts/data/shakespeare-calib.jsonl`), 8 sink tokens, 12 train / 4 selection sequences;
+k-means {data['settings']['kmeans_iterations']} Lloyd iterations (batched torch backend) from Fisher-weighted k-means++ seeds; fine-tuning
+{data['settings']['finetune']['epochs']} epochs of the shipped recipe (docs/finetune.md), one sequence per step. Evaluation: {h['num_sequences']} windows of {h['sequence_length']} tokens of *The Tempest* +
 *Twelfth Night* (`artifacts/data/shakespeare-heldout.jsonl`, never used for calibration); every position
 after the 8 sinks quantized at every KV site (no bf16 recent window), KL to the full-precision output
 averaged over those positions. K = 256 everywhere; 0.5 bit = G 16, 0.25 bit = G 32; T_c = 4.
@@ -248,9 +260,10 @@ Held-out KL when only one loop step's keys and values are quantized (fine-tuned 
 
 ## Fine-tuning curves (paper Fig. 4)
 
-Held-out KL on the 4 calibration hold-out sequences after each epoch (epoch 0 = k-means initialisation).
+Selection KL (the 4 selection sequences of the calibration text) of the k-means codebooks (step 0) and of
+the kept step, and the evaluation KL of both (held-out plays).
 
-{curve_section(data['curves'])}
+{curve_section(data['curves'], m)}
 
 ![curves](figures/finetune_curves.png)
 

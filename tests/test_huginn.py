@@ -128,3 +128,83 @@ def test_checkpoint_without_rope_table_loads(tmp_path):
     sd.pop("freqs_cis")
     save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
     assert isinstance(AutoModelForCausalLM.from_pretrained(tmp_path), HuginnForCausalLM)
+
+
+def test_seeded_initial_state_is_a_function_of_the_tokens():
+    """Inside seeded_initial_state each row's state comes from sequence_seed(its tokens): repeated
+    forwards agree, a row alone equals the same row in a batch, other tokens give another state, the
+    draw equals a hand-seeded truncated normal, and outside the block the state is random again."""
+    from loopvq_calib.models.huginn import sequence_seed
+
+    model = make_tiny_huginn(state_init="like-init")
+    ids = torch.randint(0, 4096, (2, 6))
+    e = torch.zeros(2, 6, 64)
+    with model.seeded_initial_state():
+        a, b = model(ids).logits, model(ids).logits
+        alone = model(ids[1:]).logits
+        state = model.initial_state(e, input_ids=ids)
+        with model.seeded_initial_state(seed=5):  # nested: the outer seed stays
+            torch.testing.assert_close(model.initial_state(e, input_ids=ids), state, rtol=0, atol=0)
+    assert torch.equal(a, b)
+    torch.testing.assert_close(alone[0], a[1])  # same state; batched matmuls may round differently
+    std = model.config.init_values["std"]
+    gen = torch.Generator().manual_seed(sequence_seed(ids[0]))
+    expect = torch.nn.init.trunc_normal_(torch.empty(6, 64), std=std, a=-3 * std, b=3 * std, generator=gen)
+    torch.testing.assert_close(state[0], expect * model.config.init_values["embed_scale"], rtol=0, atol=0)
+    assert not torch.allclose(state[0], state[1])
+    assert sequence_seed(ids[0]) == sequence_seed(ids[0].to(torch.int32)) != sequence_seed(ids[0], seed=1)
+    with model.seeded_initial_state(seed=1):
+        assert not torch.allclose(model.initial_state(e, input_ids=ids), state)
+    assert model._state_seed is None and not torch.allclose(model(ids).logits, a)
+
+
+def test_like_init_kl_of_an_identity_quantizer_is_exactly_zero_and_reproducible():
+    """A quantizer whose codebooks hold every group vector of the sequence reproduces its keys/values;
+    under like-init the teacher and quantized forwards share the initial state, so the KL is exactly 0
+    (fine-tuning objective and evaluation), and a lossy quantizer's numbers repeat exactly."""
+    from loopvq_calib.config import FinetuneConfig
+    from loopvq_calib.evaluate import evaluate_quantizers
+    from loopvq_calib.finetune import sequence_kl
+    from loopvq_calib.objective import mean_kl, teacher
+    from loopvq_calib.qcache import sampled_quantizer
+
+    model = make_tiny_huginn(state_init="like-init")
+    ids = torch.randint(0, 4096, (1, 16))
+    exact = sampled_quantizer(model, ids, "loopvq", codebook_size=16)
+    lossy = sampled_quantizer(model, ids, "loopvq", codebook_size=4)
+    assert sequence_kl(model, ids, exact, 2, FinetuneConfig(), torch.device("cpu")).item() == 0.0
+    first = evaluate_quantizers(model, ids, [(exact, 2), (lossy, 2)], per_step=False)
+    again = evaluate_quantizers(model, ids, [(exact, 2), (lossy, 2)], per_step=False)
+    assert first[0]["heldout_kl"] == 0.0 and first[0]["nmse"] == {"key": 0.0, "value": 0.0}
+    assert first[1]["heldout_kl"] > 0 and first[1] == again[1]
+    # without a shared state two full-precision forwards already disagree: the noise the fix removes
+    assert mean_kl(teacher(model, ids).logits, model(ids).logits, 2).item() > 1e-6
+
+
+def test_capture_uses_the_teachers_initial_state():
+    """The captured keys/values (and so the Fisher's forward) of a like-init model are the teacher's."""
+    from loopvq_calib.capture import capture_sequence
+    from loopvq_calib.objective import teacher
+
+    model = make_tiny_huginn(state_init="like-init")
+    ids = torch.randint(0, 4096, (2, 12))
+    stored = capture_sequence(model, ids, model.kv_layout(), [0, 1])
+    fp = teacher(model, ids[1:])
+    for site in fp.keys:
+        torch.testing.assert_close(stored[1][f"key.{site}"], fp.keys[site][0], rtol=0, atol=0)
+        torch.testing.assert_close(stored[1][f"value.{site}"], fp.values[site][0], rtol=0, atol=0)
+
+
+def test_seeded_state_is_drawn_once_for_repeated_forwards(monkeypatch):
+    """The teacher and the quantized forward of one sequence reuse the drawn state (one draw, not two)."""
+    model = make_tiny_huginn(state_init="like-init")
+    ids = torch.randint(0, 4096, (1, 8))
+    draws = []
+    original = torch.nn.init.trunc_normal_
+    monkeypatch.setattr(torch.nn.init, "trunc_normal_", lambda *a, **k: draws.append(1) or original(*a, **k))
+    with model.seeded_initial_state():
+        a = model(ids).logits
+    with model.seeded_initial_state():
+        b = model(ids).logits
+        model(ids[:, :5])
+    assert torch.equal(a, b) and len(draws) == 2

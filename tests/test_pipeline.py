@@ -135,7 +135,7 @@ def test_cli_run_writes_bundle_and_reports(tiny_ouro_dir, calib_corpus, tmp_path
     out = tmp_path / "cli-run"
     assert calibrate_main(["--config", str(cfg_path), "--output", str(out), "--set", "finetune.epochs=1"]) == 0
     printed = capsys.readouterr().out
-    assert f"bundle: {out / 'bundle'}" in printed and "held-out KL" in printed
+    assert f"bundle: {out / 'bundle'}" in printed and "selection KL" in printed
     assert load_config(out / "config.yaml").finetune.epochs == 1
     assert calibrate_main(["--config", str(cfg_path), "--stages", "bogus"]) == 2
 
@@ -179,7 +179,7 @@ def test_two_cpu_processes_equal_one(tiny_ouro_dir, calib_corpus, tmp_path, stor
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
     curve_a = json.loads((single / "finetune" / "curve.json").read_text())["curve"]
     curve_b = json.loads((two / "finetune" / "curve.json").read_text())["curve"]
-    assert curve_a[1]["heldout_kl"] == pytest.approx(curve_b[1]["heldout_kl"], rel=1e-4)
+    assert curve_a[1]["selection_kl"] == pytest.approx(curve_b[1]["selection_kl"], rel=1e-4)
     assert json.loads((two / "manifest.json").read_text())["processes"] == 2
 
 

@@ -8,8 +8,10 @@ P + C*t + j, coda k -> P + C*r + k.
 
 from __future__ import annotations
 
+import hashlib
 import math
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -147,6 +149,13 @@ class SandwichBlock(nn.Module):
         return self.norm_4(x + self.mlp(self.norm_3(x)))
 
 
+def sequence_seed(ids: torch.Tensor, seed: int = 0) -> int:
+    """Seed of one sequence's initial state: the first 63 bits of sha256(``seed`` as 8 bytes, then the
+    token ids [S] as little-endian int64), so it depends on the tokens only, not on batch or device."""
+    data = seed.to_bytes(8, "little", signed=True) + ids.detach().to("cpu", torch.int64).numpy().astype("<i8").tobytes()
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") & ((1 << 63) - 1)
+
+
 class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
     """Huginn with the number of recurrences as an argument; fp32 logits as in the reference."""
 
@@ -155,6 +164,8 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
     _no_split_modules = ["SandwichBlock"]
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
     optional_checkpoint_keys = ("freqs_cis",)
+    _state_seed: int | None = None  # set inside seeded_initial_state
+    _state_memo: tuple | None = None  # (key, state) of the last seeded draw, reused by the next forward of those sequences
 
     def __init__(self, config: HuginnConfig) -> None:
         super().__init__(config)
@@ -195,14 +206,45 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         sites += [KVSite(p + core * r + k, 0, k, False, "coda") for k in range(c.n_layers_in_coda)]
         return KVLayout("huginn_raven", tuple(sites), r, c.n_heads, c.head_dim, "interleaved", c.rope_base)
 
-    def initial_state(self, like: torch.Tensor, init_scale: float = 1.0) -> torch.Tensor:
-        """Random like-init state (truncated normal, +-3 std, times the embedding scale), or zeros."""
+    def initial_state(self, like: torch.Tensor, init_scale: float = 1.0,
+                      input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Random like-init state (truncated normal, +-3 std, times the embedding scale), or zeros.
+
+        Inside :meth:`seeded_initial_state` (and when ``input_ids`` [B, S] are given) each row is drawn
+        from its own CPU generator seeded by :func:`sequence_seed`, so every forward of one sequence
+        starts from the same state; otherwise from the global generator, as the hub model does."""
         if self.config.state_init == "zero" or init_scale == 0:
             return torch.zeros_like(like)
         std = self.config.init_values["std"] * init_scale
-        s = torch.randn_like(like)
-        nn.init.trunc_normal_(s, mean=0.0, std=std, a=-3 * std, b=3 * std)
-        return s * self.config.init_values["embed_scale"]
+        scale = self.config.init_values["embed_scale"]
+        if self._state_seed is None or input_ids is None:
+            s = torch.empty_like(like)
+            nn.init.trunc_normal_(s, mean=0.0, std=std, a=-3 * std, b=3 * std)
+            return s * scale
+        seeds = tuple(sequence_seed(row, self._state_seed) for row in input_ids)
+        key = (seeds, tuple(like.shape), like.device, like.dtype, std)
+        if self._state_memo is not None and self._state_memo[0] == key:  # the other forward of the same sequences
+            return self._state_memo[1]
+        rows = []
+        for seed in seeds:
+            gen = torch.Generator().manual_seed(seed)
+            s = torch.empty(like.shape[1:], dtype=torch.float32)
+            rows.append(nn.init.trunc_normal_(s, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen) * scale)
+        state = torch.stack(rows).to(like.device, like.dtype)
+        self._state_memo = (key, state)
+        return state
+
+    @contextmanager
+    def seeded_initial_state(self, seed: int = 0) -> Iterator[None]:
+        """Within the block every forward draws each sequence's like-init state reproducibly, from
+        ``seed`` and the sequence's tokens: the teacher and the quantized forward of a sequence (in
+        capture, fine-tuning and evaluation) share one state. Nested blocks keep the outermost seed."""
+        previous = self._state_seed
+        self._state_seed = seed if previous is None else previous
+        try:
+            yield
+        finally:
+            self._state_seed = previous
 
     def _core_step(self, s: torch.Tensor, e: torch.Tensor, ctx: ForwardContext, t: int) -> torch.Tensor:
         tf, c = self.transformer, self.config
@@ -233,7 +275,7 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         e = tf.wte(input_ids) * torch.tensor(c.init_values["embed_scale"], dtype=tf.wte.weight.dtype)
         for i, block in enumerate(tf.prelude):
             e = block(e, ctx, i)
-        state = input_states if input_states is not None else self.initial_state(e, init_scale)
+        state = input_states if input_states is not None else self.initial_state(e, init_scale, input_ids)
         hidden = []
         for t in range(r):
             state = self._loop_step(self._core_step, state, e, ctx, t)

@@ -1,0 +1,213 @@
+"""What makes fine-tuned codebooks keep their gain on unseen text: a study on the reference model.
+
+For each (method, width, calibration sequences) one capture and one k-means (normal pipeline run
+directories under runs/study-finetune/), then every fine-tuning variant from those k-means codebooks.
+Each variant's selection points are also scored on the evaluation text (the shipped held-out plays,
+never used for calibration or selection) through ``evaluate_quantizers``, the code ``loopvq-eval``
+runs, with loopvq-eval's defaults (8 windows of 512 tokens, every position after the sinks quantized).
+The evaluation KL of the selected codebooks is what the tables report; the per-point curve is for the
+figure only (it plays no part in any choice). Writes one JSON file.
+
+    python scripts/study_finetune.py --device cuda --out docs/data/finetune-study.json
+    python scripts/study_finetune.py --grid smoke --device cpu --out /tmp/smoke.json   # two variants, one cell
+    python scripts/study_finetune.py --report docs/data/finetune-study.json  # tables (stdout) + docs/figures PNG
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CELLS = [("loopvq", 0.5), ("loopvq", 0.25), ("tasq+loopvq", 0.5), ("tasq+loopvq", 0.25)]
+GROUP = {0.5: 16, 0.25: 32}
+PAPER = {"epochs": 4, "lr": 1e-3}  # the paper's recipe (and the shipped one before this study)
+
+VARIANTS = {
+    "paper": {},
+    "lr3e-3": {"lr": 3e-3},
+    "lr1e-2": {"lr": 1e-2},
+    "lr1e-2-cosine-every4": {"lr": 1e-2, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 4},
+    "lr3e-2-cosine-every4": {"lr": 3e-2, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 4},
+    "proximal1": {"lr": 1e-2, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 4, "proximal": 1.0},
+    "proximal10": {"lr": 1e-2, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 4, "proximal": 10.0},
+    "proximal100": {"lr": 1e-2, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 4, "proximal": 100.0},
+    "min-usage32": {"lr": 1e-2, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 4, "min_usage": 32},
+    "affine-lr3e-3": {"lr": 3e-3, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 4,
+                      "parameterization": "affine"},
+    "affine-lr1e-2": {"lr": 1e-2, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 4,
+                      "parameterization": "affine"},
+    "affine-lr3e-2": {"lr": 3e-2, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 4,
+                      "parameterization": "affine"},
+    "batch4-lr1e-2": {"lr": 1e-2, "batch_size": 4, "epochs": 12, "lr_schedule": "cosine", "select_every": 3},
+}
+SEQUENCES = {16: ["paper", "lr1e-2-cosine-every4", "proximal1", "min-usage32", "affine-lr1e-2", "affine-lr3e-2",
+                  "batch4-lr1e-2"],
+             64: ["proximal1", "affine-lr1e-2"]}
+SMOKE = {"cells": CELLS[2:3], "sequences": {8: ["paper", "affine-lr3e-2"]}}
+SMOKE_SHAPES = {"sequence_length": 64, "kmeans_iterations": 3, "epochs": 1, "eval": (2, 64)}  # a quick CPU check
+
+
+def run_config(method: str, bits: float, sequences: int, device: str, run_dir: Path, smoke: bool = False) -> dict:
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "configs/tiny-ouro.yaml").read_text())
+    cfg["model"].update(name_or_path=str(ROOT / "artifacts/tiny-ouro"), device=device)
+    cfg["data"].update(dataset=str(ROOT / "artifacts/data/shakespeare-calib.jsonl"), num_sequences=sequences,
+                       heldout_sequences=sequences // 4)
+    cfg["quant"].update(method=method, bits=bits, group_size=GROUP[bits], codebook_size=256)
+    cfg["capture"] = {"store": "disk"}
+    cfg["kmeans"]["backend"] = "torch"  # same backend on CPU and GPU, no kernel compilation
+    cfg["output"]["dir"] = str(run_dir)
+    if smoke:
+        cfg["data"]["sequence_length"] = SMOKE_SHAPES["sequence_length"]
+        cfg["kmeans"]["iterations"] = SMOKE_SHAPES["kmeans_iterations"]
+    return cfg
+
+
+def study_cell(method: str, bits: float, sequences: int, variants: list[str], device: str, runs: Path,
+               smoke: bool = False) -> dict:
+    import torch
+
+    from loopvq_calib.config import FinetuneConfig, load_config
+    from loopvq_calib.evaluate import DEFAULT_DATA, _heldout, evaluate_quantizers
+    from loopvq_calib.finetune import finetune_codebooks
+    from loopvq_calib.models.loading import load_model
+    from loopvq_calib.pipeline import Pipeline, calibrate
+    from loopvq_calib.quantizer import load_quantizer
+
+    run_dir = runs / f"{method.replace('+', '-')}-{bits}-n{sequences}"
+    raw = run_config(method, bits, sequences, device, run_dir, smoke)
+    t0 = time.perf_counter()
+    calibrate(raw, stages=["kmeans"])
+    calibrate_s = time.perf_counter() - t0
+    cfg = load_config(raw)
+    calib = Pipeline(cfg).stage_data()
+    init = load_quantizer(run_dir / "kmeans")
+    dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    model, tokenizer = load_model(ROOT / "artifacts/tiny-ouro", "float32", dev)
+    eval_ids, _ = _heldout(str(ROOT / DEFAULT_DATA), tokenizer, *(SMOKE_SHAPES["eval"] if smoke else (8, 512)))
+    sink = cfg.data.sink_tokens
+
+    def evaluation_kl(q) -> float:
+        return evaluate_quantizers(model, eval_ids, [(q, sink)], per_step=False)[0]["heldout_kl"]
+
+    kmeans_kl = evaluation_kl(init.to(dev))
+    out = {"method": method, "bits": bits, "sequences": sequences, "train": len(calib.train),
+           "selection": len(calib.heldout), "capture_kmeans_s": calibrate_s, "kmeans_evaluation_kl": kmeans_kl,
+           "variants": {}}
+    for name in variants:
+        settings = {**PAPER, **VARIANTS[name], "autocast": "none", "cache_teacher": "true"}
+        if smoke:
+            settings["epochs"] = SMOKE_SHAPES["epochs"]
+        points, eval_s = [], 0.0
+
+        def on_select(entry, q):
+            nonlocal eval_s
+            t = time.perf_counter()
+            points.append({**entry, "evaluation_kl": evaluation_kl(q)})
+            eval_s += time.perf_counter() - t
+
+        t0 = time.perf_counter()
+        result = finetune_codebooks(model, calib, init, FinetuneConfig(**settings), dev, on_select=on_select)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0 - eval_s
+        chosen = next(p for p in points if p["step"] == result.best_step)
+        out["variants"][name] = {
+            "settings": VARIANTS[name], "best_step": result.best_step, "best_epoch": result.best_epoch,
+            "selection_kl": chosen["selection_kl"], "evaluation_kl": chosen["evaluation_kl"],
+            "reduction": 1 - chosen["evaluation_kl"] / kmeans_kl, "finetune_s": wall, "curve": points,
+        }
+        print(f"{method} {bits} n{sequences} {name}: evaluation KL {kmeans_kl:.5f} -> {chosen['evaluation_kl']:.5f} "
+              f"({out['variants'][name]['reduction']:+.1%}), step {result.best_step}, {wall:.1f} s", flush=True)
+    return out
+
+
+def report(path: Path, figure: Path) -> str:
+    """Markdown tables of a study file (evaluation KL per cell and variant, relative change against the same
+    run's k-means codebooks, mean over cells) and the figure of evaluation KL against optimizer step."""
+    data = json.loads(path.read_text())
+    cells = data["cells"]
+    names = list(dict.fromkeys(n for c in cells for n in c["variants"]))
+    head = [f"{c['method']} {c['bits']:g} bit" + (" *" if c.get("partial") else "") for c in cells]
+    lines = ["| variant | " + " | ".join(head) + " | mean change | fine-tuning s (H200, mean) |",
+             "|---|" + "---|" * (len(cells) + 2),
+             "| k-means (no fine-tuning) | " + " | ".join(f"{c['kmeans_evaluation_kl']:.5f}" for c in cells) + " | | |"]
+    for name in names:
+        row, changes, secs = [], [], []
+        for c in cells:
+            v = c["variants"].get(name)
+            if v is None:
+                row.append("-")
+                continue
+            changes.append(-v["reduction"])
+            secs.append(v["finetune_s"])
+            row.append(f"{v['evaluation_kl']:.5f} ({-v['reduction']:+.1%}, step {v['best_step']})")
+        mean = f"{sum(changes) / len(changes):+.1%}" + ("" if len(changes) == len(cells) else f" ({len(changes)} cells)")
+        lines.append(f"| {name} | " + " | ".join(row) + f" | {mean} | {sum(secs) / len(secs):.1f} |")
+    _figure(cells, figure)
+    return "\n".join(lines)
+
+
+def _figure(cells: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [c for c in cells if not c.get("partial")]
+    fig, axes = plt.subplots(1, len(shown), figsize=(4.2 * len(shown), 3.4), squeeze=False)
+    for ax, c in zip(axes[0], shown):
+        for name in ("paper", "lr1e-2-cosine-every4", "proximal1", "affine-lr1e-2", "batch4-lr1e-2"):
+            v = c["variants"].get(name)
+            if v and v["curve"]:
+                steps = [p["step"] * v["settings"].get("batch_size", 1) for p in v["curve"]]
+                ax.plot(steps, [p["evaluation_kl"] for p in v["curve"]], marker=".", label=name)
+        ax.axhline(c["kmeans_evaluation_kl"], color="grey", lw=0.8, ls="--")
+        ax.set_title(f"{c['method']} {c['bits']:g} bit")
+        ax.set_xlabel("training sequences seen")
+    axes[0][0].set_ylabel("evaluation KL (held-out plays)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=str(ROOT / "docs/data/finetune-study.json"))
+    p.add_argument("--device", default="auto")
+    p.add_argument("--grid", choices=["main", "smoke"], default="main")
+    p.add_argument("--runs", default=str(ROOT / "runs/study-finetune"))
+    p.add_argument("--report", help="print the tables of this study file and write the figure instead of running")
+    p.add_argument("--figure", default=str(ROOT / "docs/figures/finetune-study.png"))
+    args = p.parse_args()
+    if args.report:
+        print(report(Path(args.report), Path(args.figure)))
+        return
+    cells = SMOKE["cells"] if args.grid == "smoke" else CELLS
+    sequences = SMOKE["sequences"] if args.grid == "smoke" else SEQUENCES
+    commit = os.environ.get("STUDY_COMMIT") or subprocess.run(  # STUDY_COMMIT: a copy without its own .git
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    results = {"command": f"python scripts/study_finetune.py --device {args.device} --grid {args.grid}",
+               "commit": commit or None, "variants": VARIANTS, "paper": PAPER, "cells": []}
+    t0 = time.perf_counter()
+    for n, names in sequences.items():
+        for method, bits in cells:
+            results["cells"].append(study_cell(method, bits, n, names, args.device, Path(args.runs), args.grid == "smoke"))
+            Path(args.out).write_text(json.dumps(results, indent=1))
+    import torch
+
+    results["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    results["total_s"] = time.perf_counter() - t0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
