@@ -3,6 +3,8 @@ eval gates."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +78,24 @@ def test_help_imports_nothing_heavy(main):
     lines = done.stdout.splitlines()
     assert lines[0].startswith("usage: loopvq-")
     assert lines[-1] == "heavy:"
+
+
+@pytest.mark.slow
+def test_identical_runs_write_byte_identical_bundles(tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch):
+    """Without SOURCE_DATE_EPOCH ``created`` is the Unix epoch, so two runs of one config give the same bytes;
+    with it, ``created`` is that time."""
+    monkeypatch.delenv("SOURCE_DATE_EPOCH", raising=False)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "unused", finetune={"epochs": 1})))
+    for run in ("a", "b"):
+        assert calibrate_main(["--config", str(cfg), "--output", str(tmp_path / run)]) == 0
+    files = sorted(p.name for p in (tmp_path / "a" / "bundle").iterdir())
+    assert files == ["README.md", "codebooks.safetensors", "loopvq.json"]
+    for name in files:
+        assert (tmp_path / "a" / "bundle" / name).read_bytes() == (tmp_path / "b" / "bundle" / name).read_bytes(), name
+    assert json.loads((tmp_path / "a" / "bundle" / "loopvq.json").read_text())["created"] == "1970-01-01T00:00:00Z"
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1767225600")
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    shutil.rmtree(tmp_path / "c" / "bundle")  # only the bundle stage reruns
+    assert calibrate_main(["--config", str(cfg), "--output", str(tmp_path / "c")]) == 0
+    assert json.loads((tmp_path / "c" / "bundle" / "loopvq.json").read_text())["created"] == "2026-01-01T00:00:00Z"
