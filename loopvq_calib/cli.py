@@ -6,14 +6,28 @@ Exit status: 0 success, 1 a gate or check failed, 2 bad input (config, paths, bu
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .config import ConfigError
 
 
 def _fail(message: str, status: int) -> int:
-    print(f"error: {message}", file=sys.stderr)
+    """Print ``error: message`` on a line of its own (below any progress bar still drawn) and return ``status``."""
+    from tqdm import tqdm
+
+    tqdm.write(f"error: {message}", file=sys.stderr)
     return status
+
+
+def _quiet_libraries() -> None:
+    """Turn off the libraries' own progress bars (datasets' "Generating train split", transformers' "Loading
+    weights", which nests under ours) for the console scripts; called before they are imported, and an
+    explicit HF_DATASETS_DISABLE_PROGRESS_BARS=0 still wins. Hub download bars stay."""
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
 
 
 def calibrate_main(argv: list[str] | None = None) -> int:
@@ -25,6 +39,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a config value (YAML syntax), repeatable")
     args = p.parse_args(argv)
+    _quiet_libraries()
     from .config import load_config
     from .data import DataError
     from .models.loading import ModelLoadError
@@ -79,6 +94,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = p.parse_args(argv)
+    _quiet_libraries()
     from .evaluate import run_eval
 
     return run_eval(args.bundle, args.model, args.data, args.num_sequences, args.sequence_length, args.out,
