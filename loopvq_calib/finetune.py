@@ -1,4 +1,4 @@
-"""Loop-aware codebook fine-tuning against the full-precision output (method.md section 7).
+"""Loop-aware codebook fine-tuning against the full-precision output (docs/method.md section 8).
 
 Objective: mean over positions after the sinks of KL(p_j || q_j), q_j the frozen model's output when
 every site's keys/values after the sinks are replaced by decode(encode(.)) of that sequence's

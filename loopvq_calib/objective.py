@@ -2,7 +2,7 @@
 
 ``teacher`` runs the frozen model in full precision and records every site's pre-RoPE keys/values.
 ``quantized_logits`` reruns it with the keys/values after the sink tokens replaced by decode(encode(.))
-of that full-precision cache (method.md eq. 6), optionally only at some loop steps.
+of that full-precision cache (docs/method.md section 8, the paper's eq. 6), optionally only at some loop steps.
 """
 
 from __future__ import annotations
