@@ -30,7 +30,7 @@ def _quiet_libraries() -> None:
     transformers_logging.disable_progress_bar()
 
 
-def calibrate_main(argv: list[str] | None = None) -> int:
+def calibrate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loopvq-calibrate", description="Calibrate LoopVQ KV-cache codebooks.")
     p.add_argument("--config", required=True, help="YAML config (see docs/config.md)")
     p.add_argument("--output", help="run directory (default: output.dir of the config)")
@@ -38,7 +38,11 @@ def calibrate_main(argv: list[str] | None = None) -> int:
                    "earlier stages run or are reused as needed, later ones are skipped")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a config value (YAML syntax), repeatable")
-    args = p.parse_args(argv)
+    return p
+
+
+def calibrate_main(argv: list[str] | None = None) -> int:
+    args = calibrate_parser().parse_args(argv)
     _quiet_libraries()
     from .config import load_config
     from .data import DataError
@@ -81,7 +85,7 @@ def _run_failure(pipeline, err: Exception) -> str:
     return f"{where} failed: {type(err).__name__}: {err} (traceback in {log_file})"
 
 
-def eval_main(argv: list[str] | None = None) -> int:
+def eval_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loopvq-eval", description="Evaluate LoopVQ bundles against full precision.")
     p.add_argument("--bundle", action="append", required=True, help="bundle folder, repeatable (side by side)")
     p.add_argument("--model", help="model folder or hub id (default: the bundle's model)")
@@ -93,7 +97,11 @@ def eval_main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-ppl-increase", type=float, help="exit 1 if any bundle raises perplexity by more than this fraction")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    args = p.parse_args(argv)
+    return p
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    args = eval_parser().parse_args(argv)
     _quiet_libraries()
     from .evaluate import run_eval
 
@@ -101,10 +109,14 @@ def eval_main(argv: list[str] | None = None) -> int:
                     args.max_kl, args.max_ppl_increase, args.device, args.dtype)
 
 
-def inspect_main(argv: list[str] | None = None) -> int:
+def inspect_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loopvq-inspect", description="Summarise a LoopVQ bundle.")
     p.add_argument("bundle")
-    args = p.parse_args(argv)
+    return p
+
+
+def inspect_main(argv: list[str] | None = None) -> int:
+    args = inspect_parser().parse_args(argv)
     from .bundle import BundleError, inspect_bundle
 
     try:
@@ -114,14 +126,18 @@ def inspect_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def push_main(argv: list[str] | None = None) -> int:
+def push_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loopvq-push", description="Publish a LoopVQ bundle to the Hugging Face Hub.")
     p.add_argument("bundle")
     p.add_argument("--repo-id", required=True, help="ORG/NAME")
     p.add_argument("--private", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="list what would be uploaded, upload nothing")
     p.add_argument("--revision", help="branch to push to")
-    args = p.parse_args(argv)
+    return p
+
+
+def push_main(argv: list[str] | None = None) -> int:
+    args = push_parser().parse_args(argv)
     from .bundle import BundleError
     from .hub import PushError, RepoIdError, push_bundle
 
@@ -136,3 +152,7 @@ def push_main(argv: list[str] | None = None) -> int:
     for f in files:
         print(f"  {f}")
     return 0
+
+
+PARSERS = {"loopvq-calibrate": calibrate_parser, "loopvq-eval": eval_parser, "loopvq-inspect": inspect_parser,
+           "loopvq-push": push_parser}  # console script name -> its argument parser (tests check docs and CI against them)
