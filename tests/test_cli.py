@@ -99,3 +99,16 @@ def test_identical_runs_write_byte_identical_bundles(tiny_ouro_dir, calib_corpus
     shutil.rmtree(tmp_path / "c" / "bundle")  # only the bundle stage reruns
     assert calibrate_main(["--config", str(cfg), "--output", str(tmp_path / "c")]) == 0
     assert json.loads((tmp_path / "c" / "bundle" / "loopvq.json").read_text())["created"] == "2026-01-01T00:00:00Z"
+
+
+def test_an_error_gets_its_own_line_below_a_live_progress_bar(capsys):
+    from tqdm import tqdm
+
+    from loopvq_calib.cli import _fail
+
+    bar = tqdm(total=4, desc="capture", file=sys.stderr)
+    bar.update(1)
+    assert _fail("stage capture failed: boom", 3) == 3
+    bar.close()
+    lines = capsys.readouterr().err.replace("\r", "\n").split("\n")
+    assert "error: stage capture failed: boom" in lines  # not glued to the end of the bar's line
