@@ -58,9 +58,10 @@ def _draw_one(prob: torch.Tensor, fallback: torch.Tensor, u: torch.Tensor) -> to
     uniforms ``u`` [P] (drawn on the CPU by the caller); a row whose total is zero draws from ``fallback``
     (same shape, positive total). Zero-probability entries are never drawn. One float64 prefix sum per
     row: few, large kernels, since the k-means++ draws are sequential and bound by kernel launches on GPU."""
-    prob = prob.double()
-    prob = torch.where((prob.sum(-1) > 0)[:, None], prob, fallback.double())
-    cdf = prob.cumsum(-1)
+    cdf = prob.double().cumsum(-1)
+    empty = cdf[:, -1] <= 0
+    if empty.any():  # rare: only those rows are redrawn from the fallback (one host sync; the common case skips a pass)
+        cdf = torch.where(empty[:, None], fallback.double().cumsum(-1), cdf)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     last_positive = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)
     return torch.minimum(idx, last_positive).squeeze(1)
