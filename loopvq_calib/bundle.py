@@ -47,7 +47,8 @@ def write_bundle(out_dir: Path, quantizer: KVQuantizer, *, name: str, identity: 
     """Write a bundle to ``out_dir`` atomically (built in a temporary sibling folder, then renamed).
 
     An existing bundle (or empty folder) at ``out_dir`` is replaced only once the new one is complete;
-    any other existing folder is refused. ``created`` honours SOURCE_DATE_EPOCH (reproducible builds).
+    any other existing folder is refused. ``created`` is SOURCE_DATE_EPOCH when set, else the Unix epoch
+(1970-01-01T00:00:00Z, "not recorded"), so identical runs write byte-identical bundles.
     """
     out_dir = Path(out_dir)
     if codebook_dtype not in DTYPES:
@@ -83,8 +84,7 @@ def _bundle_meta(q: KVQuantizer, name: str, identity: ModelIdentity, calibration
     kv = kv_layout_to_dict(q.kv)
     rope = {"style": kv.pop("rope_style"), "theta": kv.pop("rope_theta")}
     key_sigma = sigma_bits(q.kv.kv_heads, q.kv.head_dim) if any(b["tasq"] for b in qm["blocks"]) else 0.0
-    epoch = os.environ.get("SOURCE_DATE_EPOCH")
-    created = datetime.fromtimestamp(int(epoch), timezone.utc) if epoch else datetime.now(timezone.utc)
+    created = datetime.fromtimestamp(int(os.environ.get("SOURCE_DATE_EPOCH") or 0), timezone.utc)
     return {
         "format": "loopvq", "format_version": FORMAT_VERSION,
         "producer": {"name": "loopvq-calib", "version": producer_version},

@@ -6,17 +6,31 @@ Exit status: 0 success, 1 a gate or check failed, 2 bad input (config, paths, bu
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .config import ConfigError
 
 
 def _fail(message: str, status: int) -> int:
-    print(f"error: {message}", file=sys.stderr)
+    """Print ``error: message`` on a line of its own (below any progress bar still drawn) and return ``status``."""
+    from tqdm import tqdm
+
+    tqdm.write(f"error: {message}", file=sys.stderr)
     return status
 
 
-def calibrate_main(argv: list[str] | None = None) -> int:
+def _quiet_libraries() -> None:
+    """Turn off the libraries' own progress bars (datasets' "Generating train split", transformers' "Loading
+    weights", which nests under ours) for the console scripts; called before they are imported, and an
+    explicit HF_DATASETS_DISABLE_PROGRESS_BARS=0 still wins. Hub download bars stay."""
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+
+
+def calibrate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loopvq-calibrate", description="Calibrate LoopVQ KV-cache codebooks.")
     p.add_argument("--config", required=True, help="YAML config (see docs/config.md)")
     p.add_argument("--output", help="run directory (default: output.dir of the config)")
@@ -24,7 +38,12 @@ def calibrate_main(argv: list[str] | None = None) -> int:
                    "earlier stages run or are reused as needed, later ones are skipped")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a config value (YAML syntax), repeatable")
-    args = p.parse_args(argv)
+    return p
+
+
+def calibrate_main(argv: list[str] | None = None) -> int:
+    args = calibrate_parser().parse_args(argv)
+    _quiet_libraries()
     from .config import load_config
     from .data import DataError
     from .models.loading import ModelLoadError
@@ -68,7 +87,7 @@ def _run_failure(pipeline, err: Exception) -> str:
     return f"{where} failed: {type(err).__name__}: {err} (traceback in {log_file})"
 
 
-def eval_main(argv: list[str] | None = None) -> int:
+def eval_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loopvq-eval", description="Evaluate LoopVQ bundles against full precision.")
     p.add_argument("--bundle", action="append", required=True, help="bundle folder, repeatable (side by side)")
     p.add_argument("--model", help="model folder or hub id (default: the bundle's model)")
@@ -80,17 +99,26 @@ def eval_main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-ppl-increase", type=float, help="exit 1 if any bundle raises perplexity by more than this fraction")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    args = p.parse_args(argv)
+    return p
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    args = eval_parser().parse_args(argv)
+    _quiet_libraries()
     from .evaluate import run_eval
 
     return run_eval(args.bundle, args.model, args.data, args.num_sequences, args.sequence_length, args.out,
                     args.max_kl, args.max_ppl_increase, args.device, args.dtype)
 
 
-def inspect_main(argv: list[str] | None = None) -> int:
+def inspect_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loopvq-inspect", description="Summarise a LoopVQ bundle.")
     p.add_argument("bundle")
-    args = p.parse_args(argv)
+    return p
+
+
+def inspect_main(argv: list[str] | None = None) -> int:
+    args = inspect_parser().parse_args(argv)
     from .bundle import BundleError, inspect_bundle
 
     try:
@@ -100,14 +128,18 @@ def inspect_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def push_main(argv: list[str] | None = None) -> int:
+def push_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loopvq-push", description="Publish a LoopVQ bundle to the Hugging Face Hub.")
     p.add_argument("bundle")
     p.add_argument("--repo-id", required=True, help="ORG/NAME")
     p.add_argument("--private", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="list what would be uploaded, upload nothing")
     p.add_argument("--revision", help="branch to push to")
-    args = p.parse_args(argv)
+    return p
+
+
+def push_main(argv: list[str] | None = None) -> int:
+    args = push_parser().parse_args(argv)
     from .bundle import BundleError
     from .hub import PushError, RepoIdError, push_bundle
 
@@ -122,3 +154,7 @@ def push_main(argv: list[str] | None = None) -> int:
     for f in files:
         print(f"  {f}")
     return 0
+
+
+PARSERS = {"loopvq-calibrate": calibrate_parser, "loopvq-eval": eval_parser, "loopvq-inspect": inspect_parser,
+           "loopvq-push": push_parser}  # console script name -> its argument parser (tests check docs and CI against them)

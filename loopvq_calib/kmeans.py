@@ -1,7 +1,7 @@
 """K-means stage: Fisher-weighted codebooks for every (kind, block) layout of a capture.
 
 For each layout the captured vectors (sinks excluded) are gathered into code groups, optionally in
-TaSQ's transformed space, weighted by the group's summed empirical Fisher (method.md 4b / 5) and
+TaSQ's transformed space, weighted by the group's summed empirical Fisher (docs/method.md sections 5 and 6) and
 clustered per codebook (sharing: none | heads | groups | all). docs/kmeans.md describes the rules.
 """
 

@@ -12,7 +12,10 @@ compute device, so a seed gives the same draws on any device and for any ``probl
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -21,6 +24,7 @@ from . import kmeans_triton
 from .config import KMeansConfig
 
 BACKENDS = ("auto", "faiss", "torch", "triton")
+log = logging.getLogger("loopvq_calib")
 
 
 @dataclass
@@ -54,9 +58,10 @@ def _draw_one(prob: torch.Tensor, fallback: torch.Tensor, u: torch.Tensor) -> to
     uniforms ``u`` [P] (drawn on the CPU by the caller); a row whose total is zero draws from ``fallback``
     (same shape, positive total). Zero-probability entries are never drawn. One float64 prefix sum per
     row: few, large kernels, since the k-means++ draws are sequential and bound by kernel launches on GPU."""
-    prob = prob.double()
-    prob = torch.where((prob.sum(-1) > 0)[:, None], prob, fallback.double())
-    cdf = prob.cumsum(-1)
+    cdf = prob.double().cumsum(-1)
+    empty = cdf[:, -1] <= 0
+    if empty.any():  # rare: only those rows are redrawn from the fallback (one host sync; the common case skips a pass)
+        cdf = torch.where(empty[:, None], fallback.double().cumsum(-1), cdf)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     last_positive = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)
     return torch.minimum(idx, last_positive).squeeze(1)
@@ -111,16 +116,19 @@ INITS = {"kmeans++": kmeans_pp_init, "random": random_init}
 def resolve_backend(backend: str, device: torch.device | str, shape: tuple[int, int] | None = None) -> str:
     """``auto`` is the fused Triton kernels on a CUDA device with triton installed where they compile and
     run, for codebooks of ``shape`` = (K, G) the kernels take (:func:`kmeans_triton.supports`), else the
-    batched torch backend
-    (on the H200 torch was 16x faster than faiss-cpu on 32 threads, and on the 2-core CPU 1.5x faster
-    than faiss with cache-sized batches; docs/performance.md)."""
+    batched torch backend, with a warning (once) saying why on a CUDA device; on the CPU it is torch (whose
+    nearest-centroid search there is faiss's when installed, :func:`_faiss_search`). On the H200 torch was
+    16x faster than faiss-cpu on 32 threads (docs/performance.md)."""
     if backend not in BACKENDS:
         raise ValueError(f"kmeans.backend: {backend!r} is not one of {', '.join(BACKENDS)}")
     fits = shape is None or kmeans_triton.supports(*shape)
     if backend == "auto":
-        usable = torch.device(device).type == "cuda" and kmeans_triton.available(device) and fits
-        usable = usable and kmeans_triton.works(str(device))
-        return "triton" if usable else "torch"
+        if torch.device(device).type != "cuda":
+            return "torch"
+        why = _triton_unusable(device, shape, fits)
+        if why:
+            _log_once(f"kmeans.backend auto: using the torch backend on {device}, not the fused Triton kernels: {why}")
+        return "torch" if why else "triton"
     if backend == "triton" and not kmeans_triton.available(device):
         raise ValueError(
             f"kmeans.backend: 'triton' needs the triton package and a CUDA device of compute capability 8.0 or newer, "
@@ -133,6 +141,26 @@ def resolve_backend(backend: str, device: torch.device | str, shape: tuple[int, 
             "is larger; use 'auto' or 'torch'"
         )
     return backend
+
+
+def _triton_unusable(device: torch.device | str, shape: tuple[int, int] | None, fits: bool) -> str:
+    """Why the fused kernels cannot fit codebooks of ``shape`` on the CUDA ``device`` ('' when they can)."""
+    if kmeans_triton.triton is None:
+        return "the triton package is not installed"
+    if not kmeans_triton.available(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"compute capability {major}.{minor} is below 8.0 (the kernels' TF32 dot)"
+    if not fits:
+        return (f"quant.codebook_size {shape[0]} x group size {shape[1]} exceeds the kernels' codebook tile of "
+                f"{kmeans_triton.CODEBOOK_TILE} entries x dimensions")
+    if not kmeans_triton.works(str(device)):
+        return "the kernels do not compile or run there (warning above)"
+    return ""
+
+
+@lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    log.warning(message)
 
 
 def batch_sizes(cfg: KMeansConfig, device: torch.device | str) -> tuple[int, int]:
@@ -154,16 +182,24 @@ def _assign(
     squared error [P] and, when ``accumulate``, per-cluster weighted sums [P, K, G] and weights [P, K]."""
     p, n, g = x.shape
     k = c.shape[1]
-    c_sq = c.pow(2).sum(-1).unsqueeze(1)
-    ct = c.transpose(1, 2)
     err = x.new_zeros(p)
     sums = x.new_zeros(p * k, g) if accumulate else None
     mass = x.new_zeros(p * k) if accumulate else None
     offset = torch.arange(p, device=x.device)[:, None] * k
+    search = _faiss_search() if x.device.type == "cpu" else None
+    if search is not None:
+        chunk = n  # one exact search per problem
+    else:
+        c_sq = c.pow(2).sum(-1).unsqueeze(1)
+        ct = c.transpose(1, 2)
     for s in range(0, n, chunk):
         xc, wc = x[:, s : s + chunk], w[:, s : s + chunk]
-        dmin, nearest = torch.baddbmm(c_sq, xc, ct, alpha=-2).min(-1)
-        err += ((dmin + x_sq[:, s : s + chunk]).clamp_min(0) * wc).sum(-1)
+        if search is not None:
+            d2, nearest = search(xc, c)
+        else:
+            dmin, nearest = torch.baddbmm(c_sq, xc, ct, alpha=-2).min(-1)
+            d2 = dmin + x_sq[:, s : s + chunk]
+        err += (d2.clamp_min(0) * wc).sum(-1)
         if accumulate:
             flat = (nearest + offset).flatten()
             sums.index_add_(0, flat, (xc * wc[..., None]).reshape(-1, g))
@@ -171,6 +207,35 @@ def _assign(
     if not accumulate:
         return err, None, None
     return err, sums.view(p, k, g), mass.view(p, k)
+
+
+@lru_cache(maxsize=1)
+def _faiss_module() -> Any:
+    try:
+        import faiss
+    except ImportError:
+        return None
+    return faiss
+
+
+def _faiss_search() -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+    """On the CPU the nearest-centroid search of the torch backend is faiss's exact search when faiss is
+    installed (``faiss.knn``: the same ||x||^2 - 2 x.c + ||c||^2 distances through BLAS, blocked so they
+    stay in cache; 3.5x faster than the chunked ``baddbmm`` on one core of the 2-core CI machine,
+    docs/performance.md); the Lloyd rules around it are unchanged. None without faiss."""
+    faiss = _faiss_module()
+    if faiss is None:
+        return None
+
+    def search(x: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d2 = torch.empty(x.shape[:2])
+        nearest = torch.empty(x.shape[:2], dtype=torch.long)
+        for q in range(x.shape[0]):
+            dist, idx = faiss.knn(x[q].contiguous().numpy(), c[q].contiguous().numpy(), 1)
+            d2[q], nearest[q] = torch.from_numpy(dist[:, 0]), torch.from_numpy(idx[:, 0])
+        return d2, nearest
+
+    return search
 
 
 def _reseed(
@@ -239,10 +304,16 @@ def _import_faiss():
     return faiss
 
 
-def _faiss_kmeans(x: torch.Tensor, w: torch.Tensor, init: torch.Tensor, cfg: KMeansConfig, seed: int) -> KMeansResult:
+def _faiss_kmeans(
+    x: torch.Tensor, w: torch.Tensor, init: torch.Tensor, cfg: KMeansConfig, seed: int, device: torch.device
+) -> KMeansResult:
     """One faiss.Kmeans per problem: exactly ``cfg.iterations`` updates (faiss has no tolerance stop),
-    never subsampled, empty clusters split by faiss."""
+    never subsampled, empty clusters split by faiss. On faiss's GPUs only when ``device`` is a CUDA device
+    (``kmeans.device``) and faiss was built with GPU support, else on the CPU (logged for a CUDA device)."""
     faiss = _import_faiss()
+    gpu = device.type == "cuda" and faiss.get_num_gpus() > 0
+    if device.type == "cuda" and not gpu:
+        _log_once(f"kmeans.backend faiss: this faiss has no GPU support (faiss-cpu); k-means runs on the CPU, not {device}")
     p, n, g = x.shape
     k = init.shape[1]
     xs, ws, cs = (t.detach().cpu().float().numpy() for t in (x, w, init))
@@ -251,7 +322,7 @@ def _faiss_kmeans(x: torch.Tensor, w: torch.Tensor, init: torch.Tensor, cfg: KMe
     for q in range(p):
         km = faiss.Kmeans(
             g, k, niter=cfg.iterations, seed=(seed + q) % 2**31, max_points_per_centroid=-(-n // k),
-            min_points_per_centroid=1, gpu=faiss.get_num_gpus() > 0, verbose=False,
+            min_points_per_centroid=1, gpu=gpu, verbose=False,
         )
         km.train(np.ascontiguousarray(xs[q]), weights=np.ascontiguousarray(ws[q]), init_centroids=np.ascontiguousarray(cs[q]))
         centroids[q] = km.centroids
@@ -280,9 +351,9 @@ def weighted_kmeans(
     if init.shape[0] != x.shape[0] or init.shape[2] != x.shape[2]:
         raise ValueError(f"initial centroids {tuple(init.shape)} do not fit points {tuple(x.shape)}")
     seed = cfg.seed if seed is None else seed
-    if name == "faiss":
-        return _faiss_kmeans(x, w, init, cfg, seed)
     device = torch.device(device)
+    if name == "faiss":
+        return _faiss_kmeans(x, w, init, cfg, seed, device)
     parts = []
     per_batch, _ = batch_sizes(cfg, device)
     for s in range(0, x.shape[0], per_batch):

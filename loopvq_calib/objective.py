@@ -2,7 +2,7 @@
 
 ``teacher`` runs the frozen model in full precision and records every site's pre-RoPE keys/values.
 ``quantized_logits`` reruns it with the keys/values after the sink tokens replaced by decode(encode(.))
-of that full-precision cache (method.md eq. 6), optionally only at some loop steps. Both run inside
+of that full-precision cache (docs/method.md section 8, the paper's eq. 6), optionally only at some loop steps. Both run inside
 :func:`shared_initial_state`, so a model with a random initial state (Huginn ``like-init``) starts the
 teacher and the quantized forward of one sequence from the same state.
 """

@@ -1,4 +1,4 @@
-"""Reference quantized KV cache: the serving contract of method.md section 8, written for clarity.
+"""Reference quantized KV cache: the serving contract of docs/method.md section 9, written for clarity.
 
 Every KV site holds the same tokens, split in three regions by token index:
 

@@ -1,6 +1,13 @@
-"""Console scripts: calibrate with --stages for every method, inspect, push --dry-run, eval gates."""
+"""Console scripts: --help without heavy imports, calibrate with --stages for every method, inspect, push --dry-run,
+eval gates."""
 
 from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -48,3 +55,60 @@ def test_eval_gates_exit_status(bundle, tiny_ouro_dir, heldout_corpus, tmp_path)
     assert (tmp_path / "rep" / "report.json").is_file() and (tmp_path / "rep" / "report.md").is_file()
     assert eval_main(common + ["--max-kl", "0"]) == 1
     assert eval_main(["--bundle", str(tmp_path / "nope")]) == 2
+
+
+HELP_PROBE = """
+import sys
+import loopvq_calib.cli as cli
+try:
+    getattr(cli, sys.argv[1])(["--help"])
+except SystemExit as exit:
+    assert exit.code == 0, exit.code
+print("heavy:", *(m for m in ("torch", "transformers", "datasets", "safetensors", "numpy") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("main", ["calibrate_main", "eval_main", "inspect_main", "push_main"])
+def test_help_imports_nothing_heavy(main):
+    """--help parses and prints before torch, transformers, datasets or numpy are imported (it then takes
+    well under a second; with torch loaded it took 4-5 s)."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", HELP_PROBE, main], capture_output=True, text=True, cwd=root,
+                          env={"PYTHONPATH": str(root), "PATH": ""}, check=True)
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("usage: loopvq-")
+    assert lines[-1] == "heavy:"
+
+
+@pytest.mark.slow
+def test_identical_runs_write_byte_identical_bundles(tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch):
+    """Without SOURCE_DATE_EPOCH ``created`` is the Unix epoch, so two runs of one config give the same bytes;
+    with it, ``created`` is that time."""
+    monkeypatch.delenv("SOURCE_DATE_EPOCH", raising=False)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "unused", finetune={"epochs": 1})))
+    for run in ("a", "b"):
+        assert calibrate_main(["--config", str(cfg), "--output", str(tmp_path / run)]) == 0
+    files = sorted(p.name for p in (tmp_path / "a" / "bundle").iterdir())
+    assert files == ["README.md", "codebooks.safetensors", "loopvq.json"]
+    for name in files:
+        assert (tmp_path / "a" / "bundle" / name).read_bytes() == (tmp_path / "b" / "bundle" / name).read_bytes(), name
+    assert json.loads((tmp_path / "a" / "bundle" / "loopvq.json").read_text())["created"] == "1970-01-01T00:00:00Z"
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1767225600")
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    shutil.rmtree(tmp_path / "c" / "bundle")  # only the bundle stage reruns
+    assert calibrate_main(["--config", str(cfg), "--output", str(tmp_path / "c")]) == 0
+    assert json.loads((tmp_path / "c" / "bundle" / "loopvq.json").read_text())["created"] == "2026-01-01T00:00:00Z"
+
+
+def test_an_error_gets_its_own_line_below_a_live_progress_bar(capsys):
+    from tqdm import tqdm
+
+    from loopvq_calib.cli import _fail
+
+    bar = tqdm(total=4, desc="capture", file=sys.stderr)
+    bar.update(1)
+    assert _fail("stage capture failed: boom", 3) == 3
+    bar.close()
+    lines = capsys.readouterr().err.replace("\r", "\n").split("\n")
+    assert "error: stage capture failed: boom" in lines  # not glued to the end of the bar's line

@@ -36,6 +36,7 @@ def reference_setup(tmp_path_factory, reference_model_dir, calib_corpus):
     return model, calib, load_quantizer(out / "kmeans")
 
 
+@pytest.mark.slow  # the shipped reference model
 def test_finetuning_lowers_selection_kl_and_keeps_the_best_epoch(reference_setup):
     model, calib, init = reference_setup
     weights = {k: v.clone() for k, v in model.state_dict().items()}
@@ -52,6 +53,7 @@ def test_finetuning_lowers_selection_kl_and_keeps_the_best_epoch(reference_setup
         assert torch.equal(v, weights[k]), f"model weight {k} changed"
 
 
+@pytest.mark.slow  # the shipped reference model
 def test_epoch_zero_is_kept_when_training_only_hurts(reference_setup):
     model, calib, init = reference_setup
     paper = FinetuneConfig(epochs=1, lr=5.0, lr_schedule="constant", warmup_steps=0, select_every=0, proximal=0.0)
@@ -62,6 +64,7 @@ def test_epoch_zero_is_kept_when_training_only_hurts(reference_setup):
         assert torch.equal(codec.codebook, init.codecs[key].codebook)
 
 
+@pytest.mark.slow  # the shipped reference model
 def test_disabled_gives_exactly_the_kmeans_codebooks(reference_setup):
     model, calib, init = reference_setup
     result = finetune_codebooks(model, calib, init, FinetuneConfig(enabled=False), torch.device("cpu"))
@@ -70,6 +73,7 @@ def test_disabled_gives_exactly_the_kmeans_codebooks(reference_setup):
         assert torch.equal(codec.codebook, init.codecs[key].codebook)
 
 
+@pytest.mark.slow  # the shipped reference model
 def test_codebook_gradient_is_exact_through_the_lookup(reference_setup):
     """No straight-through estimator: d KL / d codebook equals the gradient obtained by decoding with an
     explicit one-hot matrix product of the (fixed) assignments."""
@@ -116,6 +120,7 @@ def test_codebook_gradient_is_exact_through_the_lookup(reference_setup):
     assert grad[~used].abs().max() == 0 and grad[used].abs().sum() > 0
 
 
+@pytest.mark.slow  # the shipped reference model
 def test_cached_teacher_gives_the_same_result(reference_setup):
     model, calib, init = reference_setup
     a = finetune_codebooks(model, calib, init, FinetuneConfig(epochs=1, cache_teacher="true"), torch.device("cpu"))
@@ -125,6 +130,7 @@ def test_cached_teacher_gives_the_same_result(reference_setup):
         assert torch.equal(a.quantizer.codecs[key].codebook, b.quantizer.codecs[key].codebook)
 
 
+@pytest.mark.slow  # the shipped reference model
 def test_teacher_cache_auto_keeps_what_fits(reference_setup, monkeypatch):
     """auto keeps the teacher outputs (logits + keys/values, size measured on the first one) of as many
     sequences as fit: 2 GiB of host memory on CPU; on CUDA what the first steps' reserved peak left of the
@@ -164,6 +170,7 @@ def test_teacher_cache_auto_keeps_what_fits(reference_setup, monkeypatch):
     assert TeacherCache(model, FinetuneConfig(cache_teacher="false"), 1).capacity == 0
 
 
+@pytest.mark.slow  # the shipped reference model
 def test_teacher_cache_is_sized_after_the_second_step(reference_setup, monkeypatch):
     """finetune_codebooks settles the cache once, after the second optimizer step, passing the bytes of
     the codebooks (the best epoch's copy still to come)."""

@@ -15,7 +15,7 @@ from loopvq_calib.models import HuginnForCausalLM, LoopKVCache
 
 
 def reference_huginn_logits(sd: dict, cfg, ids: torch.Tensor, r: int, state: torch.Tensor) -> torch.Tensor:
-    """Eager functional Huginn from docs/looped-architectures.md B3/B4 (interleaved RoPE, sandwich blocks)."""
+    """Eager functional Huginn from docs/architectures.md (Huginn: forward pass, attention) (interleaved RoPE, sandwich blocks)."""
     d, h = cfg.n_embd, cfg.n_heads
     hd = d // h
     b, s = ids.shape

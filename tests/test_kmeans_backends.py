@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from loopvq_calib import kmeans_triton
+from loopvq_calib import kmeans_backends, kmeans_triton
 from loopvq_calib.config import KMeansConfig
 from loopvq_calib.kmeans_backends import _draw_one, _reseed, kmeans_pp_init, random_init, resolve_backend, weighted_kmeans
 
@@ -204,6 +204,23 @@ def test_faiss_and_torch_agree(n):
         assert not np.allclose(km.centroids, a.centroids[0].numpy(), atol=1e-4)
 
 
+@needs_faiss
+def test_cpu_search_through_faiss_equals_the_chunked_torch_search(monkeypatch):
+    """On the CPU the torch backend finds nearest centroids with faiss.knn when faiss is installed; the chunked
+    baddbmm search (no faiss, and every GPU) must give the same Lloyd run, reseeded empty clusters included."""
+    x, w = blobs(4, 700, G, K, seed=13)
+    init = kmeans_pp_init(x, w, K, gen(7))
+    init[:, 0] = 1e3
+    cfg = KMeansConfig(iterations=40, tolerance=1e-4, points_per_chunk=100, problems_per_batch=3)
+    with_faiss = weighted_kmeans(x, w, init, cfg, "torch", CPU)
+    monkeypatch.setattr(kmeans_backends, "_faiss_search", lambda: None)
+    chunked = weighted_kmeans(x, w, init, cfg, "torch", CPU)
+    torch.testing.assert_close(with_faiss.centroids, chunked.centroids, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(with_faiss.objective_final, chunked.objective_final)
+    assert torch.equal(with_faiss.iterations, chunked.iterations) and len(set(chunked.iterations.tolist())) > 1
+    assert with_faiss.empty_clusters.tolist() == chunked.empty_clusters.tolist() == [1, 1, 1, 1]
+
+
 @pytest.mark.parametrize("backend", LLOYD + [pytest.param(("faiss", CPU), id="faiss", marks=needs_faiss)])
 def test_zero_weight_points_do_not_move_centroids(backend):
     x, w = blobs(2, 400, 4, 6, seed=7)
@@ -306,6 +323,54 @@ def test_backend_resolution_and_missing_faiss(monkeypatch):
     x, w = blobs(1, 100, 4, 2, seed=10)
     with pytest.raises(ImportError, match="kmeans.backend"):
         weighted_kmeans(x, w, x[:, :K], KMeansConfig(), "faiss", CPU)
+
+
+def test_auto_logs_why_it_does_not_use_triton(monkeypatch, caplog):
+    """On a CUDA device ``auto`` says why it falls back to torch: codebook too large for the kernels' tile,
+    an old GPU, no triton; on the CPU torch is the plain choice and nothing is logged."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(kmeans_triton, "triton", object())
+    monkeypatch.setattr(kmeans_triton, "works", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    kmeans_backends._log_once.cache_clear()
+    with caplog.at_level("WARNING", logger="loopvq_calib"):
+        assert resolve_backend("auto", "cuda", (256, 16)) == "triton" and caplog.text == ""
+        assert resolve_backend("auto", "cuda", (4096, 12)) == resolve_backend("auto", "cuda", (4096, 12)) == "torch"
+        assert caplog.text.count("quant.codebook_size 4096 x group size 12 exceeds the kernels' codebook tile") == 1
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 5))
+        assert resolve_backend("auto", "cuda:0", (256, 16)) == "torch"
+        assert "using the torch backend on cuda:0, not the fused Triton kernels: compute capability 7.5 is below 8.0" in caplog.text
+        monkeypatch.setattr(kmeans_triton, "triton", None)
+        assert resolve_backend("auto", "cuda", (256, 16)) == "torch"
+        assert "the triton package is not installed" in caplog.text
+        caplog.clear()
+        assert resolve_backend("auto", CPU, (4096, 12)) == "torch" and caplog.text == ""
+
+
+@needs_faiss
+def test_faiss_runs_where_kmeans_device_says(monkeypatch, caplog):
+    """faiss.Kmeans is asked for its GPUs only for a CUDA ``kmeans.device`` and a faiss that has GPUs; a CUDA
+    device with a faiss without GPU support runs on the CPU and says so."""
+    import faiss
+
+    x, w = blobs(2, 300, 4, 4, seed=14)
+    init = kmeans_pp_init(x, w, 4, gen(9))
+    cfg = KMeansConfig(iterations=5, tolerance=0.0)
+    reference = weighted_kmeans(x, w, init, cfg, "faiss", CPU)
+    asked, real = [], faiss.Kmeans
+    monkeypatch.setattr(faiss, "Kmeans", lambda *args, **kw: asked.append(kw["gpu"]) or real(*args, **kw))
+    monkeypatch.setattr(faiss, "get_num_gpus", lambda: 1)  # faiss-gpu with a visible GPU
+    torch.testing.assert_close(weighted_kmeans(x, w, init, cfg, "faiss", CPU).centroids, reference.centroids)
+    assert asked == [False, False]
+    weighted_kmeans(x, w, init, cfg, "faiss", torch.device("cuda"))  # (this faiss-cpu then runs on the CPU)
+    assert asked[2:] == [True, True]
+    monkeypatch.setattr(faiss, "get_num_gpus", lambda: 0)
+    kmeans_backends._log_once.cache_clear()
+    with caplog.at_level("WARNING", logger="loopvq_calib"):
+        on_cuda = weighted_kmeans(x, w, init, cfg, "faiss", torch.device("cuda"))
+    torch.testing.assert_close(on_cuda.centroids, reference.centroids)
+    assert "this faiss has no GPU support (faiss-cpu); k-means runs on the CPU, not cuda" in caplog.text
 
 
 @pytest.mark.gpu

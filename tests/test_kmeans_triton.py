@@ -92,6 +92,7 @@ SHARED_MEMORY_LIMIT = 99 * 1024  # per block on sm_86 / sm_89 cards, the smalles
 
 
 @needs_compiler
+@pytest.mark.slow  # about 7 s of compilation each
 @pytest.mark.parametrize("capability", [80, 89, 90])  # A100, RTX 6000 Ada / L40S, H100 / H200
 def test_kernels_compile_within_shared_memory_for_every_supported_tile(capability):
     """Every kernel compiles to a cubin for the target, for the largest codebooks :func:`supports` takes

@@ -17,7 +17,7 @@ from loopvq_calib.models.ouro import exit_pdf
 
 
 def reference_ouro_logits(sd: dict, cfg, ids: torch.Tensor) -> torch.Tensor:
-    """Eager functional Ouro written from docs/looped-architectures.md A3/A4, by weight name."""
+    """Eager functional Ouro written from docs/architectures.md (Ouro: forward pass, attention), by weight name."""
 
     def rms(x, w):
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps))

@@ -1,4 +1,4 @@
-"""Native Huginn-0125 (``model_type: "huginn_raven"``), from docs/looped-architectures.md part B.
+"""Native Huginn-0125 (``model_type: "huginn_raven"``), as described in docs/architectures.md.
 
 Prelude blocks -> recurrent core iterated ``num_steps`` times with a linear adapter over
 [state, embedded input] -> coda blocks. Sandwich blocks normalise the residual sum. Weight names are

@@ -1,4 +1,4 @@
-"""Native Ouro (``model_type: "ouro"``), written from docs/looped-architectures.md part A.
+"""Native Ouro (``model_type: "ouro"``), as described in docs/architectures.md.
 
 The whole stack of ``num_hidden_layers`` layers runs ``total_ut_steps`` times with shared weights; the
 final norm is applied after every loop and fed forward. Weight names are the hub's.
