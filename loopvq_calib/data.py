@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,14 +67,11 @@ def _option(names: dict[str, str | None] | None, name: str) -> str | None:
 
 
 def load_documents(cfg: DataConfig, names: dict[str, str | None] | None = None) -> Iterator[str]:
-    """Yield the documents' text from local files (text / json / jsonl / parquet) or a hub dataset.
-    ``names`` renames fields in error messages (see :func:`_option`)."""
-    import datasets
-
+    """Yield the documents' text from local files (text / json / jsonl / parquet, read directly: no cache
+    outside the run directory, so an edited file is always read afresh) or a hub dataset (``datasets``,
+    through the hub cache). ``names`` renames fields in error messages (see :func:`_option`)."""
     files = _local_files(cfg.dataset)
-    kind = cfg.type
-    if kind == "jsonl":
-        kind = "json"
+    kind = "json" if cfg.type == "jsonl" else cfg.type
     if files and kind in ("auto", "text", "json", "parquet"):
         if kind == "auto":
             kinds = {LOCAL_TYPES.get(Path(f).suffix) for f in files}
@@ -82,26 +80,114 @@ def load_documents(cfg: DataConfig, names: dict[str, str | None] | None = None) 
                 raise DataError(f"{_option(names, 'dataset')}: cannot infer the file type of {files} (known suffixes: "
                                 f"{', '.join(LOCAL_TYPES)}){how}")
             kind = kinds.pop()
-        extra = {"sample_by": cfg.text_sample_by} if kind == "text" else {}
-        ds = datasets.load_dataset(kind, data_files=files, split="train", **extra)
-    elif kind in ("auto", "hub") and not files and not os.path.isabs(cfg.dataset) and not cfg.dataset.startswith("."):
-        try:
-            ds = datasets.load_dataset(cfg.dataset, cfg.config_name, split=cfg.split)
-        except Exception as err:  # offline, unknown name, missing split: all surface here
-            offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
-            hint = " (offline mode is on: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)" if offline else ""
-            raise DataError(
-                f"{_option(names, 'dataset')}: could not load {cfg.dataset!r} (config {cfg.config_name!r}, split {cfg.split!r}) "
-                f"from the hub{hint}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            ) from err
-    else:
-        raise DataError(f"{_option(names, 'dataset')}: no local file matches {cfg.dataset!r} (type {cfg.type})")
+        for file in files:
+            yield from _file_documents(Path(file), kind, cfg, names)
+        return
+    if kind in ("auto", "hub") and not files and not _looks_like_a_path(cfg.dataset):
+        yield from _hub_documents(cfg, names)
+        return
+    if Path(cfg.dataset).is_dir():
+        raise DataError(f"{_option(names, 'dataset')}: folder {cfg.dataset} holds no {', '.join(LOCAL_TYPES)} file")
+    raise DataError(f"{_option(names, 'dataset')}: no local file matches {cfg.dataset!r} (type {cfg.type})")
+
+
+def _looks_like_a_path(spec: str) -> bool:
+    return os.path.isabs(spec) or spec.startswith((".", "~")) or spec.endswith(tuple(LOCAL_TYPES)) or any(
+        ch in spec for ch in "*?[")
+
+
+def _hub_documents(cfg: DataConfig, names: dict[str, str | None] | None) -> Iterator[str]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(cfg.dataset, cfg.config_name, split=cfg.split)
+    except Exception as err:  # offline, unknown name, missing split: all surface here
+        offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+        hint = " (offline mode is on: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)" if offline else ""
+        raise DataError(
+            f"{_option(names, 'dataset')}: could not load {cfg.dataset!r} (config {cfg.config_name!r}, split {cfg.split!r}) "
+            f"from the hub{hint}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        ) from err
     if cfg.text_field not in ds.column_names:
-        raise DataError(f"{_option(names, 'text_field') or _option(names, 'dataset')}: column {cfg.text_field!r} not in {cfg.dataset} (columns: {ds.column_names})")
+        raise DataError(f"{_option(names, 'text_field') or _option(names, 'dataset')}: column {cfg.text_field!r} not in "
+                        f"{cfg.dataset} (columns: {ds.column_names})")
     for row in ds:
         text = row[cfg.text_field]
         if isinstance(text, str) and text.strip():
             yield text
+
+
+def _read_text(file: Path, names: dict[str, str | None] | None) -> str:
+    try:
+        data = file.read_bytes()
+    except OSError as err:
+        raise DataError(f"{_option(names, 'dataset')}: cannot read {file}: {err.strerror}") from err
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        bad = data[err.start:err.start + 4]
+        raise DataError(f"{_option(names, 'dataset')}: {file} is not UTF-8 text: byte offset {err.start} "
+                        f"({bad!r}...); convert it, e.g. iconv -f latin1 -t utf-8") from err
+
+
+def _file_documents(file: Path, kind: str, cfg: DataConfig, names: dict[str, str | None] | None) -> Iterator[str]:
+    """Documents of one local file, read in memory (UTF-8 checked; the byte offset of the first bad byte named)."""
+    field_key = _option(names, "text_field") or _option(names, "dataset")
+    if kind == "text":
+        text = _read_text(file, names)
+        parts = {"line": text.splitlines(), "paragraph": text.split("\n\n"), "document": [text]}[cfg.text_sample_by]
+        yield from (p for p in parts if p.strip())
+        return
+    if kind == "parquet":
+        rows = _parquet_column(file, cfg.text_field, field_key, names)
+    else:
+        rows = _json_rows(file, _read_text(file, names), cfg.text_field, field_key, names)
+    for text in rows:
+        if isinstance(text, str) and text.strip():
+            yield text
+
+
+def _json_rows(file: Path, text: str, column: str, field_key: str | None, names) -> list[Any]:
+    """The ``column`` of a JSON array of objects or of JSON lines (one object per line)."""
+    stripped = text.lstrip()
+    rows: list[Any]
+    if stripped.startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{_option(names, 'dataset')}: {file} is not valid JSON: {err.msg} at line {err.lineno} "
+                            f"column {err.colno}") from err
+    else:
+        rows = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{_option(names, 'dataset')}: {file} line {number} is not a JSON object "
+                                    f"({err.msg}, column {err.colno})") from err
+    if not rows:
+        return []
+    if not all(isinstance(r, dict) for r in rows):
+        raise DataError(f"{_option(names, 'dataset')}: {file}: expected JSON objects with a {column!r} field")
+    if not any(column in r for r in rows):
+        raise DataError(f"{field_key}: column {column!r} not in {file} (columns: {sorted(rows[0])})")
+    return [r.get(column) for r in rows]
+
+
+def _parquet_column(file: Path, column: str, field_key: str | None, names) -> list[Any]:
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(file)
+        if column not in schema.names:
+            raise DataError(f"{field_key}: column {column!r} not in {file} (columns: {schema.names})")
+        return pq.read_table(file, columns=[column]).column(column).to_pylist()
+    except DataError:
+        raise
+    except Exception as err:  # pyarrow raises its own types for truncated or foreign files
+        raise DataError(f"{_option(names, 'dataset')}: {file} is not a readable parquet file "
+                        f"({type(err).__name__}: {err})") from err
 
 
 def _token_stream(docs: Iterator[str], tokenizer: Any, limit: int) -> tuple[list[int], int]:
@@ -123,6 +209,9 @@ def build_calibration_set(cfg: DataConfig, tokenizer: Any, names: dict[str, str 
     """Deterministic (given ``cfg.seed``) calibration sequences and their train / held-out split."""
     n, length = cfg.num_sequences, cfg.sequence_length
     ids, docs = _token_stream(load_documents(cfg, names), tokenizer, POOL_FACTOR * n * length)
+    if docs == 0:
+        raise DataError(f"{_option(names, 'dataset')}: {cfg.dataset} holds no text (no non-empty "
+                        f"{cfg.text_field!r} in any document)")
     windows = len(ids) // length
     if windows < n:
         raise DataError(

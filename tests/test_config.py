@@ -73,7 +73,7 @@ def test_overrides_and_round_trip(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"quant": {"method": "cq"}}))
     cfg = load_config(path, ["quant.group_size=32", "quant.bits=0.25", "kmeans.tolerance=1e-4", "output.dir=x"])
-    assert (cfg.quant.group_size, cfg.quant.bits, cfg.kmeans.tolerance, cfg.output.dir) == (32, 0.25, 1e-4, "x")
+    assert (cfg.quant.group_size, cfg.quant.bits, cfg.kmeans.tolerance, cfg.output.dir) == (32, 0.25, 1e-4, str(Path.cwd() / "x"))
     again = load_config(yaml.safe_load(dump_config(cfg)))
     assert again == cfg
     with pytest.raises(ConfigError, match="expected key.path=value"):
