@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -84,31 +85,31 @@ class Pipeline:
     """One calibration run; :meth:`run` executes (or reuses) the stages up to the last one asked for."""
 
     def __init__(self, cfg: Config, output: str | Path | None = None, stages: list[str] | None = None) -> None:
+        """Every check that can fail on bad input runs here, before anything is written: the config against
+        the model's config.json, ``stages``, devices, the k-means backend, the output folder and (unless the
+        run directory holds a reusable data stage) the calibration data itself."""
         self.cfg = cfg
         self.state = _distributed_state(cfg.model.device)
+        self.wanted = _wanted_stages(cfg, stages)
         self.folder = resolve_model_dir(cfg.model.name_or_path, cfg.model.revision)
         model_config = read_model_config(self.folder)
         self.kv = kv_layout_from_config(model_config, cfg.model.loop_steps)
         validate_for_model(cfg, self.kv.head_dim, self.kv.kv_heads, self.kv.loop_steps,
                            any(not s.looped for s in self.kv.sites))
-        self.identity = model_identity(self.folder, cfg.model.name_or_path, cfg.model.revision)
-        self.run = RunDir(Path(output or cfg.output.dir), self.state.is_main_process, self.state.wait_for_everyone)
-        wanted = [s for s in STAGES if s != "tasq" or cfg.quant.uses_tasq]
-        if stages:
-            unknown = sorted(set(stages) - set(STAGES))
-            if unknown:
-                raise ValueError(f"--stages: unknown stage(s) {unknown}; stages are {', '.join(STAGES)}")
-            if "tasq" in stages and not cfg.quant.uses_tasq:
-                raise ValueError(f"--stages: the tasq stage exists only for quant.method tasq or tasq+loopvq, "
-                                 f"not {cfg.quant.method}")
-            wanted = wanted[: max(wanted.index(s) for s in stages if s in wanted) + 1]
-        self.wanted = wanted
+        local = Path(cfg.model.name_or_path).expanduser().is_dir()  # else a hub id
+        name = os.path.abspath(Path(cfg.model.name_or_path).expanduser()) if local else cfg.model.name_or_path
+        self.identity = model_identity(self.folder, name, cfg.model.revision)
         self.device = pick_device(cfg.model.device) if cfg.model.device != "auto" else self.state.device
         self.kmeans_device = pick_device(cfg.kmeans.device, "kmeans.device") if cfg.kmeans.device != "auto" else self.device
-        if "kmeans" in wanted:  # an unusable kmeans.backend fails here, before any work
+        if "kmeans" in self.wanted:  # an unusable kmeans.backend fails here, before any work
             resolve_backend(cfg.kmeans.backend, self.kmeans_device, (cfg.quant.codebook_size, cfg.quant.group_size))
+        self.run = RunDir(Path(output or cfg.output.dir), self.state.is_main_process, self.state.wait_for_everyone,
+                          stage_names=STAGES)
         self._model = self._tokenizer = None
         self.fp: dict[str, str] = {}
+        self.data_fp = fingerprint("data", __version__, asdict(cfg.data), _tokenizer_hash(self.folder),
+                                   source_fingerprint(cfg.data))
+        self._calib = None if self.run.reusable("data", self.data_fp) else build_calibration_set(cfg.data, self.tokenizer())
 
     # -- helpers -------------------------------------------------------------------------------------
     def model(self):
@@ -150,11 +151,10 @@ class Pipeline:
 
     # -- stages --------------------------------------------------------------------------------------
     def stage_data(self) -> CalibrationSet:
-        fp = fingerprint("data", __version__, asdict(self.cfg.data), _tokenizer_hash(self.folder),
-                         source_fingerprint(self.cfg.data))
+        fp = self.data_fp
 
         def body(tmp: Path) -> dict:
-            calib = build_calibration_set(self.cfg.data, self.tokenizer())
+            calib = self._calib or build_calibration_set(self.cfg.data, self.tokenizer())
             save_file({"input_ids": calib.input_ids}, str(tmp / "sequences.safetensors"))
             split = {"train": calib.train, "heldout": calib.heldout, "sink_tokens": calib.sink_tokens,
                      "description": calib.description, "content_sha256": calib.content_hash}
@@ -284,6 +284,14 @@ class Pipeline:
         return self.stage_kmeans(reader, tasq) if "kmeans" in self.wanted else None
 
     def run_all(self) -> RunResult:
+        """Open the run directory (lock held until this returns) and run or reuse the wanted stages."""
+        self.run.open()
+        try:
+            return self._run_stages()
+        finally:
+            self.run.close()
+
+    def _run_stages(self) -> RunResult:
         if self.state.is_main_process:
             setup_logging(self.run.root)
             (self.run.root / "config.yaml").write_text(dump_config(self.cfg))
@@ -305,6 +313,20 @@ class Pipeline:
             self.run.update(finetune_curve=curve["curve"] if curve else None)
             log.info("stage summary\n%s", self.run.summary_table())
         return result
+
+
+def _wanted_stages(cfg: Config, stages: list[str] | None) -> list[str]:
+    """The stages to run or reuse: all, or up to the last one of ``stages`` (``--stages``)."""
+    wanted = [s for s in STAGES if s != "tasq" or cfg.quant.uses_tasq]
+    if not stages:
+        return wanted
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        raise ValueError(f"--stages: unknown stage(s) {', '.join(map(repr, unknown))}; stages are {', '.join(STAGES)}")
+    if "tasq" in stages and not cfg.quant.uses_tasq:
+        raise ValueError(f"--stages: the tasq stage exists only for quant.method tasq or tasq+loopvq, "
+                         f"not {cfg.quant.method}")
+    return wanted[: max(wanted.index(s) for s in stages if s in wanted) + 1]
 
 
 def _mkdir(path: Path) -> Path:
