@@ -45,7 +45,8 @@ class CalibrationSet:
         return hashlib.sha256(ids + split).hexdigest()
 
 
-def _local_files(spec: str) -> list[str]:
+def local_files(spec: str) -> list[str]:
+    """The local files ``spec`` (file, folder or glob) names, sorted; empty when it names none."""
     path = Path(spec)
     if path.is_dir():
         return sorted(str(p) for p in path.iterdir() if p.suffix in LOCAL_TYPES)
@@ -57,7 +58,7 @@ def _local_files(spec: str) -> list[str]:
 def source_fingerprint(cfg: DataConfig) -> list[tuple[str, int, str]]:
     """(file name, size, sha256) of every local file ``data.dataset`` names (empty for a hub dataset), so an
     edited corpus invalidates the data stage of a run directory."""
-    return [(os.path.basename(n), os.path.getsize(n), sha256_file(n)) for n in _local_files(cfg.dataset)]
+    return [(os.path.basename(n), os.path.getsize(n), sha256_file(n)) for n in local_files(cfg.dataset)]
 
 
 def _option(names: dict[str, str | None] | None, name: str) -> str | None:
@@ -70,7 +71,7 @@ def load_documents(cfg: DataConfig, names: dict[str, str | None] | None = None) 
     """Yield the documents' text from local files (text / json / jsonl / parquet, read directly: no cache
     outside the run directory, so an edited file is always read afresh) or a hub dataset (``datasets``,
     through the hub cache). ``names`` renames fields in error messages (see :func:`_option`)."""
-    files = _local_files(cfg.dataset)
+    files = local_files(cfg.dataset)
     kind = "json" if cfg.type == "jsonl" else cfg.type
     if files and kind in ("auto", "text", "json", "parquet"):
         if kind == "auto":

@@ -72,7 +72,9 @@ def _meta(path: Path) -> dict:
 
 
 def _set_meta(path: Path, meta: dict) -> None:
-    (path / "loopvq.json").write_text(json.dumps(meta))
+    """Rewrite loopvq.json without its metadata checksum (as a pre-1.1 writer did), so the reader's other
+    checks are reached; test_edited_metadata_is_refused covers edits to a checksummed file."""
+    (path / "loopvq.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "meta_sha256"}))
 
 
 def _rewrite_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -170,6 +172,35 @@ def test_failed_write_keeps_previous_bundle(tmp_path, model_a, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]  # no partial folder under any name
 
 
+@pytest.mark.parametrize("field,value", [
+    (("name",), "renamed"), (("model", "config_sha256"), "0" * 64), (("model", "model_type"), "llama"),
+    (("model", "weights", 0, "sample_sha256"), "f" * 64), (("metrics", "heldout_kl"), 0.0001),
+])
+def test_edited_metadata_is_refused(bundle_dir, field, value):
+    """loopvq.json carries meta_sha256 (its bytes with the value zeroed); any edit is refused by load_bundle
+    and inspect, while the same edit with the checksum recomputed (a re-sealing writer) loads."""
+    from loopvq_calib.bundle_reader import meta_checksum
+
+    raw = (bundle_dir / "loopvq.json").read_bytes()
+    meta = json.loads(raw)
+    assert meta["meta_sha256"] == hashlib.sha256(raw.replace(meta["meta_sha256"].encode(), b"0" * 64)).hexdigest()
+    node = meta
+    for key in field[:-1]:
+        node = node[key]
+    old = json.dumps(node[field[-1]])
+    assert old.encode() in raw
+    edited = raw.replace(old.encode(), json.dumps(value).encode(), 1)
+    (bundle_dir / "loopvq.json").write_bytes(edited)
+    for read in (load_bundle, inspect_bundle):
+        with pytest.raises(BundleError, match=r"loopvq\.json: metadata checksum mismatch \(field meta_sha256\)"):
+            read(bundle_dir)
+    resealed = edited.replace(meta["meta_sha256"].encode(), b"0" * 64)
+    resealed = resealed.replace(b"0" * 64, meta_checksum(resealed).encode(), 1) if field[-1] != "config_sha256" else None
+    if resealed is not None:
+        (bundle_dir / "loopvq.json").write_bytes(resealed)
+        assert load_bundle(bundle_dir).meta["meta_sha256"] != meta["meta_sha256"]
+
+
 def test_checksum_mismatch(bundle_dir):
     file = bundle_dir / "codebooks.safetensors"
     data = bytearray(file.read_bytes())
@@ -200,7 +231,7 @@ def test_missing_files(bundle_dir, tmp_path):
     (bundle_dir / "loopvq.json").unlink()
     with pytest.raises(BundleError, match=r"loopvq\.json: missing"):
         load_bundle(bundle_dir)
-    with pytest.raises(BundleError, match="does not exist"):
+    with pytest.raises(BundleError, match="nowhere: no such bundle folder"):
         load_bundle(tmp_path / "nowhere")
 
 
