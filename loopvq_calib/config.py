@@ -205,14 +205,15 @@ def _seed(path: str, value: int) -> None:
 
 
 def _numbers(obj: Any, path: str = "") -> None:
-    """Every float finite, every int at most INT_LIMIT in magnitude (a typo like 1e12 fails here, not hours in)."""
+    """Every float finite, every int but the seeds (see _seed) at most INT_LIMIT in magnitude (a typo like
+    99999999999 fails here, not hours in)."""
     for f in dataclasses.fields(obj):
         value, key = getattr(obj, f.name), f"{path}{f.name}"
         if dataclasses.is_dataclass(value):
             _numbers(value, key + ".")
         elif isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(key, f"must be a finite number, got {value}")
-        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT:
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT and f.name != "seed":
             raise ConfigError(key, f"{value} is out of range (at most {INT_LIMIT:,})")
 
 
