@@ -48,3 +48,18 @@ def test_eval_gates_exit_status(bundle, tiny_ouro_dir, heldout_corpus, tmp_path)
     assert (tmp_path / "rep" / "report.json").is_file() and (tmp_path / "rep" / "report.md").is_file()
     assert eval_main(common + ["--max-kl", "0"]) == 1
     assert eval_main(["--bundle", str(tmp_path / "nope")]) == 2
+
+
+def test_bundle_names_its_model_by_absolute_path_and_evaluates_from_anywhere(bundle, tiny_ouro_dir, heldout_corpus,
+                                                                              tmp_path, monkeypatch, capsys):
+    """A local model is recorded by its absolute path (the card then has no base_model), so loopvq-eval
+    finds it from any working directory without --model."""
+    import json
+
+    meta = json.loads((bundle / "loopvq.json").read_text())
+    assert meta["model"]["name"] == str(tiny_ouro_dir.absolute())
+    assert "base_model:" not in (bundle / "README.md").read_text()
+    monkeypatch.chdir(tmp_path)
+    assert eval_main(["--bundle", str(bundle), "--data", str(heldout_corpus), "--num-sequences", "1",
+                      "--sequence-length", "32"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
