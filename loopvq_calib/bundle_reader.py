@@ -86,7 +86,7 @@ def load_bundle(path: str | Path, model: str | Path | None = None, identity: Mod
 def resolve_bundle_dir(spec: str | Path, key: str = "bundle") -> Path:
     """A bundle folder as is; a hub id (a str ``org/name`` that is not a local-looking path) through the hub
     cache (snapshot_download; offline: only what the cache holds). A missing local path says so."""
-    from .config import looks_local
+    from .config_source import looks_local
 
     path = Path(spec).expanduser()
     if path.is_dir():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,19 +16,13 @@ from typing import Any
 
 import yaml
 
+from .config_source import PATH_KEYS, ConfigError, apply_overrides, copy_sections, read_yaml, resolve_paths
+
 METHODS = ("cq", "tasq", "loopvq", "tasq+loopvq")
 SHARING = ("none", "heads", "groups", "all")
 DTYPES = ("float32", "bfloat16", "float16")
 SEED_LIMIT = 2**32  # seeds any generator accepts (numpy needs < 2**32)
 INT_LIMIT = 2**31 - 1
-
-
-class ConfigError(ValueError):
-    """A config value is unknown, mistyped or impossible; ``path`` is its dotted key path."""
-
-    def __init__(self, path: str, message: str) -> None:
-        super().__init__(f"{path}: {message}" if path else message)
-        self.path = path
 
 
 @dataclass
@@ -383,33 +376,14 @@ def load_config(source: str | Path | dict, overrides: list[str] | None = None) -
         raw, base = source, Path.cwd()
     else:
         path = Path(source)
-        raw, base = _read_yaml(path), path.absolute().parent
+        raw, base = read_yaml(path), path.absolute().parent
     if not isinstance(raw, dict):
         raise ConfigError("", f"the top level of the config must be a mapping of sections, got {type(raw).__name__}")
-    raw = _resolve_paths(_copy_sections(raw), base)
+    raw = resolve_paths(copy_sections(raw), base)
     overridden = {k for k in PATH_KEYS if any(o.split("=", 1)[0].strip() == k for o in overrides or [])}
-    raw = _apply_overrides(raw, overrides or [])
-    raw = _resolve_paths(raw, Path.cwd(), tuple(sorted(overridden | _fill_path_defaults(raw))))
+    raw = apply_overrides(raw, overrides or [])
+    raw = resolve_paths(raw, Path.cwd(), tuple(sorted(overridden | _fill_path_defaults(raw))))
     return validate(resolve_derived(_build(Config, raw, "")))
-
-
-def _read_yaml(path: Path) -> Any:
-    if not path.is_file():
-        raise ConfigError("", f"config file {path} does not exist" if not path.exists() else f"config file {path} is not a file")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError("", f"config file {path} is not UTF-8 text (byte {err.start}: {err.object[err.start:err.start + 1]!r})") from err
-    except OSError as err:
-        raise ConfigError("", f"config file {path} cannot be read: {err.strerror}") from err
-    try:
-        return yaml.safe_load(text) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError("", f"{path} is not valid YAML: {err}") from err
-
-
-def _copy_sections(raw: dict) -> dict:
-    return {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
 
 
 def resolve_derived(cfg: Config) -> Config:
@@ -422,37 +396,6 @@ def resolve_derived(cfg: Config) -> Config:
     return cfg
 
 
-def looks_local(spec: str, base: Path, suffixes: tuple[str, ...] = ()) -> bool:
-    """Whether ``spec`` names a local path rather than a hub id ``org/name``: it exists under ``base``, is
-    absolute or starts with ``.``/``~``, has no ``/`` or more than one, ends in one of ``suffixes``, holds
-    glob characters, or its first component is a folder under ``base`` (``artifacts/nope``)."""
-    if spec.startswith(("/", ".", "~")) or "\\" in spec or any(ch in spec for ch in "*?["):
-        return True
-    if spec.count("/") != 1 or spec.endswith(suffixes) or (base / spec).exists():
-        return True
-    return (base / spec.split("/")[0]).is_dir()
-
-
-LOCAL_DATA_SUFFIXES = (".txt", ".text", ".json", ".jsonl", ".parquet")
-
-
-PATH_KEYS = ("model.name_or_path", "data.dataset", "output.dir")
-
-
-def _resolve_paths(raw: dict, base: Path, keys: tuple[str, ...] = PATH_KEYS) -> dict:
-    """Make the local paths among ``keys`` (of PATH_KEYS) absolute against ``base``; hub ids stay as they are."""
-    for key in keys:
-        section, name = key.split(".")
-        node = raw.get(section)
-        value = node.get(name) if isinstance(node, dict) else None
-        if not isinstance(value, str) or not value.strip():
-            continue
-        if key == "output.dir" or (key == "model.name_or_path" and looks_local(value, base)) or (
-                key == "data.dataset" and node.get("type") != "hub" and _local_dataset(value, base)):
-            node[name] = _absolute(value, base)
-    return raw
-
-
 def _fill_path_defaults(raw: dict) -> set[str]:
     """Put the default of every path key the config leaves out into ``raw``; returns those keys."""
     filled = set()
@@ -463,45 +406,6 @@ def _fill_path_defaults(raw: dict) -> set[str]:
             node[name] = getattr(getattr(Config(), section), name)
             filled.add(key)
     return filled
-
-
-def _local_dataset(spec: str, base: Path) -> bool:
-    """A bare name (``wikitext``) that is no file here is a hub dataset; otherwise as :func:`looks_local`."""
-    bare = "/" not in spec and not spec.startswith((".", "~")) and not any(ch in spec for ch in "*?[")
-    if bare and not spec.endswith(LOCAL_DATA_SUFFIXES) and not (base / spec).exists():
-        return False
-    return looks_local(spec, base, LOCAL_DATA_SUFFIXES)
-
-
-def _absolute(spec: str, base: Path) -> str:
-    return os.path.normpath(base / Path(spec).expanduser())
-
-
-def _apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply ``--set key.path=value`` items (values in YAML syntax) to a copy of the parsed config."""
-    raw = _copy_sections(raw)
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError("", f"--set {item!r}: expected key.path=value")
-        key, value = item.split("=", 1)
-        parts = key.strip().split(".")
-        if not all(p.strip() for p in parts):
-            raise ConfigError("", f"--set {item!r}: {key.strip()!r} is not a key path like quant.bits")
-        try:
-            parsed = yaml.safe_load(value)
-        except yaml.YAMLError as err:
-            problem = str(err).splitlines()[0]
-            raise ConfigError(key.strip(), f"--set value {value!r} is not valid YAML ({problem}); quote strings, "
-                                           "e.g. --set 'data.dataset=\"my file.txt\"'") from err
-        node = raw
-        for i, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(".".join(parts[: i + 1]), "is a value, not a section")
-            node[part] = child = dict(child)
-            node = child
-        node[parts[-1]] = parsed
-    return raw
 
 
 def dump_config(cfg: Config) -> str:

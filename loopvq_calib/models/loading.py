@@ -24,7 +24,7 @@ def resolve_model_dir(name_or_path: str, revision: str | None = None, key: str =
     """A local folder as is; a hub id through the hub cache (snapshot_download; read from the cache only
     under HF_HUB_OFFLINE=1). A local-looking path that does not exist is reported as such, never as a
     network error (see :func:`loopvq_calib.config.looks_local`)."""
-    from ..config import looks_local
+    from ..config_source import looks_local
 
     path = Path(name_or_path).expanduser()
     if path.is_dir():
