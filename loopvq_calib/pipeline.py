@@ -8,6 +8,7 @@ the main process while the rest wait.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ from . import __version__
 from .capture import (
     CaptureData, CaptureReader, MemoryCapture, MemoryReader, capture_kv, capture_meta, share_sequences, write_meta,
 )
-from .config import Config, dump_config, validate_for_model
+from .config import Config, dump_config, validate, validate_for_model
 from .data import CalibrationSet, build_calibration_set, source_fingerprint
 from .finetune import finetune_codebooks, training_steps
 from .kmeans import fit_codebooks, shard_tensor_names
@@ -88,7 +89,7 @@ class Pipeline:
         """Every check that can fail on bad input runs here, before anything is written: the config against
         the model's config.json, ``stages``, devices, the k-means backend, the output folder and (unless the
         run directory holds a reusable data stage) the calibration data itself."""
-        self.cfg = cfg
+        self.cfg = validate(cfg)  # pure (never changes cfg); a Config built in code gets the same checks
         self.state = _distributed_state(cfg.model.device)
         self.wanted = _wanted_stages(cfg, stages)
         self.folder = resolve_model_dir(cfg.model.name_or_path, cfg.model.revision)
@@ -346,7 +347,10 @@ def _tokenizer_hash(folder: Path) -> str:
 def calibrate(config: Config | str | Path | dict, output: str | Path | None = None,
               stages: list[str] | None = None, overrides: list[str] | None = None) -> RunResult:
     """Python API of ``loopvq-calibrate``: run (or resume) a calibration and return the run's result."""
-    from .config import load_config
+    from .config import load_config, resolve_derived
 
-    cfg = config if isinstance(config, Config) else load_config(config, overrides)
+    if isinstance(config, Config):  # checked like a loaded one (on a copy: the derived values get filled)
+        cfg = validate(resolve_derived(copy.deepcopy(config)))
+    else:
+        cfg = load_config(config, overrides)
     return Pipeline(cfg, output, stages).run_all()
