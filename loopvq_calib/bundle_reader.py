@@ -313,6 +313,7 @@ def inspect_bundle(path: str | Path) -> str:
     b = load_bundle(path)
     m, q = b.meta, b.quantizer
     ident, kv, s = m["model"], m["kv_layout"], m["serving"]
+    checksum = "verified" if "meta_sha256" in m else "absent: written before format 1.1"
     n_codebooks = sum(c.codebook.shape[0] * c.codebook.shape[1] for c in q.codecs.values())
     shapes: dict[tuple, list[str]] = {}
     for blk in m["blocks"]:
@@ -320,7 +321,8 @@ def inspect_bundle(path: str | Path) -> str:
         shapes.setdefault(sig, []).append(blk["name"])
     lines = [
         f"bundle      {m['name']}  ({b.path})",
-        f"format      {m['format_version']} (metadata checksum {'verified' if 'meta_sha256' in m else 'absent: written before 1.1'}), produced by {m['producer']['name']} {m['producer']['version']} "
+        f"format      {m['format_version']} (metadata checksum {checksum}), produced by {m['producer']['name']} "
+        f"{m['producer']['version']} "
         f"at {m.get('created', '?')}",
         f"method      {m['method']}",
         f"bits        key {m['bits']['key']:.4f}  value {m['bits']['value']:.4f}  (per element)",

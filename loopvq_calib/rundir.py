@@ -241,11 +241,12 @@ class RunDir:
 
 
 def check_output_folder(root: Path) -> None:
-    """Refuse a path that is a file, or a non-empty folder that is not a run directory (no manifest)."""
+    """Refuse a path that is a file, or a non-empty folder that is not a run directory (no manifest; the
+    toolkit's own lock and temporary entries do not count: another process of this run may be creating it)."""
     if root.exists() and not root.is_dir():
         raise RunDirError(f"output.dir: {root} exists and is not a directory")
     if root.is_dir() and not (root / MANIFEST).is_file():
-        entries = sorted(p.name for p in root.iterdir() if p.name != LOCK_FILE)
+        entries = sorted(p.name for p in root.iterdir() if p.name != LOCK_FILE and not p.name.startswith(TMP_PREFIX))
         if entries:
             raise RunDirError(
                 f"output.dir: {root} is not empty and is not a loopvq-calibrate run directory (no {MANIFEST}; it "
