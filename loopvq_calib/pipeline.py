@@ -295,6 +295,9 @@ class Pipeline:
     def _run_stages(self) -> RunResult:
         if self.state.is_main_process:
             setup_logging(self.run.root)
+            if self.run.lock is not None and self.run.lock.previous:
+                log.warning("%s: took over the lock of a run that is no longer running (%s)", self.run.root,
+                            self.run.lock.previous)
             (self.run.root / "config.yaml").write_text(dump_config(self.cfg))
             self.run.update(toolkit_version=__version__, config=self.cfg.to_dict(), model_identity=self.identity.to_dict(),
                             processes=self.state.num_processes)

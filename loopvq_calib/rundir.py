@@ -255,11 +255,12 @@ def check_output_folder(root: Path) -> None:
 
 class RunLock:
     """An advisory lock on a run directory: ``flock`` on ``.loopvq-lock``, which names its holder (pid,
-    host, start time). The kernel drops the lock when the holder dies, so a killed run's lock is taken
-    over by the next run (which logs whose it was)."""
+    host, start time) while it runs and is emptied on release. The kernel drops the lock when the holder
+    dies, so a killed run's lock is taken over by the next run, which logs whose it was."""
 
-    def __init__(self, path: Path, fd: int) -> None:
-        self.path, self.fd = path, fd
+    def __init__(self, path: Path, fd: int, previous: str | None = None) -> None:
+        """``previous``: the holder named in the file when the lock was taken (a run that died), or None."""
+        self.path, self.fd, self.previous = path, fd, previous
 
     @classmethod
     def acquire(cls, root: Path) -> "RunLock":
@@ -274,14 +275,14 @@ class RunLock:
                 f"{root} is in use by another loopvq-calibrate run ({holder}); wait for it to finish or choose "
                 "another --output") from None
         previous = _lock_holder(fd)
-        if previous != "holder unknown":
-            log.warning("%s: taking over the lock of a run that is no longer running (%s)", root, previous)
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                   "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode(), 0)
-        return cls(path, fd)
+        return cls(path, fd, previous if previous != "holder unknown" else None)
 
     def release(self) -> None:
+        """Clear the holder record (only a run that died leaves one behind), then unlock."""
+        os.ftruncate(self.fd, 0)
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
 
