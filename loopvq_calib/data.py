@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,8 +80,11 @@ def load_documents(cfg: DataConfig, names: dict[str, str | None] | None = None) 
                 raise DataError(f"{_option(names, 'dataset')}: cannot infer the file type of {files} (known suffixes: "
                                 f"{', '.join(LOCAL_TYPES)}){how}")
             kind = kinds.pop()
+        from .local_corpus import file_documents
+
+        field_key = _option(names, "text_field") or _option(names, "dataset")
         for file in files:
-            yield from _file_documents(Path(file), kind, cfg, names)
+            yield from file_documents(Path(file), kind, cfg, _option(names, "dataset"), field_key)
         return
     if kind in ("auto", "hub") and not files and not _looks_like_a_path(cfg.dataset):
         yield from _hub_documents(cfg, names)
@@ -118,80 +120,10 @@ def _hub_documents(cfg: DataConfig, names: dict[str, str | None] | None) -> Iter
             yield text
 
 
-def _read_text(file: Path, names: dict[str, str | None] | None) -> str:
-    try:
-        data = file.read_bytes()
-    except OSError as err:
-        raise DataError(f"{_option(names, 'dataset')}: cannot read {file}: {err.strerror}") from err
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        bad = data[err.start:err.start + 4]
-        raise DataError(f"{_option(names, 'dataset')}: {file} is not UTF-8 text: byte offset {err.start} "
-                        f"({bad!r}...); convert it, e.g. iconv -f latin1 -t utf-8") from err
-
-
-def _file_documents(file: Path, kind: str, cfg: DataConfig, names: dict[str, str | None] | None) -> Iterator[str]:
-    """Documents of one local file, read in memory (UTF-8 checked; the byte offset of the first bad byte named)."""
-    field_key = _option(names, "text_field") or _option(names, "dataset")
-    if kind == "text":
-        text = _read_text(file, names)
-        parts = {"line": text.splitlines(), "paragraph": text.split("\n\n"), "document": [text]}[cfg.text_sample_by]
-        yield from (p for p in parts if p.strip())
-        return
-    if kind == "parquet":
-        rows = _parquet_column(file, cfg.text_field, field_key, names)
-    else:
-        rows = _json_rows(file, _read_text(file, names), cfg.text_field, field_key, names)
-    for text in rows:
-        if isinstance(text, str) and text.strip():
-            yield text
-
-
-def _json_rows(file: Path, text: str, column: str, field_key: str | None, names) -> list[Any]:
-    """The ``column`` of a JSON array of objects or of JSON lines (one object per line)."""
-    stripped = text.lstrip()
-    rows: list[Any]
-    if stripped.startswith("["):
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{_option(names, 'dataset')}: {file} is not valid JSON: {err.msg} at line {err.lineno} "
-                            f"column {err.colno}") from err
-    else:
-        rows = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{_option(names, 'dataset')}: {file} line {number} is not a JSON object "
-                                    f"({err.msg}, column {err.colno})") from err
-    if not rows:
-        return []
-    if not all(isinstance(r, dict) for r in rows):
-        raise DataError(f"{_option(names, 'dataset')}: {file}: expected JSON objects with a {column!r} field")
-    if not any(column in r for r in rows):
-        raise DataError(f"{field_key}: column {column!r} not in {file} (columns: {sorted(rows[0])})")
-    return [r.get(column) for r in rows]
-
-
-def _parquet_column(file: Path, column: str, field_key: str | None, names) -> list[Any]:
-    import pyarrow.parquet as pq
-
-    try:
-        schema = pq.read_schema(file)
-        if column not in schema.names:
-            raise DataError(f"{field_key}: column {column!r} not in {file} (columns: {schema.names})")
-        return pq.read_table(file, columns=[column]).column(column).to_pylist()
-    except DataError:
-        raise
-    except Exception as err:  # pyarrow raises its own types for truncated or foreign files
-        raise DataError(f"{_option(names, 'dataset')}: {file} is not a readable parquet file "
-                        f"({type(err).__name__}: {err})") from err
-
-
-def _token_stream(docs: Iterator[str], tokenizer: Any, limit: int) -> tuple[list[int], int]:
+def _token_stream(docs: Iterator[str], tokenizer: Any, limit: int, read_all: bool) -> tuple[list[int], int]:
+    """Token ids of the documents (each followed by the separator) until ``limit``; with ``read_all`` the
+    remaining documents are still read, untokenized, so a bad byte or line anywhere in a local file is found
+    before the run starts."""
     sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
     if sep is None:
         raise DataError("model.name_or_path: the tokenizer has no eos or bos token to separate documents")
@@ -203,13 +135,17 @@ def _token_stream(docs: Iterator[str], tokenizer: Any, limit: int) -> tuple[list
         count += 1
         if len(ids) >= limit:
             break
+    if read_all:
+        for _ in docs:
+            pass
     return ids, count
 
 
 def build_calibration_set(cfg: DataConfig, tokenizer: Any, names: dict[str, str | None] | None = None) -> CalibrationSet:
     """Deterministic (given ``cfg.seed``) calibration sequences and their train / held-out split."""
     n, length = cfg.num_sequences, cfg.sequence_length
-    ids, docs = _token_stream(load_documents(cfg, names), tokenizer, POOL_FACTOR * n * length)
+    ids, docs = _token_stream(load_documents(cfg, names), tokenizer, POOL_FACTOR * n * length,
+                              read_all=bool(local_files(cfg.dataset)))
     if docs == 0:
         raise DataError(f"{_option(names, 'dataset')}: {cfg.dataset} holds no text (no non-empty "
                         f"{cfg.text_field!r} in any document)")
