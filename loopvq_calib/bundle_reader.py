@@ -95,8 +95,13 @@ def resolve_bundle_dir(spec: str | Path, key: str = "bundle") -> Path:
         raise BundleError(f"{spec}: is a file, not a bundle folder")
     if isinstance(spec, Path) or looks_local(str(spec), Path.cwd()):
         raise BundleError(f"{spec}: no such bundle folder")
-    try:
-        return Path(hub_snapshot(str(spec), None, key, "bundle"))
+    try:  # loopvq.json first, then exactly the files it lists
+        meta_file = Path(hub_snapshot(str(spec), None, key, "bundle", [META_FILE])) / META_FILE
+        try:
+            listed = [str(name) for name in json.loads(meta_file.read_text(encoding="utf-8")).get("files", {})]
+        except (OSError, ValueError, AttributeError):
+            listed = []  # load_bundle then names what is wrong with loopvq.json
+        return Path(hub_snapshot(str(spec), None, key, "bundle", [META_FILE, *listed]))
     except ModelLoadError as err:
         raise BundleError(str(err)) from err
 

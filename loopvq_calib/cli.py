@@ -72,7 +72,7 @@ def _run_failure(pipeline, err: Exception) -> str:
 
 def eval_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="loopvq-eval", description="Evaluate LoopVQ bundles against full precision.")
-    p.add_argument("--bundle", action="append", required=True, help="bundle folder, repeatable (side by side)")
+    p.add_argument("--bundle", action="append", required=True, help="bundle folder or hub id, repeatable (side by side)")
     p.add_argument("--model", help="model folder or hub id (default: the bundle's model)")
     p.add_argument("--data", help="held-out text: local text/json/jsonl/parquet file or hub dataset")
     p.add_argument("--num-sequences", type=int, default=8)
