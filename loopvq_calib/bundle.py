@@ -20,6 +20,7 @@ import torch
 
 from .bundle_reader import (
     CARD_FILE, FORMAT_VERSION, META_FILE, TENSOR_FILE, Bundle, BundleError, file_entry, inspect_bundle, load_bundle,
+    meta_checksum,
 )
 from .codec import code_bits, index_dtype, sigma_bits
 from .config import ServingConfig
@@ -56,10 +57,9 @@ def write_bundle(out_dir: Path, quantizer: KVQuantizer, *, name: str, identity: 
     for field in ("sink_tokens", "recent_window", "page_size"):
         if not isinstance(getattr(serving, field), int):
             raise BundleError(f"serving.{field} must be an integer, got {getattr(serving, field)!r}")
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / META_FILE).is_file():
-        raise BundleError(f"{out_dir} exists and is not a bundle (no {META_FILE}); refusing to replace it")
+    _check_replaceable(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = out_dir.with_name(f".loopvq-tmp.{out_dir.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
         meta = _bundle_meta(quantizer, name, identity, calibration, metrics, serving, codebook_dtype, config,
@@ -69,13 +69,42 @@ def write_bundle(out_dir: Path, quantizer: KVQuantizer, *, name: str, identity: 
 
         (tmp / CARD_FILE).write_text(model_card(meta), encoding="utf-8")
         meta["files"] = {f: file_entry(tmp / f) for f in (TENSOR_FILE, CARD_FILE)}
-        (tmp / META_FILE).write_text(json.dumps(_json_safe(meta), indent=1, allow_nan=False) + "\n", encoding="utf-8")
+        (tmp / META_FILE).write_bytes(_meta_bytes(meta))
         load_bundle(tmp)  # never publish what the reader would reject
         _swap_in(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    """``out_dir`` may be replaced only when it is missing, empty, or a bundle holding nothing but its files."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise BundleError(f"{out_dir} exists and is not a folder; refusing to replace it")
+    present = {p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if not p.is_dir()}
+    if not present:
+        return
+    if not (out_dir / META_FILE).is_file():
+        raise BundleError(f"{out_dir} exists and is not a bundle (no {META_FILE}); refusing to replace it")
+    try:
+        listed = set(json.loads((out_dir / META_FILE).read_text(encoding="utf-8")).get("files", {}))
+    except (ValueError, AttributeError):
+        listed = set()
+    extra = sorted(present - listed - {META_FILE})
+    if extra:
+        raise BundleError(f"{out_dir} holds files that are not part of the bundle ({', '.join(extra[:3])}); "
+                          "refusing to replace it (move them out first)")
+
+
+def _meta_bytes(meta: dict[str, Any]) -> bytes:
+    """``loopvq.json`` with its ``meta_sha256`` (sha256 of these bytes with the value as 64 zeros)."""
+    meta = {**meta, "meta_sha256": "0" * 64}
+    data = (json.dumps(_json_safe(meta), indent=1, allow_nan=False) + "\n").encode("utf-8")
+    digest = meta_checksum(data)
+    return data.replace(b'"meta_sha256": "' + b"0" * 64 + b'"', b'"meta_sha256": "' + digest.encode() + b'"')
 
 
 def _bundle_meta(q: KVQuantizer, name: str, identity: ModelIdentity, calibration: dict, metrics: dict,
@@ -142,7 +171,7 @@ def _swap_in(tmp: Path, final: Path) -> None:
     if not final.exists():
         os.replace(tmp, final)
         return
-    old = final.with_name(f".{final.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    old = final.with_name(f".loopvq-tmp.{final.name}-old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.replace(final, old)
     try:
         os.replace(tmp, final)

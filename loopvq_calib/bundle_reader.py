@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,15 +15,16 @@ from typing import Any
 import torch
 
 from .layouts import KINDS, BlockLayout, codebook_shape
-from .models.loading import DTYPES, ModelIdentity, ModelLoadError, model_identity, resolve_model_dir
+from .models.loading import DTYPES, ModelIdentity, ModelLoadError, hub_snapshot, model_identity, resolve_model_dir
 from .quantizer import KVQuantizer
 from .rundir import sha256_file
 
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"
 META_FILE = "loopvq.json"
 TENSOR_FILE = "codebooks.safetensors"
 CARD_FILE = "README.md"
 _NUMBER = (int, float)
+_META_SUM = re.compile(rb'"meta_sha256"\s*:\s*"([0-9a-f]{64})"')
 _REQUIRED: dict[str, type | tuple[type, ...]] = {  # docs/bundle-format.md section 2: all present in 1.0
     "format": str, "producer": dict, "created": str, "name": str, "method": str, "bits": dict, "bits_detail": dict,
     "codebook_size": int, "group_size": int, "steps_per_block": int, "codebook_sharing": str,
@@ -60,14 +63,13 @@ def file_entry(path: Path) -> dict[str, Any]:
 
 # -- reading -----------------------------------------------------------------------------------------
 def load_bundle(path: str | Path, model: str | Path | None = None, identity: ModelIdentity | None = None) -> Bundle:
-    """Read and validate a bundle; with ``model`` (folder or hub id) or ``identity``, check the model identity.
+    """Read and validate a bundle (a folder, or a hub id ``org/name`` fetched into the hub cache); with
+    ``model`` (folder or hub id) or ``identity``, check the model identity.
 
     Raises :class:`BundleError` on any missing file, checksum mismatch, unreadable safetensors, unsupported
     format version, missing/extra/mis-shaped/mis-typed tensor, or model mismatch.
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise BundleError(f"{path}: bundle folder does not exist")
+    path = resolve_bundle_dir(path)
     meta = _read_meta(path)
     _check_files(path, meta)
     tensors = _read_tensors(path / TENSOR_FILE)
@@ -81,16 +83,53 @@ def load_bundle(path: str | Path, model: str | Path | None = None, identity: Mod
     return Bundle(path, meta, KVQuantizer.from_tensors(qmeta, tensors, torch.float32))
 
 
+def resolve_bundle_dir(spec: str | Path, key: str = "bundle") -> Path:
+    """A bundle folder as is; a hub id (a str ``org/name`` that is not a local-looking path) through the hub
+    cache (snapshot_download; offline: only what the cache holds). A missing local path says so."""
+    from .config_source import looks_local
+
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise BundleError(f"{spec}: is a file, not a bundle folder")
+    if isinstance(spec, Path) or looks_local(str(spec), Path.cwd()):
+        raise BundleError(f"{spec}: no such bundle folder")
+    try:  # loopvq.json first, then exactly the files it lists
+        meta_file = Path(hub_snapshot(str(spec), None, key, "bundle", [META_FILE])) / META_FILE
+        try:
+            listed = [str(name) for name in json.loads(meta_file.read_text(encoding="utf-8")).get("files", {})]
+        except (OSError, ValueError, AttributeError):
+            listed = []  # load_bundle then names what is wrong with loopvq.json
+        return Path(hub_snapshot(str(spec), None, key, "bundle", [META_FILE, *listed]))
+    except ModelLoadError as err:
+        raise BundleError(str(err)) from err
+
+
+def meta_checksum(data: bytes) -> str | None:
+    """The ``meta_sha256`` a ``loopvq.json`` should carry: sha256 of its bytes with the field's 64 hex digits
+    replaced by 64 ``0`` characters (None when the field is not there exactly once)."""
+    found = list(_META_SUM.finditer(data))
+    if len(found) != 1:
+        return None
+    return hashlib.sha256(data[:found[0].start(1)] + b"0" * 64 + data[found[0].end(1):]).hexdigest()
+
+
 def _read_meta(path: Path) -> dict[str, Any]:
     file = path / META_FILE
     if not file.is_file():
         raise BundleError(f"{file}: missing (not a LoopVQ bundle)")
+    data = file.read_bytes()
     try:
-        meta = json.loads(file.read_text(encoding="utf-8"))
+        meta = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise BundleError(f"{file}: not valid JSON ({err})") from err
     if not isinstance(meta, dict):
         raise BundleError(f"{file}: expected a JSON object")
+    if "meta_sha256" in meta:  # since format 1.1; older bundles have no metadata checksum
+        if meta_checksum(data) is None or meta_checksum(data) != meta["meta_sha256"]:
+            raise BundleError(f"{file}: metadata checksum mismatch (field meta_sha256): the file was edited after "
+                              "it was written; restore the original or calibrate again")
     version = meta.get("format_version")
     major = str(version).split(".")[0]
     if not isinstance(version, str) or not major.isdigit():
@@ -279,6 +318,7 @@ def inspect_bundle(path: str | Path) -> str:
     b = load_bundle(path)
     m, q = b.meta, b.quantizer
     ident, kv, s = m["model"], m["kv_layout"], m["serving"]
+    checksum = "verified" if "meta_sha256" in m else "absent: written before format 1.1"
     n_codebooks = sum(c.codebook.shape[0] * c.codebook.shape[1] for c in q.codecs.values())
     shapes: dict[tuple, list[str]] = {}
     for blk in m["blocks"]:
@@ -286,7 +326,8 @@ def inspect_bundle(path: str | Path) -> str:
         shapes.setdefault(sig, []).append(blk["name"])
     lines = [
         f"bundle      {m['name']}  ({b.path})",
-        f"format      {m['format_version']}, produced by {m['producer']['name']} {m['producer']['version']} "
+        f"format      {m['format_version']} (metadata checksum {checksum}), produced by {m['producer']['name']} "
+        f"{m['producer']['version']} "
         f"at {m.get('created', '?')}",
         f"method      {m['method']}",
         f"bits        key {m['bits']['key']:.4f}  value {m['bits']['value']:.4f}  (per element)",

@@ -49,16 +49,18 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     from .models.loading import ModelLoadError
     from .rundir import RunDirError
 
-    try:
+    try:  # every bad input fails here, before the run directory is created or touched
         cfg = load_config(args.config, args.overrides)
         from .pipeline import Pipeline
 
-        stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
+        stages = [s.strip() for s in args.stages.split(",")] if args.stages is not None else None
         pipeline = Pipeline(cfg, args.output, stages)
-    except (ConfigError, ModelLoadError, DataError) as err:
-        return _fail(f"config error: {err}" if isinstance(err, ConfigError) else str(err), 2)
-    except ValueError as err:  # --stages, run directory
+    except ConfigError as err:
+        return _fail(f"config error: {err}", 2)
+    except (ModelLoadError, DataError, ValueError) as err:  # also --stages and the run directory
         return _fail(str(err), 2)
+    except OSError as err:
+        return _fail(f"{err.filename or 'input'}: {err.strerror or err}", 2)
     try:
         result = pipeline.run_all()
     except (ConfigError, DataError, ModelLoadError, RunDirError) as err:
@@ -80,16 +82,18 @@ def _run_failure(pipeline, err: Exception) -> str:
     import traceback
 
     failed = [name for name, rec in pipeline.run.manifest["stages"].items() if rec.get("status") in ("failed", "running")]
+    where = f"stage {failed[-1]}" if failed else "the run"
     log_file = pipeline.run.root / "run.log"
+    if not pipeline.run.root.is_dir():
+        return f"{where} failed: {type(err).__name__}: {err}"
     with open(log_file, "a", encoding="utf-8") as f:
         f.write("".join(traceback.format_exception(err)))
-    where = f"stage {failed[-1]}" if failed else "the run"
     return f"{where} failed: {type(err).__name__}: {err} (traceback in {log_file})"
 
 
 def eval_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loopvq-eval", description="Evaluate LoopVQ bundles against full precision.")
-    p.add_argument("--bundle", action="append", required=True, help="bundle folder, repeatable (side by side)")
+    p.add_argument("--bundle", action="append", required=True, help="bundle folder or hub id, repeatable (side by side)")
     p.add_argument("--model", help="model folder or hub id (default: the bundle's model)")
     p.add_argument("--data", help="held-out text: local text/json/jsonl/parquet file or hub dataset")
     p.add_argument("--num-sequences", type=int, default=8)

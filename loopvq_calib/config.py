@@ -16,17 +16,13 @@ from typing import Any
 
 import yaml
 
+from .config_source import PATH_KEYS, ConfigError, apply_overrides, copy_sections, read_yaml, resolve_paths
+
 METHODS = ("cq", "tasq", "loopvq", "tasq+loopvq")
 SHARING = ("none", "heads", "groups", "all")
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-class ConfigError(ValueError):
-    """A config value is unknown, mistyped or impossible; ``path`` is its dotted key path."""
-
-    def __init__(self, path: str, message: str) -> None:
-        super().__init__(f"{path}: {message}" if path else message)
-        self.path = path
+SEED_LIMIT = 2**32  # seeds any generator accepts (numpy needs < 2**32)
+INT_LIMIT = 2**31 - 1
 
 
 @dataclass
@@ -202,57 +198,66 @@ def _positive(path: str, value: float, zero_ok: bool = False) -> None:
         raise ConfigError(path, f"must be {'>= 0' if zero_ok else '> 0'}, got {value}")
 
 
-def validate_finetune(f: FinetuneConfig) -> None:
-    """The ``finetune`` section's own values."""
-    _positive("finetune.epochs", f.epochs, zero_ok=True)
-    _positive("finetune.lr", f.lr)
-    _choice("finetune.lr_schedule", f.lr_schedule, ("constant", "cosine", "linear"))
-    _positive("finetune.warmup_steps", f.warmup_steps, zero_ok=True)
-    _positive("finetune.batch_size", f.batch_size)
-    _positive("finetune.select_every", f.select_every, zero_ok=True)
-    _choice("finetune.parameterization", f.parameterization, ("codewords", "affine"))
-    _positive("finetune.min_usage", f.min_usage, zero_ok=True)
-    if f.min_usage and f.parameterization != "codewords":
-        raise ConfigError("finetune.min_usage", f"{f.min_usage} restricts codewords; it needs parameterization "
-                          f"codewords, not {f.parameterization}")
-    _positive("finetune.proximal", f.proximal, zero_ok=True)
-    _positive("finetune.kl_chunk", f.kl_chunk)
-    _choice("finetune.autocast", f.autocast, ("auto", "bfloat16", "none"))
-    _choice("finetune.cache_teacher", f.cache_teacher, ("auto", "true", "false"))
+def _seed(path: str, value: int) -> None:
+    if not 0 <= value < SEED_LIMIT:
+        raise ConfigError(path, f"must be in [0, 2**32), got {value}")
 
 
-def validate(cfg: Config) -> Config:
-    """Check every value and combination that does not need the model; returns ``cfg``."""
-    m, d, q, k, f, o = cfg.model, cfg.data, cfg.quant, cfg.kmeans, cfg.finetune, cfg.output
+def _numbers(obj: Any, path: str = "") -> None:
+    """Every float finite, every int but the seeds (see _seed) at most INT_LIMIT in magnitude (a typo like
+    99999999999 fails here, not hours in)."""
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{path}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _numbers(value, key + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(key, f"must be a finite number, got {value}")
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT and f.name != "seed":
+            raise ConfigError(key, f"{value} is out of range (at most {INT_LIMIT:,})")
+
+
+def _validate_model(m: ModelConfig) -> None:
     _choice("model.dtype", m.dtype, DTYPES)
-    for key, device in (("model.device", m.device), ("kmeans.device", k.device)):
-        if device != "auto" and device != "cpu" and not device.startswith("cuda"):
-            raise ConfigError(key, f"{device!r} is not allowed; use auto, cpu, cuda or cuda:N")
+    _device("model.device", m.device)
     if m.loop_steps is not None:
         _positive("model.loop_steps", m.loop_steps)
+    if not m.name_or_path.strip():
+        raise ConfigError("model.name_or_path", "must not be empty")
+
+
+def _device(key: str, device: str) -> None:
+    if device != "auto" and device != "cpu" and not device.startswith("cuda"):
+        raise ConfigError(key, f"{device!r} is not allowed; use auto, cpu, cuda or cuda:N")
+
+
+def _validate_data(d: DataConfig, finetune_enabled: bool) -> None:
+    if not d.dataset.strip():
+        raise ConfigError("data.dataset", "must not be empty")
     _choice("data.type", d.type, ("auto", "hub", "text", "json", "jsonl", "parquet"))
     _choice("data.text_sample_by", d.text_sample_by, ("line", "paragraph", "document"))
     _positive("data.num_sequences", d.num_sequences)
     _positive("data.sequence_length", d.sequence_length)
     _positive("data.sink_tokens", d.sink_tokens, zero_ok=True)
     _positive("data.heldout_sequences", d.heldout_sequences, zero_ok=True)
+    _seed("data.seed", d.seed)
     if d.sink_tokens >= d.sequence_length:
         raise ConfigError("data.sink_tokens", f"{d.sink_tokens} sinks leave no token of a {d.sequence_length}-token sequence to quantize")
-    if f.enabled and not 0 < d.heldout_sequences < d.num_sequences:
+    if finetune_enabled and not 0 < d.heldout_sequences < d.num_sequences:
         raise ConfigError(
             "data.heldout_sequences",
             f"fine-tuning needs 0 < heldout_sequences < num_sequences ({d.num_sequences}), got {d.heldout_sequences}",
         )
+
+
+def _validate_quant(q: QuantConfig) -> None:
     _choice("quant.method", q.method, METHODS)
     _choice("quant.codebook_sharing", q.codebook_sharing, SHARING)
     if q.codebook_size < 2 or q.codebook_size & (q.codebook_size - 1) or q.codebook_size > 65536:
         raise ConfigError("quant.codebook_size", f"must be a power of two in [2, 65536], got {q.codebook_size}")
     _positive("quant.group_size", q.group_size)
     _positive("quant.steps_per_block", q.steps_per_block)
-    derived = math.log2(q.codebook_size) / q.group_size
-    if q.bits is None:
-        q.bits = derived
-    elif not math.isclose(q.bits, derived, rel_tol=1e-9):
+    derived = derived_bits(q)
+    if q.bits is not None and not math.isclose(q.bits, derived, rel_tol=1e-9):
         raise ConfigError(
             "quant.bits",
             f"{q.bits} does not match log2(codebook_size)/group_size = log2({q.codebook_size})/{q.group_size} = {derived:g}",
@@ -268,10 +273,13 @@ def validate(cfg: Config) -> Config:
             "quant.group_size",
             f"TaSQ keeps each RoPE pair in one group: channels per step G/T_c = {q.group_size // q.block_steps} must be even",
         )
-    _choice("capture.dtype", cfg.capture.dtype, DTYPES)
-    _positive("capture.batch_size", cfg.capture.batch_size)
-    _choice("capture.store", cfg.capture.store, ("disk", "memory", "device"))
-    fc = cfg.capture.fisher_channels
+
+
+def _validate_capture(c: CaptureConfig, q: QuantConfig) -> None:
+    _choice("capture.dtype", c.dtype, DTYPES)
+    _positive("capture.batch_size", c.batch_size)
+    _choice("capture.store", c.store, ("disk", "memory", "device"))
+    fc = c.fisher_channels
     _positive("capture.fisher_channels", fc)
     if fc > 1 and q.uses_tasq:
         raise ConfigError("capture.fisher_channels", f"{fc}: TaSQ weights each channel separately and needs 1")
@@ -280,25 +288,80 @@ def validate(cfg: Config) -> Config:
             "capture.fisher_channels",
             f"{fc} does not divide the {q.group_size // q.block_steps} channels per step of a code group",
         )
+
+
+def _validate_kmeans(k: KMeansConfig) -> None:
     _choice("kmeans.backend", k.backend, ("auto", "faiss", "torch", "triton"))
     _choice("kmeans.init", k.init, ("kmeans++", "random"))
+    _device("kmeans.device", k.device)
     _positive("kmeans.iterations", k.iterations)
     _positive("kmeans.tolerance", k.tolerance, zero_ok=True)
+    _seed("kmeans.seed", k.seed)
     for name in ("problems_per_batch", "points_per_chunk"):
         if getattr(k, name) is not None:
             _positive(f"kmeans.{name}", getattr(k, name))
-    validate_finetune(f)
+
+
+def _validate_tasq(t: TasqConfig) -> None:
+    for name in ("det_eps", "sigma_min", "weight_floor"):
+        _positive(f"tasq.{name}", getattr(t, name))
+    if t.weight_floor >= 1:
+        raise ConfigError("tasq.weight_floor", f"is a fraction of the largest weight and must be < 1, got {t.weight_floor}")
+
+
+def validate_finetune(f: FinetuneConfig) -> None:
+    """The ``finetune`` section's own values."""
+    _positive("finetune.epochs", f.epochs, zero_ok=True)
+    _positive("finetune.lr", f.lr)
+    _choice("finetune.lr_schedule", f.lr_schedule, ("constant", "cosine", "linear"))
+    _positive("finetune.warmup_steps", f.warmup_steps, zero_ok=True)
+    _positive("finetune.batch_size", f.batch_size)
+    _positive("finetune.select_every", f.select_every, zero_ok=True)
+    _choice("finetune.parameterization", f.parameterization, ("codewords", "affine"))
+    _positive("finetune.min_usage", f.min_usage, zero_ok=True)
+    if f.min_usage and f.parameterization != "codewords":
+        raise ConfigError("finetune.min_usage", f"{f.min_usage} restricts codewords; it needs parameterization "
+                          f"codewords, not {f.parameterization}")
+    _positive("finetune.proximal", f.proximal, zero_ok=True)
+    _positive("finetune.kl_chunk", f.kl_chunk)
+    _seed("finetune.seed", f.seed)
+    _choice("finetune.autocast", f.autocast, ("auto", "bfloat16", "none"))
+    _choice("finetune.cache_teacher", f.cache_teacher, ("auto", "true", "false"))
+
+
+def _validate_output(o: OutputConfig, d: DataConfig) -> None:
+    if not o.dir.strip():
+        raise ConfigError("output.dir", "must not be empty")
+    if o.bundle_name is not None and (not o.bundle_name.strip() or "/" in o.bundle_name or "\\" in o.bundle_name):
+        raise ConfigError("output.bundle_name", f"{o.bundle_name!r} must be a non-empty name without / or \\")
     _choice("output.codebook_dtype", o.codebook_dtype, DTYPES)
     s = o.serving
-    if s.sink_tokens is None:
-        s.sink_tokens = d.sink_tokens
-    for name in ("sink_tokens", "recent_window", "page_size"):
-        value = getattr(s, name)
+    values = {"sink_tokens": d.sink_tokens if s.sink_tokens is None else s.sink_tokens,
+              "recent_window": s.recent_window, "page_size": s.page_size}
+    for name, value in values.items():
         _positive(f"output.serving.{name}", value, zero_ok=name != "page_size")
     for name in ("sink_tokens", "recent_window"):
-        if getattr(s, name) % s.page_size:
-            raise ConfigError(f"output.serving.{name}", f"{getattr(s, name)} is not a multiple of page_size {s.page_size}")
+        if values[name] % s.page_size:
+            raise ConfigError(f"output.serving.{name}", f"{values[name]} is not a multiple of page_size {s.page_size}")
+
+
+def validate(cfg: Config) -> Config:
+    """Check every value and combination that does not need the model (never changes ``cfg``); returns it."""
+    _numbers(cfg)
+    _validate_model(cfg.model)
+    _validate_data(cfg.data, cfg.finetune.enabled)
+    _validate_quant(cfg.quant)
+    _validate_capture(cfg.capture, cfg.quant)
+    _validate_kmeans(cfg.kmeans)
+    _validate_tasq(cfg.tasq)
+    validate_finetune(cfg.finetune)
+    _validate_output(cfg.output, cfg.data)
     return cfg
+
+
+def derived_bits(q: QuantConfig) -> float:
+    """log2(codebook_size) / group_size (meaningful once both are validated positive)."""
+    return math.log2(q.codebook_size) / q.group_size if q.codebook_size > 0 and q.group_size > 0 else math.nan
 
 
 def validate_for_model(cfg: Config, head_dim: int, kv_heads: int, loop_steps: int, has_prelude: bool) -> None:
@@ -320,38 +383,45 @@ def validate_for_model(cfg: Config, head_dim: int, kv_heads: int, loop_steps: in
 
 
 def load_config(source: str | Path | dict, overrides: list[str] | None = None) -> Config:
-    """Load YAML (a path or an already-parsed mapping), apply ``key.path=value`` overrides, validate."""
+    """Load YAML (a path or an already-parsed mapping), apply ``key.path=value`` overrides, resolve the
+    derived values and the paths, validate (the one validation pass; nothing is touched on disk).
+
+    Relative local paths written in a config file resolve against the file's folder; those from ``--set``,
+    from a mapping and the defaults against the current directory (docs/config.md, "Paths")."""
     if isinstance(source, dict):
-        raw = source
+        raw, base = source, Path.cwd()
     else:
         path = Path(source)
-        if not path.is_file():
-            raise ConfigError("", f"config file {path} does not exist")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError("", f"{path} is not valid YAML: {err}") from err
+        raw, base = read_yaml(path), path.absolute().parent
     if not isinstance(raw, dict):
         raise ConfigError("", f"the top level of the config must be a mapping of sections, got {type(raw).__name__}")
-    raw = _apply_overrides(dict(raw), overrides or [])
-    return validate(_build(Config, raw, ""))
+    raw = resolve_paths(copy_sections(raw), base)
+    overridden = {k for k in PATH_KEYS if any(o.split("=", 1)[0].strip() == k for o in overrides or [])}
+    raw = apply_overrides(raw, overrides or [])
+    raw = resolve_paths(raw, Path.cwd(), tuple(sorted(overridden | _fill_path_defaults(raw))))
+    return validate(resolve_derived(_build(Config, raw, "")))
 
 
-def _apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError("", f"--set {item!r}: expected key.path=value")
-        key, value = item.split("=", 1)
-        node = raw
-        parts = key.strip().split(".")
-        for i, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(".".join(parts[: i + 1]), "is a value, not a section")
-            node[part] = child = dict(child)
-            node = child
-        node[parts[-1]] = yaml.safe_load(value)
-    return raw
+def resolve_derived(cfg: Config) -> Config:
+    """Fill the values a config may leave null: ``quant.bits`` (from K and G) and
+    ``output.serving.sink_tokens`` (= ``data.sink_tokens``). The only place the loader changes values."""
+    if cfg.quant.bits is None and math.isfinite(derived_bits(cfg.quant)):
+        cfg.quant.bits = derived_bits(cfg.quant)
+    if cfg.output.serving.sink_tokens is None:
+        cfg.output.serving.sink_tokens = cfg.data.sink_tokens
+    return cfg
+
+
+def _fill_path_defaults(raw: dict) -> set[str]:
+    """Put the default of every path key the config leaves out into ``raw``; returns those keys."""
+    filled = set()
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        node = raw.setdefault(section, {})
+        if isinstance(node, dict) and name not in node:
+            node[name] = getattr(getattr(Config(), section), name)
+            filled.add(key)
+    return filled
 
 
 def dump_config(cfg: Config) -> str:

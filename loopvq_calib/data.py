@@ -44,7 +44,8 @@ class CalibrationSet:
         return hashlib.sha256(ids + split).hexdigest()
 
 
-def _local_files(spec: str) -> list[str]:
+def local_files(spec: str) -> list[str]:
+    """The local files ``spec`` (file, folder or glob) names, sorted; empty when it names none."""
     path = Path(spec)
     if path.is_dir():
         return sorted(str(p) for p in path.iterdir() if p.suffix in LOCAL_TYPES)
@@ -56,7 +57,7 @@ def _local_files(spec: str) -> list[str]:
 def source_fingerprint(cfg: DataConfig) -> list[tuple[str, int, str]]:
     """(file name, size, sha256) of every local file ``data.dataset`` names (empty for a hub dataset), so an
     edited corpus invalidates the data stage of a run directory."""
-    return [(os.path.basename(n), os.path.getsize(n), sha256_file(n)) for n in _local_files(cfg.dataset)]
+    return [(os.path.basename(n), os.path.getsize(n), sha256_file(n)) for n in local_files(cfg.dataset)]
 
 
 def _option(names: dict[str, str | None] | None, name: str) -> str | None:
@@ -66,14 +67,11 @@ def _option(names: dict[str, str | None] | None, name: str) -> str | None:
 
 
 def load_documents(cfg: DataConfig, names: dict[str, str | None] | None = None) -> Iterator[str]:
-    """Yield the documents' text from local files (text / json / jsonl / parquet) or a hub dataset.
-    ``names`` renames fields in error messages (see :func:`_option`)."""
-    import datasets
-
-    files = _local_files(cfg.dataset)
-    kind = cfg.type
-    if kind == "jsonl":
-        kind = "json"
+    """Yield the documents' text from local files (text / json / jsonl / parquet, read directly: no cache
+    outside the run directory, so an edited file is always read afresh) or a hub dataset (``datasets``,
+    through the hub cache). ``names`` renames fields in error messages (see :func:`_option`)."""
+    files = local_files(cfg.dataset)
+    kind = "json" if cfg.type == "jsonl" else cfg.type
     if files and kind in ("auto", "text", "json", "parquet"):
         if kind == "auto":
             kinds = {LOCAL_TYPES.get(Path(f).suffix) for f in files}
@@ -82,29 +80,50 @@ def load_documents(cfg: DataConfig, names: dict[str, str | None] | None = None) 
                 raise DataError(f"{_option(names, 'dataset')}: cannot infer the file type of {files} (known suffixes: "
                                 f"{', '.join(LOCAL_TYPES)}){how}")
             kind = kinds.pop()
-        extra = {"sample_by": cfg.text_sample_by} if kind == "text" else {}
-        ds = datasets.load_dataset(kind, data_files=files, split="train", **extra)
-    elif kind in ("auto", "hub") and not files and not os.path.isabs(cfg.dataset) and not cfg.dataset.startswith("."):
-        try:
-            ds = datasets.load_dataset(cfg.dataset, cfg.config_name, split=cfg.split)
-        except Exception as err:  # offline, unknown name, missing split: all surface here
-            offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
-            hint = " (offline mode is on: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)" if offline else ""
-            raise DataError(
-                f"{_option(names, 'dataset')}: could not load {cfg.dataset!r} (config {cfg.config_name!r}, split {cfg.split!r}) "
-                f"from the hub{hint}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            ) from err
-    else:
-        raise DataError(f"{_option(names, 'dataset')}: no local file matches {cfg.dataset!r} (type {cfg.type})")
+        from .local_corpus import file_documents
+
+        field_key = _option(names, "text_field") or _option(names, "dataset")
+        for file in files:
+            yield from file_documents(Path(file), kind, cfg, _option(names, "dataset"), field_key)
+        return
+    if kind in ("auto", "hub") and not files and not _looks_like_a_path(cfg.dataset):
+        yield from _hub_documents(cfg, names)
+        return
+    if Path(cfg.dataset).is_dir():
+        raise DataError(f"{_option(names, 'dataset')}: folder {cfg.dataset} holds no {', '.join(LOCAL_TYPES)} file")
+    raise DataError(f"{_option(names, 'dataset')}: no local file matches {cfg.dataset!r} (type {cfg.type})")
+
+
+def _looks_like_a_path(spec: str) -> bool:
+    return os.path.isabs(spec) or spec.startswith((".", "~")) or spec.endswith(tuple(LOCAL_TYPES)) or any(
+        ch in spec for ch in "*?[")
+
+
+def _hub_documents(cfg: DataConfig, names: dict[str, str | None] | None) -> Iterator[str]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(cfg.dataset, cfg.config_name, split=cfg.split)
+    except Exception as err:  # offline, unknown name, missing split: all surface here
+        offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+        hint = " (offline mode is on: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)" if offline else ""
+        raise DataError(
+            f"{_option(names, 'dataset')}: could not load {cfg.dataset!r} (config {cfg.config_name!r}, split {cfg.split!r}) "
+            f"from the hub{hint}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        ) from err
     if cfg.text_field not in ds.column_names:
-        raise DataError(f"{_option(names, 'text_field') or _option(names, 'dataset')}: column {cfg.text_field!r} not in {cfg.dataset} (columns: {ds.column_names})")
+        raise DataError(f"{_option(names, 'text_field') or _option(names, 'dataset')}: column {cfg.text_field!r} not in "
+                        f"{cfg.dataset} (columns: {ds.column_names})")
     for row in ds:
         text = row[cfg.text_field]
         if isinstance(text, str) and text.strip():
             yield text
 
 
-def _token_stream(docs: Iterator[str], tokenizer: Any, limit: int) -> tuple[list[int], int]:
+def _token_stream(docs: Iterator[str], tokenizer: Any, limit: int, read_all: bool) -> tuple[list[int], int]:
+    """Token ids of the documents (each followed by the separator) until ``limit``; with ``read_all`` the
+    remaining documents are still read, untokenized, so a bad byte or line anywhere in a local file is found
+    before the run starts."""
     sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
     if sep is None:
         raise DataError("model.name_or_path: the tokenizer has no eos or bos token to separate documents")
@@ -116,13 +135,20 @@ def _token_stream(docs: Iterator[str], tokenizer: Any, limit: int) -> tuple[list
         count += 1
         if len(ids) >= limit:
             break
+    if read_all:
+        for _ in docs:
+            pass
     return ids, count
 
 
 def build_calibration_set(cfg: DataConfig, tokenizer: Any, names: dict[str, str | None] | None = None) -> CalibrationSet:
     """Deterministic (given ``cfg.seed``) calibration sequences and their train / held-out split."""
     n, length = cfg.num_sequences, cfg.sequence_length
-    ids, docs = _token_stream(load_documents(cfg, names), tokenizer, POOL_FACTOR * n * length)
+    ids, docs = _token_stream(load_documents(cfg, names), tokenizer, POOL_FACTOR * n * length,
+                              read_all=bool(local_files(cfg.dataset)))
+    if docs == 0:
+        raise DataError(f"{_option(names, 'dataset')}: {cfg.dataset} holds no text (no non-empty "
+                        f"{cfg.text_field!r} in any document)")
     windows = len(ids) // length
     if windows < n:
         raise DataError(

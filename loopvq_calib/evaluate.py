@@ -21,6 +21,8 @@ from .quantizer import KVQuantizer
 
 DEFAULT_DATA = Path("artifacts/data/shakespeare-heldout.jsonl")
 KINDS = ("key", "value")
+EVAL_DATA_NAMES = {"dataset": "--data", "num_sequences": "--num-sequences", "sequence_length": "--sequence-length",
+                   "type": None, "text_field": None}  # how loopvq-eval's data errors name the setting
 
 
 class _Sums:
@@ -144,8 +146,9 @@ def run_eval(bundles: list[str], model: str | None, data: str | None, num_sequen
 
     try:
         data = _data_source(data, num_sequences, sequence_length)
-        if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
-            raise EvalInputError(f"--out {out_dir}: exists and is not a folder")
+        _check_gates_and_out(out_dir, max_kl, max_ppl_increase)
+        if device != "auto" and device != "cpu" and not device.startswith("cuda"):
+            raise EvalInputError(f"--device {device!r} is not allowed; use auto, cpu, cuda or cuda:N")
         loaded, model_obj, tokenizer, model_name = _load_inputs(bundles, model, device, dtype)
         for b in loaded:
             if sequence_length <= max(b.serving["sink_tokens"], 1):
@@ -178,15 +181,19 @@ def run_eval(bundles: list[str], model: str | None, data: str | None, num_sequen
 
 def _load_inputs(paths: list[str], model: str | None, device: str, dtype: str):
     """Bundles (each checked against the model's identity), the model, its tokenizer and its name."""
-    from .bundle import load_bundle
-    from .models.loading import load_model, pick_device, resolve_model_dir
+    from .bundle import BundleError, load_bundle
+    from .bundle_reader import resolve_bundle_dir
+    from .models.loading import ModelLoadError, load_model, pick_device, resolve_model_dir
 
     if not paths:
         raise EvalInputError("no bundle given (--bundle PATH, repeatable)")
+    dirs = []
     for p in paths:
-        if not Path(p).is_dir():
-            raise EvalInputError(f"--bundle {p}: no such bundle folder")
-    first = [load_bundle(p) for p in paths]
+        try:
+            dirs.append(resolve_bundle_dir(p, key="--bundle"))
+        except BundleError as err:
+            raise EvalInputError(f"--bundle {err}" if not str(err).startswith("--bundle") else str(err)) from err
+    first = [load_bundle(d) for d in dirs]
     idents = [b.meta["model"] for b in first]
     if model is None:
         names = {i["name"] for i in idents}
@@ -194,10 +201,13 @@ def _load_inputs(paths: list[str], model: str | None, device: str, dtype: str):
             raise EvalInputError(f"the bundles were calibrated for different models ({', '.join(sorted(names))}); "
                                  "evaluate them separately or name one with --model")
         model, revision = idents[0]["name"], idents[0].get("revision")
+        try:
+            folder = resolve_model_dir(model, revision, key=f"{dirs[0]}: the bundle's model")
+        except ModelLoadError as err:
+            raise EvalInputError(f"{err}; pass the model with --model FOLDER_OR_HUB_ID") from err
     else:
-        revision = None
-    folder = resolve_model_dir(model, revision, key="--model")
-    loaded = [load_bundle(p, model=folder) for p in paths]
+        folder = resolve_model_dir(model, None, key="--model")
+    loaded = [load_bundle(d, model=folder) for d in dirs]
     layouts = {json.dumps(b.meta["kv_layout"], sort_keys=True) for b in loaded}
     if len(layouts) > 1:
         raise EvalInputError("the bundles have different KV layouts (loop counts); evaluate them separately")
@@ -208,9 +218,19 @@ def _load_inputs(paths: list[str], model: str | None, device: str, dtype: str):
     return loaded, model_obj, tokenizer, model
 
 
+def _check_gates_and_out(out_dir: str | None, max_kl: float | None, max_ppl_increase: float | None) -> None:
+    """--out must be a folder (or not exist yet); gate thresholds finite and >= 0."""
+    if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise EvalInputError(f"--out {out_dir}: exists and is not a folder")
+    for flag, value in (("--max-kl", max_kl), ("--max-ppl-increase", max_ppl_increase)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise EvalInputError(f"{flag} must be a finite number >= 0, got {value}")
+
+
 def _data_source(data: str | None, num_sequences: int, sequence_length: int) -> str:
     """Check the held-out data argument before anything is loaded; ``None`` -> the shipped default file."""
-    from .data import LOCAL_TYPES
+    from .config import DataConfig
+    from .data import LOCAL_TYPES, local_files, load_documents
 
     if num_sequences < 1 or sequence_length < 2:
         raise EvalInputError(f"need --num-sequences >= 1 and --sequence-length >= 2, got {num_sequences}, "
@@ -221,9 +241,13 @@ def _data_source(data: str | None, num_sequences: int, sequence_length: int) -> 
         if found is None:
             raise EvalInputError(f"no --data given and the default {DEFAULT_DATA} does not exist here")
         return str(found)
-    looks_local = Path(data).suffix in LOCAL_TYPES or data.startswith((".", "/"))  # else maybe a hub name
-    if looks_local and not any(ch in data for ch in "*?[") and not Path(data).exists():
+    looks_local = Path(data).suffix in LOCAL_TYPES or data.startswith((".", "/", "~"))  # else maybe a hub name
+    if looks_local and not any(ch in data for ch in "*?[") and not Path(data).expanduser().exists():
         raise EvalInputError(f"--data {data}: no such file or folder")
+    data = str(Path(data).expanduser()) if looks_local else data
+    if local_files(data):  # read it now (UTF-8, parseable, some text) before any model is loaded
+        if next(load_documents(DataConfig(dataset=data), EVAL_DATA_NAMES), None) is None:
+            raise EvalInputError(f"--data {data}: holds no text (no non-empty 'text' field or line)")
     return data
 
 
@@ -233,7 +257,5 @@ def _heldout(data: str, tokenizer: Any, num_sequences: int, sequence_length: int
     from .data import build_calibration_set
 
     cfg = DataConfig(dataset=data, num_sequences=num_sequences, sequence_length=sequence_length, heldout_sequences=0)
-    names = {"dataset": "--data", "num_sequences": "--num-sequences", "sequence_length": "--sequence-length",
-             "type": None, "text_field": None}
-    calib = build_calibration_set(cfg, tokenizer, names)
+    calib = build_calibration_set(cfg, tokenizer, EVAL_DATA_NAMES)
     return calib.input_ids, calib.description

@@ -12,7 +12,7 @@ from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 from huggingface_hub.utils import validate_repo_id
 
-from .bundle import load_bundle
+from .bundle import META_FILE, Bundle, load_bundle
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -25,28 +25,30 @@ class RepoIdError(PushError):
     """``--repo-id`` is not ORG/NAME (bad input, not a failed push)."""
 
 
-def bundle_files(path: Path) -> list[str]:
-    """Every file under the bundle folder, as sorted POSIX paths relative to it."""
-    return sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+def bundle_files(bundle: Bundle) -> list[str]:
+    """The files the bundle format lists: ``loopvq.json`` and every file under its ``files`` (sorted POSIX
+    paths). Nothing else in the folder (``.env``, ``.git/``, notes) is ever uploaded."""
+    return sorted({META_FILE, *bundle.meta["files"]})
 
 
 def push_bundle(path: str | Path, repo_id: str, private: bool = False, dry_run: bool = False,
                 token: str | None = None, revision: str | None = None) -> list[str]:
-    """Validate the bundle, then upload all its files to the model repo ``repo_id`` (created if needed).
+    """Validate the bundle, then upload its files (:func:`bundle_files`) to the model repo ``repo_id``
+    (created if needed).
 
     ``dry_run`` returns the files that would be uploaded without touching the network. Returns the
     uploaded files (relative paths, sorted). Raises BundleError for an invalid bundle and
     :class:`PushError` for a bad repo id, offline mode (HF_HUB_OFFLINE) or any hub/network failure.
     """
     path = Path(path)
-    load_bundle(path)
+    bundle = load_bundle(path)
     try:
         validate_repo_id(repo_id)
     except HFValidationError as err:
         raise RepoIdError(f"--repo-id {repo_id!r} is not a valid hub repo id (ORG/NAME): {err}") from err
     if "/" not in repo_id:
         raise RepoIdError(f"--repo-id {repo_id!r}: give the namespace too (ORG/NAME)")
-    files = bundle_files(path)
+    files = bundle_files(bundle)
     if dry_run:
         return files
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE:
@@ -81,7 +83,7 @@ def model_card(meta: dict[str, Any]) -> str:
     """README.md of a bundle: hub front matter and a human summary."""
     ident, bits, serving, metrics = meta["model"], meta["bits"], meta["serving"], meta["metrics"]
     front: dict[str, Any] = {
-        "base_model": ident["name"],
+        **({"base_model": ident["name"]} if is_hub_id(ident["name"]) else {}),
         "tags": ["loopvq", "kv-cache", "quantization", "vector-quantization", "looped-transformer", ident["model_type"]],
         "library_name": "loopvq-calib",
     }
@@ -132,6 +134,16 @@ def model_card(meta: dict[str, Any]) -> str:
         "docs/bundle-format.md.", "",
     ]
     return "\n".join(lines)
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether a bundle's model name is a hub id ``org/name`` (the card's ``base_model`` holds nothing else;
+    a local model is recorded by its absolute path)."""
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
 
 
 def _num(value: Any) -> str:

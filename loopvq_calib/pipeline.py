@@ -8,8 +8,10 @@ the main process while the rest wait.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,7 +26,7 @@ from . import __version__
 from .capture import (
     CaptureData, CaptureReader, MemoryCapture, MemoryReader, capture_kv, capture_meta, share_sequences, write_meta,
 )
-from .config import Config, dump_config, validate_for_model
+from .config import Config, dump_config, validate, validate_for_model
 from .data import CalibrationSet, build_calibration_set, source_fingerprint
 from .finetune import finetune_codebooks, training_steps
 from .kmeans import fit_codebooks, shard_tensor_names
@@ -84,31 +86,31 @@ class Pipeline:
     """One calibration run; :meth:`run` executes (or reuses) the stages up to the last one asked for."""
 
     def __init__(self, cfg: Config, output: str | Path | None = None, stages: list[str] | None = None) -> None:
-        self.cfg = cfg
+        """Every check that can fail on bad input runs here, before anything is written: the config against
+        the model's config.json, ``stages``, devices, the k-means backend, the output folder and (unless the
+        run directory holds a reusable data stage) the calibration data itself."""
+        self.cfg = validate(cfg)  # pure (never changes cfg); a Config built in code gets the same checks
         self.state = _distributed_state(cfg.model.device)
+        self.wanted = _wanted_stages(cfg, stages)
         self.folder = resolve_model_dir(cfg.model.name_or_path, cfg.model.revision)
         model_config = read_model_config(self.folder)
         self.kv = kv_layout_from_config(model_config, cfg.model.loop_steps)
         validate_for_model(cfg, self.kv.head_dim, self.kv.kv_heads, self.kv.loop_steps,
                            any(not s.looped for s in self.kv.sites))
-        self.identity = model_identity(self.folder, cfg.model.name_or_path, cfg.model.revision)
-        self.run = RunDir(Path(output or cfg.output.dir), self.state.is_main_process, self.state.wait_for_everyone)
-        wanted = [s for s in STAGES if s != "tasq" or cfg.quant.uses_tasq]
-        if stages:
-            unknown = sorted(set(stages) - set(STAGES))
-            if unknown:
-                raise ValueError(f"--stages: unknown stage(s) {unknown}; stages are {', '.join(STAGES)}")
-            if "tasq" in stages and not cfg.quant.uses_tasq:
-                raise ValueError(f"--stages: the tasq stage exists only for quant.method tasq or tasq+loopvq, "
-                                 f"not {cfg.quant.method}")
-            wanted = wanted[: max(wanted.index(s) for s in stages if s in wanted) + 1]
-        self.wanted = wanted
+        local = Path(cfg.model.name_or_path).expanduser().is_dir()  # else a hub id
+        name = os.path.abspath(Path(cfg.model.name_or_path).expanduser()) if local else cfg.model.name_or_path
+        self.identity = model_identity(self.folder, name, cfg.model.revision)
         self.device = pick_device(cfg.model.device) if cfg.model.device != "auto" else self.state.device
         self.kmeans_device = pick_device(cfg.kmeans.device, "kmeans.device") if cfg.kmeans.device != "auto" else self.device
-        if "kmeans" in wanted:  # an unusable kmeans.backend fails here, before any work
+        if "kmeans" in self.wanted:  # an unusable kmeans.backend fails here, before any work
             resolve_backend(cfg.kmeans.backend, self.kmeans_device, (cfg.quant.codebook_size, cfg.quant.group_size))
+        self.run = RunDir(Path(output or cfg.output.dir), self.state.is_main_process, self.state.wait_for_everyone,
+                          stage_names=STAGES)
         self._model = self._tokenizer = None
         self.fp: dict[str, str] = {}
+        self.data_fp = fingerprint("data", __version__, asdict(cfg.data), _tokenizer_hash(self.folder),
+                                   source_fingerprint(cfg.data))
+        self._calib = None if self.run.reusable("data", self.data_fp) else build_calibration_set(cfg.data, self.tokenizer())
 
     # -- helpers -------------------------------------------------------------------------------------
     def model(self):
@@ -150,11 +152,10 @@ class Pipeline:
 
     # -- stages --------------------------------------------------------------------------------------
     def stage_data(self) -> CalibrationSet:
-        fp = fingerprint("data", __version__, asdict(self.cfg.data), _tokenizer_hash(self.folder),
-                         source_fingerprint(self.cfg.data))
+        fp = self.data_fp
 
         def body(tmp: Path) -> dict:
-            calib = build_calibration_set(self.cfg.data, self.tokenizer())
+            calib = self._calib or build_calibration_set(self.cfg.data, self.tokenizer())
             save_file({"input_ids": calib.input_ids}, str(tmp / "sequences.safetensors"))
             split = {"train": calib.train, "heldout": calib.heldout, "sink_tokens": calib.sink_tokens,
                      "description": calib.description, "content_sha256": calib.content_hash}
@@ -281,8 +282,19 @@ class Pipeline:
         return self.stage_kmeans(reader, tasq) if "kmeans" in self.wanted else None
 
     def run_all(self) -> RunResult:
+        """Open the run directory (lock held until this returns) and run or reuse the wanted stages."""
+        self.run.open()
+        try:
+            return self._run_stages()
+        finally:
+            self.run.close()
+
+    def _run_stages(self) -> RunResult:
         if self.state.is_main_process:
             setup_logging(self.run.root)
+            if self.run.lock is not None and self.run.lock.previous:
+                log.warning("%s: took over the lock of a run that is no longer running (%s)", self.run.root,
+                            self.run.lock.previous)
             (self.run.root / "config.yaml").write_text(dump_config(self.cfg))
             self.run.update(toolkit_version=__version__, config=self.cfg.to_dict(), model_identity=self.identity.to_dict(),
                             processes=self.state.num_processes)
@@ -311,6 +323,20 @@ def selection_metrics(curve: dict) -> dict[str, Any]:
             "best_epoch": curve["best_epoch"], "best_step": curve["best_step"]}
 
 
+def _wanted_stages(cfg: Config, stages: list[str] | None) -> list[str]:
+    """The stages to run or reuse: all, or up to the last one of ``stages`` (``--stages``)."""
+    wanted = [s for s in STAGES if s != "tasq" or cfg.quant.uses_tasq]
+    if not stages:
+        return wanted
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        raise ValueError(f"--stages: unknown stage(s) {', '.join(map(repr, unknown))}; stages are {', '.join(STAGES)}")
+    if "tasq" in stages and not cfg.quant.uses_tasq:
+        raise ValueError(f"--stages: the tasq stage exists only for quant.method tasq or tasq+loopvq, "
+                         f"not {cfg.quant.method}")
+    return wanted[: max(wanted.index(s) for s in stages if s in wanted) + 1]
+
+
 def _mkdir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -328,7 +354,10 @@ def _tokenizer_hash(folder: Path) -> str:
 def calibrate(config: Config | str | Path | dict, output: str | Path | None = None,
               stages: list[str] | None = None, overrides: list[str] | None = None) -> RunResult:
     """Python API of ``loopvq-calibrate``: run (or resume) a calibration and return the run's result."""
-    from .config import load_config
+    from .config import load_config, resolve_derived
 
-    cfg = config if isinstance(config, Config) else load_config(config, overrides)
+    if isinstance(config, Config):  # checked like a loaded one (on a copy: the derived values get filled)
+        cfg = validate(resolve_derived(copy.deepcopy(config)))
+    else:
+        cfg = load_config(config, overrides)
     return Pipeline(cfg, output, stages).run_all()

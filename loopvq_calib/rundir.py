@@ -1,20 +1,24 @@
 """The run directory: one folder per stage, a manifest, fingerprinted reuse, atomic outputs.
 
-A stage writes into ``.<stage>.tmp`` and is renamed to ``<stage>`` only when it finished, then the
+A stage writes into ``.loopvq-tmp.<stage>`` and is renamed to ``<stage>`` only when it finished, then the
 manifest (itself replaced atomically) records its fingerprint and the size of every file it wrote. A
 rerun reuses a stage only when the recorded fingerprint equals the new one and every recorded file is
 still there with its size (a deleted or truncated file makes the stage run again); a stage killed
-midway leaves only a temporary folder, which the next run deletes.
+midway leaves only a temporary folder, which the next run deletes. The toolkit deletes only what it
+created: files the manifest records and ``.loopvq-tmp.*`` entries; a non-empty folder without a manifest
+is never used as a run directory, and one run at a time holds the directory's lock (docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import resource
 import shutil
+import socket
 import sys
 import time
 from contextlib import contextmanager
@@ -24,7 +28,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-MANIFEST = "manifest.json"
+MANIFEST = "manifest.json"  # also the marker of a run directory
+LOCK_FILE = ".loopvq-lock"
+TMP_PREFIX = ".loopvq-tmp."  # temporary stage folders: no other program uses such names
+TOOL = "loopvq-calib"
 log = logging.getLogger("loopvq_calib")
 
 
@@ -43,7 +50,8 @@ def sha256_file(path: Path | str) -> str:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    """Write JSON through a temporary sibling and a rename (never a half-written file)."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=1, default=str))
     os.replace(tmp, path)
 
@@ -61,29 +69,72 @@ class StageRecord:
 
 
 class RunDirError(ValueError):
-    """The run directory cannot be used (not a folder, unreadable manifest); the message names the path."""
+    """The run directory cannot be used (not a folder, not a run directory, unreadable manifest, user files
+    where a stage's output goes, locked by another run); the message names the path."""
 
 
 class RunDir:
-    """A run directory on disk and its manifest."""
+    """A run directory on disk and its manifest (the marker that a folder is a run directory).
 
-    def __init__(self, root: Path, is_main: bool = True, barrier: Callable[[], None] | None = None) -> None:
-        """``barrier`` synchronises processes of a distributed run (all share one temporary folder)."""
+    Constructing one reads and checks, and changes nothing on disk; :meth:`open` creates the folder, takes
+    the lock, writes the manifest and removes the toolkit's own leftover temporary folders."""
+
+    def __init__(self, root: Path, is_main: bool = True, barrier: Callable[[], None] | None = None,
+                 stage_names: tuple[str, ...] = ()) -> None:
+        """``barrier`` synchronises processes of a distributed run (all share one temporary folder);
+        ``stage_names``: the stage folders checked for files the toolkit did not write."""
         self.root = Path(root)
         self.is_main = is_main
         self.barrier = barrier or (lambda: None)
-        if self.root.exists() and not self.root.is_dir():
-            raise RunDirError(f"output.dir: {self.root} exists and is not a directory")
-        if is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(".*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
-        self.barrier()
+        self.lock: RunLock | None = None
+        check_output_folder(self.root)
         self.manifest: dict[str, Any] = _read_manifest(self.root / MANIFEST)
+        for name in stage_names:
+            foreign = self.foreign_files(name)
+            if foreign:
+                raise RunDirError(
+                    f"{self.path(name)} holds files this toolkit did not write ({', '.join(foreign[:3])}"
+                    f"{' ...' if len(foreign) > 3 else ''}); move them out: the folder is replaced when stage "
+                    f"{name} runs")
         self.records: list[StageRecord] = []
+
+    def open(self) -> None:
+        """Create the folder, take the lock, write the manifest, remove this toolkit's temporary folders."""
+        if self.is_main:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self.lock = RunLock.acquire(self.root)
+            except OSError as err:
+                raise RunDirError(f"output.dir: cannot use {self.root}: {err.strerror or err}") from err
+            self.manifest = _read_manifest(self.root / MANIFEST)  # as the lock holder, read it again
+            self.manifest["tool"] = TOOL
+            self.save()
+            for stale in self.root.glob(f"{TMP_PREFIX}*"):
+                if stale.is_dir() and not stale.is_symlink():
+                    shutil.rmtree(stale, ignore_errors=True)
+                else:
+                    stale.unlink(missing_ok=True)
+        self.barrier()
+        if not self.is_main:
+            self.manifest = _read_manifest(self.root / MANIFEST)
+
+    def close(self) -> None:
+        """Release the lock (the lock file stays: removing it would race with a waiting run)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def path(self, stage: str) -> Path:
         return self.root / stage
+
+    def foreign_files(self, stage: str) -> list[str]:
+        """Files under the stage's folder that the manifest does not record as written by the toolkit."""
+        folder = self.path(stage)
+        if not folder.is_dir() or folder.is_symlink():
+            return [stage] if folder.exists() or folder.is_symlink() else []
+        recorded = self.manifest["stages"].get(stage, {}).get("files", {})
+        return sorted(str(f.relative_to(folder)) for f in folder.rglob("*")
+                      if (f.is_file() or f.is_symlink()) and str(f.relative_to(folder)) not in recorded)
 
     def update(self, **entries: Any) -> None:
         """Set top-level manifest entries (config, model identity, ...) and save."""
@@ -113,15 +164,20 @@ class RunDir:
         self.records.append(rec)
         log.info("stage %s: reusing the result in %s (fingerprint %s)", stage, self.path(stage), fp)
 
+    def _set_status(self, name: str, fp: str, status: str) -> None:
+        """A running/failed record keeps the file list of the published folder it will replace."""
+        files = self.manifest["stages"].get(name, {}).get("files")
+        self.manifest["stages"][name] = {"fingerprint": fp, "status": status, **({"files": files} if files else {})}
+        self.save()
+
     @contextmanager
     def stage(self, name: str, fp: str) -> Iterator[tuple[Path, StageRecord]]:
         """Run a stage into a temporary folder; publish it by rename only if the block succeeds."""
-        tmp = self.root / f".{name}.tmp"
+        tmp = self.root / f"{TMP_PREFIX}{name}"
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-            self.manifest["stages"][name] = {"fingerprint": fp, "status": "running"}
-            self.save()
+            self._set_status(name, fp, "running")
         self.barrier()
         rec = StageRecord(name, fp)
         if torch.cuda.is_available():
@@ -133,8 +189,7 @@ class RunDir:
         except BaseException:
             rec.status = "failed"
             if self.is_main:
-                self.manifest["stages"][name] = {"fingerprint": fp, "status": "failed"}
-                self.save()
+                self._set_status(name, fp, "failed")
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
         rec.wall_s = time.time() - start
@@ -144,8 +199,11 @@ class RunDir:
         self.barrier()
         if self.is_main:
             final = self.path(name)
-            if final.exists():
-                shutil.rmtree(final)
+            try:
+                self._remove_published(name)
+            except RunDirError:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
             os.replace(tmp, final)
             self.manifest["stages"][name] = {k: v for k, v in vars(rec).items() if k != "name"}
             self.manifest["stages"][name]["files"] = {
@@ -156,6 +214,22 @@ class RunDir:
         self.records.append(rec)
         log.info("stage %s: done in %.1f s", name, rec.wall_s)
 
+    def _remove_published(self, name: str) -> None:
+        """Delete the stage's earlier output: only the files the manifest records, then the emptied folders;
+        anything else found there stops the run (never deleted)."""
+        final = self.path(name)
+        if not final.exists() and not final.is_symlink():
+            return
+        foreign = self.foreign_files(name)
+        if foreign:
+            raise RunDirError(f"{final} holds files this toolkit did not write ({', '.join(foreign[:3])}); "
+                              "move them out and run again")
+        for rel in self.manifest["stages"].get(name, {}).get("files", {}):
+            (final / rel).unlink(missing_ok=True)
+        for folder in sorted((p for p in final.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+            folder.rmdir()
+        final.rmdir()
+
     def summary_table(self) -> str:
         """Markdown-ish table of this invocation's stages."""
         rows = ["| stage | status | wall s | peak GPU GB | peak RSS GB |", "|---|---|---|---|---|"]
@@ -164,6 +238,61 @@ class RunDir:
             status = "reused" if r.reused else r.status
             rows.append(f"| {r.name} | {status} | {r.wall_s:.1f} | {gpu} | {r.peak_rss_bytes / 1e9:.2f} |")
         return "\n".join(rows)
+
+
+def check_output_folder(root: Path) -> None:
+    """Refuse a path that is a file, or a non-empty folder that is not a run directory (no manifest; the
+    toolkit's own lock and temporary entries do not count: another process of this run may be creating it)."""
+    if root.exists() and not root.is_dir():
+        raise RunDirError(f"output.dir: {root} exists and is not a directory")
+    if root.is_dir() and not (root / MANIFEST).is_file():
+        entries = sorted(p.name for p in root.iterdir() if p.name != LOCK_FILE and not p.name.startswith(TMP_PREFIX))
+        if entries:
+            raise RunDirError(
+                f"output.dir: {root} is not empty and is not a loopvq-calibrate run directory (no {MANIFEST}; it "
+                f"holds {', '.join(entries[:3])}{' ...' if len(entries) > 3 else ''}); choose a new or empty folder")
+
+
+class RunLock:
+    """An advisory lock on a run directory: ``flock`` on ``.loopvq-lock``, which names its holder (pid,
+    host, start time) while it runs and is emptied on release. The kernel drops the lock when the holder
+    dies, so a killed run's lock is taken over by the next run, which logs whose it was."""
+
+    def __init__(self, path: Path, fd: int, previous: str | None = None) -> None:
+        """``previous``: the holder named in the file when the lock was taken (a run that died), or None."""
+        self.path, self.fd, self.previous = path, fd, previous
+
+    @classmethod
+    def acquire(cls, root: Path) -> "RunLock":
+        path = root / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            raise RunDirError(
+                f"{root} is in use by another loopvq-calibrate run ({holder}); wait for it to finish or choose "
+                "another --output") from None
+        previous = _lock_holder(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode(), 0)
+        return cls(path, fd, previous if previous != "holder unknown" else None)
+
+    def release(self) -> None:
+        """Clear the holder record (only a run that died leaves one behind), then unlock."""
+        os.ftruncate(self.fd, 0)
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def _lock_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"null")
+        return f"pid {info['pid']} on host {info['host']}, started {info['started']}"
+    except (ValueError, TypeError, KeyError):
+        return "holder unknown"
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:

@@ -72,7 +72,9 @@ def _meta(path: Path) -> dict:
 
 
 def _set_meta(path: Path, meta: dict) -> None:
-    (path / "loopvq.json").write_text(json.dumps(meta))
+    """Rewrite loopvq.json without its metadata checksum (as a pre-1.1 writer did), so the reader's other
+    checks are reached; test_edited_metadata_is_refused covers edits to a checksummed file."""
+    (path / "loopvq.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "meta_sha256"}))
 
 
 def _rewrite_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -170,6 +172,35 @@ def test_failed_write_keeps_previous_bundle(tmp_path, model_a, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]  # no partial folder under any name
 
 
+@pytest.mark.parametrize("field,value", [
+    (("name",), "renamed"), (("model", "config_sha256"), "0" * 64), (("model", "model_type"), "llama"),
+    (("model", "weights", 0, "sample_sha256"), "f" * 64), (("metrics", "heldout_kl"), 0.0001),
+])
+def test_edited_metadata_is_refused(bundle_dir, field, value):
+    """loopvq.json carries meta_sha256 (its bytes with the value zeroed); any edit is refused by load_bundle
+    and inspect, while the same edit with the checksum recomputed (a re-sealing writer) loads."""
+    from loopvq_calib.bundle_reader import meta_checksum
+
+    raw = (bundle_dir / "loopvq.json").read_bytes()
+    meta = json.loads(raw)
+    assert meta["meta_sha256"] == hashlib.sha256(raw.replace(meta["meta_sha256"].encode(), b"0" * 64)).hexdigest()
+    node = meta
+    for key in field[:-1]:
+        node = node[key]
+    old = json.dumps(node[field[-1]])
+    assert old.encode() in raw
+    edited = raw.replace(old.encode(), json.dumps(value).encode(), 1)
+    (bundle_dir / "loopvq.json").write_bytes(edited)
+    for read in (load_bundle, inspect_bundle):
+        with pytest.raises(BundleError, match=r"loopvq\.json: metadata checksum mismatch \(field meta_sha256\)"):
+            read(bundle_dir)
+    resealed = edited.replace(meta["meta_sha256"].encode(), b"0" * 64)
+    resealed = resealed.replace(b"0" * 64, meta_checksum(resealed).encode(), 1) if field[-1] != "config_sha256" else None
+    if resealed is not None:
+        (bundle_dir / "loopvq.json").write_bytes(resealed)
+        assert load_bundle(bundle_dir).meta["meta_sha256"] != meta["meta_sha256"]
+
+
 def test_checksum_mismatch(bundle_dir):
     file = bundle_dir / "codebooks.safetensors"
     data = bytearray(file.read_bytes())
@@ -200,7 +231,7 @@ def test_missing_files(bundle_dir, tmp_path):
     (bundle_dir / "loopvq.json").unlink()
     with pytest.raises(BundleError, match=r"loopvq\.json: missing"):
         load_bundle(bundle_dir)
-    with pytest.raises(BundleError, match="does not exist"):
+    with pytest.raises(BundleError, match="nowhere: no such bundle folder"):
         load_bundle(tmp_path / "nowhere")
 
 
@@ -323,3 +354,51 @@ def test_inspect(bundle_dir):
     (bundle_dir / "README.md").write_text("changed")
     with pytest.raises(BundleError, match="checksum|size"):
         inspect_bundle(bundle_dir)
+
+
+def test_a_bundle_by_hub_id_comes_from_the_hub_cache(bundle_dir, tmp_path, monkeypatch):
+    """load_bundle('org/name') reads the hub cache's snapshot (offline: only the cache); a missing id or a
+    mistyped local path is named, never a network error."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--tiny-bundle"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(bundle_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    loaded = load_bundle("org/tiny-bundle")
+    assert loaded.path == repo / "snapshots" / commit and loaded.meta == load_bundle(bundle_dir).meta
+    with pytest.raises(BundleError, match=r"bundle: could not get the bundle 'org/other' .*not in the local hub cache"):
+        load_bundle("org/other")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(BundleError, match=r"^hub/typo: no such bundle folder$"):
+        load_bundle("hub/typo")  # hub/ exists here: a local path, not a hub id
+
+
+def test_write_bundle_never_replaces_a_folder_with_other_files(tmp_path, model_a):
+    path = write(tmp_path / "b", model_a, name="old")
+    (path / ".env").write_text("HF_TOKEN=secret")
+    with pytest.raises(BundleError, match=r"holds files that are not part of the bundle \(\.env\)"):
+        write(path, model_a, name="new")
+    assert (path / ".env").read_text() == "HF_TOKEN=secret" and load_bundle(path).meta["name"] == "old"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".loopvq-tmp.")]
+
+
+def test_card_base_model_is_only_ever_a_hub_id(tmp_path, model_a):
+    from loopvq_calib.hub import is_hub_id
+
+    def front(path):
+        return yaml.safe_load((path / "README.md").read_text().split("---")[1])
+
+    assert front(write(tmp_path / "hub", model_a))["base_model"] == "org/tiny-ouro"
+    local = write_bundle(tmp_path / "local", tiny_quantizer(model_a), name="x",
+                         identity=model_identity(model_a, str(model_a.absolute())), calibration={}, metrics={},
+                         serving=ServingConfig(8, 64, 8), codebook_dtype="float16", config={}, producer_version="0")
+    assert "base_model" not in front(local)
+    assert [is_hub_id(n) for n in ("org/name", "/abs/path", "./rel/x", "a/b/c", "name", "../m")] == [
+        True, False, False, False, False, False]

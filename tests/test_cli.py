@@ -112,3 +112,18 @@ def test_an_error_gets_its_own_line_below_a_live_progress_bar(capsys):
     bar.close()
     lines = capsys.readouterr().err.replace("\r", "\n").split("\n")
     assert "error: stage capture failed: boom" in lines  # not glued to the end of the bar's line
+
+
+def test_bundle_names_its_model_by_absolute_path_and_evaluates_from_anywhere(bundle, tiny_ouro_dir, heldout_corpus,
+                                                                              tmp_path, monkeypatch, capsys):
+    """A local model is recorded by its absolute path (the card then has no base_model), so loopvq-eval
+    finds it from any working directory without --model."""
+    import json
+
+    meta = json.loads((bundle / "loopvq.json").read_text())
+    assert meta["model"]["name"] == str(tiny_ouro_dir.absolute())
+    assert "base_model:" not in (bundle / "README.md").read_text()
+    monkeypatch.chdir(tmp_path)
+    assert eval_main(["--bundle", str(bundle), "--data", str(heldout_corpus), "--num-sequences", "1",
+                      "--sequence-length", "32"]) == 0
+    assert "Traceback" not in capsys.readouterr().err

@@ -73,7 +73,7 @@ def test_overrides_and_round_trip(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"quant": {"method": "cq"}}))
     cfg = load_config(path, ["quant.group_size=32", "quant.bits=0.25", "kmeans.tolerance=1e-4", "output.dir=x"])
-    assert (cfg.quant.group_size, cfg.quant.bits, cfg.kmeans.tolerance, cfg.output.dir) == (32, 0.25, 1e-4, "x")
+    assert (cfg.quant.group_size, cfg.quant.bits, cfg.kmeans.tolerance, cfg.output.dir) == (32, 0.25, 1e-4, str(Path.cwd() / "x"))
     again = load_config(yaml.safe_load(dump_config(cfg)))
     assert again == cfg
     with pytest.raises(ConfigError, match="expected key.path=value"):
@@ -126,3 +126,63 @@ def test_cli_exits_2_with_the_key_path_before_any_work(tmp_path, capsys):
     assert calibrate_main(["--config", str(bad)]) == 2
     assert "config error: quant.bits:" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_validate_never_changes_the_config():
+    """Derived values are filled by the loader (resolve_derived) only; validate is a pure check."""
+    import copy
+
+    from loopvq_calib.config import resolve_derived, validate
+
+    cfg = Config()
+    cfg.quant.bits, cfg.quant.group_size, cfg.output.serving.sink_tokens = None, 32, None
+    before = copy.deepcopy(cfg)
+    assert validate(cfg) is cfg and cfg == before
+    resolve_derived(cfg)
+    assert cfg.quant.bits == 0.25 and cfg.output.serving.sink_tokens == cfg.data.sink_tokens == 8
+
+
+@pytest.mark.parametrize("override,path,message", [
+    ("finetune.lr=.nan", "finetune.lr", "must be a finite number, got nan"),
+    ("kmeans.tolerance=.inf", "kmeans.tolerance", "must be a finite number, got inf"),
+    ("tasq.det_eps=-.inf", "tasq.det_eps", "must be a finite number, got -inf"),
+    ("kmeans.seed=-1", "kmeans.seed", "must be in [0, 2**32), got -1"),
+    ("data.seed=4294967296", "data.seed", "must be in [0, 2**32)"),
+    ("capture.batch_size=3000000000", "capture.batch_size", "out of range"),
+    ("quant.bits=[0.5", "quant.bits", "--set value '[0.5' is not valid YAML"),
+    ("output.dir=''", "output.dir", "must not be empty"),
+])
+def test_numbers_finite_and_in_range_and_set_values_parsed(override, path, message):
+    with pytest.raises(ConfigError) as err:
+        load_config({}, [override])
+    assert err.value.path == path and message in str(err.value)
+
+
+def test_a_non_utf8_config_names_the_file_and_byte(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"quant:\n  method: caf\xe9\n")
+    with pytest.raises(ConfigError, match=rf"config file {path} is not UTF-8 text \(byte 20"):
+        load_config(path)
+
+
+def test_relative_paths_resolve_against_the_config_folder(tmp_path, monkeypatch):
+    """From any working directory: paths in the file against its folder; --set paths against the current one;
+    hub ids stay hub ids."""
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    sub = tmp_path / "configs"
+    sub.mkdir()
+    (sub / "c.yaml").write_text(yaml.safe_dump({
+        "model": {"name_or_path": "../models/m"}, "data": {"dataset": "corpus/*.jsonl"}, "output": {"dir": "runs/a"}}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(sub / "c.yaml")
+    assert cfg.model.name_or_path == str(tmp_path / "models" / "m")
+    assert cfg.data.dataset == str(sub / "corpus" / "*.jsonl") and cfg.output.dir == str(sub / "runs" / "a")
+    cfg = load_config(sub / "c.yaml", ["output.dir=mine", "data.dataset=Salesforce/wikitext", "model.name_or_path=org/model"])
+    assert cfg.output.dir == str(elsewhere / "mine")
+    assert (cfg.data.dataset, cfg.model.name_or_path) == ("Salesforce/wikitext", "org/model")
+    cfg = load_config(ROOT / "configs" / "tiny-ouro.yaml")  # the shipped config, run from elsewhere
+    assert cfg.model.name_or_path == str(ROOT / "artifacts" / "tiny-ouro")
+    assert cfg.data.dataset == str(ROOT / "artifacts" / "data" / "shakespeare-calib.jsonl")
+    assert load_config(sub / "c.yaml", ["data.dataset=wikitext"]).data.dataset == "wikitext"  # a bare hub name

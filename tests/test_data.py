@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -97,3 +98,50 @@ def test_offline_hub_dataset_gives_a_clear_message(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(DataError, match=r"data\.dataset: could not load 'someorg/somecorpus' .*offline mode is on"):
         list(load_documents(DataConfig(dataset="someorg/somecorpus")))
+
+
+def test_an_edited_file_is_read_afresh_and_no_shared_cache_is_written(tmp_path):
+    """Edited in place with the same size and mtime: the new text is read (no cache keyed on file stats), and
+    nothing lands in the datasets cache (local files never go through it)."""
+    import os
+
+    import datasets
+
+    cache = Path(datasets.config.HF_DATASETS_CACHE)
+    before = sorted(cache.rglob("*")) if cache.exists() else []
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"text": "alpha beta gamma"}) + "\n")
+    assert list(load_documents(DataConfig(dataset=str(path)))) == ["alpha beta gamma"]
+    stat = path.stat()
+    path.write_text(json.dumps({"text": "omega delt gamma"}) + "\n")
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert path.stat().st_size == stat.st_size and path.stat().st_mtime_ns == stat.st_mtime_ns
+    assert list(load_documents(DataConfig(dataset=str(path)))) == ["omega delt gamma"]
+    assert (sorted(cache.rglob("*")) if cache.exists() else []) == before
+
+
+@pytest.mark.parametrize("name,data,offset", [
+    ("a.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', 28), ("b.txt", b"fine\n\xff", 5),
+    ("c.json", b'[{"text": "\xc3"}]', 11),
+])
+def test_non_utf8_names_the_file_and_the_byte_offset(tmp_path, name, data, offset):
+    path = tmp_path / name
+    path.write_bytes(data)
+    assert data[offset:offset + 1] and data[:offset].decode("utf-8")  # all bytes before the offset decode
+    with pytest.raises(DataError, match=rf"data\.dataset: {path} is not UTF-8 text: byte offset {offset} "):
+        list(load_documents(DataConfig(dataset=str(path))))
+
+
+def test_empty_corpus_names_the_dataset(tmp_path, tokenizer):
+    for name, text in (("empty.jsonl", ""), ("blank.txt", "\n\n  \n")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(DataError, match=rf"data\.dataset: {tmp_path / name} holds no text"):
+            build_calibration_set(DataConfig(dataset=str(tmp_path / name), text_sample_by="line"), tokenizer)
+
+
+def test_json_lines_and_arrays_give_the_same_documents(tmp_path):
+    lines, array = tmp_path / "a.jsonl", tmp_path / "b.json"
+    lines.write_text("\n".join(json.dumps({"text": d}) for d in DOCS) + "\n\n")
+    array.write_text(json.dumps([{"text": d} for d in DOCS], indent=2))
+    assert list(load_documents(DataConfig(dataset=str(lines)))) == list(load_documents(DataConfig(dataset=str(array)))) == DOCS
+    assert list(load_documents(DataConfig(dataset=str(tmp_path), type="json"))) == DOCS + DOCS  # a folder, in name order

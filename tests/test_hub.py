@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,24 @@ def test_dry_run_lists_exactly_the_bundle_files(bundle_dir, monkeypatch):
     files = push_bundle(bundle_dir, "org/tiny-loopvq", dry_run=True)
     assert files == ["README.md", "codebooks.safetensors", "loopvq.json"]
     assert files == sorted(p.name for p in bundle_dir.iterdir())
+
+
+def test_only_the_files_the_format_lists_are_uploaded(bundle_dir, fake_api, capsys):
+    """Secrets, a git checkout and notes beside the bundle files never leave the machine."""
+    from loopvq_calib.cli import push_main
+
+    (bundle_dir / ".env").write_text("HF_TOKEN=hf_secret\n")
+    (bundle_dir / ".git").mkdir()
+    (bundle_dir / ".git" / "config").write_text("[remote]\n")
+    (bundle_dir / "notes.txt").write_text("draft")
+    listed = sorted({"loopvq.json", *json.loads((bundle_dir / "loopvq.json").read_text())["files"]})
+    assert listed == ["README.md", "codebooks.safetensors", "loopvq.json"]
+    assert push_bundle(bundle_dir, "org/tiny-loopvq", dry_run=True) == listed
+    assert push_main([str(bundle_dir), "--repo-id", "org/tiny-loopvq", "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "would upload 3 files" in printed and ".env" not in printed and ".git" not in printed
+    assert push_bundle(bundle_dir, "org/tiny-loopvq") == listed
+    assert fake_api.calls[-1] == ("upload_folder", str(bundle_dir), "org/tiny-loopvq", None, listed)
 
 
 def test_invalid_bundle_or_repo_id_fails_before_any_upload(bundle_dir):

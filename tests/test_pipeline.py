@@ -89,17 +89,17 @@ def test_crash_leaves_nothing_a_rerun_mistakes_for_a_result(tiny_ouro_dir, calib
     with pytest.raises(RuntimeError, match="simulated crash"):
         calibrate(cfg)
     assert statuses(out)["finetune"] == "failed" and not (out / "finetune").exists()
-    assert not list(out.glob(".*.tmp"))
+    assert not list(out.glob(".loopvq-tmp.*"))
     monkeypatch.undo()
 
     # a process killed mid-stage leaves its temporary folder and a "running" record: neither is reused
-    (out / ".finetune.tmp").mkdir()
-    (out / ".finetune.tmp" / "quantizer.json").write_text("{partial")
+    (out / ".loopvq-tmp.finetune").mkdir()
+    (out / ".loopvq-tmp.finetune" / "quantizer.json").write_text("{partial")
     resumed = calibrate(cfg)
     assert {s["name"]: s["reused"] for s in resumed.stages} == {
         "data": True, "capture": True, "kmeans": True, "finetune": False, "bundle": False}
     assert statuses(out) == dict.fromkeys(["data", "capture", "kmeans", "finetune", "bundle"], "done")
-    assert not (out / ".finetune.tmp").exists()
+    assert not (out / ".loopvq-tmp.finetune").exists()
 
 
 def test_two_runs_with_the_same_seed_are_byte_identical(tiny_ouro_dir, calib_corpus, tmp_path):

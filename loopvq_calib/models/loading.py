@@ -21,25 +21,36 @@ class ModelLoadError(RuntimeError):
 
 
 def resolve_model_dir(name_or_path: str, revision: str | None = None, key: str = "model.name_or_path") -> Path:
-    """A local folder as is; a hub id through the local hub cache (downloading unless offline)."""
-    path = Path(name_or_path)
+    """A local folder as is; a hub id through the hub cache (snapshot_download; read from the cache only
+    under HF_HUB_OFFLINE=1). A local-looking path that does not exist is reported as such, never as a
+    network error (see :func:`loopvq_calib.config.looks_local`)."""
+    from ..config_source import looks_local
+
+    path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
-    if path.is_absolute() or name_or_path.startswith(".") or name_or_path.count("/") != 1:
-        raise ModelLoadError(f"{key}: {name_or_path!r} is neither a local folder nor a hub id (org/name)")
+    if path.exists():
+        raise ModelLoadError(f"{key}: {name_or_path} is a file, not a model folder")
+    if looks_local(name_or_path, Path.cwd()):
+        raise ModelLoadError(f"{key}: no such folder: {name_or_path}"
+                             + ("" if path.is_absolute() else f" (relative to {Path.cwd()})"))
+    return Path(hub_snapshot(name_or_path, revision, key, "model",
+                             ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]))
+
+
+def hub_snapshot(repo_id: str, revision: str | None, key: str, what: str, patterns: list[str] | None = None) -> str:
+    """snapshot_download of a hub model repo into the hub cache; any failure is a ModelLoadError naming ``key``
+    and the id (offline: says it is not in the local cache)."""
     from huggingface_hub import snapshot_download
 
-    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     try:
-        return Path(
-            snapshot_download(
-                name_or_path, revision=revision, local_files_only=offline,
-                allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"],
-            )
-        )
+        return snapshot_download(repo_id, revision=revision, local_files_only=offline, allow_patterns=patterns)
     except Exception as err:
-        hint = " (offline mode: HF_HUB_OFFLINE=1, and it is not in the local cache)" if offline else ""
-        raise ModelLoadError(f"{key}: could not get {name_or_path!r} revision {revision!r}{hint}: {err}") from err
+        hint = (f" (offline mode: HF_HUB_OFFLINE is set and {repo_id} is not in the local hub cache)" if offline
+                else f" ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+        raise ModelLoadError(f"{key}: could not get the {what} {repo_id!r} (revision {revision!r}) from the "
+                             f"Hugging Face Hub{hint}") from err
 
 
 SAMPLE_CHUNKS = 64
