@@ -74,15 +74,45 @@ def eval_main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-sequences", type=int, default=8)
     p.add_argument("--sequence-length", type=int, default=512)
     p.add_argument("--out", help="report folder (report.json, report.md, PNG plots)")
-    p.add_argument("--max-kl", type=float, help="exit 1 if any bundle's held-out KL exceeds this")
+    p.add_argument("--max-kl", type=float, help="exit 1 if any bundle's evaluation KL exceeds this")
     p.add_argument("--max-ppl-increase", type=float, help="exit 1 if any bundle raises perplexity by more than this fraction")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    served = p.add_argument_group("served cache", "accuracy through the quantized cache (docs/evaluation.md)")
+    served.add_argument("--tasks", type=_names, default=[], metavar="T1,T2",
+                        help="lm-eval tasks (e.g. gsm8k,minerva_math,humaneval,mbpp; offline: loopvq_kjv_phrases)")
+    served.add_argument("--baseline", type=_names, default=[], metavar="B1,B2",
+                        help="uncalibrated baselines side by side: last-step-kv,kivi2,kivi4,fp8")
+    served.add_argument("--limit", type=float, help="lm-eval: at most this many items per task (<1: a fraction)")
+    served.add_argument("--sink-tokens", type=int, help="override the bundles' serving sink tokens")
+    served.add_argument("--recent-window", type=int, help="override the bundles' serving recent window")
+    served.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (left-padded)")
+    served.add_argument("--include-path", action="append", default=[], help="extra lm-eval task folder, repeatable")
+    served.add_argument("--passkey-lengths", type=_ints, default=[], metavar="N1,N2",
+                        help="passkey retrieval at these prompt lengths (tokens, up to the model's window)")
+    served.add_argument("--passkey-trials", type=int, default=5, help="passkey prompts per length")
+    served.add_argument("--max-accuracy-drop", type=float,
+                        help="exit 1 if any entry's task accuracy is this much below full precision")
     args = p.parse_args(argv)
     from .evaluate import run_eval
+    from .served import ServedOptions
 
+    options = ServedOptions(args.tasks, args.baseline, args.limit, args.sink_tokens, args.recent_window,
+                            args.batch_size, args.include_path, args.passkey_lengths, args.passkey_trials,
+                            args.max_accuracy_drop)
     return run_eval(args.bundle, args.model, args.data, args.num_sequences, args.sequence_length, args.out,
-                    args.max_kl, args.max_ppl_increase, args.device, args.dtype)
+                    args.max_kl, args.max_ppl_increase, args.device, args.dtype, served=options)
+
+
+def _names(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(t) for t in _names(text)]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
 
 
 def inspect_main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ defaults) or a ``baseline`` (:mod:`loopvq_calib.baselines`, the same cache). ``-
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,11 +100,20 @@ def model_details(model: torch.nn.Module) -> dict[str, Any]:
 
 
 # -- lm-eval tasks ----------------------------------------------------------------------------------------
-def task_manager(include_path: list[str]) -> Any:
-    """lm-eval's task registry with the shipped local tasks (``loopvq_calib/tasks``) and ``include_path``."""
+def task_manager(include_path: list[str], tasks: list[str] | None = None) -> Any:
+    """lm-eval's task registry with the shipped local tasks (``loopvq_calib/tasks``) and ``include_path``;
+    lm-eval's own tasks (indexing them takes ~20 s) only when ``tasks`` needs one (or ``tasks`` is None)."""
+    local = _manager((str(TASKS_DIR), *include_path), False)
+    if tasks is not None and all(t in local.all_tasks for t in tasks):
+        return local
+    return _manager((str(TASKS_DIR), *include_path), True)
+
+
+@functools.lru_cache(maxsize=4)
+def _manager(paths: tuple[str, ...], include_defaults: bool) -> Any:
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=[str(TASKS_DIR), *include_path])
+    return TaskManager(include_path=list(paths), include_defaults=include_defaults)
 
 
 def run_tasks(model: torch.nn.Module, tokenizer: Any, entries: list[Entry], options: ServedOptions) -> dict[str, Any]:
@@ -114,7 +124,7 @@ def run_tasks(model: torch.nn.Module, tokenizer: Any, entries: list[Entry], opti
     from .harness import ServedLM
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    manager = task_manager(options.include_path)
+    manager = task_manager(options.include_path, options.tasks)
     scores: dict[str, dict[str, dict[str, float]]] = {}
     samples: dict[str, int] = {}
     for e in entries:
@@ -129,9 +139,9 @@ def run_tasks(model: torch.nn.Module, tokenizer: Any, entries: list[Entry], opti
 
 
 def _metrics(result: dict[str, Any]) -> dict[str, float]:
-    """``{"exact_match,first_word": 0.5, ...}`` without stderr and alias entries."""
+    """``{"exact_match,first_word": 0.5, ...}``: the "metric,filter" entries, without stderr."""
     return {k: float(v) for k, v in result.items()
-            if isinstance(v, (int, float)) and "_stderr" not in k and k != "alias"}
+            if isinstance(v, (int, float)) and "," in k and "_stderr" not in k}
 
 
 def primary_metric(metrics: dict[str, float]) -> str | None:
@@ -181,3 +191,33 @@ def measured_bytes(model: torch.nn.Module, entry: Entry, ids: torch.Tensor) -> d
     m = cache.bytes_per_token()
     return {k: m[k] for k in ("tokens", "cache_bytes", "bytes_per_token", "encoded_bytes_per_token",
                               "bf16_bytes_per_token", "ratio_to_bf16")}
+
+
+# -- the served part of the report -----------------------------------------------------------------------
+def baseline_entries(model: torch.nn.Module, bundles: list[Any], options: ServedOptions | None) -> list[tuple[Any, int]]:
+    """(baseline quantizer, sink tokens) pairs for the evaluation KL, with the entries' sink count."""
+    if options is None:
+        return []
+    base = bundles[0].serving if bundles else DEFAULT_SERVING
+    sink = options.sink_tokens if options.sink_tokens is not None else int(base["sink_tokens"])
+    return [(make_baseline(name, model.kv_layout()), sink) for name in options.baselines]
+
+
+def served_evaluation(model: torch.nn.Module, tokenizer: Any, bundles: list[Any], options: ServedOptions,
+                      dtype: str, sample: torch.Tensor) -> dict[str, Any]:
+    """Entries, measured bytes per token (after prefilling ``sample`` [1, L]), task scores with accuracy
+    drops against full precision, and passkey accuracy per length."""
+    entries = build_entries(model, bundles, options, dtype)
+    out: dict[str, Any] = {"model": model_details(model), "reference": entries[0].name,
+                           "entries": [e.describe() for e in entries]}
+    for row, e in zip(out["entries"], entries):
+        row["bytes"] = measured_bytes(model, e, sample)
+    if options.tasks:
+        out["tasks"] = run_tasks(model, tokenizer, entries, options)
+        out["accuracy_drop"] = accuracy_drops(out["tasks"], entries[0].name)
+    if options.passkey_lengths:
+        from .passkey import run_passkey
+
+        out["passkey"] = run_passkey(model, tokenizer, entries, options.passkey_lengths, options.passkey_trials,
+                                     options.seed)
+    return out
