@@ -64,7 +64,7 @@ def write_bundle(out_dir: Path, quantizer: KVQuantizer, *, name: str, identity: 
         meta = _bundle_meta(quantizer, name, identity, calibration, metrics, serving, codebook_dtype, config,
                             producer_version)
         _save_tensors(tmp / TENSOR_FILE, quantizer.tensors(DTYPES[codebook_dtype]))
-        from .hub import model_card
+        from .card import model_card
 
         (tmp / CARD_FILE).write_text(model_card(meta), encoding="utf-8")
         meta["files"] = {f: file_entry(tmp / f) for f in (TENSOR_FILE, CARD_FILE)}

@@ -135,13 +135,20 @@ def push_main(argv: list[str] | None = None) -> int:
     p.add_argument("--private", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="list what would be uploaded, upload nothing")
     p.add_argument("--revision", help="branch to push to")
+    p.add_argument("--eval-report", help="loopvq-eval report.json (or its folder): its results go into the model "
+                   "card (README.md) as model-index metadata before the push")
     args = p.parse_args(argv)
     from .bundle import BundleError
+    from .card import EvalReportError, attach_eval_report
     from .hub import PushError, RepoIdError, push_bundle
 
     try:
+        if args.eval_report:
+            results = attach_eval_report(args.bundle, args.eval_report, write=not args.dry_run)
+            verb = "would add" if args.dry_run else "added"
+            print(f"{verb} {len(results)} evaluation results to {args.bundle}/README.md")
         files = push_bundle(args.bundle, args.repo_id, args.private, args.dry_run, revision=args.revision)
-    except (BundleError, RepoIdError) as err:
+    except (BundleError, RepoIdError, EvalReportError) as err:
         return _fail(str(err), 2)
     except PushError as err:
         return _fail(str(err), 3)

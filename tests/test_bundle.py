@@ -12,7 +12,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from conftest import make_tiny_ouro, save_with_tokenizer
-from loopvq_calib import hub
+from loopvq_calib import card
 from loopvq_calib.bundle import FORMAT_VERSION, BundleError, inspect_bundle, load_bundle, write_bundle
 from loopvq_calib.codec import BlockCodec, TasqTransform
 from loopvq_calib.config import QuantConfig, ServingConfig
@@ -160,7 +160,7 @@ def test_failed_write_keeps_previous_bundle(tmp_path, model_a, monkeypatch):
     def boom(meta):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(hub, "model_card", boom)
+    monkeypatch.setattr(card, "model_card", boom)
     with pytest.raises(RuntimeError, match="disk full"):
         write(path, model_a, name="new")
     with pytest.raises(RuntimeError, match="disk full"):
