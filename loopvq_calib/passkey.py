@@ -43,7 +43,7 @@ def make_trials(tokenizer: Any, lengths: list[int], trials: int, seed: int = 0) 
         for _ in range(trials):
             key, depth = str(rng.randint(10000, 99999)), rng.random()
             fixed = size(needle(key) + QUESTION)
-            n = max(int((length - fixed) / filler_tokens), 0)
+            n = max(int((length - fixed) / filler_tokens) + 2, 0)  # an estimate from above
             while n > 0 and size(_prompt(key, depth, n)) > length:
                 n -= 1
             out.append(Trial(length, key, depth, _prompt(key, depth, n)))
