@@ -197,6 +197,12 @@ def check_served_options(served: ServedOptions | None) -> None:
 
     if served is None:
         return
+    if served.tasks or served.passkey_lengths:
+        try:
+            import lm_eval  # noqa: F401
+        except ImportError as err:
+            raise EvalInputError("--tasks / --passkey-lengths need lm-evaluation-harness: pip install "
+                                 "'loopvq-calib[eval]'") from err
     unknown = [b for b in served.baselines if b not in BASELINES]
     if unknown:
         raise EvalInputError(f"--baseline {','.join(unknown)}: unknown; expected some of {','.join(BASELINES)}")
