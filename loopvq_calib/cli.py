@@ -91,6 +91,8 @@ def eval_main(argv: list[str] | None = None) -> int:
     served.add_argument("--passkey-lengths", type=_ints, default=[], metavar="N1,N2",
                         help="passkey retrieval at these prompt lengths (tokens, up to the model's window)")
     served.add_argument("--passkey-trials", type=int, default=5, help="passkey prompts per length")
+    served.add_argument("--confirm-run-unsafe-code", action="store_true",
+                        help="let code tasks (humaneval, mbpp) execute generated code (also set HF_ALLOW_CODE_EVAL=1)")
     served.add_argument("--max-accuracy-drop", type=float,
                         help="exit 1 if any entry's task accuracy is this much below full precision")
     args = p.parse_args(argv)
@@ -99,7 +101,7 @@ def eval_main(argv: list[str] | None = None) -> int:
 
     options = ServedOptions(args.tasks, args.baseline, args.limit, args.sink_tokens, args.recent_window,
                             args.batch_size, args.include_path, args.passkey_lengths, args.passkey_trials,
-                            args.max_accuracy_drop)
+                            args.max_accuracy_drop, confirm_run_unsafe_code=args.confirm_run_unsafe_code)
     return run_eval(args.bundle, args.model, args.data, args.num_sequences, args.sequence_length, args.out,
                     args.max_kl, args.max_ppl_increase, args.device, args.dtype, served=options)
 

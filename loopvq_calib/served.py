@@ -38,6 +38,7 @@ class ServedOptions:
     passkey_trials: int = 5
     max_accuracy_drop: float | None = None
     seed: int = 0
+    confirm_run_unsafe_code: bool = False  # humaneval / mbpp execute the generated code
 
 
 @dataclass
@@ -131,7 +132,8 @@ def run_tasks(model: torch.nn.Module, tokenizer: Any, entries: list[Entry], opti
         lm = ServedLM(model, tokenizer, e.make_cache(), batch_size=options.batch_size, seed=options.seed)
         out = lm_eval.simple_evaluate(model=lm, tasks=list(options.tasks), limit=options.limit, task_manager=manager,
                                       log_samples=False, random_seed=options.seed, numpy_random_seed=options.seed,
-                                      torch_random_seed=options.seed, fewshot_random_seed=options.seed)
+                                      torch_random_seed=options.seed, fewshot_random_seed=options.seed,
+                                      confirm_run_unsafe_code=options.confirm_run_unsafe_code)
         scores[e.name] = {task: _metrics(res) for task, res in out["results"].items()}
         samples = {task: int(n.get("effective", n.get("original", 0))) if isinstance(n, dict) else int(n)
                    for task, n in (out.get("n-samples") or {}).items()}

@@ -1,8 +1,8 @@
 """Served-cache results on the shipped reference model: every method and width plus the baselines.
 
 Calibrates one bundle per method (cq, tasq, loopvq, tasq+loopvq) and width (0.5 / 0.25 bit) with the setup
-of scripts/reproduce.py (16 x 192 tokens of Hamlet + Macbeth, k-means 10 iterations, 4 fine-tuning epochs;
-bundles under runs/eval-reference/, reused when present), then runs ``loopvq-eval`` once on all of them with
+of scripts/reproduce.py (16 x 192 tokens of Hamlet + Macbeth, k-means 10 iterations) but 2 fine-tuning epochs
+(bundles under runs/eval-reference/, reused when present), then runs ``loopvq-eval`` once on all of them with
 the baselines, the shipped local task and passkey retrieval. The report goes to docs/data/eval-reference/.
 
     python scripts/eval_reference.py                   # about 40 minutes on 2 shared CPU cores
@@ -32,7 +32,7 @@ def run_config(method: str, bits: float) -> dict:
         "quant": {"method": method, "bits": bits, "group_size": WIDTHS[bits], "codebook_size": 256,
                   "steps_per_block": 4},
         "kmeans": {"iterations": 10},
-        "finetune": {"epochs": 4, "lr": 1e-3},
+        "finetune": {"epochs": 2, "lr": 1e-3},
         "output": {"serving": {"recent_window": 64, "page_size": 8}},
     }
 
@@ -62,7 +62,7 @@ def bundles(workers: int) -> list[Path]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "docs" / "data" / "eval-reference"))
-    p.add_argument("--limit", type=float, help="items of the local task (default: all 50)")
+    p.add_argument("--limit", type=float, help="items of the local task (default: all 44)")
     p.add_argument("--passkey-lengths", default="256,1024,2000")
     p.add_argument("--passkey-trials", type=int, default=2)
     p.add_argument("--workers", type=int, default=2)
