@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled

@@ -117,3 +117,22 @@ def test_huginn_details_and_batched_greedy(tiny_huginn_dir):
     one = [ServedLM(model, tok, None).greedy([p], [], 5)[0] for p in prompts]
     batched = ServedLM(model, tok, None, batch_size=2).greedy(prompts, [], 5)
     assert batched == one  # left padding does not change full-precision greedy answers
+
+
+def test_huginn_served_through_a_bundle_and_a_baseline(tiny_huginn_dir):
+    """Huginn end to end: a sampled quantizer and last-step KV served on the local task, side by side."""
+    from loopvq_calib.baselines import make_baseline
+    from loopvq_calib.served import accuracy_drops, measured_bytes
+
+    model, tok = load_model(tiny_huginn_dir, "float32", torch.device("cpu"))
+    ids = torch.tensor([tok(task_items(1)[0]["context"], add_special_tokens=False)["input_ids"][:96]])
+    entries = [Entry("fp", "full-precision"),
+               Entry("b", "bundle", sampled_quantizer(model, ids, "loopvq", 16, 16, 2), 4, 16, 8),
+               Entry("last", "baseline", make_baseline("last-step-kv", model.kv_layout()), 4, 16, 8)]
+    result = run_tasks(model, tok, entries, ServedOptions(tasks=[TASK], limit=1))
+    assert set(result["scores"]) == {"fp", "b", "last"}
+    assert set(accuracy_drops(result, "fp")) == {"b", "last"}
+    bytes_ = measured_bytes(model, entries[2], ids)
+    kv = model.kv_layout()  # prelude 1 + 4 x core 2 + coda 1 sites, 4 heads of 16, fp32
+    stored_sites = 1 + 2 + 1  # last-step KV keeps one step of the 2 core layers, prelude and coda as they are
+    assert bytes_["encoded_bytes_per_token"] == stored_sites * 2 * kv.kv_heads * kv.head_dim * 4
