@@ -7,6 +7,8 @@ the baselines, the shipped local task and passkey retrieval. The report goes to 
 
     python scripts/eval_reference.py                   # about 40 minutes on 2 shared CPU cores
     python scripts/eval_reference.py --limit 8 --passkey-lengths 128 --out /tmp/quick   # a smoke run
+    python scripts/eval_reference.py --recent-window 0 --passkey-lengths "" --kl-sequences 1 \
+        --out docs/data/eval-reference-window0       # every token after the sinks read from codes
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def main() -> int:
     p.add_argument("--limit", type=float, help="items of the local task (default: all 44)")
     p.add_argument("--passkey-lengths", default="256,1024,2000")
     p.add_argument("--passkey-trials", type=int, default=2)
+    p.add_argument("--recent-window", type=int, help="override the bundles' 64-token window (every entry)")
+    p.add_argument("--kl-sequences", type=int, default=8, help="held-out windows of 512 tokens for the KL")
     p.add_argument("--workers", type=int, default=2)
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -74,9 +78,14 @@ def main() -> int:
 
     argv = [arg for b in paths for arg in ("--bundle", str(b))]
     argv += ["--model", str(ROOT / "artifacts/tiny-ouro"), "--dtype", "bfloat16", "--device", "cpu",
-             "--num-sequences", "8", "--sequence-length", "512", "--tasks", "loopvq_kjv_phrases",
+             "--num-sequences", str(args.kl_sequences), "--sequence-length", "512", "--tasks", "loopvq_kjv_phrases",
              "--baseline", BASELINES, "--passkey-lengths", args.passkey_lengths,
              "--passkey-trials", str(args.passkey_trials), "--out", args.out]
+    if args.recent_window is not None:
+        argv += ["--recent-window", str(args.recent_window)]
+    if args.passkey_lengths == "":
+        cut = argv.index("--passkey-lengths")
+        del argv[cut:cut + 4]
     if args.limit:
         argv += ["--limit", f"{args.limit:g}"]
     start = time.time()
