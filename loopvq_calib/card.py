@@ -129,8 +129,7 @@ def evaluation_for(report: dict[str, Any], name: str) -> dict[str, Any]:
 def attach_eval_report(bundle_path: str | Path, report_path: str | Path, write: bool = True) -> list[EvalResult]:
     """Rewrite the bundle's README.md with the results of ``report_path`` (report.json or its folder) and
     record its new checksum in loopvq.json; ``write=False`` only checks and returns the results."""
-    from .bundle import META_FILE, load_bundle
-    from .bundle_reader import CARD_FILE, file_entry
+    from .bundle_reader import CARD_FILE, META_FILE, file_entry, load_bundle  # the reader: no import of bundle.py
 
     report_file = Path(report_path)
     report_file = report_file / "report.json" if report_file.is_dir() else report_file
