@@ -20,7 +20,7 @@ import torch
 
 from .bundle_reader import (
     CARD_FILE, FORMAT_VERSION, META_FILE, TENSOR_FILE, Bundle, BundleError, file_entry, inspect_bundle, load_bundle,
-    meta_checksum,
+    json_safe, meta_bytes,
 )
 from .codec import code_bits, index_dtype, sigma_bits
 from .config import ServingConfig
@@ -65,11 +65,11 @@ def write_bundle(out_dir: Path, quantizer: KVQuantizer, *, name: str, identity: 
         meta = _bundle_meta(quantizer, name, identity, calibration, metrics, serving, codebook_dtype, config,
                             producer_version)
         _save_tensors(tmp / TENSOR_FILE, quantizer.tensors(DTYPES[codebook_dtype]))
-        from .hub import model_card
+        from .card import model_card
 
         (tmp / CARD_FILE).write_text(model_card(meta), encoding="utf-8")
         meta["files"] = {f: file_entry(tmp / f) for f in (TENSOR_FILE, CARD_FILE)}
-        (tmp / META_FILE).write_bytes(_meta_bytes(meta))
+        (tmp / META_FILE).write_bytes(meta_bytes(meta))
         load_bundle(tmp)  # never publish what the reader would reject
         _swap_in(tmp, out_dir)
     except BaseException:
@@ -99,13 +99,6 @@ def _check_replaceable(out_dir: Path) -> None:
                           "refusing to replace it (move them out first)")
 
 
-def _meta_bytes(meta: dict[str, Any]) -> bytes:
-    """``loopvq.json`` with its ``meta_sha256`` (sha256 of these bytes with the value as 64 zeros)."""
-    meta = {**meta, "meta_sha256": "0" * 64}
-    data = (json.dumps(_json_safe(meta), indent=1, allow_nan=False) + "\n").encode("utf-8")
-    digest = meta_checksum(data)
-    return data.replace(b'"meta_sha256": "' + b"0" * 64 + b'"', b'"meta_sha256": "' + digest.encode() + b'"')
-
 
 def _bundle_meta(q: KVQuantizer, name: str, identity: ModelIdentity, calibration: dict, metrics: dict,
                  serving: ServingConfig, codebook_dtype: str, config: dict, producer_version: str) -> dict[str, Any]:
@@ -131,20 +124,6 @@ def _bundle_meta(q: KVQuantizer, name: str, identity: ModelIdentity, calibration
         "config": config,
     }
 
-
-def _json_safe(obj: Any) -> Any:
-    """Strict JSON: tensors/numpy scalars as numbers, non-finite floats as the strings "nan"/"inf"/"-inf"."""
-    if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    if hasattr(obj, "item") and callable(obj.item):
-        obj = obj.item()
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    return str(obj)
 
 
 def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -365,3 +366,27 @@ def _flat_metrics(metrics: dict[str, Any], prefix: str = "") -> list[tuple[str, 
         else:
             out.append((f"{prefix}{k}", f"{v:.6g}" if isinstance(v, float) else str(v)))
     return out
+
+
+# -- writing loopvq.json (the writer and the card share one rule) ----------------------------------------
+def meta_bytes(meta: dict[str, Any]) -> bytes:
+    """``loopvq.json`` with its ``meta_sha256`` (sha256 of these bytes with the value as 64 zeros)."""
+    meta = {**meta, "meta_sha256": "0" * 64}
+    data = (json.dumps(json_safe(meta), indent=1, allow_nan=False) + "\n").encode("utf-8")
+    digest = meta_checksum(data)
+    return data.replace(b'"meta_sha256": "' + b"0" * 64 + b'"', b'"meta_sha256": "' + digest.encode() + b'"')
+
+
+def json_safe(obj: Any) -> Any:
+    """Strict JSON: tensors/numpy scalars as numbers, non-finite floats as the strings "nan"/"inf"/"-inf"."""
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return str(obj)

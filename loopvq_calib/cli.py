@@ -99,10 +99,27 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-sequences", type=int, default=8)
     p.add_argument("--sequence-length", type=int, default=512)
     p.add_argument("--out", help="report folder (report.json, report.md, PNG plots)")
-    p.add_argument("--max-kl", type=float, help="exit 1 if any bundle's held-out KL exceeds this")
+    p.add_argument("--max-kl", type=float, help="exit 1 if any bundle's evaluation KL exceeds this")
     p.add_argument("--max-ppl-increase", type=float, help="exit 1 if any bundle raises perplexity by more than this fraction")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    served = p.add_argument_group("served cache", "accuracy through the quantized cache (docs/evaluation.md)")
+    served.add_argument("--tasks", type=_names, default=[], metavar="T1,T2",
+                        help="lm-eval tasks (e.g. gsm8k,minerva_math,humaneval,mbpp; offline: loopvq_kjv_phrases)")
+    served.add_argument("--baseline", type=_names, default=[], metavar="B1,B2",
+                        help="uncalibrated baselines side by side: last-step-kv,kivi2,kivi4,fp8")
+    served.add_argument("--limit", type=float, help="lm-eval: at most this many items per task (<1: a fraction)")
+    served.add_argument("--sink-tokens", type=int, help="override the bundles' serving sink tokens")
+    served.add_argument("--recent-window", type=int, help="override the bundles' serving recent window")
+    served.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (left-padded)")
+    served.add_argument("--include-path", action="append", default=[], help="extra lm-eval task folder, repeatable")
+    served.add_argument("--passkey-lengths", type=_ints, default=[], metavar="N1,N2",
+                        help="passkey retrieval at these prompt lengths (tokens, up to the model's window)")
+    served.add_argument("--passkey-trials", type=int, default=5, help="passkey prompts per length")
+    served.add_argument("--confirm-run-unsafe-code", action="store_true",
+                        help="let code tasks (humaneval, mbpp) execute generated code (also set HF_ALLOW_CODE_EVAL=1)")
+    served.add_argument("--max-accuracy-drop", type=float,
+                        help="exit 1 if any entry's task accuracy is this much below full precision")
     return p
 
 
@@ -110,9 +127,24 @@ def eval_main(argv: list[str] | None = None) -> int:
     args = eval_parser().parse_args(argv)
     _quiet_libraries()
     from .evaluate import run_eval
+    from .served import ServedOptions
 
+    options = ServedOptions(args.tasks, args.baseline, args.limit, args.sink_tokens, args.recent_window,
+                            args.batch_size, args.include_path, args.passkey_lengths, args.passkey_trials,
+                            args.max_accuracy_drop, confirm_run_unsafe_code=args.confirm_run_unsafe_code)
     return run_eval(args.bundle, args.model, args.data, args.num_sequences, args.sequence_length, args.out,
-                    args.max_kl, args.max_ppl_increase, args.device, args.dtype)
+                    args.max_kl, args.max_ppl_increase, args.device, args.dtype, served=options)
+
+
+def _names(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(t) for t in _names(text)]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
 
 
 def inspect_parser() -> argparse.ArgumentParser:
@@ -139,17 +171,24 @@ def push_parser() -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="list what would be uploaded, upload nothing")
     p.add_argument("--revision", help="branch to push to")
+    p.add_argument("--eval-report", help="loopvq-eval report.json (or its folder): its results go into the model "
+                   "card (README.md) as model-index metadata before the push")
     return p
 
 
 def push_main(argv: list[str] | None = None) -> int:
     args = push_parser().parse_args(argv)
     from .bundle import BundleError
+    from .card import EvalReportError, attach_eval_report
     from .hub import PushError, RepoIdError, push_bundle
 
     try:
+        if args.eval_report:
+            results = attach_eval_report(args.bundle, args.eval_report, write=not args.dry_run)
+            verb = "would add" if args.dry_run else "added"
+            print(f"{verb} {len(results)} evaluation results to {args.bundle}/README.md")
         files = push_bundle(args.bundle, args.repo_id, args.private, args.dry_run, revision=args.revision)
-    except (BundleError, RepoIdError) as err:
+    except (BundleError, RepoIdError, EvalReportError) as err:
         return _fail(str(err), 2)
     except PushError as err:
         return _fail(str(err), 3)

@@ -1,6 +1,7 @@
 """Evaluation of calibrated quantizers against the full-precision model (the ``loopvq-eval`` logic).
 
-Every metric is measured on held-out sequences with the sink tokens kept in full precision and every
+The KL reported here is the *evaluation KL*: measured on held-out text the calibration never saw (the
+calibration's own held-out number, which picked the fine-tuning epoch, is the *selection KL*). Every metric is measured on held-out sequences with the sink tokens kept in full precision and every
 other position's keys/values replaced by decode(encode(.)) of the sequence's full-precision cache, at all
 sites at once (no recent window: the worst case a served sequence sees); docs/evaluation.md defines them.
 The teacher forward of a sequence is computed once and shared by every quantizer evaluated on it.
@@ -18,6 +19,7 @@ import torch
 
 from .objective import Teacher, kl_per_position, next_token_nll, quantized_logits, teacher
 from .quantizer import KVQuantizer
+from .served import ServedOptions, baseline_entries, check_accuracy_gate, served_evaluation
 
 DEFAULT_DATA = Path("artifacts/data/shakespeare-heldout.jsonl")
 KINDS = ("key", "value")
@@ -82,7 +84,7 @@ class _Sums:
             "codebook_size": self.q.codebook_size, "group_size": self.q.group_size,
             "steps_per_block": self.q.steps_per_block, "sink_tokens": self.sink, "sequences": self.sequences,
             "kl_positions": int(self.positions), "nll_targets": int(self.targets),
-            "heldout_kl": self.kl / self.positions,
+            "eval_kl": self.kl / self.positions,
             "ppl_fp": ppl_fp, "ppl_quantized": ppl_q, "ppl_increase": ppl_q / ppl_fp - 1.0,
             "per_step_kl": [v / self.positions for v in self.step_kl] if per_step else None,
             "nmse": nmse, "nmse_per_step": per_step_nmse, "nmse_per_site": per_site,
@@ -115,12 +117,12 @@ def evaluate_quantizer(model: torch.nn.Module, sequences: torch.Tensor, quantize
 
 
 def check_gates(results: list[dict[str, Any]], max_kl: float | None, max_ppl_increase: float | None) -> list[str]:
-    """One message per (bundle, gate) that failed: held-out KL above ``max_kl``, relative perplexity
+    """One message per (bundle, gate) that failed: evaluation KL above ``max_kl``, relative perplexity
     increase above ``max_ppl_increase``."""
     failures = []
     for r in results:
-        if max_kl is not None and not r["heldout_kl"] <= max_kl:
-            failures.append(f"{r['name']}: held-out KL {r['heldout_kl']:.6g} exceeds --max-kl {max_kl:g}")
+        if max_kl is not None and not r["eval_kl"] <= max_kl:
+            failures.append(f"{r['name']}: evaluation KL {r['eval_kl']:.6g} exceeds --max-kl {max_kl:g}")
         if max_ppl_increase is not None and not r["ppl_increase"] <= max_ppl_increase:
             failures.append(f"{r['name']}: perplexity increase {r['ppl_increase']:.4%} "
                             f"({r['ppl_fp']:.4f} -> {r['ppl_quantized']:.4f}) exceeds --max-ppl-increase "
@@ -135,16 +137,19 @@ class EvalInputError(ValueError):
 
 def run_eval(bundles: list[str], model: str | None, data: str | None, num_sequences: int, sequence_length: int,
              out_dir: str | None, max_kl: float | None, max_ppl_increase: float | None,
-             device: str = "auto", dtype: str = "float32") -> int:
+             device: str = "auto", dtype: str = "float32", served: ServedOptions | None = None) -> int:
     """Evaluate bundles side by side on the same held-out sequences, write the report, apply the gates.
 
-    Returns 0 (all gates pass), 1 (a gate failed; each failure is printed) or 2 (bad input).
+    ``served`` adds the baselines (evaluation KL too) and the served-cache evaluation (lm-eval tasks, passkey,
+    bytes per token; :mod:`loopvq_calib.served`). Returns 0 (all gates pass), 1 (a gate failed; each failure
+    is printed) or 2 (bad input).
     """
     from .bundle import BundleError
     from .data import DataError
     from .models.loading import ModelLoadError
 
     try:
+        check_served_options(served)
         data = _data_source(data, num_sequences, sequence_length)
         _check_gates_and_out(out_dir, max_kl, max_ppl_increase)
         if device != "auto" and device != "cpu" and not device.startswith("cuda"):
@@ -160,23 +165,69 @@ def run_eval(bundles: list[str], model: str | None, data: str | None, num_sequen
         return 2
     dev = next(model_obj.parameters()).device
     entries = [(b.quantizer.to(dev), int(b.serving["sink_tokens"])) for b in loaded]
-    results = evaluate_quantizers(model_obj, sequences, entries)
+    baselines = baseline_entries(model_obj, loaded, served)
+    results = evaluate_quantizers(model_obj, sequences, entries + baselines)
     for b, r in zip(loaded, results):
         metrics = b.meta.get("metrics") or {}
         r.update(name=b.meta.get("name", b.path.name), bundle=str(b.path), serving=b.serving,
-                 calibration_heldout_kl=metrics.get("heldout_kl"), finetune_curve=metrics.get("finetune_curve"))
+                 selection_kl=metrics.get("selection_kl", metrics.get("heldout_kl")),
+                 finetune_curve=metrics.get("finetune_curve"))
+    for (q, _), r in zip(baselines, results[len(loaded):]):
+        r.update(name=q.method, bundle=None, serving=None, selection_kl=None, finetune_curve=None, baseline=True)
     report = {"model": model_name, "dtype": dtype, "device": str(dev), "data": data_desc,
               "loop_steps": loaded[0].quantizer.kv.loop_steps, "bundles": results}
+    gate_failures: list[str] = []
+    if served is not None and (served.tasks or served.passkey_lengths or served.baselines):
+        report["served"] = served_evaluation(model_obj, tokenizer, loaded, served, dtype, sequences[:1].to(dev))
+        gate_failures = check_accuracy_gate(report["served"].get("accuracy_drop") or {}, served.max_accuracy_drop)
     from .report import markdown_report, write_report
 
     print(markdown_report(report))
     if out_dir is not None:
         for path in write_report(report, Path(out_dir)):
             print(f"wrote {path}")
-    failures = check_gates(results, max_kl, max_ppl_increase)
+    failures = check_gates(results, max_kl, max_ppl_increase) + gate_failures
     for f in failures:
         print(f"gate failed: {f}")
     return 1 if failures else 0
+
+
+def check_served_options(served: ServedOptions | None) -> None:
+    """Baseline names, task names (lm-eval's registry plus the shipped tasks), passkey lengths and the
+    serving overrides, checked before any model is loaded."""
+    from .baselines import BASELINES
+    from .served import task_manager
+
+    if served is None:
+        return
+    if served.tasks or served.passkey_lengths:
+        try:
+            import lm_eval  # noqa: F401
+        except ImportError as err:
+            raise EvalInputError("--tasks / --passkey-lengths need lm-evaluation-harness: pip install "
+                                 "'loopvq-calib[eval]'") from err
+    unknown = [b for b in served.baselines if b not in BASELINES]
+    if unknown:
+        raise EvalInputError(f"--baseline {','.join(unknown)}: unknown; expected some of {','.join(BASELINES)}")
+    for flag, value in (("--sink-tokens", served.sink_tokens), ("--recent-window", served.recent_window)):
+        if value is not None and value < 0:
+            raise EvalInputError(f"{flag} must be >= 0, got {value}")
+    if served.limit is not None and not served.limit > 0:
+        raise EvalInputError(f"--limit must be > 0, got {served.limit:g}")
+    if served.batch_size < 1 or served.passkey_trials < 1:
+        raise EvalInputError(f"--batch-size and --passkey-trials must be >= 1, got {served.batch_size}, "
+                             f"{served.passkey_trials}")
+    if any(n < 16 for n in served.passkey_lengths):
+        raise EvalInputError(f"--passkey-lengths {served.passkey_lengths}: each length must be >= 16 tokens")
+    for path in served.include_path:
+        if not Path(path).is_dir():
+            raise EvalInputError(f"--include-path {path}: no such folder")
+    if served.tasks:
+        known = set(task_manager(served.include_path, served.tasks).all_tasks)
+        missing = [t for t in served.tasks if t not in known]
+        if missing:
+            raise EvalInputError(f"--tasks {','.join(missing)}: not an lm-eval task or group here (the shipped "
+                                 "local task is loopvq_kjv_phrases; add task folders with --include-path)")
 
 
 def _load_inputs(paths: list[str], model: str | None, device: str, dtype: str):

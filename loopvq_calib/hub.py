@@ -1,12 +1,9 @@
-"""The hub side of bundles: the model card (README.md) and publishing a validated folder (``loopvq-push``)."""
+"""Publishing a validated bundle folder to the hub (``loopvq-push``); the model card is :mod:`loopvq_calib.card`."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
-
-import yaml
 
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
@@ -77,74 +74,3 @@ def _explain(err: Exception, path: Path, repo_id: str) -> str:
     if isinstance(err, HfHubHTTPError) and status is not None:
         return f"{base}: the hub answered HTTP {status}: {err}"
     return f"{base}: could not reach the Hugging Face Hub ({type(err).__name__}: {err})"
-
-
-def model_card(meta: dict[str, Any]) -> str:
-    """README.md of a bundle: hub front matter and a human summary."""
-    ident, bits, serving, metrics = meta["model"], meta["bits"], meta["serving"], meta["metrics"]
-    front: dict[str, Any] = {
-        **({"base_model": ident["name"]} if is_hub_id(ident["name"]) else {}),
-        "tags": ["loopvq", "kv-cache", "quantization", "vector-quantization", "looped-transformer", ident["model_type"]],
-        "library_name": "loopvq-calib",
-    }
-    cfg = meta.get("config") or {}
-    license_ = cfg.get("license") or (cfg.get("output") or {}).get("license")
-    if license_:
-        front["license"] = license_
-    kv = meta["kv_layout"]
-    n_key = sum(b["kind"] == "key" for b in meta["blocks"])
-    lines = [
-        "---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "",
-        f"# {meta['name']}", "",
-        f"LoopVQ KV-cache codebooks for `{ident['name']}`"
-        + (f" (revision `{ident['revision']}`)" if ident.get("revision") else "")
-        + f", model type `{ident['model_type']}`, produced by loopvq-calib {meta['producer']['version']} "
-        f"(bundle format {meta['format_version']}). The codes replace the pre-RoPE keys and values of the KV "
-        "cache; the model weights are unchanged.", "",
-        "| | |", "|---|---|",
-        f"| method | {meta['method']} |",
-        f"| bits per element | key {bits['key']:.4f}, value {bits['value']:.4f} |",
-        f"| codebook size K / group size G / loop steps per block T_c | {meta['codebook_size']} / "
-        f"{meta['group_size']} / {meta['steps_per_block']} |",
-        f"| codebook sharing | {meta['codebook_sharing']} |",
-        f"| blocks | {n_key} key + {len(meta['blocks']) - n_key} value |",
-        f"| KV sites | {len(kv['sites'])} ({kv['loop_steps']} loop steps, {kv['kv_heads']} KV heads, head dim "
-        f"{kv['head_dim']}) |",
-        f"| codebook memory | {meta['codebook_bytes']:,} bytes ({meta['codebook_dtype']}) |",
-        f"| RoPE | {meta['rope']['style']}, theta {meta['rope']['theta']:g} (applied after decoding) |",
-    ]
-    if "selection_kl" in metrics:
-        init = f" (after k-means: {_num(metrics['selection_kl_init'])})" if "selection_kl_init" in metrics else ""
-        lines.append(f"| selection KL to full precision (calibration selection sequences) | "
-                     f"{_num(metrics['selection_kl'])}{init} |")
-    lines += [
-        "", "## Load", "", "```python",
-        "from huggingface_hub import snapshot_download",
-        "from loopvq_calib import load_bundle", "",
-        "path = snapshot_download(\"<this repo id>\")  # or a local bundle folder",
-        f"bundle = load_bundle(path, model=\"{ident['name']}\")  # checks checksums and the model identity",
-        "codec = bundle.quantizer.codecs[\"" + meta["blocks"][0]["key"] + "\"]  # one (kind, block)",
-        "codes = codec.encode(x)        # x [N, block steps, H, D] pre-RoPE, fp32",
-        "x_hat = codec.decode(codes)    # apply RoPE afterwards for keys", "```", "",
-        "## Serving defaults", "",
-        f"- sink tokens kept in full precision: {serving['sink_tokens']}",
-        f"- recent window kept in full precision: {serving['recent_window']} tokens",
-        f"- page size (tokens encoded together once they leave the window): {serving['page_size']}", "",
-        "The file format (tensor names, group layout, encoder/decoder rules) is specified in loopvq-calib's "
-        "docs/bundle-format.md.", "",
-    ]
-    return "\n".join(lines)
-
-
-def is_hub_id(name: str) -> bool:
-    """Whether a bundle's model name is a hub id ``org/name`` (the card's ``base_model`` holds nothing else;
-    a local model is recorded by its absolute path)."""
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
-
-
-def _num(value: Any) -> str:
-    return f"{value:.5g}" if isinstance(value, float) else str(value)

@@ -24,7 +24,11 @@ the models' attention calls when a cache offers it, runs :mod:`~loopvq_calib.dec
 (``kernel="auto"``: on CUDA; ``"triton"``: also on CPU under ``TRITON_INTERPRET=1``; ``"torch"``: never) and
 returns None otherwise, so that ``update`` (this reference path) serves the call.
 
-``store="indices"`` keeps uint8 indices (+ fp16 sigma for TaSQ keys); ``store="fake"`` keeps
+``quantizer`` is a calibrated :class:`~loopvq_calib.quantizer.KVQuantizer` or a
+:class:`~loopvq_calib.baselines.BaselineQuantizer` (last-step KV, KIVI, fp8): any set of codecs with
+``layout.kind``, ``layout.sites``, ``encode`` and ``decode`` covering every site. ``store="indices"`` keeps
+the codes (uint8 indices + fp16 sigma for TaSQ keys; a baseline's packed integers, scales or float8 bytes);
+``store="fake"`` keeps
 full-precision tensors and overwrites the encoded tokens in place by decode(encode(.)) at the same
 moments (the "quantize in place" comparison: identical outputs, no memory saving).
 """
@@ -57,6 +61,9 @@ class QuantizedLoopKVCache:
         if sink_tokens < 0 or recent_window < 0 or page_size < 1:
             raise ValueError(f"need sink_tokens >= 0, recent_window >= 0, page_size >= 1; got "
                              f"{sink_tokens}, {recent_window}, {page_size}")
+        required = getattr(quantizer, "page_size", None)  # a baseline whose token groups are pages (KIVI keys)
+        if required is not None and page_size != required:
+            raise ValueError(f"{quantizer.method} encodes pages of {required} tokens; got page_size {page_size}")
         self.quantizer = quantizer
         self.sink_tokens = sink_tokens
         self.recent_window = recent_window
@@ -101,7 +108,8 @@ class QuantizedLoopKVCache:
 
     def attend(self, site: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: Any) -> torch.Tensor | None:
         """A decode step's attention from the codes (the Triton kernel), or None when the kernel does not take
-        this call (more than one query token, ``store="fake"``, ``kernel="torch"``, no CUDA under ``auto``).
+        this call (more than one query token, ``store="fake"``, ``kernel="torch"``, a baseline quantizer, no CUDA
+        under ``auto``).
 
         q [B, 1, Hq, D] post-RoPE; key/value [B, 1, H, D] pre-RoPE; ``ctx`` the forward's context (RoPE
         convention, attention mask). Returns [B, 1, Hq * D]. The mask is applied to the full-precision tokens;
@@ -110,6 +118,10 @@ class QuantizedLoopKVCache:
         from . import decode_attention as da
 
         if self.kernel == "torch" or self.store != "indices" or q.shape[1] != 1:
+            return None
+        if not isinstance(self.quantizer, KVQuantizer):  # a baseline's codes: the kernel reads LoopVQ codes only
+            if self.kernel == "triton":
+                raise RuntimeError(f"kernel='triton' reads LoopVQ codes; {type(self.quantizer).__name__} has none")
             return None
         if not da.available(q.device):
             if self.kernel == "triton":
@@ -199,7 +211,7 @@ class QuantizedLoopKVCache:
         for name, codec in self.quantizer.codecs.items():
             store = self.keys if codec.layout.kind == "key" else self.values
             x = torch.stack([store[site][:, page] for site in codec.layout.sites], dim=2)  # [B, P, T, H, D]
-            codes = codec.encode(x.flatten(0, 1).to(codec.codebook.device))
+            codes = codec.encode(x.flatten(0, 1).to(_codec_device(codec, x.device)))
             if self.store == "fake":
                 y = codec.decode(codes).to(device=x.device, dtype=x.dtype).reshape(x.shape)
                 for m, site in enumerate(codec.layout.sites):
@@ -228,13 +240,7 @@ class QuantizedLoopKVCache:
 
     def code_bytes(self) -> int:
         """Bytes of the stored codes (indices and TaSQ sigma)."""
-        total = 0
-        for pages in self.codes.values():
-            for c in pages:
-                total += c.indices.numel() * c.indices.element_size()
-                if c.sigma is not None:
-                    total += c.sigma.numel() * c.sigma.element_size()
-        return total
+        return sum(_codes_nbytes(c) for pages in self.codes.values() for c in pages)
 
     def bytes_per_token(self) -> dict[str, Any]:
         """Measured bytes per token of this cache against a bf16 cache of the same sites.
@@ -260,8 +266,25 @@ class QuantizedLoopKVCache:
         }
 
 
-def _select_codes(c: Codes, beam_idx: torch.Tensor, page: int) -> Codes:
+def _codec_device(codec: Any, default: torch.device) -> torch.device:
+    """Where a codec encodes: its codebook's device (LoopVQ), else the tokens' own (baselines)."""
+    codebook = getattr(codec, "codebook", None)
+    return codebook.device if codebook is not None else default
+
+
+def _codes_nbytes(c: Any) -> int:
+    """Stored bytes of one page's codes: indices and sigma (LoopVQ), or a baseline's own tensors."""
+    if hasattr(c, "nbytes"):
+        return c.nbytes()
+    return c.indices.numel() * c.indices.element_size() + (c.sigma.numel() * c.sigma.element_size()
+                                                            if c.sigma is not None else 0)
+
+
+def _select_codes(c: Any, beam_idx: torch.Tensor, page: int) -> Any:
     """Reorder the batch of one page's codes (rows are batch-major: b * page + token)."""
+    if hasattr(c, "select"):
+        return c.select(beam_idx)
+
     def pick(t: torch.Tensor) -> torch.Tensor:
         return t.view(-1, page, *t.shape[1:]).index_select(0, beam_idx.to(t.device)).flatten(0, 1)
 

@@ -1,7 +1,9 @@
 """The ``loopvq-eval`` report: report.json, a side-by-side report.md and PNG plots (matplotlib, Agg).
 
-The report dict is :func:`loopvq_calib.evaluate.run_eval`'s: ``bundles`` is a list of per-bundle results
-(:func:`loopvq_calib.evaluate.evaluate_quantizer` plus name, bundle path, serving, fine-tuning curve).
+The report dict is :func:`loopvq_calib.evaluate.run_eval`'s: ``bundles`` is a list of per-bundle (and
+per-baseline) results (:func:`loopvq_calib.evaluate.evaluate_quantizer` plus name, bundle path, serving,
+fine-tuning curve); ``served`` (optional) holds the served-cache evaluation (:mod:`loopvq_calib.served`).
+Reports written before the rename (``heldout_kl``, ``calibration_heldout_kl``) are read too.
 Loop steps are 0-based in JSON (as ``KVSite.step``) and labelled 1-based in report.md and the plots,
 like the paper's tables.
 """
@@ -18,27 +20,39 @@ def _fmt(v: float | None, spec: str = ".4g") -> str:
     return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
+def eval_kl(r: dict[str, Any]) -> float | None:
+    """The evaluation KL of a result row (``heldout_kl`` in reports before the rename)."""
+    return r.get("eval_kl", r.get("heldout_kl"))
+
+
+def selection_kl(r: dict[str, Any]) -> float | None:
+    """The bundle's calibration-time (selection) KL (``calibration_heldout_kl`` before the rename)."""
+    return r.get("selection_kl", r.get("calibration_heldout_kl"))
+
+
 def _bits(r: dict[str, Any]) -> str:
     return f"{r['bits']['key']:.3f} / {r['bits']['value']:.3f}"
 
 
 def markdown_report(report: dict[str, Any]) -> str:
-    """Side-by-side tables: method, bits, held-out KL, perplexities, per-step KL and NMSE."""
+    """Side-by-side tables: method, bits, evaluation KL, perplexities, per-step KL, NMSE and, when the
+    report has one, the served-cache evaluation (task accuracy, passkey, bytes per token)."""
     rows = report["bundles"]
     steps = report["loop_steps"]
     d = report.get("data") or {}
     lines = [
         "# LoopVQ evaluation", "",
         f"Model `{report['model']}` ({report['dtype']}, {report['device']}); held-out data `{d.get('dataset')}`: "
-        f"{d.get('num_sequences')} sequences of {d.get('sequence_length')} tokens. KL and perplexity count the "
+        f"{d.get('num_sequences')} sequences of {d.get('sequence_length')} tokens. The evaluation KL (text "
+        "calibration never saw) and perplexity count the "
         "positions after each bundle's sink tokens; every other position's keys and values are quantized at "
         "every site (no recent window).", "",
     ]
-    head = ["bundle", "method", "bits K / V", "sinks", "held-out KL", "ppl fp", "ppl quantized", "ppl increase"]
+    head = ["bundle", "method", "bits K / V", "sinks", "evaluation KL", "ppl fp", "ppl quantized", "ppl increase"]
     head += [f"KL step {t + 1} only" for t in range(steps)]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["name"], r["method"], _bits(r), str(r["sink_tokens"]), _fmt(r["heldout_kl"], ".5f"),
+        cells = [r["name"], r["method"], _bits(r), str(r["sink_tokens"]), _fmt(eval_kl(r), ".5f"),
                  _fmt(r["ppl_fp"], ".3f"), _fmt(r["ppl_quantized"], ".3f"), f"{r['ppl_increase']:+.2%}"]
         per = r.get("per_step_kl") or [None] * steps
         cells += [_fmt(v, ".5f") for v in per]
@@ -51,11 +65,17 @@ def markdown_report(report: dict[str, Any]) -> str:
         cells = [r["name"], _fmt(n["key"]), _fmt(n["value"])]
         cells += [f"{_fmt(k)} / {_fmt(v)}" for k, v in zip(r["nmse_per_step"]["key"], r["nmse_per_step"]["value"])]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "## Bundles", "", "| bundle | path | K | G | T_c | codebook bytes | calibration held-out KL |",
+    lines += ["", "## Bundles", "", "| bundle | path | K | G | T_c | codebook bytes | selection KL (calibration) |",
               "|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r.get("baseline"):
+            continue
         lines.append(f"| {r['name']} | `{r['bundle']}` | {r['codebook_size']} | {r['group_size']} | "
-                     f"{r['steps_per_block']} | {r['codebook_bytes']:,} | {_fmt(r.get('calibration_heldout_kl'), '.5f')} |")
+                     f"{r['steps_per_block']} | {r['codebook_bytes']:,} | {_fmt(selection_kl(r), '.5f')} |")
+    if report.get("served"):
+        from .report_served import served_markdown
+
+        lines += served_markdown(report)
     return "\n".join(lines) + "\n"
 
 
@@ -90,9 +110,9 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
     fig, ax = plt.subplots(figsize=(max(4.0, 1.3 * len(rows) + 1.5), 3.6))
     labels = [f"{r['name']}\n{r['method']}, {r['bits']['key']:.3g}/{r['bits']['value']:.3g} bit" for r in rows]
-    ax.bar(range(len(rows)), [r["heldout_kl"] for r in rows], color=[colors[r["method"]] for r in rows])
+    ax.bar(range(len(rows)), [eval_kl(r) for r in rows], color=[colors[r["method"]] for r in rows])
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
-    ax.set_ylabel("held-out KL to full precision")
+    ax.set_ylabel("evaluation KL to full precision")
     ax.set_title("KL per method and width")
     save(fig, "kl_by_method.png")
 
@@ -124,7 +144,8 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
         for r in curves:
             c = r["finetune_curve"]
             epochs = [e["epoch"] for e in c]
-            line = ax.plot(epochs, [e.get("heldout_kl") for e in c], marker="o", label=f"{r['name']} held-out")
+            line = ax.plot(epochs, [e.get("selection_kl", e.get("heldout_kl")) for e in c], marker="o",
+                           label=f"{r['name']} selection")
             if any(e.get("train_kl") is not None for e in c):
                 ax.plot(epochs, [e.get("train_kl") for e in c], ls="--", color=line[0].get_color(),
                         label=f"{r['name']} train")
@@ -133,4 +154,8 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_title("Codebook fine-tuning")
         ax.legend(fontsize=7)
         save(fig, "finetune_curve.png")
+    if (report.get("served") or {}).get("tasks") or (report.get("served") or {}).get("passkey"):
+        from .report_served import served_plot
+
+        out.append(served_plot(report["served"], out_dir))
     return out

@@ -12,7 +12,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from conftest import make_tiny_ouro, save_with_tokenizer
-from loopvq_calib import hub
+from loopvq_calib import card
 from loopvq_calib.bundle import FORMAT_VERSION, BundleError, inspect_bundle, load_bundle, write_bundle
 from loopvq_calib.codec import BlockCodec, TasqTransform
 from loopvq_calib.config import QuantConfig, ServingConfig
@@ -162,7 +162,7 @@ def test_failed_write_keeps_previous_bundle(tmp_path, model_a, monkeypatch):
     def boom(meta):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(hub, "model_card", boom)
+    monkeypatch.setattr(card, "model_card", boom)
     with pytest.raises(RuntimeError, match="disk full"):
         write(path, model_a, name="new")
     with pytest.raises(RuntimeError, match="disk full"):
@@ -390,7 +390,7 @@ def test_write_bundle_never_replaces_a_folder_with_other_files(tmp_path, model_a
 
 
 def test_card_base_model_is_only_ever_a_hub_id(tmp_path, model_a):
-    from loopvq_calib.hub import is_hub_id
+    from loopvq_calib.card import is_hub_id
 
     def front(path):
         return yaml.safe_load((path / "README.md").read_text().split("---")[1])

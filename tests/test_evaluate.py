@@ -66,7 +66,7 @@ def test_metrics_equal_independent_computation(make, method, steps):
     r = evaluate_quantizer(model, seqs, q, sink)
     parts = [explicit_metrics(model, seqs[i : i + 1], q, sink) for i in range(2)]
     kl = sum(p[0] for p in parts) / sum(p[1] for p in parts)
-    assert r["heldout_kl"] == pytest.approx(kl, rel=1e-4, abs=1e-7)
+    assert r["eval_kl"] == pytest.approx(kl, rel=1e-4, abs=1e-7)
     assert r["kl_positions"] == 2 * (24 - sink) and r["nll_targets"] == 2 * (24 - sink)
     ppl_fp = math.exp(sum(p[2] for p in parts) / sum(p[4] for p in parts))
     ppl_q = math.exp(sum(p[3] for p in parts) / sum(p[4] for p in parts))
@@ -92,13 +92,27 @@ def test_metrics_equal_independent_computation(make, method, steps):
     assert r["bits"] == q.bits() and r["codebook_bytes"] == q.codebook_bytes()
 
 
+@pytest.mark.parametrize("name", ["kivi2", "last-step-kv", "fp8"])
+def test_baseline_metrics_equal_independent_computation(name):
+    """Baselines go through the same evaluation as bundles (KL against the hand computation)."""
+    from loopvq_calib.baselines import make_baseline
+
+    model = make_tiny_ouro()
+    seqs = torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(2))
+    q = make_baseline(name, model.kv_layout(), group=16)
+    r = evaluate_quantizer(model, seqs, q, sink_tokens=4, per_step=False)
+    parts = [explicit_metrics(model, seqs[i : i + 1], q, 4) for i in range(2)]
+    assert r["eval_kl"] == pytest.approx(sum(p[0] for p in parts) / sum(p[1] for p in parts), rel=1e-4, abs=1e-7)
+    assert r["eval_kl"] > 0 and r["method"] == name and r["codebook_bytes"] == 0
+
+
 @pytest.mark.parametrize("method", ["loopvq", "cq"])
 def test_codebooks_holding_every_group_vector_give_zero(method):
     model = make_tiny_ouro()
     seqs = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(5))
     q = sampled_quantizer(model, seqs, method, codebook_size=64, group_size=8)  # 64 >= 48 tokens
     r = evaluate_quantizer(model, seqs, q, sink_tokens=4)
-    assert r["heldout_kl"] <= 1e-12 and max(r["per_step_kl"]) <= 1e-12
+    assert r["eval_kl"] <= 1e-12 and max(r["per_step_kl"]) <= 1e-12
     assert r["ppl_increase"] == pytest.approx(0.0, abs=1e-12)
     assert r["nmse"] == {"key": 0.0, "value": 0.0}
     assert all(row["key"] == 0.0 and row["value"] == 0.0 for row in r["nmse_per_site"])
@@ -119,19 +133,19 @@ def test_per_step_table_on_the_reference_model(reference):
     q = sampled_quantizer(model, calib, "loopvq", codebook_size=16, group_size=16, steps_per_block=4)
     r = evaluate_quantizer(model, held, q, sink_tokens=8)
     assert len(r["per_step_kl"]) == 4 and all(v > 0 for v in r["per_step_kl"])
-    assert r["heldout_kl"] > max(r["per_step_kl"])
+    assert r["eval_kl"] > max(r["per_step_kl"])
     assert r["ppl_quantized"] > r["ppl_fp"]
     assert r["bits"] == {"key": 0.25, "value": 0.25}
 
 
 def test_check_gates():
-    rows = [{"name": "a", "heldout_kl": 0.02, "ppl_fp": 10.0, "ppl_quantized": 10.3, "ppl_increase": 0.03},
-            {"name": "b", "heldout_kl": 0.08, "ppl_fp": 10.0, "ppl_quantized": 11.0, "ppl_increase": 0.1}]
+    rows = [{"name": "a", "eval_kl": 0.02, "ppl_fp": 10.0, "ppl_quantized": 10.3, "ppl_increase": 0.03},
+            {"name": "b", "eval_kl": 0.08, "ppl_fp": 10.0, "ppl_quantized": 11.0, "ppl_increase": 0.1}]
     assert check_gates(rows, None, None) == []
     assert check_gates(rows, 0.08, 0.1) == []  # equality passes
     fails = check_gates(rows, 0.05, 0.05)
-    assert len(fails) == 2 and fails[0].startswith("b: held-out KL") and "perplexity increase" in fails[1]
-    assert check_gates([{**rows[0], "heldout_kl": float("nan")}], 1.0, None)  # NaN never passes
+    assert len(fails) == 2 and fails[0].startswith("b: evaluation KL") and "perplexity increase" in fails[1]
+    assert check_gates([{**rows[0], "eval_kl": float("nan")}], 1.0, None)  # NaN never passes
 
 
 @pytest.fixture(scope="module")
@@ -163,17 +177,18 @@ def test_run_eval_writes_report_and_passes_gates(bundle_dir, tmp_path, capsys):
     (row,) = report["bundles"]
     assert row["name"] == "crude-0.25bit" and row["method"] == "loopvq" and row["sink_tokens"] == 8
     assert report["data"]["num_sequences"] == 1 and row["kl_positions"] == 32 - 8
-    assert len(row["per_step_kl"]) == 4 and row["heldout_kl"] > 0
+    assert len(row["per_step_kl"]) == 4 and row["eval_kl"] > 0
     md = (out / "report.md").read_text()
     assert "| crude-0.25bit | loopvq | 0.250 / 0.250 | 8 |" in md and "KL step 4 only" in md
-    assert f"{row['heldout_kl']:.5f}" in md
+    assert row["selection_kl"] == 0.25 and "selection KL" in md and "evaluation KL" in md
+    assert f"{row['eval_kl']:.5f}" in md
     assert "gate failed" not in capsys.readouterr().out
 
 
 def test_run_eval_gate_failure_returns_1(bundle_dir, capsys):
     status = run_eval([str(bundle_dir)], None, None, 1, 32, None, max_kl=1e-9, max_ppl_increase=None, device="cpu")
     assert status == 1
-    assert "gate failed: crude-0.25bit: held-out KL" in capsys.readouterr().out
+    assert "gate failed: crude-0.25bit: evaluation KL" in capsys.readouterr().out
 
 
 def test_run_eval_bad_input_returns_2(bundle_dir, tmp_path, capsys):
@@ -194,3 +209,48 @@ def test_run_eval_bad_input_returns_2(bundle_dir, tmp_path, capsys):
     (tmp_path / "report.md").write_text("not a folder")
     assert run_eval([str(bundle_dir)], None, None, 1, 32, str(tmp_path / "report.md"), None, None) == 2
     assert "report.md: exists and is not a folder" in capsys.readouterr().err
+
+
+def test_cli_served_tasks_and_baselines_on_the_reference_model(bundle_dir, tmp_path, capsys):
+    """``loopvq-eval --tasks <local task> --baseline ...``: the bundle, the baselines and full precision side
+    by side in report.json / report.md / served_accuracy.png, and the accuracy gate."""
+    from loopvq_calib.cli import eval_main
+
+    out = tmp_path / "served"
+    argv = ["--bundle", str(bundle_dir), "--num-sequences", "1", "--sequence-length", "40", "--device", "cpu",
+            "--tasks", "loopvq_kjv_phrases", "--limit", "2", "--baseline", "kivi2,last-step-kv",
+            "--recent-window", "16", "--out", str(out), "--max-accuracy-drop", "1.0"]
+    assert eval_main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    served = report["served"]
+    names = [e["name"] for e in served["entries"]]
+    assert names == ["float32", "crude-0.25bit", "kivi2", "last-step-kv"]
+    assert [r["name"] for r in report["bundles"]] == ["crude-0.25bit", "kivi2", "last-step-kv"]
+    assert all(e["serving"]["recent_window"] == 16 for e in served["entries"][1:])
+    assert served["entries"][2]["serving"]["page_size"] == 32  # KIVI: a page is one key token group
+    scores = served["tasks"]["scores"]
+    assert set(scores) == set(names) and served["tasks"]["samples"] == {"loopvq_kjv_phrases": 2}
+    fp = scores["float32"]["loopvq_kjv_phrases"]["exact_match,first_word"]
+    for name in names[1:]:
+        got = scores[name]["loopvq_kjv_phrases"]["exact_match,first_word"]
+        assert served["accuracy_drop"][name]["loopvq_kjv_phrases"] == pytest.approx(fp - got)
+    encoded = [e["bytes"]["encoded_bytes_per_token"] for e in served["entries"]]
+    assert encoded[0] is None and encoded[1] == 4 * 2 * 6 * 16  # 0.25-bit LoopVQ: one byte per 16-element group
+    md = (out / "report.md").read_text()
+    assert "## Served through the cache" in md and "| loopvq_kjv_phrases | exact_match,first_word |" in md
+    assert (out / "served_accuracy.png").stat().st_size > 0
+    strict = argv[:8] + ["--tasks", "loopvq_kjv_phrases", "--limit", "1", "--max-accuracy-drop", "-0.5"]  # fails all
+    assert eval_main(strict) == 1
+    assert "accuracy drop" in capsys.readouterr().out
+
+
+def test_cli_served_bad_input_exits_2(bundle_dir, capsys):
+    from loopvq_calib.cli import eval_main
+
+    base = ["--bundle", str(bundle_dir), "--num-sequences", "1", "--sequence-length", "40", "--device", "cpu"]
+    assert eval_main(base + ["--baseline", "kivi3"]) == 2
+    assert "--baseline kivi3: unknown" in capsys.readouterr().err
+    assert eval_main(base + ["--tasks", "no_such_task_xyz"]) == 2
+    assert "--tasks no_such_task_xyz: not an lm-eval task" in capsys.readouterr().err
+    assert eval_main(base + ["--passkey-lengths", "8"]) == 2
+    assert ">= 16 tokens" in capsys.readouterr().err

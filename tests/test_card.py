@@ -1,0 +1,83 @@
+"""The model card: front matter through ModelCardData, evaluation results as model-index, loopvq-push --eval-report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from huggingface_hub import ModelCard
+
+from loopvq_calib.bundle import load_bundle
+from loopvq_calib.card import EvalReportError, attach_eval_report, evaluation_for, model_card
+from loopvq_calib.cli import push_main
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "ouro_loopvq"
+
+
+@pytest.fixture
+def bundle_dir(tmp_path) -> Path:
+    return Path(shutil.copytree(GOLDEN, tmp_path / "bundle"))
+
+
+def eval_report(name: str) -> dict:
+    """A loopvq-eval report.json as run_eval writes it (one bundle, one baseline, tasks and passkey)."""
+    task = {"exact_match,first_word": 0.5}
+    return {
+        "model": "org/tiny-ouro", "dtype": "bfloat16", "device": "cpu", "data": {"dataset": "heldout.jsonl"},
+        "loop_steps": 4,
+        "bundles": [{"name": name, "eval_kl": 0.0123, "ppl_fp": 10.0, "ppl_quantized": 10.5},
+                    {"name": "kivi2", "baseline": True, "eval_kl": 0.05, "ppl_fp": 10.0, "ppl_quantized": 11.0}],
+        "served": {
+            "reference": "bfloat16",
+            "entries": [{"name": "bfloat16", "serving": None},
+                        {"name": name, "serving": {"sink_tokens": 8, "recent_window": 64, "page_size": 8}}],
+            "tasks": {"scores": {"bfloat16": {"loopvq_kjv_phrases": {"exact_match,first_word": 0.75}},
+                                 name: {"loopvq_kjv_phrases": task}, "kivi2": {"loopvq_kjv_phrases": task}}},
+            "passkey": {"lengths": [256], "accuracy": {"bfloat16": {"256": 1.0}, name: {"256": 0.8}}},
+        },
+    }
+
+
+def test_card_without_evaluation_has_no_model_index(bundle_dir):
+    meta = load_bundle(bundle_dir).meta
+    card = ModelCard(model_card(meta))
+    assert card.data.base_model == meta["model"]["name"] and card.data.library_name == "loopvq-calib"
+    assert card.data.eval_results is None and "## Evaluation" not in card.content
+
+
+def test_evaluation_results_become_model_index(bundle_dir):
+    meta = load_bundle(bundle_dir).meta
+    card = ModelCard(model_card(meta, evaluation_for(eval_report(meta["name"]), meta["name"])))
+    results = {(r.dataset_name, r.metric_type): r for r in card.data.eval_results}
+    assert card.data.model_name == meta["name"]
+    assert results[("heldout.jsonl", "kl")].metric_value == 0.0123
+    assert results[("heldout.jsonl", "perplexity")].metric_value == 10.5
+    task = results[("loopvq_kjv_phrases", "exact_match")]
+    assert task.metric_value == 0.5 and "sinks 8, recent window 64" in task.metric_name
+    assert results[("passkey 256 tokens", "accuracy")].metric_value == 0.8
+    assert "| exact_match,first_word | loopvq_kjv_phrases | 0.5 | 0.75 |" in card.content
+    with pytest.raises(EvalReportError, match="no bundle named 'other' .*has: " + meta["name"]):
+        evaluation_for(eval_report(meta["name"]), "other")  # a baseline row is never a bundle
+
+
+def test_push_with_eval_report_rewrites_the_card_and_its_checksum(bundle_dir, tmp_path, capsys):
+    name = load_bundle(bundle_dir).meta["name"]
+    report = tmp_path / "eval"
+    report.mkdir()
+    (report / "report.json").write_text(json.dumps(eval_report(name)))
+    before = (bundle_dir / "README.md").read_bytes()
+    argv = [str(bundle_dir), "--repo-id", "org/name", "--dry-run", "--eval-report", str(report)]
+    assert push_main(argv) == 0
+    assert "would add 4 evaluation results" in capsys.readouterr().out
+    assert (bundle_dir / "README.md").read_bytes() == before  # a dry run changes nothing
+    results = attach_eval_report(bundle_dir, report / "report.json")
+    assert len(results) == 4  # KL, perplexity, one task metric, one passkey length
+    bundle = load_bundle(bundle_dir)  # checksums still hold
+    assert "## Evaluation" in (bundle_dir / "README.md").read_text()
+    assert bundle.meta["files"]["README.md"]["bytes"] == (bundle_dir / "README.md").stat().st_size
+    (tmp_path / "bad.json").write_text("{not json")
+    assert push_main([str(bundle_dir), "--repo-id", "org/name", "--dry-run", "--eval-report",
+                      str(tmp_path / "bad.json")]) == 2
+    assert "cannot read an evaluation report" in capsys.readouterr().err
