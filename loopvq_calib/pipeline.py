@@ -196,7 +196,8 @@ class Pipeline:
         rank, world = self.state.process_index, self.state.num_processes
 
         def body(tmp: Path) -> dict:
-            part = fit_tasq(reader, plan_layouts(self.kv, c.quant), self.kv, c.quant, c.tasq, shard=(rank, world))
+            part = fit_tasq(reader, plan_layouts(self.kv, c.quant), self.kv, c.quant, c.tasq, shard=(rank, world),
+                            device=self.kmeans_device)
             parts = self._join_parts(tmp, part.save, TasqResult.load)
             if parts is not None:
                 result = merge_tasq(parts)
