@@ -24,9 +24,8 @@ from safetensors.torch import save_file
 from .config import CaptureConfig
 from .data import CalibrationSet
 from .models.common import apply_rope, rope_angles
-from .models.sites import KVLayout, KVRecorder, kv_hook
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from .models.loading import DTYPES
+from .models.sites import KVLayout, KVRecorder, kv_hook, query_observer
 
 
 class CaptureError(RuntimeError):
@@ -89,14 +88,10 @@ def capture_sequence(
     """
     rec = KVRecorder(fisher=True)
     qstats = QueryStats(kv)
-    model.query_observer = qstats
-    try:
-        with kv_hook(model, rec), torch.enable_grad():
-            logits = model(ids, use_cache=False).logits
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
-            loss.backward()
-    finally:
-        model.query_observer = None
+    with kv_hook(model, rec), query_observer(model, qstats), torch.enable_grad():
+        logits = model(ids, use_cache=False).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
+        loss.backward()
     fisher = rec.fisher()
 
     def chunked(f: torch.Tensor) -> torch.Tensor:
@@ -150,7 +145,7 @@ def capture_kv(
     for start in range(0, len(mine), cfg.batch_size):
         batch = mine[start : start + cfg.batch_size]
         results = capture_sequence(model, calib.input_ids[batch].to(device), kv, batch, DTYPES[cfg.dtype],
-                                   cfg.fisher_channels, on_device=cfg.store == "device")
+                                   cfg.channels_per_fisher, on_device=cfg.store == "device")
         for seq, stored in zip(batch, results):
             if isinstance(out, MemoryCapture):
                 out.sequences[seq] = stored
@@ -170,14 +165,9 @@ def capture_meta(calib: CalibrationSet, kv: KVLayout, cfg: CaptureConfig, memory
         "sequence_length": int(calib.input_ids.shape[1]),
         "sink_tokens": calib.sink_tokens,
         "dtype": cfg.dtype,
-        "kv_heads": kv.kv_heads,
-        "head_dim": kv.head_dim,
-        "loop_steps": kv.loop_steps,
-        "rope_style": kv.rope_style,
-        "rope_theta": kv.rope_theta,
-        "sites": [vars(s) for s in kv.sites],
+        "kv_layout": kv.to_dict(),
         "qstat_pairs_per_sequence": calib.input_ids.shape[1] * (calib.input_ids.shape[1] + 1) / 2,
-        "fisher_channels": cfg.fisher_channels,
+        "fisher_channels": cfg.channels_per_fisher,
         "store": cfg.store if memory is not None else "disk",
     }
     if memory is not None:

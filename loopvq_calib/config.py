@@ -76,12 +76,45 @@ class QuantConfig:
         return self.steps_per_block if self.loop_axis else 1
 
 
+STORES = ("auto", "device", "memory", "disk")
+
+
 @dataclass
 class CaptureConfig:
     dtype: str = "bfloat16"  # storage dtype of captured K/V and Fisher
     batch_size: int = 1  # sequences per forward/backward
-    store: str = "disk"  # disk (safetensors shards, reusable) | memory (host RAM) | device (accelerator memory)
-    fisher_channels: int = 1  # sum squared gradients over this many consecutive channels (1 = per coordinate)
+    store: str = "auto"  # auto (the first of device, memory, disk that holds it) | device | memory (host RAM) | disk (reusable)
+    fisher_channels: int | None = None  # squared gradients summed over this many consecutive channels; null = the largest exact value
+
+    @property
+    def channels_per_fisher(self) -> int:
+        """``fisher_channels`` as resolved by validation; 1 (per coordinate, always exact) before it."""
+        return self.fisher_channels or 1
+
+
+def exact_fisher_channels(quant: QuantConfig) -> int:
+    """The largest ``capture.fisher_channels`` that keeps every code group's Fisher weight exact: the
+    channels per step of a group (G / T_c), whose chunks every non-TaSQ group covers whole; 1 for TaSQ,
+    which weights each channel separately."""
+    return 1 if quant.uses_tasq else quant.group_size // quant.block_steps
+
+
+def validate_capture(c: CaptureConfig, q: QuantConfig) -> None:
+    """Check ``capture.*`` against ``quant.*`` and resolve ``fisher_channels: null``."""
+    _choice("capture.dtype", c.dtype, DTYPES)
+    _positive("capture.batch_size", c.batch_size)
+    _choice("capture.store", c.store, STORES)
+    if c.fisher_channels is None:
+        c.fisher_channels = exact_fisher_channels(q)
+    fc = c.fisher_channels
+    _positive("capture.fisher_channels", fc)
+    if fc > 1 and q.uses_tasq:
+        raise ConfigError("capture.fisher_channels", f"{fc}: TaSQ weights each channel separately and needs 1")
+    if (q.group_size // q.block_steps) % fc:
+        raise ConfigError(
+            "capture.fisher_channels",
+            f"{fc} does not divide the {q.group_size // q.block_steps} channels per step of a code group",
+        )
 
 
 @dataclass
@@ -243,18 +276,7 @@ def validate(cfg: Config) -> Config:
             "quant.group_size",
             f"TaSQ keeps each RoPE pair in one group: channels per step G/T_c = {q.group_size // q.block_steps} must be even",
         )
-    _choice("capture.dtype", cfg.capture.dtype, DTYPES)
-    _positive("capture.batch_size", cfg.capture.batch_size)
-    _choice("capture.store", cfg.capture.store, ("disk", "memory", "device"))
-    fc = cfg.capture.fisher_channels
-    _positive("capture.fisher_channels", fc)
-    if fc > 1 and q.uses_tasq:
-        raise ConfigError("capture.fisher_channels", f"{fc}: TaSQ weights each channel separately and needs 1")
-    if (q.group_size // q.block_steps) % fc:
-        raise ConfigError(
-            "capture.fisher_channels",
-            f"{fc} does not divide the {q.group_size // q.block_steps} channels per step of a code group",
-        )
+    validate_capture(cfg.capture, q)
     _choice("kmeans.backend", k.backend, ("auto", "faiss", "torch", "triton"))
     _choice("kmeans.init", k.init, ("kmeans++", "random"))
     _positive("kmeans.iterations", k.iterations)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .config import FinetuneConfig
 from .data import CalibrationSet
+from .models.sites import loop_checkpointing
 from .objective import mean_kl, quantized_logits, teacher
 from .quantizer import KVQuantizer
 
@@ -155,9 +156,7 @@ def finetune_codebooks(
     opt = torch.optim.Adam(params, lr=cfg.lr)
     best_kl, best_epoch, best_state = init_kl, 0, [p.detach().clone() for p in params]
     steps, settle_after = 0, min(2, training_steps(cfg, len(calib.train)))
-    previous = getattr(model, "loop_checkpointing", False)
-    model.loop_checkpointing = cfg.loop_checkpointing
-    try:
+    with loop_checkpointing(model, cfg.loop_checkpointing):
         for epoch in range(1, cfg.epochs + 1):
             gen = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
             order = [calib.train[i] for i in torch.randperm(len(calib.train), generator=gen).tolist()]
@@ -188,8 +187,6 @@ def finetune_codebooks(
             log.info("fine-tune epoch %d: train KL %.5f, held-out KL %.5f", epoch, curve[-1]["train_kl"], held)
             if held < best_kl:
                 best_kl, best_epoch, best_state = held, epoch, [p.detach().clone() for p in params]
-    finally:
-        model.loop_checkpointing = previous
     for c, state in zip(quantizer.codecs.values(), best_state):
         c.codebook = state
     return FinetuneResult(quantizer, best_epoch, curve, len(cache.store))

@@ -12,7 +12,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,13 +24,14 @@ from . import __version__
 from .capture import (
     CaptureData, CaptureReader, MemoryCapture, MemoryReader, capture_kv, capture_meta, share_sequences, write_meta,
 )
+from .capture_store import choose_store
 from .config import Config, dump_config, validate_for_model
 from .data import CalibrationSet, build_calibration_set, source_fingerprint
 from .finetune import finetune_codebooks, training_steps
 from .kmeans import fit_codebooks, shard_tensor_names
 from .kmeans_backends import resolve_backend
 from .layouts import plan_layouts
-from .models.loading import load_model, model_identity, pick_device, read_model_config, resolve_model_dir, set_loop_steps
+from .models.loading import DTYPES, load_model, model_identity, pick_device, read_model_config, resolve_model_dir, set_loop_steps
 from .models.sites import KVLayout
 from .quantizer import KVQuantizer, load_quantizer, merge_quantizers, save_quantizer
 from .rundir import RunDir, fingerprint, setup_logging
@@ -70,14 +71,14 @@ def capture_for_processes(
             capture_meta(calib, kv, cfg.capture, out)
 
 
-def kv_layout_from_config(model_config: Any, loop_steps: int | None) -> KVLayout:
-    """The KV sites of a model built on the meta device (no weights read)."""
+def model_shape(model_config: Any, loop_steps: int | None, dtype: str) -> tuple[KVLayout, int]:
+    """The KV sites and the weights' bytes in ``dtype`` of a model built on the meta device (no weights read)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
     set_loop_steps(model, loop_steps)
-    return model.kv_layout()
+    return model.kv_layout(), sum(p.numel() for p in model.parameters()) * DTYPES[dtype].itemsize
 
 
 class Pipeline:
@@ -88,7 +89,7 @@ class Pipeline:
         self.state = _distributed_state(cfg.model.device)
         self.folder = resolve_model_dir(cfg.model.name_or_path, cfg.model.revision)
         model_config = read_model_config(self.folder)
-        self.kv = kv_layout_from_config(model_config, cfg.model.loop_steps)
+        self.kv, self.model_bytes = model_shape(model_config, cfg.model.loop_steps, cfg.model.dtype)
         validate_for_model(cfg, self.kv.head_dim, self.kv.kv_heads, self.kv.loop_steps,
                            any(not s.looped for s in self.kv.sites))
         self.identity = model_identity(self.folder, cfg.model.name_or_path, cfg.model.revision)
@@ -107,6 +108,10 @@ class Pipeline:
         self.kmeans_device = pick_device(cfg.kmeans.device, "kmeans.device") if cfg.kmeans.device != "auto" else self.device
         if "kmeans" in wanted:  # an unusable kmeans.backend fails here, before any work
             resolve_backend(cfg.kmeans.backend, self.kmeans_device, (cfg.quant.codebook_size, cfg.quant.group_size))
+        self.store = None  # where the capture goes: decided (or refused, ConfigError) before any work
+        if "capture" in wanted:
+            self.store = choose_store(cfg.capture, self.kv, cfg.data.num_sequences, cfg.data.sequence_length,
+                                      self.device, self.model_bytes, self.run.root, self.state.num_processes)
         self._model = self._tokenizer = None
         self.fp: dict[str, str] = {}
 
@@ -168,7 +173,9 @@ class Pipeline:
         return CalibrationSet(ids, split["train"], split["heldout"], split["sink_tokens"], split["description"])
 
     def stage_capture(self, calib: CalibrationSet) -> CaptureData:
-        c = self.cfg
+        c = replace(self.cfg, capture=replace(self.cfg.capture, store=self.store.store))
+        if self.state.is_main_process:
+            log.info(self.store.reason)
         memory = MemoryCapture() if c.capture.store in ("memory", "device") else None
         rank, world = self.state.process_index, self.state.num_processes
         nonce = time.time() if memory is not None else None  # an in-memory capture is never reused
@@ -182,7 +189,8 @@ class Pipeline:
             bar.close()
             if self.state.is_main_process:
                 write_meta(tmp, calib, self.kv, c.capture, memory)
-            return {"sequences": int(calib.input_ids.shape[0]), "sites": self.kv.num_sites, "store": c.capture.store}
+            return {"sequences": int(calib.input_ids.shape[0]), "sites": self.kv.num_sites, "store": c.capture.store,
+                    "store_reason": self.store.reason}
 
         self._reuse_or_run("capture", fp, body, distributed=True)
         return MemoryReader(memory) if memory is not None else CaptureReader(self.run.path("capture"))

@@ -1,0 +1,94 @@
+"""Where a capture goes: ``capture.store: auto`` picks the accelerator's memory, host memory or disk from
+the capture's size and what is free, before any work starts (docs/config.md, "capture").
+
+The size is exact (every stored tensor's bytes). The accelerator keeps room for the model's weights and
+the capture step's own working memory (:func:`device_headroom`); host memory keeps a tenth of the
+machine's memory; the disk keeps 5 % free.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import CaptureConfig, ConfigError
+from .models.loading import DTYPES
+from .models.sites import KVLayout
+
+GB = 1e9
+
+
+def capture_bytes(kv: KVLayout, num_sequences: int, sequence_length: int, cfg: CaptureConfig) -> int:
+    """Bytes of a whole capture: per sequence and site, keys and values [S, H, D] and their Fisher
+    [S, H, D / fisher_channels] in ``capture.dtype``, the fp32 query statistic [H, D]; int64 token ids."""
+    hd = kv.kv_heads * kv.head_dim
+    per_site = sequence_length * hd * DTYPES[cfg.dtype].itemsize * (2 + 2 / cfg.channels_per_fisher) + hd * 4
+    return int(num_sequences * (kv.num_sites * per_site + sequence_length * 8))
+
+
+def device_headroom(total_device: int, batch_bytes: int) -> int:
+    """Accelerator memory the capture needs besides its stored tensors and the weights: a tenth of the
+    card, or four times one batch's stored tensors (its float32 gradients and probes while it is made)."""
+    return max(total_device // 10, 4 * batch_bytes)
+
+
+def host_available() -> int:
+    """Host memory available to new allocations (``MemAvailable``), less a tenth of the machine's memory."""
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            info[key] = int(value.split()[0]) * 1024
+    return info.get("MemAvailable", info["MemFree"]) - info["MemTotal"] // 10
+
+
+def disk_available(folder: Path) -> int:
+    """Free bytes on the file system that will hold ``folder`` (its nearest existing parent), less 5 %."""
+    path = Path(folder).resolve()
+    while not path.exists():
+        path = path.parent
+    usage = shutil.disk_usage(path)
+    return usage.free - usage.total // 20
+
+
+@dataclass
+class StoreChoice:
+    store: str  # device | memory | disk
+    reason: str  # the numbers behind the choice, for the log and the stage record
+
+
+def choose_store(
+    cfg: CaptureConfig, kv: KVLayout, num_sequences: int, sequence_length: int, device: torch.device,
+    model_bytes: int, capture_dir: Path, processes: int = 1,
+) -> StoreChoice:
+    """Resolve ``capture.store`` (``auto``: the first of device, memory, disk that holds the capture);
+    a store that cannot hold it (auto: none) raises :class:`ConfigError` with the numbers."""
+    total = capture_bytes(kv, num_sequences, sequence_length, cfg)
+    share = total // processes  # in-memory stores: each process keeps its layouts of every sequence
+    batch = capture_bytes(kv, cfg.batch_size, sequence_length, cfg)
+    need = f"the capture takes {total / GB:.1f} GB ({num_sequences} sequences x {sequence_length} tokens x " \
+           f"{kv.num_sites} sites, fisher_channels {cfg.channels_per_fisher})"
+    room: dict[str, tuple[int, int, str]] = {}  # store -> (bytes needed, bytes available, where)
+    if device.type == "cuda":
+        free, card = torch.cuda.mem_get_info(device)
+        headroom = device_headroom(card, batch)
+        room["device"] = (share, free - model_bytes - headroom,
+                          f"{device}: {free / GB:.1f} GB free, less the weights {model_bytes / GB:.1f} GB and "
+                          f"{headroom / GB:.1f} GB working memory, per process")
+    room["memory"] = (total, host_available(), "host memory available (less a tenth of the machine's)")
+    room["disk"] = (total, disk_available(capture_dir), f"free on the disk of {capture_dir} (less 5 %)")
+    fits = {s: n <= avail for s, (n, avail, _) in room.items()}
+    summary = "; ".join(f"{s}: {max(avail, 0) / GB:.1f} GB ({where})" for s, (_, avail, where) in room.items())
+    if cfg.store == "auto":
+        for store in ("device", "memory", "disk"):
+            if fits.get(store):
+                return StoreChoice(store, f"capture.store auto -> {store}: {need}; {summary}")
+        raise ConfigError("capture.store", f"no store holds the capture: {need}; {summary}. Lower data.num_sequences "
+                                           f"or data.sequence_length, or free memory or disk")
+    if cfg.store in ("memory", "disk") and not fits[cfg.store]:
+        raise ConfigError("capture.store", f"{cfg.store} cannot hold the capture: {need}; {summary}")
+    note = "" if fits.get(cfg.store, True) else " (the estimate says it does not fit)"
+    return StoreChoice(cfg.store, f"capture.store {cfg.store} as configured{note}: {need}; {summary}")
