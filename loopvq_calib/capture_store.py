@@ -21,11 +21,14 @@ from .models.sites import KVLayout
 GB = 1e9
 
 
-def capture_bytes(kv: KVLayout, num_sequences: int, sequence_length: int, cfg: CaptureConfig) -> int:
+def capture_bytes(kv: KVLayout, num_sequences: int, sequence_length: int, cfg: CaptureConfig,
+                  tasq_keys: bool = False) -> int:
     """Bytes of a whole capture: per sequence and site, keys and values [S, H, D] and their Fisher
-    [S, H, D / fisher_channels] in ``capture.dtype``, the fp32 query statistic [H, D]; int64 token ids."""
+    [S, H, D / fisher_channels] (TaSQ keys: [S, H, D / 2]) in ``capture.dtype``, the fp32 query statistic
+    [H, D]; int64 token ids."""
     hd = kv.kv_heads * kv.head_dim
-    per_site = sequence_length * hd * DTYPES[cfg.dtype].itemsize * (2 + 2 / cfg.channels_per_fisher) + hd * 4
+    fisher = 1 / cfg.channels_per_fisher + (1 / 2 if tasq_keys else 1 / cfg.channels_per_fisher)
+    per_site = sequence_length * hd * DTYPES[cfg.dtype].itemsize * (2 + fisher) + hd * 4
     return int(num_sequences * (kv.num_sites * per_site + sequence_length * 8))
 
 
@@ -62,14 +65,14 @@ class StoreChoice:
 
 def choose_store(
     cfg: CaptureConfig, kv: KVLayout, num_sequences: int, sequence_length: int, device: torch.device,
-    model_bytes: int, capture_dir: Path, processes: int = 1,
+    model_bytes: int, capture_dir: Path, processes: int = 1, tasq_keys: bool = False,
 ) -> StoreChoice:
     """Resolve ``capture.store`` (``auto``: the first of device, memory, disk that holds the capture);
     a store that cannot hold it (auto: none) raises :class:`ConfigError` with the numbers."""
-    total = capture_bytes(kv, num_sequences, sequence_length, cfg)
+    total = capture_bytes(kv, num_sequences, sequence_length, cfg, tasq_keys)
     share = total // processes  # in-memory stores: each process keeps its layouts of every sequence
-    batch = capture_bytes(kv, cfg.batch_size, sequence_length, cfg)
-    need = f"the capture takes {total / GB:.1f} GB ({num_sequences} sequences x {sequence_length} tokens x " \
+    batch = capture_bytes(kv, cfg.batch_size, sequence_length, cfg, tasq_keys)
+    need = f"the capture takes {total / GB:.2f} GB ({num_sequences} sequences x {sequence_length} tokens x " \
            f"{kv.num_sites} sites, fisher_channels {cfg.channels_per_fisher})"
     room: dict[str, tuple[int, int, str]] = {}  # store -> (bytes needed, bytes available, where)
     if device.type == "cuda":
@@ -81,7 +84,7 @@ def choose_store(
     room["memory"] = (total, host_available(), "host memory available (less a tenth of the machine's)")
     room["disk"] = (total, disk_available(capture_dir), f"free on the disk of {capture_dir} (less 5 %)")
     fits = {s: n <= avail for s, (n, avail, _) in room.items()}
-    summary = "; ".join(f"{s}: {max(avail, 0) / GB:.1f} GB ({where})" for s, (_, avail, where) in room.items())
+    summary = "; ".join(f"{s}: {max(avail, 0) / GB:.2f} GB ({where})" for s, (_, avail, where) in room.items())
     if cfg.store == "auto":
         for store in ("device", "memory", "disk"):
             if fits.get(store):

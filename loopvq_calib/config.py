@@ -94,9 +94,9 @@ class CaptureConfig:
 
 def exact_fisher_channels(quant: QuantConfig) -> int:
     """The largest ``capture.fisher_channels`` that keeps every code group's Fisher weight exact: the
-    channels per step of a group (G / T_c), whose chunks every non-TaSQ group covers whole; 1 for TaSQ,
-    which weights each channel separately."""
-    return 1 if quant.uses_tasq else quant.group_size // quant.block_steps
+    channels per step of a group (G / T_c), whose chunks every plain group covers whole. (TaSQ methods store
+    their keys' Fisher per RoPE pair whatever this is; it applies to their values.)"""
+    return quant.group_size // quant.block_steps
 
 
 def validate_capture(c: CaptureConfig, q: QuantConfig) -> None:
@@ -108,8 +108,6 @@ def validate_capture(c: CaptureConfig, q: QuantConfig) -> None:
         c.fisher_channels = exact_fisher_channels(q)
     fc = c.fisher_channels
     _positive("capture.fisher_channels", fc)
-    if fc > 1 and q.uses_tasq:
-        raise ConfigError("capture.fisher_channels", f"{fc}: TaSQ weights each channel separately and needs 1")
     if (q.group_size // q.block_steps) % fc:
         raise ConfigError(
             "capture.fisher_channels",

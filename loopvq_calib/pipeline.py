@@ -62,13 +62,14 @@ def capture_for_processes(
     """Capture process ``rank``'s sequences into ``out``; an in-memory capture under several processes then
     gives each process its TaSQ and k-means layouts of every sequence (``share_sequences``) and its meta
     (the main process sets it in ``write_meta``)."""
-    capture_kv(model, calib, kv, cfg.capture, out, rank, world, progress)
+    capture_kv(model, calib, kv, cfg.capture, out, rank, world, progress,
+               tasq_floor=cfg.tasq.weight_floor if cfg.quant.uses_tasq else None)
     barrier()
     if isinstance(out, MemoryCapture) and world > 1:
         names = shard_tensor_names(plan_layouts(kv, cfg.quant), world, cfg.quant.uses_tasq)
         share_sequences(out, names, rank, world, calib.input_ids.shape[0])
         if rank != 0:
-            capture_meta(calib, kv, cfg.capture, out)
+            capture_meta(calib, kv, cfg.capture, out, cfg.quant.uses_tasq)
 
 
 def model_shape(model_config: Any, loop_steps: int | None, dtype: str) -> tuple[KVLayout, int]:
@@ -111,7 +112,8 @@ class Pipeline:
         self.store = None  # where the capture goes: decided (or refused, ConfigError) before any work
         if "capture" in wanted:
             self.store = choose_store(cfg.capture, self.kv, cfg.data.num_sequences, cfg.data.sequence_length,
-                                      self.device, self.model_bytes, self.run.root, self.state.num_processes)
+                                      self.device, self.model_bytes, self.run.root, self.state.num_processes,
+                                      cfg.quant.uses_tasq)
         self._model = self._tokenizer = None
         self.fp: dict[str, str] = {}
 
@@ -180,17 +182,21 @@ class Pipeline:
         rank, world = self.state.process_index, self.state.num_processes
         nonce = time.time() if memory is not None else None  # an in-memory capture is never reused
         fp = fingerprint("capture", __version__, self.fp["data"], self.identity.to_dict(), c.model.dtype,
-                         self.kv.loop_steps, asdict(c.capture), nonce)
+                         self.kv.loop_steps, asdict(c.capture), nonce,
+                         c.tasq.weight_floor if c.quant.uses_tasq else None)  # TaSQ keys' Fisher is stored weighted
 
         def body(tmp: Path) -> dict:
+            loading = time.time()
+            model = self.model()  # loaded here, on first use: its time is reported apart
+            loading = time.time() - loading
             bar = self._progress(calib.input_ids.shape[0], "capture")
-            capture_for_processes(self.model(), calib, self.kv, c, memory or tmp, rank, world,
+            capture_for_processes(model, calib, self.kv, c, memory or tmp, rank, world,
                                   self.state.wait_for_everyone, lambda n: bar.update(n * world))
             bar.close()
             if self.state.is_main_process:
-                write_meta(tmp, calib, self.kv, c.capture, memory)
+                write_meta(tmp, calib, self.kv, c.capture, memory, c.quant.uses_tasq)
             return {"sequences": int(calib.input_ids.shape[0]), "sites": self.kv.num_sites, "store": c.capture.store,
-                    "store_reason": self.store.reason}
+                    "store_reason": self.store.reason, "model_load_s": round(loading, 2)}
 
         self._reuse_or_run("capture", fp, body, distributed=True)
         return MemoryReader(memory) if memory is not None else CaptureReader(self.run.path("capture"))

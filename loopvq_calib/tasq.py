@@ -23,6 +23,7 @@ from .codec import TasqTransform, flatten_block, sigma_bits
 from .config import ConfigError, QuantConfig, TasqConfig
 from .layouts import BlockLayout, layout_owner
 from .models.sites import KVLayout
+from .tasq_stats import channel_weights
 
 CHUNK_TOKENS = 4096  # tokens per covariance chunk (bounds the transformed copy of a block)
 GROUPING_BYTES = 1 << 30  # the first merge round's gathered candidate sets, per batch of heads
@@ -67,17 +68,6 @@ class TasqResult:
         ]
         transforms = {k: TasqTransform(tensors[f"{k}.tasq_weight"], v["sigma_min"]) for k, v in meta["transforms"].items()}
         return cls(layouts, transforms, meta["report"])
-
-
-def channel_weights(diag: torch.Tensor, floor: float) -> torch.Tensor:
-    """Query statistic diag [H, D] -> w [H, D]: diag floored at ``floor`` * max per head, then
-    w = sqrt(diag / mean(diag)), so that mean(w^2) = 1 per head."""
-    d = diag.double()
-    top = d.amax(-1, keepdim=True)
-    if not (torch.isfinite(d).all() and (top > 0).all()):
-        raise ValueError("query statistic is non-finite or zero for a whole head; cannot derive TaSQ weights")
-    d = torch.maximum(d, floor * top)
-    return (d / d.mean(-1, keepdim=True)).sqrt().float()
 
 
 def rope_pair_units(head_dim: int, steps: int, rope_style: str) -> torch.Tensor:
