@@ -111,13 +111,15 @@ def capture_kv(
     world: int = 1,
     progress: Callable[[int], Any] | None = None,
     tasq_floor: float | None = None,
+    device_sequences: int | None = None,
 ) -> list[int]:
     """Capture the sequences of this process (``i % world == rank``) into ``out``; returns their ids.
 
     For TaSQ methods (``tasq_floor`` = ``tasq.weight_floor``) a forward-only pass first gathers the query
     statistics of every sequence (all processes), so the keys' Fisher is stored reduced (see
     :func:`capture_sequence`). On disk, files are written under a temporary name and renamed, so a killed
-    run leaves no partial shard.
+    run leaves no partial shard. In memory, the first ``device_sequences`` of this process's sequences stay
+    on the accelerator (default: all for ``cfg.store`` device, none otherwise), the others go to host memory.
     """
     if isinstance(out, Path):
         out.mkdir(parents=True, exist_ok=True)
@@ -129,10 +131,11 @@ def capture_kv(
     if tasq_floor is not None:
         stats = query_statistics(model, calib.input_ids, kv, mine, cfg.batch_size, world)
         weights = key_weights(stats, kv, calib.input_ids.shape[1], tasq_floor, device)
+    keep = device_sequences if device_sequences is not None else (len(mine) if cfg.store == "device" else 0)
     for start in range(0, len(mine), cfg.batch_size):
         batch = mine[start : start + cfg.batch_size]
         results = capture_sequence(model, calib.input_ids[batch].to(device), kv, batch, DTYPES[cfg.dtype],
-                                   cfg.channels_per_fisher, on_device=cfg.store == "device", tasq_weights=weights)
+                                   cfg.channels_per_fisher, on_device=start + len(batch) <= keep, tasq_weights=weights)
         for seq, stored in zip(batch, results):
             if stats is not None:
                 stored.update({f"qstat.{site}": t.clone() for site, t in stats[seq].items()})

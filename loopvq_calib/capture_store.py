@@ -32,10 +32,12 @@ def capture_bytes(kv: KVLayout, num_sequences: int, sequence_length: int, cfg: C
     return int(num_sequences * (kv.num_sites * per_site + sequence_length * 8))
 
 
-def device_headroom(total_device: int, batch_bytes: int) -> int:
-    """Accelerator memory the capture needs besides its stored tensors and the weights: a tenth of the
-    card, or four times one batch's stored tensors (its float32 gradients and probes while it is made)."""
-    return max(total_device // 10, 4 * batch_bytes)
+def capture_step_bytes(kv: KVLayout, hidden_size: int, sequence_length: int, batch_size: int) -> int:
+    """Accelerator memory one capture step needs besides the weights and the stored capture: its forward's
+    activations kept for the backward, the recorded keys and values and their probes' gradients, about
+    60 bytes per site, token and hidden unit (measured on one H200: 44 at Ouro-1.4B shapes, 57 at
+    Huginn-3.5B's, docs/performance.md)."""
+    return 60 * kv.num_sites * sequence_length * hidden_size * batch_size
 
 
 def host_available() -> int:
@@ -59,39 +61,48 @@ def disk_available(folder: Path) -> int:
 
 @dataclass
 class StoreChoice:
-    store: str  # device | memory | disk
+    store: str  # device | memory | disk | split (the first device_sequences on the accelerator, the rest in host memory)
     reason: str  # the numbers behind the choice, for the log and the stage record
+    device_sequences: int = 0  # sequences (of this process) kept on the accelerator
 
 
 def choose_store(
     cfg: CaptureConfig, kv: KVLayout, num_sequences: int, sequence_length: int, device: torch.device,
-    model_bytes: int, capture_dir: Path, processes: int = 1, tasq_keys: bool = False,
+    model_bytes: int, step_bytes: int, capture_dir: Path, processes: int = 1, tasq_keys: bool = False,
 ) -> StoreChoice:
-    """Resolve ``capture.store`` (``auto``: the first of device, memory, disk that holds the capture);
-    a store that cannot hold it (auto: none) raises :class:`ConfigError` with the numbers."""
+    """Resolve ``capture.store``. ``auto``: the first of device, memory, disk that holds the capture, or
+    (one process) ``split``: as many sequences on the accelerator as it holds, the rest in host memory. A
+    store that cannot hold it (auto: none) raises :class:`ConfigError` with the numbers. ``step_bytes``:
+    the capture step's own accelerator memory (:func:`capture_step_bytes`)."""
     total = capture_bytes(kv, num_sequences, sequence_length, cfg, tasq_keys)
+    per_sequence = capture_bytes(kv, 1, sequence_length, cfg, tasq_keys)
     share = total // processes  # in-memory stores: each process keeps its layouts of every sequence
-    batch = capture_bytes(kv, cfg.batch_size, sequence_length, cfg, tasq_keys)
     need = f"the capture takes {total / GB:.2f} GB ({num_sequences} sequences x {sequence_length} tokens x " \
            f"{kv.num_sites} sites, fisher_channels {cfg.channels_per_fisher})"
     room: dict[str, tuple[int, int, str]] = {}  # store -> (bytes needed, bytes available, where)
     if device.type == "cuda":
-        free, card = torch.cuda.mem_get_info(device)
-        headroom = device_headroom(card, batch)
-        room["device"] = (share, free - model_bytes - headroom,
+        free, _ = torch.cuda.mem_get_info(device)
+        room["device"] = (share, free - model_bytes - step_bytes,
                           f"{device}: {free / GB:.1f} GB free, less the weights {model_bytes / GB:.1f} GB and "
-                          f"{headroom / GB:.1f} GB working memory, per process")
-    room["memory"] = (total, host_available(), "host memory available (less a tenth of the machine's)")
-    room["disk"] = (total, disk_available(capture_dir), f"free on the disk of {capture_dir} (less 5 %)")
+                          f"{step_bytes / GB:.1f} GB for the capture step, per process")
+    room["memory"] = (total, host_available(), "host memory available, less a tenth of the machine's")
+    room["disk"] = (total, disk_available(capture_dir), f"free on the disk of {capture_dir}, less 5 %")
     fits = {s: n <= avail for s, (n, avail, _) in room.items()}
     summary = "; ".join(f"{s}: {max(avail, 0) / GB:.2f} GB ({where})" for s, (_, avail, where) in room.items())
+    mine = -(-num_sequences // processes)
     if cfg.store == "auto":
         for store in ("device", "memory", "disk"):
             if fits.get(store):
-                return StoreChoice(store, f"capture.store auto -> {store}: {need}; {summary}")
+                return StoreChoice(store, f"capture.store auto -> {store}: {need}; {summary}",
+                                   mine if store == "device" else 0)
+        on_device = max(room.get("device", (0, 0, ""))[1], 0) // per_sequence
+        if processes == 1 and on_device and (num_sequences - on_device) * per_sequence <= room["memory"][1]:
+            return StoreChoice("split", f"capture.store auto -> split: {on_device} sequences on {device}, "
+                                        f"{num_sequences - on_device} in host memory: {need}; {summary}", on_device)
         raise ConfigError("capture.store", f"no store holds the capture: {need}; {summary}. Lower data.num_sequences "
                                            f"or data.sequence_length, or free memory or disk")
     if cfg.store in ("memory", "disk") and not fits[cfg.store]:
         raise ConfigError("capture.store", f"{cfg.store} cannot hold the capture: {need}; {summary}")
     note = "" if fits.get(cfg.store, True) else " (the estimate says it does not fit)"
-    return StoreChoice(cfg.store, f"capture.store {cfg.store} as configured{note}: {need}; {summary}")
+    return StoreChoice(cfg.store, f"capture.store {cfg.store} as configured{note}: {need}; {summary}",
+                       mine if cfg.store == "device" else 0)

@@ -24,7 +24,7 @@ from . import __version__
 from .capture import (
     CaptureData, CaptureReader, MemoryCapture, MemoryReader, capture_kv, capture_meta, share_sequences, write_meta,
 )
-from .capture_store import choose_store
+from .capture_store import capture_step_bytes, choose_store
 from .config import Config, dump_config, validate_for_model
 from .data import CalibrationSet, build_calibration_set, source_fingerprint
 from .finetune import finetune_codebooks, training_steps
@@ -58,12 +58,13 @@ def _distributed_state(device: str):
 def capture_for_processes(
     model: torch.nn.Module, calib: CalibrationSet, kv: KVLayout, cfg: Config, out: MemoryCapture | Path, rank: int,
     world: int, barrier: Callable[[], Any], progress: Callable[[int], Any] | None = None,
+    device_sequences: int | None = None,
 ) -> None:
     """Capture process ``rank``'s sequences into ``out``; an in-memory capture under several processes then
     gives each process its TaSQ and k-means layouts of every sequence (``share_sequences``) and its meta
     (the main process sets it in ``write_meta``)."""
     capture_kv(model, calib, kv, cfg.capture, out, rank, world, progress,
-               tasq_floor=cfg.tasq.weight_floor if cfg.quant.uses_tasq else None)
+               tasq_floor=cfg.tasq.weight_floor if cfg.quant.uses_tasq else None, device_sequences=device_sequences)
     barrier()
     if isinstance(out, MemoryCapture) and world > 1:
         names = shard_tensor_names(plan_layouts(kv, cfg.quant), world, cfg.quant.uses_tasq)
@@ -111,8 +112,9 @@ class Pipeline:
             resolve_backend(cfg.kmeans.backend, self.kmeans_device, (cfg.quant.codebook_size, cfg.quant.group_size))
         self.store = None  # where the capture goes: decided (or refused, ConfigError) before any work
         if "capture" in wanted:
+            step = capture_step_bytes(self.kv, model_config.hidden_size, cfg.data.sequence_length, cfg.capture.batch_size)
             self.store = choose_store(cfg.capture, self.kv, cfg.data.num_sequences, cfg.data.sequence_length,
-                                      self.device, self.model_bytes, self.run.root, self.state.num_processes,
+                                      self.device, self.model_bytes, step, self.run.root, self.state.num_processes,
                                       cfg.quant.uses_tasq)
         self._model = self._tokenizer = None
         self.fp: dict[str, str] = {}
@@ -178,7 +180,7 @@ class Pipeline:
         c = replace(self.cfg, capture=replace(self.cfg.capture, store=self.store.store))
         if self.state.is_main_process:
             log.info(self.store.reason)
-        memory = MemoryCapture() if c.capture.store in ("memory", "device") else None
+        memory = MemoryCapture() if c.capture.store in ("memory", "device", "split") else None
         rank, world = self.state.process_index, self.state.num_processes
         nonce = time.time() if memory is not None else None  # an in-memory capture is never reused
         fp = fingerprint("capture", __version__, self.fp["data"], self.identity.to_dict(), c.model.dtype,
@@ -191,7 +193,8 @@ class Pipeline:
             loading = time.time() - loading
             bar = self._progress(calib.input_ids.shape[0], "capture")
             capture_for_processes(model, calib, self.kv, c, memory or tmp, rank, world,
-                                  self.state.wait_for_everyone, lambda n: bar.update(n * world))
+                                  self.state.wait_for_everyone, lambda n: bar.update(n * world),
+                                  self.store.device_sequences)
             bar.close()
             if self.state.is_main_process:
                 write_meta(tmp, calib, self.kv, c.capture, memory, c.quant.uses_tasq)

@@ -292,8 +292,8 @@ def test_store_choice_and_refusal(tmp_path, monkeypatch):
 
     kv = make_tiny_ouro().kv_layout()
     size = cs.capture_bytes(kv, 4, 64, CaptureConfig(fisher_channels=4))
-    choose = lambda store: cs.choose_store(CaptureConfig(store=store, fisher_channels=4), kv, 4, 64,
-                                           torch.device("cpu"), 0, tmp_path)
+    choose = lambda store, device="cpu": cs.choose_store(CaptureConfig(store=store, fisher_channels=4), kv, 4, 64,
+                                                         torch.device(device), 100, 1000, tmp_path)
     monkeypatch.setattr(cs, "host_available", lambda: size)
     monkeypatch.setattr(cs, "disk_available", lambda folder: size - 1)
     auto = choose("auto")
@@ -307,3 +307,25 @@ def test_store_choice_and_refusal(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="capture.store: no store holds the capture") as err:
         choose("auto")
     assert "4 sequences x 64 tokens" in str(err.value) and "memory:" in str(err.value) and "disk:" in str(err.value)
+    # one process, neither alone holds it: the first sequences stay on the accelerator, the rest in host memory
+    per_sequence = size // 4
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1100 + per_sequence * 3 // 2, 10**12))
+    monkeypatch.setattr(cs, "host_available", lambda: per_sequence * 3)
+    split = choose("auto", "cuda")
+    assert (split.store, split.device_sequences) == ("split", 1) and "1 sequences on cuda, 3 in host memory" in split.reason
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1100 + size, 10**12))  # weights 100 + step 1000
+    assert (choose("auto", "cuda").store, choose("auto", "cuda").device_sequences) == ("device", 4)
+
+
+@pytest.mark.gpu
+def test_split_store_keeps_the_first_sequences_on_the_gpu(tmp_path):
+    from loopvq_calib.capture import MemoryCapture, MemoryReader
+
+    model, calib = make_tiny_ouro().cuda(), calib_set()
+    disk = run_capture(model, calib, tmp_path, dtype="float32")
+    mem, cfg = MemoryCapture(), CaptureConfig(dtype="float32", store="split")
+    capture_kv(model, calib, model.kv_layout(), cfg, mem, device_sequences=1)
+    (tmp_path / "m").mkdir()
+    assert write_meta(tmp_path / "m", calib, model.kv_layout(), cfg, mem)["store"] == "split"
+    assert {seq: mem.sequences[seq]["key.0"].device.type for seq in range(3)} == {0: "cuda", 1: "cpu", 2: "cpu"}
+    torch.testing.assert_close(MemoryReader(mem).load("key", (0, 1)), disk.load("key", (0, 1)), atol=1e-5, rtol=1e-4)
