@@ -9,6 +9,8 @@
 #
 # Runs (docs/performance.md): Ouro-1.4B shipped config; the same with the 48 GB-card setting
 # (capture.store memory, finetune.cache_teacher false); Huginn-3.5B shipped config (SKIP_HUGINN=1 skips it).
+# DEADLINE (seconds from the start, default 3600) cuts every step's time limit so that the script ends in time
+# (a step stopped by its limit is recorded with rc 124 and the stages it finished).
 set -u
 OUT=${1:?usage: measure_real_command.sh OUT [SCALE_DOWN] [--set ...]}
 SCALE=${2:-1}
@@ -46,8 +48,11 @@ checkpoint() {  # model folder
 }
 
 calibrate() {  # name limit config overrides...
-  local name=$1 limit=$2 config=$3 start end rc
+  local name=$1 limit=$2 config=$3 start end rc left
   shift 3
+  left=$(( ${DEADLINE:-3600} - SECONDS - 10 ))
+  [ "$left" -lt "$limit" ] && limit=$left
+  [ "$limit" -le 0 ] && { echo "{\"step\": \"$name\", \"skipped\": \"no time left\"}" >> "$OUT/results.jsonl"; return; }
   rm -rf "${WORK:?}/$name"
   echo "=== $name: $config $*" >> "$LOG"
   start=$(date +%s.%N)
@@ -61,13 +66,13 @@ calibrate() {  # name limit config overrides...
 }
 
 checkpoint ouro-1.4b "$WORK/ouro-1.4b-random"
-calibrate ouro-1.4b 240 configs/ouro-1.4b.yaml --set model.name_or_path="$WORK/ouro-1.4b-random"
-calibrate ouro-1.4b-48gb 240 configs/ouro-1.4b.yaml --set model.name_or_path="$WORK/ouro-1.4b-random" \
+calibrate ouro-1.4b 200 configs/ouro-1.4b.yaml --set model.name_or_path="$WORK/ouro-1.4b-random"
+calibrate ouro-1.4b-48gb 200 configs/ouro-1.4b.yaml --set model.name_or_path="$WORK/ouro-1.4b-random" \
   --set capture.store=memory --set finetune.cache_teacher=false
 rm -rf "${WORK:?}/ouro-1.4b-random"
 if [ "${SKIP_HUGINN:-0}" != 1 ]; then
   checkpoint huginn-3.5b "$WORK/huginn-3.5b-random"
-  calibrate huginn-3.5b 240 configs/huginn-3.5b.yaml --set model.name_or_path="$WORK/huginn-3.5b-random"
+  calibrate huginn-3.5b 600 configs/huginn-3.5b.yaml --set model.name_or_path="$WORK/huginn-3.5b-random"
   rm -rf "${WORK:?}/huginn-3.5b-random"
 fi
 cat "$OUT/results.jsonl"
