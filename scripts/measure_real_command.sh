@@ -7,8 +7,8 @@
 #   scripts/measure_real_command.sh OUT [SCALE_DOWN] [--set overrides for every run ...]
 #   scripts/measure_real_command.sh /tmp/out 8 --set data.num_sequences=4 ...   # CPU dry run, scaled down
 #
-# Runs (docs/performance.md): Ouro-1.4B shipped config; the same with the 48 GB-card setting
-# (capture.store memory, finetune.cache_teacher false); Huginn-3.5B shipped config (SKIP_HUGINN=1 skips it).
+# Runs (docs/performance.md; STEPS picks some, default all): ouro-1.4b (shipped config), ouro-1.4b-48gb (the
+# 48 GB-card setting: capture.store memory, finetune.cache_teacher false), huginn-3.5b (shipped config).
 # DEADLINE (seconds from the start, default 3600) cuts every step's time limit so that the script ends in time
 # (a step stopped by its limit is recorded with rc 124 and the stages it finished).
 set -u
@@ -65,12 +65,16 @@ calibrate() {  # name limit config overrides...
   rm -rf "${WORK:?}/$name"
 }
 
-checkpoint ouro-1.4b "$WORK/ouro-1.4b-random"
-calibrate ouro-1.4b 200 configs/ouro-1.4b.yaml --set model.name_or_path="$WORK/ouro-1.4b-random"
-calibrate ouro-1.4b-48gb 200 configs/ouro-1.4b.yaml --set model.name_or_path="$WORK/ouro-1.4b-random" \
-  --set capture.store=memory --set finetune.cache_teacher=false
-rm -rf "${WORK:?}/ouro-1.4b-random"
-if [ "${SKIP_HUGINN:-0}" != 1 ]; then
+STEPS=${STEPS:-ouro-1.4b ouro-1.4b-48gb huginn-3.5b}
+if [[ " $STEPS " == *" ouro-1.4b"* ]]; then
+  checkpoint ouro-1.4b "$WORK/ouro-1.4b-random"
+  [[ " $STEPS " == *" ouro-1.4b "* ]] && calibrate ouro-1.4b 200 configs/ouro-1.4b.yaml \
+    --set model.name_or_path="$WORK/ouro-1.4b-random"
+  [[ " $STEPS " == *" ouro-1.4b-48gb "* ]] && calibrate ouro-1.4b-48gb 200 configs/ouro-1.4b.yaml \
+    --set model.name_or_path="$WORK/ouro-1.4b-random" --set capture.store=memory --set finetune.cache_teacher=false
+  rm -rf "${WORK:?}/ouro-1.4b-random"
+fi
+if [[ " $STEPS " == *" huginn-3.5b "* ]]; then
   checkpoint huginn-3.5b "$WORK/huginn-3.5b-random"
   calibrate huginn-3.5b 600 configs/huginn-3.5b.yaml --set model.name_or_path="$WORK/huginn-3.5b-random"
   rm -rf "${WORK:?}/huginn-3.5b-random"
