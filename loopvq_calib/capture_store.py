@@ -1,9 +1,9 @@
 """Where a capture goes: ``capture.store: auto`` picks the accelerator's memory, host memory or disk from
 the capture's size and what is free, before any work starts (docs/config.md, "capture").
 
-The size is exact (every stored tensor's bytes). The accelerator keeps room for the model's weights and
-the capture step's own working memory (:func:`device_headroom`); host memory keeps a tenth of the
-machine's memory; the disk keeps 5 % free.
+The size is exact (every stored tensor's bytes). The accelerator keeps room for the model's weights, the
+capture step's own working memory (:func:`capture_step_bytes`) and 5 % of the card (allocator
+fragmentation); host memory keeps a tenth of the machine's memory; the disk keeps 5 % free.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ def capture_bytes(kv: KVLayout, num_sequences: int, sequence_length: int, cfg: C
 
 def capture_step_bytes(kv: KVLayout, hidden_size: int, sequence_length: int, batch_size: int) -> int:
     """Accelerator memory one capture step needs besides the weights and the stored capture: its forward's
-    activations kept for the backward, the recorded keys and values and their probes' gradients, about
-    60 bytes per site, token and hidden unit (measured on one H200: 44 at Ouro-1.4B shapes, 57 at
-    Huginn-3.5B's, docs/performance.md)."""
-    return 60 * kv.num_sites * sequence_length * hidden_size * batch_size
+    activations kept for the backward, the recorded keys and values and their probes' gradients: 64 bytes
+    per site, token and hidden unit (measured on one H200, docs/performance.md: about 46 at Ouro-1.4B shapes;
+    at Huginn-3.5B's 57 was not enough once the Fisher's float32 temporaries came on top)."""
+    return 64 * kv.num_sites * sequence_length * hidden_size * batch_size
 
 
 def host_available() -> int:
@@ -81,10 +81,10 @@ def choose_store(
            f"{kv.num_sites} sites, fisher_channels {cfg.channels_per_fisher})"
     room: dict[str, tuple[int, int, str]] = {}  # store -> (bytes needed, bytes available, where)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        room["device"] = (share, free - model_bytes - step_bytes,
-                          f"{device}: {free / GB:.1f} GB free, less the weights {model_bytes / GB:.1f} GB and "
-                          f"{step_bytes / GB:.1f} GB for the capture step, per process")
+        free, card = torch.cuda.mem_get_info(device)
+        room["device"] = (share, free - model_bytes - step_bytes - card // 20,
+                          f"{device}: {free / GB:.1f} GB free, less the weights {model_bytes / GB:.1f} GB, "
+                          f"{step_bytes / GB:.1f} GB for the capture step and 5 % of the card, per process")
     room["memory"] = (total, host_available(), "host memory available, less a tenth of the machine's")
     room["disk"] = (total, disk_available(capture_dir), f"free on the disk of {capture_dir}, less 5 %")
     fits = {s: n <= avail for s, (n, avail, _) in room.items()}

@@ -309,11 +309,11 @@ def test_store_choice_and_refusal(tmp_path, monkeypatch):
     assert "4 sequences x 64 tokens" in str(err.value) and "memory:" in str(err.value) and "disk:" in str(err.value)
     # one process, neither alone holds it: the first sequences stay on the accelerator, the rest in host memory
     per_sequence = size // 4
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1100 + per_sequence * 3 // 2, 10**12))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1200 + per_sequence * 3 // 2, 2000))
     monkeypatch.setattr(cs, "host_available", lambda: per_sequence * 3)
     split = choose("auto", "cuda")
     assert (split.store, split.device_sequences) == ("split", 1) and "1 sequences on cuda, 3 in host memory" in split.reason
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1100 + size, 10**12))  # weights 100 + step 1000
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1200 + size, 2000))  # weights 100, step 1000, 5 %
     assert (choose("auto", "cuda").store, choose("auto", "cuda").device_sequences) == ("device", 4)
 
 
