@@ -45,11 +45,7 @@ class TasqResult:
         tensors.update({f"{k}.tasq_weight": t.weight.float().contiguous().cpu() for k, t in self.transforms.items()})
         save_file(tensors, str(folder / "tasq.safetensors"))
         meta = {
-            "layouts": [
-                {"name": lay.name, "kind": lay.kind, "sites": list(lay.sites), "head_dim": lay.head_dim,
-                 "kv_heads": lay.kv_heads}
-                for lay in self.layouts
-            ],
+            "layouts": [lay.to_dict() for lay in self.layouts],
             "transforms": {k: {"sigma_min": t.sigma_min} for k, t in self.transforms.items()},
             "report": self.report,
         }
@@ -61,11 +57,7 @@ class TasqResult:
         folder = Path(folder)
         meta = json.loads((folder / "tasq.json").read_text())
         tensors = load_file(str(folder / "tasq.safetensors"))
-        layouts = [
-            BlockLayout(d["name"], d["kind"], tuple(d["sites"]), d["head_dim"], d["kv_heads"],
-                        tensors[f"{d['kind']}.{d['name']}.groups"])
-            for d in meta["layouts"]
-        ]
+        layouts = [BlockLayout.from_dict(d, tensors[f"{d['kind']}.{d['name']}.groups"]) for d in meta["layouts"]]
         transforms = {k: TasqTransform(tensors[f"{k}.tasq_weight"], v["sigma_min"]) for k, v in meta["transforms"].items()}
         return cls(layouts, transforms, meta["report"])
 

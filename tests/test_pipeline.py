@@ -25,7 +25,8 @@ def tiny_config(model_dir: Path, corpus: Path, out: Path, **sections) -> dict:
         "model": {"name_or_path": str(model_dir)},
         "data": {"dataset": str(corpus), "num_sequences": 6, "sequence_length": 32, "heldout_sequences": 2, "sink_tokens": 4},
         "quant": {"method": "loopvq", "codebook_size": 16, "group_size": 8, "bits": 0.5},
-        "capture": {"store": "disk"},  # reusable, as these tests of the stage machinery need
+        # reusable, and the same for every method (fisher_channels null would follow the method's G / T_c)
+        "capture": {"store": "disk", "fisher_channels": 1},
         "kmeans": {"iterations": 8, "backend": "torch"},
         "finetune": {"epochs": 2, "lr": 1e-2},
         "output": {"dir": str(out), "serving": {"sink_tokens": 8, "recent_window": 16}},
