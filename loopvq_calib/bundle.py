@@ -25,7 +25,7 @@ from .bundle_reader import (
 from .codec import code_bits, index_dtype, sigma_bits
 from .config import ServingConfig
 from .models.loading import DTYPES, ModelIdentity
-from .quantizer import KVQuantizer, kv_layout_to_dict
+from .quantizer import KVQuantizer
 
 __all__ = [
     "FORMAT_VERSION", "META_FILE", "TENSOR_FILE", "CARD_FILE", "SIGMA_RULE", "Bundle", "BundleError",
@@ -103,7 +103,7 @@ def _check_replaceable(out_dir: Path) -> None:
 def _bundle_meta(q: KVQuantizer, name: str, identity: ModelIdentity, calibration: dict, metrics: dict,
                  serving: ServingConfig, codebook_dtype: str, config: dict, producer_version: str) -> dict[str, Any]:
     qm = q.meta()
-    kv = kv_layout_to_dict(q.kv)
+    kv = q.kv.to_dict()
     rope = {"style": kv.pop("rope_style"), "theta": kv.pop("rope_theta")}
     key_sigma = sigma_bits(q.kv.kv_heads, q.kv.head_dim) if any(b["tasq"] for b in qm["blocks"]) else 0.0
     created = datetime.fromtimestamp(int(os.environ.get("SOURCE_DATE_EPOCH") or 0), timezone.utc)

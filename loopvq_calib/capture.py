@@ -1,8 +1,9 @@
 """Capture stage: pre-RoPE keys and values at every KV site, their empirical Fisher, query statistics.
 
 One safetensors file per calibration sequence (``seq00000.safetensors`` ...) holds, per site s:
-``key.{s}`` / ``value.{s}`` [S, H, D], ``fisher_key.{s}`` / ``fisher_value.{s}`` [S, H, D] (squared
-gradients of the sequence's summed next-token loss, flowing through every later loop step) and
+``key.{s}`` / ``value.{s}`` [S, H, D], ``fisher_key.{s}`` / ``fisher_value.{s}`` [S, H, D / fisher_channels]
+(squared gradients of the sequence's summed next-token loss, flowing through every later loop step; for
+TaSQ methods the keys' as F / w^2 summed per RoPE pair, [S, H, D/2], see ``tasq_stats.py``) and
 ``qstat.{s}`` [H, D] fp32 (TaSQ's query statistic, summed), plus ``input_ids`` [S]. ``meta.json``
 describes the capture. Later stages read it block by block (:class:`CaptureReader`), so memory stays
 bounded by one block's data, never the whole capture.
@@ -10,6 +11,7 @@ bounded by one block's data, never the whole capture.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -23,45 +25,14 @@ from safetensors.torch import save_file
 
 from .config import CaptureConfig
 from .data import CalibrationSet
-from .models.common import apply_rope, rope_angles
-from .models.sites import KVLayout, KVRecorder, kv_hook
+from .models.loading import DTYPES
+from .models.sites import KVLayout, KVRecorder, kv_hook, query_observer
+from .tasq_stats import QueryStats, key_weights, pair_spread, pair_sum, pairs_per_sequence, query_statistics
 from .objective import shared_initial_state
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class CaptureError(RuntimeError):
     """A captured tensor is unusable (non-finite values); names the site and sequence."""
-
-
-class QueryStats:
-    """Per sequence, site and KV head: the sum over causal pairs (i >= j) of diag(R_j^T q_i q_i^T R_j)
-    for the post-RoPE query q_i and the RoPE rotation R_j at the key position (GQA query heads averaged).
-    Prefix sums over j make it O(S) per site."""
-
-    def __init__(self, kv: KVLayout) -> None:
-        self.kv = kv
-        self.sums: dict[int, torch.Tensor] = {}  # site -> [B, H_kv, D]
-
-    def __call__(self, site: int, q: torch.Tensor, positions: torch.Tensor) -> None:
-        kv = self.kv
-        with torch.no_grad():
-            b, s, hq, d = q.shape
-            cos, sin = rope_angles(positions, d, kv.rope_theta)  # [B, S, D/2]
-            qr = apply_rope(q.float(), cos, sin, kv.rope_style)  # post-RoPE queries
-            if kv.rope_style == "half":
-                qa, qb = qr[..., : d // 2], qr[..., d // 2 :]
-            else:
-                qa, qb = qr[..., 0::2], qr[..., 1::2]
-            c2, s2, cs = (t.cumsum(1)[:, :, None, :] for t in (cos * cos, sin * sin, cos * sin))
-            da = (c2 * qa * qa + s2 * qb * qb + 2 * cs * qa * qb).sum(dim=1)  # [B, Hq, D/2]
-            db = (c2 * qb * qb + s2 * qa * qa - 2 * cs * qa * qb).sum(dim=1)
-            diag = torch.zeros(b, hq, d, device=q.device)
-            if kv.rope_style == "half":
-                diag[..., : d // 2], diag[..., d // 2 :] = da, db
-            else:
-                diag[..., 0::2], diag[..., 1::2] = da, db
-            self.sums[site] = diag.view(b, kv.kv_heads, hq // kv.kv_heads, d).mean(2).cpu()
 
 
 def _check_finite(tensors: dict[str, torch.Tensor], kv: KVLayout, seq: int) -> None:
@@ -79,29 +50,32 @@ def _check_finite(tensors: dict[str, torch.Tensor], kv: KVLayout, seq: int) -> N
 
 def capture_sequence(
     model: torch.nn.Module, ids: torch.Tensor, kv: KVLayout, seqs: list[int], dtype: torch.dtype = torch.float32,
-    fisher_channels: int = 1, on_device: bool = False,
+    fisher_channels: int = 1, on_device: bool = False, tasq_weights: dict[int, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], ...]:
     """One forward + backward over ``ids`` [B, S]; per sequence, the tensors to store in ``dtype``, on the
     CPU (or left on the model's device with ``on_device``; query statistics always go to the CPU).
 
     Values are checked on the device (non-finite -> :class:`CaptureError` naming site and sequence
     ``seqs[b]``). With ``fisher_channels`` c > 1 the squared gradients are summed over c consecutive
-    channels ([S, H, D/c]); the reader spreads each sum evenly back over its c channels.
+    channels ([S, H, D/c]); the reader spreads each sum evenly back over its c channels. With
+    ``tasq_weights`` (TaSQ's w [H, D] per site) the keys' Fisher is stored as F / w^2 summed per RoPE pair
+    ([S, H, D/2], :func:`~loopvq_calib.tasq_stats.pair_sum`) and no query statistic is gathered here (the
+    caller has them from :func:`~loopvq_calib.tasq_stats.query_statistics`).
     """
     rec = KVRecorder(fisher=True)
     qstats = QueryStats(kv)
-    model.query_observer = qstats
-    try:
-        with kv_hook(model, rec), torch.enable_grad(), shared_initial_state(model):
-            logits = model(ids, use_cache=False).logits
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
-            loss.backward()
-    finally:
-        model.query_observer = None
+    observing = query_observer(model, qstats) if tasq_weights is None else contextlib.nullcontext()
+    with kv_hook(model, rec), observing, torch.enable_grad(), shared_initial_state(model):
+        logits = model(ids, use_cache=False).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
+        loss.backward()
     fisher = rec.fisher()
 
     def chunked(f: torch.Tensor) -> torch.Tensor:
         return f if fisher_channels == 1 else f.unflatten(-1, (-1, fisher_channels)).sum(-1)
+
+    def key_fisher(f: torch.Tensor, site: int) -> torch.Tensor:
+        return chunked(f) if tasq_weights is None else pair_sum(f / tasq_weights[site].pow(2), kv.rope_style)
 
     out = []
     for b, seq in enumerate(seqs):
@@ -109,7 +83,7 @@ def capture_sequence(
         for site in rec.keys:
             t[f"key.{site}"] = rec.keys[site][b]
             t[f"value.{site}"] = rec.values[site][b]
-            t[f"fisher_key.{site}"] = chunked(fisher[site][0][b])
+            t[f"fisher_key.{site}"] = key_fisher(fisher[site][0][b], site)
             t[f"fisher_value.{site}"] = chunked(fisher[site][1][b])
         _check_finite(t, kv, seq)
         stored = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in t.items()}
@@ -137,10 +111,16 @@ def capture_kv(
     rank: int = 0,
     world: int = 1,
     progress: Callable[[int], Any] | None = None,
+    tasq_floor: float | None = None,
+    device_sequences: int | None = None,
 ) -> list[int]:
     """Capture the sequences of this process (``i % world == rank``) into ``out``; returns their ids.
 
-    On disk, files are written under a temporary name and renamed, so a killed run leaves no partial shard.
+    For TaSQ methods (``tasq_floor`` = ``tasq.weight_floor``) a forward-only pass first gathers the query
+    statistics of every sequence (all processes), so the keys' Fisher is stored reduced (see
+    :func:`capture_sequence`). On disk, files are written under a temporary name and renamed, so a killed
+    run leaves no partial shard. In memory, the first ``device_sequences`` of this process's sequences stay
+    on the accelerator (default: all for ``cfg.store`` device, none otherwise), the others go to host memory.
     """
     if isinstance(out, Path):
         out.mkdir(parents=True, exist_ok=True)
@@ -148,11 +128,18 @@ def capture_kv(
         p.requires_grad_(False)
     device = next(model.parameters()).device
     mine = [i for i in range(calib.input_ids.shape[0]) if i % world == rank]
+    stats = weights = None
+    if tasq_floor is not None:
+        stats = query_statistics(model, calib.input_ids, kv, mine, cfg.batch_size, world)
+        weights = key_weights(stats, kv, calib.input_ids.shape[1], tasq_floor, device)
+    keep = device_sequences if device_sequences is not None else (len(mine) if cfg.store == "device" else 0)
     for start in range(0, len(mine), cfg.batch_size):
         batch = mine[start : start + cfg.batch_size]
         results = capture_sequence(model, calib.input_ids[batch].to(device), kv, batch, DTYPES[cfg.dtype],
-                                   cfg.fisher_channels, on_device=cfg.store == "device")
+                                   cfg.channels_per_fisher, on_device=start + len(batch) <= keep, tasq_weights=weights)
         for seq, stored in zip(batch, results):
+            if stats is not None:
+                stored.update({f"qstat.{site}": t.clone() for site, t in stats[seq].items()})
             if isinstance(out, MemoryCapture):
                 out.sequences[seq] = stored
             else:
@@ -164,21 +151,19 @@ def capture_kv(
     return mine
 
 
-def capture_meta(calib: CalibrationSet, kv: KVLayout, cfg: CaptureConfig, memory: MemoryCapture | None = None) -> dict[str, Any]:
-    """What a reader needs to know about a capture (``meta.json``); also set as ``memory.meta``."""
+def capture_meta(calib: CalibrationSet, kv: KVLayout, cfg: CaptureConfig, memory: MemoryCapture | None = None,
+                 tasq_keys: bool = False) -> dict[str, Any]:
+    """What a reader needs to know about a capture (``meta.json``); also set as ``memory.meta``.
+    ``tasq_keys``: the keys' Fisher was stored as TaSQ-weighted RoPE-pair sums (``capture_kv(tasq_floor=...)``)."""
     meta = {
         "num_sequences": int(calib.input_ids.shape[0]),
         "sequence_length": int(calib.input_ids.shape[1]),
         "sink_tokens": calib.sink_tokens,
         "dtype": cfg.dtype,
-        "kv_heads": kv.kv_heads,
-        "head_dim": kv.head_dim,
-        "loop_steps": kv.loop_steps,
-        "rope_style": kv.rope_style,
-        "rope_theta": kv.rope_theta,
-        "sites": [vars(s) for s in kv.sites],
-        "qstat_pairs_per_sequence": calib.input_ids.shape[1] * (calib.input_ids.shape[1] + 1) / 2,
-        "fisher_channels": cfg.fisher_channels,
+        "kv_layout": kv.to_dict(),
+        "qstat_pairs_per_sequence": pairs_per_sequence(calib.input_ids.shape[1]),
+        "fisher_channels": cfg.channels_per_fisher,
+        "fisher_key": "tasq_weighted_rope_pairs" if tasq_keys else "channels",
         "store": cfg.store if memory is not None else "disk",
     }
     if memory is not None:
@@ -187,9 +172,9 @@ def capture_meta(calib: CalibrationSet, kv: KVLayout, cfg: CaptureConfig, memory
 
 
 def write_meta(out_dir: Path, calib: CalibrationSet, kv: KVLayout, cfg: CaptureConfig,
-               memory: MemoryCapture | None = None) -> dict[str, Any]:
+               memory: MemoryCapture | None = None, tasq_keys: bool = False) -> dict[str, Any]:
     """Describe the capture in ``out_dir/meta.json`` (called once all sequences exist)."""
-    meta = capture_meta(calib, kv, cfg, memory)
+    meta = capture_meta(calib, kv, cfg, memory, tasq_keys)
     if memory is not None:
         have = set(memory.sequences)
     else:
@@ -256,7 +241,8 @@ class CaptureData:
         """Tensor ``name`` (key | value | fisher_key | fisher_value) of ``sites`` -> [N, T, H, D] fp32 on ``device``.
 
         N runs over the tokens of ``sequences`` (default all), sinks excluded unless asked for. The data moves
-        tensor by tensor in its storage dtype and is stacked and widened on the device.
+        tensor by tensor in its storage dtype and is stacked and widened on the device. A Fisher stored in
+        sums (over channel chunks, or RoPE pairs for TaSQ keys) is spread evenly back over its coordinates.
         """
         start = 0 if include_sinks else self.sink_tokens
         names = [f"{name}.{s}" for s in sites]
@@ -269,9 +255,16 @@ class CaptureData:
         del parts  # the stored-dtype copies go before the float32 one is made
         out = out.float()
         c = self.meta.get("fisher_channels", 1)
-        if name.startswith("fisher") and c > 1:
+        if name == "fisher_key" and self.tasq_keys:
+            out = pair_spread(out, self.meta["kv_layout"]["rope_style"])
+        elif name.startswith("fisher") and c > 1:
             out = out.repeat_interleave(c, dim=-1) / c
         return out
+
+    @property
+    def tasq_keys(self) -> bool:
+        """The keys' Fisher is F / w^2 per RoPE pair (TaSQ methods): k-means multiplies it by sigma^2 only."""
+        return self.meta.get("fisher_key") == "tasq_weighted_rope_pairs"
 
     def query_stats(self, site: int) -> torch.Tensor:
         """TaSQ's query statistic of ``site``, averaged over causal pairs and sequences -> [H, D]."""

@@ -72,12 +72,41 @@ class QuantConfig:
         return self.steps_per_block if self.loop_axis else 1
 
 
+STORES = ("auto", "device", "memory", "disk")
+
+
 @dataclass
 class CaptureConfig:
     dtype: str = "bfloat16"  # storage dtype of captured K/V and Fisher
     batch_size: int = 1  # sequences per forward/backward
-    store: str = "disk"  # disk (safetensors shards, reusable) | memory (host RAM) | device (accelerator memory)
-    fisher_channels: int = 1  # sum squared gradients over this many consecutive channels (1 = per coordinate)
+    store: str = "auto"  # auto (the first of device, memory, disk that holds it) | device | memory (host RAM) | disk (reusable)
+    fisher_channels: int | None = None  # squared gradients summed over this many consecutive channels; null = the largest exact value
+
+    @property
+    def channels_per_fisher(self) -> int:
+        """``fisher_channels`` as resolved by validation; 1 (per coordinate, always exact) before it."""
+        return self.fisher_channels or 1
+
+
+def exact_fisher_channels(quant: QuantConfig) -> int:
+    """The largest ``capture.fisher_channels`` that keeps every code group's Fisher weight exact: the
+    channels per step of a group (G / T_c), whose chunks every plain group covers whole. (TaSQ methods store
+    their keys' Fisher per RoPE pair whatever this is; it applies to their values.)"""
+    return quant.group_size // quant.block_steps
+
+
+def validate_capture(c: CaptureConfig, q: QuantConfig) -> None:
+    """Check ``capture.*`` against ``quant.*`` (``fisher_channels: null`` stands for the exact value)."""
+    _choice("capture.dtype", c.dtype, DTYPES)
+    _positive("capture.batch_size", c.batch_size)
+    _choice("capture.store", c.store, STORES)
+    fc = exact_fisher_channels(q) if c.fisher_channels is None else c.fisher_channels
+    _positive("capture.fisher_channels", fc)
+    if (q.group_size // q.block_steps) % fc:
+        raise ConfigError(
+            "capture.fisher_channels",
+            f"{fc} does not divide the {q.group_size // q.block_steps} channels per step of a code group",
+        )
 
 
 @dataclass
@@ -275,21 +304,6 @@ def _validate_quant(q: QuantConfig) -> None:
         )
 
 
-def _validate_capture(c: CaptureConfig, q: QuantConfig) -> None:
-    _choice("capture.dtype", c.dtype, DTYPES)
-    _positive("capture.batch_size", c.batch_size)
-    _choice("capture.store", c.store, ("disk", "memory", "device"))
-    fc = c.fisher_channels
-    _positive("capture.fisher_channels", fc)
-    if fc > 1 and q.uses_tasq:
-        raise ConfigError("capture.fisher_channels", f"{fc}: TaSQ weights each channel separately and needs 1")
-    if (q.group_size // q.block_steps) % fc:
-        raise ConfigError(
-            "capture.fisher_channels",
-            f"{fc} does not divide the {q.group_size // q.block_steps} channels per step of a code group",
-        )
-
-
 def _validate_kmeans(k: KMeansConfig) -> None:
     _choice("kmeans.backend", k.backend, ("auto", "faiss", "torch", "triton"))
     _choice("kmeans.init", k.init, ("kmeans++", "random"))
@@ -351,7 +365,7 @@ def validate(cfg: Config) -> Config:
     _validate_model(cfg.model)
     _validate_data(cfg.data, cfg.finetune.enabled)
     _validate_quant(cfg.quant)
-    _validate_capture(cfg.capture, cfg.quant)
+    validate_capture(cfg.capture, cfg.quant)
     _validate_kmeans(cfg.kmeans)
     _validate_tasq(cfg.tasq)
     validate_finetune(cfg.finetune)
@@ -403,10 +417,13 @@ def load_config(source: str | Path | dict, overrides: list[str] | None = None) -
 
 
 def resolve_derived(cfg: Config) -> Config:
-    """Fill the values a config may leave null: ``quant.bits`` (from K and G) and
-    ``output.serving.sink_tokens`` (= ``data.sink_tokens``). The only place the loader changes values."""
+    """Fill the values a config may leave null: ``quant.bits`` (from K and G),
+    ``output.serving.sink_tokens`` (= ``data.sink_tokens``) and ``capture.fisher_channels`` (the largest exact
+    value, :func:`exact_fisher_channels`). The only place the loader changes values."""
     if cfg.quant.bits is None and math.isfinite(derived_bits(cfg.quant)):
         cfg.quant.bits = derived_bits(cfg.quant)
+    if cfg.capture.fisher_channels is None and cfg.quant.group_size > 0 and cfg.quant.block_steps > 0:
+        cfg.capture.fisher_channels = exact_fisher_channels(cfg.quant)
     if cfg.output.serving.sink_tokens is None:
         cfg.output.serving.sink_tokens = cfg.data.sink_tokens
     return cfg

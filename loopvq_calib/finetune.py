@@ -22,6 +22,7 @@ import torch.distributed as dist
 from .config import FinetuneConfig
 from .data import CalibrationSet
 from .finetune_recipe import CodebookParams, add_usage, lr_factor
+from .models.sites import loop_checkpointing
 from .objective import mean_kl, quantized_logits, teacher
 from .quantizer import KVQuantizer
 
@@ -186,9 +187,7 @@ def finetune_codebooks(
     opt = torch.optim.Adam(free.params, lr=cfg.lr)
     best, best_state = 0, free.snapshot()
     steps, settle_after = 0, min(2, total)
-    previous = getattr(model, "loop_checkpointing", False)
-    model.loop_checkpointing = cfg.loop_checkpointing
-    try:
+    with loop_checkpointing(model, cfg.loop_checkpointing):
         train_sum = torch.zeros(2, device=device)
         for epoch in range(1, cfg.epochs + 1):
             gen = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
@@ -229,7 +228,5 @@ def finetune_codebooks(
                              entry["train_kl"], entry["selection_kl"])
                     if entry["selection_kl"] < curve[best]["selection_kl"]:
                         best, best_state = len(curve) - 1, free.snapshot()
-    finally:
-        model.loop_checkpointing = previous
     free.restore(best_state)
     return FinetuneResult(quantizer, curve[best]["epoch"], curve, len(cache.store), curve[best]["step"])

@@ -38,20 +38,24 @@ __all__ = [
 
 def layout_problems(
     x: torch.Tensor, fisher: torch.Tensor, layout: BlockLayout, transform: TasqTransform | None,
-    codebook_size: int, sharing: str, fisher_weighted: bool = True,
+    codebook_size: int, sharing: str, fisher_weighted: bool = True, fisher_tasq_weighted: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K-means problems of one layout: x, fisher [N, T, H, D] -> points [P, M, G], weights [P, M].
 
     Problem index hc * nc + gc matches codebook [Hc, nc, K, G]; a shared axis pools its points.
     The weight of a group vector is sum F_i over its coordinates (TaSQ: F_i * (sigma / w_i)^2, the
     Fisher of the transformed coordinate), divided by its problem's maximum (all ones when the
-    Fisher is off or a problem's maximum is zero).
+    Fisher is off or a problem's maximum is zero). ``fisher_tasq_weighted``: ``fisher`` already is
+    F_i / w_i^2 (a TaSQ capture's keys), so only sigma^2 is applied.
     """
     factor = fisher
     if transform is not None:
         sigma = transform.sigma(x)
         x = transform.forward(x, sigma)
-        factor = fisher * (sigma.float()[..., None, None] / transform.weight.to(x.device)).pow(2)
+        scale = sigma.float()[..., None, None]
+        factor = fisher * (scale if fisher_tasq_weighted else scale / transform.weight.to(x.device)).pow(2)
+    elif fisher_tasq_weighted:
+        raise ValueError(f"{layout.key}: the capture holds TaSQ-weighted key Fisher but the layout has no TaSQ transform")
     hc, nc, _, _ = codebook_shape(layout, codebook_size, sharing)
     n, h = x.shape[0], layout.kv_heads
     groups = layout.num_groups
@@ -120,7 +124,8 @@ def fit_codebooks(
         fisher = reader.load("fisher_" + layout.kind, layout.sites, device=device)
         transform = transforms.get(layout.key)
         points, weights = layout_problems(
-            x, fisher, layout, transform, quant.codebook_size, quant.codebook_sharing, cfg.fisher_weighted
+            x, fisher, layout, transform, quant.codebook_size, quant.codebook_sharing, cfg.fisher_weighted,
+            fisher_tasq_weighted=layout.kind == "key" and reader.tasq_keys,
         )
         tokens = x.shape[0]
         del x, fisher

@@ -53,6 +53,15 @@ class BlockLayout:
         """Unique name of this (kind, block) pair, used for tensor names."""
         return f"{self.kind}.{self.name}"
 
+    def to_dict(self) -> dict:
+        """Every field but the groups tensor (stored apart, under ``{key}.groups``); :meth:`from_dict` inverts it."""
+        return {"name": self.name, "kind": self.kind, "sites": list(self.sites), "head_dim": self.head_dim,
+                "kv_heads": self.kv_heads}
+
+    @classmethod
+    def from_dict(cls, d: dict, groups: torch.Tensor) -> "BlockLayout":
+        return cls(d["name"], d["kind"], tuple(d["sites"]), d["head_dim"], d["kv_heads"], groups)
+
     def check(self) -> None:
         """Each head's groups must partition the block's coordinates exactly once."""
         total = self.steps * self.head_dim

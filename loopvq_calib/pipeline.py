@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,13 +26,14 @@ from . import __version__
 from .capture import (
     CaptureData, CaptureReader, MemoryCapture, MemoryReader, capture_kv, capture_meta, share_sequences, write_meta,
 )
+from .capture_store import capture_step_bytes, choose_store
 from .config import Config, dump_config, validate, validate_for_model
 from .data import CalibrationSet, build_calibration_set, source_fingerprint
 from .finetune import finetune_codebooks, training_steps
 from .kmeans import fit_codebooks, shard_tensor_names
 from .kmeans_backends import resolve_backend
 from .layouts import plan_layouts
-from .models.loading import load_model, model_identity, pick_device, read_model_config, resolve_model_dir, set_loop_steps
+from .models.loading import DTYPES, load_model, model_identity, pick_device, read_model_config, resolve_model_dir, set_loop_steps
 from .models.sites import KVLayout
 from .quantizer import KVQuantizer, load_quantizer, merge_quantizers, save_quantizer
 from .rundir import RunDir, fingerprint, setup_logging
@@ -59,27 +60,29 @@ def _distributed_state(device: str):
 def capture_for_processes(
     model: torch.nn.Module, calib: CalibrationSet, kv: KVLayout, cfg: Config, out: MemoryCapture | Path, rank: int,
     world: int, barrier: Callable[[], Any], progress: Callable[[int], Any] | None = None,
+    device_sequences: int | None = None,
 ) -> None:
     """Capture process ``rank``'s sequences into ``out``; an in-memory capture under several processes then
     gives each process its TaSQ and k-means layouts of every sequence (``share_sequences``) and its meta
     (the main process sets it in ``write_meta``)."""
-    capture_kv(model, calib, kv, cfg.capture, out, rank, world, progress)
+    capture_kv(model, calib, kv, cfg.capture, out, rank, world, progress,
+               tasq_floor=cfg.tasq.weight_floor if cfg.quant.uses_tasq else None, device_sequences=device_sequences)
     barrier()
     if isinstance(out, MemoryCapture) and world > 1:
         names = shard_tensor_names(plan_layouts(kv, cfg.quant), world, cfg.quant.uses_tasq)
         share_sequences(out, names, rank, world, calib.input_ids.shape[0])
         if rank != 0:
-            capture_meta(calib, kv, cfg.capture, out)
+            capture_meta(calib, kv, cfg.capture, out, cfg.quant.uses_tasq)
 
 
-def kv_layout_from_config(model_config: Any, loop_steps: int | None) -> KVLayout:
-    """The KV sites of a model built on the meta device (no weights read)."""
+def model_shape(model_config: Any, loop_steps: int | None, dtype: str) -> tuple[KVLayout, int]:
+    """The KV sites and the weights' bytes in ``dtype`` of a model built on the meta device (no weights read)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
     set_loop_steps(model, loop_steps)
-    return model.kv_layout()
+    return model.kv_layout(), sum(p.numel() for p in model.parameters()) * DTYPES[dtype].itemsize
 
 
 class Pipeline:
@@ -94,7 +97,7 @@ class Pipeline:
         self.wanted = _wanted_stages(cfg, stages)
         self.folder = resolve_model_dir(cfg.model.name_or_path, cfg.model.revision)
         model_config = read_model_config(self.folder)
-        self.kv = kv_layout_from_config(model_config, cfg.model.loop_steps)
+        self.kv, self.model_bytes = model_shape(model_config, cfg.model.loop_steps, cfg.model.dtype)
         validate_for_model(cfg, self.kv.head_dim, self.kv.kv_heads, self.kv.loop_steps,
                            any(not s.looped for s in self.kv.sites))
         local = Path(cfg.model.name_or_path).expanduser().is_dir()  # else a hub id
@@ -106,6 +109,12 @@ class Pipeline:
             resolve_backend(cfg.kmeans.backend, self.kmeans_device, (cfg.quant.codebook_size, cfg.quant.group_size))
         self.run = RunDir(Path(output or cfg.output.dir), self.state.is_main_process, self.state.wait_for_everyone,
                           stage_names=STAGES)
+        self.store = None  # where the capture goes: decided (or refused, ConfigError) before any work
+        if "capture" in self.wanted:
+            step = capture_step_bytes(self.kv, model_config.hidden_size, cfg.data.sequence_length, cfg.capture.batch_size)
+            self.store = choose_store(cfg.capture, self.kv, cfg.data.num_sequences, cfg.data.sequence_length,
+                                      self.device, self.model_bytes, step, self.run.root, self.state.num_processes,
+                                      cfg.quant.uses_tasq)
         self._model = self._tokenizer = None
         self.fp: dict[str, str] = {}
         self.data_fp = fingerprint("data", __version__, asdict(cfg.data), _tokenizer_hash(self.folder),
@@ -169,21 +178,29 @@ class Pipeline:
         return CalibrationSet(ids, split["train"], split["heldout"], split["sink_tokens"], split["description"])
 
     def stage_capture(self, calib: CalibrationSet) -> CaptureData:
-        c = self.cfg
-        memory = MemoryCapture() if c.capture.store in ("memory", "device") else None
+        c = replace(self.cfg, capture=replace(self.cfg.capture, store=self.store.store))
+        if self.state.is_main_process:
+            log.info(self.store.reason)
+        memory = MemoryCapture() if c.capture.store in ("memory", "device", "split") else None
         rank, world = self.state.process_index, self.state.num_processes
         nonce = time.time() if memory is not None else None  # an in-memory capture is never reused
         fp = fingerprint("capture", __version__, self.fp["data"], self.identity.to_dict(), c.model.dtype,
-                         self.kv.loop_steps, asdict(c.capture), nonce)
+                         self.kv.loop_steps, asdict(c.capture), nonce,
+                         c.tasq.weight_floor if c.quant.uses_tasq else None)  # TaSQ keys' Fisher is stored weighted
 
         def body(tmp: Path) -> dict:
+            loading = time.time()
+            model = self.model()  # loaded here, on first use: its time is reported apart
+            loading = time.time() - loading
             bar = self._progress(calib.input_ids.shape[0], "capture")
-            capture_for_processes(self.model(), calib, self.kv, c, memory or tmp, rank, world,
-                                  self.state.wait_for_everyone, lambda n: bar.update(n * world))
+            capture_for_processes(model, calib, self.kv, c, memory or tmp, rank, world,
+                                  self.state.wait_for_everyone, lambda n: bar.update(n * world),
+                                  self.store.device_sequences)
             bar.close()
             if self.state.is_main_process:
-                write_meta(tmp, calib, self.kv, c.capture, memory)
-            return {"sequences": int(calib.input_ids.shape[0]), "sites": self.kv.num_sites, "store": c.capture.store}
+                write_meta(tmp, calib, self.kv, c.capture, memory, c.quant.uses_tasq)
+            return {"sequences": int(calib.input_ids.shape[0]), "sites": self.kv.num_sites, "store": c.capture.store,
+                    "store_reason": self.store.reason, "model_load_s": round(loading, 2)}
 
         self._reuse_or_run("capture", fp, body, distributed=True)
         return MemoryReader(memory) if memory is not None else CaptureReader(self.run.path("capture"))
@@ -197,7 +214,8 @@ class Pipeline:
         rank, world = self.state.process_index, self.state.num_processes
 
         def body(tmp: Path) -> dict:
-            part = fit_tasq(reader, plan_layouts(self.kv, c.quant), self.kv, c.quant, c.tasq, shard=(rank, world))
+            part = fit_tasq(reader, plan_layouts(self.kv, c.quant), self.kv, c.quant, c.tasq, shard=(rank, world),
+                            device=self.kmeans_device)
             parts = self._join_parts(tmp, part.save, TasqResult.load)
             if parts is not None:
                 result = merge_tasq(parts)

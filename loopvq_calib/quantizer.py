@@ -14,19 +14,7 @@ import torch
 
 from .codec import BlockCodec, TasqTransform, code_bits, sigma_bits
 from .layouts import BlockLayout
-from .models.sites import KVLayout, KVSite
-
-
-def kv_layout_to_dict(kv: KVLayout) -> dict[str, Any]:
-    return {
-        "model_type": kv.model_type, "loop_steps": kv.loop_steps, "kv_heads": kv.kv_heads, "head_dim": kv.head_dim,
-        "rope_style": kv.rope_style, "rope_theta": kv.rope_theta, "sites": [vars(s) for s in kv.sites],
-    }
-
-
-def kv_layout_from_dict(d: dict[str, Any]) -> KVLayout:
-    sites = tuple(KVSite(**s) for s in d["sites"])
-    return KVLayout(d["model_type"], sites, d["loop_steps"], d["kv_heads"], d["head_dim"], d["rope_style"], d["rope_theta"])
+from .models.sites import KVLayout
 
 
 @dataclass
@@ -94,12 +82,12 @@ class KVQuantizer:
         return {
             "method": self.method, "codebook_size": self.codebook_size, "group_size": self.group_size,
             "steps_per_block": self.steps_per_block, "codebook_sharing": self.sharing,
-            "kv_layout": kv_layout_to_dict(self.kv), "blocks": blocks,
+            "kv_layout": self.kv.to_dict(), "blocks": blocks,
         }
 
     @classmethod
     def from_tensors(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> "KVQuantizer":
-        kv = kv_layout_from_dict(meta["kv_layout"])
+        kv = KVLayout.from_dict(meta["kv_layout"])
         codecs = {}
         for b in meta["blocks"]:
             key = b["key"]

@@ -23,8 +23,10 @@ from .codec import TasqTransform, flatten_block, sigma_bits
 from .config import ConfigError, QuantConfig, TasqConfig
 from .layouts import BlockLayout, layout_owner
 from .models.sites import KVLayout
+from .tasq_stats import channel_weights
 
 CHUNK_TOKENS = 4096  # tokens per covariance chunk (bounds the transformed copy of a block)
+GROUPING_BYTES = 1 << 30  # the first merge round's gathered candidate sets, per batch of heads
 
 
 @dataclass
@@ -43,11 +45,7 @@ class TasqResult:
         tensors.update({f"{k}.tasq_weight": t.weight.float().contiguous().cpu() for k, t in self.transforms.items()})
         save_file(tensors, str(folder / "tasq.safetensors"))
         meta = {
-            "layouts": [
-                {"name": lay.name, "kind": lay.kind, "sites": list(lay.sites), "head_dim": lay.head_dim,
-                 "kv_heads": lay.kv_heads}
-                for lay in self.layouts
-            ],
+            "layouts": [lay.to_dict() for lay in self.layouts],
             "transforms": {k: {"sigma_min": t.sigma_min} for k, t in self.transforms.items()},
             "report": self.report,
         }
@@ -59,24 +57,9 @@ class TasqResult:
         folder = Path(folder)
         meta = json.loads((folder / "tasq.json").read_text())
         tensors = load_file(str(folder / "tasq.safetensors"))
-        layouts = [
-            BlockLayout(d["name"], d["kind"], tuple(d["sites"]), d["head_dim"], d["kv_heads"],
-                        tensors[f"{d['kind']}.{d['name']}.groups"])
-            for d in meta["layouts"]
-        ]
+        layouts = [BlockLayout.from_dict(d, tensors[f"{d['kind']}.{d['name']}.groups"]) for d in meta["layouts"]]
         transforms = {k: TasqTransform(tensors[f"{k}.tasq_weight"], v["sigma_min"]) for k, v in meta["transforms"].items()}
         return cls(layouts, transforms, meta["report"])
-
-
-def channel_weights(diag: torch.Tensor, floor: float) -> torch.Tensor:
-    """Query statistic diag [H, D] -> w [H, D]: diag floored at ``floor`` * max per head, then
-    w = sqrt(diag / mean(diag)), so that mean(w^2) = 1 per head."""
-    d = diag.double()
-    top = d.amax(-1, keepdim=True)
-    if not (torch.isfinite(d).all() and (top > 0).all()):
-        raise ValueError("query statistic is non-finite or zero for a whole head; cannot derive TaSQ weights")
-    d = torch.maximum(d, floor * top)
-    return (d / d.mean(-1, keepdim=True)).sqrt().float()
 
 
 def rope_pair_units(head_dim: int, steps: int, rope_style: str) -> torch.Tensor:
@@ -103,7 +86,7 @@ def _block(m: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Ten
     c = m.shape[-1]
     flat = rows[..., :, None] * c + cols[..., None, :]
     if m.dim() == 3:
-        flat = flat + (torch.arange(m.shape[0]) * c * c).view(-1, *[1] * (flat.dim() - 1))
+        flat = flat + (torch.arange(m.shape[0], device=m.device) * c * c).view(-1, *[1] * (flat.dim() - 1))
     return m.reshape(-1).index_select(0, flat.reshape(-1)).view(flat.shape)
 
 
@@ -111,7 +94,7 @@ def set_costs(cov: torch.Tensor, sets: torch.Tensor, eps: float) -> torch.Tensor
     """det(cov[S,S] + eps I)^(1/|S|) for each row S of ``sets`` [..., P, k] (via slogdet, float64) -> [..., P];
     cov [C, C], or [B, C, C] with sets [B, P, k]."""
     k = sets.shape[-1]
-    sub = _block(cov.double(), sets, sets) + eps * torch.eye(k, dtype=torch.float64)
+    sub = _block(cov.double(), sets, sets) + eps * torch.eye(k, dtype=torch.float64, device=cov.device)
     return torch.exp(torch.linalg.slogdet(sub).logabsdet / k)
 
 
@@ -119,8 +102,8 @@ def merge_costs(cov: torch.Tensor, units: torch.Tensor, eps: float) -> torch.Ten
     """Symmetric [..., n, n] cost of merging units i and j (rows of ``units`` [..., n, u]); +inf on the
     diagonal. cov [C, C], or [B, C, C] with units [B, n, u]."""
     n = units.shape[-2]
-    i, j = torch.triu_indices(n, n, offset=1)
-    cost = torch.full((*units.shape[:-2], n, n), float("inf"), dtype=torch.float64)
+    i, j = torch.triu_indices(n, n, offset=1, device=cov.device)
+    cost = torch.full((*units.shape[:-2], n, n), float("inf"), dtype=torch.float64, device=cov.device)
     c = set_costs(cov, torch.cat([units[..., i, :], units[..., j, :]], -1), eps)
     cost[..., i, j] = c
     cost[..., j, i] = c
@@ -135,10 +118,10 @@ def min_weight_matching(cost: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         a, b = min_weight_matching(cost[None])
         return a[0], b[0]
     batch, n, _ = cost.shape
-    m, rb = n // 2, torch.arange(batch)
+    m, rb = n // 2, torch.arange(batch, device=cost.device)
     free = cost.clone()
-    a = torch.empty(batch, m, dtype=torch.long)
-    b = torch.empty(batch, m, dtype=torch.long)
+    a = torch.empty(batch, m, dtype=torch.long, device=cost.device)
+    b = torch.empty(batch, m, dtype=torch.long, device=cost.device)
     for t in range(m):
         flat = free.view(batch, -1).argmin(-1)
         i, j = flat // n, flat % n
@@ -147,7 +130,7 @@ def min_weight_matching(cost: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
             free[rb, end, :] = float("inf")
             free[rb, :, end] = float("inf")
     cur = cost[rb[:, None], a, b]
-    gains = torch.empty(batch, 2, m, m, dtype=cost.dtype)  # re-pairing edges k, l as (a_k,a_l) (b_k,b_l) | (a_k,b_l) (b_k,a_l)
+    gains = torch.empty(batch, 2, m, m, dtype=cost.dtype, device=cost.device)  # re-pairing edges k, l as (a_k,a_l) (b_k,b_l) | (a_k,b_l) (b_k,a_l)
     gains[:, 0] = cur[:, :, None] + cur[:, None, :] - (_block(cost, a, a) + _block(cost, b, b))
     gains[:, 1] = cur[:, :, None] + cur[:, None, :] - (_block(cost, a, b) + _block(cost, b, a))
     for _ in range(n * n):
@@ -197,8 +180,8 @@ def fit_groups(cov: torch.Tensor, units: torch.Tensor, group_size: int, eps: flo
     check_group_size(group_size, units.numel())
     if cov.dim() == 2:
         return fit_groups(cov[None], units, group_size, eps)[0]
-    rb = torch.arange(cov.shape[0])[:, None]
-    units = units.expand(cov.shape[0], *units.shape)
+    rb = torch.arange(cov.shape[0], device=cov.device)[:, None]
+    units = units.to(cov.device).expand(cov.shape[0], *units.shape)
     while units.shape[-1] < group_size:
         a, b = min_weight_matching(merge_costs(cov, units, eps))
         units = torch.cat([units[rb, a], units[rb, b]], -1)
@@ -211,82 +194,84 @@ def grouping_cost(cov: torch.Tensor, groups: torch.Tensor, eps: float) -> float:
     return float(set_costs(cov, groups, eps).sum())
 
 
-def mean_abs_corr(cov: torch.Tensor, groups: torch.Tensor) -> float:
-    """Mean |correlation| over the distinct coordinate pairs inside each group [n, G]."""
-    std = cov.double().diagonal().clamp_min(1e-30).sqrt()
-    corr = cov.double() / (std[:, None] * std[None, :])
+def mean_abs_corr(cov: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Mean |correlation| over the distinct coordinate pairs inside each group: cov [..., C, C], groups
+    [..., n, G] -> [...]."""
+    std = cov.double().diagonal(dim1=-2, dim2=-1).clamp_min(1e-30).sqrt()
+    corr = cov.double() / (std[..., :, None] * std[..., None, :])
     sub = _block(corr, groups, groups).abs()
-    g = groups.shape[1]
-    off = ~torch.eye(g, dtype=torch.bool)
-    return float(sub[:, off].mean())
+    g = groups.shape[-1]
+    off = ~torch.eye(g, dtype=torch.bool, device=cov.device)
+    return sub[..., off].mean((-1, -2))
 
 
 def block_covariance(x: torch.Tensor, transform: TasqTransform) -> torch.Tensor:
     """Per-head covariance (1/N, centred) of y = forward(x, sigma(x)) over flat coordinates:
-    x [N, T, H, D] -> [H, T*D, T*D] float64. Two passes (mean, then centred products) in chunks."""
+    x [N, T, H, D] -> [H, T*D, T*D] float64 on x's device. Two passes (mean, then centred products) in
+    chunks; each chunk's products are float32, summed in float64."""
     chunks = x.split(CHUNK_TOKENS)
 
     def transformed(part: torch.Tensor) -> torch.Tensor:
         return flatten_block(transform.forward(part.float(), transform.sigma(part)))
 
     h, td = x.shape[2], x.shape[1] * x.shape[3]
-    mean = torch.zeros(h, td, dtype=torch.float64)
+    mean = torch.zeros(h, td, dtype=torch.float64, device=x.device)
     for part in chunks:
         mean += transformed(part).sum(0, dtype=torch.float64)
     mean /= x.shape[0]
-    cov = torch.zeros(h, td, td, dtype=torch.float64)
+    cov = torch.zeros(h, td, td, dtype=torch.float64, device=x.device)
     for part in chunks:
         yc = (transformed(part) - mean.float()).transpose(0, 1)  # [H, n, TD]
         cov += (yc.transpose(1, 2) @ yc).double()
     return cov / x.shape[0]
 
 
-def _fit_block(
-    reader: CaptureData, layout: BlockLayout, kv: KVLayout, group_size: int, cfg: TasqConfig
-) -> tuple[BlockLayout, TasqTransform, dict]:
-    weight = torch.stack([channel_weights(reader.query_stats(s), cfg.weight_floor) for s in layout.sites])
-    transform = TasqTransform(weight, cfg.sigma_min)
-    x = reader.load("key", layout.sites)
-    cov = block_covariance(x, transform)
-    units = rope_pair_units(kv.head_dim, layout.steps, kv.rope_style)
-    planned = layout.groups.expand(kv.kv_heads, -1, -1)
-    fitted = fit_groups(cov, units, group_size, cfg.det_eps)
-    heads = range(kv.kv_heads)
-    stats = {
-        "sites": list(layout.sites),
-        "tokens": int(x.shape[0]),
-        "cost_before": [grouping_cost(cov[h], planned[h], cfg.det_eps) for h in heads],
-        "cost_after": [grouping_cost(cov[h], fitted[h], cfg.det_eps) for h in heads],
-        "corr_before": [mean_abs_corr(cov[h], planned[h]) for h in heads],
-        "corr_after": [mean_abs_corr(cov[h], fitted[h]) for h in heads],
-    }
-    new = dataclasses.replace(layout, groups=fitted)
-    new.check()
-    return new, transform, stats
+def heads_per_batch(units: int, budget_bytes: int = GROUPING_BYTES) -> int:
+    """Heads whose grouping is fitted together: the first merge round gathers units * (units - 1) / 2
+    candidate sets of 2 x 2 coordinates per head (float64 values and int64 indices)."""
+    return max(1, budget_bytes // (units * (units - 1) // 2 * 16 * 16))
 
 
 def fit_tasq(
     reader: CaptureData, layouts: list[BlockLayout], kv: KVLayout, quant: QuantConfig, cfg: TasqConfig,
-    shard: tuple[int, int] = (0, 1),
+    shard: tuple[int, int] = (0, 1), device: torch.device | str | None = None,
 ) -> TasqResult:
     """Fit w, sigma_min and P for every key layout; value layouts are returned unchanged.
 
-    ``shard = (rank, world)`` fits only the key layouts that :func:`~loopvq_calib.layouts.layout_owner` gives
-    process ``rank`` (as k-means does); the others are returned as planned, without a transform, and :func:`merge_tasq` joins
-    the parts."""
+    Keys, covariances and the grouping fit live on ``device`` (default CPU). The heads of all key layouts
+    with the same number of steps are fitted together in batches (:func:`heads_per_batch`), which gives the
+    groups of one head at a time. ``shard = (rank, world)`` fits only the key layouts that
+    :func:`~loopvq_calib.layouts.layout_owner` gives process ``rank`` (as k-means does); the others are
+    returned as planned, without a transform, and :func:`merge_tasq` joins the parts."""
     if not quant.uses_tasq:
         raise ValueError(f"fit_tasq called for method {quant.method!r}, which uses no TaSQ transform")
     for lay in layouts:
         if lay.kind == "key":
             check_group_size(quant.group_size, lay.steps * lay.head_dim)
+    dev = torch.device(device or "cpu")
     rank, world = shard
-    out, transforms, blocks = [], {}, {}
-    for i, lay in enumerate(layouts):
-        if lay.kind != "key" or layout_owner(i, world) != rank:
-            out.append(lay)
-            continue
-        new, transforms[lay.key], blocks[lay.key] = _fit_block(reader, lay, kv, quant.group_size, cfg)
-        out.append(new)
+    mine = [lay for i, lay in enumerate(layouts) if lay.kind == "key" and layout_owner(i, world) == rank]
+    transforms, covs, tokens = {}, {}, {}
+    for lay in mine:
+        weight = torch.stack([channel_weights(reader.query_stats(s), cfg.weight_floor) for s in lay.sites])
+        transforms[lay.key] = TasqTransform(weight, cfg.sigma_min)
+        x = reader.load("key", lay.sites, device=dev)
+        covs[lay.key], tokens[lay.key] = block_covariance(x, transforms[lay.key]), int(x.shape[0])
+        del x
+    fitted = _fit_all_groups(mine, covs, kv, quant.group_size, cfg.det_eps)
+    new_layouts, blocks = {}, {}
+    for lay in mine:
+        cov, planned, groups = covs[lay.key], lay.groups.to(dev).expand(kv.kv_heads, -1, -1), fitted[lay.key]
+        blocks[lay.key] = {
+            "sites": list(lay.sites),
+            "tokens": tokens[lay.key],
+            "cost_before": set_costs(cov, planned, cfg.det_eps).sum(-1).tolist(),
+            "cost_after": set_costs(cov, groups, cfg.det_eps).sum(-1).tolist(),
+            "corr_before": mean_abs_corr(cov, planned).tolist(),
+            "corr_after": mean_abs_corr(cov, groups).tolist(),
+        }
+        new_layouts[lay.key] = dataclasses.replace(lay, groups=groups.cpu())
+        new_layouts[lay.key].check()
     report = {
         "method": quant.method,
         "group_size": quant.group_size,
@@ -294,7 +279,23 @@ def fit_tasq(
         "sigma_bits": sigma_bits(kv.kv_heads, kv.head_dim),
         "blocks": blocks,
     }
-    return TasqResult(out, transforms, report)
+    return TasqResult([new_layouts.get(lay.key, lay) for lay in layouts], transforms, report)
+
+
+def _fit_all_groups(
+    layouts: list[BlockLayout], covs: dict[str, torch.Tensor], kv: KVLayout, group_size: int, eps: float
+) -> dict[str, torch.Tensor]:
+    """:func:`fit_groups` over the heads of all ``layouts``: those with the same steps stacked and fitted in
+    batches of :func:`heads_per_batch` heads -> {layout key: groups [H, n_groups, G]}."""
+    out: dict[str, torch.Tensor] = {}
+    for steps in sorted({lay.steps for lay in layouts}):
+        same = [lay for lay in layouts if lay.steps == steps]
+        units = rope_pair_units(kv.head_dim, steps, kv.rope_style)
+        stacked = torch.cat([covs[lay.key] for lay in same])
+        batch = heads_per_batch(units.shape[0])
+        groups = torch.cat([fit_groups(part, units, group_size, eps) for part in stacked.split(batch)])
+        out.update(zip((lay.key for lay in same), groups.split(kv.kv_heads)))
+    return out
 
 
 def merge_tasq(parts: list[TasqResult]) -> TasqResult:

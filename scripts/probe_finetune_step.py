@@ -18,10 +18,25 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pipeline import MODELS, build_model, random_quantizer  # noqa: E402
+from make_random_checkpoint import MODELS, random_model  # noqa: E402
 
+from loopvq_calib.codec import BlockCodec  # noqa: E402
 from loopvq_calib.config import load_config  # noqa: E402
+from loopvq_calib.layouts import codebook_shape, plan_layouts  # noqa: E402
+from loopvq_calib.models.sites import loop_checkpointing  # noqa: E402
 from loopvq_calib.objective import mean_kl, quantized_logits, teacher  # noqa: E402
+from loopvq_calib.quantizer import KVQuantizer  # noqa: E402
+
+
+def random_quantizer(model: torch.nn.Module, quant, device: torch.device) -> KVQuantizer:
+    """Codebooks of the method's layouts with random values (timing does not depend on them)."""
+    kv = model.kv_layout()
+    gen = torch.Generator().manual_seed(0)
+    codecs = {lay.key: BlockCodec(lay, torch.randn(codebook_shape(lay, quant.codebook_size, quant.codebook_sharing),
+                                                   generator=gen).to(device))
+              for lay in plan_layouts(kv, quant)}
+    return KVQuantizer(codecs=codecs, method=quant.method, codebook_size=quant.codebook_size, group_size=quant.group_size,
+                       steps_per_block=quant.block_steps, sharing=quant.codebook_sharing, kv=kv)
 
 
 def timed(fn, sync):
@@ -60,7 +75,9 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="write the profiler table of the last step here")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_model(args.model, device)
+    model = random_model(args.model, device)
+    for p in model.parameters():
+        p.requires_grad_(False)
     quant = load_config({"quant": {"method": args.method, "bits": args.bits, "group_size": 16 if args.bits == 0.5 else 32}}).quant
     quantizer = random_quantizer(model, quant, device)
     params = [torch.nn.Parameter(c.codebook) for c in quantizer.codecs.values()]
@@ -68,27 +85,27 @@ def main() -> None:
         c.codebook = p
     ids = torch.randint(3, model.config.vocab_size, (1, args.seq_len), generator=torch.Generator().manual_seed(0)).to(device)
     for ckpt in {"off": [False], "on": [True], "both": [False, True]}[args.loop_checkpointing]:
-        model.loop_checkpointing = ckpt
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        try:
-            runs = [one_step(model, ids, quantizer, params, 8) for _ in range(args.steps)]
-            best = {k: round(min(r[k] for r in runs), 4) for k in runs[0]}
-        except torch.OutOfMemoryError:
-            best = {"out_of_memory": True}
-            for p in params:
-                p.grad = None
-        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-        print(json.dumps({"model": args.model, "method": args.method, "bits": args.bits, "seq_len": args.seq_len,
-                          "loop_checkpointing": ckpt, "best_of": args.steps, **best,
-                          "peak_gpu_gib": round(peak, 2) if peak else None,
-                          "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}), flush=True)
+        with loop_checkpointing(model, ckpt):
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                runs = [one_step(model, ids, quantizer, params, 8) for _ in range(args.steps)]
+                best = {k: round(min(r[k] for r in runs), 4) for k in runs[0]}
+            except torch.OutOfMemoryError:
+                best = {"out_of_memory": True}
+                for p in params:
+                    p.grad = None
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+            print(json.dumps({"model": args.model, "method": args.method, "bits": args.bits, "seq_len": args.seq_len,
+                              "loop_checkpointing": ckpt, "best_of": args.steps, **best,
+                              "peak_gpu_gib": round(peak, 2) if peak else None,
+                              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}), flush=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=acts) as prof:
+        with profile(activities=acts) as prof, loop_checkpointing(model, ckpt):
             one_step(model, ids, quantizer, params, 8)
         key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
         Path(args.profile).write_text(prof.key_averages().table(sort_by=key, row_limit=40))

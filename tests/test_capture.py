@@ -231,3 +231,101 @@ def test_share_sequences_needs_a_sequence_per_process():
 
     with pytest.raises(CaptureError, match="process 1 captured no sequence: data.num_sequences 1 is below the 2 processes"):
         share_sequences(MemoryCapture(), [[], []], 1, 2, 1)
+
+
+@pytest.mark.parametrize("make", [make_tiny_ouro, make_tiny_huginn])  # half | interleaved RoPE
+def test_tasq_key_fisher_keeps_every_group_weight(tmp_path, make):
+    """A TaSQ capture stores the keys' Fisher as F / w^2 per RoPE pair; k-means' weight of any group made of
+    whole RoPE pairs (sigma^2 * sum F_i / w_i^2) equals the one from the per-coordinate Fisher."""
+    from loopvq_calib.codec import TasqTransform
+    from loopvq_calib.kmeans import layout_problems
+    from loopvq_calib.layouts import BlockLayout
+    from loopvq_calib.tasq import channel_weights, rope_pair_units
+
+    model, calib = make(), calib_set(n=3, length=32)
+    kv = model.kv_layout()
+    full = run_capture(model, calib, tmp_path / "full", dtype="float32")
+    cfg = CaptureConfig(dtype="float32")
+    capture_kv(model, calib, kv, cfg, tmp_path / "tasq", tasq_floor=1e-6)
+    write_meta(tmp_path / "tasq", calib, kv, cfg, tasq_keys=True)
+    reduced = CaptureReader(tmp_path / "tasq")
+    assert reduced.tasq_keys and not full.tasq_keys
+    with safe_open(str(tmp_path / "tasq" / "seq00000.safetensors"), "pt") as f:
+        assert f.get_slice("fisher_key.0").get_shape() == [32, kv.kv_heads, kv.head_dim // 2]
+        assert f.get_slice("fisher_value.0").get_shape() == [32, kv.kv_heads, kv.head_dim]
+    sites = tuple(s.site for s in kv.sites if s.looped)[:2]
+    for s in sites:  # the forward-only pass gives the statistics the capture's forward gave
+        torch.testing.assert_close(reduced.query_stats(s), full.query_stats(s), rtol=1e-6, atol=0)
+    weight = torch.stack([channel_weights(reduced.query_stats(s), 1e-6) for s in sites])
+    transform = TasqTransform(weight)
+    units = rope_pair_units(kv.head_dim, len(sites), kv.rope_style)
+    gen = torch.Generator().manual_seed(0)
+    groups = torch.stack([units[torch.randperm(len(units), generator=gen)].view(-1, 4) for _ in range(kv.kv_heads)])
+    layout = BlockLayout("b", "key", sites, kv.head_dim, kv.kv_heads, groups)
+    layout.check()
+    x = full.load("key", sites)
+    assert torch.equal(x, reduced.load("key", sites))
+    _, want = layout_problems(x, full.load("fisher_key", sites), layout, transform, 4, "none")
+    _, got = layout_problems(x, reduced.load("fisher_key", sites), layout, transform, 4, "none",
+                             fisher_tasq_weighted=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="TaSQ-weighted key Fisher"):
+        layout_problems(x, reduced.load("fisher_key", sites), layout, None, 4, "none", fisher_tasq_weighted=True)
+
+
+@pytest.mark.parametrize("tasq", [False, True])
+def test_capture_bytes_is_the_stored_size(tasq):
+    from loopvq_calib.capture import MemoryCapture
+    from loopvq_calib.capture_store import capture_bytes
+
+    model, calib = make_tiny_huginn(), calib_set(n=2, length=16)
+    cfg = CaptureConfig(dtype="bfloat16", fisher_channels=4, store="memory")
+    mem = MemoryCapture()
+    capture_kv(model, calib, model.kv_layout(), cfg, mem, tasq_floor=1e-6 if tasq else None)
+    stored = sum(t.numel() * t.element_size() for seq in mem.sequences.values() for t in seq.values())
+    assert stored == capture_bytes(model.kv_layout(), 2, 16, cfg, tasq_keys=tasq)
+
+
+def test_store_choice_and_refusal(tmp_path, monkeypatch):
+    import loopvq_calib.capture_store as cs
+    from loopvq_calib.config import ConfigError
+
+    kv = make_tiny_ouro().kv_layout()
+    size = cs.capture_bytes(kv, 4, 64, CaptureConfig(fisher_channels=4))
+    choose = lambda store, device="cpu": cs.choose_store(CaptureConfig(store=store, fisher_channels=4), kv, 4, 64,
+                                                         torch.device(device), 100, 1000, tmp_path)
+    monkeypatch.setattr(cs, "host_available", lambda: size)
+    monkeypatch.setattr(cs, "disk_available", lambda folder: size - 1)
+    auto = choose("auto")
+    assert auto.store == "memory" and f"{size / 1e9:.2f} GB" in auto.reason
+    with pytest.raises(ConfigError, match="capture.store: disk cannot hold the capture"):
+        choose("disk")
+    monkeypatch.setattr(cs, "host_available", lambda: size - 1)
+    monkeypatch.setattr(cs, "disk_available", lambda folder: size)
+    assert choose("auto").store == "disk"
+    monkeypatch.setattr(cs, "disk_available", lambda folder: 0)
+    with pytest.raises(ConfigError, match="capture.store: no store holds the capture") as err:
+        choose("auto")
+    assert "4 sequences x 64 tokens" in str(err.value) and "memory:" in str(err.value) and "disk:" in str(err.value)
+    # one process, neither alone holds it: the first sequences stay on the accelerator, the rest in host memory
+    per_sequence = size // 4
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1200 + per_sequence * 3 // 2, 2000))
+    monkeypatch.setattr(cs, "host_available", lambda: per_sequence * 3)
+    split = choose("auto", "cuda")
+    assert (split.store, split.device_sequences) == ("split", 1) and "1 sequences on cuda, 3 in host memory" in split.reason
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1200 + size, 2000))  # weights 100, step 1000, 5 %
+    assert (choose("auto", "cuda").store, choose("auto", "cuda").device_sequences) == ("device", 4)
+
+
+@pytest.mark.gpu
+def test_split_store_keeps_the_first_sequences_on_the_gpu(tmp_path):
+    from loopvq_calib.capture import MemoryCapture, MemoryReader
+
+    model, calib = make_tiny_ouro().cuda(), calib_set()
+    disk = run_capture(model, calib, tmp_path, dtype="float32")
+    mem, cfg = MemoryCapture(), CaptureConfig(dtype="float32", store="split")
+    capture_kv(model, calib, model.kv_layout(), cfg, mem, device_sequences=1)
+    (tmp_path / "m").mkdir()
+    assert write_meta(tmp_path / "m", calib, model.kv_layout(), cfg, mem)["store"] == "split"
+    assert {seq: mem.sequences[seq]["key.0"].device.type for seq in range(3)} == {0: "cuda", 1: "cpu", 2: "cpu"}
+    torch.testing.assert_close(MemoryReader(mem).load("key", (0, 1)), disk.load("key", (0, 1)), atol=1e-5, rtol=1e-4)

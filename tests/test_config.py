@@ -30,9 +30,9 @@ BAD = [
     ({"finetune": {"lr": -1}}, "finetune.lr", "must be > 0"),
     ({"output": {"serving": {"recent_window": 60}}}, "output.serving.recent_window", "not a multiple of page_size 8"),
     ({"quant": []}, "quant", "expected a mapping, got list"),
-    ({"capture": {"store": "ram"}}, "capture.store", "choose one of disk, memory, device"),
+    ({"capture": {"store": "ram"}}, "capture.store", "choose one of auto, device, memory, disk"),
     ({"capture": {"fisher_channels": 8}}, "capture.fisher_channels", "does not divide the 4 channels per step"),
-    ({"quant": {"method": "tasq"}, "capture": {"fisher_channels": 4}}, "capture.fisher_channels", "TaSQ weights each channel"),
+    ({"quant": {"method": "tasq"}, "capture": {"fisher_channels": 32}}, "capture.fisher_channels", "does not divide the 16 channels per step"),
     ({"kmeans": {"device": "gpu"}}, "kmeans.device", "use auto, cpu, cuda or cuda:N"),
     ({"finetune": {"cache_teacher": "maybe"}}, "finetune.cache_teacher", "choose one of auto, true, false"),
 ]

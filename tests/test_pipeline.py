@@ -25,6 +25,8 @@ def tiny_config(model_dir: Path, corpus: Path, out: Path, **sections) -> dict:
         "model": {"name_or_path": str(model_dir)},
         "data": {"dataset": str(corpus), "num_sequences": 6, "sequence_length": 32, "heldout_sequences": 2, "sink_tokens": 4},
         "quant": {"method": "loopvq", "codebook_size": 16, "group_size": 8, "bits": 0.5},
+        # reusable, and the same for every method (fisher_channels null would follow the method's G / T_c)
+        "capture": {"store": "disk", "fisher_channels": 1},
         "kmeans": {"iterations": 8, "backend": "torch"},
         "finetune": {"epochs": 2, "lr": 1e-2},
         "output": {"dir": str(out), "serving": {"sink_tokens": 8, "recent_window": 16}},
@@ -239,3 +241,26 @@ def test_cli_exit_codes_for_a_failed_stage_and_a_bad_run_directory(tiny_ouro_dir
     assert calibrate_main(["--config", str(cfg_path)]) == 2  # k-means on the CPU: refused before the data stage
     assert "kmeans.backend: 'triton' needs the triton package and a CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "r3" / "data").exists()
+
+
+def test_auto_store_is_chosen_before_any_work_and_refused_with_the_numbers(tiny_ouro_dir, calib_corpus, tmp_path,
+                                                                           capsys, monkeypatch):
+    import yaml
+
+    import loopvq_calib.capture_store as cs
+
+    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", capture={"store": "auto"})
+    run = calibrate(cfg, stages=["capture"]).run_dir
+    record = json.loads((run / "manifest.json").read_text())["stages"]["capture"]["details"]
+    assert record["store"] == "memory" and record["store_reason"].startswith("capture.store auto -> memory: ")
+    assert "capture.store auto -> memory" in (run / "run.log").read_text()
+    assert json.loads((run / "capture" / "meta.json").read_text())["store"] == "memory"
+
+    monkeypatch.setattr(cs, "host_available", lambda: 1000)
+    monkeypatch.setattr(cs, "disk_available", lambda folder: 2000)
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "refused", capture={"store": "auto"})))
+    assert calibrate_main(["--config", str(cfg_path)]) == 2
+    err = capsys.readouterr().err
+    assert "capture.store: no store holds the capture" in err and "memory: 0.00 GB" in err
+    assert not (tmp_path / "refused" / "data").exists()  # refused before the data stage

@@ -381,3 +381,33 @@ def test_sharded_fit_merges_into_the_single_fit(captures, fits):
         assert a.key == b.key and torch.equal(a.groups, b.groups)
     for k, t in whole.transforms.items():
         assert torch.equal(merged.transforms[k].weight, t.weight) and merged.transforms[k].sigma_min == t.sigma_min
+
+
+@pytest.mark.parametrize("budget", [1, 1 << 30])  # one head per batch | all heads of all layouts in one batch
+def test_layouts_fitted_together_equal_one_head_at_a_time(captures, fits, monkeypatch, budget):
+    """fit_tasq stacks the heads of every key layout with the same steps; the groups equal fit_groups of
+    each head's own covariance, one at a time, whatever the batch size."""
+    import loopvq_calib.tasq as tasq
+
+    _, kv, _, reader = captures["huginn"]
+    layouts, _ = fits["huginn", "tasq+loopvq"]
+    monkeypatch.setattr(tasq.heads_per_batch, "__defaults__", (budget,))
+    res = fit_tasq(reader, layouts, kv, quant("tasq+loopvq"), TasqConfig())
+    for lay in (l for l in res.layouts if l.kind == "key"):
+        cov = block_covariance(reader.load("key", lay.sites), res.transforms[lay.key])
+        units = rope_pair_units(kv.head_dim, lay.steps, kv.rope_style)
+        for h in range(kv.kv_heads):
+            assert torch.equal(lay.groups[h], fit_groups(cov[h], units, 8, TasqConfig().det_eps))
+
+
+@pytest.mark.gpu
+def test_fit_on_the_gpu_equals_the_cpu_fit(captures, fits):
+    _, kv, _, reader = captures["ouro"]
+    layouts, cpu = fits["ouro", "tasq+loopvq"]
+    gpu = fit_tasq(reader, layouts, kv, quant("tasq+loopvq"), TasqConfig(), device="cuda")
+    for a in gpu.layouts:  # float32 products on another device may break a tie otherwise: same quality
+        assert a.groups.device.type == "cpu"
+        a.check()
+    for key, block in cpu.report["blocks"].items():
+        assert gpu.report["blocks"][key]["cost_before"] == pytest.approx(block["cost_before"], rel=1e-5)
+        assert gpu.report["blocks"][key]["cost_after"] == pytest.approx(block["cost_after"], rel=1e-2)

@@ -53,7 +53,8 @@ class LoopedPreTrainedModel(PreTrainedModel):
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        self.kv_hook = None  # see models/sites.py
+        # set only through the context managers of models/sites.py (kv_hook, query_observer, loop_checkpointing)
+        self.kv_hook = None
         self.query_observer = None  # called with (site, pre-RoPE query [B,S,Hq,D], positions)
         self.loop_checkpointing = False  # activation checkpointing per loop step (training only)
 

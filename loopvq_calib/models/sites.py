@@ -10,8 +10,9 @@ them at chosen sites and positions.
 from __future__ import annotations
 
 from contextlib import contextmanager
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -60,6 +61,19 @@ class KVLayout:
     def num_sites(self) -> int:
         return len(self.sites)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The one serialised form (capture meta, stage outputs, bundles); :meth:`from_dict` inverts it."""
+        return {
+            "model_type": self.model_type, "loop_steps": self.loop_steps, "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim, "rope_style": self.rope_style, "rope_theta": self.rope_theta,
+            "sites": [dataclasses.asdict(s) for s in self.sites],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "KVLayout":
+        sites = tuple(KVSite(**s) for s in d["sites"])
+        return cls(d["model_type"], sites, d["loop_steps"], d["kv_heads"], d["head_dim"], d["rope_style"], d["rope_theta"])
+
     def blocks(self, steps_per_block: int) -> list[SiteBlock]:
         """Group looped sites into blocks of ``steps_per_block`` steps per layer; others stay alone.
 
@@ -97,6 +111,28 @@ def kv_hook(model: nn.Module, hook: Callable) -> Iterator[None]:
         yield
     finally:
         model.kv_hook = previous
+
+
+@contextmanager
+def query_observer(model: nn.Module, observer: Callable) -> Iterator[None]:
+    """Call ``observer(site, pre-RoPE query [B, S, Hq, D], positions)`` at every attention inside the block."""
+    previous = model.query_observer
+    model.query_observer = observer
+    try:
+        yield
+    finally:
+        model.query_observer = previous
+
+
+@contextmanager
+def loop_checkpointing(model: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Activation checkpointing per loop step (recomputed in the backward pass) for the forwards inside the block."""
+    previous = model.loop_checkpointing
+    model.loop_checkpointing = enabled
+    try:
+        yield
+    finally:
+        model.loop_checkpointing = previous
 
 
 class KVRecorder:

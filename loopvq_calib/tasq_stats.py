@@ -1,0 +1,113 @@
+"""What TaSQ needs from the model, gathered at capture time: the query statistic of every site, the channel
+weights w derived from it, and the keys' Fisher reduced to what TaSQ's k-means uses (docs/tasq.md).
+
+A TaSQ key group is a union of whole RoPE pairs and its k-means weight is sigma^2 * sum_i F_i / w_i^2 over
+its coordinates, so storing F / w^2 summed per RoPE pair keeps every group's weight exact whatever grouping
+the TaSQ stage fits later. w needs the query statistics of all sequences, so a forward-only pass collects
+them before the capture's forward + backward (:func:`query_statistics`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .models.common import apply_rope, rope_angles
+from .models.sites import KVLayout, query_observer
+from .objective import shared_initial_state
+
+
+class QueryStats:
+    """Per sequence, site and KV head: the sum over causal pairs (i >= j) of diag(R_j^T q_i q_i^T R_j)
+    for the post-RoPE query q_i and the RoPE rotation R_j at the key position (GQA query heads averaged).
+    Prefix sums over j make it O(S) per site."""
+
+    def __init__(self, kv: KVLayout) -> None:
+        self.kv = kv
+        self.sums: dict[int, torch.Tensor] = {}  # site -> [B, H_kv, D]
+
+    def __call__(self, site: int, q: torch.Tensor, positions: torch.Tensor) -> None:
+        kv = self.kv
+        with torch.no_grad():
+            b, s, hq, d = q.shape
+            cos, sin = rope_angles(positions, d, kv.rope_theta)  # [B, S, D/2]
+            qr = apply_rope(q.float(), cos, sin, kv.rope_style)  # post-RoPE queries
+            if kv.rope_style == "half":
+                qa, qb = qr[..., : d // 2], qr[..., d // 2 :]
+            else:
+                qa, qb = qr[..., 0::2], qr[..., 1::2]
+            c2, s2, cs = (t.cumsum(1)[:, :, None, :] for t in (cos * cos, sin * sin, cos * sin))
+            da = (c2 * qa * qa + s2 * qb * qb + 2 * cs * qa * qb).sum(dim=1)  # [B, Hq, D/2]
+            db = (c2 * qb * qb + s2 * qa * qa - 2 * cs * qa * qb).sum(dim=1)
+            diag = torch.zeros(b, hq, d, device=q.device)
+            if kv.rope_style == "half":
+                diag[..., : d // 2], diag[..., d // 2 :] = da, db
+            else:
+                diag[..., 0::2], diag[..., 1::2] = da, db
+            self.sums[site] = diag.view(b, kv.kv_heads, hq // kv.kv_heads, d).mean(2).cpu()
+
+
+def channel_weights(diag: torch.Tensor, floor: float) -> torch.Tensor:
+    """Query statistic diag [H, D] -> w [H, D]: diag floored at ``floor`` * max per head, then
+    w = sqrt(diag / mean(diag)), so that mean(w^2) = 1 per head."""
+    d = diag.double()
+    top = d.amax(-1, keepdim=True)
+    if not (torch.isfinite(d).all() and (top > 0).all()):
+        raise ValueError("query statistic is non-finite or zero for a whole head; cannot derive TaSQ weights")
+    d = torch.maximum(d, floor * top)
+    return (d / d.mean(-1, keepdim=True)).sqrt().float()
+
+
+def pairs_per_sequence(sequence_length: int) -> float:
+    """Causal (i >= j) position pairs of one sequence: the query statistic's normaliser."""
+    return sequence_length * (sequence_length + 1) / 2
+
+
+def query_statistics(
+    model: torch.nn.Module, input_ids: torch.Tensor, kv: KVLayout, mine: list[int], batch_size: int,
+    world: int = 1,
+) -> dict[int, dict[int, torch.Tensor]]:
+    """Forward-only pass over the sequences ``mine`` -> per sequence (all of them when ``world`` processes
+    each passed theirs: exchanged by an all-reduce of zero-padded sums, which adds only zeros) the query
+    statistic of every site [H, D] fp32 on the CPU."""
+    device = next(model.parameters()).device
+    n = input_ids.shape[0]
+    stats = torch.zeros(n, kv.num_sites, kv.kv_heads, kv.head_dim)
+    for start in range(0, len(mine), batch_size):
+        batch = mine[start : start + batch_size]
+        observer = QueryStats(kv)
+        with query_observer(model, observer), torch.no_grad(), shared_initial_state(model):  # the capture's state
+            model(input_ids[batch].to(device), use_cache=False)
+        for i, site in enumerate(s.site for s in kv.sites):
+            stats[batch, i] = observer.sums[site]
+    if world > 1:
+        via = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        shared = stats.to(via)
+        dist.all_reduce(shared)
+        stats = shared.cpu()
+    return {seq: {s.site: stats[seq, i] for i, s in enumerate(kv.sites)} for seq in range(n)}
+
+
+def key_weights(stats: dict[int, dict[int, torch.Tensor]], kv: KVLayout, sequence_length: int, floor: float,
+                device: torch.device) -> dict[int, torch.Tensor]:
+    """w [H, D] of every site from the per-sequence statistics, summed in sequence order as
+    :meth:`~loopvq_calib.capture.CaptureData.query_stats` does, so the TaSQ stage derives the same w."""
+    n = len(stats)
+    out = {}
+    for s in kv.sites:
+        mean = sum(stats[seq][s.site] for seq in range(n)) / (pairs_per_sequence(sequence_length) * n)
+        out[s.site] = channel_weights(mean, floor).to(device)
+    return out
+
+
+def pair_sum(f: torch.Tensor, rope_style: str) -> torch.Tensor:
+    """[..., D] -> [..., D/2]: the two coordinates of each RoPE pair added (half: i, i + D/2; interleaved:
+    2i, 2i + 1)."""
+    d = f.shape[-1]
+    return f[..., : d // 2] + f[..., d // 2 :] if rope_style == "half" else f[..., 0::2] + f[..., 1::2]
+
+
+def pair_spread(p: torch.Tensor, rope_style: str) -> torch.Tensor:
+    """Inverse layout of :func:`pair_sum`: each pair's sum split evenly over its two coordinates -> [..., D]."""
+    half = p / 2
+    return torch.cat([half, half], -1) if rope_style == "half" else half.repeat_interleave(2, dim=-1)

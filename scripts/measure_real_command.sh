@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Time the real command (`python -m loopvq_calib` = `loopvq-calibrate`) with the shipped configs on
+# random-weight checkpoints of the real shapes (scripts/make_random_checkpoint.py), local data; one JSON
+# line per step in OUT/results.jsonl (whole-command wall time, exit status, then the run's stages as
+# scripts/bench_pipeline.py --summarize reads them), every command's output in OUT/measure.log.
+#
+#   scripts/measure_real_command.sh OUT [SCALE_DOWN] [--set overrides for every run ...]
+#   scripts/measure_real_command.sh /tmp/out 8 --set data.num_sequences=4 ...   # CPU dry run, scaled down
+#
+# Runs (docs/performance.md; STEPS picks some, default all): ouro-1.4b (shipped config), ouro-1.4b-48gb (the
+# 48 GB-card setting: capture.store memory, finetune.cache_teacher false), huginn-3.5b (shipped config).
+# DEADLINE (seconds from the start, default 3600) cuts every step's time limit so that the script ends in time
+# (a step stopped by its limit is recorded with rc 124 and the stages it finished).
+set -u
+OUT=${1:?usage: measure_real_command.sh OUT [SCALE_DOWN] [--set ...]}
+SCALE=${2:-1}
+shift $(( $# < 2 ? $# : 2 ))
+EXTRA=("$@")
+WORK=${WORK:-/tmp/loopvq-measure}
+PY=${PYTHON:-python3}
+DATA=artifacts/data/shakespeare-calib.jsonl
+mkdir -p "$OUT" "$WORK"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+LOG="$OUT/measure.log"
+
+record() {  # name rc start end [run dir]
+  $PY - "$@" >> "$OUT/results.jsonl" <<'EOF'
+import json, sys
+from pathlib import Path
+sys.path.insert(0, "scripts")
+name, rc, start, end = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+line = {"step": name, "rc": rc, "command_s": round(end - start, 2)}
+run = Path(sys.argv[5]) if len(sys.argv) > 5 else None
+if run is not None and (run / "manifest.json").is_file() and "config" in json.loads((run / "manifest.json").read_text()):
+    from bench_pipeline import summarize
+    line.update(summarize(run))
+print(json.dumps(line))
+EOF
+}
+
+checkpoint() {  # model folder
+  local start end rc
+  start=$(date +%s.%N)
+  timeout 300 $PY scripts/make_random_checkpoint.py --model "$1" --out "$2" --scale-down "$SCALE" >> "$LOG" 2>&1
+  rc=$?
+  end=$(date +%s.%N)
+  record "checkpoint-$1" "$rc" "$start" "$end"
+}
+
+calibrate() {  # name limit config overrides...
+  local name=$1 limit=$2 config=$3 start end rc left
+  shift 3
+  left=$(( ${DEADLINE:-3600} - SECONDS - 10 ))
+  [ "$left" -lt "$limit" ] && limit=$left
+  [ "$limit" -le 0 ] && { echo "{\"step\": \"$name\", \"skipped\": \"no time left\"}" >> "$OUT/results.jsonl"; return; }
+  rm -rf "${WORK:?}/$name"
+  echo "=== $name: $config $*" >> "$LOG"
+  start=$(date +%s.%N)
+  timeout "$limit" $PY -m loopvq_calib --config "$config" --output "$WORK/$name" --set data.dataset=$DATA "$@" \
+    "${EXTRA[@]}" >> "$LOG" 2>&1
+  rc=$?
+  end=$(date +%s.%N)
+  record "$name" "$rc" "$start" "$end" "$WORK/$name"
+  [ -f "$WORK/$name/run.log" ] && cp "$WORK/$name/run.log" "$OUT/run-$name.log"
+  rm -rf "${WORK:?}/$name"
+}
+
+STEPS=${STEPS:-ouro-1.4b ouro-1.4b-48gb huginn-3.5b}
+if [[ " $STEPS " == *" ouro-1.4b"* ]]; then
+  checkpoint ouro-1.4b "$WORK/ouro-1.4b-random"
+  [[ " $STEPS " == *" ouro-1.4b "* ]] && calibrate ouro-1.4b 200 configs/ouro-1.4b.yaml \
+    --set model.name_or_path="$WORK/ouro-1.4b-random"
+  [[ " $STEPS " == *" ouro-1.4b-48gb "* ]] && calibrate ouro-1.4b-48gb 200 configs/ouro-1.4b.yaml \
+    --set model.name_or_path="$WORK/ouro-1.4b-random" --set capture.store=memory --set finetune.cache_teacher=false
+  rm -rf "${WORK:?}/ouro-1.4b-random"
+fi
+if [[ " $STEPS " == *" huginn-3.5b "* ]]; then
+  checkpoint huginn-3.5b "$WORK/huginn-3.5b-random"
+  calibrate huginn-3.5b 600 configs/huginn-3.5b.yaml --set model.name_or_path="$WORK/huginn-3.5b-random"
+  rm -rf "${WORK:?}/huginn-3.5b-random"
+fi
+cat "$OUT/results.jsonl"
