@@ -57,7 +57,9 @@ def summarize(run_dir: Path, wall_s: float | None = None, records: list[dict] | 
     curve = run_dir / "finetune" / "curve.json"
     if curve.is_file():
         c = json.loads(curve.read_text())
-        out.update(best_epoch=c["best_epoch"], heldout_kl=c["curve"][c["best_epoch"]]["heldout_kl"])
+        from loopvq_calib.pipeline import selection_metrics
+
+        out.update(selection_metrics(c))
     out["store_reason"] = capture.get("store_reason")
     out["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return out
