@@ -137,9 +137,9 @@ class Pipeline:
     def _progress(self, total: int, desc: str):
         return tqdm(total=total, desc=desc, disable=not self.state.is_main_process, dynamic_ncols=True)
 
-    def _reuse_or_run(self, name: str, fp: str, body, distributed: bool = False) -> None:
+    def _reuse_or_run(self, name: str, fp: str, body, distributed: bool = False, reusable: bool = True) -> None:
         self.fp[name] = fp
-        if self.run.reusable(name, fp):
+        if reusable and self.run.reusable(name, fp):
             self.run.mark_reused(name, fp)
             return
         with self.run.stage(name, fp) as (tmp, rec):
@@ -177,16 +177,23 @@ class Pipeline:
         self.data_hash = split["content_sha256"]
         return CalibrationSet(ids, split["train"], split["heldout"], split["sink_tokens"], split["description"])
 
+    def capture_fingerprint(self) -> str:
+        """What the capture holds (not where: the store is left out), which the later stages' fingerprints
+        build on, so that they are reused whichever store held the capture."""
+        c = self.cfg
+        content = {k: v for k, v in asdict(c.capture).items() if k != "store"}
+        return fingerprint("capture", __version__, self.fp["data"], self.identity.to_dict(), c.model.dtype,
+                           self.kv.loop_steps, content,
+                           c.tasq.weight_floor if c.quant.uses_tasq else None)  # TaSQ keys' Fisher is stored weighted
+
     def stage_capture(self, calib: CalibrationSet) -> CaptureData:
         c = replace(self.cfg, capture=replace(self.cfg.capture, store=self.store.store))
         if self.state.is_main_process:
             log.info(self.store.reason)
         memory = MemoryCapture() if c.capture.store in ("memory", "device", "split") else None
         rank, world = self.state.process_index, self.state.num_processes
-        nonce = time.time() if memory is not None else None  # an in-memory capture is never reused
-        fp = fingerprint("capture", __version__, self.fp["data"], self.identity.to_dict(), c.model.dtype,
-                         self.kv.loop_steps, asdict(c.capture), nonce,
-                         c.tasq.weight_floor if c.quant.uses_tasq else None)  # TaSQ keys' Fisher is stored weighted
+        content = self.capture_fingerprint()
+        fp = fingerprint(content, c.capture.store)
 
         def body(tmp: Path) -> dict:
             loading = time.time()
@@ -202,7 +209,8 @@ class Pipeline:
             return {"sequences": int(calib.input_ids.shape[0]), "sites": self.kv.num_sites, "store": c.capture.store,
                     "store_reason": self.store.reason, "model_load_s": round(loading, 2)}
 
-        self._reuse_or_run("capture", fp, body, distributed=True)
+        self._reuse_or_run("capture", fp, body, distributed=True, reusable=memory is None)  # memory: never kept
+        self.fp["capture"] = content
         return MemoryReader(memory) if memory is not None else CaptureReader(self.run.path("capture"))
 
     def stage_tasq(self, reader: CaptureData):
@@ -210,7 +218,7 @@ class Pipeline:
         from .tasq import TasqResult, fit_tasq, merge_tasq
 
         c = self.cfg
-        fp = fingerprint("tasq", __version__, self.fp["capture"], asdict(c.quant), asdict(c.tasq))
+        fp = self._tasq_fingerprint()
         rank, world = self.state.process_index, self.state.num_processes
 
         def body(tmp: Path) -> dict:
@@ -230,7 +238,7 @@ class Pipeline:
         """Processes share the layouts (disk capture: every process reads every sequence; in-memory capture:
         each process holds its layouts of every sequence, see ``share_sequences``); main merges."""
         c = self.cfg
-        fp = fingerprint("kmeans", __version__, self.fp["capture"], self.fp.get("tasq"), asdict(c.quant), asdict(c.kmeans))
+        fp = self._kmeans_fingerprint(self.fp.get("tasq"))
         rank, world = self.state.process_index, self.state.num_processes
 
         def body(tmp: Path) -> dict:
@@ -295,9 +303,31 @@ class Pipeline:
     def codebooks(self, calib: CalibrationSet) -> KVQuantizer | None:
         """capture -> [tasq] -> [kmeans]; the capture (which may hold host or accelerator memory) is
         released when this returns, before fine-tuning."""
-        reader = self.stage_capture(calib)
+        in_memory = self.store.store != "disk"  # an in-memory capture is never kept: skip it when nothing reads it
+        if in_memory and "kmeans" in self.wanted and self._codebooks_reusable():
+            self.fp["capture"] = self.capture_fingerprint()
+            log.info("stage capture: not needed (the stages after it are reused)")
+            reader = None
+        else:
+            reader = self.stage_capture(calib)
         tasq = self.stage_tasq(reader) if "tasq" in self.wanted else None
         return self.stage_kmeans(reader, tasq) if "kmeans" in self.wanted else None
+
+    def _codebooks_reusable(self) -> bool:
+        """Whether tasq (TaSQ methods) and kmeans would both be reused: their fingerprints, computed as the
+        stages compute them, match finished stages of the run directory."""
+        self.fp["capture"] = self.capture_fingerprint()
+        tasq = self._tasq_fingerprint() if "tasq" in self.wanted else None
+        if tasq is not None and not self.run.reusable("tasq", tasq):
+            return False
+        return self.run.reusable("kmeans", self._kmeans_fingerprint(tasq))
+
+    def _tasq_fingerprint(self) -> str:
+        return fingerprint("tasq", __version__, self.fp["capture"], asdict(self.cfg.quant), asdict(self.cfg.tasq))
+
+    def _kmeans_fingerprint(self, tasq_fp: str | None) -> str:
+        c = self.cfg
+        return fingerprint("kmeans", __version__, self.fp["capture"], tasq_fp, asdict(c.quant), asdict(c.kmeans))
 
     def run_all(self) -> RunResult:
         """Open the run directory (lock held until this returns) and run or reuse the wanted stages."""

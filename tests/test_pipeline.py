@@ -117,7 +117,10 @@ def test_two_runs_with_the_same_seed_are_byte_identical(tiny_ouro_dir, calib_cor
 
 
 @pytest.mark.parametrize("store", ["memory", "device"])
-def test_in_memory_stores_give_the_disk_codebooks_and_are_never_reused(tiny_ouro_dir, calib_corpus, tmp_path, store):
+def test_in_memory_stores_give_the_disk_codebooks_and_later_stages_are_reused(tiny_ouro_dir, calib_corpus, tmp_path,
+                                                                              store):
+    """An in-memory capture is never kept, but the stages after it are reused (their fingerprints do not
+    depend on the store), so a rerun skips the capture; a changed k-means setting captures again."""
     disk = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "disk"), stages=["capture", "kmeans"]).run_dir
     cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / store, capture={"store": store, "dtype": "bfloat16"})
     run = calibrate(cfg, stages=["capture", "kmeans"]).run_dir
@@ -126,7 +129,11 @@ def test_in_memory_stores_give_the_disk_codebooks_and_are_never_reused(tiny_ouro
     a, b = load_file(disk / "kmeans" / "quantizer.safetensors"), load_file(run / "kmeans" / "quantizer.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     again = calibrate(cfg, stages=["capture", "kmeans"])
-    assert {s["name"]: s["reused"] for s in again.stages} == {"data": True, "capture": False, "kmeans": False}
+    assert {s["name"]: s["reused"] for s in again.stages} == {"data": True, "kmeans": True}
+    changed = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / store, capture={"store": store, "dtype": "bfloat16"},
+                          kmeans={"iterations": 3})
+    rerun = calibrate(changed, stages=["capture", "kmeans"])
+    assert {s["name"]: s["reused"] for s in rerun.stages} == {"data": True, "capture": False, "kmeans": False}
 
 
 def test_cli_run_writes_bundle_and_reports(tiny_ouro_dir, calib_corpus, tmp_path, capsys):
