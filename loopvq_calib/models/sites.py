@@ -9,7 +9,7 @@ them at chosen sites and positions.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -103,36 +103,29 @@ def kv_layout(model: nn.Module, num_steps: int | None = None) -> KVLayout:
 
 
 @contextmanager
-def kv_hook(model: nn.Module, hook: Callable) -> Iterator[None]:
+def _model_setting(model: nn.Module, name: str, value: object) -> Iterator[None]:
+    """Set the model attribute ``name`` (a hook slot or switch) for the forwards inside the block."""
+    previous = getattr(model, name)
+    setattr(model, name, value)
+    try:
+        yield
+    finally:
+        setattr(model, name, previous)
+
+
+def kv_hook(model: nn.Module, hook: Callable) -> AbstractContextManager[None]:
     """Install ``hook(site, key, value, positions) -> (key, value)`` for the forwards inside the block."""
-    previous = model.kv_hook
-    model.kv_hook = hook
-    try:
-        yield
-    finally:
-        model.kv_hook = previous
+    return _model_setting(model, "kv_hook", hook)
 
 
-@contextmanager
-def query_observer(model: nn.Module, observer: Callable) -> Iterator[None]:
+def query_observer(model: nn.Module, observer: Callable) -> AbstractContextManager[None]:
     """Call ``observer(site, pre-RoPE query [B, S, Hq, D], positions)`` at every attention inside the block."""
-    previous = model.query_observer
-    model.query_observer = observer
-    try:
-        yield
-    finally:
-        model.query_observer = previous
+    return _model_setting(model, "query_observer", observer)
 
 
-@contextmanager
-def loop_checkpointing(model: nn.Module, enabled: bool = True) -> Iterator[None]:
+def loop_checkpointing(model: nn.Module, enabled: bool = True) -> AbstractContextManager[None]:
     """Activation checkpointing per loop step (recomputed in the backward pass) for the forwards inside the block."""
-    previous = model.loop_checkpointing
-    model.loop_checkpointing = enabled
-    try:
-        yield
-    finally:
-        model.loop_checkpointing = previous
+    return _model_setting(model, "loop_checkpointing", enabled)
 
 
 class KVRecorder:
