@@ -37,6 +37,8 @@ def run_config(method: str, bits: float, corpus: str = "shakespeare", sequences:
         "data": {"dataset": str(ROOT / CORPORA[corpus]), "num_sequences": sequences, "sequence_length": SEQ_LEN,
                  "heldout_sequences": sequences // 4, "sink_tokens": 8},
         "quant": {"method": method, "bits": bits, "group_size": WIDTHS[bits], "codebook_size": 256, "steps_per_block": 4},
+        # on disk and per coordinate, so runs of one corpus share their capture (TaSQ methods share theirs)
+        "capture": {"store": "disk", "fisher_channels": 1},
         "kmeans": {"iterations": KMEANS_ITERS, "fisher_weighted": fisher},
         "finetune": {},  # the shipped recipe (FinetuneConfig's defaults)
     }
