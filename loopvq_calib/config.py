@@ -40,8 +40,9 @@ class DataConfig:
     type: str = "auto"  # auto | hub | text | json | jsonl | parquet
     config_name: str | None = None
     split: str = "train"
-    text_field: str = "text"
+    text_field: str = "text"  # column holding the text (with chat_template: the conversation, a list of messages)
     text_sample_by: str = "document"  # for type text: line | paragraph | document
+    chat_template: bool = False  # render each row's messages with the tokenizer's chat template (Thinking variants)
     num_sequences: int = 16
     sequence_length: int = 512
     heldout_sequences: int = 4  # of num_sequences, for fine-tuning epoch selection
@@ -269,6 +270,9 @@ def _validate_data(d: DataConfig, finetune_enabled: bool) -> None:
     _positive("data.sink_tokens", d.sink_tokens, zero_ok=True)
     _positive("data.heldout_sequences", d.heldout_sequences, zero_ok=True)
     _seed("data.seed", d.seed)
+    if d.chat_template and d.type == "text":
+        raise ConfigError("data.chat_template", "needs rows of messages (json, jsonl, parquet or a hub dataset), "
+                          "not plain text files (data.type text)")
     if d.sink_tokens >= d.sequence_length:
         raise ConfigError("data.sink_tokens", f"{d.sink_tokens} sinks leave no token of a {d.sequence_length}-token sequence to quantize")
     if finetune_enabled and not 0 < d.heldout_sequences < d.num_sequences:

@@ -66,8 +66,8 @@ def _option(names: dict[str, str | None] | None, name: str) -> str | None:
     return (names or {}).get(name, f"data.{name}")
 
 
-def load_documents(cfg: DataConfig, names: dict[str, str | None] | None = None) -> Iterator[str]:
-    """Yield the documents' text from local files (text / json / jsonl / parquet, read directly: no cache
+def load_documents(cfg: DataConfig, names: dict[str, str | None] | None = None) -> Iterator[Any]:
+    """Yield the documents' text (with ``data.chat_template``: their conversations) from local files (text / json / jsonl / parquet, read directly: no cache
     outside the run directory, so an edited file is always read afresh) or a hub dataset (``datasets``,
     through the hub cache). ``names`` renames fields in error messages (see :func:`_option`)."""
     files = local_files(cfg.dataset)
@@ -116,7 +116,23 @@ def _hub_documents(cfg: DataConfig, names: dict[str, str | None] | None) -> Iter
                         f"{cfg.dataset} (columns: {ds.column_names})")
     for row in ds:
         text = row[cfg.text_field]
-        if isinstance(text, str) and text.strip():
+        if cfg.chat_template or (isinstance(text, str) and text.strip()):
+            yield text
+
+
+def render_conversations(rows: Iterator[Any], tokenizer: Any, field_key: str) -> Iterator[str]:
+    """Each row's conversation (a list of ``{"role", "content"}`` messages) as the text the model sees in
+    chat use: the tokenizer's chat template, without a generation prompt (``data.chat_template``)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("data.chat_template: the tokenizer of model.name_or_path has no chat template "
+                        "(tokenizer_config.json has no chat_template)")
+    for n, messages in enumerate(rows):
+        if not (isinstance(messages, list) and messages
+                and all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)):
+            raise DataError(f"{field_key}: with data.chat_template every row must be a non-empty list of "
+                            f"{{role, content}} messages; document {n} is {type(messages).__name__} {str(messages)[:60]!r}")
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        if text.strip():
             yield text
 
 
@@ -144,8 +160,10 @@ def _token_stream(docs: Iterator[str], tokenizer: Any, limit: int, read_all: boo
 def build_calibration_set(cfg: DataConfig, tokenizer: Any, names: dict[str, str | None] | None = None) -> CalibrationSet:
     """Deterministic (given ``cfg.seed``) calibration sequences and their train / held-out split."""
     n, length = cfg.num_sequences, cfg.sequence_length
-    ids, docs = _token_stream(load_documents(cfg, names), tokenizer, POOL_FACTOR * n * length,
-                              read_all=bool(local_files(cfg.dataset)))
+    documents = load_documents(cfg, names)
+    if cfg.chat_template:
+        documents = render_conversations(documents, tokenizer, _option(names, "text_field") or "data.text_field")
+    ids, docs = _token_stream(documents, tokenizer, POOL_FACTOR * n * length, read_all=bool(local_files(cfg.dataset)))
     if docs == 0:
         raise DataError(f"{_option(names, 'dataset')}: {cfg.dataset} holds no text (no non-empty "
                         f"{cfg.text_field!r} in any document)")
@@ -171,6 +189,7 @@ def build_calibration_set(cfg: DataConfig, tokenizer: Any, names: dict[str, str 
             "config_name": cfg.config_name,
             "split": cfg.split,
             "text_field": cfg.text_field,
+            "chat_template": cfg.chat_template,
             "documents_read": docs,
             "tokens_in_pool": len(ids),
             "num_sequences": n,

@@ -14,9 +14,12 @@ from .config import DataConfig
 from .data import DataError
 
 
-def file_documents(file: Path, kind: str, cfg: DataConfig, dataset_key: str, field_key: str) -> Iterator[str]:
+def file_documents(file: Path, kind: str, cfg: DataConfig, dataset_key: str, field_key: str) -> Iterator[Any]:
     """Non-empty documents of one local file of ``kind`` (text | json | parquet); errors name ``dataset_key``
-    (or ``field_key`` for a missing column) and the file."""
+    (or ``field_key`` for a missing column) and the file. With ``cfg.chat_template`` the column's values are
+    yielded as they are (conversations, rendered by :func:`loopvq_calib.data.render_conversations`)."""
+    if kind == "text" and cfg.chat_template:
+        raise DataError(f"data.chat_template: {file} is a plain text file; conversations need json, jsonl or parquet rows")
     if kind == "text":
         yield from _text_documents(file, cfg.text_sample_by, dataset_key)
         return
@@ -25,7 +28,7 @@ def file_documents(file: Path, kind: str, cfg: DataConfig, dataset_key: str, fie
     else:
         rows = _json_column(file, cfg.text_field, dataset_key, field_key)
     for text in rows:
-        if isinstance(text, str) and text.strip():
+        if cfg.chat_template or (isinstance(text, str) and text.strip()):
             yield text
 
 

@@ -145,3 +145,47 @@ def test_json_lines_and_arrays_give_the_same_documents(tmp_path):
     array.write_text(json.dumps([{"text": d} for d in DOCS], indent=2))
     assert list(load_documents(DataConfig(dataset=str(lines)))) == list(load_documents(DataConfig(dataset=str(array)))) == DOCS
     assert list(load_documents(DataConfig(dataset=str(tmp_path), type="json"))) == DOCS + DOCS  # a folder, in name order
+
+
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
+
+
+def test_chat_template_renders_each_conversation_before_tokenizing(tmp_path, tokenizer):
+    """data.chat_template: each row's messages go through the tokenizer's chat template; the stream equals the
+    hand-rendered text tokenized the same way (documents separated by eos)."""
+    chats = [[{"role": "user", "content": f"question {i} about the plays"}, {"role": "assistant", "content": "an answer " * 9}]
+             for i in range(40)]
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps({"messages": c}) for c in chats) + "\n")
+    original, tokenizer.chat_template = tokenizer.chat_template, TEMPLATE
+    try:
+        cfg = DataConfig(dataset=str(tmp_path / "chat.jsonl"), text_field="messages", chat_template=True,
+                         num_sequences=2, sequence_length=32, heldout_sequences=1)
+        calib = build_calibration_set(cfg, tokenizer)
+    finally:
+        tokenizer.chat_template = original
+    stream = []
+    for c in chats:
+        text = "".join(f"<{m['role']}> {m['content']}\n" for m in c)
+        stream += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    windows = torch.tensor(stream[: len(stream) // 32 * 32]).view(-1, 32)
+    assert all(any(torch.equal(row, w) for w in windows) for row in calib.input_ids)
+    assert calib.description["chat_template"] is True
+
+
+def test_chat_template_errors_name_the_key(tmp_path, tokenizer):
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": "not a conversation"}) + "\n")
+    cfg = DataConfig(dataset=str(tmp_path / "chat.jsonl"), text_field="messages", chat_template=True,
+                     num_sequences=1, sequence_length=8, heldout_sequences=0)
+    original, tokenizer.chat_template = tokenizer.chat_template, None
+    try:
+        with pytest.raises(DataError, match="data.chat_template: the tokenizer of model.name_or_path has no chat template"):
+            build_calibration_set(cfg, tokenizer)
+        tokenizer.chat_template = TEMPLATE
+        with pytest.raises(DataError, match=r"data.text_field: with data.chat_template every row must be a non-empty list"):
+            build_calibration_set(cfg, tokenizer)
+    finally:
+        tokenizer.chat_template = original
+    from loopvq_calib.config import Config, ConfigError, validate
+
+    with pytest.raises(ConfigError, match="data.chat_template"):
+        validate(Config(data=DataConfig(type="text", chat_template=True)))
