@@ -119,22 +119,29 @@ def capture_kv(
     For TaSQ methods (``tasq_floor`` = ``tasq.weight_floor``) a forward-only pass first gathers the query
     statistics of every sequence (all processes), so the keys' Fisher is stored reduced (see
     :func:`capture_sequence`). On disk, files are written under a temporary name and renamed, so a killed
-    run leaves no partial shard. In memory, the first ``device_sequences`` of this process's sequences stay
+    run leaves no partial shard, and sequences whose shard is already in ``out`` (an interrupted run's, kept by
+    the run directory when the fingerprint matches) are not captured again. In memory, the first ``device_sequences`` of this process's sequences stay
     on the accelerator (default: all for ``cfg.store`` device, none otherwise), the others go to host memory.
     """
+    mine = [i for i in range(calib.input_ids.shape[0]) if i % world == rank]
+    todo = mine
     if isinstance(out, Path):
         out.mkdir(parents=True, exist_ok=True)
+        for partial in out.glob(".seq*.tmp*"):  # a killed run's unfinished shard
+            partial.unlink(missing_ok=True)
+        todo = [i for i in mine if not (out / f"seq{i:05d}.safetensors").is_file()]  # shards are renamed when whole
+        if progress and len(todo) < len(mine):
+            progress(len(mine) - len(todo))
     for p in model.parameters():
         p.requires_grad_(False)
     device = next(model.parameters()).device
-    mine = [i for i in range(calib.input_ids.shape[0]) if i % world == rank]
     stats = weights = None
     if tasq_floor is not None:
         stats = query_statistics(model, calib.input_ids, kv, mine, cfg.batch_size, world)
         weights = key_weights(stats, kv, calib.input_ids.shape[1], tasq_floor, device)
     keep = device_sequences if device_sequences is not None else (len(mine) if cfg.store == "device" else 0)
-    for start in range(0, len(mine), cfg.batch_size):
-        batch = mine[start : start + cfg.batch_size]
+    for start in range(0, len(todo), cfg.batch_size):
+        batch = todo[start : start + cfg.batch_size]
         results = capture_sequence(model, calib.input_ids[batch].to(device), kv, batch, DTYPES[cfg.dtype],
                                    cfg.channels_per_fisher, on_device=start + len(batch) <= keep, tasq_weights=weights)
         for seq, stored in zip(batch, results):

@@ -137,12 +137,13 @@ class Pipeline:
     def _progress(self, total: int, desc: str):
         return tqdm(total=total, desc=desc, disable=not self.state.is_main_process, dynamic_ncols=True)
 
-    def _reuse_or_run(self, name: str, fp: str, body, distributed: bool = False, reusable: bool = True) -> None:
+    def _reuse_or_run(self, name: str, fp: str, body, distributed: bool = False, reusable: bool = True,
+                      resumable: bool = False) -> None:
         self.fp[name] = fp
         if reusable and self.run.reusable(name, fp):
             self.run.mark_reused(name, fp)
             return
-        with self.run.stage(name, fp) as (tmp, rec):
+        with self.run.stage(name, fp, resumable) as (tmp, rec):
             if distributed or self.state.is_main_process:
                 rec.details = body(tmp) or {}
 
@@ -209,7 +210,8 @@ class Pipeline:
             return {"sequences": int(calib.input_ids.shape[0]), "sites": self.kv.num_sites, "store": c.capture.store,
                     "store_reason": self.store.reason, "model_load_s": round(loading, 2)}
 
-        self._reuse_or_run("capture", fp, body, distributed=True, reusable=memory is None)  # memory: never kept
+        # an in-memory capture is never kept; a disk capture resumes after the sequences an interrupted run wrote
+        self._reuse_or_run("capture", fp, body, distributed=True, reusable=memory is None, resumable=memory is None)
         self.fp["capture"] = content
         return MemoryReader(memory) if memory is not None else CaptureReader(self.run.path("capture"))
 

@@ -31,6 +31,7 @@ import torch
 MANIFEST = "manifest.json"  # also the marker of a run directory
 LOCK_FILE = ".loopvq-lock"
 TMP_PREFIX = ".loopvq-tmp."  # temporary stage folders: no other program uses such names
+RESUME_MARKER = ".loopvq-resume"  # in a resumable stage's temporary folder: the fingerprint its files belong to
 TOOL = "loopvq-calib"
 log = logging.getLogger("loopvq_calib")
 
@@ -111,7 +112,8 @@ class RunDir:
             self.save()
             for stale in self.root.glob(f"{TMP_PREFIX}*"):
                 if stale.is_dir() and not stale.is_symlink():
-                    shutil.rmtree(stale, ignore_errors=True)
+                    if not (stale / RESUME_MARKER).is_file():  # a resumable stage's partial work stays (stage())
+                        shutil.rmtree(stale, ignore_errors=True)
                 else:
                     stale.unlink(missing_ok=True)
         self.barrier()
@@ -171,12 +173,22 @@ class RunDir:
         self.save()
 
     @contextmanager
-    def stage(self, name: str, fp: str) -> Iterator[tuple[Path, StageRecord]]:
-        """Run a stage into a temporary folder; publish it by rename only if the block succeeds."""
+    def stage(self, name: str, fp: str, resumable: bool = False) -> Iterator[tuple[Path, StageRecord]]:
+        """Run a stage into a temporary folder; publish it by rename only if the block succeeds.
+
+        ``resumable``: the temporary folder of an interrupted run of this stage with the same fingerprint is
+        kept (killed, failed or interrupted), so the stage can skip the work whose files are already there."""
         tmp = self.root / f"{TMP_PREFIX}{name}"
+        marker = tmp / RESUME_MARKER
         if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
+            kept = resumable and marker.is_file() and marker.read_text() == fp
+            if kept:
+                log.info("stage %s: resuming the interrupted run's work in %s", name, tmp)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+            if resumable:
+                marker.write_text(fp)
             self._set_status(name, fp, "running")
         self.barrier()
         rec = StageRecord(name, fp)
@@ -190,7 +202,8 @@ class RunDir:
             rec.status = "failed"
             if self.is_main:
                 self._set_status(name, fp, "failed")
-                shutil.rmtree(tmp, ignore_errors=True)
+                if not resumable:
+                    shutil.rmtree(tmp, ignore_errors=True)
             raise
         rec.wall_s = time.time() - start
         rec.peak_gpu_bytes = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
@@ -199,6 +212,7 @@ class RunDir:
         self.barrier()
         if self.is_main:
             final = self.path(name)
+            marker.unlink(missing_ok=True)
             try:
                 self._remove_published(name)
             except RunDirError:

@@ -271,3 +271,39 @@ def test_auto_store_is_chosen_before_any_work_and_refused_with_the_numbers(tiny_
     err = capsys.readouterr().err
     assert "capture.store: no store holds the capture" in err and "memory: 0.00 GB" in err
     assert not (tmp_path / "refused" / "data").exists()  # refused before the data stage
+
+
+def test_an_interrupted_disk_capture_resumes_after_the_sequences_it_wrote(tiny_ouro_dir, calib_corpus, tmp_path,
+                                                                          monkeypatch):
+    """Within-stage resume: a capture stopped in its 4th sequence keeps its 3 finished shards; the rerun (same
+    fingerprint) captures only the other 3 and publishes shards byte-identical to an uninterrupted run's."""
+    import loopvq_calib.capture as capture
+
+    clean = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "clean"), stages=["capture"]).run_dir
+    real, calls = capture.capture_sequence, []
+
+    def counted(model, ids, kv, seqs, *args, **kwargs):
+        calls.append(list(seqs))
+        if stop_at is not None and len(calls) == stop_at:
+            raise KeyboardInterrupt  # Ctrl-C (a kill -9 leaves the same folder, without the failed record)
+        return real(model, ids, kv, seqs, *args, **kwargs)
+
+    monkeypatch.setattr(capture, "capture_sequence", counted)
+    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")
+    stop_at = 4
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(cfg, stages=["capture"])
+    assert statuses(tmp_path / "run")["capture"] == "failed"
+    calls.clear()
+    stop_at = None
+    run = calibrate(cfg, stages=["capture"]).run_dir
+    assert calls == [[3], [4], [5]]
+    shards = sorted(p.name for p in (clean / "capture").glob("seq*.safetensors"))
+    assert shards == sorted(p.name for p in (run / "capture").glob("seq*.safetensors")) and len(shards) == 6
+    for name in shards:
+        assert (run / "capture" / name).read_bytes() == (clean / "capture" / name).read_bytes(), name
+    assert not list(run.glob(".loopvq-tmp.*")) and not (run / "capture" / ".loopvq-resume").exists()
+    calls.clear()
+    changed = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", capture={"dtype": "float32"})
+    calibrate(changed, stages=["capture"])  # another fingerprint: everything is captured again
+    assert calls == [[i] for i in range(6)]
