@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -156,12 +158,15 @@ def finetune_codebooks(
     device: torch.device,
     progress: Callable[[int], Any] | None = None,
     on_select: Callable[[dict[str, Any], KVQuantizer], Any] | None = None,
+    checkpoint: Path | None = None,
 ) -> FinetuneResult:
     """Adam on the codebooks' free parameters (``cfg.parameterization``), ``cfg.batch_size`` training
     sequences per step (split across processes, gradients averaged), the selection KL after every epoch
     (or every ``cfg.select_every`` steps); returns the codebooks of the best selection point.
     ``on_select(entry, quantizer)`` sees every curve entry with the codebooks it measured. On CUDA it
-    resets the device's peak-memory statistics (the teacher cache is sized from the first steps' peak)."""
+    resets the device's peak-memory statistics (the teacher cache is sized from the first steps' peak).
+    ``checkpoint``: a file where the main process saves the state after every epoch (free parameters,
+    Adam's state, the curve, the best point) and from which a rerun resumes after the last finished epoch."""
     rank, world = _world()
     quantizer = copy.deepcopy(quantizer).to(device, torch.float32)
     cache = TeacherCache(model, cfg, -(-calib.input_ids.shape[0] // world))
@@ -179,17 +184,28 @@ def finetune_codebooks(
         return entry
 
     curve: list[dict[str, Any]] = []
-    select(0, 0, None)
+    resume = torch.load(checkpoint, weights_only=False) if checkpoint is not None and checkpoint.is_file() else None
+    if resume is None:
+        select(0, 0, None)
     if total == 0:
         return FinetuneResult(quantizer, 0, curve, len(cache.store))
     usage = usage_counts(model, calib, quantizer, cache, device) if cfg.min_usage > 0 else None
     free = CodebookParams(quantizer, cfg.parameterization, usage, cfg.min_usage)
     opt = torch.optim.Adam(free.params, lr=cfg.lr)
     best, best_state = 0, free.snapshot()
-    steps, settle_after = 0, min(2, total)
+    steps, settle_after, first_epoch = 0, min(2, total), 1
+    train_sum = torch.zeros(2, device=device)
+    if resume is not None:
+        with torch.no_grad():
+            for p, saved in zip(free.params, resume["params"]):
+                p.copy_(saved)
+        opt.load_state_dict(resume["opt"])
+        curve[:], best, steps = resume["curve"], resume["best"], resume["steps"]
+        best_state = {k: t.to(device) for k, t in resume["best_state"].items()}
+        train_sum, first_epoch = resume["train_sum"].to(device), resume["epoch"] + 1
+        log.info("fine-tune: resuming after epoch %d (step %d) from %s", resume["epoch"], steps, checkpoint)
     with loop_checkpointing(model, cfg.loop_checkpointing):
-        train_sum = torch.zeros(2, device=device)
-        for epoch in range(1, cfg.epochs + 1):
+        for epoch in range(first_epoch, cfg.epochs + 1):
             gen = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
             order = [calib.train[i] for i in torch.randperm(len(calib.train), generator=gen).tolist()]
             for start in range(0, len(order), cfg.batch_size):
@@ -228,5 +244,16 @@ def finetune_codebooks(
                              entry["train_kl"], entry["selection_kl"])
                     if entry["selection_kl"] < curve[best]["selection_kl"]:
                         best, best_state = len(curve) - 1, free.snapshot()
+            if checkpoint is not None and rank == 0:
+                _save_epoch(checkpoint, {"epoch": epoch, "steps": steps, "curve": curve, "best": best,
+                                         "best_state": best_state, "params": [p.detach() for p in free.params],
+                                         "opt": opt.state_dict(), "train_sum": train_sum})
     free.restore(best_state)
     return FinetuneResult(quantizer, curve[best]["epoch"], curve, len(cache.store), curve[best]["step"])
+
+
+def _save_epoch(path: Path, state: dict[str, Any]) -> None:
+    """The fine-tuning state after an epoch, replaced atomically (a kill never leaves half a checkpoint)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, path)

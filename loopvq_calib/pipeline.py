@@ -271,15 +271,18 @@ class Pipeline:
 
         def body(tmp: Path) -> dict:
             bar = self._progress(training_steps(c.finetune, len(calib.train)), "finetune")
-            result = finetune_codebooks(self.model(), calib, init, c.finetune, self.device, bar.update)
+            resume = tmp / "resume.pt"  # the state after each epoch: an interrupted run resumes from it
+            result = finetune_codebooks(self.model(), calib, init, c.finetune, self.device, bar.update,
+                                        checkpoint=resume)
             bar.close()
             if self.state.is_main_process:
+                resume.unlink(missing_ok=True)
                 save_quantizer(result.quantizer, tmp)
                 best = {"best_epoch": result.best_epoch, "best_step": result.best_step, "curve": result.curve}
                 (tmp / "curve.json").write_text(json.dumps(best, indent=1))
             return {"best_epoch": result.best_epoch, "best_step": result.best_step}
 
-        self._reuse_or_run("finetune", fp, body, distributed=True)
+        self._reuse_or_run("finetune", fp, body, distributed=True, resumable=True)
         curve = json.loads((self.run.path("finetune") / "curve.json").read_text())
         return load_quantizer(self.run.path("finetune")), curve
 

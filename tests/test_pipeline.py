@@ -91,11 +91,12 @@ def test_crash_leaves_nothing_a_rerun_mistakes_for_a_result(tiny_ouro_dir, calib
     with pytest.raises(RuntimeError, match="simulated crash"):
         calibrate(cfg)
     assert statuses(out)["finetune"] == "failed" and not (out / "finetune").exists()
-    assert not list(out.glob(".loopvq-tmp.*"))
+    # fine-tuning resumes after its last finished epoch: its temporary folder stays, marked, holding no result
+    assert [p.name for p in out.glob(".loopvq-tmp.*")] == [".loopvq-tmp.finetune"]
+    assert [p.name for p in (out / ".loopvq-tmp.finetune").iterdir()] == [".loopvq-resume"]
     monkeypatch.undo()
 
     # a process killed mid-stage leaves its temporary folder and a "running" record: neither is reused
-    (out / ".loopvq-tmp.finetune").mkdir()
     (out / ".loopvq-tmp.finetune" / "quantizer.json").write_text("{partial")
     resumed = calibrate(cfg)
     assert {s["name"]: s["reused"] for s in resumed.stages} == {
@@ -307,3 +308,31 @@ def test_an_interrupted_disk_capture_resumes_after_the_sequences_it_wrote(tiny_o
     changed = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", capture={"dtype": "float32"})
     calibrate(changed, stages=["capture"])  # another fingerprint: everything is captured again
     assert calls == [[i] for i in range(6)]
+
+
+def test_an_interrupted_finetune_resumes_after_its_last_epoch(tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch):
+    """Within-stage resume: fine-tuning stopped in its 2nd epoch restarts from the state saved after the 1st
+    (parameters, Adam's moments, curve) and gives the codebooks and curve of an uninterrupted run."""
+    import loopvq_calib.finetune as finetune
+
+    clean = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "clean"), stages=["finetune"]).run_dir
+    real, calls = finetune.sequence_kl, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        if stop_at is not None and len(calls) == stop_at:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(finetune, "sequence_kl", counted)
+    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")
+    stop_at = 2 + 4 + 2 + 2  # initial selection (2 sequences), epoch 1 (4 steps + selection), 2 steps of epoch 2
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(cfg, stages=["finetune"])
+    calls.clear()
+    stop_at = None
+    run = calibrate(cfg, stages=["finetune"]).run_dir
+    assert len(calls) == 4 + 2  # epoch 2 only: its 4 steps and its selection
+    for name in ("quantizer.safetensors", "curve.json"):
+        assert (run / "finetune" / name).read_bytes() == (clean / "finetune" / name).read_bytes(), name
+    assert not (run / "finetune" / "resume.pt").exists() and not list(run.glob(".loopvq-tmp.*"))
