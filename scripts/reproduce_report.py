@@ -47,7 +47,7 @@ def method_section(m: dict) -> str:
         for method in METHODS:
             r = m[f"{method}-{bits}/finetune"]
             rows.append([NAMES[method], f"{bits:g}", f"{r['bits']['key']:.3f} / {r['bits']['value']:.3f}",
-                         _f(m[f"{method}-{bits}/kmeans"]["heldout_kl"]), _f(r["heldout_kl"]),
+                         _f(m[f"{method}-{bits}/kmeans"]["eval_kl"]), _f(r["eval_kl"]),
                          _f(r["ppl_fp"], ".2f"), _f(r["ppl_quantized"], ".2f"), f"{100 * r['ppl_increase']:+.1f}%"])
     return _table(["method", "width", "bits key / value", "KL k-means", "KL fine-tuned", "ppl fp", "ppl quantized", "ppl change"], rows)
 
@@ -56,7 +56,7 @@ def ablation_section(m: dict) -> str:
     rows = []
     for bits in WIDTHS:
         for base, coupled in (("cq", "loopvq"), ("tasq", "tasq+loopvq")):
-            cells = [m[f"{name}-{bits}/{stage}"]["heldout_kl"] for name in (base, coupled) for stage in ("kmeans", "finetune")]
+            cells = [m[f"{name}-{bits}/{stage}"]["eval_kl"] for name in (base, coupled) for stage in ("kmeans", "finetune")]
             rows.append([NAMES[base], f"{bits:g}", *(_f(v) for v in cells)])
     return _table(["base", "width", "plain", "+ fine-tuning", "+ coupling (loop axis)", "+ coupling + fine-tuning"], rows)
 
@@ -66,19 +66,19 @@ def step_section(m: dict) -> str:
     for bits in WIDTHS:
         for method in METHODS:
             r = m[f"{method}-{bits}/finetune"]
-            rows.append([NAMES[method], f"{bits:g}", *(_f(v) for v in r["per_step_kl"]), _f(r["heldout_kl"])])
+            rows.append([NAMES[method], f"{bits:g}", *(_f(v) for v in r["per_step_kl"]), _f(r["eval_kl"])])
     rows.append(["paper Ouro-1.4B (Table 1)", "0.5", "0.069", "0.018", "0.013", "0.030", ""])
     rows.append(["paper Ouro-1.4B (Table 1)", "0.25", "0.123", "0.029", "0.026", "0.065", ""])
     return _table(["method", "width", "KL step 1 only", "step 2 only", "step 3 only", "step 4 only", "all steps"], rows)
 
 
 def size_corpus_section(m: dict) -> str:
-    rows = [[f"LoopVQ 0.25, {n} sequences", _f(m[f'{name}/kmeans']['heldout_kl']), _f(m[f'{name}/finetune']['heldout_kl'])]
+    rows = [[f"LoopVQ 0.25, {n} sequences", _f(m[f'{name}/kmeans']["eval_kl"]), _f(m[f'{name}/finetune']["eval_kl"])]
             for n, name in ((8, "loopvq-0.25-n8"), (16, "loopvq-0.25"), (32, "loopvq-0.25-n32"))]
     for method in ("cq", "tasq+loopvq"):
         for corpus, name in (("Shakespeare", f"{method}-0.25"), ("KJV", f"{method}-0.25-kjv")):
-            rows.append([f"{NAMES[method]} 0.25, calibrated on {corpus}", _f(m[f"{name}/kmeans"]["heldout_kl"]),
-                         _f(m[f"{name}/finetune"]["heldout_kl"])])
+            rows.append([f"{NAMES[method]} 0.25, calibrated on {corpus}", _f(m[f"{name}/kmeans"]["eval_kl"]),
+                         _f(m[f"{name}/finetune"]["eval_kl"])])
     return _table(["run", "held-out KL k-means", "held-out KL fine-tuned"], rows)
 
 
@@ -93,7 +93,7 @@ def curve_section(curves: dict, m: dict) -> str:
         for method in METHODS:
             name, c = f"{method}-{bits}", curves[f"{method}-{bits}"]
             sel0, sel = c["curve"][0]["selection_kl"], kept(c)["selection_kl"]
-            ev0, ev = m[f"{name}/kmeans"]["heldout_kl"], m[f"{name}/finetune"]["heldout_kl"]
+            ev0, ev = m[f"{name}/kmeans"]["eval_kl"], m[f"{name}/finetune"]["eval_kl"]
             rows.append([NAMES[method], f"{bits:g}", _f(sel0), f"{c['best_step']} of {c['curve'][-1]['step']}", _f(sel),
                          f"{100 * (sel / sel0 - 1):+.1f}%", _f(ev0), _f(ev), f"{100 * (ev / ev0 - 1):+.1f}%"])
     return _table(["method", "width", "selection KL, k-means", "kept step", "selection KL, kept", "change",
@@ -148,7 +148,7 @@ def discussion(data: dict) -> str:
     m, c = data["metrics"], data["curves"]
 
     def kl(name: str, stage: str = "finetune") -> float:
-        return m[f"{name}/{stage}"]["heldout_kl"]
+        return m[f"{name}/{stage}"]["eval_kl"]
 
     nmse = {b: m[f"loopvq-{b}/kmeans"]["nmse"]["key"] / m[f"cq-{b}/kmeans"]["nmse"]["key"] for b in WIDTHS}
     gain = {b: kl(f"loopvq-{b}") / kl(f"cq-{b}") for b in WIDTHS}
