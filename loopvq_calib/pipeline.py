@@ -193,7 +193,7 @@ class Pipeline:
             log.info(self.store.reason)
         memory = MemoryCapture() if c.capture.store in ("memory", "device", "split") else None
         rank, world = self.state.process_index, self.state.num_processes
-        content = self.capture_fingerprint()
+        content = self.fp["capture"]  # set by codebooks()
         fp = fingerprint(content, c.capture.store)
 
         def body(tmp: Path) -> dict:
@@ -308,9 +308,9 @@ class Pipeline:
     def codebooks(self, calib: CalibrationSet) -> KVQuantizer | None:
         """capture -> [tasq] -> [kmeans]; the capture (which may hold host or accelerator memory) is
         released when this returns, before fine-tuning."""
+        self.fp["capture"] = self.capture_fingerprint()  # what the later stages' fingerprints build on
         in_memory = self.store.store != "disk"  # an in-memory capture is never kept: skip it when nothing reads it
         if in_memory and "kmeans" in self.wanted and self._codebooks_reusable():
-            self.fp["capture"] = self.capture_fingerprint()
             log.info("stage capture: not needed (the stages after it are reused)")
             reader = None
         else:
@@ -321,7 +321,6 @@ class Pipeline:
     def _codebooks_reusable(self) -> bool:
         """Whether tasq (TaSQ methods) and kmeans would both be reused: their fingerprints, computed as the
         stages compute them, match finished stages of the run directory."""
-        self.fp["capture"] = self.capture_fingerprint()
         tasq = self._tasq_fingerprint() if "tasq" in self.wanted else None
         if tasq is not None and not self.run.reusable("tasq", tasq):
             return False
