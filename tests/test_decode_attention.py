@@ -85,7 +85,7 @@ def make_inputs(kc: BlockCodec, vc: BlockCodec, batch: int, q_heads: int, n: int
 
 def check(method, style, heads, q_heads, n, s_fp, *, steps=4, d=16, k=16, g=8, sharing="none", block_n=8,
           splits=None, pad=0, seed=0, table_dtype=torch.float32, dtype=torch.float32, tol=1e-5, batch=2, per_program=1,
-          hints=False):
+          hints=False, **kernel):
     kc, vc = make_codecs(method, heads, d, k, g, steps, sharing, seed)
     coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, batch, q_heads, n, s_fp, seed, dtype, pad)
     rope = da.RopeTable(d, 10000.0)
@@ -95,7 +95,7 @@ def check(method, style, heads, q_heads, n, s_fp, *, steps=4, d=16, k=16, g=8, s
         moved = da.CodedTokens(coded.key_indices.to(DEVICE), coded.value_indices.to(DEVICE),
                                coded.key_sigma.to(DEVICE) if coded.key_sigma is not None else None, n, coded.first_position)
         out = da.decode_attention(dev[0], tables, moved, *dev[1:], rope, block_n=block_n, num_splits=splits,
-                                  batch_per_program=per_program, cache_hints=hints)
+                                  batch_per_program=per_program, cache_hints=hints, **kernel)
         ref = da.decode_attention_reference(q.float(), kc, vc, step, coded, fk, fv, fpos, mask, style, 10000.0)
         assert out.dtype == dtype and out.shape == ref.shape and torch.isfinite(out).all()
         err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
