@@ -9,8 +9,8 @@
 // token's position (RoPE on the query side: z = (q_a + i q_b) exp(-i theta t) advanced token by token,
 // re-anchored from the cos/sin table at every iteration). The U partial dot products are reduce-scattered
 // across the warp (U-1 + log2(32/U) shuffles), each lane then holds one token's logit; softmax base 2 with a
-// lazily moved reference maximum (rescale only when a logit exceeds it by more than 8); values accumulate
-// per lane in slot order. Block 0 of every head also takes the full-precision sink/window tokens. Warps are
+// lazily moved reference maximum (rescale only when a logit exceeds it by more than 8); the weights go
+// through a small per-warp shared buffer (broadcast reads) and values accumulate per lane in slot order. Block 0 of every head also takes the full-precision sink/window tokens. Warps are
 // merged through shared memory; the block writes (acc in channel order, max, sum) for the Triton merge.
 //
 // Constants defined before this text: D, SPL (D/32), RUNK, RUNV (slots per run), QG (query heads per KV
@@ -141,6 +141,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
     tab_t* ktab = (tab_t*)smem;
     tab_t* vtab = ktab + KCB * D;
     float* mrg = (float*)(vtab + KCB * D);  // [WARPS][QG][D + 2]
+    float* pbuf = mrg + WARPS * QG * (D + 2);  // [WARPS][QG][U]: the iteration's softmax weights
     const int h = blockIdx.x, s = blockIdx.y, heads = gridDim.x, splits = gridDim.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int D2 = D / 2, slot0 = lane * SPL;
@@ -155,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
             ((uint4*)vtab)[i] = sv[i];
         }
     }
-    int kcd[NRK], vcd[NRV], kc[SPL], kp[SPL], kf[SPL], vc[SPL];
+    int kcd[NRK], vcd[NRV], kf[SPL];  // channels are re-read where needed (registers are the warps' limit)
     float ksg[SPL], c1[SPL], s1[SPL];
 #pragma unroll
     for (int r = 0; r < NRK; ++r) kcd[r] = kcode[h * (D / RUNK) + slot0 / RUNK + r];
@@ -163,11 +164,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
     for (int r = 0; r < NRV; ++r) vcd[r] = vcode[h * (D / RUNV) + slot0 / RUNV + r];
 #pragma unroll
     for (int i = 0; i < SPL; ++i) {
-        kc[i] = kch[h * D + slot0 + i];
-        kp[i] = kpart[h * D + slot0 + i];
         kf[i] = kfreq[h * D + slot0 + i];
         ksg[i] = ksign[h * D + slot0 + i];
-        vc[i] = vch[h * D + slot0 + i];
         c1[i] = cos_t[D2 + kf[i]];  // one position's rotation
         s1[i] = ksg[i] * sin_t[D2 + kf[i]];
     }
@@ -185,8 +183,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
             const i64 row = ((i64)b * heads * QG + h * QG + g) * D;
 #pragma unroll
             for (int i = 0; i < SPL; ++i) {
-                qs[g][i] = act(q, row + kc[i]) * scale;
-                qp[g][i] = act(q, row + kp[i]) * scale;
+                qs[g][i] = act(q, row + kch[h * D + slot0 + i]) * scale;
+                qp[g][i] = act(q, row + kpart[h * D + slot0 + i]) * scale;
             }
         }
         State st;
@@ -200,10 +198,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
         const i64 pb = p0[b];
         const u8* krow = kidx + (i64)b * s_kib + (i64)h * s_kih;
         const u8* vrow = vidx + (i64)b * s_vib + (i64)h * s_vih;
+        const u16* srow = sig + (i64)b * s_sb;
         int ki[U][NRK], vi[U][NRV];
 #pragma unroll
         for (int u = 0; u < U; ++u) {  // the first iteration's indices
-            const i64 t = min(w_begin + u, max(w_end - 1, 0));
+                const int t = min(w_begin + u, max(w_end - 1, 0));  // offsets inside one row fit 32 bits
 #pragma unroll
             for (int r = 0; r < NRK; ++r) ki[u][r] = w_begin < w_end ? krow[t * s_kit + kcd[r]] : 0;
 #pragma unroll
@@ -214,7 +213,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
             const bool more = t0 + U < w_end;
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                const i64 t = min(t0 + U + u, w_end - 1);
+                const int t = min(t0 + U + u, w_end - 1);
 #pragma unroll
                 for (int r = 0; r < NRK; ++r) kn[u][r] = more ? krow[t * s_kit + kcd[r]] : 0;
 #pragma unroll
@@ -239,7 +238,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
                 for (int r = 0; r < NRK; ++r) load_run<RUNK>(ktab + ki[u][r] * D + slot0 + r * RUNK, kv + r * RUNK);
                 float sg = 1.0f;
 #if TASQ
-                sg = h2f(sig[(i64)b * s_sb + (i64)min(t0 + u, w_end - 1) * s_st + STEP]);
+                sg = h2f(srow[min(t0 + u, w_end - 1) * s_st + STEP]);
 #endif
 #pragma unroll
                 for (int g = 0; g < QG; ++g) {
@@ -262,6 +261,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
                 if (t0 + my_u >= w_end) sc[g] = NEG_INF;
             }
             softmax_step(st, sc, p, lanes_per_token, lane);
+            float* pw = pbuf + warp * QG * U;
+            if (lane % lanes_per_token == 0) {
+#pragma unroll
+                for (int g = 0; g < QG; ++g) pw[g * U + my_u] = p[g];
+            }
+            __syncwarp();
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 float vv[SPL];
@@ -269,11 +274,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
                 for (int r = 0; r < NRV; ++r) load_run<RUNV>(vtab + vi[u][r] * D + slot0 + r * RUNV, vv + r * RUNV);
 #pragma unroll
                 for (int g = 0; g < QG; ++g) {
-                    const float pu = __shfl_sync(FULL, p[g], u * lanes_per_token);
+                    const float pu = pw[g * U + u];  // a broadcast read
 #pragma unroll
                     for (int i = 0; i < SPL; ++i) st.acc[g][i] += pu * vv[i];
                 }
             }
+            __syncwarp();
 #pragma unroll
             for (int u = 0; u < U; ++u) {
 #pragma unroll
@@ -293,7 +299,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
 #pragma unroll
                 for (int i = 0; i < SPL; ++i) {
                     const float c = cos_t[pos * D2 + kf[i]], sn = ksg[i] * sin_t[pos * D2 + kf[i]];
-                    const float k = act(fk, krw + kc[i]);
+                    const float k = act(fk, krw + kch[h * D + slot0 + i]);
 #pragma unroll
                     for (int g = 0; g < QG; ++g) sc[g] += k * (qs[g][i] * c + qp[g][i] * sn);
                 }
@@ -310,7 +316,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
                 softmax_step(st, sc, p, 32, lane);
 #pragma unroll
                 for (int i = 0; i < SPL; ++i) {
-                    const float v = act(fv, vrw + vc[i]);
+                    const float v = act(fv, vrw + vch[h * D + slot0 + i]);
 #pragma unroll
                     for (int g = 0; g < QG; ++g) st.acc[g][i] += p[g] * v;
                 }

@@ -209,7 +209,7 @@ def decode_attention(
     fp_positions: torch.Tensor, fp_mask: torch.Tensor | None, rope: RopeTable, block_n: int = 16,
     num_splits: int | None = None, num_warps: int = 4, max_position: int | None = None,
     programs_per_sm: int = 4, batch_per_program: int = 1, cache_hints: bool = False, backend: str = "auto",
-    warps: int = 8, tokens_per_iteration: int = 16,
+    warps: int | None = None, tokens_per_iteration: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over coded and full-precision tokens (the Triton kernels).
 
@@ -221,7 +221,8 @@ def decode_attention(
     ``batch_per_program`` sequences), about ``programs_per_sm`` per multiprocessor (``num_splits`` overrides);
     ``cache_hints``: tables loaded evict-last and the index stream evict-first.
     ``backend``: ``"cuda"`` the shared-memory kernel of :mod:`~loopvq_calib.decode_cuda` (``warps`` per
-    block, ``tokens_per_iteration`` per warp step; ``num_splits`` per KV head), ``"triton"`` the kernel of
+    block, ``tokens_per_iteration`` per warp step, defaults by layout; ``num_splits`` per KV head), ``"triton"``
+    the kernel of
     :mod:`~loopvq_calib.decode_kernels`, ``"auto"`` the CUDA kernel where the site and the call fit it
     (:func:`~loopvq_calib.decode_cuda.fits`), else Triton.
     """

@@ -102,14 +102,22 @@ def slot_tables(tables) -> SlotTables | None:
         freq[korder].to(i32).contiguous(), sign[korder].contiguous(), vorder.to(i32).contiguous(), rk, rv)
 
 
+def default_launch(slots: SlotTables) -> tuple[int, int]:
+    """(warps per block, tokens per warp step): 16 x 8 where every lane reads one run per kind (loop-axis and
+    channel layouts: 128 registers, no spills), 8 x 8 for shorter runs (TaSQ's permuted keys need more
+    registers per lane). Measured on the H200 (docs/quantized-cache.md)."""
+    per_lane = slots.key.shape[2] // 32
+    return (16, 8) if slots.run_key == per_lane and slots.run_value == per_lane else (8, 8)
+
+
 def shared_bytes(slots: SlotTables, warps: int, query_groups: int) -> int:
-    """Dynamic shared memory of one block: both tables plus the warps' merge area."""
+    """Dynamic shared memory of one block: both tables, the warps' merge area and weight buffers (<= 32 tokens)."""
     heads, k, d = slots.key.shape
-    return 2 * k * d * slots.key.element_size() + warps * query_groups * (d + 2) * 4
+    return 2 * k * d * slots.key.element_size() + warps * query_groups * (d + 2 + 32) * 4
 
 
 def fits(slots: SlotTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor,
-         key_indices: torch.Tensor, warps: int) -> bool:
+         key_indices: torch.Tensor, warps: int | None) -> bool:
     """Whether this call can run the CUDA kernel (else the Triton one serves it)."""
     if slots is None or q.device.type != "cuda" or not hasattr(torch.cuda, "_compile_kernel"):
         return False
@@ -118,7 +126,7 @@ def fits(slots: SlotTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_va
     if key_indices.dtype != torch.uint8 or slots.key.dtype not in (torch.float16, torch.float32):
         return False
     limit = torch.cuda.get_device_properties(q.device).shared_memory_per_block_optin
-    if shared_bytes(slots, warps, q.shape[1] // slots.key.shape[0]) > limit:
+    if shared_bytes(slots, warps or default_launch(slots)[0], q.shape[1] // slots.key.shape[0]) > limit:
         return False
     inner = all(t.stride(-1) == 1 for t in (fp_keys, fp_values, key_indices))
     return inner and all(t.numel() <= INT32_MAX for t in (key_indices, fp_keys, fp_values))
@@ -155,14 +163,16 @@ def _compiled(defines: tuple[tuple[str, int], ...], shared: int, device: int):
 def decode_attention_cuda(
     q: torch.Tensor, tables, slots: SlotTables, coded, fp_keys: torch.Tensor, fp_values: torch.Tensor,
     fp_positions: torch.Tensor, fp_mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-    warps: int = 8, tokens_per_iteration: int = 16, num_splits: int | None = None,
+    warps: int | None = None, tokens_per_iteration: int | None = None, num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the split kernel; returns (acc [B, Hq, S, D], max/sum [B, Hq, S, 2]) for the log-sum-exp merge.
 
     Arguments as :func:`~loopvq_calib.decode_attention.decode_attention` (``cos``/``sin`` the RoPE table,
     covering every position); ``warps`` per block (one block per multiprocessor: the tables fill its shared
-    memory), ``tokens_per_iteration`` tokens per warp step (8, 16 or 32); splits per KV head default to the
-    multiprocessors over the heads."""
+    memory), ``tokens_per_iteration`` tokens per warp step (4, 8, 16 or 32), both from :func:`default_launch`
+    when None; splits per KV head default to the multiprocessors over the heads."""
+    warps = warps or default_launch(slots)[0]
+    tokens_per_iteration = tokens_per_iteration or default_launch(slots)[1]
     bsz, hq, d = q.shape
     heads, k = slots.key.shape[:2]
     n = coded.count

@@ -120,7 +120,7 @@ def test_kernel_every_method_and_rope_style(method, style):
 @gpu
 @pytest.mark.parametrize("n, s_fp, splits, tokens, warps", [
     (0, 1, None, 16, 8), (1, 3, None, 16, 8), (15, 4, 2, 8, 4), (16, 20, 1, 16, 8), (129, 2, 3, 32, 8),
-    (300, 12, 5, 16, 12), (1000, 9, None, 8, 16),
+    (300, 12, 5, 4, 20), (1000, 9, None, 8, 16), (77, 5, 2, 16, 12),
 ])
 def test_kernel_tile_split_and_region_boundaries(n, s_fp, splits, tokens, warps):
     check("loopvq", "half", heads=2, q_heads=2, n=n, s_fp=s_fp, d=128, k=64, g=16, splits=splits, seed=n,
