@@ -1,4 +1,4 @@
-"""Decode attention straight from coded pages: one query token per sequence, a Triton kernel and its reference.
+"""Decode attention straight from coded pages: one query token per sequence, the kernels and their reference.
 
 At a KV site (loop step ``step`` of a block) a sequence's cache is: coded tokens (a block's indices, shared by
 all its steps, plus TaSQ's fp16 sigma per step) and full-precision pre-RoPE sink/window tokens.
@@ -19,9 +19,11 @@ all its steps, plus TaSQ's fp16 sigma per step) and full-precision pre-RoPE sink
   writes (max, sum, accumulator); the last split of each row takes the full-precision tokens. A second
   kernel merges the splits by log-sum-exp. GQA: a program serves the KV head's ``Hq / H`` query heads.
 
-Triton offers no explicit shared-memory placement for a gather: the step tables are read through the L1
-cache (``[K, D]`` per head and kind: 64 KiB in fp16 at K = 256, D = 128). The kernels need CUDA compute
-capability 8.0+ or Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors), like ``kmeans_triton``.
+Two implementations: on CUDA, where the site fits it, the CUDA kernel of :mod:`~loopvq_calib.decode_cuda`
+keeps a head's step tables in shared memory and reads one vector per code (tables reordered by code); the
+Triton kernel of :mod:`~loopvq_calib.decode_kernels` reads the tables through the L1 cache, one gather per
+channel, and serves every other call. The Triton kernels need CUDA compute capability 8.0+ or Triton's
+interpreter (``TRITON_INTERPRET=1``, CPU tensors), like ``kmeans_triton``.
 """
 
 from __future__ import annotations
