@@ -22,7 +22,7 @@ from .bundle_reader import (
     CARD_FILE, FORMAT_VERSION, META_FILE, TENSOR_FILE, Bundle, BundleError, file_entry, inspect_bundle, load_bundle,
     json_safe, meta_bytes,
 )
-from .codec import code_bits, index_dtype, sigma_bits
+from .codec import code_bits, index_dtype, indices_entries, read_indices, sigma_bits
 from .config import ServingConfig
 from .models.loading import DTYPES, ModelIdentity
 from .quantizer import KVQuantizer
@@ -30,6 +30,7 @@ from .quantizer import KVQuantizer
 __all__ = [
     "FORMAT_VERSION", "META_FILE", "TENSOR_FILE", "CARD_FILE", "SIGMA_RULE", "Bundle", "BundleError",
     "write_bundle", "load_bundle", "inspect_bundle", "safetensors_bytes",
+    "indices_entries", "read_indices",  # stored codes beside a bundle, plain or bit-packed (format 1.1, section 8)
 ]
 
 SIGMA_RULE = (

@@ -1,4 +1,4 @@
-"""Decode attention straight from coded pages: one query token per sequence, a Triton kernel and its reference.
+"""Decode attention straight from coded pages: one query token per sequence, the kernels and their reference.
 
 At a KV site (loop step ``step`` of a block) a sequence's cache is: coded tokens (a block's indices, shared by
 all its steps, plus TaSQ's fp16 sigma per step) and full-precision pre-RoPE sink/window tokens.
@@ -19,14 +19,17 @@ all its steps, plus TaSQ's fp16 sigma per step) and full-precision pre-RoPE sink
   writes (max, sum, accumulator); the last split of each row takes the full-precision tokens. A second
   kernel merges the splits by log-sum-exp. GQA: a program serves the KV head's ``Hq / H`` query heads.
 
-Triton offers no explicit shared-memory placement for a gather: the step tables are read through the L1
-cache (``[K, D]`` per head and kind: 64 KiB in fp16 at K = 256, D = 128). The kernels need CUDA compute
-capability 8.0+ or Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors), like ``kmeans_triton``.
+Two implementations: on CUDA, where the site fits it, the CUDA kernel of :mod:`~loopvq_calib.decode_cuda`
+keeps a head's step tables in shared memory and reads one vector per code (tables reordered by code); the
+Triton kernel of :mod:`~loopvq_calib.decode_kernels` reads the tables through the L1 cache, one gather per
+channel, and serves every other call. The Triton kernels need CUDA compute capability 8.0+ or Triton's
+interpreter (``TRITON_INTERPRET=1``, CPU tensors), like ``kmeans_triton``.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +41,7 @@ from .kmeans_triton import _pow2, available
 from .models.common import apply_rope, rope_angles
 
 LOG2E = 1.4426950408889634
+BACKENDS = ("auto", "cuda", "triton")
 
 
 @dataclass
@@ -59,6 +63,7 @@ class StepTables:
     step: int
     tasq: bool
     rope_style: str
+    slots: Any = field(default=None, repr=False)  # decode_cuda.SlotTables, built at the first CUDA call
 
 
 def pair_channels(head_dim: int, style: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,7 +210,8 @@ def decode_attention(
     q: torch.Tensor, tables: StepTables, coded: CodedTokens, fp_keys: torch.Tensor, fp_values: torch.Tensor,
     fp_positions: torch.Tensor, fp_mask: torch.Tensor | None, rope: RopeTable, block_n: int = 16,
     num_splits: int | None = None, num_warps: int = 4, max_position: int | None = None,
-    programs_per_sm: int = 4, batch_per_program: int = 1, cache_hints: bool = False,
+    programs_per_sm: int = 4, batch_per_program: int = 1, cache_hints: bool = False, backend: str = "auto",
+    warps: int | None = None, tokens_per_iteration: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over coded and full-precision tokens (the Triton kernels).
 
@@ -216,6 +222,11 @@ def decode_attention(
     Launch shape: ``block_n`` tokens per tile and ``num_warps``; programs are (KV head, split, slice of
     ``batch_per_program`` sequences), about ``programs_per_sm`` per multiprocessor (``num_splits`` overrides);
     ``cache_hints``: tables loaded evict-last and the index stream evict-first.
+    ``backend``: ``"cuda"`` the shared-memory kernel of :mod:`~loopvq_calib.decode_cuda` (``warps`` per
+    block, ``tokens_per_iteration`` per warp step, defaults by layout; ``num_splits`` per KV head), ``"triton"``
+    the kernel of
+    :mod:`~loopvq_calib.decode_kernels`, ``"auto"`` the CUDA kernel where the site and the call fit it
+    (:func:`~loopvq_calib.decode_cuda.fits`), else Triton.
     """
     bsz, hq, d = q.shape
     heads, k = tables.value.shape[0], tables.value.shape[1]
@@ -223,20 +234,43 @@ def decode_attention(
         raise ValueError(f"need query heads ({hq}) a multiple of KV heads ({heads}) and an even head dim ({d})")
     if fp_keys.shape[1] < 1:
         raise ValueError("decode attention needs at least one full-precision token (the new one)")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     n = coded.count
+    if max_position is None:
+        max_position = max(int(coded.first_position.max()) + n if n else 0, int(fp_positions.max()))
+    if tables.tasq and n and coded.key_sigma is None:
+        raise ValueError("TaSQ key tables need the coded tokens' key_sigma")
+    if backend != "triton" and q.device.type == "cuda":
+        from . import decode_cuda
+
+        if tables.slots is None:
+            tables.slots = decode_cuda.slot_tables(tables) or False
+        if decode_cuda.fits(tables.slots or None, q, fp_keys, fp_values, coded.key_indices, warps):
+            cos, sin = rope.covering(max_position + 2, q.device)
+            try:
+                acc, ml = decode_cuda.decode_attention_cuda(
+                    q, tables, tables.slots, coded, fp_keys, fp_values, fp_positions, fp_mask, cos, sin, warps,
+                    tokens_per_iteration, num_splits)
+                return _merged(acc, ml, q.dtype)
+            except decode_cuda.BuildError as err:  # no NVRTC or a failed build: the Triton kernel serves
+                if backend == "cuda":
+                    raise
+                warnings.warn(f"CUDA decode kernel unavailable ({err}); using the Triton kernel", stacklevel=2)
+                tables.slots = False
+    if backend == "cuda":
+        raise RuntimeError("the CUDA decode kernel does not take this call (needs a CUDA device, a head dim that is "
+                           "a multiple of 32, uint8 indices, fp16/fp32 tables in shared memory, one dtype for q "
+                           "and the full-precision tokens)")
     slices = -(-bsz // batch_per_program)
     programs = num_splits * heads if num_splits else _programs_for(q.device) * programs_per_sm // slices
     splits, per_split = plan_splits(n, heads, block_n, programs)
-    if max_position is None:
-        max_position = max(int(coded.first_position.max()) + n if n else 0, int(fp_positions.max()))
     cos, sin = rope.covering(max_position + 1 + block_n, q.device)
     q = q.contiguous()
     fk, fv = fp_keys, fp_values
     fpos = fp_positions.to(torch.int32).contiguous()
     fmask = fp_mask.to(torch.int8).contiguous() if fp_mask is not None else fpos
     kidx, vidx = coded.key_indices, coded.value_indices
-    if tables.tasq and n and coded.key_sigma is None:
-        raise ValueError("TaSQ key tables need the coded tokens' key_sigma")
     sig = coded.key_sigma if tables.tasq and n else cos
     qg = hq // heads
     acc = torch.empty(bsz, hq, splits + 1, d, device=q.device, dtype=torch.float32)
@@ -244,7 +278,7 @@ def decode_attention(
     if not available(q.device):
         raise RuntimeError(f"the decode-attention kernels need triton and a CUDA GPU of compute capability 8.0+, "
                            f"or TRITON_INTERPRET=1 for CPU tensors; got device {q.device}")
-    from .decode_kernels import _merge_kernel, _split_kernel
+    from .decode_kernels import _split_kernel
 
     _split_kernel[(heads, splits + 1, slices)](
         q, kidx, vidx, sig, tables.key_a, tables.key_b, tables.key_code_a, tables.key_code_b, tables.value,
@@ -257,14 +291,24 @@ def decode_attention(
         DP=_pow2(d), TABLE_EVICT="evict_last" if cache_hints else "", STREAM_EVICT="evict_first" if cache_hints else "",
         num_warps=num_warps,
     )
-    out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype)
-    _merge_kernel[(bsz * hq,)](acc, ml, out, S=splits + 1, SP=_pow2(splits + 1), D=d, DP=_pow2(d), num_warps=4)
+    return _merged(acc, ml, q.dtype)
+
+
+def _merged(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Log-sum-exp merge of the splits: acc [B, Hq, S, D], ml [B, Hq, S, 2] (max, sum) -> [B, Hq, D]."""
+    from .decode_kernels import _merge_kernel
+
+    bsz, hq, splits, d = acc.shape
+    out = torch.empty(bsz, hq, d, device=acc.device, dtype=dtype)
+    _merge_kernel[(bsz * hq,)](acc, ml, out, S=splits, SP=_pow2(splits), D=d, DP=_pow2(d), num_warps=4)
     return out
 
 
 class CodeBuffer:
     """One (kind, block)'s coded pages as a [B, capacity, ...] tensor that doubles when full, so the kernel
-    reads tokens at a fixed stride; pages are copied in once, as the cache encodes them."""
+    reads tokens at a fixed stride; pages are copied in once, as the cache encodes them. Indices are stored
+    head-major ([B, H, capacity, n], exposed as a [B, capacity, H, n] view): a kernel that streams one head's
+    tokens reads contiguous bytes."""
 
     def __init__(self) -> None:
         self.indices: torch.Tensor | None = None
@@ -279,7 +323,7 @@ class CodeBuffer:
             sig = None if c.sigma is None else c.sigma.view(batch, page_size, -1)
             if self.indices is None or self.count + page_size > self.indices.shape[1]:
                 cap = max(2 * self.count, self.count + page_size, 64)
-                self.indices = _grown(self.indices, idx, cap, self.count)
+                self.indices = _grown(self.indices, idx, cap, self.count, head_major=True)
                 self.sigma = _grown(self.sigma, sig, cap, self.count) if sig is not None else None
             self.indices[:, self.count:self.count + page_size] = idx
             if sig is not None:
@@ -289,8 +333,14 @@ class CodeBuffer:
         return self
 
 
-def _grown(old: torch.Tensor | None, like: torch.Tensor, capacity: int, count: int) -> torch.Tensor:
-    new = like.new_empty(like.shape[0], capacity, *like.shape[2:])
+def _grown(old: torch.Tensor | None, like: torch.Tensor, capacity: int, count: int,
+           head_major: bool = False) -> torch.Tensor:
+    """A [B, capacity, ...] tensor holding ``old``'s first ``count`` tokens; ``head_major``: [B, H, capacity, n]
+    storage behind a [B, capacity, H, n] view."""
+    if head_major:
+        new = like.new_empty(like.shape[0], like.shape[2], capacity, like.shape[3]).transpose(1, 2)
+    else:
+        new = like.new_empty(like.shape[0], capacity, *like.shape[2:])
     if old is not None:
         new[:, :count] = old[:, :count]
     return new

@@ -1,6 +1,7 @@
 """The Triton kernels behind :func:`loopvq_calib.decode_attention.decode_attention` (design in that module's
-docstring and docs/quantized-cache.md): a split-K attention pass over coded and full-precision tokens, and
-a log-sum-exp merge of the splits."""
+docstring and docs/quantized-cache.md): a split-K attention pass over coded and full-precision tokens (the
+CPU-interpreter path and the fallback of the CUDA kernel in ``decode_attention.cu``), and a log-sum-exp merge
+of the splits (used by both)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,16 @@ from .kmeans_triton import triton
 
 if triton is not None:
     import triton.language as tl
+
+    @triton.jit
+    def _online_softmax(sc, v, m_i, l_i, acc):
+        """Fold a tile's base-2 logits sc [QGP, N] and values v [N, DP] into the running (max, sum, acc)."""
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None], axis=1)
+        return m_new, l_i, acc
 
     # counts that change between calls are not specialised on: no recompilation as the cache grows
     @triton.jit(do_not_specialize=["n_batch", "batch_per_program", "n_coded", "n_fp", "split_len"])
@@ -88,17 +99,11 @@ if triton is not None:
                     kb = kb * sg[:, None]
                 sc = tl.sum(ka[None] * u + kb[None] * w, axis=2)  # [QGP, N], base-2 logits
                 sc = tl.where(ok[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(sc - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
                 vrow = vidx_ptr + b * s_vib + tok.to(tl.int64)[:, None] * s_vit + h * s_vih
                 iv = tl.load(vrow + code_v[None, :], mask=ok[:, None] & d_ok[None, :], other=0,
                              eviction_policy=STREAM_EVICT).to(tl.int32)
                 v = tl.load(tab_v + iv * D + d[None, :], mask=d_ok[None, :], other=0.0, eviction_policy=TABLE_EVICT)
-                v = v.to(tl.float32)
-                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None], axis=1)
-                m_i = m_new
+                m_i, l_i, acc = _online_softmax(sc, v.to(tl.float32), m_i, l_i, acc)
 
             # full-precision tokens (sinks and window), pre-RoPE, each at its own position
             for t0 in range(0, fend, BLOCK_N):
@@ -117,14 +122,9 @@ if triton is not None:
                 kb = tl.load(krow + cb_ch[None, :], mask=f_ok, other=0.0).to(tl.float32)
                 sc = tl.sum(ka[None] * u + kb[None] * w, axis=2)
                 sc = tl.where(ok[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(sc - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
                 vrow = fv_ptr + b * s_fvb + tok.to(tl.int64)[:, None] * s_fvt + h * s_fvh
                 v = tl.load(vrow + d[None, :], mask=(tok < fend)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None], axis=1)
-                m_i = m_new
+                m_i, l_i, acc = _online_softmax(sc, v, m_i, l_i, acc)
 
             qh = (b * H * QG + h * QG + r) * (n_splits + 1) + s  # [B, Hq, splits + 1] rows
             tl.store(acc_ptr + qh[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])

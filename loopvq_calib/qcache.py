@@ -20,9 +20,10 @@ the oldest window page of every layer and step is encoded. Keys are stored befor
 their stored positions when read, decoded keys after decoding.
 
 Decode steps (one new token) can attend straight from the codes: :meth:`QuantizedLoopKVCache.attend`, which
-the models' attention calls when a cache offers it, runs :mod:`~loopvq_calib.decode_attention`'s Triton kernel
-(``kernel="auto"``: on CUDA; ``"triton"``: also on CPU under ``TRITON_INTERPRET=1``; ``"torch"``: never) and
-returns None otherwise, so that ``update`` (this reference path) serves the call.
+the models' attention calls when a cache offers it, runs :func:`~loopvq_calib.decode_attention.decode_attention`
+(on CUDA the shared-memory CUDA kernel where the site fits it, else the Triton kernel; ``kernel="auto"``: on
+CUDA; ``"triton"``: also on CPU under ``TRITON_INTERPRET=1``; ``"torch"``: never) and returns None otherwise,
+so that ``update`` (this reference path) serves the call.
 
 ``quantizer`` is a calibrated :class:`~loopvq_calib.quantizer.KVQuantizer` or a
 :class:`~loopvq_calib.baselines.BaselineQuantizer` (last-step KV, KIVI, fp8): any set of codecs with
@@ -107,7 +108,7 @@ class QuantizedLoopKVCache:
         return out
 
     def attend(self, site: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: Any) -> torch.Tensor | None:
-        """A decode step's attention from the codes (the Triton kernel), or None when the kernel does not take
+        """A decode step's attention from the codes (the CUDA or Triton kernel), or None when the kernel does not take
         this call (more than one query token, ``store="fake"``, ``kernel="torch"``, a baseline quantizer, no CUDA
         under ``auto``).
 

@@ -1,4 +1,4 @@
-"""Decode attention from coded pages (the Triton kernel) against bf16 attention over an uncompressed cache
+"""Decode attention from coded pages (the CUDA shared-memory kernel, or the Triton one) against bf16 attention over an uncompressed cache
 (PyTorch SDPA), at Ouro-1.4B's shapes: 24 layers x 4 loop steps = 96 KV sites, 16 query and 16 KV heads,
 head dim 128; codes LoopVQ K 256, G 16, T_c 4 (0.5 bit; 32 index bytes per head and kind and token, shared
 by the block's 4 steps); 8 sinks + 68 window tokens in bf16 (the serving defaults, mid-page).
@@ -92,6 +92,23 @@ def body_ms(batch: int, device: torch.device) -> float:
     return ms
 
 
+def random_indices(batch: int, n: int, n_groups: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """Random uint8 codes [B, n, H, n_groups] stored head-major, as the cache's CodeBuffer stores them."""
+    idx = torch.randint(0, K, (batch, KV_HEADS, n, n_groups), device=device, dtype=torch.uint8, generator=gen)
+    return idx.transpose(1, 2)
+
+
+def parse_variant(spec: str) -> dict:
+    """``cuda-WxU`` (warps per block x tokens per warp step) or ``triton-NxWxPxS`` (block_n x num_warps x
+    programs per multiprocessor x sequences per program) -> decode_attention keyword arguments."""
+    backend, shape = spec.split("-")
+    nums = [int(x) for x in shape.split("x")]
+    if backend == "cuda":
+        return dict(backend="cuda", warps=nums[0], tokens_per_iteration=nums[1])
+    return dict(backend="triton", block_n=nums[0], num_warps=nums[1], programs_per_sm=nums[2],
+                batch_per_program=nums[3])
+
+
 def bench_case(context: int, batch: int, method: str, tables: da.StepTables, device: torch.device,
                launch: dict) -> dict:
     gen = torch.Generator(device=device).manual_seed(context + batch)
@@ -99,8 +116,7 @@ def bench_case(context: int, batch: int, method: str, tables: da.StepTables, dev
     n_groups = D * T_C // G
     q = torch.randn(batch, HEADS, D, device=device, dtype=torch.bfloat16, generator=gen)
     coded = da.CodedTokens(
-        torch.randint(0, K, (batch, n, KV_HEADS, n_groups), device=device, dtype=torch.uint8, generator=gen),
-        torch.randint(0, K, (batch, n, KV_HEADS, n_groups), device=device, dtype=torch.uint8, generator=gen),
+        random_indices(batch, n, n_groups, device, gen), random_indices(batch, n, n_groups, device, gen),
         (torch.rand(batch, n, T_C, device=device, generator=gen) + 0.5).half() if tables.tasq else None,
         n, torch.full((batch,), SINKS, device=device, dtype=torch.int32))
     fp = torch.randn(2, batch, SINKS + WINDOW, KV_HEADS, D, device=device, dtype=torch.bfloat16, generator=gen)
@@ -132,8 +148,8 @@ def check_accuracy(method: str, tables: da.StepTables, kc: BlockCodec, vc: Block
     """Relative error against the float64 reference at these shapes (batch 2, 3000 coded tokens)."""
     gen = torch.Generator().manual_seed(1)
     n, s = 3000, SINKS + WINDOW
-    coded = da.CodedTokens(torch.randint(0, K, (2, n, KV_HEADS, 32), generator=gen, dtype=torch.uint8),
-                           torch.randint(0, K, (2, n, KV_HEADS, 32), generator=gen, dtype=torch.uint8),
+    coded = da.CodedTokens(random_indices(2, n, 32, torch.device("cpu"), gen),
+                           random_indices(2, n, 32, torch.device("cpu"), gen),
                            (torch.rand(2, n, T_C, generator=gen) + 0.5).half() if tables.tasq else None, n,
                            torch.tensor([SINKS, SINKS]))
     q = torch.randn(2, HEADS, D, generator=gen).bfloat16()
@@ -153,12 +169,11 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--methods", nargs="+", default=["loopvq", "tasq+loopvq"])
-    ap.add_argument("--launches", default="16x4x4x1,16x4x8x1,32x4x4x1,32x8x2x1,64x8x2x1,16x4x4x8,32x8x1x8",
-                    help="block_n x num_warps x programs_per_sm x batch_per_program variants tried at 32k, batch 8 "
-                    "(a trailing h: cache hints)")
+    ap.add_argument("--variants", default="cuda-8x8,cuda-16x8,cuda-16x4,cuda-20x4,cuda-12x8,triton-16x4x4x8",
+                    help="kernel variants tried at 32k, batch 8 (see parse_variant); the table runs the defaults")
     ap.add_argument("--codebook-size", type=int, default=K, help="K (256 is the 0.5-bit bundle; smaller K shrinks the "
                     "step tables, to see what a cache-resident codebook slice gives)")
-    ap.add_argument("--launches-only", action="store_true", help="only the launch variants at 32k, batch 8")
+    ap.add_argument("--variants-only", action="store_true", help="only the kernel variants at 32k, batch 8")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     ap.add_argument("--table-from", type=Path, help="print the markdown tables of a saved result and exit (no GPU)")
     ap.add_argument("--out", type=Path)
@@ -182,17 +197,14 @@ def main() -> None:
         accuracy[method] = check_accuracy(method, tables[method], kc, vc, device)
         print(f"{method}: relative error vs float64 reference {accuracy[method]:.2e}", flush=True)
     result["relative_error"] = accuracy
-    best = None
-    for spec in args.launches.split(","):
-        bn, nw, pps, bpp = (int(x) for x in spec.rstrip("h").split("x"))
-        launch = dict(block_n=bn, num_warps=nw, programs_per_sm=pps, batch_per_program=bpp, cache_hints=spec.endswith("h"))
-        r = bench_case(32768, 8, "loopvq", tables["loopvq"], device, launch)
-        result["launches"].append(r)
-        print(f"launch {launch}: coded {r['coded_ms'] * 1e3:.1f} us, bf16 {r['bf16_ms'] * 1e3:.1f} us", flush=True)
-        if r["coded_ms"] <= min(t["coded_ms"] for t in result["launches"]):
-            best = launch
-    result["best_launch"] = best
-    if args.launches_only:
+    for spec in args.variants.split(","):
+        for method in args.methods:
+            r = bench_case(32768, 8, method, tables[method], device, parse_variant(spec))
+            r["variant"] = spec
+            result["launches"].append(r)
+            print(f"{spec} {method}: coded {r['coded_ms'] * 1e3:.1f} us, bf16 {r['bf16_ms'] * 1e3:.1f} us", flush=True)
+    best = result["table_launch"] = {"backend": "auto"}  # the table: what a caller gets by default
+    if args.variants_only:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
         return
@@ -222,11 +234,10 @@ def main() -> None:
 
 def table(result: dict) -> str:
     """Markdown tables of the launch variants and the cases (what docs/quantized-cache.md shows)."""
-    rows = ["| block_n | warps | programs/SM | sequences/program | cache hints | coded ms | bf16 SDPA ms |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| variant | method | coded ms | bf16 SDPA ms | speedup |", "|---|---|---|---|---|"]
     for r in result["launches"]:
-        rows.append(f"| {r['block_n']} | {r['num_warps']} | {r['programs_per_sm']} | {r['batch_per_program']} | "
-                    f"{'yes' if r.get('cache_hints') else 'no'} | {r['coded_ms']:.3f} | {r['bf16_ms']:.3f} |")
+        rows.append(f"| {r['variant']} | {r['method']} | {r['coded_ms']:.4f} | {r['bf16_ms']:.4f} | "
+                    f"{r['bf16_ms'] / r['coded_ms']:.2f} |")
     if not result["cases"]:
         return "\n".join(rows)
     rows += ["", "| context | batch | method | bf16 SDPA ms | coded ms | speedup | bf16 GB/s | coded GB/s | "

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loopvq_calib import load_bundle  # noqa: E402
+from loopvq_calib.codec import indices_entries  # noqa: E402
 from loopvq_calib.decode_attention import CodedTokens, decode_attention_reference  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "golden"
@@ -52,6 +53,9 @@ def build(golden: Path = GOLDEN) -> dict[str, torch.Tensor]:
         fp_values = torch.randn(steps, SINKS + WINDOW, heads, d, generator=gen)
         outputs = [decode_attention_reference(query[m][None], kc, vc, m, coded, fp_keys[m][None], fp_values[m][None],
                                               fp_pos[None], None, rope["style"], rope["theta"])[0] for m in range(steps)]
+        for kind in ("key", "value"):  # the coded tokens' indices bit-packed (format 1.1, bundle-format section 8)
+            idx = expected[f"{case}/{kind}.{block}.indices"]
+            out.update(indices_entries(f"{case}/{kind}", idx, bundle.meta["codebook_size"], form="packed"))
         out.update({f"{case}/query": query, f"{case}/fp_keys": fp_keys, f"{case}/fp_values": fp_values,
                     f"{case}/fp_positions": fp_pos, f"{case}/coded_positions": coded_pos.clone(),
                     f"{case}/output": torch.stack(outputs).float()})
@@ -72,12 +76,14 @@ keys with per-head permuted groups, interleaved RoPE) and every step `m` of it (
 |---|---|---|
 | `query` | [T, 4, 8] float32 | post-RoPE query of step `m`: 4 query heads, 2 per KV head (query head `q` reads KV head `q // 2`) |
 | `coded_positions` | [16] int64 | positions 8..23 of the 16 coded tokens; their codes are `tests/golden/expected.safetensors`' `{case}/key.{block}.indices`, `.sigma` (TaSQ) and `{case}/value.{block}.indices` |
+| `key.indices_packed`, `value.indices_packed` | [16, 2, ceil(n * 4 / 8)] uint8 | the same codes bit-packed (K = 16: 4 bits per index, LSB first; bundle-format section 8): unpacked, they equal the plain indices above |
 | `fp_keys`, `fp_values` | [T, 13, 2, 8] float32 | full-precision tokens of step `m`'s site, keys pre-RoPE: 8 sinks then 5 window tokens |
 | `fp_positions` | [13] int64 | their positions: 0..7, then 24..28 |
 | `output` | [T, 4, 8] float32 | softmax(q . k / sqrt(8)) v over the 29 tokens, computed in float64 |
 
 A reader passes when its output is within 1e-5 (relative L2 per step) of `output`, decoding the given codes
-(no encoding is involved, so there are no near-ties).
+(no encoding is involved, so there are no near-ties); a reader of packed codes reads them from the
+`indices_packed` tensors instead.
 """
 
 

@@ -130,3 +130,35 @@ def test_pack_indices_refuses_out_of_range():
         pack_indices(torch.tensor([1]), 17)
     with pytest.raises(ValueError, match="fewer than 5 indices"):
         unpack_indices(torch.zeros(2, dtype=torch.uint8), 4, 5)
+
+
+def test_indices_entries_store_the_forms_of_format_1_1_and_read_back():
+    """K < 256: plain uint8 and/or packed (4 bits at K 16: 3 indices in 2 bytes); K 256: plain only; K 300: int32."""
+    from loopvq_calib.codec import indices_entries, read_indices
+
+    x = torch.tensor([[1, 2, 15], [0, 7, 9]])
+    both = indices_entries("key.b0", x, 16)
+    assert both["key.b0.indices"].dtype == torch.uint8 and both["key.b0.indices"].tolist() == x.tolist()
+    assert both["key.b0.indices_packed"].tolist() == [[0x21, 0x0F], [0x70, 0x09]]
+    packed = indices_entries("key.b0", x, 16, form="packed")
+    assert list(packed) == ["key.b0.indices_packed"]
+    assert torch.equal(read_indices(packed, "key.b0", 16, 3), x) and torch.equal(read_indices(both, "key.b0", 16, 3), x)
+    assert list(indices_entries("v", x, 256, form="packed")) == ["v.indices"]
+    wide = indices_entries("v", torch.tensor([[299, 0, 5]]), 300)
+    assert list(wide) == ["v.indices"] and wide["v.indices"].dtype == torch.int32
+
+
+def test_read_indices_names_the_tensor_it_refuses():
+    from loopvq_calib.codec import indices_entries, read_indices
+
+    x = torch.tensor([[1, 2, 15]])
+    both = indices_entries("key.b0", x, 16)
+    with pytest.raises(ValueError, match=r"key.b0.indices_packed: expected uint8 with 3 bytes per row"):
+        read_indices(both, "key.b0", 16, 5)
+    both["key.b0.indices"] = torch.tensor([[1, 2, 14]], dtype=torch.uint8)
+    with pytest.raises(ValueError, match="key.b0.indices and key.b0.indices_packed disagree"):
+        read_indices(both, "key.b0", 16, 3)
+    with pytest.raises(KeyError, match="no tensor value.b0.indices"):
+        read_indices(both, "value.b0", 16, 3)
+    with pytest.raises(ValueError, match="form 'bits'"):
+        indices_entries("key.b0", x, 16, form="bits")

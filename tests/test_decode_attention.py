@@ -13,6 +13,7 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -85,7 +86,7 @@ def make_inputs(kc: BlockCodec, vc: BlockCodec, batch: int, q_heads: int, n: int
 
 def check(method, style, heads, q_heads, n, s_fp, *, steps=4, d=16, k=16, g=8, sharing="none", block_n=8,
           splits=None, pad=0, seed=0, table_dtype=torch.float32, dtype=torch.float32, tol=1e-5, batch=2, per_program=1,
-          hints=False):
+          hints=False, **kernel):
     kc, vc = make_codecs(method, heads, d, k, g, steps, sharing, seed)
     coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, batch, q_heads, n, s_fp, seed, dtype, pad)
     rope = da.RopeTable(d, 10000.0)
@@ -95,7 +96,7 @@ def check(method, style, heads, q_heads, n, s_fp, *, steps=4, d=16, k=16, g=8, s
         moved = da.CodedTokens(coded.key_indices.to(DEVICE), coded.value_indices.to(DEVICE),
                                coded.key_sigma.to(DEVICE) if coded.key_sigma is not None else None, n, coded.first_position)
         out = da.decode_attention(dev[0], tables, moved, *dev[1:], rope, block_n=block_n, num_splits=splits,
-                                  batch_per_program=per_program, cache_hints=hints)
+                                  batch_per_program=per_program, cache_hints=hints, **kernel)
         ref = da.decode_attention_reference(q.float(), kc, vc, step, coded, fk, fv, fpos, mask, style, 10000.0)
         assert out.dtype == dtype and out.shape == ref.shape and torch.isfinite(out).all()
         err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
@@ -363,15 +364,50 @@ def test_attention_golden_output_from_the_decoded_golden_tensors(case):
         assert ((out - gold[f"{case}/output"][m].double()).norm() / out.norm()) < 1e-5
 
 
+def spec_unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """Bit-packed indices as docs/bundle-format.md section 8 states them, written from the text: index j is
+    bits j*b .. j*b + b - 1 of the row's stream, least significant first; stream bit t is bit t % 8 of byte
+    t // 8."""
+    out = np.zeros(packed.shape[:-1] + (count,), dtype=np.int64)
+    for j in range(count):
+        for k in range(bits):
+            t = j * bits + k
+            out[..., j] |= ((packed[..., t // 8].astype(np.int64) >> (t % 8)) & 1) << k
+    return out
+
+
+@pytest.mark.parametrize("case", ["ouro_loopvq", "huginn_tasq_loopvq"])
+def test_attention_golden_packed_codes_are_the_golden_indices(case):
+    """The 1.1 packed form of the golden codes: a spec-text unpacker and the package's reader both give the plain
+    indices of tests/golden/."""
+    from loopvq_calib.codec import read_indices
+
+    _, block, bundle, _ = _golden_case(case)
+    gold = load_file(str(GOLDEN_ATTENTION / "attention.safetensors"))
+    expected = load_file(str(GOLDEN / "expected.safetensors"))
+    k = bundle.meta["codebook_size"]
+    for kind in ("key", "value"):
+        plain = expected[f"{case}/{kind}.{block}.indices"]
+        packed = gold[f"{case}/{kind}.indices_packed"]
+        assert packed.dtype == torch.uint8 and packed.shape[-1] == -(-plain.shape[-1] * 4 // 8)  # K 16: 4 bits
+        assert np.array_equal(spec_unpack(packed.numpy(), int(math.log2(k)), plain.shape[-1]), plain.numpy())
+        assert torch.equal(read_indices(gold, f"{case}/{kind}", k, plain.shape[-1]), plain.long())
+
+
 @needs_kernels
 @pytest.mark.parametrize("case", ["ouro_loopvq", "huginn_tasq_loopvq"])
 def test_kernel_reproduces_the_attention_golden_vectors(case):
+    """From the packed codes (read back to uint8), as a backend reading format 1.1 files would."""
+    from loopvq_calib.codec import read_indices
+
     _, block, bundle, (kc, vc) = _golden_case(case)
     gold = load_file(str(GOLDEN_ATTENTION / "attention.safetensors"))
     expected = load_file(str(GOLDEN / "expected.safetensors"))
     sigma = expected.get(f"{case}/key.{block}.sigma")
-    coded = da.CodedTokens(expected[f"{case}/key.{block}.indices"][None].to(DEVICE),
-                           expected[f"{case}/value.{block}.indices"][None].to(DEVICE),
+    idx = {kind: read_indices(gold, f"{case}/{kind}", bundle.meta["codebook_size"],
+                              expected[f"{case}/{kind}.{block}.indices"].shape[-1]).to(torch.uint8)
+           for kind in ("key", "value")}
+    coded = da.CodedTokens(idx["key"][None].to(DEVICE), idx["value"][None].to(DEVICE),
                            None if sigma is None else sigma[None].to(DEVICE), 16, gold[f"{case}/coded_positions"][:1])
     rope = da.RopeTable(kc.layout.head_dim, bundle.meta["rope"]["theta"])
     for m in range(kc.layout.steps):
