@@ -44,10 +44,22 @@ VARIANTS = {
     "affine-lr3e-2": {"lr": 3e-2, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 4,
                       "parameterization": "affine"},
     "batch4-lr1e-2": {"lr": 1e-2, "batch_size": 4, "epochs": 12, "lr_schedule": "cosine", "select_every": 3},
+    # the data grid (more calibration sequences); selection every ~1/6 epoch
+    "paper-every12": {"select_every": 12},
+    "proximal1-every8": {"lr": 1e-2, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 8, "proximal": 1.0},
+    "proximal1-every22": {"lr": 1e-2, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 22, "proximal": 1.0},
+    "batch4-every4": {"lr": 1e-2, "batch_size": 4, "epochs": 8, "lr_schedule": "cosine", "warmup_steps": 4,
+                      "select_every": 4, "proximal": 1.0},
+    "batch4-every6": {"lr": 1e-2, "batch_size": 4, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 6,
+                      "proximal": 1.0},
+    "lr3e-3-every22": {"lr": 3e-3, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 22, "proximal": 1.0},
 }
 SEQUENCES = {16: ["paper", "lr1e-2-cosine-every4", "proximal1", "min-usage32", "affine-lr1e-2", "affine-lr3e-2",
                   "batch4-lr1e-2"],
              64: ["proximal1", "affine-lr1e-2"]}
+DATA = {64: ["proximal1-every8", "batch4-every4", "paper-every12"],  # 48 train / 16 selection sequences
+        176: ["batch4-every6", "lr3e-3-every22"]}  # 132 / 44 (188 windows in the corpus); the shipped recipe
+# at 176 sequences (proximal1-every22) is configs/tiny-ouro-reference.yaml, measured by measure_finetune_gain.py
 SMOKE = {"cells": CELLS[2:3], "sequences": {8: ["paper", "affine-lr3e-2"]}}
 SMOKE_SHAPES = {"sequence_length": 64, "kmeans_iterations": 3, "epochs": 1, "eval": (2, 64)}  # a quick CPU check
 
@@ -95,7 +107,7 @@ def study_cell(method: str, bits: float, sequences: int, variants: list[str], de
     sink = cfg.data.sink_tokens
 
     def evaluation_kl(q) -> float:
-        return evaluate_quantizers(model, eval_ids, [(q, sink)], per_step=False)[0]["heldout_kl"]
+        return evaluate_quantizers(model, eval_ids, [(q, sink)], per_step=False)[0]["eval_kl"]
 
     kmeans_kl = evaluation_kl(init.to(dev))
     out = {"method": method, "bits": bits, "sequences": sequences, "train": len(calib.train),
@@ -183,30 +195,46 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(ROOT / "docs/data/finetune-study.json"))
     p.add_argument("--device", default="auto")
-    p.add_argument("--grid", choices=["main", "smoke"], default="main")
+    p.add_argument("--grid", choices=["main", "data", "smoke", "smoke-data"], default="main")
+    p.add_argument("--cell", type=int, action="append",
+                   help="only these cells (0-3: loopvq 0.5, loopvq 0.25, tasq+loopvq 0.5, tasq+loopvq 0.25); "
+                        "one process per cell runs them side by side on one GPU")
     p.add_argument("--runs", default=str(ROOT / "runs/study-finetune"))
     p.add_argument("--report", help="print the tables of this study file and write the figure instead of running")
+    p.add_argument("--merge", nargs="+", help="merge these per-cell study files into --out")
     p.add_argument("--figure", default=str(ROOT / "docs/figures/finetune-study.png"))
     args = p.parse_args()
     if args.report:
         print(report(Path(args.report), Path(args.figure)))
         return
+    if args.merge:
+        parts = [json.loads(Path(f).read_text()) for f in args.merge]
+        merged = {**parts[0], "cells": [c for part in parts for c in part["cells"]],
+                  "total_s": max(part.get("total_s", 0.0) for part in parts)}
+        Path(args.out).write_text(json.dumps(merged, indent=1))
+        return
+    smoke = args.grid.startswith("smoke")
     cells = SMOKE["cells"] if args.grid == "smoke" else CELLS
-    sequences = SMOKE["sequences"] if args.grid == "smoke" else SEQUENCES
+    if args.cell:
+        cells = [cells[i] for i in args.cell]
+    sequences = {"main": SEQUENCES, "data": DATA, "smoke": SMOKE["sequences"],
+                 "smoke-data": {8: DATA[64][:1], 12: DATA[176][1:2]}}[args.grid]
     commit = os.environ.get("STUDY_COMMIT") or subprocess.run(  # STUDY_COMMIT: a copy without its own .git
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    results = {"command": f"python scripts/study_finetune.py --device {args.device} --grid {args.grid}",
+    cell_args = "".join(f" --cell {i}" for i in args.cell or [])
+    results = {"command": f"python scripts/study_finetune.py --device {args.device} --grid {args.grid}{cell_args}",
                "commit": commit or None, "variants": VARIANTS, "paper": PAPER, "cells": []}
     t0 = time.perf_counter()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for n, names in sequences.items():
         for method, bits in cells:
-            results["cells"].append(study_cell(method, bits, n, names, args.device, Path(args.runs), args.grid == "smoke"))
+            results["cells"].append(study_cell(method, bits, n, names, args.device, Path(args.runs), smoke))
+            results["total_s"] = time.perf_counter() - t0
             Path(args.out).write_text(json.dumps(results, indent=1))
     import torch
 
     results["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
     results["total_s"] = time.perf_counter() - t0
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
 
 
