@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,10 +135,12 @@ def main() -> None:
                else str(config), "overrides": args.overrides, "cells": []}
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(measure_cell, config, m, b, args.device, Path(args.runs), args.overrides,
-                               args.eval_args.split()) for m, b in cells]
-        for fut in futures:
-            results["cells"].append(fut.result())
+        futures = {pool.submit(measure_cell, config, m, b, args.device, Path(args.runs), args.overrides,
+                               args.eval_args.split()): n for n, (m, b) in enumerate(cells)}
+        done: dict[int, dict] = {}
+        for fut in as_completed(futures):  # each cell is saved as soon as it is done, in the order of CELLS
+            done[futures[fut]] = fut.result()
+            results["cells"] = [done[n] for n in sorted(done)]
             results["total_s"] = time.perf_counter() - t0
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(results, indent=1))
