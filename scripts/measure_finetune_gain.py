@@ -92,7 +92,8 @@ def report(path: Path) -> str:
     """The markdown table of a measurement file."""
     data = json.loads(path.read_text())
     lines = ["| cell | k-means (`finetune.enabled=false`) | fine-tuned | change | selection KL k-means -> kept | "
-             "kept step | fine-tuning stage s | capture + k-means s |", "|---|---|---|---|---|---|---|---|"]
+             "kept step | perplexity k-means -> fine-tuned (fp) | fine-tuning stage s | capture + k-means s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c in data["cells"]:
         curve = c["finetune_curve"]
         best = curve["best_step"]
@@ -102,6 +103,7 @@ def report(path: Path) -> str:
         lines.append(
             f"| {c['method']} {c['bits']:g} bit | {c['kmeans']['eval_kl']:.5f} | {c['finetuned']['eval_kl']:.5f} | "
             f"**{c['change']:+.1%}** | {_num(sel0)} -> {_num(c['finetuned']['selection_kl'])} | {best} | "
+            f"{c['kmeans']['ppl_quantized']:.2f} -> {c['finetuned']['ppl_quantized']:.2f} ({c['kmeans']['ppl_fp']:.2f}) | "
             f"{stages.get('finetune', float('nan')):.1f} | {fit:.1f} |")
     return "\n".join(lines)
 

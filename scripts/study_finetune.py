@@ -11,6 +11,9 @@ figure only (it plays no part in any choice). Writes one JSON file.
     python scripts/study_finetune.py --device cuda --out docs/data/finetune-study.json
     python scripts/study_finetune.py --grid smoke --device cpu --out /tmp/smoke.json   # two variants, one cell
     python scripts/study_finetune.py --report docs/data/finetune-study.json  # tables (stdout) + docs/figures PNG
+    # the data grid (64 and 176 calibration sequences), one process per cell on one GPU, then merged:
+    python scripts/study_finetune.py --device cuda --grid data --cell 0 --out cell0.json   # ... cells 1-3
+    python scripts/study_finetune.py --merge cell0.json cell1.json cell2.json cell3.json --out docs/data/finetune-study-data.json
 """
 
 from __future__ import annotations
@@ -151,7 +154,9 @@ def report(path: Path, figure: Path) -> str:
     data = json.loads(path.read_text())
     cells = data["cells"]
     names = list(dict.fromkeys(n for c in cells for n in c["variants"]))
-    head = [f"{c['method']} {c['bits']:g} bit" + (" *" if c.get("partial") else "") for c in cells]
+    several = len({c["sequences"] for c in cells}) > 1  # the data grid: name the calibration sequences
+    head = [f"{c['method']} {c['bits']:g} bit" + (f", {c['sequences']} seq." if several else "")
+            + (" *" if c.get("partial") else "") for c in cells]
     lines = ["| variant | " + " | ".join(head) + " | mean change | fine-tuning s (H200, mean) |",
              "|---|" + "---|" * (len(cells) + 2),
              "| k-means (no fine-tuning) | " + " | ".join(f"{c['kmeans_evaluation_kl']:.5f}" for c in cells) + " | | |"]
@@ -171,25 +176,30 @@ def report(path: Path, figure: Path) -> str:
     return "\n".join(lines)
 
 
+FIGURE_VARIANTS = ("paper", "lr1e-2-cosine-every4", "proximal1", "affine-lr1e-2", "batch4-lr1e-2")
+
+
 def _figure(cells: list[dict], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [c for c in cells if not c.get("partial")]
+    shown = [c for c in cells if not c.get("partial") and c["variants"]]
+    present = list(dict.fromkeys(n for c in shown for n in c["variants"]))
+    names = [n for n in FIGURE_VARIANTS if n in present] or present  # the data grid: every variant it ran
     fig, axes = plt.subplots(1, len(shown), figsize=(4.2 * len(shown), 3.4), squeeze=False)
     for ax, c in zip(axes[0], shown):
-        for name in ("paper", "lr1e-2-cosine-every4", "proximal1", "affine-lr1e-2", "batch4-lr1e-2"):
+        for name in names:
             v = c["variants"].get(name)
             if v and v["curve"]:
                 steps = [p["step"] * v["settings"].get("batch_size", 1) for p in v["curve"]]
                 ax.plot(steps, [p["evaluation_kl"] for p in v["curve"]], marker=".", label=name)
         ax.axhline(c["kmeans_evaluation_kl"], color="grey", lw=0.8, ls="--")
-        ax.set_title(f"{c['method']} {c['bits']:g} bit")
+        ax.set_title(f"{c['method']} {c['bits']:g} bit, {c['sequences']} seq.")
+        ax.legend(fontsize=6)
         ax.set_xlabel("training sequences seen")
     axes[0][0].set_ylabel("evaluation KL (held-out plays)")
-    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
