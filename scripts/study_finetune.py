@@ -11,6 +11,9 @@ figure only (it plays no part in any choice). Writes one JSON file.
     python scripts/study_finetune.py --device cuda --out docs/data/finetune-study.json
     python scripts/study_finetune.py --grid smoke --device cpu --out /tmp/smoke.json   # two variants, one cell
     python scripts/study_finetune.py --report docs/data/finetune-study.json  # tables (stdout) + docs/figures PNG
+    # the data grid (64 and 176 calibration sequences), one process per cell on one GPU, then merged:
+    python scripts/study_finetune.py --device cuda --grid data --cell 0 --out cell0.json   # ... cells 1-3
+    python scripts/study_finetune.py --merge cell0.json cell1.json cell2.json cell3.json --out docs/data/finetune-study-data.json
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = [("loopvq", 0.5), ("loopvq", 0.25), ("tasq+loopvq", 0.5), ("tasq+loopvq", 0.25)]
@@ -44,10 +48,20 @@ VARIANTS = {
     "affine-lr3e-2": {"lr": 3e-2, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 4,
                       "parameterization": "affine"},
     "batch4-lr1e-2": {"lr": 1e-2, "batch_size": 4, "epochs": 12, "lr_schedule": "cosine", "select_every": 3},
+    # the data grid (more calibration sequences); selection every ~1/6 epoch
+    "proximal1-every8": {"lr": 1e-2, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 8, "proximal": 1.0},
+    "batch4-every4": {"lr": 1e-2, "batch_size": 4, "epochs": 8, "lr_schedule": "cosine", "warmup_steps": 4,
+                      "select_every": 4, "proximal": 1.0},
+    "batch4-every6": {"lr": 1e-2, "batch_size": 4, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 6,
+                      "proximal": 1.0},
+    "lr3e-3-every22": {"lr": 3e-3, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 22, "proximal": 1.0},
 }
 SEQUENCES = {16: ["paper", "lr1e-2-cosine-every4", "proximal1", "min-usage32", "affine-lr1e-2", "affine-lr3e-2",
                   "batch4-lr1e-2"],
              64: ["proximal1", "affine-lr1e-2"]}
+DATA = {64: ["proximal1-every8", "batch4-every4"],  # 48 train / 16 selection sequences
+        176: ["batch4-every6", "lr3e-3-every22"]}  # 132 / 44 (188 windows in the corpus); the shipped recipe
+# at 176 sequences (proximal1-every22) is configs/tiny-ouro-reference.yaml, measured by measure_finetune_gain.py
 SMOKE = {"cells": CELLS[2:3], "sequences": {8: ["paper", "affine-lr3e-2"]}}
 SMOKE_SHAPES = {"sequence_length": 64, "kmeans_iterations": 3, "epochs": 1, "eval": (2, 64)}  # a quick CPU check
 
@@ -61,7 +75,8 @@ def run_config(method: str, bits: float, sequences: int, device: str, run_dir: P
                        heldout_sequences=sequences // 4)
     cfg["quant"].update(method=method, bits=bits, group_size=GROUP[bits], codebook_size=256)
     cfg["capture"] = {"store": "disk"}
-    cfg["kmeans"].update(backend="torch", iterations=100)  # same backend on CPU and GPU; the study's 100 updates
+    cfg["kmeans"].update(backend="torch", iterations=100,  # same backend on CPU and GPU; the study's 100 updates
+                         problems_per_batch=96)  # smaller batches: one GPU runs four cells side by side
     # (the shipped demo config shortens k-means and fine-tuning to fit its one-minute budget)
     cfg["output"]["dir"] = str(run_dir)
     if smoke:
@@ -71,7 +86,9 @@ def run_config(method: str, bits: float, sequences: int, device: str, run_dir: P
 
 
 def study_cell(method: str, bits: float, sequences: int, variants: list[str], device: str, runs: Path,
-               smoke: bool = False) -> dict:
+               smoke: bool = False, partial: Callable[[dict], Any] | None = None) -> dict:
+    """One capture and k-means, then every variant from those codebooks; ``partial(cell)`` sees the cell's
+    record after each variant (a time limit still leaves the finished ones)."""
     import torch
 
     from loopvq_calib.config import FinetuneConfig, load_config
@@ -95,7 +112,7 @@ def study_cell(method: str, bits: float, sequences: int, variants: list[str], de
     sink = cfg.data.sink_tokens
 
     def evaluation_kl(q) -> float:
-        return evaluate_quantizers(model, eval_ids, [(q, sink)], per_step=False)[0]["heldout_kl"]
+        return evaluate_quantizers(model, eval_ids, [(q, sink)], per_step=False)[0]["eval_kl"]
 
     kmeans_kl = evaluation_kl(init.to(dev))
     out = {"method": method, "bits": bits, "sequences": sequences, "train": len(calib.train),
@@ -126,6 +143,8 @@ def study_cell(method: str, bits: float, sequences: int, variants: list[str], de
         }
         print(f"{method} {bits} n{sequences} {name}: evaluation KL {kmeans_kl:.5f} -> {chosen['evaluation_kl']:.5f} "
               f"({out['variants'][name]['reduction']:+.1%}), step {result.best_step}, {wall:.1f} s", flush=True)
+        if partial is not None:
+            partial(out)
     return out
 
 
@@ -135,7 +154,9 @@ def report(path: Path, figure: Path) -> str:
     data = json.loads(path.read_text())
     cells = data["cells"]
     names = list(dict.fromkeys(n for c in cells for n in c["variants"]))
-    head = [f"{c['method']} {c['bits']:g} bit" + (" *" if c.get("partial") else "") for c in cells]
+    several = len({c["sequences"] for c in cells}) > 1  # the data grid: name the calibration sequences
+    head = [f"{c['method']} {c['bits']:g} bit" + (f", {c['sequences']} seq." if several else "")
+            + (" *" if c.get("partial") else "") for c in cells]
     lines = ["| variant | " + " | ".join(head) + " | mean change | fine-tuning s (H200, mean) |",
              "|---|" + "---|" * (len(cells) + 2),
              "| k-means (no fine-tuning) | " + " | ".join(f"{c['kmeans_evaluation_kl']:.5f}" for c in cells) + " | | |"]
@@ -155,25 +176,30 @@ def report(path: Path, figure: Path) -> str:
     return "\n".join(lines)
 
 
+FIGURE_VARIANTS = ("paper", "lr1e-2-cosine-every4", "proximal1", "affine-lr1e-2", "batch4-lr1e-2")
+
+
 def _figure(cells: list[dict], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [c for c in cells if not c.get("partial")]
+    shown = [c for c in cells if not c.get("partial") and c["variants"]]
+    present = list(dict.fromkeys(n for c in shown for n in c["variants"]))
+    names = [n for n in FIGURE_VARIANTS if n in present] or present  # the data grid: every variant it ran
     fig, axes = plt.subplots(1, len(shown), figsize=(4.2 * len(shown), 3.4), squeeze=False)
     for ax, c in zip(axes[0], shown):
-        for name in ("paper", "lr1e-2-cosine-every4", "proximal1", "affine-lr1e-2", "batch4-lr1e-2"):
+        for name in names:
             v = c["variants"].get(name)
             if v and v["curve"]:
                 steps = [p["step"] * v["settings"].get("batch_size", 1) for p in v["curve"]]
                 ax.plot(steps, [p["evaluation_kl"] for p in v["curve"]], marker=".", label=name)
         ax.axhline(c["kmeans_evaluation_kl"], color="grey", lw=0.8, ls="--")
-        ax.set_title(f"{c['method']} {c['bits']:g} bit")
+        ax.set_title(f"{c['method']} {c['bits']:g} bit, {c['sequences']} seq.")
+        ax.legend(fontsize=6)
         ax.set_xlabel("training sequences seen")
     axes[0][0].set_ylabel("evaluation KL (held-out plays)")
-    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -183,30 +209,51 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(ROOT / "docs/data/finetune-study.json"))
     p.add_argument("--device", default="auto")
-    p.add_argument("--grid", choices=["main", "smoke"], default="main")
+    p.add_argument("--grid", choices=["main", "data", "smoke", "smoke-data"], default="main")
+    p.add_argument("--cell", type=int, action="append",
+                   help="only these cells (0-3: loopvq 0.5, loopvq 0.25, tasq+loopvq 0.5, tasq+loopvq 0.25); "
+                        "one process per cell runs them side by side on one GPU")
     p.add_argument("--runs", default=str(ROOT / "runs/study-finetune"))
     p.add_argument("--report", help="print the tables of this study file and write the figure instead of running")
+    p.add_argument("--merge", nargs="+", help="merge these per-cell study files into --out")
     p.add_argument("--figure", default=str(ROOT / "docs/figures/finetune-study.png"))
     args = p.parse_args()
     if args.report:
         print(report(Path(args.report), Path(args.figure)))
         return
+    if args.merge:
+        parts = [json.loads(Path(f).read_text()) for f in args.merge]
+        merged = {**parts[0], "cells": [c for part in parts for c in part["cells"]],
+                  "total_s": max(part.get("total_s", 0.0) for part in parts)}
+        Path(args.out).write_text(json.dumps(merged, indent=1))
+        return
+    smoke = args.grid.startswith("smoke")
     cells = SMOKE["cells"] if args.grid == "smoke" else CELLS
-    sequences = SMOKE["sequences"] if args.grid == "smoke" else SEQUENCES
+    if args.cell:
+        cells = [cells[i] for i in args.cell]
+    sequences = {"main": SEQUENCES, "data": DATA, "smoke": SMOKE["sequences"],
+                 "smoke-data": {8: DATA[64][:1], 12: DATA[176][:1]}}[args.grid]
     commit = os.environ.get("STUDY_COMMIT") or subprocess.run(  # STUDY_COMMIT: a copy without its own .git
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    results = {"command": f"python scripts/study_finetune.py --device {args.device} --grid {args.grid}",
+    cell_args = "".join(f" --cell {i}" for i in args.cell or [])
+    results = {"command": f"python scripts/study_finetune.py --device {args.device} --grid {args.grid}{cell_args}",
                "commit": commit or None, "variants": VARIANTS, "paper": PAPER, "cells": []}
     t0 = time.perf_counter()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for n, names in sequences.items():
         for method, bits in cells:
-            results["cells"].append(study_cell(method, bits, n, names, args.device, Path(args.runs), args.grid == "smoke"))
-            Path(args.out).write_text(json.dumps(results, indent=1))
+            done = list(results["cells"])
+
+            def save(cell: dict) -> None:
+                results["cells"] = [*done, cell]
+                results["total_s"] = time.perf_counter() - t0
+                Path(args.out).write_text(json.dumps(results, indent=1))
+
+            save(study_cell(method, bits, n, names, args.device, Path(args.runs), smoke, save))
     import torch
 
     results["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
     results["total_s"] = time.perf_counter() - t0
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
 
 
