@@ -17,6 +17,7 @@ import torch
 from .capture import CaptureData
 from .codec import BlockCodec, TasqTransform, gather_groups
 from .config import KMeansConfig, QuantConfig
+from .distributed import SINGLE, DistContext
 from .kmeans_backends import (
     INITS,
     KMeansResult,
@@ -103,11 +104,11 @@ def _check_enough_points(reader: CaptureData, layout: BlockLayout, tokens: int, 
 def fit_codebooks(
     reader: CaptureData, layouts: list[BlockLayout], transforms: dict[str, TasqTransform],
     quant: QuantConfig, cfg: KMeansConfig, kv: KVLayout, device: torch.device,
-    progress: Callable[[int], Any] | None = None, shard: tuple[int, int] = (0, 1),
+    progress: Callable[[int], Any] | None = None, dist: DistContext = SINGLE,
 ) -> tuple[KVQuantizer, dict]:
     """Fit every layout's codebooks (one layout in memory at a time); codebooks are fp32 on the CPU.
 
-    ``shard = (rank, world)`` fits only the layouts ``layout_owner`` gives process ``rank`` (several processes share the work;
+    ``dist`` (several processes sharing the work) fits only the layouts ``layout_owner`` gives this process (
     :func:`loopvq_calib.quantizer.merge_quantizers` joins the parts). Returns the quantizer and a report:
     per layout key the objectives at init and at the end per codebook, Lloyd updates, empty clusters,
     backend, seconds (and of those, ``seconds_init`` in the initialisation); plus totals.
@@ -117,8 +118,7 @@ def fit_codebooks(
     init_fn = partial(kmeans_pp_init, fused=backend == "triton") if cfg.init == "kmeans++" else INITS[cfg.init]
     codecs: dict[str, BlockCodec] = {}
     per_layout: dict[str, dict[str, Any]] = {}
-    rank, world = shard
-    for layout in (lay for i, lay in enumerate(layouts) if layout_owner(i, world) == rank):
+    for layout in (lay for i, lay in enumerate(layouts) if layout_owner(i, dist.world) == dist.rank):
         start = time.perf_counter()
         x = reader.load(layout.kind, layout.sites, device=device)
         fisher = reader.load("fisher_" + layout.kind, layout.sites, device=device)

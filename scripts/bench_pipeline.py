@@ -54,12 +54,10 @@ def summarize(run_dir: Path, wall_s: float | None = None, records: list[dict] | 
         totals = totals if isinstance(totals, list) else [totals]
         out.update(kmeans_backend=totals[0]["backend"], kmeans_init_s=round(sum(t["seconds_init"] for t in totals), 2),
                    kmeans_iterations_max=max(t["iterations_max"] for t in totals))
-    curve = run_dir / "finetune" / "curve.json"
-    if curve.is_file():
-        c = json.loads(curve.read_text())
-        from loopvq_calib.pipeline import selection_metrics
+    if (run_dir / "finetune" / "curve.json").is_file():
+        from loopvq_calib.stages import load_finetune, selection_metrics
 
-        out.update(selection_metrics(c))
+        out.update(selection_metrics(load_finetune(run_dir / "finetune")))
     out["store_reason"] = capture.get("store_reason")
     out["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return out

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import loopvq_calib.pipeline as pipeline_module
+import loopvq_calib.stages as stages_module
 from loopvq_calib.cli import calibrate_main
 from loopvq_calib.config import load_config
 from loopvq_calib.pipeline import calibrate
@@ -87,7 +87,7 @@ def test_crash_leaves_nothing_a_rerun_mistakes_for_a_result(tiny_ouro_dir, calib
     def crash(*args, **kwargs):
         raise RuntimeError("simulated crash in fine-tuning")
 
-    monkeypatch.setattr(pipeline_module, "finetune_codebooks", crash)
+    monkeypatch.setattr(stages_module, "finetune_codebooks", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         calibrate(cfg)
     assert statuses(out)["finetune"] == "failed" and not (out / "finetune").exists()
@@ -229,7 +229,7 @@ def test_cli_exit_codes_for_a_failed_stage_and_a_bad_run_directory(tiny_ouro_dir
     def broken(*args, **kwargs):
         raise RuntimeError("simulated k-means failure")
 
-    monkeypatch.setattr("loopvq_calib.pipeline.fit_codebooks", broken)
+    monkeypatch.setattr("loopvq_calib.stages.fit_codebooks", broken)
     assert calibrate_main(["--config", str(cfg_path), "--stages", "kmeans"]) == 3
     err = capsys.readouterr().err
     assert "stage kmeans failed: RuntimeError: simulated k-means failure" in err and "run.log" in err
