@@ -14,9 +14,10 @@ import hashlib
 import logging
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -84,22 +85,29 @@ class Pipeline:
         """Every check that can fail on bad input runs here, before anything is written: the config against
         the model's config.json, ``stages``, devices, the k-means backend, the store, the output folder and
         (unless the run directory holds a reusable data stage) the calibration data itself, built once, by
-        the main process. ``dist``: the run's processes (default: this process under ``accelerate launch``)."""
+        the main process. ``dist``: the run's processes (default: this process under ``accelerate launch``).
+        ``startup`` records the seconds of each step (and those from the process's start to here)."""
+        entered = time.perf_counter()
+        self.startup: dict[str, float] = {"entered_at": time.time(), "process_start_s": _seconds_since_process_start()}
         self.cfg = validate(cfg)  # pure (never changes cfg); a Config built in code gets the same checks
-        self.dist = dist or start_processes(cfg.model.device)
+        with timed(self.startup, "processes_s"):  # CUDA and, under accelerate launch, the process group
+            self.dist = dist or start_processes(cfg.model.device)
         self.wanted = _wanted_stages(cfg, stages)
-        self.folder = resolve_model_dir(cfg.model.name_or_path, cfg.model.revision)
-        model_config = read_model_config(self.folder)
-        self.kv, model_bytes = model_shape(model_config, cfg.model.loop_steps, cfg.model.dtype)
+        with timed(self.startup, "model_shape_s"):  # config.json and the model built on the meta device
+            self.folder = resolve_model_dir(cfg.model.name_or_path, cfg.model.revision)
+            model_config = read_model_config(self.folder)
+            self.kv, model_bytes = model_shape(model_config, cfg.model.loop_steps, cfg.model.dtype)
         validate_for_model(cfg, self.kv.head_dim, self.kv.kv_heads, self.kv.loop_steps,
                            any(not s.looped for s in self.kv.sites))
         local = Path(cfg.model.name_or_path).expanduser().is_dir()  # else a hub id
         name = os.path.abspath(Path(cfg.model.name_or_path).expanduser()) if local else cfg.model.name_or_path
-        self.identity = model_identity(self.folder, name, cfg.model.revision)
+        with timed(self.startup, "model_identity_s"):
+            self.identity = model_identity(self.folder, name, cfg.model.revision)
         self.device = pick_device(cfg.model.device) if cfg.model.device != "auto" else self.dist.device
         self.kmeans_device = pick_device(cfg.kmeans.device, "kmeans.device") if cfg.kmeans.device != "auto" else self.device
-        if "kmeans" in self.wanted:  # an unusable kmeans.backend fails here, before any work
-            resolve_backend(cfg.kmeans.backend, self.kmeans_device, (cfg.quant.codebook_size, cfg.quant.group_size))
+        with timed(self.startup, "kmeans_backend_s"):  # an unusable kmeans.backend fails here, before any work
+            if "kmeans" in self.wanted:
+                resolve_backend(cfg.kmeans.backend, self.kmeans_device, (cfg.quant.codebook_size, cfg.quant.group_size))
         self.run = RunDir(Path(output or cfg.output.dir), self.dist.is_main, self.dist.barrier, stage_names=STAGES)
         self.store = None  # where the capture goes: decided (or refused, ConfigError) before any work
         if "capture" in self.wanted:
@@ -108,11 +116,14 @@ class Pipeline:
                                       self.device, model_bytes, step, self.run.root, self.dist.world,
                                       cfg.quant.uses_tasq)
         self._model = self._tokenizer = None
-        data_fp = fingerprint("data", __version__, asdict(cfg.data), _tokenizer_hash(self.folder),
-                              source_fingerprint(cfg.data))
+        with timed(self.startup, "data_fingerprint_s"):
+            data_fp = fingerprint("data", __version__, asdict(cfg.data), _tokenizer_hash(self.folder),
+                                  source_fingerprint(cfg.data))
         self.fingerprints = stage_fingerprints(cfg, data_fp, self.identity.to_dict(), self.kv.loop_steps)
         building = self.dist.is_main and not self.run.reusable("data", data_fp)
-        self._calib = build_calibration_set(cfg.data, self.tokenizer()) if building else None
+        with timed(self.startup, "calibration_set_s"):  # tokenizer, text, tokens: checked before any work
+            self._calib = build_calibration_set(cfg.data, self.tokenizer()) if building else None
+        self.startup["pipeline_init_s"] = round(time.perf_counter() - entered, 3)
 
     # -- helpers -------------------------------------------------------------------------------------
     def model(self):
@@ -242,7 +253,7 @@ class Pipeline:
                             self.run.lock.previous)
             (self.run.root / "config.yaml").write_text(dump_config(self.cfg))
             self.run.update(toolkit_version=__version__, config=self.cfg.to_dict(), model_identity=self.identity.to_dict(),
-                            processes=self.dist.world)
+                            processes=self.dist.world, startup=self.startup)
         result = RunResult(self.run.root, None)
         calib, data_hash = self.stage_data()
         self.run.update(data_sha256=data_hash, calibration=calib.description)
@@ -255,9 +266,29 @@ class Pipeline:
             result.bundle = self.stage_bundle(calib, tuned)
         result.stages = [asdict(r) for r in self.run.records]
         if self.dist.is_main:
-            self.run.update(finetune_curve=tuned.curve if tuned else None)
+            self.run.update(finetune_curve=tuned.curve if tuned else None, stages_done_at=time.time())
             log.info("stage summary\n%s", self.run.summary_table())
         return result
+
+
+@contextmanager
+def timed(into: dict[str, float], key: str) -> Iterator[None]:
+    """Record the seconds the block takes as ``into[key]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        into[key] = round(time.perf_counter() - start, 3)
+
+
+def _seconds_since_process_start() -> float | None:
+    """Seconds since this process started (interpreter start-up, imports, config), from /proc (Linux)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return round(time.time() - boot - ticks / os.sysconf("SC_CLK_TCK"), 2)
 
 
 def _wanted_stages(cfg: Config, stages: list[str] | None) -> list[str]:

@@ -34,6 +34,11 @@ run = Path(sys.argv[5]) if len(sys.argv) > 5 else None
 if run is not None and (run / "manifest.json").is_file() and "config" in json.loads((run / "manifest.json").read_text()):
     from bench_pipeline import summarize
     line.update(summarize(run))
+    manifest = json.loads((run / "manifest.json").read_text())
+    if "entered_at" in (manifest.get("startup") or {}):  # from the command's start to the pipeline's checks
+        line["before_pipeline_s"] = round(manifest["startup"]["entered_at"] - start, 2)
+    if "stages_done_at" in manifest:  # from the last stage's end to the command's exit
+        line["after_stages_s"] = round(end - manifest["stages_done_at"], 2)
 print(json.dumps(line))
 EOF
 }
