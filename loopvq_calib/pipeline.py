@@ -156,7 +156,7 @@ class Pipeline:
         return self.run.path(name)
 
     # -- stages --------------------------------------------------------------------------------------
-    def stage_data(self) -> tuple[CalibrationSet, str]:
+    def stage_data(self) -> CalibrationSet:
         def body(tmp: Path) -> dict:
             return save_calibration(self._calib or build_calibration_set(self.cfg.data, self.tokenizer()), tmp)
 
@@ -255,8 +255,8 @@ class Pipeline:
             self.run.update(toolkit_version=__version__, config=self.cfg.to_dict(), model_identity=self.identity.to_dict(),
                             processes=self.dist.world, startup=self.startup)
         result = RunResult(self.run.root, None)
-        calib, data_hash = self.stage_data()
-        self.run.update(data_sha256=data_hash, calibration=calib.description)
+        calib = self.stage_data()
+        self.run.update(data_sha256=calib.content_hash, calibration=calib.description)
         quantizer = self.codebooks(calib) if "capture" in self.wanted else None
         tuned = None
         if "finetune" in self.wanted:

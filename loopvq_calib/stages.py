@@ -47,12 +47,11 @@ def save_calibration(calib: CalibrationSet, folder: Path) -> dict[str, Any]:
     return {"content_sha256": calib.content_hash, "tokens": calib.input_ids.numel()}
 
 
-def load_calibration(folder: Path) -> tuple[CalibrationSet, str]:
-    """The calibration set a data stage saved, and its content hash."""
+def load_calibration(folder: Path) -> CalibrationSet:
+    """The calibration set a data stage saved."""
     split = json.loads((folder / "split.json").read_text())
     ids = load_file(str(folder / "sequences.safetensors"))["input_ids"]
-    calib = CalibrationSet(ids, split["train"], split["heldout"], split["sink_tokens"], split["description"])
-    return calib, split["content_sha256"]
+    return CalibrationSet(ids, split["train"], split["heldout"], split["sink_tokens"], split["description"])
 
 
 # -- capture ---------------------------------------------------------------------------------------
