@@ -50,6 +50,7 @@ class RunResult:
     bundle: Path | None
     stages: list[dict[str, Any]] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
+    is_main: bool = True  # the run's main process (under accelerate launch every process gets a result)
 
 
 def model_shape(model_config: Any, loop_steps: int | None, dtype: str) -> tuple[KVLayout, int]:
@@ -254,7 +255,7 @@ class Pipeline:
             (self.run.root / "config.yaml").write_text(dump_config(self.cfg))
             self.run.update(toolkit_version=__version__, config=self.cfg.to_dict(), model_identity=self.identity.to_dict(),
                             processes=self.dist.world, startup=self.startup)
-        result = RunResult(self.run.root, None)
+        result = RunResult(self.run.root, None, is_main=self.dist.is_main)
         calib = self.stage_data()
         self.run.update(data_sha256=calib.content_hash, calibration=calib.description)
         quantizer = self.codebooks(calib) if "capture" in self.wanted else None

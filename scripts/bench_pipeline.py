@@ -83,9 +83,7 @@ def main() -> None:
     start = time.perf_counter()
     result = calibrate(args.config, args.output, stages, args.overrides)
     wall = time.perf_counter() - start
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if result.is_main:
         print(json.dumps(summarize(result.run_dir, wall, result.stages)), flush=True)
 
 

@@ -336,3 +336,18 @@ def test_an_interrupted_finetune_resumes_after_its_last_epoch(tiny_ouro_dir, cal
     for name in ("quantizer.safetensors", "curve.json"):
         assert (run / "finetune" / name).read_bytes() == (clean / "finetune" / name).read_bytes(), name
     assert not (run / "finetune" / "resume.pt").exists() and not list(run.glob(".loopvq-tmp.*"))
+
+
+def test_the_manifest_records_the_start_up_steps(tiny_ouro_dir, calib_corpus, tmp_path):
+    """Every check before the first stage is timed into the manifest's ``startup`` (with the seconds from the
+    process's start), so a slow start can be told apart from slow stages."""
+    import time
+
+    before = time.time()
+    result = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run"), stages=["data"])
+    startup = json.loads((result.run_dir / "manifest.json").read_text())["startup"]
+    steps = ("processes_s", "model_shape_s", "model_identity_s", "kmeans_backend_s", "data_fingerprint_s",
+             "calibration_set_s", "pipeline_init_s")
+    assert set(steps) <= set(startup) and all(startup[k] >= 0 for k in steps) and result.is_main
+    assert startup["pipeline_init_s"] >= sum(startup[k] for k in steps[:-1]) - 0.01  # the parts are inside the whole
+    assert before <= startup["entered_at"] <= time.time() and startup["process_start_s"] > 0
