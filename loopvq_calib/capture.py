@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
+import torch.distributed as torch_dist
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import CaptureConfig
 from .data import CalibrationSet
+from .distributed import SINGLE, DistContext
 from .models.loading import DTYPES
 from .models.sites import KVLayout, KVRecorder, kv_hook, query_observer
 from .tasq_stats import QueryStats, key_weights, pair_spread, pair_sum, pairs_per_sequence, query_statistics
@@ -108,13 +109,12 @@ def capture_kv(
     kv: KVLayout,
     cfg: CaptureConfig,
     out: Path | MemoryCapture,
-    rank: int = 0,
-    world: int = 1,
+    dist: DistContext = SINGLE,
     progress: Callable[[int], Any] | None = None,
     tasq_floor: float | None = None,
     device_sequences: int | None = None,
 ) -> list[int]:
-    """Capture the sequences of this process (``i % world == rank``) into ``out``; returns their ids.
+    """Capture the sequences of this process (``dist.owns(i)``) into ``out``; returns their ids.
 
     For TaSQ methods (``tasq_floor`` = ``tasq.weight_floor``) a forward-only pass first gathers the query
     statistics of every sequence (all processes), so the keys' Fisher is stored reduced (see
@@ -123,7 +123,7 @@ def capture_kv(
     the run directory when the fingerprint matches) are not captured again. In memory, the first ``device_sequences`` of this process's sequences stay
     on the accelerator (default: all for ``cfg.store`` device, none otherwise), the others go to host memory.
     """
-    mine = [i for i in range(calib.input_ids.shape[0]) if i % world == rank]
+    mine = dist.mine(calib.input_ids.shape[0])
     todo = mine
     if isinstance(out, Path):
         out.mkdir(parents=True, exist_ok=True)
@@ -137,7 +137,7 @@ def capture_kv(
     device = next(model.parameters()).device
     stats = weights = None
     if tasq_floor is not None:
-        stats = query_statistics(model, calib.input_ids, kv, mine, cfg.batch_size, world)
+        stats = query_statistics(model, calib.input_ids, kv, mine, cfg.batch_size, dist)
         weights = key_weights(stats, kv, calib.input_ids.shape[1], tasq_floor, device)
     keep = device_sequences if device_sequences is not None else (len(mine) if cfg.store == "device" else 0)
     for start in range(0, len(todo), cfg.batch_size):
@@ -193,26 +193,27 @@ def write_meta(out_dir: Path, calib: CalibrationSet, kv: KVLayout, cfg: CaptureC
     return meta
 
 
-def share_sequences(capture: MemoryCapture, needs: list[list[str]], rank: int, world: int, num_sequences: int) -> None:
+def share_sequences(capture: MemoryCapture, needs: list[list[str]], dist: DistContext, num_sequences: int) -> None:
     """An in-memory capture across processes: after each process captured the sequences ``i % world ==
     rank``, process r receives the tensors ``needs[r]`` of every sequence it did not capture, by
     point-to-point transfers (NCCL between GPUs, host tensors staged through this process's GPU; gloo on
     CPU); then each process drops the tensors named for other processes only."""
+    rank, world = dist.rank, dist.world
     if not capture.sequences:
         raise CaptureError(f"process {rank} captured no sequence: data.num_sequences {num_sequences} is below the "
                            f"{world} processes")
     own = next(iter(capture.sequences.values()))  # every captured sequence holds every tensor
-    via = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    via = dist.transfer_device()
     for seq in range(num_sequences):
         owner = seq % world
         ops, received = [], []
         if owner == rank:
             stored = capture.sequences[seq]
-            ops = [dist.P2POp(dist.isend, stored[n].to(via).contiguous(), r) for r in range(world) if r != rank for n in needs[r]]
+            ops = [torch_dist.P2POp(torch_dist.isend, stored[n].to(via).contiguous(), r) for r in range(world) if r != rank for n in needs[r]]
         else:
             received = [(n, torch.empty_like(own[n], device=via)) for n in needs[rank]]
-            ops = [dist.P2POp(dist.irecv, t, owner) for _, t in received]
-        for req in dist.batch_isend_irecv(ops) if ops else []:
+            ops = [torch_dist.P2POp(torch_dist.irecv, t, owner) for _, t in received]
+        for req in torch_dist.batch_isend_irecv(ops) if ops else []:
             req.wait()
         if received:
             capture.sequences[seq] = {n: t.to(own[n].device) for n, t in received}

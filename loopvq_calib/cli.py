@@ -67,7 +67,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
         return _fail(str(err), 2)
     except Exception as err:  # a stage failed: say which and where the traceback is, exit 3
         return _fail(_run_failure(pipeline, err), 3)
-    if pipeline.state.is_main_process:
+    if pipeline.dist.is_main:
         if result.bundle:
             print(f"bundle: {result.bundle}")
         if result.metrics:

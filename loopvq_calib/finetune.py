@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from .config import FinetuneConfig
 from .data import CalibrationSet
+from .distributed import SINGLE, DistContext
 from .finetune_recipe import CodebookParams, add_usage, lr_factor
 from .models.sites import loop_checkpointing
 from .objective import mean_kl, quantized_logits, teacher
@@ -43,18 +43,6 @@ class FinetuneResult:
 def _autocast(cfg: FinetuneConfig, device: torch.device):
     on = cfg.autocast == "bfloat16" or (cfg.autocast == "auto" and device.type == "cuda")
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if _world()[1] > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
 
 
 TEACHER_CACHE_BYTES = 2 << 30  # host memory (CPU runs)
@@ -117,18 +105,17 @@ def sequence_kl(model: torch.nn.Module, ids: torch.Tensor, quantizer: KVQuantize
 
 @torch.no_grad()
 def selection_kl(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, cfg: FinetuneConfig,
-               device: torch.device, cache: TeacherCache | None = None) -> float:
+               device: torch.device, cache: TeacherCache | None = None, dist: DistContext = SINGLE) -> float:
     """Selection KL: mean KL over the selection sequences of the calibration set (``calib.heldout``; each
-    process takes a share, summed across processes)."""
-    rank, world = _world()
+    process of ``dist`` takes a share, summed across processes)."""
     total = torch.zeros(2, device=device)
     for n, i in enumerate(calib.heldout):
-        if n % world == rank:
+        if dist.owns(n):
             ids = calib.input_ids[i : i + 1].to(device)
             fp = cache.get(i, ids, device) if cache is not None else None
             total[0] += sequence_kl(model, ids, quantizer, calib.sink_tokens, cfg, device, fp).float()
             total[1] += 1
-    total = _all_reduce_sum(total)
+    total = dist.all_reduce_sum(total)
     return (total[0] / total[1]).item()
 
 
@@ -138,16 +125,15 @@ def training_steps(cfg: FinetuneConfig, train_sequences: int) -> int:
 
 
 def usage_counts(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, cache: TeacherCache,
-                 device: torch.device) -> dict[str, torch.Tensor]:
+                 device: torch.device, dist: DistContext = SINGLE) -> dict[str, torch.Tensor]:
     """Per codebook [Hc, nc, K]: training vectors (this process's share, summed across processes)
     assigned to each codeword."""
-    rank, world = _world()
     counts: dict[str, torch.Tensor] = {}
     for n, i in enumerate(calib.train):
-        if n % world == rank:
+        if dist.owns(n):
             ids = calib.input_ids[i : i + 1].to(device)
             add_usage(quantizer, cache.get(i, ids, device), calib.sink_tokens, counts)
-    return {k: _all_reduce_sum(v.to(device)).cpu() for k, v in counts.items()}
+    return {k: dist.all_reduce_sum(v.to(device)).cpu() for k, v in counts.items()}
 
 
 def finetune_codebooks(
@@ -159,6 +145,7 @@ def finetune_codebooks(
     progress: Callable[[int], Any] | None = None,
     on_select: Callable[[dict[str, Any], KVQuantizer], Any] | None = None,
     checkpoint: Path | None = None,
+    dist: DistContext = SINGLE,
 ) -> FinetuneResult:
     """Adam on the codebooks' free parameters (``cfg.parameterization``), ``cfg.batch_size`` training
     sequences per step (split across processes, gradients averaged), the selection KL after every epoch
@@ -166,17 +153,17 @@ def finetune_codebooks(
     ``on_select(entry, quantizer)`` sees every curve entry with the codebooks it measured. On CUDA it
     resets the device's peak-memory statistics (the teacher cache is sized from the first steps' peak).
     ``checkpoint``: a file where the main process saves the state after every epoch (free parameters,
-    Adam's state, the curve, the best point) and from which a rerun resumes after the last finished epoch."""
-    rank, world = _world()
+    Adam's state, the curve, the best point) and from which a rerun resumes after the last finished epoch.
+    ``dist``: the processes sharing each batch (gradients summed across them)."""
     quantizer = copy.deepcopy(quantizer).to(device, torch.float32)
-    cache = TeacherCache(model, cfg, -(-calib.input_ids.shape[0] // world))
+    cache = TeacherCache(model, cfg, -(-calib.input_ids.shape[0] // dist.world))
     if device.type == "cuda":  # the first steps' peak decides how many teacher outputs fit (cache_teacher auto)
         torch.cuda.reset_peak_memory_stats(device)
     total = training_steps(cfg, len(calib.train))
 
     def select(epoch: int, step: int, train: torch.Tensor | None) -> dict[str, Any]:
-        sel = selection_kl(model, calib, quantizer, cfg, device, cache) if calib.heldout else float("nan")
-        mean = None if train is None else (_all_reduce_sum(train)[0] / train[1].clamp_min(1)).item()
+        sel = selection_kl(model, calib, quantizer, cfg, device, cache, dist) if calib.heldout else float("nan")
+        mean = None if train is None else (dist.all_reduce_sum(train)[0] / train[1].clamp_min(1)).item()
         entry = {"epoch": epoch, "step": step, "train_kl": mean, "selection_kl": sel}
         curve.append(entry)
         if on_select is not None:
@@ -189,7 +176,7 @@ def finetune_codebooks(
         select(0, 0, None)
     if total == 0:
         return FinetuneResult(quantizer, 0, curve, len(cache.store))
-    usage = usage_counts(model, calib, quantizer, cache, device) if cfg.min_usage > 0 else None
+    usage = usage_counts(model, calib, quantizer, cache, device, dist) if cfg.min_usage > 0 else None
     free = CodebookParams(quantizer, cfg.parameterization, usage, cfg.min_usage)
     opt = torch.optim.Adam(free.params, lr=cfg.lr)
     best, best_state = 0, free.snapshot()
@@ -213,18 +200,17 @@ def finetune_codebooks(
                 for p in free.params:
                     p.grad = torch.zeros_like(p)
                 free.apply()
-                if cfg.proximal > 0 and rank == 0:
+                if cfg.proximal > 0 and dist.is_main:
                     free.penalty(cfg.proximal).backward(retain_graph=True)
                 for n, i in enumerate(batch):
-                    if n % world != rank:
+                    if not dist.owns(n):
                         continue
                     ids = calib.input_ids[i : i + 1].to(device)
                     kl = sequence_kl(model, ids, quantizer, calib.sink_tokens, cfg, device, cache.get(i, ids, device))
                     (kl / len(batch)).backward(retain_graph=cfg.parameterization == "affine")
                     train_sum += torch.stack([kl.detach().float(), torch.ones((), device=device)])
-                if world > 1:
-                    for p in free.params:
-                        _all_reduce_sum(p.grad)
+                for p in free.params:  # a no-op for one process
+                    dist.all_reduce_sum(p.grad)
                 for group in opt.param_groups:
                     group["lr"] = cfg.lr * lr_factor(steps, total, cfg.warmup_steps, cfg.lr_schedule)
                 opt.step()
@@ -244,7 +230,7 @@ def finetune_codebooks(
                              entry["train_kl"], entry["selection_kl"])
                     if entry["selection_kl"] < curve[best]["selection_kl"]:
                         best, best_state = len(curve) - 1, free.snapshot()
-            if checkpoint is not None and rank == 0:
+            if checkpoint is not None and dist.is_main:
                 _save_epoch(checkpoint, {"epoch": epoch, "steps": steps, "curve": curve, "best": best,
                                          "best_state": best_state, "params": [p.detach() for p in free.params],
                                          "opt": opt.state_dict(), "train_sum": train_sum})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
@@ -17,6 +18,7 @@ import torch
 from .capture import CaptureData
 from .codec import BlockCodec, TasqTransform, gather_groups
 from .config import KMeansConfig, QuantConfig
+from .distributed import SINGLE, DistContext
 from .kmeans_backends import (
     INITS,
     KMeansResult,
@@ -100,25 +102,83 @@ def _check_enough_points(reader: CaptureData, layout: BlockLayout, tokens: int, 
         )
 
 
+LLOYD_GROUP_BYTES = 4 << 30  # fused path: layouts' points (fp32) solved in one Lloyd loop
+
+
+@dataclass
+class _Pending:
+    """A layout seeded and waiting for its Lloyd iterations."""
+
+    layout: BlockLayout
+    points: torch.Tensor
+    weights: torch.Tensor
+    init: torch.Tensor
+    seed: int
+    transform: TasqTransform | None
+    seconds: float  # loading, problems and seeding
+    seconds_init: float
+    problems: int = 0
+
+    def __post_init__(self) -> None:
+        self.problems = self.points.shape[0]
+
+
 def fit_codebooks(
     reader: CaptureData, layouts: list[BlockLayout], transforms: dict[str, TasqTransform],
     quant: QuantConfig, cfg: KMeansConfig, kv: KVLayout, device: torch.device,
-    progress: Callable[[int], Any] | None = None, shard: tuple[int, int] = (0, 1),
+    progress: Callable[[int], Any] | None = None, dist: DistContext = SINGLE,
 ) -> tuple[KVQuantizer, dict]:
-    """Fit every layout's codebooks (one layout in memory at a time); codebooks are fp32 on the CPU.
+    """Fit every layout's codebooks; codebooks are fp32 on the CPU. One layout is in memory at a time, except
+    on the fused Triton path, where consecutive layouts of the same problem shape (up to
+    ``LLOYD_GROUP_BYTES`` of points) share one Lloyd loop, each seeded alone: the same codebooks as one at
+    a time (reseeding draws are keyed by layout seed and problem), with the loop's host cost paid once.
 
-    ``shard = (rank, world)`` fits only the layouts ``layout_owner`` gives process ``rank`` (several processes share the work;
+    ``dist`` (several processes sharing the work) fits only the layouts ``layout_owner`` gives this process (
     :func:`loopvq_calib.quantizer.merge_quantizers` joins the parts). Returns the quantizer and a report:
     per layout key the objectives at init and at the end per codebook, Lloyd updates, empty clusters,
-    backend, seconds (and of those, ``seconds_init`` in the initialisation); plus totals.
+    backend, seconds (a shared Lloyd loop's time split evenly over its layouts; of those, ``seconds_init`` in
+    the initialisation); plus totals.
     """
     device = torch.device(device)
     backend = resolve_backend(cfg.backend, device, (quant.codebook_size, quant.group_size))
     init_fn = partial(kmeans_pp_init, fused=backend == "triton") if cfg.init == "kmeans++" else INITS[cfg.init]
     codecs: dict[str, BlockCodec] = {}
     per_layout: dict[str, dict[str, Any]] = {}
-    rank, world = shard
-    for layout in (lay for i, lay in enumerate(layouts) if layout_owner(i, world) == rank):
+    pending: list[_Pending] = []
+
+    def solve() -> None:
+        if not pending:
+            return
+        start = time.perf_counter()
+        points = torch.cat([p.points for p in pending]) if len(pending) > 1 else pending[0].points
+        weights = torch.cat([p.weights for p in pending]) if len(pending) > 1 else pending[0].weights
+        init = torch.cat([p.init for p in pending]) if len(pending) > 1 else pending[0].init
+        keys = [(p.seed, q) for p in pending for q in range(p.points.shape[0])]
+        for p in pending:
+            p.points = p.weights = p.init = None  # the joined copies are the only ones left
+        result = weighted_kmeans(points, weights, init, cfg, backend, device, problem_keys=keys)
+        share = (time.perf_counter() - start) / len(pending)
+        first = 0
+        for p in pending:
+            rows = slice(first, first + p.problems)
+            first = rows.stop
+            shape = codebook_shape(p.layout, quant.codebook_size, quant.codebook_sharing)
+            codecs[p.layout.key] = BlockCodec(p.layout, result.centroids[rows].reshape(shape).contiguous(), p.transform)
+            per_layout[p.layout.key] = {
+                "objective_init": result.objective_init[rows].tolist(),
+                "objective_final": result.objective_final[rows].tolist(),
+                "iterations": result.iterations[rows].tolist(),
+                "empty_clusters": int(result.empty_clusters[rows].sum()),
+                "points_per_codebook": int(points.shape[1]),
+                "backend": backend,
+                "seconds": p.seconds + share,
+                "seconds_init": p.seconds_init,
+            }
+            if progress:
+                progress(1)
+        pending.clear()
+
+    for layout in (lay for i, lay in enumerate(layouts) if layout_owner(i, dist.world) == dist.rank):
         start = time.perf_counter()
         x = reader.load(layout.kind, layout.sites, device=device)
         fisher = reader.load("fisher_" + layout.kind, layout.sites, device=device)
@@ -135,22 +195,15 @@ def fit_codebooks(
         init = init_fn(points, weights, quant.codebook_size, torch.Generator().manual_seed(seed))
         _sync(device)
         seeding = time.perf_counter() - seeding
-        result = weighted_kmeans(points, weights, init, cfg, backend, device, seed=seed)
-        shape = codebook_shape(layout, quant.codebook_size, quant.codebook_sharing)
-        codecs[layout.key] = BlockCodec(layout, result.centroids.reshape(shape).contiguous(), transform)
-        per_layout[layout.key] = {
-            "objective_init": result.objective_init.tolist(),
-            "objective_final": result.objective_final.tolist(),
-            "iterations": result.iterations.tolist(),
-            "empty_clusters": int(result.empty_clusters.sum()),
-            "points_per_codebook": int(points.shape[1]),
-            "backend": backend,
-            "seconds": time.perf_counter() - start,
-            "seconds_init": seeding,
-        }
+        joins = backend == "triton" and pending and pending[0].points.shape[1:] == points.shape[1:] and \
+            sum(p.points.numel() for p in pending) * 4 + points.numel() * 4 <= LLOYD_GROUP_BYTES
+        if not joins:
+            solve()
+        pending.append(_Pending(layout, points, weights, init, seed, transform, time.perf_counter() - start, seeding))
         del points, weights, init
-        if progress:
-            progress(1)
+        if backend != "triton":
+            solve()
+    solve()
     quantizer = KVQuantizer(
         codecs=codecs, method=quant.method, codebook_size=quant.codebook_size, group_size=quant.group_size,
         steps_per_block=quant.block_steps, sharing=quant.codebook_sharing, kv=kv,

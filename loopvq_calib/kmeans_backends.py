@@ -153,7 +153,7 @@ def _triton_unusable(device: torch.device | str, shape: tuple[int, int] | None, 
     if not fits:
         return (f"quant.codebook_size {shape[0]} x group size {shape[1]} exceeds the kernels' codebook tile of "
                 f"{kmeans_triton.CODEBOOK_TILE} entries x dimensions")
-    if not kmeans_triton.works(str(device)):
+    if not (kmeans_triton.works(str(device), *shape) if shape else kmeans_triton.works(str(device))):
         return "the kernels do not compile or run there (warning above)"
     return ""
 
@@ -252,9 +252,10 @@ def _reseed(
 
 
 def _lloyd(
-    x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, cfg: KMeansConfig, seed: int, first_problem: int, fused: bool
+    x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, cfg: KMeansConfig, keys: list[tuple[int, int]], fused: bool
 ) -> KMeansResult:
     """Lloyd on one batch of problems, all on x's device; converged problems drop out of the batch.
+    ``keys``: per problem the (seed, problem index) its empty-cluster reseeding draws from.
     ``fused``: each step is one Triton kernel over the active problems (:func:`kmeans_triton.lloyd_step`),
     else the chunked torch assignment over copies of the active problems."""
     p = x.shape[0]
@@ -281,7 +282,7 @@ def _lloyd(
         empty = mass <= 0
         if empty.any():
             rows = active.tolist()
-            _reseed(new, empty, x, w, rows, [(seed, q + first_problem, it) for q in rows])
+            _reseed(new, empty, x, w, rows, [(*keys[q], it) for q in rows])
             empties.index_add_(0, active.cpu(), empty.sum(-1).cpu())
         change = (new - ca).abs().mean(dim=(-1, -2))
         c = c.index_copy(0, active, new)
@@ -337,7 +338,7 @@ def _faiss_kmeans(
 
 def weighted_kmeans(
     x: torch.Tensor, w: torch.Tensor, init: torch.Tensor, cfg: KMeansConfig, backend: str,
-    device: torch.device | str, seed: int | None = None,
+    device: torch.device | str, seed: int | None = None, problem_keys: list[tuple[int, int]] | None = None,
 ) -> KMeansResult:
     """Weighted Lloyd from ``init`` [P, K, G] on points x [P, N, G] with weights w [P, N].
 
@@ -345,6 +346,10 @@ def weighted_kmeans(
     ``cfg.problems_per_batch`` problems at once on ``device`` and stop a problem when the mean absolute
     centroid change falls below ``cfg.tolerance``. ``seed`` (default ``cfg.seed``) drives empty-cluster
     reseeding (torch, triton) and faiss's own generator. Results are on the CPU.
+    ``problem_keys``: per problem, the (seed, index) of its reseeding draws (default ``(seed, p)`` for problem
+    p), so that problems of several layouts solved together draw what each would draw alone. The fused
+    Triton path takes every problem in one batch (it holds no distance block, and each batch pays the host
+    cost of its Lloyd loop; ``problems_per_batch`` is the torch backend's).
     """
     name = resolve_backend(backend, device, (init.shape[1], init.shape[2]))
     _check_shapes(x, w, init.shape[1])
@@ -354,11 +359,14 @@ def weighted_kmeans(
     device = torch.device(device)
     if name == "faiss":
         return _faiss_kmeans(x, w, init, cfg, seed, device)
+    keys = problem_keys if problem_keys is not None else [(seed, q) for q in range(x.shape[0])]
+    if len(keys) != x.shape[0]:
+        raise ValueError(f"{len(keys)} problem keys for {x.shape[0]} problems")
     parts = []
-    per_batch, _ = batch_sizes(cfg, device)
+    per_batch = x.shape[0] if name == "triton" else batch_sizes(cfg, device)[0]
     for s in range(0, x.shape[0], per_batch):
         sl = slice(s, s + per_batch)
         xb, wb, cb = (t[sl].to(device=device, dtype=torch.float32) for t in (x, w, init))
-        r = _lloyd(xb.contiguous(), wb.contiguous(), cb.clone(), cfg, seed, s, fused=name == "triton")
+        r = _lloyd(xb.contiguous(), wb.contiguous(), cb.clone(), cfg, keys[sl], fused=name == "triton")
         parts.append([r.centroids.cpu(), r.objective_init.cpu(), r.objective_final.cpu(), r.iterations, r.empty_clusters])
     return KMeansResult(*(torch.cat(col) for col in zip(*parts)))

@@ -52,15 +52,17 @@ def available(device: torch.device | str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def works(device: str) -> bool:
-    """Whether the kernels compile and run on ``device`` (once per process and device): Triton needs a C
-    compiler and a matching driver at first use. ``kmeans.backend: auto`` falls back to torch, with a
-    warning, where this fails."""
+def works(device: str, k: int = 16, g: int = 16) -> bool:
+    """Whether the kernels compile and run on ``device`` (once per process, device and shape): Triton needs
+    a C compiler and a matching driver at first use. ``kmeans.backend: auto`` falls back to torch, with a
+    warning, where this fails. Probing with the run's codebook shape (``k`` x ``g``) compiles the kernels
+    the k-means stage then uses (Triton keeps them), so the check costs no extra compilation."""
     try:
         gen = torch.Generator().manual_seed(0)
-        x = torch.randn(2, 64, 16, generator=gen).to(device)
-        w = torch.rand(2, 64, generator=gen).to(device)
-        c = kmeans_pp(x, w, 16, torch.rand(16, 2, generator=gen, dtype=torch.float64).to(device))
+        n = 64 * -(-k // 64)  # enough points to seed k centroids, a multiple of 16 like most real problem sizes
+        x = torch.randn(2, n, g, generator=gen).to(device)
+        w = torch.rand(2, n, generator=gen).to(device)
+        c = kmeans_pp(x, w, k, torch.rand(k, 2, generator=gen, dtype=torch.float64).to(device))
         lloyd_step(x, w, c, torch.arange(2, device=device), accumulate=True)
         if x.is_cuda:
             torch.cuda.synchronize(x.device)  # a launch failure surfaces here

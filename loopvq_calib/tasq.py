@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from .capture import CaptureData
 from .codec import TasqTransform, flatten_block, sigma_bits
 from .config import ConfigError, QuantConfig, TasqConfig
+from .distributed import SINGLE, DistContext
 from .layouts import BlockLayout, layout_owner
 from .models.sites import KVLayout
 from .tasq_stats import channel_weights
@@ -234,14 +235,14 @@ def heads_per_batch(units: int, budget_bytes: int = GROUPING_BYTES) -> int:
 
 def fit_tasq(
     reader: CaptureData, layouts: list[BlockLayout], kv: KVLayout, quant: QuantConfig, cfg: TasqConfig,
-    shard: tuple[int, int] = (0, 1), device: torch.device | str | None = None,
+    dist: DistContext = SINGLE, device: torch.device | str | None = None,
 ) -> TasqResult:
     """Fit w, sigma_min and P for every key layout; value layouts are returned unchanged.
 
     Keys, covariances and the grouping fit live on ``device`` (default CPU). The heads of all key layouts
     with the same number of steps are fitted together in batches (:func:`heads_per_batch`), which gives the
-    groups of one head at a time. ``shard = (rank, world)`` fits only the key layouts that
-    :func:`~loopvq_calib.layouts.layout_owner` gives process ``rank`` (as k-means does); the others are
+    groups of one head at a time. Under several processes (``dist``) it fits only the key layouts that
+    :func:`~loopvq_calib.layouts.layout_owner` gives this process (as k-means does); the others are
     returned as planned, without a transform, and :func:`merge_tasq` joins the parts."""
     if not quant.uses_tasq:
         raise ValueError(f"fit_tasq called for method {quant.method!r}, which uses no TaSQ transform")
@@ -249,8 +250,7 @@ def fit_tasq(
         if lay.kind == "key":
             check_group_size(quant.group_size, lay.steps * lay.head_dim)
     dev = torch.device(device or "cpu")
-    rank, world = shard
-    mine = [lay for i, lay in enumerate(layouts) if lay.kind == "key" and layout_owner(i, world) == rank]
+    mine = [lay for i, lay in enumerate(layouts) if lay.kind == "key" and layout_owner(i, dist.world) == dist.rank]
     transforms, covs, tokens = {}, {}, {}
     for lay in mine:
         weight = torch.stack([channel_weights(reader.query_stats(s), cfg.weight_floor) for s in lay.sites])
@@ -299,7 +299,7 @@ def _fit_all_groups(
 
 
 def merge_tasq(parts: list[TasqResult]) -> TasqResult:
-    """Join the results of ``fit_tasq(..., shard=(r, len(parts)))``, r = 0 .. len(parts) - 1."""
+    """Join the results of ``fit_tasq`` on processes r = 0 .. len(parts) - 1 of ``len(parts)``."""
     world = len(parts)
     layouts = [parts[layout_owner(i, world)].layouts[i] for i in range(len(parts[0].layouts))]
     transforms = {k: t for part in parts for k, t in part.transforms.items()}

@@ -10,8 +10,8 @@ them before the capture's forward + backward (:func:`query_statistics`).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from .distributed import SINGLE, DistContext
 from .models.common import apply_rope, rope_angles
 from .models.sites import KVLayout, query_observer
 from .objective import shared_initial_state
@@ -65,10 +65,10 @@ def pairs_per_sequence(sequence_length: int) -> float:
 
 def query_statistics(
     model: torch.nn.Module, input_ids: torch.Tensor, kv: KVLayout, mine: list[int], batch_size: int,
-    world: int = 1,
+    dist: DistContext = SINGLE,
 ) -> dict[int, dict[int, torch.Tensor]]:
-    """Forward-only pass over the sequences ``mine`` -> per sequence (all of them when ``world`` processes
-    each passed theirs: exchanged by an all-reduce of zero-padded sums, which adds only zeros) the query
+    """Forward-only pass over the sequences ``mine`` -> per sequence (all of them when the processes
+    of ``dist`` each passed theirs: exchanged by an all-reduce of zero-padded sums, which adds only zeros) the query
     statistic of every site [H, D] fp32 on the CPU."""
     device = next(model.parameters()).device
     n = input_ids.shape[0]
@@ -80,11 +80,8 @@ def query_statistics(
             model(input_ids[batch].to(device), use_cache=False)
         for i, site in enumerate(s.site for s in kv.sites):
             stats[batch, i] = observer.sums[site]
-    if world > 1:
-        via = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-        shared = stats.to(via)
-        dist.all_reduce(shared)
-        stats = shared.cpu()
+    if dist.world > 1:
+        stats = dist.all_reduce_sum(stats.to(dist.transfer_device())).cpu()
     return {seq: {s.site: stats[seq, i] for i, s in enumerate(kv.sites)} for seq in range(n)}
 
 

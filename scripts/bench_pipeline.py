@@ -54,12 +54,11 @@ def summarize(run_dir: Path, wall_s: float | None = None, records: list[dict] | 
         totals = totals if isinstance(totals, list) else [totals]
         out.update(kmeans_backend=totals[0]["backend"], kmeans_init_s=round(sum(t["seconds_init"] for t in totals), 2),
                    kmeans_iterations_max=max(t["iterations_max"] for t in totals))
-    curve = run_dir / "finetune" / "curve.json"
-    if curve.is_file():
-        c = json.loads(curve.read_text())
-        from loopvq_calib.pipeline import selection_metrics
+    if (run_dir / "finetune" / "curve.json").is_file():
+        from loopvq_calib.stages import load_finetune, selection_metrics
 
-        out.update(selection_metrics(c))
+        out.update(selection_metrics(load_finetune(run_dir / "finetune")))
+    out["startup"] = manifest.get("startup")  # seconds of each start-up step before the first stage
     out["store_reason"] = capture.get("store_reason")
     out["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return out
@@ -84,9 +83,7 @@ def main() -> None:
     start = time.perf_counter()
     result = calibrate(args.config, args.output, stages, args.overrides)
     wall = time.perf_counter() - start
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if result.is_main:
         print(json.dumps(summarize(result.run_dir, wall, result.stages)), flush=True)
 
 

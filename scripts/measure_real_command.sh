@@ -10,7 +10,8 @@
 # Runs (docs/performance.md; STEPS picks some, default all): ouro-1.4b (shipped config), ouro-1.4b-48gb (the
 # 48 GB-card setting: capture.store memory, finetune.cache_teacher false), huginn-3.5b (shipped config).
 # DEADLINE (seconds from the start, default 3600) cuts every step's time limit so that the script ends in time
-# (a step stopped by its limit is recorded with rc 124 and the stages it finished).
+# (a step stopped by its limit is recorded with rc 124 and the stages it finished). KEEP_CHECKPOINTS=1 leaves
+# the random checkpoints in WORK (default /tmp/loopvq-measure) for later probes.
 set -u
 OUT=${1:?usage: measure_real_command.sh OUT [SCALE_DOWN] [--set ...]}
 SCALE=${2:-1}
@@ -34,6 +35,11 @@ run = Path(sys.argv[5]) if len(sys.argv) > 5 else None
 if run is not None and (run / "manifest.json").is_file() and "config" in json.loads((run / "manifest.json").read_text()):
     from bench_pipeline import summarize
     line.update(summarize(run))
+    manifest = json.loads((run / "manifest.json").read_text())
+    if "entered_at" in (manifest.get("startup") or {}):  # from the command's start to the pipeline's checks
+        line["before_pipeline_s"] = round(manifest["startup"]["entered_at"] - start, 2)
+    if "stages_done_at" in manifest:  # from the last stage's end to the command's exit
+        line["after_stages_s"] = round(end - manifest["stages_done_at"], 2)
 print(json.dumps(line))
 EOF
 }
@@ -72,11 +78,11 @@ if [[ " $STEPS " == *" ouro-1.4b"* ]]; then
     --set model.name_or_path="$WORK/ouro-1.4b-random"
   [[ " $STEPS " == *" ouro-1.4b-48gb "* ]] && calibrate ouro-1.4b-48gb 200 configs/ouro-1.4b.yaml \
     --set model.name_or_path="$WORK/ouro-1.4b-random" --set capture.store=memory --set finetune.cache_teacher=false
-  rm -rf "${WORK:?}/ouro-1.4b-random"
+  [ -z "${KEEP_CHECKPOINTS:-}" ] && rm -rf "${WORK:?}/ouro-1.4b-random"
 fi
 if [[ " $STEPS " == *" huginn-3.5b "* ]]; then
   checkpoint huginn-3.5b "$WORK/huginn-3.5b-random"
   calibrate huginn-3.5b 600 configs/huginn-3.5b.yaml --set model.name_or_path="$WORK/huginn-3.5b-random"
-  rm -rf "${WORK:?}/huginn-3.5b-random"
+  [ -z "${KEEP_CHECKPOINTS:-}" ] && rm -rf "${WORK:?}/huginn-3.5b-random"
 fi
 cat "$OUT/results.jsonl"

@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from loopvq_calib.capture import CaptureError, CaptureReader, capture_kv, write_meta
 from loopvq_calib.config import CaptureConfig
+from loopvq_calib.distributed import DistContext
 from loopvq_calib.data import CalibrationSet
 
 
@@ -113,10 +114,10 @@ def test_processes_split_sequences(tmp_path):
     model = make_tiny_ouro()
     calib = calib_set(n=5)
     kv, cfg = model.kv_layout(), CaptureConfig()
-    assert capture_kv(model, calib, kv, cfg, tmp_path, rank=0, world=2) == [0, 2, 4]
+    assert capture_kv(model, calib, kv, cfg, tmp_path, DistContext(0, 2)) == [0, 2, 4]
     with pytest.raises(CaptureError, match=r"sequences \[1, 3\] have no file"):
         write_meta(tmp_path, calib, kv, cfg)
-    assert capture_kv(model, calib, kv, cfg, tmp_path, rank=1, world=2) == [1, 3]
+    assert capture_kv(model, calib, kv, cfg, tmp_path, DistContext(1, 2)) == [1, 3]
     write_meta(tmp_path, calib, kv, cfg)
 
 
@@ -199,7 +200,7 @@ def _share_worker(rank: int, world: int, init_file: str, queue) -> None:
     for seq in range(rank, 5, world):  # this process's captured sequences, every tensor of each
         memory.sequences[seq] = {n: torch.full((3, 2), 10.0 * seq + i) for i, n in enumerate(names)}
     needs = [["key.0", "fisher_key.0"], ["key.1", "value.0"]]
-    share_sequences(memory, needs, rank, world, num_sequences=5)
+    share_sequences(memory, needs, DistContext(rank, world), num_sequences=5)
     queue.put((rank, {seq: {n: t.tolist() for n, t in d.items()} for seq, d in memory.sequences.items()}))
     dist.destroy_process_group()
 
@@ -231,7 +232,7 @@ def test_share_sequences_needs_a_sequence_per_process():
     from loopvq_calib.capture import MemoryCapture, share_sequences
 
     with pytest.raises(CaptureError, match="process 1 captured no sequence: data.num_sequences 1 is below the 2 processes"):
-        share_sequences(MemoryCapture(), [[], []], 1, 2, 1)
+        share_sequences(MemoryCapture(), [[], []], DistContext(1, 2), 1)
 
 
 @pytest.mark.parametrize("make", [make_tiny_ouro, make_tiny_huginn])  # half | interleaved RoPE

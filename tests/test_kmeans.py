@@ -16,11 +16,13 @@ from loopvq_calib.capture import CaptureReader, capture_kv, write_meta
 from loopvq_calib.codec import TasqTransform, gather_groups
 from loopvq_calib.config import CaptureConfig, Config, KMeansConfig, QuantConfig, validate
 from loopvq_calib.data import CalibrationSet
+from loopvq_calib import kmeans_triton
 from loopvq_calib.kmeans import fit_codebooks, layout_problems
 from loopvq_calib.layouts import plan_layouts
 from test_kmeans_backends import np_assign
 
 CPU = torch.device("cpu")
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: Triton's interpreter
 K, G = 16, 8
 SINKS = 4
 needs_faiss = pytest.mark.skipif(importlib.util.find_spec("faiss") is None, reason="faiss is not installed")
@@ -193,6 +195,39 @@ def test_fit_is_deterministic_and_order_independent(tiny_capture):
     other_seed = KMeansConfig(iterations=25, backend="torch", seed=1)
     c, _ = fit_codebooks(reader, layouts[:1], {}, quant, other_seed, kv, CPU)
     assert not torch.equal(c.codecs[layouts[0].key].codebook, a.codecs[layouts[0].key].codebook)
+
+
+@pytest.mark.skipif(not kmeans_triton.available(TRITON_DEVICE), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1")
+def test_fused_path_solves_layouts_together_as_one_at_a_time(tiny_capture, monkeypatch):
+    """On the fused Triton path consecutive layouts share one Lloyd loop (here all 4 in one weighted_kmeans
+    call); each layout gets the codebooks, objectives and Lloyd updates it gets when solved alone."""
+    import loopvq_calib.kmeans as kmeans
+
+    reader, kv = tiny_capture
+    quant = quant_config(method="tasq+loopvq")
+    layouts = plan_layouts(kv, quant)[:4]
+    transforms = tasq_transforms(layouts, kv)
+    cfg = KMeansConfig(iterations=8, backend="triton")
+    real, calls = kmeans.weighted_kmeans, []
+
+    def counted(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(kmeans, "weighted_kmeans", counted)
+    together, joined = fit_codebooks(reader, layouts, transforms, quant, cfg, kv, TRITON_DEVICE)
+    problems = kv.kv_heads * layouts[0].num_groups
+    assert calls == [4 * problems]
+    calls.clear()
+    monkeypatch.setattr(kmeans, "LLOYD_GROUP_BYTES", 0)  # no room to join: one layout per loop
+    alone, single = fit_codebooks(reader, layouts, transforms, quant, cfg, kv, TRITON_DEVICE)
+    assert calls == [problems] * 4
+    assert list(together.codecs) == list(alone.codecs) == [lay.key for lay in layouts]
+    for lay in layouts:
+        a, b = joined["layouts"][lay.key], single["layouts"][lay.key]
+        assert a["iterations"] == b["iterations"] and a["objective_init"] == pytest.approx(b["objective_init"], rel=1e-6)
+        assert a["objective_final"] == pytest.approx(b["objective_final"], rel=1e-5)
+        torch.testing.assert_close(together.codecs[lay.key].codebook, alone.codecs[lay.key].codebook)
 
 
 @needs_faiss

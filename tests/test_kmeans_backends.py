@@ -255,6 +255,28 @@ def test_empty_clusters_are_reseeded_deterministically(backend):
     assert (full.objective_final < full.objective_init).all()
 
 
+@pytest.mark.parametrize("backend", LLOYD)
+def test_problems_of_two_layouts_solved_together_keep_their_own_reseeding(backend):
+    """problem_keys: two sets of problems (two layouts, seeds 11 and 12) joined in one call give what each
+    gives alone, reseeded empty clusters included (their draws are keyed by (seed, problem), not by the row)."""
+    x, w = blobs(4, 300, 4, 4, seed=9)
+    init = kmeans_pp_init(x, w, 4, gen(5))
+    init[:, 0] = 1e3  # centroid 0 is empty in the first update of every problem: all are reseeded
+    cfg = KMeansConfig(iterations=3, tolerance=0.0)
+    a = weighted_kmeans(x[:2], w[:2], init[:2], cfg, *backend, seed=11)
+    b = weighted_kmeans(x[2:], w[2:], init[2:], cfg, *backend, seed=12)
+    keys = [(11, 0), (11, 1), (12, 0), (12, 1)]
+    joined = weighted_kmeans(x, w, init, cfg, *backend, problem_keys=keys)
+    assert joined.empty_clusters.tolist() == [1, 1, 1, 1] and joined.iterations.tolist() == [3, 3, 3, 3]
+    assert torch.equal(joined.centroids[:, 0], torch.cat([a.centroids[:, 0], b.centroids[:, 0]]))  # the reseeded points
+    torch.testing.assert_close(joined.centroids, torch.cat([a.centroids, b.centroids]))
+    torch.testing.assert_close(joined.objective_final, torch.cat([a.objective_final, b.objective_final]))
+    unkeyed = weighted_kmeans(x, w, init, cfg, *backend, seed=11)  # rows 2, 3 would draw as problems (11, 2), (11, 3)
+    assert not torch.equal(unkeyed.centroids[2:, 0], b.centroids[:, 0])
+    with pytest.raises(ValueError, match="3 problem keys for 4 problems"):
+        weighted_kmeans(x, w, init, cfg, *backend, problem_keys=keys[:3])
+
+
 def test_reseed_maps_batch_rows_to_their_problems():
     """Row q of the centroids belongs to problem rows[q]: an empty slot is refilled with a positive-weight
     point of that problem, drawn by the generator of keys[q], and nothing else moves."""
@@ -294,7 +316,7 @@ def test_kernel_probe_failure_is_logged_and_cached(monkeypatch, caplog):
 def test_backend_resolution_and_missing_faiss(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(kmeans_triton, "triton", object())  # installed
-    monkeypatch.setattr(kmeans_triton, "works", lambda device: True)  # compiles and runs there
+    monkeypatch.setattr(kmeans_triton, "works", lambda device, k=16, g=16: True)  # compiles and runs there
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 5))  # T4: no TF32 dot
     assert resolve_backend("auto", torch.device("cuda")) == "torch"
@@ -310,7 +332,7 @@ def test_backend_resolution_and_missing_faiss(monkeypatch):
         resolve_backend("triton", "cuda", (4096, 12))
     with pytest.raises(ValueError, match=r"kmeans.backend: 'triton' needs .* a CUDA device .*, not cpu"):
         resolve_backend("triton", CPU)
-    monkeypatch.setattr(kmeans_triton, "works", lambda device: False)  # e.g. no C compiler: auto falls back
+    monkeypatch.setattr(kmeans_triton, "works", lambda device, k=16, g=16: False)  # e.g. no C compiler: auto falls back
     assert resolve_backend("auto", torch.device("cuda")) == "torch" and resolve_backend("triton", "cuda") == "triton"
     monkeypatch.setattr(kmeans_triton, "triton", None)  # not installed: auto falls back to torch
     assert resolve_backend("auto", torch.device("cuda")) == "torch"
@@ -330,7 +352,7 @@ def test_auto_logs_why_it_does_not_use_triton(monkeypatch, caplog):
     an old GPU, no triton; on the CPU torch is the plain choice and nothing is logged."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(kmeans_triton, "triton", object())
-    monkeypatch.setattr(kmeans_triton, "works", lambda device: True)
+    monkeypatch.setattr(kmeans_triton, "works", lambda device, k=16, g=16: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     kmeans_backends._log_once.cache_clear()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import loopvq_calib.pipeline as pipeline_module
+import loopvq_calib.stages as stages_module
 from loopvq_calib.cli import calibrate_main
 from loopvq_calib.config import load_config
 from loopvq_calib.pipeline import calibrate
@@ -87,7 +87,7 @@ def test_crash_leaves_nothing_a_rerun_mistakes_for_a_result(tiny_ouro_dir, calib
     def crash(*args, **kwargs):
         raise RuntimeError("simulated crash in fine-tuning")
 
-    monkeypatch.setattr(pipeline_module, "finetune_codebooks", crash)
+    monkeypatch.setattr(stages_module, "finetune_codebooks", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         calibrate(cfg)
     assert statuses(out)["finetune"] == "failed" and not (out / "finetune").exists()
@@ -229,7 +229,7 @@ def test_cli_exit_codes_for_a_failed_stage_and_a_bad_run_directory(tiny_ouro_dir
     def broken(*args, **kwargs):
         raise RuntimeError("simulated k-means failure")
 
-    monkeypatch.setattr("loopvq_calib.pipeline.fit_codebooks", broken)
+    monkeypatch.setattr("loopvq_calib.stages.fit_codebooks", broken)
     assert calibrate_main(["--config", str(cfg_path), "--stages", "kmeans"]) == 3
     err = capsys.readouterr().err
     assert "stage kmeans failed: RuntimeError: simulated k-means failure" in err and "run.log" in err
@@ -336,3 +336,18 @@ def test_an_interrupted_finetune_resumes_after_its_last_epoch(tiny_ouro_dir, cal
     for name in ("quantizer.safetensors", "curve.json"):
         assert (run / "finetune" / name).read_bytes() == (clean / "finetune" / name).read_bytes(), name
     assert not (run / "finetune" / "resume.pt").exists() and not list(run.glob(".loopvq-tmp.*"))
+
+
+def test_the_manifest_records_the_start_up_steps(tiny_ouro_dir, calib_corpus, tmp_path):
+    """Every check before the first stage is timed into the manifest's ``startup`` (with the seconds from the
+    process's start), so a slow start can be told apart from slow stages."""
+    import time
+
+    before = time.time()
+    result = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run"), stages=["data"])
+    startup = json.loads((result.run_dir / "manifest.json").read_text())["startup"]
+    steps = ("processes_s", "model_shape_s", "model_identity_s", "kmeans_backend_s", "data_fingerprint_s",
+             "calibration_set_s", "pipeline_init_s")
+    assert set(steps) <= set(startup) and all(startup[k] >= 0 for k in steps) and result.is_main
+    assert startup["pipeline_init_s"] >= sum(startup[k] for k in steps[:-1]) - 0.01  # the parts are inside the whole
+    assert before <= startup["entered_at"] <= time.time() and startup["process_start_s"] > 0

@@ -12,6 +12,7 @@ from conftest import make_tiny_huginn, make_tiny_ouro
 from loopvq_calib.capture import CaptureReader, QueryStats, capture_kv, write_meta
 from loopvq_calib.codec import BlockCodec, TasqTransform, code_bits, gather_groups, sigma_bits
 from loopvq_calib.config import CaptureConfig, ConfigError, QuantConfig, TasqConfig
+from loopvq_calib.distributed import DistContext
 from loopvq_calib.data import CalibrationSet
 from loopvq_calib.layouts import BlockLayout, plan_layouts
 from loopvq_calib.models.sites import KVLayout, kv_layout
@@ -364,11 +365,11 @@ def test_save_load_round_trip(fits, tmp_path):
 
 
 def test_sharded_fit_merges_into_the_single_fit(captures, fits):
-    """fit_tasq(shard=(r, 2)) fits only the key layouts i % 2 == r (the others stay as planned, without a
+    """fit_tasq on process r of 2 fits only the key layouts i % 2 == r (the others stay as planned, without a
     transform); merge_tasq of the two parts equals the fit in one process."""
     _, kv, _, reader = captures["ouro"]
     layouts, whole = fits["ouro", "tasq+loopvq"]
-    parts = [fit_tasq(reader, layouts, kv, quant("tasq+loopvq"), TasqConfig(), shard=(r, 2)) for r in range(2)]
+    parts = [fit_tasq(reader, layouts, kv, quant("tasq+loopvq"), TasqConfig(), DistContext(r, 2)) for r in range(2)]
     for r, part in enumerate(parts):
         mine = {lay.key for i, lay in enumerate(layouts) if lay.kind == "key" and i % 2 == r}
         assert set(part.transforms) == set(part.report["blocks"]) == mine

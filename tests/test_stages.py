@@ -1,0 +1,74 @@
+"""The stages as plain functions, called without a Pipeline: the capture returns its reader (memory and disk
+read alike), k-means returns and saves its report, parts are joined, and the fingerprints chain."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+from conftest import make_tiny_ouro
+
+from loopvq_calib.capture_store import StoreChoice
+from loopvq_calib.config import Config, validate
+from loopvq_calib.data import CalibrationSet
+from loopvq_calib.distributed import SINGLE
+from loopvq_calib.pipeline import stage_fingerprints
+from loopvq_calib.stages import KMeansReport, join_parts, load_calibration, run_capture, run_kmeans, save_calibration
+
+
+def tiny_run_config() -> Config:
+    cfg = Config()
+    cfg.quant.codebook_size, cfg.quant.group_size, cfg.quant.bits = 16, 8, 0.5
+    cfg.capture.dtype, cfg.capture.fisher_channels = "float32", 2
+    cfg.kmeans.iterations, cfg.kmeans.backend = 5, "torch"
+    return validate(cfg)
+
+
+def test_capture_returns_its_reader_and_kmeans_its_report(tmp_path):
+    model, cfg = make_tiny_ouro(), tiny_run_config()
+    kv = model.kv_layout()
+    calib = CalibrationSet(torch.randint(0, 4096, (4, 32), generator=torch.Generator().manual_seed(0)), [0, 1, 2], [3], 4)
+    readers = {}
+    for store in ("memory", "disk"):
+        folder = tmp_path / store
+        folder.mkdir()
+        readers[store] = run_capture(model, calib, kv, cfg, StoreChoice(store, "test"), folder, SINGLE)
+    on_disk = json.loads((tmp_path / "disk" / "meta.json").read_text())
+    assert readers["memory"].meta == {**on_disk, "store": "memory"} and readers["disk"].meta == on_disk
+    assert on_disk["store"] == "disk" and json.loads((tmp_path / "memory" / "meta.json").read_text())["store"] == "memory"
+    for name in ("key", "fisher_value"):
+        assert torch.equal(readers["memory"].load(name, (0, 1)), readers["disk"].load(name, (0, 1)))
+    out = tmp_path / "kmeans"
+    out.mkdir()
+    report = run_kmeans(readers["disk"], None, kv, cfg, out, SINGLE, torch.device("cpu"))
+    assert isinstance(report, KMeansReport) and len(report.totals) == 1
+    assert list(report.layouts) == list(report.quantizer.codecs) and not (out / "part0").exists()
+    again = KMeansReport.load(out)
+    assert again.layouts == json.loads(json.dumps(report.layouts)) and again.totals == report.totals
+    for key, codec in report.quantizer.codecs.items():
+        assert torch.equal(again.quantizer.codecs[key].codebook, codec.codebook)
+
+
+def test_calibration_round_trip_and_parts(tmp_path):
+    calib = CalibrationSet(torch.arange(12).view(3, 4), [0, 1], [2], 1, {"source": "test"})
+    details = save_calibration(calib, tmp_path)
+    back = load_calibration(tmp_path)
+    assert torch.equal(back.input_ids, calib.input_ids) and (back.train, back.heldout) == ([0, 1], [2])
+    assert details["content_sha256"] == back.content_hash == calib.content_hash and details["tokens"] == 12
+    parts = join_parts(SINGLE, tmp_path, lambda d: (d / "x.txt").write_text("part"), lambda d: (d / "x.txt").read_text())
+    assert parts == ["part"] and not (tmp_path / "part0").exists()
+
+
+def test_fingerprints_chain_from_the_changed_section():
+    cfg = tiny_run_config()
+    base = stage_fingerprints(cfg, "data", {"name": "m"}, 4)
+    assert base["tasq"] is None  # loopvq has no TaSQ stage
+    more = stage_fingerprints(dataclasses.replace(cfg, kmeans=dataclasses.replace(cfg.kmeans, iterations=6)),
+                              "data", {"name": "m"}, 4)
+    assert [s for s in base if base[s] != more[s]] == ["kmeans", "finetune", "bundle"]
+    stored = stage_fingerprints(dataclasses.replace(cfg, capture=dataclasses.replace(cfg.capture, store="disk")),
+                                "data", {"name": "m"}, 4)
+    assert stored == base  # where the capture lives is not what it holds
+    other_data = stage_fingerprints(cfg, "data2", {"name": "m"}, 4)
+    assert all(other_data[s] != base[s] for s in ("data", "capture", "kmeans", "finetune", "bundle"))
