@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -191,6 +192,7 @@ def finetune_codebooks(
         best_state = {k: t.to(device) for k, t in resume["best_state"].items()}
         train_sum, first_epoch = resume["train_sum"].to(device), resume["epoch"] + 1
         log.info("fine-tune: resuming after epoch %d (step %d) from %s", resume["epoch"], steps, checkpoint)
+    writer = EpochWriter(checkpoint) if checkpoint is not None and dist.is_main else None
     with loop_checkpointing(model, cfg.loop_checkpointing):
         for epoch in range(first_epoch, cfg.epochs + 1):
             gen = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
@@ -230,16 +232,54 @@ def finetune_codebooks(
                              entry["train_kl"], entry["selection_kl"])
                     if entry["selection_kl"] < curve[best]["selection_kl"]:
                         best, best_state = len(curve) - 1, free.snapshot()
-            if checkpoint is not None and dist.is_main:
-                _save_epoch(checkpoint, {"epoch": epoch, "steps": steps, "curve": curve, "best": best,
-                                         "best_state": best_state, "params": [p.detach() for p in free.params],
-                                         "opt": opt.state_dict(), "train_sum": train_sum})
+            if writer is not None and epoch < cfg.epochs:  # after the last epoch the stage's result follows
+                writer.save({"epoch": epoch, "steps": steps, "curve": curve, "best": best,
+                             "best_state": best_state, "params": [p.detach() for p in free.params],
+                             "opt": opt.state_dict(), "train_sum": train_sum})
+    if writer is not None:
+        writer.close()
     free.restore(best_state)
     return FinetuneResult(quantizer, curve[best]["epoch"], curve, len(cache.store), curve[best]["step"])
 
 
-def _save_epoch(path: Path, state: dict[str, Any]) -> None:
-    """The fine-tuning state after an epoch, replaced atomically (a kill never leaves half a checkpoint)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+class EpochWriter:
+    """Writes the state after an epoch to ``path`` in a background thread while training goes on: the state is
+    first copied to host memory, the file is replaced atomically (a kill never leaves half a checkpoint), and
+    each save (and :meth:`close`) waits for the previous write and re-raises its error."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._thread, self._error = path, None, None
+
+    def save(self, state: dict[str, Any]) -> None:
+        self.close()
+        host = _to_host(state)
+        self._thread = threading.Thread(target=self._write, args=(host,), name="loopvq-epoch-state")
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _write(self, state: dict[str, Any]) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
+        try:
+            torch.save(state, tmp)
+            os.replace(tmp, self.path)
+        except BaseException as e:  # handed to the training thread by close()
+            tmp.unlink(missing_ok=True)
+            self._error = e
+
+
+def _to_host(obj: Any) -> Any:
+    """A deep copy of ``obj`` with every tensor copied to host memory (training changes the originals)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(v) for v in obj)
+    return copy.deepcopy(obj)

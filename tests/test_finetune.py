@@ -362,3 +362,26 @@ def test_recipe_options_are_validated(override, path, message):
     with pytest.raises(ConfigError, match=message) as err:
         load_config({"finetune": override})
     assert err.value.path == path
+
+
+def test_epoch_writer_saves_a_host_copy_in_the_background_and_replaces_atomically(tmp_path):
+    """The state is copied before training changes it, lands on the host, and a failed write leaves the previous
+    file intact and is raised (naming the cause) by the next save or close."""
+    from loopvq_calib.finetune import EpochWriter
+
+    path = tmp_path / "resume.pt"
+    params = torch.arange(4.0)
+    writer = EpochWriter(path)
+    writer.save({"epoch": 1, "params": [params], "curve": [{"step": 0}]})
+    params += 100  # training goes on while the file is written
+    writer.close()
+    saved = torch.load(path, weights_only=False)
+    assert torch.equal(saved["params"][0], torch.arange(4.0)) and saved["params"][0].device.type == "cpu"
+    assert saved["epoch"] == 1 and saved["curve"] == [{"step": 0}]
+    before = path.read_bytes()
+
+    writer.save({"epoch": 2, "unpicklable": lambda: None})  # torch.save cannot pickle a lambda
+    with pytest.raises(Exception, match="lambda|pickle"):
+        writer.close()
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["resume.pt"]
+    writer.close()  # the error was handed over once
