@@ -87,10 +87,10 @@ def _draw_one(prob: torch.Tensor, fallback: torch.Tensor, u: torch.Tensor) -> to
     uniforms ``u`` [P] (drawn on the CPU by the caller); a row whose total is zero draws from ``fallback``
     (same shape, positive total). Zero-probability entries are never drawn. One float64 prefix sum per
     row: few, large kernels, since the k-means++ draws are sequential and bound by kernel launches on GPU."""
-    cdf = prob.double().cumsum(-1)
+    cdf = prob.cumsum(-1, dtype=torch.float64)
     empty = cdf[:, -1] <= 0
     if empty.any():  # rare: only those rows are redrawn from the fallback (one host sync; the common case skips a pass)
-        cdf = torch.where(empty[:, None], fallback.double().cumsum(-1), cdf)
+        cdf = torch.where(empty[:, None], fallback.cumsum(-1, dtype=torch.float64), cdf)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     last_positive = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)
     return torch.minimum(idx, last_positive).squeeze(1)
@@ -127,14 +127,16 @@ def _kmeans_pp_rows(x: torch.Tensor, w: torch.Tensor, k: int, uniforms: torch.Te
     out = x.new_empty(p, k, g)
     chosen = _draw_one(w, w, uniforms[0])
     d2 = torch.full_like(x_sq, float("inf"))
-    for j in range(k):
+    bias, dist, prob = torch.empty_like(x_sq)[:, None, :], torch.empty_like(x_sq)[:, None, :], torch.empty_like(x_sq)
+    for j in range(k):  # buffers reused across the K draws: each draw is a few passes over [P, N]
         out[:, j] = x[rows, chosen]
         c = out[:, j]
-        dist = torch.baddbmm((x_sq + c.pow(2).sum(-1)[:, None])[:, None, :], c[:, None, :], xt, alpha=-2.0)[:, 0]
-        d2 = torch.minimum(d2, dist.clamp_min_(0))
+        torch.add(x_sq[:, None, :], c.pow(2).sum(-1)[:, None, None], out=bias)
+        torch.baddbmm(bias, c[:, None, :], xt, alpha=-2.0, out=dist)
+        torch.minimum(d2, dist[:, 0].clamp_min_(0), out=d2)
         d2[rows, chosen] = 0.0
         if j + 1 < k:
-            chosen = _draw_one(w * d2, w, uniforms[j + 1])
+            chosen = _draw_one(torch.mul(w, d2, out=prob), w, uniforms[j + 1])
     return out
 
 
