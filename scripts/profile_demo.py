@@ -1,10 +1,10 @@
 """Profile the demo (``loopvq-calibrate --config configs/tiny-ouro.yaml``) in this process: per stage the wall
 time and the CPU time of the whole process (user + sys, all threads), the thread settings of torch, faiss and
 the OpenMP environment, and with ``--cprofile N`` each stage's N functions of largest own time. One JSON
-document on stdout (docs/performance.md quotes it). On a shared machine compare CPU seconds: wall time then
+document on stdout or in ``--report`` (docs/performance.md quotes it). On a shared machine compare CPU seconds: wall time then
 measures the neighbours.
 
-    nice python scripts/profile_demo.py --output /tmp/demo-profile [--cprofile 15] [--set kmeans.iterations=20]
+    python scripts/profile_demo.py --output /tmp/demo-profile --report profile.json [--cprofile 15] [--set kmeans.iterations=20]
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ def main() -> None:
     p.add_argument("--output", required=True, help="a fresh run directory (a reused stage is not timed)")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="each stage's N functions of largest own time")
+    p.add_argument("--report", help="write the JSON document here (default: stdout, after the run's own lines)")
     args = p.parse_args()
     start_wall, start_cpu = time.perf_counter(), _cpu_s()
     from loopvq_calib.cli import calibrate_main
@@ -94,14 +95,18 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     manifest = json.loads((Path(args.output) / "manifest.json").read_text())
     curve = manifest.get("finetune_curve") or []
-    print(json.dumps({
+    report = json.dumps({
         "commit": commit, "command": "python scripts/profile_demo.py " + " ".join(argv), "status": status,
         "threads": _threads(), "import": import_s, "stages": clock.stages,
         "total": {"wall_s": round(time.perf_counter() - start_wall, 2), "cpu_s": round(_cpu_s() - start_cpu, 2)},
         "selection_kl": {"kmeans": curve[0]["selection_kl"] if curve else None,
                          "finetuned": min((c["selection_kl"] for c in curve), default=None)},
-        "load_average": os.getloadavg(),
-    }, indent=1))
+        "load_average": [round(v, 2) for v in os.getloadavg()],
+    }, indent=1)
+    if args.report:
+        Path(args.report).write_text(report + "\n")
+    else:
+        print(report)
 
 
 if __name__ == "__main__":
