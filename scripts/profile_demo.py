@@ -87,7 +87,6 @@ def main() -> None:
     start_wall, start_cpu = time.perf_counter(), _cpu_s()
     from loopvq_calib.cli import calibrate_main
 
-    import_s = {"wall_s": round(time.perf_counter() - start_wall, 2), "cpu_s": round(_cpu_s() - start_cpu, 2)}
     clock = StageClock(args.cprofile)
     logging.getLogger("loopvq_calib").addFilter(clock)
     argv = ["--config", args.config, "--output", args.output] + [a for o in args.overrides for a in ("--set", o)]
@@ -97,7 +96,7 @@ def main() -> None:
     curve = manifest.get("finetune_curve") or []
     report = json.dumps({
         "commit": commit, "command": "python scripts/profile_demo.py " + " ".join(argv), "status": status,
-        "threads": _threads(), "import": import_s, "stages": clock.stages,
+        "threads": _threads(), "stages": clock.stages,
         "total": {"wall_s": round(time.perf_counter() - start_wall, 2), "cpu_s": round(_cpu_s() - start_cpu, 2)},
         "selection_kl": {"kmeans": curve[0]["selection_kl"] if curve else None,
                          "finetuned": min((c["selection_kl"] for c in curve), default=None)},
