@@ -142,7 +142,8 @@ def evaluation_for(report: dict[str, Any], name: str) -> dict[str, Any]:
 
 def attach_eval_report(bundle_path: str | Path, report_path: str | Path, write: bool = True) -> list[EvalResult]:
     """Rewrite the bundle's README.md with the results of ``report_path`` (report.json or its folder) and
-    record its new checksum in loopvq.json; ``write=False`` only checks and returns the results."""
+    record its new checksum in loopvq.json; ``write=False`` only checks and returns the results. Both files
+    are written to temporary siblings first and renamed into place, so a failure leaves the old pair intact."""
     from .bundle_reader import CARD_FILE, META_FILE, file_entry, load_bundle, meta_bytes  # the reader: no import of bundle.py
 
     report_file = Path(report_path)
@@ -155,11 +156,46 @@ def attach_eval_report(bundle_path: str | Path, report_path: str | Path, write: 
     evaluation = evaluation_for(report, bundle.meta["name"])
     if write:
         path = Path(bundle_path)
-        (path / CARD_FILE).write_text(model_card(bundle.meta, evaluation), encoding="utf-8")
-        meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
-        meta["files"][CARD_FILE] = file_entry(path / CARD_FILE)
-        tmp = path / f".loopvq-tmp.{META_FILE}.{os.getpid()}"
-        tmp.write_bytes(meta_bytes(meta))  # a new meta_sha256 over the new files entry
-        os.replace(tmp, path / META_FILE)
+        card = _write_temp(path / CARD_FILE, model_card(bundle.meta, evaluation).encode("utf-8"))
+        try:
+            meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
+            meta["files"][CARD_FILE] = file_entry(card)
+            new_meta = _write_temp(path / META_FILE, meta_bytes(meta))  # a new meta_sha256 over the new files entry
+        except BaseException:
+            card.unlink(missing_ok=True)
+            raise
+        _replace_pair(path / CARD_FILE, card, path / META_FILE, new_meta)
         load_bundle(path)
     return evaluation["results"]
+
+
+def _write_temp(final: Path, data: bytes) -> Path:
+    """``data`` written and flushed to disk in a temporary sibling of ``final`` (removed if writing fails)."""
+    tmp = final.with_name(f".loopvq-tmp.{final.name}.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def _replace_pair(card: Path, card_tmp: Path, meta: Path, meta_tmp: Path) -> None:
+    """Rename both finished files into place, the card first; if the second rename fails, the old card is
+    put back, so README.md and loopvq.json (whose checksum covers it) always match."""
+    old_card = card.read_bytes()
+    try:
+        os.replace(card_tmp, card)
+    except BaseException:
+        card_tmp.unlink(missing_ok=True)
+        meta_tmp.unlink(missing_ok=True)
+        raise
+    try:
+        os.replace(meta_tmp, meta)
+    except BaseException:
+        meta_tmp.unlink(missing_ok=True)
+        os.replace(_write_temp(card, old_card), card)
+        raise

@@ -13,6 +13,7 @@ compute device, so a seed gives the same draws on any device and for any ``probl
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable
@@ -44,6 +45,34 @@ def mix_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0]) & 0x7FFFFFFF
 
 
+CPU_BLOCK = 8  # problems per task on the CPU: a block's points (8 x 8,064 x 16 fp32 = 4 MB) stay in cache
+
+
+def cpu_map(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+    """``[fn(i) for i in items]`` on the CPU, the items spread over ``torch.get_num_threads()`` threads that
+    each run single-threaded torch and faiss. The k-means problems are small and independent, so whole
+    problems per thread beat splitting each small op across threads (whose OpenMP teams, torch's and
+    faiss's separate ones, synchronise thousands of times a second and spin on a busy machine;
+    docs/performance.md). Results are those of the sequential loop, in order."""
+    threads = torch.get_num_threads()
+    workers = min(threads, len(items))
+    if workers <= 1:
+        return [fn(i) for i in items]
+    faiss = _faiss_module()
+
+    def run(item: Any) -> Any:
+        if faiss is not None:
+            faiss.omp_set_num_threads(1)  # this thread's OpenMP setting in faiss's own runtime
+        return fn(item)
+
+    torch.set_num_threads(1)  # new threads take this value at their first parallel op
+    try:
+        with ThreadPoolExecutor(workers, thread_name_prefix="loopvq-kmeans") as pool:
+            return list(pool.map(run, items))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _check_shapes(x: torch.Tensor, w: torch.Tensor, k: int) -> None:
     if x.dim() != 3 or w.shape != x.shape[:2]:
         raise ValueError(f"expected points [P, N, G] and weights [P, N], got {tuple(x.shape)} and {tuple(w.shape)}")
@@ -58,10 +87,10 @@ def _draw_one(prob: torch.Tensor, fallback: torch.Tensor, u: torch.Tensor) -> to
     uniforms ``u`` [P] (drawn on the CPU by the caller); a row whose total is zero draws from ``fallback``
     (same shape, positive total). Zero-probability entries are never drawn. One float64 prefix sum per
     row: few, large kernels, since the k-means++ draws are sequential and bound by kernel launches on GPU."""
-    cdf = prob.double().cumsum(-1)
+    cdf = prob.cumsum(-1, dtype=torch.float64)
     empty = cdf[:, -1] <= 0
     if empty.any():  # rare: only those rows are redrawn from the fallback (one host sync; the common case skips a pass)
-        cdf = torch.where(empty[:, None], fallback.double().cumsum(-1), cdf)
+        cdf = torch.where(empty[:, None], fallback.cumsum(-1, dtype=torch.float64), cdf)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     last_positive = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)
     return torch.minimum(idx, last_positive).squeeze(1)
@@ -79,24 +108,35 @@ def kmeans_pp_init(
     not a pass over an [P, N, G] difference); drawn points are pinned to exactly zero. ``fused``: the
     Triton kernels of :mod:`kmeans_triton` (same rules and uniforms, D^2 as ||x - c||^2)."""
     _check_shapes(x, w, k)
-    p, _, g = x.shape
+    p = x.shape[0]
     uniforms = torch.rand(k, p, generator=generator, dtype=torch.float64).to(x.device)
     if fused:
         return kmeans_triton.kmeans_pp(x.float().contiguous(), w.float().contiguous(), k, uniforms)
+    if x.device.type != "cpu":
+        return _kmeans_pp_rows(x, w, k, uniforms)
+    blocks = [slice(s, s + CPU_BLOCK) for s in range(0, p, CPU_BLOCK)]
+    return torch.cat(cpu_map(lambda b: _kmeans_pp_rows(x[b], w[b], k, uniforms[:, b]), blocks))
+
+
+def _kmeans_pp_rows(x: torch.Tensor, w: torch.Tensor, k: int, uniforms: torch.Tensor) -> torch.Tensor:
+    """The torch k-means++ draws of :func:`kmeans_pp_init` with the uniforms [K, P] given; rows independent."""
+    p, _, g = x.shape
     rows = torch.arange(p, device=x.device)
     x_sq = x.pow(2).sum(-1)
     xt = x.transpose(1, 2).contiguous()  # [P, G, N]: a row-vector product over it is fast on CPU and GPU
     out = x.new_empty(p, k, g)
     chosen = _draw_one(w, w, uniforms[0])
     d2 = torch.full_like(x_sq, float("inf"))
-    for j in range(k):
+    bias, dist, prob = torch.empty_like(x_sq)[:, None, :], torch.empty_like(x_sq)[:, None, :], torch.empty_like(x_sq)
+    for j in range(k):  # buffers reused across the K draws: each draw is a few passes over [P, N]
         out[:, j] = x[rows, chosen]
         c = out[:, j]
-        dist = torch.baddbmm((x_sq + c.pow(2).sum(-1)[:, None])[:, None, :], c[:, None, :], xt, alpha=-2.0)[:, 0]
-        d2 = torch.minimum(d2, dist.clamp_min_(0))
+        torch.add(x_sq[:, None, :], c.pow(2).sum(-1)[:, None, None], out=bias)
+        torch.baddbmm(bias, c[:, None, :], xt, alpha=-2.0, out=dist)
+        torch.minimum(d2, dist[:, 0].clamp_min_(0), out=d2)
         d2[rows, chosen] = 0.0
         if j + 1 < k:
-            chosen = _draw_one(w * d2, w, uniforms[j + 1])
+            chosen = _draw_one(torch.mul(w, d2, out=prob), w, uniforms[j + 1])
     return out
 
 
@@ -167,7 +207,7 @@ def batch_sizes(cfg: KMeansConfig, device: torch.device | str) -> tuple[int, int
     """(problems per batch, points per distance chunk): the config's, or by device when null (GPU: large
     batches; CPU: blocks that stay in cache)."""
     cuda = torch.device(device).type == "cuda"
-    return cfg.problems_per_batch or (512 if cuda else 8), cfg.points_per_chunk or (16384 if cuda else 512)
+    return cfg.problems_per_batch or (512 if cuda else CPU_BLOCK), cfg.points_per_chunk or (16384 if cuda else 512)
 
 
 def weighted_objective(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -362,11 +402,14 @@ def weighted_kmeans(
     keys = problem_keys if problem_keys is not None else [(seed, q) for q in range(x.shape[0])]
     if len(keys) != x.shape[0]:
         raise ValueError(f"{len(keys)} problem keys for {x.shape[0]} problems")
-    parts = []
     per_batch = x.shape[0] if name == "triton" else batch_sizes(cfg, device)[0]
-    for s in range(0, x.shape[0], per_batch):
+
+    def solve(s: int) -> list[torch.Tensor]:
         sl = slice(s, s + per_batch)
         xb, wb, cb = (t[sl].to(device=device, dtype=torch.float32) for t in (x, w, init))
         r = _lloyd(xb.contiguous(), wb.contiguous(), cb.clone(), cfg, keys[sl], fused=name == "triton")
-        parts.append([r.centroids.cpu(), r.objective_init.cpu(), r.objective_final.cpu(), r.iterations, r.empty_clusters])
+        return [r.centroids.cpu(), r.objective_init.cpu(), r.objective_final.cpu(), r.iterations, r.empty_clusters]
+
+    starts = list(range(0, x.shape[0], per_batch))
+    parts = cpu_map(solve, starts) if device.type == "cpu" else [solve(s) for s in starts]
     return KMeansResult(*(torch.cat(col) for col in zip(*parts)))

@@ -20,7 +20,7 @@ from loopvq_calib.kmeans import layout_problems, layout_seed
 from loopvq_calib.kmeans_backends import kmeans_pp_init, weighted_kmeans
 from loopvq_calib.layouts import plan_layouts
 from loopvq_calib.models.loading import read_model_config, resolve_model_dir
-from loopvq_calib.pipeline import kv_layout_from_config
+from loopvq_calib.pipeline import model_shape
 
 
 def clock() -> tuple[float, float]:
@@ -42,7 +42,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         faiss.omp_set_num_threads(args.threads)
     cfg = load_config(args.config)
-    kv = kv_layout_from_config(read_model_config(resolve_model_dir(cfg.model.name_or_path, None)), None)
+    kv = model_shape(read_model_config(resolve_model_dir(cfg.model.name_or_path, None)), None, "float32")[0]
     layout = plan_layouts(kv, cfg.quant)[args.layout]
     reader = CaptureReader(args.capture)
     x, fisher = reader.load(layout.kind, layout.sites), reader.load("fisher_" + layout.kind, layout.sites)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Quick start: set up .venv if needed, then calibrate the shipped reference model on the shipped corpus
 # (configs/tiny-ouro.yaml; no downloads) and say what it wrote. Extra arguments go to loopvq-calibrate
-# (e.g. --set kmeans.iterations=20); LOOPVQ_DEMO_OUTPUT picks the run directory.
+# (e.g. --set kmeans.iterations=10); LOOPVQ_DEMO_OUTPUT picks the run directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/setup.sh

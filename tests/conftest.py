@@ -10,6 +10,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # processes the tests start (spawned workers, CLIs): see one_thread
 
 import pytest
 import torch
@@ -81,14 +82,29 @@ def make_tiny_huginn(seed: int = 0, **overrides) -> HuginnForCausalLM:
     return _scaled_init(HuginnForCausalLM(tiny_huginn_config(**overrides)), seed)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
 def one_thread():
-    """Tiny models gain nothing from a second intra-op thread; on a busy 2-core machine OpenMP spinning
-    made such modules ~10x slower with two (use with pytest.mark.usefixtures)."""
+    """Every test runs single-threaded torch and faiss: the tiny models and problems gain nothing from a second
+    intra-op thread, while two OpenMP teams (torch's, faiss's) synchronising on every small op cost several times
+    the work on 2 cores, and ~10x when the machine is busy (docs/ci.md). A test about threads sets its own."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    faiss = _faiss_or_none()
+    faiss_threads = faiss.omp_get_max_threads() if faiss else None
+    if faiss:
+        faiss.omp_set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+    if faiss:
+        faiss.omp_set_num_threads(faiss_threads)
+
+
+def _faiss_or_none():
+    try:
+        import faiss
+    except ImportError:
+        return None
+    return faiss
 
 
 @pytest.fixture(scope="session")

@@ -9,8 +9,6 @@ from conftest import make_tiny_huginn, make_tiny_ouro
 from loopvq_calib.baselines import BASELINES, make_baseline, pack_bits, unpack_bits
 from loopvq_calib.qcache import QuantizedLoopKVCache
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_pack_unpack_round_trip_and_size(bits):

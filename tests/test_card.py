@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -81,3 +83,48 @@ def test_push_with_eval_report_rewrites_the_card_and_its_checksum(bundle_dir, tm
     assert push_main([str(bundle_dir), "--repo-id", "org/name", "--dry-run", "--eval-report",
                       str(tmp_path / "bad.json")]) == 2
     assert "cannot read an evaluation report" in capsys.readouterr().err
+
+
+def _bundle_files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("failing_write", [1, 2])  # 1: the new README.md, 2: the new loopvq.json
+def test_attach_eval_report_failing_mid_write_leaves_the_old_bundle(bundle_dir, tmp_path, monkeypatch, failing_write):
+    name = load_bundle(bundle_dir).meta["name"]
+    (tmp_path / "report.json").write_text(json.dumps(eval_report(name)))
+    before = _bundle_files(bundle_dir)
+    real_fsync, calls = os.fsync, []
+
+    def disk_full(fd):  # half the file reaches the disk, then the flush fails
+        calls.append(fd)
+        if len(calls) == failing_write:
+            os.ftruncate(fd, os.fstat(fd).st_size // 2)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        attach_eval_report(bundle_dir, tmp_path / "report.json")
+    assert len(calls) == failing_write
+    assert _bundle_files(bundle_dir) == before  # same files, same bytes, no temporary left behind
+    load_bundle(bundle_dir)
+
+
+def test_attach_eval_report_failing_rename_of_the_manifest_restores_the_card(bundle_dir, tmp_path, monkeypatch):
+    name = load_bundle(bundle_dir).meta["name"]
+    (tmp_path / "report.json").write_text(json.dumps(eval_report(name)))
+    before = _bundle_files(bundle_dir)
+    real_replace = os.replace
+
+    def replace(src, dst):  # the card's rename succeeds, loopvq.json's fails
+        if Path(dst).name == "loopvq.json":
+            raise OSError(errno.EIO, "Input/output error")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="Input/output error"):
+        attach_eval_report(bundle_dir, tmp_path / "report.json")
+    monkeypatch.undo()
+    assert _bundle_files(bundle_dir) == before
+    load_bundle(bundle_dir)

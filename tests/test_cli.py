@@ -48,6 +48,7 @@ def test_push_dry_run_lists_the_files(bundle, capsys):
         assert name in out
 
 
+@pytest.mark.slow  # quick equivalents: test_evaluate's run_eval tests (statuses 0, 1, 2) and its eval_main exit 2
 def test_eval_gates_exit_status(bundle, tiny_ouro_dir, heldout_corpus, tmp_path):
     common = ["--bundle", str(bundle), "--model", str(tiny_ouro_dir), "--data", str(heldout_corpus),
               "--num-sequences", "2", "--sequence-length", "32", "--out", str(tmp_path / "rep")]

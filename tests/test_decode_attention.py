@@ -259,7 +259,6 @@ def run_cache(model, batch, mask, quantizer, kernel, new_tokens, **serving):
 
 @needs_kernels
 @pytest.mark.slow  # about 40 s in the interpreter
-@pytest.mark.usefixtures("one_thread")
 def test_generate_through_the_kernel_gives_the_reference_tokens():
     """Ouro (half RoPE), TaSQ+LoopVQ, a left-padded batch: pages are encoded in prefill and during decoding;
     greedy tokens are identical with and without the kernel, logits within 1e-4 (float32 model)."""
@@ -279,7 +278,6 @@ def test_generate_through_the_kernel_gives_the_reference_tokens():
 
 @needs_kernels
 @pytest.mark.slow
-@pytest.mark.usefixtures("one_thread")
 def test_huginn_cache_through_the_kernel():
     """Huginn (interleaved RoPE, single-site prelude/coda blocks, core blocks of 2 steps)."""
     model = make_tiny_huginn().to(DEVICE)

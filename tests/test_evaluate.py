@@ -14,9 +14,6 @@ from loopvq_calib.models.loading import load_model, model_identity
 from loopvq_calib.qcache import sampled_quantizer
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def explicit_metrics(model, ids, quantizer, sink, only_step=None):
     """KL, NLL sums and per-site squared errors written out by hand: record every site's pre-RoPE K/V,
     decode(encode(.)) each block, substitute positions >= sink (only at ``only_step`` when given)."""
@@ -211,6 +208,8 @@ def test_run_eval_bad_input_returns_2(bundle_dir, tmp_path, capsys):
     assert "report.md: exists and is not a folder" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # quick equivalents: test_run_eval_writes_report_and_passes_gates (report), test_harness (tasks,
+# baselines served through the cache), test_report (the served plot)
 def test_cli_served_tasks_and_baselines_on_the_reference_model(bundle_dir, tmp_path, capsys):
     """``loopvq-eval --tasks <local task> --baseline ...``: the bundle, the baselines and full precision side
     by side in report.json / report.md / served_accuracy.png, and the accuracy gate."""
@@ -250,7 +249,14 @@ def test_cli_served_bad_input_exits_2(bundle_dir, capsys):
     base = ["--bundle", str(bundle_dir), "--num-sequences", "1", "--sequence-length", "40", "--device", "cpu"]
     assert eval_main(base + ["--baseline", "kivi3"]) == 2
     assert "--baseline kivi3: unknown" in capsys.readouterr().err
-    assert eval_main(base + ["--tasks", "no_such_task_xyz"]) == 2
-    assert "--tasks no_such_task_xyz: not an lm-eval task" in capsys.readouterr().err
     assert eval_main(base + ["--passkey-lengths", "8"]) == 2
     assert ">= 16 tokens" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # an unknown name makes lm-eval index all its own tasks (~20 s of YAML); CI's full suite runs it
+def test_cli_unknown_task_exits_2(bundle_dir, capsys):
+    from loopvq_calib.cli import eval_main
+
+    base = ["--bundle", str(bundle_dir), "--num-sequences", "1", "--sequence-length", "40", "--device", "cpu"]
+    assert eval_main(base + ["--tasks", "no_such_task_xyz"]) == 2
+    assert "--tasks no_such_task_xyz: not an lm-eval task" in capsys.readouterr().err

@@ -15,7 +15,6 @@ from loopvq_calib.qcache import sampled_quantizer
 from loopvq_calib.quantizer import KVQuantizer
 from loopvq_calib.served import TASKS_DIR, Entry, ServedOptions, model_details, run_tasks, task_manager
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 TASK = "loopvq_kjv_phrases"
 LIMIT = 3
 
@@ -69,6 +68,8 @@ def test_full_precision_accuracy_matches_an_independent_run(reference):
     assert got == pytest.approx(hits / LIMIT)
 
 
+@pytest.mark.slow  # quick equivalents: test_huginn_served_through_a_bundle_and_a_baseline here, test_qcache's cache-vs-plain
+# generation tests
 def test_identity_quantizer_keeps_accuracy_and_answers(reference):
     """Served through a quantizer that reproduces the prompts' keys/values exactly, every answer (and so
     the accuracy) equals full precision, while pages are really encoded and decoded."""

@@ -221,6 +221,36 @@ def test_cpu_search_through_faiss_equals_the_chunked_torch_search(monkeypatch):
     assert with_faiss.empty_clusters.tolist() == chunked.empty_clusters.tolist() == [1, 1, 1, 1]
 
 
+def test_cpu_problems_spread_over_threads_equal_one_sequential_batch(monkeypatch):
+    """On the CPU, k-means++ runs in blocks of CPU_BLOCK problems and Lloyd in blocks of problems_per_batch, the
+    blocks spread over torch.get_num_threads() single-threaded workers: the same seeds and centroids as all
+    problems in one batch on the calling thread, and the thread settings are restored afterwards."""
+    x, w = blobs(11, 300, G, K, seed=21)
+    init = kmeans_pp_init(x, w, K, gen(4))
+    uniforms = torch.rand(K, 11, generator=gen(4), dtype=torch.float64)  # the draws kmeans_pp_init makes
+    assert torch.equal(init, kmeans_backends._kmeans_pp_rows(x, w, K, uniforms))
+    whole = weighted_kmeans(x, w, init, KMeansConfig(iterations=12, tolerance=1e-4, problems_per_batch=11), "torch", CPU)
+    seen = []
+    real_lloyd = kmeans_backends._lloyd
+
+    def spy(xb, *args, **kwargs):
+        seen.append((xb.shape[0], torch.get_num_threads()))
+        return real_lloyd(xb, *args, **kwargs)
+
+    monkeypatch.setattr(kmeans_backends, "_lloyd", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        blocks = weighted_kmeans(x, w, init, KMeansConfig(iterations=12, tolerance=1e-4, problems_per_batch=3), "torch", CPU)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert sorted(seen) == [(2, 1), (3, 1), (3, 1), (3, 1)]  # four blocks, each on a single-threaded worker
+    for field in ("centroids", "objective_init", "objective_final", "iterations", "empty_clusters"):
+        assert torch.equal(getattr(blocks, field), getattr(whole, field)), field
+    assert len(set(whole.iterations.tolist())) > 1  # problems stop at different updates
+
+
 @pytest.mark.parametrize("backend", LLOYD + [pytest.param(("faiss", CPU), id="faiss", marks=needs_faiss)])
 def test_zero_weight_points_do_not_move_centroids(backend):
     x, w = blobs(2, 400, 4, 6, seed=7)

@@ -10,8 +10,6 @@ from loopvq_calib.models.loading import load_model
 from loopvq_calib.passkey import FILLER, NEW_TOKENS, QUESTION, answered, make_trials, needle, run_passkey
 from loopvq_calib.served import Entry
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.fixture(scope="module")
 def reference():

@@ -15,9 +15,6 @@ from loopvq_calib.objective import teacher
 from loopvq_calib.qcache import QuantizedLoopKVCache, sampled_quantizer
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 @pytest.fixture(scope="module")
 def reference():
     model, tok = load_model(REFERENCE_MODEL, "float32", torch.device("cpu"))

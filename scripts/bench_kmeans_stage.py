@@ -1,0 +1,57 @@
+"""The k-means stage alone (``fit_codebooks``, every layout of the method) on a capture written with
+``capture.store: disk``: wall and CPU seconds (user + sys of the whole process, all threads) of the stage and of
+its k-means++ seeding, and the mean objectives. Run it with another checkout on PYTHONPATH to compare code.
+
+    loopvq-calibrate --config configs/tiny-ouro.yaml --stages capture --set capture.store=disk --output /tmp/run
+    python scripts/bench_kmeans_stage.py /tmp/run/capture --set kmeans.iterations=20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+
+import torch
+
+from loopvq_calib.capture import CaptureReader
+from loopvq_calib.config import load_config
+from loopvq_calib.kmeans import fit_codebooks
+from loopvq_calib.layouts import plan_layouts
+from loopvq_calib.models.loading import read_model_config, resolve_model_dir
+from loopvq_calib.pipeline import model_shape
+
+
+def _cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("capture", help="a capture folder written with capture.store: disk")
+    ap.add_argument("--config", default="configs/tiny-ouro.yaml")
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    args = ap.parse_args()
+    cfg = load_config(args.config, args.overrides)
+    kv = model_shape(read_model_config(resolve_model_dir(cfg.model.name_or_path, None)), None, "float32")[0]
+    layouts = plan_layouts(kv, cfg.quant)
+    reader = CaptureReader(args.capture)
+    wall, cpu = time.perf_counter(), _cpu_s()
+    _, report = fit_codebooks(reader, layouts, {}, cfg.quant, cfg.kmeans, kv, torch.device("cpu"))
+    totals = report["totals"]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__import__("loopvq_calib").__file__))).stdout.strip()
+    print(json.dumps({
+        "code": commit, "overrides": args.overrides, "threads": torch.get_num_threads(),
+        "wall_s": round(time.perf_counter() - wall, 2), "cpu_s": round(_cpu_s() - cpu, 2),
+        "seeding_wall_s": round(totals["seconds_init"], 2), "layouts": totals["layouts"], "codebooks": totals["codebooks"],
+        "objective_init_mean": round(totals["objective_init_mean"], 6), "objective_final_mean": round(totals["objective_final_mean"], 6),
+        "load_average": [round(v, 2) for v in os.getloadavg()],
+    }))
+
+
+if __name__ == "__main__":
+    main()
