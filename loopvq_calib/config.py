@@ -115,6 +115,7 @@ class FinetuneConfig:
     warmup_steps: int = 4  # optimizer steps of linear warm-up; the paper: 0
     batch_size: int = 1  # sequences per optimizer step (split across processes)
     select_every: int = 4  # measure the selection KL every N optimizer steps (0: after each epoch, the paper)
+    selection_batch: int = 4  # selection sequences per forward when measuring the selection KL (memory vs launches)
     parameterization: str = "codewords"  # codewords (every entry free) | affine (per-codebook scale and shift)
     min_usage: int = 0  # codewords: train only entries that >= this many training vectors use (0: all)
     proximal: float = 1.0  # weight of sum ||C - C0||^2 / sum ||C0||^2 toward the k-means codebooks; the paper: 0

@@ -162,6 +162,7 @@ def validate_finetune(f: FinetuneConfig) -> None:
     _positive("finetune.warmup_steps", f.warmup_steps, zero_ok=True)
     _positive("finetune.batch_size", f.batch_size)
     _positive("finetune.select_every", f.select_every, zero_ok=True)
+    _positive("finetune.selection_batch", f.selection_batch)
     _choice("finetune.parameterization", f.parameterization, ("codewords", "affine"))
     _positive("finetune.min_usage", f.min_usage, zero_ok=True)
     if f.min_usage and f.parameterization != "codewords":

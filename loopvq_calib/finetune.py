@@ -26,7 +26,7 @@ from .data import CalibrationSet
 from .distributed import SINGLE, DistContext
 from .finetune_recipe import CodebookParams, add_usage, lr_factor
 from .models.sites import loop_checkpointing
-from .objective import mean_kl, quantized_logits, teacher
+from .objective import Teacher, mean_kl, quantized_logits, teacher
 from .quantizer import KVQuantizer
 
 log = logging.getLogger("loopvq_calib")
@@ -108,16 +108,29 @@ def sequence_kl(model: torch.nn.Module, ids: torch.Tensor, quantizer: KVQuantize
 def selection_kl(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, cfg: FinetuneConfig,
                device: torch.device, cache: TeacherCache | None = None, dist: DistContext = SINGLE) -> float:
     """Selection KL: mean KL over the selection sequences of the calibration set (``calib.heldout``; each
-    process of ``dist`` takes a share, summed across processes)."""
+    process of ``dist`` takes a share, summed across processes), ``cfg.selection_batch`` sequences per
+    forward (their teacher outputs joined along the batch)."""
     total = torch.zeros(2, device=device)
-    for n, i in enumerate(calib.heldout):
-        if dist.owns(n):
-            ids = calib.input_ids[i : i + 1].to(device)
-            fp = cache.get(i, ids, device) if cache is not None else None
-            total[0] += sequence_kl(model, ids, quantizer, calib.sink_tokens, cfg, device, fp).float()
-            total[1] += 1
+    owned = [i for n, i in enumerate(calib.heldout) if dist.owns(n)]
+    for start in range(0, len(owned), cfg.selection_batch):
+        rows = owned[start : start + cfg.selection_batch]
+        ids = calib.input_ids[rows].to(device)
+        fp = None
+        if cache is not None:
+            fp = batch_teachers([cache.get(i, calib.input_ids[i : i + 1].to(device), device) for i in rows])
+        total[0] += sequence_kl(model, ids, quantizer, calib.sink_tokens, cfg, device, fp).float() * len(rows)
+        total[1] += len(rows)
     total = dist.all_reduce_sum(total)
     return (total[0] / total[1]).item()
+
+
+def batch_teachers(parts: list[Teacher]) -> Teacher:
+    """The teacher outputs of several sequences of one length as one batch (a part itself when alone)."""
+    if len(parts) == 1:
+        return parts[0]
+    return Teacher(torch.cat([p.logits for p in parts]),
+                   {s: torch.cat([p.keys[s] for p in parts]) for s in parts[0].keys},
+                   {s: torch.cat([p.values[s] for p in parts]) for s in parts[0].values})
 
 
 def training_steps(cfg: FinetuneConfig, train_sequences: int) -> int:

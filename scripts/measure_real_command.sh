@@ -77,7 +77,7 @@ if [[ " $STEPS " == *" ouro-1.4b"* ]]; then
   [[ " $STEPS " == *" ouro-1.4b "* ]] && calibrate ouro-1.4b 200 configs/ouro-1.4b.yaml \
     --set model.name_or_path="$WORK/ouro-1.4b-random"
   [[ " $STEPS " == *" ouro-1.4b-48gb "* ]] && calibrate ouro-1.4b-48gb 200 configs/ouro-1.4b.yaml \
-    --set model.name_or_path="$WORK/ouro-1.4b-random" --set capture.store=memory --set finetune.cache_teacher=false
+    --set model.name_or_path="$WORK/ouro-1.4b-random" --set capture.store=memory --set finetune.cache_teacher=false --set finetune.selection_batch=1
   [ -z "${KEEP_CHECKPOINTS:-}" ] && rm -rf "${WORK:?}/ouro-1.4b-random"
 fi
 if [[ " $STEPS " == *" huginn-3.5b "* ]]; then

@@ -385,3 +385,28 @@ def test_epoch_writer_saves_a_host_copy_in_the_background_and_replaces_atomicall
         writer.close()
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["resume.pt"]
     writer.close()  # the error was handed over once
+
+
+@pytest.mark.parametrize("make", ["ouro", "huginn"])
+def test_batched_selection_equals_one_sequence_at_a_time(make):
+    """``selection_batch`` joins the selection sequences' teacher outputs into one forward: the selection KL is
+    the mean of the per-sequence KLs (up to float rounding), also under Huginn's like-init (per-row states),
+    with and without a teacher cache, and an identity quantizer still scores exactly 0."""
+    from conftest import make_tiny_huginn, make_tiny_ouro
+
+    from loopvq_calib.data import CalibrationSet
+    from loopvq_calib.qcache import sampled_quantizer
+
+    model = make_tiny_ouro() if make == "ouro" else make_tiny_huginn(state_init="like-init")
+    ids = torch.randint(0, 4096, (6, 16), generator=torch.Generator().manual_seed(3))
+    calib = CalibrationSet(ids, [0], [1, 2, 3, 4, 5], 2)
+    lossy = sampled_quantizer(model, ids[:2], "loopvq", codebook_size=4)
+    cpu = torch.device("cpu")
+    each = [sequence_kl(model, ids[i : i + 1], lossy, 2, FinetuneConfig(), cpu).item() for i in calib.heldout]
+    for batch in (1, 2, 5):
+        cfg = FinetuneConfig(selection_batch=batch)
+        for cache in (None, TeacherCache(model, cfg, 6)):
+            got = selection_kl(model, calib, lossy, cfg, cpu, cache)
+            assert got == pytest.approx(sum(each) / len(each), rel=1e-5), (batch, cache)
+    exact = sampled_quantizer(model, ids, "loopvq", codebook_size=96)
+    assert selection_kl(model, calib, exact, FinetuneConfig(selection_batch=5), cpu) == 0.0

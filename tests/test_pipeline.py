@@ -326,13 +326,13 @@ def test_an_interrupted_finetune_resumes_after_its_last_epoch(tiny_ouro_dir, cal
 
     monkeypatch.setattr(finetune, "sequence_kl", counted)
     cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")
-    stop_at = 2 + 4 + 2 + 2  # initial selection (2 sequences), epoch 1 (4 steps + selection), 2 steps of epoch 2
+    stop_at = 1 + 4 + 1 + 2  # initial selection (2 sequences, one forward), epoch 1 (4 steps + selection), 2 steps of epoch 2
     with pytest.raises(KeyboardInterrupt):
         calibrate(cfg, stages=["finetune"])
     calls.clear()
     stop_at = None
     run = calibrate(cfg, stages=["finetune"]).run_dir
-    assert len(calls) == 4 + 2  # epoch 2 only: its 4 steps and its selection
+    assert len(calls) == 4 + 1  # epoch 2 only: its 4 steps and its selection
     for name in ("quantizer.safetensors", "curve.json"):
         assert (run / "finetune" / name).read_bytes() == (clean / "finetune" / name).read_bytes(), name
     assert not (run / "finetune" / "resume.pt").exists() and not list(run.glob(".loopvq-tmp.*"))
