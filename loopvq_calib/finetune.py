@@ -124,6 +124,13 @@ def selection_kl(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQua
     return (total[0] / total[1]).item()
 
 
+def selection_extra(cache: TeacherCache, cfg: FinetuneConfig, selection_sequences: int) -> int:
+    """Bytes a joined selection batch adds on top of a training step's peak: the joined teacher outputs and the
+    batch's quantized keys/values, about twice its sequences' outputs (0 for one sequence at a time)."""
+    batch = min(cfg.selection_batch, selection_sequences)
+    return 2 * batch * (cache.per_sequence or 0) if batch > 1 else 0
+
+
 def batch_teachers(parts: list[Teacher]) -> Teacher:
     """The teacher outputs of several sequences of one length as one batch (a part itself when alone)."""
     if len(parts) == 1:
@@ -231,7 +238,8 @@ def finetune_codebooks(
                 opt.step()
                 steps += 1
                 if steps == settle_after:
-                    cache.settle(device, to_come=sum(c.numel() * c.element_size() for c in free.init.values()))
+                    cache.settle(device, to_come=sum(c.numel() * c.element_size() for c in free.init.values())
+                                 + selection_extra(cache, cfg, len(calib.heldout)))
                 if progress:
                     progress(1)
                 last_of_epoch = start + cfg.batch_size >= len(order)

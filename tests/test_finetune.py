@@ -13,6 +13,7 @@ from loopvq_calib.config import FinetuneConfig
 from loopvq_calib import finetune as finetune_module
 from loopvq_calib.finetune import TeacherCache, finetune_codebooks, selection_kl, sequence_kl
 from loopvq_calib.models.loading import load_model
+from loopvq_calib.objective import teacher
 from loopvq_calib.pipeline import calibrate
 from loopvq_calib.quantizer import load_quantizer
 
@@ -172,15 +173,22 @@ def test_teacher_cache_auto_keeps_what_fits(reference_setup, monkeypatch):
 
 @pytest.mark.slow  # the shipped reference model
 def test_teacher_cache_is_sized_after_the_second_step(reference_setup, monkeypatch):
-    """finetune_codebooks settles the cache once, after the second optimizer step, passing the bytes of
-    the codebooks (the best epoch's copy still to come)."""
+    """finetune_codebooks settles the cache once, after the second optimizer step, passing the bytes still to
+    come: the codebooks (the best epoch's copy) and a joined selection batch (2 x its sequences' outputs)."""
     model, calib, init = reference_setup
     calls = []
     progress = []
     monkeypatch.setattr(TeacherCache, "settle", lambda self, device, to_come=0: calls.append((len(progress), to_come)))
     finetune_codebooks(model, calib, init, FinetuneConfig(epochs=1), torch.device("cpu"), progress.append)
     codebook_bytes = sum(c.codebook.numel() * 4 for c in init.codecs.values())  # fp32 during fine-tuning
-    assert calls == [(1, codebook_bytes)] and len(progress) > 2
+    fp = teacher(model, calib.input_ids[:1])
+    per_sequence = sum(t.numel() * t.element_size() for t in [fp.logits, *fp.keys.values(), *fp.values.values()])
+    joined = 2 * min(4, len(calib.heldout)) * per_sequence
+    assert calls == [(1, codebook_bytes + joined)] and len(progress) > 2
+    calls.clear(), progress.clear()
+    finetune_codebooks(model, calib, init, FinetuneConfig(epochs=1, selection_batch=1), torch.device("cpu"),
+                       progress.append)
+    assert calls == [(1, codebook_bytes)]
 
 
 @pytest.mark.parametrize("make", ["ouro", "huginn"])
