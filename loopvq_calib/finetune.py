@@ -12,6 +12,7 @@ lowest selection KL (KL on the calibration set's selection sequences) is kept.
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 import logging
 import os
 import threading
@@ -80,6 +81,10 @@ class TeacherCache:
         log.info("teacher outputs: keeping %d of %d sequences (%.1f GB each)", self.capacity, self.sequences,
                  self.per_sequence / 1e9)
 
+    def keeps(self, seq: int) -> bool:
+        """Whether :meth:`get` of ``seq`` returns kept outputs or keeps the ones it computes."""
+        return seq in self.store or (self.capacity is not None and len(self.store) < self.capacity)
+
     def get(self, seq: int, ids: torch.Tensor, device: torch.device):
         if seq in self.store:
             return self.store[seq]
@@ -97,7 +102,8 @@ class TeacherCache:
 
 def sequence_kl(model: torch.nn.Module, ids: torch.Tensor, quantizer: KVQuantizer, sink_tokens: int,
                 cfg: FinetuneConfig, device: torch.device, fp=None) -> torch.Tensor:
-    """KL objective of one sequence [1, S] (differentiable w.r.t. the codebooks); ``fp`` a cached teacher."""
+    """KL objective of sequences [B, S] of one length, the mean over their positions after the sinks
+    (differentiable w.r.t. the codebooks); ``fp`` their cached teacher outputs."""
     with _autocast(cfg, device):
         fp = fp if fp is not None else teacher(model, ids)
         q = quantized_logits(model, ids, quantizer, fp, sink_tokens)
@@ -109,14 +115,15 @@ def selection_kl(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQua
                device: torch.device, cache: TeacherCache | None = None, dist: DistContext = SINGLE) -> float:
     """Selection KL: mean KL over the selection sequences of the calibration set (``calib.heldout``; each
     process of ``dist`` takes a share, summed across processes), ``cfg.selection_batch`` sequences per
-    forward (their teacher outputs joined along the batch)."""
+    forward: their kept teacher outputs joined along the batch, or one teacher forward of the batch when
+    ``cache`` keeps none of them."""
     total = torch.zeros(2, device=device)
     owned = [i for n, i in enumerate(calib.heldout) if dist.owns(n)]
     for start in range(0, len(owned), cfg.selection_batch):
         rows = owned[start : start + cfg.selection_batch]
         ids = calib.input_ids[rows].to(device)
         fp = None
-        if cache is not None:
+        if cache is not None and any(cache.keeps(i) for i in rows):
             fp = batch_teachers([cache.get(i, calib.input_ids[i : i + 1].to(device), device) for i in rows])
         total[0] += sequence_kl(model, ids, quantizer, calib.sink_tokens, cfg, device, fp).float() * len(rows)
         total[1] += len(rows)
@@ -125,8 +132,9 @@ def selection_kl(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQua
 
 
 def selection_extra(cache: TeacherCache, cfg: FinetuneConfig, selection_sequences: int) -> int:
-    """Bytes a joined selection batch adds on top of a training step's peak: the joined teacher outputs and the
-    batch's quantized keys/values, about twice its sequences' outputs (0 for one sequence at a time)."""
+    """Bytes a joined selection batch of this process's ``selection_sequences`` may add on top of the peak of
+    training steps: the joined teacher outputs and the batch's quantized keys/values, estimated (not measured)
+    as twice its sequences' outputs; 0 for one sequence at a time."""
     batch = min(cfg.selection_batch, selection_sequences)
     return 2 * batch * (cache.per_sequence or 0) if batch > 1 else 0
 
@@ -149,7 +157,8 @@ def usage_counts(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQua
                  device: torch.device, dist: DistContext = SINGLE) -> dict[str, torch.Tensor]:
     """Per codebook [Hc, nc, K]: training vectors (this process's share, summed across processes)
     assigned to each codeword."""
-    counts: dict[str, torch.Tensor] = {}
+    counts: dict[str, torch.Tensor] = {key: torch.zeros(c.codebook.shape[:3], dtype=torch.long)
+                                       for key, c in quantizer.codecs.items()}  # every process reduces every key
     for n, i in enumerate(calib.train):
         if dist.owns(n):
             ids = calib.input_ids[i : i + 1].to(device)
@@ -173,8 +182,9 @@ def finetune_codebooks(
     (or every ``cfg.select_every`` steps); returns the codebooks of the best selection point.
     ``on_select(entry, quantizer)`` sees every curve entry with the codebooks it measured. On CUDA it
     resets the device's peak-memory statistics (the teacher cache is sized from the first steps' peak).
-    ``checkpoint``: a file where the main process saves the state after every epoch (free parameters,
-    Adam's state, the curve, the best point) and from which a rerun resumes after the last finished epoch.
+    ``checkpoint``: a file where the main process saves the state after every epoch but the last (free
+    parameters, Adam's state, the curve, the best point; written in the background, :class:`EpochWriter`)
+    and from which a rerun resumes after the last saved epoch.
     ``dist``: the processes sharing each batch (gradients summed across them)."""
     quantizer = copy.deepcopy(quantizer).to(device, torch.float32)
     cache = TeacherCache(model, cfg, -(-calib.input_ids.shape[0] // dist.world))
@@ -211,9 +221,10 @@ def finetune_codebooks(
         curve[:], best, steps = resume["curve"], resume["best"], resume["steps"]
         best_state = {k: t.to(device) for k, t in resume["best_state"].items()}
         train_sum, first_epoch = resume["train_sum"].to(device), resume["epoch"] + 1
+        settle_after = steps + min(2, total - steps)  # the teacher cache is sized after two steps of this run
         log.info("fine-tune: resuming after epoch %d (step %d) from %s", resume["epoch"], steps, checkpoint)
-    writer = EpochWriter(checkpoint) if checkpoint is not None and dist.is_main else None
-    with loop_checkpointing(model, cfg.loop_checkpointing):
+    saving = checkpoint is not None and dist.is_main
+    with EpochWriter(checkpoint) if saving else nullcontext() as writer, loop_checkpointing(model, cfg.loop_checkpointing):
         for epoch in range(first_epoch, cfg.epochs + 1):
             gen = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
             order = [calib.train[i] for i in torch.randperm(len(calib.train), generator=gen).tolist()]
@@ -238,8 +249,9 @@ def finetune_codebooks(
                 opt.step()
                 steps += 1
                 if steps == settle_after:
-                    cache.settle(device, to_come=sum(c.numel() * c.element_size() for c in free.init.values())
-                                 + selection_extra(cache, cfg, len(calib.heldout)))
+                    # a fresh run's peak already holds the first selection; a resumed one has not selected yet
+                    joined = selection_extra(cache, cfg, -(-len(calib.heldout) // dist.world)) if resume else 0
+                    cache.settle(device, to_come=sum(c.numel() * c.element_size() for c in free.init.values()) + joined)
                 if progress:
                     progress(1)
                 last_of_epoch = start + cfg.batch_size >= len(order)
@@ -257,8 +269,6 @@ def finetune_codebooks(
                 writer.save({"epoch": epoch, "steps": steps, "curve": curve, "best": best,
                              "best_state": best_state, "params": [p.detach() for p in free.params],
                              "opt": opt.state_dict(), "train_sum": train_sum})
-    if writer is not None:
-        writer.close()
     free.restore(best_state)
     return FinetuneResult(quantizer, curve[best]["epoch"], curve, len(cache.store), curve[best]["step"])
 
@@ -266,10 +276,26 @@ def finetune_codebooks(
 class EpochWriter:
     """Writes the state after an epoch to ``path`` in a background thread while training goes on: the state is
     first copied to host memory, the file is replaced atomically (a kill never leaves half a checkpoint), and
-    each save (and :meth:`close`) waits for the previous write and re-raises its error."""
+    each save (and :meth:`close`) waits for the previous write and re-raises its error. As a context manager
+    it closes on exit; when the block raises, its error wins and a write error is only logged. Temporaries
+    that a killed run left beside ``path`` are removed when it is made."""
 
     def __init__(self, path: Path) -> None:
         self.path, self._thread, self._error = path, None, None
+        for orphan in path.parent.glob(f".{path.name}.tmp*"):
+            orphan.unlink(missing_ok=True)
+
+    def __enter__(self) -> "EpochWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except BaseException as e:  # the block's own error is the one to report
+            log.warning("fine-tune: the epoch state could not be written: %s", e)
 
     def save(self, state: dict[str, Any]) -> None:
         self.close()

@@ -156,7 +156,7 @@ def fit_codebooks(
         keys = [(p.seed, q) for p in pending for q in range(p.points.shape[0])]
         for p in pending:
             p.points = p.weights = p.init = None  # the joined copies are the only ones left
-        result = weighted_kmeans(points, weights, init, cfg, backend, device, problem_keys=keys)
+        result = weighted_kmeans(points, weights, init, cfg, backend, device, seed=pending[0].seed, problem_keys=keys)  # faiss: one layout
         share = (time.perf_counter() - start) / len(pending)
         first = 0
         for p in pending:

@@ -153,8 +153,8 @@ def run_kmeans(reader: CaptureData, tasq: Any, kv: KVLayout, cfg: Config, folder
 # -- fine-tuning -----------------------------------------------------------------------------------
 def run_finetune(model: torch.nn.Module, calib: CalibrationSet, init: KVQuantizer, cfg: Config, folder: Path,
                  dist: DistContext, device: torch.device, progress: Progress | None = None) -> FinetuneResult:
-    """KL fine-tuning of the k-means codebooks (processes share each batch); the state after every epoch is
-    kept in ``folder/resume.pt`` so an interrupted run resumes; the main process saves the kept codebooks
+    """KL fine-tuning of the k-means codebooks (processes share each batch); the state after every epoch but the
+    last is kept in ``folder/resume.pt`` so an interrupted run resumes; the main process saves the kept codebooks
     and the selection curve (``curve.json``) in ``folder``."""
     resume = folder / "resume.pt"
     result = finetune_codebooks(model, calib, init, cfg.finetune, device, progress, checkpoint=resume, dist=dist)

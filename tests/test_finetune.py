@@ -174,21 +174,22 @@ def test_teacher_cache_auto_keeps_what_fits(reference_setup, monkeypatch):
 @pytest.mark.slow  # the shipped reference model
 def test_teacher_cache_is_sized_after_the_second_step(reference_setup, monkeypatch):
     """finetune_codebooks settles the cache once, after the second optimizer step, passing the bytes still to
-    come: the codebooks (the best epoch's copy) and a joined selection batch (2 x its sequences' outputs)."""
+    come: the codebooks (the best epoch's copy). A fresh run's peak already holds the first (joined) selection
+    batch, so nothing is added for it; a resumed run adds 2 x its sequences' outputs (``selection_extra``)."""
     model, calib, init = reference_setup
     calls = []
     progress = []
     monkeypatch.setattr(TeacherCache, "settle", lambda self, device, to_come=0: calls.append((len(progress), to_come)))
     finetune_codebooks(model, calib, init, FinetuneConfig(epochs=1), torch.device("cpu"), progress.append)
     codebook_bytes = sum(c.codebook.numel() * 4 for c in init.codecs.values())  # fp32 during fine-tuning
+    assert calls == [(1, codebook_bytes)] and len(progress) > 2
+    cache = TeacherCache(model, FinetuneConfig(), 2)
     fp = teacher(model, calib.input_ids[:1])
+    cache.get(0, calib.input_ids[:1], torch.device("cpu"))
     per_sequence = sum(t.numel() * t.element_size() for t in [fp.logits, *fp.keys.values(), *fp.values.values()])
-    joined = 2 * min(4, len(calib.heldout)) * per_sequence
-    assert calls == [(1, codebook_bytes + joined)] and len(progress) > 2
-    calls.clear(), progress.clear()
-    finetune_codebooks(model, calib, init, FinetuneConfig(epochs=1, selection_batch=1), torch.device("cpu"),
-                       progress.append)
-    assert calls == [(1, codebook_bytes)]
+    assert finetune_module.selection_extra(cache, FinetuneConfig(), 3) == 2 * 3 * per_sequence
+    assert finetune_module.selection_extra(cache, FinetuneConfig(selection_batch=2), 3) == 2 * 2 * per_sequence
+    assert finetune_module.selection_extra(cache, FinetuneConfig(selection_batch=1), 3) == 0
 
 
 @pytest.mark.parametrize("make", ["ouro", "huginn"])
@@ -418,3 +419,18 @@ def test_batched_selection_equals_one_sequence_at_a_time(make):
             assert got == pytest.approx(sum(each) / len(each), rel=1e-5), (batch, cache)
     exact = sampled_quantizer(model, ids, "loopvq", codebook_size=96)
     assert selection_kl(model, calib, exact, FinetuneConfig(selection_batch=5), cpu) == 0.0
+
+
+def test_epoch_writer_removes_orphans_and_lets_the_training_error_win(tmp_path, caplog):
+    """A killed run's temporary beside the state file is removed; when training raises while a write fails, the
+    training error propagates and the write error is logged."""
+    from loopvq_calib.finetune import EpochWriter
+
+    path = tmp_path / "resume.pt"
+    (tmp_path / ".resume.pt.tmp123").write_bytes(b"half")
+    with pytest.raises(KeyError, match="training"):
+        with EpochWriter(path) as writer:
+            assert not (tmp_path / ".resume.pt.tmp123").exists()
+            writer.save({"unpicklable": lambda: None})
+            raise KeyError("training")
+    assert "could not be written" in caplog.text and not path.exists()

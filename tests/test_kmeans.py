@@ -230,6 +230,25 @@ def test_fused_path_solves_layouts_together_as_one_at_a_time(tiny_capture, monke
         torch.testing.assert_close(together.codecs[lay.key].codebook, alone.codecs[lay.key].codebook)
 
 
+def test_faiss_layouts_are_seeded_by_their_own_layout_seed(tiny_capture, monkeypatch):
+    """faiss solves one layout per call and draws from that layout's seed (kmeans.layout_seed), not kmeans.seed."""
+    import loopvq_calib.kmeans as kmeans_module
+    import loopvq_calib.kmeans_backends as backends
+    from loopvq_calib.kmeans import layout_seed
+
+    reader, kv = tiny_capture
+    quant = quant_config()
+    layouts = plan_layouts(kv, quant)[:2]
+    seeds = []
+    monkeypatch.setattr(kmeans_module, "resolve_backend", lambda *a, **k: "faiss")
+    monkeypatch.setattr(backends, "resolve_backend", lambda *a, **k: "faiss")
+    monkeypatch.setattr(backends, "_faiss_kmeans", lambda x, w, init, cfg, seed, device: seeds.append(seed) or
+                        backends.KMeansResult(init.clone(), torch.zeros(x.shape[0]), torch.zeros(x.shape[0]),
+                                              torch.zeros(x.shape[0], dtype=torch.long), torch.zeros(x.shape[0], dtype=torch.long)))
+    fit_codebooks(reader, layouts, {}, quant, FAST, kv, CPU)
+    assert seeds == [layout_seed(FAST.seed, lay) for lay in layouts] and len(set(seeds)) == 2
+
+
 @needs_faiss
 def test_fit_codebooks_faiss_equals_torch(tiny_capture):
     """Same seed, so the same k-means++ init; a fixed number of updates: the backends agree."""
