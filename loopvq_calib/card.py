@@ -185,7 +185,8 @@ def _write_temp(final: Path, data: bytes) -> Path:
 
 def _replace_pair(card: Path, card_tmp: Path, meta: Path, meta_tmp: Path) -> None:
     """Rename both finished files into place, the card first; if the second rename fails, the old card is
-    put back, so README.md and loopvq.json (whose checksum covers it) always match."""
+    put back, so an error leaves README.md and loopvq.json (whose checksum covers it) matching. A kill between
+    the two renames leaves the new card beside the old metadata, which ``load_bundle`` refuses by checksum."""
     old_card = card.read_bytes()
     try:
         os.replace(card_tmp, card)

@@ -259,9 +259,12 @@ def decode_attention(
                 warnings.warn(f"CUDA decode kernel unavailable ({err}); using the Triton kernel", stacklevel=2)
                 tables.slots = False
     if backend == "cuda":
-        raise RuntimeError("the CUDA decode kernel does not take this call (needs a CUDA device, a head dim that is "
-                           "a multiple of 32, uint8 indices, fp16/fp32 tables in shared memory, one dtype for q "
-                           "and the full-precision tokens)")
+        from . import decode_cuda
+
+        failed = f"; an earlier build failed: {decode_cuda.BUILD_FAILED[0]}" if decode_cuda.BUILD_FAILED else ""
+        raise RuntimeError("the CUDA decode kernel does not take this call (needs a CUDA device, torch with "
+                           "torch.cuda._compile_kernel, a head dim that is a multiple of 32, uint8 indices, fp16/fp32 "
+                           "tables that fit in shared memory, one dtype for q and the full-precision tokens)" + failed)
     slices = -(-bsz // batch_per_program)
     programs = num_splits * heads if num_splits else _programs_for(q.device) * programs_per_sm // slices
     splits, per_split = plan_splits(n, heads, block_n, programs)

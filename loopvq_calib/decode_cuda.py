@@ -118,8 +118,9 @@ def shared_bytes(slots: SlotTables, warps: int, query_groups: int) -> int:
 
 def fits(slots: SlotTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor,
          key_indices: torch.Tensor, warps: int | None) -> bool:
-    """Whether this call can run the CUDA kernel (else the Triton one serves it)."""
-    if slots is None or q.device.type != "cuda" or not hasattr(torch.cuda, "_compile_kernel"):
+    """Whether this call can run the CUDA kernel (else the Triton one serves it); never again in this process
+    after a build failed (:data:`BUILD_FAILED`)."""
+    if slots is None or q.device.type != "cuda" or not hasattr(torch.cuda, "_compile_kernel") or BUILD_FAILED:
         return False
     if q.dtype not in ACT_CODES or fp_keys.dtype != q.dtype or fp_values.dtype != q.dtype:
         return False
@@ -141,6 +142,9 @@ class BuildError(RuntimeError):
     """The kernel could not be built or configured here (no NVRTC, a compile error, a shared-memory limit)."""
 
 
+BUILD_FAILED: list[BuildError] = []  # the first failed build: later calls go to Triton without trying again
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(defines: tuple[tuple[str, int], ...], shared: int, device: int):
     """The kernel built for one set of constants (NVRTC), with its shared-memory limit raised."""
@@ -156,7 +160,8 @@ def _compiled(defines: tuple[tuple[str, int], ...], shared: int, device: int):
                 if _get_gpu_runtime_library().cuFuncSetAttribute(kernel.func, 8, shared):
                     raise RuntimeError(f"cuFuncSetAttribute(max dynamic shared memory = {shared}) failed")
     except (RuntimeError, OSError, AttributeError) as err:
-        raise BuildError(f"{KERNEL} with {dict(defines)}: {err}") from err
+        BUILD_FAILED.append(BuildError(f"{KERNEL} with {dict(defines)}: {err}"))
+        raise BUILD_FAILED[-1] from err
     return kernel
 
 
@@ -173,6 +178,8 @@ def decode_attention_cuda(
     when None; splits per KV head default to the multiprocessors over the heads."""
     warps = warps or default_launch(slots)[0]
     tokens_per_iteration = tokens_per_iteration or default_launch(slots)[1]
+    if tokens_per_iteration not in (1, 2, 4, 8, 16, 32) or not 1 <= warps <= 32:
+        raise ValueError(f"tokens_per_iteration must divide 32 and warps be 1..32, got {tokens_per_iteration} and {warps}")
     bsz, hq, d = q.shape
     heads, k = slots.key.shape[:2]
     n = coded.count

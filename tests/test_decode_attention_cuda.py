@@ -93,6 +93,25 @@ def test_head_dims_that_are_no_multiple_of_32_are_left_to_triton():
     assert dc.slot_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float32)) is None
 
 
+def test_a_failed_build_is_remembered_and_named(monkeypatch):
+    """A failed NVRTC build raises BuildError naming the kernel and its constants, is kept in BUILD_FAILED (so
+    later calls go to Triton without compiling again), and backend='cuda' then says so."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("nvrtc: error: broken on purpose")
+
+    monkeypatch.setattr(dc, "BUILD_FAILED", [])
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", broken, raising=False)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: __import__("contextlib").nullcontext())
+    with pytest.raises(dc.BuildError, match="broken on purpose") as err:
+        dc._compiled((("D", 64), ("STEP", 3)), 0, 0)
+    assert dc.KERNEL in str(err.value) and "'STEP': 3" in str(err.value) and dc.BUILD_FAILED == [err.value]
+    kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
+    coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
+    tables = da.step_tables(kc, vc, 0, "half", "cpu", torch.float16)
+    with pytest.raises(RuntimeError, match="an earlier build failed: .*broken on purpose"):
+        da.decode_attention(q, tables, coded, fk, fv, fpos, None, da.RopeTable(64, 1e4), backend="cuda")
+
+
 def test_cpu_tensors_never_take_the_cuda_kernel():
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
