@@ -246,7 +246,7 @@ def decode_attention(
 
         if tables.slots is None:
             tables.slots = decode_cuda.slot_tables(tables) or False
-        if decode_cuda.fits(tables.slots or None, q, fp_keys, fp_values, coded.key_indices, warps):
+        if decode_cuda.fits(tables.slots or None, q, fp_keys, fp_values, coded, warps):
             cos, sin = rope.covering(max_position + 2, q.device)
             try:
                 acc, ml = decode_cuda.decode_attention_cuda(

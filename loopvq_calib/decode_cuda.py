@@ -116,21 +116,27 @@ def shared_bytes(slots: SlotTables, warps: int, query_groups: int) -> int:
     return 2 * k * d * slots.key.element_size() + warps * query_groups * (d + 2 + 32) * 4
 
 
-def fits(slots: SlotTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor,
-         key_indices: torch.Tensor, warps: int | None) -> bool:
-    """Whether this call can run the CUDA kernel (else the Triton one serves it); never again in this process
-    after a build failed (:data:`BUILD_FAILED`)."""
+def fits(slots: SlotTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
+         warps: int | None) -> bool:
+    """Whether this call can run the CUDA kernel (else the Triton one serves it): the dtypes, strides and sizes
+    the kernel reads (one-byte key and value indices, fp16 TaSQ sigmas, 32-bit offsets) and its shared memory;
+    never again in this process after a build failed (:data:`BUILD_FAILED`)."""
     if slots is None or q.device.type != "cuda" or not hasattr(torch.cuda, "_compile_kernel") or BUILD_FAILED:
         return False
     if q.dtype not in ACT_CODES or fp_keys.dtype != q.dtype or fp_values.dtype != q.dtype:
         return False
-    if key_indices.dtype != torch.uint8 or slots.key.dtype not in (torch.float16, torch.float32):
+    indices = (coded.key_indices, coded.value_indices)
+    if any(t.dtype != torch.uint8 for t in indices) or slots.key.dtype not in (torch.float16, torch.float32):
         return False
+    read = [fp_keys, fp_values, *indices]
+    if coded.key_sigma is not None and coded.count:
+        if coded.key_sigma.dtype != torch.float16:
+            return False
+        read.append(coded.key_sigma)
     limit = torch.cuda.get_device_properties(q.device).shared_memory_per_block_optin
     if shared_bytes(slots, warps or default_launch(slots)[0], q.shape[1] // slots.key.shape[0]) > limit:
         return False
-    inner = all(t.stride(-1) == 1 for t in (fp_keys, fp_values, key_indices))
-    return inner and all(t.numel() <= INT32_MAX for t in (key_indices, fp_keys, fp_values))
+    return all(t.stride(-1) == 1 and t.numel() <= INT32_MAX and max(t.stride()) <= INT32_MAX for t in read)
 
 
 def _float_bits(x: float) -> int:

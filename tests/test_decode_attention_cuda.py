@@ -112,11 +112,34 @@ def test_a_failed_build_is_remembered_and_named(monkeypatch):
         da.decode_attention(q, tables, coded, fk, fv, fpos, None, da.RopeTable(64, 1e4), backend="cuda")
 
 
+def test_fits_checks_what_the_kernel_reads(monkeypatch):
+    """The CUDA path is taken only when the kernel can read every tensor as it assumes: one-byte key AND value
+    indices, fp16 TaSQ sigmas, unit inner strides (checked here with a stand-in CUDA query on the CPU)."""
+    from types import SimpleNamespace
+
+    kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
+    coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
+    slots = dc.slot_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16))
+    monkeypatch.setattr(dc, "BUILD_FAILED", [])
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", lambda *a, **k: None, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(shared_memory_per_block_optin=228 * 1024))
+    cuda_q = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=fk.dtype, shape=q.shape)
+    u8 = SimpleNamespace(key_indices=coded.key_indices.to(torch.uint8), value_indices=coded.value_indices.to(torch.uint8),
+                         key_sigma=None, count=coded.count)
+    assert dc.fits(slots, cuda_q, fk, fv, u8, 8)
+    assert not dc.fits(slots, cuda_q, fk, fv, SimpleNamespace(**{**vars(u8), "value_indices": u8.value_indices.int()}), 8)
+    assert not dc.fits(slots, cuda_q, fk, fv, SimpleNamespace(**{**vars(u8), "key_sigma": torch.ones(1, 8, 4)}), 8)
+    assert not dc.fits(slots, cuda_q, fk.transpose(-1, -2), fv, u8, 8)
+    dc.BUILD_FAILED.append(dc.BuildError("earlier"))
+    assert not dc.fits(slots, cuda_q, fk, fv, u8, 8)
+
+
 def test_cpu_tensors_never_take_the_cuda_kernel():
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
     slots = dc.slot_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16))
-    assert not dc.fits(slots, q, fk, fv, coded.key_indices, 8)
+    assert not dc.fits(slots, q, fk, fv, coded, 8)
     tables = da.step_tables(kc, vc, 0, "half", "cpu", torch.float16)
     with pytest.raises(RuntimeError, match="CUDA decode kernel does not take this call"):
         da.decode_attention(q, tables, coded, fk, fv, fpos, None, da.RopeTable(64, 1e4), backend="cuda")
