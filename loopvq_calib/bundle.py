@@ -26,6 +26,7 @@ from .codec import code_bits, index_dtype, indices_entries, read_indices, sigma_
 from .config import ServingConfig
 from .models.loading import DTYPES, ModelIdentity
 from .quantizer import KVQuantizer
+from .rundir import TMP_PREFIX
 
 __all__ = [
     "FORMAT_VERSION", "META_FILE", "TENSOR_FILE", "CARD_FILE", "SIGMA_RULE", "Bundle", "BundleError",
@@ -60,7 +61,7 @@ def write_bundle(out_dir: Path, quantizer: KVQuantizer, *, name: str, identity: 
             raise BundleError(f"serving.{field} must be an integer, got {getattr(serving, field)!r}")
     _check_replaceable(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".loopvq-tmp.{out_dir.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = out_dir.with_name(f"{TMP_PREFIX}{out_dir.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
         meta = _bundle_meta(quantizer, name, identity, calibration, metrics, serving, codebook_dtype, config,
@@ -151,7 +152,7 @@ def _swap_in(tmp: Path, final: Path) -> None:
     if not final.exists():
         os.replace(tmp, final)
         return
-    old = final.with_name(f".loopvq-tmp.{final.name}-old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    old = final.with_name(f"{TMP_PREFIX}{final.name}-old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.replace(final, old)
     try:
         os.replace(tmp, final)

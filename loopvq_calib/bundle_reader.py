@@ -128,7 +128,8 @@ def _read_meta(path: Path) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise BundleError(f"{file}: expected a JSON object")
     if "meta_sha256" in meta:  # since format 1.1; older bundles have no metadata checksum
-        if meta_checksum(data) is None or meta_checksum(data) != meta["meta_sha256"]:
+        got = meta_checksum(data)
+        if got is None or got != meta["meta_sha256"]:
             raise BundleError(f"{file}: metadata checksum mismatch (field meta_sha256): the file was edited after "
                               "it was written; restore the original or calibrate again")
     version = meta.get("format_version")

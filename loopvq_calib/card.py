@@ -13,6 +13,8 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
+from .rundir import TMP_PREFIX
+
 
 class EvalReportError(ValueError):
     """The evaluation report cannot be attached to the bundle (missing, unreadable, other bundle)."""
@@ -171,7 +173,7 @@ def attach_eval_report(bundle_path: str | Path, report_path: str | Path, write: 
 
 def _write_temp(final: Path, data: bytes) -> Path:
     """``data`` written and flushed to disk in a temporary sibling of ``final`` (removed if writing fails)."""
-    tmp = final.with_name(f".loopvq-tmp.{final.name}.{os.getpid()}")
+    tmp = final.with_name(f"{TMP_PREFIX}{final.name}.{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             f.write(data)

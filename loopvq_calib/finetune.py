@@ -124,7 +124,7 @@ def selection_kl(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQua
         ids = calib.input_ids[rows].to(device)
         fp = None
         if cache is not None and any(cache.keeps(i) for i in rows):
-            fp = batch_teachers([cache.get(i, calib.input_ids[i : i + 1].to(device), device) for i in rows])
+            fp = batch_teachers([cache.get(i, ids[j : j + 1], device) for j, i in enumerate(rows)])
         total[0] += sequence_kl(model, ids, quantizer, calib.sink_tokens, cfg, device, fp).float() * len(rows)
         total[1] += len(rows)
     total = dist.all_reduce_sum(total)

@@ -10,8 +10,8 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineMod
 from huggingface_hub.utils import validate_repo_id
 
 from .bundle import META_FILE, Bundle, load_bundle
+from .models.loading import hub_offline
 
-_TRUE = {"1", "true", "yes", "on"}
 
 
 class PushError(RuntimeError):
@@ -48,7 +48,7 @@ def push_bundle(path: str | Path, repo_id: str, private: bool = False, dry_run: 
     files = bundle_files(bundle)
     if dry_run:
         return files
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE:
+    if hub_offline():
         raise PushError(f"cannot push {path} to {repo_id}: offline mode is on (HF_HUB_OFFLINE="
                         f"{os.environ['HF_HUB_OFFLINE']}); unset it on a machine with network access")
     api = HfApi(token=token)

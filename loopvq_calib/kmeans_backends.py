@@ -193,7 +193,7 @@ def _triton_unusable(device: torch.device | str, shape: tuple[int, int] | None, 
     if not fits:
         return (f"quant.codebook_size {shape[0]} x group size {shape[1]} exceeds the kernels' codebook tile of "
                 f"{kmeans_triton.CODEBOOK_TILE} entries x dimensions")
-    if not (kmeans_triton.works(str(device), *shape) if shape else kmeans_triton.works(str(device))):
+    if not kmeans_triton.works(str(device), *(shape or ())):
         return "the kernels do not compile or run there (warning above)"
     return ""
 

@@ -221,7 +221,7 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
             s = torch.empty_like(like)
             nn.init.trunc_normal_(s, mean=0.0, std=std, a=-3 * std, b=3 * std)
             return s * scale
-        seeds = tuple(sequence_seed(row, self._state_seed) for row in input_ids)
+        seeds = tuple(sequence_seed(row, self._state_seed) for row in input_ids.cpu())  # one copy, not one per row
         key = (seeds, tuple(like.shape), like.device, like.dtype, std)
         if self._state_memo is not None and self._state_memo[0] == key:  # the other forward of the same sequences
             return self._state_memo[1]

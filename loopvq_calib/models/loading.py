@@ -40,12 +40,17 @@ def resolve_model_dir(name_or_path: str, revision: str | None = None, key: str =
                              ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]))
 
 
+def hub_offline() -> bool:
+    """Whether ``HF_HUB_OFFLINE`` is set to a true value (1, true, yes, on)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def hub_snapshot(repo_id: str, revision: str | None, key: str, what: str, patterns: list[str] | None = None) -> str:
     """snapshot_download of a hub model repo into the hub cache; any failure is a ModelLoadError naming ``key``
     and the id (offline: says it is not in the local cache)."""
     from huggingface_hub import snapshot_download
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    offline = hub_offline()
     try:
         return snapshot_download(repo_id, revision=revision, local_files_only=offline, allow_patterns=patterns)
     except Exception as err:
