@@ -52,6 +52,7 @@ def _check_finite(tensors: dict[str, torch.Tensor], kv: KVLayout, seq: int) -> N
 def capture_sequence(
     model: torch.nn.Module, ids: torch.Tensor, kv: KVLayout, seqs: list[int], dtype: torch.dtype = torch.float32,
     fisher_channels: int = 1, on_device: bool = False, tasq_weights: dict[int, torch.Tensor] | None = None,
+    query_stats: bool = True,
 ) -> tuple[dict[str, torch.Tensor], ...]:
     """One forward + backward over ``ids`` [B, S]; per sequence, the tensors to store in ``dtype``, on the
     CPU (or left on the model's device with ``on_device``; query statistics always go to the CPU).
@@ -61,11 +62,12 @@ def capture_sequence(
     channels ([S, H, D/c]); the reader spreads each sum evenly back over its c channels. With
     ``tasq_weights`` (TaSQ's w [H, D] per site) the keys' Fisher is stored as F / w^2 summed per RoPE pair
     ([S, H, D/2], :func:`~loopvq_calib.tasq_stats.pair_sum`) and no query statistic is gathered here (the
-    caller has them from :func:`~loopvq_calib.tasq_stats.query_statistics`).
+    caller has them from :func:`~loopvq_calib.tasq_stats.query_statistics`); ``query_stats=False`` gathers
+    none either (methods without TaSQ never read them).
     """
     rec = KVRecorder(fisher=True)
     qstats = QueryStats(kv)
-    observing = query_observer(model, qstats) if tasq_weights is None else contextlib.nullcontext()
+    observing = query_observer(model, qstats) if tasq_weights is None and query_stats else contextlib.nullcontext()
     with kv_hook(model, rec), observing, torch.enable_grad(), shared_initial_state(model):
         logits = model(ids, use_cache=False).logits
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
@@ -113,6 +115,7 @@ def capture_kv(
     progress: Callable[[int], Any] | None = None,
     tasq_floor: float | None = None,
     device_sequences: int | None = None,
+    query_stats: bool = True,
 ) -> list[int]:
     """Capture the sequences of this process (``dist.owns(i)``) into ``out``; returns their ids.
 
@@ -122,6 +125,7 @@ def capture_kv(
     run leaves no partial shard, and sequences whose shard is already in ``out`` (an interrupted run's, kept by
     the run directory when the fingerprint matches) are not captured again. In memory, the first ``device_sequences`` of this process's sequences stay
     on the accelerator (default: all for ``cfg.store`` device, none otherwise), the others go to host memory.
+    ``query_stats=False``: no query statistics are gathered or stored (for methods without TaSQ).
     """
     mine = dist.mine(calib.input_ids.shape[0])
     todo = mine
@@ -143,7 +147,8 @@ def capture_kv(
     for start in range(0, len(todo), cfg.batch_size):
         batch = todo[start : start + cfg.batch_size]
         results = capture_sequence(model, calib.input_ids[batch].to(device), kv, batch, DTYPES[cfg.dtype],
-                                   cfg.channels_per_fisher, on_device=start + len(batch) <= keep, tasq_weights=weights)
+                                   cfg.channels_per_fisher, on_device=start + len(batch) <= keep, tasq_weights=weights,
+                                   query_stats=query_stats)
         for seq, stored in zip(batch, results):
             if stats is not None:
                 stored.update({f"qstat.{site}": t.clone() for site, t in stats[seq].items()})

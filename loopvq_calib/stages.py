@@ -64,7 +64,8 @@ def run_capture(model: torch.nn.Module, calib: CalibrationSet, kv: KVLayout, cfg
     tasq = cfg.quant.uses_tasq
     capture = replace(cfg.capture, store=store.store)
     capture_kv(model, calib, kv, capture, memory or folder, dist, progress,
-               tasq_floor=cfg.tasq.weight_floor if tasq else None, device_sequences=store.device_sequences)
+               tasq_floor=cfg.tasq.weight_floor if tasq else None, device_sequences=store.device_sequences,
+               query_stats=tasq)
     dist.barrier()
     if memory is not None and dist.world > 1:
         names = shard_tensor_names(plan_layouts(kv, cfg.quant), dist.world, tasq)

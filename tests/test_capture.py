@@ -84,6 +84,23 @@ def test_batched_capture_equals_one_sequence_at_a_time(tmp_path):
     torch.testing.assert_close(a.query_stats(5), b.query_stats(5), rtol=1e-5, atol=1e-7)
 
 
+def test_without_query_stats_the_capture_is_the_same_less_its_query_statistics(tmp_path):
+    """``query_stats=False`` (methods without TaSQ) stores no ``qstat.*`` and the same keys, values and Fisher."""
+    from safetensors import safe_open
+
+    model, calib = make_tiny_ouro(), calib_set(n=2)
+    full = run_capture(model, calib, tmp_path / "full", dtype="float32")
+    config = CaptureConfig(dtype="float32")
+    capture_kv(model, calib, model.kv_layout(), config, tmp_path / "lean", query_stats=False)
+    write_meta(tmp_path / "lean", calib, model.kv_layout(), config)
+    lean = CaptureReader(tmp_path / "lean")
+    for a, b in zip(full.files, lean.files):
+        with safe_open(str(a), "pt") as fa, safe_open(str(b), "pt") as fb:
+            assert set(fb.keys()) == {k for k in fa.keys() if not k.startswith("qstat.")} != set(fa.keys())
+            for k in fb.keys():
+                assert torch.equal(fa.get_tensor(k), fb.get_tensor(k)), k
+
+
 def test_two_runs_give_byte_identical_files(tmp_path):
     model = make_tiny_ouro()
     calib = calib_set()
