@@ -28,7 +28,9 @@ from .data import CalibrationSet
 from .distributed import SINGLE, DistContext
 from .models.loading import DTYPES
 from .models.sites import KVLayout, KVRecorder, kv_hook, query_observer
-from .tasq_stats import QueryStats, key_weights, pair_spread, pair_sum, pairs_per_sequence, query_statistics
+from .tasq_stats import (
+    QueryStats, key_weights, mean_query_stat, pair_spread, pair_sum, pairs_per_sequence, query_statistics,
+)
 from .objective import shared_initial_state
 
 
@@ -284,7 +286,7 @@ class CaptureData:
         found = [t for i in range(self.num_sequences) if (t := self._tensor(i, f"qstat.{site}")) is not None]
         if not found:
             raise CaptureError(f"the capture holds no query statistics for site {site} (qstat.{site})")
-        return sum(found) / (self.meta["qstat_pairs_per_sequence"] * self.num_sequences)
+        return mean_query_stat(found, self.meta["qstat_pairs_per_sequence"], self.num_sequences)
 
     def input_ids(self) -> torch.Tensor:
         return torch.stack([self._tensor(i, "input_ids").cpu() for i in range(self.num_sequences)])

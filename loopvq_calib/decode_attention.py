@@ -38,7 +38,7 @@ from typing import Any
 
 from .codec import BlockCodec, Codes
 from .kmeans_triton import _pow2, available
-from .models.common import apply_rope, rope_angles
+from .models.common import apply_rope, pair_channels, rope_angles
 
 LOG2E = 1.4426950408889634
 BACKENDS = ("auto", "cuda", "triton")
@@ -64,16 +64,6 @@ class StepTables:
     tasq: bool
     rope_style: str
     slots: Any = field(default=None, repr=False)  # decode_cuda.SlotTables, built at the first CUDA call
-
-
-def pair_channels(head_dim: int, style: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Channels (a, b) of every RoPE pair: ``half`` (i, i + D/2), ``interleaved`` (2i, 2i + 1)."""
-    i = torch.arange(head_dim // 2)
-    if style == "half":
-        return i, i + head_dim // 2
-    if style == "interleaved":
-        return 2 * i, 2 * i + 1
-    raise ValueError(f"unknown RoPE style {style!r}; expected 'half' or 'interleaved'")
 
 
 def channel_codes(codec: BlockCodec, step: int) -> tuple[torch.Tensor, torch.Tensor]:

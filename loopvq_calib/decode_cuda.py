@@ -72,7 +72,7 @@ def _run(code_in_slot_order: torch.Tensor, per_lane: int) -> int:
 def slot_tables(tables) -> SlotTables | None:
     """:class:`SlotTables` of a :class:`~loopvq_calib.decode_attention.StepTables`, or None when the site does
     not fit this kernel (head dim not a multiple of 32)."""
-    from .decode_attention import pair_channels
+    from .models.common import pair_channels
 
     heads, k, d = tables.value.shape
     if d % 32:

@@ -23,6 +23,7 @@ from .codec import TasqTransform, flatten_block, sigma_bits
 from .config import ConfigError, QuantConfig, TasqConfig
 from .distributed import SINGLE, DistContext
 from .layouts import BlockLayout, layout_owner
+from .models.common import pair_channels
 from .models.sites import KVLayout
 from .tasq_stats import channel_weights
 
@@ -69,13 +70,7 @@ def rope_pair_units(head_dim: int, steps: int, rope_style: str) -> torch.Tensor:
     ``half``: {i, i + D/2}; ``interleaved``: {2i, 2i+1}; step m adds m * D.
     """
     half = head_dim // 2
-    i = torch.arange(half)
-    if rope_style == "half":
-        pair = torch.stack([i, i + half], -1)
-    elif rope_style == "interleaved":
-        pair = torch.stack([2 * i, 2 * i + 1], -1)
-    else:
-        raise ValueError(f"unknown RoPE style {rope_style!r}; expected 'half' or 'interleaved'")
+    pair = torch.stack(pair_channels(head_dim, rope_style), -1)
     offsets = torch.arange(steps)[:, None, None] * head_dim
     return (pair[None] + offsets).reshape(steps * half, 2)
 

@@ -85,14 +85,20 @@ def query_statistics(
     return {seq: {s.site: stats[seq, i] for i, s in enumerate(kv.sites)} for seq in range(n)}
 
 
+def mean_query_stat(per_sequence: list[torch.Tensor], pairs: int, sequences: int) -> torch.Tensor:
+    """The query statistic averaged over causal pairs and sequences: the per-sequence sums added in sequence
+    order, over ``pairs`` x ``sequences`` (the capture reader and :func:`key_weights` both use it)."""
+    return sum(per_sequence) / (pairs * sequences)
+
+
 def key_weights(stats: dict[int, dict[int, torch.Tensor]], kv: KVLayout, sequence_length: int, floor: float,
                 device: torch.device) -> dict[int, torch.Tensor]:
-    """w [H, D] of every site from the per-sequence statistics, summed in sequence order as
+    """w [H, D] of every site from the per-sequence statistics, averaged by :func:`mean_query_stat` as
     :meth:`~loopvq_calib.capture.CaptureData.query_stats` does, so the TaSQ stage derives the same w."""
     n = len(stats)
     out = {}
     for s in kv.sites:
-        mean = sum(stats[seq][s.site] for seq in range(n)) / (pairs_per_sequence(sequence_length) * n)
+        mean = mean_query_stat([stats[seq][s.site] for seq in range(n)], pairs_per_sequence(sequence_length), n)
         out[s.site] = channel_weights(mean, floor).to(device)
     return out
 

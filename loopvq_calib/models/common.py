@@ -75,6 +75,16 @@ def rotate(x: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor], style: R
     return torch.stack([x0 * c - x1 * s, x1 * c + x0 * s], -1).flatten(-2).to(x.dtype)
 
 
+def pair_channels(head_dim: int, style: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Channels (a, b) of every RoPE pair: ``half`` (i, i + D/2), ``interleaved`` (2i, 2i + 1)."""
+    i = torch.arange(head_dim // 2)
+    if style == "half":
+        return i, i + head_dim // 2
+    if style == "interleaved":
+        return 2 * i, 2 * i + 1
+    raise ValueError(f"unknown RoPE style {style!r}; expected 'half' or 'interleaved'")
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle) -> torch.Tensor:
     """Rotate ``x`` [B, S, H, D] with per-position angles ``cos``/``sin`` [B, S, D/2] (fp32).
 
