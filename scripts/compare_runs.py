@@ -1,6 +1,6 @@
 """Compare the codebooks of two run directories (e.g. the same config before and after a code change): per
 stage (kmeans, finetune) whether the quantizer files are byte-identical, else the largest absolute and
-relative codebook difference; plus both runs' held-out KL. Prints one JSON line.
+relative codebook difference; plus both runs' selection KL (kept and k-means) and kept step. Prints one JSON line.
 
     python scripts/compare_runs.py RUN_A RUN_B
 """
@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 
 from safetensors.torch import load_file
+
+from loopvq_calib.stages import load_finetune, selection_metrics
 
 
 def compare(a: Path, b: Path) -> dict:
@@ -31,11 +33,8 @@ def compare(a: Path, b: Path) -> dict:
         out[stage] = {"identical_bytes": False, "max_abs_diff": diff, "max_abs_diff_relative": diff / scale,
                       "same_groups": same_groups}
     for name, run in (("a", a), ("b", b)):
-        curve = run / "finetune" / "curve.json"
-        if curve.is_file():
-            c = json.loads(curve.read_text())
-            out[f"heldout_kl_{name}"] = c["curve"][c["best_epoch"]]["heldout_kl"]
-            out[f"heldout_kl_init_{name}"] = c["curve"][0]["heldout_kl"]
+        if (run / "finetune" / "curve.json").is_file():  # the package's own reading of the curve
+            out.update({f"{k}_{name}": v for k, v in selection_metrics(load_finetune(run / "finetune")).items()})
     return out
 
 
