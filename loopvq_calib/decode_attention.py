@@ -351,6 +351,7 @@ class KernelState:
     rope: RopeTable | None = None
     _forward: Any = None  # the forward context whose positions were last read
     _largest: int = 0
+    _tokens: tuple | None = None  # (ctx, coded count, coded first positions, fp positions, fp mask) of this forward
 
     def _max_position(self, ctx: Any) -> int:
         """Largest position so far: one device read per forward (not per site)."""
@@ -358,6 +359,19 @@ class KernelState:
             self._forward = ctx
             self._largest = max(self._largest, int(ctx.positions.max()))
         return self._largest
+
+    def _token_positions(self, cache: Any, site: int, ctx: Any, device: torch.device):
+        """The first coded position, the full-precision tokens' positions and their mask column: the same at
+        every site of one forward (every site holds the same tokens), so built once per forward."""
+        if self._tokens is None or self._tokens[0] is not ctx or self._tokens[1] != cache.encoded:
+            sinks, n, pos = cache._sinks, cache.encoded, cache.positions[site]
+            fp_pos = torch.cat([pos[:, :sinks], pos[:, sinks + n:]], 1)
+            fp_mask = None
+            if ctx.mask is not None:
+                m = ctx.mask[:, 0, -1]
+                fp_mask = torch.cat([m[:, :sinks], m[:, sinks + n:]], 1)
+            self._tokens = (ctx, n, pos[:, sinks] if n else pos[:, 0], fp_pos, fp_mask)
+        return self._tokens[2:]
 
     def attend(self, cache: Any, site: int, q: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Attention of q [B, Hq, D] (post-RoPE) over the cache's tokens at ``site`` (the new token appended)."""
@@ -369,19 +383,14 @@ class KernelState:
         if site not in self.tables:
             dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
             self.tables[site] = step_tables(kc, vc, step, ctx.rope_style, q.device, dtype)
-        sinks, n, bsz = cache._sinks, cache.encoded, q.shape[0]
-        pos = cache.positions[site]
+        n, bsz = cache.encoded, q.shape[0]
+        first, fp_pos, fp_mask = self._token_positions(cache, site, ctx, q.device)
         if n:
             kb, vb = (self.buffers.setdefault(names[kind], CodeBuffer()).sync(cache.codes[names[kind]], bsz, cache.page_size)
                       for kind in ("key", "value"))
-            coded = CodedTokens(kb.indices, vb.indices, kb.sigma, n, pos[:, sinks])
+            coded = CodedTokens(kb.indices, vb.indices, kb.sigma, n, first)
         else:
             empty = torch.zeros(bsz, 1, 1, 1, dtype=torch.uint8, device=q.device)
-            coded = CodedTokens(empty, empty, None, 0, pos[:, 0])
-        fp_pos = torch.cat([pos[:, :sinks], pos[:, sinks + n:]], 1)
-        fp_mask = None
-        if ctx.mask is not None:
-            m = ctx.mask[:, 0, -1]
-            fp_mask = torch.cat([m[:, :sinks], m[:, sinks + n:]], 1)
+            coded = CodedTokens(empty, empty, None, 0, first)
         return decode_attention(q, self.tables[site], coded, cache.keys[site], cache.values[site], fp_pos, fp_mask,
                                 self.rope, max_position=self._max_position(ctx))
