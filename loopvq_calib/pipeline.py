@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from . import __version__
 from .capture import CaptureData, CaptureReader
 from .capture_store import capture_step_bytes, choose_store
-from .config import Config, dump_config, validate, validate_for_model
+from .config import Config, dump_config, resolve_derived, validate, validate_for_model
 from .data import CalibrationSet, build_calibration_set, source_fingerprint
 from .distributed import DistContext, start_processes
 from .finetune import FinetuneResult, training_steps
@@ -90,7 +90,8 @@ class Pipeline:
         ``startup`` records the seconds of each step (and those from the process's start to here)."""
         entered = time.perf_counter()
         self.startup: dict[str, float] = {"entered_at": time.time(), "process_start_s": _seconds_since_process_start()}
-        self.cfg = validate(cfg)  # pure (never changes cfg); a Config built in code gets the same checks
+        # on a copy (the caller's cfg never changes): a Config built in code gets its derived values and checks
+        cfg = self.cfg = validate(resolve_derived(copy.deepcopy(cfg)))
         with timed(self.startup, "processes_s"):  # CUDA and, under accelerate launch, the process group
             self.dist = dist or start_processes(cfg.model.device)
         self.wanted = _wanted_stages(cfg, stages)
@@ -316,10 +317,7 @@ def _tokenizer_hash(folder: Path) -> str:
 def calibrate(config: Config | str | Path | dict, output: str | Path | None = None,
               stages: list[str] | None = None, overrides: list[str] | None = None) -> RunResult:
     """Python API of ``loopvq-calibrate``: run (or resume) a calibration and return the run's result."""
-    from .config import load_config, resolve_derived
+    from .config import load_config
 
-    if isinstance(config, Config):  # checked like a loaded one (on a copy: the derived values get filled)
-        cfg = validate(resolve_derived(copy.deepcopy(config)))
-    else:
-        cfg = load_config(config, overrides)
+    cfg = config if isinstance(config, Config) else load_config(config, overrides)  # Pipeline resolves and checks it
     return Pipeline(cfg, output, stages).run_all()

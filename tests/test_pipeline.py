@@ -351,3 +351,17 @@ def test_the_manifest_records_the_start_up_steps(tiny_ouro_dir, calib_corpus, tm
     assert set(steps) <= set(startup) and all(startup[k] >= 0 for k in steps) and result.is_main
     assert startup["pipeline_init_s"] >= sum(startup[k] for k in steps[:-1]) - 0.01  # the parts are inside the whole
     assert before <= startup["entered_at"] <= time.time() and startup["process_start_s"] > 0
+
+
+def test_a_config_built_in_code_gets_its_derived_values_on_a_copy(tiny_ouro_dir, calib_corpus, tmp_path):
+    """``Pipeline`` fills what a Config built in code leaves null (here ``capture.fisher_channels``: the largest
+    exact value, as the loader does) on a copy, so validation and capture agree and the caller's object is kept."""
+    from loopvq_calib.config_validate import exact_fisher_channels
+    from loopvq_calib.pipeline import Pipeline
+
+    cfg = load_config(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run"))
+    cfg.capture.fisher_channels = None
+    pipeline = Pipeline(cfg, None, ["data"])
+    assert pipeline.cfg.capture.fisher_channels == exact_fisher_channels(cfg.quant) > 1
+    assert pipeline.cfg.capture.channels_per_fisher == exact_fisher_channels(cfg.quant)
+    assert cfg.capture.fisher_channels is None
