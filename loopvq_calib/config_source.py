@@ -15,7 +15,8 @@ from typing import Any
 import yaml
 
 PATH_KEYS = ("model.name_or_path", "data.dataset", "output.dir")
-LOCAL_DATA_SUFFIXES = (".txt", ".text", ".json", ".jsonl", ".parquet")  # as loopvq_calib.data.LOCAL_TYPES
+LOCAL_TYPES = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}  # suffix -> datasets builder
+LOCAL_DATA_SUFFIXES = tuple(LOCAL_TYPES)
 
 
 class ConfigError(ValueError):

@@ -17,10 +17,10 @@ from typing import Any, Iterator
 import torch
 
 from .config import DataConfig
+from .config_source import LOCAL_TYPES
 from .rundir import sha256_file
 
 POOL_FACTOR = 16
-LOCAL_TYPES = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
 class DataError(ValueError):
