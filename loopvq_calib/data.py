@@ -120,26 +120,30 @@ def _hub_documents(cfg: DataConfig, names: dict[str, str | None] | None) -> Iter
             yield text
 
 
-def render_conversations(rows: Iterator[Any], tokenizer: Any, field_key: str) -> Iterator[str]:
-    """Each row's conversation (a list of ``{"role", "content"}`` messages) as the text the model sees in
-    chat use: the tokenizer's chat template, without a generation prompt (``data.chat_template``)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError("data.chat_template: the tokenizer of model.name_or_path has no chat template "
-                        "(tokenizer_config.json has no chat_template)")
+def checked_conversations(rows: Iterator[Any], field_key: str) -> Iterator[list[dict[str, Any]]]:
+    """The rows, each checked to be a conversation (a non-empty list of ``{"role", "content"}`` messages)."""
     for n, messages in enumerate(rows):
         if not (isinstance(messages, list) and messages
                 and all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)):
             raise DataError(f"{field_key}: with data.chat_template every row must be a non-empty list of "
                             f"{{role, content}} messages; document {n} is {type(messages).__name__} {str(messages)[:60]!r}")
+        yield messages
+
+
+def render_conversations(conversations: Iterator[list[dict[str, Any]]], tokenizer: Any) -> Iterator[str]:
+    """Each conversation as the text the model sees in chat use: the tokenizer's chat template, without a
+    generation prompt (``data.chat_template``). Rendered one at a time, as they are consumed."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("data.chat_template: the tokenizer of model.name_or_path has no chat template "
+                        "(tokenizer_config.json has no chat_template)")
+    for messages in conversations:
         text = tokenizer.apply_chat_template(messages, tokenize=False)
         if text.strip():
             yield text
 
 
-def _token_stream(docs: Iterator[str], tokenizer: Any, limit: int, read_all: bool) -> tuple[list[int], int]:
-    """Token ids of the documents (each followed by the separator) until ``limit``; with ``read_all`` the
-    remaining documents are still read, untokenized, so a bad byte or line anywhere in a local file is found
-    before the run starts."""
+def _token_stream(docs: Iterator[str], tokenizer: Any, limit: int) -> tuple[list[int], int]:
+    """Token ids of the documents (each followed by the separator) until ``limit``."""
     sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
     if sep is None:
         raise DataError("model.name_or_path: the tokenizer has no eos or bos token to separate documents")
@@ -151,19 +155,21 @@ def _token_stream(docs: Iterator[str], tokenizer: Any, limit: int, read_all: boo
         count += 1
         if len(ids) >= limit:
             break
-    if read_all:
-        for _ in docs:
-            pass
     return ids, count
 
 
 def build_calibration_set(cfg: DataConfig, tokenizer: Any, names: dict[str, str | None] | None = None) -> CalibrationSet:
     """Deterministic (given ``cfg.seed``) calibration sequences and their train / held-out split."""
     n, length = cfg.num_sequences, cfg.sequence_length
-    documents = load_documents(cfg, names)
+    source = load_documents(cfg, names)
+    texts = source
     if cfg.chat_template:
-        documents = render_conversations(documents, tokenizer, _option(names, "text_field") or "data.text_field")
-    ids, docs = _token_stream(documents, tokenizer, POOL_FACTOR * n * length, read_all=bool(local_files(cfg.dataset)))
+        source = checked_conversations(source, _option(names, "text_field") or "data.text_field")
+        texts = render_conversations(source, tokenizer)
+    ids, docs = _token_stream(texts, tokenizer, POOL_FACTOR * n * length)
+    if local_files(cfg.dataset):  # read (not tokenize or render) the rest: a bad row anywhere fails before the run
+        for _ in source:
+            pass
     if docs == 0:
         raise DataError(f"{_option(names, 'dataset')}: {cfg.dataset} holds no text (no non-empty "
                         f"{cfg.text_field!r} in any document)")

@@ -172,6 +172,26 @@ def test_chat_template_renders_each_conversation_before_tokenizing(tmp_path, tok
     assert calib.description["chat_template"] is True
 
 
+def test_chat_template_renders_only_the_pool_but_checks_every_row(tmp_path, tokenizer, monkeypatch):
+    """Rows past the token pool are read and checked (a bad last row still fails) but not rendered."""
+    chats = [[{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "an answer " * 9}]
+             for i in range(400)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": c}) for c in chats) + "\n")
+    rendered = []
+    render = tokenizer.apply_chat_template
+    monkeypatch.setattr(tokenizer, "chat_template", TEMPLATE)
+    monkeypatch.setattr(tokenizer, "apply_chat_template", lambda m, **kw: rendered.append(m) or render(m, **kw))
+    cfg = DataConfig(dataset=str(path), text_field="messages", chat_template=True,
+                     num_sequences=2, sequence_length=32, heldout_sequences=1)
+    calib = build_calibration_set(cfg, tokenizer)
+    assert len(rendered) == calib.description["documents_read"] < len(chats)
+    assert rendered == chats[: len(rendered)]
+    path.write_text(path.read_text() + json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    with pytest.raises(DataError, match=r"data.text_field: .* document 400 is list"):
+        build_calibration_set(cfg, tokenizer)
+
+
 def test_chat_template_errors_name_the_key(tmp_path, tokenizer):
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": "not a conversation"}) + "\n")
     cfg = DataConfig(dataset=str(tmp_path / "chat.jsonl"), text_field="messages", chat_template=True,
