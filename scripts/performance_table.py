@@ -1,0 +1,126 @@
+"""The targets table of docs/performance.md, computed from `scripts/measure_real_command.sh` output.
+
+Each RESULTS file is one `results.jsonl` (one JSON line per step of the measurement); a step measured in
+several files is taken from the last file given. The table is printed, or with ``--write`` put between the
+``<!-- targets:begin -->`` / ``<!-- targets:end -->`` markers of docs/performance.md.
+
+    python scripts/performance_table.py docs/data/measure-real-command-h200-run19-results.jsonl
+    python scripts/performance_table.py RUN16.jsonl RUN19.jsonl --write docs/performance.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+GIB = 2**30
+FINETUNE_BASELINE_S = 28.5  # the fine-tuning stage when the fine-tuning issue was filed (docs/finetune.md)
+BEGIN, END = "<!-- targets:begin -->", "<!-- targets:end -->"
+
+
+def read_steps(paths: list[Path]) -> dict[str, tuple[dict[str, Any], str]]:
+    """step name -> (its JSON line, the file it came from); later files win."""
+    steps: dict[str, tuple[dict[str, Any], str]] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            if "step" in row:  # other lines (a profile's, a probe's) are not steps
+                steps[row["step"]] = (row, path.name)
+    return steps
+
+
+def _stage(row: dict[str, Any], name: str) -> float | None:
+    stage = row.get("stages", {}).get(name)
+    return stage["wall_s"] if stage and stage.get("status") == "done" else None
+
+
+def _verdict(value: float | None, limit: float, unit: str = "s") -> str:
+    if value is None:
+        return "not measured"
+    if value <= limit:
+        return "met"
+    return f"missed by {value - limit:.1f} {unit} ({value / limit:.2f}x)"
+
+
+def _command(row: dict[str, Any]) -> str:
+    """Whole command = before the pipeline + checks + stages + exit, as the run recorded them."""
+    stages = ", ".join(f"{name} {s['wall_s']:.1f}" for name, s in row.get("stages", {}).items()
+                       if s.get("status") == "done" and name != "data")
+    checks = (row.get("startup") or {}).get("pipeline_init_s")
+    parts = [f"**{row['command_s']:.1f} s**"]
+    if "before_pipeline_s" in row and checks is not None:
+        parts.append(f"= {row['before_pipeline_s']:.1f} s before the pipeline + {checks:.1f} s of checks + "
+                     f"{row.get('stages_s', 0):.1f} s of stages ({stages}) + {row.get('after_stages_s', 0):.1f} s exit")
+    if row.get("rc"):
+        parts.append(f"(exit status {row['rc']})")
+    return " ".join(parts)
+
+
+def rows(steps: dict[str, tuple[dict[str, Any], str]]) -> list[tuple[str, str, str, str]]:
+    """(target, measured, verdict, source file) for every target."""
+    out = []
+    main = steps.get("ouro-1.4b")
+    if main:
+        row, src = main
+        ok = row["rc"] == 0
+        out.append(("Ouro-1.4B shipped config, whole command <= 60 s", _command(row),
+                    _verdict(row["command_s"] if ok else None, 60), src))
+        for name, label, limit in (("tasq", "TaSQ stage <= 3 s", 3.0), ("kmeans", "k-means stage <= 10 s", 10.0)):
+            value = _stage(row, name)
+            out.append((label, "not run" if value is None else f"{value:.1f} s", _verdict(value, limit), src))
+        ft = _stage(row, "finetune")
+        out.append((f"fine-tuning stage <= 1.5x its {FINETUNE_BASELINE_S} s before the fine-tuning work",
+                    "not run" if ft is None else f"{ft:.1f} s (x{ft / FINETUNE_BASELINE_S:.2f})",
+                    _verdict(ft, 1.5 * FINETUNE_BASELINE_S), src))
+    small = steps.get("ouro-1.4b-48gb")
+    if small:
+        row, src = small
+        peak = row.get("peak_gpu_gib")
+        peak_txt = "peak n/a" if peak is None else f"peak {peak:.1f} GiB = {peak * GIB / GB:.1f} GB"
+        memory = "not measured" if peak is None else ("memory met" if peak * GIB <= 40 * GB else "memory missed")
+        time = _verdict(row["command_s"] if row["rc"] == 0 else None, 90)
+        out.append(("48 GB card setting: peak GPU memory <= 40 GB, <= 90 s", f"{peak_txt}; {_command(row)}",
+                    f"{memory}; time {time}", src))
+    huginn = steps.get("huginn-3.5b")
+    if huginn:
+        row, src = huginn
+        out.append(("Huginn-3.5B shipped config completes, <= 240 s", _command(row),
+                    _verdict(row["command_s"] if row["rc"] == 0 else None, 240), src))
+    else:
+        out.append(("Huginn-3.5B shipped config completes, <= 240 s", "not run", "not measured", "-"))
+    out.append(("Ouro-2.6B on 2 GPUs >= 1.7x faster than on 1", "not run (this script measures one GPU)",
+                "not measured", "-"))
+    return out
+
+
+def table(steps: dict[str, tuple[dict[str, Any], str]]) -> str:
+    lines = ["| target | measured | verdict | raw output (docs/data/) |", "|---|---|---|---|"]
+    lines += [f"| {t} | {m} | {v} | {f'`{s}`' if s != '-' else '-'} |" for t, m, v, s in rows(steps)]
+    return "\n".join(lines) + "\n"
+
+
+def write_between_markers(doc: Path, text: str) -> None:
+    page = doc.read_text()
+    if BEGIN not in page or END not in page:
+        raise SystemExit(f"{doc}: no {BEGIN} ... {END} markers to write between")
+    head, rest = page.split(BEGIN, 1)
+    doc.write_text(head + BEGIN + "\n" + text + END + rest.split(END, 1)[1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="+", type=Path, help="results.jsonl files of measure_real_command.sh")
+    ap.add_argument("--write", type=Path, help="put the table between the markers of this page")
+    args = ap.parse_args()
+    text = table(read_steps(args.results))
+    if args.write:
+        write_between_markers(args.write, text)
+    else:
+        print(text, end="")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""scripts/performance_table.py: the targets table of docs/performance.md computed from measurement files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "performance_table.py"
+spec = importlib.util.spec_from_file_location("performance_table", SCRIPT)
+pt = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(pt)
+
+
+def _run(step: str, command_s: float, stages: dict[str, float], peak: float, rc: int = 0) -> dict:
+    return {"step": step, "rc": rc, "command_s": command_s, "peak_gpu_gib": peak, "stages_s": sum(stages.values()),
+            "stages": {k: {"wall_s": v, "status": "done"} for k, v in stages.items()},
+            "before_pipeline_s": 10.0, "after_stages_s": 1.0, "startup": {"pipeline_init_s": 2.0}}
+
+
+def test_verdicts_follow_the_targets_and_later_files_win(tmp_path):
+    old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
+    old.write_text("\n".join(json.dumps(r) for r in [
+        {"step": "checkpoint-ouro-1.4b", "rc": 0, "command_s": 20.0},
+        _run("ouro-1.4b", 99.0, {"tasq": 9.0, "kmeans": 9.0, "finetune": 50.0}, 50.0),
+        _run("ouro-1.4b-48gb", 80.0, {"finetune": 30.0}, 38.0),  # 38 GiB = 40.8 GB: over 40 GB
+    ]) + "\n{\"profile\": 1}\n")
+    new.write_text(json.dumps(_run("ouro-1.4b", 72.0, {"tasq": 2.5, "kmeans": 12.0, "finetune": 42.0}, 50.0)) + "\n")
+    rows = {target: (measured, verdict, src) for target, measured, verdict, src in
+            pt.rows(pt.read_steps([old, new]))}
+    whole = rows["Ouro-1.4B shipped config, whole command <= 60 s"]
+    assert whole[1] == "missed by 12.0 s (1.20x)" and whole[2] == "new.jsonl"
+    assert "10.0 s before the pipeline + 2.0 s of checks + 56.5 s of stages" in whole[0]
+    assert rows["TaSQ stage <= 3 s"][1] == "met"
+    assert rows["k-means stage <= 10 s"][1] == "missed by 2.0 s (1.20x)"
+    ft = rows["fine-tuning stage <= 1.5x its 28.5 s before the fine-tuning work"]
+    assert ft[0] == "42.0 s (x1.47)" and ft[1] == "met"
+    small = rows["48 GB card setting: peak GPU memory <= 40 GB, <= 90 s"]
+    assert small[1] == "memory missed; time met" and small[2] == "old.jsonl"
+    assert rows["Huginn-3.5B shipped config completes, <= 240 s"][1] == "not measured"
+
+
+def test_failed_run_is_not_met_and_markers_are_required(tmp_path):
+    res = tmp_path / "r.jsonl"
+    res.write_text(json.dumps(_run("huginn-3.5b", 100.0, {"capture": 90.0}, 60.0, rc=3)) + "\n")
+    rows = {t: (m, v) for t, m, v, _ in pt.rows(pt.read_steps([res]))}
+    assert rows["Huginn-3.5B shipped config completes, <= 240 s"][1] == "not measured"
+    assert "(exit status 3)" in rows["Huginn-3.5B shipped config completes, <= 240 s"][0]
+    page = tmp_path / "perf.md"
+    page.write_text("# P\n")
+    with pytest.raises(SystemExit, match="no <!-- targets:begin -->"):
+        pt.write_between_markers(page, "x\n")
+    page.write_text(f"# P\n{pt.BEGIN}\nold table\n{pt.END}\ntail\n")
+    pt.write_between_markers(page, pt.table(pt.read_steps([res])))
+    text = page.read_text()
+    assert "old table" not in text and text.endswith(f"{pt.END}\ntail\n") and "| Huginn-3.5B" in text
