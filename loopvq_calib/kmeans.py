@@ -25,9 +25,9 @@ from .kmeans_backends import (
     kmeans_pp_init,
     mix_seed,
     random_init,
-    resolve_backend,
     weighted_kmeans,
 )
+from .kmeans_select import resolve_backend
 from .layouts import BlockLayout, codebook_shape, layout_owner, points_per_codebook
 from .models.sites import KVLayout
 from .quantizer import KVQuantizer
