@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .capture import CaptureData
+from .clock import DeviceClock
 from .codec import TasqTransform, flatten_block, sigma_bits
 from .config import ConfigError, QuantConfig, TasqConfig
 from .distributed import SINGLE, DistContext
@@ -247,13 +248,19 @@ def fit_tasq(
     dev = torch.device(device or "cpu")
     mine = [lay for i, lay in enumerate(layouts) if lay.kind == "key" and layout_owner(i, dist.world) == dist.rank]
     transforms, covs, tokens = {}, {}, {}
+    seconds = dict.fromkeys(("query_stats", "load", "covariance", "grouping", "report"), 0.0)
+    clock = DeviceClock(dev)
     for lay in mine:
         weight = torch.stack([channel_weights(reader.query_stats(s), cfg.weight_floor) for s in lay.sites])
         transforms[lay.key] = TasqTransform(weight, cfg.sigma_min)
+        seconds["query_stats"] += clock.lap()
         x = reader.load("key", lay.sites, device=dev)
+        seconds["load"] += clock.lap()
         covs[lay.key], tokens[lay.key] = block_covariance(x, transforms[lay.key]), int(x.shape[0])
+        seconds["covariance"] += clock.lap()
         del x
     fitted = _fit_all_groups(mine, covs, kv, quant.group_size, cfg.det_eps)
+    seconds["grouping"] += clock.lap()
     new_layouts, blocks = {}, {}
     for lay in mine:
         cov, planned, groups = covs[lay.key], lay.groups.to(dev).expand(kv.kv_heads, -1, -1), fitted[lay.key]
@@ -267,7 +274,9 @@ def fit_tasq(
         }
         new_layouts[lay.key] = dataclasses.replace(lay, groups=groups.cpu())
         new_layouts[lay.key].check()
+    seconds["report"] += clock.lap()
     report = {
+        "seconds": {k: round(v, 3) for k, v in seconds.items()},
         "method": quant.method,
         "group_size": quant.group_size,
         "det_eps": cfg.det_eps,
