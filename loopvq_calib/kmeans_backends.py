@@ -31,13 +31,16 @@ __all__ = ["BACKENDS", "resolve_backend", "weighted_kmeans", "kmeans_pp_init", "
 @dataclass
 class KMeansResult:
     """Centroids [P, K, G]; weighted objectives [P] at the initial and the final centroids; Lloyd
-    updates run [P]; empty clusters met [P] (torch, triton: reseeded; faiss: split)."""
+    updates run [P]; empty clusters met [P] (torch, triton: reseeded; faiss: split); fused Lloyd loops:
+    point blocks compared with the centroids and all point blocks, in the updates after the first (the
+    others kept their centroids by Hamerly's bounds)."""
 
     centroids: torch.Tensor
     objective_init: torch.Tensor
     objective_final: torch.Tensor
     iterations: torch.Tensor
     empty_clusters: torch.Tensor
+    lloyd_blocks: tuple[int, int] = (0, 0)
 
 
 def mix_seed(*parts: int) -> int:
@@ -251,10 +254,13 @@ def _lloyd(
     p = x.shape[0]
     chunk = batch_sizes(cfg, x.device)[1]
     x_sq = None if fused else x.pow(2).sum(-1)
+    bounds = kmeans_triton.Bounds.like(w) if fused else None
+    moves = None  # [A, K + 1]: each active centroid's move in the last update, then the largest
 
     def step(active: torch.Tensor, ca: torch.Tensor, accumulate: bool):
         if fused:
-            return kmeans_triton.lloyd_step(x, w, ca, active, accumulate)
+            return kmeans_triton.lloyd_step(x, w, ca, active, accumulate, bounds=bounds if accumulate else None,
+                                            moves=moves)
         part = [t.index_select(0, active) for t in (x, x_sq, w)] if active.numel() < p else [x, x_sq, w]
         return _assign(*part, ca, chunk, accumulate)
 
@@ -263,11 +269,16 @@ def _lloyd(
     empties = torch.zeros(p, dtype=torch.long)
     active = torch.arange(p, device=x.device)
     objective_init = None
+    compared = x.new_zeros(())
+    blocks = 0
     for it in range(cfg.iterations):
         ca = c.index_select(0, active) if active.numel() < p else c
         err, sums, mass = step(active, ca, True)
         if it == 0:
             objective_init = err / total
+        elif fused:  # err counts the blocks compared
+            compared += err.sum()
+            blocks += active.numel() * kmeans_triton.lloyd_blocks(x.shape[1], *c.shape[1:])
         new = torch.where(mass[..., None] > 0, sums / mass.clamp_min(torch.finfo(mass.dtype).tiny)[..., None], ca)
         empty = mass <= 0
         if empty.any():
@@ -275,13 +286,20 @@ def _lloyd(
             _reseed(new, empty, x, w, rows, [(*keys[q], it) for q in rows])
             empties.index_add_(0, active.cpu(), empty.sum(-1).cpu())
         change = (new - ca).abs().mean(dim=(-1, -2))
+        if fused:  # widened past the rounding of the norm
+            moves = torch.linalg.vector_norm(new - ca, dim=-1) * (1 + 1e-5)
+            moves = torch.cat([moves, moves.amax(-1, keepdim=True)], -1)
         c = c.index_copy(0, active, new)
         iterations[active.cpu()] += 1
-        active = active[change >= cfg.tolerance]
+        going = change >= cfg.tolerance
+        active = active[going]
+        if fused:
+            moves = moves[going].contiguous()
         if active.numel() == 0:
             break
+    moves = None
     objective_final = step(torch.arange(p, device=x.device), c, False)[0] / total
-    return KMeansResult(c, objective_init, objective_final, iterations, empties)
+    return KMeansResult(c, objective_init, objective_final, iterations, empties, (int(compared.item()), blocks))
 
 
 def _import_faiss():
@@ -358,8 +376,10 @@ def weighted_kmeans(
         sl = slice(s, s + per_batch)
         xb, wb, cb = (t[sl].to(device=device, dtype=torch.float32) for t in (x, w, init))
         r = _lloyd(xb.contiguous(), wb.contiguous(), cb.clone(), cfg, keys[sl], fused=name == "triton")
-        return [r.centroids.cpu(), r.objective_init.cpu(), r.objective_final.cpu(), r.iterations, r.empty_clusters]
+        return [r.centroids.cpu(), r.objective_init.cpu(), r.objective_final.cpu(), r.iterations, r.empty_clusters,
+                r.lloyd_blocks]
 
     starts = list(range(0, x.shape[0], per_batch))
     parts = cpu_map(solve, starts) if device.type == "cpu" else [solve(s) for s in starts]
-    return KMeansResult(*(torch.cat(col) for col in zip(*parts)))
+    blocks = tuple(sum(part[5][i] for part in parts) for i in range(2))
+    return KMeansResult(*(torch.cat(col) for col in zip(*(part[:5] for part in parts))), lloyd_blocks=blocks)
