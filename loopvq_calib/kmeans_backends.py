@@ -269,7 +269,7 @@ def _lloyd(
     empties = torch.zeros(p, dtype=torch.long)
     active = torch.arange(p, device=x.device)
     objective_init = None
-    compared = x.new_zeros(())
+    compared = torch.zeros((), dtype=torch.float64, device=x.device)  # exact past 2^24 blocks
     blocks = 0
     for it in range(cfg.iterations):
         ca = c.index_select(0, active) if active.numel() < p else c

@@ -29,7 +29,8 @@ from .models.sites import KVLayout
 from .tasq_stats import channel_weights
 
 CHUNK_TOKENS = 4096  # tokens per covariance chunk (bounds the transformed copy of a block)
-GROUPING_BYTES = 1 << 30  # the first merge round's gathered candidate sets, per batch of heads
+GROUPING_BYTES = 1 << 30  # the first merge round's gathered candidate sets, per batch of heads (CPU)
+GPU_GROUPING_BYTES = 4 << 30  # on an accelerator: fewer, larger batches (the matching's loops are host-bound)
 
 
 @dataclass
@@ -296,7 +297,7 @@ def _fit_all_groups(
         same = [lay for lay in layouts if lay.steps == steps]
         units = rope_pair_units(kv.head_dim, steps, kv.rope_style)
         stacked = torch.cat([covs[lay.key] for lay in same])
-        batch = heads_per_batch(units.shape[0])
+        batch = heads_per_batch(units.shape[0], GROUPING_BYTES if stacked.device.type == "cpu" else GPU_GROUPING_BYTES)
         groups = torch.cat([fit_groups(part, units, group_size, eps) for part in stacked.split(batch)])
         out.update(zip((lay.key for lay in same), groups.split(kv.kv_heads)))
     return out

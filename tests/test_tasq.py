@@ -396,7 +396,7 @@ def test_layouts_fitted_together_equal_one_head_at_a_time(captures, fits, monkey
 
     _, kv, _, reader = captures["huginn"]
     layouts, _ = fits["huginn", "tasq+loopvq"]
-    monkeypatch.setattr(tasq.heads_per_batch, "__defaults__", (budget,))
+    monkeypatch.setattr(tasq, "GROUPING_BYTES", budget)
     res = fit_tasq(reader, layouts, kv, quant("tasq+loopvq"), TasqConfig())
     for lay in (l for l in res.layouts if l.kind == "key"):
         cov = block_covariance(reader.load("key", lay.sites), res.transforms[lay.key])
