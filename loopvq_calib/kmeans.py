@@ -137,8 +137,7 @@ def fit_codebooks(
     :func:`loopvq_calib.quantizer.merge_quantizers` joins the parts). Returns the quantizer and a report:
     per layout key the objectives at init and at the end per codebook, Lloyd updates, empty clusters,
     backend, seconds (a shared Lloyd loop's time split evenly over its layouts; of those, ``seconds_init`` in
-    the initialisation); plus totals (with the seconds of the backend's probe, and the Lloyd point blocks the
-    fused loops compared with the centroids, of all, after the first update).
+    the initialisation); plus totals.
     """
     device = torch.device(device)
     meta = reader.meta
@@ -151,7 +150,6 @@ def fit_codebooks(
     codecs: dict[str, BlockCodec] = {}
     per_layout: dict[str, dict[str, Any]] = {}
     pending: list[_Pending] = []
-    lloyd_blocks = [0, 0]  # fused Lloyd loops: point blocks compared with the centroids, of all, after the first update
 
     def solve() -> None:
         if not pending:
@@ -164,7 +162,6 @@ def fit_codebooks(
         for p in pending:
             p.points = p.weights = p.init = None  # the joined copies are the only ones left
         result = weighted_kmeans(points, weights, init, cfg, backend, device, seed=pending[0].seed, problem_keys=keys)  # faiss: one layout
-        lloyd_blocks[:] = [u + v for u, v in zip(lloyd_blocks, result.lloyd_blocks)]
         share = (time.perf_counter() - start) / len(pending)
         first = 0
         for p in pending:
@@ -216,9 +213,7 @@ def fit_codebooks(
         codecs=codecs, method=quant.method, codebook_size=quant.codebook_size, group_size=quant.group_size,
         steps_per_block=quant.block_steps, sharing=quant.codebook_sharing, kv=kv,
     )
-    totals = {**_totals(per_layout, backend, device), "seconds_backend": probing, "lloyd_blocks_compared": lloyd_blocks[0],
-              "lloyd_blocks": lloyd_blocks[1]}
-    return quantizer, {"layouts": per_layout, "totals": totals}
+    return quantizer, {"layouts": per_layout, "totals": {**_totals(per_layout, backend, device), "seconds_backend": probing}}
 
 
 def _totals(per_layout: dict[str, dict[str, Any]], backend: str, device: torch.device) -> dict[str, Any]:

@@ -31,16 +31,13 @@ __all__ = ["BACKENDS", "resolve_backend", "weighted_kmeans", "kmeans_pp_init", "
 @dataclass
 class KMeansResult:
     """Centroids [P, K, G]; weighted objectives [P] at the initial and the final centroids; Lloyd
-    updates run [P]; empty clusters met [P] (torch, triton: reseeded; faiss: split); fused Lloyd loops:
-    point blocks compared with the centroids and all point blocks, in the updates after the first (the
-    others kept their centroids by Hamerly's bounds)."""
+    updates run [P]; empty clusters met [P] (torch, triton: reseeded; faiss: split)."""
 
     centroids: torch.Tensor
     objective_init: torch.Tensor
     objective_final: torch.Tensor
     iterations: torch.Tensor
     empty_clusters: torch.Tensor
-    lloyd_blocks: tuple[int, int] = (0, 0)
 
 
 def mix_seed(*parts: int) -> int:
@@ -254,13 +251,10 @@ def _lloyd(
     p = x.shape[0]
     chunk = batch_sizes(cfg, x.device)[1]
     x_sq = None if fused else x.pow(2).sum(-1)
-    bounds = kmeans_triton.Bounds.like(w) if fused else None
-    moves = None  # [A, K + 1]: each active centroid's move in the last update, then the largest
 
     def step(active: torch.Tensor, ca: torch.Tensor, accumulate: bool):
         if fused:
-            return kmeans_triton.lloyd_step(x, w, ca, active, accumulate, bounds=bounds if accumulate else None,
-                                            moves=moves)
+            return kmeans_triton.lloyd_step(x, w, ca, active, accumulate)
         part = [t.index_select(0, active) for t in (x, x_sq, w)] if active.numel() < p else [x, x_sq, w]
         return _assign(*part, ca, chunk, accumulate)
 
@@ -269,16 +263,11 @@ def _lloyd(
     empties = torch.zeros(p, dtype=torch.long)
     active = torch.arange(p, device=x.device)
     objective_init = None
-    compared = torch.zeros((), dtype=torch.float64, device=x.device)  # exact past 2^24 blocks
-    blocks = 0
     for it in range(cfg.iterations):
         ca = c.index_select(0, active) if active.numel() < p else c
         err, sums, mass = step(active, ca, True)
         if it == 0:
             objective_init = err / total
-        elif fused:  # err counts the blocks compared
-            compared += err.sum()
-            blocks += active.numel() * kmeans_triton.lloyd_blocks(x.shape[1], *c.shape[1:])
         new = torch.where(mass[..., None] > 0, sums / mass.clamp_min(torch.finfo(mass.dtype).tiny)[..., None], ca)
         empty = mass <= 0
         if empty.any():
@@ -286,20 +275,13 @@ def _lloyd(
             _reseed(new, empty, x, w, rows, [(*keys[q], it) for q in rows])
             empties.index_add_(0, active.cpu(), empty.sum(-1).cpu())
         change = (new - ca).abs().mean(dim=(-1, -2))
-        if fused:  # widened past the rounding of the norm
-            moves = torch.linalg.vector_norm(new - ca, dim=-1) * (1 + 1e-5)
-            moves = torch.cat([moves, moves.amax(-1, keepdim=True)], -1)
         c = c.index_copy(0, active, new)
         iterations[active.cpu()] += 1
-        going = change >= cfg.tolerance
-        active = active[going]
-        if fused:
-            moves = moves[going].contiguous()
+        active = active[change >= cfg.tolerance]
         if active.numel() == 0:
             break
-    moves = None
     objective_final = step(torch.arange(p, device=x.device), c, False)[0] / total
-    return KMeansResult(c, objective_init, objective_final, iterations, empties, (int(compared.item()), blocks))
+    return KMeansResult(c, objective_init, objective_final, iterations, empties)
 
 
 def _import_faiss():
@@ -376,10 +358,8 @@ def weighted_kmeans(
         sl = slice(s, s + per_batch)
         xb, wb, cb = (t[sl].to(device=device, dtype=torch.float32) for t in (x, w, init))
         r = _lloyd(xb.contiguous(), wb.contiguous(), cb.clone(), cfg, keys[sl], fused=name == "triton")
-        return [r.centroids.cpu(), r.objective_init.cpu(), r.objective_final.cpu(), r.iterations, r.empty_clusters,
-                r.lloyd_blocks]
+        return [r.centroids.cpu(), r.objective_init.cpu(), r.objective_final.cpu(), r.iterations, r.empty_clusters]
 
     starts = list(range(0, x.shape[0], per_batch))
     parts = cpu_map(solve, starts) if device.type == "cpu" else [solve(s) for s in starts]
-    blocks = tuple(sum(part[5][i] for part in parts) for i in range(2))
-    return KMeansResult(*(torch.cat(col) for col in zip(*(part[:5] for part in parts))), lloyd_blocks=blocks)
+    return KMeansResult(*(torch.cat(col) for col in zip(*parts)))

@@ -25,7 +25,6 @@ import logging
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -100,10 +99,8 @@ def _probe(device: str, k: int, g: int, n: int) -> bool:
     x = torch.randn(2, n, g, generator=gen).to(device)
     w = torch.rand(2, n, generator=gen).to(device)
     c = kmeans_pp(x, w, k, torch.rand(k, 2, generator=gen, dtype=torch.float64).to(device))
-    rows, bounds = torch.arange(2, device=device), Bounds.like(w)
-    lloyd_step(x, w, c, rows, True, bounds=bounds)  # the Lloyd loop's first step,
-    lloyd_step(x, w, c, rows, True, bounds=bounds, moves=torch.zeros(2, k + 1, device=device))  # the others,
-    lloyd_step(x, w, c, rows, False)  # the final objective
+    for accumulate in (True, False):
+        lloyd_step(x, w, c, torch.arange(2, device=device), accumulate=accumulate)
     if x.is_cuda:
         torch.cuda.synchronize(x.device)  # a launch failure surfaces here
     return True
@@ -121,53 +118,18 @@ def _lloyd_block(k: int, g: int) -> int:
     return max(16, min(LLOYD_TILE // _pow2(k, 16), POINT_TILE // _pow2(g, 16)))
 
 
-def lloyd_blocks(n: int, k: int, g: int) -> int:
-    """Point blocks (Lloyd programs) per problem of ``n`` points."""
-    return -(-n // _lloyd_block(k, g))
-
-
 def _pow2(n: int, floor: int = 1) -> int:
     return max(floor, 1 << (int(n) - 1).bit_length())
 
 
 if triton is not None:
 
-    @triton.jit
-    def _nearest(
-        x, w, c_ptr, err_ptr, asg_ptr, ub_ptr, lb_ptr, a, b, p, pts, valid, n, nb,
-        K: tl.constexpr, G: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr, PRECISION: tl.constexpr,
-        BOUNDS: tl.constexpr,
-    ):
-        """Nearest centroids of a block of points (their indices); stores the block's weighted error (BOUNDS 0,
-        1) or 1 (BOUNDS 2: a block compared), and with BOUNDS > 0 the points' centroids and bounds."""
-        gg = tl.arange(0, GP)
-        kk = tl.arange(0, KP)
-        c = tl.load(c_ptr + (a.to(tl.int64) * K + kk[:, None]) * G + gg[None, :], mask=(kk[:, None] < K) & (gg[None, :] < G), other=0.0)
-        c_sq = tl.where(kk < K, tl.sum(c * c, axis=1), float("inf"))
-        d = c_sq[None, :] - 2.0 * tl.dot(x, tl.trans(c), input_precision=PRECISION)
-        dmin, idx = tl.min(d, axis=1, return_indices=True, return_indices_tie_break_left=True)
-        x_sq = tl.sum(x * x, axis=1)
-        err = tl.sum(tl.where(valid, w * tl.maximum(dmin + x_sq, 0.0), 0.0), axis=0)
-        if BOUNDS == 0:
-            tl.store(err_ptr + a.to(tl.int64) * nb + b, err)
-        else:  # exact bounds, widened by far more than the dot's rounding (about 2^-20 (|x|^2 + |c|^2))
-            second = tl.min(tl.where(kk[None, :] == idx[:, None], float("inf"), d), axis=1)
-            slack = 0.000244140625 * (x_sq + tl.max(tl.where(kk < K, c_sq, 0.0), axis=0))
-            tl.store(asg_ptr + p * n + pts, idx, mask=valid)
-            tl.store(ub_ptr + p * n + pts, tl.sqrt(tl.maximum(dmin + x_sq, 0.0) + slack), mask=valid)
-            tl.store(lb_ptr + p * n + pts, tl.sqrt(tl.maximum(second + x_sq - slack, 0.0)), mask=valid)
-            if BOUNDS == 1:
-                tl.store(err_ptr + a.to(tl.int64) * nb + b, err)
-            else:
-                tl.store(err_ptr + a.to(tl.int64) * nb + b, 1.0)
-        return idx
-
     # counts that change between calls (active problems, blocks) are not specialised on: no recompilation
     @triton.jit(do_not_specialize=["n_rows", "nb"])
     def _lloyd_kernel(
-        x_ptr, w_ptr, c_ptr, rows_ptr, err_ptr, sums_ptr, mass_ptr, asg_ptr, ub_ptr, lb_ptr, move_ptr, n, n_rows, nb,
+        x_ptr, w_ptr, c_ptr, rows_ptr, err_ptr, sums_ptr, mass_ptr, n, n_rows, nb,
         K: tl.constexpr, G: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr,
-        ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, BOUNDS: tl.constexpr,
+        ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
     ):
         # one flat grid axis (2^31 programs; the second axis would cap blocks at 65,535), problems fastest
         a = tl.program_id(0) % n_rows
@@ -176,23 +138,15 @@ if triton is not None:
         pts = b * BLOCK + tl.arange(0, BLOCK)
         valid = pts < n
         gg = tl.arange(0, GP)
+        kk = tl.arange(0, KP)
         x = tl.load(x_ptr + (p * n + pts[:, None]) * G + gg[None, :], mask=valid[:, None] & (gg[None, :] < G), other=0.0)
         w = tl.load(w_ptr + p * n + pts, mask=valid, other=0.0)
-        if BOUNDS == 2:  # Hamerly's bounds moved with the centroids: a block whose points all keep theirs is skipped
-            old = tl.load(asg_ptr + p * n + pts, mask=valid, other=0)
-            up = tl.load(ub_ptr + p * n + pts, mask=valid, other=0.0) + tl.load(move_ptr + a * (K + 1) + old, mask=valid, other=0.0)
-            low = tl.load(lb_ptr + p * n + pts, mask=valid, other=0.0) - tl.load(move_ptr + a * (K + 1) + K)
-            if tl.max(tl.where(valid, up - low, -1.0), axis=0) < 0.0:
-                idx = old
-                tl.store(ub_ptr + p * n + pts, up, mask=valid)
-                tl.store(lb_ptr + p * n + pts, low, mask=valid)
-                tl.store(err_ptr + a.to(tl.int64) * nb + b, 0.0)
-            else:
-                idx = _nearest(x, w, c_ptr, err_ptr, asg_ptr, ub_ptr, lb_ptr, a, b, p, pts, valid, n, nb,
-                               K, G, KP, GP, PRECISION, BOUNDS)
-        else:
-            idx = _nearest(x, w, c_ptr, err_ptr, asg_ptr, ub_ptr, lb_ptr, a, b, p, pts, valid, n, nb,
-                           K, G, KP, GP, PRECISION, BOUNDS)
+        c = tl.load(c_ptr + (a.to(tl.int64) * K + kk[:, None]) * G + gg[None, :], mask=(kk[:, None] < K) & (gg[None, :] < G), other=0.0)
+        c_sq = tl.where(kk < K, tl.sum(c * c, axis=1), float("inf"))
+        d = c_sq[None, :] - 2.0 * tl.dot(x, tl.trans(c), input_precision=PRECISION)
+        dmin, idx = tl.min(d, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        err = tl.where(valid, w * tl.maximum(dmin + tl.sum(x * x, axis=1), 0.0), 0.0)
+        tl.store(err_ptr + a.to(tl.int64) * nb + b, tl.sum(err, axis=0))
         if ACCUMULATE:
             slot = a.to(tl.int64) * K + idx
             tl.atomic_add(sums_ptr + slot[:, None] * G + gg[None, :], x * w[:, None], mask=valid[:, None] & (gg[None, :] < G), sem="relaxed")
@@ -260,33 +214,12 @@ if triton is not None:
         tl.store(chosen_ptr + p, (blk * BLOCK + idx).to(tl.int64))
 
 
-@dataclass
-class Bounds:
-    """Hamerly's bounds of a Lloyd loop, per point of x [P, N, G]: its centroid, an upper bound on the distance
-    to it and a lower bound on the distance to every other centroid."""
-
-    assign: torch.Tensor
-    upper: torch.Tensor
-    lower: torch.Tensor
-
-    @classmethod
-    def like(cls, w: torch.Tensor) -> "Bounds":
-        return cls(torch.zeros(w.shape, dtype=torch.int32, device=w.device), torch.empty_like(w), torch.empty_like(w))
-
-
 def lloyd_step(
-    x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, rows: torch.Tensor, accumulate: bool, precision: str = "tf32x3",
-    bounds: Bounds | None = None, moves: torch.Tensor | None = None,
+    x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, rows: torch.Tensor, accumulate: bool, precision: str = "tf32x3"
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Assign the points of problems ``rows`` [A] to their nearest centroid in ``c`` [A, K, G] (row a of c
     belongs to problem rows[a]); x [P, N, G], w [P, N] fp32 contiguous. Returns the weighted squared
-    error [A] and, when ``accumulate``, per-cluster weighted sums [A, K, G] and weights [A, K].
-
-    ``bounds`` alone: the step also sets them (Hamerly: per point its centroid, its distance and the next
-    centroid's, widened beyond rounding). ``bounds`` and ``moves`` [A, K + 1] (how far each centroid of row a
-    moved since the bounds were set, then the largest move): a block of points that all keep their centroid by
-    the moved bounds (upper + its move < lower - the largest) is not compared with the centroids, the others
-    are and reset their bounds; the first output is then the number of blocks compared, not an error."""
+    error [A] and, when ``accumulate``, per-cluster weighted sums [A, K, G] and weights [A, K]."""
     _, n, g = x.shape
     a, k = c.shape[0], c.shape[1]
     block = _lloyd_block(k, g)
@@ -294,12 +227,9 @@ def lloyd_step(
     err = torch.empty(a, nb, device=x.device, dtype=torch.float32)
     sums = torch.zeros(a, k, g, device=x.device, dtype=torch.float32) if accumulate else err
     mass = torch.zeros(a, k, device=x.device, dtype=torch.float32) if accumulate else err
-    mode = 0 if bounds is None else 1 if moves is None else 2
-    state = (bounds.assign, bounds.upper, bounds.lower) if bounds is not None else (err, err, err)
     _lloyd_kernel[(a * nb,)](
-        x, w, c.contiguous(), rows, err, sums, mass, *state, moves if moves is not None else err, n, a, nb, K=k, G=g,
-        KP=_pow2(k, 16), GP=_pow2(g, 16), BLOCK=block, ACCUMULATE=accumulate, PRECISION=precision, BOUNDS=mode,
-        num_warps=4,
+        x, w, c.contiguous(), rows, err, sums, mass, n, a, nb, K=k, G=g, KP=_pow2(k, 16), GP=_pow2(g, 16),
+        BLOCK=block, ACCUMULATE=accumulate, PRECISION=precision, num_warps=4,
     )
     return (err.sum(1), sums, mass) if accumulate else (err.sum(1), None, None)
 

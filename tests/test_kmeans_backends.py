@@ -438,19 +438,3 @@ def test_gpu_backends_match_cpu(backend):
     on_cpu = weighted_kmeans(x, w, init.cpu(), cfg, "torch", CPU)
     torch.testing.assert_close(on_gpu.centroids, on_cpu.centroids, atol=1e-4, rtol=1e-4)
     assert torch.equal(on_gpu.iterations, on_cpu.iterations) and on_gpu.empty_clusters.sum() >= 6
-
-
-@needs_triton
-def test_fused_lloyd_skips_blocks_by_its_bounds_and_ends_where_torch_does():
-    """Once the centroids settle, the fused loop compares only some point blocks (Hamerly's bounds), and its
-    codebooks and objectives are those of the torch backend."""
-    x, w = blobs(3, 2000, 16, 8, seed=15, spread=0.3)
-    init = kmeans_pp_init(x, w, 8, gen(16))
-    cfg = KMeansConfig(iterations=15, tolerance=0.0)
-    fused = weighted_kmeans(x, w, init, cfg, "triton", TRITON_DEVICE)
-    plain = weighted_kmeans(x, w, init, cfg, "torch", CPU)
-    torch.testing.assert_close(fused.centroids, plain.centroids, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(fused.objective_final, plain.objective_final, atol=1e-5, rtol=1e-5)
-    compared, blocks = fused.lloyd_blocks
-    assert blocks == 3 * 14 * kmeans_triton.lloyd_blocks(2000, 8, 16) and 0 < compared < blocks
-    assert plain.lloyd_blocks == (0, 0)
