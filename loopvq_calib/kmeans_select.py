@@ -1,6 +1,5 @@
 """Which k-means backend runs (``kmeans.backend``): faiss | torch | triton, or ``auto``, which picks the fused
-Triton kernels on a CUDA device where they compile and run and the batched torch backend elsewhere; plus the
-start-up check that compiles the kernels in the background (:func:`check_backend`)."""
+Triton kernels on a CUDA device where they compile and run and the batched torch backend elsewhere."""
 
 from __future__ import annotations
 
@@ -16,21 +15,20 @@ log = logging.getLogger("loopvq_calib")
 
 
 def resolve_backend(backend: str, device: torch.device | str, shape: tuple[int, int] | None = None,
-                    points: int = 0, probe: bool = True) -> str:
+                    points: int = 0) -> str:
     """``auto`` is the fused Triton kernels on a CUDA device with triton installed where they compile and
     run, for codebooks of ``shape`` = (K, G) the kernels take (:func:`kmeans_triton.supports`), else the
     batched torch backend, with a warning (once) saying why on a CUDA device; on the CPU it is torch (whose
     nearest-centroid search there is faiss's when installed, ``kmeans_backends._faiss_search``). On the H200 torch was
     16x faster than faiss-cpu on 32 threads (docs/performance.md). ``points``: points per problem, the
-    shape the kernels' probe compiles for (:func:`kmeans_triton.works`); ``probe=False`` skips the probe
-    (``auto`` then answers triton where everything else allows it)."""
+    shape the kernels' probe compiles for (:func:`kmeans_triton.works`)."""
     if backend not in BACKENDS:
         raise ValueError(f"kmeans.backend: {backend!r} is not one of {', '.join(BACKENDS)}")
     fits = shape is None or kmeans_triton.supports(*shape)
     if backend == "auto":
         if torch.device(device).type != "cuda":
             return "torch"
-        why = _triton_unusable(device, shape, fits, points, probe)
+        why = _triton_unusable(device, shape, fits, points)
         if why:
             _log_once(f"kmeans.backend auto: using the torch backend on {device}, not the fused Triton kernels: {why}")
         return "torch" if why else "triton"
@@ -48,17 +46,7 @@ def resolve_backend(backend: str, device: torch.device | str, shape: tuple[int, 
     return backend
 
 
-def check_backend(backend: str, device: torch.device | str, shape: tuple[int, int], points: int) -> None:
-    """The start-up check of ``kmeans.backend`` (an unusable explicit choice raises here, before any work).
-    Where the fused kernels may be used, their compilation for ``shape`` and ``points`` per problem starts in
-    the background (:func:`kmeans_triton.precompile`); :func:`resolve_backend` in the k-means stage waits
-    for it and probes them."""
-    if resolve_backend(backend, device, shape, probe=False) == "triton":
-        kmeans_triton.precompile(str(device), *shape, points)
-
-
-def _triton_unusable(device: torch.device | str, shape: tuple[int, int] | None, fits: bool, points: int = 0,
-                     probe: bool = True) -> str:
+def _triton_unusable(device: torch.device | str, shape: tuple[int, int] | None, fits: bool, points: int = 0) -> str:
     """Why the fused kernels cannot fit codebooks of ``shape`` on the CUDA ``device`` ('' when they can)."""
     if kmeans_triton.triton is None:
         return "the triton package is not installed"
@@ -68,7 +56,7 @@ def _triton_unusable(device: torch.device | str, shape: tuple[int, int] | None, 
     if not fits:
         return (f"quant.codebook_size {shape[0]} x group size {shape[1]} exceeds the kernels' codebook tile of "
                 f"{kmeans_triton.CODEBOOK_TILE} entries x dimensions")
-    if probe and not kmeans_triton.works(str(device), *(shape or (16, 16)), points):
+    if not kmeans_triton.works(str(device), *(shape or (16, 16)), points):
         return "the kernels do not compile or run there (warning above)"
     return ""
 

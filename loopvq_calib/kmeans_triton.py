@@ -23,9 +23,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 
@@ -55,34 +52,13 @@ def available(device: torch.device | str) -> bool:
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-_COMPILING: dict[tuple[str, int, int, int], subprocess.Popen] = {}
-
-
-def precompile(device: str, k: int, g: int, n: int) -> None:
-    """Start compiling the kernels for codebooks of ``k`` x ``g`` and problems of ``n`` points on ``device`` in
-    a child process, so that the compilation (seconds on a cold Triton cache) overlaps the stages before
-    k-means; Triton's disk cache keeps the result and :func:`works` (same arguments) waits for the child
-    and then loads it from there. Nothing is started where the kernels cannot run or under the interpreter."""
-    key = (str(device), int(k), int(g), int(n))
-    if key in _COMPILING or not available(device) or os.environ.get("TRITON_INTERPRET") == "1":
-        return
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    code = "import sys; from loopvq_calib.kmeans_triton import _probe; sys.exit(0 if _probe(*sys.argv[1:]) else 1)"
-    _COMPILING[key] = subprocess.Popen([sys.executable, "-c", code, *map(str, key)], env=env,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 @functools.lru_cache(maxsize=None)
 def works(device: str, k: int = 16, g: int = 16, n: int = 0) -> bool:
     """Whether the kernels compile and run on ``device`` (once per process, device and shape): Triton needs
     a C compiler and a matching driver at first use. ``kmeans.backend: auto`` falls back to torch, with a
     warning, where this fails. Probing with the run's codebook shape (``k`` x ``g``) and points per problem
     ``n`` (0: a small problem) compiles every kernel variant the k-means stage then uses (Triton keeps
-    them), so the check costs no extra compilation; after :func:`precompile` it only loads them."""
-    child = _COMPILING.pop((str(device), int(k), int(g), int(n)), None)
-    if child is not None:
-        child.wait()  # its outcome is checked below, in this process, from Triton's cache
+    them), so the check costs no extra compilation."""
     try:
         return _probe(device, k, g, n)
     except Exception as err:  # compiler, driver or launch failure: any of them means "use torch"

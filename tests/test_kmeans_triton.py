@@ -9,7 +9,6 @@ and init behaviour tests on this backend too."""
 from __future__ import annotations
 
 import os
-import subprocess
 
 import numpy as np
 import pytest
@@ -107,37 +106,7 @@ def test_fused_draws_equal_the_torch_draws_far_from_the_origin():
 @needs_kernels
 def test_the_kernels_work_here():
     kmeans_triton.works.cache_clear()
-    assert kmeans_triton.works(str(DEVICE))
-
-
-@needs_kernels
-def test_precompile_runs_the_probe_in_a_child_that_works_waits_for(monkeypatch):
-    """The child process compiles every kernel variant of the probe for the run's shape (under the interpreter:
-    interprets them); works() with the same arguments waits for it, then checks the kernels in this process."""
-    started = []
-    real_popen = subprocess.Popen
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-
-    def popen(args, env, **kw):  # the child runs the kernels as this process does
-        started.append(real_popen(args, env={**env, "TRITON_INTERPRET": "1"} if interpreted else env, **kw))
-        return started[-1]
-
-    monkeypatch.setattr(subprocess, "Popen", popen)
-    if interpreted:  # else nothing would be started
-        monkeypatch.setattr(kmeans_triton, "available", lambda device: True)
-        monkeypatch.delenv("TRITON_INTERPRET")
-    kmeans_triton.works.cache_clear()
-    kmeans_triton.precompile(str(DEVICE), 16, 4, 1040)
-    kmeans_triton.precompile(str(DEVICE), 16, 4, 1040)  # once per shape
-    assert len(started) == 1
-    if interpreted:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")  # (this process's kernels are interpreted: it reads it)
-    assert kmeans_triton.works(str(DEVICE), 16, 4, 1040)
-    assert started[0].returncode == 0 and not kmeans_triton._COMPILING
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kmeans_triton.precompile(str(DEVICE), 16, 4, 2000)  # nothing to compile under the interpreter
-    assert len(started) == 1 and not kmeans_triton._COMPILING
-    kmeans_triton.works.cache_clear()
+    assert kmeans_triton.works(str(DEVICE)) and kmeans_triton.works(str(DEVICE), 16, 4, 1040)  # the run's points per problem
 
 
 @needs_kernels
