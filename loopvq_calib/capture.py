@@ -171,7 +171,7 @@ def capture_kv(
         for seq, stored in zip(batch, results):
             if stats is not None:
                 stored.update({f"qstat.{site}": t.clone() for site, t in stats[seq].items()})
-            if isinstance(out, MemoryCapture) and copier is not None and not on_device:
+            if copier is not None and not on_device:
                 copies[seq] = copier.submit(stored)  # to host memory behind the next sequences' capture
             elif isinstance(out, MemoryCapture):
                 out.sequences[seq] = stored
