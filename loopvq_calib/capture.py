@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -23,6 +24,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .capture_store import HostCopier
+from .clock import DeviceClock
 from .config import CaptureConfig
 from .data import CalibrationSet
 from .distributed import SINGLE, DistContext
@@ -32,6 +35,9 @@ from .tasq_stats import (
     QueryStats, key_weights, mean_query_stat, pair_spread, pair_sum, pairs_per_sequence, query_statistics,
 )
 from .objective import shared_initial_state
+
+
+log = logging.getLogger("loopvq_calib")
 
 
 class CaptureError(RuntimeError):
@@ -105,6 +111,7 @@ class MemoryCapture:
     def __init__(self) -> None:
         self.sequences: dict[int, dict[str, torch.Tensor]] = {}
         self.meta: dict[str, Any] = {}
+        self.copier: HostCopier | None = None  # holds the pinned host memory as long as the capture lives
 
 
 def capture_kv(
@@ -141,20 +148,32 @@ def capture_kv(
     for p in model.parameters():
         p.requires_grad_(False)
     device = next(model.parameters()).device
+    clock = DeviceClock(device)
     stats = weights = None
     if tasq_floor is not None:
         stats = query_statistics(model, calib.input_ids, kv, mine, cfg.batch_size, dist)
         weights = key_weights(stats, kv, calib.input_ids.shape[1], tasq_floor, device)
     keep = device_sequences if device_sequences is not None else (len(mine) if cfg.store == "device" else 0)
+    to_host = isinstance(out, MemoryCapture) and device.type == "cuda" and keep < len(todo)
+    copier = HostCopier(device) if to_host else None
+    if copier is not None:
+        out.copier = copier
+    copies = {}
+    seconds = dict.fromkeys(("query_statistics", "forward_backward", "storing"), 0.0)
+    seconds["query_statistics"] = clock.lap()
     for start in range(0, len(todo), cfg.batch_size):
         batch = todo[start : start + cfg.batch_size]
+        on_device = start + len(batch) <= keep
         results = capture_sequence(model, calib.input_ids[batch].to(device), kv, batch, DTYPES[cfg.dtype],
-                                   cfg.channels_per_fisher, on_device=start + len(batch) <= keep, tasq_weights=weights,
-                                   query_stats=query_stats)
+                                   cfg.channels_per_fisher, on_device=on_device or copier is not None,
+                                   tasq_weights=weights, query_stats=query_stats)
+        seconds["forward_backward"] += clock.lap()
         for seq, stored in zip(batch, results):
             if stats is not None:
                 stored.update({f"qstat.{site}": t.clone() for site, t in stats[seq].items()})
-            if isinstance(out, MemoryCapture):
+            if copier is not None and not on_device:
+                copies[seq] = copier.submit(stored)  # to host memory behind the next sequences' capture
+            elif isinstance(out, MemoryCapture):
                 out.sequences[seq] = stored
             else:
                 tmp = out / f".seq{seq:05d}.tmp{os.getpid()}"
@@ -162,6 +181,14 @@ def capture_kv(
                 os.replace(tmp, out / f"seq{seq:05d}.safetensors")
             if progress:
                 progress(1)
+        seconds["storing"] += clock.lap()
+    if copier is not None:
+        out.sequences.update({seq: future.result() for seq, future in copies.items()})
+        copier.finish()
+        seconds["storing"] += clock.lap()
+    log.info("capture: %s", ", ".join(f"{k} {v:.2f} s" for k, v in seconds.items()) +
+             ("; host copies (worker): " + ", ".join(f"{k} {v:.2f} s" for k, v in copier.seconds.items())
+              if copier is not None else ""))
     return mine
 
 

@@ -9,6 +9,10 @@ fragmentation); host memory keeps a tenth of the machine's memory; the disk keep
 from __future__ import annotations
 
 import shutil
+import time
+import weakref
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,3 +110,88 @@ def choose_store(
     note = "" if fits.get(cfg.store, True) else " (the estimate says it does not fit)"
     return StoreChoice(cfg.store, f"capture.store {cfg.store} as configured{note}: {need}; {summary}",
                        mine if cfg.store == "device" else 0)
+
+
+class HostCopier:
+    """Moves captured sequences from the accelerator to host memory while the next sequences are captured:
+    one worker thread copying on its own CUDA stream, at most ``depth`` sequences in flight (each holds its
+    tensors on the accelerator until copied).
+
+    Each sequence's tensors go into one host slab of their exact size. Fresh host memory costs a page fault
+    per 4 KiB page on first touch, which a synchronous copy into it pays one page at a time (Ouro-1.4B on
+    the H200: 41.3 s of capture into host memory against 13.3 s on the device); the slab is instead zeroed
+    by torch's threads, then pinned (``cudaHostRegister``) so the copies, and later stages' reads back to
+    the accelerator, run at DMA speed (there: capture 16.2 s; the worker's 4.3 s of zeroing, 2.9 s of
+    pinning and 0.7 s of copies all behind the capture). Where pinning fails the copies go through pageable
+    memory (same values). The slabs stay pinned until :meth:`release` (or until the copier is collected)."""
+
+    def __init__(self, device: torch.device, depth: int = 2) -> None:
+        self.device, self.depth = device, depth
+        self.stream = torch.cuda.Stream(device)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="loopvq-capture-copy")
+        self.pending: deque[Future] = deque()
+        self.pinned: list[torch.Tensor] = []
+        self.seconds = {"fault_in": 0.0, "pin": 0.0, "copy": 0.0, "waiting": 0.0}
+        self._finalizer = weakref.finalize(self, _unpin, self.pinned)
+
+    def submit(self, stored: dict[str, torch.Tensor]) -> Future:
+        """Copy ``stored`` (tensors on the accelerator, and host ones passed through) once the work queued so far
+        on the current stream is done -> a future of the host dict; waits while ``depth`` are in flight."""
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        start = time.perf_counter()
+        while len(self.pending) >= self.depth:
+            self.pending.popleft().result()
+        self.seconds["waiting"] += time.perf_counter() - start
+        future = self.pool.submit(self._copy, stored, ready)
+        self.pending.append(future)
+        return future
+
+    def _copy(self, stored: dict[str, torch.Tensor], ready: torch.cuda.Event) -> dict[str, torch.Tensor]:
+        moving = {k: v for k, v in stored.items() if v.device.type != "cpu"}
+        sizes = {k: -(-v.numel() * v.element_size() // 64) * 64 for k, v in moving.items()}
+        start = time.perf_counter()
+        slab = torch.empty(sum(sizes.values()), dtype=torch.uint8)
+        slab.zero_()
+        self.seconds["fault_in"] += time.perf_counter() - start
+        start = time.perf_counter()
+        pinned = _pin(slab)
+        if pinned:
+            self.pinned.append(slab)
+        self.seconds["pin"] += time.perf_counter() - start
+        start = time.perf_counter()
+        host, offset = dict(stored), 0
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            for k, v in moving.items():
+                n = v.numel() * v.element_size()
+                host[k] = slab[offset : offset + n].view(v.dtype).view(v.shape)
+                host[k].copy_(v, non_blocking=pinned)
+                offset += sizes[k]
+            self.stream.synchronize()
+        self.seconds["copy"] += time.perf_counter() - start
+        return host
+
+    def finish(self) -> None:
+        """Wait for every copy and stop the worker (the pinned slabs stay)."""
+        self.pool.shutdown(wait=True)
+        self.pending.clear()
+
+    def release(self) -> None:
+        """Unpin the slabs (their memory stays with the tensors that use it)."""
+        self._finalizer()
+
+
+def _pin(slab: torch.Tensor) -> bool:
+    try:
+        return int(torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), 0)) == 0
+    except Exception:  # noqa: BLE001 (pinning only speeds the copies up: any failure means pageable copies)
+        return False
+
+
+def _unpin(slabs: list[torch.Tensor]) -> None:
+    try:
+        for slab in slabs:
+            torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
+    finally:
+        slabs.clear()

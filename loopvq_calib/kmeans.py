@@ -25,10 +25,10 @@ from .kmeans_backends import (
     kmeans_pp_init,
     mix_seed,
     random_init,
-    resolve_backend,
     weighted_kmeans,
 )
-from .layouts import BlockLayout, codebook_shape, layout_owner
+from .kmeans_select import resolve_backend
+from .layouts import BlockLayout, codebook_shape, layout_owner, points_per_codebook
 from .models.sites import KVLayout
 from .quantizer import KVQuantizer
 
@@ -140,7 +140,12 @@ def fit_codebooks(
     the initialisation); plus totals.
     """
     device = torch.device(device)
-    backend = resolve_backend(cfg.backend, device, (quant.codebook_size, quant.group_size))
+    meta = reader.meta
+    tokens = meta["num_sequences"] * (meta["sequence_length"] - meta["sink_tokens"])
+    probing = time.perf_counter()
+    points = points_per_codebook(layouts[0], tokens, quant.codebook_sharing) if layouts else 0
+    backend = resolve_backend(cfg.backend, device, (quant.codebook_size, quant.group_size), points)
+    probing = time.perf_counter() - probing
     init_fn = partial(kmeans_pp_init, fused=backend == "triton") if cfg.init == "kmeans++" else INITS[cfg.init]
     codecs: dict[str, BlockCodec] = {}
     per_layout: dict[str, dict[str, Any]] = {}
@@ -208,7 +213,7 @@ def fit_codebooks(
         codecs=codecs, method=quant.method, codebook_size=quant.codebook_size, group_size=quant.group_size,
         steps_per_block=quant.block_steps, sharing=quant.codebook_sharing, kv=kv,
     )
-    return quantizer, {"layouts": per_layout, "totals": _totals(per_layout, backend, device)}
+    return quantizer, {"layouts": per_layout, "totals": {**_totals(per_layout, backend, device), "seconds_backend": probing}}
 
 
 def _totals(per_layout: dict[str, dict[str, Any]], backend: str, device: torch.device) -> dict[str, Any]:

@@ -37,6 +37,8 @@ LLOYD_TILE = 16384  # distance-tile elements per program in a Lloyd step (K = 25
 POINT_TILE = 8192  # point-tile elements per program (64 points of G <= 128)
 CODEBOOK_TILE = 8192  # K x G entries a program holds (K 256 x G 32: 64 KiB of shared memory, under sm_86/89's 99 KiB)
 DRAW_BLOCK = 1024  # points per block of the k-means++ draw
+DRAW_SUB = 128  # points per step inside a block of the D^2 update (H200: 67 ms per Ouro-1.4B layout; 1024: 85 ms)
+DRAW_WARPS = 4  # warps per program of the D^2 update
 
 
 def available(device: torch.device | str) -> bool:
@@ -52,25 +54,33 @@ def available(device: torch.device | str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def works(device: str, k: int = 16, g: int = 16) -> bool:
+def works(device: str, k: int = 16, g: int = 16, n: int = 0) -> bool:
     """Whether the kernels compile and run on ``device`` (once per process, device and shape): Triton needs
     a C compiler and a matching driver at first use. ``kmeans.backend: auto`` falls back to torch, with a
-    warning, where this fails. Probing with the run's codebook shape (``k`` x ``g``) compiles the kernels
-    the k-means stage then uses (Triton keeps them), so the check costs no extra compilation."""
+    warning, where this fails. Probing with the run's codebook shape (``k`` x ``g``) and points per problem
+    ``n`` (0: a small problem) compiles every kernel variant the k-means stage then uses (Triton keeps
+    them), so the check costs no extra compilation."""
     try:
-        gen = torch.Generator().manual_seed(0)
-        n = 64 * -(-k // 64)  # enough points to seed k centroids, a multiple of 16 like most real problem sizes
-        x = torch.randn(2, n, g, generator=gen).to(device)
-        w = torch.rand(2, n, generator=gen).to(device)
-        c = kmeans_pp(x, w, k, torch.rand(k, 2, generator=gen, dtype=torch.float64).to(device))
-        lloyd_step(x, w, c, torch.arange(2, device=device), accumulate=True)
-        if x.is_cuda:
-            torch.cuda.synchronize(x.device)  # a launch failure surfaces here
-        return True
+        return _probe(device, k, g, n)
     except Exception as err:  # compiler, driver or launch failure: any of them means "use torch"
         log.warning("the fused Triton k-means kernels do not run on %s (%s: %s); using the torch backend",
                     device, type(err).__name__, err)
         return False
+
+
+def _probe(device: str, k: int, g: int, n: int) -> bool:
+    """Run every kernel variant of the k-means stage once on two problems of ``n`` points (0: enough to
+    seed ``k`` centroids, a multiple of 16 like most real problem sizes) -> True, or raise."""
+    k, g, n = int(k), int(g), int(n) or 64 * -(-int(k) // 64)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, n, g, generator=gen).to(device)
+    w = torch.rand(2, n, generator=gen).to(device)
+    c = kmeans_pp(x, w, k, torch.rand(k, 2, generator=gen, dtype=torch.float64).to(device))
+    for accumulate in (True, False):
+        lloyd_step(x, w, c, torch.arange(2, device=device), accumulate=accumulate)
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)  # a launch failure surfaces here
+    return True
 
 
 def supports(k: int, g: int) -> bool:
@@ -121,8 +131,8 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["j", "n_problems", "nb"])
     def _pp_distance_kernel(
-        x_ptr, w_ptr, d2_ptr, chosen_ptr, out_ptr, bsum_ptr, n, j, n_problems, nb,
-        K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr,
+        x_ptr, xb_ptr, w_ptr, d2_ptr, chosen_ptr, out_ptr, bsum_ptr, n, j, n_problems, nb,
+        K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
     ):
         p = (tl.program_id(0) % n_problems).to(tl.int64)  # flat grid, problems fastest (as in the Lloyd kernel)
         b = tl.program_id(0) // n_problems
@@ -132,14 +142,29 @@ if triton is not None:
         c = tl.load(x_ptr + (p * n + ch) * G + gg, mask=gmask, other=0.0)
         if b == 0:
             tl.store(out_ptr + (p * K + j) * G + gg, c, mask=gmask)
-        pts = b * BLOCK + tl.arange(0, BLOCK)
-        valid = pts < n
-        x = tl.load(x_ptr + (p * n + pts[:, None]) * G + gg[None, :], mask=valid[:, None] & gmask[None, :], other=0.0)
-        diff = x - c[None, :]
-        d2 = tl.minimum(tl.load(d2_ptr + p * n + pts, mask=valid, other=0.0), tl.sum(diff * diff, axis=1))
-        tl.store(d2_ptr + p * n + pts, d2, mask=valid)
-        w = tl.load(w_ptr + p * n + pts, mask=valid, other=0.0)
-        tl.store(bsum_ptr + p * nb + b, tl.sum(tl.where(valid, w * d2, 0.0).to(tl.float64), axis=0))
+        total = tl.zeros([SUB], dtype=tl.float64)
+        for s in tl.static_range(0, BLOCK, SUB):  # sub-blocks keep the point tiles in registers
+            pts = b * BLOCK + s + tl.arange(0, SUB)
+            valid = pts < n
+            offs = (p * n + pts[:, None]) * G + gg[None, :]
+            d2 = tl.load(d2_ptr + p * n + pts, mask=valid, other=0.0)
+            # the bfloat16 copy bounds ||x - c|| from below: |x - xb| <= 2^-8 |xb| per coordinate (round to
+            # nearest), taken as e = 2^-7 ||xb||, so ||x - c|| >= a - e with a = ||xb - c||. Since
+            # (s + e)^2 <= (1 + 1/16) s^2 + 17 e^2, a^2 above that with s^2 = D^2 (1 + 1e-4, far above fp32
+            # rounding) means x cannot come closer, and its fp32 row is not read
+            xb = tl.load(xb_ptr + offs, mask=valid[:, None] & gmask[None, :], other=0.0).to(tl.float32)
+            db = xb - c[None, :]
+            far = tl.sum(db * db, axis=1) > 1.0625 * 1.0001 * d2 + 17.0 * 0.00006103515625 * tl.sum(xb * xb, axis=1)
+            near = valid & ~far
+            x = tl.load(x_ptr + offs, mask=near[:, None] & gmask[None, :], other=0.0)
+            diff = x - c[None, :]
+            dn = tl.sum(diff * diff, axis=1)
+            closer = near & (dn < d2)
+            d2 = tl.where(closer, dn, d2)
+            tl.store(d2_ptr + p * n + pts, d2, mask=closer)
+            w = tl.load(w_ptr + p * n + pts, mask=valid, other=0.0)
+            total += tl.where(valid, w * d2, 0.0).to(tl.float64)
+        tl.store(bsum_ptr + p * nb + b, tl.sum(total, axis=0))
 
     @triton.jit(do_not_specialize=["nb"])
     def _pp_draw_kernel(
@@ -188,15 +213,19 @@ def lloyd_step(
 
 def kmeans_pp(x: torch.Tensor, w: torch.Tensor, k: int, uniforms: torch.Tensor) -> torch.Tensor:
     """Weighted k-means++ (the rules of ``kmeans_backends.kmeans_pp_init``) on x [P, N, G], w [P, N] fp32
-    contiguous, with the draws' uniforms [K, P] float64 on x's device -> centroids [P, K, G]."""
+    contiguous, with the draws' uniforms [K, P] float64 on x's device -> centroids [P, K, G]. A bfloat16
+    copy of x lets each D^2 update skip reading the fp32 points the new centroid cannot come closer to
+    (an exact test: the same D^2 as updating every point)."""
     p, n, g = x.shape
     nb = triton.cdiv(n, DRAW_BLOCK)
     out = x.new_empty(p, k, g)
+    xb = x.to(torch.bfloat16)
     d2 = torch.full((p, n), float("inf"), device=x.device, dtype=torch.float32)
     bsum = torch.zeros(p, nb, device=x.device, dtype=torch.float64)  # all zero: the first draw is ~ w
     wsum = torch.nn.functional.pad(w.double(), (0, nb * DRAW_BLOCK - n)).view(p, nb, DRAW_BLOCK).sum(-1)
     chosen = torch.empty(p, device=x.device, dtype=torch.int64)
     for j in range(k):
         _pp_draw_kernel[(p,)](w, d2, bsum, wsum, uniforms[j], chosen, n, nb, BLOCK=DRAW_BLOCK, NBP=_pow2(nb), num_warps=4)
-        _pp_distance_kernel[(p * nb,)](x, w, d2, chosen, out, bsum, n, j, p, nb, K=k, G=g, GP=_pow2(g), BLOCK=DRAW_BLOCK, num_warps=4)
+        _pp_distance_kernel[(p * nb,)](x, xb, w, d2, chosen, out, bsum, n, j, p, nb, K=k, G=g, GP=_pow2(g), BLOCK=DRAW_BLOCK,
+                                       SUB=DRAW_SUB, num_warps=DRAW_WARPS)
     return out

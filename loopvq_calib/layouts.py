@@ -116,3 +116,10 @@ def codebook_shape(layout: BlockLayout, codebook_size: int, sharing: str) -> tup
     heads = 1 if sharing in ("heads", "all") else layout.kv_heads
     groups = 1 if sharing in ("groups", "all") else layout.num_groups
     return heads, groups, codebook_size, layout.group_size
+
+
+def points_per_codebook(layout: BlockLayout, tokens: int, sharing: str) -> int:
+    """Group vectors one codebook of ``layout`` is fitted on, from ``tokens`` calibration tokens (sinks
+    excluded): a shared axis pools its heads or groups."""
+    heads, groups, _, _ = codebook_shape(layout, 1, sharing)
+    return tokens * (layout.kv_heads // heads) * (layout.num_groups // groups)

@@ -29,8 +29,8 @@ from .config import Config, dump_config, resolve_derived, validate, validate_for
 from .data import CalibrationSet, build_calibration_set, source_fingerprint
 from .distributed import DistContext, start_processes
 from .finetune import FinetuneResult, training_steps
-from .kmeans_backends import resolve_backend
-from .layouts import plan_layouts
+from .kmeans_select import resolve_backend
+from .layouts import plan_layouts, points_per_codebook
 from .models.loading import DTYPES, load_model, model_identity, pick_device, read_model_config, resolve_model_dir, set_loop_steps
 from .models.sites import KVLayout
 from .quantizer import KVQuantizer, load_quantizer
@@ -107,9 +107,11 @@ class Pipeline:
             self.identity = model_identity(self.folder, name, cfg.model.revision)
         self.device = pick_device(cfg.model.device) if cfg.model.device != "auto" else self.dist.device
         self.kmeans_device = pick_device(cfg.kmeans.device, "kmeans.device") if cfg.kmeans.device != "auto" else self.device
-        with timed(self.startup, "kmeans_backend_s"):  # an unusable kmeans.backend fails here, before any work
-            if "kmeans" in self.wanted:
-                resolve_backend(cfg.kmeans.backend, self.kmeans_device, (cfg.quant.codebook_size, cfg.quant.group_size))
+        with timed(self.startup, "kmeans_backend_s"):  # an unusable kmeans.backend fails here, before any work;
+            if "kmeans" in self.wanted:  # auto's probe compiles the kernels for the run's problems (kept for the stage)
+                tokens = cfg.data.num_sequences * (cfg.data.sequence_length - cfg.data.sink_tokens)
+                resolve_backend(cfg.kmeans.backend, self.kmeans_device, (cfg.quant.codebook_size, cfg.quant.group_size),
+                                points_per_codebook(plan_layouts(self.kv, cfg.quant)[0], tokens, cfg.quant.codebook_sharing))
         self.run = RunDir(Path(output or cfg.output.dir), self.dist.is_main, self.dist.barrier, stage_names=STAGES)
         self.store = None  # where the capture goes: decided (or refused, ConfigError) before any work
         if "capture" in self.wanted:

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .capture import CaptureData
+from .clock import DeviceClock
 from .codec import TasqTransform, flatten_block, sigma_bits
 from .config import ConfigError, QuantConfig, TasqConfig
 from .distributed import SINGLE, DistContext
@@ -28,7 +29,8 @@ from .models.sites import KVLayout
 from .tasq_stats import channel_weights
 
 CHUNK_TOKENS = 4096  # tokens per covariance chunk (bounds the transformed copy of a block)
-GROUPING_BYTES = 1 << 30  # the first merge round's gathered candidate sets, per batch of heads
+GROUPING_BYTES = 1 << 30  # the first merge round's gathered candidate sets, per batch of heads (CPU)
+GPU_GROUPING_BYTES = 4 << 30  # on an accelerator: fewer, larger batches (the matching's loops are host-bound)
 
 
 @dataclass
@@ -247,13 +249,19 @@ def fit_tasq(
     dev = torch.device(device or "cpu")
     mine = [lay for i, lay in enumerate(layouts) if lay.kind == "key" and layout_owner(i, dist.world) == dist.rank]
     transforms, covs, tokens = {}, {}, {}
+    seconds = dict.fromkeys(("query_stats", "load", "covariance", "grouping", "report"), 0.0)
+    clock = DeviceClock(dev)
     for lay in mine:
         weight = torch.stack([channel_weights(reader.query_stats(s), cfg.weight_floor) for s in lay.sites])
         transforms[lay.key] = TasqTransform(weight, cfg.sigma_min)
+        seconds["query_stats"] += clock.lap()
         x = reader.load("key", lay.sites, device=dev)
+        seconds["load"] += clock.lap()
         covs[lay.key], tokens[lay.key] = block_covariance(x, transforms[lay.key]), int(x.shape[0])
+        seconds["covariance"] += clock.lap()
         del x
     fitted = _fit_all_groups(mine, covs, kv, quant.group_size, cfg.det_eps)
+    seconds["grouping"] += clock.lap()
     new_layouts, blocks = {}, {}
     for lay in mine:
         cov, planned, groups = covs[lay.key], lay.groups.to(dev).expand(kv.kv_heads, -1, -1), fitted[lay.key]
@@ -267,7 +275,9 @@ def fit_tasq(
         }
         new_layouts[lay.key] = dataclasses.replace(lay, groups=groups.cpu())
         new_layouts[lay.key].check()
+    seconds["report"] += clock.lap()
     report = {
+        "seconds": {k: round(v, 3) for k, v in seconds.items()},
         "method": quant.method,
         "group_size": quant.group_size,
         "det_eps": cfg.det_eps,
@@ -287,7 +297,7 @@ def _fit_all_groups(
         same = [lay for lay in layouts if lay.steps == steps]
         units = rope_pair_units(kv.head_dim, steps, kv.rope_style)
         stacked = torch.cat([covs[lay.key] for lay in same])
-        batch = heads_per_batch(units.shape[0])
+        batch = heads_per_batch(units.shape[0], GROUPING_BYTES if stacked.device.type == "cpu" else GPU_GROUPING_BYTES)
         groups = torch.cat([fit_groups(part, units, group_size, eps) for part in stacked.split(batch)])
         out.update(zip((lay.key for lay in same), groups.split(kv.kv_heads)))
     return out

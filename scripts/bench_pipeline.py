@@ -53,7 +53,11 @@ def summarize(run_dir: Path, wall_s: float | None = None, records: list[dict] | 
         totals = json.loads(report.read_text())["totals"]
         totals = totals if isinstance(totals, list) else [totals]
         out.update(kmeans_backend=totals[0]["backend"], kmeans_init_s=round(sum(t["seconds_init"] for t in totals), 2),
-                   kmeans_iterations_max=max(t["iterations_max"] for t in totals))
+                   kmeans_iterations_max=max(t["iterations_max"] for t in totals),
+                   kmeans_probe_s=round(max(t.get("seconds_backend", 0.0) for t in totals), 2))
+    tasq = run_dir / "tasq" / "tasq.json"
+    if tasq.is_file():  # the TaSQ fit's phases (main process)
+        out["tasq_seconds"] = json.loads(tasq.read_text())["report"].get("seconds")
     if (run_dir / "finetune" / "curve.json").is_file():
         from loopvq_calib.stages import load_finetune, selection_metrics
 

@@ -193,6 +193,25 @@ def test_device_store_keeps_the_capture_on_the_gpu(tmp_path):
     assert seq["key.0"].is_cuda and seq["fisher_value.3"].is_cuda and not seq["qstat.0"].is_cuda
 
 
+@pytest.mark.gpu
+def test_memory_store_on_a_gpu_copies_into_pinned_host_memory(tmp_path):
+    """The host copies run on the copier's worker (same values as the disk capture of the same forwards, within
+    GPU float order) into one pinned slab per sequence, unpinned by release()."""
+    from safetensors.torch import load_file
+
+    mem = _store_reads_like_disk(tmp_path, make_tiny_ouro().cuda(), "memory")
+    seq = mem.sequences[1]
+    assert not seq["key.0"].is_cuda and seq["key.0"].is_pinned() and seq["fisher_value.3"].is_pinned()
+    disk = load_file(str(tmp_path / "seq00001.safetensors"))
+    assert seq.keys() == disk.keys()
+    for name, t in disk.items():  # the slab holds what the disk capture of the same forwards stored
+        assert seq[name].dtype == t.dtype and seq[name].shape == t.shape, name
+        torch.testing.assert_close(seq[name], t, atol=1e-5, rtol=1e-4)
+    assert torch.equal(seq["input_ids"], calib_set().input_ids[1]) and len(mem.copier.pinned) == 3
+    mem.copier.release()
+    assert not seq["key.0"].is_pinned() and not mem.copier.pinned and torch.equal(seq["input_ids"], calib_set().input_ids[1])
+
+
 def test_fisher_summed_over_channel_chunks_keeps_group_weights(tmp_path):
     model = make_tiny_ouro()
     calib = calib_set()

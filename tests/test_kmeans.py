@@ -18,7 +18,7 @@ from loopvq_calib.config import CaptureConfig, Config, KMeansConfig, QuantConfig
 from loopvq_calib.data import CalibrationSet
 from loopvq_calib import kmeans_triton
 from loopvq_calib.kmeans import fit_codebooks, layout_problems
-from loopvq_calib.layouts import plan_layouts
+from loopvq_calib.layouts import plan_layouts, points_per_codebook
 from test_kmeans_backends import np_assign
 
 CPU = torch.device("cpu")
@@ -149,6 +149,7 @@ def test_layout_problems_weights_match_numpy(tiny_capture, sharing):
     else:
         problems = [[(hh, g) for g in range(len(groups))] for hh in range(h)]
     assert points.shape == (len(problems), n * len(problems[0]), G)
+    assert points_per_codebook(lay, n, sharing) == points.shape[1]
     for p, members in enumerate(problems):  # the order of points inside a problem is free: match them
         ref_x = np.concatenate([pts[m][0] for m in members])
         ref_w = np.concatenate([pts[m][1] for m in members])

@@ -346,7 +346,7 @@ def test_kernel_probe_failure_is_logged_and_cached(monkeypatch, caplog):
 def test_backend_resolution_and_missing_faiss(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(kmeans_triton, "triton", object())  # installed
-    monkeypatch.setattr(kmeans_triton, "works", lambda device, k=16, g=16: True)  # compiles and runs there
+    monkeypatch.setattr(kmeans_triton, "works", lambda device, k=16, g=16, n=0: True)  # compiles and runs there
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 5))  # T4: no TF32 dot
     assert resolve_backend("auto", torch.device("cuda")) == "torch"
@@ -362,7 +362,7 @@ def test_backend_resolution_and_missing_faiss(monkeypatch):
         resolve_backend("triton", "cuda", (4096, 12))
     with pytest.raises(ValueError, match=r"kmeans.backend: 'triton' needs .* a CUDA device .*, not cpu"):
         resolve_backend("triton", CPU)
-    monkeypatch.setattr(kmeans_triton, "works", lambda device, k=16, g=16: False)  # e.g. no C compiler: auto falls back
+    monkeypatch.setattr(kmeans_triton, "works", lambda device, k=16, g=16, n=0: False)  # e.g. no C compiler: auto falls back
     assert resolve_backend("auto", torch.device("cuda")) == "torch" and resolve_backend("triton", "cuda") == "triton"
     monkeypatch.setattr(kmeans_triton, "triton", None)  # not installed: auto falls back to torch
     assert resolve_backend("auto", torch.device("cuda")) == "torch"
@@ -382,7 +382,7 @@ def test_auto_logs_why_it_does_not_use_triton(monkeypatch, caplog):
     an old GPU, no triton; on the CPU torch is the plain choice and nothing is logged."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(kmeans_triton, "triton", object())
-    monkeypatch.setattr(kmeans_triton, "works", lambda device, k=16, g=16: True)
+    monkeypatch.setattr(kmeans_triton, "works", lambda device, k=16, g=16, n=0: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     kmeans_backends._log_once.cache_clear()

@@ -69,9 +69,44 @@ def test_fused_kmeans_pp_makes_the_torch_draws():
 
 
 @needs_kernels
+@pytest.mark.parametrize("offset", [0.0, 300.0])  # far from the origin, the bfloat16 copy's error dwarfs D^2
+def test_draw_update_skips_only_points_the_new_centroid_cannot_come_closer_to(offset):
+    """One D^2 update against the full fp32 pass: points whose D^2 sits just above or just below their
+    distance to the new centroid, near and far from it, all end with min(D^2, ||x - c||^2)."""
+    g, n = 16, kmeans_triton.DRAW_BLOCK + 300
+    x = torch.randn(1, n, g, generator=gen(6)) + offset
+    w = torch.rand(1, n, generator=gen(7))
+    chosen = torch.tensor([5])
+    exact = ((x[0] - x[0, 5]) ** 2).sum(-1)
+    factor = torch.where(torch.arange(n) % 2 == 0, 1.001, 0.999)  # half just above, half just below
+    d2 = (exact * factor)[None].contiguous()
+    d2[0, :50] = float("inf")
+    nb = -(-n // kmeans_triton.DRAW_BLOCK)
+    out, bsum = torch.zeros(1, 1, g), torch.zeros(1, nb, dtype=torch.float64)
+    dev = [t.to(DEVICE, copy=True) for t in (x, x.to(torch.bfloat16), w, d2, chosen, out, bsum)]
+    kmeans_triton._pp_distance_kernel[(nb,)](*dev, n, 0, 1, nb, K=1, G=g, GP=g, BLOCK=kmeans_triton.DRAW_BLOCK,
+                                             SUB=kmeans_triton.DRAW_SUB)
+    got = dev[3].cpu()[0]
+    torch.testing.assert_close(got, torch.minimum(d2[0], exact), rtol=1e-5, atol=1e-4 * (1 + offset))
+    assert bool((got[0::2] < d2[0, 0::2]).all())  # every point with D^2 above its distance moved closer
+    assert torch.equal(got[51::2], d2[0, 51::2])  # the others kept their D^2
+    sums = (w[0] * got).double().split(kmeans_triton.DRAW_BLOCK)
+    torch.testing.assert_close(dev[6].cpu()[0], torch.stack([s.sum() for s in sums]), rtol=1e-6, atol=0)
+
+
+@needs_kernels
+def test_fused_draws_equal_the_torch_draws_far_from_the_origin():
+    x = torch.randn(2, 700, 16, generator=gen(8)) * 0.5 + 20.0
+    x[1, 100:200] = x[1, :100]  # duplicates: zero distances
+    w = torch.rand(2, 700, generator=gen(9))
+    fused = kmeans_pp_init(x.to(DEVICE), w.to(DEVICE), 64, gen(10), fused=True).cpu()
+    assert torch.equal(fused, kmeans_pp_init(x, w, 64, gen(10)))
+
+
+@needs_kernels
 def test_the_kernels_work_here():
     kmeans_triton.works.cache_clear()
-    assert kmeans_triton.works(str(DEVICE))
+    assert kmeans_triton.works(str(DEVICE)) and kmeans_triton.works(str(DEVICE), 16, 4, 1040)  # the run's points per problem
 
 
 @needs_kernels
@@ -115,12 +150,13 @@ def test_kernels_compile_within_shared_memory_for_every_supported_tile(capabilit
             K=k, G=g, KP=kmeans_triton._pow2(k, 16), GP=kmeans_triton._pow2(g, 16), BLOCK=kmeans_triton._lloyd_block(k, g),
             ACCUMULATE=True, PRECISION="tf32x3"))
         assert out.asm["cubin"] and out.metadata.shared <= SHARED_MEMORY_LIMIT, (k, g, out.metadata.shared)
-    distance = {"x_ptr": "*fp32", "w_ptr": "*fp32", "d2_ptr": "*fp32", "chosen_ptr": "*i64", "out_ptr": "*fp32",
+    distance = {"x_ptr": "*fp32", "xb_ptr": "*bf16", "w_ptr": "*fp32", "d2_ptr": "*fp32", "chosen_ptr": "*i64", "out_ptr": "*fp32",
                 "bsum_ptr": "*fp64", "n": "i32", "j": "i32", "n_problems": "i32", "nb": "i32"}
     draw = {"w_ptr": "*fp32", "d2_ptr": "*fp32", "bsum_ptr": "*fp64", "wsum_ptr": "*fp64", "u_ptr": "*fp64",
             "chosen_ptr": "*i64", "n": "i32", "nb": "i32"}
     for g in (16, 32):
-        out = compile_(kmeans_triton._pp_distance_kernel, distance, dict(K=256, G=g, GP=g, BLOCK=kmeans_triton.DRAW_BLOCK))
+        out = compile_(kmeans_triton._pp_distance_kernel, distance, dict(K=256, G=g, GP=g, BLOCK=kmeans_triton.DRAW_BLOCK,
+                                                                        SUB=kmeans_triton.DRAW_SUB))
         assert out.metadata.shared <= SHARED_MEMORY_LIMIT
     out = compile_(kmeans_triton._pp_draw_kernel, draw, dict(BLOCK=kmeans_triton.DRAW_BLOCK, NBP=256))
     assert out.asm["cubin"] and out.metadata.shared <= SHARED_MEMORY_LIMIT

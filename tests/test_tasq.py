@@ -377,7 +377,11 @@ def test_sharded_fit_merges_into_the_single_fit(captures, fits):
             if lay.key not in mine:
                 assert torch.equal(lay.groups, layouts[i].groups)
     merged = merge_tasq(parts)
-    assert merged.report == whole.report and merged.transforms.keys() == whole.transforms.keys()
+    untimed = [{k: v for k, v in r.report.items() if k != "seconds"} for r in (merged, whole)]
+    assert untimed[0] == untimed[1] and merged.transforms.keys() == whole.transforms.keys()
+    assert merged.report["seconds"] == parts[0].report["seconds"]  # the main process's phases
+    assert set(whole.report["seconds"]) == {"query_stats", "load", "covariance", "grouping", "report"}
+    assert all(v >= 0 for v in whole.report["seconds"].values())
     for a, b in zip(merged.layouts, whole.layouts):
         assert a.key == b.key and torch.equal(a.groups, b.groups)
     for k, t in whole.transforms.items():
@@ -392,7 +396,7 @@ def test_layouts_fitted_together_equal_one_head_at_a_time(captures, fits, monkey
 
     _, kv, _, reader = captures["huginn"]
     layouts, _ = fits["huginn", "tasq+loopvq"]
-    monkeypatch.setattr(tasq.heads_per_batch, "__defaults__", (budget,))
+    monkeypatch.setattr(tasq, "GROUPING_BYTES", budget)
     res = fit_tasq(reader, layouts, kv, quant("tasq+loopvq"), TasqConfig())
     for lay in (l for l in res.layouts if l.kind == "key"):
         cov = block_covariance(reader.load("key", lay.sites), res.transforms[lay.key])

@@ -1,0 +1,71 @@
+"""k-means++ seeding with the fused kernels at Ouro-1.4B's k-means shape (512 problems of 32,640 points x 16
+dims, K = 256, one layout), against another version of ``kmeans_triton.py`` (e.g. ``git show
+296ed1a:loopvq_calib/kmeans_triton.py > /tmp/old.py``): seconds per layout (best of 3, after a warm-up that
+compiles) and whether both draw the same centroids. One JSON line per version.
+
+    python scripts/bench_kmeans_seeding.py --reference /tmp/old.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import time
+
+import torch
+
+from loopvq_calib import kmeans_triton
+
+
+def load(path: str):
+    spec = importlib.util.spec_from_file_location("reference_kmeans_triton", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--problems", type=int, default=512)
+    ap.add_argument("--points", type=int, default=32640)
+    ap.add_argument("--dims", type=int, default=16)
+    ap.add_argument("--k", type=int, default=256)
+    ap.add_argument("--offset", type=float, default=0.0, help="added to every coordinate (keys far from the origin)")
+    ap.add_argument("--reference", default=None, help="another kmeans_triton.py to compare with")
+    ap.add_argument("--subs", type=int, nargs="+", default=[kmeans_triton.DRAW_SUB],
+                    help="points per step of the current D^2 update (DRAW_SUB) to try")
+    ap.add_argument("--warps", type=int, nargs="+", default=[kmeans_triton.DRAW_WARPS],
+                    help="warps per program of the current D^2 update (DRAW_WARPS) to try")
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    centres = torch.randn(args.problems, args.k, args.dims, device="cuda", generator=gen) * 2
+    pick = torch.randint(0, args.k, (args.problems, args.points), device="cuda", generator=gen)
+    x = centres.gather(1, pick[..., None].expand(-1, -1, args.dims)) + torch.randn(
+        args.problems, args.points, args.dims, device="cuda", generator=gen) + args.offset
+    w = torch.exp(torch.randn(args.problems, args.points, device="cuda", generator=gen) * 1.5)
+    w = (w / w.amax(-1, keepdim=True)).contiguous()
+    uniforms = torch.rand(args.k, args.problems, dtype=torch.float64, device="cuda", generator=gen)
+    versions = [(f"current, DRAW_SUB {sub}, DRAW_WARPS {warps}", kmeans_triton, (sub, warps))
+                for sub in args.subs for warps in args.warps]
+    if args.reference:
+        versions.append(("reference", load(args.reference), None))
+    out = {}
+    for name, module, tile in versions:
+        if tile is not None:
+            module.DRAW_SUB, module.DRAW_WARPS = tile
+        module.kmeans_pp(x[:2].contiguous(), w[:2].contiguous(), args.k, uniforms[:, :2].contiguous())  # compiles
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out[name] = module.kmeans_pp(x, w, args.k, uniforms)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        print(json.dumps({"version": name, "problems": args.problems, "points": args.points, "k": args.k,
+                          "offset": args.offset, "seconds": [round(t, 4) for t in times],
+                          "same_centroids_as_first": bool(torch.equal(out[name], out[versions[0][0]]))}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
