@@ -111,15 +111,21 @@ def _flat_codebook_index(indices: torch.Tensor, codebook: torch.Tensor) -> torch
 def nearest(z: torch.Tensor, codebook: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     """Index of the nearest codeword for each group vector: z [N, H, n, G], codebook [Hc, nc, K, G] -> [N, H, n].
 
-    Distance ||c||^2 - 2 z.c in fp32 (||z||^2 is common to all codewords); ties go to the lowest index.
-    On CUDA one fused kernel (``nearest_triton``) where it works: the same distances up to the order of
-    the fp32 sums, without the [H*n, N, K] distance block.
+    Distance ||c||^2 - 2 z.c in fp32 (||z||^2 is common to all codewords; fp32 under autocast too, which
+    would otherwise run the product in bf16); ties go to the lowest index. On CUDA one fused kernel
+    (``nearest_triton``) where it works: the same distances up to the order of the fp32 sums, without the
+    [H*n, N, K] distance block.
     """
     if z.is_cuda:
         from . import nearest_triton
 
         if nearest_triton.usable(z, codebook):
             return nearest_triton.nearest(z, codebook)
+    with torch.autocast(z.device.type, enabled=False):
+        return _nearest_torch(z, codebook, chunk)
+
+
+def _nearest_torch(z: torch.Tensor, codebook: torch.Tensor, chunk: int) -> torch.Tensor:
     n_tok, h, n = z.shape[:3]
     cb = codebook.detach().float().expand(h, n, -1, -1).reshape(h * n, *codebook.shape[2:])  # [HN, K, G]
     cb_sq = cb.pow(2).sum(-1)[:, None, :]  # [HN, 1, K]
