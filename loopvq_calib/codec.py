@@ -177,11 +177,17 @@ class BlockCodec:
 
     def decode(self, codes: Codes, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Codes -> [N, T, H, D] (gradients flow to the codebook)."""
-        z = lookup(codes.indices, self.codebook.to(dtype))
-        n, h, steps = z.shape[0], z.shape[1], self.layout.steps
-        d = z.shape[2] * z.shape[3] // steps
-        _, to_block = self.permutation(h, d, z.device)
-        y = z.reshape(n, -1).gather(-1, to_block.expand(n, -1)).view(n, steps, h, d)
+        codebook, steps = self.codebook.to(dtype), self.layout.steps
+        n, h, n_groups = codes.indices.shape
+        d = n_groups * codebook.shape[-1] // steps
+        to_groups, to_block = self.permutation(h, d, codebook.device)
+        from . import lookup_triton
+
+        if lookup_triton.usable(codebook):  # CUDA: one fused kernel, the same values
+            y = lookup_triton.decode_block(codes.indices.to(codebook.device), codebook, to_block, to_groups, steps, d)
+        else:
+            z = lookup(codes.indices, codebook)
+            y = z.reshape(n, -1).gather(-1, to_block.expand(n, -1)).view(n, steps, h, d)
         if self.transform is not None:
             y = self.transform.inverse(y, codes.sigma)
         return y
