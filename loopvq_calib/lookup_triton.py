@@ -41,20 +41,20 @@ def available(device: torch.device) -> bool:
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["n_tok"])
-    def _lookup_kernel(idx_ptr, cb_ptr, src_ptr, out_ptr, n_tok, n_groups, head_stride, group_stride,
-                       HN: tl.constexpr, F: tl.constexpr, K: tl.constexpr, G: tl.constexpr,
+    # no integer argument is specialised on: the probe in works() compiles the kernel every later call runs
+    @triton.jit(do_not_specialize=["n_tok", "n_groups", "head_stride", "group_stride", "hn", "coords", "k", "g"])
+    def _lookup_kernel(idx_ptr, cb_ptr, src_ptr, out_ptr, n_tok, n_groups, head_stride, group_stride, hn, coords, k, g,
                        TOKENS: tl.constexpr, COORDS: tl.constexpr):
         f = tl.program_id(1) * COORDS + tl.arange(0, COORDS)
-        f_in = f < F
+        f_in = f < coords
         e = tl.load(src_ptr + f, mask=f_in, other=0)  # group element (problem * G + j) of block coordinate f
-        p = e // G
+        p = e // g
         book = (p // n_groups) * head_stride + (p % n_groups) * group_stride
         t = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)
         inside = (t < n_tok)[:, None] & f_in[None, :]
-        code = tl.load(idx_ptr + t[:, None] * HN + p[None, :], mask=inside, other=0).to(tl.int64)
-        value = tl.load(cb_ptr + (book[None, :].to(tl.int64) * K + code) * G + (e % G)[None, :], mask=inside, other=0.0)
-        tl.store(out_ptr + t[:, None] * F + f[None, :], value, mask=inside)
+        code = tl.load(idx_ptr + t[:, None] * hn + p[None, :], mask=inside, other=0).to(tl.int64)
+        value = tl.load(cb_ptr + (book[None, :].to(tl.int64) * k + code) * g + (e % g)[None, :], mask=inside, other=0.0)
+        tl.store(out_ptr + t[:, None] * coords + f[None, :], value, mask=inside)
 
 
 def _lookup_block(indices: torch.Tensor, codebook: torch.Tensor, to_block: torch.Tensor, steps: int, head_dim: int) -> torch.Tensor:
@@ -65,8 +65,8 @@ def _lookup_block(indices: torch.Tensor, codebook: torch.Tensor, to_block: torch
     if n_tok:
         grid = (triton.cdiv(n_tok, TOKENS), triton.cdiv(f, COORDS))
         _lookup_kernel[grid](indices.contiguous(), codebook.detach().contiguous(), to_block, out, n_tok, n,
-                             0 if hc == 1 else nc, 0 if nc == 1 else 1, HN=h * n, F=f, K=k, G=g, TOKENS=TOKENS,
-                             COORDS=COORDS, num_warps=4)
+                             0 if hc == 1 else nc, 0 if nc == 1 else 1, h * n, f, k, g, TOKENS=TOKENS, COORDS=COORDS,
+                             num_warps=4)
     return out
 
 

@@ -48,8 +48,9 @@ def supports(k: int, g: int) -> bool:
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["n_tok"])
-    def _nearest_kernel(z_ptr, cb_ptr, out_ptr, n_tok, n_groups, head_stride, group_stride, HN: tl.constexpr,
+    # no integer argument is specialised on: the probe in works() compiles the kernel every later call runs
+    @triton.jit(do_not_specialize=["n_tok", "n_groups", "head_stride", "group_stride", "hn"])
+    def _nearest_kernel(z_ptr, cb_ptr, out_ptr, n_tok, n_groups, head_stride, group_stride, hn,
                         K: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
         blk = tl.program_id(0)
         p = tl.program_id(1)  # problem: head * n_groups + group; its codebook: head * head_stride + group * group_stride
@@ -57,13 +58,13 @@ if triton is not None:
         rows = blk * BLOCK + tl.arange(0, BLOCK)
         g = tl.arange(0, G)
         k = tl.arange(0, K)
-        z = tl.load(z_ptr + rows.to(tl.int64)[:, None] * (HN * G) + p * G + g[None, :],
+        z = tl.load(z_ptr + rows.to(tl.int64)[:, None] * (hn * G) + p * G + g[None, :],
                     mask=rows[:, None] < n_tok, other=0.0)
         cb = tl.load(cb_ptr + book.to(tl.int64) * (K * G) + k[:, None] * G + g[None, :])
         sq = tl.sum(cb * cb, axis=1)
         dist = sq[None, :] - 2.0 * tl.dot(z, tl.trans(cb), input_precision="ieee")
         best = tl.argmin(dist, axis=1, tie_break_left=True)
-        tl.store(out_ptr + rows.to(tl.int64) * HN + p, best.to(tl.int64), mask=rows < n_tok)
+        tl.store(out_ptr + rows.to(tl.int64) * hn + p, best.to(tl.int64), mask=rows < n_tok)
 
 
 def nearest(z: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
@@ -74,7 +75,7 @@ def nearest(z: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     if n_tok:
         grid = (triton.cdiv(n_tok, BLOCK), h * n)
         _nearest_kernel[grid](z.detach().float().contiguous(), codebook.detach().float().contiguous(), out, n_tok, n,
-                              0 if hc == 1 else nc, 0 if nc == 1 else 1, HN=h * n, K=k, G=g, BLOCK=BLOCK, num_warps=4)
+                              0 if hc == 1 else nc, 0 if nc == 1 else 1, h * n, K=k, G=g, BLOCK=BLOCK, num_warps=4)
     return out
 
 
