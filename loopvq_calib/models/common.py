@@ -60,14 +60,14 @@ def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[t
 
 
 def rope_factors(cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """What :func:`rotate` multiplies by, from ``cos``/``sin`` [B, S, D/2]: [B, S, 1, D] in ``dtype``
-    (``half``: cos twice, and -sin then sin, the sign of rotate_half folded in) or [B, S, 1, D/2] fp32
-    (``interleaved``)."""
+    """What :func:`rotate` multiplies by, from ``cos``/``sin`` [B, S, D/2]: [B, S, 1, D], in ``dtype`` for
+    ``half`` (cos twice, and -sin then sin: the sign of rotate_half folded in), fp32 for ``interleaved``
+    (each cos twice, and -sin, sin per pair)."""
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     if style == "half":
         return torch.cat([cos, cos], -1).to(dtype), torch.cat([-sin, sin], -1).to(dtype)
     if style == "interleaved":
-        return cos, sin
+        return torch.stack([cos, cos], -1).flatten(-2), torch.stack([-sin, sin], -1).flatten(-2)
     raise ValueError(f"unknown RoPE style {style!r}; expected 'half' or 'interleaved'")
 
 
@@ -76,9 +76,9 @@ def rotate(x: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor], style: R
     c, s = factors
     if style == "half":  # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) = roll(x) * (-1, 1), exactly
         return x * c + x.roll(x.shape[-1] // 2, -1) * s
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    return torch.stack([x0 * c - x1 * s, x1 * c + x0 * s], -1).flatten(-2).to(x.dtype)
+    # pair (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin) in fp32: x * (cos, cos) + (x1, x0) * (-sin, sin), exactly
+    xf = x.float()
+    return (xf * c + xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * s).to(x.dtype)
 
 
 def pair_channels(head_dim: int, style: str) -> tuple[torch.Tensor, torch.Tensor]:
