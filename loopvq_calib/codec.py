@@ -90,12 +90,12 @@ def block_permutation(groups: torch.Tensor, steps: int, heads: int, head_dim: in
     :func:`scatter_groups`. One gather with either replaces the head-major copy and the gather of those
     functions (the same values, moved once)."""
     g = groups.to(device).expand(heads, -1, -1).reshape(heads, -1)  # flat m * D + channel per head
+    if g.shape[1] != steps * head_dim:
+        raise ValueError(f"groups cover {g.shape[1]} of the {steps * head_dim} coordinates of a head")
     head = torch.arange(heads, device=device)[:, None]
     to_groups = ((g // head_dim) * heads * head_dim + head * head_dim + g % head_dim).reshape(-1)
     to_block = torch.empty_like(to_groups)
     to_block[to_groups] = torch.arange(to_groups.numel(), device=device)
-    if to_groups.numel() != steps * heads * head_dim:
-        raise ValueError(f"groups cover {to_groups.numel() // heads} of the {steps * head_dim} coordinates of a head")
     return to_groups, to_block
 
 

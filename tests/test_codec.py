@@ -87,6 +87,9 @@ def test_codec_moves_coordinates_as_gather_and_scatter_groups_with_per_head_grou
     assert torch.equal(codec.decode(codes), scatter_groups(z, groups, 3))
     layout.groups = groups.flip(-1)  # a new groups tensor: the kept permutation is recomputed
     assert torch.equal(codec.encode(x).indices.long(), nearest(gather_groups(x, layout.groups), codec.codebook))
+    layout.groups = groups[:, :5]  # 20 of a head's 24 coordinates
+    with pytest.raises(ValueError, match="groups cover 20 of the 24 coordinates"):
+        codec.encode(x)
 
 
 def test_nearest_distances_stay_fp32_under_autocast():
