@@ -1,7 +1,5 @@
 """``python -m loopvq_calib`` = ``loopvq-calibrate`` (for ``accelerate launch -m loopvq_calib ...``)."""
 
-import sys
+from .cli import calibrate_command
 
-from .cli import calibrate_main
-
-sys.exit(calibrate_main())
+calibrate_command()

@@ -77,6 +77,24 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def calibrate_command() -> None:
+    """The ``loopvq-calibrate`` process: :func:`calibrate_main` on ``sys.argv``, then :func:`exit_now`."""
+    exit_now(calibrate_main())
+
+
+def exit_now(status: int) -> None:
+    """End the process with ``status`` once the logs and standard streams are flushed, skipping the
+    interpreter's teardown: nothing is left to run once a command has returned (the run directory is
+    closed, background writers joined), and tearing down torch, transformers and a CUDA context that holds
+    tens of GB takes about a second (scripts/probe_exit.py)."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(status)
+
+
 def _run_failure(pipeline, err: Exception) -> str:
     """One line for a failed run; the traceback goes to run.log (the stage's temporary output is gone)."""
     import traceback

@@ -10,7 +10,7 @@ scatters them back and undoes the transform.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -82,6 +82,23 @@ def scatter_groups(z: torch.Tensor, groups: torch.Tensor, steps: int) -> torch.T
     return unflatten_block(zf, steps)
 
 
+def block_permutation(groups: torch.Tensor, steps: int, heads: int, head_dim: int,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group coordinates of a block as flat positions in one token's contiguous [T, H, D] slice:
+    ``to_groups`` [H * n * G], position of each group element in :func:`gather_groups` order, and its
+    inverse ``to_block`` [T * H * D], the group element each position is read from in
+    :func:`scatter_groups`. One gather with either replaces the head-major copy and the gather of those
+    functions (the same values, moved once)."""
+    g = groups.to(device).expand(heads, -1, -1).reshape(heads, -1)  # flat m * D + channel per head
+    if g.shape[1] != steps * head_dim:
+        raise ValueError(f"groups cover {g.shape[1]} of the {steps * head_dim} coordinates of a head")
+    head = torch.arange(heads, device=device)[:, None]
+    to_groups = ((g // head_dim) * heads * head_dim + head * head_dim + g % head_dim).reshape(-1)
+    to_block = torch.empty_like(to_groups)
+    to_block[to_groups] = torch.arange(to_groups.numel(), device=device)
+    return to_groups, to_block
+
+
 def _flat_codebook_index(indices: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """Row of each code in ``codebook.view(-1, G)``; shared heads/groups broadcast."""
     hc, gc, k, _ = codebook.shape
@@ -94,8 +111,21 @@ def _flat_codebook_index(indices: torch.Tensor, codebook: torch.Tensor) -> torch
 def nearest(z: torch.Tensor, codebook: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     """Index of the nearest codeword for each group vector: z [N, H, n, G], codebook [Hc, nc, K, G] -> [N, H, n].
 
-    Distance ||c||^2 - 2 z.c in fp32 (||z||^2 is common to all codewords); ties go to the lowest index.
+    Distance ||c||^2 - 2 z.c in fp32 (||z||^2 is common to all codewords; fp32 under autocast too, which
+    would otherwise run the product in bf16); ties go to the lowest index. On CUDA one fused kernel
+    (``nearest_triton``) where it works: the same distances up to the order of the fp32 sums, without the
+    [H*n, N, K] distance block.
     """
+    if z.is_cuda:
+        from . import nearest_triton
+
+        if nearest_triton.usable(z, codebook):
+            return nearest_triton.nearest(z, codebook)
+    with torch.autocast(z.device.type, enabled=False):
+        return _nearest_torch(z, codebook, chunk)
+
+
+def _nearest_torch(z: torch.Tensor, codebook: torch.Tensor, chunk: int) -> torch.Tensor:
     n_tok, h, n = z.shape[:3]
     cb = codebook.detach().float().expand(h, n, -1, -1).reshape(h * n, *codebook.shape[2:])  # [HN, K, G]
     cb_sq = cb.pow(2).sum(-1)[:, None, :]  # [HN, 1, K]
@@ -120,21 +150,44 @@ class BlockCodec:
     layout: BlockLayout
     codebook: torch.Tensor
     transform: TasqTransform | None = None
+    _permutation: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def permutation(self, heads: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`block_permutation` of this layout for blocks [T, heads, head_dim] on ``device``, computed
+        once per groups tensor."""
+        groups, key = self.layout.groups, (heads, head_dim, device)
+        kept = self._permutation.get(key)
+        if kept is None or kept[0] is not groups:
+            kept = (groups, *block_permutation(groups, self.layout.steps, heads, head_dim, device))
+            self._permutation[key] = kept
+        return kept[1], kept[2]
 
     def encode(self, x: torch.Tensor) -> Codes:
         """x [N, T, H, D] -> indices of the nearest codewords (in the transformed space for TaSQ)."""
         sigma = None
+        x = x.float()
         if self.transform is not None:
             sigma = self.transform.sigma(x)
-            x = self.transform.forward(x.float(), sigma)
-        z = gather_groups(x.float(), self.layout.groups)
+            x = self.transform.forward(x, sigma)
+        n, _, h, d = x.shape
+        to_groups, _ = self.permutation(h, d, x.device)
+        z = x.reshape(n, -1).gather(-1, to_groups.expand(n, -1)).view(n, h, *self.layout.groups.shape[1:])
         idx = nearest(z, self.codebook.float())
         return Codes(idx.to(index_dtype(self.codebook.shape[2])), sigma)
 
     def decode(self, codes: Codes, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Codes -> [N, T, H, D] (gradients flow to the codebook)."""
-        z = lookup(codes.indices, self.codebook.to(dtype))
-        y = scatter_groups(z, self.layout.groups, self.layout.steps)
+        codebook, steps = self.codebook.to(dtype), self.layout.steps
+        n, h, n_groups = codes.indices.shape
+        d = n_groups * codebook.shape[-1] // steps
+        to_groups, to_block = self.permutation(h, d, codebook.device)
+        from . import lookup_triton
+
+        if lookup_triton.usable(codebook):  # CUDA: one fused kernel, the same values
+            y = lookup_triton.decode_block(codes.indices.to(codebook.device), codebook, to_block, to_groups, steps, d)
+        else:
+            z = lookup(codes.indices, codebook)
+            y = z.reshape(n, -1).gather(-1, to_block.expand(n, -1)).view(n, steps, h, d)
         if self.transform is not None:
             y = self.transform.inverse(y, codes.sigma)
         return y

@@ -64,7 +64,9 @@ def quantized_logits(
     Gradients flow to the codebooks through the lookup; assignments are recomputed, without gradient,
     from the current codebooks. ``quantized`` passes an already computed ``quantize_sites`` result.
     """
-    qk, qv = quantized if quantized is not None else quantizer.quantize_sites(fp.keys, fp.values)
+    if quantized is None:  # cast once per block to the forward's dtype (the teacher's, under the same autocast)
+        quantized = quantizer.quantize_sites(fp.keys, fp.values, dtype=next(iter(fp.keys.values())).dtype)
+    qk, qv = quantized
     if only_steps is not None:
         keep = {s.site for s in quantizer.kv.sites if s.looped and s.step in only_steps}
         qk = {s: t for s, t in qk.items() if s in keep}

@@ -30,9 +30,11 @@ class KVQuantizer:
     kv: KVLayout
 
     def quantize_sites(
-        self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor]
+        self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], dtype: torch.dtype | None = None
     ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-        """decode(encode(.)) of every site's keys/values [B, S, H, D]; differentiable w.r.t. codebooks."""
+        """decode(encode(.)) of every site's keys/values [B, S, H, D]; differentiable w.r.t. codebooks.
+        ``dtype``: cast each block's result to it once (the dtype the forward's keys and values have), not
+        per site where they are used; the same values."""
         out = {"key": {}, "value": {}}
         src = {"key": keys, "value": values}
         for codec in self.codecs.values():
@@ -41,8 +43,10 @@ class KVQuantizer:
             b, s = first.shape[:2]
             x = torch.stack([src[lay.kind][site].reshape(b * s, *first.shape[2:]) for site in lay.sites], dim=1)
             y = codec.quantize(x)
-            for m, site in enumerate(lay.sites):
-                out[lay.kind][site] = y[:, m].reshape(first.shape)
+            if dtype is not None:
+                y = y.to(dtype)
+            for site, part in zip(lay.sites, y.unbind(1)):  # one backward copy per block, not one per site
+                out[lay.kind][site] = part.reshape(first.shape)
         return out["key"], out["value"]
 
     def parameters(self) -> list[torch.Tensor]:

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_random_checkpoint import MODELS, random_model  # noqa: E402
 
-from loopvq_calib.codec import BlockCodec  # noqa: E402
+from loopvq_calib.codec import BlockCodec, TasqTransform  # noqa: E402
 from loopvq_calib.config import load_config  # noqa: E402
 from loopvq_calib.layouts import codebook_shape, plan_layouts  # noqa: E402
 from loopvq_calib.models.sites import loop_checkpointing  # noqa: E402
@@ -29,12 +29,20 @@ from loopvq_calib.quantizer import KVQuantizer  # noqa: E402
 
 
 def random_quantizer(model: torch.nn.Module, quant, device: torch.device) -> KVQuantizer:
-    """Codebooks of the method's layouts with random values (timing does not depend on them)."""
+    """Codebooks of the method's layouts with random values (timing does not depend on them); TaSQ methods
+    get random channel weights and a random permutation of each head's key coordinates into groups."""
     kv = model.kv_layout()
     gen = torch.Generator().manual_seed(0)
-    codecs = {lay.key: BlockCodec(lay, torch.randn(codebook_shape(lay, quant.codebook_size, quant.codebook_sharing),
-                                                   generator=gen).to(device))
-              for lay in plan_layouts(kv, quant)}
+    codecs = {}
+    for lay in plan_layouts(kv, quant):
+        transform = None
+        if quant.uses_tasq and lay.kind == "key":
+            coords = lay.steps * lay.head_dim
+            lay.groups = torch.stack([torch.randperm(coords, generator=gen) for _ in range(lay.kv_heads)]).view(
+                lay.kv_heads, -1, quant.group_size)
+            transform = TasqTransform((torch.rand(lay.steps, lay.kv_heads, lay.head_dim, generator=gen) + 0.5).to(device))
+        codebook = torch.randn(codebook_shape(lay, quant.codebook_size, quant.codebook_sharing), generator=gen)
+        codecs[lay.key] = BlockCodec(lay, codebook.to(device), transform)
     return KVQuantizer(codecs=codecs, method=quant.method, codebook_size=quant.codebook_size, group_size=quant.group_size,
                        steps_per_block=quant.block_steps, sharing=quant.codebook_sharing, kv=kv)
 
@@ -53,7 +61,8 @@ def one_step(model, ids, quantizer, params, sinks: int) -> dict[str, float]:
     times = {}
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.is_cuda):
         fp, times["teacher_s"] = timed(lambda: teacher(model, ids), sync)
-        q, times["encode_decode_s"] = timed(lambda: quantizer.quantize_sites(fp.keys, fp.values), sync)
+        dtype = next(iter(fp.keys.values())).dtype  # as quantized_logits: each block cast once to the forward's dtype
+        q, times["encode_decode_s"] = timed(lambda: quantizer.quantize_sites(fp.keys, fp.values, dtype), sync)
         logits, times["quantized_forward_s"] = timed(lambda: quantized_logits(model, ids, quantizer, fp, sinks, quantized=q), sync)
     kl, times["kl_s"] = timed(lambda: mean_kl(fp.logits, logits, sinks), sync)
     _, times["backward_s"] = timed(kl.backward, sync)
@@ -66,16 +75,17 @@ def one_step(model, ids, quantizer, params, sinks: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS), default="ouro-1.4b")
-    ap.add_argument("--method", default="loopvq", choices=["cq", "loopvq"])
+    ap.add_argument("--method", default="loopvq", choices=["cq", "loopvq", "tasq+loopvq"])
     ap.add_argument("--bits", type=float, default=0.5, choices=[0.5, 0.25])
     ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--scale-down", type=int, default=1, help="divide widths and layers by this (CPU dry runs)")
     ap.add_argument("--steps", type=int, default=3,
                     help="steps per configuration; each part's minimum over them is reported, and the fastest whole step")
     ap.add_argument("--loop-checkpointing", choices=["off", "on", "both"], default="off")
     ap.add_argument("--profile", default=None, help="write the profiler table of the last step here")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = random_model(args.model, device)
+    model = random_model(args.model, device, scale_down=args.scale_down)
     for p in model.parameters():
         p.requires_grad_(False)
     quant = load_config({"quant": {"method": args.method, "bits": args.bits, "group_size": 16 if args.bits == 0.5 else 32}}).quant

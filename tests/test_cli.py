@@ -81,6 +81,24 @@ def test_help_imports_nothing_heavy(main):
     assert lines[-1] == "heavy:"
 
 
+def test_python_m_exits_with_the_status_after_flushing_output_and_log(tiny_ouro_dir, calib_corpus, tmp_path):
+    """``python -m loopvq_calib`` ends through cli.exit_now (no interpreter teardown): the exit status, the
+    printed error and the run log written before it still arrive."""
+    root = Path(__file__).resolve().parents[1]
+    env = {"PYTHONPATH": str(root), "PATH": "", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("quant:\n  bits: [1\n")
+    done = subprocess.run([sys.executable, "-m", "loopvq_calib", "--config", str(bad)], capture_output=True, text=True,
+                          cwd=root, env=env)
+    assert done.returncode == 2 and "config error" in done.stderr
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")))
+    done = subprocess.run([sys.executable, "-m", "loopvq_calib", "--config", str(cfg), "--stages", "data"],
+                          capture_output=True, text=True, cwd=root, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "stage data: done" in (tmp_path / "run" / "run.log").read_text()
+
+
 @pytest.mark.slow
 def test_identical_runs_write_byte_identical_bundles(tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch):
     """Without SOURCE_DATE_EPOCH ``created`` is the Unix epoch, so two runs of one config give the same bytes;

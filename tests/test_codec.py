@@ -72,6 +72,35 @@ def test_nearest_matches_brute_force_and_shared_codebooks_broadcast():
         assert torch.equal(nearest(z, cb, chunk=7), brute)
 
 
+def test_codec_moves_coordinates_as_gather_and_scatter_groups_with_per_head_groups():
+    """BlockCodec gathers group vectors straight from [N, T, H, D] with a permutation kept per groups tensor;
+    it must give exactly gather_groups / nearest / scatter_groups, also for per-head groups (TaSQ)."""
+    gen = torch.Generator().manual_seed(0)
+    groups = torch.stack([torch.randperm(3 * 8, generator=gen) for _ in range(2)]).view(2, 6, 4)
+    layout = BlockLayout("b0.l0", "key", (0, 1, 2), head_dim=8, kv_heads=2, groups=groups)
+    codec = BlockCodec(layout, torch.randn(2, 6, 16, 4, generator=gen))
+    x = torch.randn(9, 3, 2, 8, generator=gen)
+    want = nearest(gather_groups(x, groups), codec.codebook)
+    codes = codec.encode(x)
+    assert torch.equal(codes.indices.long(), want)
+    z = codec.codebook.reshape(-1, 4)[(torch.arange(2)[:, None] * 6 + torch.arange(6)) * 16 + want]  # [N, H, n, G]
+    assert torch.equal(codec.decode(codes), scatter_groups(z, groups, 3))
+    layout.groups = groups.flip(-1)  # a new groups tensor: the kept permutation is recomputed
+    assert torch.equal(codec.encode(x).indices.long(), nearest(gather_groups(x, layout.groups), codec.codebook))
+    layout.groups = groups[:, :5]  # 20 of a head's 24 coordinates
+    with pytest.raises(ValueError, match="groups cover 20 of the 24 coordinates"):
+        codec.encode(x)
+
+
+def test_nearest_distances_stay_fp32_under_autocast():
+    """Autocast would run the distance product in bf16; the assignment must be the fp32 one."""
+    gen = torch.Generator().manual_seed(0)
+    z, cb = torch.randn(400, 2, 3, 16, generator=gen), torch.randn(2, 3, 64, 16, generator=gen)
+    want = nearest(z, cb)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(nearest(z, cb), want)
+
+
 def test_lookup_gradient_reaches_only_used_codewords():
     layout = BlockLayout("b0.l0", "key", (0, 1), head_dim=4, kv_heads=1, groups=loop_axis_groups(4, 2, 4)[None])
     cb = torch.randn(1, 2, 8, 4, requires_grad=True)

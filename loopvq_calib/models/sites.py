@@ -187,6 +187,7 @@ class KVSubstituter:
     ) -> None:
         self.provide = provide
         self.positions_mask = positions_mask
+        self._mask: torch.Tensor | None = None  # positions_mask as [B, S, 1, 1] on the forward's device
 
     @classmethod
     def from_tensors(
@@ -200,7 +201,7 @@ class KVSubstituter:
         new = self.provide(site)
         if new is None:
             return key, value
-        nk, nv = (t.to(key.dtype) for t in new)
+        nk, nv = (t if t.dtype == key.dtype else t.to(key.dtype) for t in new)
         if nk.shape != key.shape or nv.shape != value.shape:
             raise ValueError(
                 f"substitute for KV site {site} has shapes {tuple(nk.shape)}/{tuple(nv.shape)}, "
@@ -208,5 +209,6 @@ class KVSubstituter:
             )
         if self.positions_mask is None:
             return nk, nv
-        m = self.positions_mask.to(key.device)[:, :, None, None]
-        return torch.where(m, nk, key), torch.where(m, nv, value)
+        if self._mask is None or self._mask.device != key.device:  # the same for every site of a forward
+            self._mask = self.positions_mask.to(key.device)[:, :, None, None]
+        return torch.where(self._mask, nk, key), torch.where(self._mask, nv, value)
