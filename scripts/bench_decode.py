@@ -99,7 +99,7 @@ def random_indices(batch: int, n: int, n_groups: int, device: torch.device, gen:
 
 
 def parse_variant(spec: str) -> dict:
-    """``cuda-WxU`` (warps per block x tokens per warp step) or ``triton-NxWxPxS`` (block_n x num_warps x
+    """``cuda-WxU`` (warps per block x tokens per half-warp step) or ``triton-NxWxPxS`` (block_n x num_warps x
     programs per multiprocessor x sequences per program) -> decode_attention keyword arguments."""
     backend, shape = spec.split("-")
     nums = [int(x) for x in shape.split("x")]
@@ -169,7 +169,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--methods", nargs="+", default=["loopvq", "tasq+loopvq"])
-    ap.add_argument("--variants", default="cuda-8x8,cuda-16x8,cuda-16x4,cuda-20x4,cuda-12x8,triton-16x4x4x8",
+    ap.add_argument("--variants", default="cuda-16x8,cuda-12x8,cuda-16x4,cuda-20x4,cuda-8x16",
                     help="kernel variants tried at 32k, batch 8 (see parse_variant); the table runs the defaults")
     ap.add_argument("--codebook-size", type=int, default=K, help="K (256 is the 0.5-bit bundle; smaller K shrinks the "
                     "step tables, to see what a cache-resident codebook slice gives)")
@@ -197,9 +197,13 @@ def main() -> None:
         accuracy[method] = check_accuracy(method, tables[method], kc, vc, device)
         print(f"{method}: relative error vs float64 reference {accuracy[method]:.2e}", flush=True)
     result["relative_error"] = accuracy
-    for spec in args.variants.split(","):
+    for spec in filter(None, args.variants.split(",")):
         for method in args.methods:
-            r = bench_case(32768, 8, method, tables[method], device, parse_variant(spec))
+            try:
+                r = bench_case(32768, 8, method, tables[method], device, parse_variant(spec))
+            except RuntimeError as err:  # a launch shape the kernel refuses here (shared memory, registers)
+                print(f"{spec} {method}: not run ({err})", flush=True)
+                continue
             r["variant"] = spec
             result["launches"].append(r)
             print(f"{spec} {method}: coded {r['coded_ms'] * 1e3:.1f} us, bf16 {r['bf16_ms'] * 1e3:.1f} us", flush=True)
