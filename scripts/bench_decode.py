@@ -120,7 +120,7 @@ def bench_case(context: int, batch: int, method: str, tables: da.StepTables, dev
         (torch.rand(batch, n, T_C, device=device, generator=gen) + 0.5).half() if tables.tasq else None,
         n, torch.full((batch,), SINKS, device=device, dtype=torch.int32))
     fp = torch.randn(2, batch, SINKS + WINDOW, KV_HEADS, D, device=device, dtype=torch.bfloat16, generator=gen)
-    fpos = torch.cat([torch.arange(SINKS), torch.arange(SINKS + n, context)]).to(device)[None].repeat(batch, 1)
+    fpos = torch.cat([torch.arange(SINKS), torch.arange(SINKS + n, context)]).to(device, torch.int32)[None].repeat(batch, 1)
     rope = da.RopeTable(D, THETA)
 
     def coded_call() -> torch.Tensor:
