@@ -3,23 +3,25 @@
 //
 // One block per (KV head, split of the coded tokens); it copies the head's key and value step tables into
 // shared memory once (in *lane order*, see decode_cuda.lane_tables) and loops over the batch. A token is
-// served by a half-warp: lane l of the half owns CPL = D/16 channels, the two channels of each of its PPL
-// RoPE pairs for keys (so the query's rotation is lane-local) and CPL value channels. The channels a lane
-// reads from one code form a *run* (RK key / RV value slots, one index byte and one vector load each).
-// Per warp step the two halves take U tokens each (interleaved: half h takes tokens 2u + h), their index
-// bytes staged in shared memory by cp.async one step ahead. Keys: the query is rotated to the token's
-// position on the query side (q . R(t) k = k . R(t)^T q), anchored from the cos/sin table once per step
-// and advanced by two positions per token (CHEB: x(t+2) = 2 cos(2 theta) x(t) - x(t-2), one FMA per
-// channel; else angle addition, four per pair). The U partial dot products are reduce-scattered over the
-// half (each lane then holds one token's logit); softmax base 2 with a lazily moved reference maximum;
-// values accumulate per lane (VH2: packed half2 FMAs over a step, added into float32 after each step).
-// Full-precision sink/window tokens are spread over every block's half-warps. Warps are merged through
-// shared memory; the block writes (acc in channel order, max, sum) for the Triton merge kernel.
+// served by a group of LPT lanes: lane l of the group owns CPL = D/LPT channels, the two channels of each of
+// its PPL RoPE pairs for keys (so the query's rotation is lane-local) and CPL value channels. The channels a
+// lane reads from one code form a *run* (RK key / RV value slots, one index byte and one vector load each;
+// KG / VG index bytes of adjacent columns are read with one load). Per warp step each of the GRP = 32/LPT
+// groups takes U tokens (interleaved: group j takes tokens GRP u + j), their index rows staged in shared
+// memory by cp.async one step ahead. Keys: the query is rotated to the token's position on the query side
+// (q . R(t) k = k . R(t)^T q), anchored from the cos/sin table every AE steps and advanced by GRP positions
+// per token (CHEB: x(t+GRP) = 2 cos(GRP theta) x(t) - x(t-GRP), one FMA per channel; else angle addition);
+// KH2: fp16 key table, the dot product in packed half2 FMAs. The U partial dot products are reduce-scattered
+// over the group (each lane then holds one token's logit); softmax base 2 with a lazily moved reference
+// maximum; values accumulate per lane (VH2: packed half2 FMAs over a step, added into float32 after it).
+// Full-precision sink/window tokens are spread over every block's groups. Warps are merged through shared
+// memory; the block writes (acc in channel order, max, sum) for the Triton merge kernel.
 //
-// Constants defined before this text: D, QG (query heads per KV head), U, WARPS, KCB (codebook size), NKC /
-// NVC (index bytes per token: key / value codes), RK / RV (run lengths), KMIX (key runs hold both channels
-// of their pairs), KT32 / VT32 (key / value tables in fp32, else fp16), CHEB, TASQ, STEP, HAS_MASK, ACT (0
-// bf16, 1 fp16, 2 fp32: q and the full-precision keys/values), IDXVEC (bytes per cp.async: 4 or 16).
+// Constants defined before this text: D, LPT (8 or 16), QG (query heads per KV head), U, WARPS, KCB
+// (codebook size), NKC / NVC (index bytes per token: key / value codes), RK / RV (run lengths), KMIX (key runs
+// hold both channels of their pairs), KG / VG (runs whose index bytes are read together: 1, 2 or 4), KT32 /
+// VT32 (key / value tables in fp32, else fp16), CHEB, TASQ, STEP, HAS_MASK, ACT (0 bf16, 1 fp16, 2 fp32: q
+// and the full-precision keys/values), IDXVEC (bytes per cp.async: 4 or 16).
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -28,26 +30,28 @@ typedef long long i64;
 #define FULL 0xffffffffu
 #define NEG_BIG (-1.0e30f)
 #define NEG_INF __int_as_float(0xff800000)
-#define CPL (D / 16)            // channels per lane
-#define PPL (CPL / 2)           // RoPE pairs per lane
-#define HD2 (D / 2)             // columns of the cos/sin table
-#define NRK (CPL / RK)          // key runs per lane
-#define NRV (CPL / RV)          // value runs per lane
-#define TOK (2 * U)             // tokens per warp step
-#define SPREAD (16 / U)         // lanes of a half that hold one token's logit after the reduction
+#define GRP (32 / LPT)           // tokens per warp and step index u
+#define CPL (D / LPT)            // channels per lane
+#define PPL (CPL / 2)            // RoPE pairs per lane
+#define HD2 (D / 2)              // columns of the cos/sin table
+#define NRK (CPL / RK)           // key runs per lane
+#define NRV (CPL / RV)           // value runs per lane
+#define TOK (GRP * U)            // tokens per warp step
+#define SPREAD (LPT / U)         // lanes of a group that hold one token's logit after the reduction
 #define LOGU (U == 16 ? 4 : U == 8 ? 3 : U == 4 ? 2 : U == 2 ? 1 : 0)
+#define KH2 (!KT32 && RK % 2 == 0)
 #define VH2 (!VT32 && RV % 2 == 0)
 #define THR (VH2 ? 0.0f : 8.0f)  // packed half accumulation needs weights <= 1
-#define AE (CHEB ? 4 : 1)        // warp steps between anchors of the rotation (CHEB: error ~ (2 U AE)^2 / 2 ulp)
+#define AE (CHEB ? 4 : 1)        // warp steps between anchors of the rotation (CHEB: error ~ (GRP U AE)^2 ulp)
 #define ALIGN16(x) (((x) + 15) / 16 * 16)
-#define KT_BYTES (CPL * KCB * 16 * (KT32 ? 4 : 2))
-#define VT_BYTES (CPL * KCB * 16 * (VT32 ? 4 : 2))
+#define KT_BYTES (D * KCB * (KT32 ? 4 : 2))
+#define VT_BYTES (D * KCB * (VT32 ? 4 : 2))
 #define STAGE_WARP (2 * TOK * (NKC + NVC))
 #define MRG_BYTES (WARPS * QG * (D + 2) * 4)
 #define STAGE_BYTES ALIGN16(WARPS * STAGE_WARP > MRG_BYTES ? WARPS * STAGE_WARP : MRG_BYTES)
 #define QS_BYTES (QG * D * 4)
-#define ROWK (16 * RK * (KT32 ? 4 : 2))  // bytes of one codeword's row of one key run (16 lanes)
-#define ROWV (16 * RV * (VT32 ? 4 : 2))
+#define ROWK (LPT * RK * (KT32 ? 4 : 2))  // bytes of one codeword's row of one key run (all lanes)
+#define ROWV (LPT * RV * (VT32 ? 4 : 2))
 // register of key run r, position i: split runs hold only first or only second channels of pairs
 #define REGK(r, i) (KMIX ? ((i) < RK / 2 ? (r) * (RK / 2) + (i) : PPL + (r) * (RK / 2) + (i) - RK / 2) : (r) * RK + (i))
 
@@ -83,6 +87,31 @@ __device__ __forceinline__ unsigned half2_of(float x) {  // (x, x) as packed f16
     unsigned d;
     asm("{\n\t.reg .b16 h;\n\tcvt.rn.f16.f32 h, %1;\n\tmov.b32 %0, {h, h};\n\t}" : "=r"(d) : "f"(x));
     return d;
+}
+
+__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {  // lo in the lower half (lower address)
+    unsigned d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+__device__ __forceinline__ float sum_halves(unsigned w) {  // lower + upper half of a packed f16x2, in float32
+    float lo, hi;
+    asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.f32.f16 %0, a;\n\tcvt.f32.f16 %1, b;\n\t}"
+        : "=f"(lo), "=f"(hi) : "r"(w));
+    return lo + hi;
+}
+
+__device__ __forceinline__ unsigned lds8u(unsigned a) {
+    unsigned v;
+    asm("ld.shared.u8 %0, [%1];" : "=r"(v) : "r"(a));
+    return v;
+}
+
+__device__ __forceinline__ unsigned lds16w(unsigned a) {
+    unsigned v;
+    asm("ld.shared.u16 %0, [%1];" : "=r"(v) : "r"(a));
+    return v;
 }
 
 __device__ __forceinline__ void floats_of(unsigned w, float& lo, float& hi) {
@@ -204,12 +233,12 @@ __device__ __forceinline__ void load_words(unsigned a, unsigned* o) {
     }
 }
 
-// v[N] per lane -> sum over the 16 lanes of a half of v[u], u = l / (16 / N), held by lane l
+// v[N] per lane -> sum over the LPT lanes of a group of v[u], u = l / (LPT / N), held by lane l
 template <int N, int LOGN>
-__device__ __forceinline__ float reduce_scatter16(float* v, int l) {
+__device__ __forceinline__ float reduce_scatter(float* v, int l) {
 #pragma unroll
     for (int step = 0; step < LOGN; ++step) {
-        const int n = N >> step, o = 8 >> step;
+        const int n = N >> step, o = (LPT / 2) >> step;
         const bool up = l & o;
 #pragma unroll
         for (int i = 0; i < n / 2; ++i) {
@@ -220,8 +249,24 @@ __device__ __forceinline__ float reduce_scatter16(float* v, int l) {
     }
     float r = v[0];
 #pragma unroll
-    for (int o = 8 / N; o >= 1; o >>= 1) r += __shfl_xor_sync(FULL, r, o);
+    for (int o = LPT / N / 2; o >= 1; o >>= 1) r += __shfl_xor_sync(FULL, r, o);
     return r;
+}
+
+// the index bytes of G runs with adjacent index columns (the first at shared address a) of a staged row
+template <int G>
+__device__ __forceinline__ void index_bytes(unsigned a, int* idx) {
+    if (G == 1) {
+        idx[0] = (int)lds8u(a);
+        return;
+    }
+    const unsigned w = G == 4 ? lds32u(a) : lds16w(a);
+#pragma unroll
+    for (int i = 0; i < G; ++i) {  // byte i alone (one PRMT)
+        unsigned b;
+        asm("prmt.b32 %0, %1, 0, %2;" : "=r"(b) : "r"(w), "r"(0x4440 | i));
+        idx[i] = (int)b;
+    }
 }
 
 // move the reference maximum of query head g to the warp's largest logit when it exceeds it by more than THR
@@ -251,12 +296,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned char* ktab = smem;
     unsigned char* vtab = ktab + KT_BYTES;
-    unsigned char* stage = vtab + VT_BYTES;  // [WARPS][2 buffers][TOK key rows, TOK value rows]
-    float* mrg = (float*)stage;              // [WARPS][QG][D + 2], only while merging (stage is idle then)
+    unsigned char* stage = vtab + VT_BYTES;     // [WARPS][2 buffers][TOK key rows, TOK value rows]
+    float* mrg = (float*)stage;                 // [WARPS][QG][D + 2], only while merging (stage is idle then)
     float* qs = (float*)(stage + STAGE_BYTES);  // [QG][D]: the scaled query in lane order
-    float* pbuf = qs + QG * D;               // [WARPS][QG][TOK]: the step's softmax weights
+    float* pbuf = qs + QG * D;                  // [WARPS][QG][GRP][U]: the step's softmax weights
     const int h = blockIdx.x, s = blockIdx.y, heads = gridDim.x, splits = gridDim.y;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, half = lane >> 4, l = lane & 15;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane / LPT, l = lane % LPT;
     const float scale = __int_as_float(qk_scale_bits);  // passed as bits: no float ABI to agree on
 
     {  // the head's step tables into shared memory, 16 bytes at a time
@@ -271,22 +316,24 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
     int kcol[NRK], vcol[NRV];
 #pragma unroll
     for (int r = 0; r < NRK; ++r) {
-        kcol[r] = kcol_g[(h * 16 + l) * NRK + r];
-        kofs[r] = sm + (r * KCB * 16 + l) * RK * (KT32 ? 4 : 2);
+        kcol[r] = kcol_g[(h * LPT + l) * NRK + r];
+        kofs[r] = sm + (r * KCB * LPT + l) * RK * (KT32 ? 4 : 2);
     }
 #pragma unroll
     for (int r = 0; r < NRV; ++r) {
-        vcol[r] = vcol_g[(h * 16 + l) * NRV + r];
-        vofs[r] = sm + KT_BYTES + (r * KCB * 16 + l) * RV * (VT32 ? 4 : 2);
+        vcol[r] = vcol_g[(h * LPT + l) * NRV + r];
+        vofs[r] = sm + KT_BYTES + (r * KCB * LPT + l) * RV * (VT32 ? 4 : 2);
     }
-    float c2[PPL], s2[PPL];  // rotation by two positions of the lane's pairs
-    load_floats<PPL>(cos_t + 2 * HD2 + l * PPL, c2);
-    load_floats<PPL>(sin_t + 2 * HD2 + l * PPL, s2);
+    float cg2[PPL];  // 2 cos(GRP theta) of the lane's pairs (GRP positions: the step between a group's tokens)
+    load_floats<PPL>(cos_t + GRP * HD2 + l * PPL, cg2);
+#pragma unroll
+    for (int j = 0; j < PPL; ++j) cg2[j] *= 2.0f;
 
     const int start = s * split_len, end = min(start + split_len, n_coded);
     const int per_warp = ((max(end - start, 0) + WARPS - 1) / WARPS + TOK - 1) / TOK * TOK;
     const int w_begin = start + warp * per_warp, w_end = min(w_begin + per_warp, end);
     unsigned char* st = stage + warp * STAGE_WARP;
+    const unsigned stage_addr = smem_addr(st);
 
     for (int b = 0; b < n_batch; ++b) {
         for (int e = threadIdx.x; e < QG * D; e += blockDim.x) {
@@ -299,7 +346,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
         const u16* srow = sig + (i64)b * s_sb;
 
         // one warp step's index rows into stage buffer `buf` (rows past the warp's range are zero-filled)
-        const unsigned stage_addr = smem_addr(st);
         auto issue = [&](int t0, int buf) {
             const unsigned base = stage_addr + buf * TOK * (NKC + NVC);
 #pragma unroll
@@ -327,8 +373,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
         }
 
         // the full-precision sink and window tokens (pre-RoPE, at their own positions), spread over all blocks
-        for (int base = (s * WARPS + warp) * 2; base < n_fp; base += splits * WARPS * 2) {
-            const int t = min(base + half, n_fp - 1);
+        for (int base = (s * WARPS + warp) * GRP; base < n_fp; base += splits * WARPS * GRP) {
+            const int t = min(base + grp, n_fp - 1);
             const i64 pos = fpos[(i64)b * s_fpb + t];
             const i64 krw = (i64)b * s_fkb + (i64)t * s_fkt + (i64)h * s_fkh;
             const i64 vrw = (i64)b * s_fvb + (i64)t * s_fvt + (i64)h * s_fvh;
@@ -337,7 +383,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
             load_floats<PPL>(sin_t + pos * HD2 + l * PPL, sf);
 #pragma unroll
             for (int j = 0; j < CPL; ++j) kf[j] = act(fk, krw + kch[h * D + l * CPL + j]);
-            bool ok = base + half < n_fp;
+            bool ok = base + grp < n_fp;
 #if HAS_MASK
             ok = ok && fmask[(i64)b * s_fpb + t] != 0;
 #endif
@@ -351,7 +397,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
                     a += kf[j] * (qa * cf[j] + qb * sf[j]) + kf[PPL + j] * (qb * cf[j] - qa * sf[j]);
                 }
 #pragma unroll
-                for (int o = 8; o >= 1; o >>= 1) a += __shfl_xor_sync(FULL, a, o);
+                for (int o = LPT / 2; o >= 1; o >>= 1) a += __shfl_xor_sync(FULL, a, o);
                 const float sc = ok ? a : NEG_INF;
                 lift_max(m[g], ls[g], acc[g], sc);
                 const float p = ex2(sc - m[g]);
@@ -361,16 +407,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
             }
         }
 
-        // the query rotated to the half's next token (xc) and two positions before it (xp); the recurrence runs
+        // the query rotated to the group's next token (xc) and GRP positions before it (xp); the recurrence runs
         // on from step to step and is re-anchored from the cos/sin table every AE steps
         float xc[QG][CPL], xp[QG][CPL];
         int buf = 0, since = 0;
         for (int t0 = w_begin; t0 < w_end; t0 += TOK, buf ^= 1, since = since + 1 == AE ? 0 : since + 1) {
             if (since == 0) {  // warp-uniform
-                const i64 pos = pb + t0 + half;  // <= pb + n_coded: inside the table
-                float cc[PPL], ss[PPL];
+                const i64 pos = pb + t0 + grp;  // <= pb + n_coded: inside the table
+                float cc[PPL], ss[PPL], cg[PPL], sg2[PPL];  // at the position; rotation by GRP positions
                 load_floats<PPL>(cos_t + pos * HD2 + l * PPL, cc);
                 load_floats<PPL>(sin_t + pos * HD2 + l * PPL, ss);
+                load_floats<PPL>(cos_t + GRP * HD2 + l * PPL, cg);
+                load_floats<PPL>(sin_t + GRP * HD2 + l * PPL, sg2);
 #pragma unroll
                 for (int g = 0; g < QG; ++g) {
                     const float* qv = qs + g * D + l * CPL;
@@ -381,8 +429,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
                         xc[g][j] = xa;
                         xc[g][PPL + j] = xb;
 #if CHEB
-                        xp[g][j] = c2[j] * xa - s2[j] * xb;
-                        xp[g][PPL + j] = c2[j] * xb + s2[j] * xa;
+                        xp[g][j] = cg[j] * xa - sg2[j] * xb;
+                        xp[g][PPL + j] = cg[j] * xb + sg2[j] * xa;
 #endif
                     }
                 }
@@ -393,23 +441,42 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
                 cp_commit();  // an empty group: wait_group 1 below then waits for this step's rows
             }
 #if TASQ
-            const int my_t = min(t0 + 2 * (l / SPREAD) + half, w_end - 1);  // this lane's token after the reduction
-            const float sg = h2f(srow[(i64)my_t * s_st + STEP]);
+            const int my_t = min(t0 + GRP * (l / SPREAD) + grp, w_end - 1);  // this lane's token after the reduction
+            const float sgm = h2f(srow[(i64)my_t * s_st + STEP]);
 #endif
             cp_wait<1>();
             __syncwarp();
-            const u8* ks = st + buf * TOK * (NKC + NVC) + half * NKC;  // row of token 2u + half at ks + 2u * NKC
-            const u8* vs = st + buf * TOK * (NKC + NVC) + TOK * NKC + half * NVC;
+            // row of token GRP u + grp at ks + GRP u NKC
+            const unsigned ks = stage_addr + buf * TOK * (NKC + NVC) + grp * NKC;
+            const unsigned vs = stage_addr + buf * TOK * (NKC + NVC) + TOK * NKC + grp * NVC;
 
             float part[QG][U];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
+                int idx[NRK];
+#pragma unroll
+                for (int r = 0; r < NRK; r += KG) index_bytes<KG>(ks + GRP * u * NKC + kcol[r], idx + r);
+#if KH2
+                unsigned kw[CPL / 2];  // run r's words: positions (2i, 2i + 1) as packed halves
+#pragma unroll
+                for (int r = 0; r < NRK; ++r) load_words<RK>(kofs[r] + idx[r] * ROWK, kw + r * (RK / 2));
+#pragma unroll
+                for (int g = 0; g < QG; ++g) {
+                    unsigned a2 = 0u;
+#pragma unroll
+                    for (int r = 0; r < NRK; ++r) {
+#pragma unroll
+                        for (int i = 0; i < RK / 2; ++i)
+                            a2 = hfma2(kw[r * (RK / 2) + i], pack_half2(xc[g][REGK(r, 2 * i)], xc[g][REGK(r, 2 * i + 1)]), a2);
+                    }
+                    part[g][u] = sum_halves(a2);
+                }
+#else
                 float kv[CPL];
 #pragma unroll
                 for (int r = 0; r < NRK; ++r) {
-                    const int idx = ks[2 * u * NKC + kcol[r]];
                     float t[RK];
-                    load_run<RK, KT32>(kofs[r] + idx * ROWK, t);
+                    load_run<RK, KT32>(kofs[r] + idx[r] * ROWK, t);
 #pragma unroll
                     for (int i = 0; i < RK; ++i) kv[REGK(r, i)] = t[i];
                 }
@@ -419,45 +486,48 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
 #pragma unroll
                     for (int j = 0; j < CPL; ++j) a = fmaf(kv[j], xc[g][j], a);
                     part[g][u] = a;
-                    {  // advance the rotation by two positions
-#pragma unroll
-                        for (int j = 0; j < PPL; ++j) {
-#if CHEB
-                            const float na = fmaf(2.0f * c2[j], xc[g][j], -xp[g][j]);
-                            const float nb = fmaf(2.0f * c2[j], xc[g][PPL + j], -xp[g][PPL + j]);
-                            xp[g][j] = xc[g][j];
-                            xp[g][PPL + j] = xc[g][PPL + j];
-#else
-                            const float na = c2[j] * xc[g][j] + s2[j] * xc[g][PPL + j];
-                            const float nb = c2[j] * xc[g][PPL + j] - s2[j] * xc[g][j];
+                }
 #endif
-                            xc[g][j] = na;
-                            xc[g][PPL + j] = nb;
-                        }
+#pragma unroll
+                for (int g = 0; g < QG; ++g) {  // advance the rotation by GRP positions
+#pragma unroll
+                    for (int j = 0; j < PPL; ++j) {
+#if CHEB
+                        const float na = fmaf(cg2[j], xc[g][j], -xp[g][j]);
+                        const float nb = fmaf(cg2[j], xc[g][PPL + j], -xp[g][PPL + j]);
+                        xp[g][j] = xc[g][j];
+                        xp[g][PPL + j] = xc[g][PPL + j];
+#else
+                        const float c = 0.5f * cg2[j], sn = sin_t[GRP * HD2 + l * PPL + j];  // angle addition (exact halving)
+                        const float na = c * xc[g][j] + sn * xc[g][PPL + j];
+                        const float nb = c * xc[g][PPL + j] - sn * xc[g][j];
+#endif
+                        xc[g][j] = na;
+                        xc[g][PPL + j] = nb;
                     }
                 }
             }
-            const int my_row = 2 * (l / SPREAD) + half;  // the token (row of the step) whose logit this lane holds
+            const int my_u = l / SPREAD;  // the token (GRP my_u + grp of the step) whose logit this lane holds
             float p[QG];
 #pragma unroll
             for (int g = 0; g < QG; ++g) {
-                float sc = reduce_scatter16<U, LOGU>(part[g], l);
+                float sc = reduce_scatter<U, LOGU>(part[g], l);
 #if TASQ
-                sc *= sg;
+                sc *= sgm;
 #endif
-                if (t0 + my_row >= w_end) sc = NEG_INF;
+                if (t0 + GRP * my_u + grp >= w_end) sc = NEG_INF;
                 lift_max(m[g], ls[g], acc[g], sc);
                 p[g] = ex2(sc - m[g]);
                 if (l % SPREAD == 0) ls[g] += p[g];
             }
-            float* pw = pbuf + warp * QG * TOK;
+            float* pw = pbuf + (warp * QG * GRP + grp) * U;  // query head g's weights at pw + g GRP U
             if (l % SPREAD == 0) {
 #pragma unroll
                 for (int g = 0; g < QG; ++g) {
 #if VH2
-                    ((unsigned*)pw)[g * TOK + my_row] = half2_of(p[g]);
+                    ((unsigned*)pw)[g * GRP * U + my_u] = half2_of(p[g]);
 #else
-                    pw[g * TOK + my_row] = p[g];
+                    pw[g * GRP * U + my_u] = p[g];
 #endif
                 }
             }
@@ -472,30 +542,26 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
 #endif
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                const int row = 2 * u + half;
+                int idx[NRV];
+#pragma unroll
+                for (int r = 0; r < NRV; r += VG) index_bytes<VG>(vs + GRP * u * NVC + vcol[r], idx + r);
 #if VH2
                 unsigned vw[CPL / 2];
 #pragma unroll
-                for (int r = 0; r < NRV; ++r) {
-                    const int idx = vs[2 * u * NVC + vcol[r]];
-                    load_words<RV>(vofs[r] + idx * ROWV, vw + r * (RV / 2));
-                }
+                for (int r = 0; r < NRV; ++r) load_words<RV>(vofs[r] + idx[r] * ROWV, vw + r * (RV / 2));
 #pragma unroll
                 for (int g = 0; g < QG; ++g) {
-                    const unsigned pp = ((const unsigned*)pw)[g * TOK + row];  // a broadcast read
+                    const unsigned pp = ((const unsigned*)pw)[g * GRP * U + u];  // a broadcast read
 #pragma unroll
                     for (int w = 0; w < CPL / 2; ++w) acch[g][w] = hfma2(vw[w], pp, acch[g][w]);
                 }
 #else
                 float vv[CPL];
 #pragma unroll
-                for (int r = 0; r < NRV; ++r) {
-                    const int idx = vs[2 * u * NVC + vcol[r]];
-                    load_run<RV, VT32>(vofs[r] + idx * ROWV, vv + r * RV);
-                }
+                for (int r = 0; r < NRV; ++r) load_run<RV, VT32>(vofs[r] + idx[r] * ROWV, vv + r * RV);
 #pragma unroll
                 for (int g = 0; g < QG; ++g) {
-                    const float pp = pw[g * TOK + row];
+                    const float pp = pw[g * GRP * U + u];
 #pragma unroll
                     for (int j = 0; j < CPL; ++j) acc[g][j] = fmaf(pp, vv[j], acc[g][j]);
                 }
@@ -518,7 +584,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
         cp_wait<0>();
         __syncthreads();  // every warp is done with its stage buffers: the merge area may overwrite them
 
-        // merge the warps of the block (the two halves hold the same channels), write this split's (acc, max, sum)
+        // merge the warps of the block (the groups hold the same channels), write this split's (acc, max, sum)
 #pragma unroll
         for (int g = 0; g < QG; ++g) {
             float lt = ls[g];
@@ -527,8 +593,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
             float* mw = mrg + (warp * QG + g) * (D + 2);
 #pragma unroll
             for (int j = 0; j < CPL; ++j) {
-                const float a = acc[g][j] + __shfl_xor_sync(FULL, acc[g][j], 16);
-                if (half == 0) mw[l * CPL + j] = a;
+                float a = acc[g][j];
+#pragma unroll
+                for (int o = LPT; o < 32; o <<= 1) a += __shfl_xor_sync(FULL, a, o);
+                if (grp == 0) mw[l * CPL + j] = a;
             }
             if (lane == 0) {
                 mw[D] = m[g];

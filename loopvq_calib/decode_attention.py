@@ -63,7 +63,7 @@ class StepTables:
     step: int
     tasq: bool
     rope_style: str
-    lanes: Any = field(default=None, repr=False)  # decode_cuda.LaneTables (False: none), built at the first CUDA call
+    lanes: dict = field(default_factory=dict, repr=False)  # lanes per token -> decode_cuda.LaneTables or None
 
 
 def channel_codes(codec: BlockCodec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +201,8 @@ def decode_attention(
     fp_positions: torch.Tensor, fp_mask: torch.Tensor | None, rope: RopeTable, block_n: int = 16,
     num_splits: int | None = None, num_warps: int = 4, max_position: int | None = None,
     programs_per_sm: int = 4, batch_per_program: int = 1, cache_hints: bool = False, backend: str = "auto",
-    warps: int | None = None, tokens_per_iteration: int | None = None,
+    warps: int | None = None, tokens_per_iteration: int | None = None, lanes_per_token: int | None = None,
+    key_float32: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over coded and full-precision tokens (the Triton kernels).
 
@@ -213,7 +214,8 @@ def decode_attention(
     ``batch_per_program`` sequences), about ``programs_per_sm`` per multiprocessor (``num_splits`` overrides);
     ``cache_hints``: tables loaded evict-last and the index stream evict-first.
     ``backend``: ``"cuda"`` the shared-memory kernel of :mod:`~loopvq_calib.decode_cuda` (``warps`` per
-    block, ``tokens_per_iteration`` per warp step, defaults by layout; ``num_splits`` per KV head), ``"triton"``
+    block, ``tokens_per_iteration`` per lane group and step, ``lanes_per_token`` 8 or 16, ``key_float32``;
+    defaults from :func:`~loopvq_calib.decode_cuda.default_launch`; ``num_splits`` per KV head), ``"triton"``
     the kernel of
     :mod:`~loopvq_calib.decode_kernels`, ``"auto"`` the CUDA kernel where the site and the call fit it
     (:func:`~loopvq_calib.decode_cuda.fits`), else Triton.
@@ -234,19 +236,18 @@ def decode_attention(
     if backend != "triton" and q.device.type == "cuda":
         from . import decode_cuda
 
-        if tables.lanes is None:
-            tables.lanes = decode_cuda.lane_tables(tables) or False
-        if decode_cuda.fits(tables.lanes or None, q, fp_keys, fp_values, coded, warps, tokens_per_iteration):
-            inputs = kernel_inputs(q, tables, coded, fp_positions, fp_mask, rope, max_position + 2)
+        lanes = decode_cuda.site_lanes(tables, hq // heads, lanes_per_token)
+        if decode_cuda.fits(lanes, q, fp_keys, fp_values, coded, warps, tokens_per_iteration):
+            inputs = kernel_inputs(q, tables, coded, fp_positions, fp_mask, rope, max(max_position + 2, 8))
             try:
-                acc, ml = decode_cuda.decode_attention_cuda(inputs, tables, tables.lanes, coded, fp_keys, fp_values,
-                                                            warps, tokens_per_iteration, num_splits)
+                acc, ml = decode_cuda.decode_attention_cuda(inputs, tables, lanes, coded, fp_keys, fp_values, warps,
+                                                            tokens_per_iteration, num_splits, key_float32)
                 return _merged(acc, ml, q.dtype)
             except decode_cuda.BuildError as err:  # no NVRTC or a failed build: the Triton kernel serves
                 if backend == "cuda":
                     raise
                 warnings.warn(f"CUDA decode kernel unavailable ({err}); using the Triton kernel", stacklevel=2)
-                tables.lanes = False
+                tables.lanes[lanes.lanes] = None
     if backend == "cuda":
         from . import decode_cuda
 

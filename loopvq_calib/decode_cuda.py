@@ -4,12 +4,13 @@ shape, a second or so) and launched on the current stream.
 
 The Triton kernel of :mod:`~loopvq_calib.decode_attention` gathers every channel of every token from the step
 tables through the L1 cache (one scattered access per channel); this kernel keeps a head's key and value
-tables in shared memory in **lane order** (:func:`lane_tables`): a token is served by 16 lanes, lane ``l``
-owning ``D/16`` key channels (both channels of ``D/32`` RoPE pairs, so the query's rotation is lane-local)
-and ``D/16`` value channels; the channels a lane reads from one code form a *run* (one index byte and one
-vector load per token). Loop-axis layouts give runs of 4 (Ouro: a lane reads 2 key and 2 value codes per
-token); TaSQ's permuted keys give runs of 1. :func:`lane_tables` says whether a site fits (head dim a
-multiple of 32); :func:`fits` whether a call does (else the Triton kernel serves it).
+tables in shared memory in **lane order** (:func:`lane_tables`): a token is served by a group of ``lanes``
+lanes (8 or 16), lane ``l`` owning ``D/lanes`` key channels (both channels of ``D/(2 lanes)`` RoPE pairs, so
+the query's rotation is lane-local) and ``D/lanes`` value channels; the channels a lane reads from one code
+form a *run* (one index byte and one vector load per token). Loop-axis layouts give runs of 4 (Ouro, 8 lanes:
+a lane reads 4 key and 4 value codes per token, their index bytes in one 16-bit and one 32-bit load); TaSQ's
+permuted keys give runs of 1. :func:`lane_tables` says whether a site fits (head dim a multiple of 2 lanes);
+:func:`fits` whether a call does (else the Triton kernel serves it).
 """
 
 from __future__ import annotations
@@ -26,19 +27,21 @@ SOURCE = Path(__file__).with_name("decode_attention.cu")
 KERNEL = "loopvq_decode_split"
 ACT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 INT32_MAX = 2**31 - 1
-LANES = 16  # lanes per token
+LANE_CHOICES = (8, 16)  # lanes per token the kernel is built for
 
 
 @dataclass
 class LaneTables:
     """One site's step tables in lane order (see the module docstring), every tensor per KV head.
 
-    ``key`` [H, D/16/run_key, K, 16, run_key] (float32, or float16 where shared memory is short): the value of
+    ``key`` [H, D/L/run_key, K, L, run_key] (L = ``lanes`` per token): the value of
     lane l's key run r at codeword k; a lane's key registers are the first channels of its pairs then the
     second ones (``key_mixed``: a run holds both channels of run_key/2 pairs, else only first or only second
-    channels; ``key_wide``: the same in float32); ``value`` [H, D/16/run_value, K, 16, run_value] (float16 or float32); ``key_column`` [H, 16,
-    runs] / ``value_column`` int32: the index column (code) of every run; ``key_channel`` [H, D] int32: the
-    channel of lane l's key register j at l*D/16 + j; ``value_channel`` [H, D] likewise."""
+    channels; ``key_wide``: the same in float32); ``value`` [H, D/L/run_value, K, L, run_value] (float16 or
+    float32); ``key_column`` [H, L, runs] / ``value_column`` int32: the index column (code) of every run;
+    ``key_channel`` [H, D] int32: the channel of lane l's key register j at l*D/L + j; ``value_channel`` [H, D]
+    likewise; ``key_group`` / ``value_group``: how many runs' index bytes sit in adjacent columns (1, 2 or 4:
+    read with one load)."""
 
     key: torch.Tensor
     value: torch.Tensor
@@ -49,11 +52,14 @@ class LaneTables:
     run_key: int
     key_mixed: bool
     run_value: int
-    key_wide: torch.Tensor | None = None  # the key table in float32 (exact), made where shared memory allows
+    lanes: int
+    key_group: int
+    value_group: int
+    key_wide: torch.Tensor | None = None  # the key table in float32 (exact), made on first use
 
-    def key_for(self, fits_float32: bool) -> torch.Tensor:
-        """The key table a launch reads: float32 when it fits (no conversions in the kernel), else as built."""
-        if self.key.dtype == torch.float32 or not fits_float32:
+    def key_table(self, float32: bool) -> torch.Tensor:
+        """The key table a launch reads: as built, or widened to float32 (no conversions in the kernel)."""
+        if self.key.dtype == torch.float32 or not float32:
             return self.key
         if self.key_wide is None:
             self.key_wide = self.key.float()
@@ -88,8 +94,8 @@ def key_registers(per_lane: int, run: int, mixed: bool) -> list[int]:
 
 def _key_runs(code_a: torch.Tensor, code_b: torch.Tensor, per_lane: int) -> tuple[int, bool]:
     """(run length, mixed) of the keys: the longest runs whose positions share one code for every head and lane.
-    code_a / code_b [H, 16, pairs per lane]: the code of each pair's first / second channel."""
-    heads = code_a.shape[0]
+    code_a / code_b [H, L, pairs per lane]: the code of each pair's first / second channel."""
+    heads, lanes = code_a.shape[:2]
     regs = torch.cat([code_a, code_b], 2)  # [H, 16, per_lane] code of every register
     for run in range(per_lane, 0, -1):
         for mixed in (False, True):
@@ -98,50 +104,82 @@ def _key_runs(code_a: torch.Tensor, code_b: torch.Tensor, per_lane: int) -> tupl
             if not mixed and run > per_lane // 2 and run != per_lane:
                 continue
             order = torch.tensor(key_registers(per_lane, run, mixed))
-            codes = regs[:, :, order].view(heads, LANES, per_lane // run, run)
+            codes = regs[:, :, order].view(heads, lanes, per_lane // run, run)
             if bool((codes == codes[..., :1]).all()):
                 return run, mixed
     return 1, False
 
 
-def lane_tables(tables) -> LaneTables | None:
-    """:class:`LaneTables` of a :class:`~loopvq_calib.decode_attention.StepTables`, or None when the site does
-    not fit this kernel (head dim not a multiple of 32)."""
+def _group(columns: torch.Tensor) -> int:
+    """How many consecutive runs have adjacent index columns, aligned for one load (4, 2 or 1); columns
+    [H, L, runs]."""
+    runs = columns.shape[2]
+    for g in (4, 2):
+        if runs % g:
+            continue
+        c = columns.view(*columns.shape[:2], runs // g, g)
+        if bool((c == c[..., :1] + torch.arange(g)).all()) and bool((c[..., 0] % g == 0).all()):
+            return g
+    return 1
+
+
+def lane_tables(tables, lanes: int = 8) -> LaneTables | None:
+    """:class:`LaneTables` of a :class:`~loopvq_calib.decode_attention.StepTables` for ``lanes`` lanes per token,
+    or None when the site does not fit this kernel (head dim not a multiple of 2 lanes)."""
     from .models.common import pair_channels
 
     heads, k, d = tables.value.shape
-    if d % 32:
+    if lanes not in LANE_CHOICES or d % (2 * lanes):
         return None
-    per_lane, pairs = d // LANES, d // (2 * LANES)
+    per_lane, pairs = d // lanes, d // (2 * lanes)
     dev = tables.value.device
     a, b = (c.to(dev) for c in pair_channels(d, tables.rope_style))
-    code_a = tables.key_code_a.view(heads, LANES, pairs)
-    code_b = tables.key_code_b.view(heads, LANES, pairs)
+    code_a = tables.key_code_a.view(heads, lanes, pairs)
+    code_b = tables.key_code_b.view(heads, lanes, pairs)
     rk, mixed = _key_runs(code_a.cpu(), code_b.cpu(), per_lane)
     order = torch.tensor(key_registers(per_lane, rk, mixed), device=dev)  # register of each run position
-    reg_values = torch.cat([tables.key_a.view(heads, k, LANES, pairs), tables.key_b.view(heads, k, LANES, pairs)], 3)
-    key = reg_values[..., order].view(heads, k, LANES, per_lane // rk, rk).permute(0, 3, 1, 2, 4)
-    reg_codes = torch.cat([code_a, code_b], 2)[..., order].view(heads, LANES, per_lane // rk, rk)
-    reg_channel = torch.cat([a.view(LANES, pairs), b.view(LANES, pairs)], 1)  # [16, per_lane]
+    reg_values = torch.cat([tables.key_a.view(heads, k, lanes, pairs), tables.key_b.view(heads, k, lanes, pairs)], 3)
+    key = reg_values[..., order].view(heads, k, lanes, per_lane // rk, rk).permute(0, 3, 1, 2, 4)
+    reg_codes = torch.cat([code_a, code_b], 2)[..., order].view(heads, lanes, per_lane // rk, rk)
+    reg_channel = torch.cat([a.view(lanes, pairs), b.view(lanes, pairs)], 1)  # [L, per_lane]
 
     vorder = _slot_order(tables.value_code)
     vcode = tables.value_code.gather(1, vorder)
     rv = _run(vcode, per_lane)
     value = tables.value.gather(2, vorder[:, None, :].expand(-1, k, -1))
-    value = value.view(heads, k, LANES, per_lane // rv, rv).permute(0, 3, 1, 2, 4)
+    value = value.view(heads, k, lanes, per_lane // rv, rv).permute(0, 3, 1, 2, 4)
     i32 = torch.int32
+    key_column = reg_codes[..., 0].to(i32).contiguous()
+    value_column = vcode.view(heads, lanes, per_lane // rv, rv)[..., 0].to(i32).contiguous()
     return LaneTables(
-        key.contiguous(), value.contiguous(), reg_codes[..., 0].to(i32).contiguous(),
-        vcode.view(heads, LANES, per_lane // rv, rv)[..., 0].to(i32).contiguous(),
-        reg_channel.reshape(1, d).expand(heads, -1).to(i32).contiguous(), vorder.to(i32).contiguous(), rk, mixed, rv)
+        key.contiguous(), value.contiguous(), key_column, value_column,
+        reg_channel.reshape(1, d).expand(heads, -1).to(i32).contiguous(), vorder.to(i32).contiguous(), rk, mixed, rv,
+        lanes, _group(key_column.cpu()), _group(value_column.cpu()))
 
 
-def default_launch(query_groups: int) -> tuple[int, int]:
-    """(warps per block, tokens per half-warp step): 16 x 8 for one query head per KV head (at Ouro's shapes
-    120 registers, no spills: the register file and shared memory, not the warps, are the limit), 8 x 4 for
-    GQA (every query head keeps its own rotated query and accumulator). Measured on the H200
+def default_launch(query_groups: int) -> tuple[int, int, int]:
+    """(warps per block, tokens per group and step, lanes per token): 16 x 8 x 8 for one query head per KV head
+    (at Ouro's shapes the register file and shared memory, not the warps, are the limit), 8 x 4 x 16 for GQA
+    (every query head keeps its own rotated query and accumulator). Measured on the H200
     (docs/quantized-cache.md)."""
-    return (16, 8) if query_groups == 1 else (8, 4)
+    return (16, 8, 8) if query_groups == 1 else (8, 4, 16)
+
+
+def site_lanes(tables, query_groups: int, lanes: int | None = None) -> LaneTables | None:
+    """The site's :class:`LaneTables` for ``lanes`` per token (default: :func:`default_launch`'s, or 16 where 8
+    lanes would read every key channel as a run of its own, as TaSQ's permuted keys do: 16 runs per lane
+    overflow the registers), built once and kept in ``tables.lanes``."""
+    def get(count: int) -> LaneTables | None:
+        if count not in tables.lanes:
+            tables.lanes[count] = lane_tables(tables, count)
+        return tables.lanes[count]
+
+    if lanes is not None:
+        return get(lanes)
+    first = get(default_launch(query_groups)[2])
+    if first is not None and first.lanes == 8 and first.run_key == 1:
+        return get(16) or first
+    return first
 
 
 def _align16(x: int) -> int:
@@ -149,12 +187,13 @@ def _align16(x: int) -> int:
 
 
 def shared_layout(d: int, k: int, key_bytes: int, value_bytes: int, key_codes: int, value_codes: int, warps: int,
-                  query_groups: int, tokens: int) -> int:
-    """Bytes of dynamic shared memory (decode_attention.cu's KT_BYTES + VT_BYTES + STAGE_BYTES + QS_BYTES + pbuf)."""
-    stage = warps * 2 * 2 * tokens * (key_codes + value_codes)
+                  query_groups: int, step_tokens: int) -> int:
+    """Bytes of dynamic shared memory (decode_attention.cu's KT_BYTES + VT_BYTES + STAGE_BYTES + QS_BYTES + pbuf);
+    ``step_tokens`` tokens per warp step (TOK)."""
+    stage = warps * 2 * step_tokens * (key_codes + value_codes)
     merge = warps * query_groups * (d + 2) * 4
     return (d * k * key_bytes + d * k * value_bytes + _align16(max(stage, merge)) + query_groups * d * 4
-            + warps * query_groups * 2 * tokens * 4)
+            + warps * query_groups * step_tokens * 4)
 
 
 def fits(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
@@ -178,7 +217,7 @@ def fits(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_va
             return False
         read.append(coded.key_sigma)
     qg = q.shape[1] // lanes.key.shape[0]
-    w, u = default_launch(qg)
+    w, u, _ = default_launch(qg)
     if launch_shared(lanes, coded, warps or w, qg, tokens or u) > _shared_limit(q.device):
         return False
     return all(t.stride(-1) == 1 and t.numel() <= INT32_MAX and max(t.stride()) <= INT32_MAX for t in read + list(indices))
@@ -207,7 +246,7 @@ def launch_shared(lanes: LaneTables, coded, warps: int, query_groups: int, token
     d = lanes.key_channel.shape[1]
     kb = torch.finfo(key_dtype or lanes.key.dtype).bits // 8
     return shared_layout(d, k, kb, lanes.value.element_size(), coded.key_indices.shape[3],
-                         coded.value_indices.shape[3], warps, query_groups, tokens)
+                         coded.value_indices.shape[3], warps, query_groups, 32 // lanes.lanes * tokens)
 
 
 def _float_bits(x: float) -> int:
@@ -245,35 +284,44 @@ def _compiled(defines: tuple[tuple[str, int], ...], shared: int, device: int):
 def decode_attention_cuda(
     inputs, tables, lanes: LaneTables, coded, fp_keys: torch.Tensor, fp_values: torch.Tensor,
     warps: int | None = None, tokens_per_iteration: int | None = None, num_splits: int | None = None,
+    key_float32: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the split kernel; returns (acc [B, Hq, S, D], max/sum [B, Hq, S, 2]) for the log-sum-exp merge.
 
     ``inputs``: :class:`~loopvq_calib.decode_attention.KernelInputs` (the RoPE table covering every position
-    and at least 3 rows); other arguments as :func:`~loopvq_calib.decode_attention.decode_attention`.
-    ``warps`` per block (one block per multiprocessor: the tables fill its shared memory),
-    ``tokens_per_iteration`` tokens per half-warp step (1, 2, 4, 8 or 16; a warp takes twice as many), both
-    from :func:`default_launch` when None; splits per KV head default to the multiprocessors over the heads.
-    The key table is fp32 in shared memory where it fits (no conversions)."""
+    and at least 5 rows); ``lanes`` the site's tables for the lanes per token to launch with; other arguments
+    as :func:`~loopvq_calib.decode_attention.decode_attention`. ``warps`` per block (one block per
+    multiprocessor: the tables fill its shared memory), ``tokens_per_iteration`` tokens per lane group and
+    step (1 .. lanes, a power of two; a warp takes 32/lanes times as many), both from :func:`default_launch`
+    when None; splits per KV head default to the multiprocessors over the heads. ``key_float32``: the key table
+    in float32 in shared memory (no conversions); default: only where its runs cannot be read as packed halves
+    (odd runs) and it fits."""
     q = inputs.q
     bsz, hq, d = q.shape
     heads, _, k, _, _ = lanes.key.shape
     qg = hq // heads
-    w, u = default_launch(qg)
+    w, u, _ = default_launch(qg)
     warps, tokens = warps or w, tokens_per_iteration or u
-    if tokens not in (1, 2, 4, 8, 16) or not 1 <= warps <= 32:
-        raise ValueError(f"tokens_per_iteration must be 1, 2, 4, 8 or 16 and warps 1..32, got {tokens} and {warps}")
+    if tokens not in (1, 2, 4, 8, 16) or tokens > lanes.lanes or not 1 <= warps <= 32:
+        raise ValueError(f"tokens_per_iteration must be a power of two up to the lanes per token ({lanes.lanes}) and "
+                         f"warps 1..32, got {tokens} and {warps}")
+    step = 32 // lanes.lanes * tokens
     n = coded.count
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        num_splits = max(1, min(sms // heads, -(-n // (warps * 2 * tokens))))
+        num_splits = max(1, min(sms // heads, -(-n // (warps * step))))
     split_len = -(-max(n, 1) // num_splits)
-    key = lanes.key_for(launch_shared(lanes, coded, warps, qg, tokens, torch.float32) <= _shared_limit(q.device))
+    fits32 = launch_shared(lanes, coded, warps, qg, tokens, torch.float32) <= _shared_limit(q.device)
+    if key_float32 is None:
+        key_float32 = lanes.run_key % 2 == 1 and fits32
+    key = lanes.key_table(key_float32 and fits32)
     shared = launch_shared(lanes, coded, warps, qg, tokens, key.dtype)
     kidx, vidx = coded.key_indices, coded.value_indices
     sig, fpos = inputs.sigma, inputs.fp_positions
     vec = min(_index_vector(kidx), _index_vector(vidx))
-    defines = (("D", d), ("QG", qg), ("U", tokens), ("WARPS", warps), ("KCB", k), ("NKC", kidx.shape[3]),
-               ("NVC", vidx.shape[3]), ("RK", lanes.run_key), ("KMIX", int(lanes.key_mixed)), ("RV", lanes.run_value),
+    defines = (("D", d), ("LPT", lanes.lanes), ("QG", qg), ("U", tokens), ("WARPS", warps), ("KCB", k),
+               ("NKC", kidx.shape[3]), ("NVC", vidx.shape[3]), ("RK", lanes.run_key), ("KMIX", int(lanes.key_mixed)),
+               ("RV", lanes.run_value), ("KG", lanes.key_group), ("VG", lanes.value_group),
                ("KT32", int(key.dtype == torch.float32)), ("VT32", int(lanes.value.dtype == torch.float32)),
                ("CHEB", int(lanes.value.dtype != torch.float32)), ("TASQ", int(tables.tasq)), ("STEP", tables.step),
                ("HAS_MASK", int(inputs.masked)), ("ACT", ACT_CODES[q.dtype]), ("IDXVEC", vec))
@@ -286,6 +334,6 @@ def decode_attention_cuda(
         raise ValueError("tensor strides beyond 2**31 - 1 elements: use the Triton kernel")
     kernel(grid=(heads, num_splits, 1), block=(32 * warps, 1, 1), shared_mem=shared, args=[
         q, kidx, vidx, sig, key, lanes.value, lanes.key_column, lanes.value_column, lanes.key_channel,
-        lanes.value_channel, inputs.first, inputs.cos, inputs.sin, fp_keys, fp_values, fpos, inputs.fp_mask, acc, ml, bsz, n,
-        fp_keys.shape[1], split_len, _float_bits(1.4426950408889634 / math.sqrt(d)), *strides])
+        lanes.value_channel, inputs.first, inputs.cos, inputs.sin, fp_keys, fp_values, fpos, inputs.fp_mask, acc, ml,
+        bsz, n, fp_keys.shape[1], split_len, _float_bits(1.4426950408889634 / math.sqrt(d)), *strides])
     return acc, ml

@@ -23,8 +23,8 @@ CUDA = torch.cuda.is_available()
 
 
 def lane_reads(idx: torch.Tensor, table: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
-    """What every lane reads per token, at the kernel's offsets: idx [B, n, H, codes], table [H, runs, K, 16,
-    run] read flat at (r * K * 16 + lane) * run + index * 16 * run + i, column [H, 16, runs] -> [B, n, H, 16,
+    """What every lane reads per token, at the kernel's offsets: idx [B, n, H, codes], table [H, runs, K, L,
+    run] read flat at (r * K * L + lane) * run + index * L * run + i, column [H, L, runs] -> [B, n, H, L,
     runs * run] float64 in run-major order."""
     heads, runs, k, lanes, run = table.shape
     b, n = idx.shape[:2]
@@ -35,29 +35,31 @@ def lane_reads(idx: torch.Tensor, table: torch.Tensor, column: torch.Tensor) -> 
     return flat[torch.arange(heads)[None, None, :, None], offset.reshape(b, n, heads, -1)].view(b, n, heads, lanes, -1)
 
 
-def emulate(q: torch.Tensor, tables: da.StepTables, coded: da.CodedTokens, fk, fv, fpos, mask, theta: float):
+def emulate(q: torch.Tensor, tables: da.StepTables, coded: da.CodedTokens, fk, fv, fpos, mask, theta: float,
+            lane_count: int):
     """The kernel's reads and arithmetic in lane order, float64: keys gathered into each lane's registers
     (first channels of its pairs, then second ones), the query rotated per pair on the query side, values
     accumulated per lane and scattered to their channels."""
-    lanes = dc.lane_tables(tables)
+    lanes = dc.lane_tables(tables, lane_count)
     bsz, hq, d = q.shape
-    heads, n, per, pairs = lanes.key.shape[0], coded.count, d // 16, d // 32
+    L = lane_count
+    heads, n, per, pairs = lanes.key.shape[0], coded.count, d // L, d // (2 * L)
     qg = hq // heads
     regs = torch.tensor(dc.key_registers(per, lanes.run_key, lanes.key_mixed))
-    kreg = torch.empty(bsz, n, heads, 16, per, dtype=torch.float64)
+    kreg = torch.empty(bsz, n, heads, L, per, dtype=torch.float64)
     kreg[..., regs] = lane_reads(coded.key_indices[:, :n], lanes.key, lanes.key_column)
     if tables.tasq and n:
         kreg = kreg * coded.key_sigma[:, :n, tables.step].double()[:, :, None, None, None]
     vreg = lane_reads(coded.value_indices[:, :n], lanes.value, lanes.value_column)  # [B, n, H, 16, per]
     kch, vch = lanes.key_channel.long(), lanes.value_channel.long()  # [H, D]
-    kfp = fk.double().gather(3, kch[None, None].expand(bsz, fk.shape[1], -1, -1)).view(bsz, -1, heads, 16, per)
-    vfp = fv.double().gather(3, vch[None, None].expand(bsz, fv.shape[1], -1, -1)).view(bsz, -1, heads, 16, per)
-    keys, values = torch.cat([kreg, kfp], 1), torch.cat([vreg, vfp], 1)  # [B, S, H, 16, per]
+    kfp = fk.double().gather(3, kch[None, None].expand(bsz, fk.shape[1], -1, -1)).view(bsz, -1, heads, L, per)
+    vfp = fv.double().gather(3, vch[None, None].expand(bsz, fv.shape[1], -1, -1)).view(bsz, -1, heads, L, per)
+    keys, values = torch.cat([kreg, kfp], 1), torch.cat([vreg, vfp], 1)  # [B, S, H, L, per]
     qreg = q.double().view(bsz, heads, qg, d).gather(3, kch[None, :, None, :].expand(bsz, -1, qg, -1))
-    qa, qb = qreg.view(bsz, heads, qg, 16, 2, pairs).unbind(4)  # [B, H, qg, 16, pairs]
+    qa, qb = qreg.view(bsz, heads, qg, L, 2, pairs).unbind(4)  # [B, H, qg, L, pairs]
     pos = torch.cat([coded.first_position[:, None].long() + torch.arange(n), fpos.long()], 1)
-    cos, sin = (t.double().view(bsz, -1, 16, pairs)[:, :, None, None] for t in rope_angles(pos, d, theta))
-    xa, xb = qa[:, None] * cos + qb[:, None] * sin, qb[:, None] * cos - qa[:, None] * sin  # [B, S, H, qg, 16, pairs]
+    cos, sin = (t.double().view(bsz, -1, L, pairs)[:, :, None, None] for t in rope_angles(pos, d, theta))
+    xa, xb = qa[:, None] * cos + qb[:, None] * sin, qb[:, None] * cos - qa[:, None] * sin  # [B, S, H, qg, L, pairs]
     ka, kb = keys.view(*keys.shape[:4], 2, pairs).unbind(4)
     scores = (ka[:, :, :, None] * xa + kb[:, :, :, None] * xb).sum((-1, -2)) / math.sqrt(d)  # [B, S, H, qg]
     if mask is not None:
@@ -71,13 +73,13 @@ def emulate(q: torch.Tensor, tables: da.StepTables, coded: da.CodedTokens, fk, f
 
 @pytest.mark.parametrize("method", ["cq", "tasq", "loopvq", "tasq+loopvq"])
 @pytest.mark.parametrize("style", ["half", "interleaved"])
-@pytest.mark.parametrize("q_heads", [2, 6])
-def test_lane_tables_give_the_reference_attention(method, style, q_heads):
+@pytest.mark.parametrize("q_heads, lanes", [(2, 8), (2, 16), (6, 8)])
+def test_lane_tables_give_the_reference_attention(method, style, q_heads, lanes):
     kc, vc = make_codecs(method, 2, 64, 16, 8, 4, seed=4)
     coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, 2, q_heads, 23, 6, seed=4, pad=2)
     for step in range(kc.layout.steps):
         tables = da.step_tables(kc, vc, step, style, "cpu", torch.float32)
-        got = emulate(q, tables, coded, fk, fv, fpos, mask, 1e4)
+        got = emulate(q, tables, coded, fk, fv, fpos, mask, 1e4, lanes)
         ref = da.decode_attention_reference(q, kc, vc, step, coded, fk, fv, fpos, mask, style, 1e4)
         assert ((got - ref).norm() / ref.norm()).item() < 1e-6, (method, style, step)  # float32 tables and angles
 
@@ -93,7 +95,7 @@ def test_run_lengths_of_known_layouts():
             (32, 4, "half", 4, False, 8), (16, 4, "interleaved", 4, True, 4), (32, 4, "interleaved", 8, False, 8)):
         kc, vc = make_codecs("loopvq", 2, 128, 16, g, steps)
         tables = da.step_tables(kc, vc, 1, style, "cpu", torch.float32)
-        lanes = dc.lane_tables(tables)
+        lanes = dc.lane_tables(tables, 16)
         assert (lanes.run_key, lanes.key_mixed, lanes.run_value) == (run_key, mixed, run_value), (g, style)
         assert lanes.key.shape == (2, 8 // run_key, 16, 16, run_key)
         regs = torch.tensor(dc.key_registers(8, run_key, mixed))
@@ -105,6 +107,18 @@ def test_run_lengths_of_known_layouts():
         expect = torch.empty(2, 16, 128)
         expect[:, :, a], expect[:, :, b] = tables.key_a, tables.key_b
         assert torch.equal(full, expect), (g, style)
+
+
+def test_index_bytes_read_together_at_ouro_shapes():
+    """With 8 lanes per token a loop-axis lane reads codes 2m, 2m+1 (first channels) and 2m+16, 2m+17 (second
+    channels) of the keys: two 16-bit loads; values 4m .. 4m+3: one 32-bit load. TaSQ's permuted keys: bytes."""
+    kc, vc = make_codecs("loopvq", 2, 128, 16, 16, 4)
+    lanes = dc.lane_tables(da.step_tables(kc, vc, 1, "half", "cpu", torch.float16), 8)
+    assert (lanes.run_key, lanes.key_group, lanes.run_value, lanes.value_group) == (4, 2, 4, 4)
+    assert lanes.key_column[0, 3].tolist() == [6, 7, 22, 23] and lanes.value_column[0, 3].tolist() == [12, 13, 14, 15]
+    kc, vc = make_codecs("tasq+loopvq", 2, 128, 16, 16, 4)
+    lanes = dc.lane_tables(da.step_tables(kc, vc, 1, "half", "cpu", torch.float16), 8)
+    assert (lanes.run_key, lanes.key_group, lanes.value_group) == (1, 1, 4)
 
 
 def test_head_dims_that_are_no_multiple_of_32_are_left_to_triton():
@@ -153,8 +167,8 @@ def test_fits_checks_what_the_kernel_reads(monkeypatch):
     assert not dc.fits(lanes, cuda_q, fk, fv, token_major, 8)
     assert not dc.fits(lanes, cuda_q, fk, fv, SimpleNamespace(**{**vars(u8), "key_sigma": torch.ones(1, 8, 4)}), 8)
     assert not dc.fits(lanes, cuda_q, fk.transpose(-1, -2), fv, u8, 8)
-    need = dc.launch_shared(lanes, u8, 8, 1, 8)
-    assert need == 2 * 64 * 16 * 2 + 8 * 2 * 16 * 64 + 64 * 4 + 8 * 16 * 4  # tables, stages, query, weights
+    need = dc.launch_shared(lanes, u8, 8, 1, 8)  # 8 lanes per token: 4 groups x 8 tokens per warp step
+    assert need == 2 * 64 * 16 * 2 + 8 * 2 * 32 * 64 + 64 * 4 + 8 * 32 * 4  # tables, stages, query, weights
     limit.shared_memory_per_block_optin = need - 1
     assert not dc.fits(lanes, cuda_q, fk, fv, u8, 8, 8)
     limit.shared_memory_per_block_optin = need
@@ -182,31 +196,39 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @gpu
 @pytest.mark.parametrize("method", ["cq", "tasq", "loopvq", "tasq+loopvq"])
 @pytest.mark.parametrize("style", ["half", "interleaved"])
-def test_kernel_every_method_and_rope_style(method, style):
-    check(method, style, heads=2, q_heads=2, n=77, s_fp=6, d=64, k=32, g=8, splits=3, pad=2, backend="cuda")
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_kernel_every_method_and_rope_style(method, style, lanes):
+    check(method, style, heads=2, q_heads=2, n=77, s_fp=6, d=64, k=32, g=8, splits=3, pad=2, backend="cuda",
+          lanes_per_token=lanes)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("n, s_fp, splits, tokens, warps", [
-    (0, 1, None, 8, 8), (1, 3, None, 8, 8), (15, 4, 2, 4, 4), (16, 20, 1, 8, 8), (129, 2, 3, 16, 8),
-    (300, 12, 5, 2, 20), (1000, 9, None, 8, 16), (77, 5, 2, 8, 12), (2000, 40, 3, 1, 8),
+@pytest.mark.parametrize("n, s_fp, splits, tokens, warps, lanes", [
+    (0, 1, None, 8, 8, 8), (1, 3, None, 8, 8, 16), (15, 4, 2, 4, 4, 8), (16, 20, 1, 8, 8, 16), (129, 2, 3, 16, 8, 16),
+    (300, 12, 5, 2, 20, 8), (1000, 9, None, 8, 16, 8), (77, 5, 2, 8, 12, 16), (2000, 40, 3, 1, 8, 8),
+    (999, 7, 2, 8, 16, 16),
 ])
-def test_kernel_tile_split_and_region_boundaries(n, s_fp, splits, tokens, warps):
+def test_kernel_tile_split_and_region_boundaries(n, s_fp, splits, tokens, warps, lanes):
     check("loopvq", "half", heads=2, q_heads=2, n=n, s_fp=s_fp, d=128, k=64, g=16, splits=splits, seed=n,
-          backend="cuda", tokens_per_iteration=tokens, warps=warps)
+          backend="cuda", tokens_per_iteration=tokens, warps=warps, lanes_per_token=lanes)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("method, style, d", [("loopvq", "half", 96), ("tasq+loopvq", "interleaved", 64)])
-def test_kernel_gqa_and_huginn_head_dim(method, style, d):
-    check(method, style, heads=2, q_heads=6, n=50, s_fp=5, d=d, k=32, g=8, splits=2, seed=3, backend="cuda")
+@pytest.mark.parametrize("method, style, d, lanes", [
+    ("loopvq", "half", 96, 16), ("tasq+loopvq", "interleaved", 64, 16), ("loopvq", "interleaved", 128, 8)])
+def test_kernel_gqa_and_huginn_head_dim(method, style, d, lanes):
+    check(method, style, heads=2, q_heads=6, n=50, s_fp=5, d=d, k=32, g=8, splits=2, seed=3, backend="cuda",
+          lanes_per_token=lanes)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("method", ["loopvq", "tasq+loopvq"])
-def test_kernel_at_ouro_shapes_in_fp16_tables_and_bf16(method):
+@pytest.mark.parametrize("method, lanes, key_float32", [
+    ("loopvq", 8, None), ("loopvq", 16, None), ("loopvq", 16, True), ("tasq+loopvq", 8, None), ("tasq+loopvq", 16, None)])
+def test_kernel_at_ouro_shapes_in_fp16_tables_and_bf16(method, lanes, key_float32):
+    """fp16 tables, bf16 query and tokens; keys read as packed halves (or widened to fp32) and values summed in
+    packed halves over a warp step: relative error within the fp16 tolerance."""
     check(method, "half", heads=16, q_heads=16, n=3000, s_fp=72, d=128, k=256, g=16, table_dtype=torch.float16,
-          dtype=torch.bfloat16, tol=1e-2, backend="cuda")
+          dtype=torch.bfloat16, tol=1e-2, backend="cuda", lanes_per_token=lanes, key_float32=key_float32)
