@@ -20,7 +20,7 @@
 // Constants defined before this text: D, LPT (8 or 16), QG (query heads per KV head), U, WARPS, KCB
 // (codebook size), NKC / NVC (index bytes per token: key / value codes), RK / RV (run lengths), KMIX (key runs
 // hold both channels of their pairs), KG / VG (runs whose index bytes are read together: 1, 2 or 4), KT32 /
-// VT32 (key / value tables in fp32, else fp16), CHEB, TASQ, STEP, HAS_MASK, ACT (0 bf16, 1 fp16, 2 fp32: q
+// VT32 (key / value tables in fp32, else fp16), CHEB, TASQ, HAS_MASK, ACT (0 bf16, 1 fp16, 2 fp32: q
 // and the full-precision keys/values), IDXVEC (bytes per cp.async: 4 or 16).
 
 typedef unsigned char u8;
@@ -442,7 +442,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
             }
 #if TASQ
             const int my_t = min(t0 + GRP * (l / SPREAD) + grp, w_end - 1);  // this lane's token after the reduction
-            const float sgm = h2f(srow[(i64)my_t * s_st + STEP]);
+            const float sgm = h2f(srow[(i64)my_t * s_st]);  // sig points at the step's column
 #endif
             cp_wait<1>();
             __syncwarp();

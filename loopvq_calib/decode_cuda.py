@@ -318,12 +318,14 @@ def decode_attention_cuda(
     shared = launch_shared(lanes, coded, warps, qg, tokens, key.dtype)
     kidx, vidx = coded.key_indices, coded.value_indices
     sig, fpos = inputs.sigma, inputs.fp_positions
+    if tables.tasq and n:
+        sig = sig[:, :, tables.step]  # the kernel reads the step's column (one build serves every step)
     vec = min(_index_vector(kidx), _index_vector(vidx))
     defines = (("D", d), ("LPT", lanes.lanes), ("QG", qg), ("U", tokens), ("WARPS", warps), ("KCB", k),
                ("NKC", kidx.shape[3]), ("NVC", vidx.shape[3]), ("RK", lanes.run_key), ("KMIX", int(lanes.key_mixed)),
                ("RV", lanes.run_value), ("KG", lanes.key_group), ("VG", lanes.value_group),
                ("KT32", int(key.dtype == torch.float32)), ("VT32", int(lanes.value.dtype == torch.float32)),
-               ("CHEB", int(lanes.value.dtype != torch.float32)), ("TASQ", int(tables.tasq)), ("STEP", tables.step),
+               ("CHEB", int(lanes.value.dtype != torch.float32)), ("TASQ", int(tables.tasq)),
                ("HAS_MASK", int(inputs.masked)), ("ACT", ACT_CODES[q.dtype]), ("IDXVEC", vec))
     kernel = _compiled(defines, shared, q.device.index if q.device.index is not None else torch.cuda.current_device())
     acc = torch.empty(bsz, hq, num_splits, d, device=q.device, dtype=torch.float32)

@@ -136,8 +136,8 @@ def test_a_failed_build_is_remembered_and_named(monkeypatch):
     monkeypatch.setattr(torch.cuda, "_compile_kernel", broken, raising=False)
     monkeypatch.setattr(torch.cuda, "device", lambda index: __import__("contextlib").nullcontext())
     with pytest.raises(dc.BuildError, match="broken on purpose") as err:
-        dc._compiled((("D", 64), ("STEP", 3)), 0, 0)
-    assert dc.KERNEL in str(err.value) and "'STEP': 3" in str(err.value) and dc.BUILD_FAILED == [err.value]
+        dc._compiled((("D", 64), ("TASQ", 1)), 0, 0)
+    assert dc.KERNEL in str(err.value) and "'TASQ': 1" in str(err.value) and dc.BUILD_FAILED == [err.value]
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
     tables = da.step_tables(kc, vc, 0, "half", "cpu", torch.float16)
