@@ -157,12 +157,12 @@ def lane_tables(tables, lanes: int = 8) -> LaneTables | None:
         lanes, _group(key_column.cpu()), _group(value_column.cpu()))
 
 
-def default_launch(query_groups: int) -> tuple[int, int, int]:
-    """(warps per block, tokens per group and step, lanes per token): 16 x 8 x 8 for one query head per KV head
-    (at Ouro's shapes the register file and shared memory, not the warps, are the limit), 8 x 4 x 16 for GQA
-    (every query head keeps its own rotated query and accumulator). Measured on the H200
-    (docs/quantized-cache.md)."""
-    return (16, 8, 8) if query_groups == 1 else (8, 4, 16)
+def default_launch(query_groups: int) -> tuple[int, int, int, int]:
+    """(warps per block, tokens per group and step, lanes per token, batch rows per pass): 16 x 8 x 16 x 1 for
+    one query head per KV head (at Ouro's shapes the register file and shared memory, not the warps, are the
+    limit; 8 lanes per token measured slower), 8 x 4 x 16 x 1 for GQA (every query head keeps its own rotated
+    query and accumulator). Measured on the H200 (docs/quantized-cache.md)."""
+    return (16, 8, 16, 1) if query_groups == 1 else (8, 4, 16, 1)
 
 
 def site_lanes(tables, query_groups: int, lanes: int | None = None) -> LaneTables | None:
@@ -187,13 +187,14 @@ def _align16(x: int) -> int:
 
 
 def shared_layout(d: int, k: int, key_bytes: int, value_bytes: int, key_codes: int, value_codes: int, warps: int,
-                  query_groups: int, step_tokens: int) -> int:
-    """Bytes of dynamic shared memory (decode_attention.cu's KT_BYTES + VT_BYTES + STAGE_BYTES + QS_BYTES + pbuf);
-    ``step_tokens`` tokens per warp step (TOK)."""
+                  query_groups: int, step_tokens: int, rows: int = 1) -> int:
+    """Bytes of dynamic shared memory (decode_attention.cu's KT_BYTES + VT_BYTES + STAGE_BYTES + QS_BYTES + pbuf +
+    the channel maps);
+    ``step_tokens`` tokens per warp step (TOK), ``rows`` batch rows per pass (RPB)."""
     stage = warps * 2 * step_tokens * (key_codes + value_codes)
     merge = warps * query_groups * (d + 2) * 4
-    return (d * k * key_bytes + d * k * value_bytes + _align16(max(stage, merge)) + query_groups * d * 4
-            + warps * query_groups * step_tokens * 4)
+    return (d * k * key_bytes + d * k * value_bytes + _align16(max(stage, merge)) + rows * query_groups * d * 4
+            + warps * query_groups * step_tokens * 4 + 2 * d * 4)
 
 
 def fits(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
@@ -217,8 +218,8 @@ def fits(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_va
             return False
         read.append(coded.key_sigma)
     qg = q.shape[1] // lanes.key.shape[0]
-    w, u, _ = default_launch(qg)
-    if launch_shared(lanes, coded, warps or w, qg, tokens or u) > _shared_limit(q.device):
+    w, u, _, rows = default_launch(qg)
+    if launch_shared(lanes, coded, warps or w, qg, tokens or u, rows=rows) > _shared_limit(q.device):
         return False
     return all(t.stride(-1) == 1 and t.numel() <= INT32_MAX and max(t.stride()) <= INT32_MAX for t in read + list(indices))
 
@@ -240,13 +241,13 @@ def _index_vector(idx: torch.Tensor) -> int:
 
 
 def launch_shared(lanes: LaneTables, coded, warps: int, query_groups: int, tokens: int,
-                  key_dtype: torch.dtype | None = None) -> int:
+                  key_dtype: torch.dtype | None = None, rows: int = 1) -> int:
     """Shared memory of a launch with the key table in ``key_dtype`` (default: the tables' own)."""
     heads, _, k, _, _ = lanes.key.shape
     d = lanes.key_channel.shape[1]
     kb = torch.finfo(key_dtype or lanes.key.dtype).bits // 8
     return shared_layout(d, k, kb, lanes.value.element_size(), coded.key_indices.shape[3],
-                         coded.value_indices.shape[3], warps, query_groups, 32 // lanes.lanes * tokens)
+                         coded.value_indices.shape[3], warps, query_groups, 32 // lanes.lanes * tokens, rows)
 
 
 def _float_bits(x: float) -> int:
@@ -284,7 +285,7 @@ def _compiled(defines: tuple[tuple[str, int], ...], shared: int, device: int):
 def decode_attention_cuda(
     inputs, tables, lanes: LaneTables, coded, fp_keys: torch.Tensor, fp_values: torch.Tensor,
     warps: int | None = None, tokens_per_iteration: int | None = None, num_splits: int | None = None,
-    key_float32: bool | None = None,
+    key_float32: bool | None = None, rows_per_pass: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the split kernel; returns (acc [B, Hq, S, D], max/sum [B, Hq, S, 2]) for the log-sum-exp merge.
 
@@ -295,33 +296,35 @@ def decode_attention_cuda(
     step (1 .. lanes, a power of two; a warp takes 32/lanes times as many), both from :func:`default_launch`
     when None; splits per KV head default to the multiprocessors over the heads. ``key_float32``: the key table
     in float32 in shared memory (no conversions); default: only where its runs cannot be read as packed halves
-    (odd runs) and it fits."""
+    (odd runs) and it fits. ``rows_per_pass``: batch rows served at once by WARPS / rows warps each (1, 2 or 4)."""
     q = inputs.q
     bsz, hq, d = q.shape
     heads, _, k, _, _ = lanes.key.shape
     qg = hq // heads
-    w, u, _ = default_launch(qg)
-    warps, tokens = warps or w, tokens_per_iteration or u
+    w, u, _, r = default_launch(qg)
+    warps, tokens, rows = warps or w, tokens_per_iteration or u, rows_per_pass or r
     if tokens not in (1, 2, 4, 8, 16) or tokens > lanes.lanes or not 1 <= warps <= 32:
         raise ValueError(f"tokens_per_iteration must be a power of two up to the lanes per token ({lanes.lanes}) and "
                          f"warps 1..32, got {tokens} and {warps}")
+    if rows not in (1, 2, 4) or warps % rows:
+        raise ValueError(f"rows_per_pass must be 1, 2 or 4 and divide the warps ({warps}), got {rows}")
     step = 32 // lanes.lanes * tokens
     n = coded.count
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        num_splits = max(1, min(sms // heads, -(-n // (warps * step))))
+        num_splits = max(1, min(sms // heads, -(-n // (warps // rows * step))))
     split_len = -(-max(n, 1) // num_splits)
-    fits32 = launch_shared(lanes, coded, warps, qg, tokens, torch.float32) <= _shared_limit(q.device)
+    fits32 = launch_shared(lanes, coded, warps, qg, tokens, torch.float32, rows) <= _shared_limit(q.device)
     if key_float32 is None:
         key_float32 = lanes.run_key % 2 == 1 and fits32
     key = lanes.key_table(key_float32 and fits32)
-    shared = launch_shared(lanes, coded, warps, qg, tokens, key.dtype)
+    shared = launch_shared(lanes, coded, warps, qg, tokens, key.dtype, rows)
     kidx, vidx = coded.key_indices, coded.value_indices
     sig, fpos = inputs.sigma, inputs.fp_positions
     if tables.tasq and n:
         sig = sig[:, :, tables.step]  # the kernel reads the step's column (one build serves every step)
     vec = min(_index_vector(kidx), _index_vector(vidx))
-    defines = (("D", d), ("LPT", lanes.lanes), ("QG", qg), ("U", tokens), ("WARPS", warps), ("KCB", k),
+    defines = (("D", d), ("LPT", lanes.lanes), ("RPB", rows), ("QG", qg), ("U", tokens), ("WARPS", warps), ("KCB", k),
                ("NKC", kidx.shape[3]), ("NVC", vidx.shape[3]), ("RK", lanes.run_key), ("KMIX", int(lanes.key_mixed)),
                ("RV", lanes.run_value), ("KG", lanes.key_group), ("VG", lanes.value_group),
                ("KT32", int(key.dtype == torch.float32)), ("VT32", int(lanes.value.dtype == torch.float32)),
