@@ -320,6 +320,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
             chans[D + i] = vch[h * D + i];
         }
     }
+    __syncthreads();  // the channel maps are read by every thread from here on (the tables after the first row's sync)
     const int* kchan = chans;  // shared copies: the full-precision tokens and the merge read them per row
     const int* vchan = chans + D;
     // per run of the lane: its index column and the shared address of its values in codeword 0 (+ index * row bytes)
