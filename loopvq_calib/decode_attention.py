@@ -202,7 +202,7 @@ def decode_attention(
     num_splits: int | None = None, num_warps: int = 4, max_position: int | None = None,
     programs_per_sm: int = 4, batch_per_program: int = 1, cache_hints: bool = False, backend: str = "auto",
     warps: int | None = None, tokens_per_iteration: int | None = None, lanes_per_token: int | None = None,
-    key_float32: bool | None = None, rows_per_pass: int | None = None,
+    key_float32: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over coded and full-precision tokens (the Triton kernels).
 
@@ -214,8 +214,7 @@ def decode_attention(
     ``batch_per_program`` sequences), about ``programs_per_sm`` per multiprocessor (``num_splits`` overrides);
     ``cache_hints``: tables loaded evict-last and the index stream evict-first.
     ``backend``: ``"cuda"`` the shared-memory kernel of :mod:`~loopvq_calib.decode_cuda` (``warps`` per
-    block, ``tokens_per_iteration`` per lane group and step, ``lanes_per_token`` 8 or 16, ``key_float32``,
-    ``rows_per_pass``;
+    block, ``tokens_per_iteration`` per lane group and step, ``lanes_per_token`` 8 or 16, ``key_float32``;
     defaults from :func:`~loopvq_calib.decode_cuda.default_launch`; ``num_splits`` per KV head), ``"triton"``
     the kernel of
     :mod:`~loopvq_calib.decode_kernels`, ``"auto"`` the CUDA kernel where the site and the call fit it
@@ -242,7 +241,7 @@ def decode_attention(
             inputs = kernel_inputs(q, tables, coded, fp_positions, fp_mask, rope, max(max_position + 2, 8))
             try:
                 acc, ml = decode_cuda.decode_attention_cuda(inputs, tables, lanes, coded, fp_keys, fp_values, warps,
-                                                            tokens_per_iteration, num_splits, key_float32, rows_per_pass)
+                                                            tokens_per_iteration, num_splits, key_float32)
                 return _merged(acc, ml, q.dtype)
             except decode_cuda.BuildError as err:  # no NVRTC or a failed build: the Triton kernel serves
                 if backend == "cuda":

@@ -7,9 +7,9 @@ tables through the L1 cache (one scattered access per channel); this kernel keep
 tables in shared memory in **lane order** (:func:`lane_tables`): a token is served by a group of ``lanes``
 lanes (8 or 16), lane ``l`` owning ``D/lanes`` key channels (both channels of ``D/(2 lanes)`` RoPE pairs, so
 the query's rotation is lane-local) and ``D/lanes`` value channels; the channels a lane reads from one code
-form a *run* (one index byte and one vector load per token). Loop-axis layouts give runs of 4 (Ouro, 8 lanes:
-a lane reads 4 key and 4 value codes per token, their index bytes in one 16-bit and one 32-bit load); TaSQ's
-permuted keys give runs of 1. :func:`lane_tables` says whether a site fits (head dim a multiple of 2 lanes);
+form a *run* (one index byte and one vector load per token). Loop-axis layouts give runs of 4 (Ouro, 16 lanes:
+a lane reads 2 key and 2 value codes per token, the value codes' index bytes in one 16-bit load; with 8 lanes
+4 and 4, in one 16-bit and one 32-bit load); TaSQ's permuted keys give runs of 1. :func:`lane_tables` says whether a site fits (head dim a multiple of 2 lanes);
 :func:`fits` whether a call does (else the Triton kernel serves it).
 """
 
@@ -123,7 +123,7 @@ def _group(columns: torch.Tensor) -> int:
     return 1
 
 
-def lane_tables(tables, lanes: int = 8) -> LaneTables | None:
+def lane_tables(tables, lanes: int = 16) -> LaneTables | None:
     """:class:`LaneTables` of a :class:`~loopvq_calib.decode_attention.StepTables` for ``lanes`` lanes per token,
     or None when the site does not fit this kernel (head dim not a multiple of 2 lanes)."""
     from .models.common import pair_channels
@@ -157,29 +157,22 @@ def lane_tables(tables, lanes: int = 8) -> LaneTables | None:
         lanes, _group(key_column.cpu()), _group(value_column.cpu()))
 
 
-def default_launch(query_groups: int) -> tuple[int, int, int, int]:
-    """(warps per block, tokens per group and step, lanes per token, batch rows per pass): 16 x 8 x 16 x 1 for
-    one query head per KV head (at Ouro's shapes the register file and shared memory, not the warps, are the
-    limit; 8 lanes per token measured slower), 8 x 4 x 16 x 1 for GQA (every query head keeps its own rotated
-    query and accumulator). Measured on the H200 (docs/quantized-cache.md)."""
-    return (16, 8, 16, 1) if query_groups == 1 else (8, 4, 16, 1)
+def default_launch(query_groups: int) -> tuple[int, int, int]:
+    """(warps per block, tokens per group and step, lanes per token): 16 x 8 x 16 for one query head per KV head
+    (at Ouro's shapes the register file and shared memory, not the warps, are the limit; 8 lanes per token
+    measured slower: their 64-byte table rows make two groups of a half-warp collide on banks), 8 x 4 x 16 for
+    GQA (every query head keeps its own rotated query and accumulator). Measured on the H200
+    (docs/quantized-cache.md)."""
+    return (16, 8, 16) if query_groups == 1 else (8, 4, 16)
 
 
 def site_lanes(tables, query_groups: int, lanes: int | None = None) -> LaneTables | None:
-    """The site's :class:`LaneTables` for ``lanes`` per token (default: :func:`default_launch`'s, or 16 where 8
-    lanes would read every key channel as a run of its own, as TaSQ's permuted keys do: 16 runs per lane
-    overflow the registers), built once and kept in ``tables.lanes``."""
-    def get(count: int) -> LaneTables | None:
-        if count not in tables.lanes:
-            tables.lanes[count] = lane_tables(tables, count)
-        return tables.lanes[count]
-
-    if lanes is not None:
-        return get(lanes)
-    first = get(default_launch(query_groups)[2])
-    if first is not None and first.lanes == 8 and first.run_key == 1:
-        return get(16) or first
-    return first
+    """The site's :class:`LaneTables` for ``lanes`` per token (default: :func:`default_launch`'s), built once and
+    kept in ``tables.lanes``."""
+    count = lanes or default_launch(query_groups)[2]
+    if count not in tables.lanes:
+        tables.lanes[count] = lane_tables(tables, count)
+    return tables.lanes[count]
 
 
 def _align16(x: int) -> int:
@@ -187,14 +180,13 @@ def _align16(x: int) -> int:
 
 
 def shared_layout(d: int, k: int, key_bytes: int, value_bytes: int, key_codes: int, value_codes: int, warps: int,
-                  query_groups: int, step_tokens: int, rows: int = 1) -> int:
-    """Bytes of dynamic shared memory (decode_attention.cu's KT_BYTES + VT_BYTES + STAGE_BYTES + QS_BYTES + pbuf +
-    the channel maps);
-    ``step_tokens`` tokens per warp step (TOK), ``rows`` batch rows per pass (RPB)."""
+                  query_groups: int, step_tokens: int) -> int:
+    """Bytes of dynamic shared memory (decode_attention.cu's KT_BYTES + VT_BYTES + STAGE_BYTES + QS_BYTES + pbuf);
+    ``step_tokens`` tokens per warp step (TOK)."""
     stage = warps * 2 * step_tokens * (key_codes + value_codes)
     merge = warps * query_groups * (d + 2) * 4
-    return (d * k * key_bytes + d * k * value_bytes + _align16(max(stage, merge)) + rows * query_groups * d * 4
-            + warps * query_groups * step_tokens * 4 + 2 * d * 4)
+    return (d * k * key_bytes + d * k * value_bytes + _align16(max(stage, merge)) + query_groups * d * 4
+            + warps * query_groups * step_tokens * 4)
 
 
 def fits(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
@@ -218,8 +210,8 @@ def fits(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_va
             return False
         read.append(coded.key_sigma)
     qg = q.shape[1] // lanes.key.shape[0]
-    w, u, _, rows = default_launch(qg)
-    if launch_shared(lanes, coded, warps or w, qg, tokens or u, rows=rows) > _shared_limit(q.device):
+    w, u, _ = default_launch(qg)
+    if launch_shared(lanes, coded, warps or w, qg, tokens or u) > _shared_limit(q.device):
         return False
     return all(t.stride(-1) == 1 and t.numel() <= INT32_MAX and max(t.stride()) <= INT32_MAX for t in read + list(indices))
 
@@ -241,13 +233,13 @@ def _index_vector(idx: torch.Tensor) -> int:
 
 
 def launch_shared(lanes: LaneTables, coded, warps: int, query_groups: int, tokens: int,
-                  key_dtype: torch.dtype | None = None, rows: int = 1) -> int:
+                  key_dtype: torch.dtype | None = None) -> int:
     """Shared memory of a launch with the key table in ``key_dtype`` (default: the tables' own)."""
     heads, _, k, _, _ = lanes.key.shape
     d = lanes.key_channel.shape[1]
     kb = torch.finfo(key_dtype or lanes.key.dtype).bits // 8
     return shared_layout(d, k, kb, lanes.value.element_size(), coded.key_indices.shape[3],
-                         coded.value_indices.shape[3], warps, query_groups, 32 // lanes.lanes * tokens, rows)
+                         coded.value_indices.shape[3], warps, query_groups, 32 // lanes.lanes * tokens)
 
 
 def _float_bits(x: float) -> int:
@@ -285,7 +277,7 @@ def _compiled(defines: tuple[tuple[str, int], ...], shared: int, device: int):
 def decode_attention_cuda(
     inputs, tables, lanes: LaneTables, coded, fp_keys: torch.Tensor, fp_values: torch.Tensor,
     warps: int | None = None, tokens_per_iteration: int | None = None, num_splits: int | None = None,
-    key_float32: bool | None = None, rows_per_pass: int | None = None,
+    key_float32: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the split kernel; returns (acc [B, Hq, S, D], max/sum [B, Hq, S, 2]) for the log-sum-exp merge.
 
@@ -296,35 +288,33 @@ def decode_attention_cuda(
     step (1 .. lanes, a power of two; a warp takes 32/lanes times as many), both from :func:`default_launch`
     when None; splits per KV head default to the multiprocessors over the heads. ``key_float32``: the key table
     in float32 in shared memory (no conversions); default: only where its runs cannot be read as packed halves
-    (odd runs) and it fits. ``rows_per_pass``: batch rows served at once by WARPS / rows warps each (1, 2 or 4)."""
+    (odd runs) and it fits."""
     q = inputs.q
     bsz, hq, d = q.shape
     heads, _, k, _, _ = lanes.key.shape
     qg = hq // heads
-    w, u, _, r = default_launch(qg)
-    warps, tokens, rows = warps or w, tokens_per_iteration or u, rows_per_pass or r
+    w, u, _ = default_launch(qg)
+    warps, tokens = warps or w, tokens_per_iteration or u
     if tokens not in (1, 2, 4, 8, 16) or tokens > lanes.lanes or not 1 <= warps <= 32:
         raise ValueError(f"tokens_per_iteration must be a power of two up to the lanes per token ({lanes.lanes}) and "
                          f"warps 1..32, got {tokens} and {warps}")
-    if rows not in (1, 2, 4) or warps % rows:
-        raise ValueError(f"rows_per_pass must be 1, 2 or 4 and divide the warps ({warps}), got {rows}")
     step = 32 // lanes.lanes * tokens
     n = coded.count
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        num_splits = max(1, min(sms // heads, -(-n // (warps // rows * step))))
+        num_splits = max(1, min(sms // heads, -(-n // (warps * step))))
     split_len = -(-max(n, 1) // num_splits)
-    fits32 = launch_shared(lanes, coded, warps, qg, tokens, torch.float32, rows) <= _shared_limit(q.device)
+    fits32 = launch_shared(lanes, coded, warps, qg, tokens, torch.float32) <= _shared_limit(q.device)
     if key_float32 is None:
         key_float32 = lanes.run_key % 2 == 1 and fits32
     key = lanes.key_table(key_float32 and fits32)
-    shared = launch_shared(lanes, coded, warps, qg, tokens, key.dtype, rows)
+    shared = launch_shared(lanes, coded, warps, qg, tokens, key.dtype)
     kidx, vidx = coded.key_indices, coded.value_indices
     sig, fpos = inputs.sigma, inputs.fp_positions
     if tables.tasq and n:
         sig = sig[:, :, tables.step]  # the kernel reads the step's column (one build serves every step)
     vec = min(_index_vector(kidx), _index_vector(vidx))
-    defines = (("D", d), ("LPT", lanes.lanes), ("RPB", rows), ("QG", qg), ("U", tokens), ("WARPS", warps), ("KCB", k),
+    defines = (("D", d), ("LPT", lanes.lanes), ("QG", qg), ("U", tokens), ("WARPS", warps), ("KCB", k),
                ("NKC", kidx.shape[3]), ("NVC", vidx.shape[3]), ("RK", lanes.run_key), ("KMIX", int(lanes.key_mixed)),
                ("RV", lanes.run_value), ("KG", lanes.key_group), ("VG", lanes.value_group),
                ("KT32", int(key.dtype == torch.float32)), ("VT32", int(lanes.value.dtype == torch.float32)),

@@ -153,7 +153,7 @@ def test_fits_checks_what_the_kernel_reads(monkeypatch):
 
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
-    lanes = dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16))
+    lanes = dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 8)
     monkeypatch.setattr(dc, "BUILD_FAILED", [])
     monkeypatch.setattr(torch.cuda, "_compile_kernel", lambda *a, **k: None, raising=False)
     limit = SimpleNamespace(shared_memory_per_block_optin=228 * 1024)
@@ -168,8 +168,7 @@ def test_fits_checks_what_the_kernel_reads(monkeypatch):
     assert not dc.fits(lanes, cuda_q, fk, fv, SimpleNamespace(**{**vars(u8), "key_sigma": torch.ones(1, 8, 4)}), 8)
     assert not dc.fits(lanes, cuda_q, fk.transpose(-1, -2), fv, u8, 8)
     need = dc.launch_shared(lanes, u8, 8, 1, 8)  # 8 lanes per token: 4 groups x 8 tokens per warp step
-    assert need == 2 * 64 * 16 * 2 + 8 * 2 * 32 * 64 + 64 * 4 + 8 * 32 * 4 + 2 * 64 * 4  # tables, stages, query,
-    # weights, channel maps
+    assert need == 2 * 64 * 16 * 2 + 8 * 2 * 32 * 64 + 64 * 4 + 8 * 32 * 4  # tables, stages, query, weights
     limit.shared_memory_per_block_optin = need - 1
     assert not dc.fits(lanes, cuda_q, fk, fv, u8, 8, 8)
     limit.shared_memory_per_block_optin = need
@@ -226,21 +225,10 @@ def test_kernel_gqa_and_huginn_head_dim(method, style, d, lanes):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("rows, batch, warps", [(2, 3, 16), (4, 2, 16), (2, 5, 8), (4, 5, 12)])
-def test_kernel_serves_several_rows_per_pass(rows, batch, warps):
-    """Rows per pass: the block's warps split over batch rows (a last pass with fewer rows, left padding)."""
-    check("tasq+loopvq", "half", heads=2, q_heads=2, n=333, s_fp=9, d=128, k=64, g=16, splits=2, pad=2, batch=batch,
-          seed=rows + batch, backend="cuda", rows_per_pass=rows, warps=warps)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("method, lanes, key_float32, rows", [
-    ("loopvq", 8, None, 1), ("loopvq", 16, None, 1), ("loopvq", 16, True, 1), ("loopvq", 16, None, 2),
-    ("tasq+loopvq", 8, None, 1), ("tasq+loopvq", 16, None, 4)])
-def test_kernel_at_ouro_shapes_in_fp16_tables_and_bf16(method, lanes, key_float32, rows):
+@pytest.mark.parametrize("method, lanes, key_float32", [
+    ("loopvq", 8, None), ("loopvq", 16, None), ("loopvq", 16, True), ("tasq+loopvq", 8, None), ("tasq+loopvq", 16, None)])
+def test_kernel_at_ouro_shapes_in_fp16_tables_and_bf16(method, lanes, key_float32):
     """fp16 tables, bf16 query and tokens; keys read as packed halves (or widened to fp32) and values summed in
     packed halves over a warp step: relative error within the fp16 tolerance."""
     check(method, "half", heads=16, q_heads=16, n=3000, s_fp=72, d=128, k=256, g=16, table_dtype=torch.float16,
-          dtype=torch.bfloat16, tol=1e-2, backend="cuda", lanes_per_token=lanes, key_float32=key_float32,
-          rows_per_pass=rows)
+          dtype=torch.bfloat16, tol=1e-2, backend="cuda", lanes_per_token=lanes, key_float32=key_float32)
