@@ -20,7 +20,8 @@ all its steps, plus TaSQ's fp16 sigma per step) and full-precision pre-RoPE sink
   kernel merges the splits by log-sum-exp. GQA: a program serves the KV head's ``Hq / H`` query heads.
 
 Two implementations: on CUDA, where the site fits it, the CUDA kernel of :mod:`~loopvq_calib.decode_cuda`
-keeps a head's step tables in shared memory and reads one vector per code (tables reordered by code); the
+keeps a head's step tables in shared memory and reads one vector per run of a code (tables in lane order,
+a lane group per token, the query rotated by a recurrence); the
 Triton kernel of :mod:`~loopvq_calib.decode_kernels` reads the tables through the L1 cache, one gather per
 channel, and serves every other call. The Triton kernels need CUDA compute capability 8.0+ or Triton's
 interpreter (``TRITON_INTERPRET=1``, CPU tensors), like ``kmeans_triton``.
