@@ -1,31 +1,59 @@
 // Decode attention over coded pages with the step tables in shared memory (loopvq_calib/decode_cuda.py
 // compiles this text with NVRTC at first use; design in docs/quantized-cache.md).
 //
-// One block per (KV head, split of the coded tokens); it copies the head's key and value step tables
-// ([K, D] each, channels in *slot order*: sorted by code, so a lane's RUN consecutive slots share one code)
-// into shared memory once and loops over the batch. Per row, warp w takes a contiguous range of the split's
-// tokens, U tokens per iteration; lane L owns slots [L*SPL, (L+1)*SPL): per token it reads the index byte of
-// each of its runs, one RUN-wide vector of the table row, and multiplies by the query rotated to the
-// token's position (RoPE on the query side: z = (q_a + i q_b) exp(-i theta t) advanced token by token,
-// re-anchored from the cos/sin table at every iteration). The U partial dot products are reduce-scattered
-// across the warp (U-1 + log2(32/U) shuffles), each lane then holds one token's logit; softmax base 2 with a
-// lazily moved reference maximum (rescale only when a logit exceeds it by more than 8); the weights go
-// through a small per-warp shared buffer (broadcast reads) and values accumulate per lane in slot order. Block 0 of every head also takes the full-precision sink/window tokens. Warps are
-// merged through shared memory; the block writes (acc in channel order, max, sum) for the Triton merge.
+// One block per (KV head, split of the coded tokens); it copies the head's key and value step tables into
+// shared memory once (in *lane order*, see decode_cuda.lane_tables) and loops over the batch. A token is
+// served by a group of LPT lanes: lane l of the group owns CPL = D/LPT channels, the two channels of each of
+// its PPL RoPE pairs for keys (so the query's rotation is lane-local) and CPL value channels. The channels a
+// lane reads from one code form a *run* (RK key / RV value slots, one index byte and one vector load each;
+// KG / VG index bytes of adjacent columns are read with one load). Per warp step each of the GRP = 32/LPT
+// groups takes U tokens (interleaved: group j takes tokens GRP u + j), their index rows staged in shared
+// memory by cp.async one step ahead. Keys: the query is rotated to the token's position on the query side
+// (q . R(t) k = k . R(t)^T q), anchored from the cos/sin table every AE steps and advanced by GRP positions
+// per token (CHEB: x(t+GRP) = 2 cos(GRP theta) x(t) - x(t-GRP), one FMA per channel; else angle addition);
+// KH2: fp16 key table, the dot product in packed half2 FMAs. The U partial dot products are reduce-scattered
+// over the group (each lane then holds one token's logit); softmax base 2 with a lazily moved reference
+// maximum; values accumulate per lane (VH2: packed half2 FMAs over a step, added into float32 after it).
+// Full-precision sink/window tokens are spread over every block's groups. Warps are merged through shared
+// memory; the block writes (acc in channel order, max, sum) for the Triton merge kernel.
 //
-// Constants defined before this text: D, SPL (D/32), RUNK, RUNV (slots per run), QG (query heads per KV
-// head), U (tokens per iteration), WARPS, KCB (codebook size), TASQ, STEP, HAS_MASK, ACT (0 bf16, 1 fp16,
-// 2 fp32: q and the full-precision keys/values), TAB32 (tables in fp32 instead of fp16).
+// Constants defined before this text: D, LPT (8 or 16), QG (query heads per KV head), U, WARPS, KCB
+// (codebook size), NKC / NVC (index bytes per token: key / value codes), RK / RV (run lengths), KMIX (key runs
+// hold both channels of their pairs), KG / VG (runs whose index bytes are read together: 1, 2 or 4), KT32 /
+// VT32 (key / value tables in fp32, else fp16), CHEB, TASQ, HAS_MASK, ACT (0 bf16, 1 fp16, 2 fp32: q
+// and the full-precision keys/values), IDXVEC (bytes per cp.async: 4 or 16).
 
 typedef unsigned char u8;
 typedef unsigned short u16;
 typedef long long i64;
 
 #define FULL 0xffffffffu
-#define NRK (SPL / RUNK)
-#define NRV (SPL / RUNV)
 #define NEG_BIG (-1.0e30f)
 #define NEG_INF __int_as_float(0xff800000)
+#define GRP (32 / LPT)           // tokens per warp and step index u
+#define CPL (D / LPT)            // channels per lane
+#define PPL (CPL / 2)            // RoPE pairs per lane
+#define HD2 (D / 2)              // columns of the cos/sin table
+#define NRK (CPL / RK)           // key runs per lane
+#define NRV (CPL / RV)           // value runs per lane
+#define TOK (GRP * U)            // tokens per warp step
+#define SPREAD (LPT / U)         // lanes of a group that hold one token's logit after the reduction
+#define LOGU (U == 16 ? 4 : U == 8 ? 3 : U == 4 ? 2 : U == 2 ? 1 : 0)
+#define KH2 (!KT32 && RK % 2 == 0)
+#define VH2 (!VT32 && RV % 2 == 0)
+#define THR (VH2 ? 0.0f : 8.0f)  // packed half accumulation needs weights <= 1
+#define AE (CHEB ? 4 : 1)        // warp steps between anchors of the rotation (CHEB: error ~ (GRP U AE)^2 ulp)
+#define ALIGN16(x) (((x) + 15) / 16 * 16)
+#define KT_BYTES (D * KCB * (KT32 ? 4 : 2))
+#define VT_BYTES (D * KCB * (VT32 ? 4 : 2))
+#define STAGE_WARP (2 * TOK * (NKC + NVC))
+#define MRG_BYTES (WARPS * QG * (D + 2) * 4)
+#define STAGE_BYTES ALIGN16(WARPS * STAGE_WARP > MRG_BYTES ? WARPS * STAGE_WARP : MRG_BYTES)
+#define QS_BYTES (QG * D * 4)
+#define ROWK (LPT * RK * (KT32 ? 4 : 2))  // bytes of one codeword's row of one key run (all lanes)
+#define ROWV (LPT * RV * (VT32 ? 4 : 2))
+// register of key run r, position i: split runs hold only first or only second channels of pairs
+#define REGK(r, i) (KMIX ? ((i) < RK / 2 ? (r) * (RK / 2) + (i) : PPL + (r) * (RK / 2) + (i) - RK / 2) : (r) * RK + (i))
 
 __device__ __forceinline__ float h2f(u16 x) {
     float f;
@@ -49,48 +77,169 @@ __device__ __forceinline__ float act(const void* p, i64 i) {
 #endif
 }
 
-#if TAB32
-typedef float tab_t;
-#else
-typedef u16 tab_t;
-#endif
+__device__ __forceinline__ unsigned hfma2(unsigned a, unsigned b, unsigned c) {
+    unsigned d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
 
-// R consecutive table values (one run) from shared memory, as floats
-template <int R>
-__device__ __forceinline__ void load_run(const tab_t* p, float* out) {
-#if TAB32
-    if (R == 4) {
-        float4 w = *(const float4*)p;
-        out[0] = w.x; out[1] = w.y; out[2] = w.z; out[3] = w.w;
-    } else if (R == 2) {
-        float2 w = *(const float2*)p;
-        out[0] = w.x; out[1] = w.y;
-    } else {
-#pragma unroll
-        for (int i = 0; i < R; ++i) out[i] = p[i];
-    }
+__device__ __forceinline__ unsigned half2_of(float x) {  // (x, x) as packed f16x2
+    unsigned d;
+    asm("{\n\t.reg .b16 h;\n\tcvt.rn.f16.f32 h, %1;\n\tmov.b32 %0, {h, h};\n\t}" : "=r"(d) : "f"(x));
+    return d;
+}
+
+__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {  // lo in the lower half (lower address)
+    unsigned d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+__device__ __forceinline__ float sum_halves(unsigned w) {  // lower + upper half of a packed f16x2, in float32
+    float lo, hi;
+    asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.f32.f16 %0, a;\n\tcvt.f32.f16 %1, b;\n\t}"
+        : "=f"(lo), "=f"(hi) : "r"(w));
+    return lo + hi;
+}
+
+__device__ __forceinline__ unsigned lds8u(unsigned a) {
+    unsigned v;
+    asm("ld.shared.u8 %0, [%1];" : "=r"(v) : "r"(a));
+    return v;
+}
+
+__device__ __forceinline__ unsigned lds16w(unsigned a) {
+    unsigned v;
+    asm("ld.shared.u16 %0, [%1];" : "=r"(v) : "r"(a));
+    return v;
+}
+
+__device__ __forceinline__ void floats_of(unsigned w, float& lo, float& hi) {
+    asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.f32.f16 %0, a;\n\tcvt.f32.f16 %1, b;\n\t}"
+        : "=f"(lo), "=f"(hi) : "r"(w));
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned a;
+    asm("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void cp_async(unsigned dst, const void* src, int valid) {  // zero-fills when !valid
+#if IDXVEC == 16
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid) : "memory");
 #else
-    if (R == 4) {
-        uint2 w = *(const uint2*)p;
-        out[0] = h2f((u16)(w.x & 0xffff)); out[1] = h2f((u16)(w.x >> 16));
-        out[2] = h2f((u16)(w.y & 0xffff)); out[3] = h2f((u16)(w.y >> 16));
-    } else if (R == 2) {
-        unsigned w = *(const unsigned*)p;
-        out[0] = h2f((u16)(w & 0xffff)); out[1] = h2f((u16)(w >> 16));
-    } else {
-#pragma unroll
-        for (int i = 0; i < R; ++i) out[i] = h2f(p[i]);
-    }
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid) : "memory");
 #endif
 }
 
-// v[N] per lane -> sum over the warp of v[u] for u = lane / (32 / N)
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// N consecutive floats from global memory (vector loads where the count allows; rows are 16-byte aligned)
+template <int N>
+__device__ __forceinline__ void load_floats(const float* p, float* o) {
+    if (N % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < N / 4; ++i) {
+            const float4 w = ((const float4*)p)[i];
+            o[4 * i] = w.x; o[4 * i + 1] = w.y; o[4 * i + 2] = w.z; o[4 * i + 3] = w.w;
+        }
+    } else if (N % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) {
+            const float2 w = ((const float2*)p)[i];
+            o[2 * i] = w.x; o[2 * i + 1] = w.y;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) o[i] = p[i];
+    }
+}
+
+// shared-memory loads at 32-bit shared addresses (one address add per load instead of two)
+__device__ __forceinline__ float4 lds128f(unsigned a) {
+    float4 v;
+    asm("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a));
+    return v;
+}
+__device__ __forceinline__ uint2 lds64u(unsigned a) {
+    uint2 v;
+    asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a));
+    return v;
+}
+__device__ __forceinline__ unsigned lds32u(unsigned a) {
+    unsigned v;
+    asm("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
+    return v;
+}
+__device__ __forceinline__ u16 lds16u(unsigned a) {
+    u16 v;
+    asm("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(a));
+    return v;
+}
+
+// R table values (one run) at shared address a as floats: fp32 (F32) or fp16 bits
+template <int R, bool F32>
+__device__ __forceinline__ void load_run(unsigned a, float* o) {
+    if (F32 && R % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < R / 4; ++i) {
+            const float4 w = lds128f(a + 16 * i);
+            o[4 * i] = w.x; o[4 * i + 1] = w.y; o[4 * i + 2] = w.z; o[4 * i + 3] = w.w;
+        }
+    } else if (F32 && R % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < R / 2; ++i) {
+            const uint2 w = lds64u(a + 8 * i);
+            o[2 * i] = __uint_as_float(w.x); o[2 * i + 1] = __uint_as_float(w.y);
+        }
+    } else if (F32) {
+#pragma unroll
+        for (int i = 0; i < R; ++i) o[i] = __uint_as_float(lds32u(a + 4 * i));
+    } else if (R % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < R / 4; ++i) {
+            const uint2 w = lds64u(a + 8 * i);
+            o[4 * i] = h2f((u16)(w.x & 0xffff)); o[4 * i + 1] = h2f((u16)(w.x >> 16));
+            o[4 * i + 2] = h2f((u16)(w.y & 0xffff)); o[4 * i + 3] = h2f((u16)(w.y >> 16));
+        }
+    } else if (R % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < R / 2; ++i) {
+            const unsigned w = lds32u(a + 4 * i);
+            o[2 * i] = h2f((u16)(w & 0xffff)); o[2 * i + 1] = h2f((u16)(w >> 16));
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < R; ++i) o[i] = h2f(lds16u(a + 2 * i));
+    }
+}
+
+// R fp16 table values (R even) at shared address a as R/2 packed words
+template <int R>
+__device__ __forceinline__ void load_words(unsigned a, unsigned* o) {
+    if (R % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < R / 4; ++i) {
+            const uint2 w = lds64u(a + 8 * i);
+            o[2 * i] = w.x; o[2 * i + 1] = w.y;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < R / 2; ++i) o[i] = lds32u(a + 4 * i);
+    }
+}
+
+// v[N] per lane -> sum over the LPT lanes of a group of v[u], u = l / (LPT / N), held by lane l
 template <int N, int LOGN>
-__device__ __forceinline__ float reduce_scatter(float* v, int lane) {
+__device__ __forceinline__ float reduce_scatter(float* v, int l) {
 #pragma unroll
     for (int step = 0; step < LOGN; ++step) {
-        const int n = N >> step, o = 16 >> step;
-        const bool up = lane & o;
+        const int n = N >> step, o = (LPT / 2) >> step;
+        const bool up = l & o;
 #pragma unroll
         for (int i = 0; i < n / 2; ++i) {
             const float send = up ? v[i] : v[i + n / 2];
@@ -100,239 +249,357 @@ __device__ __forceinline__ float reduce_scatter(float* v, int lane) {
     }
     float r = v[0];
 #pragma unroll
-    for (int o = 16 / N; o >= 1; o >>= 1) r += __shfl_xor_sync(FULL, r, o);
+    for (int o = LPT / N / 2; o >= 1; o >>= 1) r += __shfl_xor_sync(FULL, r, o);
     return r;
 }
 
-struct State {
-    float m[QG], l[QG], acc[QG][SPL];
-};
+// the index bytes of G runs with adjacent index columns (the first at shared address a) of a staged row
+template <int G>
+__device__ __forceinline__ void index_bytes(unsigned a, int* idx) {
+    if (G == 1) {
+        idx[0] = (int)lds8u(a);
+        return;
+    }
+    const unsigned w = G == 4 ? lds32u(a) : lds16w(a);
+#pragma unroll
+    for (int i = 0; i < G; ++i) {  // byte i alone (one PRMT)
+        unsigned b;
+        asm("prmt.b32 %0, %1, 0, %2;" : "=r"(b) : "r"(w), "r"(0x4440 | i));
+        idx[i] = (int)b;
+    }
+}
 
-// fold logit sc (this lane's token; -inf when masked) into the warp's state; returns p for this lane
-__device__ __forceinline__ void softmax_step(State& st, const float* sc, float* p, int lanes_per_token, int lane) {
+// move the reference maximum of query head g to the warp's largest logit when it exceeds it by more than THR
+__device__ __forceinline__ void lift_max(float& m, float& l, float* acc, float sc) {
+    float mx = sc;
 #pragma unroll
-    for (int g = 0; g < QG; ++g) {
-        float mx = sc[g];
-        for (int o = lanes_per_token; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, o));
-        if (mx > st.m[g] + 8.0f) {  // warp-uniform: move the reference maximum, rescale
-            const float alpha = ex2(st.m[g] - mx);
-            st.l[g] *= alpha;
+    for (int o = 16; o >= 1; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, o));
+    if (mx > m + THR) {  // warp-uniform
+        const float alpha = ex2(m - mx);
+        l *= alpha;
 #pragma unroll
-            for (int i = 0; i < SPL; ++i) st.acc[g][i] *= alpha;
-            st.m[g] = mx;
-        }
-        p[g] = ex2(sc[g] - st.m[g]);
-        if (lane % lanes_per_token == 0) st.l[g] += p[g];
+        for (int j = 0; j < CPL; ++j) acc[j] *= alpha;
+        m = mx;
     }
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
     const void* __restrict__ q, const u8* __restrict__ kidx, const u8* __restrict__ vidx,
-    const u16* __restrict__ sig, const tab_t* __restrict__ ktab_g, const tab_t* __restrict__ vtab_g,
-    const int* __restrict__ kcode, const int* __restrict__ vcode, const int* __restrict__ kch,
-    const int* __restrict__ kpart, const int* __restrict__ kfreq, const float* __restrict__ ksign,
+    const u16* __restrict__ sig, const void* __restrict__ ktab_g, const void* __restrict__ vtab_g,
+    const int* __restrict__ kcol_g, const int* __restrict__ vcol_g, const int* __restrict__ kch,
     const int* __restrict__ vch, const int* __restrict__ p0, const float* __restrict__ cos_t,
     const float* __restrict__ sin_t, const void* __restrict__ fk, const void* __restrict__ fv,
     const int* __restrict__ fpos, const signed char* __restrict__ fmask, float* __restrict__ acc_out,
     float* __restrict__ ml_out, int n_batch, int n_coded, int n_fp, int split_len, int qk_scale_bits,
-    int s_kib, int s_kit, int s_kih, int s_vib, int s_vit, int s_vih, int s_sb, int s_st,
+    int s_kib, int s_kih, int s_vib, int s_vih, int s_sb, int s_st,
     int s_fkb, int s_fkt, int s_fkh, int s_fvb, int s_fvt, int s_fvh, int s_fpb) {
     extern __shared__ __align__(16) unsigned char smem[];
-    tab_t* ktab = (tab_t*)smem;
-    tab_t* vtab = ktab + KCB * D;
-    float* mrg = (float*)(vtab + KCB * D);  // [WARPS][QG][D + 2]
-    float* pbuf = mrg + WARPS * QG * (D + 2);  // [WARPS][QG][U]: the iteration's softmax weights
+    unsigned char* ktab = smem;
+    unsigned char* vtab = ktab + KT_BYTES;
+    unsigned char* stage = vtab + VT_BYTES;     // [WARPS][2 buffers][TOK key rows, TOK value rows]
+    float* mrg = (float*)stage;                 // [WARPS][QG][D + 2], only while merging (stage is idle then)
+    float* qs = (float*)(stage + STAGE_BYTES);  // [QG][D]: the scaled query in lane order
+    float* pbuf = qs + QG * D;                  // [WARPS][QG][GRP][U]: the step's softmax weights
     const int h = blockIdx.x, s = blockIdx.y, heads = gridDim.x, splits = gridDim.y;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int D2 = D / 2, slot0 = lane * SPL;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane / LPT, l = lane % LPT;
     const float scale = __int_as_float(qk_scale_bits);  // passed as bits: no float ABI to agree on
 
     {  // the head's step tables into shared memory, 16 bytes at a time
-        const uint4* sk = (const uint4*)(ktab_g + (i64)h * KCB * D);
-        const uint4* sv = (const uint4*)(vtab_g + (i64)h * KCB * D);
-        const int n16 = KCB * D * (int)sizeof(tab_t) / 16;
-        for (int i = threadIdx.x; i < n16; i += blockDim.x) {
-            ((uint4*)ktab)[i] = sk[i];
-            ((uint4*)vtab)[i] = sv[i];
-        }
+        const uint4* sk = (const uint4*)((const unsigned char*)ktab_g + (i64)h * KT_BYTES);
+        const uint4* sv = (const uint4*)((const unsigned char*)vtab_g + (i64)h * VT_BYTES);
+        for (int i = threadIdx.x; i < KT_BYTES / 16; i += blockDim.x) ((uint4*)ktab)[i] = sk[i];
+        for (int i = threadIdx.x; i < VT_BYTES / 16; i += blockDim.x) ((uint4*)vtab)[i] = sv[i];
     }
-    int kcd[NRK], vcd[NRV], kf[SPL];  // channels are re-read where needed (registers are the warps' limit)
-    float ksg[SPL], c1[SPL], s1[SPL];
+    // per run of the lane: its index column and the shared address of its values in codeword 0 (+ index * row bytes)
+    const unsigned sm = smem_addr(smem);
+    unsigned kofs[NRK], vofs[NRV];
+    int kcol[NRK], vcol[NRV];
 #pragma unroll
-    for (int r = 0; r < NRK; ++r) kcd[r] = kcode[h * (D / RUNK) + slot0 / RUNK + r];
-#pragma unroll
-    for (int r = 0; r < NRV; ++r) vcd[r] = vcode[h * (D / RUNV) + slot0 / RUNV + r];
-#pragma unroll
-    for (int i = 0; i < SPL; ++i) {
-        kf[i] = kfreq[h * D + slot0 + i];
-        ksg[i] = ksign[h * D + slot0 + i];
-        c1[i] = cos_t[D2 + kf[i]];  // one position's rotation
-        s1[i] = ksg[i] * sin_t[D2 + kf[i]];
+    for (int r = 0; r < NRK; ++r) {
+        kcol[r] = kcol_g[(h * LPT + l) * NRK + r];
+        kofs[r] = sm + (r * KCB * LPT + l) * RK * (KT32 ? 4 : 2);
     }
-    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < NRV; ++r) {
+        vcol[r] = vcol_g[(h * LPT + l) * NRV + r];
+        vofs[r] = sm + KT_BYTES + (r * KCB * LPT + l) * RV * (VT32 ? 4 : 2);
+    }
+    float cg2[PPL];  // 2 cos(GRP theta) of the lane's pairs (GRP positions: the step between a group's tokens)
+    load_floats<PPL>(cos_t + GRP * HD2 + l * PPL, cg2);
+#pragma unroll
+    for (int j = 0; j < PPL; ++j) cg2[j] *= 2.0f;
 
     const int start = s * split_len, end = min(start + split_len, n_coded);
-    const int per_warp = ((max(end - start, 0) + WARPS - 1) / WARPS + U - 1) / U * U;
+    const int per_warp = ((max(end - start, 0) + WARPS - 1) / WARPS + TOK - 1) / TOK * TOK;
     const int w_begin = start + warp * per_warp, w_end = min(w_begin + per_warp, end);
-    const int lanes_per_token = 32 / U, my_u = lane / lanes_per_token;
+    unsigned char* st = stage + warp * STAGE_WARP;
+    const unsigned stage_addr = smem_addr(st);
 
     for (int b = 0; b < n_batch; ++b) {
-        float qs[QG][SPL], qp[QG][SPL];
-#pragma unroll
-        for (int g = 0; g < QG; ++g) {
-            const i64 row = ((i64)b * heads * QG + h * QG + g) * D;
-#pragma unroll
-            for (int i = 0; i < SPL; ++i) {
-                qs[g][i] = act(q, row + kch[h * D + slot0 + i]) * scale;
-                qp[g][i] = act(q, row + kpart[h * D + slot0 + i]) * scale;
-            }
-        }
-        State st;
-#pragma unroll
-        for (int g = 0; g < QG; ++g) {
-            st.m[g] = NEG_BIG;
-            st.l[g] = 0.0f;
-#pragma unroll
-            for (int i = 0; i < SPL; ++i) st.acc[g][i] = 0.0f;
+        for (int e = threadIdx.x; e < QG * D; e += blockDim.x) {
+            const int g = e / D, slot = e % D;
+            qs[e] = act(q, ((i64)b * heads * QG + h * QG + g) * D + kch[h * D + slot]) * scale;
         }
         const i64 pb = p0[b];
-        const u8* krow = kidx + (i64)b * s_kib + (i64)h * s_kih;
+        const u8* krow = kidx + (i64)b * s_kib + (i64)h * s_kih;  // token t's key bytes at krow + t * NKC
         const u8* vrow = vidx + (i64)b * s_vib + (i64)h * s_vih;
         const u16* srow = sig + (i64)b * s_sb;
-        int ki[U][NRK], vi[U][NRV];
+
+        // one warp step's index rows into stage buffer `buf` (rows past the warp's range are zero-filled)
+        auto issue = [&](int t0, int buf) {
+            const unsigned base = stage_addr + buf * TOK * (NKC + NVC);
 #pragma unroll
-        for (int u = 0; u < U; ++u) {  // the first iteration's indices
-                const int t = min(w_begin + u, max(w_end - 1, 0));  // offsets inside one row fit 32 bits
-#pragma unroll
-            for (int r = 0; r < NRK; ++r) ki[u][r] = w_begin < w_end ? krow[t * s_kit + kcd[r]] : 0;
-#pragma unroll
-            for (int r = 0; r < NRV; ++r) vi[u][r] = w_begin < w_end ? vrow[t * s_vit + vcd[r]] : 0;
-        }
-        for (int t0 = w_begin; t0 < w_end; t0 += U) {
-            int kn[U][NRK], vn[U][NRV];  // the next iteration's indices, loaded ahead
-            const bool more = t0 + U < w_end;
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int t = min(t0 + U + u, w_end - 1);
-#pragma unroll
-                for (int r = 0; r < NRK; ++r) kn[u][r] = more ? krow[t * s_kit + kcd[r]] : 0;
-#pragma unroll
-                for (int r = 0; r < NRV; ++r) vn[u][r] = more ? vrow[t * s_vit + vcd[r]] : 0;
+            for (int c = lane; c < TOK * NKC / IDXVEC; c += 32) {
+                const bool ok = t0 + c * IDXVEC / NKC < w_end;
+                cp_async(base + c * IDXVEC, krow + (ok ? t0 * NKC + c * IDXVEC : 0), ok ? IDXVEC : 0);
             }
-            float x[QG][SPL], y[QG][SPL];  // the query rotated back to the current token, and its partner
 #pragma unroll
-            for (int i = 0; i < SPL; ++i) {
-                const i64 pos = pb + t0;
-                const float c = cos_t[pos * D2 + kf[i]], sn = ksg[i] * sin_t[pos * D2 + kf[i]];
+            for (int c = lane; c < TOK * NVC / IDXVEC; c += 32) {
+                const bool ok = t0 + c * IDXVEC / NVC < w_end;
+                cp_async(base + TOK * NKC + c * IDXVEC, vrow + (ok ? t0 * NVC + c * IDXVEC : 0), ok ? IDXVEC : 0);
+            }
+            cp_commit();
+        };
+        if (w_begin < w_end) issue(w_begin, 0);
+        __syncthreads();  // qs written (and, at the first row, the tables)
+
+        float m[QG], ls[QG], acc[QG][CPL];
+#pragma unroll
+        for (int g = 0; g < QG; ++g) {
+            m[g] = NEG_BIG;
+            ls[g] = 0.0f;
+#pragma unroll
+            for (int j = 0; j < CPL; ++j) acc[g][j] = 0.0f;
+        }
+
+        // the full-precision sink and window tokens (pre-RoPE, at their own positions), spread over all blocks
+        for (int base = (s * WARPS + warp) * GRP; base < n_fp; base += splits * WARPS * GRP) {
+            const int t = min(base + grp, n_fp - 1);
+            const i64 pos = fpos[(i64)b * s_fpb + t];
+            const i64 krw = (i64)b * s_fkb + (i64)t * s_fkt + (i64)h * s_fkh;
+            const i64 vrw = (i64)b * s_fvb + (i64)t * s_fvt + (i64)h * s_fvh;
+            float cf[PPL], sf[PPL], kf[CPL];
+            load_floats<PPL>(cos_t + pos * HD2 + l * PPL, cf);
+            load_floats<PPL>(sin_t + pos * HD2 + l * PPL, sf);
+#pragma unroll
+            for (int j = 0; j < CPL; ++j) kf[j] = act(fk, krw + kch[h * D + l * CPL + j]);
+            bool ok = base + grp < n_fp;
+#if HAS_MASK
+            ok = ok && fmask[(i64)b * s_fpb + t] != 0;
+#endif
+#pragma unroll
+            for (int g = 0; g < QG; ++g) {
+                const float* qv = qs + g * D + l * CPL;
+                float a = 0.0f;
+#pragma unroll
+                for (int j = 0; j < PPL; ++j) {
+                    const float qa = qv[j], qb = qv[PPL + j];
+                    a += kf[j] * (qa * cf[j] + qb * sf[j]) + kf[PPL + j] * (qb * cf[j] - qa * sf[j]);
+                }
+#pragma unroll
+                for (int o = LPT / 2; o >= 1; o >>= 1) a += __shfl_xor_sync(FULL, a, o);
+                const float sc = ok ? a : NEG_INF;
+                lift_max(m[g], ls[g], acc[g], sc);
+                const float p = ex2(sc - m[g]);
+                if (l == 0) ls[g] += p;
+#pragma unroll
+                for (int j = 0; j < CPL; ++j) acc[g][j] += p * act(fv, vrw + vch[h * D + l * CPL + j]);
+            }
+        }
+
+        // the query rotated to the group's next token (xc) and GRP positions before it (xp); the recurrence runs
+        // on from step to step and is re-anchored from the cos/sin table every AE steps
+        float xc[QG][CPL], xp[QG][CPL];
+        int buf = 0, since = 0;
+        for (int t0 = w_begin; t0 < w_end; t0 += TOK, buf ^= 1, since = since + 1 == AE ? 0 : since + 1) {
+            if (since == 0) {  // warp-uniform
+                const i64 pos = pb + t0 + grp;  // <= pb + n_coded: inside the table
+                float cc[PPL], ss[PPL], cg[PPL], sg2[PPL];  // at the position; rotation by GRP positions
+                load_floats<PPL>(cos_t + pos * HD2 + l * PPL, cc);
+                load_floats<PPL>(sin_t + pos * HD2 + l * PPL, ss);
+                load_floats<PPL>(cos_t + GRP * HD2 + l * PPL, cg);
+                load_floats<PPL>(sin_t + GRP * HD2 + l * PPL, sg2);
 #pragma unroll
                 for (int g = 0; g < QG; ++g) {
-                    x[g][i] = qs[g][i] * c + qp[g][i] * sn;
-                    y[g][i] = qp[g][i] * c - qs[g][i] * sn;
+                    const float* qv = qs + g * D + l * CPL;
+#pragma unroll
+                    for (int j = 0; j < PPL; ++j) {
+                        const float qa = qv[j], qb = qv[PPL + j];
+                        const float xa = qa * cc[j] + qb * ss[j], xb = qb * cc[j] - qa * ss[j];
+                        xc[g][j] = xa;
+                        xc[g][PPL + j] = xb;
+#if CHEB
+                        xp[g][j] = cg[j] * xa - sg2[j] * xb;
+                        xp[g][PPL + j] = cg[j] * xb + sg2[j] * xa;
+#endif
+                    }
                 }
             }
+            if (t0 + TOK < w_end) {  // the next step's index rows, in flight during this one
+                issue(t0 + TOK, buf ^ 1);
+            } else {
+                cp_commit();  // an empty group: wait_group 1 below then waits for this step's rows
+            }
+#if TASQ
+            const int my_t = min(t0 + GRP * (l / SPREAD) + grp, w_end - 1);  // this lane's token after the reduction
+            const float sgm = h2f(srow[(i64)my_t * s_st]);  // sig points at the step's column
+#endif
+            cp_wait<1>();
+            __syncwarp();
+            // row of token GRP u + grp at ks + GRP u NKC
+            const unsigned ks = stage_addr + buf * TOK * (NKC + NVC) + grp * NKC;
+            const unsigned vs = stage_addr + buf * TOK * (NKC + NVC) + TOK * NKC + grp * NVC;
+
             float part[QG][U];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                float kv[SPL];
+                int idx[NRK];
 #pragma unroll
-                for (int r = 0; r < NRK; ++r) load_run<RUNK>(ktab + ki[u][r] * D + slot0 + r * RUNK, kv + r * RUNK);
-                float sg = 1.0f;
-#if TASQ
-                sg = h2f(srow[min(t0 + u, w_end - 1) * s_st + STEP]);
-#endif
+                for (int r = 0; r < NRK; r += KG) index_bytes<KG>(ks + GRP * u * NKC + kcol[r], idx + r);
+#if KH2
+                unsigned kw[CPL / 2];  // run r's words: positions (2i, 2i + 1) as packed halves
+#pragma unroll
+                for (int r = 0; r < NRK; ++r) load_words<RK>(kofs[r] + idx[r] * ROWK, kw + r * (RK / 2));
+#pragma unroll
+                for (int g = 0; g < QG; ++g) {
+                    unsigned a2 = 0u;
+#pragma unroll
+                    for (int r = 0; r < NRK; ++r) {
+#pragma unroll
+                        for (int i = 0; i < RK / 2; ++i)
+                            a2 = hfma2(kw[r * (RK / 2) + i], pack_half2(xc[g][REGK(r, 2 * i)], xc[g][REGK(r, 2 * i + 1)]), a2);
+                    }
+                    part[g][u] = sum_halves(a2);
+                }
+#else
+                float kv[CPL];
+#pragma unroll
+                for (int r = 0; r < NRK; ++r) {
+                    float t[RK];
+                    load_run<RK, KT32>(kofs[r] + idx[r] * ROWK, t);
+#pragma unroll
+                    for (int i = 0; i < RK; ++i) kv[REGK(r, i)] = t[i];
+                }
 #pragma unroll
                 for (int g = 0; g < QG; ++g) {
                     float a = 0.0f;
 #pragma unroll
-                    for (int i = 0; i < SPL; ++i) a += kv[i] * x[g][i];
-                    part[g][u] = a * sg;
+                    for (int j = 0; j < CPL; ++j) a = fmaf(kv[j], xc[g][j], a);
+                    part[g][u] = a;
+                }
+#endif
 #pragma unroll
-                    for (int i = 0; i < SPL; ++i) {  // advance the rotation by one position
-                        const float xn = x[g][i] * c1[i] + y[g][i] * s1[i];
-                        y[g][i] = y[g][i] * c1[i] - x[g][i] * s1[i];
-                        x[g][i] = xn;
+                for (int g = 0; g < QG; ++g) {  // advance the rotation by GRP positions
+#pragma unroll
+                    for (int j = 0; j < PPL; ++j) {
+#if CHEB
+                        const float na = fmaf(cg2[j], xc[g][j], -xp[g][j]);
+                        const float nb = fmaf(cg2[j], xc[g][PPL + j], -xp[g][PPL + j]);
+                        xp[g][j] = xc[g][j];
+                        xp[g][PPL + j] = xc[g][PPL + j];
+#else
+                        const float c = 0.5f * cg2[j], sn = sin_t[GRP * HD2 + l * PPL + j];  // angle addition (exact halving)
+                        const float na = c * xc[g][j] + sn * xc[g][PPL + j];
+                        const float nb = c * xc[g][PPL + j] - sn * xc[g][j];
+#endif
+                        xc[g][j] = na;
+                        xc[g][PPL + j] = nb;
                     }
                 }
             }
-            float sc[QG], p[QG];
+            const int my_u = l / SPREAD;  // the token (GRP my_u + grp of the step) whose logit this lane holds
+            float p[QG];
 #pragma unroll
             for (int g = 0; g < QG; ++g) {
-                sc[g] = reduce_scatter<U, (U == 32 ? 5 : U == 16 ? 4 : U == 8 ? 3 : U == 4 ? 2 : 1)>(part[g], lane);
-                if (t0 + my_u >= w_end) sc[g] = NEG_INF;
+                float sc = reduce_scatter<U, LOGU>(part[g], l);
+#if TASQ
+                sc *= sgm;
+#endif
+                if (t0 + GRP * my_u + grp >= w_end) sc = NEG_INF;
+                lift_max(m[g], ls[g], acc[g], sc);
+                p[g] = ex2(sc - m[g]);
+                if (l % SPREAD == 0) ls[g] += p[g];
             }
-            softmax_step(st, sc, p, lanes_per_token, lane);
-            float* pw = pbuf + warp * QG * U;
-            if (lane % lanes_per_token == 0) {
-#pragma unroll
-                for (int g = 0; g < QG; ++g) pw[g * U + my_u] = p[g];
-            }
-            __syncwarp();
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                float vv[SPL];
-#pragma unroll
-                for (int r = 0; r < NRV; ++r) load_run<RUNV>(vtab + vi[u][r] * D + slot0 + r * RUNV, vv + r * RUNV);
+            float* pw = pbuf + (warp * QG * GRP + grp) * U;  // query head g's weights at pw + g GRP U
+            if (l % SPREAD == 0) {
 #pragma unroll
                 for (int g = 0; g < QG; ++g) {
-                    const float pu = pw[g * U + u];  // a broadcast read
-#pragma unroll
-                    for (int i = 0; i < SPL; ++i) st.acc[g][i] += pu * vv[i];
+#if VH2
+                    ((unsigned*)pw)[g * GRP * U + my_u] = half2_of(p[g]);
+#else
+                    pw[g * GRP * U + my_u] = p[g];
+#endif
                 }
             }
             __syncwarp();
+#if VH2
+            unsigned acch[QG][CPL / 2];
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
+            for (int g = 0; g < QG; ++g) {
 #pragma unroll
-                for (int r = 0; r < NRK; ++r) ki[u][r] = kn[u][r];
-#pragma unroll
-                for (int r = 0; r < NRV; ++r) vi[u][r] = vn[u][r];
+                for (int w = 0; w < CPL / 2; ++w) acch[g][w] = 0u;
             }
-        }
-        if (s == 0) {  // the full-precision sink and window tokens, pre-RoPE at their own positions
-            for (int t = warp; t < n_fp; t += WARPS) {
-                const i64 pos = fpos[(i64)b * s_fpb + t];
-                const i64 krw = (i64)b * s_fkb + (i64)t * s_fkt + (i64)h * s_fkh;
-                const i64 vrw = (i64)b * s_fvb + (i64)t * s_fvt + (i64)h * s_fvh;
-                float sc[QG], p[QG];
-#pragma unroll
-                for (int g = 0; g < QG; ++g) sc[g] = 0.0f;
-#pragma unroll
-                for (int i = 0; i < SPL; ++i) {
-                    const float c = cos_t[pos * D2 + kf[i]], sn = ksg[i] * sin_t[pos * D2 + kf[i]];
-                    const float k = act(fk, krw + kch[h * D + slot0 + i]);
-#pragma unroll
-                    for (int g = 0; g < QG; ++g) sc[g] += k * (qs[g][i] * c + qp[g][i] * sn);
-                }
-                bool ok = true;
-#if HAS_MASK
-                ok = fmask[(i64)b * s_fpb + t] != 0;
 #endif
 #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                int idx[NRV];
+#pragma unroll
+                for (int r = 0; r < NRV; r += VG) index_bytes<VG>(vs + GRP * u * NVC + vcol[r], idx + r);
+#if VH2
+                unsigned vw[CPL / 2];
+#pragma unroll
+                for (int r = 0; r < NRV; ++r) load_words<RV>(vofs[r] + idx[r] * ROWV, vw + r * (RV / 2));
+#pragma unroll
                 for (int g = 0; g < QG; ++g) {
+                    const unsigned pp = ((const unsigned*)pw)[g * GRP * U + u];  // a broadcast read
 #pragma unroll
-                    for (int o = 16; o >= 1; o >>= 1) sc[g] += __shfl_xor_sync(FULL, sc[g], o);
-                    if (!ok) sc[g] = NEG_INF;
+                    for (int w = 0; w < CPL / 2; ++w) acch[g][w] = hfma2(vw[w], pp, acch[g][w]);
                 }
-                softmax_step(st, sc, p, 32, lane);
+#else
+                float vv[CPL];
 #pragma unroll
-                for (int i = 0; i < SPL; ++i) {
-                    const float v = act(fv, vrw + vch[h * D + slot0 + i]);
+                for (int r = 0; r < NRV; ++r) load_run<RV, VT32>(vofs[r] + idx[r] * ROWV, vv + r * RV);
 #pragma unroll
-                    for (int g = 0; g < QG; ++g) st.acc[g][i] += p[g] * v;
+                for (int g = 0; g < QG; ++g) {
+                    const float pp = pw[g * GRP * U + u];
+#pragma unroll
+                    for (int j = 0; j < CPL; ++j) acc[g][j] = fmaf(pp, vv[j], acc[g][j]);
+                }
+#endif
+            }
+#if VH2
+#pragma unroll
+            for (int g = 0; g < QG; ++g) {
+#pragma unroll
+                for (int w = 0; w < CPL / 2; ++w) {
+                    float lo, hi;
+                    floats_of(acch[g][w], lo, hi);
+                    acc[g][2 * w] += lo;
+                    acc[g][2 * w + 1] += hi;
                 }
             }
+#endif
+            __syncwarp();  // this step's buffer and weights are read: the next step may refill them
         }
-        // merge the warps of the block, write this split's (acc, max, sum)
+        cp_wait<0>();
+        __syncthreads();  // every warp is done with its stage buffers: the merge area may overwrite them
+
+        // merge the warps of the block (the groups hold the same channels), write this split's (acc, max, sum)
 #pragma unroll
         for (int g = 0; g < QG; ++g) {
-            float lt = st.l[g];
+            float lt = ls[g];
 #pragma unroll
             for (int o = 16; o >= 1; o >>= 1) lt += __shfl_xor_sync(FULL, lt, o);
             float* mw = mrg + (warp * QG + g) * (D + 2);
 #pragma unroll
-            for (int i = 0; i < SPL; ++i) mw[slot0 + i] = st.acc[g][i];
+            for (int j = 0; j < CPL; ++j) {
+                float a = acc[g][j];
+#pragma unroll
+                for (int o = LPT; o < 32; o <<= 1) a += __shfl_xor_sync(FULL, a, o);
+                if (grp == 0) mw[l * CPL + j] = a;
+            }
             if (lane == 0) {
-                mw[D] = st.m[g];
+                mw[D] = m[g];
                 mw[D + 1] = lt;
             }
         }
@@ -341,18 +608,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
             const int g = e / D, slot = e % D;
             float mx = NEG_BIG;
             for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, mrg[(w * QG + g) * (D + 2) + D]);
-            float a = 0.0f, l = 0.0f;
+            float a = 0.0f, lsum = 0.0f;
             for (int w = 0; w < WARPS; ++w) {
                 const float* mw = mrg + (w * QG + g) * (D + 2);
                 const float f = ex2(mw[D] - mx);
                 a += mw[slot] * f;
-                l += mw[D + 1] * f;
+                lsum += mw[D + 1] * f;
             }
             const i64 row = ((i64)b * heads * QG + h * QG + g) * splits + s;
             acc_out[row * D + vch[h * D + slot]] = a;
             if (slot == 0) {
                 ml_out[row * 2] = mx;
-                ml_out[row * 2 + 1] = l;
+                ml_out[row * 2 + 1] = lsum;
             }
         }
         __syncthreads();

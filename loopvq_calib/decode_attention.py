@@ -20,7 +20,8 @@ all its steps, plus TaSQ's fp16 sigma per step) and full-precision pre-RoPE sink
   kernel merges the splits by log-sum-exp. GQA: a program serves the KV head's ``Hq / H`` query heads.
 
 Two implementations: on CUDA, where the site fits it, the CUDA kernel of :mod:`~loopvq_calib.decode_cuda`
-keeps a head's step tables in shared memory and reads one vector per code (tables reordered by code); the
+keeps a head's step tables in shared memory and reads one vector per run of a code (tables in lane order,
+a lane group per token, the query rotated by a recurrence); the
 Triton kernel of :mod:`~loopvq_calib.decode_kernels` reads the tables through the L1 cache, one gather per
 channel, and serves every other call. The Triton kernels need CUDA compute capability 8.0+ or Triton's
 interpreter (``TRITON_INTERPRET=1``, CPU tensors), like ``kmeans_triton``.
@@ -63,7 +64,7 @@ class StepTables:
     step: int
     tasq: bool
     rope_style: str
-    slots: Any = field(default=None, repr=False)  # decode_cuda.SlotTables, built at the first CUDA call
+    lanes: dict = field(default_factory=dict, repr=False)  # lanes per token -> decode_cuda.LaneTables or None
 
 
 def channel_codes(codec: BlockCodec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +202,8 @@ def decode_attention(
     fp_positions: torch.Tensor, fp_mask: torch.Tensor | None, rope: RopeTable, block_n: int = 16,
     num_splits: int | None = None, num_warps: int = 4, max_position: int | None = None,
     programs_per_sm: int = 4, batch_per_program: int = 1, cache_hints: bool = False, backend: str = "auto",
-    warps: int | None = None, tokens_per_iteration: int | None = None,
+    warps: int | None = None, tokens_per_iteration: int | None = None, lanes_per_token: int | None = None,
+    key_float32: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over coded and full-precision tokens (the Triton kernels).
 
@@ -213,7 +215,8 @@ def decode_attention(
     ``batch_per_program`` sequences), about ``programs_per_sm`` per multiprocessor (``num_splits`` overrides);
     ``cache_hints``: tables loaded evict-last and the index stream evict-first.
     ``backend``: ``"cuda"`` the shared-memory kernel of :mod:`~loopvq_calib.decode_cuda` (``warps`` per
-    block, ``tokens_per_iteration`` per warp step, defaults by layout; ``num_splits`` per KV head), ``"triton"``
+    block, ``tokens_per_iteration`` per lane group and step, ``lanes_per_token`` 8 or 16, ``key_float32``;
+    defaults from :func:`~loopvq_calib.decode_cuda.default_launch`; ``num_splits`` per KV head), ``"triton"``
     the kernel of
     :mod:`~loopvq_calib.decode_kernels`, ``"auto"`` the CUDA kernel where the site and the call fit it
     (:func:`~loopvq_calib.decode_cuda.fits`), else Triton.
@@ -234,37 +237,31 @@ def decode_attention(
     if backend != "triton" and q.device.type == "cuda":
         from . import decode_cuda
 
-        if tables.slots is None:
-            tables.slots = decode_cuda.slot_tables(tables) or False
-        if decode_cuda.fits(tables.slots or None, q, fp_keys, fp_values, coded, warps):
-            cos, sin = rope.covering(max_position + 2, q.device)
+        lanes = decode_cuda.site_lanes(tables, hq // heads, lanes_per_token)
+        if decode_cuda.fits(lanes, q, fp_keys, fp_values, coded, warps, tokens_per_iteration):
+            inputs = kernel_inputs(q, tables, coded, fp_positions, fp_mask, rope, max(max_position + 2, 8))
             try:
-                acc, ml = decode_cuda.decode_attention_cuda(
-                    q, tables, tables.slots, coded, fp_keys, fp_values, fp_positions, fp_mask, cos, sin, warps,
-                    tokens_per_iteration, num_splits)
+                acc, ml = decode_cuda.decode_attention_cuda(inputs, tables, lanes, coded, fp_keys, fp_values, warps,
+                                                            tokens_per_iteration, num_splits, key_float32)
                 return _merged(acc, ml, q.dtype)
             except decode_cuda.BuildError as err:  # no NVRTC or a failed build: the Triton kernel serves
                 if backend == "cuda":
                     raise
                 warnings.warn(f"CUDA decode kernel unavailable ({err}); using the Triton kernel", stacklevel=2)
-                tables.slots = False
+                tables.lanes[lanes.lanes] = None
     if backend == "cuda":
         from . import decode_cuda
 
         failed = f"; an earlier build failed: {decode_cuda.BUILD_FAILED[0]}" if decode_cuda.BUILD_FAILED else ""
         raise RuntimeError("the CUDA decode kernel does not take this call (needs a CUDA device, torch with "
-                           "torch.cuda._compile_kernel, a head dim that is a multiple of 32, uint8 indices, fp16/fp32 "
-                           "tables that fit in shared memory, one dtype for q and the full-precision tokens)" + failed)
+                           "torch.cuda._compile_kernel, a head dim that is a multiple of 32, uint8 indices stored "
+                           "head-major, tables that fit in shared memory, one dtype for q and the full-precision "
+                           "tokens)" + failed)
     slices = -(-bsz // batch_per_program)
     programs = num_splits * heads if num_splits else _programs_for(q.device) * programs_per_sm // slices
     splits, per_split = plan_splits(n, heads, block_n, programs)
-    cos, sin = rope.covering(max_position + 1 + block_n, q.device)
-    q = q.contiguous()
-    fk, fv = fp_keys, fp_values
-    fpos = fp_positions.to(torch.int32).contiguous()
-    fmask = fp_mask.to(torch.int8).contiguous() if fp_mask is not None else fpos
-    kidx, vidx = coded.key_indices, coded.value_indices
-    sig = coded.key_sigma if tables.tasq and n else cos
+    inputs = kernel_inputs(q, tables, coded, fp_positions, fp_mask, rope, max_position + 1 + block_n)
+    kidx, vidx, sig, fk, fv = coded.key_indices, coded.value_indices, inputs.sigma, fp_keys, fp_values
     qg = hq // heads
     acc = torch.empty(bsz, hq, splits + 1, d, device=q.device, dtype=torch.float32)
     ml = torch.empty(bsz, hq, splits + 1, 2, device=q.device, dtype=torch.float32)
@@ -274,17 +271,45 @@ def decode_attention(
     from .decode_kernels import _split_kernel
 
     _split_kernel[(heads, splits + 1, slices)](
-        q, kidx, vidx, sig, tables.key_a, tables.key_b, tables.key_code_a, tables.key_code_b, tables.value,
-        tables.value_code, coded.first_position.to(device=q.device, dtype=torch.int32).contiguous(), cos, sin,
-        fk, fv, fpos, fmask, acc, ml, bsz, batch_per_program, n, fk.shape[1], per_split, LOG2E / math.sqrt(d),
+        inputs.q, kidx, vidx, sig, tables.key_a, tables.key_b, tables.key_code_a, tables.key_code_b, tables.value,
+        tables.value_code, inputs.first, inputs.cos, inputs.sin, fk, fv, inputs.fp_positions, inputs.fp_mask, acc, ml,
+        bsz, batch_per_program, n, fk.shape[1], per_split, LOG2E / math.sqrt(d),
         kidx.stride(0), kidx.stride(1), kidx.stride(2), vidx.stride(0), vidx.stride(1), vidx.stride(2),
         sig.stride(0), sig.stride(1), fk.stride(0), fk.stride(1), fk.stride(2), fv.stride(0), fv.stride(1),
-        fv.stride(2), fpos.stride(0),
+        fv.stride(2), inputs.fp_positions.stride(0),
         H=heads, QG=qg, QGP=_pow2(qg), D=d, K=k, HALF=tables.rope_style == "half", TASQ=tables.tasq, STEP=tables.step, HAS_MASK=fp_mask is not None, BLOCK_N=block_n,
         DP=_pow2(d), TABLE_EVICT="evict_last" if cache_hints else "", STREAM_EVICT="evict_first" if cache_hints else "",
         num_warps=num_warps,
     )
     return _merged(acc, ml, q.dtype)
+
+
+@dataclass
+class KernelInputs:
+    """What both kernels read besides the tables, in the dtypes they read: ``q`` contiguous, ``first`` [B]
+    int32 (first coded position of each row), ``fp_positions`` [B, S] int32, ``fp_mask`` [B, S] int8 (or the
+    positions again when there is no mask: never read; ``masked`` says which), ``sigma`` (TaSQ's fp16 sigmas, or a stand-in tensor
+    when unread), ``cos`` / ``sin`` the RoPE table covering every position read."""
+
+    q: torch.Tensor
+    first: torch.Tensor
+    fp_positions: torch.Tensor
+    fp_mask: torch.Tensor
+    sigma: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    masked: bool
+
+
+def kernel_inputs(q: torch.Tensor, tables: StepTables, coded: CodedTokens, fp_positions: torch.Tensor,
+                  fp_mask: torch.Tensor | None, rope: RopeTable, rows: int) -> KernelInputs:
+    """The inputs of :class:`KernelInputs` for one call; the RoPE table covers at least ``rows`` positions."""
+    cos, sin = rope.covering(rows, q.device)
+    fpos = fp_positions.to(torch.int32).contiguous()
+    return KernelInputs(
+        q.contiguous(), coded.first_position.to(device=q.device, dtype=torch.int32).contiguous(), fpos,
+        fp_mask.to(torch.int8).contiguous() if fp_mask is not None else fpos,
+        coded.key_sigma if tables.tasq and coded.count else cos, cos, sin, fp_mask is not None)
 
 
 def _merged(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

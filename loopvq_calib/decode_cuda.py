@@ -4,14 +4,13 @@ shape, a second or so) and launched on the current stream.
 
 The Triton kernel of :mod:`~loopvq_calib.decode_attention` gathers every channel of every token from the step
 tables through the L1 cache (one scattered access per channel); this kernel keeps a head's key and value
-tables in shared memory and reads one vector per *code*: the tables are reordered into **slot order**
-(channels sorted by the code that holds them), so lane L of a warp owns slots ``[L*D/32, (L+1)*D/32)`` and
-the slots of one run (``run`` consecutive slots) share one index byte. Loop-axis and channel layouts give a
-run of ``D/32`` slots (one index byte and one 8-byte table read per lane and token at D 128); TaSQ's
-permuted layouts give shorter runs. RoPE is applied on the query side in slot order (each slot's pair
-partner and frequency), so decoded keys are never rotated. :func:`slot_tables` says whether a site fits
-(head dim a multiple of 32, indices of one byte, tables that fit in shared memory); the caller falls back to
-the Triton kernel otherwise.
+tables in shared memory in **lane order** (:func:`lane_tables`): a token is served by a group of ``lanes``
+lanes (8 or 16), lane ``l`` owning ``D/lanes`` key channels (both channels of ``D/(2 lanes)`` RoPE pairs, so
+the query's rotation is lane-local) and ``D/lanes`` value channels; the channels a lane reads from one code
+form a *run* (one index byte and one vector load per token). Loop-axis layouts give runs of 4 (Ouro, 16 lanes:
+a lane reads 2 key and 2 value codes per token, the value codes' index bytes in one 16-bit load; with 8 lanes
+4 and 4, in one 16-bit and one 32-bit load); TaSQ's permuted keys give runs of 1. :func:`lane_tables` says whether a site fits (head dim a multiple of 2 lanes);
+:func:`fits` whether a call does (else the Triton kernel serves it).
 """
 
 from __future__ import annotations
@@ -28,29 +27,43 @@ SOURCE = Path(__file__).with_name("decode_attention.cu")
 KERNEL = "loopvq_decode_split"
 ACT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 INT32_MAX = 2**31 - 1
+LANE_CHOICES = (8, 16)  # lanes per token the kernel is built for
 
 
 @dataclass
-class SlotTables:
-    """One site's step tables in slot order (see the module docstring).
+class LaneTables:
+    """One site's step tables in lane order (see the module docstring), every tensor per KV head.
 
-    ``key`` / ``value`` [H, K, D] (float16 or float32): codeword value of every slot; ``key_code`` [H, D /
-    run_key] / ``value_code`` [H, D / run_value] int32: the index column of every run; ``key_channel``,
-    ``key_partner`` [H, D] int32: the slot's channel and its RoPE partner channel; ``key_freq`` [H, D] int32:
-    its RoPE pair (column of the cos/sin table); ``key_sign`` [H, D] float32: +1 for a pair's first channel,
-    -1 for its second; ``value_channel`` [H, D] int32."""
+    ``key`` [H, D/L/run_key, K, L, run_key] (L = ``lanes`` per token): the value of
+    lane l's key run r at codeword k; a lane's key registers are the first channels of its pairs then the
+    second ones (``key_mixed``: a run holds both channels of run_key/2 pairs, else only first or only second
+    channels; ``key_wide``: the same in float32); ``value`` [H, D/L/run_value, K, L, run_value] (float16 or
+    float32); ``key_column`` [H, L, runs] / ``value_column`` int32: the index column (code) of every run;
+    ``key_channel`` [H, D] int32: the channel of lane l's key register j at l*D/L + j; ``value_channel`` [H, D]
+    likewise; ``key_group`` / ``value_group``: how many runs' index bytes sit in adjacent columns (1, 2 or 4:
+    read with one load)."""
 
     key: torch.Tensor
     value: torch.Tensor
-    key_code: torch.Tensor
-    value_code: torch.Tensor
+    key_column: torch.Tensor
+    value_column: torch.Tensor
     key_channel: torch.Tensor
-    key_partner: torch.Tensor
-    key_freq: torch.Tensor
-    key_sign: torch.Tensor
     value_channel: torch.Tensor
     run_key: int
+    key_mixed: bool
     run_value: int
+    lanes: int
+    key_group: int
+    value_group: int
+    key_wide: torch.Tensor | None = None  # the key table in float32 (exact), made on first use
+
+    def key_table(self, float32: bool) -> torch.Tensor:
+        """The key table a launch reads: as built, or widened to float32 (no conversions in the kernel)."""
+        if self.key.dtype == torch.float32 or not float32:
+            return self.key
+        if self.key_wide is None:
+            self.key_wide = self.key.float()
+        return self.key_wide
 
 
 def _slot_order(code: torch.Tensor) -> torch.Tensor:
@@ -69,74 +82,164 @@ def _run(code_in_slot_order: torch.Tensor, per_lane: int) -> int:
     return 1
 
 
-def slot_tables(tables) -> SlotTables | None:
-    """:class:`SlotTables` of a :class:`~loopvq_calib.decode_attention.StepTables`, or None when the site does
-    not fit this kernel (head dim not a multiple of 32)."""
+def key_registers(per_lane: int, run: int, mixed: bool) -> list[int]:
+    """Register (0 .. per_lane-1: first channels of the lane's pairs, then second channels) of every position
+    of every run, in run-major order (the kernel's REGK)."""
+    pairs = per_lane // 2
+    if not mixed:
+        return list(range(per_lane))
+    return [r * (run // 2) + i if i < run // 2 else pairs + r * (run // 2) + i - run // 2
+            for r in range(per_lane // run) for i in range(run)]
+
+
+def _key_runs(code_a: torch.Tensor, code_b: torch.Tensor, per_lane: int) -> tuple[int, bool]:
+    """(run length, mixed) of the keys: the longest runs whose positions share one code for every head and lane.
+    code_a / code_b [H, L, pairs per lane]: the code of each pair's first / second channel."""
+    heads, lanes = code_a.shape[:2]
+    regs = torch.cat([code_a, code_b], 2)  # [H, 16, per_lane] code of every register
+    for run in range(per_lane, 0, -1):
+        for mixed in (False, True):
+            if per_lane % run or (mixed and (run % 2 or (per_lane // 2) % (run // 2))):
+                continue
+            if not mixed and run > per_lane // 2 and run != per_lane:
+                continue
+            order = torch.tensor(key_registers(per_lane, run, mixed))
+            codes = regs[:, :, order].view(heads, lanes, per_lane // run, run)
+            if bool((codes == codes[..., :1]).all()):
+                return run, mixed
+    return 1, False
+
+
+def _group(columns: torch.Tensor) -> int:
+    """How many consecutive runs have adjacent index columns, aligned for one load (4, 2 or 1); columns
+    [H, L, runs]."""
+    runs = columns.shape[2]
+    for g in (4, 2):
+        if runs % g:
+            continue
+        c = columns.view(*columns.shape[:2], runs // g, g)
+        if bool((c == c[..., :1] + torch.arange(g)).all()) and bool((c[..., 0] % g == 0).all()):
+            return g
+    return 1
+
+
+def lane_tables(tables, lanes: int = 16) -> LaneTables | None:
+    """:class:`LaneTables` of a :class:`~loopvq_calib.decode_attention.StepTables` for ``lanes`` lanes per token,
+    or None when the site does not fit this kernel (head dim not a multiple of 2 lanes)."""
     from .models.common import pair_channels
 
     heads, k, d = tables.value.shape
-    if d % 32:
+    if lanes not in LANE_CHOICES or d % (2 * lanes):
         return None
+    per_lane, pairs = d // lanes, d // (2 * lanes)
     dev = tables.value.device
     a, b = (c.to(dev) for c in pair_channels(d, tables.rope_style))
-    key = torch.empty(heads, k, d, dtype=tables.key_a.dtype, device=dev)
-    key[:, :, a], key[:, :, b] = tables.key_a, tables.key_b
-    kcode = torch.empty(heads, d, dtype=torch.int32, device=dev)
-    kcode[:, a], kcode[:, b] = tables.key_code_a, tables.key_code_b
-    partner, freq = torch.empty(d, dtype=torch.long, device=dev), torch.empty(d, dtype=torch.long, device=dev)
-    partner[a], partner[b] = b, a
-    freq[a] = freq[b] = torch.arange(d // 2, device=dev)
-    sign = torch.ones(d, device=dev)
-    sign[b] = -1.0
-    korder, vorder = _slot_order(kcode), _slot_order(tables.value_code)
-    kcode_s, vcode_s = kcode.gather(1, korder), tables.value_code.gather(1, vorder)
-    rk, rv = _run(kcode_s, d // 32), _run(vcode_s, d // 32)
+    code_a = tables.key_code_a.view(heads, lanes, pairs)
+    code_b = tables.key_code_b.view(heads, lanes, pairs)
+    rk, mixed = _key_runs(code_a.cpu(), code_b.cpu(), per_lane)
+    order = torch.tensor(key_registers(per_lane, rk, mixed), device=dev)  # register of each run position
+    reg_values = torch.cat([tables.key_a.view(heads, k, lanes, pairs), tables.key_b.view(heads, k, lanes, pairs)], 3)
+    key = reg_values[..., order].view(heads, k, lanes, per_lane // rk, rk).permute(0, 3, 1, 2, 4)
+    reg_codes = torch.cat([code_a, code_b], 2)[..., order].view(heads, lanes, per_lane // rk, rk)
+    reg_channel = torch.cat([a.view(lanes, pairs), b.view(lanes, pairs)], 1)  # [L, per_lane]
 
-    def reorder(table: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-        return table.gather(2, order[:, None, :].expand(-1, k, -1)).contiguous()
-
+    vorder = _slot_order(tables.value_code)
+    vcode = tables.value_code.gather(1, vorder)
+    rv = _run(vcode, per_lane)
+    value = tables.value.gather(2, vorder[:, None, :].expand(-1, k, -1))
+    value = value.view(heads, k, lanes, per_lane // rv, rv).permute(0, 3, 1, 2, 4)
     i32 = torch.int32
-    return SlotTables(
-        reorder(key, korder), reorder(tables.value, vorder), kcode_s[:, ::rk].to(i32).contiguous(),
-        vcode_s[:, ::rv].to(i32).contiguous(), korder.to(i32).contiguous(), partner[korder].to(i32).contiguous(),
-        freq[korder].to(i32).contiguous(), sign[korder].contiguous(), vorder.to(i32).contiguous(), rk, rv)
+    key_column = reg_codes[..., 0].to(i32).contiguous()
+    value_column = vcode.view(heads, lanes, per_lane // rv, rv)[..., 0].to(i32).contiguous()
+    return LaneTables(
+        key.contiguous(), value.contiguous(), key_column, value_column,
+        reg_channel.reshape(1, d).expand(heads, -1).to(i32).contiguous(), vorder.to(i32).contiguous(), rk, mixed, rv,
+        lanes, _group(key_column.cpu()), _group(value_column.cpu()))
 
 
-def default_launch(slots: SlotTables) -> tuple[int, int]:
-    """(warps per block, tokens per warp step): 16 x 8 where every lane reads one run per kind (loop-axis and
-    channel layouts: 128 registers, no spills), 8 x 8 for shorter runs (TaSQ's permuted keys need more
-    registers per lane). Measured on the H200 (docs/quantized-cache.md)."""
-    per_lane = slots.key.shape[2] // 32
-    return (16, 8) if slots.run_key == per_lane and slots.run_value == per_lane else (8, 8)
+def default_launch(query_groups: int) -> tuple[int, int, int]:
+    """(warps per block, tokens per group and step, lanes per token): 16 x 8 x 16 for one query head per KV head
+    (at Ouro's shapes the register file and shared memory, not the warps, are the limit; 8 lanes per token
+    measured slower: their 64-byte table rows make two groups of a half-warp collide on banks), 8 x 4 x 16 for
+    GQA (every query head keeps its own rotated query and accumulator). Measured on the H200
+    (docs/quantized-cache.md)."""
+    return (16, 8, 16) if query_groups == 1 else (8, 4, 16)
 
 
-def shared_bytes(slots: SlotTables, warps: int, query_groups: int) -> int:
-    """Dynamic shared memory of one block: both tables, the warps' merge area and weight buffers (<= 32 tokens)."""
-    heads, k, d = slots.key.shape
-    return 2 * k * d * slots.key.element_size() + warps * query_groups * (d + 2 + 32) * 4
+def site_lanes(tables, query_groups: int, lanes: int | None = None) -> LaneTables | None:
+    """The site's :class:`LaneTables` for ``lanes`` per token (default: :func:`default_launch`'s), built once and
+    kept in ``tables.lanes``."""
+    count = lanes or default_launch(query_groups)[2]
+    if count not in tables.lanes:
+        tables.lanes[count] = lane_tables(tables, count)
+    return tables.lanes[count]
 
 
-def fits(slots: SlotTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
-         warps: int | None) -> bool:
+def _align16(x: int) -> int:
+    return (x + 15) // 16 * 16
+
+
+def shared_layout(d: int, k: int, key_bytes: int, value_bytes: int, key_codes: int, value_codes: int, warps: int,
+                  query_groups: int, step_tokens: int) -> int:
+    """Bytes of dynamic shared memory (decode_attention.cu's KT_BYTES + VT_BYTES + STAGE_BYTES + QS_BYTES + pbuf);
+    ``step_tokens`` tokens per warp step (TOK)."""
+    stage = warps * 2 * step_tokens * (key_codes + value_codes)
+    merge = warps * query_groups * (d + 2) * 4
+    return (d * k * key_bytes + d * k * value_bytes + _align16(max(stage, merge)) + query_groups * d * 4
+            + warps * query_groups * step_tokens * 4)
+
+
+def fits(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
+         warps: int | None, tokens: int | None = None) -> bool:
     """Whether this call can run the CUDA kernel (else the Triton one serves it): the dtypes, strides and sizes
-    the kernel reads (one-byte key and value indices, fp16 TaSQ sigmas, 32-bit offsets) and its shared memory;
-    never again in this process after a build failed (:data:`BUILD_FAILED`)."""
-    if slots is None or q.device.type != "cuda" or not hasattr(torch.cuda, "_compile_kernel") or BUILD_FAILED:
+    the kernel reads (one-byte key and value indices stored head-major with 4-byte aligned rows, fp16 TaSQ
+    sigmas, 32-bit offsets) and its shared memory; never again in this process after a build failed
+    (:data:`BUILD_FAILED`)."""
+    if lanes is None or q.device.type != "cuda" or not hasattr(torch.cuda, "_compile_kernel") or BUILD_FAILED:
         return False
     if q.dtype not in ACT_CODES or fp_keys.dtype != q.dtype or fp_values.dtype != q.dtype:
         return False
     indices = (coded.key_indices, coded.value_indices)
-    if any(t.dtype != torch.uint8 for t in indices) or slots.key.dtype not in (torch.float16, torch.float32):
+    if any(t.dtype != torch.uint8 or _index_vector(t) == 0 for t in indices):
         return False
-    read = [fp_keys, fp_values, *indices]
+    if lanes.value.dtype not in (torch.float16, torch.float32):
+        return False
+    read = [fp_keys, fp_values]
     if coded.key_sigma is not None and coded.count:
         if coded.key_sigma.dtype != torch.float16:
             return False
         read.append(coded.key_sigma)
-    limit = torch.cuda.get_device_properties(q.device).shared_memory_per_block_optin
-    if shared_bytes(slots, warps or default_launch(slots)[0], q.shape[1] // slots.key.shape[0]) > limit:
+    qg = q.shape[1] // lanes.key.shape[0]
+    w, u, _ = default_launch(qg)
+    if launch_shared(lanes, coded, warps or w, qg, tokens or u) > _shared_limit(q.device):
         return False
-    return all(t.stride(-1) == 1 and t.numel() <= INT32_MAX and max(t.stride()) <= INT32_MAX for t in read)
+    return all(t.stride(-1) == 1 and t.numel() <= INT32_MAX and max(t.stride()) <= INT32_MAX for t in read + list(indices))
+
+
+def _shared_limit(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+def _index_vector(idx: torch.Tensor) -> int:
+    """Bytes per copy of a [B, N, H, n] index tensor's token rows (16 or 4), 0 when its rows are not stored
+    head-major (token t of a (row, head) at t * n) with that alignment."""
+    n = idx.shape[3]
+    if idx.stride(3) != 1 or idx.stride(1) != n:
+        return 0
+    for vec in (16, 4):
+        if n % vec == 0 and idx.data_ptr() % vec == 0 and idx.stride(0) % vec == 0 and idx.stride(2) % vec == 0:
+            return vec
+    return 0
+
+
+def launch_shared(lanes: LaneTables, coded, warps: int, query_groups: int, tokens: int,
+                  key_dtype: torch.dtype | None = None) -> int:
+    """Shared memory of a launch with the key table in ``key_dtype`` (default: the tables' own)."""
+    heads, _, k, _, _ = lanes.key.shape
+    d = lanes.key_channel.shape[1]
+    kb = torch.finfo(key_dtype or lanes.key.dtype).bits // 8
+    return shared_layout(d, k, kb, lanes.value.element_size(), coded.key_indices.shape[3],
+                         coded.value_indices.shape[3], warps, query_groups, 32 // lanes.lanes * tokens)
 
 
 def _float_bits(x: float) -> int:
@@ -172,48 +275,60 @@ def _compiled(defines: tuple[tuple[str, int], ...], shared: int, device: int):
 
 
 def decode_attention_cuda(
-    q: torch.Tensor, tables, slots: SlotTables, coded, fp_keys: torch.Tensor, fp_values: torch.Tensor,
-    fp_positions: torch.Tensor, fp_mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+    inputs, tables, lanes: LaneTables, coded, fp_keys: torch.Tensor, fp_values: torch.Tensor,
     warps: int | None = None, tokens_per_iteration: int | None = None, num_splits: int | None = None,
+    key_float32: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the split kernel; returns (acc [B, Hq, S, D], max/sum [B, Hq, S, 2]) for the log-sum-exp merge.
 
-    Arguments as :func:`~loopvq_calib.decode_attention.decode_attention` (``cos``/``sin`` the RoPE table,
-    covering every position); ``warps`` per block (one block per multiprocessor: the tables fill its shared
-    memory), ``tokens_per_iteration`` tokens per warp step (4, 8, 16 or 32), both from :func:`default_launch`
-    when None; splits per KV head default to the multiprocessors over the heads."""
-    warps = warps or default_launch(slots)[0]
-    tokens_per_iteration = tokens_per_iteration or default_launch(slots)[1]
-    if tokens_per_iteration not in (1, 2, 4, 8, 16, 32) or not 1 <= warps <= 32:
-        raise ValueError(f"tokens_per_iteration must divide 32 and warps be 1..32, got {tokens_per_iteration} and {warps}")
+    ``inputs``: :class:`~loopvq_calib.decode_attention.KernelInputs` (the RoPE table covering every position
+    and at least 5 rows); ``lanes`` the site's tables for the lanes per token to launch with; other arguments
+    as :func:`~loopvq_calib.decode_attention.decode_attention`. ``warps`` per block (one block per
+    multiprocessor: the tables fill its shared memory), ``tokens_per_iteration`` tokens per lane group and
+    step (1 .. lanes, a power of two; a warp takes 32/lanes times as many), both from :func:`default_launch`
+    when None; splits per KV head default to the multiprocessors over the heads. ``key_float32``: the key table
+    in float32 in shared memory (no conversions); default: only where its runs cannot be read as packed halves
+    (odd runs) and it fits."""
+    q = inputs.q
     bsz, hq, d = q.shape
-    heads, k = slots.key.shape[:2]
+    heads, _, k, _, _ = lanes.key.shape
+    qg = hq // heads
+    w, u, _ = default_launch(qg)
+    warps, tokens = warps or w, tokens_per_iteration or u
+    if tokens not in (1, 2, 4, 8, 16) or tokens > lanes.lanes or not 1 <= warps <= 32:
+        raise ValueError(f"tokens_per_iteration must be a power of two up to the lanes per token ({lanes.lanes}) and "
+                         f"warps 1..32, got {tokens} and {warps}")
+    step = 32 // lanes.lanes * tokens
     n = coded.count
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        num_splits = max(1, min(sms // heads, -(-n // (warps * tokens_per_iteration))))
+        num_splits = max(1, min(sms // heads, -(-n // (warps * step))))
     split_len = -(-max(n, 1) // num_splits)
-    qg = hq // heads
-    shared = shared_bytes(slots, warps, qg)
-    defines = (("D", d), ("SPL", d // 32), ("RUNK", slots.run_key), ("RUNV", slots.run_value), ("QG", qg),
-               ("U", tokens_per_iteration), ("WARPS", warps), ("KCB", k), ("TASQ", int(tables.tasq)),
-               ("STEP", tables.step), ("HAS_MASK", int(fp_mask is not None)), ("ACT", ACT_CODES[q.dtype]),
-               ("TAB32", int(slots.key.dtype == torch.float32)))
-    kernel = _compiled(defines, shared, q.device.index if q.device.index is not None else torch.cuda.current_device())
+    fits32 = launch_shared(lanes, coded, warps, qg, tokens, torch.float32) <= _shared_limit(q.device)
+    if key_float32 is None:
+        key_float32 = lanes.run_key % 2 == 1 and fits32
+    key = lanes.key_table(key_float32 and fits32)
+    shared = launch_shared(lanes, coded, warps, qg, tokens, key.dtype)
     kidx, vidx = coded.key_indices, coded.value_indices
-    sig = coded.key_sigma if tables.tasq and n else cos
-    fpos = fp_positions.to(torch.int32).contiguous()
-    fmask = fp_mask.to(torch.int8).contiguous() if fp_mask is not None else fpos
-    p0 = coded.first_position.to(device=q.device, dtype=torch.int32).contiguous()
+    sig, fpos = inputs.sigma, inputs.fp_positions
+    if tables.tasq and n:
+        sig = sig[:, :, tables.step]  # the kernel reads the step's column (one build serves every step)
+    vec = min(_index_vector(kidx), _index_vector(vidx))
+    defines = (("D", d), ("LPT", lanes.lanes), ("QG", qg), ("U", tokens), ("WARPS", warps), ("KCB", k),
+               ("NKC", kidx.shape[3]), ("NVC", vidx.shape[3]), ("RK", lanes.run_key), ("KMIX", int(lanes.key_mixed)),
+               ("RV", lanes.run_value), ("KG", lanes.key_group), ("VG", lanes.value_group),
+               ("KT32", int(key.dtype == torch.float32)), ("VT32", int(lanes.value.dtype == torch.float32)),
+               ("CHEB", int(lanes.value.dtype != torch.float32)), ("TASQ", int(tables.tasq)),
+               ("HAS_MASK", int(inputs.masked)), ("ACT", ACT_CODES[q.dtype]), ("IDXVEC", vec))
+    kernel = _compiled(defines, shared, q.device.index if q.device.index is not None else torch.cuda.current_device())
     acc = torch.empty(bsz, hq, num_splits, d, device=q.device, dtype=torch.float32)
     ml = torch.empty(bsz, hq, num_splits, 2, device=q.device, dtype=torch.float32)
-    strides = [*kidx.stride()[:3], *vidx.stride()[:3], *sig.stride()[:2], *fp_keys.stride()[:3],
-               *fp_values.stride()[:3], fpos.stride(0)]
+    strides = [kidx.stride(0), kidx.stride(2), vidx.stride(0), vidx.stride(2), *sig.stride()[:2],
+               *fp_keys.stride()[:3], *fp_values.stride()[:3], fpos.stride(0)]
     if max(strides) > INT32_MAX:
         raise ValueError("tensor strides beyond 2**31 - 1 elements: use the Triton kernel")
     kernel(grid=(heads, num_splits, 1), block=(32 * warps, 1, 1), shared_mem=shared, args=[
-        q.contiguous(), kidx, vidx, sig, slots.key, slots.value, slots.key_code, slots.value_code,
-        slots.key_channel, slots.key_partner, slots.key_freq, slots.key_sign, slots.value_channel, p0, cos, sin,
-        fp_keys, fp_values, fpos, fmask, acc, ml, bsz, n, fp_keys.shape[1], split_len,
-        _float_bits(1.4426950408889634 / math.sqrt(d)), *strides])
+        q, kidx, vidx, sig, key, lanes.value, lanes.key_column, lanes.value_column, lanes.key_channel,
+        lanes.value_channel, inputs.first, inputs.cos, inputs.sin, fp_keys, fp_values, fpos, inputs.fp_mask, acc, ml,
+        bsz, n, fp_keys.shape[1], split_len, _float_bits(1.4426950408889634 / math.sqrt(d)), *strides])
     return acc, ml

@@ -85,6 +85,7 @@ class QuantizedLoopKVCache:
         self.keys: dict[int, torch.Tensor] = {}  # pre-RoPE [B, S_fp, H, D]
         self.values: dict[int, torch.Tensor] = {}
         self.positions: dict[int, torch.Tensor] = {}  # [B, S_total] absolute positions of every token
+        self._position_storage: dict[int, torch.Tensor] = {}  # [B, capacity] behind positions[site] (doubles when full)
         self.encoded = 0  # tokens after the sinks held as codes (a multiple of page_size)
         self.sink_columns: int | None = None  # sink_tokens + the prefill's largest left padding (set on first update)
         self.codes: dict[str, list[Codes]] = {name: [] for name in quantizer.codecs}  # one entry per page
@@ -144,10 +145,25 @@ class QuantizedLoopKVCache:
             padding = ((positions == 0).sum(-1) - 1).clamp_min(0)  # left padding takes position 0 (build_context)
             self.sink_columns = self.sink_tokens + int(padding.max())
         if site in self.keys:
-            key = torch.cat([self.keys[site], key], dim=1)
+            key = torch.cat([self.keys[site], key], dim=1)  # sinks + window only: a few pages
             value = torch.cat([self.values[site], value], dim=1)
-            positions = torch.cat([self.positions[site], positions], dim=1)
-        self.keys[site], self.values[site], self.positions[site] = key, value, positions
+        self.keys[site], self.values[site] = key, value
+        self.positions[site] = self._appended_positions(site, positions)
+
+    def _appended_positions(self, site: int, new: torch.Tensor) -> torch.Tensor:
+        """The site's positions with ``new`` appended, as a view of storage that doubles when full: amortised O(1)
+        per token instead of a copy of every position at every decode step."""
+        old = self.positions.get(site)
+        n, k = (0 if old is None else old.shape[1]), new.shape[1]
+        store = self._position_storage.get(site)
+        if (old is None or store is None or store.data_ptr() != old.data_ptr() or store.shape[0] != old.shape[0]
+                or n + k > store.shape[1]):  # first call, outgrown, or replaced (reorder_cache)
+            store = new.new_empty(new.shape[0], max(2 * (n + k), 64))
+            if old is not None:
+                store[:, :n] = old
+            self._position_storage[site] = store
+        store[:, n:n + k] = new
+        return store[:, :n + k]
 
     def site_kv(self, site: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The site's pre-RoPE keys and values over all its tokens (decoded where stored as codes)."""

@@ -99,12 +99,15 @@ def random_indices(batch: int, n: int, n_groups: int, device: torch.device, gen:
 
 
 def parse_variant(spec: str) -> dict:
-    """``cuda-WxU`` (warps per block x tokens per warp step) or ``triton-NxWxPxS`` (block_n x num_warps x
-    programs per multiprocessor x sequences per program) -> decode_attention keyword arguments."""
+    """``cuda-WxUxL`` (warps per block x tokens per lane group and step x lanes per token; a trailing ``f``: the
+    key table in float32) or ``triton-NxWxPxS`` (block_n x num_warps x programs per multiprocessor x sequences
+    per program) -> decode_attention keyword arguments."""
     backend, shape = spec.split("-")
-    nums = [int(x) for x in shape.split("x")]
+    wide = shape.endswith("f")
+    nums = [int(x) for x in shape.rstrip("f").split("x")]
     if backend == "cuda":
-        return dict(backend="cuda", warps=nums[0], tokens_per_iteration=nums[1])
+        return dict(backend="cuda", warps=nums[0], tokens_per_iteration=nums[1], lanes_per_token=nums[2],
+                    key_float32=wide or None)
     return dict(backend="triton", block_n=nums[0], num_warps=nums[1], programs_per_sm=nums[2],
                 batch_per_program=nums[3])
 
@@ -120,7 +123,7 @@ def bench_case(context: int, batch: int, method: str, tables: da.StepTables, dev
         (torch.rand(batch, n, T_C, device=device, generator=gen) + 0.5).half() if tables.tasq else None,
         n, torch.full((batch,), SINKS, device=device, dtype=torch.int32))
     fp = torch.randn(2, batch, SINKS + WINDOW, KV_HEADS, D, device=device, dtype=torch.bfloat16, generator=gen)
-    fpos = torch.cat([torch.arange(SINKS), torch.arange(SINKS + n, context)]).to(device)[None].repeat(batch, 1)
+    fpos = torch.cat([torch.arange(SINKS), torch.arange(SINKS + n, context)]).to(device, torch.int32)[None].repeat(batch, 1)
     rope = da.RopeTable(D, THETA)
 
     def coded_call() -> torch.Tensor:
@@ -169,11 +172,13 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--methods", nargs="+", default=["loopvq", "tasq+loopvq"])
-    ap.add_argument("--variants", default="cuda-8x8,cuda-16x8,cuda-16x4,cuda-20x4,cuda-12x8,triton-16x4x4x8",
+    ap.add_argument("--variants", default="cuda-16x8x16,cuda-16x8x16f,cuda-16x8x8,cuda-12x8x8,cuda-16x4x8",
                     help="kernel variants tried at 32k, batch 8 (see parse_variant); the table runs the defaults")
     ap.add_argument("--codebook-size", type=int, default=K, help="K (256 is the 0.5-bit bundle; smaller K shrinks the "
                     "step tables, to see what a cache-resident codebook slice gives)")
     ap.add_argument("--variants-only", action="store_true", help="only the kernel variants at 32k, batch 8")
+    ap.add_argument("--table-variant", default="auto", help="launch of the table: 'auto' (decode_attention's "
+                    "defaults), 'best' (per method, the fastest of --variants at 32k, batch 8) or a variant")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     ap.add_argument("--table-from", type=Path, help="print the markdown tables of a saved result and exit (no GPU)")
     ap.add_argument("--out", type=Path)
@@ -197,13 +202,24 @@ def main() -> None:
         accuracy[method] = check_accuracy(method, tables[method], kc, vc, device)
         print(f"{method}: relative error vs float64 reference {accuracy[method]:.2e}", flush=True)
     result["relative_error"] = accuracy
-    for spec in args.variants.split(","):
+    for spec in filter(None, args.variants.split(",")):
         for method in args.methods:
-            r = bench_case(32768, 8, method, tables[method], device, parse_variant(spec))
+            try:
+                r = bench_case(32768, 8, method, tables[method], device, parse_variant(spec))
+            except (RuntimeError, ValueError) as err:  # a launch shape the kernel refuses here (shared memory)
+                print(f"{spec} {method}: not run ({err})", flush=True)
+                continue
             r["variant"] = spec
             result["launches"].append(r)
             print(f"{spec} {method}: coded {r['coded_ms'] * 1e3:.1f} us, bf16 {r['bf16_ms'] * 1e3:.1f} us", flush=True)
-    best = result["table_launch"] = {"backend": "auto"}  # the table: what a caller gets by default
+    launch = {m: {"backend": "auto"} for m in args.methods}  # the table: what a caller gets by default
+    if args.table_variant == "best" and result["launches"]:
+        for m in args.methods:
+            runs = [r for r in result["launches"] if r["method"] == m]
+            launch[m] = parse_variant(min(runs, key=lambda r: r["coded_ms"])["variant"]) if runs else launch[m]
+    elif args.table_variant != "auto":
+        launch = {m: parse_variant(args.table_variant) for m in args.methods}
+    result["table_launch"] = launch
     if args.variants_only:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
@@ -213,7 +229,7 @@ def main() -> None:
     for context in sorted(set(args.contexts) | {32768}):
         for batch in args.batches:
             for method in args.methods:
-                r = bench_case(context, batch, method, tables[method], device, best)
+                r = bench_case(context, batch, method, tables[method], device, launch[method])
                 for kind in ("coded", "bf16"):
                     r[f"{kind}_tokens_per_s"] = batch / (bodies[batch] + SITES * r[f"{kind}_ms"]) * 1e3
                 result["cases"].append(r)

@@ -84,6 +84,11 @@ def make_inputs(kc: BlockCodec, vc: BlockCodec, batch: int, q_heads: int, n: int
     return coded, q, fk, fv, fpos, (mask if pad else None)
 
 
+def head_major(idx: torch.Tensor) -> torch.Tensor:
+    """The same [B, N, H, n] indices stored head-major ([B, H, N, n] memory), as the cache's code buffers are."""
+    return idx.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def check(method, style, heads, q_heads, n, s_fp, *, steps=4, d=16, k=16, g=8, sharing="none", block_n=8,
           splits=None, pad=0, seed=0, table_dtype=torch.float32, dtype=torch.float32, tol=1e-5, batch=2, per_program=1,
           hints=False, **kernel):
@@ -93,7 +98,8 @@ def check(method, style, heads, q_heads, n, s_fp, *, steps=4, d=16, k=16, g=8, s
     for step in range(kc.layout.steps):
         tables = da.step_tables(kc, vc, step, style, DEVICE, table_dtype)
         dev = [t.to(DEVICE) if t is not None else None for t in (q, fk, fv, fpos, mask)]
-        moved = da.CodedTokens(coded.key_indices.to(DEVICE), coded.value_indices.to(DEVICE),
+        store = head_major if kernel.get("backend") == "cuda" else (lambda t: t)
+        moved = da.CodedTokens(store(coded.key_indices).to(DEVICE), store(coded.value_indices).to(DEVICE),
                                coded.key_sigma.to(DEVICE) if coded.key_sigma is not None else None, n, coded.first_position)
         out = da.decode_attention(dev[0], tables, moved, *dev[1:], rope, block_n=block_n, num_splits=splits,
                                   batch_per_program=per_program, cache_hints=hints, **kernel)

@@ -1,10 +1,11 @@
 """The shared-memory CUDA decode kernel (loopvq_calib/decode_cuda.py + decode_attention.cu).
 
-On CPU: the slot tables the kernel reads are checked by an independent float64 emulation of the kernel's
-arithmetic in slot order (each slot's code, run, RoPE partner, frequency and sign) against the reference
-attention, for every method, both RoPE styles and GQA; the run lengths of known layouts; the calls the
-kernel refuses. On a GPU (``gpu``): the kernel itself against the reference (tolerances as in
-test_decode_attention.py: 1e-5 with float32 tables and inputs, 1e-2 with float16 tables and bf16 inputs)."""
+On CPU: the lane tables the kernel reads are checked by an independent float64 emulation of the kernel's
+reads (each lane's runs at the kernel's shared-memory offsets, its registers, RoPE pairs and value channels)
+against the reference attention, for every method, both RoPE styles and GQA; the run lengths of known
+layouts; the calls the kernel refuses. On a GPU (``gpu``): the kernel itself against the reference
+(tolerances as in test_decode_attention.py: 1e-5 with float32 tables and inputs, 1e-2 with float16 tables and
+bf16 inputs)."""
 
 from __future__ import annotations
 
@@ -15,82 +16,114 @@ import torch
 
 from loopvq_calib import decode_attention as da
 from loopvq_calib import decode_cuda as dc
-from loopvq_calib.models.common import rope_angles
-from test_decode_attention import check, make_codecs, make_inputs
+from loopvq_calib.models.common import pair_channels, rope_angles
+from test_decode_attention import check, head_major, make_codecs, make_inputs
 
 CUDA = torch.cuda.is_available()
 
 
-def emulate(q: torch.Tensor, tables: da.StepTables, coded: da.CodedTokens, fk, fv, fpos, mask, theta: float):
-    """The kernel's arithmetic in slot order, float64: keys decoded per slot, the query rotated per slot
-    (x = q_self cos + sign q_partner sin), values accumulated per slot and scattered to their channels."""
-    slots = dc.slot_tables(tables)
+def lane_reads(idx: torch.Tensor, table: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    """What every lane reads per token, at the kernel's offsets: idx [B, n, H, codes], table [H, runs, K, L,
+    run] read flat at (r * K * L + lane) * run + index * L * run + i, column [H, L, runs] -> [B, n, H, L,
+    runs * run] float64 in run-major order."""
+    heads, runs, k, lanes, run = table.shape
+    b, n = idx.shape[:2]
+    flat = table.double().reshape(heads, -1)
+    ix = idx.long().gather(3, column.long().reshape(1, 1, heads, -1).expand(b, n, -1, -1)).view(b, n, heads, lanes, runs)
+    r, lane, i = torch.arange(runs), torch.arange(lanes), torch.arange(run)
+    offset = ((r[None, :, None] * k * lanes + lane[:, None, None]) * run + i) + ix[..., None] * lanes * run
+    return flat[torch.arange(heads)[None, None, :, None], offset.reshape(b, n, heads, -1)].view(b, n, heads, lanes, -1)
+
+
+def emulate(q: torch.Tensor, tables: da.StepTables, coded: da.CodedTokens, fk, fv, fpos, mask, theta: float,
+            lane_count: int):
+    """The kernel's reads and arithmetic in lane order, float64: keys gathered into each lane's registers
+    (first channels of its pairs, then second ones), the query rotated per pair on the query side, values
+    accumulated per lane and scattered to their channels."""
+    lanes = dc.lane_tables(tables, lane_count)
     bsz, hq, d = q.shape
-    heads, n = slots.key.shape[0], coded.count
+    L = lane_count
+    heads, n, per, pairs = lanes.key.shape[0], coded.count, d // L, d // (2 * L)
     qg = hq // heads
-    hh, ss = torch.arange(heads)[:, None], torch.arange(d)[None, :]
-    q4 = q.double().view(bsz, heads, qg, d)
-    qs = q4.gather(3, slots.key_channel.long()[None, :, None, :].expand(bsz, -1, qg, -1))
-    qp = q4.gather(3, slots.key_partner.long()[None, :, None, :].expand(bsz, -1, qg, -1))
-    sign = slots.key_sign.double()
-
-    def phi(pos: torch.Tensor) -> torch.Tensor:  # pos [B, S] -> [B, S, H, qg, D]
-        cos, sin = (t.double()[..., slots.key_freq.long()] for t in rope_angles(pos, d, theta))
-        return qs[:, None] * cos[:, :, :, None] + qp[:, None] * (sign * sin)[:, :, :, None]
-
-    def per_slot(idx: torch.Tensor, table: torch.Tensor, code: torch.Tensor, run: int) -> torch.Tensor:
-        col = code.long().repeat_interleave(run, 1)  # [H, D] index column of every slot
-        ix = idx[:, :n].long().gather(3, col[None, None].expand(bsz, n, -1, -1))
-        return table.double()[hh, ix, ss]  # [B, n, H, D]
-
-    kc = per_slot(coded.key_indices, slots.key, slots.key_code, slots.run_key)
+    regs = torch.tensor(dc.key_registers(per, lanes.run_key, lanes.key_mixed))
+    kreg = torch.empty(bsz, n, heads, L, per, dtype=torch.float64)
+    kreg[..., regs] = lane_reads(coded.key_indices[:, :n], lanes.key, lanes.key_column)
     if tables.tasq and n:
-        kc = kc * coded.key_sigma[:, :n, tables.step].double()[:, :, None, None]
-    vc = per_slot(coded.value_indices, slots.value, slots.value_code, slots.run_value)
-    kf = fk.double().gather(3, slots.key_channel.long()[None, None].expand(bsz, fk.shape[1], -1, -1))
-    vf = fv.double().gather(3, slots.value_channel.long()[None, None].expand(bsz, fv.shape[1], -1, -1))
-    pos = coded.first_position[:, None].long() + torch.arange(n)
-    keys, values = torch.cat([kc, kf], 1), torch.cat([vc, vf], 1)
-    scores = (keys[:, :, :, None] * torch.cat([phi(pos), phi(fpos)], 1)).sum(-1) / math.sqrt(d)  # [B, S, H, qg]
+        kreg = kreg * coded.key_sigma[:, :n, tables.step].double()[:, :, None, None, None]
+    vreg = lane_reads(coded.value_indices[:, :n], lanes.value, lanes.value_column)  # [B, n, H, 16, per]
+    kch, vch = lanes.key_channel.long(), lanes.value_channel.long()  # [H, D]
+    kfp = fk.double().gather(3, kch[None, None].expand(bsz, fk.shape[1], -1, -1)).view(bsz, -1, heads, L, per)
+    vfp = fv.double().gather(3, vch[None, None].expand(bsz, fv.shape[1], -1, -1)).view(bsz, -1, heads, L, per)
+    keys, values = torch.cat([kreg, kfp], 1), torch.cat([vreg, vfp], 1)  # [B, S, H, L, per]
+    qreg = q.double().view(bsz, heads, qg, d).gather(3, kch[None, :, None, :].expand(bsz, -1, qg, -1))
+    qa, qb = qreg.view(bsz, heads, qg, L, 2, pairs).unbind(4)  # [B, H, qg, L, pairs]
+    pos = torch.cat([coded.first_position[:, None].long() + torch.arange(n), fpos.long()], 1)
+    cos, sin = (t.double().view(bsz, -1, L, pairs)[:, :, None, None] for t in rope_angles(pos, d, theta))
+    xa, xb = qa[:, None] * cos + qb[:, None] * sin, qb[:, None] * cos - qa[:, None] * sin  # [B, S, H, qg, L, pairs]
+    ka, kb = keys.view(*keys.shape[:4], 2, pairs).unbind(4)
+    scores = (ka[:, :, :, None] * xa + kb[:, :, :, None] * xb).sum((-1, -2)) / math.sqrt(d)  # [B, S, H, qg]
     if mask is not None:
         keep = torch.cat([torch.ones(bsz, n, dtype=torch.bool), mask], 1)
         scores = scores.masked_fill(~keep[:, :, None, None], float("-inf"))
-    out_slot = torch.einsum("bshg,bshd->bhgd", scores.softmax(1), values)
-    out = torch.empty_like(out_slot)
-    out.scatter_(3, slots.value_channel.long()[None, :, None, :].expand(bsz, -1, qg, -1), out_slot)
+    out_lane = torch.einsum("bshg,bshd->bhgd", scores.softmax(1), values.flatten(3))
+    out = torch.empty_like(out_lane)
+    out.scatter_(3, vch[None, :, None, :].expand(bsz, -1, qg, -1), out_lane)
     return out.reshape(bsz, hq, d)
 
 
 @pytest.mark.parametrize("method", ["cq", "tasq", "loopvq", "tasq+loopvq"])
 @pytest.mark.parametrize("style", ["half", "interleaved"])
-@pytest.mark.parametrize("q_heads", [2, 6])
-def test_slot_tables_give_the_reference_attention(method, style, q_heads):
+@pytest.mark.parametrize("q_heads, lanes", [(2, 8), (2, 16), (6, 8)])
+def test_lane_tables_give_the_reference_attention(method, style, q_heads, lanes):
     kc, vc = make_codecs(method, 2, 64, 16, 8, 4, seed=4)
     coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, 2, q_heads, 23, 6, seed=4, pad=2)
     for step in range(kc.layout.steps):
         tables = da.step_tables(kc, vc, step, style, "cpu", torch.float32)
-        got = emulate(q, tables, coded, fk, fv, fpos, mask, 1e4)
+        got = emulate(q, tables, coded, fk, fv, fpos, mask, 1e4, lanes)
         ref = da.decode_attention_reference(q, kc, vc, step, coded, fk, fv, fpos, mask, style, 1e4)
         assert ((got - ref).norm() / ref.norm()).item() < 1e-6, (method, style, step)  # float32 tables and angles
 
 
 def test_run_lengths_of_known_layouts():
-    """Loop-axis codes hold c = G / T_c consecutive channels of a step: runs of min(c, D/32) slots; a code that
-    holds one channel per step (G = T_c) gives runs of 1; the table in slot order keeps every value."""
-    for g, steps, run in ((16, 4, 4), (8, 4, 2), (4, 4, 1), (32, 4, 4)):
+    """Loop-axis codes hold c = G / T_c consecutive channels of a step. Half-split RoPE: a lane's first channels
+    (D/32 consecutive ones) come from one code when c >= D/32, so key runs of min(c, D/32) holding one channel
+    of each pair; interleaved RoPE: a code holds whole pairs, runs of min(c, D/16) holding both channels (a run
+    of the whole lane counts as unmixed); values
+    in runs of min(c, D/16). The lane table keeps every value."""
+    for g, steps, style, run_key, mixed, run_value in (
+            (16, 4, "half", 4, False, 4), (8, 4, "half", 2, False, 2), (4, 4, "half", 1, False, 1),
+            (32, 4, "half", 4, False, 8), (16, 4, "interleaved", 4, True, 4), (32, 4, "interleaved", 8, False, 8)):
         kc, vc = make_codecs("loopvq", 2, 128, 16, g, steps)
-        tables = da.step_tables(kc, vc, 1, "half", "cpu", torch.float32)
-        slots = dc.slot_tables(tables)
-        assert (slots.run_key, slots.run_value) == (run, run), g
-        assert slots.key_code.shape == (2, 128 // run)
-        key = torch.empty_like(slots.key)
-        key.scatter_(2, slots.key_channel.long()[:, None, :].expand_as(key), slots.key)
-        assert torch.equal(key[:, :, :64], tables.key_a) and torch.equal(key[:, :, 64:], tables.key_b)
+        tables = da.step_tables(kc, vc, 1, style, "cpu", torch.float32)
+        lanes = dc.lane_tables(tables, 16)
+        assert (lanes.run_key, lanes.key_mixed, lanes.run_value) == (run_key, mixed, run_value), (g, style)
+        assert lanes.key.shape == (2, 8 // run_key, 16, 16, run_key)
+        regs = torch.tensor(dc.key_registers(8, run_key, mixed))
+        key = torch.empty(2, 16, 16, 8)  # [H, K, lane, register]
+        key[..., regs] = lanes.key.permute(0, 2, 3, 1, 4).reshape(2, 16, 16, 8)
+        full = torch.empty(2, 16, 128)
+        full.scatter_(2, lanes.key_channel[:, None, :].long().expand(-1, 16, -1), key.reshape(2, 16, 128))
+        a, b = pair_channels(128, style)
+        expect = torch.empty(2, 16, 128)
+        expect[:, :, a], expect[:, :, b] = tables.key_a, tables.key_b
+        assert torch.equal(full, expect), (g, style)
+
+
+def test_index_bytes_read_together_at_ouro_shapes():
+    """With 8 lanes per token a loop-axis lane reads codes 2m, 2m+1 (first channels) and 2m+16, 2m+17 (second
+    channels) of the keys: two 16-bit loads; values 4m .. 4m+3: one 32-bit load. TaSQ's permuted keys: bytes."""
+    kc, vc = make_codecs("loopvq", 2, 128, 16, 16, 4)
+    lanes = dc.lane_tables(da.step_tables(kc, vc, 1, "half", "cpu", torch.float16), 8)
+    assert (lanes.run_key, lanes.key_group, lanes.run_value, lanes.value_group) == (4, 2, 4, 4)
+    assert lanes.key_column[0, 3].tolist() == [6, 7, 22, 23] and lanes.value_column[0, 3].tolist() == [12, 13, 14, 15]
+    kc, vc = make_codecs("tasq+loopvq", 2, 128, 16, 16, 4)
+    lanes = dc.lane_tables(da.step_tables(kc, vc, 1, "half", "cpu", torch.float16), 8)
+    assert (lanes.run_key, lanes.key_group, lanes.value_group) == (1, 1, 4)
 
 
 def test_head_dims_that_are_no_multiple_of_32_are_left_to_triton():
     kc, vc = make_codecs("loopvq", 2, 24, 16, 8, 4)
-    assert dc.slot_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float32)) is None
+    assert dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float32)) is None
 
 
 def test_a_failed_build_is_remembered_and_named(monkeypatch):
@@ -103,8 +136,8 @@ def test_a_failed_build_is_remembered_and_named(monkeypatch):
     monkeypatch.setattr(torch.cuda, "_compile_kernel", broken, raising=False)
     monkeypatch.setattr(torch.cuda, "device", lambda index: __import__("contextlib").nullcontext())
     with pytest.raises(dc.BuildError, match="broken on purpose") as err:
-        dc._compiled((("D", 64), ("STEP", 3)), 0, 0)
-    assert dc.KERNEL in str(err.value) and "'STEP': 3" in str(err.value) and dc.BUILD_FAILED == [err.value]
+        dc._compiled((("D", 64), ("TASQ", 1)), 0, 0)
+    assert dc.KERNEL in str(err.value) and "'TASQ': 1" in str(err.value) and dc.BUILD_FAILED == [err.value]
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
     tables = da.step_tables(kc, vc, 0, "half", "cpu", torch.float16)
@@ -114,32 +147,41 @@ def test_a_failed_build_is_remembered_and_named(monkeypatch):
 
 def test_fits_checks_what_the_kernel_reads(monkeypatch):
     """The CUDA path is taken only when the kernel can read every tensor as it assumes: one-byte key AND value
-    indices, fp16 TaSQ sigmas, unit inner strides (checked here with a stand-in CUDA query on the CPU)."""
+    indices stored head-major, fp16 TaSQ sigmas, unit inner strides, tables and buffers within shared memory
+    (checked here with a stand-in CUDA query on the CPU)."""
     from types import SimpleNamespace
 
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
-    slots = dc.slot_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16))
+    lanes = dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 8)
     monkeypatch.setattr(dc, "BUILD_FAILED", [])
     monkeypatch.setattr(torch.cuda, "_compile_kernel", lambda *a, **k: None, raising=False)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device: SimpleNamespace(shared_memory_per_block_optin=228 * 1024))
+    limit = SimpleNamespace(shared_memory_per_block_optin=228 * 1024)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: limit)
     cuda_q = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=fk.dtype, shape=q.shape)
-    u8 = SimpleNamespace(key_indices=coded.key_indices.to(torch.uint8), value_indices=coded.value_indices.to(torch.uint8),
-                         key_sigma=None, count=coded.count)
-    assert dc.fits(slots, cuda_q, fk, fv, u8, 8)
-    assert not dc.fits(slots, cuda_q, fk, fv, SimpleNamespace(**{**vars(u8), "value_indices": u8.value_indices.int()}), 8)
-    assert not dc.fits(slots, cuda_q, fk, fv, SimpleNamespace(**{**vars(u8), "key_sigma": torch.ones(1, 8, 4)}), 8)
-    assert not dc.fits(slots, cuda_q, fk.transpose(-1, -2), fv, u8, 8)
+    u8 = SimpleNamespace(key_indices=head_major(coded.key_indices.to(torch.uint8)),
+                         value_indices=head_major(coded.value_indices.to(torch.uint8)), key_sigma=None, count=coded.count)
+    assert dc.fits(lanes, cuda_q, fk, fv, u8, 8)
+    assert not dc.fits(lanes, cuda_q, fk, fv, SimpleNamespace(**{**vars(u8), "value_indices": u8.value_indices.int()}), 8)
+    token_major = SimpleNamespace(**{**vars(u8), "key_indices": coded.key_indices.to(torch.uint8)})
+    assert not dc.fits(lanes, cuda_q, fk, fv, token_major, 8)
+    assert not dc.fits(lanes, cuda_q, fk, fv, SimpleNamespace(**{**vars(u8), "key_sigma": torch.ones(1, 8, 4)}), 8)
+    assert not dc.fits(lanes, cuda_q, fk.transpose(-1, -2), fv, u8, 8)
+    need = dc.launch_shared(lanes, u8, 8, 1, 8)  # 8 lanes per token: 4 groups x 8 tokens per warp step
+    assert need == 2 * 64 * 16 * 2 + 8 * 2 * 32 * 64 + 64 * 4 + 8 * 32 * 4  # tables, stages, query, weights
+    limit.shared_memory_per_block_optin = need - 1
+    assert not dc.fits(lanes, cuda_q, fk, fv, u8, 8, 8)
+    limit.shared_memory_per_block_optin = need
+    assert dc.fits(lanes, cuda_q, fk, fv, u8, 8, 8)
     dc.BUILD_FAILED.append(dc.BuildError("earlier"))
-    assert not dc.fits(slots, cuda_q, fk, fv, u8, 8)
+    assert not dc.fits(lanes, cuda_q, fk, fv, u8, 8)
 
 
 def test_cpu_tensors_never_take_the_cuda_kernel():
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
-    slots = dc.slot_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16))
-    assert not dc.fits(slots, q, fk, fv, coded, 8)
+    lanes = dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16))
+    assert not dc.fits(lanes, q, fk, fv, coded, 8)
     tables = da.step_tables(kc, vc, 0, "half", "cpu", torch.float16)
     with pytest.raises(RuntimeError, match="CUDA decode kernel does not take this call"):
         da.decode_attention(q, tables, coded, fk, fv, fpos, None, da.RopeTable(64, 1e4), backend="cuda")
@@ -154,31 +196,39 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @gpu
 @pytest.mark.parametrize("method", ["cq", "tasq", "loopvq", "tasq+loopvq"])
 @pytest.mark.parametrize("style", ["half", "interleaved"])
-def test_kernel_every_method_and_rope_style(method, style):
-    check(method, style, heads=2, q_heads=2, n=77, s_fp=6, d=64, k=32, g=8, splits=3, pad=2, backend="cuda")
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_kernel_every_method_and_rope_style(method, style, lanes):
+    check(method, style, heads=2, q_heads=2, n=77, s_fp=6, d=64, k=32, g=8, splits=3, pad=2, backend="cuda",
+          lanes_per_token=lanes)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("n, s_fp, splits, tokens, warps", [
-    (0, 1, None, 16, 8), (1, 3, None, 16, 8), (15, 4, 2, 8, 4), (16, 20, 1, 16, 8), (129, 2, 3, 32, 8),
-    (300, 12, 5, 4, 20), (1000, 9, None, 8, 16), (77, 5, 2, 16, 12),
+@pytest.mark.parametrize("n, s_fp, splits, tokens, warps, lanes", [
+    (0, 1, None, 8, 8, 8), (1, 3, None, 8, 8, 16), (15, 4, 2, 4, 4, 8), (16, 20, 1, 8, 8, 16), (129, 2, 3, 16, 8, 16),
+    (300, 12, 5, 2, 20, 8), (1000, 9, None, 8, 16, 8), (77, 5, 2, 8, 12, 16), (2000, 40, 3, 1, 8, 8),
+    (999, 7, 2, 8, 16, 16),
 ])
-def test_kernel_tile_split_and_region_boundaries(n, s_fp, splits, tokens, warps):
+def test_kernel_tile_split_and_region_boundaries(n, s_fp, splits, tokens, warps, lanes):
     check("loopvq", "half", heads=2, q_heads=2, n=n, s_fp=s_fp, d=128, k=64, g=16, splits=splits, seed=n,
-          backend="cuda", tokens_per_iteration=tokens, warps=warps)
+          backend="cuda", tokens_per_iteration=tokens, warps=warps, lanes_per_token=lanes)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("method, style, d", [("loopvq", "half", 96), ("tasq+loopvq", "interleaved", 64)])
-def test_kernel_gqa_and_huginn_head_dim(method, style, d):
-    check(method, style, heads=2, q_heads=6, n=50, s_fp=5, d=d, k=32, g=8, splits=2, seed=3, backend="cuda")
+@pytest.mark.parametrize("method, style, d, lanes", [
+    ("loopvq", "half", 96, 16), ("tasq+loopvq", "interleaved", 64, 16), ("loopvq", "interleaved", 128, 8)])
+def test_kernel_gqa_and_huginn_head_dim(method, style, d, lanes):
+    check(method, style, heads=2, q_heads=6, n=50, s_fp=5, d=d, k=32, g=8, splits=2, seed=3, backend="cuda",
+          lanes_per_token=lanes)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("method", ["loopvq", "tasq+loopvq"])
-def test_kernel_at_ouro_shapes_in_fp16_tables_and_bf16(method):
+@pytest.mark.parametrize("method, lanes, key_float32", [
+    ("loopvq", 8, None), ("loopvq", 16, None), ("loopvq", 16, True), ("tasq+loopvq", 8, None), ("tasq+loopvq", 16, None)])
+def test_kernel_at_ouro_shapes_in_fp16_tables_and_bf16(method, lanes, key_float32):
+    """fp16 tables, bf16 query and tokens; keys read as packed halves (or widened to fp32) and values summed in
+    packed halves over a warp step: relative error within the fp16 tolerance."""
     check(method, "half", heads=16, q_heads=16, n=3000, s_fp=72, d=128, k=256, g=16, table_dtype=torch.float16,
-          dtype=torch.bfloat16, tol=1e-2, backend="cuda")
+          dtype=torch.bfloat16, tol=1e-2, backend="cuda", lanes_per_token=lanes, key_float32=key_float32)

@@ -181,6 +181,27 @@ def test_reorder_cache_permutes_every_region():
         assert torch.equal(k2, k.flip(0)) and torch.equal(v2, v.flip(0))
 
 
+def test_positions_grow_in_place_and_survive_a_reorder():
+    """Appending a decode step's positions writes into storage that doubles when full (amortised: no copy of every
+    position at every step); the positions equal the concatenation, also after reorder_cache."""
+    model = make_tiny_ouro()
+    prompt = torch.randint(0, 4096, (2, 10))
+    q = sampled_quantizer(model, prompt, "loopvq", codebook_size=16, group_size=8, steps_per_block=4)
+    cache = QuantizedLoopKVCache(q, sink_tokens=4, recent_window=8)
+    k = torch.zeros(2, 1, q.kv.kv_heads, q.kv.head_dim)
+    cache._append(0, k.expand(-1, 3, -1, -1), k.expand(-1, 3, -1, -1), torch.arange(1, 4).repeat(2, 1))
+    storages = set()
+    for t in range(4, 300):
+        cache._append(0, k, k, torch.tensor([[t], [t + 1000]]))
+        storages.add(cache.positions[0].data_ptr())
+    expect = torch.stack([torch.arange(1, 300), torch.cat([torch.arange(1, 4), torch.arange(1004, 1300)])])
+    assert torch.equal(cache.positions[0], expect)
+    assert len(storages) <= 4  # 64 -> 128 -> 256 -> 512 columns
+    cache.reorder_cache(torch.tensor([1, 0]))
+    cache._append(0, k, k, torch.tensor([[7], [8]]))
+    assert torch.equal(cache.positions[0], torch.cat([expect.flip(0), torch.tensor([[7], [8]])], 1))
+
+
 def test_bad_arguments():
     model = make_tiny_ouro()
     q = sampled_quantizer(model, torch.randint(0, 4096, (1, 16)), "cq", codebook_size=16, group_size=8)
