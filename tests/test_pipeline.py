@@ -178,7 +178,10 @@ def test_two_cpu_processes_equal_one(tiny_ouro_dir, calib_corpus, tmp_path, stor
     if "tasq" in method:
         tasq_a, tasq_b = (load_file(run / "tasq" / "tasq.safetensors") for run in (single, two))
         assert tasq_a.keys() == tasq_b.keys() and all(torch.equal(tasq_a[n], tasq_b[n]) for n in tasq_a)
-        assert json.loads((single / "tasq" / "tasq.json").read_text()) == json.loads((two / "tasq" / "tasq.json").read_text())
+        reports = [json.loads((run / "tasq" / "tasq.json").read_text()) for run in (single, two)]
+        for report in reports:  # wall-clock phase timings differ between runs; everything else must not
+            assert set(report["report"].pop("seconds")) == {"query_stats", "load", "covariance", "grouping", "report"}
+        assert reports[0] == reports[1]
     kmeans_a = load_file(single / "kmeans" / "quantizer.safetensors")
     kmeans_b = load_file(two / "kmeans" / "quantizer.safetensors")
     assert kmeans_a.keys() == kmeans_b.keys() and all(torch.equal(kmeans_a[n], kmeans_b[n]) for n in kmeans_a)
