@@ -91,9 +91,14 @@ def head_major(idx: torch.Tensor) -> torch.Tensor:
 
 def check(method, style, heads, q_heads, n, s_fp, *, steps=4, d=16, k=16, g=8, sharing="none", block_n=8,
           splits=None, pad=0, seed=0, table_dtype=torch.float32, dtype=torch.float32, tol=1e-5, batch=2, per_program=1,
-          hints=False, **kernel):
+          hints=False, key_bias=0.0, q_scale=1.0, **kernel):
+    """Kernel output against the reference at every step; ``key_bias`` is added to every key (codewords and
+    full-precision keys: near-constant channels of that magnitude) and the query is multiplied by ``q_scale``."""
     kc, vc = make_codecs(method, heads, d, k, g, steps, sharing, seed)
     coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, batch, q_heads, n, s_fp, seed, dtype, pad)
+    if key_bias or q_scale != 1.0:
+        kc.codebook.data += key_bias
+        fk, q = (fk.float() + key_bias).to(dtype), (q.float() * q_scale).to(dtype)
     rope = da.RopeTable(d, 10000.0)
     for step in range(kc.layout.steps):
         tables = da.step_tables(kc, vc, step, style, DEVICE, table_dtype)
@@ -174,6 +179,35 @@ def test_step_tables_reproduce_the_codec_decode():
         picked = idx.long().gather(2, code[None].expand(5, -1, -1))  # [5, H, D]
         got = table[torch.arange(2)[None, :, None], picked, torch.arange(16)]
         torch.testing.assert_close(got, full[:, step], rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+def test_float16_tables_with_large_biased_keys():
+    """Keys with near-constant channels around 10 and queries of scale 5 (logits of a few hundred), fp16 tables
+    and bf16 inputs: the tables' rounding stays within the fp16 tolerance (the Triton kernel reads the tables
+    in fp16 but sums in fp32; the CUDA kernel's packed-half sums are checked on the GPU)."""
+    check("loopvq", "half", heads=2, q_heads=2, n=37, s_fp=6, splits=3, pad=2, table_dtype=torch.float16,
+          dtype=torch.bfloat16, tol=1e-2, seed=12, key_bias=10.0, q_scale=5.0)
+
+
+def test_tables_switch_to_float32_where_packed_half_sums_could_overflow():
+    """A value table is float16 while VALUE_TERMS of its values sum within float16's range, a key table while
+    KEY_TERMS products with a query channel of QUERY_BOUND do; beyond, that table (only) is float32."""
+    fmax = torch.finfo(torch.float16).max
+    value_limit, key_limit = fmax / da.VALUE_TERMS, fmax / (da.KEY_TERMS * da.QUERY_BOUND)
+    for key_max, value_max, key_dtype, value_dtype in (
+            (3.0, 3.0, torch.float16, torch.float16), (0.99 * key_limit, 0.99 * value_limit, torch.float16, torch.float16),
+            (3.0, 1.01 * value_limit, torch.float16, torch.float32), (1.01 * key_limit, 3.0, torch.float32, torch.float16),
+            (1.01 * key_limit, 1.01 * value_limit, torch.float32, torch.float32)):
+        kc, vc = make_codecs("loopvq", 2, 32, 16, 8, 4)
+        for codec, largest in ((kc, key_max), (vc, value_max)):
+            codec.codebook.data *= largest / da.channel_table(codec, 1)[0].abs().max()  # the step's largest
+        tables = da.step_tables(kc, vc, 1, "half", "cpu", torch.float16)
+        assert (tables.key_a.dtype, tables.key_b.dtype, tables.value.dtype) == (key_dtype, key_dtype, value_dtype)
+        assert torch.allclose(tables.value.float(), da.step_tables(kc, vc, 1, "half", "cpu", torch.float32).value,
+                              rtol=1e-3)
+        assert da.step_tables(kc, vc, 1, "half", "cpu", torch.float32).key_a.dtype == torch.float32
+    assert value_limit > 4000 and 200 < key_limit < 300  # 65504 / 16 and 65504 / 256
 
 
 def test_step_tables_refuse_a_layout_that_misses_channels():
