@@ -289,7 +289,7 @@ def _on_cuda(q: torch.Tensor) -> bool:
 def _warn_once(message: str) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, stacklevel=4)  # the caller of decode_attention
 
 
 def _cuda_attention(q: torch.Tensor, tables: StepTables, coded: CodedTokens, fp_keys: torch.Tensor,

@@ -103,7 +103,9 @@ class QuantizedLoopKVCache:
         """Append this call's pre-RoPE ``key`` and ``value``; return the site's post-RoPE keys and values."""
         self._append(site, key, value, positions)
         out_k, out_v = self.site_kv(site)
-        out = rope(out_k, self.positions[site]), out_v
+        held = self.positions[site]
+        # at prefill ``held`` equals ``positions``: pass that object, whose RoPE factors the forward computes once
+        out = rope(out_k, positions if held.shape[1] == positions.shape[1] else held), out_v
         if site == self.last_site:
             self._encode_ready_pages()
         return out

@@ -91,14 +91,17 @@ def head_major(idx: torch.Tensor) -> torch.Tensor:
 
 def check(method, style, heads, q_heads, n, s_fp, *, steps=4, d=16, k=16, g=8, sharing="none", block_n=8,
           splits=None, pad=0, seed=0, table_dtype=torch.float32, dtype=torch.float32, tol=1e-5, batch=2, per_program=1,
-          hints=False, key_bias=0.0, q_scale=1.0, **kernel):
+          hints=False, key_bias=0.0, q_scale=1.0, value_scale=1.0, **kernel):
     """Kernel output against the reference at every step; ``key_bias`` is added to every key (codewords and
-    full-precision keys: near-constant channels of that magnitude) and the query is multiplied by ``q_scale``."""
+    full-precision keys: near-constant channels of that magnitude), the query is multiplied by ``q_scale`` and
+    every value (codewords and full-precision values) by ``value_scale``."""
     kc, vc = make_codecs(method, heads, d, k, g, steps, sharing, seed)
     coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, batch, q_heads, n, s_fp, seed, dtype, pad)
-    if key_bias or q_scale != 1.0:
+    if key_bias or q_scale != 1.0 or value_scale != 1.0:
         kc.codebook.data += key_bias
+        vc.codebook.data *= value_scale
         fk, q = (fk.float() + key_bias).to(dtype), (q.float() * q_scale).to(dtype)
+        fv = (fv.float() * value_scale).to(dtype)
     rope = da.RopeTable(d, 10000.0)
     for step in range(kc.layout.steps):
         tables = da.step_tables(kc, vc, step, style, DEVICE, table_dtype)
@@ -188,6 +191,14 @@ def test_float16_tables_with_large_biased_keys():
     in fp16 but sums in fp32; the CUDA kernel's packed-half sums are checked on the GPU)."""
     check("loopvq", "half", heads=2, q_heads=2, n=37, s_fp=6, splits=3, pad=2, table_dtype=torch.float16,
           dtype=torch.bfloat16, tol=1e-2, seed=12, key_bias=10.0, q_scale=5.0)
+
+
+@needs_kernels
+def test_float16_keys_with_float32_values():
+    """Values of a few thousand: the value table switches to fp32 while the keys stay fp16 (both dtypes in one
+    call)."""
+    check("loopvq", "interleaved", heads=2, q_heads=4, n=29, s_fp=5, splits=2, pad=1, table_dtype=torch.float16,
+          dtype=torch.float32, tol=1e-2, seed=14, value_scale=2000.0)
 
 
 def test_tables_switch_to_float32_where_packed_half_sums_could_overflow():

@@ -379,3 +379,14 @@ def test_kernel_fp16_tables_with_large_biased_keys(lanes):
     check("loopvq", "half", heads=2, q_heads=2, n=700, s_fp=9, d=128, k=64, g=16, splits=1, pad=2, seed=5,
           table_dtype=torch.float16, dtype=torch.bfloat16, tol=2e-2, backend="cuda", warps=2, lanes_per_token=lanes,
           key_bias=10.0, q_scale=5.0)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_kernel_fp16_keys_with_fp32_values(lanes):
+    """Values of a few thousand: fp32 value table (fp32 value sums, angle addition instead of the recurrence)
+    next to the fp16 key table's packed-half dot product."""
+    check("loopvq", "half", heads=2, q_heads=2, n=300, s_fp=9, d=128, k=64, g=16, splits=1, pad=2, seed=6,
+          table_dtype=torch.float16, dtype=torch.bfloat16, tol=1e-2, backend="cuda", warps=2, lanes_per_token=lanes,
+          value_scale=2000.0)
