@@ -52,8 +52,8 @@ class StepTables:
 
     ``key_a`` / ``key_b`` [H, K, D/2]: the first / second channel of every RoPE pair (``half``: i and i + D/2;
     ``interleaved``: 2i and 2i+1), divided by TaSQ's weight; ``key_code_a`` / ``key_code_b`` [H, D/2] int32;
-    ``value`` [H, K, D], ``value_code`` [H, D] int32 (key and value tables may differ in dtype); ``tasq``: keys are multiplied by the token's sigma;
-    ``rope_style`` the pairs' convention.
+    ``value`` [H, K, D], ``value_code`` [H, D] int32 (key and value tables may differ in dtype); ``tasq``:
+    keys are multiplied by the token's sigma; ``rope_style`` the pairs' convention.
     """
 
     key_a: torch.Tensor
@@ -229,9 +229,9 @@ def decode_attention(
     ``backend``: ``"cuda"`` the shared-memory kernel of :mod:`~loopvq_calib.decode_cuda` (``warps`` per
     block, ``tokens_per_iteration`` per lane group and step, ``lanes_per_token`` 8 or 16, ``key_float32``;
     defaults from :func:`~loopvq_calib.decode_cuda.default_launch`; ``num_splits`` per KV head), ``"triton"``
-    the kernel of
-    :mod:`~loopvq_calib.decode_kernels`, ``"auto"`` the CUDA kernel where the site and the call fit it
-    (:func:`~loopvq_calib.decode_cuda.fits`), else Triton.
+    the kernel of :mod:`~loopvq_calib.decode_kernels`, ``"auto"`` for CUDA tensors the CUDA kernel where the
+    site and the call fit it (:func:`~loopvq_calib.decode_cuda.refusal` is None) and it builds and launches,
+    else (with a warning once per reason) and for other tensors Triton.
     """
     bsz, hq, d = q.shape
     heads, k = tables.value.shape[0], tables.value.shape[1]

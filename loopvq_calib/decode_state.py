@@ -102,8 +102,9 @@ class KernelState:
         n, bsz = cache.encoded, q.shape[0]
         first, fp_pos, fp_mask = self._token_positions(cache, site, ctx, q.device)
         if n:
-            kb, vb = (self.buffers.setdefault(names[kind], CodeBuffer()).sync(cache.codes[names[kind]], bsz, cache.page_size)
-                      for kind in ("key", "value"))
+            kb, vb = (self.buffers.setdefault(names[kind], CodeBuffer()) for kind in ("key", "value"))
+            for buffer, kind in ((kb, "key"), (vb, "value")):
+                buffer.sync(cache.codes[names[kind]], bsz, cache.page_size)
             coded = CodedTokens(kb.indices, vb.indices, kb.sigma, n, first)
         else:
             empty = torch.zeros(bsz, 1, 1, 1, dtype=torch.uint8, device=q.device)

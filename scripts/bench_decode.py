@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -300,7 +299,8 @@ def sequences_that_fit(result: dict, context: int = 65536) -> str:
     fp_tokens = SINKS + WINDOW
     coded = context - fp_tokens
     lines = [f"at {context} tokens: bf16 cache {spare // (context * bf16_token)} sequences; "
-             f"one sequence's bf16 sinks/window {fp_tokens * bf16_token / 1e6:.1f} MB, codes {coded * code_token / 1e9:.3f} GB"]
+             f"one sequence's bf16 sinks/window {fp_tokens * bf16_token / 1e6:.1f} MB, "
+             f"codes {coded * code_token / 1e9:.3f} GB"]
     once = coded * code_token + fp_tokens * bf16_token
     lines.append(f"  codes once, tables once ({tables / 1e6:.0f} MB): {(spare - tables) // once} sequences")
     for name, copies in (("loopvq", 2), ("tasq+loopvq", 3)):

@@ -207,8 +207,10 @@ def test_tables_switch_to_float32_where_packed_half_sums_could_overflow():
     fmax = torch.finfo(torch.float16).max
     value_limit, key_limit = fmax / da.VALUE_TERMS, fmax / (da.KEY_TERMS * da.QUERY_BOUND)
     for key_max, value_max, key_dtype, value_dtype in (
-            (3.0, 3.0, torch.float16, torch.float16), (0.99 * key_limit, 0.99 * value_limit, torch.float16, torch.float16),
-            (3.0, 1.01 * value_limit, torch.float16, torch.float32), (1.01 * key_limit, 3.0, torch.float32, torch.float16),
+            (3.0, 3.0, torch.float16, torch.float16),
+            (0.99 * key_limit, 0.99 * value_limit, torch.float16, torch.float16),
+            (3.0, 1.01 * value_limit, torch.float16, torch.float32),
+            (1.01 * key_limit, 3.0, torch.float32, torch.float16),
             (1.01 * key_limit, 1.01 * value_limit, torch.float32, torch.float32)):
         kc, vc = make_codecs("loopvq", 2, 32, 16, 8, 4)
         for codec, largest in ((kc, key_max), (vc, value_max)):

@@ -214,8 +214,8 @@ def test_rope_rows_cover_every_anchor_read():
 def _fallback_case():
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, 2, 2, 21, 5, seed=1, pad=1)
-    coded = da.CodedTokens(head_major(coded.key_indices.to(torch.uint8)), head_major(coded.value_indices.to(torch.uint8)),
-                           None, coded.count, coded.first_position)
+    coded = da.CodedTokens(head_major(coded.key_indices.to(torch.uint8)),
+                           head_major(coded.value_indices.to(torch.uint8)), None, coded.count, coded.first_position)
     tables = da.step_tables(kc, vc, 2, "half", "cpu", torch.float32)
     ref = da.decode_attention_reference(q, kc, vc, 2, coded, fk, fv, fpos, mask, "half", 1e4)
     return tables, coded, q, fk, fv, fpos, mask, ref
