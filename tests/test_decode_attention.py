@@ -186,7 +186,7 @@ def test_step_tables_reproduce_the_codec_decode():
 
 @needs_kernels
 def test_float16_tables_with_large_biased_keys():
-    """Keys with near-constant channels around 10 and queries of scale 5 (logits of a few hundred), fp16 tables
+    """Keys with near-constant channels around 10 and queries of scale 5 (q . k of a few hundred), fp16 tables
     and bf16 inputs: the tables' rounding stays within the fp16 tolerance (the Triton kernel reads the tables
     in fp16 but sums in fp32; the CUDA kernel's packed-half sums are checked on the GPU)."""
     check("loopvq", "half", heads=2, q_heads=2, n=37, s_fp=6, splits=3, pad=2, table_dtype=torch.float16,

@@ -373,7 +373,7 @@ def test_kernel_fp16_tables_over_many_anchors_per_warp(method, style, q_heads, l
 @gpu
 @pytest.mark.parametrize("lanes", [8, 16])
 def test_kernel_fp16_tables_with_large_biased_keys(lanes):
-    """Keys with near-constant channels around 10, queries of scale 5 (logits of a few hundred): fp16 tables and
+    """Keys with near-constant channels around 10, queries of scale 5 (q . k of a few hundred): fp16 tables and
     bf16 inputs alone give 6.4e-3 at the first step (the Triton kernel on the CPU, fp32 sums); the packed-half key
     dot product adds its own rounding, so the bound is 2e-2, not 1e-2."""
     check("loopvq", "half", heads=2, q_heads=2, n=700, s_fp=9, d=128, k=64, g=16, splits=1, pad=2, seed=5,
