@@ -208,7 +208,8 @@ def test_rope_rows_cover_every_anchor_read():
             reads = [first + t0 + grp for t0 in range(n) for grp in range(groups)] + [groups]
             rows = dc.rope_rows(last, lanes)
             assert max(reads) < rows and rows >= 8, (lanes, first, n)
-    assert dc.rope_rows(65533 + 2, 8) > 65536 + 2  # empty window, last anchor at first + n + 2 = 2**16 + 1
+    first, n = 65000, 534  # 8 lanes, an empty window: the last anchor reads row first + n + 2 = 2**16
+    assert dc.rope_rows(first + n - 1, 8) > 2**16
 
 
 def _fallback_case():
