@@ -18,7 +18,7 @@ import torch
 from loopvq_calib import decode_attention as da
 from loopvq_calib import decode_cuda as dc
 from loopvq_calib.models.common import pair_channels, rope_angles
-from test_decode_attention import check, head_major, make_codecs, make_inputs, needs_kernels
+from test_decode_attention import dispatch_case, check, head_major, make_codecs, make_inputs
 
 CUDA = torch.cuda.is_available()
 
@@ -212,65 +212,12 @@ def test_rope_rows_cover_every_anchor_read():
     assert dc.rope_rows(first + n - 1, 8) > 2**16
 
 
-def _fallback_case():
-    kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
-    coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, 2, 2, 21, 5, seed=1, pad=1)
-    coded = da.CodedTokens(head_major(coded.key_indices.to(torch.uint8)),
-                           head_major(coded.value_indices.to(torch.uint8)), None, coded.count, coded.first_position)
-    tables = da.step_tables(kc, vc, 2, "half", "cpu", torch.float32)
-    ref = da.decode_attention_reference(q, kc, vc, 2, coded, fk, fv, fpos, mask, "half", 1e4)
-    return tables, coded, q, fk, fv, fpos, mask, ref
-
-
-@needs_kernels
-def test_a_failed_launch_falls_back_to_triton_with_a_warning(monkeypatch):
-    """Under ``auto`` a launch failure (LaunchError) warns once and the Triton kernel serves the call (the site
-    does not try the CUDA kernel again); ``backend="cuda"`` raises it. The launch was given a RoPE table of
-    rope_rows rows. (A stand-in CUDA device on the CPU: the dispatch under test, Triton's interpreter behind.)"""
-    tables, coded, q, fk, fv, fpos, mask, ref = _fallback_case()
-    rows = []
-
-    def failing_launch(inputs, tables, lanes, *args):
-        rows.append(inputs.cos.shape[0])
-        raise dc.LaunchError("cuLaunchKernel failed on purpose")
-
-    monkeypatch.setattr(da, "_on_cuda", lambda q: True)
-    monkeypatch.setattr(da, "_WARNED", set())
-    monkeypatch.setattr(dc, "refusal", lambda *args: None)
-    monkeypatch.setattr(dc, "decode_attention_cuda", failing_launch)
-    with pytest.raises(dc.LaunchError, match="on purpose"):
-        da.decode_attention(q, tables, coded, fk, fv, fpos, mask, da.RopeTable(64, 1e4), backend="cuda")
-    with pytest.warns(UserWarning, match="CUDA decode kernel unavailable .*on purpose.*using the Triton kernel"):
-        out = da.decode_attention(q, tables, coded, fk, fv, fpos, mask, da.RopeTable(64, 1e4), num_splits=2)
-    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
-    assert tables.lanes[16] is None and len(rows) == 2
-    assert rows[0] >= dc.rope_rows(int(coded.first_position.max()) + coded.count, 16)
-
-
-@needs_kernels
-def test_a_refused_call_warns_once_per_reason(monkeypatch):
-    """A call ``auto`` would give the CUDA kernel but the kernel refuses goes to Triton with one warning per
-    reason and process (not per call)."""
-    import warnings
-
-    tables, coded, q, fk, fv, fpos, mask, ref = _fallback_case()
-    monkeypatch.setattr(da, "_on_cuda", lambda q: True)
-    monkeypatch.setattr(da, "_WARNED", set())
-    monkeypatch.setattr(dc, "refusal", lambda *args: "a stride beyond 2**31 - 1 elements")
-    with pytest.warns(UserWarning, match=r"CUDA decode kernel skipped \(a stride beyond"):
-        out = da.decode_attention(q, tables, coded, fk, fv, fpos, mask, da.RopeTable(64, 1e4))
-    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        da.decode_attention(q, tables, coded, fk, fv, fpos, mask, da.RopeTable(64, 1e4))
-
-
 def test_the_launch_runs_on_the_query_device_and_its_stream(monkeypatch):
     """decode_attention_cuda launches inside torch.cuda.device(q.device) on that device's current stream, and
     turns a launch's RuntimeError into LaunchError (stand-ins for the CUDA runtime, CPU tensors)."""
     import contextlib
 
-    tables, coded, q, fk, fv, fpos, mask, _ = _fallback_case()
+    tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
     lanes = dc.site_lanes(tables, 1, 16)
     inputs = da.kernel_inputs(q, tables, coded, fpos, mask, da.RopeTable(64, 1e4), 64)
     entered, launches = [], []
