@@ -35,14 +35,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from typing import Any
-
 from .codec import BlockCodec, Codes
 from .kmeans_triton import _pow2, available
 from .models.common import apply_rope, pair_channels, rope_angles
 
 LOG2E = 1.4426950408889634
 BACKENDS = ("auto", "cuda", "triton")
+VALUE_TERMS = 16  # tokens the CUDA kernel sums per lane in one packed half (tokens per lane group and step, <= 16)
+KEY_TERMS = 8  # products per packed half of the CUDA kernel's key dot product (8 lanes per token: 16 channels)
+QUERY_BOUND = 32.0  # assumed bound of a scaled query channel |q| log2(e) / sqrt(D): |q| up to ~250 at D = 128
 
 
 @dataclass
@@ -51,8 +52,8 @@ class StepTables:
 
     ``key_a`` / ``key_b`` [H, K, D/2]: the first / second channel of every RoPE pair (``half``: i and i + D/2;
     ``interleaved``: 2i and 2i+1), divided by TaSQ's weight; ``key_code_a`` / ``key_code_b`` [H, D/2] int32;
-    ``value`` [H, K, D], ``value_code`` [H, D] int32; ``tasq``: keys are multiplied by the token's sigma;
-    ``rope_style`` the pairs' convention.
+    ``value`` [H, K, D], ``value_code`` [H, D] int32 (key and value tables may differ in dtype); ``tasq``:
+    keys are multiplied by the token's sigma; ``rope_style`` the pairs' convention.
     """
 
     key_a: torch.Tensor
@@ -99,20 +100,31 @@ def channel_table(codec: BlockCodec, step: int) -> tuple[torch.Tensor, torch.Ten
 
 def step_tables(key_codec: BlockCodec, value_codec: BlockCodec, step: int, rope_style: str,
                 device: torch.device | str, dtype: torch.dtype = torch.float16) -> StepTables:
-    """Build a site's :class:`StepTables` on ``device``; codeword values in ``dtype`` (float32 where ``dtype``
-    would overflow)."""
+    """Build a site's :class:`StepTables` on ``device``; codeword values in ``dtype``, the key or the value
+    tables in float32 where the CUDA kernel's half sums could overflow (:func:`table_dtype`)."""
     kt, kc = channel_table(key_codec, step)
     vt, vc = channel_table(value_codec, step)
     a, b = pair_channels(key_codec.layout.head_dim, rope_style)
-    big = max(kt.abs().max().item(), vt.abs().max().item())
-    if dtype != torch.float32 and big >= torch.finfo(dtype).max / 2:
-        dtype = torch.float32
+    key_dtype = table_dtype(kt.abs().max().item(), dtype, "key")
+    value_dtype = table_dtype(vt.abs().max().item(), dtype, "value")
 
-    def put(t: torch.Tensor, as_code: bool = False) -> torch.Tensor:
-        return t.to(device=device, dtype=torch.int32 if as_code else dtype).contiguous()
+    def put(t: torch.Tensor, as_dtype: torch.dtype) -> torch.Tensor:
+        return t.to(device=device, dtype=as_dtype).contiguous()
 
-    return StepTables(put(kt[:, :, a]), put(kt[:, :, b]), put(kc[:, a], True), put(kc[:, b], True),
-                      put(vt), put(vc, True), step, key_codec.transform is not None, rope_style)
+    i32 = torch.int32
+    return StepTables(put(kt[:, :, a], key_dtype), put(kt[:, :, b], key_dtype), put(kc[:, a], i32), put(kc[:, b], i32),
+                      put(vt, value_dtype), put(vc, i32), step, key_codec.transform is not None, rope_style)
+
+
+def table_dtype(largest: float, dtype: torch.dtype, kind: str) -> torch.dtype:
+    """``dtype`` for a ``kind`` ("key" / "value") table whose largest magnitude is ``largest``, or float32 where
+    the CUDA kernel's packed-half sums could overflow ``dtype``: a value sum takes :data:`VALUE_TERMS` tokens
+    with softmax weights <= 1; a key dot product :data:`KEY_TERMS` products with a scaled query channel up to
+    :data:`QUERY_BOUND`."""
+    if dtype == torch.float32:
+        return dtype
+    terms = VALUE_TERMS if kind == "value" else KEY_TERMS * QUERY_BOUND
+    return torch.float32 if largest * terms > torch.finfo(dtype).max else dtype
 
 
 class RopeTable:
@@ -217,9 +229,9 @@ def decode_attention(
     ``backend``: ``"cuda"`` the shared-memory kernel of :mod:`~loopvq_calib.decode_cuda` (``warps`` per
     block, ``tokens_per_iteration`` per lane group and step, ``lanes_per_token`` 8 or 16, ``key_float32``;
     defaults from :func:`~loopvq_calib.decode_cuda.default_launch`; ``num_splits`` per KV head), ``"triton"``
-    the kernel of
-    :mod:`~loopvq_calib.decode_kernels`, ``"auto"`` the CUDA kernel where the site and the call fit it
-    (:func:`~loopvq_calib.decode_cuda.fits`), else Triton.
+    the kernel of :mod:`~loopvq_calib.decode_kernels`, ``"auto"`` for CUDA tensors the CUDA kernel where the
+    site and the call fit it (:func:`~loopvq_calib.decode_cuda.refusal` is None) and it builds and launches,
+    else (with a warning once per reason) and for other tensors Triton.
     """
     bsz, hq, d = q.shape
     heads, k = tables.value.shape[0], tables.value.shape[1]
@@ -234,29 +246,11 @@ def decode_attention(
         max_position = max(int(coded.first_position.max()) + n if n else 0, int(fp_positions.max()))
     if tables.tasq and n and coded.key_sigma is None:
         raise ValueError("TaSQ key tables need the coded tokens' key_sigma")
-    if backend != "triton" and q.device.type == "cuda":
-        from . import decode_cuda
-
-        lanes = decode_cuda.site_lanes(tables, hq // heads, lanes_per_token)
-        if decode_cuda.fits(lanes, q, fp_keys, fp_values, coded, warps, tokens_per_iteration):
-            inputs = kernel_inputs(q, tables, coded, fp_positions, fp_mask, rope, max(max_position + 2, 8))
-            try:
-                acc, ml = decode_cuda.decode_attention_cuda(inputs, tables, lanes, coded, fp_keys, fp_values, warps,
-                                                            tokens_per_iteration, num_splits, key_float32)
-                return _merged(acc, ml, q.dtype)
-            except decode_cuda.BuildError as err:  # no NVRTC or a failed build: the Triton kernel serves
-                if backend == "cuda":
-                    raise
-                warnings.warn(f"CUDA decode kernel unavailable ({err}); using the Triton kernel", stacklevel=2)
-                tables.lanes[lanes.lanes] = None
-    if backend == "cuda":
-        from . import decode_cuda
-
-        failed = f"; an earlier build failed: {decode_cuda.BUILD_FAILED[0]}" if decode_cuda.BUILD_FAILED else ""
-        raise RuntimeError("the CUDA decode kernel does not take this call (needs a CUDA device, torch with "
-                           "torch.cuda._compile_kernel, a head dim that is a multiple of 32, uint8 indices stored "
-                           "head-major, tables that fit in shared memory, one dtype for q and the full-precision "
-                           "tokens)" + failed)
+    if backend == "cuda" or (backend == "auto" and _on_cuda(q)):
+        out = _cuda_attention(q, tables, coded, fp_keys, fp_values, fp_positions, fp_mask, rope, max_position,
+                              backend, warps, tokens_per_iteration, lanes_per_token, num_splits, key_float32)
+        if out is not None:
+            return out
     slices = -(-bsz // batch_per_program)
     programs = num_splits * heads if num_splits else _programs_for(q.device) * programs_per_sm // slices
     splits, per_split = plan_splits(n, heads, block_n, programs)
@@ -281,6 +275,49 @@ def decode_attention(
         DP=_pow2(d), TABLE_EVICT="evict_last" if cache_hints else "", STREAM_EVICT="evict_first" if cache_hints else "",
         num_warps=num_warps,
     )
+    return _merged(acc, ml, q.dtype)
+
+
+_WARNED: set[str] = set()  # fallbacks to the Triton kernel already warned about in this process
+
+
+def _on_cuda(q: torch.Tensor) -> bool:
+    """Whether ``auto`` considers the CUDA kernel for this query (a CUDA tensor)."""
+    return q.device.type == "cuda"
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=4)  # the caller of decode_attention
+
+
+def _cuda_attention(q: torch.Tensor, tables: StepTables, coded: CodedTokens, fp_keys: torch.Tensor,
+                    fp_values: torch.Tensor, fp_positions: torch.Tensor, fp_mask: torch.Tensor | None, rope: RopeTable,
+                    max_position: int, backend: str, warps: int | None, tokens: int | None, lanes_per_token: int | None,
+                    num_splits: int | None, key_float32: bool | None) -> torch.Tensor | None:
+    """The CUDA kernel's output, or None when the Triton kernel serves the call (``auto``: with a warning, once per
+    reason, when the kernel refuses it, fails to build or fails to launch); ``backend="cuda"`` raises instead."""
+    from . import decode_cuda
+
+    lanes = decode_cuda.site_lanes(tables, q.shape[1] // tables.value.shape[0], lanes_per_token)
+    reason = decode_cuda.refusal(lanes, q, fp_keys, fp_values, coded, warps, tokens)
+    if reason is not None:
+        if backend == "cuda":
+            raise RuntimeError(f"the CUDA decode kernel does not take this call: {reason}")
+        _warn_once(f"CUDA decode kernel skipped ({reason}); using the Triton kernel")
+        return None
+    inputs = kernel_inputs(q, tables, coded, fp_positions, fp_mask, rope,
+                           decode_cuda.rope_rows(max_position, lanes.lanes))
+    try:
+        acc, ml = decode_cuda.decode_attention_cuda(inputs, tables, lanes, coded, fp_keys, fp_values, warps, tokens,
+                                                    num_splits, key_float32)
+    except decode_cuda.BuildError as err:  # no NVRTC, a failed build or launch: the Triton kernel serves
+        if backend == "cuda":
+            raise
+        _warn_once(f"CUDA decode kernel unavailable ({err}); using the Triton kernel")
+        tables.lanes[lanes.lanes] = None
+        return None
     return _merged(acc, ml, q.dtype)
 
 
@@ -320,102 +357,3 @@ def _merged(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.dtype) -> torch.Te
     out = torch.empty(bsz, hq, d, device=acc.device, dtype=dtype)
     _merge_kernel[(bsz * hq,)](acc, ml, out, S=splits, SP=_pow2(splits), D=d, DP=_pow2(d), num_warps=4)
     return out
-
-
-class CodeBuffer:
-    """One (kind, block)'s coded pages as a [B, capacity, ...] tensor that doubles when full, so the kernel
-    reads tokens at a fixed stride; pages are copied in once, as the cache encodes them. Indices are stored
-    head-major ([B, H, capacity, n], exposed as a [B, capacity, H, n] view): a kernel that streams one head's
-    tokens reads contiguous bytes."""
-
-    def __init__(self) -> None:
-        self.indices: torch.Tensor | None = None
-        self.sigma: torch.Tensor | None = None
-        self.pages = 0
-        self.count = 0
-
-    def sync(self, pages: list[Codes], batch: int, page_size: int) -> "CodeBuffer":
-        """Copy in the pages added since the last call (pages' rows are batch-major: b * page + token)."""
-        for c in pages[self.pages:]:
-            idx = c.indices.view(batch, page_size, *c.indices.shape[1:])
-            sig = None if c.sigma is None else c.sigma.view(batch, page_size, -1)
-            if self.indices is None or self.count + page_size > self.indices.shape[1]:
-                cap = max(2 * self.count, self.count + page_size, 64)
-                self.indices = _grown(self.indices, idx, cap, self.count, head_major=True)
-                self.sigma = _grown(self.sigma, sig, cap, self.count) if sig is not None else None
-            self.indices[:, self.count:self.count + page_size] = idx
-            if sig is not None:
-                self.sigma[:, self.count:self.count + page_size] = sig
-            self.count += page_size
-        self.pages = len(pages)
-        return self
-
-
-def _grown(old: torch.Tensor | None, like: torch.Tensor, capacity: int, count: int,
-           head_major: bool = False) -> torch.Tensor:
-    """A [B, capacity, ...] tensor holding ``old``'s first ``count`` tokens; ``head_major``: [B, H, capacity, n]
-    storage behind a [B, capacity, H, n] view."""
-    if head_major:
-        new = like.new_empty(like.shape[0], like.shape[2], capacity, like.shape[3]).transpose(1, 2)
-    else:
-        new = like.new_empty(like.shape[0], capacity, *like.shape[2:])
-    if old is not None:
-        new[:, :count] = old[:, :count]
-    return new
-
-
-@dataclass
-class KernelState:
-    """What a :class:`~loopvq_calib.qcache.QuantizedLoopKVCache` keeps for the kernel: the RoPE table, each
-    site's step tables and each (kind, block)'s code buffer."""
-
-    head_dim: int
-    rope_theta: float
-    tables: dict[int, StepTables] = field(default_factory=dict)
-    buffers: dict[str, CodeBuffer] = field(default_factory=dict)
-    rope: RopeTable | None = None
-    _forward: Any = None  # the forward context whose positions were last read
-    _largest: int = 0
-    _tokens: tuple | None = None  # (ctx, coded count, coded first positions, fp positions, fp mask) of this forward
-
-    def _max_position(self, ctx: Any) -> int:
-        """Largest position so far: one device read per forward (not per site)."""
-        if ctx is not self._forward:
-            self._forward = ctx
-            self._largest = max(self._largest, int(ctx.positions.max()))
-        return self._largest
-
-    def _token_positions(self, cache: Any, site: int, ctx: Any, device: torch.device):
-        """The first coded position, the full-precision tokens' positions and their mask column: the same at
-        every site of one forward (every site holds the same tokens), so built once per forward."""
-        if self._tokens is None or self._tokens[0] is not ctx or self._tokens[1] != cache.encoded:
-            sinks, n, pos = cache._sinks, cache.encoded, cache.positions[site]
-            fp_pos = torch.cat([pos[:, :sinks], pos[:, sinks + n:]], 1)
-            fp_mask = None
-            if ctx.mask is not None:
-                m = ctx.mask[:, 0, -1]
-                fp_mask = torch.cat([m[:, :sinks], m[:, sinks + n:]], 1)
-            self._tokens = (ctx, n, pos[:, sinks] if n else pos[:, 0], fp_pos, fp_mask)
-        return self._tokens[2:]
-
-    def attend(self, cache: Any, site: int, q: torch.Tensor, ctx: Any) -> torch.Tensor:
-        """Attention of q [B, Hq, D] (post-RoPE) over the cache's tokens at ``site`` (the new token appended)."""
-        if self.rope is None:
-            self.rope = RopeTable(self.head_dim, self.rope_theta)
-        names = cache.codec_of[site]
-        kc, vc = (cache.quantizer.codecs[names[kind]] for kind in ("key", "value"))
-        step = kc.layout.sites.index(site)
-        if site not in self.tables:
-            dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
-            self.tables[site] = step_tables(kc, vc, step, ctx.rope_style, q.device, dtype)
-        n, bsz = cache.encoded, q.shape[0]
-        first, fp_pos, fp_mask = self._token_positions(cache, site, ctx, q.device)
-        if n:
-            kb, vb = (self.buffers.setdefault(names[kind], CodeBuffer()).sync(cache.codes[names[kind]], bsz, cache.page_size)
-                      for kind in ("key", "value"))
-            coded = CodedTokens(kb.indices, vb.indices, kb.sigma, n, first)
-        else:
-            empty = torch.zeros(bsz, 1, 1, 1, dtype=torch.uint8, device=q.device)
-            coded = CodedTokens(empty, empty, None, 0, first)
-        return decode_attention(q, self.tables[site], coded, cache.keys[site], cache.values[site], fp_pos, fp_mask,
-                                self.rope, max_position=self._max_position(ctx))

@@ -1,6 +1,6 @@
 """Decode attention from coded pages with the step tables in shared memory: the CUDA kernel of
 ``decode_attention.cu``, compiled with NVRTC at first use (``torch.cuda._compile_kernel``, one build per
-shape, a second or so) and launched on the current stream.
+shape, a second or so) and launched on the query's device, on its current stream.
 
 The Triton kernel of :mod:`~loopvq_calib.decode_attention` gathers every channel of every token from the step
 tables through the L1 cache (one scattered access per channel); this kernel keeps a head's key and value
@@ -175,6 +175,13 @@ def site_lanes(tables, query_groups: int, lanes: int | None = None) -> LaneTable
     return tables.lanes[count]
 
 
+def rope_rows(max_position: int, lanes: int) -> int:
+    """Rows of the cos/sin table a launch with ``lanes`` per token may read, positions up to ``max_position``:
+    a warp step's anchor reads the row of its first token plus the group index (up to 32/lanes - 1 past the
+    last coded position), the recurrence the row 32/lanes; one spare row and at least 8."""
+    return max(max_position + 32 // lanes + 1, 8)
+
+
 def _align16(x: int) -> int:
     return (x + 15) // 16 * 16
 
@@ -191,29 +198,56 @@ def shared_layout(d: int, k: int, key_bytes: int, value_bytes: int, key_codes: i
 
 def fits(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
          warps: int | None, tokens: int | None = None) -> bool:
-    """Whether this call can run the CUDA kernel (else the Triton one serves it): the dtypes, strides and sizes
-    the kernel reads (one-byte key and value indices stored head-major with 4-byte aligned rows, fp16 TaSQ
-    sigmas, 32-bit offsets) and its shared memory; never again in this process after a build failed
-    (:data:`BUILD_FAILED`)."""
-    if lanes is None or q.device.type != "cuda" or not hasattr(torch.cuda, "_compile_kernel") or BUILD_FAILED:
-        return False
+    """Whether this call can run the CUDA kernel (else the Triton one serves it): :func:`refusal` is None."""
+    return refusal(lanes, q, fp_keys, fp_values, coded, warps, tokens) is None
+
+
+def refusal(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
+            warps: int | None, tokens: int | None = None) -> str | None:
+    """Why this call cannot run the CUDA kernel, or None when it can: no earlier failed build
+    (:data:`BUILD_FAILED`), a CUDA device with NVRTC, then :func:`layout_refusal` with the device's shared memory."""
+    if BUILD_FAILED:
+        return f"an earlier build failed: {BUILD_FAILED[0]}"
+    if q.device.type != "cuda":
+        return f"device {q.device} is not CUDA"
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        return "this torch has no torch.cuda._compile_kernel (NVRTC)"
+    return layout_refusal(lanes, q, fp_keys, fp_values, coded, warps, tokens, _shared_limit(q.device))
+
+
+def layout_refusal(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
+                   warps: int | None, tokens: int | None, shared_limit: int) -> str | None:
+    """Why the kernel cannot read this call's tensors as it assumes, or None: a site with lane tables, one dtype
+    for q and the full-precision tokens, one-byte key and value indices stored head-major with aligned rows,
+    fp16 TaSQ sigmas, unit inner strides, shared memory within ``shared_limit`` bytes, and what it computes in
+    32 bits: every stride it takes (int arguments) and a token's offset inside its (row, head) index stream,
+    below capacity x index bytes per token, which the head-major batch stride (heads x capacity x bytes per
+    token) bounds. Row and head offsets are 64-bit, so the buffers' total size is not limited. Needs shapes and
+    strides only (meta tensors do)."""
+    if lanes is None:
+        return "the site has no lane tables (head dim not a multiple of 2 x lanes per token)"
     if q.dtype not in ACT_CODES or fp_keys.dtype != q.dtype or fp_values.dtype != q.dtype:
-        return False
+        return f"dtypes q {q.dtype}, full-precision keys {fp_keys.dtype}, values {fp_values.dtype}"
     indices = (coded.key_indices, coded.value_indices)
     if any(t.dtype != torch.uint8 or _index_vector(t) == 0 for t in indices):
-        return False
+        return "indices are not uint8 stored head-major with 4-byte aligned rows"
     if lanes.value.dtype not in (torch.float16, torch.float32):
-        return False
+        return f"value table dtype {lanes.value.dtype}"
     read = [fp_keys, fp_values]
     if coded.key_sigma is not None and coded.count:
         if coded.key_sigma.dtype != torch.float16:
-            return False
+            return f"TaSQ sigmas in {coded.key_sigma.dtype}, not float16"
         read.append(coded.key_sigma)
     qg = q.shape[1] // lanes.key.shape[0]
     w, u, _ = default_launch(qg)
-    if launch_shared(lanes, coded, warps or w, qg, tokens or u) > _shared_limit(q.device):
-        return False
-    return all(t.stride(-1) == 1 and t.numel() <= INT32_MAX and max(t.stride()) <= INT32_MAX for t in read + list(indices))
+    need = launch_shared(lanes, coded, warps or w, qg, tokens or u)
+    if need > shared_limit:
+        return f"{need} bytes of shared memory, {shared_limit} available"
+    if any(t.stride(-1) != 1 for t in read + list(indices)):
+        return "a tensor's last dimension is not contiguous"
+    if any(max(t.stride()) > INT32_MAX for t in read + list(indices)):
+        return "a stride beyond 2**31 - 1 elements (the kernel takes strides as int32)"
+    return None
 
 
 def _shared_limit(device: torch.device) -> int:
@@ -248,7 +282,12 @@ def _float_bits(x: float) -> int:
 
 
 class BuildError(RuntimeError):
-    """The kernel could not be built or configured here (no NVRTC, a compile error, a shared-memory limit)."""
+    """The kernel could not be built, configured or launched here (no NVRTC, a compile error, a shared-memory
+    limit, a failed launch)."""
+
+
+class LaunchError(BuildError):
+    """A built kernel failed to launch (the call goes to Triton like a failed build; later builds still try)."""
 
 
 BUILD_FAILED: list[BuildError] = []  # the first failed build: later calls go to Triton without trying again
@@ -281,8 +320,8 @@ def decode_attention_cuda(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the split kernel; returns (acc [B, Hq, S, D], max/sum [B, Hq, S, 2]) for the log-sum-exp merge.
 
-    ``inputs``: :class:`~loopvq_calib.decode_attention.KernelInputs` (the RoPE table covering every position
-    and at least 5 rows); ``lanes`` the site's tables for the lanes per token to launch with; other arguments
+    ``inputs``: :class:`~loopvq_calib.decode_attention.KernelInputs` (the RoPE table of at least
+    :func:`rope_rows` rows); ``lanes`` the site's tables for the lanes per token to launch with; other arguments
     as :func:`~loopvq_calib.decode_attention.decode_attention`. ``warps`` per block (one block per
     multiprocessor: the tables fill its shared memory), ``tokens_per_iteration`` tokens per lane group and
     step (1 .. lanes, a power of two; a warp takes 32/lanes times as many), both from :func:`default_launch`
@@ -326,9 +365,14 @@ def decode_attention_cuda(
     strides = [kidx.stride(0), kidx.stride(2), vidx.stride(0), vidx.stride(2), *sig.stride()[:2],
                *fp_keys.stride()[:3], *fp_values.stride()[:3], fpos.stride(0)]
     if max(strides) > INT32_MAX:
-        raise ValueError("tensor strides beyond 2**31 - 1 elements: use the Triton kernel")
-    kernel(grid=(heads, num_splits, 1), block=(32 * warps, 1, 1), shared_mem=shared, args=[
-        q, kidx, vidx, sig, key, lanes.value, lanes.key_column, lanes.value_column, lanes.key_channel,
-        lanes.value_channel, inputs.first, inputs.cos, inputs.sin, fp_keys, fp_values, fpos, inputs.fp_mask, acc, ml,
-        bsz, n, fp_keys.shape[1], split_len, _float_bits(1.4426950408889634 / math.sqrt(d)), *strides])
+        raise LaunchError("tensor strides beyond 2**31 - 1 elements: the Triton kernel serves this call")
+    args = [q, kidx, vidx, sig, key, lanes.value, lanes.key_column, lanes.value_column, lanes.key_channel,
+            lanes.value_channel, inputs.first, inputs.cos, inputs.sin, fp_keys, fp_values, fpos, inputs.fp_mask, acc,
+            ml, bsz, n, fp_keys.shape[1], split_len, _float_bits(1.4426950408889634 / math.sqrt(d)), *strides]
+    try:
+        with torch.cuda.device(q.device):  # q's device and its current stream, whichever device is current
+            kernel(grid=(heads, num_splits, 1), block=(32 * warps, 1, 1), shared_mem=shared, args=args,
+                   stream=torch.cuda.current_stream(q.device))
+    except RuntimeError as err:
+        raise LaunchError(f"{KERNEL} launch with {dict(defines)}: {err}") from err
     return acc, ml

@@ -71,7 +71,7 @@ class QuantizedLoopKVCache:
         self.page_size = page_size
         self.store = store
         self.kernel = kernel
-        self._kernel_state: Any = None  # decode_attention.KernelState, made at the first kernel call
+        self._kernel_state: Any = None  # decode_state.KernelState, made at the first kernel call
         self.num_steps: int | None = None
         self.last_site = max(s.site for s in quantizer.kv.sites)
         self.codec_of: dict[int, dict[str, str]] = {}  # site -> {"key": codec name, "value": codec name}
@@ -103,7 +103,9 @@ class QuantizedLoopKVCache:
         """Append this call's pre-RoPE ``key`` and ``value``; return the site's post-RoPE keys and values."""
         self._append(site, key, value, positions)
         out_k, out_v = self.site_kv(site)
-        out = rope(out_k, self.positions[site]), out_v
+        held = self.positions[site]
+        # at prefill ``held`` equals ``positions``: pass that object, whose RoPE factors the forward computes once
+        out = rope(out_k, positions if held.shape[1] == positions.shape[1] else held), out_v
         if site == self.last_site:
             self._encode_ready_pages()
         return out
@@ -118,6 +120,7 @@ class QuantizedLoopKVCache:
         coded tokens are never padding (left padding stays in the sink columns).
         """
         from . import decode_attention as da
+        from .decode_state import KernelState
 
         if self.kernel == "torch" or self.store != "indices" or q.shape[1] != 1:
             return None
@@ -134,7 +137,7 @@ class QuantizedLoopKVCache:
             return None
         self._append(site, key, value, ctx.positions)
         if self._kernel_state is None:
-            self._kernel_state = da.KernelState(self.quantizer.kv.head_dim, ctx.rope_theta)
+            self._kernel_state = KernelState(self.quantizer.kv.head_dim, ctx.rope_theta)
         out = self._kernel_state.attend(self, site, q[:, 0], ctx)
         if site == self.last_site:
             self._encode_ready_pages()

@@ -18,13 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import make_tiny_huginn, make_tiny_ouro
 from loopvq_calib import decode_attention as da
+from loopvq_calib import decode_cuda
 from loopvq_calib import load_bundle
 from loopvq_calib.codec import BlockCodec, TasqTransform
 from loopvq_calib.kmeans_triton import triton
 from loopvq_calib.layouts import BlockLayout, channel_groups, loop_axis_groups
-from loopvq_calib.qcache import QuantizedLoopKVCache, sampled_quantizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -91,9 +90,17 @@ def head_major(idx: torch.Tensor) -> torch.Tensor:
 
 def check(method, style, heads, q_heads, n, s_fp, *, steps=4, d=16, k=16, g=8, sharing="none", block_n=8,
           splits=None, pad=0, seed=0, table_dtype=torch.float32, dtype=torch.float32, tol=1e-5, batch=2, per_program=1,
-          hints=False, **kernel):
+          hints=False, key_bias=0.0, q_scale=1.0, value_scale=1.0, **kernel):
+    """Kernel output against the reference at every step; ``key_bias`` is added to every key (codewords and
+    full-precision keys: near-constant channels of that magnitude), the query is multiplied by ``q_scale`` and
+    every value (codewords and full-precision values) by ``value_scale``."""
     kc, vc = make_codecs(method, heads, d, k, g, steps, sharing, seed)
     coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, batch, q_heads, n, s_fp, seed, dtype, pad)
+    if key_bias or q_scale != 1.0 or value_scale != 1.0:
+        kc.codebook.data += key_bias
+        vc.codebook.data *= value_scale
+        fk, q = (fk.float() + key_bias).to(dtype), (q.float() * q_scale).to(dtype)
+        fv = (fv.float() * value_scale).to(dtype)
     rope = da.RopeTable(d, 10000.0)
     for step in range(kc.layout.steps):
         tables = da.step_tables(kc, vc, step, style, DEVICE, table_dtype)
@@ -176,6 +183,45 @@ def test_step_tables_reproduce_the_codec_decode():
         torch.testing.assert_close(got, full[:, step], rtol=1e-6, atol=1e-6)
 
 
+@needs_kernels
+def test_float16_tables_with_large_biased_keys():
+    """Keys with near-constant channels around 10 and queries of scale 5 (q . k of a few hundred), fp16 tables
+    and bf16 inputs: the tables' rounding stays within the fp16 tolerance (the Triton kernel reads the tables
+    in fp16 but sums in fp32; the CUDA kernel's packed-half sums are checked on the GPU)."""
+    check("loopvq", "half", heads=2, q_heads=2, n=37, s_fp=6, splits=3, pad=2, table_dtype=torch.float16,
+          dtype=torch.bfloat16, tol=1e-2, seed=12, key_bias=10.0, q_scale=5.0)
+
+
+@needs_kernels
+def test_float16_keys_with_float32_values():
+    """Values of a few thousand: the value table switches to fp32 while the keys stay fp16 (both dtypes in one
+    call)."""
+    check("loopvq", "interleaved", heads=2, q_heads=4, n=29, s_fp=5, splits=2, pad=1, table_dtype=torch.float16,
+          dtype=torch.float32, tol=1e-2, seed=14, value_scale=2000.0)
+
+
+def test_tables_switch_to_float32_where_packed_half_sums_could_overflow():
+    """A value table is float16 while VALUE_TERMS of its values sum within float16's range, a key table while
+    KEY_TERMS products with a query channel of QUERY_BOUND do; beyond, that table (only) is float32."""
+    fmax = torch.finfo(torch.float16).max
+    value_limit, key_limit = fmax / da.VALUE_TERMS, fmax / (da.KEY_TERMS * da.QUERY_BOUND)
+    for key_max, value_max, key_dtype, value_dtype in (
+            (3.0, 3.0, torch.float16, torch.float16),
+            (0.99 * key_limit, 0.99 * value_limit, torch.float16, torch.float16),
+            (3.0, 1.01 * value_limit, torch.float16, torch.float32),
+            (1.01 * key_limit, 3.0, torch.float32, torch.float16),
+            (1.01 * key_limit, 1.01 * value_limit, torch.float32, torch.float32)):
+        kc, vc = make_codecs("loopvq", 2, 32, 16, 8, 4)
+        for codec, largest in ((kc, key_max), (vc, value_max)):
+            codec.codebook.data *= largest / da.channel_table(codec, 1)[0].abs().max()  # the step's largest
+        tables = da.step_tables(kc, vc, 1, "half", "cpu", torch.float16)
+        assert (tables.key_a.dtype, tables.key_b.dtype, tables.value.dtype) == (key_dtype, key_dtype, value_dtype)
+        assert torch.allclose(tables.value.float(), da.step_tables(kc, vc, 1, "half", "cpu", torch.float32).value,
+                              rtol=1e-3)
+        assert da.step_tables(kc, vc, 1, "half", "cpu", torch.float32).key_a.dtype == torch.float32
+    assert value_limit > 4000 and 200 < key_limit < 300  # 65504 / 16 and 65504 / 256
+
+
 def test_step_tables_refuse_a_layout_that_misses_channels():
     kc, vc = make_codecs("loopvq", 1, 16, 16, 8, 4)
     kc.layout.groups = kc.layout.groups.clone()
@@ -246,73 +292,60 @@ def test_kernels_compile_for_ouro_and_huginn_shapes(capability):
     assert out.asm["cubin"]
 
 
-# -- the quantized cache through the kernel ---------------------------------------------------------------
+# -- the dispatch between the CUDA and the Triton kernel -------------------------------------------------
 
-def run_cache(model, batch, mask, quantizer, kernel, new_tokens, **serving):
-    """Prefill, then ``new_tokens`` greedy decode forwards (explicit calls, so the padding mask travels);
-    returns the stacked last-position logits and the cache."""
-    cache = QuantizedLoopKVCache(quantizer, kernel=kernel, **serving)
-    kw = {} if mask is None else {"attention_mask": mask}
-    out = model(batch.to(DEVICE), cache=cache, use_cache=True, **kw)
-    logits = [out.logits[:, -1]]
-    for _ in range(new_tokens):
-        if mask is not None:
-            kw["attention_mask"] = mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype, device=mask.device)], 1)
-        out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True, **kw)
-        logits.append(out.logits[:, -1])
-    return torch.stack(logits, 1), cache
+def dispatch_case():
+    """A small CUDA-kernel-shaped call (uint8 head-major indices, fp32 tables) and its reference output."""
+    kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
+    coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, 2, 2, 21, 5, seed=1, pad=1)
+    coded = da.CodedTokens(head_major(coded.key_indices.to(torch.uint8)),
+                           head_major(coded.value_indices.to(torch.uint8)), None, coded.count, coded.first_position)
+    tables = da.step_tables(kc, vc, 2, "half", "cpu", torch.float32)
+    ref = da.decode_attention_reference(q, kc, vc, 2, coded, fk, fv, fpos, mask, "half", 1e4)
+    return tables, coded, q, fk, fv, fpos, mask, ref
 
 
 @needs_kernels
-@pytest.mark.slow  # about 40 s in the interpreter
-def test_generate_through_the_kernel_gives_the_reference_tokens():
-    """Ouro (half RoPE), TaSQ+LoopVQ, a left-padded batch: pages are encoded in prefill and during decoding;
-    greedy tokens are identical with and without the kernel, logits within 1e-4 (float32 model)."""
-    model = make_tiny_ouro().to(DEVICE)
-    prompt = torch.randint(0, 4096, (2, 21), generator=gen(0))
-    mask = torch.ones_like(prompt)
-    mask[1, :3] = 0
-    q = sampled_quantizer(model, prompt.to(DEVICE), "tasq+loopvq", codebook_size=16, group_size=8, steps_per_block=4)
-    serving = dict(sink_tokens=4, recent_window=8, page_size=4)
-    with_kernel, cache = run_cache(model, prompt, mask.to(DEVICE), q, "triton", 6, **serving)
-    reference, plain = run_cache(model, prompt, mask.to(DEVICE), q, "torch", 6, **serving)
-    assert cache.regions() == plain.regions() and cache.regions()["encoded"] == 12
-    assert cache._kernel_state is not None and plain._kernel_state is None
-    assert torch.equal(with_kernel.argmax(-1), reference.argmax(-1))
-    torch.testing.assert_close(with_kernel, reference, atol=1e-4, rtol=1e-4)
+def test_a_failed_launch_falls_back_to_triton_with_a_warning(monkeypatch):
+    """Under ``auto`` a launch failure (LaunchError) warns once and the Triton kernel serves the call (the site
+    does not try the CUDA kernel again); ``backend="cuda"`` raises it. The launch was given a RoPE table of
+    rope_rows rows. (A stand-in CUDA device on the CPU: the dispatch under test, Triton's interpreter behind.)"""
+    tables, coded, q, fk, fv, fpos, mask, ref = dispatch_case()
+    rows = []
+
+    def failing_launch(inputs, tables, lanes, *args):
+        rows.append(inputs.cos.shape[0])
+        raise decode_cuda.LaunchError("cuLaunchKernel failed on purpose")
+
+    monkeypatch.setattr(da, "_on_cuda", lambda q: True)
+    monkeypatch.setattr(da, "_WARNED", set())
+    monkeypatch.setattr(decode_cuda, "refusal", lambda *args: None)
+    monkeypatch.setattr(decode_cuda, "decode_attention_cuda", failing_launch)
+    with pytest.raises(decode_cuda.LaunchError, match="on purpose"):
+        da.decode_attention(q, tables, coded, fk, fv, fpos, mask, da.RopeTable(64, 1e4), backend="cuda")
+    with pytest.warns(UserWarning, match="CUDA decode kernel unavailable .*on purpose.*using the Triton kernel"):
+        out = da.decode_attention(q, tables, coded, fk, fv, fpos, mask, da.RopeTable(64, 1e4), num_splits=2)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+    assert tables.lanes[16] is None and len(rows) == 2
+    assert rows[0] >= decode_cuda.rope_rows(int(coded.first_position.max()) + coded.count, 16)
 
 
 @needs_kernels
-@pytest.mark.slow
-def test_huginn_cache_through_the_kernel():
-    """Huginn (interleaved RoPE, single-site prelude/coda blocks, core blocks of 2 steps)."""
-    model = make_tiny_huginn().to(DEVICE)
-    prompt = torch.randint(0, 4096, (1, 14), generator=gen(1))
-    q = sampled_quantizer(model, prompt.to(DEVICE), "loopvq", codebook_size=16, group_size=8, steps_per_block=2)
-    serving = dict(sink_tokens=4, recent_window=4, page_size=4)
-    with_kernel, cache = run_cache(model, prompt, None, q, "triton", 4, **serving)
-    reference, _ = run_cache(model, prompt, None, q, "torch", 4, **serving)
-    assert cache.regions()["encoded"] == 8
-    assert torch.equal(with_kernel.argmax(-1), reference.argmax(-1))
-    torch.testing.assert_close(with_kernel, reference, atol=1e-4, rtol=1e-4)
+def test_a_refused_call_warns_once_per_reason(monkeypatch):
+    """A call ``auto`` would give the CUDA kernel but the kernel refuses goes to Triton with one warning per
+    reason and process (not per call)."""
+    import warnings
 
-
-def test_cache_kernel_choice(monkeypatch):
-    """``auto`` leaves CPU tensors to the reference path; ``triton`` without a way to run refuses clearly;
-    an unknown choice is refused at construction."""
-    model = make_tiny_ouro()
-    q = sampled_quantizer(model, torch.randint(0, 4096, (1, 16)), "cq", codebook_size=16, group_size=8)
-    with pytest.raises(ValueError, match="kernel 'cuda'"):
-        QuantizedLoopKVCache(q, 4, 8, kernel="cuda")
-    cache = QuantizedLoopKVCache(q, 4, 8, kernel="auto")
-    model(torch.randint(0, 4096, (1, 12)), cache=cache, use_cache=True)
-    model(torch.randint(0, 4096, (1, 1)), cache=cache, use_cache=True)
-    assert cache._kernel_state is None
-    monkeypatch.setattr(da, "available", lambda device: False)
-    strict = QuantizedLoopKVCache(q, 4, 8, kernel="triton")
-    model(torch.randint(0, 4096, (1, 12)), cache=strict, use_cache=True)
-    with pytest.raises(RuntimeError, match="kernel='triton' needs a CUDA GPU"):
-        model(torch.randint(0, 4096, (1, 1)), cache=strict, use_cache=True)
+    tables, coded, q, fk, fv, fpos, mask, ref = dispatch_case()
+    monkeypatch.setattr(da, "_on_cuda", lambda q: True)
+    monkeypatch.setattr(da, "_WARNED", set())
+    monkeypatch.setattr(decode_cuda, "refusal", lambda *args: "a stride beyond 2**31 - 1 elements")
+    with pytest.warns(UserWarning, match=r"CUDA decode kernel skipped \(a stride beyond"):
+        out = da.decode_attention(q, tables, coded, fk, fv, fpos, mask, da.RopeTable(64, 1e4))
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        da.decode_attention(q, tables, coded, fk, fv, fpos, mask, da.RopeTable(64, 1e4))
 
 
 # -- attention-level golden vectors (tests/golden_attention) --------------------------------------------------

@@ -10,6 +10,7 @@ bf16 inputs)."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import torch
 from loopvq_calib import decode_attention as da
 from loopvq_calib import decode_cuda as dc
 from loopvq_calib.models.common import pair_channels, rope_angles
-from test_decode_attention import check, head_major, make_codecs, make_inputs
+from test_decode_attention import dispatch_case, check, head_major, make_codecs, make_inputs
 
 CUDA = torch.cuda.is_available()
 
@@ -177,6 +178,73 @@ def test_fits_checks_what_the_kernel_reads(monkeypatch):
     assert not dc.fits(lanes, cuda_q, fk, fv, u8, 8)
 
 
+def test_large_batches_and_buffers_are_refused_only_where_32_bit_offsets_overflow():
+    """At Ouro's shapes (16 KV heads, 32 one-byte codes per token) the kernel takes a code buffer of any total
+    size (batch 64 x capacity 65536 holds 2**31 bytes: row offsets are 64-bit); it refuses only a batch stride
+    (16 x capacity x 32 bytes) beyond 2**31 - 1, which also bounds a token's 32-bit offset in its stream."""
+    kc, vc = make_codecs("loopvq", 16, 128, 256, 16, 4)
+    lanes = dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 16)
+    fk = torch.empty(64, 76, 16, 128, dtype=torch.bfloat16, device="meta")
+    q = torch.empty(64, 16, 128, dtype=torch.bfloat16, device="meta")
+    for batch, capacity, refused in ((64, 65536, False), (32, 131072, False), (256, 2**20, False),
+                                     (1, 2**22 - 1, False), (1, 2**22, True), (2, 2**23, True)):
+        idx = torch.empty(batch, 16, capacity, 32, dtype=torch.uint8, device="meta").transpose(1, 2)  # CodeBuffer's
+        coded = SimpleNamespace(key_indices=idx, value_indices=idx, key_sigma=None, count=capacity - 100)
+        reason = dc.layout_refusal(lanes, q[:batch], fk[:batch], fk[:batch], coded, None, None, 227 * 1024)
+        assert (reason is not None) == refused, (batch, capacity, reason)
+        assert idx.stride(0) == 16 * capacity * 32 and (idx.stride(0) > dc.INT32_MAX) == refused
+        if refused:
+            assert "stride beyond 2**31 - 1" in reason
+    assert dc.layout_refusal(None, q, fk, fk, coded, None, None, 227 * 1024).startswith("the site has no lane tables")
+
+
+def test_rope_rows_cover_every_anchor_read():
+    """The kernel's anchor reads row (first position + t0 + group) for t0 any coded token index and group <
+    32/lanes, and row 32/lanes for the recurrence: every read lies inside rope_rows(last position, lanes)."""
+    for lanes in (8, 16):
+        groups = 32 // lanes
+        for first, n in ((0, 1), (5, 27), (1000, 24), (65533, 3)):
+            last = first + n - 1
+            reads = [first + t0 + grp for t0 in range(n) for grp in range(groups)] + [groups]
+            rows = dc.rope_rows(last, lanes)
+            assert max(reads) < rows and rows >= 8, (lanes, first, n)
+    first, n = 65000, 534  # 8 lanes, an empty window: the last anchor reads row first + n + 2 = 2**16
+    assert dc.rope_rows(first + n - 1, 8) > 2**16
+
+
+def test_the_launch_runs_on_the_query_device_and_its_stream(monkeypatch):
+    """decode_attention_cuda launches inside torch.cuda.device(q.device) on that device's current stream, and
+    turns a launch's RuntimeError into LaunchError (stand-ins for the CUDA runtime, CPU tensors)."""
+    import contextlib
+
+    tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
+    lanes = dc.site_lanes(tables, 1, 16)
+    inputs = da.kernel_inputs(q, tables, coded, fpos, mask, da.RopeTable(64, 1e4), 64)
+    entered, launches = [], []
+
+    @contextlib.contextmanager
+    def device(d):
+        entered.append(d)
+        yield
+        entered.append("left")
+
+    def kernel(**kwargs):
+        launches.append((list(entered), kwargs["stream"]))
+        if len(launches) == 2:
+            raise RuntimeError("CUDA error: invalid resource handle")
+
+    props = SimpleNamespace(multi_processor_count=4, shared_memory_per_block_optin=227 * 1024)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d: ("stream of", d))
+    monkeypatch.setattr(dc, "_compiled", lambda defines, shared, index: kernel)
+    dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv)
+    assert launches == [([q.device], ("stream of", q.device))] and entered[-1] == "left"
+    with pytest.raises(dc.LaunchError, match="invalid resource handle"):
+        dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv)
+
+
 def test_cpu_tensors_never_take_the_cuda_kernel():
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
@@ -232,3 +300,41 @@ def test_kernel_at_ouro_shapes_in_fp16_tables_and_bf16(method, lanes, key_float3
     packed halves over a warp step: relative error within the fp16 tolerance."""
     check(method, "half", heads=16, q_heads=16, n=3000, s_fp=72, d=128, k=256, g=16, table_dtype=torch.float16,
           dtype=torch.bfloat16, tol=1e-2, backend="cuda", lanes_per_token=lanes, key_float32=key_float32)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("method, style, q_heads, lanes, tokens, n, pad", [
+    ("loopvq", "half", 2, 16, 8, 1237, 0), ("loopvq", "half", 2, 8, 4, 1237, 2),
+    ("loopvq", "interleaved", 6, 16, 4, 1101, 2), ("loopvq", "interleaved", 6, 8, 2, 1101, 0),
+    ("tasq+loopvq", "half", 4, 16, 8, 999, 2)])
+def test_kernel_fp16_tables_over_many_anchors_per_warp(method, style, q_heads, lanes, tokens, n, pad):
+    """The default fp16 path (Chebyshev query recurrence re-anchored every 4 warp steps, packed-half key and
+    value sums) far past a warp's first anchor: one split and 2 warps, so each warp walks n/2 tokens, 8 or 16
+    per step: 8 to 18 anchors per warp; GQA, interleaved RoPE, masked padding, a partial last step."""
+    check(method, style, heads=2, q_heads=q_heads, n=n, s_fp=9, d=128, k=64, g=16, splits=1, pad=pad, seed=n,
+          table_dtype=torch.float16, dtype=torch.bfloat16, tol=1e-2, backend="cuda", warps=2,
+          tokens_per_iteration=tokens, lanes_per_token=lanes)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_kernel_fp16_tables_with_large_biased_keys(lanes):
+    """Keys with near-constant channels around 10, queries of scale 5 (q . k of a few hundred): fp16 tables and
+    bf16 inputs alone give 6.4e-3 at the first step (the Triton kernel on the CPU, fp32 sums); the packed-half key
+    dot product adds its own rounding, so the bound is 2e-2, not 1e-2."""
+    check("loopvq", "half", heads=2, q_heads=2, n=700, s_fp=9, d=128, k=64, g=16, splits=1, pad=2, seed=5,
+          table_dtype=torch.float16, dtype=torch.bfloat16, tol=2e-2, backend="cuda", warps=2, lanes_per_token=lanes,
+          key_bias=10.0, q_scale=5.0)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_kernel_fp16_keys_with_fp32_values(lanes):
+    """Values of a few thousand: fp32 value table (fp32 value sums, angle addition instead of the recurrence)
+    next to the fp16 key table's packed-half dot product."""
+    check("loopvq", "half", heads=2, q_heads=2, n=300, s_fp=9, d=128, k=64, g=16, splits=1, pad=2, seed=6,
+          table_dtype=torch.float16, dtype=torch.bfloat16, tol=1e-2, backend="cuda", warps=2, lanes_per_token=lanes,
+          value_scale=2000.0)

@@ -202,6 +202,28 @@ def test_positions_grow_in_place_and_survive_a_reorder():
     assert torch.equal(cache.positions[0], torch.cat([expect.flip(0), torch.tensor([[7], [8]])], 1))
 
 
+def test_prefill_rotates_by_the_forward_positions_object():
+    """At prefill the cache rotates its keys by the forward's own positions tensor (the object whose RoPE
+    factors ForwardContext.rope computes once for every site), not by its stored copy; later, by every
+    position it holds."""
+    model = make_tiny_ouro()
+    prompt = torch.randint(0, 4096, (2, 10))
+    q = sampled_quantizer(model, prompt, "loopvq", codebook_size=16, group_size=8, steps_per_block=4)
+    cache = QuantizedLoopKVCache(q, sink_tokens=4, recent_window=8)
+    k = torch.randn(2, 5, q.kv.kv_heads, q.kv.head_dim)
+    seen = []
+
+    def rope(x, positions):
+        seen.append(positions)
+        return x
+
+    prefill = torch.arange(5).repeat(2, 1)
+    cache.update(0, k, k, prefill, rope)
+    cache.update(0, k[:, :1], k[:, :1], torch.tensor([[5], [5]]), rope)
+    assert seen[0] is prefill
+    assert torch.equal(seen[1], torch.arange(6).repeat(2, 1))
+
+
 def test_bad_arguments():
     model = make_tiny_ouro()
     q = sampled_quantizer(model, torch.randint(0, 4096, (1, 16)), "cq", codebook_size=16, group_size=8)
