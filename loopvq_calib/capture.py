@@ -234,13 +234,15 @@ def share_sequences(capture: MemoryCapture, needs: list[list[str]], dist: DistCo
     """An in-memory capture across processes: after each process captured the sequences ``i % world ==
     rank``, process r receives the tensors ``needs[r]`` of every sequence it did not capture, by
     point-to-point transfers (NCCL between GPUs, host tensors staged through this process's GPU; gloo on
-    CPU); then each process drops the tensors named for other processes only, and their host memory (the
-    copier's slabs that no kept tensor lives in)."""
+    CPU). Each process drops the tensors of its sequences named for other processes only as soon as they
+    are sent, with their host memory (the copier's slabs that no kept tensor lives in), so it never holds
+    more than its own sequences and what it received so far."""
     rank, world = dist.rank, dist.world
     if not capture.sequences:
         raise CaptureError(f"process {rank} captured no sequence: data.num_sequences {num_sequences} is below the "
                            f"{world} processes")
     own = next(iter(capture.sequences.values()))  # every captured sequence holds every tensor
+    others = {n for r in range(world) if r != rank for n in needs[r]} - set(needs[rank])
     via = dist.transfer_device()
     for seq in range(num_sequences):
         owner = seq % world
@@ -255,12 +257,11 @@ def share_sequences(capture: MemoryCapture, needs: list[list[str]], dist: DistCo
             req.wait()
         if received:
             capture.sequences[seq] = {n: t.to(own[n].device) for n, t in received}
-    others = {n for r in range(world) if r != rank for n in needs[r]} - set(needs[rank])
-    for stored in capture.sequences.values():
-        for n in others & stored.keys():
-            del stored[n]
-    if capture.copier is not None:  # unpin the slabs those tensors were the last to use: their memory goes
-        capture.copier.drop_unused(capture.sequences)
+        elif owner == rank:  # sent: the tensors only others need go now
+            for n in others & stored.keys():
+                del stored[n]
+            if capture.copier is not None:  # unpin the slabs those tensors were the last to use: their memory goes
+                capture.copier.drop_unused(capture.sequences)
 
 
 class CaptureData:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import mmap
 import re
 import shutil
 import time
@@ -29,6 +30,8 @@ from .models.loading import DTYPES
 from .models.sites import KVLayout
 
 GB = 1e9
+PAGE = mmap.PAGESIZE
+Tensors = dict[str, torch.Tensor]  # one captured sequence's tensors by name
 COPY_DEPTH = 2  # sequences a HostCopier holds on the accelerator while they wait for their copy to host memory
 
 
@@ -138,7 +141,7 @@ class HostCopier:
     tensors on the accelerator until copied). A failed copy raises :class:`HostCopyError` naming its
     sequence, in the caller's thread (at the next :meth:`submit` that waits for it, or from its future).
 
-    Each sequence's tensors go into one host slab of their exact size (``slab_per_tensor``: one slab per
+    Each sequence's tensors go into one host slab of their size (``slab_per_tensor``: one slab per
     tensor, so that dropping a tensor frees its memory, as :func:`~loopvq_calib.capture.share_sequences`
     does under several processes). Fresh host memory costs a page fault per 4 KiB page on first touch,
     which a synchronous copy into it pays one page at a time (Ouro-1.4B on the H200: 41.3 s of capture into
@@ -165,7 +168,7 @@ class HostCopier:
     def __exit__(self, error_type: type | None, *exc: object) -> None:
         self.finish(cancel=error_type is not None)
 
-    def submit(self, stored: dict[str, torch.Tensor], seq: int) -> Future:
+    def submit(self, stored: Tensors, seq: int) -> Future:
         """Copy ``stored`` (calibration sequence ``seq``'s tensors on the accelerator, and host ones passed
         through) once the work queued so far on the current stream is done -> a future of the host dict;
         waits while ``depth`` are in flight."""
@@ -181,14 +184,14 @@ class HostCopier:
         self.pending.append(future)
         return future
 
-    def _copy(self, stored: dict[str, torch.Tensor], seq: int, ready: torch.cuda.Event | None) -> dict[str, torch.Tensor]:
+    def _copy(self, stored: Tensors, seq: int, ready: torch.cuda.Event | None) -> Tensors:
         try:
             return self._copy_to_slabs(stored, ready)
         except Exception as err:
             raise HostCopyError(f"copying calibration sequence {seq} to host memory failed: "
                                 f"{type(err).__name__}: {err}") from err
 
-    def _copy_to_slabs(self, stored: dict[str, torch.Tensor], ready: torch.cuda.Event | None) -> dict[str, torch.Tensor]:
+    def _copy_to_slabs(self, stored: Tensors, ready: torch.cuda.Event | None) -> Tensors:
         moving = {k: v for k, v in stored.items() if v.device.type == self.device.type}
         groups = [[k] for k in moving] if self.slab_per_tensor else [list(moving)]
         sizes = {k: -(-v.numel() * v.element_size() // 64) * 64 for k, v in moving.items()}
@@ -211,11 +214,14 @@ class HostCopier:
         return host
 
     def _slab(self, nbytes: int) -> tuple[torch.Tensor, bool]:
-        """Host memory for ``nbytes``, its pages faulted in by torch's threads, pinned where possible ->
+        """Host memory for ``nbytes`` on whole pages of its own (pinning locks whole pages: a page shared with
+        another slab could not be pinned for both), faulted in by torch's threads, pinned where possible ->
         (slab, pinned)."""
         start = time.perf_counter()
-        slab = torch.empty(nbytes, dtype=torch.uint8)
-        slab.zero_()
+        size = -(-nbytes // PAGE) * PAGE
+        memory = torch.empty(size + PAGE, dtype=torch.uint8)
+        memory.zero_()
+        slab = memory[-memory.data_ptr() % PAGE :][:size]
         self.seconds["fault_in"] += time.perf_counter() - start
         start = time.perf_counter()
         pinned = _pin(slab)
@@ -232,13 +238,13 @@ class HostCopier:
         self.pool.shutdown(wait=True, cancel_futures=cancel)
         self.pending.clear()
 
-    def drop_unused(self, sequences: dict[int, dict[str, torch.Tensor]]) -> int:
+    def drop_unused(self, sequences: dict[int, Tensors]) -> int:
         """Unpin and let go of the slabs that no tensor of ``sequences`` lives in any more (after tensors
         were dropped from them); returns their bytes. Call once the copies are finished."""
         live = {t.untyped_storage().data_ptr() for stored in sequences.values() for t in stored.values()
                 if t.device.type == "cpu"}
-        unused = [slab for slab in self.pinned if slab.data_ptr() not in live]
-        self.pinned[:] = [slab for slab in self.pinned if slab.data_ptr() in live]
+        unused = [slab for slab in self.pinned if slab.untyped_storage().data_ptr() not in live]
+        self.pinned[:] = [slab for slab in self.pinned if slab.untyped_storage().data_ptr() in live]
         freed = sum(slab.numel() for slab in unused)
         _unpin(unused)
         return freed
@@ -279,9 +285,12 @@ def _unpin(slabs: list[torch.Tensor]) -> None:
 def _clear_cuda_error() -> None:
     """Reset this thread's last CUDA runtime error (``cudaGetLastError``, which torch does not bind) through
     the runtime library torch loaded; nothing where none is found (a statically linked runtime)."""
-    lib = _cudart_library()
-    if lib is not None:
-        lib.cudaGetLastError()
+    try:
+        lib = _cudart_library()
+        if lib is not None:
+            lib.cudaGetLastError()
+    except Exception:  # noqa: BLE001 (the pageable fallback goes on either way)
+        pass
 
 
 @functools.cache

@@ -240,22 +240,33 @@ def _share_worker(rank: int, world: int, init_file: str, queue) -> None:
     memory = MemoryCapture()
     memory.copier = cs.HostCopier(torch.device("cpu"), slab_per_tensor=True)  # as capture_kv under 2 processes
     with memory.copier:  # this process's captured sequences, every tensor of each, copied into pinned slabs
-        futures = {seq: memory.copier.submit({n: torch.full((3, 2), 10.0 * seq + i) for i, n in enumerate(names)}, seq)
-                   for seq in range(rank, 5, world)}
+        captured = {seq: {n: torch.full((3, 2), 10.0 * seq + i) for i, n in enumerate(names)}
+                    for seq in range(rank, 5, world)}
+        futures = {seq: memory.copier.submit(stored, seq) for seq, stored in captured.items()}
         memory.sequences.update({seq: f.result() for seq, f in futures.items()})
     dropped = {t.data_ptr() for stored in memory.sequences.values() for n, t in stored.items() if n not in needs[rank]}
+    pinned_after, drop_unused = [], memory.copier.drop_unused
+
+    def recording_drop_unused(sequences):  # the slabs still pinned after each call
+        freed = drop_unused(sequences)
+        pinned_after.append(len(memory.copier.pinned))
+        return freed
+
+    memory.copier.drop_unused = recording_drop_unused
     share_sequences(memory, needs, DistContext(rank, world), num_sequences=5)
     kept = {memory.sequences[seq][n].data_ptr() for seq in futures for n in needs[rank]}
     pinned = {slab.data_ptr() for slab in memory.copier.pinned}
     queue.put((rank, ({seq: {n: t.tolist() for n, t in d.items()} for seq, d in memory.sequences.items()},
-                      pinned == kept and len(kept) == 2 * len(futures), set(unpinned) == dropped, len(unpinned))))
+                      pinned == kept and len(kept) == 2 * len(futures), set(unpinned) == dropped, len(unpinned),
+                      pinned_after)))
     dist.destroy_process_group()
 
 
 def test_share_sequences_gives_each_process_its_tensors_of_every_sequence(tmp_path):
     """Two gloo processes, 5 sequences captured 3 + 2 (through the host copier, one pinned slab per tensor):
     afterwards each holds exactly the tensors it needs of all 5 sequences, with the capturing process's
-    values, and the slabs of the tensors it dropped are unpinned and let go: only its kept ones stay pinned."""
+    values, and the slabs of the tensors it dropped are unpinned and let go as each sequence is sent: only its
+    kept ones stay pinned."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -269,13 +280,15 @@ def test_share_sequences_gives_each_process_its_tensors_of_every_sequence(tmp_pa
         assert p.exitcode == 0
     index = {"key.0": 0, "key.1": 1, "fisher_key.0": 2, "value.0": 3}
     for rank, needs in ((0, ["key.0", "fisher_key.0"]), (1, ["key.1", "value.0"])):
-        values, only_kept_pinned, dropped_unpinned, unpinned = results[rank]
+        values, only_kept_pinned, dropped_unpinned, unpinned, pinned_after = results[rank]
         assert sorted(values) == [0, 1, 2, 3, 4]
         for seq, stored in values.items():
             assert sorted(stored) == sorted(needs)
             for n, t in stored.items():
                 assert torch.equal(torch.tensor(t), torch.full((3, 2), 10.0 * seq + index[n]))
         assert only_kept_pinned and dropped_unpinned and unpinned == 2 * (3 - rank)  # 2 dropped per own sequence
+        own = 3 - rank  # each sequence's 2 unneeded slabs go as soon as it is sent (not all at the end)
+        assert pinned_after == [4 * own - 2 * k for k in range(1, own + 1)]
 
 
 def test_share_sequences_needs_a_sequence_per_process():

@@ -53,9 +53,14 @@ def test_copies_hold_the_values_in_pinned_slabs(pinning, per_tensor):
         slabs = {storage(t) for t in stored.values()}
         assert len(slabs) == (3 if per_tensor else 1)  # one slab per tensor, or one per sequence
     assert len(copier.pinned) == (9 if per_tensor else 3) and copier.pageable == 0
-    # each registered slab is an exact 64-byte-rounded fit: per sequence 128 + 64 + 64 bytes
-    assert sorted(n for _, n in pinning["register"]) == ([64] * 6 + [128] * 3 if per_tensor else [256] * 3)
-    assert {p for p, _ in pinning["register"]} == {s.data_ptr() for s in copier.pinned}
+    # each slab is registered on whole pages of its own, holding its tensors (64-byte aligned) inside them
+    assert sorted(pinning["register"]) == sorted((s.data_ptr(), cs.PAGE) for s in copier.pinned)
+    ptrs = [ptr for ptr, _ in pinning["register"]]
+    assert all(ptr % cs.PAGE == 0 for ptr in ptrs) and len(set(ptrs)) == len(ptrs)  # no page pinned twice
+    for stored in copied.values():
+        for t in stored.values():
+            ptr = next(p for p, n in pinning["register"] if p <= t.data_ptr() < p + n)
+            assert t.data_ptr() % 64 == 0 and t.data_ptr() + t.numel() * t.element_size() <= ptr + cs.PAGE
     assert not pinning["cleared"]
     copier.release()
     assert sorted(pinning["unregister"]) == sorted(p for p, _ in pinning["register"]) and not copier.pinned
@@ -172,15 +177,16 @@ def test_dropped_tensors_release_their_pinned_slabs(pinning):
     copier = cs.HostCopier(CPU, slab_per_tensor=True)
     copied = copy_all(copier, range(2))
     refs = {s.data_ptr(): weakref.ref(s) for s in copier.pinned}
-    dropped = {storage(copied[s][n]) for s in range(2) for n in ("fisher_key.0", "input_ids")}
+    dropped = {copied[s][n].data_ptr() for s in range(2) for n in ("fisher_key.0", "input_ids")}  # = their slabs'
     for stored in copied.values():
         del stored["fisher_key.0"], stored["input_ids"]
-    assert copier.drop_unused(copied) == 4 * 64  # their slabs' bytes
+    assert copier.drop_unused(copied) == 4 * cs.PAGE  # their slabs' bytes
     assert set(pinning["unregister"]) == dropped
-    assert {s.data_ptr() for s in copier.pinned} == {storage(copied[s]["key.0"]) for s in range(2)}
+    assert {s.data_ptr() for s in copier.pinned} == {copied[s]["key.0"].data_ptr() for s in range(2)}
     gc.collect()
     assert {p for p, r in refs.items() if r() is None} == dropped  # nothing holds the dropped slabs any more
     assert all(torch.equal(copied[s]["key.0"], sequence(s)["key.0"]) for s in range(2))
+    copier.release()
 
 
 def test_one_slab_per_sequence_is_released_only_with_its_last_tensor(pinning):
@@ -188,9 +194,10 @@ def test_one_slab_per_sequence_is_released_only_with_its_last_tensor(pinning):
     copied = copy_all(copier, range(2))
     del copied[0]["fisher_key.0"]
     assert copier.drop_unused(copied) == 0 and len(copier.pinned) == 2  # a view keeps the whole slab alive
-    whole = storage(copied[1]["key.0"])
+    whole = copied[1]["key.0"].data_ptr()  # the first tensor: at the start of its sequence's slab
     del copied[1]
-    assert copier.drop_unused(copied) == 256 and pinning["unregister"] == [whole] and len(copier.pinned) == 1
+    assert copier.drop_unused(copied) == cs.PAGE and pinning["unregister"] == [whole] and len(copier.pinned) == 1
+    copier.release()
 
 
 @pytest.mark.gpu
@@ -203,6 +210,33 @@ def test_slab_per_tensor_on_a_gpu_pins_each_tensor_and_unpins_the_dropped_ones()
                for n, t in sequence(3).items())
     assert len(copier.pinned) == 3
     del host["fisher_key.0"]
-    assert copier.drop_unused({3: host}) == 64 and len(copier.pinned) == 2 and host["key.0"].is_pinned()
+    assert copier.drop_unused({3: host}) == cs.PAGE and len(copier.pinned) == 2 and host["key.0"].is_pinned()
     copier.release()
     assert not host["key.0"].is_pinned() and torch.equal(host["key.0"], sequence(3)["key.0"])
+
+
+def test_clearing_calls_cuda_get_last_error_of_the_loaded_runtime(monkeypatch):
+    calls = []
+
+    class Runtime:  # the ctypes library torch loaded
+        def cudaGetLastError(self) -> int:
+            calls.append(threading.current_thread().name)
+            return 2
+
+    monkeypatch.setattr(cs, "_cudart_library", Runtime)
+    cs._clear_cuda_error()
+    assert calls == [threading.current_thread().name]
+    monkeypatch.setattr(cs, "_cudart_library", object)  # a runtime without the symbol: the fallback goes on
+    cs._clear_cuda_error()
+
+
+@pytest.mark.gpu
+def test_a_failed_pin_on_a_gpu_leaves_no_cuda_error_pending():
+    slab = torch.zeros(1 << 20, dtype=torch.uint8)
+    assert cs._pin(slab)
+    try:
+        assert not cs._pin(slab)  # already registered: cudaErrorHostMemoryAlreadyRegistered
+        runtime = cs._cudart_library()
+        assert runtime is not None and runtime.cudaPeekAtLastError() == 0
+    finally:
+        cs._unpin([slab])
