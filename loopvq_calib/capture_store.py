@@ -105,13 +105,13 @@ def choose_store(
     room["disk"] = (total, disk_available(capture_dir), f"free on the disk of {capture_dir}, less 5 %")
     fits = {s: n <= avail for s, (n, avail, _) in room.items()}
     summary = "; ".join(f"{s}: {max(avail, 0) / GB:.2f} GB ({where})" for s, (_, avail, where) in room.items())
+    mine = -(-num_sequences // processes)
     in_flight = 0  # accelerator memory of the sequences the HostCopier holds until they are in host memory
     if device.type == "cuda":
-        in_flight = COPY_DEPTH * per_sequence
+        in_flight = min(COPY_DEPTH, mine) * per_sequence
         fits["memory"] = fits["memory"] and room["device"][1] >= in_flight
-        summary += (f"; copies to host memory keep up to {COPY_DEPTH} sequences ({in_flight / GB:.2f} GB) on "
-                    f"{device} while in flight")
-    mine = -(-num_sequences // processes)
+        summary += (f"; copies to host memory keep up to {min(COPY_DEPTH, mine)} sequences ({in_flight / GB:.2f} GB)"
+                    f" on {device} while in flight")
     if cfg.store == "auto":
         for store in ("device", "memory", "disk"):
             if fits.get(store):
@@ -121,7 +121,7 @@ def choose_store(
         if processes == 1 and on_device and (num_sequences - on_device) * per_sequence <= room["memory"][1]:
             return StoreChoice("split", f"capture.store auto -> split: {on_device} sequences on {device}, "
                                         f"{num_sequences - on_device} in host memory (with room on {device} for "
-                                        f"the {COPY_DEPTH} in flight to it): {need}; {summary}", on_device)
+                                        f"the sequences in flight to it): {need}; {summary}", on_device)
         raise ConfigError("capture.store", f"no store holds the capture: {need}; {summary}. Lower data.num_sequences "
                                            f"or data.sequence_length, or free memory or disk")
     if cfg.store in ("memory", "disk") and not fits[cfg.store]:
@@ -304,9 +304,10 @@ def _cudart_library() -> ctypes.CDLL | None:
 
 
 def cudart_path(maps: str) -> str | None:
-    """The CUDA runtime library mapped in a process, from its ``/proc/<pid>/maps`` text; None if none is."""
+    """The CUDA runtime library mapped in a process, from its ``/proc/<pid>/maps`` text (``libcudart.so.13``
+    of the nvidia wheels, or a wheel's own hashed copy ``libcudart-<hash>.so.12``); None if none is."""
     for line in maps.splitlines():
         fields = line.split(maxsplit=5)
-        if len(fields) == 6 and re.search(r"/libcudart\.so(\.\d+)*$", fields[5].strip()):
+        if len(fields) == 6 and re.search(r"/libcudart(-[0-9a-f]+)?\.so(\.\d+)*$", fields[5].strip()):
             return fields[5].strip()
     return None

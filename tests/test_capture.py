@@ -380,7 +380,7 @@ def test_store_choice_and_refusal(tmp_path, monkeypatch):
     monkeypatch.setattr(cs, "host_available", lambda: per_sequence * 3)
     split = choose("auto", "cuda")
     assert (split.store, split.device_sequences) == ("split", 1)
-    assert "1 sequences on cuda, 3 in host memory (with room on cuda for the 2 in flight to it)" in split.reason
+    assert "1 sequences on cuda, 3 in host memory (with room on cuda for the sequences in flight to it)" in split.reason
     assert f"copies to host memory keep up to 2 sequences ({2 * per_sequence / 1e9:.2f} GB) on cuda" in split.reason
     device_room(per_sequence * 5 // 2)  # 2 sequences would fit, but not next to the 2 in flight
     with pytest.raises(ConfigError, match="no store holds the capture"):
@@ -395,6 +395,23 @@ def test_store_choice_and_refusal(tmp_path, monkeypatch):
         choose("memory", "cuda")
     device_room(size)
     assert (choose("auto", "cuda").store, choose("auto", "cuda").device_sequences) == ("device", 4)
+
+
+def test_host_memory_store_keeps_gpu_room_only_for_the_sequences_it_can_have_in_flight(tmp_path, monkeypatch):
+    """``capture.store: memory`` with one sequence per process (2 processes, 2 sequences): at most one waits on
+    the GPU for its copy, so the GPU needs room for one, not two."""
+    import loopvq_calib.capture_store as cs
+    from loopvq_calib.config import ConfigError
+
+    kv, cfg = make_tiny_ouro().kv_layout(), CaptureConfig(store="memory", fisher_channels=4)
+    per_sequence = cs.capture_bytes(kv, 1, 64, cfg)
+    monkeypatch.setattr(cs, "host_available", lambda: 2 * per_sequence)
+    choose = lambda: cs.choose_store(cfg, kv, 2, 64, torch.device("cuda"), 100, 1000, tmp_path, processes=2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1200 + per_sequence, 2000))
+    assert choose().store == "memory" and "keep up to 1 sequences" in choose().reason
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1200 + per_sequence - 1, 2000))
+    with pytest.raises(ConfigError, match="memory cannot hold the capture"):
+        choose()
 
 
 @pytest.mark.gpu

@@ -96,6 +96,8 @@ def test_the_cuda_runtime_is_found_in_the_process_maps():
             "7f0c0000-7f0c1000 rw-p 00000000 00:00 0 \n")
     assert cs.cudart_path(maps) == "/venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcudart.so.13"
     assert cs.cudart_path(maps.replace("libcudart.so.13", "libcudart_static_helper.so")) is None
+    hashed = maps.replace("nvidia/cu13/lib/libcudart.so.13", "torch/lib/libcudart-9335f6a2.so.12")
+    assert cs.cudart_path(hashed) == "/venv/lib/python3.12/site-packages/torch/lib/libcudart-9335f6a2.so.12"
     assert cs.cudart_path("7f0b0000-7f0b8000 r--p 00000000 08:01 5678 /opt/cuda with space/libcudart.so\n") \
         == "/opt/cuda with space/libcudart.so"
 
