@@ -212,6 +212,22 @@ def test_memory_store_on_a_gpu_copies_into_pinned_host_memory(tmp_path):
     assert not seq["key.0"].is_pinned() and not mem.copier.pinned and torch.equal(seq["input_ids"], calib_set().input_ids[1])
 
 
+@pytest.mark.gpu
+def test_memory_store_under_several_processes_gives_each_tensor_its_own_pinned_slab():
+    """Process 0 of 2 (its sequences 0 and 2): one slab per tensor, so share_sequences can free what it drops."""
+    from loopvq_calib.capture import MemoryCapture
+
+    model, calib = make_tiny_ouro().cuda(), calib_set()
+    mem = MemoryCapture()
+    capture_kv(model, calib, model.kv_layout(), CaptureConfig(dtype="float32", store="memory"), mem,
+               dist=DistContext(0, 2))
+    assert sorted(mem.sequences) == [0, 2] and mem.copier.slab_per_tensor
+    moved = [t for stored in mem.sequences.values() for n, t in stored.items() if not n.startswith("qstat")]
+    assert all(t.is_pinned() for t in moved)
+    assert len({t.untyped_storage().data_ptr() for t in moved}) == len(moved) == len(mem.copier.pinned)
+    mem.copier.release()
+
+
 def test_fisher_summed_over_channel_chunks_keeps_group_weights(tmp_path):
     model = make_tiny_ouro()
     calib = calib_set()
