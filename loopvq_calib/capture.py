@@ -155,39 +155,42 @@ def capture_kv(
         weights = key_weights(stats, kv, calib.input_ids.shape[1], tasq_floor, device)
     keep = device_sequences if device_sequences is not None else (len(mine) if cfg.store == "device" else 0)
     to_host = isinstance(out, MemoryCapture) and device.type == "cuda" and keep < len(todo)
-    copier = HostCopier(device) if to_host else None
+    # several processes drop the tensors only others need (share_sequences): one slab per tensor frees them
+    copier = HostCopier(device, slab_per_tensor=dist.world > 1) if to_host else None
     if copier is not None:
         out.copier = copier
     copies = {}
     seconds = dict.fromkeys(("query_statistics", "forward_backward", "storing"), 0.0)
     seconds["query_statistics"] = clock.lap()
-    for start in range(0, len(todo), cfg.batch_size):
-        batch = todo[start : start + cfg.batch_size]
-        on_device = start + len(batch) <= keep
-        results = capture_sequence(model, calib.input_ids[batch].to(device), kv, batch, DTYPES[cfg.dtype],
-                                   cfg.channels_per_fisher, on_device=on_device or copier is not None,
-                                   tasq_weights=weights, query_stats=query_stats)
-        seconds["forward_backward"] += clock.lap()
-        for seq, stored in zip(batch, results):
-            if stats is not None:
-                stored.update({f"qstat.{site}": t.clone() for site, t in stats[seq].items()})
-            if copier is not None and not on_device:
-                copies[seq] = copier.submit(stored)  # to host memory behind the next sequences' capture
-            elif isinstance(out, MemoryCapture):
-                out.sequences[seq] = stored
-            else:
-                tmp = out / f".seq{seq:05d}.tmp{os.getpid()}"
-                save_file(stored, str(tmp), metadata={"sequence": str(seq)})
-                os.replace(tmp, out / f"seq{seq:05d}.safetensors")
-            if progress:
-                progress(1)
-        seconds["storing"] += clock.lap()
+    with copier if copier is not None else contextlib.nullcontext():  # a failed copy stops the worker too
+        for start in range(0, len(todo), cfg.batch_size):
+            batch = todo[start : start + cfg.batch_size]
+            on_device = start + len(batch) <= keep
+            results = capture_sequence(model, calib.input_ids[batch].to(device), kv, batch, DTYPES[cfg.dtype],
+                                       cfg.channels_per_fisher, on_device=on_device or copier is not None,
+                                       tasq_weights=weights, query_stats=query_stats)
+            seconds["forward_backward"] += clock.lap()
+            for seq, stored in zip(batch, results):
+                if stats is not None:
+                    stored.update({f"qstat.{site}": t.clone() for site, t in stats[seq].items()})
+                if copier is not None and not on_device:
+                    copies[seq] = copier.submit(stored, seq)  # to host memory behind the next sequences' capture
+                elif isinstance(out, MemoryCapture):
+                    out.sequences[seq] = stored
+                else:
+                    tmp = out / f".seq{seq:05d}.tmp{os.getpid()}"
+                    save_file(stored, str(tmp), metadata={"sequence": str(seq)})
+                    os.replace(tmp, out / f"seq{seq:05d}.safetensors")
+                if progress:
+                    progress(1)
+            seconds["storing"] += clock.lap()
+        if copier is not None:
+            out.sequences.update({seq: future.result() for seq, future in copies.items()})
     if copier is not None:
-        out.sequences.update({seq: future.result() for seq, future in copies.items()})
-        copier.finish()
         seconds["storing"] += clock.lap()
     log.info("capture: %s", ", ".join(f"{k} {v:.2f} s" for k, v in seconds.items()) +
-             ("; host copies (worker): " + ", ".join(f"{k} {v:.2f} s" for k, v in copier.seconds.items())
+             ("; host copies (worker): " + ", ".join(f"{k} {v:.2f} s" for k, v in copier.seconds.items()) +
+              (f"; {copier.pageable} slabs pageable (pinning failed)" if copier.pageable else "")
               if copier is not None else ""))
     return mine
 
@@ -231,12 +234,15 @@ def share_sequences(capture: MemoryCapture, needs: list[list[str]], dist: DistCo
     """An in-memory capture across processes: after each process captured the sequences ``i % world ==
     rank``, process r receives the tensors ``needs[r]`` of every sequence it did not capture, by
     point-to-point transfers (NCCL between GPUs, host tensors staged through this process's GPU; gloo on
-    CPU); then each process drops the tensors named for other processes only."""
+    CPU). Each process drops the tensors of its sequences named for other processes only as soon as they
+    are sent, with their host memory (the copier's slabs that no kept tensor lives in), so it never holds
+    more than its own sequences and what it received so far."""
     rank, world = dist.rank, dist.world
     if not capture.sequences:
         raise CaptureError(f"process {rank} captured no sequence: data.num_sequences {num_sequences} is below the "
                            f"{world} processes")
     own = next(iter(capture.sequences.values()))  # every captured sequence holds every tensor
+    others = {n for r in range(world) if r != rank for n in needs[r]} - set(needs[rank])
     via = dist.transfer_device()
     for seq in range(num_sequences):
         owner = seq % world
@@ -251,10 +257,11 @@ def share_sequences(capture: MemoryCapture, needs: list[list[str]], dist: DistCo
             req.wait()
         if received:
             capture.sequences[seq] = {n: t.to(own[n].device) for n, t in received}
-    others = {n for r in range(world) if r != rank for n in needs[r]} - set(needs[rank])
-    for stored in capture.sequences.values():
-        for n in others & stored.keys():
-            del stored[n]
+        elif owner == rank:  # sent: the tensors only others need go now
+            for n in others & stored.keys():
+                del stored[n]
+            if capture.copier is not None:  # unpin the slabs those tensors were the last to use: their memory goes
+                capture.copier.drop_unused(capture.sequences)
 
 
 class CaptureData:

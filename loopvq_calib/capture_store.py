@@ -3,11 +3,18 @@ the capture's size and what is free, before any work starts (docs/config.md, "ca
 
 The size is exact (every stored tensor's bytes). The accelerator keeps room for the model's weights, the
 capture step's own working memory (:func:`capture_step_bytes`) and 5 % of the card (allocator
-fragmentation); host memory keeps a tenth of the machine's memory; the disk keeps 5 % free.
+fragmentation), and where sequences go to host memory from it, the ``COPY_DEPTH`` sequences waiting there
+for their copy (:class:`HostCopier`); host memory keeps a tenth of the machine's memory; the disk keeps 5 %
+free.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
+import mmap
+import re
 import shutil
 import time
 import weakref
@@ -23,6 +30,9 @@ from .models.loading import DTYPES
 from .models.sites import KVLayout
 
 GB = 1e9
+PAGE = mmap.PAGESIZE
+Tensors = dict[str, torch.Tensor]  # one captured sequence's tensors by name
+COPY_DEPTH = 2  # sequences a HostCopier holds on the accelerator while they wait for their copy to host memory
 
 
 def capture_bytes(kv: KVLayout, num_sequences: int, sequence_length: int, cfg: CaptureConfig,
@@ -75,9 +85,11 @@ def choose_store(
     model_bytes: int, step_bytes: int, capture_dir: Path, processes: int = 1, tasq_keys: bool = False,
 ) -> StoreChoice:
     """Resolve ``capture.store``. ``auto``: the first of device, memory, disk that holds the capture, or
-    (one process) ``split``: as many sequences on the accelerator as it holds, the rest in host memory. A
-    store that cannot hold it (auto: none) raises :class:`ConfigError` with the numbers. ``step_bytes``:
-    the capture step's own accelerator memory (:func:`capture_step_bytes`)."""
+    (one process) ``split``: as many sequences on the accelerator as it holds, the rest in host memory. On
+    an accelerator, host memory (``memory``, ``split``'s host part) also needs accelerator room for the
+    :class:`HostCopier`'s ``COPY_DEPTH`` sequences in flight. A store that cannot hold it (auto: none)
+    raises :class:`ConfigError` with the numbers. ``step_bytes``: the capture step's own accelerator memory
+    (:func:`capture_step_bytes`)."""
     total = capture_bytes(kv, num_sequences, sequence_length, cfg, tasq_keys)
     per_sequence = capture_bytes(kv, 1, sequence_length, cfg, tasq_keys)
     share = total // processes  # in-memory stores: each process keeps its layouts of every sequence
@@ -94,15 +106,22 @@ def choose_store(
     fits = {s: n <= avail for s, (n, avail, _) in room.items()}
     summary = "; ".join(f"{s}: {max(avail, 0) / GB:.2f} GB ({where})" for s, (_, avail, where) in room.items())
     mine = -(-num_sequences // processes)
+    in_flight = 0  # accelerator memory of the sequences the HostCopier holds until they are in host memory
+    if device.type == "cuda":
+        in_flight = min(COPY_DEPTH, mine) * per_sequence
+        fits["memory"] = fits["memory"] and room["device"][1] >= in_flight
+        summary += (f"; copies to host memory keep up to {min(COPY_DEPTH, mine)} sequences ({in_flight / GB:.2f} GB)"
+                    f" on {device} while in flight")
     if cfg.store == "auto":
         for store in ("device", "memory", "disk"):
             if fits.get(store):
                 return StoreChoice(store, f"capture.store auto -> {store}: {need}; {summary}",
                                    mine if store == "device" else 0)
-        on_device = max(room.get("device", (0, 0, ""))[1], 0) // per_sequence
+        on_device = max(room.get("device", (0, 0, ""))[1] - in_flight, 0) // per_sequence
         if processes == 1 and on_device and (num_sequences - on_device) * per_sequence <= room["memory"][1]:
             return StoreChoice("split", f"capture.store auto -> split: {on_device} sequences on {device}, "
-                                        f"{num_sequences - on_device} in host memory: {need}; {summary}", on_device)
+                                        f"{num_sequences - on_device} in host memory (with room on {device} for "
+                                        f"the sequences in flight to it): {need}; {summary}", on_device)
         raise ConfigError("capture.store", f"no store holds the capture: {need}; {summary}. Lower data.num_sequences "
                                            f"or data.sequence_length, or free memory or disk")
     if cfg.store in ("memory", "disk") and not fits[cfg.store]:
@@ -112,70 +131,123 @@ def choose_store(
                        mine if cfg.store == "device" else 0)
 
 
+class HostCopyError(RuntimeError):
+    """A sequence's copy to host memory failed (names the calibration sequence)."""
+
+
 class HostCopier:
     """Moves captured sequences from the accelerator to host memory while the next sequences are captured:
     one worker thread copying on its own CUDA stream, at most ``depth`` sequences in flight (each holds its
-    tensors on the accelerator until copied).
+    tensors on the accelerator until copied). A failed copy raises :class:`HostCopyError` naming its
+    sequence, in the caller's thread (at the next :meth:`submit` that waits for it, or from its future).
 
-    Each sequence's tensors go into one host slab of their exact size. Fresh host memory costs a page fault
-    per 4 KiB page on first touch, which a synchronous copy into it pays one page at a time (Ouro-1.4B on
-    the H200: 41.3 s of capture into host memory against 13.3 s on the device); the slab is instead zeroed
-    by torch's threads, then pinned (``cudaHostRegister``) so the copies, and later stages' reads back to
-    the accelerator, run at DMA speed (there: capture 16.2 s; the worker's 4.3 s of zeroing, 2.9 s of
-    pinning and 0.7 s of copies all behind the capture). Where pinning fails the copies go through pageable
-    memory (same values). The slabs stay pinned until :meth:`release` (or until the copier is collected)."""
+    Each sequence's tensors go into one host slab of their size (``slab_per_tensor``: one slab per
+    tensor, so that dropping a tensor frees its memory, as :func:`~loopvq_calib.capture.share_sequences`
+    does under several processes). Fresh host memory costs a page fault per 4 KiB page on first touch,
+    which a synchronous copy into it pays one page at a time (Ouro-1.4B on the H200: 41.3 s of capture into
+    host memory against 13.3 s on the device); the slab is instead zeroed by torch's threads, then pinned
+    (``cudaHostRegister``) so the copies, and later stages' reads back to the accelerator, run at DMA speed
+    (there: capture 16.2 s; the worker's 4.3 s of zeroing, 2.9 s of pinning and 0.7 s of copies all behind
+    the capture). Where pinning fails the copies go through pageable memory (same values). The slabs stay
+    pinned until :meth:`drop_unused` finds no tensor left in them, :meth:`release`, or until the copier is
+    collected. On a CPU ``device`` (tests) the worker copies host tensors with no stream."""
 
-    def __init__(self, device: torch.device, depth: int = 2) -> None:
-        self.device, self.depth = device, depth
-        self.stream = torch.cuda.Stream(device)
+    def __init__(self, device: torch.device, depth: int = COPY_DEPTH, slab_per_tensor: bool = False) -> None:
+        self.device, self.depth, self.slab_per_tensor = device, depth, slab_per_tensor
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="loopvq-capture-copy")
         self.pending: deque[Future] = deque()
         self.pinned: list[torch.Tensor] = []
+        self.pageable = 0  # slabs whose pinning failed
         self.seconds = {"fault_in": 0.0, "pin": 0.0, "copy": 0.0, "waiting": 0.0}
         self._finalizer = weakref.finalize(self, _unpin, self.pinned)
 
-    def submit(self, stored: dict[str, torch.Tensor]) -> Future:
-        """Copy ``stored`` (tensors on the accelerator, and host ones passed through) once the work queued so far
-        on the current stream is done -> a future of the host dict; waits while ``depth`` are in flight."""
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
+    def __enter__(self) -> HostCopier:
+        return self
+
+    def __exit__(self, error_type: type | None, *exc: object) -> None:
+        self.finish(cancel=error_type is not None)
+
+    def submit(self, stored: Tensors, seq: int) -> Future:
+        """Copy ``stored`` (calibration sequence ``seq``'s tensors on the accelerator, and host ones passed
+        through) once the work queued so far on the current stream is done -> a future of the host dict;
+        waits while ``depth`` are in flight."""
+        ready = None
+        if self.stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
         start = time.perf_counter()
         while len(self.pending) >= self.depth:
             self.pending.popleft().result()
         self.seconds["waiting"] += time.perf_counter() - start
-        future = self.pool.submit(self._copy, stored, ready)
+        future = self.pool.submit(self._copy, stored, seq, ready)
         self.pending.append(future)
         return future
 
-    def _copy(self, stored: dict[str, torch.Tensor], ready: torch.cuda.Event) -> dict[str, torch.Tensor]:
-        moving = {k: v for k, v in stored.items() if v.device.type != "cpu"}
+    def _copy(self, stored: Tensors, seq: int, ready: torch.cuda.Event | None) -> Tensors:
+        try:
+            return self._copy_to_slabs(stored, ready)
+        except Exception as err:
+            raise HostCopyError(f"copying calibration sequence {seq} to host memory failed: "
+                                f"{type(err).__name__}: {err}") from err
+
+    def _copy_to_slabs(self, stored: Tensors, ready: torch.cuda.Event | None) -> Tensors:
+        moving = {k: v for k, v in stored.items() if v.device.type == self.device.type}
+        groups = [[k] for k in moving] if self.slab_per_tensor else [list(moving)]
         sizes = {k: -(-v.numel() * v.element_size() // 64) * 64 for k, v in moving.items()}
+        slabs = [self._slab(sum(sizes[k] for k in keys)) for keys in groups]
         start = time.perf_counter()
-        slab = torch.empty(sum(sizes.values()), dtype=torch.uint8)
-        slab.zero_()
+        host = dict(stored)
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            if ready is not None:
+                self.stream.wait_event(ready)
+            for keys, (slab, pinned) in zip(groups, slabs):
+                offset = 0
+                for k in keys:
+                    v, n = moving[k], moving[k].numel() * moving[k].element_size()
+                    host[k] = slab[offset : offset + n].view(v.dtype).view(v.shape)
+                    host[k].copy_(v, non_blocking=pinned)
+                    offset += sizes[k]
+            if self.stream is not None:
+                self.stream.synchronize()
+        self.seconds["copy"] += time.perf_counter() - start
+        return host
+
+    def _slab(self, nbytes: int) -> tuple[torch.Tensor, bool]:
+        """Host memory for ``nbytes`` on whole pages of its own (pinning locks whole pages: a page shared with
+        another slab could not be pinned for both), faulted in by torch's threads, pinned where possible ->
+        (slab, pinned)."""
+        start = time.perf_counter()
+        size = -(-nbytes // PAGE) * PAGE
+        memory = torch.empty(size + PAGE, dtype=torch.uint8)
+        memory.zero_()
+        slab = memory[-memory.data_ptr() % PAGE :][:size]
         self.seconds["fault_in"] += time.perf_counter() - start
         start = time.perf_counter()
         pinned = _pin(slab)
         if pinned:
             self.pinned.append(slab)
+        else:
+            self.pageable += 1
         self.seconds["pin"] += time.perf_counter() - start
-        start = time.perf_counter()
-        host, offset = dict(stored), 0
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)
-            for k, v in moving.items():
-                n = v.numel() * v.element_size()
-                host[k] = slab[offset : offset + n].view(v.dtype).view(v.shape)
-                host[k].copy_(v, non_blocking=pinned)
-                offset += sizes[k]
-            self.stream.synchronize()
-        self.seconds["copy"] += time.perf_counter() - start
-        return host
+        return slab, pinned
 
-    def finish(self) -> None:
-        """Wait for every copy and stop the worker (the pinned slabs stay)."""
-        self.pool.shutdown(wait=True)
+    def finish(self, cancel: bool = False) -> None:
+        """Wait for every copy (``cancel``: the one under way only, the others are cancelled) and stop the
+        worker (the pinned slabs stay)."""
+        self.pool.shutdown(wait=True, cancel_futures=cancel)
         self.pending.clear()
+
+    def drop_unused(self, sequences: dict[int, Tensors]) -> int:
+        """Unpin and let go of the slabs that no tensor of ``sequences`` lives in any more (after tensors
+        were dropped from them); returns their bytes. Call once the copies are finished."""
+        live = {t.untyped_storage().data_ptr() for stored in sequences.values() for t in stored.values()
+                if t.device.type == "cpu"}
+        unused = [slab for slab in self.pinned if slab.untyped_storage().data_ptr() not in live]
+        self.pinned[:] = [slab for slab in self.pinned if slab.untyped_storage().data_ptr() in live]
+        freed = sum(slab.numel() for slab in unused)
+        _unpin(unused)
+        return freed
 
     def release(self) -> None:
         """Unpin the slabs (their memory stays with the tensors that use it)."""
@@ -183,15 +255,59 @@ class HostCopier:
 
 
 def _pin(slab: torch.Tensor) -> bool:
+    """Page-lock ``slab`` (cudaHostRegister). Any failure means pageable copies (pinning only speeds them
+    up); the failed call's CUDA error is then cleared from this thread, so no later check in it reports it."""
     try:
-        return int(torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), 0)) == 0
-    except Exception:  # noqa: BLE001 (pinning only speeds the copies up: any failure means pageable copies)
+        if _register(slab.data_ptr(), slab.numel()) == 0:
+            return True
+    except Exception:  # noqa: BLE001 (no CUDA runtime: nothing to pin, nothing pending)
         return False
+    _clear_cuda_error()
+    return False
+
+
+def _register(ptr: int, nbytes: int) -> int:
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 def _unpin(slabs: list[torch.Tensor]) -> None:
     try:
         for slab in slabs:
-            torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
+            _unregister(slab.data_ptr())
     finally:
         slabs.clear()
+
+
+def _clear_cuda_error() -> None:
+    """Reset this thread's last CUDA runtime error (``cudaGetLastError``, which torch does not bind) through
+    the runtime library torch loaded; nothing where none is found (a statically linked runtime)."""
+    try:
+        lib = _cudart_library()
+        if lib is not None:
+            lib.cudaGetLastError()
+    except Exception:  # noqa: BLE001 (the pageable fallback goes on either way)
+        pass
+
+
+@functools.cache
+def _cudart_library() -> ctypes.CDLL | None:
+    try:
+        with open("/proc/self/maps") as f:
+            path = cudart_path(f.read())
+        return ctypes.CDLL(path) if path else None  # the already loaded library (same file): same error state
+    except OSError:
+        return None
+
+
+def cudart_path(maps: str) -> str | None:
+    """The CUDA runtime library mapped in a process, from its ``/proc/<pid>/maps`` text (``libcudart.so.13``
+    of the nvidia wheels, or a wheel's own hashed copy ``libcudart-<hash>.so.12``); None if none is."""
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and re.search(r"/libcudart(-[0-9a-f]+)?\.so(\.\d+)*$", fields[5].strip()):
+            return fields[5].strip()
+    return None

@@ -212,6 +212,22 @@ def test_memory_store_on_a_gpu_copies_into_pinned_host_memory(tmp_path):
     assert not seq["key.0"].is_pinned() and not mem.copier.pinned and torch.equal(seq["input_ids"], calib_set().input_ids[1])
 
 
+@pytest.mark.gpu
+def test_memory_store_under_several_processes_gives_each_tensor_its_own_pinned_slab():
+    """Process 0 of 2 (its sequences 0 and 2): one slab per tensor, so share_sequences can free what it drops."""
+    from loopvq_calib.capture import MemoryCapture
+
+    model, calib = make_tiny_ouro().cuda(), calib_set()
+    mem = MemoryCapture()
+    capture_kv(model, calib, model.kv_layout(), CaptureConfig(dtype="float32", store="memory"), mem,
+               dist=DistContext(0, 2))
+    assert sorted(mem.sequences) == [0, 2] and mem.copier.slab_per_tensor
+    moved = [t for stored in mem.sequences.values() for n, t in stored.items() if not n.startswith("qstat")]
+    assert all(t.is_pinned() for t in moved)
+    assert len({t.untyped_storage().data_ptr() for t in moved}) == len(moved) == len(mem.copier.pinned)
+    mem.copier.release()
+
+
 def test_fisher_summed_over_channel_chunks_keeps_group_weights(tmp_path):
     model = make_tiny_ouro()
     calib = calib_set()
@@ -228,22 +244,45 @@ def test_fisher_summed_over_channel_chunks_keeps_group_weights(tmp_path):
 def _share_worker(rank: int, world: int, init_file: str, queue) -> None:
     import torch.distributed as dist
 
+    import loopvq_calib.capture_store as cs
     from loopvq_calib.capture import MemoryCapture, share_sequences
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    unpinned = []
+    cs._register = lambda ptr, nbytes: 0  # pinning succeeds (a CPU has nothing to pin); unpinning is recorded
+    cs._unregister = unpinned.append
     names = ["key.0", "key.1", "fisher_key.0", "value.0"]
-    memory = MemoryCapture()
-    for seq in range(rank, 5, world):  # this process's captured sequences, every tensor of each
-        memory.sequences[seq] = {n: torch.full((3, 2), 10.0 * seq + i) for i, n in enumerate(names)}
     needs = [["key.0", "fisher_key.0"], ["key.1", "value.0"]]
+    memory = MemoryCapture()
+    memory.copier = cs.HostCopier(torch.device("cpu"), slab_per_tensor=True)  # as capture_kv under 2 processes
+    with memory.copier:  # this process's captured sequences, every tensor of each, copied into pinned slabs
+        captured = {seq: {n: torch.full((3, 2), 10.0 * seq + i) for i, n in enumerate(names)}
+                    for seq in range(rank, 5, world)}
+        futures = {seq: memory.copier.submit(stored, seq) for seq, stored in captured.items()}
+        memory.sequences.update({seq: f.result() for seq, f in futures.items()})
+    dropped = {t.data_ptr() for stored in memory.sequences.values() for n, t in stored.items() if n not in needs[rank]}
+    pinned_after, drop_unused = [], memory.copier.drop_unused
+
+    def recording_drop_unused(sequences):  # the slabs still pinned after each call
+        freed = drop_unused(sequences)
+        pinned_after.append(len(memory.copier.pinned))
+        return freed
+
+    memory.copier.drop_unused = recording_drop_unused
     share_sequences(memory, needs, DistContext(rank, world), num_sequences=5)
-    queue.put((rank, {seq: {n: t.tolist() for n, t in d.items()} for seq, d in memory.sequences.items()}))
+    kept = {memory.sequences[seq][n].data_ptr() for seq in futures for n in needs[rank]}
+    pinned = {slab.data_ptr() for slab in memory.copier.pinned}
+    queue.put((rank, ({seq: {n: t.tolist() for n, t in d.items()} for seq, d in memory.sequences.items()},
+                      pinned == kept and len(kept) == 2 * len(futures), set(unpinned) == dropped, len(unpinned),
+                      pinned_after)))
     dist.destroy_process_group()
 
 
 def test_share_sequences_gives_each_process_its_tensors_of_every_sequence(tmp_path):
-    """Two gloo processes, 5 sequences captured 3 + 2: afterwards each holds exactly the tensors it needs
-    of all 5 sequences, with the capturing process's values."""
+    """Two gloo processes, 5 sequences captured 3 + 2 (through the host copier, one pinned slab per tensor):
+    afterwards each holds exactly the tensors it needs of all 5 sequences, with the capturing process's
+    values, and the slabs of the tensors it dropped are unpinned and let go as each sequence is sent: only its
+    kept ones stay pinned."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -257,11 +296,15 @@ def test_share_sequences_gives_each_process_its_tensors_of_every_sequence(tmp_pa
         assert p.exitcode == 0
     index = {"key.0": 0, "key.1": 1, "fisher_key.0": 2, "value.0": 3}
     for rank, needs in ((0, ["key.0", "fisher_key.0"]), (1, ["key.1", "value.0"])):
-        assert sorted(results[rank]) == [0, 1, 2, 3, 4]
-        for seq, stored in results[rank].items():
+        values, only_kept_pinned, dropped_unpinned, unpinned, pinned_after = results[rank]
+        assert sorted(values) == [0, 1, 2, 3, 4]
+        for seq, stored in values.items():
             assert sorted(stored) == sorted(needs)
             for n, t in stored.items():
                 assert torch.equal(torch.tensor(t), torch.full((3, 2), 10.0 * seq + index[n]))
+        assert only_kept_pinned and dropped_unpinned and unpinned == 2 * (3 - rank)  # 2 dropped per own sequence
+        own = 3 - rank  # each sequence's 2 unneeded slabs go as soon as it is sent (not all at the end)
+        assert pinned_after == [4 * own - 2 * k for k in range(1, own + 1)]
 
 
 def test_share_sequences_needs_a_sequence_per_process():
@@ -345,14 +388,46 @@ def test_store_choice_and_refusal(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="capture.store: no store holds the capture") as err:
         choose("auto")
     assert "4 sequences x 64 tokens" in str(err.value) and "memory:" in str(err.value) and "disk:" in str(err.value)
-    # one process, neither alone holds it: the first sequences stay on the accelerator, the rest in host memory
-    per_sequence = size // 4
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1200 + per_sequence * 3 // 2, 2000))
+    # one process, neither alone holds it: the first sequences stay on the accelerator, the rest in host memory;
+    # the accelerator keeps room for the copier's 2 sequences in flight to host memory
+    per_sequence = cs.capture_bytes(kv, 1, 64, CaptureConfig(fisher_channels=4))
+    device_room = lambda room: monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1200 + room, 2000))
+    device_room(per_sequence * 7 // 2)  # weights 100, step 1000 and 5 % of the card 100 come off
     monkeypatch.setattr(cs, "host_available", lambda: per_sequence * 3)
     split = choose("auto", "cuda")
-    assert (split.store, split.device_sequences) == ("split", 1) and "1 sequences on cuda, 3 in host memory" in split.reason
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1200 + size, 2000))  # weights 100, step 1000, 5 %
+    assert (split.store, split.device_sequences) == ("split", 1)
+    assert "1 sequences on cuda, 3 in host memory (with room on cuda for the sequences in flight to it)" in split.reason
+    assert f"copies to host memory keep up to 2 sequences ({2 * per_sequence / 1e9:.2f} GB) on cuda" in split.reason
+    device_room(per_sequence * 5 // 2)  # 2 sequences would fit, but not next to the 2 in flight
+    with pytest.raises(ConfigError, match="no store holds the capture"):
+        choose("auto", "cuda")
+    # host memory holds it all: chosen only where the accelerator holds the copies in flight, else the disk
+    monkeypatch.setattr(cs, "host_available", lambda: size)
+    monkeypatch.setattr(cs, "disk_available", lambda folder: size)
+    assert choose("auto", "cuda").store == "memory"
+    device_room(2 * per_sequence - 1)
+    assert choose("auto", "cuda").store == "disk" and choose("auto").store == "memory"  # (no copier on a CPU)
+    with pytest.raises(ConfigError, match="capture.store: memory cannot hold the capture: .*in flight"):
+        choose("memory", "cuda")
+    device_room(size)
     assert (choose("auto", "cuda").store, choose("auto", "cuda").device_sequences) == ("device", 4)
+
+
+def test_host_memory_store_keeps_gpu_room_only_for_the_sequences_it_can_have_in_flight(tmp_path, monkeypatch):
+    """``capture.store: memory`` with one sequence per process (2 processes, 2 sequences): at most one waits on
+    the GPU for its copy, so the GPU needs room for one, not two."""
+    import loopvq_calib.capture_store as cs
+    from loopvq_calib.config import ConfigError
+
+    kv, cfg = make_tiny_ouro().kv_layout(), CaptureConfig(store="memory", fisher_channels=4)
+    per_sequence = cs.capture_bytes(kv, 1, 64, cfg)
+    monkeypatch.setattr(cs, "host_available", lambda: 2 * per_sequence)
+    choose = lambda: cs.choose_store(cfg, kv, 2, 64, torch.device("cuda"), 100, 1000, tmp_path, processes=2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1200 + per_sequence, 2000))
+    assert choose().store == "memory" and "keep up to 1 sequences" in choose().reason
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1200 + per_sequence - 1, 2000))
+    with pytest.raises(ConfigError, match="memory cannot hold the capture"):
+        choose()
 
 
 @pytest.mark.gpu
