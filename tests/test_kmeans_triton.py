@@ -109,6 +109,116 @@ def test_the_kernels_work_here():
     assert kmeans_triton.works(str(DEVICE)) and kmeans_triton.works(str(DEVICE), 16, 4, 1040)  # the run's points per problem
 
 
+@pytest.mark.parametrize("n, k, points", [
+    (0, 256, 256), (0, 20, 64),  # no run size: a small problem of a multiple of 16
+    (1, 256, 1),  # Triton's n == 1 class: the run's own
+    (16_711_680, 256, 256), (1_044_480, 256, 256), (32_640, 16, 64),  # divisible by 16 (Ouro-1.4B sharing all, groups)
+    (522_241, 256, 257), (1041, 16, 65),  # neither
+    (200, 256, 200), (257, 256, 257), (65, 16, 65),  # no more than a small problem: the run's own
+])
+def test_probe_points_keep_the_runs_specialisation_class_on_a_few_points(n, k, points):
+    got = kmeans_triton.probe_points(n, k)
+    assert got == points
+    if n:
+        assert (got == 1) == (n == 1) and (got % 16 == 0) == (n % 16 == 0) and got <= n
+
+
+def _specialisation(kernel, arg, name: str):
+    """Triton's key for one non-constexpr argument: integers by type, == 1 and divisibility by 16, tensors
+    by dtype and 16-byte alignment, unless the kernel opts the argument out."""
+    flags = getattr(kernel, "kwargs", None) or vars(kernel)  # the interpreter's function, or the JIT one
+    specialise = name not in (flags.get("do_not_specialize") or [])
+    align = specialise and name not in (flags.get("do_not_specialize_on_alignment") or [])
+    if isinstance(arg, torch.Tensor):
+        return str(arg.dtype), align and arg.data_ptr() % 16 == 0
+    kind = "i32" if -(2**31) <= arg < 2**31 else "i64"
+    return kind, specialise and arg == 1, specialise and arg % 16 == 0
+
+
+class _Recorder:
+    """Stands in for a kernel: records each launch's variant (constexprs and argument specialisations) and
+    its n in ``sink["into"]``, then launches the kernel."""
+
+    def __init__(self, kernel, sink: dict):
+        self.kernel, self.sink = kernel, sink
+
+    def __getitem__(self, grid):
+        def launch(*args, **constexprs):
+            names = self.kernel.arg_names
+            self.sink["into"].add((self.kernel.__name__, tuple(sorted(constexprs.items())),
+                           tuple(_specialisation(self.kernel, a, names[i]) for i, a in enumerate(args))))
+            if "n" in names:
+                self.sink["into"].add(("n", args[names.index("n")]))
+            return self.kernel[grid](*args, **constexprs)
+        return launch
+
+
+def _record(monkeypatch) -> dict:
+    sink = {"into": set()}
+    for name in ("_lloyd_kernel", "_pp_distance_kernel", "_pp_draw_kernel"):
+        monkeypatch.setattr(kmeans_triton, name, _Recorder(getattr(kmeans_triton, name), sink))
+    return sink
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [3000, 2064])  # 3 draw blocks (a 4-block tile), n not / divisible by 16
+def test_the_probe_launches_on_a_few_points_every_kernel_variant_the_stage_launches(monkeypatch, n):
+    """What the stage launches for problems of n points (an odd count of problems: the uniforms' rows
+    alternate in alignment) was all compiled by the probe, which ran on probe_points(n, k) points."""
+    from loopvq_calib.config import KMeansConfig
+    from loopvq_calib.kmeans_backends import weighted_kmeans
+
+    k, g = 16, 8
+    sink = _record(monkeypatch)
+    probe = sink["into"]
+    assert kmeans_triton._probe(str(DEVICE), k, g, n)
+    stage = sink["into"] = set()
+    x = torch.randn(3, n, g, generator=gen(11)).to(DEVICE)
+    w = torch.rand(3, n, generator=gen(12)).to(DEVICE)
+    init = kmeans_pp_init(x, w, k, gen(13), fused=True)
+    weighted_kmeans(x, w, init, KMeansConfig(iterations=3, tolerance=0.0), "triton", DEVICE)
+    probe_variants = {v for v in probe if v[0] != "n"}
+    assert {v[1] for v in probe if v[0] == "n"} == {kmeans_triton.probe_points(n, k)}
+    assert {v[1] for v in stage if v[0] == "n"} == {n}
+    assert {v[0] for v in stage if v[0] != "n"} == {"_lloyd_kernel", "_pp_distance_kernel", "_pp_draw_kernel"}
+    assert {v for v in stage if v[0] != "n"} <= probe_variants
+
+
+def test_the_specialisation_model_is_tritons():
+    """_specialisation above against Triton's own (where this Triton exposes it)."""
+    libtriton = pytest.importorskip("triton._C.libtriton")
+    if not hasattr(libtriton, "native_specialize_impl"):
+        pytest.skip("this Triton does not expose native_specialize_impl")
+    from triton.backends.compiler import BaseBackend
+
+    class Plain:  # specialises everything
+        kwargs = {}
+
+    t = torch.zeros(8)
+    for arg in (1, 2, 16, 17, 2**31 - 16, 2**31, t, t[1:], t.double()):
+        want = libtriton.native_specialize_impl(BaseBackend, arg, False, True, True)
+        got = _specialisation(Plain, arg, "a")
+        if isinstance(arg, torch.Tensor):
+            assert want == ("*" + {"torch.float32": "fp32", "torch.float64": "fp64"}[got[0]], "D" if got[1] else "")
+        else:
+            assert want == (("constexpr", 1) if got[1] else (got[0], "D" if got[2] else ""))
+
+
+def test_the_probe_gives_its_gpu_memory_back(monkeypatch):
+    """works() empties the CUDA caching allocator after the probe, so the store choice that reads free
+    memory next sees what the run has; on other devices it leaves CUDA alone."""
+    emptied = []
+    monkeypatch.setattr(kmeans_triton, "_probe", lambda device, k, g, n: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    kmeans_triton.works.cache_clear()
+    try:
+        assert kmeans_triton.works("cpu", 16, 16, 100) and emptied == []
+        assert kmeans_triton.works("cuda:0", 16, 16, 100) and emptied == [True]
+    finally:
+        kmeans_triton.works.cache_clear()
+
+
 @needs_kernels
 def test_available_needs_triton_and_cuda_or_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
