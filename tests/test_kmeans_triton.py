@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from loopvq_calib import kmeans_triton
-from loopvq_calib.kmeans_backends import kmeans_pp_init
+from loopvq_calib.kmeans_backends import _draw_one, kmeans_pp_init
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_kernels = pytest.mark.skipif(
@@ -92,6 +92,53 @@ def test_draw_update_skips_only_points_the_new_centroid_cannot_come_closer_to(of
     assert torch.equal(got[51::2], d2[0, 51::2])  # the others kept their D^2
     sums = (w[0] * got).double().split(kmeans_triton.DRAW_BLOCK)
     torch.testing.assert_close(dev[6].cpu()[0], torch.stack([s.sum() for s in sums]), rtol=1e-6, atol=0)
+
+
+def _update_d2(x: torch.Tensor, xb: torch.Tensor, w: torch.Tensor, d2: torch.Tensor, chosen: int):
+    """One D^2 update of one problem with the centroid x[chosen] (the fp32 points ``x`` and their bfloat16
+    copy ``xb`` given separately) -> (D^2, per-block sums of w * D^2), on the CPU."""
+    n, g = x.shape
+    nb = -(-n // kmeans_triton.DRAW_BLOCK)
+    dev = [t[None].to(DEVICE, copy=True) for t in (x, xb, w, d2)]
+    out, bsum = torch.zeros(1, 1, g, device=DEVICE), torch.zeros(1, nb, dtype=torch.float64, device=DEVICE)
+    kmeans_triton._pp_distance_kernel[(nb,)](*dev, torch.tensor([chosen], device=DEVICE), out, bsum, n, 0, 1, nb,
+                                             K=1, G=g, GP=g, BLOCK=kmeans_triton.DRAW_BLOCK, SUB=kmeans_triton.DRAW_SUB)
+    return dev[3].cpu()[0], bsum.cpu()[0]
+
+
+@needs_kernels
+def test_draw_update_skips_reading_the_points_its_bfloat16_test_puts_far_and_draws_as_the_full_update():
+    """Points whose D^2 is far below their distance to the new centroid are not read in fp32: with their
+    fp32 rows moved onto the centroid behind an unchanged bfloat16 copy, a kernel reading every point would
+    set their D^2 to 0; this one keeps it, and all other points update as before. With consistent inputs
+    the D^2 and every draw from it are those of the full update."""
+    g, n, chosen = 16, kmeans_triton.DRAW_BLOCK + 300, 5
+    x = torch.randn(n, g, generator=gen(14))
+    w = torch.rand(n, generator=gen(15))
+    exact = ((x - x[chosen]) ** 2).sum(-1)
+    idx = torch.arange(n)
+    far = (idx % 3 == 0) & (idx != chosen)  # D^2 a quarter of the distance: the new centroid cannot come closer
+    d2 = exact * torch.where(far, 0.25, torch.where(idx % 3 == 1, 1.001, 0.999))
+    d2[chosen] = float("inf")
+    xb = x.to(torch.bfloat16)
+    got, bsum = _update_d2(x, xb, w, d2, chosen)
+    full = torch.minimum(d2, exact)
+    torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[far], d2[far]) and bool((got[idx % 3 == 1] < d2[idx % 3 == 1]).all())
+    trap = x.clone()
+    trap[far] = x[chosen]  # read in fp32, these would sit at distance 0
+    trapped, _ = _update_d2(trap, xb, w, d2, chosen)
+    assert torch.equal(trapped[far], d2[far])  # every far point skipped
+    assert torch.equal(trapped[~far], got[~far])  # the others read as before
+    nb = bsum.numel()
+    for u in torch.rand(8, generator=gen(16), dtype=torch.float64).tolist():  # the draws from the updated D^2
+        uniform = torch.tensor([u], dtype=torch.float64, device=DEVICE)
+        picked = torch.empty(1, dtype=torch.int64, device=DEVICE)
+        wsum = torch.nn.functional.pad(w.double(), (0, nb * kmeans_triton.DRAW_BLOCK - n)).view(1, nb, -1).sum(-1)
+        dev = [t.to(DEVICE) for t in (w[None], got[None].contiguous(), bsum[None].contiguous(), wsum)]
+        kmeans_triton._pp_draw_kernel[(1,)](*dev, uniform, picked, n, nb, BLOCK=kmeans_triton.DRAW_BLOCK,
+                                            NBP=kmeans_triton.draw_tile(n))
+        assert picked.item() == _draw_one((w * full)[None], w[None], torch.tensor([u], dtype=torch.float64)).item()
 
 
 @needs_kernels
