@@ -169,8 +169,10 @@ class BaselineQuantizer:
     steps_per_block: int = 1
     sharing: str = "none"
 
-    def quantize_sites(self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor]):
-        """decode(encode(.)) of every site's keys/values [B, S, H, D] (batch rows one after another)."""
+    def quantize_sites(self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor],
+                       dtype: torch.dtype | None = None) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """decode(encode(.)) of every site's keys/values [B, S, H, D] (batch rows one after another).
+        ``dtype``: cast each block's result to it once, as ``KVQuantizer.quantize_sites`` does."""
         out: dict[str, dict[int, torch.Tensor]] = {"key": {}, "value": {}}
         src = {"key": keys, "value": values}
         for codec in self.codecs.values():
@@ -181,6 +183,8 @@ class BaselineQuantizer:
                 x = torch.stack([src[lay.kind][site][b] for site in lay.sites], dim=1)  # [S, T, H, D]
                 parts.append(codec.quantize(x))
             y = torch.stack(parts)  # [B, S, T, H, D]
+            if dtype is not None:
+                y = y.to(dtype)
             for m, site in enumerate(lay.sites):
                 out[lay.kind][site] = y[:, :, m]
         return out["key"], out["value"]

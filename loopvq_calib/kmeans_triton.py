@@ -57,25 +57,49 @@ def available(device: torch.device | str) -> bool:
 def works(device: str, k: int = 16, g: int = 16, n: int = 0) -> bool:
     """Whether the kernels compile and run on ``device`` (once per process, device and shape): Triton needs
     a C compiler and a matching driver at first use. ``kmeans.backend: auto`` falls back to torch, with a
-    warning, where this fails. Probing with the run's codebook shape (``k`` x ``g``) and points per problem
+    warning, where this fails. Probing for the run's codebook shape (``k`` x ``g``) and points per problem
     ``n`` (0: a small problem) compiles every kernel variant the k-means stage then uses (Triton keeps
-    them), so the check costs no extra compilation."""
+    them), on a few points (:func:`probe_points`), so the check costs no extra compilation. On CUDA the
+    probe's memory goes back to the driver, so free memory read after it is what the run has."""
     try:
         return _probe(device, k, g, n)
     except Exception as err:  # compiler, driver or launch failure: any of them means "use torch"
         log.warning("the fused Triton k-means kernels do not run on %s (%s: %s); using the torch backend",
                     device, type(err).__name__, err)
         return False
+    finally:
+        if torch.device(device).type == "cuda" and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+
+def probe_points(n: int, k: int) -> int:
+    """Points per problem for the probe of a run with ``n`` points per problem (0: a small problem) and ``k``
+    centroids: the fewest (at least ``k``) that compile the run's kernel variants. The only specialisation
+    on n is Triton's on integer arguments: n == 1, n divisible by 16, or neither (n stays below 2^31,
+    Triton's other class). The draw's block-sum tile, the one size the host derives from n, the probe
+    passes itself (:func:`draw_tile`)."""
+    small = 64 * -(-int(k) // 64)  # a multiple of 16
+    if n == 0:
+        return small
+    if n == 1 or n <= small + 1:
+        return n
+    return small if n % 16 == 0 else small + 1
+
+
+def draw_tile(n: int) -> int:
+    """Block sums a k-means++ draw program holds for problems of ``n`` points (a constexpr of its kernel)."""
+    return _pow2(triton.cdiv(n, DRAW_BLOCK))
 
 
 def _probe(device: str, k: int, g: int, n: int) -> bool:
-    """Run every kernel variant of the k-means stage once on two problems of ``n`` points (0: enough to
-    seed ``k`` centroids, a multiple of 16 like most real problem sizes) -> True, or raise."""
-    k, g, n = int(k), int(g), int(n) or 64 * -(-int(k) // 64)
+    """Run every kernel variant the k-means stage uses for problems of ``n`` points (0: a small problem) once,
+    on two problems of :func:`probe_points` points -> True, or raise."""
+    k, g, m = int(k), int(g), probe_points(int(n), int(k))
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, n, g, generator=gen).to(device)
-    w = torch.rand(2, n, generator=gen).to(device)
-    c = kmeans_pp(x, w, k, torch.rand(k, 2, generator=gen, dtype=torch.float64).to(device))
+    x = torch.randn(2, m, g, generator=gen).to(device)
+    w = torch.rand(2, m, generator=gen).to(device)
+    uniforms = torch.rand(k, 2, generator=gen, dtype=torch.float64).to(device)
+    c = _kmeans_pp(x, w, k, uniforms, draw_tile(int(n) or m))
     for accumulate in (True, False):
         lloyd_step(x, w, c, torch.arange(2, device=device), accumulate=accumulate)
     if x.is_cuda:
@@ -166,7 +190,8 @@ if triton is not None:
             total += tl.where(valid, w * d2, 0.0).to(tl.float64)
         tl.store(bsum_ptr + p * nb + b, tl.sum(total, axis=0))
 
-    @triton.jit(do_not_specialize=["nb"])
+    # u_ptr is a row of the [K, P] uniforms: its alignment changes with the draw when P is odd (a scalar load)
+    @triton.jit(do_not_specialize=["nb"], do_not_specialize_on_alignment=["u_ptr"])
     def _pp_draw_kernel(
         w_ptr, d2_ptr, bsum_ptr, wsum_ptr, u_ptr, chosen_ptr, n, nb,
         BLOCK: tl.constexpr, NBP: tl.constexpr,
@@ -216,6 +241,11 @@ def kmeans_pp(x: torch.Tensor, w: torch.Tensor, k: int, uniforms: torch.Tensor) 
     contiguous, with the draws' uniforms [K, P] float64 on x's device -> centroids [P, K, G]. A bfloat16
     copy of x lets each D^2 update skip reading the fp32 points the new centroid cannot come closer to
     (an exact test: the same D^2 as updating every point)."""
+    return _kmeans_pp(x, w, k, uniforms, draw_tile(x.shape[1]))
+
+
+def _kmeans_pp(x: torch.Tensor, w: torch.Tensor, k: int, uniforms: torch.Tensor, tile: int) -> torch.Tensor:
+    """:func:`kmeans_pp` with the draw's block-sum ``tile`` given (a power of two, at least the blocks)."""
     p, n, g = x.shape
     nb = triton.cdiv(n, DRAW_BLOCK)
     out = x.new_empty(p, k, g)
@@ -225,7 +255,7 @@ def kmeans_pp(x: torch.Tensor, w: torch.Tensor, k: int, uniforms: torch.Tensor) 
     wsum = torch.nn.functional.pad(w.double(), (0, nb * DRAW_BLOCK - n)).view(p, nb, DRAW_BLOCK).sum(-1)
     chosen = torch.empty(p, device=x.device, dtype=torch.int64)
     for j in range(k):
-        _pp_draw_kernel[(p,)](w, d2, bsum, wsum, uniforms[j], chosen, n, nb, BLOCK=DRAW_BLOCK, NBP=_pow2(nb), num_warps=4)
+        _pp_draw_kernel[(p,)](w, d2, bsum, wsum, uniforms[j], chosen, n, nb, BLOCK=DRAW_BLOCK, NBP=tile, num_warps=4)
         _pp_distance_kernel[(p * nb,)](x, xb, w, d2, chosen, out, bsum, n, j, p, nb, K=k, G=g, GP=_pow2(g), BLOCK=DRAW_BLOCK,
                                        SUB=DRAW_SUB, num_warps=DRAW_WARPS)
     return out

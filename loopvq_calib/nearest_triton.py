@@ -27,7 +27,8 @@ except ImportError:  # CPU-only installs
     triton = None
 
 log = logging.getLogger("loopvq_calib")
-BLOCK = 64  # tokens per program: a [64, K] fp32 distance tile in registers (K <= 256)
+BLOCK = 64  # tokens per program: a [64, K] fp32 distance tile in registers
+MAX_K = 256  # the codebook sizes the kernel was written and timed for (a [64, 512] tile spills registers)
 MAX_TILE = 256 * 32  # K x G codebook entries a program holds
 
 
@@ -42,8 +43,9 @@ def available(device: torch.device) -> bool:
 
 
 def supports(k: int, g: int) -> bool:
-    """Powers of two with 16 <= G and K x G <= ``MAX_TILE`` (the dot's smallest inner size is 16)."""
-    return k & (k - 1) == 0 and g & (g - 1) == 0 and g >= 16 and k >= 16 and k * g <= MAX_TILE
+    """Powers of two with 16 <= K <= ``MAX_K``, G >= 16 (the dot's smallest inner size) and K x G <=
+    ``MAX_TILE``; larger codebooks take the torch path."""
+    return k & (k - 1) == 0 and g & (g - 1) == 0 and g >= 16 and 16 <= k <= MAX_K and k * g <= MAX_TILE
 
 
 if triton is not None:

@@ -106,3 +106,22 @@ def test_kivi_cache_decodes_what_it_encoded_and_reorders():
     k_before = cache.site_kv(0)[0]
     cache.reorder_cache(torch.tensor([1, 0]))
     assert torch.equal(cache.site_kv(0)[0], k_before.flip(0))
+
+
+def test_quantize_sites_casts_to_the_dtype_the_objective_asks_for():
+    """The fine-tuning objective calls ``quantize_sites(..., dtype=)`` on whatever quantizer it is given;
+    a baseline gives the same values cast once, and the objective runs on it without ``quantized=``."""
+    from loopvq_calib.objective import quantized_logits, teacher
+
+    model = make_tiny_ouro().eval()
+    q = make_baseline("kivi2", model.kv_layout(), group=4)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    fp = teacher(model, ids)
+    keys, values = q.quantize_sites(fp.keys, fp.values)
+    keys16, values16 = q.quantize_sites(fp.keys, fp.values, dtype=torch.bfloat16)
+    assert set(keys16) == set(keys) == set(fp.keys) and set(values16) == set(values)
+    for got, want in [(keys16[s], keys[s]) for s in keys] + [(values16[s], values[s]) for s in values]:
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
+    assert not torch.equal(keys[0], fp.keys[0])  # 2-bit codes: the values did change
+    logits = quantized_logits(model, ids, q, fp, sink_tokens=2)
+    torch.testing.assert_close(logits, quantized_logits(model, ids, q, fp, sink_tokens=2, quantized=(keys, values)))

@@ -332,7 +332,7 @@ def test_kernel_probe_failure_is_logged_and_cached(monkeypatch, caplog):
         calls.append(1)
         raise RuntimeError("Failed to find C compiler")
 
-    monkeypatch.setattr(kmeans_triton, "kmeans_pp", broken)
+    monkeypatch.setattr(kmeans_triton, "_kmeans_pp", broken)  # the probe's first launch
     kmeans_triton.works.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="loopvq_calib"):

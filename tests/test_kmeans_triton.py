@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from loopvq_calib import kmeans_triton
-from loopvq_calib.kmeans_backends import kmeans_pp_init
+from loopvq_calib.kmeans_backends import _draw_one, kmeans_pp_init
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_kernels = pytest.mark.skipif(
@@ -94,6 +94,53 @@ def test_draw_update_skips_only_points_the_new_centroid_cannot_come_closer_to(of
     torch.testing.assert_close(dev[6].cpu()[0], torch.stack([s.sum() for s in sums]), rtol=1e-6, atol=0)
 
 
+def _update_d2(x: torch.Tensor, xb: torch.Tensor, w: torch.Tensor, d2: torch.Tensor, chosen: int):
+    """One D^2 update of one problem with the centroid x[chosen] (the fp32 points ``x`` and their bfloat16
+    copy ``xb`` given separately) -> (D^2, per-block sums of w * D^2), on the CPU."""
+    n, g = x.shape
+    nb = -(-n // kmeans_triton.DRAW_BLOCK)
+    dev = [t[None].to(DEVICE, copy=True) for t in (x, xb, w, d2)]
+    out, bsum = torch.zeros(1, 1, g, device=DEVICE), torch.zeros(1, nb, dtype=torch.float64, device=DEVICE)
+    kmeans_triton._pp_distance_kernel[(nb,)](*dev, torch.tensor([chosen], device=DEVICE), out, bsum, n, 0, 1, nb,
+                                             K=1, G=g, GP=g, BLOCK=kmeans_triton.DRAW_BLOCK, SUB=kmeans_triton.DRAW_SUB)
+    return dev[3].cpu()[0], bsum.cpu()[0]
+
+
+@needs_kernels
+def test_draw_update_skips_reading_the_points_its_bfloat16_test_puts_far_and_draws_as_the_full_update():
+    """Points whose D^2 is far below their distance to the new centroid are not read in fp32: with their
+    fp32 rows moved onto the centroid behind an unchanged bfloat16 copy, a kernel reading every point would
+    set their D^2 to 0; this one keeps it, and all other points update as before. With consistent inputs
+    the D^2 and every draw from it are those of the full update."""
+    g, n, chosen = 16, kmeans_triton.DRAW_BLOCK + 300, 5
+    x = torch.randn(n, g, generator=gen(14))
+    w = torch.rand(n, generator=gen(15))
+    exact = ((x - x[chosen]) ** 2).sum(-1)
+    idx = torch.arange(n)
+    far = (idx % 3 == 0) & (idx != chosen)  # D^2 a quarter of the distance: the new centroid cannot come closer
+    d2 = exact * torch.where(far, 0.25, torch.where(idx % 3 == 1, 1.001, 0.999))
+    d2[chosen] = float("inf")
+    xb = x.to(torch.bfloat16)
+    got, bsum = _update_d2(x, xb, w, d2, chosen)
+    full = torch.minimum(d2, exact)
+    torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[far], d2[far]) and bool((got[idx % 3 == 1] < d2[idx % 3 == 1]).all())
+    trap = x.clone()
+    trap[far] = x[chosen]  # read in fp32, these would sit at distance 0
+    trapped, _ = _update_d2(trap, xb, w, d2, chosen)
+    assert torch.equal(trapped[far], d2[far])  # every far point skipped
+    assert torch.equal(trapped[~far], got[~far])  # the others read as before
+    nb = bsum.numel()
+    for u in torch.rand(8, generator=gen(16), dtype=torch.float64).tolist():  # the draws from the updated D^2
+        uniform = torch.tensor([u], dtype=torch.float64, device=DEVICE)
+        picked = torch.empty(1, dtype=torch.int64, device=DEVICE)
+        wsum = torch.nn.functional.pad(w.double(), (0, nb * kmeans_triton.DRAW_BLOCK - n)).view(1, nb, -1).sum(-1)
+        dev = [t.to(DEVICE) for t in (w[None], got[None].contiguous(), bsum[None].contiguous(), wsum)]
+        kmeans_triton._pp_draw_kernel[(1,)](*dev, uniform, picked, n, nb, BLOCK=kmeans_triton.DRAW_BLOCK,
+                                            NBP=kmeans_triton.draw_tile(n))
+        assert picked.item() == _draw_one((w * full)[None], w[None], torch.tensor([u], dtype=torch.float64)).item()
+
+
 @needs_kernels
 def test_fused_draws_equal_the_torch_draws_far_from_the_origin():
     x = torch.randn(2, 700, 16, generator=gen(8)) * 0.5 + 20.0
@@ -107,6 +154,116 @@ def test_fused_draws_equal_the_torch_draws_far_from_the_origin():
 def test_the_kernels_work_here():
     kmeans_triton.works.cache_clear()
     assert kmeans_triton.works(str(DEVICE)) and kmeans_triton.works(str(DEVICE), 16, 4, 1040)  # the run's points per problem
+
+
+@pytest.mark.parametrize("n, k, points", [
+    (0, 256, 256), (0, 20, 64),  # no run size: a small problem of a multiple of 16
+    (1, 256, 1),  # Triton's n == 1 class: the run's own
+    (16_711_680, 256, 256), (1_044_480, 256, 256), (32_640, 16, 64),  # divisible by 16 (Ouro-1.4B sharing all, groups)
+    (522_241, 256, 257), (1041, 16, 65),  # neither
+    (200, 256, 200), (257, 256, 257), (65, 16, 65),  # no more than a small problem: the run's own
+])
+def test_probe_points_keep_the_runs_specialisation_class_on_a_few_points(n, k, points):
+    got = kmeans_triton.probe_points(n, k)
+    assert got == points
+    if n:
+        assert (got == 1) == (n == 1) and (got % 16 == 0) == (n % 16 == 0) and got <= n
+
+
+def _specialisation(kernel, arg, name: str):
+    """Triton's key for one non-constexpr argument: integers by type, == 1 and divisibility by 16, tensors
+    by dtype and 16-byte alignment, unless the kernel opts the argument out."""
+    flags = getattr(kernel, "kwargs", None) or vars(kernel)  # the interpreter's function, or the JIT one
+    specialise = name not in (flags.get("do_not_specialize") or [])
+    align = specialise and name not in (flags.get("do_not_specialize_on_alignment") or [])
+    if isinstance(arg, torch.Tensor):
+        return str(arg.dtype), align and arg.data_ptr() % 16 == 0
+    kind = "i32" if -(2**31) <= arg < 2**31 else "i64"
+    return kind, specialise and arg == 1, specialise and arg % 16 == 0
+
+
+class _Recorder:
+    """Stands in for a kernel: records each launch's variant (constexprs and argument specialisations) and
+    its n in ``sink["into"]``, then launches the kernel."""
+
+    def __init__(self, kernel, sink: dict):
+        self.kernel, self.sink = kernel, sink
+
+    def __getitem__(self, grid):
+        def launch(*args, **constexprs):
+            names = self.kernel.arg_names
+            self.sink["into"].add((self.kernel.__name__, tuple(sorted(constexprs.items())),
+                           tuple(_specialisation(self.kernel, a, names[i]) for i, a in enumerate(args))))
+            if "n" in names:
+                self.sink["into"].add(("n", args[names.index("n")]))
+            return self.kernel[grid](*args, **constexprs)
+        return launch
+
+
+def _record(monkeypatch) -> dict:
+    sink = {"into": set()}
+    for name in ("_lloyd_kernel", "_pp_distance_kernel", "_pp_draw_kernel"):
+        monkeypatch.setattr(kmeans_triton, name, _Recorder(getattr(kmeans_triton, name), sink))
+    return sink
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [3000, 2064])  # 3 draw blocks (a 4-block tile), n not / divisible by 16
+def test_the_probe_launches_on_a_few_points_every_kernel_variant_the_stage_launches(monkeypatch, n):
+    """What the stage launches for problems of n points (an odd count of problems: the uniforms' rows
+    alternate in alignment) was all compiled by the probe, which ran on probe_points(n, k) points."""
+    from loopvq_calib.config import KMeansConfig
+    from loopvq_calib.kmeans_backends import weighted_kmeans
+
+    k, g = 16, 8
+    sink = _record(monkeypatch)
+    probe = sink["into"]
+    assert kmeans_triton._probe(str(DEVICE), k, g, n)
+    stage = sink["into"] = set()
+    x = torch.randn(3, n, g, generator=gen(11)).to(DEVICE)
+    w = torch.rand(3, n, generator=gen(12)).to(DEVICE)
+    init = kmeans_pp_init(x, w, k, gen(13), fused=True)
+    weighted_kmeans(x, w, init, KMeansConfig(iterations=3, tolerance=0.0), "triton", DEVICE)
+    probe_variants = {v for v in probe if v[0] != "n"}
+    assert {v[1] for v in probe if v[0] == "n"} == {kmeans_triton.probe_points(n, k)}
+    assert {v[1] for v in stage if v[0] == "n"} == {n}
+    assert {v[0] for v in stage if v[0] != "n"} == {"_lloyd_kernel", "_pp_distance_kernel", "_pp_draw_kernel"}
+    assert {v for v in stage if v[0] != "n"} <= probe_variants
+
+
+def test_the_specialisation_model_is_tritons():
+    """_specialisation above against Triton's own (where this Triton exposes it)."""
+    libtriton = pytest.importorskip("triton._C.libtriton")
+    if not hasattr(libtriton, "native_specialize_impl"):
+        pytest.skip("this Triton does not expose native_specialize_impl")
+    from triton.backends.compiler import BaseBackend
+
+    class Plain:  # specialises everything
+        kwargs = {}
+
+    t = torch.zeros(8)
+    for arg in (1, 2, 16, 17, 2**31 - 16, 2**31, t, t[1:], t.double()):
+        want = libtriton.native_specialize_impl(BaseBackend, arg, False, True, True)
+        got = _specialisation(Plain, arg, "a")
+        if isinstance(arg, torch.Tensor):
+            assert want == ("*" + {"torch.float32": "fp32", "torch.float64": "fp64"}[got[0]], "D" if got[1] else "")
+        else:
+            assert want == (("constexpr", 1) if got[1] else (got[0], "D" if got[2] else ""))
+
+
+def test_the_probe_gives_its_gpu_memory_back(monkeypatch):
+    """works() empties the CUDA caching allocator after the probe, so the store choice that reads free
+    memory next sees what the run has; on other devices it leaves CUDA alone."""
+    emptied = []
+    monkeypatch.setattr(kmeans_triton, "_probe", lambda device, k, g, n: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    kmeans_triton.works.cache_clear()
+    try:
+        assert kmeans_triton.works("cpu", 16, 16, 100) and emptied == []
+        assert kmeans_triton.works("cuda:0", 16, 16, 100) and emptied == [True]
+    finally:
+        kmeans_triton.works.cache_clear()
 
 
 @needs_kernels

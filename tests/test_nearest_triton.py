@@ -68,6 +68,8 @@ def test_supported_shapes():
     assert nearest_triton.supports(256, 16) and nearest_triton.supports(256, 32) and nearest_triton.supports(16, 16)
     assert not nearest_triton.supports(256, 8)  # below the dot's smallest inner size
     assert not nearest_triton.supports(512, 32)  # codebook tile too large
+    assert not nearest_triton.supports(512, 16)  # within the tile, but above the K the kernel was timed for
+    assert not nearest_triton.supports(8, 16)  # below the dot's smallest inner size
     assert not nearest_triton.supports(200, 16)  # not a power of two
 
 
