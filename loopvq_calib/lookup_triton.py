@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
+
+from .kmeans_triton import available  # the same device test as the k-means kernels
 
 try:
     import triton
@@ -27,16 +28,6 @@ except ImportError:  # CPU-only installs
 
 log = logging.getLogger("loopvq_calib")
 TOKENS, COORDS = 32, 256  # tile of one program
-
-
-def available(device: torch.device) -> bool:
-    """triton importable and ``device`` a CUDA GPU of compute capability 8.0 or newer, or any device under
-    ``TRITON_INTERPRET=1``."""
-    if triton is None:
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 if triton is not None:

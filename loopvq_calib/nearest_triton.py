@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
+
+from .kmeans_triton import available  # the same device test as the k-means kernels
 
 try:
     import triton
@@ -30,16 +31,6 @@ log = logging.getLogger("loopvq_calib")
 BLOCK = 64  # tokens per program: a [64, K] fp32 distance tile in registers
 MAX_K = 256  # the codebook sizes the kernel was written and timed for (a [64, 512] tile spills registers)
 MAX_TILE = 256 * 32  # K x G codebook entries a program holds
-
-
-def available(device: torch.device) -> bool:
-    """triton importable and ``device`` a CUDA GPU of compute capability 8.0 or newer, or any device under
-    ``TRITON_INTERPRET=1``."""
-    if triton is None:
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def supports(k: int, g: int) -> bool:

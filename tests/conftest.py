@@ -3,8 +3,11 @@ model and corpora. Nothing is downloaded (HF_HUB_OFFLINE=1)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,6 +23,19 @@ from loopvq_calib.models import HuginnConfig, HuginnForCausalLM, OuroConfig, Our
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_MODEL = ROOT / "artifacts" / "tiny-ouro"
+
+
+def run_kernel_script(script: str) -> dict:
+    """Run ``script`` (a Triton kernel check that prints one JSON line last, given the device as its argument)
+    in a child process: on the GPU when there is one, else on CPU tensors under ``TRITON_INTERPRET=1`` (which
+    must be set before triton is imported, hence the child)."""
+    if torch.cuda.is_available():
+        code = subprocess.run([sys.executable, "-c", script, "cuda"], capture_output=True, text=True, cwd=ROOT)
+    else:
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+        code = subprocess.run([sys.executable, "-c", script, "cpu"], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert code.returncode == 0, code.stderr[-3000:]
+    return json.loads(code.stdout.strip().splitlines()[-1])
 DATA = ROOT / "artifacts" / "data"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

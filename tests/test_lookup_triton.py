@@ -7,19 +7,13 @@ Without triton everything here is skipped."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import run_kernel_script
 
 from loopvq_calib import lookup_triton
 
 pytestmark = pytest.mark.skipif(lookup_triton.triton is None, reason="needs triton")
-ROOT = Path(__file__).resolve().parents[1]
 
 COMPARE = r"""
 import json, sys, torch
@@ -55,18 +49,8 @@ print(json.dumps(out))
 """
 
 
-def _compare() -> dict:
-    if torch.cuda.is_available():
-        code = subprocess.run([sys.executable, "-c", COMPARE, "cuda"], capture_output=True, text=True, cwd=ROOT)
-    else:
-        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-        code = subprocess.run([sys.executable, "-c", COMPARE, "cpu"], capture_output=True, text=True, cwd=ROOT, env=env)
-    assert code.returncode == 0, code.stderr[-3000:]
-    return json.loads(code.stdout.strip().splitlines()[-1])
-
-
 def test_kernel_copies_the_torch_paths_codewords_and_gradient():
-    out = _compare()
+    out = run_kernel_script(COMPARE)
     assert len(out) == 4
     for case, got in out.items():
         n, steps, h, d = eval(case)[:4]

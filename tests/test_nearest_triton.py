@@ -6,19 +6,13 @@ Without triton everything here is skipped."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import run_kernel_script
 
 from loopvq_calib import nearest_triton
 
 pytestmark = pytest.mark.skipif(nearest_triton.triton is None, reason="needs triton")
-ROOT = Path(__file__).resolve().parents[1]
 
 COMPARE = r"""
 import json, sys, torch
@@ -45,18 +39,8 @@ print(json.dumps(out))
 """
 
 
-def _compare() -> dict:
-    if torch.cuda.is_available():
-        code = subprocess.run([sys.executable, "-c", COMPARE, "cuda"], capture_output=True, text=True, cwd=ROOT)
-    else:
-        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-        code = subprocess.run([sys.executable, "-c", COMPARE, "cpu"], capture_output=True, text=True, cwd=ROOT, env=env)
-    assert code.returncode == 0, code.stderr[-3000:]
-    return json.loads(code.stdout.strip().splitlines()[-1])
-
-
 def test_kernel_picks_the_torch_paths_codes_lowest_index_on_ties():
-    out = _compare()
+    out = run_kernel_script(COMPARE)
     for shape in ["(70, 2, 3, 2, 3, 256, 16)", "(64, 2, 4, 1, 4, 32, 16)", "(33, 3, 2, 3, 1, 16, 32)", "(1, 1, 1, 1, 1, 64, 16)"]:
         n, h, g = eval(shape)[:3]
         assert out[shape] == {"equal": True, "dtype": "torch.int64", "shape": [n, h, g]}, shape
