@@ -18,12 +18,16 @@ from loopvq_calib import kmeans_triton
 from loopvq_calib.kmeans_backends import kmeans_pp_init, weighted_kmeans
 
 
-def problems(p: int, n: int, g: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    centres = torch.randn(p, k, g, generator=gen) * 2
-    pick = torch.randint(0, k, (p, n), generator=gen)
-    x = centres.gather(1, pick[..., None].expand(-1, -1, g)) + torch.randn(p, n, g, generator=gen)
-    w = torch.exp(torch.randn(p, n, generator=gen) * 1.5)
+def problems(p: int, n: int, g: int, k: int, seed: int = 0,
+             gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``p`` Gaussian-mixture problems of ``n`` points in ``g`` dims around ``k`` centres, with log-normal
+    weights scaled to at most 1; drawn from ``gen`` (on its device) or a CPU generator seeded ``seed``."""
+    gen = gen if gen is not None else torch.Generator().manual_seed(seed)
+    device = gen.device
+    centres = torch.randn(p, k, g, generator=gen, device=device) * 2
+    pick = torch.randint(0, k, (p, n), generator=gen, device=device)
+    x = centres.gather(1, pick[..., None].expand(-1, -1, g)) + torch.randn(p, n, g, generator=gen, device=device)
+    w = torch.exp(torch.randn(p, n, generator=gen, device=device) * 1.5)
     return x, w / w.amax(-1, keepdim=True)
 
 

@@ -11,11 +11,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from loopvq_calib import kmeans_triton
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kmeans import problems  # noqa: E402
+
+from loopvq_calib import kmeans_triton  # noqa: E402
 
 
 def load(path: str):
@@ -39,12 +44,8 @@ def main() -> None:
                     help="warps per program of the current D^2 update (DRAW_WARPS) to try")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    centres = torch.randn(args.problems, args.k, args.dims, device="cuda", generator=gen) * 2
-    pick = torch.randint(0, args.k, (args.problems, args.points), device="cuda", generator=gen)
-    x = centres.gather(1, pick[..., None].expand(-1, -1, args.dims)) + torch.randn(
-        args.problems, args.points, args.dims, device="cuda", generator=gen) + args.offset
-    w = torch.exp(torch.randn(args.problems, args.points, device="cuda", generator=gen) * 1.5)
-    w = (w / w.amax(-1, keepdim=True)).contiguous()
+    x, w = problems(args.problems, args.points, args.dims, args.k, gen=gen)
+    x, w = x + args.offset, w.contiguous()
     uniforms = torch.rand(args.k, args.problems, dtype=torch.float64, device="cuda", generator=gen)
     versions = [(f"current, DRAW_SUB {sub}, DRAW_WARPS {warps}", kmeans_triton, (sub, warps))
                 for sub in args.subs for warps in args.warps]
