@@ -76,17 +76,19 @@ class KernelState:
             self._largest = max(self._largest, int(ctx.positions.max()))
         return self._largest
 
-    def _token_positions(self, cache: Any, site: int, ctx: Any, device: torch.device):
-        """The first coded position, the full-precision tokens' positions and their mask column: the same at
-        every site of one forward (every site holds the same tokens), so built once per forward."""
+    def _token_positions(self, cache: Any, site: int, ctx: Any):
+        """The first coded position, the full-precision tokens' positions and their mask column, in the
+        kernels' dtypes (int32, int32, int8): the same at every site of one forward (every site holds the same
+        tokens), so built and converted once per forward."""
         if self._tokens is None or self._tokens[0] is not ctx or self._tokens[1] != cache.encoded:
             sinks, n, pos = cache._sinks, cache.encoded, cache.positions[site]
-            fp_pos = torch.cat([pos[:, :sinks], pos[:, sinks + n:]], 1)
+            fp_pos = torch.cat([pos[:, :sinks], pos[:, sinks + n:]], 1).to(torch.int32)
             fp_mask = None
             if ctx.mask is not None:
                 m = ctx.mask[:, 0, -1]
-                fp_mask = torch.cat([m[:, :sinks], m[:, sinks + n:]], 1)
-            self._tokens = (ctx, n, pos[:, sinks] if n else pos[:, 0], fp_pos, fp_mask)
+                fp_mask = torch.cat([m[:, :sinks], m[:, sinks + n:]], 1).to(torch.int8)
+            first = (pos[:, sinks] if n else pos[:, 0]).to(torch.int32)
+            self._tokens = (ctx, n, first, fp_pos, fp_mask)
         return self._tokens[2:]
 
     def attend(self, cache: Any, site: int, q: torch.Tensor, ctx: Any) -> torch.Tensor:
@@ -100,7 +102,7 @@ class KernelState:
             dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
             self.tables[site] = step_tables(kc, vc, step, ctx.rope_style, q.device, dtype)
         n, bsz = cache.encoded, q.shape[0]
-        first, fp_pos, fp_mask = self._token_positions(cache, site, ctx, q.device)
+        first, fp_pos, fp_mask = self._token_positions(cache, site, ctx)
         if n:
             kb, vb = (self.buffers.setdefault(names[kind], CodeBuffer()) for kind in ("key", "value"))
             for buffer, kind in ((kb, "key"), (vb, "value")):
