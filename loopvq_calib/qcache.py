@@ -103,9 +103,7 @@ class QuantizedLoopKVCache:
         """Append this call's pre-RoPE ``key`` and ``value``; return the site's post-RoPE keys and values."""
         self._append(site, key, value, positions)
         out_k, out_v = self.site_kv(site)
-        held = self.positions[site]
-        # at prefill ``held`` equals ``positions``: pass that object, whose RoPE factors the forward computes once
-        out = rope(out_k, positions if held.shape[1] == positions.shape[1] else held), out_v
+        out = rope(out_k, self.positions[site]), out_v  # at prefill the forward's own positions object (RoPE once)
         if site == self.last_site:
             self._encode_ready_pages()
         return out
@@ -155,15 +153,16 @@ class QuantizedLoopKVCache:
 
     def _appended_positions(self, site: int, new: torch.Tensor) -> torch.Tensor:
         """The site's positions with ``new`` appended, as a view of storage that doubles when full: amortised O(1)
-        per token instead of a copy of every position at every decode step."""
+        per token instead of a copy of every position at every decode step. The first call keeps ``new`` itself
+        (the forward's positions object, whose RoPE factors the forward computes once)."""
         old = self.positions.get(site)
-        n, k = (0 if old is None else old.shape[1]), new.shape[1]
+        if old is None:
+            return new
+        n, k = old.shape[1], new.shape[1]
         store = self._position_storage.get(site)
-        if (old is None or store is None or store.data_ptr() != old.data_ptr() or store.shape[0] != old.shape[0]
-                or n + k > store.shape[1]):  # first call, outgrown, or replaced (reorder_cache)
+        if store is None or n + k > store.shape[1]:  # second call, or outgrown
             store = new.new_empty(new.shape[0], max(2 * (n + k), 64))
-            if old is not None:
-                store[:, :n] = old
+            store[:, :n] = old
             self._position_storage[site] = store
         store[:, n:n + k] = new
         return store[:, :n + k]
@@ -197,6 +196,7 @@ class QuantizedLoopKVCache:
         for store in (self.keys, self.values, self.positions):
             for site, t in store.items():
                 store[site] = t.index_select(0, beam_idx.to(t.device))
+        self._position_storage.clear()  # the reordered positions are copied into fresh storage at the next append
         for name, pages in self.codes.items():
             self.codes[name] = [_select_codes(c, beam_idx, self.page_size) for c in pages]
         if self._kernel_state is not None:
