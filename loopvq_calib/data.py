@@ -105,7 +105,9 @@ def _hub_documents(cfg: DataConfig, names: dict[str, str | None] | None) -> Iter
     try:
         ds = datasets.load_dataset(cfg.dataset, cfg.config_name, split=cfg.split)
     except Exception as err:  # offline, unknown name, missing split: all surface here
-        offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+        from .models.loading import hub_offline
+
+        offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or hub_offline()
         hint = " (offline mode is on: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)" if offline else ""
         raise DataError(
             f"{_option(names, 'dataset')}: could not load {cfg.dataset!r} (config {cfg.config_name!r}, split {cfg.split!r}) "

@@ -30,7 +30,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the torch path is used
-    triton = None
+    triton = tl = None
 
 log = logging.getLogger("loopvq_calib")
 LLOYD_TILE = 16384  # distance-tile elements per program in a Lloyd step (K = 256: 64 points x 256 centroids)

@@ -19,13 +19,7 @@ import logging
 
 import torch
 
-from .kmeans_triton import available  # the same device test as the k-means kernels
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs
-    triton = None
+from .kmeans_triton import available, tl, triton  # the same triton import and device test as the k-means kernels
 
 log = logging.getLogger("loopvq_calib")
 BLOCK = 64  # tokens per program: a [64, K] fp32 distance tile in registers

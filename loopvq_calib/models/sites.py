@@ -201,7 +201,7 @@ class KVSubstituter:
         new = self.provide(site)
         if new is None:
             return key, value
-        nk, nv = (t if t.dtype == key.dtype else t.to(key.dtype) for t in new)
+        nk, nv = (t.to(key.dtype) for t in new)
         if nk.shape != key.shape or nv.shape != value.shape:
             raise ValueError(
                 f"substitute for KV site {site} has shapes {tuple(nk.shape)}/{tuple(nv.shape)}, "
