@@ -123,6 +123,25 @@ class _Pending:
         self.problems = self.points.shape[0]
 
 
+def _join(pending: list[_Pending], name: str) -> torch.Tensor:
+    """The ``name`` tensors of ``pending`` joined along problems, each layout's copy let go as soon as it is
+    copied (peak: the joined tensor and one layout's, not twice the group)."""
+    like = getattr(pending[0], name)
+    if len(pending) == 1:
+        setattr(pending[0], name, None)
+        return like
+    joined = like.new_empty((sum(getattr(p, name).shape[0] for p in pending), *like.shape[1:]))
+    del like
+    row = 0
+    for p in pending:
+        part = getattr(p, name)
+        joined[row : row + part.shape[0]] = part
+        row += part.shape[0]
+        setattr(p, name, None)
+        del part
+    return joined
+
+
 def fit_codebooks(
     reader: CaptureData, layouts: list[BlockLayout], transforms: dict[str, TasqTransform],
     quant: QuantConfig, cfg: KMeansConfig, kv: KVLayout, device: torch.device,
@@ -155,12 +174,8 @@ def fit_codebooks(
         if not pending:
             return
         start = time.perf_counter()
-        points = torch.cat([p.points for p in pending]) if len(pending) > 1 else pending[0].points
-        weights = torch.cat([p.weights for p in pending]) if len(pending) > 1 else pending[0].weights
-        init = torch.cat([p.init for p in pending]) if len(pending) > 1 else pending[0].init
         keys = [(p.seed, q) for p in pending for q in range(p.points.shape[0])]
-        for p in pending:
-            p.points = p.weights = p.init = None  # the joined copies are the only ones left
+        points, weights, init = (_join(pending, name) for name in ("points", "weights", "init"))
         result = weighted_kmeans(points, weights, init, cfg, backend, device, seed=pending[0].seed, problem_keys=keys)  # faiss: one layout
         share = (time.perf_counter() - start) / len(pending)
         first = 0
