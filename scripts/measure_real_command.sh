@@ -8,7 +8,9 @@
 #   scripts/measure_real_command.sh /tmp/out 8 --set data.num_sequences=4 ...   # CPU dry run, scaled down
 #
 # Runs (docs/performance.md; STEPS picks some, default all): ouro-1.4b (shipped config), ouro-1.4b-48gb (the
-# 48 GB-card setting: capture.store memory, finetune.cache_teacher false), huginn-3.5b (shipped config).
+# 48 GB-card setting: capture.store memory, finetune.cache_teacher false), huginn-3.5b (shipped config);
+# on request (not in the default): ouro-2.6b (shipped config, GPU 0 alone) and ouro-2.6b-2gpu (the same under
+# `accelerate launch --multi_gpu --num_processes 2`, GPUs 0 and 1).
 # DEADLINE (seconds from the start, default 3600) cuts every step's time limit so that the script ends in time
 # (a step stopped by its limit is recorded with rc 124 and the stages it finished). KEEP_CHECKPOINTS=1 leaves
 # the random checkpoints in WORK (default /tmp/loopvq-measure) for later probes.
@@ -62,7 +64,7 @@ calibrate() {  # name limit config overrides...
   rm -rf "${WORK:?}/$name"
   echo "=== $name: $config $*" >> "$LOG"
   start=$(date +%s.%N)
-  timeout "$limit" $PY -m loopvq_calib --config "$config" --output "$WORK/$name" --set data.dataset=$DATA "$@" \
+  timeout "$limit" ${LAUNCH:-$PY} -m loopvq_calib --config "$config" --output "$WORK/$name" --set data.dataset=$DATA "$@" \
     "${EXTRA[@]}" >> "$LOG" 2>&1
   rc=$?
   end=$(date +%s.%N)
@@ -84,5 +86,14 @@ if [[ " $STEPS " == *" huginn-3.5b "* ]]; then
   checkpoint huginn-3.5b "$WORK/huginn-3.5b-random"
   calibrate huginn-3.5b 600 configs/huginn-3.5b.yaml --set model.name_or_path="$WORK/huginn-3.5b-random"
   [ -z "${KEEP_CHECKPOINTS:-}" ] && rm -rf "${WORK:?}/huginn-3.5b-random"
+fi
+if [[ " $STEPS " == *" ouro-2.6b"* ]]; then
+  checkpoint ouro-2.6b "$WORK/ouro-2.6b-random"
+  [[ " $STEPS " == *" ouro-2.6b "* ]] && CUDA_VISIBLE_DEVICES=0 calibrate ouro-2.6b 300 configs/ouro-2.6b.yaml \
+    --set model.name_or_path="$WORK/ouro-2.6b-random"
+  [[ " $STEPS " == *" ouro-2.6b-2gpu "* ]] && CUDA_VISIBLE_DEVICES=0,1 \
+    LAUNCH="$PY -m accelerate.commands.launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no" \
+    calibrate ouro-2.6b-2gpu 300 configs/ouro-2.6b.yaml --set model.name_or_path="$WORK/ouro-2.6b-random"
+  [ -z "${KEEP_CHECKPOINTS:-}" ] && rm -rf "${WORK:?}/ouro-2.6b-random"
 fi
 cat "$OUT/results.jsonl"
