@@ -91,9 +91,25 @@ def rows(steps: dict[str, tuple[dict[str, Any], str]]) -> list[tuple[str, str, s
                     _verdict(row["command_s"] if row["rc"] == 0 else None, 240), src))
     else:
         out.append(("Huginn-3.5B shipped config completes, <= 240 s", "not run", "not measured", "-"))
-    out.append(("Ouro-2.6B on 2 GPUs >= 1.7x faster than on 1", "not run (this script measures one GPU)",
-                "not measured", "-"))
+    out.append(_two_gpus(steps.get("ouro-2.6b"), steps.get("ouro-2.6b-2gpu")))
     return out
+
+
+def _two_gpus(one: tuple[dict[str, Any], str] | None,
+              two: tuple[dict[str, Any], str] | None) -> tuple[str, str, str, str]:
+    """The 2-GPU speed-up row: both runs must come from one file (one machine, one tree) and both succeed."""
+    target = "Ouro-2.6B on 2 GPUs >= 1.7x faster than on 1"
+    if one is None or two is None:
+        return target, "not run", "not measured", "-"
+    if one[1] != two[1]:
+        return target, f"1 GPU in `{one[1]}`, 2 GPUs in `{two[1]}`: not one run", "not measured", "-"
+    (row1, src), (row2, _) = one, two
+    measured = f"1 GPU: {_command(row1)}; 2 GPUs: {_command(row2)}"
+    if row1["rc"] or row2["rc"]:
+        return target, measured, "not measured", src
+    speedup = row1["command_s"] / row2["command_s"]
+    verdict = "met" if speedup >= 1.7 else f"missed: {speedup:.2f}x"
+    return target, f"{measured}; **{speedup:.2f}x**", verdict, src
 
 
 def table(steps: dict[str, tuple[dict[str, Any], str]]) -> str:

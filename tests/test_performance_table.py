@@ -56,3 +56,20 @@ def test_failed_run_is_not_met_and_markers_are_required(tmp_path):
     pt.write_between_markers(page, pt.table(pt.read_steps([res])))
     text = page.read_text()
     assert "old table" not in text and text.endswith(f"{pt.END}\ntail\n") and "| Huginn-3.5B" in text
+
+
+def test_two_gpu_speedup_needs_both_runs_from_one_file(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(json.dumps(r) for r in [_run("ouro-2.6b", 98.0, {"finetune": 49.0}, 90.0),
+                                                    _run("ouro-2.6b-2gpu", 78.4, {"finetune": 38.0}, 60.0)]) + "\n")
+    target = "Ouro-2.6B on 2 GPUs >= 1.7x faster than on 1"
+    rows = {t: (m, v, s) for t, m, v, s in pt.rows(pt.read_steps([a]))}
+    assert rows[target][1] == "missed: 1.25x" and rows[target][0].endswith("**1.25x**") and rows[target][2] == "a.jsonl"
+    b.write_text(json.dumps(_run("ouro-2.6b-2gpu", 50.0, {"finetune": 20.0}, 60.0)) + "\n")
+    rows = {t: (m, v) for t, m, v, _ in pt.rows(pt.read_steps([a, b]))}
+    assert rows[target] == ("1 GPU in `a.jsonl`, 2 GPUs in `b.jsonl`: not one run", "not measured")
+    b.write_text("\n".join(json.dumps(r) for r in [_run("ouro-2.6b", 98.0, {}, 90.0),
+                                                    _run("ouro-2.6b-2gpu", 57.0, {}, 60.0)]) + "\n")
+    rows = {t: (m, v) for t, m, v, _ in pt.rows(pt.read_steps([a, b]))}
+    assert rows[target][1] == "met"
+    assert {t: v for t, _, v, _ in pt.rows(pt.read_steps([tmp_path / "none.jsonl"] * 0))}[target] == "not measured"
