@@ -216,12 +216,11 @@ class HostCopier:
     def _slab(self, nbytes: int) -> tuple[torch.Tensor, bool]:
         """Host memory for ``nbytes`` on whole pages of its own (pinning locks whole pages: a page shared with
         another slab could not be pinned for both), faulted in by torch's threads, pinned where possible ->
-        (slab, pinned)."""
+        (slab, pinned). The slab is its storage's whole memory, so torch's ``is_pinned`` (which asks about the
+        storage's base pointer) sees it pinned, and copies from it to the accelerator take the pinned path."""
         start = time.perf_counter()
-        size = -(-nbytes // PAGE) * PAGE
-        memory = torch.empty(size + PAGE, dtype=torch.uint8)
-        memory.zero_()
-        slab = memory[-memory.data_ptr() % PAGE :][:size]
+        slab = page_aligned_bytes(nbytes)
+        slab.zero_()  # already zero: this faults the pages in, on torch's threads
         self.seconds["fault_in"] += time.perf_counter() - start
         start = time.perf_counter()
         pinned = _pin(slab)
@@ -252,6 +251,14 @@ class HostCopier:
     def release(self) -> None:
         """Unpin the slabs (their memory stays with the tensors that use it)."""
         self._finalizer()
+
+
+def page_aligned_bytes(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` rounded up to whole pages (at least one), zero-filled, whose storage is an
+    anonymous memory map of its own: storage base = tensor start, page-aligned. The storage holds the map,
+    which is unmapped once no tensor uses it any more."""
+    size = max(-(-nbytes // PAGE), 1) * PAGE
+    return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
 
 
 def _pin(slab: torch.Tensor) -> bool:

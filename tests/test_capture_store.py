@@ -61,6 +61,10 @@ def test_copies_hold_the_values_in_pinned_slabs(pinning, per_tensor):
         for t in stored.values():
             ptr = next(p for p, n in pinning["register"] if p <= t.data_ptr() < p + n)
             assert t.data_ptr() % 64 == 0 and t.data_ptr() + t.numel() * t.element_size() <= ptr + cs.PAGE
+    # each host tensor's storage is exactly one registered range: torch's is_pinned asks about the storage's base
+    registered = set(pinning["register"])
+    assert all(s.untyped_storage().data_ptr() == s.data_ptr() for s in copier.pinned)
+    assert all((storage(t), t.untyped_storage().nbytes()) in registered for d in copied.values() for t in d.values())
     assert not pinning["cleared"]
     copier.release()
     assert sorted(pinning["unregister"]) == sorted(p for p, _ in pinning["register"]) and not copier.pinned
