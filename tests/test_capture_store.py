@@ -80,7 +80,7 @@ def test_a_failed_pin_falls_back_to_pageable_copies_and_clears_the_cuda_error(pi
     assert all(torch.equal(copied[s][n], t) for s in range(2) for n, t in sequence(s).items())
     assert not copier.pinned and copier.pageable == 2 and len(pinning["register"]) == 2
     assert pinning["cleared"] == ["loopvq-capture-copy_0"] * 2  # by the worker that pinned, once per slab
-    assert copier.drop_unused({}) == 0 and not pinning["unregister"]
+    assert copier.drop_unused(0, None) == 0 and not pinning["unregister"]
 
 
 def test_pinning_without_a_cuda_runtime_is_a_pageable_copy(monkeypatch):
@@ -111,10 +111,10 @@ def test_at_most_depth_sequences_are_in_flight(monkeypatch):
     gate, started = threading.Event(), []
     real = cs.HostCopier._slab
 
-    def held(self, nbytes):
+    def held(self, nbytes, seq):
         started.append(nbytes)
         assert gate.wait(30)
-        return real(self, nbytes)
+        return real(self, nbytes, seq)
 
     monkeypatch.setattr(cs.HostCopier, "_slab", held)
     copier = cs.HostCopier(CPU, depth=2)
@@ -135,10 +135,10 @@ def test_at_most_depth_sequences_are_in_flight(monkeypatch):
 def test_a_failed_copy_surfaces_in_the_caller_naming_its_sequence(monkeypatch):
     real = cs.HostCopier._slab
 
-    def out_of_memory_at_sequence_1(self, nbytes):
+    def out_of_memory_at_sequence_1(self, nbytes, seq):
         if fail.is_set():
             raise MemoryError("cannot allocate host memory")
-        return real(self, nbytes)
+        return real(self, nbytes, seq)
 
     fail = threading.Event()
     monkeypatch.setattr(cs.HostCopier, "_slab", out_of_memory_at_sequence_1)
@@ -160,10 +160,10 @@ def test_leaving_the_copier_after_an_error_cancels_the_copies_not_started(monkey
     gate, copied = threading.Event(), []
     real = cs.HostCopier._slab
 
-    def held(self, nbytes):
+    def held(self, nbytes, seq):
         assert gate.wait(30)
         copied.append(nbytes)
-        return real(self, nbytes)
+        return real(self, nbytes, seq)
 
     monkeypatch.setattr(cs.HostCopier, "_slab", held)
     futures = []
@@ -186,7 +186,9 @@ def test_dropped_tensors_release_their_pinned_slabs(pinning):
     dropped = {copied[s][n].data_ptr() for s in range(2) for n in ("fisher_key.0", "input_ids")}  # = their slabs'
     for stored in copied.values():
         del stored["fisher_key.0"], stored["input_ids"]
-    assert copier.drop_unused(copied) == 4 * cs.PAGE  # their slabs' bytes
+    assert copier.drop_unused(0, copied[0]) == 2 * cs.PAGE  # their slabs' bytes
+    assert len(copier.slabs[0]) == 1 and len(copier.slabs[1]) == 3  # sequence 1's slabs are not looked at
+    assert copier.drop_unused(1, copied[1]) == 2 * cs.PAGE
     assert set(pinning["unregister"]) == dropped
     assert {s.data_ptr() for s in copier.pinned} == {copied[s]["key.0"].data_ptr() for s in range(2)}
     gc.collect()
@@ -199,10 +201,11 @@ def test_one_slab_per_sequence_is_released_only_with_its_last_tensor(pinning):
     copier = cs.HostCopier(CPU)
     copied = copy_all(copier, range(2))
     del copied[0]["fisher_key.0"]
-    assert copier.drop_unused(copied) == 0 and len(copier.pinned) == 2  # a view keeps the whole slab alive
+    assert copier.drop_unused(0, copied[0]) == 0 and len(copier.pinned) == 2  # a view keeps the whole slab alive
     whole = copied[1]["key.0"].data_ptr()  # the first tensor: at the start of its sequence's slab
     del copied[1]
-    assert copier.drop_unused(copied) == cs.PAGE and pinning["unregister"] == [whole] and len(copier.pinned) == 1
+    assert copier.drop_unused(1, None) == cs.PAGE and pinning["unregister"] == [whole] and len(copier.pinned) == 1
+    assert copier.drop_unused(7, None) == 0  # a sequence the copier holds nothing of
     copier.release()
 
 
@@ -216,7 +219,7 @@ def test_slab_per_tensor_on_a_gpu_pins_each_tensor_and_unpins_the_dropped_ones()
                for n, t in sequence(3).items())
     assert len(copier.pinned) == 3
     del host["fisher_key.0"]
-    assert copier.drop_unused({3: host}) == cs.PAGE and len(copier.pinned) == 2 and host["key.0"].is_pinned()
+    assert copier.drop_unused(3, host) == cs.PAGE and len(copier.pinned) == 2 and host["key.0"].is_pinned()
     copier.release()
     assert not host["key.0"].is_pinned() and torch.equal(host["key.0"], sequence(3)["key.0"])
 
