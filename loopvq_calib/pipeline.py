@@ -36,7 +36,7 @@ from .models.sites import KVLayout
 from .quantizer import KVQuantizer, load_quantizer
 from .rundir import RunDir, fingerprint, setup_logging
 from .stages import (
-    load_calibration, load_finetune, run_bundle, run_capture, run_finetune, run_kmeans, run_tasq, save_calibration,
+    as_saved_finetune, as_saved_quantizer, load_calibration, load_finetune, run_bundle, run_capture, run_finetune, run_kmeans, run_tasq, save_calibration,
     selection_metrics,
 )
 
@@ -198,24 +198,37 @@ class Pipeline:
         return TasqResult.load(self._stage("tasq", body))
 
     def stage_kmeans(self, reader: CaptureData | None, tasq: Any) -> KVQuantizer:
+        """The codebooks: the main process keeps those it saved when the stage ran (as the files read them
+        back); a reused stage, and the other processes, read the files."""
+        fitted = None
+
         def body(tmp: Path) -> dict:
+            nonlocal fitted
             layouts = len(tasq.layouts if tasq is not None else plan_layouts(self.kv, self.cfg.quant))
             bar = self._progress(layouts, "kmeans")
-            run_kmeans(reader, tasq, self.kv, self.cfg, tmp, self.dist, self.kmeans_device,
-                       lambda n: bar.update(n * self.dist.world))
+            report = run_kmeans(reader, tasq, self.kv, self.cfg, tmp, self.dist, self.kmeans_device,
+                                lambda n: bar.update(n * self.dist.world))
             bar.close()
+            fitted = as_saved_quantizer(report.quantizer) if report is not None else None  # main process only
             return {"codebooks": layouts, "processes": self.dist.world}
 
-        return load_quantizer(self._stage("kmeans", body))
+        folder = self._stage("kmeans", body)
+        return fitted if fitted is not None else load_quantizer(folder)
 
     def stage_finetune(self, calib: CalibrationSet, init: KVQuantizer) -> FinetuneResult:
+        """The kept codebooks: as :meth:`stage_kmeans`, the main process keeps what it saved."""
+        tuned = None
+
         def body(tmp: Path) -> dict:
+            nonlocal tuned
             bar = self._progress(training_steps(self.cfg.finetune, len(calib.train)), "finetune")
             result = run_finetune(self.model(), calib, init, self.cfg, tmp, self.dist, self.device, bar.update)
             bar.close()
+            tuned = as_saved_finetune(result) if self.dist.is_main else None  # the process that saved it
             return {"best_epoch": result.best_epoch, "best_step": result.best_step}
 
-        return load_finetune(self._stage("finetune", body, resumable=True))
+        folder = self._stage("finetune", body, resumable=True)
+        return tuned if tuned is not None else load_finetune(folder)
 
     def stage_bundle(self, calib: CalibrationSet, tuned: FinetuneResult) -> Path:
         return self._stage("bundle", lambda tmp: run_bundle(tmp, tuned, calib, self.identity, self.cfg, __version__),
