@@ -30,7 +30,8 @@ from .data import CalibrationSet, build_calibration_set, source_fingerprint
 from .distributed import DistContext, start_processes
 from .finetune import FinetuneResult, training_steps
 from .kmeans_select import resolve_backend
-from .layouts import plan_layouts, points_per_codebook
+from .kmeans import run_points_per_codebook
+from .layouts import plan_layouts
 from .models.loading import DTYPES, load_model, model_identity, pick_device, read_model_config, resolve_model_dir, set_loop_steps
 from .models.sites import KVLayout
 from .quantizer import KVQuantizer, load_quantizer
@@ -109,9 +110,11 @@ class Pipeline:
         self.kmeans_device = pick_device(cfg.kmeans.device, "kmeans.device") if cfg.kmeans.device != "auto" else self.device
         with timed(self.startup, "kmeans_backend_s"):  # an unusable kmeans.backend fails here, before any work;
             if "kmeans" in self.wanted:  # auto's probe compiles the kernels for the run's problems (kept for the stage)
-                tokens = cfg.data.num_sequences * (cfg.data.sequence_length - cfg.data.sink_tokens)
+                points = run_points_per_codebook(plan_layouts(self.kv, cfg.quant), cfg.data.num_sequences,
+                                                 cfg.data.sequence_length, cfg.data.sink_tokens,
+                                                 cfg.quant.codebook_sharing)
                 resolve_backend(cfg.kmeans.backend, self.kmeans_device, (cfg.quant.codebook_size, cfg.quant.group_size),
-                                points_per_codebook(plan_layouts(self.kv, cfg.quant)[0], tokens, cfg.quant.codebook_sharing))
+                                points)
         self.run = RunDir(Path(output or cfg.output.dir), self.dist.is_main, self.dist.barrier, stage_names=STAGES)
         self.store = None  # where the capture goes: decided (or refused, ConfigError) before any work
         if "capture" in self.wanted:
