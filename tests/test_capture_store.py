@@ -71,6 +71,30 @@ def test_copies_hold_the_values_in_pinned_slabs(pinning, per_tensor):
     assert torch.equal(copied[2]["key.0"], sequence(2)["key.0"])  # the memory stays with the tensors
 
 
+def test_page_aligned_bytes_are_a_private_map_of_their_own_freed_with_the_last_tensor():
+    t = cs.page_aligned_bytes(cs.PAGE + 1)
+    base = t.untyped_storage().data_ptr()
+    assert t.numel() == 2 * cs.PAGE and base == t.data_ptr() and base % cs.PAGE == 0 and not t.any()
+    assert cs.page_aligned_bytes(0).numel() == cs.PAGE
+
+    def mapping(addr: int) -> str | None:  # the permissions of the mapping holding addr (rw-p: private)
+        for line in open("/proc/self/maps"):
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return line.split()[1]
+        return None
+
+    assert mapping(base) == "rw-p"
+    view = t[cs.PAGE:]
+    del t
+    gc.collect()
+    view.fill_(7)  # a view keeps the map alive
+    assert mapping(base) == "rw-p" and int(view.sum()) == 7 * cs.PAGE
+    del view
+    gc.collect()
+    assert mapping(base) is None  # the last tensor gone: unmapped
+
+
 def test_a_failed_pin_falls_back_to_pageable_copies_and_clears_the_cuda_error(pinning, monkeypatch):
     """cudaHostRegister returns an error (2, out of memory): the slab is not pinned nor kept by the copier,
     the copy is the same, and the thread that pinned clears its pending CUDA error right away."""
