@@ -37,8 +37,8 @@ from .models.sites import KVLayout
 from .quantizer import KVQuantizer, load_quantizer
 from .rundir import RunDir, fingerprint, setup_logging
 from .stages import (
-    as_saved_finetune, as_saved_quantizer, load_calibration, load_finetune, run_bundle, run_capture, run_finetune, run_kmeans, run_tasq, save_calibration,
-    selection_metrics,
+    as_saved_finetune, as_saved_quantizer, load_calibration, load_finetune, run_bundle, run_capture, run_finetune,
+    run_kmeans, run_tasq, save_calibration, selection_metrics,
 )
 
 log = logging.getLogger("loopvq_calib")
