@@ -261,7 +261,7 @@ def share_sequences(capture: MemoryCapture, needs: list[list[str]], dist: DistCo
             for n in others & stored.keys():
                 del stored[n]
             if capture.copier is not None:  # unpin the slabs those tensors were the last to use: their memory goes
-                capture.copier.drop_unused(capture.sequences)
+                capture.copier.drop_unused(seq, stored)
 
 
 class CaptureData:

@@ -13,7 +13,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from .rundir import TMP_PREFIX
+from .rundir import TMP_PREFIX, write_temp
 
 
 class EvalReportError(ValueError):
@@ -158,11 +158,11 @@ def attach_eval_report(bundle_path: str | Path, report_path: str | Path, write: 
     evaluation = evaluation_for(report, bundle.meta["name"])
     if write:
         path = Path(bundle_path)
-        card = _write_temp(path / CARD_FILE, model_card(bundle.meta, evaluation).encode("utf-8"))
+        card = write_temp(path / CARD_FILE, model_card(bundle.meta, evaluation).encode("utf-8"), durable=True)
         try:
             meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
             meta["files"][CARD_FILE] = file_entry(card)
-            new_meta = _write_temp(path / META_FILE, meta_bytes(meta))  # a new meta_sha256 over the new files entry
+            new_meta = write_temp(path / META_FILE, meta_bytes(meta), durable=True)  # a new meta_sha256 over the new files entry
         except BaseException:
             card.unlink(missing_ok=True)
             raise
@@ -171,34 +171,20 @@ def attach_eval_report(bundle_path: str | Path, report_path: str | Path, write: 
     return evaluation["results"]
 
 
-def _write_temp(final: Path, data: bytes) -> Path:
-    """``data`` written and flushed to disk in a temporary sibling of ``final`` (removed if writing fails)."""
-    tmp = final.with_name(f"{TMP_PREFIX}{final.name}.{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return tmp
-
-
 def _replace_pair(card: Path, card_tmp: Path, meta: Path, meta_tmp: Path) -> None:
-    """Rename both finished files into place, the card first; if the second rename fails, the old card is
-    put back, so an error leaves README.md and loopvq.json (whose checksum covers it) matching. A kill between
-    the two renames leaves the new card beside the old metadata, which ``load_bundle`` refuses by checksum."""
-    old_card = card.read_bytes()
+    """Rename both finished files into place, the card first, the old card moved aside (renamed, not reread);
+    if a rename fails, the old card is renamed back, so an error leaves README.md and loopvq.json (whose
+    checksum covers it) matching. A kill between the renames leaves the new card, or none, beside the old
+    metadata, which ``load_bundle`` refuses."""
+    aside = card.with_name(f"{TMP_PREFIX}{card.name}.old.{os.getpid()}")
     try:
+        os.replace(card, aside)
         os.replace(card_tmp, card)
+        os.replace(meta_tmp, meta)
     except BaseException:
         card_tmp.unlink(missing_ok=True)
         meta_tmp.unlink(missing_ok=True)
+        if aside.exists():
+            os.replace(aside, card)
         raise
-    try:
-        os.replace(meta_tmp, meta)
-    except BaseException:
-        meta_tmp.unlink(missing_ok=True)
-        os.replace(_write_temp(card, old_card), card)
-        raise
+    aside.unlink()

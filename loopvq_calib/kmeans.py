@@ -142,6 +142,15 @@ def _join(pending: list[_Pending], name: str) -> torch.Tensor:
     return joined
 
 
+def run_points_per_codebook(layouts: list[BlockLayout], num_sequences: int, sequence_length: int, sink_tokens: int,
+                            sharing: str) -> int:
+    """Group vectors each codebook of a run's ``layouts`` is fitted on (the first layout's: a run's layouts share
+    their shape), from its calibration tokens less the sinks; 0 without layouts. The k-means backend's probe
+    (:func:`~loopvq_calib.kmeans_select.resolve_backend`) is sized by it."""
+    tokens = num_sequences * (sequence_length - sink_tokens)
+    return points_per_codebook(layouts[0], tokens, sharing) if layouts else 0
+
+
 def fit_codebooks(
     reader: CaptureData, layouts: list[BlockLayout], transforms: dict[str, TasqTransform],
     quant: QuantConfig, cfg: KMeansConfig, kv: KVLayout, device: torch.device,
@@ -160,9 +169,9 @@ def fit_codebooks(
     """
     device = torch.device(device)
     meta = reader.meta
-    tokens = meta["num_sequences"] * (meta["sequence_length"] - meta["sink_tokens"])
     probing = time.perf_counter()
-    points = points_per_codebook(layouts[0], tokens, quant.codebook_sharing) if layouts else 0
+    points = run_points_per_codebook(layouts, meta["num_sequences"], meta["sequence_length"], meta["sink_tokens"],
+                                     quant.codebook_sharing)
     backend = resolve_backend(cfg.backend, device, (quant.codebook_size, quant.group_size), points)
     probing = time.perf_counter() - probing
     init_fn = partial(kmeans_pp_init, fused=backend == "triton") if cfg.init == "kmeans++" else INITS[cfg.init]

@@ -22,7 +22,7 @@ import torch
 
 from . import kmeans_triton
 from .config import KMeansConfig
-from .kmeans_select import BACKENDS, _log_once, resolve_backend
+from .kmeans_select import BACKENDS, resolve_backend, warn_once
 
 __all__ = ["BACKENDS", "resolve_backend", "weighted_kmeans", "kmeans_pp_init", "random_init", "KMeansResult"]
 
@@ -304,7 +304,7 @@ def _faiss_kmeans(
     faiss = _import_faiss()
     gpu = device.type == "cuda" and faiss.get_num_gpus() > 0
     if device.type == "cuda" and not gpu:
-        _log_once(f"kmeans.backend faiss: this faiss has no GPU support (faiss-cpu); k-means runs on the CPU, not {device}")
+        warn_once(f"kmeans.backend faiss: this faiss has no GPU support (faiss-cpu); k-means runs on the CPU, not {device}")
     p, n, g = x.shape
     k = init.shape[1]
     xs, ws, cs = (t.detach().cpu().float().numpy() for t in (x, w, init))

@@ -30,7 +30,7 @@ def resolve_backend(backend: str, device: torch.device | str, shape: tuple[int, 
             return "torch"
         why = _triton_unusable(device, shape, fits, points)
         if why:
-            _log_once(f"kmeans.backend auto: using the torch backend on {device}, not the fused Triton kernels: {why}")
+            warn_once(f"kmeans.backend auto: using the torch backend on {device}, not the fused Triton kernels: {why}")
         return "torch" if why else "triton"
     if backend == "triton" and not kmeans_triton.available(device):
         raise ValueError(
@@ -62,5 +62,6 @@ def _triton_unusable(device: torch.device | str, shape: tuple[int, int] | None, 
 
 
 @lru_cache(maxsize=None)
-def _log_once(message: str) -> None:
+def warn_once(message: str) -> None:
+    """Log ``message`` as a warning the first time only (k-means backend notes that every layout would repeat)."""
     log.warning(message)

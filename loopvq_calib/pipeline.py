@@ -30,14 +30,15 @@ from .data import CalibrationSet, build_calibration_set, source_fingerprint
 from .distributed import DistContext, start_processes
 from .finetune import FinetuneResult, training_steps
 from .kmeans_select import resolve_backend
-from .layouts import plan_layouts, points_per_codebook
+from .kmeans import run_points_per_codebook
+from .layouts import plan_layouts
 from .models.loading import DTYPES, load_model, model_identity, pick_device, read_model_config, resolve_model_dir, set_loop_steps
 from .models.sites import KVLayout
 from .quantizer import KVQuantizer, load_quantizer
 from .rundir import RunDir, fingerprint, setup_logging
 from .stages import (
-    load_calibration, load_finetune, run_bundle, run_capture, run_finetune, run_kmeans, run_tasq, save_calibration,
-    selection_metrics,
+    as_saved_finetune, as_saved_quantizer, load_calibration, load_finetune, run_bundle, run_capture, run_finetune,
+    run_kmeans, run_tasq, save_calibration, selection_metrics,
 )
 
 log = logging.getLogger("loopvq_calib")
@@ -109,9 +110,11 @@ class Pipeline:
         self.kmeans_device = pick_device(cfg.kmeans.device, "kmeans.device") if cfg.kmeans.device != "auto" else self.device
         with timed(self.startup, "kmeans_backend_s"):  # an unusable kmeans.backend fails here, before any work;
             if "kmeans" in self.wanted:  # auto's probe compiles the kernels for the run's problems (kept for the stage)
-                tokens = cfg.data.num_sequences * (cfg.data.sequence_length - cfg.data.sink_tokens)
+                points = run_points_per_codebook(plan_layouts(self.kv, cfg.quant), cfg.data.num_sequences,
+                                                 cfg.data.sequence_length, cfg.data.sink_tokens,
+                                                 cfg.quant.codebook_sharing)
                 resolve_backend(cfg.kmeans.backend, self.kmeans_device, (cfg.quant.codebook_size, cfg.quant.group_size),
-                                points_per_codebook(plan_layouts(self.kv, cfg.quant)[0], tokens, cfg.quant.codebook_sharing))
+                                points)
         self.run = RunDir(Path(output or cfg.output.dir), self.dist.is_main, self.dist.barrier, stage_names=STAGES)
         self.store = None  # where the capture goes: decided (or refused, ConfigError) before any work
         if "capture" in self.wanted:
@@ -198,24 +201,37 @@ class Pipeline:
         return TasqResult.load(self._stage("tasq", body))
 
     def stage_kmeans(self, reader: CaptureData | None, tasq: Any) -> KVQuantizer:
+        """The codebooks: the main process keeps those it saved when the stage ran (as the files read them
+        back); a reused stage, and the other processes, read the files."""
+        fitted = None
+
         def body(tmp: Path) -> dict:
+            nonlocal fitted
             layouts = len(tasq.layouts if tasq is not None else plan_layouts(self.kv, self.cfg.quant))
             bar = self._progress(layouts, "kmeans")
-            run_kmeans(reader, tasq, self.kv, self.cfg, tmp, self.dist, self.kmeans_device,
-                       lambda n: bar.update(n * self.dist.world))
+            report = run_kmeans(reader, tasq, self.kv, self.cfg, tmp, self.dist, self.kmeans_device,
+                                lambda n: bar.update(n * self.dist.world))
             bar.close()
+            fitted = as_saved_quantizer(report.quantizer) if report is not None else None  # main process only
             return {"codebooks": layouts, "processes": self.dist.world}
 
-        return load_quantizer(self._stage("kmeans", body))
+        folder = self._stage("kmeans", body)
+        return fitted if fitted is not None else load_quantizer(folder)
 
     def stage_finetune(self, calib: CalibrationSet, init: KVQuantizer) -> FinetuneResult:
+        """The kept codebooks: as :meth:`stage_kmeans`, the main process keeps what it saved."""
+        tuned = None
+
         def body(tmp: Path) -> dict:
+            nonlocal tuned
             bar = self._progress(training_steps(self.cfg.finetune, len(calib.train)), "finetune")
             result = run_finetune(self.model(), calib, init, self.cfg, tmp, self.dist, self.device, bar.update)
             bar.close()
+            tuned = as_saved_finetune(result) if self.dist.is_main else None  # the process that saved it
             return {"best_epoch": result.best_epoch, "best_step": result.best_step}
 
-        return load_finetune(self._stage("finetune", body, resumable=True))
+        folder = self._stage("finetune", body, resumable=True)
+        return tuned if tuned is not None else load_finetune(folder)
 
     def stage_bundle(self, calib: CalibrationSet, tuned: FinetuneResult) -> Path:
         return self._stage("bundle", lambda tmp: run_bundle(tmp, tuned, calib, self.identity, self.cfg, __version__),

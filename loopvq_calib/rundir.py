@@ -50,11 +50,36 @@ def sha256_file(path: Path | str) -> str:
     return h.hexdigest()
 
 
+def write_temp(final: Path, data: bytes, durable: bool = False) -> Path:
+    """``data`` written into a temporary sibling of ``final`` (``durable``: flushed to the disk too), removed
+    if writing fails -> its path, for a rename into place."""
+    tmp = final.with_name(f"{TMP_PREFIX}{final.name}.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def write_bytes_atomic(path: Path, data: bytes, durable: bool = False) -> None:
+    """Write ``data`` through a temporary sibling and a rename (never a half-written file, nor a temporary
+    one left behind)."""
+    tmp = write_temp(path, data, durable)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write JSON through a temporary sibling and a rename (never a half-written file)."""
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(tmp, path)
+    write_bytes_atomic(path, json.dumps(obj, indent=1, default=str).encode())
 
 
 @dataclass

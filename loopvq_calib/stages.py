@@ -177,6 +177,19 @@ def load_finetune(folder: Path) -> FinetuneResult:
     return FinetuneResult(load_quantizer(folder), curve["best_epoch"], curve["curve"], best_step=curve["best_step"])
 
 
+def as_saved_quantizer(q: KVQuantizer) -> KVQuantizer:
+    """``q`` as :func:`load_quantizer` reads it back after :func:`save_quantizer` (fp32 codebooks on the CPU,
+    the metadata through JSON; safetensors stores them bit for bit), without the disk; shares no tensor with ``q``."""
+    tensors = {k: v.clone() for k, v in q.tensors(torch.float32).items()}
+    return KVQuantizer.from_tensors(json.loads(json.dumps(q.meta())), tensors)
+
+
+def as_saved_finetune(result: FinetuneResult) -> FinetuneResult:
+    """``result`` as :func:`load_finetune` reads it back after :func:`save_finetune`, without the disk."""
+    return FinetuneResult(as_saved_quantizer(result.quantizer), result.best_epoch,
+                          json.loads(json.dumps(result.curve)), best_step=result.best_step)
+
+
 def selection_metrics(result: FinetuneResult) -> dict[str, Any]:
     """The selection KL (KL on the calibration set's selection sequences, which pick the fine-tuning step;
     not the evaluation KL of ``loopvq-eval``) of the kept codebooks and of the k-means codebooks."""

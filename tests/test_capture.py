@@ -263,8 +263,8 @@ def _share_worker(rank: int, world: int, init_file: str, queue) -> None:
     dropped = {t.data_ptr() for stored in memory.sequences.values() for n, t in stored.items() if n not in needs[rank]}
     pinned_after, drop_unused = [], memory.copier.drop_unused
 
-    def recording_drop_unused(sequences):  # the slabs still pinned after each call
-        freed = drop_unused(sequences)
+    def recording_drop_unused(seq, stored):  # the slabs still pinned after each call
+        freed = drop_unused(seq, stored)
         pinned_after.append(len(memory.copier.pinned))
         return freed
 

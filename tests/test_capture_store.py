@@ -61,10 +61,38 @@ def test_copies_hold_the_values_in_pinned_slabs(pinning, per_tensor):
         for t in stored.values():
             ptr = next(p for p, n in pinning["register"] if p <= t.data_ptr() < p + n)
             assert t.data_ptr() % 64 == 0 and t.data_ptr() + t.numel() * t.element_size() <= ptr + cs.PAGE
+    # each host tensor's storage is exactly one registered range: torch's is_pinned asks about the storage's base
+    registered = set(pinning["register"])
+    assert all(s.untyped_storage().data_ptr() == s.data_ptr() for s in copier.pinned)
+    assert all((storage(t), t.untyped_storage().nbytes()) in registered for d in copied.values() for t in d.values())
     assert not pinning["cleared"]
     copier.release()
     assert sorted(pinning["unregister"]) == sorted(p for p, _ in pinning["register"]) and not copier.pinned
     assert torch.equal(copied[2]["key.0"], sequence(2)["key.0"])  # the memory stays with the tensors
+
+
+def test_page_aligned_bytes_are_a_private_map_of_their_own_freed_with_the_last_tensor():
+    t = cs.page_aligned_bytes(cs.PAGE + 1)
+    base = t.untyped_storage().data_ptr()
+    assert t.numel() == 2 * cs.PAGE and base == t.data_ptr() and base % cs.PAGE == 0 and not t.any()
+    assert cs.page_aligned_bytes(0).numel() == cs.PAGE
+
+    def mapping(addr: int) -> str | None:  # the permissions of the mapping holding addr (rw-p: private)
+        for line in open("/proc/self/maps"):
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return line.split()[1]
+        return None
+
+    assert mapping(base) == "rw-p"
+    view = t[cs.PAGE:]
+    del t
+    gc.collect()
+    view.fill_(7)  # a view keeps the map alive
+    assert mapping(base) == "rw-p" and int(view.sum()) == 7 * cs.PAGE
+    del view
+    gc.collect()
+    assert mapping(base) is None  # the last tensor gone: unmapped
 
 
 def test_a_failed_pin_falls_back_to_pageable_copies_and_clears_the_cuda_error(pinning, monkeypatch):
@@ -76,7 +104,7 @@ def test_a_failed_pin_falls_back_to_pageable_copies_and_clears_the_cuda_error(pi
     assert all(torch.equal(copied[s][n], t) for s in range(2) for n, t in sequence(s).items())
     assert not copier.pinned and copier.pageable == 2 and len(pinning["register"]) == 2
     assert pinning["cleared"] == ["loopvq-capture-copy_0"] * 2  # by the worker that pinned, once per slab
-    assert copier.drop_unused({}) == 0 and not pinning["unregister"]
+    assert copier.drop_unused(0, None) == 0 and not pinning["unregister"]
 
 
 def test_pinning_without_a_cuda_runtime_is_a_pageable_copy(monkeypatch):
@@ -107,10 +135,10 @@ def test_at_most_depth_sequences_are_in_flight(monkeypatch):
     gate, started = threading.Event(), []
     real = cs.HostCopier._slab
 
-    def held(self, nbytes):
+    def held(self, nbytes, seq):
         started.append(nbytes)
         assert gate.wait(30)
-        return real(self, nbytes)
+        return real(self, nbytes, seq)
 
     monkeypatch.setattr(cs.HostCopier, "_slab", held)
     copier = cs.HostCopier(CPU, depth=2)
@@ -131,10 +159,10 @@ def test_at_most_depth_sequences_are_in_flight(monkeypatch):
 def test_a_failed_copy_surfaces_in_the_caller_naming_its_sequence(monkeypatch):
     real = cs.HostCopier._slab
 
-    def out_of_memory_at_sequence_1(self, nbytes):
+    def out_of_memory_at_sequence_1(self, nbytes, seq):
         if fail.is_set():
             raise MemoryError("cannot allocate host memory")
-        return real(self, nbytes)
+        return real(self, nbytes, seq)
 
     fail = threading.Event()
     monkeypatch.setattr(cs.HostCopier, "_slab", out_of_memory_at_sequence_1)
@@ -156,10 +184,10 @@ def test_leaving_the_copier_after_an_error_cancels_the_copies_not_started(monkey
     gate, copied = threading.Event(), []
     real = cs.HostCopier._slab
 
-    def held(self, nbytes):
+    def held(self, nbytes, seq):
         assert gate.wait(30)
         copied.append(nbytes)
-        return real(self, nbytes)
+        return real(self, nbytes, seq)
 
     monkeypatch.setattr(cs.HostCopier, "_slab", held)
     futures = []
@@ -182,7 +210,9 @@ def test_dropped_tensors_release_their_pinned_slabs(pinning):
     dropped = {copied[s][n].data_ptr() for s in range(2) for n in ("fisher_key.0", "input_ids")}  # = their slabs'
     for stored in copied.values():
         del stored["fisher_key.0"], stored["input_ids"]
-    assert copier.drop_unused(copied) == 4 * cs.PAGE  # their slabs' bytes
+    assert copier.drop_unused(0, copied[0]) == 2 * cs.PAGE  # their slabs' bytes
+    assert len(copier.slabs[0]) == 1 and len(copier.slabs[1]) == 3  # sequence 1's slabs are not looked at
+    assert copier.drop_unused(1, copied[1]) == 2 * cs.PAGE
     assert set(pinning["unregister"]) == dropped
     assert {s.data_ptr() for s in copier.pinned} == {copied[s]["key.0"].data_ptr() for s in range(2)}
     gc.collect()
@@ -195,10 +225,11 @@ def test_one_slab_per_sequence_is_released_only_with_its_last_tensor(pinning):
     copier = cs.HostCopier(CPU)
     copied = copy_all(copier, range(2))
     del copied[0]["fisher_key.0"]
-    assert copier.drop_unused(copied) == 0 and len(copier.pinned) == 2  # a view keeps the whole slab alive
+    assert copier.drop_unused(0, copied[0]) == 0 and len(copier.pinned) == 2  # a view keeps the whole slab alive
     whole = copied[1]["key.0"].data_ptr()  # the first tensor: at the start of its sequence's slab
     del copied[1]
-    assert copier.drop_unused(copied) == cs.PAGE and pinning["unregister"] == [whole] and len(copier.pinned) == 1
+    assert copier.drop_unused(1, None) == cs.PAGE and pinning["unregister"] == [whole] and len(copier.pinned) == 1
+    assert copier.drop_unused(7, None) == 0  # a sequence the copier holds nothing of
     copier.release()
 
 
@@ -212,7 +243,7 @@ def test_slab_per_tensor_on_a_gpu_pins_each_tensor_and_unpins_the_dropped_ones()
                for n, t in sequence(3).items())
     assert len(copier.pinned) == 3
     del host["fisher_key.0"]
-    assert copier.drop_unused({3: host}) == cs.PAGE and len(copier.pinned) == 2 and host["key.0"].is_pinned()
+    assert copier.drop_unused(3, host) == cs.PAGE and len(copier.pinned) == 2 and host["key.0"].is_pinned()
     copier.release()
     assert not host["key.0"].is_pinned() and torch.equal(host["key.0"], sequence(3)["key.0"])
 

@@ -78,6 +78,7 @@ def test_push_with_eval_report_rewrites_the_card_and_its_checksum(bundle_dir, tm
     assert len(results) == 4  # KL, perplexity, one task metric, one passkey length
     bundle = load_bundle(bundle_dir)  # checksums still hold
     assert "## Evaluation" in (bundle_dir / "README.md").read_text()
+    assert not [p for p in bundle_dir.iterdir() if p.name.startswith(".loopvq-tmp.")]  # the old card is gone too
     assert bundle.meta["files"]["README.md"]["bytes"] == (bundle_dir / "README.md").stat().st_size
     (tmp_path / "bad.json").write_text("{not json")
     assert push_main([str(bundle_dir), "--repo-id", "org/name", "--dry-run", "--eval-report",
@@ -111,14 +112,18 @@ def test_attach_eval_report_failing_mid_write_leaves_the_old_bundle(bundle_dir, 
     load_bundle(bundle_dir)
 
 
-def test_attach_eval_report_failing_rename_of_the_manifest_restores_the_card(bundle_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("failing", ["loopvq.json", "README.md"])  # the new manifest's rename, the new card's
+def test_attach_eval_report_failing_rename_of_the_manifest_restores_the_card(bundle_dir, tmp_path, monkeypatch,
+                                                                            failing):
+    """The old card is moved aside and renamed back (the same file, not a rewritten copy); nothing is left over."""
     name = load_bundle(bundle_dir).meta["name"]
     (tmp_path / "report.json").write_text(json.dumps(eval_report(name)))
-    before = _bundle_files(bundle_dir)
-    real_replace = os.replace
+    before, card_inode = _bundle_files(bundle_dir), (bundle_dir / "README.md").stat().st_ino
+    real_replace, failed = os.replace, []
 
-    def replace(src, dst):  # the card's rename succeeds, loopvq.json's fails
-        if Path(dst).name == "loopvq.json":
+    def replace(src, dst):  # the first rename onto ``failing`` from a temporary file fails, the others succeed
+        if Path(dst).name == failing and Path(src).name.startswith(".loopvq-tmp.") and not failed:
+            failed.append(src)
             raise OSError(errno.EIO, "Input/output error")
         real_replace(src, dst)
 
@@ -126,5 +131,29 @@ def test_attach_eval_report_failing_rename_of_the_manifest_restores_the_card(bun
     with pytest.raises(OSError, match="Input/output error"):
         attach_eval_report(bundle_dir, tmp_path / "report.json")
     monkeypatch.undo()
-    assert _bundle_files(bundle_dir) == before
+    assert _bundle_files(bundle_dir) == before and (bundle_dir / "README.md").stat().st_ino == card_inode
     load_bundle(bundle_dir)
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_write_bytes_atomic_replaces_the_file_whole_or_not_at_all(tmp_path, monkeypatch, durable):
+    from loopvq_calib.rundir import write_bytes_atomic, write_json_atomic
+
+    target = tmp_path / "f.json"
+    write_json_atomic(target, {"a": [1, 2]})
+    assert json.loads(target.read_bytes()) == {"a": [1, 2]}
+    write_bytes_atomic(target, b"new", durable)
+    assert target.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["f.json"]
+    synced = []
+    monkeypatch.setattr(os, "fsync", synced.append)
+    write_bytes_atomic(target, b"again", durable)
+    assert len(synced) == durable
+
+    def failing_replace(src, dst):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="Input/output error"):
+        write_bytes_atomic(target, b"lost", durable)
+    monkeypatch.undo()
+    assert target.read_bytes() == b"again" and [p.name for p in tmp_path.iterdir()] == ["f.json"]

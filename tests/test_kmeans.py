@@ -17,7 +17,7 @@ from loopvq_calib.codec import TasqTransform, gather_groups
 from loopvq_calib.config import CaptureConfig, Config, KMeansConfig, QuantConfig, validate
 from loopvq_calib.data import CalibrationSet
 from loopvq_calib import kmeans_triton
-from loopvq_calib.kmeans import fit_codebooks, layout_problems
+from loopvq_calib.kmeans import fit_codebooks, layout_problems, run_points_per_codebook
 from loopvq_calib.layouts import plan_layouts, points_per_codebook
 from test_kmeans_backends import np_assign
 
@@ -82,6 +82,11 @@ def test_fit_codebooks_shapes_objectives_and_encoding(tiny_capture, sharing):
         assert tuple(codec.codebook.shape) == (hc, nc, K, G) and codec.codebook.dtype == torch.float32
         r = report["layouts"][lay.key]
         assert len(r["objective_init"]) == hc * nc and r["backend"] == "torch"
+        # the points each codebook was fitted on: what the run's helper (the backend probe's size) says
+        m = reader.meta
+        assert r["points_per_codebook"] == run_points_per_codebook(layouts, m["num_sequences"], m["sequence_length"],
+                                                                   m["sink_tokens"], sharing)
+        assert r["points_per_codebook"] == reader.load(lay.kind, lay.sites).shape[0] * kv.kv_heads * lay.num_groups // (hc * nc)
         assert 0 < r["seconds_init"] < r["seconds"]
         assert all(f <= i + 1e-6 for i, f in zip(r["objective_init"], r["objective_final"]))
         # encoding the calibration data picks the nearest codeword of the codebook its (head, group) uses

@@ -385,7 +385,7 @@ def test_auto_logs_why_it_does_not_use_triton(monkeypatch, caplog):
     monkeypatch.setattr(kmeans_triton, "works", lambda device, k=16, g=16, n=0: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    kmeans_backends._log_once.cache_clear()
+    kmeans_backends.warn_once.cache_clear()
     with caplog.at_level("WARNING", logger="loopvq_calib"):
         assert resolve_backend("auto", "cuda", (256, 16)) == "triton" and caplog.text == ""
         assert resolve_backend("auto", "cuda", (4096, 12)) == resolve_backend("auto", "cuda", (4096, 12)) == "torch"
@@ -418,7 +418,7 @@ def test_faiss_runs_where_kmeans_device_says(monkeypatch, caplog):
     weighted_kmeans(x, w, init, cfg, "faiss", torch.device("cuda"))  # (this faiss-cpu then runs on the CPU)
     assert asked[2:] == [True, True]
     monkeypatch.setattr(faiss, "get_num_gpus", lambda: 0)
-    kmeans_backends._log_once.cache_clear()
+    kmeans_backends.warn_once.cache_clear()
     with caplog.at_level("WARNING", logger="loopvq_calib"):
         on_cuda = weighted_kmeans(x, w, init, cfg, "faiss", torch.device("cuda"))
     torch.testing.assert_close(on_cuda.centroids, reference.centroids)

@@ -105,9 +105,21 @@ def test_crash_leaves_nothing_a_rerun_mistakes_for_a_result(tiny_ouro_dir, calib
     assert not (out / ".loopvq-tmp.finetune").exists()
 
 
-def test_two_runs_with_the_same_seed_are_byte_identical(tiny_ouro_dir, calib_corpus, tmp_path):
+def test_two_runs_with_the_same_seed_are_byte_identical(tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch):
+    """Run a keeps the k-means and fine-tuning results it saved (no file read back); run b reads them back from
+    its files, as a reused stage does: the same bytes everywhere, so the kept values are the reread ones."""
+    import loopvq_calib.pipeline as pipeline_module
+
+    reads = []
+    for name in ("load_quantizer", "load_finetune"):
+        real = getattr(pipeline_module, name)
+        monkeypatch.setattr(pipeline_module, name, lambda folder, real=real, name=name: reads.append(name) or real(folder))
     a = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "a")).run_dir
+    assert reads == []
+    for name in ("as_saved_quantizer", "as_saved_finetune"):
+        monkeypatch.setattr(pipeline_module, name, lambda result: None)
     b = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "b")).run_dir
+    assert reads == ["load_quantizer", "load_finetune"]
     for stage in ("data", "capture", "kmeans", "finetune"):
         for path in sorted((a / stage).iterdir()):
             if path.name == "report.json":  # holds wall times; everything else in it must match

@@ -14,7 +14,12 @@ from loopvq_calib.config import Config, validate
 from loopvq_calib.data import CalibrationSet
 from loopvq_calib.distributed import SINGLE
 from loopvq_calib.pipeline import stage_fingerprints
-from loopvq_calib.stages import KMeansReport, join_parts, load_calibration, run_capture, run_kmeans, save_calibration
+from loopvq_calib.finetune import FinetuneResult
+from loopvq_calib.quantizer import load_quantizer
+from loopvq_calib.stages import (
+    KMeansReport, as_saved_finetune, as_saved_quantizer, join_parts, load_calibration, load_finetune, run_capture,
+    run_kmeans, save_calibration, save_finetune,
+)
 
 
 def tiny_run_config() -> Config:
@@ -48,6 +53,28 @@ def test_capture_returns_its_reader_and_kmeans_its_report(tmp_path):
     assert again.layouts == json.loads(json.dumps(report.layouts)) and again.totals == report.totals
     for key, codec in report.quantizer.codecs.items():
         assert torch.equal(again.quantizer.codecs[key].codebook, codec.codebook)
+    assert_same_quantizer(as_saved_quantizer(report.quantizer), load_quantizer(out), report.quantizer)
+    tuned = FinetuneResult(report.quantizer, 1, [{"epoch": 0, "step": 0, "selection_kl": 1 / 3},
+                                                 {"epoch": 1, "step": 2, "selection_kl": 0.1, "train_kl": 2 / 7}],
+                           teacher_kept=3, best_step=2)
+    (tmp_path / "finetune").mkdir()
+    save_finetune(tuned, tmp_path / "finetune")
+    kept, read = as_saved_finetune(tuned), load_finetune(tmp_path / "finetune")
+    assert (kept.best_epoch, kept.best_step, kept.curve, kept.teacher_kept) == \
+        (read.best_epoch, read.best_step, read.curve, read.teacher_kept)
+    assert_same_quantizer(kept.quantizer, read.quantizer, report.quantizer)
+
+
+def assert_same_quantizer(kept, read, source) -> None:
+    """``kept`` equals ``read`` (metadata, every tensor's values, dtype and device) and shares no memory with ``source``."""
+    assert kept.meta() == read.meta()
+    ours, theirs = kept.tensors(), read.tensors()
+    assert ours.keys() == theirs.keys()
+    for name, t in ours.items():
+        assert t.dtype == theirs[name].dtype and t.device == theirs[name].device and torch.equal(t, theirs[name]), name
+    for key, codec in kept.codecs.items():
+        assert codec.codebook.dtype == read.codecs[key].codebook.dtype
+        assert codec.codebook.data_ptr() != source.codecs[key].codebook.data_ptr()
 
 
 def test_calibration_round_trip_and_parts(tmp_path):
