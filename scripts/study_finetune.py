@@ -58,6 +58,12 @@ VARIANTS = {
     # proximal1 with 2 sequences per step (one per process on 2 GPUs): warm-up and selection at the same sequences
     "proximal1-batch2": {"lr": 1e-2, "batch_size": 2, "lr_schedule": "cosine", "warmup_steps": 2, "select_every": 2,
                          "proximal": 1.0},
+    "proximal1-batch2-lr1.4e-2": {"lr": 1.4e-2, "batch_size": 2, "lr_schedule": "cosine", "warmup_steps": 2,
+                                  "select_every": 2, "proximal": 1.0},
+    "proximal1-batch2-lr2e-2": {"lr": 2e-2, "batch_size": 2, "lr_schedule": "cosine", "warmup_steps": 2,
+                                "select_every": 2, "proximal": 1.0},
+    "proximal1-batch2-epochs6": {"lr": 1e-2, "batch_size": 2, "epochs": 6, "lr_schedule": "cosine", "warmup_steps": 2,
+                                 "select_every": 2, "proximal": 1.0},
 }
 SEQUENCES = {16: ["paper", "lr1e-2-cosine-every4", "proximal1", "min-usage32", "affine-lr1e-2", "affine-lr3e-2",
                   "batch4-lr1e-2"],
@@ -65,7 +71,8 @@ SEQUENCES = {16: ["paper", "lr1e-2-cosine-every4", "proximal1", "min-usage32", "
 DATA = {64: ["proximal1-every8", "batch4-every4"],  # 48 train / 16 selection sequences
         176: ["batch4-every6", "lr3e-3-every22"]}  # 132 / 44 (188 windows in the corpus); the shipped recipe
 # at 176 sequences (proximal1-every22) is configs/tiny-ouro-reference.yaml, measured by measure_finetune_gain.py
-BATCH2 = {16: ["proximal1", "proximal1-batch2"]}  # the shipped 16-sequence recipe at batch 1 and 2
+BATCH2 = {16: ["proximal1", "proximal1-batch2", "proximal1-batch2-lr1.4e-2", "proximal1-batch2-lr2e-2",
+              "proximal1-batch2-epochs6"]}  # the shipped 16-sequence recipe at batch 1 and batch 2 variants
 SMOKE = {"cells": CELLS[2:3], "sequences": {8: ["paper", "affine-lr3e-2"]}}
 SMOKE_SHAPES = {"sequence_length": 64, "kmeans_iterations": 3, "epochs": 1, "eval": (2, 64)}  # a quick CPU check
 
