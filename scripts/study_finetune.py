@@ -11,6 +11,8 @@ figure only (it plays no part in any choice). Writes one JSON file.
     python scripts/study_finetune.py --device cuda --out docs/data/finetune-study.json
     python scripts/study_finetune.py --grid smoke --device cpu --out /tmp/smoke.json   # two variants, one cell
     python scripts/study_finetune.py --report docs/data/finetune-study.json  # tables (stdout) + docs/figures PNG
+    # batch 1 against batch 2 (docs/finetune.md, "Batch 2"), one process per cell on one GPU, then merged as below:
+    python scripts/study_finetune.py --device cuda --grid batch2 --cell 0 --out b0.json   # ... cells 1-3
     # the data grid (64 and 176 calibration sequences), one process per cell on one GPU, then merged:
     python scripts/study_finetune.py --device cuda --grid data --cell 0 --out cell0.json   # ... cells 1-3
     python scripts/study_finetune.py --merge cell0.json cell1.json cell2.json cell3.json --out docs/data/finetune-study-data.json
