@@ -100,6 +100,15 @@ class TeacherCache:
         return fp
 
 
+def release_cached_memory(device: torch.device) -> None:
+    """Hand the blocks the caching allocator holds but no tensor uses (earlier stages' capture, k-means) back to
+    the device, then reset the peak statistics: the reserved peak :meth:`TeacherCache.settle` reads then counts
+    only what fine-tuning itself holds, not memory freed before it started."""
+    with torch.cuda.device(device):
+        torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+
+
 def sequence_kl(model: torch.nn.Module, ids: torch.Tensor, quantizer: KVQuantizer, sink_tokens: int,
                 cfg: FinetuneConfig, device: torch.device, fp=None) -> torch.Tensor:
     """KL objective of sequences [B, S] of one length, the mean over their positions after the sinks
@@ -181,7 +190,8 @@ def finetune_codebooks(
     sequences per step (split across processes, gradients averaged), the selection KL after every epoch
     (or every ``cfg.select_every`` steps); returns the codebooks of the best selection point.
     ``on_select(entry, quantizer)`` sees every curve entry with the codebooks it measured. On CUDA it
-    resets the device's peak-memory statistics (the teacher cache is sized from the first steps' peak).
+    returns the allocator's unused cached blocks to the device and resets its peak-memory statistics (the
+    teacher cache is sized from the first steps' peak).
     ``checkpoint``: a file where the main process saves the state after every epoch but the last (free
     parameters, Adam's state, the curve, the best point; written in the background, :class:`EpochWriter`)
     and from which a rerun resumes after the last saved epoch.
@@ -189,7 +199,7 @@ def finetune_codebooks(
     quantizer = copy.deepcopy(quantizer).to(device, torch.float32)
     cache = TeacherCache(model, cfg, -(-calib.input_ids.shape[0] // dist.world))
     if device.type == "cuda":  # the first steps' peak decides how many teacher outputs fit (cache_teacher auto)
-        torch.cuda.reset_peak_memory_stats(device)
+        release_cached_memory(device)
     total = training_steps(cfg, len(calib.train))
 
     def select(epoch: int, step: int, train: torch.Tensor | None) -> dict[str, Any]:

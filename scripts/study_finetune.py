@@ -11,6 +11,8 @@ figure only (it plays no part in any choice). Writes one JSON file.
     python scripts/study_finetune.py --device cuda --out docs/data/finetune-study.json
     python scripts/study_finetune.py --grid smoke --device cpu --out /tmp/smoke.json   # two variants, one cell
     python scripts/study_finetune.py --report docs/data/finetune-study.json  # tables (stdout) + docs/figures PNG
+    # batch 1 against batch 2 (docs/finetune.md, "Batch 2"), one process per cell on one GPU, then merged as below:
+    python scripts/study_finetune.py --device cuda --grid batch2 --cell 0 --out b0.json   # ... cells 1-3
     # the data grid (64 and 176 calibration sequences), one process per cell on one GPU, then merged:
     python scripts/study_finetune.py --device cuda --grid data --cell 0 --out cell0.json   # ... cells 1-3
     python scripts/study_finetune.py --merge cell0.json cell1.json cell2.json cell3.json --out docs/data/finetune-study-data.json
@@ -55,6 +57,15 @@ VARIANTS = {
     "batch4-every6": {"lr": 1e-2, "batch_size": 4, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 6,
                       "proximal": 1.0},
     "lr3e-3-every22": {"lr": 3e-3, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 22, "proximal": 1.0},
+    # proximal1 with 2 sequences per step (one per process on 2 GPUs): warm-up and selection at the same sequences
+    "proximal1-batch2": {"lr": 1e-2, "batch_size": 2, "lr_schedule": "cosine", "warmup_steps": 2, "select_every": 2,
+                         "proximal": 1.0},
+    "proximal1-batch2-lr1.4e-2": {"lr": 1.4e-2, "batch_size": 2, "lr_schedule": "cosine", "warmup_steps": 2,
+                                  "select_every": 2, "proximal": 1.0},
+    "proximal1-batch2-lr2e-2": {"lr": 2e-2, "batch_size": 2, "lr_schedule": "cosine", "warmup_steps": 2,
+                                "select_every": 2, "proximal": 1.0},
+    "proximal1-batch2-epochs6": {"lr": 1e-2, "batch_size": 2, "epochs": 6, "lr_schedule": "cosine", "warmup_steps": 2,
+                                 "select_every": 2, "proximal": 1.0},
 }
 SEQUENCES = {16: ["paper", "lr1e-2-cosine-every4", "proximal1", "min-usage32", "affine-lr1e-2", "affine-lr3e-2",
                   "batch4-lr1e-2"],
@@ -62,6 +73,8 @@ SEQUENCES = {16: ["paper", "lr1e-2-cosine-every4", "proximal1", "min-usage32", "
 DATA = {64: ["proximal1-every8", "batch4-every4"],  # 48 train / 16 selection sequences
         176: ["batch4-every6", "lr3e-3-every22"]}  # 132 / 44 (188 windows in the corpus); the shipped recipe
 # at 176 sequences (proximal1-every22) is configs/tiny-ouro-reference.yaml, measured by measure_finetune_gain.py
+BATCH2 = {16: ["proximal1", "proximal1-batch2", "proximal1-batch2-lr1.4e-2", "proximal1-batch2-lr2e-2",
+              "proximal1-batch2-epochs6"]}  # the shipped 16-sequence recipe at batch 1 and batch 2 variants
 SMOKE = {"cells": CELLS[2:3], "sequences": {8: ["paper", "affine-lr3e-2"]}}
 SMOKE_SHAPES = {"sequence_length": 64, "kmeans_iterations": 3, "epochs": 1, "eval": (2, 64)}  # a quick CPU check
 
@@ -209,7 +222,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(ROOT / "docs/data/finetune-study.json"))
     p.add_argument("--device", default="auto")
-    p.add_argument("--grid", choices=["main", "data", "smoke", "smoke-data"], default="main")
+    p.add_argument("--grid", choices=["main", "data", "batch2", "smoke", "smoke-data"], default="main")
     p.add_argument("--cell", type=int, action="append",
                    help="only these cells (0-3: loopvq 0.5, loopvq 0.25, tasq+loopvq 0.5, tasq+loopvq 0.25); "
                         "one process per cell runs them side by side on one GPU")
@@ -231,7 +244,7 @@ def main() -> None:
     cells = SMOKE["cells"] if args.grid == "smoke" else CELLS
     if args.cell:
         cells = [cells[i] for i in args.cell]
-    sequences = {"main": SEQUENCES, "data": DATA, "smoke": SMOKE["sequences"],
+    sequences = {"main": SEQUENCES, "data": DATA, "batch2": BATCH2, "smoke": SMOKE["sequences"],
                  "smoke-data": {8: DATA[64][:1], 12: DATA[176][:1]}}[args.grid]
     commit = os.environ.get("STUDY_COMMIT") or subprocess.run(  # STUDY_COMMIT: a copy without its own .git
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()

@@ -192,6 +192,26 @@ def test_teacher_cache_is_sized_after_the_second_step(reference_setup, monkeypat
     assert finetune_module.selection_extra(cache, FinetuneConfig(selection_batch=1), 3) == 0
 
 
+@pytest.mark.gpu
+def test_teacher_cache_on_cuda_ignores_memory_freed_before_finetuning(tiny_setup):
+    """Memory an earlier stage freed but the caching allocator still reserves (the capture's device store) is
+    not counted against the teacher cache: with a block of all but 2 GiB of the card allocated and freed just
+    before, ``auto`` still keeps every sequence of the tiny model (a few MB each; the cache settles after the
+    second step, so the second epoch keeps the first two), and the block is back on the device (CUDA's free
+    memory) when fine-tuning ends."""
+    model, calib, init = tiny_setup
+    cuda = torch.device("cuda")
+    model = copy.deepcopy(model).to(cuda)
+    free, _ = torch.cuda.mem_get_info(cuda)
+    block = torch.empty(free - (2 << 30), dtype=torch.uint8, device=cuda)
+    held = block.numel()
+    del block  # freed into the caching allocator, still reserved
+    assert torch.cuda.memory_reserved(cuda) >= held
+    result = finetune_codebooks(model, calib, init, FinetuneConfig(epochs=2, cache_teacher="auto"), cuda)
+    assert result.teacher_kept == calib.input_ids.shape[0]
+    assert torch.cuda.mem_get_info(cuda)[0] >= held
+
+
 @pytest.mark.parametrize("make", ["ouro", "huginn"])
 def test_loop_checkpointing_gives_the_same_gradients(make):
     from conftest import make_tiny_huginn, make_tiny_ouro

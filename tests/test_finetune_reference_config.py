@@ -42,3 +42,19 @@ def test_reference_config_is_the_demo_setup_at_full_budget():
         assert getattr(ref.finetune, key) == getattr(default, key), key
     assert ref.finetune.autocast == "none" and ref.model.dtype == "float32"
     assert ref.finetune.epochs == 6 and ref.kmeans.iterations == 100
+
+
+def test_ouro_2_6b_configs_ship_the_studied_batch2_recipe():
+    """The four Ouro-2.6B configs fine-tune with the batch-2 variant the study measured
+    (scripts/study_finetune.py ``proximal1-batch2-lr2e-2``, docs/finetune.md "Batch 2")."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from study_finetune import PAPER, VARIANTS
+
+    studied = {**PAPER, **VARIANTS["proximal1-batch2-lr2e-2"]}
+    paths = sorted((ROOT / "configs").glob("ouro-2.6b*.yaml"))
+    assert len(paths) == 4
+    for path in paths:
+        ft = load_config(path).finetune
+        assert {key: getattr(ft, key) for key in studied} == studied, path.name
