@@ -98,15 +98,15 @@ def random_indices(batch: int, n: int, n_groups: int, device: torch.device, gen:
 
 
 def parse_variant(spec: str) -> dict:
-    """``cuda-WxUxL`` (warps per block x tokens per lane group and step x lanes per token; a trailing ``f``: the
-    key table in float32) or ``triton-NxWxPxS`` (block_n x num_warps x programs per multiprocessor x sequences
+    """``cuda-WxUxL[xR]`` (warps per block x tokens per lane group and step x lanes per token x most batch rows per
+    pass, default 1; a trailing ``f``: the key table in float32) or ``triton-NxWxPxS`` (block_n x num_warps x programs per multiprocessor x sequences
     per program) -> decode_attention keyword arguments."""
     backend, shape = spec.split("-")
     wide = shape.endswith("f")
     nums = [int(x) for x in shape.rstrip("f").split("x")]
     if backend == "cuda":
         return dict(backend="cuda", warps=nums[0], tokens_per_iteration=nums[1], lanes_per_token=nums[2],
-                    key_float32=wide or None)
+                    rows_per_pass=nums[3] if len(nums) > 3 else 1, key_float32=wide or None)
     return dict(backend="triton", block_n=nums[0], num_warps=nums[1], programs_per_sm=nums[2],
                 batch_per_program=nums[3])
 
@@ -171,7 +171,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--methods", nargs="+", default=["loopvq", "tasq+loopvq"])
-    ap.add_argument("--variants", default="cuda-16x8x16,cuda-16x8x16f,cuda-16x8x8,cuda-12x8x8,cuda-16x4x8",
+    ap.add_argument("--variants", default="cuda-16x8x16x1,cuda-16x8x16x2,cuda-16x8x16x4,cuda-16x8x16x8,cuda-16x8x16x8f",
                     help="kernel variants tried at 32k, batch 8 (see parse_variant); the table runs the defaults")
     ap.add_argument("--codebook-size", type=int, default=K, help="K (256 is the 0.5-bit bundle; smaller K shrinks the "
                     "step tables, to see what a cache-resident codebook slice gives)")
