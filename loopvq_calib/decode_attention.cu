@@ -24,10 +24,14 @@
 // (codebook size), NKC / NVC (index bytes per token: key / value codes), RK / RV (run lengths), KMIX (key runs
 // hold both channels of their pairs), KG / VG (runs whose index bytes are read together: 1, 2 or 4), KT32 /
 // VT32 (key / value tables in fp32, else fp16), CHEB, TASQ, HAS_MASK, ACT (0 bf16, 1 fp16, 2 fp32: q
-// and the full-precision keys/values), IDXVEC (bytes per cp.async: 4 or 16).
+// and the full-precision keys/values), IDXVEC (bytes per cp.async: 4 or 16), TABLE_ASYNC (tables copied by
+// cp.async).
 
 #ifndef RPB
 #define RPB 1  // batch rows per pass (decode_cuda defines it; 1 for other builders)
+#endif
+#ifndef TABLE_ASYNC
+#define TABLE_ASYNC 1  // the step tables copied by cp.async (0: plain loads and stores)
 #endif
 
 typedef unsigned char u8;
@@ -139,6 +143,10 @@ __device__ __forceinline__ void cp_async(unsigned dst, const void* src, int vali
 #else
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid) : "memory");
 #endif
+}
+
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {  // 16 bytes, L2 only
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
 
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -317,12 +325,22 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
     {  // the head's step tables into shared memory, 16 bytes at a time
         const uint4* sk = (const uint4*)((const unsigned char*)ktab_g + (i64)h * KT_BYTES);
         const uint4* sv = (const uint4*)((const unsigned char*)vtab_g + (i64)h * VT_BYTES);
+#if TABLE_ASYNC  // every copy in flight at once (cp.async), not a few loads per thread at a time
+        const unsigned kt = smem_addr(ktab), vt = smem_addr(vtab);
+        for (int i = threadIdx.x; i < KT_BYTES / 16; i += blockDim.x) cp_async16(kt + 16 * i, sk + i);
+        for (int i = threadIdx.x; i < VT_BYTES / 16; i += blockDim.x) cp_async16(vt + 16 * i, sv + i);
+        cp_commit();
+#else
         for (int i = threadIdx.x; i < KT_BYTES / 16; i += blockDim.x) ((uint4*)ktab)[i] = sk[i];
         for (int i = threadIdx.x; i < VT_BYTES / 16; i += blockDim.x) ((uint4*)vtab)[i] = sv[i];
+#endif
         for (int i = threadIdx.x; i < D; i += blockDim.x) {
             chans[i] = kch[h * D + i];
             chans[D + i] = vch[h * D + i];
         }
+#if TABLE_ASYNC
+        cp_wait<0>();
+#endif
     }
     __syncthreads();  // the channel maps are read by every thread from here on (the tables after the first row's sync)
     const int* kchan = chans;  // shared copies: the full-precision tokens and the merge read them per row

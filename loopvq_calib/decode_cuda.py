@@ -167,6 +167,7 @@ def default_launch(query_groups: int) -> tuple[int, int, int, int]:
 
 
 ROWS_PER_PASS = 8  # most batch rows a block serves at once (see rows_per_pass)
+TABLE_ASYNC = True  # blocks copy the step tables into shared memory by cp.async (False: plain loads, to compare)
 
 
 def rows_per_pass(most: int, batch: int, warps: int) -> int:
@@ -406,7 +407,8 @@ def decode_attention_cuda(
                ("RV", lanes.run_value), ("KG", lanes.key_group), ("VG", lanes.value_group),
                ("KT32", int(key.dtype == torch.float32)), ("VT32", int(lanes.value.dtype == torch.float32)),
                ("CHEB", int(lanes.value.dtype != torch.float32)), ("TASQ", int(tables.tasq)),
-               ("HAS_MASK", int(inputs.masked)), ("ACT", ACT_CODES[q.dtype]), ("IDXVEC", vec))
+               ("HAS_MASK", int(inputs.masked)), ("ACT", ACT_CODES[q.dtype]), ("IDXVEC", vec),
+               ("TABLE_ASYNC", int(TABLE_ASYNC)))
     kernel = _compiled(defines, plan.shared, q.device.index if q.device.index is not None else torch.cuda.current_device())
     acc = torch.empty(bsz, hq, plan.splits, d, device=q.device, dtype=torch.float32)
     ml = torch.empty(bsz, hq, plan.splits, 2, device=q.device, dtype=torch.float32)

@@ -352,6 +352,15 @@ def test_kernel_serves_several_rows_per_pass(rows, batch, warps):
 
 @pytest.mark.gpu
 @gpu
+def test_kernel_with_tables_copied_by_plain_loads(monkeypatch):
+    """TABLE_ASYNC off (the comparison build of bench_decode's ``s`` variants): the same attention."""
+    monkeypatch.setattr(dc, "TABLE_ASYNC", False)
+    check("loopvq", "half", heads=2, q_heads=2, n=333, s_fp=9, d=128, k=64, g=16, splits=2, pad=2, batch=3,
+          backend="cuda", rows_per_pass=2)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("method, lanes, key_float32, rows", [
     ("loopvq", 8, None, 1), ("loopvq", 16, None, 1), ("loopvq", 16, True, 8), ("loopvq", 16, None, 2),
     ("tasq+loopvq", 8, None, 1), ("tasq+loopvq", 16, None, 8)])
