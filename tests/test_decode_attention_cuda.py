@@ -272,6 +272,26 @@ def test_launch_plan_at_ouro_shapes():
         assert plan.shared == 2 * 128 * 256 * 2 + 16 * 2 * 16 * 64 + rows * 128 * 4 + 16 * 16 * 4 + 2 * 128 * 4
 
 
+def test_default_rows_give_way_to_a_float32_key_table():
+    """TaSQ's keys (runs of 1) want the key table in float32 (128 KiB at Ouro's shapes): with 227 KiB of shared
+    memory it fits with 2 query rows in shared memory, not 4 or 8, so the default rows per pass drop to 2; rows
+    asked for are kept and the table stays fp16."""
+    kc, vc = make_codecs("tasq+loopvq", 16, 128, 256, 16, 4)
+    lanes = dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 16)
+    assert lanes.run_key == 1
+    fk = torch.empty(8, 76, 16, 128, dtype=torch.bfloat16, device="meta")
+    idx = torch.empty(8, 16, 32768, 32, dtype=torch.uint8, device="meta").transpose(1, 2)
+    coded = SimpleNamespace(key_indices=idx, value_indices=idx, count=32000,
+                            key_sigma=torch.empty(8, 32768, 4, dtype=torch.float16, device="meta"))
+    q = torch.empty(8, 16, 128, dtype=torch.bfloat16, device="meta")
+    tables = 128 * 256 * 4 + 128 * 256 * 2
+    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, None, None, None, 227 * 1024, 132)
+    assert (plan.rows, plan.key_float32) == (2, True)
+    assert plan.shared == tables + 16 * 2 * 16 * 64 + 2 * 128 * 4 + 16 * 16 * 4 + 2 * 128 * 4 <= 227 * 1024
+    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, 8, None, None, 227 * 1024, 132)
+    assert (plan.rows, plan.key_float32) == (8, False)
+
+
 def test_a_given_plan_is_launched_as_is(monkeypatch):
     """decode_attention_cuda with a plan (the dispatch's, from decode_cuda.launch) does not work it out again:
     no device query, the plan's grid, block, shared memory and rows per pass."""
