@@ -414,7 +414,8 @@ def decode_attention_cuda(
                ("CHEB", int(lanes.value.dtype != torch.float32)), ("TASQ", int(tables.tasq)),
                ("HAS_MASK", int(inputs.masked)), ("ACT", ACT_CODES[q.dtype]), ("IDXVEC", vec),
                ("TABLE_ASYNC", int(TABLE_ASYNC)))
-    kernel = _compiled(defines, plan.shared, q.device.index if q.device.index is not None else torch.cuda.current_device())
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    kernel = _compiled(defines, plan.shared, index)
     acc = torch.empty(bsz, hq, plan.splits, d, device=q.device, dtype=torch.float32)
     ml = torch.empty(bsz, hq, plan.splits, 2, device=q.device, dtype=torch.float32)
     strides = [kidx.stride(0), kidx.stride(2), vidx.stride(0), vidx.stride(2), *sig.stride()[:2],
