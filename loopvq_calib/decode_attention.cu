@@ -17,11 +17,22 @@
 // Full-precision sink/window tokens are spread over every block's groups. Warps are merged through shared
 // memory; the block writes (acc in channel order, max, sum) for the Triton merge kernel.
 //
-// Constants defined before this text: D, LPT (8 or 16), QG (query heads per KV head), U, WARPS, KCB
+// RPB batch rows are served at once (WARPS / RPB warps each), so that one row's latencies (its first index
+// rows, the full-precision tokens, the merge) overlap another row's work.
+//
+// Constants defined before this text: D, LPT (8 or 16), RPB (rows per pass), QG (query heads per KV head), U, WARPS, KCB
 // (codebook size), NKC / NVC (index bytes per token: key / value codes), RK / RV (run lengths), KMIX (key runs
 // hold both channels of their pairs), KG / VG (runs whose index bytes are read together: 1, 2 or 4), KT32 /
 // VT32 (key / value tables in fp32, else fp16), CHEB, TASQ, HAS_MASK, ACT (0 bf16, 1 fp16, 2 fp32: q
-// and the full-precision keys/values), IDXVEC (bytes per cp.async: 4 or 16).
+// and the full-precision keys/values), IDXVEC (bytes per cp.async: 4 or 16), TABLE_ASYNC (tables copied by
+// cp.async).
+
+#ifndef RPB
+#define RPB 1  // batch rows per pass (decode_cuda defines it; 1 for other builders)
+#endif
+#ifndef TABLE_ASYNC
+#define TABLE_ASYNC 1  // the step tables copied by cp.async (0: plain loads and stores)
+#endif
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -49,7 +60,8 @@ typedef long long i64;
 #define STAGE_WARP (2 * TOK * (NKC + NVC))
 #define MRG_BYTES (WARPS * QG * (D + 2) * 4)
 #define STAGE_BYTES ALIGN16(WARPS * STAGE_WARP > MRG_BYTES ? WARPS * STAGE_WARP : MRG_BYTES)
-#define QS_BYTES (QG * D * 4)
+#define QS_BYTES (RPB * QG * D * 4)
+#define WPR (WARPS / RPB)        // warps per batch row of a pass
 #define ROWK (LPT * RK * (KT32 ? 4 : 2))  // bytes of one codeword's row of one key run (all lanes)
 #define ROWV (LPT * RV * (VT32 ? 4 : 2))
 // register of key run r, position i: split runs hold only first or only second channels of pairs
@@ -131,6 +143,10 @@ __device__ __forceinline__ void cp_async(unsigned dst, const void* src, int vali
 #else
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid) : "memory");
 #endif
+}
+
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {  // 16 bytes, L2 only
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
 
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -298,18 +314,37 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
     unsigned char* vtab = ktab + KT_BYTES;
     unsigned char* stage = vtab + VT_BYTES;     // [WARPS][2 buffers][TOK key rows, TOK value rows]
     float* mrg = (float*)stage;                 // [WARPS][QG][D + 2], only while merging (stage is idle then)
-    float* qs = (float*)(stage + STAGE_BYTES);  // [QG][D]: the scaled query in lane order
-    float* pbuf = qs + QG * D;                  // [WARPS][QG][GRP][U]: the step's softmax weights
+    float* qs = (float*)(stage + STAGE_BYTES);  // [RPB][QG][D]: the scaled queries in lane order
+    float* pbuf = qs + RPB * QG * D;            // [WARPS][QG][GRP][U]: the step's softmax weights
+    int* chans = (int*)(pbuf + WARPS * QG * TOK);  // [2][D]: the head's key and value channel of every lane slot
     const int h = blockIdx.x, s = blockIdx.y, heads = gridDim.x, splits = gridDim.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane / LPT, l = lane % LPT;
+    const int rsub = warp / WPR, wr = warp % WPR;  // this warp's row of the pass, and its place among that row's warps
     const float scale = __int_as_float(qk_scale_bits);  // passed as bits: no float ABI to agree on
 
     {  // the head's step tables into shared memory, 16 bytes at a time
         const uint4* sk = (const uint4*)((const unsigned char*)ktab_g + (i64)h * KT_BYTES);
         const uint4* sv = (const uint4*)((const unsigned char*)vtab_g + (i64)h * VT_BYTES);
+#if TABLE_ASYNC  // every copy in flight at once (cp.async), not a few loads per thread at a time
+        const unsigned kt = smem_addr(ktab), vt = smem_addr(vtab);
+        for (int i = threadIdx.x; i < KT_BYTES / 16; i += blockDim.x) cp_async16(kt + 16 * i, sk + i);
+        for (int i = threadIdx.x; i < VT_BYTES / 16; i += blockDim.x) cp_async16(vt + 16 * i, sv + i);
+        cp_commit();
+#else
         for (int i = threadIdx.x; i < KT_BYTES / 16; i += blockDim.x) ((uint4*)ktab)[i] = sk[i];
         for (int i = threadIdx.x; i < VT_BYTES / 16; i += blockDim.x) ((uint4*)vtab)[i] = sv[i];
+#endif
+        for (int i = threadIdx.x; i < D; i += blockDim.x) {
+            chans[i] = kch[h * D + i];
+            chans[D + i] = vch[h * D + i];
+        }
+#if TABLE_ASYNC
+        cp_wait<0>();
+#endif
     }
+    __syncthreads();  // the channel maps are read by every thread from here on (the tables after the first row's sync)
+    const int* kchan = chans;  // shared copies: the full-precision tokens and the merge read them per row
+    const int* vchan = chans + D;
     // per run of the lane: its index column and the shared address of its values in codeword 0 (+ index * row bytes)
     const unsigned sm = smem_addr(smem);
     unsigned kofs[NRK], vofs[NRV];
@@ -330,16 +365,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
     for (int j = 0; j < PPL; ++j) cg2[j] *= 2.0f;
 
     const int start = s * split_len, end = min(start + split_len, n_coded);
-    const int per_warp = ((max(end - start, 0) + WARPS - 1) / WARPS + TOK - 1) / TOK * TOK;
-    const int w_begin = start + warp * per_warp, w_end = min(w_begin + per_warp, end);
+    const int per_warp = ((max(end - start, 0) + WPR - 1) / WPR + TOK - 1) / TOK * TOK;
+    const int w_begin = start + wr * per_warp, w_last = min(w_begin + per_warp, end);
     unsigned char* st = stage + warp * STAGE_WARP;
     const unsigned stage_addr = smem_addr(st);
 
-    for (int b = 0; b < n_batch; ++b) {
-        for (int e = threadIdx.x; e < QG * D; e += blockDim.x) {
-            const int g = e / D, slot = e % D;
-            qs[e] = act(q, ((i64)b * heads * QG + h * QG + g) * D + kch[h * D + slot]) * scale;
+    for (int b0 = 0; b0 < n_batch; b0 += RPB) {
+        for (int e = threadIdx.x; e < RPB * QG * D; e += blockDim.x) {
+            const int r = e / (QG * D), g = e / D % QG, slot = e % D;
+            if (b0 + r < n_batch) qs[e] = act(q, ((i64)(b0 + r) * heads * QG + h * QG + g) * D + kchan[slot]) * scale;
         }
+        const bool live = b0 + rsub < n_batch;  // warp-uniform: the last pass may have fewer rows
+        const int b = live ? b0 + rsub : n_batch - 1, w_end = live ? w_last : w_begin, n_fp_row = live ? n_fp : 0;
         const i64 pb = p0[b];
         const u8* krow = kidx + (i64)b * s_kib + (i64)h * s_kih;  // token t's key bytes at krow + t * NKC
         const u8* vrow = vidx + (i64)b * s_vib + (i64)h * s_vih;
@@ -373,7 +410,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
         }
 
         // the full-precision sink and window tokens (pre-RoPE, at their own positions), spread over all blocks
-        for (int base = (s * WARPS + warp) * GRP; base < n_fp; base += splits * WARPS * GRP) {
+        for (int base = (s * WPR + wr) * GRP; base < n_fp_row; base += splits * WPR * GRP) {
             const int t = min(base + grp, n_fp - 1);
             const i64 pos = fpos[(i64)b * s_fpb + t];
             const i64 krw = (i64)b * s_fkb + (i64)t * s_fkt + (i64)h * s_fkh;
@@ -382,14 +419,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
             load_floats<PPL>(cos_t + pos * HD2 + l * PPL, cf);
             load_floats<PPL>(sin_t + pos * HD2 + l * PPL, sf);
 #pragma unroll
-            for (int j = 0; j < CPL; ++j) kf[j] = act(fk, krw + kch[h * D + l * CPL + j]);
+            for (int j = 0; j < CPL; ++j) kf[j] = act(fk, krw + kchan[l * CPL + j]);
             bool ok = base + grp < n_fp;
 #if HAS_MASK
             ok = ok && fmask[(i64)b * s_fpb + t] != 0;
 #endif
 #pragma unroll
             for (int g = 0; g < QG; ++g) {
-                const float* qv = qs + g * D + l * CPL;
+                const float* qv = qs + (rsub * QG + g) * D + l * CPL;
                 float a = 0.0f;
 #pragma unroll
                 for (int j = 0; j < PPL; ++j) {
@@ -403,7 +440,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
                 const float p = ex2(sc - m[g]);
                 if (l == 0) ls[g] += p;
 #pragma unroll
-                for (int j = 0; j < CPL; ++j) acc[g][j] += p * act(fv, vrw + vch[h * D + l * CPL + j]);
+                for (int j = 0; j < CPL; ++j) acc[g][j] += p * act(fv, vrw + vchan[l * CPL + j]);
             }
         }
 
@@ -421,7 +458,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
                 load_floats<PPL>(sin_t + GRP * HD2 + l * PPL, sg2);
 #pragma unroll
                 for (int g = 0; g < QG; ++g) {
-                    const float* qv = qs + g * D + l * CPL;
+                    const float* qv = qs + (rsub * QG + g) * D + l * CPL;
 #pragma unroll
                     for (int j = 0; j < PPL; ++j) {
                         const float qa = qv[j], qb = qv[PPL + j];
@@ -604,19 +641,21 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
             }
         }
         __syncthreads();
-        for (int e = threadIdx.x; e < QG * D; e += blockDim.x) {
-            const int g = e / D, slot = e % D;
+        for (int e = threadIdx.x; e < RPB * QG * D; e += blockDim.x) {
+            const int r = e / (QG * D), g = e / D % QG, slot = e % D;
+            if (b0 + r >= n_batch) continue;
+            const int b = b0 + r;
             float mx = NEG_BIG;
-            for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, mrg[(w * QG + g) * (D + 2) + D]);
+            for (int w = r * WPR; w < (r + 1) * WPR; ++w) mx = fmaxf(mx, mrg[(w * QG + g) * (D + 2) + D]);
             float a = 0.0f, lsum = 0.0f;
-            for (int w = 0; w < WARPS; ++w) {
+            for (int w = r * WPR; w < (r + 1) * WPR; ++w) {
                 const float* mw = mrg + (w * QG + g) * (D + 2);
                 const float f = ex2(mw[D] - mx);
                 a += mw[slot] * f;
                 lsum += mw[D + 1] * f;
             }
             const i64 row = ((i64)b * heads * QG + h * QG + g) * splits + s;
-            acc_out[row * D + vch[h * D + slot]] = a;
+            acc_out[row * D + vchan[slot]] = a;
             if (slot == 0) {
                 ml_out[row * 2] = mx;
                 ml_out[row * 2 + 1] = lsum;

@@ -215,7 +215,7 @@ def decode_attention(
     num_splits: int | None = None, num_warps: int = 4, max_position: int | None = None,
     programs_per_sm: int = 4, batch_per_program: int = 1, cache_hints: bool = False, backend: str = "auto",
     warps: int | None = None, tokens_per_iteration: int | None = None, lanes_per_token: int | None = None,
-    key_float32: bool | None = None,
+    key_float32: bool | None = None, rows_per_pass: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over coded and full-precision tokens (the Triton kernels).
 
@@ -227,8 +227,8 @@ def decode_attention(
     ``batch_per_program`` sequences), about ``programs_per_sm`` per multiprocessor (``num_splits`` overrides);
     ``cache_hints``: tables loaded evict-last and the index stream evict-first.
     ``backend``: ``"cuda"`` the shared-memory kernel of :mod:`~loopvq_calib.decode_cuda` (``warps`` per
-    block, ``tokens_per_iteration`` per lane group and step, ``lanes_per_token`` 8 or 16, ``key_float32``;
-    defaults from :func:`~loopvq_calib.decode_cuda.default_launch`; ``num_splits`` per KV head), ``"triton"``
+    block, ``tokens_per_iteration`` per lane group and step, ``lanes_per_token`` 8 or 16, ``key_float32``,
+    ``rows_per_pass`` (most batch rows a block serves at once); defaults from :func:`~loopvq_calib.decode_cuda.default_launch`; ``num_splits`` per KV head), ``"triton"``
     the kernel of :mod:`~loopvq_calib.decode_kernels`, ``"auto"`` for CUDA tensors the CUDA kernel where the
     site and the call fit it (:func:`~loopvq_calib.decode_cuda.refusal` is None) and it builds and launches,
     else (with a warning once per reason) and for other tensors Triton.
@@ -248,7 +248,8 @@ def decode_attention(
         raise ValueError("TaSQ key tables need the coded tokens' key_sigma")
     if backend == "cuda" or (backend == "auto" and _on_cuda(q)):
         out = _cuda_attention(q, tables, coded, fp_keys, fp_values, fp_positions, fp_mask, rope, max_position,
-                              backend, warps, tokens_per_iteration, lanes_per_token, num_splits, key_float32)
+                              backend, warps, tokens_per_iteration, lanes_per_token, num_splits, key_float32,
+                              rows_per_pass)
         if out is not None:
             return out
     slices = -(-bsz // batch_per_program)
@@ -295,14 +296,16 @@ def _warn_once(message: str) -> None:
 def _cuda_attention(q: torch.Tensor, tables: StepTables, coded: CodedTokens, fp_keys: torch.Tensor,
                     fp_values: torch.Tensor, fp_positions: torch.Tensor, fp_mask: torch.Tensor | None, rope: RopeTable,
                     max_position: int, backend: str, warps: int | None, tokens: int | None, lanes_per_token: int | None,
-                    num_splits: int | None, key_float32: bool | None) -> torch.Tensor | None:
+                    num_splits: int | None, key_float32: bool | None, rows: int | None) -> torch.Tensor | None:
     """The CUDA kernel's output, or None when the Triton kernel serves the call (``auto``: with a warning, once per
-    reason, when the kernel refuses it, fails to build or fails to launch); ``backend="cuda"`` raises instead."""
+    reason, when the kernel refuses it, fails to build or fails to launch); ``backend="cuda"`` raises instead.
+    The launch plan is worked out once (:func:`~loopvq_calib.decode_cuda.launch`) and handed to the launch."""
     from . import decode_cuda
 
     lanes = decode_cuda.site_lanes(tables, q.shape[1] // tables.value.shape[0], lanes_per_token)
-    reason = decode_cuda.refusal(lanes, q, fp_keys, fp_values, coded, warps, tokens)
-    if reason is not None:
+    plan = decode_cuda.launch(lanes, q, fp_keys, fp_values, coded, warps, tokens, rows, num_splits, key_float32)
+    if isinstance(plan, str):
+        reason = plan
         if backend == "cuda":
             raise RuntimeError(f"the CUDA decode kernel does not take this call: {reason}")
         _warn_once(f"CUDA decode kernel skipped ({reason}); using the Triton kernel")
@@ -310,8 +313,7 @@ def _cuda_attention(q: torch.Tensor, tables: StepTables, coded: CodedTokens, fp_
     inputs = kernel_inputs(q, tables, coded, fp_positions, fp_mask, rope,
                            decode_cuda.rope_rows(max_position, lanes.lanes))
     try:
-        acc, ml = decode_cuda.decode_attention_cuda(inputs, tables, lanes, coded, fp_keys, fp_values, warps, tokens,
-                                                    num_splits, key_float32)
+        acc, ml = decode_cuda.decode_attention_cuda(inputs, tables, lanes, coded, fp_keys, fp_values, plan=plan)
     except decode_cuda.BuildError as err:  # no NVRTC, a failed build or launch: the Triton kernel serves
         if backend == "cuda":
             raise

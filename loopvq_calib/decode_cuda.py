@@ -157,13 +157,26 @@ def lane_tables(tables, lanes: int = 16) -> LaneTables | None:
         lanes, _group(key_column.cpu()), _group(value_column.cpu()))
 
 
-def default_launch(query_groups: int) -> tuple[int, int, int]:
-    """(warps per block, tokens per group and step, lanes per token): 16 x 8 x 16 for one query head per KV head
-    (at Ouro's shapes the register file and shared memory, not the warps, are the limit; 8 lanes per token
-    measured slower: their 64-byte table rows make two groups of a half-warp collide on banks), 8 x 4 x 16 for
-    GQA (every query head keeps its own rotated query and accumulator). Measured on the H200
-    (docs/quantized-cache.md)."""
-    return (16, 8, 16) if query_groups == 1 else (8, 4, 16)
+def default_launch(query_groups: int) -> tuple[int, int, int, int]:
+    """(warps per block, tokens per group and step, lanes per token, most batch rows per pass): 16 x 8 x 16 x R
+    for one query head per KV head (at Ouro's shapes the register file and shared memory, not the warps, are the
+    limit; 8 lanes per token measured slower: their 64-byte table rows make two groups of a half-warp collide on
+    banks), 8 x 4 x 16 x R for GQA (every query head keeps its own rotated query and accumulator); R =
+    :data:`ROWS_PER_PASS`. Measured on the H200 (docs/quantized-cache.md)."""
+    return (16, 8, 16, ROWS_PER_PASS) if query_groups == 1 else (8, 4, 16, ROWS_PER_PASS)
+
+
+ROWS_PER_PASS = 8  # most batch rows a block serves at once (see rows_per_pass)
+TABLE_ASYNC = True  # blocks copy the step tables into shared memory by cp.async (False: plain loads, to compare)
+
+
+def rows_per_pass(most: int, batch: int, warps: int) -> int:
+    """Batch rows a block serves at once (WARPS / rows warps each): the largest divisor of ``warps`` up to
+    ``most`` and the batch, so that one pass's fixed costs (first index rows, sink/window tokens, warp merge)
+    are paid once for several rows."""
+    if most < 1:
+        raise ValueError(f"rows per pass must be at least 1, got {most}")
+    return max(r for r in range(1, min(most, max(batch, 1), warps) + 1) if warps % r == 0)
 
 
 def site_lanes(tables, query_groups: int, lanes: int | None = None) -> LaneTables | None:
@@ -187,13 +200,28 @@ def _align16(x: int) -> int:
 
 
 def shared_layout(d: int, k: int, key_bytes: int, value_bytes: int, key_codes: int, value_codes: int, warps: int,
-                  query_groups: int, step_tokens: int) -> int:
-    """Bytes of dynamic shared memory (decode_attention.cu's KT_BYTES + VT_BYTES + STAGE_BYTES + QS_BYTES + pbuf);
-    ``step_tokens`` tokens per warp step (TOK)."""
+                  query_groups: int, step_tokens: int, rows: int = 1) -> int:
+    """Bytes of dynamic shared memory (decode_attention.cu's KT_BYTES + VT_BYTES + STAGE_BYTES + QS_BYTES + pbuf +
+    the channel maps); ``step_tokens`` tokens per warp step (TOK), ``rows`` batch rows per pass (RPB)."""
     stage = warps * 2 * step_tokens * (key_codes + value_codes)
     merge = warps * query_groups * (d + 2) * 4
-    return (d * k * key_bytes + d * k * value_bytes + _align16(max(stage, merge)) + query_groups * d * 4
-            + warps * query_groups * step_tokens * 4)
+    return (d * k * key_bytes + d * k * value_bytes + _align16(max(stage, merge)) + rows * query_groups * d * 4
+            + warps * query_groups * step_tokens * 4 + 2 * d * 4)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One call's launch, worked out once (:func:`launch`): ``warps`` per block, ``tokens`` per lane group and
+    step, batch ``rows`` per pass, ``splits`` per KV head of ``split_len`` coded tokens, the key table in
+    float32 or not, and the bytes of dynamic shared memory."""
+
+    warps: int
+    tokens: int
+    rows: int
+    splits: int
+    split_len: int
+    key_float32: bool
+    shared: int
 
 
 def fits(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
@@ -204,26 +232,48 @@ def fits(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_va
 
 def refusal(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
             warps: int | None, tokens: int | None = None) -> str | None:
-    """Why this call cannot run the CUDA kernel, or None when it can: no earlier failed build
-    (:data:`BUILD_FAILED`), a CUDA device with NVRTC, then :func:`layout_refusal` with the device's shared memory."""
+    """Why this call cannot run the CUDA kernel, or None when it can (:func:`launch`'s reason)."""
+    plan = launch(lanes, q, fp_keys, fp_values, coded, warps, tokens)
+    return plan if isinstance(plan, str) else None
+
+
+def launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
+           warps: int | None = None, tokens: int | None = None, rows: int | None = None, num_splits: int | None = None,
+           key_float32: bool | None = None) -> LaunchPlan | str:
+    """The call's :class:`LaunchPlan`, or why it cannot run the CUDA kernel: an earlier failed build
+    (:data:`BUILD_FAILED`), not a CUDA device with NVRTC, or :func:`plan_launch`'s reason with the device's
+    shared memory and multiprocessors."""
     if BUILD_FAILED:
         return f"an earlier build failed: {BUILD_FAILED[0]}"
     if q.device.type != "cuda":
         return f"device {q.device} is not CUDA"
     if not hasattr(torch.cuda, "_compile_kernel"):
         return "this torch has no torch.cuda._compile_kernel (NVRTC)"
-    return layout_refusal(lanes, q, fp_keys, fp_values, coded, warps, tokens, _shared_limit(q.device))
+    props = torch.cuda.get_device_properties(q.device)
+    return plan_launch(lanes, q, fp_keys, fp_values, coded, warps, tokens, rows, num_splits, key_float32,
+                       props.shared_memory_per_block_optin, props.multi_processor_count)
 
 
 def layout_refusal(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
                    warps: int | None, tokens: int | None, shared_limit: int) -> str | None:
-    """Why the kernel cannot read this call's tensors as it assumes, or None: a site with lane tables, one dtype
-    for q and the full-precision tokens, one-byte key and value indices stored head-major with aligned rows,
-    fp16 TaSQ sigmas, unit inner strides, shared memory within ``shared_limit`` bytes, and what it computes in
-    32 bits: every stride it takes (int arguments) and a token's offset inside its (row, head) index stream,
-    below capacity x index bytes per token, which the head-major batch stride (heads x capacity x bytes per
-    token) bounds. Row and head offsets are 64-bit, so the buffers' total size is not limited. Needs shapes and
-    strides only (meta tensors do)."""
+    """Why the kernel cannot read this call's tensors as it assumes (:func:`plan_launch`'s reason), or None."""
+    plan = plan_launch(lanes, q, fp_keys, fp_values, coded, warps, tokens, None, None, None, shared_limit, 1)
+    return plan if isinstance(plan, str) else None
+
+
+def plan_launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
+                warps: int | None, tokens: int | None, rows: int | None, num_splits: int | None,
+                key_float32: bool | None, shared_limit: int, sms: int) -> LaunchPlan | str:
+    """The launch (defaults from :func:`default_launch`, rows per pass by :func:`rows_per_pass`, splits per KV
+    head = ``sms`` over the heads; the key table in float32 by default only where its runs cannot be read as
+    packed halves (odd runs) and it fits, the default rows per pass lowered until it does: a float32 key table
+    measured faster than more rows for TaSQ's keys), or why the kernel cannot read this call's tensors as it assumes: a
+    site with lane tables, one dtype for q and the full-precision tokens, one-byte key and value indices stored
+    head-major with aligned rows, fp16 TaSQ sigmas, unit inner strides, shared memory within ``shared_limit``
+    bytes, and what it computes in 32 bits: every stride it takes (int arguments) and a token's offset inside
+    its (row, head) index stream, below capacity x index bytes per token, which the head-major batch stride
+    (heads x capacity x bytes per token) bounds. Row and head offsets are 64-bit, so the buffers' total size is
+    not limited. Needs shapes and strides only (meta tensors do). Bad launch arguments raise ValueError."""
     if lanes is None:
         return "the site has no lane tables (head dim not a multiple of 2 x lanes per token)"
     if q.dtype not in ACT_CODES or fp_keys.dtype != q.dtype or fp_values.dtype != q.dtype:
@@ -238,20 +288,32 @@ def layout_refusal(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Ten
         if coded.key_sigma.dtype != torch.float16:
             return f"TaSQ sigmas in {coded.key_sigma.dtype}, not float16"
         read.append(coded.key_sigma)
-    qg = q.shape[1] // lanes.key.shape[0]
-    w, u, _ = default_launch(qg)
-    need = launch_shared(lanes, coded, warps or w, qg, tokens or u)
+    bsz, hq = q.shape[0], q.shape[1]
+    heads = lanes.key.shape[0]
+    qg = hq // heads
+    w, u, _, r = default_launch(qg)
+    warps, tokens = warps or w, tokens or u
+    if tokens not in (1, 2, 4, 8, 16) or tokens > lanes.lanes or not 1 <= warps <= 32:
+        raise ValueError(f"tokens_per_iteration must be a power of two up to the lanes per token ({lanes.lanes}) and "
+                         f"warps 1..32, got {tokens} and {warps}")
+    wanted = lanes.run_key % 2 == 1 if key_float32 is None else key_float32
+    given, rows = rows is not None, rows_per_pass(rows or r, bsz, warps)
+    while wanted and not given and rows > 1 and launch_shared(
+            lanes, coded, warps, qg, tokens, torch.float32, rows) > shared_limit:
+        rows = rows_per_pass(rows - 1, bsz, warps)  # default rows give way to a float32 key table
+    n = coded.count
+    if num_splits is None:
+        num_splits = max(1, min(max(sms // heads, 1), -(-n // (warps // rows * 32 // lanes.lanes * tokens))))
+    fits32 = launch_shared(lanes, coded, warps, qg, tokens, torch.float32, rows) <= shared_limit
+    wide = wanted and fits32
+    need = launch_shared(lanes, coded, warps, qg, tokens, torch.float32 if wide else None, rows)
     if need > shared_limit:
         return f"{need} bytes of shared memory, {shared_limit} available"
     if any(t.stride(-1) != 1 for t in read + list(indices)):
         return "a tensor's last dimension is not contiguous"
     if any(max(t.stride()) > INT32_MAX for t in read + list(indices)):
         return "a stride beyond 2**31 - 1 elements (the kernel takes strides as int32)"
-    return None
-
-
-def _shared_limit(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    return LaunchPlan(warps, tokens, rows, num_splits, -(-max(n, 1) // num_splits), wide, need)
 
 
 def _index_vector(idx: torch.Tensor) -> int:
@@ -267,13 +329,13 @@ def _index_vector(idx: torch.Tensor) -> int:
 
 
 def launch_shared(lanes: LaneTables, coded, warps: int, query_groups: int, tokens: int,
-                  key_dtype: torch.dtype | None = None) -> int:
+                  key_dtype: torch.dtype | None = None, rows: int = 1) -> int:
     """Shared memory of a launch with the key table in ``key_dtype`` (default: the tables' own)."""
     heads, _, k, _, _ = lanes.key.shape
     d = lanes.key_channel.shape[1]
     kb = torch.finfo(key_dtype or lanes.key.dtype).bits // 8
     return shared_layout(d, k, kb, lanes.value.element_size(), coded.key_indices.shape[3],
-                         coded.value_indices.shape[3], warps, query_groups, 32 // lanes.lanes * tokens)
+                         coded.value_indices.shape[3], warps, query_groups, 32 // lanes.lanes * tokens, rows)
 
 
 def _float_bits(x: float) -> int:
@@ -316,62 +378,56 @@ def _compiled(defines: tuple[tuple[str, int], ...], shared: int, device: int):
 def decode_attention_cuda(
     inputs, tables, lanes: LaneTables, coded, fp_keys: torch.Tensor, fp_values: torch.Tensor,
     warps: int | None = None, tokens_per_iteration: int | None = None, num_splits: int | None = None,
-    key_float32: bool | None = None,
+    key_float32: bool | None = None, rows_per_pass: int | None = None, plan: LaunchPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the split kernel; returns (acc [B, Hq, S, D], max/sum [B, Hq, S, 2]) for the log-sum-exp merge.
 
     ``inputs``: :class:`~loopvq_calib.decode_attention.KernelInputs` (the RoPE table of at least
-    :func:`rope_rows` rows); ``lanes`` the site's tables for the lanes per token to launch with; other arguments
-    as :func:`~loopvq_calib.decode_attention.decode_attention`. ``warps`` per block (one block per
-    multiprocessor: the tables fill its shared memory), ``tokens_per_iteration`` tokens per lane group and
-    step (1 .. lanes, a power of two; a warp takes 32/lanes times as many), both from :func:`default_launch`
-    when None; splits per KV head default to the multiprocessors over the heads. ``key_float32``: the key table
-    in float32 in shared memory (no conversions); default: only where its runs cannot be read as packed halves
-    (odd runs) and it fits."""
+    :func:`rope_rows` rows); ``lanes`` the site's tables for the lanes per token to launch with; ``plan`` the
+    call's :class:`LaunchPlan` from :func:`launch` (worked out here from the other arguments when None; see
+    :func:`plan_launch`): ``warps`` per block (one block per multiprocessor: the tables fill its shared
+    memory), ``tokens_per_iteration`` tokens per lane group and step (1 .. lanes, a power of two; a warp takes
+    32/lanes times as many), ``rows_per_pass`` the most batch rows a block serves at once, ``num_splits`` per
+    KV head, ``key_float32`` the key table in float32 in shared memory (no conversions)."""
     q = inputs.q
     bsz, hq, d = q.shape
     heads, _, k, _, _ = lanes.key.shape
     qg = hq // heads
-    w, u, _ = default_launch(qg)
-    warps, tokens = warps or w, tokens_per_iteration or u
-    if tokens not in (1, 2, 4, 8, 16) or tokens > lanes.lanes or not 1 <= warps <= 32:
-        raise ValueError(f"tokens_per_iteration must be a power of two up to the lanes per token ({lanes.lanes}) and "
-                         f"warps 1..32, got {tokens} and {warps}")
-    step = 32 // lanes.lanes * tokens
+    if plan is None:
+        props = torch.cuda.get_device_properties(q.device)
+        plan = plan_launch(lanes, q, fp_keys, fp_values, coded, warps, tokens_per_iteration, rows_per_pass,
+                           num_splits, key_float32, props.shared_memory_per_block_optin, props.multi_processor_count)
+        if isinstance(plan, str):
+            raise LaunchError(f"{KERNEL} refuses this call: {plan}")
     n = coded.count
-    if num_splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        num_splits = max(1, min(sms // heads, -(-n // (warps * step))))
-    split_len = -(-max(n, 1) // num_splits)
-    fits32 = launch_shared(lanes, coded, warps, qg, tokens, torch.float32) <= _shared_limit(q.device)
-    if key_float32 is None:
-        key_float32 = lanes.run_key % 2 == 1 and fits32
-    key = lanes.key_table(key_float32 and fits32)
-    shared = launch_shared(lanes, coded, warps, qg, tokens, key.dtype)
+    key = lanes.key_table(plan.key_float32)
     kidx, vidx = coded.key_indices, coded.value_indices
     sig, fpos = inputs.sigma, inputs.fp_positions
     if tables.tasq and n:
         sig = sig[:, :, tables.step]  # the kernel reads the step's column (one build serves every step)
     vec = min(_index_vector(kidx), _index_vector(vidx))
-    defines = (("D", d), ("LPT", lanes.lanes), ("QG", qg), ("U", tokens), ("WARPS", warps), ("KCB", k),
+    defines = (("D", d), ("LPT", lanes.lanes), ("RPB", plan.rows), ("QG", qg), ("U", plan.tokens),
+               ("WARPS", plan.warps), ("KCB", k),
                ("NKC", kidx.shape[3]), ("NVC", vidx.shape[3]), ("RK", lanes.run_key), ("KMIX", int(lanes.key_mixed)),
                ("RV", lanes.run_value), ("KG", lanes.key_group), ("VG", lanes.value_group),
                ("KT32", int(key.dtype == torch.float32)), ("VT32", int(lanes.value.dtype == torch.float32)),
                ("CHEB", int(lanes.value.dtype != torch.float32)), ("TASQ", int(tables.tasq)),
-               ("HAS_MASK", int(inputs.masked)), ("ACT", ACT_CODES[q.dtype]), ("IDXVEC", vec))
-    kernel = _compiled(defines, shared, q.device.index if q.device.index is not None else torch.cuda.current_device())
-    acc = torch.empty(bsz, hq, num_splits, d, device=q.device, dtype=torch.float32)
-    ml = torch.empty(bsz, hq, num_splits, 2, device=q.device, dtype=torch.float32)
+               ("HAS_MASK", int(inputs.masked)), ("ACT", ACT_CODES[q.dtype]), ("IDXVEC", vec),
+               ("TABLE_ASYNC", int(TABLE_ASYNC)))
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    kernel = _compiled(defines, plan.shared, index)
+    acc = torch.empty(bsz, hq, plan.splits, d, device=q.device, dtype=torch.float32)
+    ml = torch.empty(bsz, hq, plan.splits, 2, device=q.device, dtype=torch.float32)
     strides = [kidx.stride(0), kidx.stride(2), vidx.stride(0), vidx.stride(2), *sig.stride()[:2],
                *fp_keys.stride()[:3], *fp_values.stride()[:3], fpos.stride(0)]
     if max(strides) > INT32_MAX:
         raise LaunchError("tensor strides beyond 2**31 - 1 elements: the Triton kernel serves this call")
     args = [q, kidx, vidx, sig, key, lanes.value, lanes.key_column, lanes.value_column, lanes.key_channel,
             lanes.value_channel, inputs.first, inputs.cos, inputs.sin, fp_keys, fp_values, fpos, inputs.fp_mask, acc,
-            ml, bsz, n, fp_keys.shape[1], split_len, _float_bits(1.4426950408889634 / math.sqrt(d)), *strides]
+            ml, bsz, n, fp_keys.shape[1], plan.split_len, _float_bits(1.4426950408889634 / math.sqrt(d)), *strides]
     try:
         with torch.cuda.device(q.device):  # q's device and its current stream, whichever device is current
-            kernel(grid=(heads, num_splits, 1), block=(32 * warps, 1, 1), shared_mem=shared, args=args,
+            kernel(grid=(heads, plan.splits, 1), block=(32 * plan.warps, 1, 1), shared_mem=plan.shared, args=args,
                    stream=torch.cuda.current_stream(q.device))
     except RuntimeError as err:
         raise LaunchError(f"{KERNEL} launch with {dict(defines)}: {err}") from err

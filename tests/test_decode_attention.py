@@ -313,13 +313,13 @@ def test_a_failed_launch_falls_back_to_triton_with_a_warning(monkeypatch):
     tables, coded, q, fk, fv, fpos, mask, ref = dispatch_case()
     rows = []
 
-    def failing_launch(inputs, tables, lanes, *args):
+    def failing_launch(inputs, tables, lanes, *args, **kwargs):
         rows.append(inputs.cos.shape[0])
         raise decode_cuda.LaunchError("cuLaunchKernel failed on purpose")
 
     monkeypatch.setattr(da, "_on_cuda", lambda q: True)
     monkeypatch.setattr(da, "_WARNED", set())
-    monkeypatch.setattr(decode_cuda, "refusal", lambda *args: None)
+    monkeypatch.setattr(decode_cuda, "launch", lambda *args: decode_cuda.LaunchPlan(16, 8, 1, 2, 11, False, 0))
     monkeypatch.setattr(decode_cuda, "decode_attention_cuda", failing_launch)
     with pytest.raises(decode_cuda.LaunchError, match="on purpose"):
         da.decode_attention(q, tables, coded, fk, fv, fpos, mask, da.RopeTable(64, 1e4), backend="cuda")
@@ -339,7 +339,7 @@ def test_a_refused_call_warns_once_per_reason(monkeypatch):
     tables, coded, q, fk, fv, fpos, mask, ref = dispatch_case()
     monkeypatch.setattr(da, "_on_cuda", lambda q: True)
     monkeypatch.setattr(da, "_WARNED", set())
-    monkeypatch.setattr(decode_cuda, "refusal", lambda *args: "a stride beyond 2**31 - 1 elements")
+    monkeypatch.setattr(decode_cuda, "launch", lambda *args: "a stride beyond 2**31 - 1 elements")
     with pytest.warns(UserWarning, match=r"CUDA decode kernel skipped \(a stride beyond"):
         out = da.decode_attention(q, tables, coded, fk, fv, fpos, mask, da.RopeTable(64, 1e4))
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5

@@ -9,6 +9,7 @@ bf16 inputs)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from types import SimpleNamespace
 
@@ -157,7 +158,7 @@ def test_fits_checks_what_the_kernel_reads(monkeypatch):
     lanes = dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 8)
     monkeypatch.setattr(dc, "BUILD_FAILED", [])
     monkeypatch.setattr(torch.cuda, "_compile_kernel", lambda *a, **k: None, raising=False)
-    limit = SimpleNamespace(shared_memory_per_block_optin=228 * 1024)
+    limit = SimpleNamespace(shared_memory_per_block_optin=228 * 1024, multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: limit)
     cuda_q = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=fk.dtype, shape=q.shape)
     u8 = SimpleNamespace(key_indices=head_major(coded.key_indices.to(torch.uint8)),
@@ -169,7 +170,8 @@ def test_fits_checks_what_the_kernel_reads(monkeypatch):
     assert not dc.fits(lanes, cuda_q, fk, fv, SimpleNamespace(**{**vars(u8), "key_sigma": torch.ones(1, 8, 4)}), 8)
     assert not dc.fits(lanes, cuda_q, fk.transpose(-1, -2), fv, u8, 8)
     need = dc.launch_shared(lanes, u8, 8, 1, 8)  # 8 lanes per token: 4 groups x 8 tokens per warp step
-    assert need == 2 * 64 * 16 * 2 + 8 * 2 * 32 * 64 + 64 * 4 + 8 * 32 * 4  # tables, stages, query, weights
+    assert need == 2 * 64 * 16 * 2 + 8 * 2 * 32 * 64 + 64 * 4 + 8 * 32 * 4 + 2 * 64 * 4  # tables, stages, query,
+    # weights, channel maps
     limit.shared_memory_per_block_optin = need - 1
     assert not dc.fits(lanes, cuda_q, fk, fv, u8, 8, 8)
     limit.shared_memory_per_block_optin = need
@@ -245,6 +247,74 @@ def test_the_launch_runs_on_the_query_device_and_its_stream(monkeypatch):
         dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv)
 
 
+def test_rows_per_pass_divide_the_warps_and_never_exceed_the_batch():
+    for most, batch, warps, rows in ((8, 8, 16, 8), (8, 32, 16, 8), (8, 3, 16, 2), (8, 1, 16, 1), (4, 32, 12, 4),
+                                     (8, 5, 12, 4), (8, 32, 12, 6), (1, 32, 16, 1), (16, 0, 16, 1)):
+        assert dc.rows_per_pass(most, batch, warps) == rows, (most, batch, warps)
+    with pytest.raises(ValueError, match="at least 1"):
+        dc.rows_per_pass(0, 8, 16)
+
+
+def test_launch_plan_at_ouro_shapes():
+    """Splits per KV head = multiprocessors / heads unless a split would give a warp less than one step's tokens
+    (warps per row = warps / rows); shared memory holds a query per row of the pass."""
+    kc, vc = make_codecs("loopvq", 16, 128, 256, 16, 4)
+    lanes = dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 16)
+    fk = torch.empty(8, 76, 16, 128, dtype=torch.bfloat16, device="meta")
+    for batch, n, rows, splits in ((8, 32768, 8, 8), (8, 100, 8, 4), (1, 100, 1, 1), (3, 100, 2, 1), (32, 500, 8, 8)):
+        idx = torch.empty(batch, 16, n, 32, dtype=torch.uint8, device="meta").transpose(1, 2)
+        coded = SimpleNamespace(key_indices=idx, value_indices=idx, key_sigma=None, count=n)
+        q = torch.empty(batch, 16, 128, dtype=torch.bfloat16, device="meta")
+        plan = dc.plan_launch(lanes, q, fk[:batch], fk[:batch], coded, None, None, None, None, None, 227 * 1024, 132)
+        assert (plan.warps, plan.tokens, plan.rows, plan.splits) == (16, 8, rows, splits), (batch, n, plan)
+        assert plan.split_len == -(-n // splits) and not plan.key_float32
+        # fp16 tables (2 x 64 KiB), 16 warps x 2 buffers x 16 tokens x 64 index bytes, queries, weights, channel maps
+        assert plan.shared == 2 * 128 * 256 * 2 + 16 * 2 * 16 * 64 + rows * 128 * 4 + 16 * 16 * 4 + 2 * 128 * 4
+
+
+def test_default_rows_give_way_to_a_float32_key_table():
+    """TaSQ's keys (runs of 1) want the key table in float32 (128 KiB at Ouro's shapes): with 227 KiB of shared
+    memory it fits with 2 query rows in shared memory, not 4 or 8, so the default rows per pass drop to 2; rows
+    asked for are kept and the table stays fp16."""
+    kc, vc = make_codecs("tasq+loopvq", 16, 128, 256, 16, 4)
+    lanes = dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 16)
+    assert lanes.run_key == 1
+    fk = torch.empty(8, 76, 16, 128, dtype=torch.bfloat16, device="meta")
+    idx = torch.empty(8, 16, 32768, 32, dtype=torch.uint8, device="meta").transpose(1, 2)
+    coded = SimpleNamespace(key_indices=idx, value_indices=idx, count=32000,
+                            key_sigma=torch.empty(8, 32768, 4, dtype=torch.float16, device="meta"))
+    q = torch.empty(8, 16, 128, dtype=torch.bfloat16, device="meta")
+    tables = 128 * 256 * 4 + 128 * 256 * 2
+    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, None, None, None, 227 * 1024, 132)
+    assert (plan.rows, plan.key_float32) == (2, True)
+    assert plan.shared == tables + 16 * 2 * 16 * 64 + 2 * 128 * 4 + 16 * 16 * 4 + 2 * 128 * 4 <= 227 * 1024
+    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, 8, None, None, 227 * 1024, 132)
+    assert (plan.rows, plan.key_float32) == (8, False)
+
+
+def test_a_given_plan_is_launched_as_is(monkeypatch):
+    """decode_attention_cuda with a plan (the dispatch's, from decode_cuda.launch) does not work it out again:
+    no device query, the plan's grid, block, shared memory and rows per pass."""
+    tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
+    lanes = dc.site_lanes(tables, 1, 16)
+    inputs = da.kernel_inputs(q, tables, coded, fpos, mask, da.RopeTable(64, 1e4), 64)
+    launches = []
+
+    def no_query(device):
+        raise AssertionError("the plan was worked out again")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_query)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(dc, "_compiled", lambda defines, shared, index: lambda **kw: launches.append((defines, kw)))
+    plan = dc.LaunchPlan(warps=4, tokens=2, rows=2, splits=3, split_len=7, key_float32=False, shared=12345)
+    acc, ml = dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv, plan=plan)
+    (defines, kw), = launches
+    assert kw["grid"] == (tables.value.shape[0], 3, 1) and kw["block"] == (128, 1, 1) and kw["shared_mem"] == 12345
+    assert dict(defines)["RPB"] == 2 and dict(defines)["U"] == 2 and acc.shape[2] == ml.shape[2] == 3
+
+
 def test_cpu_tensors_never_take_the_cuda_kernel():
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
@@ -293,13 +363,33 @@ def test_kernel_gqa_and_huginn_head_dim(method, style, d, lanes):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("method, lanes, key_float32", [
-    ("loopvq", 8, None), ("loopvq", 16, None), ("loopvq", 16, True), ("tasq+loopvq", 8, None), ("tasq+loopvq", 16, None)])
-def test_kernel_at_ouro_shapes_in_fp16_tables_and_bf16(method, lanes, key_float32):
+@pytest.mark.parametrize("rows, batch, warps", [(2, 3, 16), (4, 2, 16), (2, 5, 8), (4, 5, 12), (8, 8, 16), (8, 11, 16)])
+def test_kernel_serves_several_rows_per_pass(rows, batch, warps):
+    """Rows per pass: the block's warps split over batch rows (a last pass with fewer rows, left padding)."""
+    check("tasq+loopvq", "half", heads=2, q_heads=2, n=333, s_fp=9, d=128, k=64, g=16, splits=2, pad=2, batch=batch,
+          seed=rows + batch, backend="cuda", rows_per_pass=rows, warps=warps)
+
+
+@pytest.mark.gpu
+@gpu
+def test_kernel_with_tables_copied_by_plain_loads(monkeypatch):
+    """TABLE_ASYNC off (the comparison build of bench_decode's ``s`` variants): the same attention."""
+    monkeypatch.setattr(dc, "TABLE_ASYNC", False)
+    check("loopvq", "half", heads=2, q_heads=2, n=333, s_fp=9, d=128, k=64, g=16, splits=2, pad=2, batch=3,
+          backend="cuda", rows_per_pass=2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("method, lanes, key_float32, rows", [
+    ("loopvq", 8, None, 1), ("loopvq", 16, None, 1), ("loopvq", 16, True, 8), ("loopvq", 16, None, 2),
+    ("tasq+loopvq", 8, None, 1), ("tasq+loopvq", 16, None, 8)])
+def test_kernel_at_ouro_shapes_in_fp16_tables_and_bf16(method, lanes, key_float32, rows):
     """fp16 tables, bf16 query and tokens; keys read as packed halves (or widened to fp32) and values summed in
     packed halves over a warp step: relative error within the fp16 tolerance."""
     check(method, "half", heads=16, q_heads=16, n=3000, s_fp=72, d=128, k=256, g=16, table_dtype=torch.float16,
-          dtype=torch.bfloat16, tol=1e-2, backend="cuda", lanes_per_token=lanes, key_float32=key_float32)
+          dtype=torch.bfloat16, tol=1e-2, backend="cuda", lanes_per_token=lanes, key_float32=key_float32,
+          rows_per_pass=rows, batch=8)
 
 
 @pytest.mark.gpu
