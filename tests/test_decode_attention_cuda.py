@@ -292,6 +292,47 @@ def test_default_rows_give_way_to_a_float32_key_table():
     assert (plan.rows, plan.key_float32) == (8, False)
 
 
+def ouro_like_call(method: str, kv_heads: int, q_heads: int, batch: int, n: int = 32000):
+    """Lane tables (16 lanes, fp16) and meta tensors of a call at Ouro's D 128, K 256, 32 index bytes per token."""
+    kc, vc = make_codecs(method, kv_heads, 128, 256, 16, 4)
+    lanes = dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 16)
+    fk = torch.empty(batch, 76, kv_heads, 128, dtype=torch.bfloat16, device="meta")
+    idx = torch.empty(batch, kv_heads, n + 768, 32, dtype=torch.uint8, device="meta").transpose(1, 2)
+    sigma = torch.empty(batch, n + 768, 4, dtype=torch.float16, device="meta") if method.startswith("tasq") else None
+    coded = SimpleNamespace(key_indices=idx, value_indices=idx, key_sigma=sigma, count=n)
+    return lanes, torch.empty(batch, q_heads, 128, dtype=torch.bfloat16, device="meta"), fk, coded
+
+
+def test_default_rows_are_lowered_until_a_gqa_call_fits():
+    """16 query heads per KV head (8 warps x 4 tokens): the merge area (8 x 16 x 130 floats) and 16 queries per
+    row leave room for 2 rows of a pass with fp16 tables, not the default 8 (268,288 bytes) or 4: the default
+    rows drop to 2 rather than the call being refused."""
+    lanes, q, fk, coded = ouro_like_call("loopvq", 4, 64, 8)
+    limit = 227 * 1024
+
+    def need(rows):  # fp16 tables, merge area (larger than the stages), queries, weights, channel maps
+        return 2 * 128 * 256 * 2 + 8 * 16 * 130 * 4 + rows * 16 * 128 * 4 + 8 * 16 * 8 * 4 + 2 * 128 * 4
+    assert need(8) == 268288 and need(4) > limit >= need(2)
+    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, None, None, None, limit, 132)
+    assert (plan.warps, plan.tokens, plan.rows, plan.key_float32, plan.shared) == (8, 4, 2, False, need(2))
+    assert plan.splits == 132 // 4
+    assert isinstance(dc.plan_launch(lanes, q, fk, fk, coded, None, None, 4, None, None, limit, 132), str)
+
+
+def test_rows_are_kept_when_a_float32_key_table_fits_at_no_rows():
+    """TaSQ's keys want a float32 table, but with 8 query heads per KV head it needs 237,056 bytes even at one
+    row per pass: the table stays fp16 and the default 8 rows are kept (they fit)."""
+    lanes, q, fk, coded = ouro_like_call("tasq+loopvq", 8, 64, 8)
+    assert lanes.run_key == 1
+    limit = 227 * 1024
+
+    def need(key_bytes, rows):  # tables, merge area, queries, weights, channel maps
+        return 128 * 256 * (key_bytes + 2) + 8 * 8 * 130 * 4 + rows * 8 * 128 * 4 + 8 * 8 * 8 * 4 + 2 * 128 * 4
+    assert need(4, 1) == 237056 > limit >= need(2, 8)
+    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, None, None, None, limit, 132)
+    assert (plan.rows, plan.key_float32, plan.shared) == (8, False, need(2, 8))
+
+
 def test_a_given_plan_is_launched_as_is(monkeypatch):
     """decode_attention_cuda with a plan (the dispatch's, from decode_cuda.launch) does not work it out again:
     no device query, the plan's grid, block, shared memory and rows per pass."""
