@@ -266,7 +266,8 @@ def plan_launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor
                 key_float32: bool | None, shared_limit: int, sms: int) -> LaunchPlan | str:
     """The launch (defaults from :func:`default_launch`, rows per pass by :func:`rows_per_pass`, splits per KV
     head = ``sms`` over the heads; the key table in float32 by default only where its runs cannot be read as
-    packed halves (odd runs) and it fits at one row per pass (at the rows given, if any); then the default rows
+    packed halves (odd runs) and it fits at one row per pass (at the rows given, if any; ``key_float32=True``
+    that does not fit is refused); then the default rows
     per pass lowered until the call fits with that table: a float32 key table measured faster than more rows
     for TaSQ's keys), or why the kernel cannot read this call's tensors as it assumes: a
     site with lane tables, one dtype for q and the full-precision tokens, one-byte key and value indices stored
@@ -299,8 +300,10 @@ def plan_launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor
                          f"warps 1..32, got {tokens} and {warps}")
     wanted = lanes.run_key % 2 == 1 if key_float32 is None else key_float32
     given, rows = rows is not None, rows_per_pass(rows or r, bsz, warps)
-    wide = wanted and launch_shared(lanes, coded, warps, qg, tokens, torch.float32,
-                                    rows if given else 1) <= shared_limit  # float32 wanted and fits
+    need32 = launch_shared(lanes, coded, warps, qg, tokens, torch.float32, rows if given else 1)
+    wide = wanted and need32 <= shared_limit  # float32 wanted and fits
+    if key_float32 and not wide:
+        return f"a float32 key table needs {need32} bytes of shared memory, {shared_limit} available"
     key_dtype = torch.float32 if wide else None
     while not given and rows > 1 and launch_shared(lanes, coded, warps, qg, tokens, key_dtype, rows) > shared_limit:
         rows = rows_per_pass(rows - 1, bsz, warps)  # default rows give way to the key table

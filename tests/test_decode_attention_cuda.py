@@ -333,6 +333,20 @@ def test_rows_are_kept_when_a_float32_key_table_fits_at_no_rows():
     assert (plan.rows, plan.key_float32, plan.shared) == (8, False, need(2, 8))
 
 
+def test_a_float32_key_table_asked_for_is_refused_where_it_does_not_fit():
+    """At Ouro's shapes a float32 key table (128 KiB) fits with 2 rows' queries exactly (232,448 bytes), not with
+    8 (235,520): key_float32=True at 8 rows is refused naming both byte counts, never served with fp16 keys."""
+    lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
+    limit = 227 * 1024
+    need = 128 * 256 * (4 + 2) + 16 * 2 * 16 * 64 + 2 * 128 * 4 + 16 * 16 * 4 + 2 * 128 * 4  # at 2 rows
+    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, 2, None, True, limit, 132)
+    assert (plan.rows, plan.key_float32, plan.shared) == (2, True, need) and need == limit
+    reason = dc.plan_launch(lanes, q, fk, fk, coded, None, None, 8, None, True, limit, 132)
+    assert reason == f"a float32 key table needs {need + 6 * 128 * 4} bytes of shared memory, {limit} available"
+    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, None, None, True, limit, 132)
+    assert (plan.rows, plan.key_float32) == (2, True)  # default rows give way to the table asked for
+
+
 def test_a_given_plan_is_launched_as_is(monkeypatch):
     """decode_attention_cuda with a plan (the dispatch's, from decode_cuda.launch) does not work it out again:
     no device query, the plan's grid, block, shared memory and rows per pass."""
@@ -423,14 +437,20 @@ def test_kernel_with_tables_copied_by_plain_loads(monkeypatch):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("method, lanes, key_float32, rows", [
-    ("loopvq", 8, None, 1), ("loopvq", 16, None, 1), ("loopvq", 16, True, 8), ("loopvq", 16, None, 2),
+    ("loopvq", 8, None, 1), ("loopvq", 16, None, 1), ("loopvq", 16, True, 2), ("loopvq", 16, True, None),
+    ("loopvq", 16, None, 2),
     ("tasq+loopvq", 8, None, 1), ("tasq+loopvq", 16, None, 8)])
-def test_kernel_at_ouro_shapes_in_fp16_tables_and_bf16(method, lanes, key_float32, rows):
+def test_kernel_at_ouro_shapes_in_fp16_tables_and_bf16(method, lanes, key_float32, rows, monkeypatch):
     """fp16 tables, bf16 query and tokens; keys read as packed halves (or widened to fp32) and values summed in
-    packed halves over a warp step: relative error within the fp16 tolerance."""
+    packed halves over a warp step: relative error within the fp16 tolerance. The plans launched (from
+    decode_cuda.launch) have the rows and the float32 key table asked for."""
+    plans, plan_of = [], dc.launch
+    monkeypatch.setattr(dc, "launch", lambda *args: plans.append(plan_of(*args)) or plans[-1])
     check(method, "half", heads=16, q_heads=16, n=3000, s_fp=72, d=128, k=256, g=16, table_dtype=torch.float16,
           dtype=torch.bfloat16, tol=1e-2, backend="cuda", lanes_per_token=lanes, key_float32=key_float32,
           rows_per_pass=rows, batch=8)
+    assert plans and all(isinstance(p, dc.LaunchPlan) and p.rows == (rows or p.rows) for p in plans)
+    assert not key_float32 or all(p.key_float32 for p in plans)
 
 
 @pytest.mark.gpu
