@@ -294,12 +294,13 @@ def plan_launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor
     heads = lanes.key.shape[0]
     qg = hq // heads
     w, u, _, r = default_launch(qg)
-    warps, tokens = warps or w, tokens or u
+    warps, tokens = (warps if warps is not None else w), (tokens if tokens is not None else u)
     if tokens not in (1, 2, 4, 8, 16) or tokens > lanes.lanes or not 1 <= warps <= 32:
         raise ValueError(f"tokens_per_iteration must be a power of two up to the lanes per token ({lanes.lanes}) and "
                          f"warps 1..32, got {tokens} and {warps}")
     wanted = lanes.run_key % 2 == 1 if key_float32 is None else key_float32
-    given, rows = rows is not None, rows_per_pass(rows or r, bsz, warps)
+    given = rows is not None
+    rows = rows_per_pass(rows if given else r, bsz, warps)
     need32 = launch_shared(lanes, coded, warps, qg, tokens, torch.float32, rows if given else 1)
     wide = wanted and need32 <= shared_limit  # float32 wanted and fits
     if key_float32 and not wide:

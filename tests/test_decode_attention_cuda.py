@@ -347,6 +347,15 @@ def test_a_float32_key_table_asked_for_is_refused_where_it_does_not_fit():
     assert (plan.rows, plan.key_float32) == (2, True)  # default rows give way to the table asked for
 
 
+def test_zero_rows_warps_or_tokens_are_refused_not_taken_for_the_default():
+    lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
+    with pytest.raises(ValueError, match="rows per pass must be at least 1, got 0"):
+        dc.plan_launch(lanes, q, fk, fk, coded, None, None, 0, None, None, 227 * 1024, 132)
+    for warps, tokens in ((0, None), (None, 0)):
+        with pytest.raises(ValueError, match="tokens_per_iteration must be"):
+            dc.plan_launch(lanes, q, fk, fk, coded, warps, tokens, None, None, None, 227 * 1024, 132)
+
+
 def test_a_given_plan_is_launched_as_is(monkeypatch):
     """decode_attention_cuda with a plan (the dispatch's, from decode_cuda.launch) does not work it out again:
     no device query, the plan's grid, block, shared memory and rows per pass."""
