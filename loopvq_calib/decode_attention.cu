@@ -30,6 +30,9 @@
 #ifndef RPB
 #define RPB 1  // batch rows per pass (decode_cuda defines it; 1 for other builders)
 #endif
+#if RPB < 1 || WARPS % RPB != 0
+#error "RPB (batch rows per pass) must divide WARPS: every row of a pass gets WARPS / RPB warps"
+#endif
 #ifndef TABLE_ASYNC
 #define TABLE_ASYNC 1  // the step tables copied by cp.async (0: plain loads and stores)
 #endif

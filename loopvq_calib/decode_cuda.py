@@ -389,8 +389,8 @@ def decode_attention_cuda(
 
     ``inputs``: :class:`~loopvq_calib.decode_attention.KernelInputs` (the RoPE table of at least
     :func:`rope_rows` rows); ``lanes`` the site's tables for the lanes per token to launch with; ``plan`` the
-    call's :class:`LaunchPlan` from :func:`launch` (worked out here from the other arguments when None; see
-    :func:`plan_launch`): ``warps`` per block (one block per multiprocessor: the tables fill its shared
+    call's :class:`LaunchPlan` from :func:`launch` (worked out here by :func:`launch` from the other arguments
+    when None, which must then be None themselves; a refusal raises LaunchError): ``warps`` per block (one block per multiprocessor: the tables fill its shared
     memory), ``tokens_per_iteration`` tokens per lane group and step (1 .. lanes, a power of two; a warp takes
     32/lanes times as many), ``rows_per_pass`` the most batch rows a block serves at once, ``num_splits`` per
     KV head, ``key_float32`` the key table in float32 in shared memory (no conversions)."""
@@ -398,12 +398,18 @@ def decode_attention_cuda(
     bsz, hq, d = q.shape
     heads, _, k, _, _ = lanes.key.shape
     qg = hq // heads
+    asked = {"warps": warps, "tokens_per_iteration": tokens_per_iteration, "num_splits": num_splits,
+             "key_float32": key_float32, "rows_per_pass": rows_per_pass}
     if plan is None:
-        props = torch.cuda.get_device_properties(q.device)
-        plan = plan_launch(lanes, q, fp_keys, fp_values, coded, warps, tokens_per_iteration, rows_per_pass,
-                           num_splits, key_float32, props.shared_memory_per_block_optin, props.multi_processor_count)
+        plan = launch(lanes, q, fp_keys, fp_values, coded, warps, tokens_per_iteration, rows_per_pass, num_splits,
+                      key_float32)
         if isinstance(plan, str):
             raise LaunchError(f"{KERNEL} refuses this call: {plan}")
+    elif any(v is not None for v in asked.values()):
+        raise ValueError(f"a launch plan and {', '.join(n for n, v in asked.items() if v is not None)} given: "
+                         "pass one or the other")
+    elif not 1 <= plan.rows <= plan.warps or plan.warps % plan.rows:
+        raise ValueError(f"a plan's rows per pass ({plan.rows}) must divide its warps ({plan.warps})")
     n = coded.count
     key = lanes.key_table(plan.key_float32)
     kidx, vidx = coded.key_indices, coded.value_indices

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
+import subprocess
 from types import SimpleNamespace
 
 import pytest
@@ -241,6 +243,7 @@ def test_the_launch_runs_on_the_query_device_and_its_stream(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d: ("stream of", d))
     monkeypatch.setattr(dc, "_compiled", lambda defines, shared, index: kernel)
+    monkeypatch.setattr(dc, "launch", lambda *args: dc.plan_launch(*args, 227 * 1024, 4))  # CPU q: no CUDA check
     dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv)
     assert launches == [([q.device], ("stream of", q.device))] and entered[-1] == "left"
     with pytest.raises(dc.LaunchError, match="invalid resource handle"):
@@ -377,6 +380,40 @@ def test_a_given_plan_is_launched_as_is(monkeypatch):
     (defines, kw), = launches
     assert kw["grid"] == (tables.value.shape[0], 3, 1) and kw["block"] == (128, 1, 1) and kw["shared_mem"] == 12345
     assert dict(defines)["RPB"] == 2 and dict(defines)["U"] == 2 and acc.shape[2] == ml.shape[2] == 3
+
+
+def test_a_hand_made_plan_is_checked_and_no_plan_goes_through_launch(monkeypatch):
+    """A plan whose rows do not divide its warps, or a plan next to launch arguments it would silently override,
+    raises ValueError before any build; without a plan, launch()'s refusals (a CPU query, an earlier failed
+    build) raise LaunchError."""
+    tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
+    lanes = dc.site_lanes(tables, 1, 16)
+    inputs = da.kernel_inputs(q, tables, coded, fpos, mask, da.RopeTable(64, 1e4), 64)
+    monkeypatch.setattr(dc, "_compiled", lambda *args: pytest.fail("built despite a bad plan"))
+    plan = dc.LaunchPlan(warps=16, tokens=8, rows=3, splits=2, split_len=11, key_float32=False, shared=0)
+    with pytest.raises(ValueError, match=r"rows per pass \(3\) must divide its warps \(16\)"):
+        dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv, plan=plan)
+    plan = dc.LaunchPlan(warps=16, tokens=8, rows=4, splits=2, split_len=11, key_float32=False, shared=0)
+    with pytest.raises(ValueError, match="a launch plan and warps, rows_per_pass given"):
+        dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv, warps=8, rows_per_pass=2, plan=plan)
+    with pytest.raises(dc.LaunchError, match="refuses this call: device cpu is not CUDA"):
+        dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv)
+    monkeypatch.setattr(dc, "BUILD_FAILED", [dc.BuildError("broken before")])
+    with pytest.raises(dc.LaunchError, match="an earlier build failed: broken before"):
+        dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv)
+
+
+@pytest.mark.skipif(shutil.which("cpp") is None, reason="needs a C preprocessor")
+def test_the_kernel_source_refuses_rows_that_do_not_divide_the_warps(tmp_path):
+    """decode_attention.cu stops the build (#error) when RPB does not divide WARPS (the C preprocessor alone)."""
+    def preprocess(warps: int, rows: int) -> subprocess.CompletedProcess:
+        return subprocess.run(["cpp", "-x", "c++", "-P", f"-DWARPS={warps}", f"-DRPB={rows}", str(dc.SOURCE)],
+                              capture_output=True, text=True)
+    for warps, rows in ((16, 3), (12, 8), (8, 0)):
+        done = preprocess(warps, rows)
+        assert done.returncode != 0 and "RPB (batch rows per pass) must divide WARPS" in done.stderr, (warps, rows)
+    done = preprocess(12, 4)
+    assert done.returncode == 0 and "loopvq_decode_split" in done.stdout, done.stderr
 
 
 def test_cpu_tensors_never_take_the_cuda_kernel():
