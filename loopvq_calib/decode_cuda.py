@@ -10,7 +10,7 @@ the query's rotation is lane-local) and ``D/lanes`` value channels; the channels
 form a *run* (one index byte and one vector load per token). Loop-axis layouts give runs of 4 (Ouro, 16 lanes:
 a lane reads 2 key and 2 value codes per token, the value codes' index bytes in one 16-bit load; with 8 lanes
 4 and 4, in one 16-bit and one 32-bit load); TaSQ's permuted keys give runs of 1. :func:`lane_tables` says whether a site fits (head dim a multiple of 2 lanes);
-:func:`fits` whether a call does (else the Triton kernel serves it).
+:func:`launch` whether a call does (its plan, else the reason and the Triton kernel serves it).
 """
 
 from __future__ import annotations
@@ -201,8 +201,8 @@ def _align16(x: int) -> int:
 
 def shared_layout(d: int, k: int, key_bytes: int, value_bytes: int, key_codes: int, value_codes: int, warps: int,
                   query_groups: int, step_tokens: int, rows: int = 1) -> int:
-    """Bytes of dynamic shared memory (decode_attention.cu's KT_BYTES + VT_BYTES + STAGE_BYTES + QS_BYTES + pbuf +
-    the channel maps); ``step_tokens`` tokens per warp step (TOK), ``rows`` batch rows per pass (RPB)."""
+    """Bytes of dynamic shared memory (decode_attention.cu's KT_BYTES + VT_BYTES + STAGE_BYTES + the queries qs
+    + pbuf + the channel maps); ``step_tokens`` tokens per warp step (TOK), ``rows`` batch rows per pass (RPB)."""
     stage = warps * 2 * step_tokens * (key_codes + value_codes)
     merge = warps * query_groups * (d + 2) * 4
     return (d * k * key_bytes + d * k * value_bytes + _align16(max(stage, merge)) + rows * query_groups * d * 4
@@ -224,19 +224,6 @@ class LaunchPlan:
     shared: int
 
 
-def fits(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
-         warps: int | None, tokens: int | None = None) -> bool:
-    """Whether this call can run the CUDA kernel (else the Triton one serves it): :func:`refusal` is None."""
-    return refusal(lanes, q, fp_keys, fp_values, coded, warps, tokens) is None
-
-
-def refusal(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
-            warps: int | None, tokens: int | None = None) -> str | None:
-    """Why this call cannot run the CUDA kernel, or None when it can (:func:`launch`'s reason)."""
-    plan = launch(lanes, q, fp_keys, fp_values, coded, warps, tokens)
-    return plan if isinstance(plan, str) else None
-
-
 def launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
            warps: int | None = None, tokens: int | None = None, rows: int | None = None, num_splits: int | None = None,
            key_float32: bool | None = None) -> LaunchPlan | str:
@@ -252,13 +239,6 @@ def launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_
     props = torch.cuda.get_device_properties(q.device)
     return plan_launch(lanes, q, fp_keys, fp_values, coded, warps, tokens, rows, num_splits, key_float32,
                        props.shared_memory_per_block_optin, props.multi_processor_count)
-
-
-def layout_refusal(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
-                   warps: int | None, tokens: int | None, shared_limit: int) -> str | None:
-    """Why the kernel cannot read this call's tensors as it assumes (:func:`plan_launch`'s reason), or None."""
-    plan = plan_launch(lanes, q, fp_keys, fp_values, coded, warps, tokens, None, None, None, shared_limit, 1)
-    return plan if isinstance(plan, str) else None
 
 
 def plan_launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
@@ -389,9 +369,9 @@ def decode_attention_cuda(
 
     ``inputs``: :class:`~loopvq_calib.decode_attention.KernelInputs` (the RoPE table of at least
     :func:`rope_rows` rows); ``lanes`` the site's tables for the lanes per token to launch with; ``plan`` the
-    call's :class:`LaunchPlan` from :func:`launch` (worked out here by :func:`launch` from the other arguments
-    when None, which must then be None themselves; a refusal raises LaunchError): ``warps`` per block (one block per multiprocessor: the tables fill its shared
-    memory), ``tokens_per_iteration`` tokens per lane group and step (1 .. lanes, a power of two; a warp takes
+    call's :class:`LaunchPlan` from :func:`launch` (the launch arguments must then be None; when None,
+    :func:`launch` works it out from them here and its refusal raises LaunchError). Launch arguments: ``warps``
+    per block (one block per multiprocessor: the tables fill its shared memory), ``tokens_per_iteration`` tokens per lane group and step (1 .. lanes, a power of two; a warp takes
     32/lanes times as many), ``rows_per_pass`` the most batch rows a block serves at once, ``num_splits`` per
     KV head, ``key_float32`` the key table in float32 in shared memory (no conversions)."""
     q = inputs.q

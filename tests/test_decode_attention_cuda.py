@@ -149,7 +149,7 @@ def test_a_failed_build_is_remembered_and_named(monkeypatch):
         da.decode_attention(q, tables, coded, fk, fv, fpos, None, da.RopeTable(64, 1e4), backend="cuda")
 
 
-def test_fits_checks_what_the_kernel_reads(monkeypatch):
+def test_launch_checks_what_the_kernel_reads(monkeypatch):
     """The CUDA path is taken only when the kernel can read every tensor as it assumes: one-byte key AND value
     indices stored head-major, fp16 TaSQ sigmas, unit inner strides, tables and buffers within shared memory
     (checked here with a stand-in CUDA query on the CPU)."""
@@ -165,21 +165,23 @@ def test_fits_checks_what_the_kernel_reads(monkeypatch):
     cuda_q = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=fk.dtype, shape=q.shape)
     u8 = SimpleNamespace(key_indices=head_major(coded.key_indices.to(torch.uint8)),
                          value_indices=head_major(coded.value_indices.to(torch.uint8)), key_sigma=None, count=coded.count)
-    assert dc.fits(lanes, cuda_q, fk, fv, u8, 8)
-    assert not dc.fits(lanes, cuda_q, fk, fv, SimpleNamespace(**{**vars(u8), "value_indices": u8.value_indices.int()}), 8)
-    token_major = SimpleNamespace(**{**vars(u8), "key_indices": coded.key_indices.to(torch.uint8)})
-    assert not dc.fits(lanes, cuda_q, fk, fv, token_major, 8)
-    assert not dc.fits(lanes, cuda_q, fk, fv, SimpleNamespace(**{**vars(u8), "key_sigma": torch.ones(1, 8, 4)}), 8)
-    assert not dc.fits(lanes, cuda_q, fk.transpose(-1, -2), fv, u8, 8)
+    def fits(coded, fk=fk, tokens=None) -> bool:
+        return isinstance(dc.launch(lanes, cuda_q, fk, fv, coded, 8, tokens), dc.LaunchPlan)
+
+    assert fits(u8)
+    assert not fits(SimpleNamespace(**{**vars(u8), "value_indices": u8.value_indices.int()}))
+    assert not fits(SimpleNamespace(**{**vars(u8), "key_indices": coded.key_indices.to(torch.uint8)}))  # token-major
+    assert not fits(SimpleNamespace(**{**vars(u8), "key_sigma": torch.ones(1, 8, 4)}))
+    assert not fits(u8, fk.transpose(-1, -2))
     need = dc.launch_shared(lanes, u8, 8, 1, 8)  # 8 lanes per token: 4 groups x 8 tokens per warp step
     assert need == 2 * 64 * 16 * 2 + 8 * 2 * 32 * 64 + 64 * 4 + 8 * 32 * 4 + 2 * 64 * 4  # tables, stages, query,
     # weights, channel maps
     limit.shared_memory_per_block_optin = need - 1
-    assert not dc.fits(lanes, cuda_q, fk, fv, u8, 8, 8)
+    assert not fits(u8, tokens=8)
     limit.shared_memory_per_block_optin = need
-    assert dc.fits(lanes, cuda_q, fk, fv, u8, 8, 8)
+    assert fits(u8, tokens=8)
     dc.BUILD_FAILED.append(dc.BuildError("earlier"))
-    assert not dc.fits(lanes, cuda_q, fk, fv, u8, 8)
+    assert not fits(u8)
 
 
 def test_large_batches_and_buffers_are_refused_only_where_32_bit_offsets_overflow():
@@ -194,12 +196,14 @@ def test_large_batches_and_buffers_are_refused_only_where_32_bit_offsets_overflo
                                      (1, 2**22 - 1, False), (1, 2**22, True), (2, 2**23, True)):
         idx = torch.empty(batch, 16, capacity, 32, dtype=torch.uint8, device="meta").transpose(1, 2)  # CodeBuffer's
         coded = SimpleNamespace(key_indices=idx, value_indices=idx, key_sigma=None, count=capacity - 100)
-        reason = dc.layout_refusal(lanes, q[:batch], fk[:batch], fk[:batch], coded, None, None, 227 * 1024)
-        assert (reason is not None) == refused, (batch, capacity, reason)
+        reason = dc.plan_launch(lanes, q[:batch], fk[:batch], fk[:batch], coded, None, None, None, None, None,
+                                227 * 1024, 1)
+        assert isinstance(reason, str) == refused, (batch, capacity, reason)
         assert idx.stride(0) == 16 * capacity * 32 and (idx.stride(0) > dc.INT32_MAX) == refused
         if refused:
             assert "stride beyond 2**31 - 1" in reason
-    assert dc.layout_refusal(None, q, fk, fk, coded, None, None, 227 * 1024).startswith("the site has no lane tables")
+    assert dc.plan_launch(None, q, fk, fk, coded, None, None, None, None, None, 227 * 1024, 1).startswith(
+        "the site has no lane tables")
 
 
 def test_rope_rows_cover_every_anchor_read():
@@ -420,7 +424,7 @@ def test_cpu_tensors_never_take_the_cuda_kernel():
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
     lanes = dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16))
-    assert not dc.fits(lanes, q, fk, fv, coded, 8)
+    assert dc.launch(lanes, q, fk, fv, coded, 8) == "device cpu is not CUDA"
     tables = da.step_tables(kc, vc, 0, "half", "cpu", torch.float16)
     with pytest.raises(RuntimeError, match="CUDA decode kernel does not take this call"):
         da.decode_attention(q, tables, coded, fk, fv, fpos, None, da.RopeTable(64, 1e4), backend="cuda")
