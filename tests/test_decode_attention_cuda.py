@@ -21,6 +21,7 @@ import torch
 from loopvq_calib import decode_attention as da
 from loopvq_calib import decode_cuda as dc
 from loopvq_calib.models.common import pair_channels, rope_angles
+import test_decode_attention
 from test_decode_attention import dispatch_case, check, head_major, make_codecs, make_inputs
 
 CUDA = torch.cuda.is_available()
@@ -73,6 +74,40 @@ def emulate(q: torch.Tensor, tables: da.StepTables, coded: da.CodedTokens, fk, f
     out = torch.empty_like(out_lane)
     out.scatter_(3, vch[None, :, None, :].expand(bsz, -1, qg, -1), out_lane)
     return out.reshape(bsz, hq, d)
+
+
+def pad_the_last_row_too(monkeypatch) -> None:
+    """check()'s inputs (make_inputs pads row 0 only) with the last row padded like row 0 as well: with several
+    rows per pass it lies in a later pass (or later in the first)."""
+    make = test_decode_attention.make_inputs
+
+    def padded(*args, **kwargs):
+        coded, q, fk, fv, fpos, mask = make(*args, **kwargs)
+        if mask is not None and mask.shape[0] > 1:
+            pad, half = int((~mask[0]).sum()), fpos.shape[1] // 2
+            mask[-1, :pad] = False
+            fpos[-1, :pad] = 0
+            fpos[-1, pad:half] = torch.arange(half - pad)
+        return coded, q, fk, fv, fpos, mask
+
+    monkeypatch.setattr(test_decode_attention, "make_inputs", padded)
+
+
+def test_the_last_rows_padding_is_masked(monkeypatch):
+    """The inputs of pad_the_last_row_too: rows 0 and 2 padded, row 1 not; the emulated kernel gives the masked
+    reference, and the mask changes exactly the padded rows."""
+    pad_the_last_row_too(monkeypatch)
+    kc, vc = make_codecs("tasq+loopvq", 2, 64, 16, 8, 4, seed=5)
+    coded, q, fk, fv, fpos, mask = test_decode_attention.make_inputs(kc, vc, 3, 2, 23, 6, seed=5, pad=2)
+    assert mask[:, :2].tolist() == [[False, False], [True, True], [False, False]] and mask[:, 2:].all()
+    assert fpos[2, :3].tolist() == fpos[0, :3].tolist() == [0, 0, 0]  # sinks: pads at 0, then positions from 0
+    tables = da.step_tables(kc, vc, 1, "half", "cpu", torch.float32)
+    got = emulate(q, tables, coded, fk, fv, fpos, mask, 1e4, 16)
+    ref = da.decode_attention_reference(q, kc, vc, 1, coded, fk, fv, fpos, mask, "half", 1e4)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-6
+    unmasked = da.decode_attention_reference(q, kc, vc, 1, coded, fk, fv, fpos, None, "half", 1e4)
+    changed = [not torch.allclose(ref[b], unmasked[b]) for b in range(3)]
+    assert changed == [True, False, True]
 
 
 @pytest.mark.parametrize("method", ["cq", "tasq", "loopvq", "tasq+loopvq"])
@@ -469,8 +504,10 @@ def test_kernel_gqa_and_huginn_head_dim(method, style, d, lanes):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("rows, batch, warps", [(2, 3, 16), (4, 2, 16), (2, 5, 8), (4, 5, 12), (8, 8, 16), (8, 11, 16)])
-def test_kernel_serves_several_rows_per_pass(rows, batch, warps):
-    """Rows per pass: the block's warps split over batch rows (a last pass with fewer rows, left padding)."""
+def test_kernel_serves_several_rows_per_pass(rows, batch, warps, monkeypatch):
+    """Rows per pass: the block's warps split over batch rows (a last pass with fewer rows, left padding in the
+    first row and the last)."""
+    pad_the_last_row_too(monkeypatch)
     check("tasq+loopvq", "half", heads=2, q_heads=2, n=333, s_fp=9, d=128, k=64, g=16, splits=2, pad=2, batch=batch,
           seed=rows + batch, backend="cuda", rows_per_pass=rows, warps=warps)
 
@@ -478,8 +515,10 @@ def test_kernel_serves_several_rows_per_pass(rows, batch, warps):
 @pytest.mark.gpu
 @gpu
 def test_kernel_with_tables_copied_by_plain_loads(monkeypatch):
-    """TABLE_ASYNC off (the comparison build of bench_decode's ``s`` variants): the same attention."""
+    """TABLE_ASYNC off (the comparison build of bench_decode's ``s`` variants): the same attention (left
+    padding in rows 0 and 2, two passes)."""
     monkeypatch.setattr(dc, "TABLE_ASYNC", False)
+    pad_the_last_row_too(monkeypatch)
     check("loopvq", "half", heads=2, q_heads=2, n=333, s_fp=9, d=128, k=64, g=16, splits=2, pad=2, batch=3,
           backend="cuda", rows_per_pass=2)
 
@@ -492,13 +531,14 @@ def test_kernel_with_tables_copied_by_plain_loads(monkeypatch):
     ("tasq+loopvq", 8, None, 1), ("tasq+loopvq", 16, None, 8)])
 def test_kernel_at_ouro_shapes_in_fp16_tables_and_bf16(method, lanes, key_float32, rows, monkeypatch):
     """fp16 tables, bf16 query and tokens; keys read as packed halves (or widened to fp32) and values summed in
-    packed halves over a warp step: relative error within the fp16 tolerance. The plans launched (from
-    decode_cuda.launch) have the rows and the float32 key table asked for."""
+    packed halves over a warp step: relative error within the fp16 tolerance (rows 0 and 7 left-padded). The
+    plans launched (from decode_cuda.launch) have the rows and the float32 key table asked for."""
+    pad_the_last_row_too(monkeypatch)
     plans, plan_of = [], dc.launch
     monkeypatch.setattr(dc, "launch", lambda *args: plans.append(plan_of(*args)) or plans[-1])
     check(method, "half", heads=16, q_heads=16, n=3000, s_fp=72, d=128, k=256, g=16, table_dtype=torch.float16,
           dtype=torch.bfloat16, tol=1e-2, backend="cuda", lanes_per_token=lanes, key_float32=key_float32,
-          rows_per_pass=rows, batch=8)
+          rows_per_pass=rows, batch=8, pad=2)
     assert plans and all(isinstance(p, dc.LaunchPlan) and p.rows == (rows or p.rows) for p in plans)
     assert not key_float32 or all(p.key_float32 for p in plans)
 
