@@ -30,6 +30,9 @@
 #ifndef RPB
 #define RPB 1  // batch rows per pass (decode_cuda defines it; 1 for other builders)
 #endif
+#if RPB < 1 || WARPS % RPB != 0
+#error "RPB (batch rows per pass) must divide WARPS: every row of a pass gets WARPS / RPB warps"
+#endif
 #ifndef TABLE_ASYNC
 #define TABLE_ASYNC 1  // the step tables copied by cp.async (0: plain loads and stores)
 #endif
@@ -60,7 +63,6 @@ typedef long long i64;
 #define STAGE_WARP (2 * TOK * (NKC + NVC))
 #define MRG_BYTES (WARPS * QG * (D + 2) * 4)
 #define STAGE_BYTES ALIGN16(WARPS * STAGE_WARP > MRG_BYTES ? WARPS * STAGE_WARP : MRG_BYTES)
-#define QS_BYTES (RPB * QG * D * 4)
 #define WPR (WARPS / RPB)        // warps per batch row of a pass
 #define ROWK (LPT * RK * (KT32 ? 4 : 2))  // bytes of one codeword's row of one key run (all lanes)
 #define ROWV (LPT * RV * (VT32 ? 4 : 2))
@@ -342,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
         cp_wait<0>();
 #endif
     }
-    __syncthreads();  // the channel maps are read by every thread from here on (the tables after the first row's sync)
+    __syncthreads();  // the tables (cp_wait above) and the channel maps are complete for every thread from here on
     const int* kchan = chans;  // shared copies: the full-precision tokens and the merge read them per row
     const int* vchan = chans + D;
     // per run of the lane: its index column and the shared address of its values in codeword 0 (+ index * row bytes)
@@ -398,7 +400,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
             cp_commit();
         };
         if (w_begin < w_end) issue(w_begin, 0);
-        __syncthreads();  // qs written (and, at the first row, the tables)
+        __syncthreads();  // qs written
 
         float m[QG], ls[QG], acc[QG][CPL];
 #pragma unroll

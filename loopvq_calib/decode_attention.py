@@ -230,7 +230,7 @@ def decode_attention(
     block, ``tokens_per_iteration`` per lane group and step, ``lanes_per_token`` 8 or 16, ``key_float32``,
     ``rows_per_pass`` (most batch rows a block serves at once); defaults from :func:`~loopvq_calib.decode_cuda.default_launch`; ``num_splits`` per KV head), ``"triton"``
     the kernel of :mod:`~loopvq_calib.decode_kernels`, ``"auto"`` for CUDA tensors the CUDA kernel where the
-    site and the call fit it (:func:`~loopvq_calib.decode_cuda.refusal` is None) and it builds and launches,
+    site and the call fit it (:func:`~loopvq_calib.decode_cuda.launch` gives a plan) and it builds and launches,
     else (with a warning once per reason) and for other tensors Triton.
     """
     bsz, hq, d = q.shape

@@ -10,7 +10,7 @@ the query's rotation is lane-local) and ``D/lanes`` value channels; the channels
 form a *run* (one index byte and one vector load per token). Loop-axis layouts give runs of 4 (Ouro, 16 lanes:
 a lane reads 2 key and 2 value codes per token, the value codes' index bytes in one 16-bit load; with 8 lanes
 4 and 4, in one 16-bit and one 32-bit load); TaSQ's permuted keys give runs of 1. :func:`lane_tables` says whether a site fits (head dim a multiple of 2 lanes);
-:func:`fits` whether a call does (else the Triton kernel serves it).
+:func:`launch` whether a call does (its plan, else the reason and the Triton kernel serves it).
 """
 
 from __future__ import annotations
@@ -201,8 +201,8 @@ def _align16(x: int) -> int:
 
 def shared_layout(d: int, k: int, key_bytes: int, value_bytes: int, key_codes: int, value_codes: int, warps: int,
                   query_groups: int, step_tokens: int, rows: int = 1) -> int:
-    """Bytes of dynamic shared memory (decode_attention.cu's KT_BYTES + VT_BYTES + STAGE_BYTES + QS_BYTES + pbuf +
-    the channel maps); ``step_tokens`` tokens per warp step (TOK), ``rows`` batch rows per pass (RPB)."""
+    """Bytes of dynamic shared memory (decode_attention.cu's KT_BYTES + VT_BYTES + STAGE_BYTES + the queries qs
+    + pbuf + the channel maps); ``step_tokens`` tokens per warp step (TOK), ``rows`` batch rows per pass (RPB)."""
     stage = warps * 2 * step_tokens * (key_codes + value_codes)
     merge = warps * query_groups * (d + 2) * 4
     return (d * k * key_bytes + d * k * value_bytes + _align16(max(stage, merge)) + rows * query_groups * d * 4
@@ -224,19 +224,6 @@ class LaunchPlan:
     shared: int
 
 
-def fits(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
-         warps: int | None, tokens: int | None = None) -> bool:
-    """Whether this call can run the CUDA kernel (else the Triton one serves it): :func:`refusal` is None."""
-    return refusal(lanes, q, fp_keys, fp_values, coded, warps, tokens) is None
-
-
-def refusal(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
-            warps: int | None, tokens: int | None = None) -> str | None:
-    """Why this call cannot run the CUDA kernel, or None when it can (:func:`launch`'s reason)."""
-    plan = launch(lanes, q, fp_keys, fp_values, coded, warps, tokens)
-    return plan if isinstance(plan, str) else None
-
-
 def launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
            warps: int | None = None, tokens: int | None = None, rows: int | None = None, num_splits: int | None = None,
            key_float32: bool | None = None) -> LaunchPlan | str:
@@ -254,20 +241,15 @@ def launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_
                        props.shared_memory_per_block_optin, props.multi_processor_count)
 
 
-def layout_refusal(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
-                   warps: int | None, tokens: int | None, shared_limit: int) -> str | None:
-    """Why the kernel cannot read this call's tensors as it assumes (:func:`plan_launch`'s reason), or None."""
-    plan = plan_launch(lanes, q, fp_keys, fp_values, coded, warps, tokens, None, None, None, shared_limit, 1)
-    return plan if isinstance(plan, str) else None
-
-
 def plan_launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
                 warps: int | None, tokens: int | None, rows: int | None, num_splits: int | None,
                 key_float32: bool | None, shared_limit: int, sms: int) -> LaunchPlan | str:
     """The launch (defaults from :func:`default_launch`, rows per pass by :func:`rows_per_pass`, splits per KV
     head = ``sms`` over the heads; the key table in float32 by default only where its runs cannot be read as
-    packed halves (odd runs) and it fits, the default rows per pass lowered until it does: a float32 key table
-    measured faster than more rows for TaSQ's keys), or why the kernel cannot read this call's tensors as it assumes: a
+    packed halves (odd runs) and it fits at one row per pass (at the rows given, if any; ``key_float32=True``
+    that does not fit is refused); then the default rows
+    per pass lowered until the call fits with that table: a float32 key table measured faster than more rows
+    for TaSQ's keys), or why the kernel cannot read this call's tensors as it assumes: a
     site with lane tables, one dtype for q and the full-precision tokens, one-byte key and value indices stored
     head-major with aligned rows, fp16 TaSQ sigmas, unit inner strides, shared memory within ``shared_limit``
     bytes, and what it computes in 32 bits: every stride it takes (int arguments) and a token's offset inside
@@ -292,21 +274,24 @@ def plan_launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor
     heads = lanes.key.shape[0]
     qg = hq // heads
     w, u, _, r = default_launch(qg)
-    warps, tokens = warps or w, tokens or u
+    warps, tokens = (warps if warps is not None else w), (tokens if tokens is not None else u)
     if tokens not in (1, 2, 4, 8, 16) or tokens > lanes.lanes or not 1 <= warps <= 32:
         raise ValueError(f"tokens_per_iteration must be a power of two up to the lanes per token ({lanes.lanes}) and "
                          f"warps 1..32, got {tokens} and {warps}")
     wanted = lanes.run_key % 2 == 1 if key_float32 is None else key_float32
-    given, rows = rows is not None, rows_per_pass(rows or r, bsz, warps)
-    while wanted and not given and rows > 1 and launch_shared(
-            lanes, coded, warps, qg, tokens, torch.float32, rows) > shared_limit:
-        rows = rows_per_pass(rows - 1, bsz, warps)  # default rows give way to a float32 key table
+    given = rows is not None
+    rows = rows_per_pass(rows if given else r, bsz, warps)
+    need32 = launch_shared(lanes, coded, warps, qg, tokens, torch.float32, rows if given else 1)
+    wide = wanted and need32 <= shared_limit  # float32 wanted and fits
+    if key_float32 and not wide:
+        return f"a float32 key table needs {need32} bytes of shared memory, {shared_limit} available"
+    key_dtype = torch.float32 if wide else None
+    while not given and rows > 1 and launch_shared(lanes, coded, warps, qg, tokens, key_dtype, rows) > shared_limit:
+        rows = rows_per_pass(rows - 1, bsz, warps)  # default rows give way to the key table
     n = coded.count
     if num_splits is None:
         num_splits = max(1, min(max(sms // heads, 1), -(-n // (warps // rows * 32 // lanes.lanes * tokens))))
-    fits32 = launch_shared(lanes, coded, warps, qg, tokens, torch.float32, rows) <= shared_limit
-    wide = wanted and fits32
-    need = launch_shared(lanes, coded, warps, qg, tokens, torch.float32 if wide else None, rows)
+    need = launch_shared(lanes, coded, warps, qg, tokens, key_dtype, rows)
     if need > shared_limit:
         return f"{need} bytes of shared memory, {shared_limit} available"
     if any(t.stride(-1) != 1 for t in read + list(indices)):
@@ -384,21 +369,27 @@ def decode_attention_cuda(
 
     ``inputs``: :class:`~loopvq_calib.decode_attention.KernelInputs` (the RoPE table of at least
     :func:`rope_rows` rows); ``lanes`` the site's tables for the lanes per token to launch with; ``plan`` the
-    call's :class:`LaunchPlan` from :func:`launch` (worked out here from the other arguments when None; see
-    :func:`plan_launch`): ``warps`` per block (one block per multiprocessor: the tables fill its shared
-    memory), ``tokens_per_iteration`` tokens per lane group and step (1 .. lanes, a power of two; a warp takes
+    call's :class:`LaunchPlan` from :func:`launch` (the launch arguments must then be None; when None,
+    :func:`launch` works it out from them here and its refusal raises LaunchError). Launch arguments: ``warps``
+    per block (one block per multiprocessor: the tables fill its shared memory), ``tokens_per_iteration`` tokens per lane group and step (1 .. lanes, a power of two; a warp takes
     32/lanes times as many), ``rows_per_pass`` the most batch rows a block serves at once, ``num_splits`` per
     KV head, ``key_float32`` the key table in float32 in shared memory (no conversions)."""
     q = inputs.q
     bsz, hq, d = q.shape
     heads, _, k, _, _ = lanes.key.shape
     qg = hq // heads
+    asked = {"warps": warps, "tokens_per_iteration": tokens_per_iteration, "num_splits": num_splits,
+             "key_float32": key_float32, "rows_per_pass": rows_per_pass}
     if plan is None:
-        props = torch.cuda.get_device_properties(q.device)
-        plan = plan_launch(lanes, q, fp_keys, fp_values, coded, warps, tokens_per_iteration, rows_per_pass,
-                           num_splits, key_float32, props.shared_memory_per_block_optin, props.multi_processor_count)
+        plan = launch(lanes, q, fp_keys, fp_values, coded, warps, tokens_per_iteration, rows_per_pass, num_splits,
+                      key_float32)
         if isinstance(plan, str):
             raise LaunchError(f"{KERNEL} refuses this call: {plan}")
+    elif any(v is not None for v in asked.values()):
+        raise ValueError(f"a launch plan and {', '.join(n for n, v in asked.items() if v is not None)} given: "
+                         "pass one or the other")
+    elif not 1 <= plan.rows <= plan.warps or plan.warps % plan.rows:
+        raise ValueError(f"a plan's rows per pass ({plan.rows}) must divide its warps ({plan.warps})")
     n = coded.count
     key = lanes.key_table(plan.key_float32)
     kidx, vidx = coded.key_indices, coded.value_indices

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
+import subprocess
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +21,7 @@ import torch
 from loopvq_calib import decode_attention as da
 from loopvq_calib import decode_cuda as dc
 from loopvq_calib.models.common import pair_channels, rope_angles
+import test_decode_attention
 from test_decode_attention import dispatch_case, check, head_major, make_codecs, make_inputs
 
 CUDA = torch.cuda.is_available()
@@ -71,6 +74,40 @@ def emulate(q: torch.Tensor, tables: da.StepTables, coded: da.CodedTokens, fk, f
     out = torch.empty_like(out_lane)
     out.scatter_(3, vch[None, :, None, :].expand(bsz, -1, qg, -1), out_lane)
     return out.reshape(bsz, hq, d)
+
+
+def pad_the_last_row_too(monkeypatch) -> None:
+    """check()'s inputs (make_inputs pads row 0 only) with the last row padded like row 0 as well: with several
+    rows per pass it lies in a later pass (or later in the first)."""
+    make = test_decode_attention.make_inputs
+
+    def padded(*args, **kwargs):
+        coded, q, fk, fv, fpos, mask = make(*args, **kwargs)
+        if mask is not None and mask.shape[0] > 1:
+            pad, half = int((~mask[0]).sum()), fpos.shape[1] // 2
+            mask[-1, :pad] = False
+            fpos[-1, :pad] = 0
+            fpos[-1, pad:half] = torch.arange(half - pad)
+        return coded, q, fk, fv, fpos, mask
+
+    monkeypatch.setattr(test_decode_attention, "make_inputs", padded)
+
+
+def test_the_last_rows_padding_is_masked(monkeypatch):
+    """The inputs of pad_the_last_row_too: rows 0 and 2 padded, row 1 not; the emulated kernel gives the masked
+    reference, and the mask changes exactly the padded rows."""
+    pad_the_last_row_too(monkeypatch)
+    kc, vc = make_codecs("tasq+loopvq", 2, 64, 16, 8, 4, seed=5)
+    coded, q, fk, fv, fpos, mask = test_decode_attention.make_inputs(kc, vc, 3, 2, 23, 6, seed=5, pad=2)
+    assert mask[:, :2].tolist() == [[False, False], [True, True], [False, False]] and mask[:, 2:].all()
+    assert fpos[2, :3].tolist() == fpos[0, :3].tolist() == [0, 0, 0]  # sinks: pads at 0, then positions from 0
+    tables = da.step_tables(kc, vc, 1, "half", "cpu", torch.float32)
+    got = emulate(q, tables, coded, fk, fv, fpos, mask, 1e4, 16)
+    ref = da.decode_attention_reference(q, kc, vc, 1, coded, fk, fv, fpos, mask, "half", 1e4)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-6
+    unmasked = da.decode_attention_reference(q, kc, vc, 1, coded, fk, fv, fpos, None, "half", 1e4)
+    changed = [not torch.allclose(ref[b], unmasked[b]) for b in range(3)]
+    assert changed == [True, False, True]
 
 
 @pytest.mark.parametrize("method", ["cq", "tasq", "loopvq", "tasq+loopvq"])
@@ -147,7 +184,7 @@ def test_a_failed_build_is_remembered_and_named(monkeypatch):
         da.decode_attention(q, tables, coded, fk, fv, fpos, None, da.RopeTable(64, 1e4), backend="cuda")
 
 
-def test_fits_checks_what_the_kernel_reads(monkeypatch):
+def test_launch_checks_what_the_kernel_reads(monkeypatch):
     """The CUDA path is taken only when the kernel can read every tensor as it assumes: one-byte key AND value
     indices stored head-major, fp16 TaSQ sigmas, unit inner strides, tables and buffers within shared memory
     (checked here with a stand-in CUDA query on the CPU)."""
@@ -163,21 +200,23 @@ def test_fits_checks_what_the_kernel_reads(monkeypatch):
     cuda_q = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=fk.dtype, shape=q.shape)
     u8 = SimpleNamespace(key_indices=head_major(coded.key_indices.to(torch.uint8)),
                          value_indices=head_major(coded.value_indices.to(torch.uint8)), key_sigma=None, count=coded.count)
-    assert dc.fits(lanes, cuda_q, fk, fv, u8, 8)
-    assert not dc.fits(lanes, cuda_q, fk, fv, SimpleNamespace(**{**vars(u8), "value_indices": u8.value_indices.int()}), 8)
-    token_major = SimpleNamespace(**{**vars(u8), "key_indices": coded.key_indices.to(torch.uint8)})
-    assert not dc.fits(lanes, cuda_q, fk, fv, token_major, 8)
-    assert not dc.fits(lanes, cuda_q, fk, fv, SimpleNamespace(**{**vars(u8), "key_sigma": torch.ones(1, 8, 4)}), 8)
-    assert not dc.fits(lanes, cuda_q, fk.transpose(-1, -2), fv, u8, 8)
+    def fits(coded, fk=fk, tokens=None) -> bool:
+        return isinstance(dc.launch(lanes, cuda_q, fk, fv, coded, 8, tokens), dc.LaunchPlan)
+
+    assert fits(u8)
+    assert not fits(SimpleNamespace(**{**vars(u8), "value_indices": u8.value_indices.int()}))
+    assert not fits(SimpleNamespace(**{**vars(u8), "key_indices": coded.key_indices.to(torch.uint8)}))  # token-major
+    assert not fits(SimpleNamespace(**{**vars(u8), "key_sigma": torch.ones(1, 8, 4)}))
+    assert not fits(u8, fk.transpose(-1, -2))
     need = dc.launch_shared(lanes, u8, 8, 1, 8)  # 8 lanes per token: 4 groups x 8 tokens per warp step
     assert need == 2 * 64 * 16 * 2 + 8 * 2 * 32 * 64 + 64 * 4 + 8 * 32 * 4 + 2 * 64 * 4  # tables, stages, query,
     # weights, channel maps
     limit.shared_memory_per_block_optin = need - 1
-    assert not dc.fits(lanes, cuda_q, fk, fv, u8, 8, 8)
+    assert not fits(u8, tokens=8)
     limit.shared_memory_per_block_optin = need
-    assert dc.fits(lanes, cuda_q, fk, fv, u8, 8, 8)
+    assert fits(u8, tokens=8)
     dc.BUILD_FAILED.append(dc.BuildError("earlier"))
-    assert not dc.fits(lanes, cuda_q, fk, fv, u8, 8)
+    assert not fits(u8)
 
 
 def test_large_batches_and_buffers_are_refused_only_where_32_bit_offsets_overflow():
@@ -192,12 +231,14 @@ def test_large_batches_and_buffers_are_refused_only_where_32_bit_offsets_overflo
                                      (1, 2**22 - 1, False), (1, 2**22, True), (2, 2**23, True)):
         idx = torch.empty(batch, 16, capacity, 32, dtype=torch.uint8, device="meta").transpose(1, 2)  # CodeBuffer's
         coded = SimpleNamespace(key_indices=idx, value_indices=idx, key_sigma=None, count=capacity - 100)
-        reason = dc.layout_refusal(lanes, q[:batch], fk[:batch], fk[:batch], coded, None, None, 227 * 1024)
-        assert (reason is not None) == refused, (batch, capacity, reason)
+        reason = dc.plan_launch(lanes, q[:batch], fk[:batch], fk[:batch], coded, None, None, None, None, None,
+                                227 * 1024, 1)
+        assert isinstance(reason, str) == refused, (batch, capacity, reason)
         assert idx.stride(0) == 16 * capacity * 32 and (idx.stride(0) > dc.INT32_MAX) == refused
         if refused:
             assert "stride beyond 2**31 - 1" in reason
-    assert dc.layout_refusal(None, q, fk, fk, coded, None, None, 227 * 1024).startswith("the site has no lane tables")
+    assert dc.plan_launch(None, q, fk, fk, coded, None, None, None, None, None, 227 * 1024, 1).startswith(
+        "the site has no lane tables")
 
 
 def test_rope_rows_cover_every_anchor_read():
@@ -241,6 +282,7 @@ def test_the_launch_runs_on_the_query_device_and_its_stream(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d: ("stream of", d))
     monkeypatch.setattr(dc, "_compiled", lambda defines, shared, index: kernel)
+    monkeypatch.setattr(dc, "launch", lambda *args: dc.plan_launch(*args, 227 * 1024, 4))  # CPU q: no CUDA check
     dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv)
     assert launches == [([q.device], ("stream of", q.device))] and entered[-1] == "left"
     with pytest.raises(dc.LaunchError, match="invalid resource handle"):
@@ -292,6 +334,70 @@ def test_default_rows_give_way_to_a_float32_key_table():
     assert (plan.rows, plan.key_float32) == (8, False)
 
 
+def ouro_like_call(method: str, kv_heads: int, q_heads: int, batch: int, n: int = 32000):
+    """Lane tables (16 lanes, fp16) and meta tensors of a call at Ouro's D 128, K 256, 32 index bytes per token."""
+    kc, vc = make_codecs(method, kv_heads, 128, 256, 16, 4)
+    lanes = dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 16)
+    fk = torch.empty(batch, 76, kv_heads, 128, dtype=torch.bfloat16, device="meta")
+    idx = torch.empty(batch, kv_heads, n + 768, 32, dtype=torch.uint8, device="meta").transpose(1, 2)
+    sigma = torch.empty(batch, n + 768, 4, dtype=torch.float16, device="meta") if method.startswith("tasq") else None
+    coded = SimpleNamespace(key_indices=idx, value_indices=idx, key_sigma=sigma, count=n)
+    return lanes, torch.empty(batch, q_heads, 128, dtype=torch.bfloat16, device="meta"), fk, coded
+
+
+def test_default_rows_are_lowered_until_a_gqa_call_fits():
+    """16 query heads per KV head (8 warps x 4 tokens): the merge area (8 x 16 x 130 floats) and 16 queries per
+    row leave room for 2 rows of a pass with fp16 tables, not the default 8 (268,288 bytes) or 4: the default
+    rows drop to 2 rather than the call being refused."""
+    lanes, q, fk, coded = ouro_like_call("loopvq", 4, 64, 8)
+    limit = 227 * 1024
+
+    def need(rows):  # fp16 tables, merge area (larger than the stages), queries, weights, channel maps
+        return 2 * 128 * 256 * 2 + 8 * 16 * 130 * 4 + rows * 16 * 128 * 4 + 8 * 16 * 8 * 4 + 2 * 128 * 4
+    assert need(8) == 268288 and need(4) > limit >= need(2)
+    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, None, None, None, limit, 132)
+    assert (plan.warps, plan.tokens, plan.rows, plan.key_float32, plan.shared) == (8, 4, 2, False, need(2))
+    assert plan.splits == 132 // 4
+    assert isinstance(dc.plan_launch(lanes, q, fk, fk, coded, None, None, 4, None, None, limit, 132), str)
+
+
+def test_rows_are_kept_when_a_float32_key_table_fits_at_no_rows():
+    """TaSQ's keys want a float32 table, but with 8 query heads per KV head it needs 237,056 bytes even at one
+    row per pass: the table stays fp16 and the default 8 rows are kept (they fit)."""
+    lanes, q, fk, coded = ouro_like_call("tasq+loopvq", 8, 64, 8)
+    assert lanes.run_key == 1
+    limit = 227 * 1024
+
+    def need(key_bytes, rows):  # tables, merge area, queries, weights, channel maps
+        return 128 * 256 * (key_bytes + 2) + 8 * 8 * 130 * 4 + rows * 8 * 128 * 4 + 8 * 8 * 8 * 4 + 2 * 128 * 4
+    assert need(4, 1) == 237056 > limit >= need(2, 8)
+    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, None, None, None, limit, 132)
+    assert (plan.rows, plan.key_float32, plan.shared) == (8, False, need(2, 8))
+
+
+def test_a_float32_key_table_asked_for_is_refused_where_it_does_not_fit():
+    """At Ouro's shapes a float32 key table (128 KiB) fits with 2 rows' queries exactly (232,448 bytes), not with
+    8 (235,520): key_float32=True at 8 rows is refused naming both byte counts, never served with fp16 keys."""
+    lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
+    limit = 227 * 1024
+    need = 128 * 256 * (4 + 2) + 16 * 2 * 16 * 64 + 2 * 128 * 4 + 16 * 16 * 4 + 2 * 128 * 4  # at 2 rows
+    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, 2, None, True, limit, 132)
+    assert (plan.rows, plan.key_float32, plan.shared) == (2, True, need) and need == limit
+    reason = dc.plan_launch(lanes, q, fk, fk, coded, None, None, 8, None, True, limit, 132)
+    assert reason == f"a float32 key table needs {need + 6 * 128 * 4} bytes of shared memory, {limit} available"
+    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, None, None, True, limit, 132)
+    assert (plan.rows, plan.key_float32) == (2, True)  # default rows give way to the table asked for
+
+
+def test_zero_rows_warps_or_tokens_are_refused_not_taken_for_the_default():
+    lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
+    with pytest.raises(ValueError, match="rows per pass must be at least 1, got 0"):
+        dc.plan_launch(lanes, q, fk, fk, coded, None, None, 0, None, None, 227 * 1024, 132)
+    for warps, tokens in ((0, None), (None, 0)):
+        with pytest.raises(ValueError, match="tokens_per_iteration must be"):
+            dc.plan_launch(lanes, q, fk, fk, coded, warps, tokens, None, None, None, 227 * 1024, 132)
+
+
 def test_a_given_plan_is_launched_as_is(monkeypatch):
     """decode_attention_cuda with a plan (the dispatch's, from decode_cuda.launch) does not work it out again:
     no device query, the plan's grid, block, shared memory and rows per pass."""
@@ -315,11 +421,45 @@ def test_a_given_plan_is_launched_as_is(monkeypatch):
     assert dict(defines)["RPB"] == 2 and dict(defines)["U"] == 2 and acc.shape[2] == ml.shape[2] == 3
 
 
+def test_a_hand_made_plan_is_checked_and_no_plan_goes_through_launch(monkeypatch):
+    """A plan whose rows do not divide its warps, or a plan next to launch arguments it would silently override,
+    raises ValueError before any build; without a plan, launch()'s refusals (a CPU query, an earlier failed
+    build) raise LaunchError."""
+    tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
+    lanes = dc.site_lanes(tables, 1, 16)
+    inputs = da.kernel_inputs(q, tables, coded, fpos, mask, da.RopeTable(64, 1e4), 64)
+    monkeypatch.setattr(dc, "_compiled", lambda *args: pytest.fail("built despite a bad plan"))
+    plan = dc.LaunchPlan(warps=16, tokens=8, rows=3, splits=2, split_len=11, key_float32=False, shared=0)
+    with pytest.raises(ValueError, match=r"rows per pass \(3\) must divide its warps \(16\)"):
+        dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv, plan=plan)
+    plan = dc.LaunchPlan(warps=16, tokens=8, rows=4, splits=2, split_len=11, key_float32=False, shared=0)
+    with pytest.raises(ValueError, match="a launch plan and warps, rows_per_pass given"):
+        dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv, warps=8, rows_per_pass=2, plan=plan)
+    with pytest.raises(dc.LaunchError, match="refuses this call: device cpu is not CUDA"):
+        dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv)
+    monkeypatch.setattr(dc, "BUILD_FAILED", [dc.BuildError("broken before")])
+    with pytest.raises(dc.LaunchError, match="an earlier build failed: broken before"):
+        dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv)
+
+
+@pytest.mark.skipif(shutil.which("cpp") is None, reason="needs a C preprocessor")
+def test_the_kernel_source_refuses_rows_that_do_not_divide_the_warps(tmp_path):
+    """decode_attention.cu stops the build (#error) when RPB does not divide WARPS (the C preprocessor alone)."""
+    def preprocess(warps: int, rows: int) -> subprocess.CompletedProcess:
+        return subprocess.run(["cpp", "-x", "c++", "-P", f"-DWARPS={warps}", f"-DRPB={rows}", str(dc.SOURCE)],
+                              capture_output=True, text=True)
+    for warps, rows in ((16, 3), (12, 8), (8, 0)):
+        done = preprocess(warps, rows)
+        assert done.returncode != 0 and "RPB (batch rows per pass) must divide WARPS" in done.stderr, (warps, rows)
+    done = preprocess(12, 4)
+    assert done.returncode == 0 and "loopvq_decode_split" in done.stdout, done.stderr
+
+
 def test_cpu_tensors_never_take_the_cuda_kernel():
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
     lanes = dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16))
-    assert not dc.fits(lanes, q, fk, fv, coded, 8)
+    assert dc.launch(lanes, q, fk, fv, coded, 8) == "device cpu is not CUDA"
     tables = da.step_tables(kc, vc, 0, "half", "cpu", torch.float16)
     with pytest.raises(RuntimeError, match="CUDA decode kernel does not take this call"):
         da.decode_attention(q, tables, coded, fk, fv, fpos, None, da.RopeTable(64, 1e4), backend="cuda")
@@ -364,8 +504,10 @@ def test_kernel_gqa_and_huginn_head_dim(method, style, d, lanes):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("rows, batch, warps", [(2, 3, 16), (4, 2, 16), (2, 5, 8), (4, 5, 12), (8, 8, 16), (8, 11, 16)])
-def test_kernel_serves_several_rows_per_pass(rows, batch, warps):
-    """Rows per pass: the block's warps split over batch rows (a last pass with fewer rows, left padding)."""
+def test_kernel_serves_several_rows_per_pass(rows, batch, warps, monkeypatch):
+    """Rows per pass: the block's warps split over batch rows (a last pass with fewer rows, left padding in the
+    first row and the last)."""
+    pad_the_last_row_too(monkeypatch)
     check("tasq+loopvq", "half", heads=2, q_heads=2, n=333, s_fp=9, d=128, k=64, g=16, splits=2, pad=2, batch=batch,
           seed=rows + batch, backend="cuda", rows_per_pass=rows, warps=warps)
 
@@ -373,8 +515,10 @@ def test_kernel_serves_several_rows_per_pass(rows, batch, warps):
 @pytest.mark.gpu
 @gpu
 def test_kernel_with_tables_copied_by_plain_loads(monkeypatch):
-    """TABLE_ASYNC off (the comparison build of bench_decode's ``s`` variants): the same attention."""
+    """TABLE_ASYNC off (the comparison build of bench_decode's ``s`` variants): the same attention (left
+    padding in rows 0 and 2, two passes)."""
     monkeypatch.setattr(dc, "TABLE_ASYNC", False)
+    pad_the_last_row_too(monkeypatch)
     check("loopvq", "half", heads=2, q_heads=2, n=333, s_fp=9, d=128, k=64, g=16, splits=2, pad=2, batch=3,
           backend="cuda", rows_per_pass=2)
 
@@ -382,14 +526,21 @@ def test_kernel_with_tables_copied_by_plain_loads(monkeypatch):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("method, lanes, key_float32, rows", [
-    ("loopvq", 8, None, 1), ("loopvq", 16, None, 1), ("loopvq", 16, True, 8), ("loopvq", 16, None, 2),
+    ("loopvq", 8, None, 1), ("loopvq", 16, None, 1), ("loopvq", 16, True, 2), ("loopvq", 16, True, None),
+    ("loopvq", 16, None, 2),
     ("tasq+loopvq", 8, None, 1), ("tasq+loopvq", 16, None, 8)])
-def test_kernel_at_ouro_shapes_in_fp16_tables_and_bf16(method, lanes, key_float32, rows):
+def test_kernel_at_ouro_shapes_in_fp16_tables_and_bf16(method, lanes, key_float32, rows, monkeypatch):
     """fp16 tables, bf16 query and tokens; keys read as packed halves (or widened to fp32) and values summed in
-    packed halves over a warp step: relative error within the fp16 tolerance."""
+    packed halves over a warp step: relative error within the fp16 tolerance (rows 0 and 7 left-padded). The
+    plans launched (from decode_cuda.launch) have the rows and the float32 key table asked for."""
+    pad_the_last_row_too(monkeypatch)
+    plans, plan_of = [], dc.launch
+    monkeypatch.setattr(dc, "launch", lambda *args: plans.append(plan_of(*args)) or plans[-1])
     check(method, "half", heads=16, q_heads=16, n=3000, s_fp=72, d=128, k=256, g=16, table_dtype=torch.float16,
           dtype=torch.bfloat16, tol=1e-2, backend="cuda", lanes_per_token=lanes, key_float32=key_float32,
-          rows_per_pass=rows, batch=8)
+          rows_per_pass=rows, batch=8, pad=2)
+    assert plans and all(isinstance(p, dc.LaunchPlan) and p.rows == (rows or p.rows) for p in plans)
+    assert not key_float32 or all(p.key_float32 for p in plans)
 
 
 @pytest.mark.gpu
