@@ -180,7 +180,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--methods", nargs="+", default=["loopvq", "tasq+loopvq"])
     ap.add_argument("--variants", default="cuda-16x8x16x1s,cuda-16x8x16x1,cuda-16x8x16x2,cuda-16x8x16x4,cuda-16x8x16x8,"
-                    "cuda-16x8x16x8s,cuda-16x8x16x8f",
+                    "cuda-16x8x16x8s,cuda-16x8x16x2f",
                     help="kernel variants tried at 32k, batch 8 (see parse_variant); the table runs the defaults")
     ap.add_argument("--codebook-size", type=int, default=K, help="K (256 is the 0.5-bit bundle; smaller K shrinks the "
                     "step tables, to see what a cache-resident codebook slice gives)")
