@@ -38,7 +38,7 @@ class FinetuneResult:
     quantizer: KVQuantizer  # codebooks of the best selection point
     best_epoch: int  # the epoch of that point (0: the k-means codebooks)
     curve: list[dict[str, Any]] = field(default_factory=list)  # per selection point: epoch, step, train_kl, selection_kl
-    teacher_kept: int = 0  # sequences (of this process) whose teacher outputs were kept across epochs
+    teacher_kept: int = 0  # sequences whose teacher outputs this process kept across epochs
     best_step: int = 0  # optimizer steps taken at that point
 
 
@@ -62,7 +62,8 @@ class TeacherCache:
     :meth:`settle` after the second training step (the optimizer's state exists by then), then what fits
     the device memory those steps left unused (peak reserved by the allocator), less a margin of
     ``TEACHER_CACHE_MARGIN`` and memory still to come (the best epoch's copy of the codebooks); sequences
-    are kept in the order they are next asked for."""
+    are kept in the order they are next asked for. ``sequences``: how many distinct sequences this process
+    can ask for (:func:`asked_sequences`), the most worth keeping."""
 
     def __init__(self, model: torch.nn.Module, cfg: FinetuneConfig, sequences: int) -> None:
         self.sequences = sequences
@@ -157,6 +158,30 @@ def batch_teachers(parts: list[Teacher]) -> Teacher:
                    {s: torch.cat([p.values[s] for p in parts]) for s in parts[0].values})
 
 
+def epoch_order(calib: CalibrationSet, cfg: FinetuneConfig, epoch: int) -> list[int]:
+    """The training sequences in the order epoch ``epoch`` (from 1) visits them (the same on every process)."""
+    gen = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
+    return [calib.train[i] for i in torch.randperm(len(calib.train), generator=gen).tolist()]
+
+
+def asked_sequences(calib: CalibrationSet, cfg: FinetuneConfig, dist: DistContext = SINGLE,
+                    first_epoch: int = 1) -> int:
+    """Distinct sequences whose teacher outputs this process of ``dist`` asks for in a run from epoch
+    ``first_epoch``: its share of the selection sequences, of the usage count (``min_usage``) and of every
+    batch (each batch is split by position, and the order changes every epoch, so with ``batch_size`` > 1 a
+    process sees most training sequences)."""
+    asked = {i for n, i in enumerate(calib.heldout) if dist.owns(n)}
+    if training_steps(cfg, len(calib.train)) == 0:
+        return len(asked)
+    if cfg.min_usage > 0:
+        asked |= {i for n, i in enumerate(calib.train) if dist.owns(n)}
+    for epoch in range(first_epoch, cfg.epochs + 1):
+        order = epoch_order(calib, cfg, epoch)
+        for start in range(0, len(order), cfg.batch_size):
+            asked |= {i for n, i in enumerate(order[start : start + cfg.batch_size]) if dist.owns(n)}
+    return len(asked)
+
+
 def training_steps(cfg: FinetuneConfig, train_sequences: int) -> int:
     """Optimizer steps of a fine-tuning run (0 when it is off)."""
     return cfg.epochs * -(-train_sequences // cfg.batch_size) if cfg.enabled else 0
@@ -197,7 +222,9 @@ def finetune_codebooks(
     and from which a rerun resumes after the last saved epoch.
     ``dist``: the processes sharing each batch (gradients summed across them)."""
     quantizer = copy.deepcopy(quantizer).to(device, torch.float32)
-    cache = TeacherCache(model, cfg, -(-calib.input_ids.shape[0] // dist.world))
+    resume = torch.load(checkpoint, weights_only=False) if checkpoint is not None and checkpoint.is_file() else None
+    first_epoch = 1 if resume is None else resume["epoch"] + 1
+    cache = TeacherCache(model, cfg, asked_sequences(calib, cfg, dist, first_epoch))
     if device.type == "cuda":  # the first steps' peak decides how many teacher outputs fit (cache_teacher auto)
         release_cached_memory(device)
     total = training_steps(cfg, len(calib.train))
@@ -212,7 +239,6 @@ def finetune_codebooks(
         return entry
 
     curve: list[dict[str, Any]] = []
-    resume = torch.load(checkpoint, weights_only=False) if checkpoint is not None and checkpoint.is_file() else None
     if resume is None:
         select(0, 0, None)
     if total == 0:
@@ -221,7 +247,7 @@ def finetune_codebooks(
     free = CodebookParams(quantizer, cfg.parameterization, usage, cfg.min_usage)
     opt = torch.optim.Adam(free.params, lr=cfg.lr)
     best, best_state = 0, free.snapshot()
-    steps, settle_after, first_epoch = 0, min(2, total), 1
+    steps, settle_after = 0, min(2, total)
     train_sum = torch.zeros(2, device=device)
     if resume is not None:
         with torch.no_grad():
@@ -230,14 +256,13 @@ def finetune_codebooks(
         opt.load_state_dict(resume["opt"])
         curve[:], best, steps = resume["curve"], resume["best"], resume["steps"]
         best_state = {k: t.to(device) for k, t in resume["best_state"].items()}
-        train_sum, first_epoch = resume["train_sum"].to(device), resume["epoch"] + 1
+        train_sum = resume["train_sum"].to(device)
         settle_after = steps + min(2, total - steps)  # the teacher cache is sized after two steps of this run
         log.info("fine-tune: resuming after epoch %d (step %d) from %s", resume["epoch"], steps, checkpoint)
     saving = checkpoint is not None and dist.is_main
     with EpochWriter(checkpoint) if saving else nullcontext() as writer, loop_checkpointing(model, cfg.loop_checkpointing):
         for epoch in range(first_epoch, cfg.epochs + 1):
-            gen = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
-            order = [calib.train[i] for i in torch.randperm(len(calib.train), generator=gen).tolist()]
+            order = epoch_order(calib, cfg, epoch)
             for start in range(0, len(order), cfg.batch_size):
                 batch = order[start : start + cfg.batch_size]
                 for p in free.params:

@@ -294,6 +294,28 @@ def test_select_every_n_steps(tiny_setup):
     assert [(e["epoch"], e["step"]) for e in per_epoch.curve] == [(0, 0), (1, 3), (2, 6)]
 
 
+def test_teacher_cache_holds_every_sequence_a_process_is_asked_for(tiny_setup, monkeypatch):
+    """With 2 processes and batch 2 each batch is split by position and the order changes every epoch, so a
+    process is asked for more than its half of the sequences: ``cache_teacher: true`` keeps every distinct
+    sequence it asks for (recorded here), and ``asked_sequences`` counts them."""
+    from loopvq_calib.distributed import DistContext
+
+    model, calib, init = tiny_setup
+    monkeypatch.setattr(DistContext, "all_reduce_sum", lambda self, t: t)  # a fake second process
+    asked: dict[int, set[int]] = {}
+    get = TeacherCache.get
+    for rank in (0, 1):
+        seen = asked.setdefault(rank, set())
+        monkeypatch.setattr(TeacherCache, "get", lambda self, seq, *a, _s=seen: _s.add(seq) or get(self, seq, *a))
+        cfg = FinetuneConfig(epochs=3, batch_size=2, cache_teacher="true")
+        result = finetune_codebooks(model, calib, init, cfg, torch.device("cpu"), dist=DistContext(rank, 2))
+        assert result.teacher_kept == len(seen)
+        assert finetune_module.asked_sequences(calib, cfg, DistContext(rank, 2)) == len(seen)
+    assert len(asked[0]) > -(-calib.input_ids.shape[0] // 2)  # more than a fixed half of the sequences
+    assert finetune_module.asked_sequences(calib, FinetuneConfig(enabled=False), DistContext(1, 2)) == 0
+    assert finetune_module.asked_sequences(calib, FinetuneConfig(min_usage=1, batch_size=1), DistContext(1, 2)) == 1  # its usage share
+
+
 def test_proximal_penalty_value_and_gradient_by_hand():
     """weight x sum ||C - C0||^2 / sum ||C0||^2, gradient 2 weight (C - C0) / sum ||C0||^2."""
     from loopvq_calib.finetune_recipe import CodebookParams
