@@ -60,8 +60,9 @@ class TeacherCache:
     values in the compute dtype). ``auto`` on CPU: what fits ``TEACHER_CACHE_BYTES`` of host memory. On
     CUDA: undecided until
     :meth:`settle` after the second training step (the optimizer's state exists by then), then what fits
-    the device memory those steps left unused (peak reserved by the allocator), less a margin of
-    ``TEACHER_CACHE_MARGIN`` and memory still to come (the best epoch's copy of the codebooks); sequences
+    the device memory those steps left unused (:func:`cache_capacity`: peak reserved by the allocator, and
+    what the device holds outside it), less a margin of ``TEACHER_CACHE_MARGIN`` and memory still to come
+    (the best epoch's copy of the codebooks); sequences
     are kept in the order they are next asked for. ``sequences``: how many distinct sequences this process
     can ask for (:func:`asked_sequences`), the most worth keeping."""
 
@@ -73,12 +74,14 @@ class TeacherCache:
 
     def settle(self, device: torch.device, to_come: int = 0) -> None:
         """Fix an undecided capacity from the peak memory the allocator reserved since the last reset
-        (the caller resets it before the first step) and ``to_come`` bytes still to be allocated."""
+        (the caller resets it before the first step), the device's memory outside the allocator now, and
+        ``to_come`` bytes still to be allocated."""
         if self.capacity is not None or self.per_sequence is None:
             return
-        total = torch.cuda.get_device_properties(device).total_memory
-        free = total * (1 - TEACHER_CACHE_MARGIN) - torch.cuda.max_memory_reserved(device) - to_come
-        self.capacity = int(min(self.sequences, max(free, 0) // self.per_sequence))
+        self.capacity = cache_capacity(
+            self.per_sequence, self.sequences, torch.cuda.get_device_properties(device).total_memory,
+            torch.cuda.max_memory_reserved(device), torch.cuda.mem_get_info(device)[0],
+            torch.cuda.memory_reserved(device), to_come)
         log.info("teacher outputs: keeping %d of %d sequences (%.1f GB each)", self.capacity, self.sequences,
                  self.per_sequence / 1e9)
 
@@ -99,6 +102,18 @@ class TeacherCache:
         if self.capacity is not None and len(self.store) < self.capacity:
             self.store[seq] = fp
         return fp
+
+
+def cache_capacity(per_sequence: int, sequences: int, total: int, peak_reserved: int, device_free: int,
+                   reserved: int, to_come: int = 0, margin: float = TEACHER_CACHE_MARGIN) -> int:
+    """Sequences of ``per_sequence`` bytes (at most ``sequences``) that fit a device of ``total`` bytes beside
+    the allocator's ``peak_reserved``, ``to_come`` bytes still to be allocated and a margin of ``margin`` x
+    ``total``: the lesser of what the device's size leaves (``total`` - margin - peak - to come) and what it
+    has now (``device_free`` + the allocator's ``reserved`` - peak - margin - to come: memory outside the
+    allocator, the CUDA context, libraries' workspaces, other processes, is not free)."""
+    by_size = total * (1 - margin) - peak_reserved - to_come
+    by_device = device_free + reserved - peak_reserved - total * margin - to_come
+    return int(min(sequences, max(min(by_size, by_device), 0) // per_sequence))
 
 
 def release_cached_memory(device: torch.device) -> None:

@@ -157,6 +157,8 @@ def test_teacher_cache_auto_keeps_what_fits(reference_setup, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 100 * per_seq}))
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d=None: 80.5 * per_seq)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 80.5 * per_seq)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (19.5 * per_seq, 100 * per_seq))  # nothing outside
     on_gpu = TeacherCache(model, auto, 10)
     on_gpu.settle(cuda)
     assert on_gpu.capacity is None  # nothing measured yet: still undecided
@@ -169,6 +171,22 @@ def test_teacher_cache_auto_keeps_what_fits(reference_setup, monkeypatch):
     over.settle(cuda)
     assert over.capacity == 0
     assert TeacherCache(model, FinetuneConfig(cache_teacher="false"), 1).capacity == 0
+
+
+def test_cache_capacity_counts_memory_outside_the_allocator():
+    """Capacity in sequences of 1 unit on a device of 100 with a 10 % margin and a reserved peak of 60 (2 to
+    come): 28 when the allocator holds all memory in use; 3 fewer when 3 units lie outside it (context, other
+    processes: the device reports 3 less free); the device's size still bounds it when it reports more free;
+    never below 0 nor above the sequences asked for."""
+    from loopvq_calib.finetune import cache_capacity
+
+    assert cache_capacity(1, 50, 100, 60, device_free=40, reserved=60, to_come=2) == 100 - 10 - 60 - 2
+    assert cache_capacity(1, 50, 100, 60, device_free=37, reserved=60, to_come=2) == 100 - 10 - 60 - 2 - 3
+    assert cache_capacity(1, 50, 100, 60, device_free=30, reserved=50, to_come=2) == 100 - 10 - 60 - 2 - 20
+    assert cache_capacity(1, 50, 100, 60, device_free=90, reserved=60, to_come=2) == 28
+    assert cache_capacity(2, 50, 100, 60, device_free=37, reserved=60, to_come=2) == 12  # 25 units
+    assert cache_capacity(1, 5, 100, 60, device_free=40, reserved=60) == 5
+    assert cache_capacity(1, 5, 100, 95, device_free=5, reserved=95) == 0
 
 
 @pytest.mark.slow  # the shipped reference model
