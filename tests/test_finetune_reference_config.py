@@ -44,12 +44,10 @@ def test_reference_config_is_the_demo_setup_at_full_budget():
     assert ref.finetune.epochs == 6 and ref.kmeans.iterations == 100
 
 
-def test_ouro_2_6b_configs_ship_the_studied_batch2_recipe():
+def test_ouro_2_6b_configs_ship_the_studied_batch2_recipe(monkeypatch):
     """The four Ouro-2.6B configs fine-tune with the batch-2 variant the study measured
     (scripts/study_finetune.py ``proximal1-batch2-lr2e-2``, docs/finetune.md "Batch 2")."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     from study_finetune import PAPER, VARIANTS
 
     studied = {**PAPER, **VARIANTS["proximal1-batch2-lr2e-2"]}
