@@ -177,14 +177,16 @@ def _replace_pair(card: Path, card_tmp: Path, meta: Path, meta_tmp: Path) -> Non
     checksum covers it) matching. A kill between the renames leaves the new card, or none, beside the old
     metadata, which ``load_bundle`` refuses."""
     aside = card.with_name(f"{TMP_PREFIX}{card.name}.old.{os.getpid()}")
+    moved = False  # a file already at ``aside`` (left by a killed attempt) is never put back
     try:
         os.replace(card, aside)
+        moved = True
         os.replace(card_tmp, card)
         os.replace(meta_tmp, meta)
     except BaseException:
         card_tmp.unlink(missing_ok=True)
         meta_tmp.unlink(missing_ok=True)
-        if aside.exists():
+        if moved:
             os.replace(aside, card)
         raise
     aside.unlink()

@@ -38,7 +38,7 @@ class FinetuneResult:
     quantizer: KVQuantizer  # codebooks of the best selection point
     best_epoch: int  # the epoch of that point (0: the k-means codebooks)
     curve: list[dict[str, Any]] = field(default_factory=list)  # per selection point: epoch, step, train_kl, selection_kl
-    teacher_kept: int = 0  # sequences (of this process) whose teacher outputs were kept across epochs
+    teacher_kept: int = 0  # sequences whose teacher outputs this process kept across epochs
     best_step: int = 0  # optimizer steps taken at that point
 
 
@@ -60,9 +60,11 @@ class TeacherCache:
     values in the compute dtype). ``auto`` on CPU: what fits ``TEACHER_CACHE_BYTES`` of host memory. On
     CUDA: undecided until
     :meth:`settle` after the second training step (the optimizer's state exists by then), then what fits
-    the device memory those steps left unused (peak reserved by the allocator), less a margin of
-    ``TEACHER_CACHE_MARGIN`` and memory still to come (the best epoch's copy of the codebooks); sequences
-    are kept in the order they are next asked for."""
+    the device memory those steps left unused (:func:`cache_capacity`: peak reserved by the allocator, and
+    what the device holds outside it), less a margin of ``TEACHER_CACHE_MARGIN`` and memory still to come
+    (the best epoch's copy of the codebooks); sequences
+    are kept in the order they are next asked for. ``sequences``: how many distinct sequences this process
+    can ask for (:func:`asked_sequences`), the most worth keeping."""
 
     def __init__(self, model: torch.nn.Module, cfg: FinetuneConfig, sequences: int) -> None:
         self.sequences = sequences
@@ -72,12 +74,14 @@ class TeacherCache:
 
     def settle(self, device: torch.device, to_come: int = 0) -> None:
         """Fix an undecided capacity from the peak memory the allocator reserved since the last reset
-        (the caller resets it before the first step) and ``to_come`` bytes still to be allocated."""
+        (the caller resets it before the first step), the device's memory outside the allocator now, and
+        ``to_come`` bytes still to be allocated."""
         if self.capacity is not None or self.per_sequence is None:
             return
-        total = torch.cuda.get_device_properties(device).total_memory
-        free = total * (1 - TEACHER_CACHE_MARGIN) - torch.cuda.max_memory_reserved(device) - to_come
-        self.capacity = int(min(self.sequences, max(free, 0) // self.per_sequence))
+        self.capacity = cache_capacity(
+            self.per_sequence, self.sequences, torch.cuda.get_device_properties(device).total_memory,
+            torch.cuda.max_memory_reserved(device), torch.cuda.mem_get_info(device)[0],
+            torch.cuda.memory_reserved(device), to_come)
         log.info("teacher outputs: keeping %d of %d sequences (%.1f GB each)", self.capacity, self.sequences,
                  self.per_sequence / 1e9)
 
@@ -98,6 +102,18 @@ class TeacherCache:
         if self.capacity is not None and len(self.store) < self.capacity:
             self.store[seq] = fp
         return fp
+
+
+def cache_capacity(per_sequence: int, sequences: int, total: int, peak_reserved: int, device_free: int,
+                   reserved: int, to_come: int = 0, margin: float = TEACHER_CACHE_MARGIN) -> int:
+    """Sequences of ``per_sequence`` bytes (at most ``sequences``) that fit a device of ``total`` bytes beside
+    the allocator's ``peak_reserved``, ``to_come`` bytes still to be allocated and a margin of ``margin`` x
+    ``total``: the lesser of what the device's size leaves (``total`` - margin - peak - to come) and what it
+    has now (``device_free`` + the allocator's ``reserved`` - peak - margin - to come: memory outside the
+    allocator, the CUDA context, libraries' workspaces, other processes, is not free)."""
+    by_size = total * (1 - margin) - peak_reserved - to_come
+    by_device = device_free + reserved - peak_reserved - total * margin - to_come
+    return int(min(sequences, max(min(by_size, by_device), 0) // per_sequence))
 
 
 def release_cached_memory(device: torch.device) -> None:
@@ -157,6 +173,30 @@ def batch_teachers(parts: list[Teacher]) -> Teacher:
                    {s: torch.cat([p.values[s] for p in parts]) for s in parts[0].values})
 
 
+def epoch_order(calib: CalibrationSet, cfg: FinetuneConfig, epoch: int) -> list[int]:
+    """The training sequences in the order epoch ``epoch`` (from 1) visits them (the same on every process)."""
+    gen = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
+    return [calib.train[i] for i in torch.randperm(len(calib.train), generator=gen).tolist()]
+
+
+def asked_sequences(calib: CalibrationSet, cfg: FinetuneConfig, dist: DistContext = SINGLE,
+                    first_epoch: int = 1) -> int:
+    """Distinct sequences whose teacher outputs this process of ``dist`` asks for in a run from epoch
+    ``first_epoch``: its share of the selection sequences, of the usage count (``min_usage``) and of every
+    batch (each batch is split by position, and the order changes every epoch, so with ``batch_size`` > 1 a
+    process sees most training sequences)."""
+    asked = {i for n, i in enumerate(calib.heldout) if dist.owns(n)}
+    if training_steps(cfg, len(calib.train)) == 0:
+        return len(asked)
+    if cfg.min_usage > 0:
+        asked |= {i for n, i in enumerate(calib.train) if dist.owns(n)}
+    for epoch in range(first_epoch, cfg.epochs + 1):
+        order = epoch_order(calib, cfg, epoch)
+        for start in range(0, len(order), cfg.batch_size):
+            asked |= {i for n, i in enumerate(order[start : start + cfg.batch_size]) if dist.owns(n)}
+    return len(asked)
+
+
 def training_steps(cfg: FinetuneConfig, train_sequences: int) -> int:
     """Optimizer steps of a fine-tuning run (0 when it is off)."""
     return cfg.epochs * -(-train_sequences // cfg.batch_size) if cfg.enabled else 0
@@ -197,7 +237,9 @@ def finetune_codebooks(
     and from which a rerun resumes after the last saved epoch.
     ``dist``: the processes sharing each batch (gradients summed across them)."""
     quantizer = copy.deepcopy(quantizer).to(device, torch.float32)
-    cache = TeacherCache(model, cfg, -(-calib.input_ids.shape[0] // dist.world))
+    resume = torch.load(checkpoint, weights_only=False) if checkpoint is not None and checkpoint.is_file() else None
+    first_epoch = 1 if resume is None else resume["epoch"] + 1
+    cache = TeacherCache(model, cfg, asked_sequences(calib, cfg, dist, first_epoch))
     if device.type == "cuda":  # the first steps' peak decides how many teacher outputs fit (cache_teacher auto)
         release_cached_memory(device)
     total = training_steps(cfg, len(calib.train))
@@ -212,7 +254,6 @@ def finetune_codebooks(
         return entry
 
     curve: list[dict[str, Any]] = []
-    resume = torch.load(checkpoint, weights_only=False) if checkpoint is not None and checkpoint.is_file() else None
     if resume is None:
         select(0, 0, None)
     if total == 0:
@@ -221,7 +262,7 @@ def finetune_codebooks(
     free = CodebookParams(quantizer, cfg.parameterization, usage, cfg.min_usage)
     opt = torch.optim.Adam(free.params, lr=cfg.lr)
     best, best_state = 0, free.snapshot()
-    steps, settle_after, first_epoch = 0, min(2, total), 1
+    steps, settle_after = 0, min(2, total)
     train_sum = torch.zeros(2, device=device)
     if resume is not None:
         with torch.no_grad():
@@ -230,14 +271,13 @@ def finetune_codebooks(
         opt.load_state_dict(resume["opt"])
         curve[:], best, steps = resume["curve"], resume["best"], resume["steps"]
         best_state = {k: t.to(device) for k, t in resume["best_state"].items()}
-        train_sum, first_epoch = resume["train_sum"].to(device), resume["epoch"] + 1
+        train_sum = resume["train_sum"].to(device)
         settle_after = steps + min(2, total - steps)  # the teacher cache is sized after two steps of this run
         log.info("fine-tune: resuming after epoch %d (step %d) from %s", resume["epoch"], steps, checkpoint)
     saving = checkpoint is not None and dist.is_main
     with EpochWriter(checkpoint) if saving else nullcontext() as writer, loop_checkpointing(model, cfg.loop_checkpointing):
         for epoch in range(first_epoch, cfg.epochs + 1):
-            gen = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
-            order = [calib.train[i] for i in torch.randperm(len(calib.train), generator=gen).tolist()]
+            order = epoch_order(calib, cfg, epoch)
             for start in range(0, len(order), cfg.batch_size):
                 batch = order[start : start + cfg.batch_size]
                 for p in free.params:

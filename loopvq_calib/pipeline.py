@@ -29,8 +29,8 @@ from .config import Config, dump_config, resolve_derived, validate, validate_for
 from .data import CalibrationSet, build_calibration_set, source_fingerprint
 from .distributed import DistContext, start_processes
 from .finetune import FinetuneResult, training_steps
-from .kmeans_select import resolve_backend
 from .kmeans import run_points_per_codebook
+from .kmeans_select import resolve_backend
 from .layouts import plan_layouts
 from .models.loading import DTYPES, load_model, model_identity, pick_device, read_model_config, resolve_model_dir, set_loop_steps
 from .models.sites import KVLayout

@@ -218,6 +218,15 @@ def _figure(cells: list[dict], out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def merge(files: list[str], out: str) -> dict[str, Any]:
+    """One study file from per-cell ones: their cells in order, the longest part's time, the merge as its
+    ``command`` and each part's own command under ``parts``."""
+    parts = [json.loads(Path(f).read_text()) for f in files]
+    return {**parts[0], "command": f"python scripts/study_finetune.py --merge {' '.join(files)} --out {out}",
+            "parts": [part["command"] for part in parts], "cells": [c for part in parts for c in part["cells"]],
+            "total_s": max(part.get("total_s", 0.0) for part in parts)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(ROOT / "docs/data/finetune-study.json"))
@@ -235,10 +244,7 @@ def main() -> None:
         print(report(Path(args.report), Path(args.figure)))
         return
     if args.merge:
-        parts = [json.loads(Path(f).read_text()) for f in args.merge]
-        merged = {**parts[0], "cells": [c for part in parts for c in part["cells"]],
-                  "total_s": max(part.get("total_s", 0.0) for part in parts)}
-        Path(args.out).write_text(json.dumps(merged, indent=1))
+        Path(args.out).write_text(json.dumps(merge(args.merge, args.out), indent=1))
         return
     smoke = args.grid.startswith("smoke")
     cells = SMOKE["cells"] if args.grid == "smoke" else CELLS

@@ -135,6 +135,29 @@ def test_attach_eval_report_failing_rename_of_the_manifest_restores_the_card(bun
     load_bundle(bundle_dir)
 
 
+def test_failing_first_rename_never_restores_a_stale_aside_card(tmp_path, monkeypatch):
+    """When moving the old card aside fails, a file a killed attempt left at the aside name stays where it is:
+    README.md keeps the old card, not the stale one."""
+    from loopvq_calib.card import TMP_PREFIX, _replace_pair
+
+    for name, text in (("README.md", "old card"), ("loopvq.json", "old meta"), ("card.tmp", "new card"),
+                       ("meta.tmp", "new meta"), (f"{TMP_PREFIX}README.md.old.{os.getpid()}", "stale card")):
+        (tmp_path / name).write_text(text)
+    real_replace = os.replace
+
+    def replace(src, dst):  # moving README.md aside fails
+        if Path(src).name == "README.md":
+            raise OSError(errno.EIO, "Input/output error")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="Input/output error"):
+        _replace_pair(tmp_path / "README.md", tmp_path / "card.tmp", tmp_path / "loopvq.json", tmp_path / "meta.tmp")
+    monkeypatch.undo()
+    assert (tmp_path / "README.md").read_text() == "old card" and (tmp_path / "loopvq.json").read_text() == "old meta"
+    assert not (tmp_path / "card.tmp").exists() and not (tmp_path / "meta.tmp").exists()
+
+
 @pytest.mark.parametrize("durable", [False, True])
 def test_write_bytes_atomic_replaces_the_file_whole_or_not_at_all(tmp_path, monkeypatch, durable):
     from loopvq_calib.rundir import write_bytes_atomic, write_json_atomic

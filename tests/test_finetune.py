@@ -157,6 +157,8 @@ def test_teacher_cache_auto_keeps_what_fits(reference_setup, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 100 * per_seq}))
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d=None: 80.5 * per_seq)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 80.5 * per_seq)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (19.5 * per_seq, 100 * per_seq))  # nothing outside
     on_gpu = TeacherCache(model, auto, 10)
     on_gpu.settle(cuda)
     assert on_gpu.capacity is None  # nothing measured yet: still undecided
@@ -169,6 +171,22 @@ def test_teacher_cache_auto_keeps_what_fits(reference_setup, monkeypatch):
     over.settle(cuda)
     assert over.capacity == 0
     assert TeacherCache(model, FinetuneConfig(cache_teacher="false"), 1).capacity == 0
+
+
+def test_cache_capacity_counts_memory_outside_the_allocator():
+    """Capacity in sequences of 1 unit on a device of 100 with a 10 % margin and a reserved peak of 60 (2 to
+    come): 28 when the allocator holds all memory in use; 3 fewer when 3 units lie outside it (context, other
+    processes: the device reports 3 less free); the device's size still bounds it when it reports more free;
+    never below 0 nor above the sequences asked for."""
+    from loopvq_calib.finetune import cache_capacity
+
+    assert cache_capacity(1, 50, 100, 60, device_free=40, reserved=60, to_come=2) == 100 - 10 - 60 - 2
+    assert cache_capacity(1, 50, 100, 60, device_free=37, reserved=60, to_come=2) == 100 - 10 - 60 - 2 - 3
+    assert cache_capacity(1, 50, 100, 60, device_free=30, reserved=50, to_come=2) == 100 - 10 - 60 - 2 - 20
+    assert cache_capacity(1, 50, 100, 60, device_free=90, reserved=60, to_come=2) == 28
+    assert cache_capacity(2, 50, 100, 60, device_free=37, reserved=60, to_come=2) == 12  # 25 units
+    assert cache_capacity(1, 5, 100, 60, device_free=40, reserved=60) == 5
+    assert cache_capacity(1, 5, 100, 95, device_free=5, reserved=95) == 0
 
 
 @pytest.mark.slow  # the shipped reference model
@@ -292,6 +310,28 @@ def test_select_every_n_steps(tiny_setup):
     assert [e["step"] for e in result4.curve] == [0, 4, 6]
     per_epoch, _ = _run(tiny_setup, epochs=2, lr=3e-2, select_every=0)
     assert [(e["epoch"], e["step"]) for e in per_epoch.curve] == [(0, 0), (1, 3), (2, 6)]
+
+
+def test_teacher_cache_holds_every_sequence_a_process_is_asked_for(tiny_setup, monkeypatch):
+    """With 2 processes and batch 2 each batch is split by position and the order changes every epoch, so a
+    process is asked for more than its half of the sequences: ``cache_teacher: true`` keeps every distinct
+    sequence it asks for (recorded here), and ``asked_sequences`` counts them."""
+    from loopvq_calib.distributed import DistContext
+
+    model, calib, init = tiny_setup
+    monkeypatch.setattr(DistContext, "all_reduce_sum", lambda self, t: t)  # a fake second process
+    asked: dict[int, set[int]] = {}
+    get = TeacherCache.get
+    for rank in (0, 1):
+        seen = asked.setdefault(rank, set())
+        monkeypatch.setattr(TeacherCache, "get", lambda self, seq, *a, _s=seen: _s.add(seq) or get(self, seq, *a))
+        cfg = FinetuneConfig(epochs=3, batch_size=2, cache_teacher="true")
+        result = finetune_codebooks(model, calib, init, cfg, torch.device("cpu"), dist=DistContext(rank, 2))
+        assert result.teacher_kept == len(seen)
+        assert finetune_module.asked_sequences(calib, cfg, DistContext(rank, 2)) == len(seen)
+    assert len(asked[0]) > -(-calib.input_ids.shape[0] // 2)  # more than a fixed half of the sequences
+    assert finetune_module.asked_sequences(calib, FinetuneConfig(enabled=False), DistContext(1, 2)) == 0
+    assert finetune_module.asked_sequences(calib, FinetuneConfig(min_usage=1, batch_size=1), DistContext(1, 2)) == 1  # its usage share
 
 
 def test_proximal_penalty_value_and_gradient_by_hand():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
 import torch
 from conftest import make_tiny_ouro
 
@@ -66,14 +67,18 @@ def test_capture_returns_its_reader_and_kmeans_its_report(tmp_path):
 
 
 def assert_same_quantizer(kept, read, source) -> None:
-    """``kept`` equals ``read`` (metadata, every tensor's values, dtype and device) and shares no memory with ``source``."""
-    assert kept.meta() == read.meta()
-    ours, theirs = kept.tensors(), read.tensors()
-    assert ours.keys() == theirs.keys()
-    for name, t in ours.items():
-        assert t.dtype == theirs[name].dtype and t.device == theirs[name].device and torch.equal(t, theirs[name]), name
+    """``kept`` equals ``read`` (metadata; each codec's own codebook, group table and TaSQ weight: values, dtype
+    and device) and shares no memory with ``source``."""
+    assert kept.meta() == read.meta() and kept.codecs.keys() == read.codecs.keys()
     for key, codec in kept.codecs.items():
-        assert codec.codebook.dtype == read.codecs[key].codebook.dtype
+        other = read.codecs[key]
+        assert (codec.transform is None) == (other.transform is None), key
+        pairs = [(codec.codebook, other.codebook), (codec.layout.groups, other.layout.groups)]
+        if codec.transform is not None:
+            pairs.append((codec.transform.weight, other.transform.weight))
+            assert codec.transform.sigma_min == other.transform.sigma_min, key
+        for ours, theirs in pairs:
+            assert ours.dtype == theirs.dtype and ours.device == theirs.device and torch.equal(ours, theirs), key
         assert codec.codebook.data_ptr() != source.codecs[key].codebook.data_ptr()
 
 
@@ -99,3 +104,23 @@ def test_fingerprints_chain_from_the_changed_section():
     assert stored == base  # where the capture lives is not what it holds
     other_data = stage_fingerprints(cfg, "data2", {"name": "m"}, 4)
     assert all(other_data[s] != base[s] for s in ("data", "capture", "kmeans", "finetune", "bundle"))
+
+
+def test_same_quantizer_check_sees_each_codecs_own_tensors():
+    """The round-trip check compares what the codecs hold, not their exported copies (which are always CPU with
+    fixed dtypes): a group table in int32 instead of int64, or a TaSQ weight in float64, fails it."""
+    from loopvq_calib.qcache import sampled_quantizer
+
+    model = make_tiny_ouro()
+    source = sampled_quantizer(model, torch.randint(0, 4096, (1, 16), generator=torch.Generator().manual_seed(0)),
+                               "tasq+loopvq", codebook_size=8)
+    kept, read = as_saved_quantizer(source), as_saved_quantizer(source)
+    assert_same_quantizer(kept, read, source)
+    groups = as_saved_quantizer(source)
+    next(iter(groups.codecs.values())).layout.groups = next(iter(read.codecs.values())).layout.groups.int()
+    weight = as_saved_quantizer(source)
+    transform = next(iter(weight.codecs.values())).transform
+    transform.weight = transform.weight.double()
+    for wrong in (groups, weight):
+        with pytest.raises(AssertionError):
+            assert_same_quantizer(kept, wrong, source)
