@@ -7,10 +7,14 @@ process group and every helper is then a no-op.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,10 @@ class DistContext:
     def owns(self, index: int) -> bool:
         """Whether item ``index`` (a sequence, a selection sequence, a layout) is this process's."""
         return index % self.world == self.rank
+
+    def share(self, items: Sequence[T]) -> list[T]:
+        """The items of ``items`` at the positions this process owns (its share of a list split by position)."""
+        return [item for n, item in enumerate(items) if self.owns(n)]
 
     def mine(self, count: int) -> list[int]:
         """The items of ``range(count)`` this process owns."""

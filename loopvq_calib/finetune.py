@@ -143,7 +143,7 @@ def selection_kl(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQua
     forward: their kept teacher outputs joined along the batch, or one teacher forward of the batch when
     ``cache`` keeps none of them."""
     total = torch.zeros(2, device=device)
-    owned = [i for n, i in enumerate(calib.heldout) if dist.owns(n)]
+    owned = dist.share(calib.heldout)
     for start in range(0, len(owned), cfg.selection_batch):
         rows = owned[start : start + cfg.selection_batch]
         ids = calib.input_ids[rows].to(device)
@@ -173,10 +173,12 @@ def batch_teachers(parts: list[Teacher]) -> Teacher:
                    {s: torch.cat([p.values[s] for p in parts]) for s in parts[0].values})
 
 
-def epoch_order(calib: CalibrationSet, cfg: FinetuneConfig, epoch: int) -> list[int]:
-    """The training sequences in the order epoch ``epoch`` (from 1) visits them (the same on every process)."""
+def epoch_batches(calib: CalibrationSet, cfg: FinetuneConfig, epoch: int) -> list[list[int]]:
+    """The training batches of epoch ``epoch`` (from 1), in the order it visits them (the same on every
+    process; each process takes its :meth:`~loopvq_calib.distributed.DistContext.share` of a batch)."""
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
-    return [calib.train[i] for i in torch.randperm(len(calib.train), generator=gen).tolist()]
+    order = [calib.train[i] for i in torch.randperm(len(calib.train), generator=gen).tolist()]
+    return [order[start : start + cfg.batch_size] for start in range(0, len(order), cfg.batch_size)]
 
 
 def asked_sequences(calib: CalibrationSet, cfg: FinetuneConfig, dist: DistContext = SINGLE,
@@ -185,15 +187,14 @@ def asked_sequences(calib: CalibrationSet, cfg: FinetuneConfig, dist: DistContex
     ``first_epoch``: its share of the selection sequences, of the usage count (``min_usage``) and of every
     batch (each batch is split by position, and the order changes every epoch, so with ``batch_size`` > 1 a
     process sees most training sequences)."""
-    asked = {i for n, i in enumerate(calib.heldout) if dist.owns(n)}
+    asked = set(dist.share(calib.heldout))
     if training_steps(cfg, len(calib.train)) == 0:
         return len(asked)
     if cfg.min_usage > 0:
-        asked |= {i for n, i in enumerate(calib.train) if dist.owns(n)}
+        asked |= set(dist.share(calib.train))
     for epoch in range(first_epoch, cfg.epochs + 1):
-        order = epoch_order(calib, cfg, epoch)
-        for start in range(0, len(order), cfg.batch_size):
-            asked |= {i for n, i in enumerate(order[start : start + cfg.batch_size]) if dist.owns(n)}
+        for batch in epoch_batches(calib, cfg, epoch):
+            asked |= set(dist.share(batch))
     return len(asked)
 
 
@@ -208,10 +209,9 @@ def usage_counts(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQua
     assigned to each codeword."""
     counts: dict[str, torch.Tensor] = {key: torch.zeros(c.codebook.shape[:3], dtype=torch.long)
                                        for key, c in quantizer.codecs.items()}  # every process reduces every key
-    for n, i in enumerate(calib.train):
-        if dist.owns(n):
-            ids = calib.input_ids[i : i + 1].to(device)
-            add_usage(quantizer, cache.get(i, ids, device), calib.sink_tokens, counts)
+    for i in dist.share(calib.train):
+        ids = calib.input_ids[i : i + 1].to(device)
+        add_usage(quantizer, cache.get(i, ids, device), calib.sink_tokens, counts)
     return {k: dist.all_reduce_sum(v.to(device)).cpu() for k, v in counts.items()}
 
 
@@ -277,17 +277,14 @@ def finetune_codebooks(
     saving = checkpoint is not None and dist.is_main
     with EpochWriter(checkpoint) if saving else nullcontext() as writer, loop_checkpointing(model, cfg.loop_checkpointing):
         for epoch in range(first_epoch, cfg.epochs + 1):
-            order = epoch_order(calib, cfg, epoch)
-            for start in range(0, len(order), cfg.batch_size):
-                batch = order[start : start + cfg.batch_size]
+            batches = epoch_batches(calib, cfg, epoch)
+            for b, batch in enumerate(batches):
                 for p in free.params:
                     p.grad = torch.zeros_like(p)
                 free.apply()
                 if cfg.proximal > 0 and dist.is_main:
                     free.penalty(cfg.proximal).backward(retain_graph=True)
-                for n, i in enumerate(batch):
-                    if not dist.owns(n):
-                        continue
+                for i in dist.share(batch):
                     ids = calib.input_ids[i : i + 1].to(device)
                     kl = sequence_kl(model, ids, quantizer, calib.sink_tokens, cfg, device, cache.get(i, ids, device))
                     (kl / len(batch)).backward(retain_graph=cfg.parameterization == "affine")
@@ -304,7 +301,7 @@ def finetune_codebooks(
                     cache.settle(device, to_come=sum(c.numel() * c.element_size() for c in free.init.values()) + joined)
                 if progress:
                     progress(1)
-                last_of_epoch = start + cfg.batch_size >= len(order)
+                last_of_epoch = b == len(batches) - 1
                 if (cfg.select_every and steps % cfg.select_every == 0) or (
                         last_of_epoch and (not cfg.select_every or steps == total)):
                     with torch.no_grad():

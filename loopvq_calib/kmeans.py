@@ -207,7 +207,7 @@ def fit_codebooks(
                 progress(1)
         pending.clear()
 
-    for layout in (lay for i, lay in enumerate(layouts) if dist.owns(i)):
+    for layout in dist.share(layouts):
         start = time.perf_counter()
         x = reader.load(layout.kind, layout.sites, device=device)
         fisher = reader.load("fisher_" + layout.kind, layout.sites, device=device)

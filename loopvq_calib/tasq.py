@@ -247,7 +247,7 @@ def fit_tasq(
         if lay.kind == "key":
             check_group_size(quant.group_size, lay.steps * lay.head_dim)
     dev = torch.device(device or "cpu")
-    mine = [lay for i, lay in enumerate(layouts) if lay.kind == "key" and dist.owns(i)]
+    mine = [lay for lay in dist.share(layouts) if lay.kind == "key"]
     transforms, covs, tokens = {}, {}, {}
     seconds = dict.fromkeys(("query_stats", "load", "covariance", "grouping", "report"), 0.0)
     clock = DeviceClock(dev)

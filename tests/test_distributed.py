@@ -23,6 +23,9 @@ def test_items_go_round_robin_and_a_bad_rank_is_refused():
     second = DistContext(1, 3)
     assert second.mine(8) == [1, 4, 7] and not second.is_main and second.owns(4) and not second.owns(3)
     assert sorted(i for r in range(3) for i in DistContext(r, 3).mine(8)) == list(range(8))
+    items = ["s3", "s9", "s1", "s4", "s0"]  # a share is taken by position, whatever the items are
+    assert second.share(items) == ["s9", "s0"] and SINGLE.share(items) == items
+    assert sorted(x for r in range(3) for x in DistContext(r, 3).share(items)) == sorted(items)
     with pytest.raises(ValueError, match="rank 3 is not one of the 2 processes"):
         DistContext(3, 2)
 
