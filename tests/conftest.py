@@ -3,6 +3,7 @@ model and corpora. Nothing is downloaded (HF_HUB_OFFLINE=1)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -19,7 +20,12 @@ import pytest
 import torch
 
 import loopvq_calib  # noqa: F401  (registers the native models)
+from loopvq_calib.config import FinetuneConfig
+from loopvq_calib.data import CalibrationSet
+from loopvq_calib.finetune import FinetuneResult, finetune_codebooks
 from loopvq_calib.models import HuginnConfig, HuginnForCausalLM, OuroConfig, OuroForCausalLM
+from loopvq_calib.qcache import sampled_quantizer
+from loopvq_calib.quantizer import KVQuantizer
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_MODEL = ROOT / "artifacts" / "tiny-ouro"
@@ -146,3 +152,22 @@ def calib_corpus() -> Path:
 @pytest.fixture(scope="session")
 def heldout_corpus() -> Path:
     return DATA / "shakespeare-heldout.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tiny_setup() -> tuple[OuroForCausalLM, CalibrationSet, KVQuantizer]:
+    """Fine-tuning on a tiny random Ouro: 4 sequences of 24 tokens (3 train, 1 selection), codebooks of real
+    group vectors."""
+    model = make_tiny_ouro()
+    ids = torch.randint(0, 4096, (4, 24), generator=torch.Generator().manual_seed(1))
+    return model, CalibrationSet(ids, [0, 1, 2], [3], 4), sampled_quantizer(model, ids[:2], "loopvq", codebook_size=8)
+
+
+def run_finetune(setup: tuple, **cfg) -> tuple[FinetuneResult, list[tuple[dict, KVQuantizer]]]:
+    """Fine-tune ``setup`` (model, calibration set, initial quantizer) on the CPU with ``FinetuneConfig(**cfg)``
+    -> the result and (curve entry, quantizer) at every selection point."""
+    model, calib, init = setup
+    seen = []
+    result = finetune_codebooks(model, calib, init, FinetuneConfig(**cfg), torch.device("cpu"),
+                                on_select=lambda e, q: seen.append((dict(e), copy.deepcopy(q))))
+    return result, seen
