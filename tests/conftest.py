@@ -104,6 +104,12 @@ def make_tiny_huginn(seed: int = 0, **overrides) -> HuginnForCausalLM:
     return _scaled_init(HuginnForCausalLM(tiny_huginn_config(**overrides)), seed)
 
 
+def calib_set(n: int = 3, length: int = 24, sinks: int = 4) -> CalibrationSet:
+    """``n`` random sequences of ``length`` tokens (seed 0): the first held out, the others for training."""
+    gen = torch.Generator().manual_seed(0)
+    return CalibrationSet(torch.randint(0, 4096, (n, length), generator=gen), list(range(1, n)), [0], sinks)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def one_thread():
     """Every test runs single-threaded torch and faiss: the tiny models and problems gain nothing from a second
