@@ -20,10 +20,12 @@ import pytest
 import torch
 
 import loopvq_calib  # noqa: F401  (registers the native models)
-from loopvq_calib.config import FinetuneConfig
+from loopvq_calib.capture import CaptureReader, capture_kv, write_meta
+from loopvq_calib.config import CaptureConfig, FinetuneConfig
 from loopvq_calib.data import CalibrationSet
 from loopvq_calib.finetune import FinetuneResult, finetune_codebooks
 from loopvq_calib.models import HuginnConfig, HuginnForCausalLM, OuroConfig, OuroForCausalLM
+from loopvq_calib.models.sites import kv_layout
 from loopvq_calib.qcache import sampled_quantizer
 from loopvq_calib.quantizer import KVQuantizer
 
@@ -158,6 +160,24 @@ def calib_corpus() -> Path:
 @pytest.fixture(scope="session")
 def heldout_corpus() -> Path:
     return DATA / "shakespeare-heldout.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tiny_captures(tmp_path_factory) -> dict[str, tuple]:
+    """Float32 captures (with query statistics) of 3 random sequences of 64 tokens on the tiny Ouro and Huginn:
+    name -> (model, KV layout, calibration set, reader)."""
+    out = {}
+    for name, make in {"ouro": make_tiny_ouro, "huginn": make_tiny_huginn}.items():
+        model = make()
+        kv = kv_layout(model)
+        torch.manual_seed(1)
+        calib = CalibrationSet(input_ids=torch.randint(0, 4096, (3, 64)), train=[0, 1], heldout=[2], sink_tokens=4)
+        folder = tmp_path_factory.mktemp(f"capture-{name}")
+        cfg = CaptureConfig(dtype="float32")
+        capture_kv(model, calib, kv, cfg, folder)
+        write_meta(folder, calib, kv, cfg)
+        out[name] = (model, kv, calib, CaptureReader(folder))
+    return out
 
 
 @pytest.fixture(scope="module")
