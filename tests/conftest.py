@@ -18,13 +18,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # processes the tests start (spaw
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import loopvq_calib  # noqa: F401  (registers the native models)
+from loopvq_calib.bundle import write_bundle
 from loopvq_calib.capture import CaptureReader, capture_kv, write_meta
-from loopvq_calib.config import CaptureConfig, FinetuneConfig
+from loopvq_calib.codec import BlockCodec, TasqTransform
+from loopvq_calib.config import CaptureConfig, FinetuneConfig, QuantConfig, ServingConfig
 from loopvq_calib.data import CalibrationSet
 from loopvq_calib.finetune import FinetuneResult, finetune_codebooks
+from loopvq_calib.layouts import codebook_shape, plan_layouts
 from loopvq_calib.models import HuginnConfig, HuginnForCausalLM, OuroConfig, OuroForCausalLM
+from loopvq_calib.models.loading import model_identity
 from loopvq_calib.models.sites import kv_layout
 from loopvq_calib.qcache import sampled_quantizer
 from loopvq_calib.quantizer import KVQuantizer
@@ -46,6 +51,7 @@ def run_kernel_script(script: str) -> dict:
     return json.loads(code.stdout.strip().splitlines()[-1])
 DATA = ROOT / "artifacts" / "data"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TINY_K, TINY_G, TINY_T_C = 16, 8, 4  # codebook size, group size and steps per block of tiny_quantizer
 
 
 def pytest_collection_modifyitems(config, items):
@@ -197,3 +203,31 @@ def run_finetune(setup: tuple, **cfg) -> tuple[FinetuneResult, list[tuple[dict, 
     result = finetune_codebooks(model, calib, init, FinetuneConfig(**cfg), torch.device("cpu"),
                                 on_select=lambda e, q: seen.append((dict(e), copy.deepcopy(q))))
     return result, seen
+
+
+def tiny_quantizer(model_dir: Path, method: str = "tasq+loopvq", sharing: str = "none") -> KVQuantizer:
+    """Random codebooks (K 16, G 8, T_c 4) on the tiny Ouro's layout (2 layers x 4 steps, 4 heads of 16)."""
+    kv = AutoModelForCausalLM.from_pretrained(model_dir).kv_layout()
+    quant = QuantConfig(method=method, bits=None, codebook_size=TINY_K, group_size=TINY_G, steps_per_block=TINY_T_C,
+                        codebook_sharing=sharing)
+    gen = torch.Generator().manual_seed(0)
+    codecs = {}
+    for lay in plan_layouts(kv, quant):
+        transform = None
+        if quant.uses_tasq and lay.kind == "key":
+            transform = TasqTransform(torch.rand(lay.steps, kv.kv_heads, kv.head_dim, generator=gen) + 0.5, 1e-4)
+        codecs[lay.key] = BlockCodec(lay, torch.randn(codebook_shape(lay, TINY_K, sharing), generator=gen), transform)
+    return KVQuantizer(codecs, method, TINY_K, TINY_G, TINY_T_C, sharing, kv)
+
+
+def write_tiny_bundle(out: Path, model_dir: Path, name: str = "tiny", config: dict | None = None, **kw) -> Path:
+    """A bundle of ``quantizer`` (default :func:`tiny_quantizer`) for ``model_dir`` named org/tiny-ouro, with a
+    few metrics."""
+    q = kw.pop("quantizer", None) or tiny_quantizer(model_dir)
+    return write_bundle(
+        out, q, name=name, identity=model_identity(model_dir, "org/tiny-ouro", "main"),
+        calibration={"dataset": "shakespeare", "num_sequences": 4}, serving=ServingConfig(8, 64, 8),
+        metrics={"heldout_kl": 0.0123, "heldout_kl_init": 0.0456, "ppl_increase": 0.021, "finetune_curve": [{}, {}]},
+        codebook_dtype=kw.pop("codebook_dtype", "float16"), config=config or {"quant": {"method": "tasq+loopvq"}},
+        producer_version="0.1.0",
+    )
