@@ -65,8 +65,8 @@ def build(golden: Path = GOLDEN) -> dict[str, torch.Tensor]:
 README = """# Attention-level golden vectors
 
 Written by `scripts/make_attention_golden.py` from the bundles and codes of `tests/golden/` (read its README
-first); `tests/test_decode_attention.py` checks them against an independent computation and the Triton
-kernel. They let a serving backend check its whole decode-attention path: codes -> decoded keys and values ->
+first); `tests/test_golden.py` checks them against an independent computation, `tests/test_decode_attention.py`
+against the Triton kernel. They let a serving backend check its whole decode-attention path: codes -> decoded keys and values ->
 RoPE -> softmax over coded and full-precision tokens.
 
 For each case, one loop block (`ouro_loopvq`: `b0.l1`, half-split RoPE; `huginn_tasq_loopvq`: `b0.l0`, TaSQ

@@ -3,6 +3,7 @@ model and corpora. Nothing is downloaded (HF_HUB_OFFLINE=1)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -17,9 +18,21 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # processes the tests start (spaw
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import loopvq_calib  # noqa: F401  (registers the native models)
+from loopvq_calib.bundle import write_bundle
+from loopvq_calib.capture import CaptureReader, capture_kv, write_meta
+from loopvq_calib.codec import BlockCodec, TasqTransform
+from loopvq_calib.config import CaptureConfig, FinetuneConfig, QuantConfig, ServingConfig
+from loopvq_calib.data import CalibrationSet
+from loopvq_calib.finetune import FinetuneResult, finetune_codebooks
+from loopvq_calib.layouts import codebook_shape, plan_layouts
 from loopvq_calib.models import HuginnConfig, HuginnForCausalLM, OuroConfig, OuroForCausalLM
+from loopvq_calib.models.loading import model_identity
+from loopvq_calib.models.sites import kv_layout
+from loopvq_calib.qcache import sampled_quantizer
+from loopvq_calib.quantizer import KVQuantizer
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_MODEL = ROOT / "artifacts" / "tiny-ouro"
@@ -38,6 +51,7 @@ def run_kernel_script(script: str) -> dict:
     return json.loads(code.stdout.strip().splitlines()[-1])
 DATA = ROOT / "artifacts" / "data"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TINY_K, TINY_G, TINY_T_C = 16, 8, 4  # codebook size, group size and steps per block of tiny_quantizer
 
 
 def pytest_collection_modifyitems(config, items):
@@ -98,6 +112,12 @@ def make_tiny_huginn(seed: int = 0, **overrides) -> HuginnForCausalLM:
     return _scaled_init(HuginnForCausalLM(tiny_huginn_config(**overrides)), seed)
 
 
+def calib_set(n: int = 3, length: int = 24, sinks: int = 4) -> CalibrationSet:
+    """``n`` random sequences of ``length`` tokens (seed 0): the first held out, the others for training."""
+    gen = torch.Generator().manual_seed(0)
+    return CalibrationSet(torch.randint(0, 4096, (n, length), generator=gen), list(range(1, n)), [0], sinks)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def one_thread():
     """Every test runs single-threaded torch and faiss: the tiny models and problems gain nothing from a second
@@ -146,3 +166,68 @@ def calib_corpus() -> Path:
 @pytest.fixture(scope="session")
 def heldout_corpus() -> Path:
     return DATA / "shakespeare-heldout.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tiny_captures(tmp_path_factory) -> dict[str, tuple]:
+    """Float32 captures (with query statistics) of 3 random sequences of 64 tokens on the tiny Ouro and Huginn:
+    name -> (model, KV layout, calibration set, reader)."""
+    out = {}
+    for name, make in {"ouro": make_tiny_ouro, "huginn": make_tiny_huginn}.items():
+        model = make()
+        kv = kv_layout(model)
+        torch.manual_seed(1)
+        calib = CalibrationSet(input_ids=torch.randint(0, 4096, (3, 64)), train=[0, 1], heldout=[2], sink_tokens=4)
+        folder = tmp_path_factory.mktemp(f"capture-{name}")
+        cfg = CaptureConfig(dtype="float32")
+        capture_kv(model, calib, kv, cfg, folder)
+        write_meta(folder, calib, kv, cfg)
+        out[name] = (model, kv, calib, CaptureReader(folder))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_setup() -> tuple[OuroForCausalLM, CalibrationSet, KVQuantizer]:
+    """Fine-tuning on a tiny random Ouro: 4 sequences of 24 tokens (3 train, 1 selection), codebooks of real
+    group vectors."""
+    model = make_tiny_ouro()
+    ids = torch.randint(0, 4096, (4, 24), generator=torch.Generator().manual_seed(1))
+    return model, CalibrationSet(ids, [0, 1, 2], [3], 4), sampled_quantizer(model, ids[:2], "loopvq", codebook_size=8)
+
+
+def run_finetune(setup: tuple, **cfg) -> tuple[FinetuneResult, list[tuple[dict, KVQuantizer]]]:
+    """Fine-tune ``setup`` (model, calibration set, initial quantizer) on the CPU with ``FinetuneConfig(**cfg)``
+    -> the result and (curve entry, quantizer) at every selection point."""
+    model, calib, init = setup
+    seen = []
+    result = finetune_codebooks(model, calib, init, FinetuneConfig(**cfg), torch.device("cpu"),
+                                on_select=lambda e, q: seen.append((dict(e), copy.deepcopy(q))))
+    return result, seen
+
+
+def tiny_quantizer(model_dir: Path, method: str = "tasq+loopvq", sharing: str = "none") -> KVQuantizer:
+    """Random codebooks (K 16, G 8, T_c 4) on the tiny Ouro's layout (2 layers x 4 steps, 4 heads of 16)."""
+    kv = AutoModelForCausalLM.from_pretrained(model_dir).kv_layout()
+    quant = QuantConfig(method=method, bits=None, codebook_size=TINY_K, group_size=TINY_G, steps_per_block=TINY_T_C,
+                        codebook_sharing=sharing)
+    gen = torch.Generator().manual_seed(0)
+    codecs = {}
+    for lay in plan_layouts(kv, quant):
+        transform = None
+        if quant.uses_tasq and lay.kind == "key":
+            transform = TasqTransform(torch.rand(lay.steps, kv.kv_heads, kv.head_dim, generator=gen) + 0.5, 1e-4)
+        codecs[lay.key] = BlockCodec(lay, torch.randn(codebook_shape(lay, TINY_K, sharing), generator=gen), transform)
+    return KVQuantizer(codecs, method, TINY_K, TINY_G, TINY_T_C, sharing, kv)
+
+
+def write_tiny_bundle(out: Path, model_dir: Path, name: str = "tiny", config: dict | None = None, **kw) -> Path:
+    """A bundle of ``quantizer`` (default :func:`tiny_quantizer`) for ``model_dir`` named org/tiny-ouro, with a
+    few metrics."""
+    q = kw.pop("quantizer", None) or tiny_quantizer(model_dir)
+    return write_bundle(
+        out, q, name=name, identity=model_identity(model_dir, "org/tiny-ouro", "main"),
+        calibration={"dataset": "shakespeare", "num_sequences": 4}, serving=ServingConfig(8, 64, 8),
+        metrics={"heldout_kl": 0.0123, "heldout_kl_init": 0.0456, "ppl_increase": 0.021, "finetune_curve": [{}, {}]},
+        codebook_dtype=kw.pop("codebook_dtype", "float16"), config=config or {"quant": {"method": "tasq+loopvq"}},
+        producer_version="0.1.0",
+    )

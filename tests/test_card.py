@@ -9,11 +9,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
+from conftest import tiny_quantizer, write_tiny_bundle
 from huggingface_hub import ModelCard
 
-from loopvq_calib.bundle import load_bundle
-from loopvq_calib.card import EvalReportError, attach_eval_report, evaluation_for, model_card
+from loopvq_calib.bundle import load_bundle, write_bundle
+from loopvq_calib.card import EvalReportError, attach_eval_report, evaluation_for, is_hub_id, model_card
 from loopvq_calib.cli import push_main
+from loopvq_calib.config import ServingConfig
+from loopvq_calib.models.loading import model_identity
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "ouro_loopvq"
 
@@ -180,3 +184,17 @@ def test_write_bytes_atomic_replaces_the_file_whole_or_not_at_all(tmp_path, monk
         write_bytes_atomic(target, b"lost", durable)
     monkeypatch.undo()
     assert target.read_bytes() == b"again" and [p.name for p in tmp_path.iterdir()] == ["f.json"]
+
+
+def test_card_base_model_is_only_ever_a_hub_id(tmp_path, tiny_ouro_dir):
+    def front(path):
+        return yaml.safe_load((path / "README.md").read_text().split("---")[1])
+
+    assert front(write_tiny_bundle(tmp_path / "hub", tiny_ouro_dir))["base_model"] == "org/tiny-ouro"
+    local = write_bundle(tmp_path / "local", tiny_quantizer(tiny_ouro_dir), name="x",
+                         identity=model_identity(tiny_ouro_dir, str(tiny_ouro_dir.absolute())),
+                         calibration={}, metrics={}, serving=ServingConfig(8, 64, 8), codebook_dtype="float16",
+                         config={}, producer_version="0")
+    assert "base_model" not in front(local)
+    assert [is_hub_id(n) for n in ("org/name", "/abs/path", "./rel/x", "a/b/c", "name", "../m")] == [
+        True, False, False, False, False, False]

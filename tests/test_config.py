@@ -186,3 +186,17 @@ def test_relative_paths_resolve_against_the_config_folder(tmp_path, monkeypatch)
     assert cfg.model.name_or_path == str(ROOT / "artifacts" / "tiny-ouro")
     assert cfg.data.dataset == str(ROOT / "artifacts" / "data" / "shakespeare-calib.jsonl")
     assert load_config(sub / "c.yaml", ["data.dataset=wikitext"]).data.dataset == "wikitext"  # a bare hub name
+
+
+@pytest.mark.parametrize("override, path, message", [
+    ({"lr_schedule": "step"}, "finetune.lr_schedule", "choose one of constant, cosine, linear"),
+    ({"parameterization": "lora"}, "finetune.parameterization", "choose one of codewords, affine"),
+    ({"parameterization": "affine", "min_usage": 2}, "finetune.min_usage", "needs parameterization codewords"),
+    ({"proximal": -1.0}, "finetune.proximal", ">= 0"),
+    ({"select_every": -2}, "finetune.select_every", ">= 0"),
+    ({"warmup_steps": -1}, "finetune.warmup_steps", ">= 0"),
+])
+def test_recipe_options_are_validated(override, path, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config({"finetune": override})
+    assert err.value.path == path

@@ -4,32 +4,22 @@ method's layouts, both RoPE styles, GQA and MHA, page boundaries and full-precis
 The kernels run on a CUDA GPU, or on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``, about a
 second per case). Tolerance: relative L2 error of the output 1e-5 with float32 tables and inputs (the only
 differences are float32 rounding and the angle-addition RoPE), 1e-2 with float16 tables and bf16 inputs
-and output (codeword values to fp16, the output to bf16: about 4e-3 measured). The compile test needs
-triton but no GPU, and does not run under the interpreter."""
+and output (codeword values to fp16, the output to bf16: about 4e-3 measured)."""
 
 from __future__ import annotations
 
-import math
-import os
-from pathlib import Path
-
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_golden import GOLDEN, GOLDEN_ATTENTION, attention_golden_case
 
 from loopvq_calib import decode_attention as da
 from loopvq_calib import decode_cuda
-from loopvq_calib import load_bundle
 from loopvq_calib.codec import BlockCodec, TasqTransform
-from loopvq_calib.kmeans_triton import triton
 from loopvq_calib.layouts import BlockLayout, channel_groups, loop_axis_groups
 
-ROOT = Path(__file__).resolve().parents[1]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_kernels = pytest.mark.skipif(not da.available(DEVICE), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1")
-needs_compiler = pytest.mark.skipif(
-    triton is None or os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton, not in interpreter mode")
 
 
 def gen(seed: int) -> torch.Generator:
@@ -261,37 +251,6 @@ def test_ouro_shapes_on_the_gpu(method):
           block_n=16, table_dtype=torch.float16, dtype=torch.bfloat16, tol=1e-2)
 
 
-SHARED_MEMORY_LIMIT = 99 * 1024  # per block on sm_86 / sm_89 cards, the smallest of the targets below
-
-
-@needs_compiler
-@pytest.mark.parametrize("capability", [80, 90])
-def test_kernels_compile_for_ouro_and_huginn_shapes(capability):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from loopvq_calib import decode_kernels as dk
-
-    def compile_(fn, types: dict, constants: dict):
-        signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
-        constexprs = {(fn.arg_names.index(name),): value for name, value in constants.items()}
-        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4})
-
-    ptr = {name: "*fp32" for name in dk._split_kernel.arg_names if name.endswith("_ptr")}
-    ptr.update(q_ptr="*bf16", kidx_ptr="*u8", vidx_ptr="*u8", sig_ptr="*fp16", ka_ptr="*fp16", kb_ptr="*fp16",
-               tv_ptr="*fp16", kca_ptr="*i32", kcb_ptr="*i32", vc_ptr="*i32", p0_ptr="*i32", fk_ptr="*bf16",
-               fv_ptr="*bf16", fpos_ptr="*i32", fmask_ptr="*i8")
-    ints = {name: "i32" for name in dk._split_kernel.arg_names
-            if name.startswith("s_") or name in ("n_batch", "batch_per_program", "n_coded", "n_fp", "split_len")}
-    for half, d, qg, tasq in ((True, 128, 1, True), (False, 96, 1, False), (True, 128, 4, False)):  # Ouro, Huginn, GQA
-        out = compile_(dk._split_kernel, {**ptr, **ints, "qk_scale": "fp32"}, dict(
-            H=16, QG=qg, QGP=qg, D=d, K=256, HALF=half, TASQ=tasq, STEP=2, HAS_MASK=True, BLOCK_N=16, DP=128))
-        assert out.asm["cubin"] and out.metadata.shared <= SHARED_MEMORY_LIMIT
-    out = compile_(dk._merge_kernel, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16"}, dict(S=6, SP=8, D=96, DP=128))
-    assert out.asm["cubin"]
-
-
 # -- the dispatch between the CUDA and the Triton kernel -------------------------------------------------
 
 def dispatch_case():
@@ -350,94 +309,13 @@ def test_a_refused_call_warns_once_per_reason(monkeypatch):
 
 # -- attention-level golden vectors (tests/golden_attention) --------------------------------------------------
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
-GOLDEN_ATTENTION = Path(__file__).resolve().parent / "golden_attention"
-
-
-def _golden_case(case: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("make_attention_golden", ROOT / "scripts" / "make_attention_golden.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    block = module.BLOCKS[case]
-    bundle = load_bundle(GOLDEN / case)
-    codecs = [bundle.quantizer.codecs[f"{kind}.{block}"] for kind in ("key", "value")]
-    return module, block, bundle, codecs
-
-
-def test_attention_golden_vectors_are_rebuilt_identically():
-    module, *_ = _golden_case("ouro_loopvq")
-    stored = load_file(str(GOLDEN_ATTENTION / "attention.safetensors"))
-    rebuilt = module.build()
-    assert rebuilt.keys() == stored.keys()
-    for name, t in rebuilt.items():
-        assert t.dtype == stored[name].dtype and torch.equal(t, stored[name]), name
-    assert (GOLDEN_ATTENTION / "README.md").read_text() == module.README
-
-
-@pytest.mark.parametrize("case", ["ouro_loopvq", "huginn_tasq_loopvq"])
-def test_attention_golden_output_from_the_decoded_golden_tensors(case):
-    """Independent of the reference function: the decoded (and rotated) keys and decoded values stored in
-    tests/golden/expected.safetensors, the full-precision tokens rotated with the model's apply_rope, a float64
-    softmax."""
-    from loopvq_calib.models.common import apply_rope, rope_angles
-
-    _, block, bundle, _ = _golden_case(case)
-    gold = load_file(str(GOLDEN_ATTENTION / "attention.safetensors"))
-    expected = load_file(str(GOLDEN / "expected.safetensors"))
-    rope = bundle.meta["rope"]
-    keys = expected[f"{case}/key.{block}.decoded_rope"]  # [N, T, H, D]
-    values = expected[f"{case}/value.{block}.decoded"]
-    fp_pos = gold[f"{case}/fp_positions"]
-    for m in range(keys.shape[1]):
-        cos, sin = rope_angles(fp_pos[None], keys.shape[-1], rope["theta"])
-        fk = apply_rope(gold[f"{case}/fp_keys"][m][None], cos, sin, rope["style"])[0]
-        k = torch.cat([keys[:, m], fk]).double().repeat_interleave(2, 1)  # [S, Hq, D]
-        v = torch.cat([values[:, m], gold[f"{case}/fp_values"][m]]).double().repeat_interleave(2, 1)
-        q = gold[f"{case}/query"][m].double()
-        w = (torch.einsum("hd,shd->hs", q, k) / math.sqrt(q.shape[-1])).softmax(-1)
-        out = torch.einsum("hs,shd->hd", w, v)
-        assert ((out - gold[f"{case}/output"][m].double()).norm() / out.norm()) < 1e-5
-
-
-def spec_unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
-    """Bit-packed indices as docs/bundle-format.md section 8 states them, written from the text: index j is
-    bits j*b .. j*b + b - 1 of the row's stream, least significant first; stream bit t is bit t % 8 of byte
-    t // 8."""
-    out = np.zeros(packed.shape[:-1] + (count,), dtype=np.int64)
-    for j in range(count):
-        for k in range(bits):
-            t = j * bits + k
-            out[..., j] |= ((packed[..., t // 8].astype(np.int64) >> (t % 8)) & 1) << k
-    return out
-
-
-@pytest.mark.parametrize("case", ["ouro_loopvq", "huginn_tasq_loopvq"])
-def test_attention_golden_packed_codes_are_the_golden_indices(case):
-    """The 1.1 packed form of the golden codes: a spec-text unpacker and the package's reader both give the plain
-    indices of tests/golden/."""
-    from loopvq_calib.codec import read_indices
-
-    _, block, bundle, _ = _golden_case(case)
-    gold = load_file(str(GOLDEN_ATTENTION / "attention.safetensors"))
-    expected = load_file(str(GOLDEN / "expected.safetensors"))
-    k = bundle.meta["codebook_size"]
-    for kind in ("key", "value"):
-        plain = expected[f"{case}/{kind}.{block}.indices"]
-        packed = gold[f"{case}/{kind}.indices_packed"]
-        assert packed.dtype == torch.uint8 and packed.shape[-1] == -(-plain.shape[-1] * 4 // 8)  # K 16: 4 bits
-        assert np.array_equal(spec_unpack(packed.numpy(), int(math.log2(k)), plain.shape[-1]), plain.numpy())
-        assert torch.equal(read_indices(gold, f"{case}/{kind}", k, plain.shape[-1]), plain.long())
-
-
 @needs_kernels
 @pytest.mark.parametrize("case", ["ouro_loopvq", "huginn_tasq_loopvq"])
 def test_kernel_reproduces_the_attention_golden_vectors(case):
     """From the packed codes (read back to uint8), as a backend reading format 1.1 files would."""
     from loopvq_calib.codec import read_indices
 
-    _, block, bundle, (kc, vc) = _golden_case(case)
+    _, block, bundle, (kc, vc) = attention_golden_case(case)
     gold = load_file(str(GOLDEN_ATTENTION / "attention.safetensors"))
     expected = load_file(str(GOLDEN / "expected.safetensors"))
     sigma = expected.get(f"{case}/key.{block}.sigma")

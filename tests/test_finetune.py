@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_finetune
 
 from loopvq_calib.config import FinetuneConfig
 from loopvq_calib import finetune as finetune_module
@@ -250,65 +251,19 @@ def test_loop_checkpointing_gives_the_same_gradients(make):
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-8)
 
 
-# -- recipe options: schedule, finer selection, proximal penalty, restricted parameterisations ---------------------
-@pytest.fixture(scope="module")
-def tiny_setup():
-    """Tiny random Ouro, 4 sequences of 24 tokens (3 train, 1 selection), codebooks of real group vectors."""
-    from conftest import make_tiny_ouro
-
-    from loopvq_calib.data import CalibrationSet
-    from loopvq_calib.qcache import sampled_quantizer
-
-    model = make_tiny_ouro()
-    ids = torch.randint(0, 4096, (4, 24), generator=torch.Generator().manual_seed(1))
-    return model, CalibrationSet(ids, [0, 1, 2], [3], 4), sampled_quantizer(model, ids[:2], "loopvq", codebook_size=8)
-
-
-def _run(tiny_setup, **cfg):
-    model, calib, init = tiny_setup
-    seen = []
-    result = finetune_codebooks(model, calib, init, FinetuneConfig(**cfg), torch.device("cpu"),
-                                on_select=lambda e, q: seen.append((dict(e), copy.deepcopy(q))))
-    return result, seen
-
-
-def test_lr_factor_by_hand():
-    import math
-
-    from loopvq_calib.finetune_recipe import lr_factor
-
-    assert [lr_factor(s, 6, 2, "constant") for s in range(6)] == [0.5, 1, 1, 1, 1, 1]
-    assert [lr_factor(s, 6, 2, "linear") for s in range(6)] == [0.5, 1, 1, 0.75, 0.5, 0.25]
-    cos = [lr_factor(s, 6, 2, "cosine") for s in range(6)]
-    assert cos[:3] == [0.5, 1, 1] and cos[3] == pytest.approx((1 + math.cos(math.pi / 4)) / 2)
-    assert cos[5] == pytest.approx((1 + math.cos(3 * math.pi / 4)) / 2)
-    assert lr_factor(0, 4, 0, "cosine") == 1.0
-
-
-def test_schedule_sets_the_step_size(tiny_setup):
-    """Adam's first step moves every used entry by about lr x factor (m / sqrt(v) = sign(g)): with 4
-    warm-up steps the first step moves entries by lr / 4."""
-    init = tiny_setup[2]
-    for warmup, factor in ((0, 1.0), (4, 0.25)):
-        _, seen = _run(tiny_setup, epochs=1, lr=1e-2, warmup_steps=warmup, select_every=1, lr_schedule="cosine")
-        step1 = seen[1][1]
-        moved = max((step1.codecs[k].codebook - c.codebook).abs().max().item() for k, c in init.codecs.items())
-        assert moved == pytest.approx(1e-2 * factor, rel=0.02)
-
-
 def test_select_every_n_steps(tiny_setup):
     """3 training sequences x 2 epochs = 6 steps; every 2 steps -> points 0, 2, 4, 6; every 4 -> 0, 4 and
     the last step 6; the kept codebooks are the ones measured at the best point."""
-    result, seen = _run(tiny_setup, epochs=2, lr=3e-2, select_every=2)
+    result, seen = run_finetune(tiny_setup, epochs=2, lr=3e-2, select_every=2)
     assert [(e["epoch"], e["step"]) for e in result.curve] == [(0, 0), (1, 2), (2, 4), (2, 6)]
     assert result.curve[0]["train_kl"] is None and all(e["train_kl"] > 0 for e in result.curve[1:])
     best = min(range(4), key=lambda i: result.curve[i]["selection_kl"])
     assert result.best_step == result.curve[best]["step"] and result.best_epoch == result.curve[best]["epoch"]
     for key, codec in result.quantizer.codecs.items():
         torch.testing.assert_close(codec.codebook, seen[best][1].codecs[key].codebook, rtol=0, atol=0)
-    result4, _ = _run(tiny_setup, epochs=2, lr=3e-2, select_every=4)
+    result4, _ = run_finetune(tiny_setup, epochs=2, lr=3e-2, select_every=4)
     assert [e["step"] for e in result4.curve] == [0, 4, 6]
-    per_epoch, _ = _run(tiny_setup, epochs=2, lr=3e-2, select_every=0)
+    per_epoch, _ = run_finetune(tiny_setup, epochs=2, lr=3e-2, select_every=0)
     assert [(e["epoch"], e["step"]) for e in per_epoch.curve] == [(0, 0), (1, 3), (2, 6)]
 
 
@@ -332,105 +287,6 @@ def test_teacher_cache_holds_every_sequence_a_process_is_asked_for(tiny_setup, m
     assert len(asked[0]) > -(-calib.input_ids.shape[0] // 2)  # more than a fixed half of the sequences
     assert finetune_module.asked_sequences(calib, FinetuneConfig(enabled=False), DistContext(1, 2)) == 0
     assert finetune_module.asked_sequences(calib, FinetuneConfig(min_usage=1, batch_size=1), DistContext(1, 2)) == 1  # its usage share
-
-
-def test_proximal_penalty_value_and_gradient_by_hand():
-    """weight x sum ||C - C0||^2 / sum ||C0||^2, gradient 2 weight (C - C0) / sum ||C0||^2."""
-    from loopvq_calib.finetune_recipe import CodebookParams
-    from test_quantizer import random_quantizer
-    from conftest import make_tiny_ouro
-
-    q = random_quantizer(make_tiny_ouro().kv_layout())
-    free = CodebookParams(q, "codewords")
-    c0 = {k: c.detach().clone() for k, c in free.init.items()}
-    norm = sum(c.pow(2).sum() for c in c0.values())
-    delta = {k: torch.randn_like(c) * 0.1 for k, c in c0.items()}
-    with torch.no_grad():
-        for k, p in free.words.items():
-            p.add_(delta[k])
-    pen = free.penalty(3.0)
-    torch.testing.assert_close(pen, 3.0 * sum(d.pow(2).sum() for d in delta.values()) / norm)
-    pen.backward()
-    for k, p in free.words.items():
-        torch.testing.assert_close(p.grad, 6.0 * delta[k] / norm)
-
-
-def test_proximal_penalty_keeps_codebooks_near_kmeans(tiny_setup):
-    init = tiny_setup[2]
-
-    def moved(seen):  # squared distance of the last step's codebooks from the k-means ones
-        return sum((seen[-1][1].codecs[k].codebook - c.codebook).pow(2).sum().item() for k, c in init.codecs.items())
-
-    _, free = _run(tiny_setup, epochs=1, lr=3e-2, select_every=3, proximal=0.0)
-    _, held = _run(tiny_setup, epochs=1, lr=3e-2, select_every=3, proximal=1e4)
-    assert 0 < moved(held) < 0.5 * moved(free)
-
-
-def test_affine_parameterisation_keeps_codewords_affine_in_kmeans(tiny_setup):
-    """affine: each codebook (per head and group) becomes a * C0 + b with one scale and one shift per
-    coordinate: 2G free numbers per codebook; regressing C on C0 coordinate-wise leaves no residual."""
-    from loopvq_calib.finetune_recipe import CodebookParams
-
-    init = tiny_setup[2]
-    free = CodebookParams(copy.deepcopy(init), "affine")
-    cb = next(iter(init.codecs.values())).codebook
-    assert sum(p.numel() for p in free.params) == 2 * sum(c.codebook[:, :, 0].numel() for c in init.codecs.values())
-    assert free.params[0].shape == (cb.shape[0], cb.shape[1], 1, cb.shape[3])
-    _, seen = _run(tiny_setup, epochs=1, lr=5e-2, parameterization="affine", select_every=3)
-    changed = 0
-    for key, c0 in init.codecs.items():
-        c = seen[-1][1].codecs[key].codebook
-        x, y = c0.codebook, c
-        xm, ym = x.mean(2, keepdim=True), y.mean(2, keepdim=True)
-        a = ((x - xm) * (y - ym)).sum(2, keepdim=True) / (x - xm).pow(2).sum(2, keepdim=True)
-        torch.testing.assert_close(y, a * (x - xm) + ym, rtol=1e-4, atol=1e-5)
-        changed += int(not torch.equal(c, x))
-    assert changed > 0
-
-
-def test_min_usage_trains_only_codewords_used_enough(tiny_setup):
-    """Usage = nearest-codeword counts of the training sequences' group vectors (after the sinks) under
-    the k-means codebooks; entries below min_usage stay exactly as they were, others move."""
-    from loopvq_calib.finetune import usage_counts
-    from loopvq_calib.objective import teacher
-
-    model, calib, init = tiny_setup
-    counts = usage_counts(model, calib, init, TeacherCache(model, FinetuneConfig(), 4), torch.device("cpu"))
-    key = "key.b0.l0"
-    codec = init.codecs[key]
-    hand = torch.zeros(codec.codebook.shape[:3], dtype=torch.long)
-    for i in calib.train:
-        fp = teacher(model, calib.input_ids[i : i + 1])
-        x = torch.stack([fp.keys[s][0, 4:] for s in codec.layout.sites], 1)
-        idx = codec.encode(x).indices.long()  # [N, H, n]; no sharing: codebook [H, n, K, G]
-        for h in range(idx.shape[1]):
-            for g in range(idx.shape[2]):
-                hand[h, g] += torch.bincount(idx[:, h, g], minlength=hand.shape[2])
-    assert torch.equal(counts[key], hand) and counts[key].sum() == 3 * 20 * idx.shape[1] * idx.shape[2]
-    threshold = int(counts[key].float().median().item()) + 1
-    result, seen = _run(tiny_setup, epochs=1, lr=3e-2, min_usage=threshold, select_every=3)
-    for k, c0 in init.codecs.items():
-        rare = counts[k] < threshold
-        after = seen[-1][1].codecs[k].codebook
-        assert torch.equal(after[rare], c0.codebook[rare])
-    assert not torch.equal(seen[-1][1].codecs[key].codebook[~(counts[key] < threshold)],
-                           codec.codebook[~(counts[key] < threshold)])
-
-
-@pytest.mark.parametrize("override, path, message", [
-    ({"lr_schedule": "step"}, "finetune.lr_schedule", "choose one of constant, cosine, linear"),
-    ({"parameterization": "lora"}, "finetune.parameterization", "choose one of codewords, affine"),
-    ({"parameterization": "affine", "min_usage": 2}, "finetune.min_usage", "needs parameterization codewords"),
-    ({"proximal": -1.0}, "finetune.proximal", ">= 0"),
-    ({"select_every": -2}, "finetune.select_every", ">= 0"),
-    ({"warmup_steps": -1}, "finetune.warmup_steps", ">= 0"),
-])
-def test_recipe_options_are_validated(override, path, message):
-    from loopvq_calib.config import ConfigError, load_config
-
-    with pytest.raises(ConfigError, match=message) as err:
-        load_config({"finetune": override})
-    assert err.value.path == path
 
 
 def test_epoch_writer_saves_a_host_copy_in_the_background_and_replaces_atomically(tmp_path):

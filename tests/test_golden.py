@@ -1,9 +1,12 @@
 """The golden vectors (tests/golden/, written by scripts/make_golden.py with our codec) and our codec, both
-against a reader written from docs/bundle-format.md alone (numpy), and the builder's determinism."""
+against a reader written from docs/bundle-format.md alone (numpy), and the builder's determinism; the
+attention-level golden vectors (tests/golden_attention/, scripts/make_attention_golden.py) against independent
+computations (the decode kernel reproducing them: test_decode_attention.py)."""
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -15,19 +18,32 @@ import torch
 from safetensors.torch import load_file
 
 from loopvq_calib.bundle import load_bundle
+from loopvq_calib.codec import read_indices
 from loopvq_calib.models.common import apply_rope, rope_angles
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden"
+GOLDEN_ATTENTION = ROOT / "tests" / "golden_attention"
 CASES = ("ouro_loopvq", "huginn_tasq_loopvq")
 
 
-def _make_golden():
-    spec = importlib.util.spec_from_file_location("make_golden", ROOT / "scripts" / "make_golden.py")
+def load_script(name: str):
+    """scripts/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
+
+
+def attention_golden_case(case: str):
+    """scripts/make_attention_golden.py as a module, the block of golden bundle ``case`` it uses, the bundle and
+    the block's key and value codecs."""
+    module = load_script("make_attention_golden")
+    block = module.BLOCKS[case]
+    bundle = load_bundle(GOLDEN / case)
+    codecs = [bundle.quantizer.codecs[f"{kind}.{block}"] for kind in ("key", "value")]
+    return module, block, bundle, codecs
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +185,7 @@ def test_golden_covers_the_edge_cases(expected):
 
 
 def test_builder_is_deterministic(inputs, expected, tmp_path):
-    module = _make_golden()
+    module = load_script("make_golden")
     cases = module.build_cases()
     assert [c.name for c in cases] == list(CASES)
     rebuilt = {k: v for c in cases for part in (c.inputs, c.expected) for k, v in part.items()}
@@ -193,3 +209,66 @@ def test_builder_is_deterministic(inputs, expected, tmp_path):
 def test_golden_files_are_small():
     total = sum(p.stat().st_size for p in GOLDEN.rglob("*") if p.is_file())
     assert total < 200_000
+
+
+# -- attention-level golden vectors (tests/golden_attention) --------------------------------------------------
+
+def test_attention_golden_vectors_are_rebuilt_identically():
+    module, *_ = attention_golden_case("ouro_loopvq")
+    stored = load_file(str(GOLDEN_ATTENTION / "attention.safetensors"))
+    rebuilt = module.build()
+    assert rebuilt.keys() == stored.keys()
+    for name, t in rebuilt.items():
+        assert t.dtype == stored[name].dtype and torch.equal(t, stored[name]), name
+    assert (GOLDEN_ATTENTION / "README.md").read_text() == module.README
+
+
+@pytest.mark.parametrize("case", ["ouro_loopvq", "huginn_tasq_loopvq"])
+def test_attention_golden_output_from_the_decoded_golden_tensors(case):
+    """Independent of the reference function: the decoded (and rotated) keys and decoded values stored in
+    tests/golden/expected.safetensors, the full-precision tokens rotated with the model's apply_rope, a float64
+    softmax."""
+    _, block, bundle, _ = attention_golden_case(case)
+    gold = load_file(str(GOLDEN_ATTENTION / "attention.safetensors"))
+    expected = load_file(str(GOLDEN / "expected.safetensors"))
+    rope = bundle.meta["rope"]
+    keys = expected[f"{case}/key.{block}.decoded_rope"]  # [N, T, H, D]
+    values = expected[f"{case}/value.{block}.decoded"]
+    fp_pos = gold[f"{case}/fp_positions"]
+    for m in range(keys.shape[1]):
+        cos, sin = rope_angles(fp_pos[None], keys.shape[-1], rope["theta"])
+        fk = apply_rope(gold[f"{case}/fp_keys"][m][None], cos, sin, rope["style"])[0]
+        k = torch.cat([keys[:, m], fk]).double().repeat_interleave(2, 1)  # [S, Hq, D]
+        v = torch.cat([values[:, m], gold[f"{case}/fp_values"][m]]).double().repeat_interleave(2, 1)
+        q = gold[f"{case}/query"][m].double()
+        w = (torch.einsum("hd,shd->hs", q, k) / math.sqrt(q.shape[-1])).softmax(-1)
+        out = torch.einsum("hs,shd->hd", w, v)
+        assert ((out - gold[f"{case}/output"][m].double()).norm() / out.norm()) < 1e-5
+
+
+def spec_unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """Bit-packed indices as docs/bundle-format.md section 8 states them, written from the text: index j is
+    bits j*b .. j*b + b - 1 of the row's stream, least significant first; stream bit t is bit t % 8 of byte
+    t // 8."""
+    out = np.zeros(packed.shape[:-1] + (count,), dtype=np.int64)
+    for j in range(count):
+        for k in range(bits):
+            t = j * bits + k
+            out[..., j] |= ((packed[..., t // 8].astype(np.int64) >> (t % 8)) & 1) << k
+    return out
+
+
+@pytest.mark.parametrize("case", ["ouro_loopvq", "huginn_tasq_loopvq"])
+def test_attention_golden_packed_codes_are_the_golden_indices(case):
+    """The 1.1 packed form of the golden codes: a spec-text unpacker and the package's reader both give the plain
+    indices of tests/golden/."""
+    _, block, bundle, _ = attention_golden_case(case)
+    gold = load_file(str(GOLDEN_ATTENTION / "attention.safetensors"))
+    expected = load_file(str(GOLDEN / "expected.safetensors"))
+    k = bundle.meta["codebook_size"]
+    for kind in ("key", "value"):
+        plain = expected[f"{case}/{kind}.{block}.indices"]
+        packed = gold[f"{case}/{kind}.indices_packed"]
+        assert packed.dtype == torch.uint8 and packed.shape[-1] == -(-plain.shape[-1] * 4 // 8)  # K 16: 4 bits
+        assert np.array_equal(spec_unpack(packed.numpy(), int(math.log2(k)), plain.shape[-1]), plain.numpy())
+        assert torch.equal(read_indices(gold, f"{case}/{kind}", k, plain.shape[-1]), plain.long())

@@ -266,6 +266,25 @@ def test_the_probe_gives_its_gpu_memory_back(monkeypatch):
         kmeans_triton.works.cache_clear()
 
 
+def test_kernel_probe_failure_is_logged_and_cached(monkeypatch, caplog):
+    """works() runs the kernels once per device; a failure (here a missing compiler) is a warning, not an error."""
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(kmeans_triton, "_kmeans_pp", broken)  # the probe's first launch
+    kmeans_triton.works.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="loopvq_calib"):
+            assert not kmeans_triton.works("cpu") and not kmeans_triton.works("cpu")
+        assert len(calls) == 1
+        assert "do not run on cpu (RuntimeError: Failed to find C compiler); using the torch backend" in caplog.text
+    finally:
+        kmeans_triton.works.cache_clear()
+
+
 @needs_kernels
 def test_available_needs_triton_and_cuda_or_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -1,4 +1,5 @@
-"""TaSQ stage: query statistics, weights, sigma, the fitted permutation P, bits and storage."""
+"""TaSQ stage: weights, sigma, the fitted permutation P, bits and storage (the query statistics they come from:
+test_tasq_stats.py)."""
 
 from __future__ import annotations
 
@@ -7,48 +8,23 @@ import math
 
 import pytest
 import torch
-from conftest import make_tiny_huginn, make_tiny_ouro
 
-from loopvq_calib.capture import CaptureReader, QueryStats, capture_kv, write_meta
 from loopvq_calib.codec import BlockCodec, TasqTransform, code_bits, gather_groups, sigma_bits
-from loopvq_calib.config import CaptureConfig, ConfigError, QuantConfig, TasqConfig
+from loopvq_calib.config import ConfigError, QuantConfig, TasqConfig
 from loopvq_calib.distributed import DistContext
-from loopvq_calib.data import CalibrationSet
 from loopvq_calib.layouts import BlockLayout, plan_layouts
-from loopvq_calib.models.sites import KVLayout, kv_layout
+from loopvq_calib.models.sites import KVLayout
 from loopvq_calib.quantizer import KVQuantizer
 from loopvq_calib.tasq import (
-    TasqResult, block_covariance, channel_weights, fit_groups, fit_tasq, grouping_cost, merge_costs, merge_tasq,
-    min_weight_matching, rope_pair_units,
+    TasqResult, block_covariance, fit_groups, fit_tasq, grouping_cost, merge_costs, merge_tasq, min_weight_matching,
+    rope_pair_units,
 )
 
 METHODS = ("tasq", "tasq+loopvq")
-MODELS = {"ouro": make_tiny_ouro, "huginn": make_tiny_huginn}
+MODELS = ("ouro", "huginn")  # the tiny_captures
 
 
 # ---------- independent references ----------
-
-def rope_matrices(positions: torch.Tensor, d: int, theta: float, style: str) -> torch.Tensor:
-    """Explicit RoPE rotations R_p [S, D, D] (float64): pair (a, b) -> (a cos - b sin, b cos + a sin)."""
-    freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    r = torch.zeros(len(positions), d, d, dtype=torch.float64)
-    for k in range(d // 2):
-        a, b = (k, k + d // 2) if style == "half" else (2 * k, 2 * k + 1)
-        ang = positions.double() * freq[k]
-        r[:, a, a], r[:, a, b], r[:, b, a], r[:, b, b] = ang.cos(), -ang.sin(), ang.sin(), ang.cos()
-    return r
-
-
-def brute_query_stats(q: torch.Tensor, positions: torch.Tensor, kv_heads: int, theta: float, style: str) -> torch.Tensor:
-    """Sum over causal pairs (i >= j) of diag(R_j^T q_i q_i^T R_j), post-RoPE q_i; GQA heads averaged -> [B, Hkv, D]."""
-    b, s, hq, d = q.shape
-    r = rope_matrices(positions, d, theta, style)
-    qr = torch.einsum("ide,bihe->bihd", r, q.double())  # post-RoPE queries
-    eff = torch.einsum("jed,bihe->bijhd", r, qr)  # R_j^T q_i
-    causal = torch.ones(s, s, dtype=torch.bool).tril()[None, :, :, None, None]
-    total = (eff.pow(2) * causal).sum((1, 2))
-    return total.view(b, kv_heads, hq // kv_heads, d).mean(2)
-
 
 def partner(flat: int, d: int, style: str) -> int:
     m, c = divmod(flat, d)
@@ -82,85 +58,27 @@ def perfect_matchings(nodes: list[int]):
             yield [(first, other)] + m
 
 
-# ---------- tiny captures and fits, built once ----------
-
-@pytest.fixture(scope="module")
-def captures(tmp_path_factory):
-    out = {}
-    for name, make in MODELS.items():
-        model = make()
-        kv = kv_layout(model)
-        torch.manual_seed(1)
-        calib = CalibrationSet(input_ids=torch.randint(0, 4096, (3, 64)), train=[0, 1], heldout=[2], sink_tokens=4)
-        folder = tmp_path_factory.mktemp(f"capture-{name}")
-        cfg = CaptureConfig(dtype="float32")
-        capture_kv(model, calib, kv, cfg, folder)
-        write_meta(folder, calib, kv, cfg)
-        out[name] = (model, kv, calib, CaptureReader(folder))
-    return out
-
+# ---------- fits of the tiny captures, built once ----------
 
 def quant(method: str, group_size: int = 8) -> QuantConfig:
     return QuantConfig(method=method, group_size=group_size, codebook_size=16, bits=None, steps_per_block=4)
 
 
 @pytest.fixture(scope="module")
-def fits(captures):
+def fits(tiny_captures):
     out = {}
-    for name, (_, kv, _, reader) in captures.items():
+    for name, (_, kv, _, reader) in tiny_captures.items():
         for method in METHODS:
             layouts = plan_layouts(kv, quant(method))
             out[name, method] = (layouts, fit_tasq(reader, layouts, kv, quant(method), TasqConfig()))
     return out
 
 
-# ---------- query statistics ----------
-
-@pytest.mark.parametrize("style", ["half", "interleaved"])
-def test_query_stats_equal_brute_force(style):
-    torch.manual_seed(0)
-    kv = KVLayout("t", (), 1, 2, 8, style, 100.0)
-    q = torch.randn(2, 9, 4, 8)  # GQA: 4 query heads on 2 KV heads
-    positions = (torch.arange(9) + 3)[None].expand(2, -1)
-    stats = QueryStats(kv)
-    stats(5, q, positions)
-    want = brute_query_stats(q, positions[0], 2, 100.0, style)
-    torch.testing.assert_close(stats.sums[5].double(), want, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("name", list(MODELS))
-def test_reader_query_stats_equal_brute_force_over_model_queries(captures, name):
-    model, kv, calib, reader = captures[name]
-    seen = {}
-    model.query_observer = lambda site, q, pos: seen.setdefault(site, (q.detach().clone(), pos[0].clone()))
-    try:
-        with torch.no_grad():
-            model(calib.input_ids, use_cache=False)
-    finally:
-        model.query_observer = None
-    s = calib.input_ids.shape[1]
-    for site in (kv.sites[0].site, kv.sites[-1].site):
-        q, pos = seen[site]
-        want = brute_query_stats(q, pos, kv.kv_heads, kv.rope_theta, kv.rope_style).mean(0) / (s * (s + 1) / 2)
-        torch.testing.assert_close(reader.query_stats(site).double(), want, rtol=1e-4, atol=1e-7)
-
-
 # ---------- weights and sigma ----------
 
-def test_channel_weights_mean_square_and_floor():
-    diag = torch.tensor([[4.0, 1.0, 0.0, 1e-9], [2.0, 2.0, 2.0, 2.0]])
-    w = channel_weights(diag, 1e-3)
-    floored = torch.tensor([[4.0, 1.0, 4e-3, 4e-3], [2.0, 2.0, 2.0, 2.0]])
-    torch.testing.assert_close(w, (floored / floored.mean(-1, keepdim=True)).sqrt())
-    torch.testing.assert_close(w.pow(2).mean(-1), torch.ones(2))
-    assert w[0, 2] == w[0, 3] > 0
-    with pytest.raises(ValueError):
-        channel_weights(torch.zeros(1, 4), 1e-6)
-
-
 @pytest.mark.parametrize("name", list(MODELS))
-def test_fitted_weights_and_sigma_rule(captures, fits, name):
-    _, kv, _, reader = captures[name]
+def test_fitted_weights_and_sigma_rule(tiny_captures, fits, name):
+    _, kv, _, reader = tiny_captures[name]
     _, res = fits[name, "tasq+loopvq"]
     for lay in res.layouts:
         if lay.kind != "key":
@@ -179,8 +97,8 @@ def test_fitted_weights_and_sigma_rule(captures, fits, name):
         torch.testing.assert_close(t.inverse(t.forward(x, sigma), sigma), x, rtol=1e-6, atol=1e-6)
 
 
-def test_codec_round_trip_with_exact_codebook(captures, fits):
-    _, kv, _, reader = captures["ouro"]
+def test_codec_round_trip_with_exact_codebook(tiny_captures, fits):
+    _, kv, _, reader = tiny_captures["ouro"]
     _, res = fits["ouro", "tasq+loopvq"]
     lay = next(l for l in res.layouts if l.kind == "key")
     t = res.transforms[lay.key]
@@ -196,8 +114,8 @@ def test_codec_round_trip_with_exact_codebook(captures, fits):
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("name", list(MODELS))
-def test_fitted_groups_keep_rope_pairs_and_partition(captures, fits, name, method):
-    _, kv, _, _ = captures[name]
+def test_fitted_groups_keep_rope_pairs_and_partition(tiny_captures, fits, name, method):
+    _, kv, _, _ = tiny_captures[name]
     planned, res = fits[name, method]
     assert [l.key for l in res.layouts] == [l.key for l in planned]
     assert set(res.transforms) == {l.key for l in planned if l.kind == "key"}
@@ -218,8 +136,8 @@ def test_fitted_groups_keep_rope_pairs_and_partition(captures, fits, name, metho
     assert steps == ({1} if method == "tasq" else ({4} if name == "ouro" else {1, 4}))
 
 
-def test_report_cost_equals_independent_covariance(captures, fits):
-    _, kv, _, reader = captures["huginn"]
+def test_report_cost_equals_independent_covariance(tiny_captures, fits):
+    _, kv, _, reader = tiny_captures["huginn"]
     _, res = fits["huginn", "tasq+loopvq"]
     lay = next(l for l in res.layouts if l.kind == "key" and l.steps == 4)
     t = res.transforms[lay.key]
@@ -304,9 +222,9 @@ def test_a_batch_is_matched_and_fitted_as_one_matrix_at_a_time():
     assert torch.equal(fitted, torch.stack([fit_groups(m, units, 8, 1e-6) for m in cov]))
 
 
-def test_matching_close_to_exact_blossom_on_captured_keys(captures, fits):
+def test_matching_close_to_exact_blossom_on_captured_keys(tiny_captures, fits):
     nx = pytest.importorskip("networkx")
-    _, kv, _, reader = captures["ouro"]
+    _, kv, _, reader = tiny_captures["ouro"]
     _, res = fits["ouro", "tasq+loopvq"]
     lay = next(l for l in res.layouts if l.kind == "key")
     cov = block_covariance(reader.load("key", lay.sites), res.transforms[lay.key])[0]
@@ -323,11 +241,11 @@ def test_rope_pair_units():
     assert rope_pair_units(4, 2, "interleaved").tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
-def test_unreachable_group_size_is_rejected(captures):
+def test_unreachable_group_size_is_rejected(tiny_captures):
     cov = torch.eye(24, dtype=torch.float64)
     with pytest.raises(ConfigError, match="quant.group_size"):
         fit_groups(cov, rope_pair_units(24, 1, "half"), 12, 1e-6)
-    _, kv, _, reader = captures["ouro"]
+    _, kv, _, reader = tiny_captures["ouro"]
     layouts = plan_layouts(kv, quant("tasq+loopvq"))
     with pytest.raises(ConfigError, match="quant.group_size"):
         fit_tasq(reader, layouts, kv, quant("tasq+loopvq", 12), TasqConfig())
@@ -364,10 +282,10 @@ def test_save_load_round_trip(fits, tmp_path):
         assert torch.equal(back.transforms[k].weight, t.weight) and back.transforms[k].sigma_min == t.sigma_min
 
 
-def test_sharded_fit_merges_into_the_single_fit(captures, fits):
+def test_sharded_fit_merges_into_the_single_fit(tiny_captures, fits):
     """fit_tasq on process r of 2 fits only the key layouts i % 2 == r (the others stay as planned, without a
     transform); merge_tasq of the two parts equals the fit in one process."""
-    _, kv, _, reader = captures["ouro"]
+    _, kv, _, reader = tiny_captures["ouro"]
     layouts, whole = fits["ouro", "tasq+loopvq"]
     parts = [fit_tasq(reader, layouts, kv, quant("tasq+loopvq"), TasqConfig(), DistContext(r, 2)) for r in range(2)]
     for r, part in enumerate(parts):
@@ -389,12 +307,12 @@ def test_sharded_fit_merges_into_the_single_fit(captures, fits):
 
 
 @pytest.mark.parametrize("budget", [1, 1 << 30])  # one head per batch | all heads of all layouts in one batch
-def test_layouts_fitted_together_equal_one_head_at_a_time(captures, fits, monkeypatch, budget):
+def test_layouts_fitted_together_equal_one_head_at_a_time(tiny_captures, fits, monkeypatch, budget):
     """fit_tasq stacks the heads of every key layout with the same steps; the groups equal fit_groups of
     each head's own covariance, one at a time, whatever the batch size."""
     import loopvq_calib.tasq as tasq
 
-    _, kv, _, reader = captures["huginn"]
+    _, kv, _, reader = tiny_captures["huginn"]
     layouts, _ = fits["huginn", "tasq+loopvq"]
     monkeypatch.setattr(tasq, "GROUPING_BYTES", budget)
     res = fit_tasq(reader, layouts, kv, quant("tasq+loopvq"), TasqConfig())
@@ -406,8 +324,8 @@ def test_layouts_fitted_together_equal_one_head_at_a_time(captures, fits, monkey
 
 
 @pytest.mark.gpu
-def test_fit_on_the_gpu_equals_the_cpu_fit(captures, fits):
-    _, kv, _, reader = captures["ouro"]
+def test_fit_on_the_gpu_equals_the_cpu_fit(tiny_captures, fits):
+    _, kv, _, reader = tiny_captures["ouro"]
     layouts, cpu = fits["ouro", "tasq+loopvq"]
     gpu = fit_tasq(reader, layouts, kv, quant("tasq+loopvq"), TasqConfig(), device="cuda")
     for a in gpu.layouts:  # float32 products on another device may break a tie otherwise: same quality
