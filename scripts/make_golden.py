@@ -71,9 +71,11 @@ def pair_groups(steps: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def tasq_weight(steps: int, gen: torch.Generator) -> torch.Tensor:
-    """[T, H, D] positive weights, equal within a RoPE pair, mean(w^2) = 1 per (step, head)."""
-    w = (0.5 + torch.rand(steps, HEADS, HEAD_DIM // 2, generator=gen)).repeat_interleave(2, -1)
-    return w / w.pow(2).mean(-1, keepdim=True).sqrt()
+    """[T, H, D] positive weights, equal within a RoPE pair, mean(w^2) = 1 per (step, head). Normalised in
+    float64, then rounded: a float32 mean's summation order follows the CPU's vector width, which would make
+    the shipped weights' last bit depend on the machine that builds them."""
+    w = (0.5 + torch.rand(steps, HEADS, HEAD_DIM // 2, generator=gen)).double().repeat_interleave(2, -1)
+    return (w / w.pow(2).mean(-1, keepdim=True).sqrt()).float()
 
 
 def build_quantizer(kv: KVLayout, method: str, sharing: str, dtype: str, gen: torch.Generator) -> KVQuantizer:
