@@ -277,10 +277,13 @@ __device__ __forceinline__ float reduce_scatter(float* v, int l) {
         const int n = N >> step, o = (LPT / 2) >> step;
         const bool up = l & o;
 #pragma unroll
-        for (int i = 0; i < n / 2; ++i) {
-            const float send = up ? v[i] : v[i + n / 2];
-            const float keep = up ? v[i + n / 2] : v[i];
-            v[i] = keep + __shfl_xor_sync(FULL, send, o);
+        for (int i = 0; i < N / 2; ++i) {  // a constant trip count: with n / 2 (constant only once the step loop is
+            // unrolled) nvcc left this loop rolled at N = 16 and moved v to local memory
+            if (i < n / 2) {
+                const float send = up ? v[i] : v[i + n / 2];
+                const float keep = up ? v[i + n / 2] : v[i];
+                v[i] = keep + __shfl_xor_sync(FULL, send, o);
+            }
         }
     }
     float r = v[0];
