@@ -2,7 +2,7 @@
 // compiles this text with NVRTC at first use; design in docs/quantized-cache.md).
 //
 // One block per (KV head, split of the coded tokens); it copies the head's key and value step tables into
-// shared memory once (in *lane order*, see decode_cuda.lane_tables) and loops over the batch. A token is
+// shared memory once (in *lane order*, see decode_lanes.lane_tables) and loops over the batch. A token is
 // served by a group of LPT lanes: lane l of the group owns CPL = D/LPT channels, the two channels of each of
 // its PPL RoPE pairs for keys (so the query's rotation is lane-local) and CPL value channels. The channels a
 // lane reads from one code form a *run* (RK key / RV value slots, one index byte and one vector load each;
@@ -15,7 +15,9 @@
 // over the group (each lane then holds one token's logit); softmax base 2 with a lazily moved reference
 // maximum; values accumulate per lane (VH2: packed half2 FMAs over a step, added into float32 after it).
 // Full-precision sink/window tokens are spread over every block's groups. Warps are merged through shared
-// memory; the block writes (acc in channel order, max, sum) for the Triton merge kernel.
+// memory; the block writes its split's (acc in channel order, max, sum) and counts itself in for the (row, KV
+// head); the split that arrives last merges every split's result by log-sum-exp, writes the output in q's dtype
+// and resets the counter to zero for the next launch (one launch per call, no merge kernel).
 //
 // RPB batch rows are served at once (WARPS / RPB warps each), so that one row's latencies (its first index
 // rows, the full-precision tokens, the merge) overlap another row's work.
@@ -24,17 +26,13 @@
 // (codebook size), NKC / NVC (index bytes per token: key / value codes), RK / RV (run lengths), KMIX (key runs
 // hold both channels of their pairs), KG / VG (runs whose index bytes are read together: 1, 2 or 4), KT32 /
 // VT32 (key / value tables in fp32, else fp16), CHEB, TASQ, HAS_MASK, ACT (0 bf16, 1 fp16, 2 fp32: q
-// and the full-precision keys/values), IDXVEC (bytes per cp.async: 4 or 16), TABLE_ASYNC (tables copied by
-// cp.async).
+// and the full-precision keys/values, and the output), IDXVEC (bytes per cp.async: 4 or 16).
 
 #ifndef RPB
 #define RPB 1  // batch rows per pass (decode_cuda defines it; 1 for other builders)
 #endif
 #if RPB < 1 || WARPS % RPB != 0
 #error "RPB (batch rows per pass) must divide WARPS: every row of a pass gets WARPS / RPB warps"
-#endif
-#ifndef TABLE_ASYNC
-#define TABLE_ASYNC 1  // the step tables copied by cp.async (0: plain loads and stores)
 #endif
 
 typedef unsigned char u8;
@@ -88,6 +86,26 @@ __device__ __forceinline__ float act(const void* p, i64 i) {
     return h2f(((const u16*)p)[i]);
 #else
     return ((const float*)p)[i];
+#endif
+}
+
+__device__ __forceinline__ float ldcg(const float* p) {  // from L2, not L1: another block wrote it
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void store_act(void* p, i64 i, float x) {  // x in q's dtype (round to nearest)
+#if ACT == 0
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    ((u16*)p)[i] = h;
+#elif ACT == 1
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    ((u16*)p)[i] = h;
+#else
+    ((float*)p)[i] = x;
 #endif
 }
 
@@ -259,10 +277,13 @@ __device__ __forceinline__ float reduce_scatter(float* v, int l) {
         const int n = N >> step, o = (LPT / 2) >> step;
         const bool up = l & o;
 #pragma unroll
-        for (int i = 0; i < n / 2; ++i) {
-            const float send = up ? v[i] : v[i + n / 2];
-            const float keep = up ? v[i + n / 2] : v[i];
-            v[i] = keep + __shfl_xor_sync(FULL, send, o);
+        for (int i = 0; i < N / 2; ++i) {  // a constant trip count: with n / 2 (constant only once the step loop is
+            // unrolled) nvcc left this loop rolled at N = 16 and moved v to local memory
+            if (i < n / 2) {
+                const float send = up ? v[i] : v[i + n / 2];
+                const float keep = up ? v[i + n / 2] : v[i];
+                v[i] = keep + __shfl_xor_sync(FULL, send, o);
+            }
         }
     }
     float r = v[0];
@@ -308,7 +329,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
     const int* __restrict__ vch, const int* __restrict__ p0, const float* __restrict__ cos_t,
     const float* __restrict__ sin_t, const void* __restrict__ fk, const void* __restrict__ fv,
     const int* __restrict__ fpos, const signed char* __restrict__ fmask, float* __restrict__ acc_out,
-    float* __restrict__ ml_out, int n_batch, int n_coded, int n_fp, int split_len, int qk_scale_bits,
+    float* __restrict__ ml_out, int* __restrict__ count, void* __restrict__ out, int n_batch, int n_coded, int n_fp, int split_len, int qk_scale_bits,
     int s_kib, int s_kih, int s_vib, int s_vih, int s_sb, int s_st,
     int s_fkb, int s_fkt, int s_fkh, int s_fvb, int s_fvt, int s_fvh, int s_fpb) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -327,22 +348,16 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
     {  // the head's step tables into shared memory, 16 bytes at a time
         const uint4* sk = (const uint4*)((const unsigned char*)ktab_g + (i64)h * KT_BYTES);
         const uint4* sv = (const uint4*)((const unsigned char*)vtab_g + (i64)h * VT_BYTES);
-#if TABLE_ASYNC  // every copy in flight at once (cp.async), not a few loads per thread at a time
+        // every copy in flight at once (cp.async), not a few loads per thread at a time
         const unsigned kt = smem_addr(ktab), vt = smem_addr(vtab);
         for (int i = threadIdx.x; i < KT_BYTES / 16; i += blockDim.x) cp_async16(kt + 16 * i, sk + i);
         for (int i = threadIdx.x; i < VT_BYTES / 16; i += blockDim.x) cp_async16(vt + 16 * i, sv + i);
         cp_commit();
-#else
-        for (int i = threadIdx.x; i < KT_BYTES / 16; i += blockDim.x) ((uint4*)ktab)[i] = sk[i];
-        for (int i = threadIdx.x; i < VT_BYTES / 16; i += blockDim.x) ((uint4*)vtab)[i] = sv[i];
-#endif
         for (int i = threadIdx.x; i < D; i += blockDim.x) {
             chans[i] = kch[h * D + i];
             chans[D + i] = vch[h * D + i];
         }
-#if TABLE_ASYNC
         cp_wait<0>();
-#endif
     }
     __syncthreads();  // the tables (cp_wait above) and the channel maps are complete for every thread from here on
     const int* kchan = chans;  // shared copies: the full-precision tokens and the merge read them per row
@@ -662,6 +677,37 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
                 ml_out[row * 2] = mx;
                 ml_out[row * 2 + 1] = lsum;
             }
+        }
+        // count this split in for each row of the pass; the last split of a (row, head) merges them all
+        __threadfence();  // this block's partial results are visible device-wide before its arrival counts
+        __syncthreads();
+        int* last = (int*)pbuf;  // [RPB] (the weights are idle now): whether this block arrived last for row r
+        if (threadIdx.x < RPB) {
+            const int b = b0 + threadIdx.x;
+            int arrived = 0;
+            if (b < n_batch) {
+                int* c = count + (i64)b * heads + h;
+                arrived = atomicAdd(c, 1) == splits - 1;
+                if (arrived) *c = 0;  // every split of this launch has counted: ready for the next launch
+                __threadfence();      // the other splits' results are read after their arrivals
+            }
+            last[threadIdx.x] = arrived;
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < RPB * QG * D; e += blockDim.x) {
+            const int r = e / (QG * D), g = e / D % QG, c = e % D;  // channel c of query head g
+            if (b0 + r >= n_batch || !last[r]) continue;
+            const i64 row = ((i64)(b0 + r) * heads * QG + h * QG + g);
+            const float* mls = ml_out + row * splits * 2;
+            float mx = NEG_BIG;
+            for (int j = 0; j < splits; ++j) mx = fmaxf(mx, ldcg(mls + 2 * j));
+            float a = 0.0f, lsum = 0.0f;
+            for (int j = 0; j < splits; ++j) {  // other blocks wrote these: read from L2
+                const float f = ex2(ldcg(mls + 2 * j) - mx);
+                a += ldcg(acc_out + (row * splits + j) * D + c) * f;
+                lsum += ldcg(mls + 2 * j + 1) * f;
+            }
+            store_act(out, row * D + c, a / lsum);
         }
         __syncthreads();
     }

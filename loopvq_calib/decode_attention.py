@@ -17,7 +17,8 @@ all its steps, plus TaSQ's fp16 sigma per step) and full-precision pre-RoPE sink
   token and head. Full-precision tokens read their own row of the table.
 - **Split-K**: program (sequence, KV head, split) runs an online softmax (base 2) over its token range and
   writes (max, sum, accumulator); the last split of each row takes the full-precision tokens. A second
-  kernel merges the splits by log-sum-exp. GQA: a program serves the KV head's ``Hq / H`` query heads.
+  kernel merges the splits by log-sum-exp (the CUDA kernel merges them itself: the split that finishes last).
+  GQA: a program serves the KV head's ``Hq / H`` query heads.
 
 Two implementations: on CUDA, where the site fits it, the CUDA kernel of :mod:`~loopvq_calib.decode_cuda`
 keeps a head's step tables in shared memory and reads one vector per run of a code (tables in lane order,
@@ -313,14 +314,13 @@ def _cuda_attention(q: torch.Tensor, tables: StepTables, coded: CodedTokens, fp_
     inputs = kernel_inputs(q, tables, coded, fp_positions, fp_mask, rope,
                            decode_cuda.rope_rows(max_position, lanes.lanes))
     try:
-        acc, ml = decode_cuda.decode_attention_cuda(inputs, tables, lanes, coded, fp_keys, fp_values, plan=plan)
+        return decode_cuda.decode_attention_cuda(inputs, tables, lanes, coded, fp_keys, fp_values, plan=plan)
     except decode_cuda.BuildError as err:  # no NVRTC, a failed build or launch: the Triton kernel serves
         if backend == "cuda":
             raise
         _warn_once(f"CUDA decode kernel unavailable ({err}); using the Triton kernel")
         tables.lanes[lanes.lanes] = None
         return None
-    return _merged(acc, ml, q.dtype)
 
 
 @dataclass

@@ -4,13 +4,11 @@ shape, a second or so) and launched on the query's device, on its current stream
 
 The Triton kernel of :mod:`~loopvq_calib.decode_attention` gathers every channel of every token from the step
 tables through the L1 cache (one scattered access per channel); this kernel keeps a head's key and value
-tables in shared memory in **lane order** (:func:`lane_tables`): a token is served by a group of ``lanes``
-lanes (8 or 16), lane ``l`` owning ``D/lanes`` key channels (both channels of ``D/(2 lanes)`` RoPE pairs, so
-the query's rotation is lane-local) and ``D/lanes`` value channels; the channels a lane reads from one code
-form a *run* (one index byte and one vector load per token). Loop-axis layouts give runs of 4 (Ouro, 16 lanes:
-a lane reads 2 key and 2 value codes per token, the value codes' index bytes in one 16-bit load; with 8 lanes
-4 and 4, in one 16-bit and one 32-bit load); TaSQ's permuted keys give runs of 1. :func:`lane_tables` says whether a site fits (head dim a multiple of 2 lanes);
-:func:`launch` whether a call does (its plan, else the reason and the Triton kernel serves it).
+tables in shared memory in lane order (:mod:`~loopvq_calib.decode_lanes`: a group of lanes per token, each
+lane reading runs of channels that share a code). One launch per call: each split of a (row, KV head) writes
+its partial softmax state, and the split that arrives last merges them into the output (a per-(row, head)
+counter, reset by that split). :func:`launch` says whether a call fits (its plan, else the reason and the
+Triton kernel serves it).
 """
 
 from __future__ import annotations
@@ -23,151 +21,26 @@ from pathlib import Path
 
 import torch
 
+from .decode_lanes import LaneTables, lane_tables
+
 SOURCE = Path(__file__).with_name("decode_attention.cu")
 KERNEL = "loopvq_decode_split"
 ACT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 INT32_MAX = 2**31 - 1
-LANE_CHOICES = (8, 16)  # lanes per token the kernel is built for
-
-
-@dataclass
-class LaneTables:
-    """One site's step tables in lane order (see the module docstring), every tensor per KV head.
-
-    ``key`` [H, D/L/run_key, K, L, run_key] (L = ``lanes`` per token): the value of
-    lane l's key run r at codeword k; a lane's key registers are the first channels of its pairs then the
-    second ones (``key_mixed``: a run holds both channels of run_key/2 pairs, else only first or only second
-    channels; ``key_wide``: the same in float32); ``value`` [H, D/L/run_value, K, L, run_value] (float16 or
-    float32); ``key_column`` [H, L, runs] / ``value_column`` int32: the index column (code) of every run;
-    ``key_channel`` [H, D] int32: the channel of lane l's key register j at l*D/L + j; ``value_channel`` [H, D]
-    likewise; ``key_group`` / ``value_group``: how many runs' index bytes sit in adjacent columns (1, 2 or 4:
-    read with one load)."""
-
-    key: torch.Tensor
-    value: torch.Tensor
-    key_column: torch.Tensor
-    value_column: torch.Tensor
-    key_channel: torch.Tensor
-    value_channel: torch.Tensor
-    run_key: int
-    key_mixed: bool
-    run_value: int
-    lanes: int
-    key_group: int
-    value_group: int
-    key_wide: torch.Tensor | None = None  # the key table in float32 (exact), made on first use
-
-    def key_table(self, float32: bool) -> torch.Tensor:
-        """The key table a launch reads: as built, or widened to float32 (no conversions in the kernel)."""
-        if self.key.dtype == torch.float32 or not float32:
-            return self.key
-        if self.key_wide is None:
-            self.key_wide = self.key.float()
-        return self.key_wide
-
-
-def _slot_order(code: torch.Tensor) -> torch.Tensor:
-    """Channels of every head sorted by code (then channel): [H, D]."""
-    d = code.shape[1]
-    return torch.argsort(code.long() * d + torch.arange(d, device=code.device), dim=1)
-
-
-def _run(code_in_slot_order: torch.Tensor, per_lane: int) -> int:
-    """The longest run length dividing ``per_lane`` such that every aligned run of slots shares one code."""
-    h, d = code_in_slot_order.shape
-    for r in sorted((r for r in range(1, per_lane + 1) if per_lane % r == 0), reverse=True):
-        runs = code_in_slot_order.view(h, d // r, r)
-        if bool((runs == runs[:, :, :1]).all()):
-            return r
-    return 1
-
-
-def key_registers(per_lane: int, run: int, mixed: bool) -> list[int]:
-    """Register (0 .. per_lane-1: first channels of the lane's pairs, then second channels) of every position
-    of every run, in run-major order (the kernel's REGK)."""
-    pairs = per_lane // 2
-    if not mixed:
-        return list(range(per_lane))
-    return [r * (run // 2) + i if i < run // 2 else pairs + r * (run // 2) + i - run // 2
-            for r in range(per_lane // run) for i in range(run)]
-
-
-def _key_runs(code_a: torch.Tensor, code_b: torch.Tensor, per_lane: int) -> tuple[int, bool]:
-    """(run length, mixed) of the keys: the longest runs whose positions share one code for every head and lane.
-    code_a / code_b [H, L, pairs per lane]: the code of each pair's first / second channel."""
-    heads, lanes = code_a.shape[:2]
-    regs = torch.cat([code_a, code_b], 2)  # [H, 16, per_lane] code of every register
-    for run in range(per_lane, 0, -1):
-        for mixed in (False, True):
-            if per_lane % run or (mixed and (run % 2 or (per_lane // 2) % (run // 2))):
-                continue
-            if not mixed and run > per_lane // 2 and run != per_lane:
-                continue
-            order = torch.tensor(key_registers(per_lane, run, mixed))
-            codes = regs[:, :, order].view(heads, lanes, per_lane // run, run)
-            if bool((codes == codes[..., :1]).all()):
-                return run, mixed
-    return 1, False
-
-
-def _group(columns: torch.Tensor) -> int:
-    """How many consecutive runs have adjacent index columns, aligned for one load (4, 2 or 1); columns
-    [H, L, runs]."""
-    runs = columns.shape[2]
-    for g in (4, 2):
-        if runs % g:
-            continue
-        c = columns.view(*columns.shape[:2], runs // g, g)
-        if bool((c == c[..., :1] + torch.arange(g)).all()) and bool((c[..., 0] % g == 0).all()):
-            return g
-    return 1
-
-
-def lane_tables(tables, lanes: int = 16) -> LaneTables | None:
-    """:class:`LaneTables` of a :class:`~loopvq_calib.decode_attention.StepTables` for ``lanes`` lanes per token,
-    or None when the site does not fit this kernel (head dim not a multiple of 2 lanes)."""
-    from .models.common import pair_channels
-
-    heads, k, d = tables.value.shape
-    if lanes not in LANE_CHOICES or d % (2 * lanes):
-        return None
-    per_lane, pairs = d // lanes, d // (2 * lanes)
-    dev = tables.value.device
-    a, b = (c.to(dev) for c in pair_channels(d, tables.rope_style))
-    code_a = tables.key_code_a.view(heads, lanes, pairs)
-    code_b = tables.key_code_b.view(heads, lanes, pairs)
-    rk, mixed = _key_runs(code_a.cpu(), code_b.cpu(), per_lane)
-    order = torch.tensor(key_registers(per_lane, rk, mixed), device=dev)  # register of each run position
-    reg_values = torch.cat([tables.key_a.view(heads, k, lanes, pairs), tables.key_b.view(heads, k, lanes, pairs)], 3)
-    key = reg_values[..., order].view(heads, k, lanes, per_lane // rk, rk).permute(0, 3, 1, 2, 4)
-    reg_codes = torch.cat([code_a, code_b], 2)[..., order].view(heads, lanes, per_lane // rk, rk)
-    reg_channel = torch.cat([a.view(lanes, pairs), b.view(lanes, pairs)], 1)  # [L, per_lane]
-
-    vorder = _slot_order(tables.value_code)
-    vcode = tables.value_code.gather(1, vorder)
-    rv = _run(vcode, per_lane)
-    value = tables.value.gather(2, vorder[:, None, :].expand(-1, k, -1))
-    value = value.view(heads, k, lanes, per_lane // rv, rv).permute(0, 3, 1, 2, 4)
-    i32 = torch.int32
-    key_column = reg_codes[..., 0].to(i32).contiguous()
-    value_column = vcode.view(heads, lanes, per_lane // rv, rv)[..., 0].to(i32).contiguous()
-    return LaneTables(
-        key.contiguous(), value.contiguous(), key_column, value_column,
-        reg_channel.reshape(1, d).expand(heads, -1).to(i32).contiguous(), vorder.to(i32).contiguous(), rk, mixed, rv,
-        lanes, _group(key_column.cpu()), _group(value_column.cpu()))
 
 
 def default_launch(query_groups: int) -> tuple[int, int, int, int]:
-    """(warps per block, tokens per group and step, lanes per token, most batch rows per pass): 16 x 8 x 16 x R
+    """(warps per block, tokens per group and step, lanes per token, most batch rows per pass): 16 x 16 x 16 x R
     for one query head per KV head (at Ouro's shapes the register file and shared memory, not the warps, are the
-    limit; 8 lanes per token measured slower: their 64-byte table rows make two groups of a half-warp collide on
-    banks), 8 x 4 x 16 x R for GQA (every query head keeps its own rotated query and accumulator); R =
-    :data:`ROWS_PER_PASS`. Measured on the H200 (docs/quantized-cache.md)."""
-    return (16, 8, 16, ROWS_PER_PASS) if query_groups == 1 else (8, 4, 16, ROWS_PER_PASS)
+    limit; 16 tokens per step halve the per-step costs of 8: the index-row copy, the reduction's tail, the
+    weights' barrier; 8 lanes per token measured slower: their 64-byte table rows make two groups of a half-warp
+    collide on banks), 8 x 4 x 16 x R for GQA (every query head keeps its own rotated query and accumulator);
+    R = :data:`ROWS_PER_PASS`. :func:`plan_launch` lowers the default tokens to the lanes per token and, like
+    the rows, until a float32 key table fits. Measured on the H200 (docs/quantized-cache.md)."""
+    return (16, 16, 16, ROWS_PER_PASS) if query_groups == 1 else (8, 4, 16, ROWS_PER_PASS)
 
 
 ROWS_PER_PASS = 8  # most batch rows a block serves at once (see rows_per_pass)
-TABLE_ASYNC = True  # blocks copy the step tables into shared memory by cp.async (False: plain loads, to compare)
 
 
 def rows_per_pass(most: int, batch: int, warps: int) -> int:
@@ -246,8 +119,9 @@ def plan_launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor
                 key_float32: bool | None, shared_limit: int, sms: int) -> LaunchPlan | str:
     """The launch (defaults from :func:`default_launch`, rows per pass by :func:`rows_per_pass`, splits per KV
     head = ``sms`` over the heads; the key table in float32 by default only where its runs cannot be read as
-    packed halves (odd runs) and it fits at one row per pass (at the rows given, if any; ``key_float32=True``
-    that does not fit is refused); then the default rows
+    packed halves (odd runs) and it fits at one row per pass (at the rows given, if any; the default tokens per
+    step, 16, drop to 8 where that makes it fit; ``key_float32=True`` that does not fit is refused); then the
+    default rows
     per pass lowered until the call fits with that table: a float32 key table measured faster than more rows
     for TaSQ's keys), or why the kernel cannot read this call's tensors as it assumes: a
     site with lane tables, one dtype for q and the full-precision tokens, one-byte key and value indices stored
@@ -274,17 +148,22 @@ def plan_launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor
     heads = lanes.key.shape[0]
     qg = hq // heads
     w, u, _, r = default_launch(qg)
-    warps, tokens = (warps if warps is not None else w), (tokens if tokens is not None else u)
+    default_tokens = tokens is None
+    warps, tokens = (warps if warps is not None else w), (min(u, lanes.lanes) if default_tokens else tokens)
     if tokens not in (1, 2, 4, 8, 16) or tokens > lanes.lanes or not 1 <= warps <= 32:
         raise ValueError(f"tokens_per_iteration must be a power of two up to the lanes per token ({lanes.lanes}) and "
                          f"warps 1..32, got {tokens} and {warps}")
     wanted = lanes.run_key % 2 == 1 if key_float32 is None else key_float32
     given = rows is not None
     rows = rows_per_pass(rows if given else r, bsz, warps)
-    need32 = launch_shared(lanes, coded, warps, qg, tokens, torch.float32, rows if given else 1)
-    wide = wanted and need32 <= shared_limit  # float32 wanted and fits
+
+    def need32(t: int) -> int:
+        return launch_shared(lanes, coded, warps, qg, t, torch.float32, rows if given else 1)
+    if wanted and default_tokens:  # default tokens above 8 give way to a float32 key table that fits at 8
+        tokens = next((t for t in (tokens, 8) if t <= tokens and need32(t) <= shared_limit), tokens)
+    wide = wanted and need32(tokens) <= shared_limit  # float32 wanted and fits
     if key_float32 and not wide:
-        return f"a float32 key table needs {need32} bytes of shared memory, {shared_limit} available"
+        return f"a float32 key table needs {need32(tokens)} bytes of shared memory, {shared_limit} available"
     key_dtype = torch.float32 if wide else None
     while not given and rows > 1 and launch_shared(lanes, coded, warps, qg, tokens, key_dtype, rows) > shared_limit:
         rows = rows_per_pass(rows - 1, bsz, warps)  # default rows give way to the key table
@@ -360,12 +239,33 @@ def _compiled(defines: tuple[tuple[str, int], ...], shared: int, device: int):
     return kernel
 
 
+_COUNTERS: dict[str, list[torch.Tensor]] = {}  # device -> split counters (the last in use, the others kept)
+
+
+def split_counters(device: torch.device, count: int) -> torch.Tensor:
+    """The device's int32 arrival counters, at least ``count``: one per (batch row, KV head) of a launch, counting
+    the splits that have written their partial result. Every launch leaves them zero (the last split resets its
+    counter), so one zeroed buffer serves every launch and CUDA-graph replay on the device, provided launches
+    do not run concurrently on two streams. A buffer that grows is replaced and the old one kept (a captured
+    graph may hold it); one cannot be made during a capture (LaunchError: call once before capturing)."""
+    cuda = device.type == "cuda"
+    if cuda and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    kept = _COUNTERS.setdefault(str(device), [])
+    if not kept or kept[-1].numel() < count:
+        if cuda and torch.cuda.is_current_stream_capturing():
+            raise LaunchError(f"{KERNEL}: no split counters for {count} (row, head) pairs yet during CUDA-graph capture;"
+                              " run the call once before capturing")
+        kept.append(torch.zeros(max(4096, 1 << (count - 1).bit_length()), dtype=torch.int32, device=device))
+    return kept[-1]
+
+
 def decode_attention_cuda(
     inputs, tables, lanes: LaneTables, coded, fp_keys: torch.Tensor, fp_values: torch.Tensor,
     warps: int | None = None, tokens_per_iteration: int | None = None, num_splits: int | None = None,
     key_float32: bool | None = None, rows_per_pass: int | None = None, plan: LaunchPlan | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the split kernel; returns (acc [B, Hq, S, D], max/sum [B, Hq, S, 2]) for the log-sum-exp merge.
+) -> torch.Tensor:
+    """Run the kernel; returns the attention [B, Hq, D] in q's dtype (the splits merged by the last to arrive).
 
     ``inputs``: :class:`~loopvq_calib.decode_attention.KernelInputs` (the RoPE table of at least
     :func:`rope_rows` rows); ``lanes`` the site's tables for the lanes per token to launch with; ``plan`` the
@@ -403,23 +303,22 @@ def decode_attention_cuda(
                ("RV", lanes.run_value), ("KG", lanes.key_group), ("VG", lanes.value_group),
                ("KT32", int(key.dtype == torch.float32)), ("VT32", int(lanes.value.dtype == torch.float32)),
                ("CHEB", int(lanes.value.dtype != torch.float32)), ("TASQ", int(tables.tasq)),
-               ("HAS_MASK", int(inputs.masked)), ("ACT", ACT_CODES[q.dtype]), ("IDXVEC", vec),
-               ("TABLE_ASYNC", int(TABLE_ASYNC)))
+               ("HAS_MASK", int(inputs.masked)), ("ACT", ACT_CODES[q.dtype]), ("IDXVEC", vec))
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     kernel = _compiled(defines, plan.shared, index)
-    acc = torch.empty(bsz, hq, plan.splits, d, device=q.device, dtype=torch.float32)
-    ml = torch.empty(bsz, hq, plan.splits, 2, device=q.device, dtype=torch.float32)
+    acc = torch.empty(bsz, hq, plan.splits, d, device=q.device, dtype=torch.float32)  # every split's partial
+    ml = torch.empty(bsz, hq, plan.splits, 2, device=q.device, dtype=torch.float32)  # result: (acc, max, sum)
+    out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype)
     strides = [kidx.stride(0), kidx.stride(2), vidx.stride(0), vidx.stride(2), *sig.stride()[:2],
-               *fp_keys.stride()[:3], *fp_values.stride()[:3], fpos.stride(0)]
-    if max(strides) > INT32_MAX:
-        raise LaunchError("tensor strides beyond 2**31 - 1 elements: the Triton kernel serves this call")
+               *fp_keys.stride()[:3], *fp_values.stride()[:3], fpos.stride(0)]  # within int32: launch checked
     args = [q, kidx, vidx, sig, key, lanes.value, lanes.key_column, lanes.value_column, lanes.key_channel,
             lanes.value_channel, inputs.first, inputs.cos, inputs.sin, fp_keys, fp_values, fpos, inputs.fp_mask, acc,
-            ml, bsz, n, fp_keys.shape[1], plan.split_len, _float_bits(1.4426950408889634 / math.sqrt(d)), *strides]
+            ml, split_counters(q.device, bsz * heads), out, bsz, n, fp_keys.shape[1], plan.split_len,
+            _float_bits(1.4426950408889634 / math.sqrt(d)), *strides]
     try:
         with torch.cuda.device(q.device):  # q's device and its current stream, whichever device is current
             kernel(grid=(heads, plan.splits, 1), block=(32 * plan.warps, 1, 1), shared_mem=plan.shared, args=args,
                    stream=torch.cuda.current_stream(q.device))
     except RuntimeError as err:
         raise LaunchError(f"{KERNEL} launch with {dict(defines)}: {err}") from err
-    return acc, ml
+    return out

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loopvq_calib import decode_attention as da  # noqa: E402
-from loopvq_calib import decode_cuda  # noqa: E402
 from loopvq_calib.codec import BlockCodec, TasqTransform  # noqa: E402
 from loopvq_calib.layouts import BlockLayout, loop_axis_groups  # noqa: E402
 
@@ -100,16 +99,13 @@ def random_indices(batch: int, n: int, n_groups: int, device: torch.device, gen:
 
 def parse_variant(spec: str) -> dict:
     """``cuda-WxUxL[xR]`` (warps per block x tokens per lane group and step x lanes per token x most batch rows per
-    pass, default 1; trailing letters: ``f`` the key table in float32, ``s`` the tables copied into shared memory
-    by plain loads, not cp.async) or ``triton-NxWxPxS`` (block_n x num_warps x programs per multiprocessor x
-    sequences per program) -> decode_attention keyword arguments (``table_sync``: bench_case's, not theirs)."""
+    pass, default 1; a trailing ``f``: the key table in float32) or ``triton-NxWxPxS`` (block_n x num_warps x
+    programs per multiprocessor x sequences per program) -> decode_attention keyword arguments."""
     backend, shape = spec.split("-")
-    flags = shape[len(shape.rstrip("fs")):]
-    nums = [int(x) for x in shape.rstrip("fs").split("x")]
+    nums = [int(x) for x in shape.rstrip("f").split("x")]
     if backend == "cuda":
         return dict(backend="cuda", warps=nums[0], tokens_per_iteration=nums[1], lanes_per_token=nums[2],
-                    rows_per_pass=nums[3] if len(nums) > 3 else 1, key_float32=("f" in flags) or None,
-                    **({"table_sync": True} if "s" in flags else {}))
+                    rows_per_pass=nums[3] if len(nums) > 3 else 1, key_float32=shape.endswith("f") or None)
     return dict(backend="triton", block_n=nums[0], num_warps=nums[1], programs_per_sm=nums[2],
                 batch_per_program=nums[3])
 
@@ -127,17 +123,12 @@ def bench_case(context: int, batch: int, method: str, tables: da.StepTables, dev
     fp = torch.randn(2, batch, SINKS + WINDOW, KV_HEADS, D, device=device, dtype=torch.bfloat16, generator=gen)
     fpos = torch.cat([torch.arange(SINKS), torch.arange(SINKS + n, context)]).to(device, torch.int32)[None].repeat(batch, 1)
     rope = da.RopeTable(D, THETA)
-    kwargs = {k: v for k, v in launch.items() if k != "table_sync"}
 
     def coded_call() -> torch.Tensor:
-        return da.decode_attention(q, tables, coded, fp[0], fp[1], fpos, None, rope, max_position=context, **kwargs)
+        return da.decode_attention(q, tables, coded, fp[0], fp[1], fpos, None, rope, max_position=context, **launch)
 
-    decode_cuda.TABLE_ASYNC = not launch.get("table_sync", False)
-    try:
-        coded_call()
-        coded_ms = graph_ms(coded_call)
-    finally:
-        decode_cuda.TABLE_ASYNC = True
+    coded_call()
+    coded_ms = graph_ms(coded_call)
     sigma = 2 * batch * n if tables.tasq else 0
     coded_bytes = (batch * n * KV_HEADS * 2 * n_groups + sigma + 2 * fp[0].numel() * 2
                    + sum(t.numel() * t.element_size() for t in (tables.key_a, tables.key_b, tables.value)))
@@ -179,8 +170,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--methods", nargs="+", default=["loopvq", "tasq+loopvq"])
-    ap.add_argument("--variants", default="cuda-16x8x16x1s,cuda-16x8x16x1,cuda-16x8x16x2,cuda-16x8x16x4,cuda-16x8x16x8,"
-                    "cuda-16x8x16x8s,cuda-16x8x16x2f",
+    ap.add_argument("--variants", default="cuda-16x8x16x8,cuda-16x16x16x8,cuda-16x8x16x2f,cuda-16x16x16x2",
                     help="kernel variants tried at 32k, batch 8 (see parse_variant); the table runs the defaults")
     ap.add_argument("--codebook-size", type=int, default=K, help="K (256 is the 0.5-bit bundle; smaller K shrinks the "
                     "step tables, to see what a cache-resident codebook slice gives)")
@@ -204,6 +194,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "codebook_size": K, "commit": args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                        cwd=Path(__file__).parent).stdout.strip() or None,
+              "command": " ".join(["python", "scripts/bench_decode.py", *sys.argv[1:]]),
               "copy_GBps": copy_bandwidth(device), "cases": [], "launches": []}
     print(f"copy bandwidth {result['copy_GBps']:.0f} GB/s", flush=True)
     tables, accuracy = {}, {}

@@ -23,10 +23,13 @@ SOURCE = ROOT / "loopvq_calib" / "decode_attention.cu"
 # Ouro-1.4B, LoopVQ K 256 G 16 T_c 4, fp16 tables, bf16 activations (decode_cuda.decode_attention_cuda's defines)
 OURO = dict(D=128, QG=1, KCB=256, NKC=32, NVC=32, KMIX=0, VT32=0, CHEB=1, HAS_MASK=0, ACT=0, IDXVEC=16)
 CONFIGS = {
-    "loopvq 16 lanes, fp16 keys (default)": dict(LPT=16, U=8, WARPS=16, RK=4, RV=4, KG=1, VG=2, KT32=0, TASQ=0),
-    "loopvq 16 lanes, fp32 keys": dict(LPT=16, U=8, WARPS=16, RK=4, RV=4, KG=1, VG=2, KT32=1, TASQ=0),
-    "loopvq 8 lanes, fp16 keys": dict(LPT=8, U=8, WARPS=16, RK=4, RV=4, KG=2, VG=4, KT32=0, TASQ=0),
-    "tasq+loopvq 16 lanes, fp32 keys (default)": dict(LPT=16, U=8, WARPS=16, RK=1, RV=4, KG=1, VG=2, KT32=1, TASQ=1),
+    "loopvq 16 lanes, fp16 keys, 16 tokens (default)": dict(LPT=16, U=16, WARPS=16, RPB=8, RK=4, RV=4, KG=1, VG=2,
+                                                          KT32=0, TASQ=0),
+    "loopvq 16 lanes, fp16 keys, 8 tokens": dict(LPT=16, U=8, WARPS=16, RPB=8, RK=4, RV=4, KG=1, VG=2, KT32=0, TASQ=0),
+    "loopvq 16 lanes, fp32 keys": dict(LPT=16, U=8, WARPS=16, RPB=2, RK=4, RV=4, KG=1, VG=2, KT32=1, TASQ=0),
+    "loopvq 8 lanes, fp16 keys": dict(LPT=8, U=8, WARPS=16, RPB=8, RK=4, RV=4, KG=2, VG=4, KT32=0, TASQ=0),
+    "tasq+loopvq 16 lanes, fp32 keys (default)": dict(LPT=16, U=8, WARPS=16, RPB=2, RK=1, RV=4, KG=1, VG=2, KT32=1,
+                                                      TASQ=1),
 }
 INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
 BRANCH = re.compile(r"BRA\s.*?0x([0-9a-f]+)")

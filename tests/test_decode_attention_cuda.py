@@ -1,75 +1,22 @@
 """The shared-memory CUDA decode kernel (loopvq_calib/decode_cuda.py + decode_attention.cu).
 
-On CPU: the lane tables the kernel reads are checked by an independent float64 emulation of the kernel's
-reads (each lane's runs at the kernel's shared-memory offsets, its registers, RoPE pairs and value channels)
-against the reference attention, for every method, both RoPE styles and GQA; the run lengths of known
-layouts (the launch plan and the calls it refuses: test_decode_cuda.py). On a GPU (``gpu``): the kernel itself against the reference
-(tolerances as in test_decode_attention.py: 1e-5 with float32 tables and inputs, 1e-2 with float16 tables and
-bf16 inputs)."""
+On a GPU (``gpu``): the kernel itself against the reference (tolerances as in test_decode_attention.py: 1e-5
+with float32 tables and inputs, 1e-2 with float16 tables and bf16 inputs), its in-kernel split merge under
+CUDA-graph replay. On CPU: the padded inputs those tests use (the lane tables: test_decode_lanes.py; the launch
+plan and the calls it refuses: test_decode_cuda.py)."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
 from loopvq_calib import decode_attention as da
 from loopvq_calib import decode_cuda as dc
-from loopvq_calib.models.common import pair_channels, rope_angles
 import test_decode_attention
-from test_decode_attention import check, make_codecs, make_inputs
+from test_decode_attention import check, make_codecs
+from test_decode_lanes import emulate
 
 CUDA = torch.cuda.is_available()
-
-
-def lane_reads(idx: torch.Tensor, table: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
-    """What every lane reads per token, at the kernel's offsets: idx [B, n, H, codes], table [H, runs, K, L,
-    run] read flat at (r * K * L + lane) * run + index * L * run + i, column [H, L, runs] -> [B, n, H, L,
-    runs * run] float64 in run-major order."""
-    heads, runs, k, lanes, run = table.shape
-    b, n = idx.shape[:2]
-    flat = table.double().reshape(heads, -1)
-    ix = idx.long().gather(3, column.long().reshape(1, 1, heads, -1).expand(b, n, -1, -1)).view(b, n, heads, lanes, runs)
-    r, lane, i = torch.arange(runs), torch.arange(lanes), torch.arange(run)
-    offset = ((r[None, :, None] * k * lanes + lane[:, None, None]) * run + i) + ix[..., None] * lanes * run
-    return flat[torch.arange(heads)[None, None, :, None], offset.reshape(b, n, heads, -1)].view(b, n, heads, lanes, -1)
-
-
-def emulate(q: torch.Tensor, tables: da.StepTables, coded: da.CodedTokens, fk, fv, fpos, mask, theta: float,
-            lane_count: int):
-    """The kernel's reads and arithmetic in lane order, float64: keys gathered into each lane's registers
-    (first channels of its pairs, then second ones), the query rotated per pair on the query side, values
-    accumulated per lane and scattered to their channels."""
-    lanes = dc.lane_tables(tables, lane_count)
-    bsz, hq, d = q.shape
-    L = lane_count
-    heads, n, per, pairs = lanes.key.shape[0], coded.count, d // L, d // (2 * L)
-    qg = hq // heads
-    regs = torch.tensor(dc.key_registers(per, lanes.run_key, lanes.key_mixed))
-    kreg = torch.empty(bsz, n, heads, L, per, dtype=torch.float64)
-    kreg[..., regs] = lane_reads(coded.key_indices[:, :n], lanes.key, lanes.key_column)
-    if tables.tasq and n:
-        kreg = kreg * coded.key_sigma[:, :n, tables.step].double()[:, :, None, None, None]
-    vreg = lane_reads(coded.value_indices[:, :n], lanes.value, lanes.value_column)  # [B, n, H, 16, per]
-    kch, vch = lanes.key_channel.long(), lanes.value_channel.long()  # [H, D]
-    kfp = fk.double().gather(3, kch[None, None].expand(bsz, fk.shape[1], -1, -1)).view(bsz, -1, heads, L, per)
-    vfp = fv.double().gather(3, vch[None, None].expand(bsz, fv.shape[1], -1, -1)).view(bsz, -1, heads, L, per)
-    keys, values = torch.cat([kreg, kfp], 1), torch.cat([vreg, vfp], 1)  # [B, S, H, L, per]
-    qreg = q.double().view(bsz, heads, qg, d).gather(3, kch[None, :, None, :].expand(bsz, -1, qg, -1))
-    qa, qb = qreg.view(bsz, heads, qg, L, 2, pairs).unbind(4)  # [B, H, qg, L, pairs]
-    pos = torch.cat([coded.first_position[:, None].long() + torch.arange(n), fpos.long()], 1)
-    cos, sin = (t.double().view(bsz, -1, L, pairs)[:, :, None, None] for t in rope_angles(pos, d, theta))
-    xa, xb = qa[:, None] * cos + qb[:, None] * sin, qb[:, None] * cos - qa[:, None] * sin  # [B, S, H, qg, L, pairs]
-    ka, kb = keys.view(*keys.shape[:4], 2, pairs).unbind(4)
-    scores = (ka[:, :, :, None] * xa + kb[:, :, :, None] * xb).sum((-1, -2)) / math.sqrt(d)  # [B, S, H, qg]
-    if mask is not None:
-        keep = torch.cat([torch.ones(bsz, n, dtype=torch.bool), mask], 1)
-        scores = scores.masked_fill(~keep[:, :, None, None], float("-inf"))
-    out_lane = torch.einsum("bshg,bshd->bhgd", scores.softmax(1), values.flatten(3))
-    out = torch.empty_like(out_lane)
-    out.scatter_(3, vch[None, :, None, :].expand(bsz, -1, qg, -1), out_lane)
-    return out.reshape(bsz, hq, d)
 
 
 def pad_the_last_row_too(monkeypatch) -> None:
@@ -104,45 +51,6 @@ def test_the_last_rows_padding_is_masked(monkeypatch):
     unmasked = da.decode_attention_reference(q, kc, vc, 1, coded, fk, fv, fpos, None, "half", 1e4)
     changed = [not torch.allclose(ref[b], unmasked[b]) for b in range(3)]
     assert changed == [True, False, True]
-
-
-@pytest.mark.parametrize("method", ["cq", "tasq", "loopvq", "tasq+loopvq"])
-@pytest.mark.parametrize("style", ["half", "interleaved"])
-@pytest.mark.parametrize("q_heads, lanes", [(2, 8), (2, 16), (6, 8)])
-def test_lane_tables_give_the_reference_attention(method, style, q_heads, lanes):
-    kc, vc = make_codecs(method, 2, 64, 16, 8, 4, seed=4)
-    coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, 2, q_heads, 23, 6, seed=4, pad=2)
-    for step in range(kc.layout.steps):
-        tables = da.step_tables(kc, vc, step, style, "cpu", torch.float32)
-        got = emulate(q, tables, coded, fk, fv, fpos, mask, 1e4, lanes)
-        ref = da.decode_attention_reference(q, kc, vc, step, coded, fk, fv, fpos, mask, style, 1e4)
-        assert ((got - ref).norm() / ref.norm()).item() < 1e-6, (method, style, step)  # float32 tables and angles
-
-
-def test_run_lengths_of_known_layouts():
-    """Loop-axis codes hold c = G / T_c consecutive channels of a step. Half-split RoPE: a lane's first channels
-    (D/32 consecutive ones) come from one code when c >= D/32, so key runs of min(c, D/32) holding one channel
-    of each pair; interleaved RoPE: a code holds whole pairs, runs of min(c, D/16) holding both channels (a run
-    of the whole lane counts as unmixed); values
-    in runs of min(c, D/16). The lane table keeps every value."""
-    for g, steps, style, run_key, mixed, run_value in (
-            (16, 4, "half", 4, False, 4), (8, 4, "half", 2, False, 2), (4, 4, "half", 1, False, 1),
-            (32, 4, "half", 4, False, 8), (16, 4, "interleaved", 4, True, 4), (32, 4, "interleaved", 8, False, 8)):
-        kc, vc = make_codecs("loopvq", 2, 128, 16, g, steps)
-        tables = da.step_tables(kc, vc, 1, style, "cpu", torch.float32)
-        lanes = dc.lane_tables(tables, 16)
-        assert (lanes.run_key, lanes.key_mixed, lanes.run_value) == (run_key, mixed, run_value), (g, style)
-        assert lanes.key.shape == (2, 8 // run_key, 16, 16, run_key)
-        regs = torch.tensor(dc.key_registers(8, run_key, mixed))
-        key = torch.empty(2, 16, 16, 8)  # [H, K, lane, register]
-        key[..., regs] = lanes.key.permute(0, 2, 3, 1, 4).reshape(2, 16, 16, 8)
-        full = torch.empty(2, 16, 128)
-        full.scatter_(2, lanes.key_channel[:, None, :].long().expand(-1, 16, -1), key.reshape(2, 16, 128))
-        a, b = pair_channels(128, style)
-        expect = torch.empty(2, 16, 128)
-        expect[:, :, a], expect[:, :, b] = tables.key_a, tables.key_b
-        assert torch.equal(full, expect), (g, style)
-
 
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -192,25 +100,48 @@ def test_kernel_serves_several_rows_per_pass(rows, batch, warps, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
-def test_kernel_with_tables_copied_by_plain_loads(monkeypatch):
-    """TABLE_ASYNC off (the comparison build of bench_decode's ``s`` variants): the same attention (left
-    padding in rows 0 and 2, two passes)."""
-    monkeypatch.setattr(dc, "TABLE_ASYNC", False)
-    pad_the_last_row_too(monkeypatch)
-    check("loopvq", "half", heads=2, q_heads=2, n=333, s_fp=9, d=128, k=64, g=16, splits=2, pad=2, batch=3,
-          backend="cuda", rows_per_pass=2)
+def test_the_split_merge_in_the_kernel_survives_graph_replays():
+    """The last split of each (row, head) merges and resets its counter: a CUDA graph of the call replayed
+    three times over changed queries gives the reference each time, and the counters are zero after each."""
+    kc, vc = make_codecs("loopvq", 2, 128, 64, 16, 4, seed=8)
+    coded, q, fk, fv, fpos, mask = test_decode_attention.make_inputs(kc, vc, 3, 2, 700, 9, seed=8, pad=2)
+    dev = torch.device("cuda")
+    tables = da.step_tables(kc, vc, 1, "half", dev, torch.float32)
+    store = test_decode_attention.head_major
+    moved = da.CodedTokens(store(coded.key_indices).to(dev), store(coded.value_indices).to(dev), None, 700,
+                           coded.first_position.to(dev))  # no host copy inside the capture
+    qd, fkd, fvd, fposd, maskd = (t.to(dev) for t in (q, fk, fv, fpos, mask))
+    rope = da.RopeTable(128, 10000.0)
+
+    def call() -> torch.Tensor:
+        return da.decode_attention(qd, tables, moved, fkd, fvd, fposd, maskd, rope, max_position=2000, backend="cuda",
+                                   num_splits=5, rows_per_pass=2)
+
+    call()  # builds the kernel and the split counters outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for i in range(3):
+        qd.copy_((q * (1 + i)).to(dev))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = da.decode_attention_reference(q * (1 + i), kc, vc, 1, coded, fk, fv, fpos, mask, "half", 10000.0)
+        assert ((out.cpu().double() - ref).norm() / ref.norm()).item() < 1e-5, i
+        assert int(dc.split_counters(dev, 6).count_nonzero()) == 0, i
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("method, lanes, key_float32, rows", [
     ("loopvq", 8, None, 1), ("loopvq", 16, None, 1), ("loopvq", 16, True, 2), ("loopvq", 16, True, None),
-    ("loopvq", 16, None, 2),
-    ("tasq+loopvq", 8, None, 1), ("tasq+loopvq", 16, None, 8)])
+    ("loopvq", 16, None, 2), ("loopvq", 16, None, None),
+    ("tasq+loopvq", 8, None, 1), ("tasq+loopvq", 16, None, 8), ("tasq+loopvq", 16, None, None)])
 def test_kernel_at_ouro_shapes_in_fp16_tables_and_bf16(method, lanes, key_float32, rows, monkeypatch):
     """fp16 tables, bf16 query and tokens; keys read as packed halves (or widened to fp32) and values summed in
     packed halves over a warp step: relative error within the fp16 tolerance (rows 0 and 7 left-padded). The
-    plans launched (from decode_cuda.launch) have the rows and the float32 key table asked for."""
+    plans launched (from decode_cuda.launch) have the rows and the float32 key table asked for; at the defaults
+    16 tokens per lane group and step with fp16 keys, 8 with TaSQ's float32 keys."""
     pad_the_last_row_too(monkeypatch)
     plans, plan_of = [], dc.launch
     monkeypatch.setattr(dc, "launch", lambda *args: plans.append(plan_of(*args)) or plans[-1])
@@ -219,6 +150,8 @@ def test_kernel_at_ouro_shapes_in_fp16_tables_and_bf16(method, lanes, key_float3
           rows_per_pass=rows, batch=8, pad=2)
     assert plans and all(isinstance(p, dc.LaunchPlan) and p.rows == (rows or p.rows) for p in plans)
     assert not key_float32 or all(p.key_float32 for p in plans)
+    if rows is None and key_float32 is None:
+        assert all((p.tokens, p.key_float32) == ((8, True) if method == "tasq+loopvq" else (16, False)) for p in plans)
 
 
 @pytest.mark.gpu

@@ -1,7 +1,8 @@
 """The CUDA decode kernel's launch (loopvq_calib/decode_cuda.py): rows per pass, the launch plan at Ouro shapes,
-the key table's dtype, the calls it refuses (build failures, devices, 32-bit offsets, shared memory), plan checks and
-the launch's device and stream. CPU only: plans need shapes and strides (meta tensors); the kernel itself is
-checked in test_decode_attention_cuda.py."""
+the key table's dtype and the tokens per step, the calls it refuses (build failures, devices, 32-bit offsets, shared
+memory), plan checks, the split counters and the launch's device and stream. CPU only: plans need shapes and
+strides (meta tensors); the kernel itself is checked in test_decode_attention_cuda.py, its lane tables in
+test_decode_lanes.py."""
 
 from __future__ import annotations
 
@@ -15,24 +16,8 @@ import torch
 
 from loopvq_calib import decode_attention as da
 from loopvq_calib import decode_cuda as dc
+from loopvq_calib import decode_lanes as dl
 from test_decode_attention import dispatch_case, head_major, make_codecs, make_inputs
-
-def test_index_bytes_read_together_at_ouro_shapes():
-    """With 8 lanes per token a loop-axis lane reads codes 2m, 2m+1 (first channels) and 2m+16, 2m+17 (second
-    channels) of the keys: two 16-bit loads; values 4m .. 4m+3: one 32-bit load. TaSQ's permuted keys: bytes."""
-    kc, vc = make_codecs("loopvq", 2, 128, 16, 16, 4)
-    lanes = dc.lane_tables(da.step_tables(kc, vc, 1, "half", "cpu", torch.float16), 8)
-    assert (lanes.run_key, lanes.key_group, lanes.run_value, lanes.value_group) == (4, 2, 4, 4)
-    assert lanes.key_column[0, 3].tolist() == [6, 7, 22, 23] and lanes.value_column[0, 3].tolist() == [12, 13, 14, 15]
-    kc, vc = make_codecs("tasq+loopvq", 2, 128, 16, 16, 4)
-    lanes = dc.lane_tables(da.step_tables(kc, vc, 1, "half", "cpu", torch.float16), 8)
-    assert (lanes.run_key, lanes.key_group, lanes.value_group) == (1, 1, 4)
-
-
-def test_head_dims_that_are_no_multiple_of_32_are_left_to_triton():
-    kc, vc = make_codecs("loopvq", 2, 24, 16, 8, 4)
-    assert dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float32)) is None
-
 
 def test_a_failed_build_is_remembered_and_named(monkeypatch):
     """A failed NVRTC build raises BuildError naming the kernel and its constants, is kept in BUILD_FAILED (so
@@ -61,7 +46,7 @@ def test_launch_checks_what_the_kernel_reads(monkeypatch):
 
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
-    lanes = dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 8)
+    lanes = dl.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 8)
     monkeypatch.setattr(dc, "BUILD_FAILED", [])
     monkeypatch.setattr(torch.cuda, "_compile_kernel", lambda *a, **k: None, raising=False)
     limit = SimpleNamespace(shared_memory_per_block_optin=228 * 1024, multi_processor_count=132)
@@ -93,7 +78,7 @@ def test_large_batches_and_buffers_are_refused_only_where_32_bit_offsets_overflo
     size (batch 64 x capacity 65536 holds 2**31 bytes: row offsets are 64-bit); it refuses only a batch stride
     (16 x capacity x 32 bytes) beyond 2**31 - 1, which also bounds a token's 32-bit offset in its stream."""
     kc, vc = make_codecs("loopvq", 16, 128, 256, 16, 4)
-    lanes = dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 16)
+    lanes = dl.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 16)
     fk = torch.empty(64, 76, 16, 128, dtype=torch.bfloat16, device="meta")
     q = torch.empty(64, 16, 128, dtype=torch.bfloat16, device="meta")
     for batch, capacity, refused in ((64, 65536, False), (32, 131072, False), (256, 2**20, False),
@@ -167,28 +152,31 @@ def test_rows_per_pass_divide_the_warps_and_never_exceed_the_batch():
 
 
 def test_launch_plan_at_ouro_shapes():
-    """Splits per KV head = multiprocessors / heads unless a split would give a warp less than one step's tokens
-    (warps per row = warps / rows); shared memory holds a query per row of the pass."""
+    """16 tokens per lane group and step (32 per warp step); splits per KV head = multiprocessors / heads unless a
+    split would give a warp less than one step's tokens (warps per row = warps / rows); shared memory holds a
+    query per row of the pass."""
     kc, vc = make_codecs("loopvq", 16, 128, 256, 16, 4)
-    lanes = dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 16)
+    lanes = dl.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 16)
     fk = torch.empty(8, 76, 16, 128, dtype=torch.bfloat16, device="meta")
-    for batch, n, rows, splits in ((8, 32768, 8, 8), (8, 100, 8, 4), (1, 100, 1, 1), (3, 100, 2, 1), (32, 500, 8, 8)):
+    for batch, n, rows, splits in ((8, 32768, 8, 8), (8, 100, 8, 2), (8, 200, 8, 4), (1, 100, 1, 1), (3, 100, 2, 1),
+                                   (32, 500, 8, 8)):
         idx = torch.empty(batch, 16, n, 32, dtype=torch.uint8, device="meta").transpose(1, 2)
         coded = SimpleNamespace(key_indices=idx, value_indices=idx, key_sigma=None, count=n)
         q = torch.empty(batch, 16, 128, dtype=torch.bfloat16, device="meta")
         plan = dc.plan_launch(lanes, q, fk[:batch], fk[:batch], coded, None, None, None, None, None, 227 * 1024, 132)
-        assert (plan.warps, plan.tokens, plan.rows, plan.splits) == (16, 8, rows, splits), (batch, n, plan)
+        assert (plan.warps, plan.tokens, plan.rows, plan.splits) == (16, 16, rows, splits), (batch, n, plan)
         assert plan.split_len == -(-n // splits) and not plan.key_float32
-        # fp16 tables (2 x 64 KiB), 16 warps x 2 buffers x 16 tokens x 64 index bytes, queries, weights, channel maps
-        assert plan.shared == 2 * 128 * 256 * 2 + 16 * 2 * 16 * 64 + rows * 128 * 4 + 16 * 16 * 4 + 2 * 128 * 4
+        # fp16 tables (2 x 64 KiB), 16 warps x 2 buffers x 32 tokens x 64 index bytes, queries, weights, channel maps
+        assert plan.shared == 2 * 128 * 256 * 2 + 16 * 2 * 32 * 64 + rows * 128 * 4 + 16 * 32 * 4 + 2 * 128 * 4
 
 
 def test_default_rows_give_way_to_a_float32_key_table():
     """TaSQ's keys (runs of 1) want the key table in float32 (128 KiB at Ouro's shapes): with 227 KiB of shared
-    memory it fits with 2 query rows in shared memory, not 4 or 8, so the default rows per pass drop to 2; rows
-    asked for are kept and the table stays fp16."""
+    memory it fits at 8 tokens per step (not the default 16: 265,728 bytes at one row) with 2 query rows in
+    shared memory, not 4 or 8, so the default tokens drop to 8 and the rows per pass to 2; rows asked for are
+    kept and the table stays fp16, at 16 tokens (8 do not make it fit either)."""
     kc, vc = make_codecs("tasq+loopvq", 16, 128, 256, 16, 4)
-    lanes = dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 16)
+    lanes = dl.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 16)
     assert lanes.run_key == 1
     fk = torch.empty(8, 76, 16, 128, dtype=torch.bfloat16, device="meta")
     idx = torch.empty(8, 16, 32768, 32, dtype=torch.uint8, device="meta").transpose(1, 2)
@@ -196,17 +184,20 @@ def test_default_rows_give_way_to_a_float32_key_table():
                             key_sigma=torch.empty(8, 32768, 4, dtype=torch.float16, device="meta"))
     q = torch.empty(8, 16, 128, dtype=torch.bfloat16, device="meta")
     tables = 128 * 256 * 4 + 128 * 256 * 2
+    assert dc.launch_shared(lanes, coded, 16, 1, 16, torch.float32) == tables + 16 * 2 * 32 * 64 + 512 + 2048 + 1024
     plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, None, None, None, 227 * 1024, 132)
-    assert (plan.rows, plan.key_float32) == (2, True)
+    assert (plan.tokens, plan.rows, plan.key_float32) == (8, 2, True)
     assert plan.shared == tables + 16 * 2 * 16 * 64 + 2 * 128 * 4 + 16 * 16 * 4 + 2 * 128 * 4 <= 227 * 1024
     plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, 8, None, None, 227 * 1024, 132)
-    assert (plan.rows, plan.key_float32) == (8, False)
+    assert (plan.tokens, plan.rows, plan.key_float32) == (16, 8, False)
+    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, 16, None, None, None, 227 * 1024, 132)
+    assert (plan.tokens, plan.rows, plan.key_float32) == (16, 8, False)  # 16 tokens asked for: no fp32 table
 
 
 def ouro_like_call(method: str, kv_heads: int, q_heads: int, batch: int, n: int = 32000):
     """Lane tables (16 lanes, fp16) and meta tensors of a call at Ouro's D 128, K 256, 32 index bytes per token."""
     kc, vc = make_codecs(method, kv_heads, 128, 256, 16, 4)
-    lanes = dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 16)
+    lanes = dl.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 16)
     fk = torch.empty(batch, 76, kv_heads, 128, dtype=torch.bfloat16, device="meta")
     idx = torch.empty(batch, kv_heads, n + 768, 32, dtype=torch.uint8, device="meta").transpose(1, 2)
     sigma = torch.empty(batch, n + 768, 4, dtype=torch.float16, device="meta") if method.startswith("tasq") else None
@@ -245,17 +236,19 @@ def test_rows_are_kept_when_a_float32_key_table_fits_at_no_rows():
 
 
 def test_a_float32_key_table_asked_for_is_refused_where_it_does_not_fit():
-    """At Ouro's shapes a float32 key table (128 KiB) fits with 2 rows' queries exactly (232,448 bytes), not with
-    8 (235,520): key_float32=True at 8 rows is refused naming both byte counts, never served with fp16 keys."""
+    """At Ouro's shapes a float32 key table (128 KiB) fits at 8 tokens per step with 2 rows' queries exactly
+    (232,448 bytes), not with 8 rows (235,520) nor at the default 16 tokens: key_float32=True at 8 rows is
+    refused naming both byte counts (at 16 tokens), never served with fp16 keys."""
     lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
     limit = 227 * 1024
     need = 128 * 256 * (4 + 2) + 16 * 2 * 16 * 64 + 2 * 128 * 4 + 16 * 16 * 4 + 2 * 128 * 4  # at 2 rows
     plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, 2, None, True, limit, 132)
-    assert (plan.rows, plan.key_float32, plan.shared) == (2, True, need) and need == limit
+    assert (plan.tokens, plan.rows, plan.key_float32, plan.shared) == (8, 2, True, need) and need == limit
     reason = dc.plan_launch(lanes, q, fk, fk, coded, None, None, 8, None, True, limit, 132)
-    assert reason == f"a float32 key table needs {need + 6 * 128 * 4} bytes of shared memory, {limit} available"
+    at16 = need + 6 * 128 * 4 + 16 * 2 * 16 * 64 + 16 * 16 * 4  # 8 rows, 16 tokens: more stages and weights
+    assert reason == f"a float32 key table needs {at16} bytes of shared memory, {limit} available"
     plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, None, None, True, limit, 132)
-    assert (plan.rows, plan.key_float32) == (2, True)  # default rows give way to the table asked for
+    assert (plan.tokens, plan.rows, plan.key_float32) == (8, 2, True)  # default tokens and rows give way
 
 
 def test_zero_rows_warps_or_tokens_are_refused_not_taken_for_the_default():
@@ -284,10 +277,13 @@ def test_a_given_plan_is_launched_as_is(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(dc, "_compiled", lambda defines, shared, index: lambda **kw: launches.append((defines, kw)))
     plan = dc.LaunchPlan(warps=4, tokens=2, rows=2, splits=3, split_len=7, key_float32=False, shared=12345)
-    acc, ml = dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv, plan=plan)
+    out = dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv, plan=plan)
     (defines, kw), = launches
     assert kw["grid"] == (tables.value.shape[0], 3, 1) and kw["block"] == (128, 1, 1) and kw["shared_mem"] == 12345
+    acc, ml, counters, written = kw["args"][17:21]
     assert dict(defines)["RPB"] == 2 and dict(defines)["U"] == 2 and acc.shape[2] == ml.shape[2] == 3
+    assert written is out and out.shape == q.shape and out.dtype == q.dtype
+    assert counters.dtype == torch.int32 and counters.numel() >= 2 * 2 and not counters.any()
 
 
 def test_a_hand_made_plan_is_checked_and_no_plan_goes_through_launch(monkeypatch):
@@ -327,7 +323,7 @@ def test_the_kernel_source_refuses_rows_that_do_not_divide_the_warps(tmp_path):
 def test_cpu_tensors_never_take_the_cuda_kernel():
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
-    lanes = dc.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16))
+    lanes = dl.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16))
     assert dc.launch(lanes, q, fk, fv, coded, 8) == "device cpu is not CUDA"
     tables = da.step_tables(kc, vc, 0, "half", "cpu", torch.float16)
     with pytest.raises(RuntimeError, match="CUDA decode kernel does not take this call"):
@@ -335,3 +331,32 @@ def test_cpu_tensors_never_take_the_cuda_kernel():
     with pytest.raises(ValueError, match="backend 'fast'"):
         da.decode_attention(q, tables, coded, fk, fv, fpos, None, da.RopeTable(64, 1e4), backend="fast")
 
+
+def test_default_tokens_per_step_follow_the_lanes():
+    """16 tokens per lane group and step by default (one query head per KV head), at most the lanes per token (8
+    at 8 lanes); GQA keeps 4; more tokens than lanes are refused."""
+    lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
+    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, None, None, None, 227 * 1024, 132)
+    assert (plan.warps, plan.tokens, plan.rows) == (16, 16, 8)
+    kc, vc = make_codecs("loopvq", 16, 128, 256, 16, 4)
+    lanes8 = dl.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 8)
+    assert dc.plan_launch(lanes8, q, fk, fk, coded, None, None, None, None, None, 227 * 1024, 132).tokens == 8
+    with pytest.raises(ValueError, match=r"up to the lanes per token \(8\).*got 16"):
+        dc.plan_launch(lanes8, q, fk, fk, coded, None, 16, None, None, None, 227 * 1024, 132)
+    lanes, q, fk, coded = ouro_like_call("loopvq", 4, 16, 8)
+    assert dc.plan_launch(lanes, q, fk, fk, coded, None, None, None, None, None, 227 * 1024, 132).tokens == 4
+
+
+def test_split_counters_grow_and_keep_earlier_buffers(monkeypatch):
+    """One zeroed int32 buffer per device, at least 4096 counters, replaced by a larger one when a launch needs
+    more (the earlier one kept alive for captured graphs); none can be made during a CUDA-graph capture."""
+    monkeypatch.setattr(dc, "_COUNTERS", {})
+    cpu = torch.device("cpu")
+    first = dc.split_counters(cpu, 16)
+    assert first.numel() == 4096 and first.dtype == torch.int32 and not first.any()
+    assert dc.split_counters(cpu, 4096) is first
+    grown = dc.split_counters(cpu, 5000)
+    assert grown.numel() == 8192 and dc._COUNTERS["cpu"] == [first, grown]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(dc.LaunchError, match="during CUDA-graph capture"):
+        dc.split_counters(torch.device("cuda", 0), 16)
