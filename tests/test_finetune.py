@@ -386,7 +386,8 @@ def test_min_usage_trains_only_codewords_used_enough(tiny_setup):
     from loopvq_calib.objective import teacher
 
     model, calib, init = tiny_setup
-    counts = usage_counts(model, calib, init, TeacherCache(model, FinetuneConfig(), [[i] for i in range(4)]), torch.device("cpu"))
+    cache = TeacherCache(model, FinetuneConfig(), [[i] for i in range(4)])
+    counts = usage_counts(model, calib, init, cache, torch.device("cpu"))
     key = "key.b0.l0"
     codec = init.codecs[key]
     hand = torch.zeros(codec.codebook.shape[:3], dtype=torch.long)
@@ -465,7 +466,7 @@ def test_batched_selection_equals_one_sequence_at_a_time(make):
     each = [sequence_kl(model, ids[i : i + 1], lossy, 2, FinetuneConfig(), cpu).item() for i in calib.heldout]
     for batch in (1, 2, 5):
         cfg = FinetuneConfig(selection_batch=batch)
-        for cache in (None, TeacherCache(model, cfg, 6)):
+        for cache in (None, TeacherCache(model, cfg, [[i] for i in range(6)])):
             got = selection_kl(model, calib, lossy, cfg, cpu, cache)
             assert got == pytest.approx(sum(each) / len(each), rel=1e-5), (batch, cache)
     exact = sampled_quantizer(model, ids, "loopvq", codebook_size=96)
