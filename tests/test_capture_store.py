@@ -273,3 +273,17 @@ def test_a_failed_pin_on_a_gpu_leaves_no_cuda_error_pending():
         assert runtime is not None and runtime.cudaPeekAtLastError() == 0
     finally:
         cs._unpin([slab])
+
+
+def test_let_go_frees_in_a_background_thread():
+    """``let_go`` empties the list in its own thread, so the objects only it held are freed there."""
+    class Held:
+        pass
+
+    freed: list[str] = []
+    obj = Held()
+    weakref.finalize(obj, lambda: freed.append(threading.current_thread().name))
+    held = [obj]
+    del obj
+    cs.let_go("test objects", held).join()
+    assert freed == ["loopvq-release"] and held == []
