@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import logging
 import mmap
 import re
 import shutil
+import threading
 import time
 import weakref
 from collections import deque
@@ -29,6 +31,7 @@ from .config import CaptureConfig, ConfigError
 from .models.loading import DTYPES
 from .models.sites import KVLayout
 
+log = logging.getLogger("loopvq_calib")
 GB = 1e9
 PAGE = mmap.PAGESIZE
 Tensors = dict[str, torch.Tensor]  # one captured sequence's tensors by name
@@ -258,6 +261,21 @@ class HostCopier:
     def release(self) -> None:
         """Unpin the slabs (their memory stays with the tensors that use it)."""
         self._finalizer()
+
+
+def let_go(what: str, held: list) -> threading.Thread:
+    """Empty ``held`` in a background thread: where it holds the last references to its items (the caller
+    keeps none but the list), they are freed there. Unpinning and unmapping host memory takes seconds per
+    hundred GB, which work on the accelerator need not wait for; the seconds are logged as ``what`` released.
+    The interpreter waits for the thread at exit."""
+    def release() -> None:
+        start = time.perf_counter()
+        held.clear()
+        log.info("%s released in %.1f s (in the background)", what, time.perf_counter() - start)
+
+    thread = threading.Thread(target=release, name="loopvq-release")
+    thread.start()
+    return thread
 
 
 def page_aligned_bytes(nbytes: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ from .finetune_recipe import CodebookParams, add_usage, lr_factor
 from .models.sites import loop_checkpointing
 from .objective import Teacher, mean_kl, quantized_logits, teacher
 from .quantizer import KVQuantizer
+from .teacher_cache import Plan, TeacherCache, autocast
 
 log = logging.getLogger("loopvq_calib")
 
@@ -40,80 +41,6 @@ class FinetuneResult:
     curve: list[dict[str, Any]] = field(default_factory=list)  # per selection point: epoch, step, train_kl, selection_kl
     teacher_kept: int = 0  # sequences whose teacher outputs this process kept across epochs
     best_step: int = 0  # optimizer steps taken at that point
-
-
-def _autocast(cfg: FinetuneConfig, device: torch.device):
-    on = cfg.autocast == "bfloat16" or (cfg.autocast == "auto" and device.type == "cuda")
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
-
-
-TEACHER_CACHE_BYTES = 2 << 30  # host memory (CPU runs)
-TEACHER_CACHE_MARGIN = 0.10  # of a CUDA device's memory, left free beside the first two steps' peak
-
-
-class TeacherCache:
-    """Full-precision outputs per sequence, kept across epochs for as many sequences as fit
-    (``finetune.cache_teacher``: ``true`` all, ``false`` none, ``auto`` what fits), each kept sequence
-    saving one forward per later use.
-
-    A sequence's size is measured on the first output (logits in the model's output dtype, keys and
-    values in the compute dtype). ``auto`` on CPU: what fits ``TEACHER_CACHE_BYTES`` of host memory. On
-    CUDA: undecided until
-    :meth:`settle` after the second training step (the optimizer's state exists by then), then what fits
-    the device memory those steps left unused (:func:`cache_capacity`: peak reserved by the allocator, and
-    what the device holds outside it), less a margin of ``TEACHER_CACHE_MARGIN`` and memory still to come
-    (the best epoch's copy of the codebooks); sequences
-    are kept in the order they are next asked for. ``sequences``: how many distinct sequences this process
-    can ask for (:func:`asked_sequences`), the most worth keeping."""
-
-    def __init__(self, model: torch.nn.Module, cfg: FinetuneConfig, sequences: int) -> None:
-        self.sequences = sequences
-        self.per_sequence: int | None = None  # bytes of one sequence's outputs, measured on the first one
-        self.capacity: int | None = {"true": sequences, "false": 0}.get(cfg.cache_teacher)
-        self.model, self.cfg, self.store = model, cfg, {}
-
-    def settle(self, device: torch.device, to_come: int = 0) -> None:
-        """Fix an undecided capacity from the peak memory the allocator reserved since the last reset
-        (the caller resets it before the first step), the device's memory outside the allocator now, and
-        ``to_come`` bytes still to be allocated."""
-        if self.capacity is not None or self.per_sequence is None:
-            return
-        self.capacity = cache_capacity(
-            self.per_sequence, self.sequences, torch.cuda.get_device_properties(device).total_memory,
-            torch.cuda.max_memory_reserved(device), torch.cuda.mem_get_info(device)[0],
-            torch.cuda.memory_reserved(device), to_come)
-        log.info("teacher outputs: keeping %d of %d sequences (%.1f GB each)", self.capacity, self.sequences,
-                 self.per_sequence / 1e9)
-
-    def keeps(self, seq: int) -> bool:
-        """Whether :meth:`get` of ``seq`` returns kept outputs or keeps the ones it computes."""
-        return seq in self.store or (self.capacity is not None and len(self.store) < self.capacity)
-
-    def get(self, seq: int, ids: torch.Tensor, device: torch.device):
-        if seq in self.store:
-            return self.store[seq]
-        with _autocast(self.cfg, device):
-            fp = teacher(self.model, ids)
-        if self.per_sequence is None:
-            tensors = [fp.logits, *fp.keys.values(), *fp.values.values()]
-            self.per_sequence = sum(t.numel() * t.element_size() for t in tensors)
-            if self.capacity is None and device.type != "cuda":
-                self.capacity = min(self.sequences, TEACHER_CACHE_BYTES // self.per_sequence)
-        if self.capacity is not None and len(self.store) < self.capacity:
-            self.store[seq] = fp
-        return fp
-
-
-def cache_capacity(per_sequence: int, sequences: int, total: int, peak_reserved: int, device_free: int,
-                   reserved: int, to_come: int = 0, margin: float = TEACHER_CACHE_MARGIN) -> int:
-    """Sequences of ``per_sequence`` bytes (at most ``sequences``) that fit a device of ``total`` bytes beside
-    the allocator's ``peak_reserved``, ``to_come`` bytes still to be allocated and a margin of ``margin`` x
-    ``total``: the lesser of what the device's size leaves (``total`` - margin - peak - to come) and what it
-    has now (``device_free`` + the allocator's ``reserved`` - peak - margin - to come: memory outside the
-    allocator, the CUDA context, libraries' workspaces, other processes, is not free)."""
-    by_size = total * (1 - margin) - peak_reserved - to_come
-    by_device = device_free + reserved - peak_reserved - total * margin - to_come
-    return int(min(sequences, max(min(by_size, by_device), 0) // per_sequence))
 
 
 def release_cached_memory(device: torch.device) -> None:
@@ -129,7 +56,7 @@ def sequence_kl(model: torch.nn.Module, ids: torch.Tensor, quantizer: KVQuantize
                 cfg: FinetuneConfig, device: torch.device, fp=None) -> torch.Tensor:
     """KL objective of sequences [B, S] of one length, the mean over their positions after the sinks
     (differentiable w.r.t. the codebooks); ``fp`` their cached teacher outputs."""
-    with _autocast(cfg, device):
+    with autocast(cfg, device):
         fp = fp if fp is not None else teacher(model, ids)
         q = quantized_logits(model, ids, quantizer, fp, sink_tokens)
     return mean_kl(fp.logits, q, sink_tokens, cfg.kl_chunk)
@@ -181,21 +108,37 @@ def epoch_batches(calib: CalibrationSet, cfg: FinetuneConfig, epoch: int) -> lis
     return [order[start : start + cfg.batch_size] for start in range(0, len(order), cfg.batch_size)]
 
 
-def asked_sequences(calib: CalibrationSet, cfg: FinetuneConfig, dist: DistContext = SINGLE,
-                    first_epoch: int = 1) -> int:
-    """Distinct sequences whose teacher outputs this process of ``dist`` asks for in a run from epoch
-    ``first_epoch``: its share of the selection sequences, of the usage count (``min_usage``) and of every
-    batch (each batch is split by position, and the order changes every epoch, so with ``batch_size`` > 1 a
-    process sees most training sequences)."""
-    asked = set(dist.share(calib.heldout))
-    if training_steps(cfg, len(calib.train)) == 0:
-        return len(asked)
+def teacher_plan(calib: CalibrationSet, cfg: FinetuneConfig, dist: DistContext = SINGLE,
+                 first_epoch: int = 1) -> Plan:
+    """The sequences whose teacher outputs this process of ``dist`` asks for in a run from epoch ``first_epoch``,
+    in order, in the groups it asks for together: its share of the selection sequences in batches of
+    ``selection_batch`` at every selection point (the first, step 0, only in a fresh run), of the usage count
+    (``min_usage``, one at a time) and of every training batch (one at a time; each batch is split by position,
+    and the order changes every epoch, so with ``batch_size`` > 1 a process sees most training sequences)."""
+    held = dist.share(calib.heldout)
+    selection = [held[i : i + cfg.selection_batch] for i in range(0, len(held), cfg.selection_batch)]
+    plan = list(selection) if first_epoch == 1 else []
+    total = training_steps(cfg, len(calib.train))
+    if total == 0:
+        return plan
     if cfg.min_usage > 0:
-        asked |= set(dist.share(calib.train))
+        plan += [[i] for i in dist.share(calib.train)]
+    steps = (first_epoch - 1) * -(-len(calib.train) // cfg.batch_size)
     for epoch in range(first_epoch, cfg.epochs + 1):
-        for batch in epoch_batches(calib, cfg, epoch):
-            asked |= set(dist.share(batch))
-    return len(asked)
+        batches = epoch_batches(calib, cfg, epoch)
+        for b, batch in enumerate(batches):
+            plan += [[i] for i in dist.share(batch)]
+            steps += 1
+            if selects(cfg, steps, total, b == len(batches) - 1):
+                plan += selection
+    return plan
+
+
+def selects(cfg: FinetuneConfig, steps: int, total: int, last_of_epoch: bool) -> bool:
+    """Whether a selection point follows optimizer step ``steps`` of ``total``: every ``select_every`` steps
+    and at the last step, else at every epoch's end."""
+    return bool(cfg.select_every and steps % cfg.select_every == 0) or (
+        last_of_epoch and (not cfg.select_every or steps == total))
 
 
 def training_steps(cfg: FinetuneConfig, train_sequences: int) -> int:
@@ -239,7 +182,7 @@ def finetune_codebooks(
     quantizer = copy.deepcopy(quantizer).to(device, torch.float32)
     resume = torch.load(checkpoint, weights_only=False) if checkpoint is not None and checkpoint.is_file() else None
     first_epoch = 1 if resume is None else resume["epoch"] + 1
-    cache = TeacherCache(model, cfg, asked_sequences(calib, cfg, dist, first_epoch))
+    cache = TeacherCache(model, cfg, teacher_plan(calib, cfg, dist, first_epoch))
     if device.type == "cuda":  # the first steps' peak decides how many teacher outputs fit (cache_teacher auto)
         release_cached_memory(device)
     total = training_steps(cfg, len(calib.train))
@@ -257,7 +200,7 @@ def finetune_codebooks(
     if resume is None:
         select(0, 0, None)
     if total == 0:
-        return FinetuneResult(quantizer, 0, curve, len(cache.store))
+        return FinetuneResult(quantizer, 0, curve, cache.kept)
     usage = usage_counts(model, calib, quantizer, cache, device, dist) if cfg.min_usage > 0 else None
     free = CodebookParams(quantizer, cfg.parameterization, usage, cfg.min_usage)
     opt = torch.optim.Adam(free.params, lr=cfg.lr)
@@ -301,9 +244,7 @@ def finetune_codebooks(
                     cache.settle(device, to_come=sum(c.numel() * c.element_size() for c in free.init.values()) + joined)
                 if progress:
                     progress(1)
-                last_of_epoch = b == len(batches) - 1
-                if (cfg.select_every and steps % cfg.select_every == 0) or (
-                        last_of_epoch and (not cfg.select_every or steps == total)):
+                if selects(cfg, steps, total, b == len(batches) - 1):
                     with torch.no_grad():
                         free.apply()
                     entry = select(epoch, steps, train_sum)
@@ -317,7 +258,9 @@ def finetune_codebooks(
                              "best_state": best_state, "params": [p.detach() for p in free.params],
                              "opt": opt.state_dict(), "train_sum": train_sum})
     free.restore(best_state)
-    return FinetuneResult(quantizer, curve[best]["epoch"], curve, len(cache.store), curve[best]["step"])
+    kept = cache.kept
+    cache.release()
+    return FinetuneResult(quantizer, curve[best]["epoch"], curve, kept, curve[best]["step"])
 
 
 class EpochWriter:

@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import __version__
-from .capture import CaptureData, CaptureReader
+from .capture import CaptureData, CaptureReader, MemoryReader
 from .capture_store import capture_step_bytes, choose_store
 from .config import Config, dump_config, resolve_derived, validate, validate_for_model
 from .data import CalibrationSet, build_calibration_set, source_fingerprint
@@ -239,8 +239,8 @@ class Pipeline:
 
     # -- driver --------------------------------------------------------------------------------------
     def codebooks(self, calib: CalibrationSet) -> KVQuantizer | None:
-        """capture -> [tasq] -> [kmeans]; the capture (which may hold host or accelerator memory) is
-        released when this returns, before fine-tuning."""
+        """capture -> [tasq] -> [kmeans]; an in-memory capture is released before this returns (its host
+        memory in a background thread, :meth:`~loopvq_calib.capture.MemoryCapture.release`)."""
         in_memory = self.store.store != "disk"  # an in-memory capture is never kept: skip it when nothing reads it
         if in_memory and "kmeans" in self.wanted and self._codebooks_reusable():
             log.info("stage capture: not needed (the stages after it are reused)")
@@ -248,7 +248,10 @@ class Pipeline:
         else:
             reader = self.stage_capture(calib)
         tasq = self.stage_tasq(reader) if "tasq" in self.wanted else None
-        return self.stage_kmeans(reader, tasq) if "kmeans" in self.wanted else None
+        quantizer = self.stage_kmeans(reader, tasq) if "kmeans" in self.wanted else None
+        if isinstance(reader, MemoryReader):  # host memory in the background, while fine-tuning starts
+            reader.capture.release()
+        return quantizer
 
     def _codebooks_reusable(self) -> bool:
         """Whether tasq (TaSQ methods) and kmeans would both be reused from the run directory."""

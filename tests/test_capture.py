@@ -360,3 +360,16 @@ def test_split_store_keeps_the_first_sequences_on_the_gpu(tmp_path):
     assert write_meta(tmp_path / "m", calib, model.kv_layout(), cfg, mem)["store"] == "split"
     assert {seq: mem.sequences[seq]["key.0"].device.type for seq in range(3)} == {0: "cuda", 1: "cpu", 2: "cpu"}
     torch.testing.assert_close(MemoryReader(mem).load("key", (0, 1)), disk.load("key", (0, 1)), atol=1e-5, rtol=1e-4)
+
+
+def test_memory_capture_release_drops_accelerator_tensors_at_once():
+    """``MemoryCapture.release`` empties the capture, deletes its tensors off the host (meta tensors stand in for
+    the accelerator's) before it returns, and lets go of the host ones in a background thread."""
+    from loopvq_calib.capture import MemoryCapture
+
+    capture = MemoryCapture()
+    stored = {"key.0": torch.zeros(2), "value.0": torch.empty(2, device="meta")}
+    capture.sequences = {0: stored}
+    thread = capture.release()
+    assert list(stored) == ["key.0"] and capture.sequences == {} and capture.copier is None
+    thread.join()

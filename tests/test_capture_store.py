@@ -344,3 +344,15 @@ def test_host_memory_store_keeps_gpu_room_only_for_the_sequences_it_can_have_in_
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1200 + per_sequence - 1, 2000))
     with pytest.raises(ConfigError, match="memory cannot hold the capture"):
         choose()
+def test_let_go_frees_in_a_background_thread():
+    """``let_go`` empties the list in its own thread, so the objects only it held are freed there."""
+    class Held:
+        pass
+
+    freed: list[str] = []
+    obj = Held()
+    weakref.finalize(obj, lambda: freed.append(threading.current_thread().name))
+    held = [obj]
+    del obj
+    cs.let_go("test objects", held).join()
+    assert freed == ["loopvq-release"] and held == []

@@ -12,6 +12,7 @@ from conftest import run_finetune
 
 from loopvq_calib.config import FinetuneConfig
 from loopvq_calib import finetune as finetune_module
+from loopvq_calib import teacher_cache as teacher_cache_module
 from loopvq_calib.finetune import TeacherCache, finetune_codebooks, selection_kl, sequence_kl
 from loopvq_calib.models.loading import load_model
 from loopvq_calib.objective import teacher
@@ -144,50 +145,36 @@ def test_teacher_cache_auto_keeps_what_fits(reference_setup, monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     auto = FinetuneConfig(cache_teacher="auto")
     ids = calib.input_ids[:, :64]
-    cache = TeacherCache(model, auto, 10)
+    ten = [[i] for i in range(10)]
+    cache = TeacherCache(model, auto, ten)
     assert cache.capacity is None and cache.per_sequence is None
     cache.get(0, ids[:1], cpu)
     assert cache.per_sequence == per_seq and cache.capacity == 10
-    monkeypatch.setattr(finetune_module, "TEACHER_CACHE_BYTES", 3 * per_seq + 1)
-    part = TeacherCache(model, auto, 10)
+    monkeypatch.setattr(teacher_cache_module, "TEACHER_CACHE_BYTES", 3 * per_seq + 1)
+    part = TeacherCache(model, auto, ten)
     first = [part.get(i, ids[i : i + 1], cpu) for i in range(5)]
     assert part.capacity == 3 and sorted(part.store) == [0, 1, 2]
     assert part.get(1, ids[1:2], cpu) is first[1] and part.get(4, ids[4:5], cpu) is not first[4]
     torch.testing.assert_close(part.get(4, ids[4:5], cpu).logits, first[4].logits)
-    assert TeacherCache(model, FinetuneConfig(cache_teacher="true"), 10).capacity == 10
+    assert TeacherCache(model, FinetuneConfig(cache_teacher="true"), ten).capacity == 10
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 100 * per_seq}))
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d=None: 80.5 * per_seq)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 80.5 * per_seq)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (19.5 * per_seq, 100 * per_seq))  # nothing outside
-    on_gpu = TeacherCache(model, auto, 10)
+    monkeypatch.setattr(teacher_cache_module, "host_available", lambda: 0)  # no host tier here
+    on_gpu = TeacherCache(model, auto, ten)
     on_gpu.settle(cuda)
     assert on_gpu.capacity is None  # nothing measured yet: still undecided
     on_gpu.per_sequence = per_seq  # as measured on the first teacher output
     on_gpu.settle(cuda, to_come=2 * per_seq)
     assert on_gpu.capacity == 7  # 90 % of 100 sequences' worth, less the peak of 80.5 and 2 to come
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d=None: 95 * per_seq)
-    over = TeacherCache(model, auto, 10)
+    over = TeacherCache(model, auto, ten)
     over.per_sequence = per_seq
     over.settle(cuda)
     assert over.capacity == 0
-    assert TeacherCache(model, FinetuneConfig(cache_teacher="false"), 1).capacity == 0
-
-
-def test_cache_capacity_counts_memory_outside_the_allocator():
-    """Capacity in sequences of 1 unit on a device of 100 with a 10 % margin and a reserved peak of 60 (2 to
-    come): 28 when the allocator holds all memory in use; 3 fewer when 3 units lie outside it (context, other
-    processes: the device reports 3 less free); the device's size still bounds it when it reports more free;
-    never below 0 nor above the sequences asked for."""
-    from loopvq_calib.finetune import cache_capacity
-
-    assert cache_capacity(1, 50, 100, 60, device_free=40, reserved=60, to_come=2) == 100 - 10 - 60 - 2
-    assert cache_capacity(1, 50, 100, 60, device_free=37, reserved=60, to_come=2) == 100 - 10 - 60 - 2 - 3
-    assert cache_capacity(1, 50, 100, 60, device_free=30, reserved=50, to_come=2) == 100 - 10 - 60 - 2 - 20
-    assert cache_capacity(1, 50, 100, 60, device_free=90, reserved=60, to_come=2) == 28
-    assert cache_capacity(2, 50, 100, 60, device_free=37, reserved=60, to_come=2) == 12  # 25 units
-    assert cache_capacity(1, 5, 100, 60, device_free=40, reserved=60) == 5
-    assert cache_capacity(1, 5, 100, 95, device_free=5, reserved=95) == 0
+    assert TeacherCache(model, FinetuneConfig(cache_teacher="false"), [[0]]).capacity == 0
 
 
 @pytest.mark.slow  # the shipped reference model
@@ -202,7 +189,7 @@ def test_teacher_cache_is_sized_after_the_second_step(reference_setup, monkeypat
     finetune_codebooks(model, calib, init, FinetuneConfig(epochs=1), torch.device("cpu"), progress.append)
     codebook_bytes = sum(c.codebook.numel() * 4 for c in init.codecs.values())  # fp32 during fine-tuning
     assert calls == [(1, codebook_bytes)] and len(progress) > 2
-    cache = TeacherCache(model, FinetuneConfig(), 2)
+    cache = TeacherCache(model, FinetuneConfig(), [[0], [1]])
     fp = teacher(model, calib.input_ids[:1])
     cache.get(0, calib.input_ids[:1], torch.device("cpu"))
     per_sequence = sum(t.numel() * t.element_size() for t in [fp.logits, *fp.keys.values(), *fp.values.values()])
@@ -270,23 +257,27 @@ def test_select_every_n_steps(tiny_setup):
 def test_teacher_cache_holds_every_sequence_a_process_is_asked_for(tiny_setup, monkeypatch):
     """With 2 processes and batch 2 each batch is split by position and the order changes every epoch, so a
     process is asked for more than its half of the sequences: ``cache_teacher: true`` keeps every distinct
-    sequence it asks for (recorded here), and ``asked_sequences`` counts them."""
+    sequence it asks for (recorded here), and ``teacher_plan`` lists the asks in the order they come (here
+    with a selection every 2 steps)."""
     from loopvq_calib.distributed import DistContext
+    from loopvq_calib.teacher_cache import ranked
 
     model, calib, init = tiny_setup
     monkeypatch.setattr(DistContext, "all_reduce_sum", lambda self, t: t)  # a fake second process
-    asked: dict[int, set[int]] = {}
+    asked: dict[int, list[int]] = {}
     get = TeacherCache.get
     for rank in (0, 1):
-        seen = asked.setdefault(rank, set())
-        monkeypatch.setattr(TeacherCache, "get", lambda self, seq, *a, _s=seen: _s.add(seq) or get(self, seq, *a))
-        cfg = FinetuneConfig(epochs=3, batch_size=2, cache_teacher="true")
+        seen = asked.setdefault(rank, [])
+        monkeypatch.setattr(TeacherCache, "get", lambda self, seq, *a, _s=seen: _s.append(seq) or get(self, seq, *a))
+        cfg = FinetuneConfig(epochs=3, batch_size=2, select_every=2, cache_teacher="true")
         result = finetune_codebooks(model, calib, init, cfg, torch.device("cpu"), dist=DistContext(rank, 2))
-        assert result.teacher_kept == len(seen)
-        assert finetune_module.asked_sequences(calib, cfg, DistContext(rank, 2)) == len(seen)
-    assert len(asked[0]) > -(-calib.input_ids.shape[0] // 2)  # more than a fixed half of the sequences
-    assert finetune_module.asked_sequences(calib, FinetuneConfig(enabled=False), DistContext(1, 2)) == 0
-    assert finetune_module.asked_sequences(calib, FinetuneConfig(min_usage=1, batch_size=1), DistContext(1, 2)) == 1  # its usage share
+        assert result.teacher_kept == len(set(seen))
+        plan = finetune_module.teacher_plan(calib, cfg, DistContext(rank, 2))
+        assert [s for group in plan for s in group] == seen and len(ranked(plan)) == len(set(seen))
+    assert len(set(asked[0])) > -(-calib.input_ids.shape[0] // 2)  # more than a fixed half of the sequences
+    assert finetune_module.teacher_plan(calib, FinetuneConfig(enabled=False), DistContext(1, 2)) == []
+    usage = finetune_module.teacher_plan(calib, FinetuneConfig(min_usage=1, batch_size=1, epochs=1), DistContext(1, 2))
+    assert usage[:1] == [[1]]  # its usage share, after its (empty) selection share
 
 
 def test_epoch_writer_saves_a_host_copy_in_the_background_and_replaces_atomically(tmp_path):
@@ -330,7 +321,7 @@ def test_batched_selection_equals_one_sequence_at_a_time(make):
     each = [sequence_kl(model, ids[i : i + 1], lossy, 2, FinetuneConfig(), cpu).item() for i in calib.heldout]
     for batch in (1, 2, 5):
         cfg = FinetuneConfig(selection_batch=batch)
-        for cache in (None, TeacherCache(model, cfg, 6)):
+        for cache in (None, TeacherCache(model, cfg, [[i] for i in range(6)])):
             got = selection_kl(model, calib, lossy, cfg, cpu, cache)
             assert got == pytest.approx(sum(each) / len(each), rel=1e-5), (batch, cache)
     exact = sampled_quantizer(model, ids, "loopvq", codebook_size=96)

@@ -90,7 +90,7 @@ def test_min_usage_trains_only_codewords_used_enough(tiny_setup):
     """Usage = nearest-codeword counts of the training sequences' group vectors (after the sinks) under
     the k-means codebooks; entries below min_usage stay exactly as they were, others move."""
     model, calib, init = tiny_setup
-    counts = usage_counts(model, calib, init, TeacherCache(model, FinetuneConfig(), 4), torch.device("cpu"))
+    counts = usage_counts(model, calib, init, TeacherCache(model, FinetuneConfig(), [[i] for i in range(4)]), torch.device("cpu"))
     key = "key.b0.l0"
     codec = init.codecs[key]
     hand = torch.zeros(codec.codebook.shape[:3], dtype=torch.long)
