@@ -1,6 +1,7 @@
 """Decode attention from coded pages with the step tables in shared memory: the CUDA kernel of
-``decode_attention.cu``, compiled with NVRTC at first use (``torch.cuda._compile_kernel``, one build per
-shape, a second or so) and launched on the query's device, on its current stream.
+``decode_attention_device.cuh`` (its description, constants and device functions) followed by
+``decode_attention.cu`` (the kernel), one text compiled with NVRTC at first use
+(``torch.cuda._compile_kernel``, one build per shape, a second or so) and launched on the query's device, on its current stream.
 
 The Triton kernel of :mod:`~loopvq_calib.decode_attention` gathers every channel of every token from the step
 tables through the L1 cache (one scattered access per channel); this kernel keeps a head's key and value
@@ -23,7 +24,7 @@ import torch
 
 from .decode_lanes import LaneTables, lane_tables
 
-SOURCE = Path(__file__).with_name("decode_attention.cu")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention_device.cuh", "decode_attention.cu"))
 KERNEL = "loopvq_decode_split"
 ACT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 INT32_MAX = 2**31 - 1
@@ -74,7 +75,7 @@ def _align16(x: int) -> int:
 
 def shared_layout(d: int, k: int, key_bytes: int, value_bytes: int, key_codes: int, value_codes: int, warps: int,
                   query_groups: int, step_tokens: int, rows: int = 1) -> int:
-    """Bytes of dynamic shared memory (decode_attention.cu's KT_BYTES + VT_BYTES + STAGE_BYTES + the queries qs
+    """Bytes of dynamic shared memory (the kernel source's KT_BYTES + VT_BYTES + STAGE_BYTES + the queries qs
     + pbuf + the channel maps); ``step_tokens`` tokens per warp step (TOK), ``rows`` batch rows per pass (RPB)."""
     stage = warps * 2 * step_tokens * (key_codes + value_codes)
     merge = warps * query_groups * (d + 2) * 4
@@ -219,10 +220,15 @@ class LaunchError(BuildError):
 BUILD_FAILED: list[BuildError] = []  # the first failed build: later calls go to Triton without trying again
 
 
+def kernel_source() -> str:
+    """The kernel's source text without its constants: the device functions, then the kernel."""
+    return "".join(path.read_text() for path in SOURCES)
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(defines: tuple[tuple[str, int], ...], shared: int, device: int):
     """The kernel built for one set of constants (NVRTC), with its shared-memory limit raised."""
-    text = "".join(f"#define {name} {value}\n" for name, value in defines) + SOURCE.read_text()
+    text = "".join(f"#define {name} {value}\n" for name, value in defines) + kernel_source()
     try:
         with torch.cuda.device(device):
             kernel = torch.cuda._compile_kernel(text, KERNEL)

@@ -1,4 +1,4 @@
-"""Static instruction counts of the CUDA decode kernel's token loop (loopvq_calib/decode_attention.cu), per
+"""Static instruction counts of the CUDA decode kernel's token loop (decode_cuda.kernel_source()), per
 launch configuration: builds the kernel with nvcc for sm_90 (the constants decode_cuda passes at Ouro-1.4B's
 shapes), disassembles it (cuobjdump + nvdisasm) and counts the SASS instructions of the innermost loop that
 stages index rows (LDGSTS) and accumulates packed halves (HFMA2), per token and by opcode; plus ptxas's
@@ -18,8 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from loopvq_calib.decode_cuda import kernel_source
+
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "loopvq_calib" / "decode_attention.cu"
 # Ouro-1.4B, LoopVQ K 256 G 16 T_c 4, fp16 tables, bf16 activations (decode_cuda.decode_attention_cuda's defines)
 OURO = dict(D=128, QG=1, KCB=256, NKC=32, NVC=32, KMIX=0, VT32=0, CHEB=1, HAS_MASK=0, ACT=0, IDXVEC=16)
 CONFIGS = {
@@ -38,7 +39,7 @@ BRANCH = re.compile(r"BRA\s.*?0x([0-9a-f]+)")
 def build(defines: dict, workdir: Path, cuobjdump: str) -> tuple[str, str]:
     """(SASS text, ptxas report) of the kernel built with ``defines``."""
     src = workdir / "kernel.cu"
-    src.write_text("".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE.read_text())
+    src.write_text("".join(f"#define {k} {v}\n" for k, v in defines.items()) + kernel_source())
     cubin = workdir / "kernel.cubin"
     built = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(cubin), str(src)],
                            capture_output=True, text=True, check=True)

@@ -1,4 +1,4 @@
-"""The shared-memory CUDA decode kernel (loopvq_calib/decode_cuda.py + decode_attention.cu).
+"""The shared-memory CUDA decode kernel (loopvq_calib/decode_cuda.py + its CUDA source).
 
 On a GPU (``gpu``): the kernel itself against the reference (tolerances as in test_decode_attention.py: 1e-5
 with float32 tables and inputs, 1e-2 with float16 tables and bf16 inputs), its in-kernel split merge under

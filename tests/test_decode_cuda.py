@@ -309,9 +309,12 @@ def test_a_hand_made_plan_is_checked_and_no_plan_goes_through_launch(monkeypatch
 
 @pytest.mark.skipif(shutil.which("cpp") is None, reason="needs a C preprocessor")
 def test_the_kernel_source_refuses_rows_that_do_not_divide_the_warps(tmp_path):
-    """decode_attention.cu stops the build (#error) when RPB does not divide WARPS (the C preprocessor alone)."""
+    """The kernel's source stops the build (#error) when RPB does not divide WARPS (the C preprocessor alone)."""
+    source = tmp_path / "kernel.cu"
+    source.write_text(dc.kernel_source())
+
     def preprocess(warps: int, rows: int) -> subprocess.CompletedProcess:
-        return subprocess.run(["cpp", "-x", "c++", "-P", f"-DWARPS={warps}", f"-DRPB={rows}", str(dc.SOURCE)],
+        return subprocess.run(["cpp", "-x", "c++", "-P", f"-DWARPS={warps}", f"-DRPB={rows}", str(source)],
                               capture_output=True, text=True)
     for warps, rows in ((16, 3), (12, 8), (8, 0)):
         done = preprocess(warps, rows)
