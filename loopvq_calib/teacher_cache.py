@@ -178,7 +178,8 @@ class TeacherCache:
                  "%.1f GB of host memory available, less a tenth of the machine's)", len(self.tiers[0]),
                  self.sequences, device, len(self.tiers[1]), self.per_sequence / 1e9, self.host_seen / 1e9)
 
-    def tiers_now(self, device: torch.device, to_come: int = 0, peak_floor: int = 0) -> tuple[set[int], set[int]] | None:
+    def tiers_now(self, device: torch.device, to_come: int = 0,
+                  peak_floor: int = 0) -> tuple[set[int], set[int]] | None:
         """The (accelerator, host) sequences :meth:`settle` would keep now (None: the capacity is decided or no
         output measured yet)."""
         if self.capacity is not None or self.per_sequence is None:

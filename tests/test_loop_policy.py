@@ -79,9 +79,10 @@ def test_auto_turns_checkpointing_on_when_the_teacher_cache_would_not_keep_every
         real = finetune_module.sequence_kl
         monkeypatch.setattr(finetune_module, "sequence_kl",
                             lambda *a, _r=real, **k: asks.append(model.loop_checkpointing) or _r(*a, **k))
-        monkeypatch.setattr(TeacherCache, "tiers_now", lambda self, device, to_come=0, floor=0, _k=keeps_all:
+        monkeypatch.setattr(TeacherCache, "tiers_now", lambda self, device, to_come=0, peak_floor=0, _k=keeps_all:
                             (set(range(self.still_asked())), set()) if _k else ({0}, set()))
-        monkeypatch.setattr(TeacherCache, "settle", lambda self, device, to_come=0, floor=0: sizings.append(len(progress)))
+        monkeypatch.setattr(TeacherCache, "settle",
+                            lambda self, device, to_come=0, peak_floor=0: sizings.append(len(progress)))
         finetune_codebooks(model, calib, init, FinetuneConfig(**cfg), torch.device("cpu"), progress.append)
         monkeypatch.undo()
         monkeypatch.setattr(loop_policy, "AUTO_DEVICES", ("cuda", "cpu"))
@@ -113,3 +114,46 @@ def test_policy_settings_and_the_model_flag():
     assert model.loop_checkpointing is False
     with pytest.raises(KeyError):  # other errors are not caught
         LoopPolicy(model, "auto", cuda).run_step(lambda: {}["x"], lambda: None)
+
+
+@pytest.mark.gpu
+def test_a_real_cuda_out_of_memory_frees_the_step_and_redoes_it(tiny_setup, monkeypatch, caplog):
+    """On CUDA: a real allocator out-of-memory error in the first step (its forward's graph alive) is caught, the
+    memory that step held is back before the redo (nothing kept by the traceback), and the run matches one with
+    checkpointing on from the start; without the error, ``auto`` keeps checkpointing off when the teacher cache
+    keeps every sequence (the tiny model's outputs are a few MB)."""
+    cuda = torch.device("cuda")
+    _, calib, init = tiny_setup
+    model = copy.deepcopy(tiny_setup[0]).to(cuda)
+    on = finetune_codebooks(model, calib, init, FinetuneConfig(**RECIPE, loop_checkpointing=True), cuda)
+    real, seen = finetune_module.sequence_kl, {}
+
+    def flaky(*args, **kwargs):
+        if torch.is_grad_enabled() and not model.loop_checkpointing and "entry" not in seen:
+            seen["entry"] = torch.cuda.memory_allocated(cuda)
+            kl = real(*args, **kwargs)  # noqa: F841 (its graph is alive when the allocation fails)
+            torch.empty(1 << 50, dtype=torch.uint8, device=cuda)  # 1 PiB: a real allocator error
+        return real(*args, **kwargs)
+
+    turn_on = LoopPolicy.turn_on
+
+    def noted(self, reason: str) -> None:
+        seen["switch"] = torch.cuda.memory_allocated(cuda)
+        turn_on(self, reason)
+
+    monkeypatch.setattr(LoopPolicy, "turn_on", noted)
+    monkeypatch.setattr(finetune_module, "sequence_kl", flaky)
+    with caplog.at_level(logging.INFO, logger="loopvq_calib"):
+        auto = finetune_codebooks(model, calib, init, FinetuneConfig(**RECIPE, loop_checkpointing="auto"), cuda)
+    assert seen["switch"] <= seen["entry"] and "ran out of GPU memory" in caplog.text
+    assert [e["step"] for e in auto.curve] == [e["step"] for e in on.curve]
+    torch.testing.assert_close([e["selection_kl"] for e in auto.curve], [e["selection_kl"] for e in on.curve],
+                               rtol=1e-4, atol=1e-7)
+    for key, codec in auto.quantizer.codecs.items():
+        torch.testing.assert_close(codec.codebook, on.quantizer.codecs[key].codebook, rtol=1e-4, atol=1e-6)
+    monkeypatch.undo()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="loopvq_calib"):
+        finetune_codebooks(model, calib, init, FinetuneConfig(**dict(RECIPE, cache_teacher="auto"),
+                                                              loop_checkpointing="auto"), cuda)
+    assert "loop checkpointing auto -> off" in caplog.text and "-> on" not in caplog.text
