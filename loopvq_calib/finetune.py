@@ -239,6 +239,11 @@ def finetune_codebooks(
     saving = checkpoint is not None and dist.is_main
     floor = torch.cuda.max_memory_reserved(device) if device.type == "cuda" and resume is None else 0  # step 0's peak
     saved_best = None  # the best point at the last epoch-state save
+
+    def state(epoch: int) -> dict[str, Any]:
+        return {"epoch": epoch, "steps": steps, "curve": curve, "best": best, "best_state": best_state,
+                "params": [p.detach() for p in free.params], "opt": opt.state_dict(), "train_sum": train_sum}
+
     with EpochWriter(checkpoint) if saving else nullcontext() as writer, \
             LoopPolicy(model, cfg.loop_checkpointing, device) as loop:
         for epoch in range(first_epoch, cfg.epochs + 1):
@@ -260,6 +265,8 @@ def finetune_codebooks(
                     group["lr"] = cfg.lr * lr_factor(steps, total, cfg.warmup_steps, cfg.lr_schedule)
                 opt.step()
                 steps += 1
+                if writer is not None and b == 0 and epoch == first_epoch < cfg.epochs:  # Adam's state exists now
+                    writer.prepare(state(epoch))
                 if switched and cache.capacity is None:  # the peak statistics restarted before the redone step
                     settle_after = max(settle_after, min(steps + 1, total))
                 if steps == settle_after:
@@ -287,10 +294,7 @@ def finetune_codebooks(
                     if entry["selection_kl"] < curve[best]["selection_kl"]:
                         best, best_state = len(curve) - 1, free.snapshot()
             if writer is not None and epoch < cfg.epochs:  # after the last epoch the stage's result follows
-                writer.save({"epoch": epoch, "steps": steps, "curve": curve, "best": best,
-                             "best_state": best_state, "params": [p.detach() for p in free.params],
-                             "opt": opt.state_dict(), "train_sum": train_sum},
-                            unchanged=("best_state",) if best == saved_best else ())
+                writer.save(state(epoch), unchanged=("best_state",) if best == saved_best else ())
                 saved_best = best
     free.restore(best_state)
     kept = cache.kept

@@ -64,23 +64,24 @@ def test_unchanged_entries_are_written_from_the_previous_copy(tmp_path):
 
 @pytest.mark.gpu
 def test_cuda_state_goes_through_reused_pinned_buffers_without_waiting(tmp_path):
-    """CUDA tensors are copied into pinned host buffers allocated on the first save and reused by the next ones;
-    the copies are queued on the current stream, so work queued after the save (here an in-place change) does not
-    reach the file, and the file equals a plain host copy."""
+    """CUDA tensors are copied into pinned host buffers that ``prepare`` allocated (in its thread) and every save
+    reuses; the copies are queued on the current stream, so work queued after the save (here an in-place change)
+    does not reach the file, and the file equals a plain host copy."""
     cuda = torch.device("cuda")
     path = tmp_path / "resume.pt"
     moments = torch.randn(1 << 20, device=cuda)
     best = {"k": torch.randn(256, 16, device=cuda, dtype=torch.bfloat16)}
     step = torch.tensor(3.0)  # Adam's step count stays on the host
     with EpochWriter(path) as writer:
+        writer.prepare({"epoch": 0, "opt": {"state": {0: {"exp_avg": moments, "step": step}}}, "best_state": best})
+        writer.close()  # waits for the allocation too
+        buffers = {k: b.data_ptr() for k, b in writer._buffers.items()}
+        assert all(b.is_pinned() for b in writer._buffers.values()) and len(buffers) == 2
         for epoch in (1, 2):
             expected = moments.cpu()
             writer.save({"epoch": epoch, "opt": {"state": {0: {"exp_avg": moments, "step": step}}}, "best_state": best},
                         unchanged=("best_state",) if epoch == 2 else ())
             moments.mul_(2)  # queued after the copy on the same stream
-            if epoch == 1:
-                buffers = {k: b.data_ptr() for k, b in writer._buffers.items()}
-                assert all(b.is_pinned() for b in writer._buffers.values()) and len(buffers) == 2
             writer.close()
             saved = torch.load(path, weights_only=False)
             assert saved["epoch"] == epoch and torch.equal(saved["opt"]["state"][0]["exp_avg"], expected)
