@@ -120,7 +120,7 @@ class FinetuneConfig:
     min_usage: int = 0  # codewords: train only entries that >= this many training vectors use (0: all)
     proximal: float = 1.0  # weight of sum ||C - C0||^2 / sum ||C0||^2 toward the k-means codebooks; the paper: 0
     kl_chunk: int = 1024  # positions per chunk of the KL computation
-    loop_checkpointing: bool = False  # activation checkpointing per loop step
+    loop_checkpointing: bool | str = False  # activation checkpointing per loop step: true | false | auto (off until it does not fit)
     autocast: str = "auto"  # auto (bf16 on GPU) | bfloat16 | none
     cache_teacher: str = "auto"  # keep full-precision outputs across epochs: auto (as many sequences as fit) | true | false
     seed: int = 0
@@ -178,7 +178,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        tp = next(a for a in args if a is not type(None))
+        kinds = [a for a in args if a is not type(None)]
+        tp = next((a for a in kinds if type(value) is a), kinds[0])  # bool | str: True stays True, "auto" a str
     if value is None:
         raise ConfigError(path, f"must not be null (expected {tp.__name__})")
     if tp is str and isinstance(value, bool):

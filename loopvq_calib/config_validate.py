@@ -173,6 +173,9 @@ def validate_finetune(f: FinetuneConfig) -> None:
     _seed("finetune.seed", f.seed)
     _choice("finetune.autocast", f.autocast, ("auto", "bfloat16", "none"))
     _choice("finetune.cache_teacher", f.cache_teacher, ("auto", "true", "false"))
+    if f.loop_checkpointing not in (True, False, "auto") or type(f.loop_checkpointing) not in (bool, str):
+        raise ConfigError("finetune.loop_checkpointing", f"{f.loop_checkpointing!r} is not allowed; choose one of "
+                          "true, false, auto")
 
 
 def _validate_output(o: OutputConfig, d: DataConfig) -> None:

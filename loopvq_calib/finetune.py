@@ -14,8 +14,6 @@ from __future__ import annotations
 import copy
 from contextlib import nullcontext
 import logging
-import os
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -25,8 +23,9 @@ import torch
 from .config import FinetuneConfig
 from .data import CalibrationSet
 from .distributed import SINGLE, DistContext
+from .epoch_state import EpochWriter
 from .finetune_recipe import CodebookParams, add_usage, lr_factor
-from .models.sites import loop_checkpointing
+from .loop_policy import LoopPolicy
 from .objective import Teacher, mean_kl, quantized_logits, teacher
 from .quantizer import KVQuantizer
 from .teacher_cache import Plan, TeacherCache, autocast
@@ -158,6 +157,24 @@ def usage_counts(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQua
     return {k: dist.all_reduce_sum(v.to(device)).cpu() for k, v in counts.items()}
 
 
+def train_step(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, free: CodebookParams,
+               cfg: FinetuneConfig, device: torch.device, cache: TeacherCache, dist: DistContext, batch: list[int],
+               train_sum: torch.Tensor) -> None:
+    """This process's share of one optimizer step's forward and backward passes: fresh zero gradients, the
+    codebooks from the free parameters, the proximal penalty (main process) and each sequence's KL / batch
+    size; adds (KL sum, sequences) to ``train_sum``. It leaves the parameters and the optimizer alone."""
+    for p in free.params:
+        p.grad = torch.zeros_like(p)
+    free.apply()
+    if cfg.proximal > 0 and dist.is_main:
+        free.penalty(cfg.proximal).backward(retain_graph=True)
+    for i in dist.share(batch):
+        ids = calib.input_ids[i : i + 1].to(device)
+        kl = sequence_kl(model, ids, quantizer, calib.sink_tokens, cfg, device, cache.get(i, ids, device))
+        (kl / len(batch)).backward(retain_graph=cfg.parameterization == "affine")
+        train_sum += torch.stack([kl.detach().float(), torch.ones((), device=device)])
+
+
 def finetune_codebooks(
     model: torch.nn.Module,
     calib: CalibrationSet,
@@ -178,7 +195,9 @@ def finetune_codebooks(
     ``checkpoint``: a file where the main process saves the state after every epoch but the last (free
     parameters, Adam's state, the curve, the best point; written in the background, :class:`EpochWriter`)
     and from which a rerun resumes after the last saved epoch.
-    ``dist``: the processes sharing each batch (gradients summed across them)."""
+    ``dist``: the processes sharing each batch (gradients summed across them). ``cfg.loop_checkpointing``
+    ``auto`` may turn checkpointing on during the run (:class:`~loopvq_calib.loop_policy.LoopPolicy`; a step
+    that ran out of memory is redone), which does not change the result."""
     quantizer = copy.deepcopy(quantizer).to(device, torch.float32)
     resume = torch.load(checkpoint, weights_only=False) if checkpoint is not None and checkpoint.is_file() else None
     first_epoch = 1 if resume is None else resume["epoch"] + 1
@@ -218,30 +237,51 @@ def finetune_codebooks(
         settle_after = steps + min(2, total - steps)  # the teacher cache is sized after two steps of this run
         log.info("fine-tune: resuming after epoch %d (step %d) from %s", resume["epoch"], steps, checkpoint)
     saving = checkpoint is not None and dist.is_main
-    with EpochWriter(checkpoint) if saving else nullcontext() as writer, loop_checkpointing(model, cfg.loop_checkpointing):
+    floor = torch.cuda.max_memory_reserved(device) if device.type == "cuda" and resume is None else 0  # step 0's peak
+    saved_best = None  # the best point at the last epoch-state save
+
+    def state(epoch: int) -> dict[str, Any]:
+        return {"epoch": epoch, "steps": steps, "curve": curve, "best": best, "best_state": best_state,
+                "params": [p.detach() for p in free.params], "opt": opt.state_dict(), "train_sum": train_sum}
+
+    with EpochWriter(checkpoint) if saving else nullcontext() as writer, \
+            LoopPolicy(model, cfg.loop_checkpointing, device) as loop:
         for epoch in range(first_epoch, cfg.epochs + 1):
             batches = epoch_batches(calib, cfg, epoch)
             for b, batch in enumerate(batches):
-                for p in free.params:
-                    p.grad = torch.zeros_like(p)
-                free.apply()
-                if cfg.proximal > 0 and dist.is_main:
-                    free.penalty(cfg.proximal).backward(retain_graph=True)
-                for i in dist.share(batch):
-                    ids = calib.input_ids[i : i + 1].to(device)
-                    kl = sequence_kl(model, ids, quantizer, calib.sink_tokens, cfg, device, cache.get(i, ids, device))
-                    (kl / len(batch)).backward(retain_graph=cfg.parameterization == "affine")
-                    train_sum += torch.stack([kl.detach().float(), torch.ones((), device=device)])
+                mark, before = (cache.mark(), train_sum.clone()) if loop.trying_off else (None, None)
+
+                def undo() -> None:  # what a step that ran out of memory changed
+                    cache.rewind(mark)
+                    train_sum.copy_(before)
+                    for p in free.params:
+                        p.grad = None
+
+                switched = loop.run_step(lambda: train_step(model, calib, quantizer, free, cfg, device, cache, dist,
+                                                            batch, train_sum), undo)
                 for p in free.params:  # a no-op for one process
                     dist.all_reduce_sum(p.grad)
                 for group in opt.param_groups:
                     group["lr"] = cfg.lr * lr_factor(steps, total, cfg.warmup_steps, cfg.lr_schedule)
                 opt.step()
                 steps += 1
+                if writer is not None and b == 0 and epoch == first_epoch < cfg.epochs:  # Adam's state exists now
+                    writer.prepare(state(epoch))
+                if switched and cache.capacity is None:  # the peak statistics restarted before the redone step
+                    settle_after = max(settle_after, min(steps + 1, total))
                 if steps == settle_after:
-                    # a fresh run's peak already holds the first selection; a resumed one has not selected yet
+                    # a fresh run's peak already holds the first selection (``floor`` after a reset); a resumed
+                    # one has not selected yet
                     joined = selection_extra(cache, cfg, -(-len(calib.heldout) // dist.world)) if resume else 0
-                    cache.settle(device, to_come=sum(c.numel() * c.element_size() for c in free.init.values()) + joined)
+                    to_come = sum(c.numel() * c.element_size() for c in free.init.values()) + joined
+                    tiers = cache.tiers_now(device, to_come, floor) if loop.trying_off else None
+                    if tiers is not None and not loop.keep_off(len(tiers[0]) + len(tiers[1]), cache.still_asked(),
+                                                               torch.cuda.max_memory_reserved(device)):
+                        if device.type == "cuda":  # the cache is sized from the next steps, with checkpointing
+                            release_cached_memory(device)
+                        settle_after = steps + min(2, total - steps)
+                    else:
+                        cache.settle(device, to_come, floor)
                 if progress:
                     progress(1)
                 if selects(cfg, steps, total, b == len(batches) - 1):
@@ -254,69 +294,9 @@ def finetune_codebooks(
                     if entry["selection_kl"] < curve[best]["selection_kl"]:
                         best, best_state = len(curve) - 1, free.snapshot()
             if writer is not None and epoch < cfg.epochs:  # after the last epoch the stage's result follows
-                writer.save({"epoch": epoch, "steps": steps, "curve": curve, "best": best,
-                             "best_state": best_state, "params": [p.detach() for p in free.params],
-                             "opt": opt.state_dict(), "train_sum": train_sum})
+                writer.save(state(epoch), unchanged=("best_state",) if best == saved_best else ())
+                saved_best = best
     free.restore(best_state)
     kept = cache.kept
     cache.release()
     return FinetuneResult(quantizer, curve[best]["epoch"], curve, kept, curve[best]["step"])
-
-
-class EpochWriter:
-    """Writes the state after an epoch to ``path`` in a background thread while training goes on: the state is
-    first copied to host memory, the file is replaced atomically (a kill never leaves half a checkpoint), and
-    each save (and :meth:`close`) waits for the previous write and re-raises its error. As a context manager
-    it closes on exit; when the block raises, its error wins and a write error is only logged. Temporaries
-    that a killed run left beside ``path`` are removed when it is made."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self._thread, self._error = path, None, None
-        for orphan in path.parent.glob(f".{path.name}.tmp*"):
-            orphan.unlink(missing_ok=True)
-
-    def __enter__(self) -> "EpochWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:
-            self.close()
-        except BaseException as e:  # the block's own error is the one to report
-            log.warning("fine-tune: the epoch state could not be written: %s", e)
-
-    def save(self, state: dict[str, Any]) -> None:
-        self.close()
-        host = _to_host(state)
-        self._thread = threading.Thread(target=self._write, args=(host,), name="loopvq-epoch-state")
-        self._thread.start()
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-    def _write(self, state: dict[str, Any]) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
-        try:
-            torch.save(state, tmp)
-            os.replace(tmp, self.path)
-        except BaseException as e:  # handed to the training thread by close()
-            tmp.unlink(missing_ok=True)
-            self._error = e
-
-
-def _to_host(obj: Any) -> Any:
-    """A deep copy of ``obj`` with every tensor copied to host memory (training changes the originals)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_host(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_host(v) for v in obj)
-    return copy.deepcopy(obj)

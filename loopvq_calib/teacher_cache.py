@@ -159,26 +159,49 @@ class TeacherCache:
         self.tiers: tuple[set[int], set[int]] | None = None  # (device, host) sequences once settled on CUDA
         self.host: HostTier | None = None
         self.group, self.asked = -1, set()  # the plan's group being asked for, and its sequences asked so far
+        self.host_seen = 0  # bytes of host memory available when the tiers were last worked out
 
     @property
     def kept(self) -> int:
         return len(self.store) + (len(self.host.kept) if self.host is not None else 0)
 
-    def settle(self, device: torch.device, to_come: int = 0) -> None:
+    def settle(self, device: torch.device, to_come: int = 0, peak_floor: int = 0) -> None:
         """Fix an undecided capacity from the peak memory the allocator reserved since the last reset
-        (the caller resets it before the first step), the device's memory outside the allocator now,
-        ``to_come`` bytes still to be allocated, and host memory for the sequences left over."""
-        if self.capacity is not None or self.per_sequence is None:
+        (the caller resets it before the first step; ``peak_floor``: a peak measured before a later reset), the
+        device's memory outside the allocator now, ``to_come`` bytes still to be allocated, and host memory for
+        the sequences left over."""
+        tiers = self.tiers_now(device, to_come, peak_floor)
+        if tiers is None:
             return
-        room = cache_capacity(
-            self.per_sequence, self.sequences, torch.cuda.get_device_properties(device).total_memory,
-            torch.cuda.max_memory_reserved(device), torch.cuda.mem_get_info(device)[0],
-            torch.cuda.memory_reserved(device), to_come)
-        host = max(host_available(), 0)
-        self.assign(*split_tiers(self.plan[self.group + 1 :], room, host // self.per_sequence), device)
+        self.assign(*tiers, device)
         log.info("teacher outputs: keeping %d of %d sequences on %s and %d in pinned host memory (%.1f GB each; "
                  "%.1f GB of host memory available, less a tenth of the machine's)", len(self.tiers[0]),
-                 self.sequences, device, len(self.tiers[1]), self.per_sequence / 1e9, host / 1e9)
+                 self.sequences, device, len(self.tiers[1]), self.per_sequence / 1e9, self.host_seen / 1e9)
+
+    def tiers_now(self, device: torch.device, to_come: int = 0,
+                  peak_floor: int = 0) -> tuple[set[int], set[int]] | None:
+        """The (accelerator, host) sequences :meth:`settle` would keep now (None: the capacity is decided or no
+        output measured yet)."""
+        if self.capacity is not None or self.per_sequence is None:
+            return None
+        room = cache_capacity(
+            self.per_sequence, self.sequences, torch.cuda.get_device_properties(device).total_memory,
+            max(torch.cuda.max_memory_reserved(device), peak_floor), torch.cuda.mem_get_info(device)[0],
+            torch.cuda.memory_reserved(device), to_come)
+        self.host_seen = max(host_available(), 0)
+        return split_tiers(self.plan[self.group + 1 :], room, self.host_seen // self.per_sequence)
+
+    def still_asked(self) -> int:
+        """Distinct sequences the plan asks for after the current group."""
+        return len(ranked(self.plan[self.group + 1 :]))
+
+    def mark(self) -> tuple[int, set[int]]:
+        """Where in the plan the asks are (for :meth:`rewind`)."""
+        return self.group, set(self.asked)
+
+    def rewind(self, mark: tuple[int, set[int]]) -> None:
+        """Go back to ``mark``: the asks since then are repeated (a step redone)."""
+        self.group, self.asked = mark[0], set(mark[1])
 
     def assign(self, on_device: set[int], in_host: set[int], device: torch.device) -> None:
         """Keep the outputs of ``on_device`` on ``device`` and those of ``in_host`` in pinned host memory."""

@@ -35,6 +35,8 @@ BAD = [
     ({"quant": {"method": "tasq"}, "capture": {"fisher_channels": 32}}, "capture.fisher_channels", "does not divide the 16 channels per step"),
     ({"kmeans": {"device": "gpu"}}, "kmeans.device", "use auto, cpu, cuda or cuda:N"),
     ({"finetune": {"cache_teacher": "maybe"}}, "finetune.cache_teacher", "choose one of auto, true, false"),
+    ({"finetune": {"loop_checkpointing": "sometimes"}}, "finetune.loop_checkpointing", "choose one of true, false, auto"),
+    ({"finetune": {"loop_checkpointing": 1}}, "finetune.loop_checkpointing", "expected bool, got int"),
 ]
 
 
@@ -85,6 +87,12 @@ def test_overrides_and_round_trip(tmp_path):
 def test_yaml_booleans_for_true_false_choices_and_a_non_mapping_config(tmp_path):
     assert load_config({"finetune": {"cache_teacher": True}}).finetune.cache_teacher == "true"
     assert load_config({}, ["finetune.cache_teacher=false"]).finetune.cache_teacher == "false"
+    for raw, value in ((True, True), (False, False), ("auto", "auto")):  # booleans stay booleans (fingerprints)
+        got = load_config({"finetune": {"loop_checkpointing": raw}}).finetune.loop_checkpointing
+        assert got == value and type(got) is type(value)
+    assert load_config({}, ["finetune.loop_checkpointing=auto"]).finetune.loop_checkpointing == "auto"
+    assert load_config({}, ["finetune.loop_checkpointing=true"]).finetune.loop_checkpointing is True
+    assert load_config({}).finetune.loop_checkpointing is False
     listed = tmp_path / "list.yaml"
     listed.write_text("- model\n- data\n")
     with pytest.raises(ConfigError, match="top level of the config must be a mapping of sections, got list"):
