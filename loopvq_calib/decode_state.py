@@ -44,7 +44,8 @@ class CodeBuffer:
                 self.indices[:, self.count:self.count + n] = _joined(
                     [c.indices.view(batch, page_size, *c.indices.shape[1:]) for c in part])
                 if first.sigma is not None:
-                    self.sigma[:, self.count:self.count + n] = _joined([c.sigma.view(batch, page_size, -1) for c in part])
+                    self.sigma[:, self.count:self.count + n] = _joined(
+                        [c.sigma.view(batch, page_size, -1) for c in part])
                 self.count += n
         self.pages = len(pages)
         return self

@@ -75,7 +75,7 @@ def synthetic_quantizer(kv: Any, method: str, codebook_size: int, group_size: in
     per-head permutation with random channel weights."""
     quant = QuantConfig(method=method, bits=None, codebook_size=codebook_size, group_size=group_size,
                         steps_per_block=steps_per_block)
-    gen = torch.Generator().manual_seed(seed)
+    gen, on_device = torch.Generator().manual_seed(seed), torch.Generator(device).manual_seed(seed)
     codecs = {}
     for layout in plan_layouts(kv, quant):
         transform = None
@@ -83,9 +83,11 @@ def synthetic_quantizer(kv: Any, method: str, codebook_size: int, group_size: in
             coords = layout.steps * kv.head_dim
             perm = torch.stack([torch.randperm(coords, generator=gen) for _ in range(kv.kv_heads)])
             layout = dataclasses.replace(layout, groups=perm.view(kv.kv_heads, -1, group_size))
-            transform = TasqTransform((torch.rand(layout.steps, kv.kv_heads, kv.head_dim, generator=gen) + 0.5).to(device))
-        book = torch.randn(kv.kv_heads, layout.num_groups, codebook_size, group_size, generator=gen)
-        codecs[layout.key] = BlockCodec(layout, book.to(device), transform)
+            weight = torch.rand(layout.steps, kv.kv_heads, kv.head_dim, generator=gen) + 0.5
+            transform = TasqTransform(weight.to(device))
+        book = torch.randn(kv.kv_heads, layout.num_groups, codebook_size, group_size, generator=on_device,
+                           device=device)
+        codecs[layout.key] = BlockCodec(layout, book, transform)
     return KVQuantizer(codecs, method, codebook_size, group_size, quant.block_steps, "none", kv)
 
 
@@ -327,7 +329,8 @@ def table(result: dict[str, Any]) -> str:
         ref = bf16.get((r["context"], r["batch"]))
         speedup = f"{ref['mean_ms'] / r['mean_ms']:.2f}" if ref is not None and r["cache"] != "bf16" else ""
         peak = f"{r['peak_bytes'] / 1e9:.1f}" if "peak_bytes" in r else ""
-        rows.append(f"{head} {r['median_ms']:.3f} | {r['mean_ms']:.3f} | {r['tokens_per_s']:.1f} | {speedup} | {peak} |")
+        rows.append(f"{head} {r['median_ms']:.3f} | {r['mean_ms']:.3f} | {r['tokens_per_s']:.1f} | {speedup} | "
+                    f"{peak} |")
     return "\n".join(rows)
 
 

@@ -50,8 +50,10 @@ def test_code_buffer_copies_many_new_pages_at_once_as_one_by_one():
     for i in range(1, 21):
         one.sync(pages[:i], batch, page)
     bulk = CodeBuffer().sync(pages[:20], batch, page, chunk=3)
-    assert (bulk.count, bulk.pages, bulk.indices.shape[1]) == (one.count, one.pages, one.indices.shape[1]) == (160, 20, 256)
-    assert torch.equal(bulk.indices[:, :160], one.indices[:, :160]) and torch.equal(bulk.sigma[:, :160], one.sigma[:, :160])
+    assert (bulk.count, bulk.pages, bulk.indices.shape[1]) == (one.count, one.pages, one.indices.shape[1])
+    assert (bulk.count, bulk.indices.shape[1]) == (160, 256)
+    assert torch.equal(bulk.indices[:, :160], one.indices[:, :160])
+    assert torch.equal(bulk.sigma[:, :160], one.sigma[:, :160])
     assert bulk.indices.stride() == one.indices.stride()
     for buf in (one, bulk):
         buf.sync(pages, batch, page)
