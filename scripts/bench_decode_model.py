@@ -217,6 +217,9 @@ def run_case(model: torch.nn.Module, cache_kind: str, quantizer: KVQuantizer | N
     out: dict[str, Any] = {"context": context, "batch": batch, "cache": cache_kind}
     gen = torch.Generator(device).manual_seed(args.seed + context + batch)
     cuda = device.type == "cuda"
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()  # what earlier cases left in the allocator counts as free
     if cache_kind == "bf16":
         held = context + args.warmup + args.steps
         need = bf16_bytes(kv, held, batch) + bf16_bytes(kv, held, batch) // (2 * kv.num_sites)  # + one site's growth
@@ -299,6 +302,7 @@ def main() -> None:
         "warmup": args.warmup, "steps": args.steps, "checks": [], "cases": []}
     quantizers = {m: synthetic_quantizer(kv, m, args.codebook_size, args.group_size, args.steps_per_block, device,
                                          args.seed) for m in args.caches if m in METHODS}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.check_context:
         for q in quantizers.values():
             result["checks"].append(check_fill(model, q, serving, args.check_context, args.check_batch, device))
@@ -309,8 +313,7 @@ def main() -> None:
                 r = run_case(model, kind, quantizers.get(kind), serving, context, batch, args, device)
                 result["cases"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "step_ms"}), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+                args.out.write_text(json.dumps(result, indent=1))  # after every case: a cut-off run keeps its cases
     print(table(result))
 
 
