@@ -25,21 +25,45 @@ class CodeBuffer:
         self.pages = 0
         self.count = 0
 
-    def sync(self, pages: list[Codes], batch: int, page_size: int) -> "CodeBuffer":
-        """Copy in the pages added since the last call (pages' rows are batch-major: b * page + token)."""
-        for c in pages[self.pages:]:
-            idx = c.indices.view(batch, page_size, *c.indices.shape[1:])
-            sig = None if c.sigma is None else c.sigma.view(batch, page_size, -1)
-            if self.indices is None or self.count + page_size > self.indices.shape[1]:
-                cap = max(2 * self.count, self.count + page_size, 64)
-                self.indices = _grown(self.indices, idx, cap, self.count, head_major=True)
-                self.sigma = _grown(self.sigma, sig, cap, self.count) if sig is not None else None
-            self.indices[:, self.count:self.count + page_size] = idx
-            if sig is not None:
-                self.sigma[:, self.count:self.count + page_size] = sig
-            self.count += page_size
+    def sync(self, pages: list[Codes], batch: int, page_size: int, chunk: int = 256) -> "CodeBuffer":
+        """Copy in the pages added since the last call (pages' rows are batch-major: b * page + token), up to
+        ``chunk`` pages per copy; the capacity is the one page-by-page calls reach (grown once)."""
+        new = pages[self.pages:]
+        if new:
+            first = new[0]
+            cap = self.indices.shape[1] if self.indices is not None else 0
+            grown = _capacity(cap, self.count, len(new), page_size)
+            if grown != cap:
+                idx = first.indices.view(batch, page_size, *first.indices.shape[1:])
+                self.indices = _grown(self.indices, idx, grown, self.count, head_major=True)
+                if first.sigma is not None:
+                    self.sigma = _grown(self.sigma, first.sigma.view(batch, page_size, -1), grown, self.count)
+            for i in range(0, len(new), chunk):
+                part = new[i:i + chunk]
+                n = page_size * len(part)
+                self.indices[:, self.count:self.count + n] = _joined(
+                    [c.indices.view(batch, page_size, *c.indices.shape[1:]) for c in part])
+                if first.sigma is not None:
+                    self.sigma[:, self.count:self.count + n] = _joined(
+                        [c.sigma.view(batch, page_size, -1) for c in part])
+                self.count += n
         self.pages = len(pages)
         return self
+
+
+def _capacity(capacity: int, count: int, pages: int, page_size: int) -> int:
+    """Tokens a buffer holds after ``pages`` more pages, one at a time: max(2 * count, count + page, 64) whenever
+    a page overflows it."""
+    for _ in range(pages):
+        if count + page_size > capacity:
+            capacity = max(2 * count, count + page_size, 64)
+        count += page_size
+    return capacity
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` side by side along the token axis (dim 1), without a copy for one part."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
 def _grown(old: torch.Tensor | None, like: torch.Tensor, capacity: int, count: int,

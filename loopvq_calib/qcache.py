@@ -205,6 +205,32 @@ class QuantizedLoopKVCache:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def fill(self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], positions: torch.Tensor,
+             codes: dict[str, list[Codes]]) -> None:
+        """Give an empty ``store="indices"`` cache the contents a prefill leaves, without a forward (long-context
+        benchmarks: scripts/bench_decode_model.py). Per KV site the pre-RoPE sink and window tokens ``keys`` /
+        ``values`` [B, S_fp, H, D] (the first ``sink_tokens`` are the sinks); ``positions`` [B, S], every token's
+        position (an unpadded batch, shared by the sites); per codec the codes of its encoded pages, oldest first,
+        each page's rows batch-major (b * page_size + token). S = S_fp + page_size * pages."""
+        if self.keys or self.store != "indices":
+            raise ValueError("fill needs an empty cache with store='indices'")
+        sites = {s.site for s in self.quantizer.kv.sites}
+        if set(keys) != sites or set(values) != sites or set(codes) != set(self.quantizer.codecs):
+            raise ValueError("fill needs keys and values for every KV site and codes for every codec")
+        pages = {len(p) for p in codes.values()}
+        fp = {t.shape[1] for t in (*keys.values(), *values.values())}
+        if len(pages) != 1 or len(fp) != 1:
+            raise ValueError(f"every codec needs the same number of pages (got {sorted(pages)}) and every site the "
+                             f"same full-precision tokens (got {sorted(fp)})")
+        encoded, n_fp = pages.pop() * self.page_size, fp.pop()
+        if (encoded and n_fp < self.sink_tokens) or n_fp + encoded != positions.shape[1]:
+            raise ValueError(f"{n_fp} full-precision and {encoded} coded tokens with {self.sink_tokens} sinks do not "
+                             f"make the {positions.shape[1]} positions given")
+        self.keys, self.values = dict(keys), dict(values)
+        self.positions = dict.fromkeys(sites, positions)
+        self.codes = {name: list(p) for name, p in codes.items()}
+        self.encoded, self.sink_columns = encoded, self.sink_tokens
+
     # -- regions -----------------------------------------------------------------------------------
     @property
     def _sinks(self) -> int:

@@ -39,6 +39,27 @@ def test_code_buffer_holds_every_page_head_major_and_doubles():
     assert buf.count == 7 * page and buf.indices.shape[1] == cap
 
 
+def test_code_buffer_copies_many_new_pages_at_once_as_one_by_one():
+    """Many new pages in one sync (a prefill's, or a filled cache's), copied in chunks, give the contents and the
+    capacity that page-by-page syncs give; a later page grows it as before."""
+    gen = torch.Generator().manual_seed(1)
+    batch, page, heads, codes, steps = 3, 8, 2, 5, 4
+    pages = [Codes(torch.randint(0, 256, (batch * page, heads, codes), generator=gen).to(torch.uint8),
+                   torch.rand(batch * page, steps, generator=gen).half()) for _ in range(21)]
+    one = CodeBuffer()
+    for i in range(1, 21):
+        one.sync(pages[:i], batch, page)
+    bulk = CodeBuffer().sync(pages[:20], batch, page, chunk=3)
+    assert (bulk.count, bulk.pages, bulk.indices.shape[1]) == (one.count, one.pages, one.indices.shape[1])
+    assert (bulk.count, bulk.indices.shape[1]) == (160, 256)
+    assert torch.equal(bulk.indices[:, :160], one.indices[:, :160])
+    assert torch.equal(bulk.sigma[:, :160], one.sigma[:, :160])
+    assert bulk.indices.stride() == one.indices.stride()
+    for buf in (one, bulk):
+        buf.sync(pages, batch, page)
+    assert torch.equal(bulk.indices[:, :168], one.indices[:, :168]) and bulk.indices.shape[1] == 256
+
+
 # -- the quantized cache through the kernel ---------------------------------------------------------------
 
 def run_cache(model, batch, mask, quantizer, kernel, new_tokens, **serving):
