@@ -205,6 +205,12 @@ class QuantizedLoopKVCache:
     def __len__(self) -> int:
         return len(self.keys)
 
+    @property
+    def served_by_kernel(self) -> bool:
+        """Whether this cache's decode steps went through the fused decode-attention kernel (its state is made
+        at the first kernel call; the reference path leaves it unmade)."""
+        return self._kernel_state is not None
+
     def fill(self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], positions: torch.Tensor,
              codes: dict[str, list[Codes]]) -> None:
         """Give an empty ``store="indices"`` cache the contents a prefill leaves, without a forward (long-context

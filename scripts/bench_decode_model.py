@@ -201,7 +201,7 @@ def check_fill(model: torch.nn.Module, quantizer: KVQuantizer, serving: Serving,
         out[f"{name}_relative_error"] = float(diff.norm() / want.float().norm())
         out[f"{name}_same_argmax"] = bool(torch.equal(got.argmax(-1), want.argmax(-1)))
         if kernel == "auto":
-            out["served_path"] = "kernel" if cache._kernel_state is not None else "reference"
+            out["served_path"] = "kernel" if cache.served_by_kernel else "reference"
     return out
 
 
@@ -241,7 +241,7 @@ def run_case(model: torch.nn.Module, cache_kind: str, quantizer: KVQuantizer | N
         ms = time_steps(model, cache, ids, args.warmup, args.steps)
         out["cache_bytes"] = cache.nbytes()
         if cache_kind != "bf16":
-            out["served_path"] = "kernel" if cache._kernel_state is not None else "reference"
+            out["served_path"] = "kernel" if cache.served_by_kernel else "reference"
     except torch.cuda.OutOfMemoryError as err:
         out.update(status="out of memory", error=str(err).splitlines()[0])
         return out
