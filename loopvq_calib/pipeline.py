@@ -40,6 +40,7 @@ from .stages import (
     as_saved_finetune, as_saved_quantizer, load_calibration, load_finetune, run_bundle, run_capture, run_finetune,
     run_kmeans, run_tasq, save_calibration, selection_metrics,
 )
+from .warmup import Warmup, warm_linalg
 
 log = logging.getLogger("loopvq_calib")
 STAGES = ("data", "capture", "tasq", "kmeans", "finetune", "bundle")
@@ -108,13 +109,20 @@ class Pipeline:
             self.identity = model_identity(self.folder, name, cfg.model.revision)
         self.device = pick_device(cfg.model.device) if cfg.model.device != "auto" else self.dist.device
         self.kmeans_device = pick_device(cfg.kmeans.device, "kmeans.device") if cfg.kmeans.device != "auto" else self.device
+        self.warmup = Warmup()  # first-use costs of the device, in the background; stages wait for their job
         with timed(self.startup, "kmeans_backend_s"):  # an unusable kmeans.backend fails here, before any work;
             if "kmeans" in self.wanted:  # auto's probe compiles the kernels for the run's problems (kept for the stage)
                 points = run_points_per_codebook(plan_layouts(self.kv, cfg.quant), cfg.data.num_sequences,
                                                  cfg.data.sequence_length, cfg.data.sink_tokens,
                                                  cfg.quant.codebook_sharing)
-                resolve_backend(cfg.kmeans.backend, self.kmeans_device, (cfg.quant.codebook_size, cfg.quant.group_size),
-                                points)
+                backend = (cfg.kmeans.backend, self.kmeans_device, (cfg.quant.codebook_size, cfg.quant.group_size),
+                           points)
+                if cfg.kmeans.backend == "auto" and self.kmeans_device.type == "cuda":  # a failed probe falls back
+                    self.warmup.submit("kmeans_backend", self.kmeans_device, resolve_backend, *backend)
+                else:
+                    resolve_backend(*backend)
+        if "tasq" in self.wanted and cfg.quant.uses_tasq and self.kmeans_device.type == "cuda":
+            self.warmup.submit("linalg", self.kmeans_device, warm_linalg, self.kmeans_device)
         self.run = RunDir(Path(output or cfg.output.dir), self.dist.is_main, self.dist.barrier, stage_names=STAGES)
         self.store = None  # where the capture goes: decided (or refused, ConfigError) before any work
         if "capture" in self.wanted:
@@ -195,6 +203,7 @@ class Pipeline:
         from .tasq import TasqResult
 
         def body(tmp: Path) -> dict:
+            self.warmup.wait("linalg")
             result = run_tasq(reader, self.kv, self.cfg, tmp, self.dist, self.kmeans_device)
             return {"blocks": len(result.transforms), "processes": self.dist.world} if result is not None else {}
 
@@ -208,6 +217,7 @@ class Pipeline:
         def body(tmp: Path) -> dict:
             nonlocal fitted
             layouts = len(tasq.layouts if tasq is not None else plan_layouts(self.kv, self.cfg.quant))
+            self.warmup.wait("kmeans_backend")
             bar = self._progress(layouts, "kmeans")
             report = run_kmeans(reader, tasq, self.kv, self.cfg, tmp, self.dist, self.kmeans_device,
                                 lambda n: bar.update(n * self.dist.world))
@@ -266,6 +276,7 @@ class Pipeline:
         try:
             return self._run_stages()
         finally:
+            self.warmup.close()
             self.run.close()
 
     def _run_stages(self) -> RunResult:
@@ -289,7 +300,8 @@ class Pipeline:
             result.bundle = self.stage_bundle(calib, tuned)
         result.stages = [asdict(r) for r in self.run.records]
         if self.dist.is_main:
-            self.run.update(finetune_curve=tuned.curve if tuned else None, stages_done_at=time.time())
+            self.run.update(finetune_curve=tuned.curve if tuned else None, stages_done_at=time.time(),
+                            warmup=self.warmup.report())
             log.info("stage summary\n%s", self.run.summary_table())
         return result
 

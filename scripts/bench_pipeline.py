@@ -63,6 +63,7 @@ def summarize(run_dir: Path, wall_s: float | None = None, records: list[dict] | 
 
         out.update(selection_metrics(load_finetune(run_dir / "finetune")))
     out["startup"] = manifest.get("startup")  # seconds of each start-up step before the first stage
+    out["warmup"] = manifest.get("warmup")  # background first-use jobs: seconds each ran, seconds a stage waited
     out["store_reason"] = capture.get("store_reason")
     out["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return out
