@@ -18,7 +18,7 @@ from loopvq_calib.models.common import sdpa
 
 class SiteCheckCache:
     """Decode through ``reference``, comparing ``served`` at every site; other cache methods are the reference
-    cache's."""
+    cache's. Decode steps only (one token per forward): a longer forward's ``update`` reaches the reference alone."""
 
     def __init__(self, served: Any, reference: Any) -> None:
         self.served, self.reference = served, reference
