@@ -10,10 +10,13 @@ permutation, as a fitted bundle has) and random bf16 sinks/window, via ``Quantiz
 cache random post-RoPE keys and values where they fit (else the case says "does not fit" with the bytes).
 Speed does not depend on the values. Each case: ``--warmup`` steps, then ``--steps`` timed steps (CUDA events);
 median and mean ms per step, tokens/s = batch / mean (the mean over whole pages of steps counts the steps that
-encode a page; the median skips them). A check first: one decode step's logits through the coded cache as served
-(kernel) and through its reference path, against the model's own cache holding the decoded contents.
+encode a page; the median skips them). Checks first, per method: one decode step's logits through the coded cache
+as served (kernel) and through its reference path, against the model's own cache holding the decoded contents;
+then the per-site, teacher-forced check (scripts/site_check.py): each KV site's attention output as served against
+the reference path's, on the reference trajectory (max, median and every site's relative error).
 
     python scripts/bench_decode_model.py --out docs/data/bench-decode-model-h200.json   # on the GPU
+    python scripts/bench_decode_model.py --checks-only --out checks.json               # the checks alone
     python scripts/bench_decode_model.py --table-from docs/data/bench-decode-model-h200.json
 """
 
@@ -43,6 +46,7 @@ from loopvq_calib.models import LoopKVCache  # noqa: E402
 from loopvq_calib.models.common import apply_rope, rope_angles  # noqa: E402
 from loopvq_calib.qcache import QuantizedLoopKVCache  # noqa: E402
 from loopvq_calib.quantizer import KVQuantizer  # noqa: E402
+from site_check import SiteCheckCache  # noqa: E402
 
 METHODS = ("loopvq", "tasq+loopvq")
 GiB = 2**30
@@ -184,24 +188,35 @@ def time_steps(model: torch.nn.Module, cache: Any, ids: torch.Tensor, warmup: in
 
 @torch.inference_mode()
 def check_fill(model: torch.nn.Module, quantizer: KVQuantizer, serving: Serving, context: int, batch: int,
-               device: torch.device, seed: int = 0) -> dict[str, Any]:
-    """One decode step on one random fill: logits through the coded cache as served (``kernel="auto"``) and its
-    reference path (``"torch"``), each against the model's own cache holding the decoded contents."""
+               device: torch.device, seed: int = 0, kernel: str = "auto") -> dict[str, Any]:
+    """One decode step on one random fill: logits through the coded cache as served (``kernel``) and its
+    reference path (``"torch"``), each against the model's own cache holding the decoded contents; then the
+    per-site check (:class:`SiteCheckCache`: served against reference at every site, teacher-forced), whose
+    logits must be the reference path's exactly."""
     gen = torch.Generator(device).manual_seed(seed)
     contents = random_contents(quantizer, serving, context, batch, device, gen)
     ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=device, generator=gen)
     _, want = decode_step(model, decoded_cache(quantizer, contents, serving), ids)
     out = {"context": context, "batch": batch, "method": quantizer.method}
-    for kernel, name in (("auto", "served"), ("torch", "reference")):
-        cache = QuantizedLoopKVCache(quantizer, **dataclasses.asdict(serving), kernel=kernel)
+
+    def filled(path: str) -> QuantizedLoopKVCache:
+        cache = QuantizedLoopKVCache(quantizer, **dataclasses.asdict(serving), kernel=path)
         cache.fill(**contents)
-        _, got = decode_step(model, cache, ids)
-        diff = (got.float() - want.float())
+        return cache
+
+    logits = {}
+    for path, name in ((kernel, "served"), ("torch", "reference")):
+        cache = filled(path)
+        _, logits[name] = decode_step(model, cache, ids)
+        diff = (logits[name].float() - want.float())
         out[f"{name}_max_abs_diff"] = float(diff.abs().max())
         out[f"{name}_relative_error"] = float(diff.norm() / want.float().norm())
-        out[f"{name}_same_argmax"] = bool(torch.equal(got.argmax(-1), want.argmax(-1)))
-        if kernel == "auto":
+        out[f"{name}_same_argmax"] = bool(torch.equal(logits[name].argmax(-1), want.argmax(-1)))
+        if name == "served":
             out["served_path"] = "kernel" if cache.served_by_kernel else "reference"
+    site = SiteCheckCache(filled(kernel), filled("torch"))
+    _, got = decode_step(model, site, ids)
+    out.update(site.summary(), site_logits_are_reference=bool(torch.equal(got, logits["reference"])))
     return out
 
 
@@ -275,6 +290,9 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=8)
     ap.add_argument("--check-context", type=int, default=1024, help="context of the logits check (0: none)")
     ap.add_argument("--check-batch", type=int, default=2)
+    ap.add_argument("--check-kernel", default="auto", choices=["auto", "triton", "torch"],
+                    help="the served cache's kernel in the checks (triton: also on CPU under TRITON_INTERPRET=1)")
+    ap.add_argument("--checks-only", action="store_true", help="run the checks, no timed cases")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
@@ -299,15 +317,20 @@ def main() -> None:
         "kv": {"sites": kv.num_sites, "kv_heads": kv.kv_heads, "head_dim": kv.head_dim, "loop_steps": kv.loop_steps},
         "quantizer": {"codebook_size": args.codebook_size, "group_size": args.group_size,
                       "steps_per_block": args.steps_per_block}, "serving": dataclasses.asdict(serving),
-        "warmup": args.warmup, "steps": args.steps, "checks": [], "cases": []}
+        "warmup": args.warmup, "steps": args.steps, "check_kernel": args.check_kernel, "checks": [], "cases": []}
     quantizers = {m: synthetic_quantizer(kv, m, args.codebook_size, args.group_size, args.steps_per_block, device,
                                          args.seed) for m in args.caches if m in METHODS}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.check_context:
         for q in quantizers.values():
-            result["checks"].append(check_fill(model, q, serving, args.check_context, args.check_batch, device))
-            print(json.dumps(result["checks"][-1]), flush=True)
-    for context in args.contexts:
+            result["checks"].append(check_fill(model, q, serving, args.check_context, args.check_batch, device,
+                                               args.seed, args.check_kernel))
+            c = result["checks"][-1]
+            print(json.dumps(c), flush=True)
+            print(f"{c['method']}: per-site relative error (served by {c['site_served_path']}) max "
+                  f"{c['site_relative_error_max']:.3g}, median {c['site_relative_error_median']:.3g}", flush=True)
+            args.out.write_text(json.dumps(result, indent=1))
+    for context in [] if args.checks_only else args.contexts:
         for batch in args.batches:
             for kind in args.caches:
                 r = run_case(model, kind, quantizers.get(kind), serving, context, batch, args, device)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -58,11 +60,16 @@ def test_script_writes_every_case_and_the_fill_check(tmp_path, monkeypatch, caps
             assert r["cache_bytes"] < r["batch"] * 99 * 4 * 2 * 128 * 2  # codes: below a bf16 cache of 90 + 9 tokens
     assert [c["method"] for c in result["checks"]] == ["loopvq", "tasq+loopvq"]
     for c in result["checks"]:
-        assert c["served_same_argmax"] and c["reference_same_argmax"]
+        assert c["served_same_argmax"] and c["reference_same_argmax"] and c["site_logits_are_reference"]
+        errors = c["site_relative_errors"]
+        assert len(errors) == 4 and c["site_relative_error_max"] == max(errors)
+        assert c["site_relative_error_median"] == pytest.approx(sum(sorted(errors)[1:3]) / 2)
         if DEVICE.type == "cpu":
             assert c["served_max_abs_diff"] == c["reference_max_abs_diff"] == 0.0
+            assert c["site_served_path"] == "reference" and errors == [0.0] * 4
         else:
             assert c["served_relative_error"] < 2e-2 and c["reference_relative_error"] < 2e-2
+            assert c["site_served_path"] == "kernel" and 0 < max(errors) < 2e-2
     table = bdm.table(result)
     assert table in printed and table.count("\n") == 7 and "| 90 | 2 | tasq+loopvq |" in table
     monkeypatch.setattr(sys, "argv", ["bench_decode_model.py", "--table-from", str(tmp_path / "r.json")])
@@ -94,6 +101,67 @@ def test_random_fill_is_what_the_cache_serves_and_the_check_sees_a_wrong_one(tin
     assert (other.float() - want.float()).abs().max() > 10 * (got.float() - want.float()).abs().max()
     page = contents["codes"]["value.b0.l0"][0]
     assert isinstance(page, Codes) and page.indices.shape == (2 * 8, 1, 32) and page.sigma is None
+
+
+class DoubledValues(QuantizedLoopKVCache):
+    """A served cache that is wrong by a known amount: its values doubled, so its attention output is exactly twice
+    the reference's (relative error 1)."""
+
+    def update(self, *args):
+        k, v = super().update(*args)
+        return k, 2 * v
+
+
+@pytest.mark.parametrize("served_cls", [QuantizedLoopKVCache, DoubledValues])
+def test_site_check_follows_the_reference_and_measures_each_site(tiny_model, served_cls):
+    """The per-site check's logits are a plain reference-cache decode's, bit for bit, whatever the served cache
+    returns (teacher forcing); one error per KV site in site order: 0 when served is the reference path (both
+    ``kernel="torch"``), exactly 1 at every site when served doubles the values (not compounded over sites)."""
+    serving = bdm.Serving(sink_tokens=8, recent_window=16, page_size=8)
+    q = bdm.synthetic_quantizer(tiny_model.kv_layout(), "loopvq", 256, 16, 4, DEVICE)
+    contents = bdm.random_contents(q, serving, 75, 2, DEVICE, torch.Generator(DEVICE).manual_seed(1))
+    ids = torch.randint(0, 4096, (2, 1), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(2))
+
+    def filled(cls):
+        cache = cls(q, **dataclasses.asdict(serving), kernel="torch")
+        cache.fill(**contents)
+        return cache
+
+    site = bdm.SiteCheckCache(filled(served_cls), filled(QuantizedLoopKVCache))
+    with torch.inference_mode():
+        _, want = bdm.decode_step(tiny_model, filled(QuantizedLoopKVCache), ids)
+        _, got = bdm.decode_step(tiny_model, site, ids)
+    assert torch.equal(got, want)
+    assert site.sites == [0, 1, 2, 3] and site.get_seq_length() == 76  # the reference cache's, one token on
+    summary = site.summary()
+    assert summary["site_served_path"] == "reference"
+    expect = 0.0 if served_cls is QuantizedLoopKVCache else 1.0
+    assert summary["site_relative_errors"] == pytest.approx([expect] * 4, abs=1e-6)
+    assert summary["site_relative_error_max"] == summary["site_relative_error_median"] == pytest.approx(expect)
+
+
+def test_site_check_through_the_triton_kernel(tmp_path):
+    """--checks-only --check-kernel triton (Triton's interpreter on CPU, in a child process since
+    TRITON_INTERPRET=1 must precede the import of triton; the GPU as it is): the served path is the kernel,
+    each site's error small but not zero (fp16 step tables, bf16 output: about 4e-3 in the interpreter), the
+    check's logits the reference path's; no timed case."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[1])}
+    if DEVICE.type == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    out = tmp_path / "c.json"
+    argv = [sys.executable, str(SCRIPT), "--scale-down", "16", "--check-context", "80", "--checks-only",
+            "--check-kernel", "triton", "--device", str(DEVICE), "--out", str(out)]
+    code = subprocess.run(argv, capture_output=True, text=True, env=env)
+    assert code.returncode == 0, code.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["cases"] == [] and result["check_kernel"] == "triton"
+    assert [c["method"] for c in result["checks"]] == ["loopvq", "tasq+loopvq"]
+    for c in result["checks"]:
+        assert c["site_served_path"] == c["served_path"] == "kernel" and c["site_logits_are_reference"]
+        assert len(c["site_relative_errors"]) == 4 and 1e-4 < min(c["site_relative_errors"])
+        assert c["site_relative_error_max"] < (1e-2 if DEVICE.type == "cpu" else 2e-2)  # GPU: the CUDA kernel
+        assert f"{c['method']}: per-site relative error (served by kernel) max" in code.stdout
 
 
 def test_table_says_when_the_bf16_cache_does_not_fit():

@@ -170,15 +170,21 @@ def attend(
         k, v = ctx.cache.update(site, k, v, ctx.positions, ctx.rope)
     else:
         k = ctx.rope(k, ctx.positions)
+    return sdpa(q, k, v, ctx.mask)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The attention of :func:`attend` once keys are rotated: q [B,S,Hq,D], k/v post-RoPE [B,P+S,Hkv,D] (GQA:
+    KV heads repeated), ``mask`` [B,1,S,P+S] bool or None (causal); returns [B,S,Hq*D]."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    if ctx.mask is None:
+    if mask is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out.transpose(1, 2).flatten(2)
 
 
