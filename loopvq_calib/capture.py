@@ -82,6 +82,7 @@ def capture_sequence(
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
         loss.backward()
     fisher = rec.fisher()
+    query_sums = qstats.on_host()
 
     def chunked(f: torch.Tensor) -> torch.Tensor:
         return f if fisher_channels == 1 else f.unflatten(-1, (-1, fisher_channels)).sum(-1)
@@ -100,7 +101,7 @@ def capture_sequence(
         _check_finite(t, kv, seq)
         stored = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in t.items()}
         stored = stored if on_device else {k: v.cpu() for k, v in stored.items()}
-        stored.update({f"qstat.{site}": v[b].float() for site, v in qstats.sums.items()})
+        stored.update({f"qstat.{site}": v[b].float() for site, v in query_sums.items()})
         out.append(stored)
     return tuple(out)
 

@@ -40,7 +40,7 @@ from .stages import (
     as_saved_finetune, as_saved_quantizer, load_calibration, load_finetune, run_bundle, run_capture, run_finetune,
     run_kmeans, run_tasq, save_calibration, selection_metrics,
 )
-from .warmup import Warmup, warm_linalg
+from .warmup import Warmup, warm_codec_kernels, warm_linalg
 
 log = logging.getLogger("loopvq_calib")
 STAGES = ("data", "capture", "tasq", "kmeans", "finetune", "bundle")
@@ -123,6 +123,9 @@ class Pipeline:
                     resolve_backend(*backend)
         if "tasq" in self.wanted and cfg.quant.uses_tasq and self.kmeans_device.type == "cuda":
             self.warmup.submit("linalg", self.kmeans_device, warm_linalg, self.kmeans_device)
+        if "finetune" in self.wanted and self.device.type == "cuda":
+            self.warmup.submit("codec_kernels", self.device, warm_codec_kernels, self.device, cfg.quant.codebook_size,
+                               cfg.quant.group_size)
         self.run = RunDir(Path(output or cfg.output.dir), self.dist.is_main, self.dist.barrier, stage_names=STAGES)
         self.store = None  # where the capture goes: decided (or refused, ConfigError) before any work
         if "capture" in self.wanted:
@@ -234,6 +237,7 @@ class Pipeline:
 
         def body(tmp: Path) -> dict:
             nonlocal tuned
+            self.warmup.wait("codec_kernels")
             bar = self._progress(training_steps(self.cfg.finetune, len(calib.train)), "finetune")
             result = run_finetune(self.model(), calib, init, self.cfg, tmp, self.dist, self.device, bar.update)
             bar.close()

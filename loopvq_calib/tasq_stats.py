@@ -20,7 +20,8 @@ from .objective import shared_initial_state
 class QueryStats:
     """Per sequence, site and KV head: the sum over causal pairs (i >= j) of diag(R_j^T q_i q_i^T R_j)
     for the post-RoPE query q_i and the RoPE rotation R_j at the key position (GQA query heads averaged).
-    Prefix sums over j make it O(S) per site."""
+    Prefix sums over j make it O(S) per site. The sums stay on the queries' device (a copy to the host per site
+    would stop the forward at every site); :meth:`on_host` moves them all at once."""
 
     def __init__(self, kv: KVLayout) -> None:
         self.kv = kv
@@ -44,7 +45,14 @@ class QueryStats:
                 diag[..., : d // 2], diag[..., d // 2 :] = da, db
             else:
                 diag[..., 0::2], diag[..., 1::2] = da, db
-            self.sums[site] = diag.view(b, kv.kv_heads, hq // kv.kv_heads, d).mean(2).cpu()
+            self.sums[site] = diag.view(b, kv.kv_heads, hq // kv.kv_heads, d).mean(2)
+
+    def on_host(self) -> dict[int, torch.Tensor]:
+        """Every site's sums [B, H_kv, D] on the CPU, in one copy."""
+        if not self.sums:
+            return {}
+        host = torch.stack(list(self.sums.values())).cpu()
+        return dict(zip(self.sums, host.unbind(0)))
 
 
 def channel_weights(diag: torch.Tensor, floor: float) -> torch.Tensor:
@@ -78,8 +86,9 @@ def query_statistics(
         observer = QueryStats(kv)
         with query_observer(model, observer), torch.no_grad(), shared_initial_state(model):  # the capture's state
             model(input_ids[batch].to(device), use_cache=False)
+        sums = observer.on_host()
         for i, site in enumerate(s.site for s in kv.sites):
-            stats[batch, i] = observer.sums[site]
+            stats[batch, i] = sums[site]
     if dist.world > 1:
         stats = dist.all_reduce_sum(stats.to(dist.transfer_device())).cpu()
     return {seq: {s.site: stats[seq, i] for i, s in enumerate(kv.sites)} for seq in range(n)}

@@ -1,6 +1,6 @@
 """First-use costs of a fresh machine, paid off the critical path: the fused k-means kernels' probe (Triton
-compiles every variant the k-means stage launches, seconds on an empty kernel cache) and the device's dense
-linear algebra (torch loads its CUDA linear-algebra library and cuSOLVER at the first call, seconds from a cold
+compiles every variant the k-means stage launches, seconds on an empty kernel cache), the fused codec kernels
+fine-tuning's student launches first (nearest codeword, codeword lookup) and the device's dense linear algebra (torch loads its CUDA linear-algebra library and cuSOLVER at the first call, seconds from a cold
 disk) run on one background thread, started when the pipeline has checked its inputs, while the model loads and
 the capture runs. The stage that needs a job waits for it first (:meth:`Warmup.wait`); a job's error is raised
 there, so nothing is lost (docs/decisions.md, "Device warm-up in the background")."""
@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Warmup", "warm_linalg"]
+__all__ = ["Warmup", "warm_codec_kernels", "warm_linalg"]
 
 
 class Warmup:
@@ -72,3 +72,17 @@ def warm_linalg(device: torch.device) -> None:
     torch.linalg.slogdet(eye)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def warm_codec_kernels(device: torch.device, k: int, g: int) -> None:
+    """Compile and check the fused nearest-codeword (codebooks of ``k`` x ``g``) and codeword-lookup kernels on
+    ``device`` where they apply: their once-per-process probes, kept under the device's name as a tensor on it
+    reports it (``cuda:0``), which is what the fine-tuning's first encode and decode then find."""
+    from . import lookup_triton, nearest_triton
+
+    if not nearest_triton.available(device):
+        return
+    name = str(torch.empty(0, device=device).device)
+    if nearest_triton.supports(k, g):
+        nearest_triton.works(name, k, g)
+    lookup_triton.works(name)

@@ -70,3 +70,23 @@ def test_channel_weights_mean_square_and_floor():
     assert w[0, 2] == w[0, 3] > 0
     with pytest.raises(ValueError):
         channel_weights(torch.zeros(1, 4), 1e-6)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sums_stay_on_the_queries_device_until_moved_together(device):
+    """Per site the sums stay where the queries are (no host copy inside the forward); ``on_host`` gives every
+    site's sums on the CPU, equal to the brute force."""
+    torch.manual_seed(1)
+    kv = KVLayout("t", (), 1, 2, 8, "half", 100.0)
+    positions = torch.arange(7)[None].expand(3, -1)
+    qs = {site: torch.randn(3, 7, 2, 8) for site in (0, 4, 9)}
+    stats = QueryStats(kv)
+    assert stats.on_host() == {}
+    for site, q in qs.items():
+        stats(site, q.to(device), positions.to(device))
+    assert all(v.device.type == device for v in stats.sums.values())
+    host = stats.on_host()
+    assert list(host) == [0, 4, 9] and all(v.device.type == "cpu" for v in host.values())
+    for site, q in qs.items():
+        want = brute_query_stats(q, positions[0], 2, 100.0, "half")
+        torch.testing.assert_close(host[site].double(), want, rtol=1e-4, atol=1e-5)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import loopvq_calib.pipeline as pipeline_module
-from loopvq_calib import kmeans_triton
+from loopvq_calib import kmeans_triton, lookup_triton, nearest_triton
 from loopvq_calib.pipeline import calibrate
-from loopvq_calib.warmup import Warmup, warm_linalg
+from loopvq_calib.warmup import Warmup, warm_codec_kernels, warm_linalg
 from test_pipeline import tiny_config
 
 CPU = torch.device("cpu")
@@ -60,17 +60,20 @@ def test_nothing_submitted_starts_no_thread():
 
 
 def test_each_stage_waits_for_its_job_first(tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch):
-    """The pipeline's wiring, on the CPU (where no job is submitted): TaSQ waits for ``linalg`` and k-means for
-    ``kmeans_backend`` before their stage functions run; the manifest keeps the warm-up report."""
+    """The pipeline's wiring, on the CPU (where no job is submitted): TaSQ waits for ``linalg``, k-means for
+    ``kmeans_backend`` and fine-tuning for ``codec_kernels`` before their stage functions run; the manifest keeps
+    the warm-up report."""
     events = []
     monkeypatch.setattr(Warmup, "wait", lambda self, name: events.append(f"wait {name}"))
-    for name in ("run_tasq", "run_kmeans"):
+    for name in ("run_tasq", "run_kmeans", "run_finetune"):
         real = getattr(pipeline_module, name)
         monkeypatch.setattr(pipeline_module, name,
                             lambda *a, _real=real, _name=name, **k: events.append(_name) or _real(*a, **k))
-    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", quant={"method": "tasq+loopvq"})
-    result = calibrate(cfg, stages=["kmeans"])
-    assert events == ["wait linalg", "run_tasq", "wait kmeans_backend", "run_kmeans"]
+    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", quant={"method": "tasq+loopvq"},
+                      model={"device": "cpu"}, finetune={"epochs": 1})
+    result = calibrate(cfg, stages=["finetune"])
+    assert events == ["wait linalg", "run_tasq", "wait kmeans_backend", "run_kmeans", "wait codec_kernels",
+                      "run_finetune"]
     assert json.loads((result.run_dir / "manifest.json").read_text())["warmup"] == {}
 
 
@@ -96,3 +99,16 @@ def test_on_cuda_the_probe_and_linalg_run_in_the_background(tiny_ouro_dir, calib
     assert (report[0] if isinstance(report, list) else report)["backend"] == "triton"
     info = kmeans_triton.works.cache_info()
     assert info.misses == 1 and info.hits >= 1
+
+
+@pytest.mark.gpu
+def test_the_codec_kernels_warmed_are_the_ones_the_student_path_finds():
+    """``warm_codec_kernels`` probes under the name a CUDA tensor reports (``cuda:0``), so the first real encode
+    and decode find the probe's result instead of compiling again."""
+    nearest_triton.works.cache_clear()
+    lookup_triton.works.cache_clear()
+    warm_codec_kernels(torch.device("cuda"), 16, 8)
+    assert nearest_triton.works.cache_info().misses == 1 and lookup_triton.works.cache_info().misses == 1
+    z, codebook = torch.randn(10, 2, 3, 8, device="cuda"), torch.randn(2, 3, 16, 8, device="cuda")
+    assert nearest_triton.usable(z, codebook) and lookup_triton.usable(codebook)
+    assert nearest_triton.works.cache_info().misses == 1 and lookup_triton.works.cache_info().misses == 1
