@@ -107,8 +107,8 @@ def test_the_codec_kernels_warmed_are_the_ones_the_student_path_finds():
     and decode find the probe's result instead of compiling again."""
     nearest_triton.works.cache_clear()
     lookup_triton.works.cache_clear()
-    warm_codec_kernels(torch.device("cuda"), 16, 8)
+    warm_codec_kernels(torch.device("cuda"), 16, 16)  # G >= 16: the nearest kernel's smallest dot
     assert nearest_triton.works.cache_info().misses == 1 and lookup_triton.works.cache_info().misses == 1
-    z, codebook = torch.randn(10, 2, 3, 8, device="cuda"), torch.randn(2, 3, 16, 8, device="cuda")
+    z, codebook = torch.randn(10, 2, 3, 16, device="cuda"), torch.randn(2, 3, 16, 16, device="cuda")
     assert nearest_triton.usable(z, codebook) and lookup_triton.usable(codebook)
     assert nearest_triton.works.cache_info().misses == 1 and lookup_triton.works.cache_info().misses == 1
