@@ -127,13 +127,6 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {  // lo in t
     return d;
 }
 
-__device__ __forceinline__ float sum_halves(unsigned w) {  // lower + upper half of a packed f16x2, in float32
-    float lo, hi;
-    asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.f32.f16 %0, a;\n\tcvt.f32.f16 %1, b;\n\t}"
-        : "=f"(lo), "=f"(hi) : "r"(w));
-    return lo + hi;
-}
-
 __device__ __forceinline__ unsigned lds8u(unsigned a) {
     unsigned v;
     asm("ld.shared.u8 %0, [%1];" : "=r"(v) : "r"(a));
@@ -149,6 +142,12 @@ __device__ __forceinline__ unsigned lds16w(unsigned a) {
 __device__ __forceinline__ void floats_of(unsigned w, float& lo, float& hi) {
     asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.f32.f16 %0, a;\n\tcvt.f32.f16 %1, b;\n\t}"
         : "=f"(lo), "=f"(hi) : "r"(w));
+}
+
+__device__ __forceinline__ float sum_halves(unsigned w) {  // lower + upper half of a packed f16x2, in float32
+    float lo, hi;
+    floats_of(w, lo, hi);
+    return lo + hi;
 }
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
