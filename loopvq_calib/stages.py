@@ -32,6 +32,7 @@ from .layouts import plan_layouts
 from .models.loading import ModelIdentity
 from .models.sites import KVLayout
 from .quantizer import KVQuantizer, load_quantizer, merge_quantizers, save_quantizer
+from .rundir import discard
 
 Progress = Callable[[int], Any]
 
@@ -156,11 +157,13 @@ def run_finetune(model: torch.nn.Module, calib: CalibrationSet, init: KVQuantize
                  dist: DistContext, device: torch.device, progress: Progress | None = None) -> FinetuneResult:
     """KL fine-tuning of the k-means codebooks (processes share each batch); the state after every epoch but the
     last is kept in ``folder/resume.pt`` so an interrupted run resumes; the main process saves the kept codebooks
-    and the selection curve (``curve.json``) in ``folder``."""
+    and the selection curve (``curve.json``) in ``folder`` and returns the result with its quantizer as saved
+    (:func:`as_saved_quantizer`: on the CPU, copied from the device once), the other processes as fine-tuned."""
     resume = folder / "resume.pt"
     result = finetune_codebooks(model, calib, init, cfg.finetune, device, progress, checkpoint=resume, dist=dist)
     if dist.is_main:
-        resume.unlink(missing_ok=True)
+        discard(resume, folder.parent)
+        result = replace(result, quantizer=as_saved_quantizer(result.quantizer))  # one copy from the device
         save_finetune(result, folder)
     return result
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .distributed import SINGLE, DistContext
-from .models.common import apply_rope, rope_angles
+from .models.common import rope_angles, rope_factors, rotate
 from .models.sites import KVLayout, query_observer
 from .objective import shared_initial_state
 
@@ -20,31 +20,38 @@ from .objective import shared_initial_state
 class QueryStats:
     """Per sequence, site and KV head: the sum over causal pairs (i >= j) of diag(R_j^T q_i q_i^T R_j)
     for the post-RoPE query q_i and the RoPE rotation R_j at the key position (GQA query heads averaged).
-    Prefix sums over j make it O(S) per site. The sums stay on the queries' device (a copy to the host per site
-    would stop the forward at every site); :meth:`on_host` moves them all at once."""
+    Prefix sums over j make it O(S) per site. What depends on the positions alone (the rotation and the
+    prefix sums) is computed once per forward, not once per site. The sums stay on the queries' device (a copy
+    to the host per site would stop the forward at every site); :meth:`on_host` moves them all at once."""
 
     def __init__(self, kv: KVLayout) -> None:
         self.kv = kv
         self.sums: dict[int, torch.Tensor] = {}  # site -> [B, H_kv, D]
+        self._positions: torch.Tensor | None = None  # the forward's positions the terms below belong to
+        self._terms: tuple[torch.Tensor, ...] = ()
+
+    def _position_terms(self, positions: torch.Tensor, d: int) -> tuple[torch.Tensor, ...]:
+        """RoPE factors (fp32) and the prefix sums of cos^2, sin^2 and 2 cos sin over key positions."""
+        if self._positions is not positions:  # a new forward; held, so its identity cannot be reused meanwhile
+            cos, sin = rope_angles(positions, d, self.kv.rope_theta)
+            factors = rope_factors(cos, sin, self.kv.rope_style, torch.float32)
+            c2, s2, cs = (t.cumsum(1)[:, :, None, :] for t in (cos * cos, sin * sin, cos * sin))
+            self._positions, self._terms = positions, (factors, c2, s2, 2 * cs)
+        return self._terms
 
     def __call__(self, site: int, q: torch.Tensor, positions: torch.Tensor) -> None:
         kv = self.kv
         with torch.no_grad():
             b, s, hq, d = q.shape
-            cos, sin = rope_angles(positions, d, kv.rope_theta)  # [B, S, D/2]
-            qr = apply_rope(q.float(), cos, sin, kv.rope_style)  # post-RoPE queries
+            factors, c2, s2, cs2 = self._position_terms(positions, d)
+            qr = rotate(q.float(), factors, kv.rope_style)  # post-RoPE queries
             if kv.rope_style == "half":
                 qa, qb = qr[..., : d // 2], qr[..., d // 2 :]
             else:
                 qa, qb = qr[..., 0::2], qr[..., 1::2]
-            c2, s2, cs = (t.cumsum(1)[:, :, None, :] for t in (cos * cos, sin * sin, cos * sin))
-            da = (c2 * qa * qa + s2 * qb * qb + 2 * cs * qa * qb).sum(dim=1)  # [B, Hq, D/2]
-            db = (c2 * qb * qb + s2 * qa * qa - 2 * cs * qa * qb).sum(dim=1)
-            diag = torch.zeros(b, hq, d, device=q.device)
-            if kv.rope_style == "half":
-                diag[..., : d // 2], diag[..., d // 2 :] = da, db
-            else:
-                diag[..., 0::2], diag[..., 1::2] = da, db
+            da = (c2 * qa * qa + s2 * qb * qb + cs2 * qa * qb).sum(dim=1)  # [B, Hq, D/2]
+            db = (c2 * qb * qb + s2 * qa * qa - cs2 * qa * qb).sum(dim=1)
+            diag = torch.cat([da, db], -1) if kv.rope_style == "half" else torch.stack([da, db], -1).flatten(-2)
             self.sums[site] = diag.view(b, kv.kv_heads, hq // kv.kv_heads, d).mean(2)
 
     def on_host(self) -> dict[int, torch.Tensor]:

@@ -1,45 +1,92 @@
-"""Time one capture step (forward + backward with Fisher probes at every KV site) and a plain forward on
-Ouro-1.4B shapes with random bf16 weights, 1 x 2,048 tokens, on the GPU. Prints JSON (three runs each;
-the first includes CUDA warm-up). Used for the capture analysis in docs/performance.md.
+"""Time the capture's passes at real model shapes (random bf16 weights, random token ids): a plain forward,
+the forward-only query-statistics pass of TaSQ methods (``tasq_stats.query_statistics``, the function the
+capture stage calls) at several batch sizes, and the capture step itself (``capture.capture_sequence``:
+forward + backward with the Fisher probes, keys' Fisher reduced by TaSQ's weights). One JSON line per
+measurement, after one warm-up of each; with --profile also the torch.profiler table (host time by op) of
+one query-statistics sequence (and by device time on a GPU). Used for the capture analysis in docs/performance.md.
 
-    python scripts/probe_capture_step.py
+    python scripts/probe_capture_step.py --model ouro-1.4b --batches 1 4 --profile qstats-profile.txt
 """
 
+from __future__ import annotations
+
+import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from loopvq_calib.models import KVRecorder, OuroConfig, OuroForCausalLM, kv_hook
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_random_checkpoint import MODELS, random_model  # noqa: E402
 
-cfg = OuroConfig(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
-                 num_key_value_heads=16, rope_theta=1e6, total_ut_steps=4)
-torch.manual_seed(0)
-with torch.device("cuda"):
-    m = OuroForCausalLM(cfg).to(torch.bfloat16).eval()
-for p in m.parameters():
-    p.requires_grad_(False)
-ids = torch.randint(0, 49152, (1, 2048), device="cuda")
-res = {}
-for it in range(3):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    t = time.time()
-    rec = KVRecorder(fisher=True)
-    with kv_hook(m, rec):
-        out = m(ids)
-        loss = torch.nn.functional.cross_entropy(out.logits[0, :-1].float(), ids[0, 1:], reduction="sum")
-        loss.backward()
-    f = rec.fisher()
-    torch.cuda.synchronize()
-    res[f"fwd_bwd_fisher_{it}"] = time.time() - t
-    res["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
-    del rec, out, loss, f
-for it in range(3):
-    torch.cuda.synchronize()
-    t = time.time()
-    with torch.no_grad():
-        out = m(ids)
-    torch.cuda.synchronize()
-    res[f"fwd_{it}"] = time.time() - t
-print(json.dumps(res))
+from loopvq_calib.capture import capture_sequence  # noqa: E402
+from loopvq_calib.objective import shared_initial_state  # noqa: E402
+from loopvq_calib.tasq_stats import key_weights, query_statistics  # noqa: E402
+
+
+def timed(fn, device: torch.device) -> float:
+    """Seconds of ``fn()``, the device's queued work included."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), default="ouro-1.4b")
+    ap.add_argument("--sequences", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="batch sizes of the forward-only passes")
+    ap.add_argument("--scale-down", type=int, default=1, help="divide widths and layers by this (CPU dry runs)")
+    ap.add_argument("--profile", default=None, help="write the profiler table of one query-statistics sequence here")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = random_model(args.model, device, scale_down=args.scale_down)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    kv = model.kv_layout()
+    n = args.sequences
+    ids = torch.randint(3, model.config.vocab_size, (n, args.seq_len), generator=torch.Generator().manual_seed(0))
+    seqs = list(range(n))
+
+    def forward(batch: int) -> None:
+        with torch.no_grad(), shared_initial_state(model):
+            for start in range(0, n, batch):
+                model(ids[start : start + batch].to(device), use_cache=False)
+
+    def capture() -> None:
+        for i in seqs:
+            capture_sequence(model, ids[i : i + 1].to(device), kv, [i], torch.bfloat16, 1, on_device=True,
+                             tasq_weights=weights)
+
+    stats = query_statistics(model, ids[:1], kv, [0], 1)  # warm-up, and the weights of the capture step
+    weights = key_weights({0: stats[0]}, kv, args.seq_len, 1e-6, device)
+    capture_sequence(model, ids[:1].to(device), kv, [0], torch.bfloat16, 1, on_device=True, tasq_weights=weights)
+    line = {"model": args.model, "seq_len": args.seq_len, "sequences": n,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    for batch in args.batches:
+        for what, fn in (("forward", lambda: forward(batch)),
+                         ("query_statistics", lambda: query_statistics(model, ids, kv, seqs, batch))):
+            seconds = timed(fn, device)
+            print(json.dumps({**line, "what": what, "batch": batch, "seconds": round(seconds, 3),
+                              "per_sequence_s": round(seconds / n, 4)}), flush=True)
+    seconds = timed(capture, device)
+    print(json.dumps({**line, "what": "capture_step", "batch": 1, "seconds": round(seconds, 3),
+                      "per_sequence_s": round(seconds / n, 4)}), flush=True)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            query_statistics(model, ids[:1], kv, [0], 1)
+        keys = ["cpu_time_total"] + (["device_time_total"] if device.type == "cuda" else [])
+        Path(args.profile).write_text("\n".join(prof.key_averages().table(sort_by=k, row_limit=30) for k in keys))
+
+
+if __name__ == "__main__":
+    main()
