@@ -51,3 +51,21 @@ def test_scaled_down_checkpoint_loads_strictly(tmp_path, name):
     assert abs(float(std) - read_model_config(out).initializer_range) < 2e-3
     again = mrc.random_model(name, scale_down=11)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+@pytest.mark.gpu
+def test_a_model_loaded_onto_the_gpu_has_the_tensors_and_outputs_of_one_moved_there(tmp_path):
+    """load_model reads the weights straight onto the device: the same parameters and buffers, and the same
+    logits, as loading on the CPU and moving the model."""
+    out = mrc.write_checkpoint("ouro-1.4b", tmp_path / "ouro", scale_down=11)
+    model, _ = load_model(out, "bfloat16", torch.device("cuda"), None)
+    moved, _ = load_model(out, "bfloat16", torch.device("cpu"), None)
+    moved = moved.to("cuda")
+    ours = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    theirs = {**dict(moved.named_parameters()), **dict(moved.named_buffers())}
+    assert ours.keys() == theirs.keys()
+    for name, t in ours.items():
+        assert t.device.type == "cuda" and t.dtype == theirs[name].dtype and torch.equal(t, theirs[name]), name
+    ids = torch.randint(3, 1000, (1, 32), device="cuda")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, moved(ids).logits)

@@ -159,7 +159,8 @@ def load_model(folder: Path, dtype: str, device: torch.device, loop_steps: int |
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     read_model_config(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype]).to(device).eval()
+    # read straight onto the device (the same tensors as loading on the CPU and moving the model there)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype], device_map={"": str(device)}).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     set_loop_steps(model, loop_steps)
