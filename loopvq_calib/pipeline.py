@@ -84,12 +84,13 @@ class Pipeline:
     """One calibration run; :meth:`run_all` executes (or reuses) the stages up to the last one asked for."""
 
     def __init__(self, cfg: Config, output: str | Path | None = None, stages: list[str] | None = None,
-                 dist: DistContext | None = None) -> None:
+                 dist: DistContext | None = None, warmup: Warmup | None = None) -> None:
         """Every check that can fail on bad input runs here, before anything is written: the config against
         the model's config.json, ``stages``, devices, the k-means backend, the store, the output folder and
         (unless the run directory holds a reusable data stage) the calibration data itself, built once, by
         the main process. ``dist``: the run's processes (default: this process under ``accelerate launch``).
-        ``startup`` records the seconds of each step (and those from the process's start to here)."""
+        ``warmup``: the background warm-up to add the stages' jobs to (``loopvq-calibrate`` starts one before its
+        imports; default: a new one). ``startup`` records the seconds of each step (and those from the process's start to here)."""
         entered = time.perf_counter()
         self.startup: dict[str, float] = {"entered_at": time.time(), "process_start_s": _seconds_since_process_start()}
         # on a copy (the caller's cfg never changes): a Config built in code gets its derived values and checks
@@ -109,7 +110,7 @@ class Pipeline:
             self.identity = model_identity(self.folder, name, cfg.model.revision)
         self.device = pick_device(cfg.model.device) if cfg.model.device != "auto" else self.dist.device
         self.kmeans_device = pick_device(cfg.kmeans.device, "kmeans.device") if cfg.kmeans.device != "auto" else self.device
-        self.warmup = Warmup()  # first-use costs of the device, in the background; stages wait for their job
+        self.warmup = warmup or Warmup()  # first-use costs of the device, in the background; stages wait for their job
         with timed(self.startup, "kmeans_backend_s"):  # an unusable kmeans.backend fails here, before any work;
             if "kmeans" in self.wanted:  # auto's probe compiles the kernels for the run's problems (kept for the stage)
                 points = run_points_per_codebook(plan_layouts(self.kv, cfg.quant), cfg.data.num_sequences,

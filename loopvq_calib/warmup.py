@@ -1,19 +1,22 @@
-"""First-use costs of a fresh machine, paid off the critical path: the fused k-means kernels' probe (Triton
-compiles every variant the k-means stage launches, seconds on an empty kernel cache), the fused codec kernels
-fine-tuning's student launches first (nearest codeword, codeword lookup) and the device's dense linear algebra (torch loads its CUDA linear-algebra library and cuSOLVER at the first call, seconds from a cold
-disk) run on one background thread, started when the pipeline has checked its inputs, while the model loads and
-the capture runs. The stage that needs a job waits for it first (:meth:`Warmup.wait`); a job's error is raised
-there, so nothing is lost (docs/decisions.md, "Device warm-up in the background")."""
+"""First-use costs of a fresh machine, paid off the critical path, on one background thread: the command's first
+CUDA work (:func:`warm_device`: context, cuBLAS, attention kernels) while it still imports its libraries; then,
+from when the pipeline has checked its inputs, while the model loads and the capture runs, the fused k-means
+kernels' probe (Triton compiles every variant the k-means stage launches, seconds on an empty kernel cache), the
+fused codec kernels fine-tuning's student launches first (nearest codeword, codeword lookup) and the device's
+dense linear algebra (torch loads its CUDA linear-algebra library and cuSOLVER at the first call, seconds from a
+cold disk). The stage that needs a job waits for it first (:meth:`Warmup.wait`); a job's error is raised there,
+so nothing is lost (docs/decisions.md, "Device warm-up in the background")."""
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["Warmup", "warm_codec_kernels", "warm_linalg"]
+__all__ = ["Warmup", "warm_codec_kernels", "warm_device", "warm_linalg"]
 
 
 class Warmup:
@@ -62,6 +65,25 @@ class Warmup:
         """Wait for the jobs no stage asked for (their errors are dropped: nothing needed them)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+def warm_device(setting: str) -> None:
+    """The first CUDA work of the process, while the command still imports its libraries (``loopvq-calibrate``
+    submits it before the pipeline's imports): the CUDA context, cuBLAS and the attention kernels, loaded by a
+    bf16 matmul and a causal attention at head width 128 with their backward on small inputs. ``setting`` is
+    ``model.device``; nothing happens without CUDA, for a CPU setting, or under ``accelerate launch`` (a
+    process's device is known only once its process group starts)."""
+    if setting == "cpu" or int(os.environ.get("WORLD_SIZE", "1")) > 1 or not torch.cuda.is_available():
+        return
+    device = torch.device("cuda" if setting == "auto" else setting)
+    if device.type != "cuda":
+        return
+    with torch.cuda.device(device):
+        a = torch.randn(1024, 1024, device=device, dtype=torch.bfloat16, requires_grad=True)
+        q = torch.randn(1, 4, 1024, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+        attention = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        ((a @ a).float().sum() + attention.float().sum()).backward()
+        torch.cuda.synchronize(device)
 
 
 def warm_linalg(device: torch.device) -> None:

@@ -1,5 +1,6 @@
 """Background warm-up: jobs run in order on one thread, a stage gets the result or the error where it waits,
-and the pipeline waits for each job before the stage that needs it (on CUDA: the k-means probe, linear algebra)."""
+and the pipeline waits for each job before the stage that needs it (on CUDA: the k-means probe, linear algebra);
+the command submits the device's first CUDA work before its pipeline imports."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import threading
 
 import pytest
 import torch
+import yaml
 
 import loopvq_calib.pipeline as pipeline_module
 from loopvq_calib import kmeans_triton, lookup_triton, nearest_triton
 from loopvq_calib.pipeline import calibrate
-from loopvq_calib.warmup import Warmup, warm_codec_kernels, warm_linalg
+from loopvq_calib.cli import calibrate_main
+from loopvq_calib.warmup import Warmup, warm_codec_kernels, warm_device, warm_linalg
 from test_pipeline import tiny_config
 
 CPU = torch.device("cpu")
@@ -112,3 +115,36 @@ def test_the_codec_kernels_warmed_are_the_ones_the_student_path_finds():
     z, codebook = torch.randn(10, 2, 3, 16, device="cuda"), torch.randn(2, 3, 16, 16, device="cuda")
     assert nearest_triton.usable(z, codebook) and lookup_triton.usable(codebook)
     assert nearest_triton.works.cache_info().misses == 1 and lookup_triton.works.cache_info().misses == 1
+
+
+def test_the_command_starts_the_device_job_before_its_pipeline_and_the_pipeline_keeps_it(tiny_ouro_dir, calib_corpus,
+                                                                                       tmp_path, monkeypatch):
+    """``loopvq-calibrate`` submits ``warm_device`` (with ``model.device``) before it imports the pipeline, and the
+    pipeline adds its jobs to that same warm-up: the manifest reports the job."""
+    import sys
+
+    seen = []
+    real = Warmup.submit
+    monkeypatch.setattr(Warmup, "submit", lambda self, name, device, fn, *args: seen.append(
+        (name, fn, args, "loopvq_calib.pipeline" in sys.modules)) or real(self, name, device, fn, *args))
+    monkeypatch.delitem(sys.modules, "loopvq_calib.pipeline")  # as in a fresh process
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", model={"device": "cpu"})))
+    assert calibrate_main(["--config", str(cfg), "--stages", "capture"]) == 0
+    assert seen == [("device", warm_device, ("cpu",), False)]
+    warmup = json.loads((tmp_path / "run" / "manifest.json").read_text())["warmup"]
+    assert list(warmup) == ["device"] and warmup["device"]["waited_s"] == 0.0
+
+
+@pytest.mark.parametrize("setting, world", [("cpu", "1"), ("auto", "2"), ("cuda", "4")])
+def test_the_device_job_touches_no_device_on_a_cpu_setting_or_under_accelerate_launch(monkeypatch, setting, world):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("asked for CUDA"))
+    warm_device(setting)
+
+
+@pytest.mark.gpu
+def test_the_device_job_initialises_cuda_and_runs_a_forward_and_backward(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    warm_device("auto")
+    assert torch.cuda.is_initialized()
