@@ -111,6 +111,8 @@ class Pipeline:
         self.device = pick_device(cfg.model.device) if cfg.model.device != "auto" else self.dist.device
         self.kmeans_device = pick_device(cfg.kmeans.device, "kmeans.device") if cfg.kmeans.device != "auto" else self.device
         self.warmup = warmup or Warmup()  # first-use costs of the device, in the background; stages wait for their job
+        if "tasq" in self.wanted and cfg.quant.uses_tasq and self.kmeans_device.type == "cuda":  # jobs in stage order
+            self.warmup.submit("linalg", self.kmeans_device, warm_linalg, self.kmeans_device)
         with timed(self.startup, "kmeans_backend_s"):  # an unusable kmeans.backend fails here, before any work;
             if "kmeans" in self.wanted:  # auto's probe compiles the kernels for the run's problems (kept for the stage)
                 points = run_points_per_codebook(plan_layouts(self.kv, cfg.quant), cfg.data.num_sequences,
@@ -122,8 +124,6 @@ class Pipeline:
                     self.warmup.submit("kmeans_backend", self.kmeans_device, resolve_backend, *backend)
                 else:
                     resolve_backend(*backend)
-        if "tasq" in self.wanted and cfg.quant.uses_tasq and self.kmeans_device.type == "cuda":
-            self.warmup.submit("linalg", self.kmeans_device, warm_linalg, self.kmeans_device)
         if "finetune" in self.wanted and self.device.type == "cuda":
             self.warmup.submit("codec_kernels", self.device, warm_codec_kernels, self.device, cfg.quant.codebook_size,
                                cfg.quant.group_size)
