@@ -91,8 +91,8 @@ def test_warm_linalg_gives_the_log_determinants_tasq_takes():
 @pytest.mark.gpu
 def test_on_cuda_the_probe_and_linalg_run_in_the_background(tiny_ouro_dir, calib_corpus, tmp_path):
     """A TaSQ run with ``kmeans.backend: auto`` on CUDA: both jobs ran on the warm-up thread in the order of their
-    stages, the k-means stage
-    used the fused kernels, and its backend check found the probe's result (no second compilation)."""
+    stages, the k-means stage used the fused kernels, and its backend check found the probe's result (no second
+    compilation)."""
     kmeans_triton.works.cache_clear()
     cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", quant={"method": "tasq+loopvq"},
                       kmeans={"backend": "auto"}, model={"device": "cuda"})
