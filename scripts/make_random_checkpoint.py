@@ -76,6 +76,16 @@ def random_model(name: str, device: str = "cpu", seed: int = 0, scale_down: int 
     return model.eval()
 
 
+def frozen_random_model(name: str, scale_down: int = 1) -> tuple[torch.nn.Module, torch.device]:
+    """(:func:`random_model` on the GPU when there is one, else on the CPU, with its weights frozen; that device):
+    the model of the probe scripts."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = random_model(name, device, scale_down=scale_down)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, device
+
+
 def write_checkpoint(name: str, out: Path, device: str = "cpu", seed: int = 0, scale_down: int = 1) -> Path:
     """Write ``out``/config.json, model safetensors and the shipped tokenizer; returns ``out``."""
     out = Path(out)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_random_checkpoint import MODELS, random_model  # noqa: E402
+from make_random_checkpoint import MODELS, frozen_random_model  # noqa: E402
 
 from loopvq_calib.capture import capture_sequence  # noqa: E402
 from loopvq_calib.objective import shared_initial_state  # noqa: E402
@@ -45,10 +45,7 @@ def main() -> None:
     ap.add_argument("--scale-down", type=int, default=1, help="divide widths and layers by this (CPU dry runs)")
     ap.add_argument("--profile", default=None, help="write the profiler table of one query-statistics sequence here")
     args = ap.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = random_model(args.model, device, scale_down=args.scale_down)
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model, device = frozen_random_model(args.model, args.scale_down)
     kv = model.kv_layout()
     n = args.sequences
     ids = torch.randint(3, model.config.vocab_size, (n, args.seq_len), generator=torch.Generator().manual_seed(0))

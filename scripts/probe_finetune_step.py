@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_random_checkpoint import MODELS, random_model  # noqa: E402
+from make_random_checkpoint import MODELS, frozen_random_model  # noqa: E402
 
 from loopvq_calib.codec import BlockCodec, TasqTransform  # noqa: E402
 from loopvq_calib.config import load_config  # noqa: E402
@@ -84,10 +84,7 @@ def main() -> None:
     ap.add_argument("--loop-checkpointing", choices=["off", "on", "both"], default="off")
     ap.add_argument("--profile", default=None, help="write the profiler table of the last step here")
     args = ap.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = random_model(args.model, device, scale_down=args.scale_down)
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model, device = frozen_random_model(args.model, args.scale_down)
     quant = load_config({"quant": {"method": args.method, "bits": args.bits, "group_size": 16 if args.bits == 0.5 else 32}}).quant
     quantizer = random_quantizer(model, quant, device)
     params = [torch.nn.Parameter(c.codebook) for c in quantizer.codecs.values()]
