@@ -90,7 +90,8 @@ class Pipeline:
         (unless the run directory holds a reusable data stage) the calibration data itself, built once, by
         the main process. ``dist``: the run's processes (default: this process under ``accelerate launch``).
         ``warmup``: the background warm-up to add the stages' jobs to (``loopvq-calibrate`` starts one before its
-        imports; default: a new one). ``startup`` records the seconds of each step (and those from the process's start to here)."""
+        imports; default: a new one). ``startup`` records the seconds of each step (and those from the process's
+        start to here)."""
         entered = time.perf_counter()
         self.startup: dict[str, float] = {"entered_at": time.time(), "process_start_s": _seconds_since_process_start()}
         # on a copy (the caller's cfg never changes): a Config built in code gets its derived values and checks
@@ -110,7 +111,7 @@ class Pipeline:
             self.identity = model_identity(self.folder, name, cfg.model.revision)
         self.device = pick_device(cfg.model.device) if cfg.model.device != "auto" else self.dist.device
         self.kmeans_device = pick_device(cfg.kmeans.device, "kmeans.device") if cfg.kmeans.device != "auto" else self.device
-        self.warmup = warmup or Warmup()  # first-use costs of the device, in the background; stages wait for their job
+        self.warmup = warmup or Warmup()  # first-use costs of the device, in the background; stages wait for theirs
         if "tasq" in self.wanted and cfg.quant.uses_tasq and self.kmeans_device.type == "cuda":  # jobs in stage order
             self.warmup.submit("linalg", self.kmeans_device, warm_linalg, self.kmeans_device)
         with timed(self.startup, "kmeans_backend_s"):  # an unusable kmeans.backend fails here, before any work;

@@ -87,10 +87,10 @@ _DISCARDING: dict[Path, list[threading.Thread]] = {}  # run root -> its files be
 
 
 def discard(path: Path, run_root: Path) -> None:
-    """Delete the file ``path`` without waiting for the file system to free its blocks (a large part of a second
-    for the fine-tuning stage's resume state at Ouro-1.4B's size on the GPU machine): renamed at once to a temporary entry of the run
-    directory ``run_root`` (which the next run removes if this one dies first), then unlinked in a thread that
-    :meth:`RunDir.close` waits for. Nothing happens when there is no such file."""
+    """Delete the file ``path`` without waiting for the file system to free its blocks (0.64 s for the fine-tuning
+    stage's resume state at Ouro-1.4B's size on the GPU machine, docs/performance.md): renamed at once to a
+    temporary entry of the run directory ``run_root`` (which the next run removes if this one dies first), then
+    unlinked in a thread that :meth:`RunDir.close` waits for. Nothing happens when there is no such file."""
     doomed = run_root / f"{TMP_PREFIX}discarded.{path.name}.{os.getpid()}.{threading.get_ident()}"
     try:
         os.replace(path, doomed)
