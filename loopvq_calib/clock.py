@@ -20,3 +20,28 @@ class DeviceClock:
             torch.cuda.current_stream(self.device).synchronize()
         start, self.last = self.last, time.perf_counter()
         return self.last - start
+
+
+class DeviceSpan:
+    """Seconds a stretch of queued device work takes, read later (:meth:`seconds`) without stopping the host when
+    it starts or ends (CUDA events on the current stream; on the CPU the host's own seconds)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.events = torch.device(device).type == "cuda"
+        if self.events:
+            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+        self.start, self.stopped = time.perf_counter(), 0.0
+
+    def stop(self) -> None:
+        """The span ends after the work queued so far."""
+        if self.events:
+            self.end.record()
+        self.stopped = time.perf_counter()
+
+    def seconds(self) -> float:
+        """The span's seconds (on CUDA: waits for its end event)."""
+        if self.events:
+            self.end.synchronize()
+            return self.begin.elapsed_time(self.end) / 1000
+        return self.stopped - self.start

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .layouts import BlockLayout
+from .transfer import to_device
 
 
 @dataclass
@@ -70,14 +71,14 @@ def gather_groups(x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     """Group vectors of a block: x [N, T, H, D], groups [1|H, n, G] -> [N, H, n, G]."""
     xf = flatten_block(x)
     n, h, _ = xf.shape
-    idx = groups.to(x.device).expand(h, -1, -1).reshape(1, h, -1).expand(n, -1, -1)
+    idx = to_device(groups, x.device).expand(h, -1, -1).reshape(1, h, -1).expand(n, -1, -1)
     return xf.gather(-1, idx).view(n, h, *groups.shape[1:])
 
 
 def scatter_groups(z: torch.Tensor, groups: torch.Tensor, steps: int) -> torch.Tensor:
     """Inverse of :func:`gather_groups` (groups partition the coordinates): [N, H, n, G] -> [N, T, H, D]."""
     n, h = z.shape[:2]
-    inverse = groups.to(z.device).expand(h, -1, -1).reshape(h, -1).argsort(-1)
+    inverse = to_device(groups, z.device).expand(h, -1, -1).reshape(h, -1).argsort(-1)
     zf = z.reshape(n, h, -1).gather(-1, inverse[None].expand(n, -1, -1))
     return unflatten_block(zf, steps)
 

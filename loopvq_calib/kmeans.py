@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from .capture import CaptureData
+from .clock import DeviceSpan
 from .codec import BlockCodec, TasqTransform, gather_groups
 from .config import KMeansConfig, QuantConfig
 from .distributed import SINGLE, DistContext
@@ -115,8 +116,8 @@ class _Pending:
     init: torch.Tensor
     seed: int
     transform: TasqTransform | None
-    seconds: float  # loading, problems and seeding
-    seconds_init: float
+    seconds: float  # loading, problems and queueing the seeding (its device time is in ``seeding``)
+    seeding: DeviceSpan
     problems: int = 0
 
     def __post_init__(self) -> None:
@@ -164,8 +165,8 @@ def fit_codebooks(
     ``dist`` (several processes sharing the work) fits only the layouts ``layout_owner`` gives this process (
     :func:`loopvq_calib.quantizer.merge_quantizers` joins the parts). Returns the quantizer and a report:
     per layout key the objectives at init and at the end per codebook, Lloyd updates, empty clusters,
-    backend, seconds (a shared Lloyd loop's time split evenly over its layouts; of those, ``seconds_init`` in
-    the initialisation); plus totals.
+    backend, seconds (a shared Lloyd loop's time split evenly over its layouts), ``seconds_init`` (the seeding's
+    device time, read after the Lloyd loop: nothing waits for the device between layouts); plus totals.
     """
     device = torch.device(device)
     meta = reader.meta
@@ -174,7 +175,9 @@ def fit_codebooks(
                                      quant.codebook_sharing)
     backend = resolve_backend(cfg.backend, device, (quant.codebook_size, quant.group_size), points)
     probing = time.perf_counter() - probing
-    init_fn = partial(kmeans_pp_init, fused=backend == "triton") if cfg.init == "kmeans++" else INITS[cfg.init]
+    # layout_problems' weights are >= 0 with a positive maximum per problem: no check that waits for the device
+    init_fn = partial(kmeans_pp_init, fused=backend == "triton", trusted_weights=True) if cfg.init == "kmeans++" \
+        else INITS[cfg.init]
     codecs: dict[str, BlockCodec] = {}
     per_layout: dict[str, dict[str, Any]] = {}
     pending: list[_Pending] = []
@@ -201,7 +204,7 @@ def fit_codebooks(
                 "points_per_codebook": int(points.shape[1]),
                 "backend": backend,
                 "seconds": p.seconds + share,
-                "seconds_init": p.seconds_init,
+                "seconds_init": p.seeding.seconds(),
             }
             if progress:
                 progress(1)
@@ -220,10 +223,9 @@ def fit_codebooks(
         del x, fisher
         _check_enough_points(reader, layout, tokens, points.shape[1], quant.codebook_size)
         seed = layout_seed(cfg.seed, layout)
-        seeding = time.perf_counter()
+        seeding = DeviceSpan(device)  # read in solve(): the next layout's loading queues behind the draws
         init = init_fn(points, weights, quant.codebook_size, torch.Generator().manual_seed(seed))
-        _sync(device)
-        seeding = time.perf_counter() - seeding
+        seeding.stop()
         joins = backend == "triton" and pending and pending[0].points.shape[1:] == points.shape[1:] and \
             sum(p.points.numel() for p in pending) * 4 + points.numel() * 4 <= LLOYD_GROUP_BYTES
         if not joins:
@@ -255,8 +257,3 @@ def _totals(per_layout: dict[str, dict[str, Any]], backend: str, device: torch.d
         "seconds": sum(r["seconds"] for r in per_layout.values()),
         "seconds_init": sum(r["seconds_init"] for r in per_layout.values()),
     }
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

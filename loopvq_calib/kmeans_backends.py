@@ -23,6 +23,7 @@ import torch
 from . import kmeans_triton
 from .config import KMeansConfig
 from .kmeans_select import BACKENDS, resolve_backend, warn_once
+from .transfer import to_device
 
 __all__ = ["BACKENDS", "resolve_backend", "weighted_kmeans", "kmeans_pp_init", "random_init", "KMeansResult"]
 
@@ -73,12 +74,13 @@ def cpu_map(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
         torch.set_num_threads(threads)
 
 
-def _check_shapes(x: torch.Tensor, w: torch.Tensor, k: int) -> None:
+def _check_shapes(x: torch.Tensor, w: torch.Tensor, k: int, values: bool = True) -> None:
+    """Shapes always; the weights' values too unless ``values`` is False (that check waits for the device)."""
     if x.dim() != 3 or w.shape != x.shape[:2]:
         raise ValueError(f"expected points [P, N, G] and weights [P, N], got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.shape[1] < k:
         raise ValueError(f"{x.shape[1]} points per problem cannot seed {k} distinct centroids")
-    if (w < 0).any() or not (w.sum(-1) > 0).all():
+    if values and ((w < 0).any() or not (w.sum(-1) > 0).all()):
         raise ValueError("weights must be >= 0 with a positive total in every problem")
 
 
@@ -97,7 +99,8 @@ def _draw_one(prob: torch.Tensor, fallback: torch.Tensor, u: torch.Tensor) -> to
 
 
 def kmeans_pp_init(
-    x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Generator, fused: bool = False
+    x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Generator, fused: bool = False,
+    trusted_weights: bool = False,
 ) -> torch.Tensor:
     """Weighted k-means++: the first centroid drawn with probability ~ w, each next one ~ w * D^2
     (D^2: squared distance to the nearest chosen centroid; a problem whose w * D^2 is all zero draws
@@ -106,10 +109,12 @@ def kmeans_pp_init(
 
     D^2 to a new centroid is ||x||^2 - 2 x.c + ||c||^2 (one batched matrix-vector product per draw,
     not a pass over an [P, N, G] difference); drawn points are pinned to exactly zero. ``fused``: the
-    Triton kernels of :mod:`kmeans_triton` (same rules and uniforms, D^2 as ||x - c||^2)."""
-    _check_shapes(x, w, k)
+    Triton kernels of :mod:`kmeans_triton` (same rules and uniforms, D^2 as ||x - c||^2). ``trusted_weights``: the
+    caller guarantees w >= 0 with a positive total per problem (as :func:`~loopvq_calib.kmeans.layout_problems`
+    makes them), so nothing waits for the device here: the draws queue behind its earlier work."""
+    _check_shapes(x, w, k, values=not trusted_weights)
     p = x.shape[0]
-    uniforms = torch.rand(k, p, generator=generator, dtype=torch.float64).to(x.device)
+    uniforms = to_device(torch.rand(k, p, generator=generator, dtype=torch.float64), x.device)
     if fused:
         return kmeans_triton.kmeans_pp(x.float().contiguous(), w.float().contiguous(), k, uniforms)
     if x.device.type != "cpu":

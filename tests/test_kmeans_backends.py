@@ -361,3 +361,27 @@ def test_gpu_backends_match_cpu(backend):
     on_cpu = weighted_kmeans(x, w, init.cpu(), cfg, "torch", CPU)
     torch.testing.assert_close(on_gpu.centroids, on_cpu.centroids, atol=1e-4, rtol=1e-4)
     assert torch.equal(on_gpu.iterations, on_cpu.iterations) and on_gpu.empty_clusters.sum() >= 6
+
+
+def test_trusted_weights_skip_only_the_check_that_waits_for_the_device():
+    """``kmeans_pp_init(trusted_weights=True)`` draws the same centroids; only the weights' value check (a host
+    sync on a GPU) is left out, the shape checks stay."""
+    x, w = torch.randn(3, 40, 4, generator=gen(11)), torch.rand(3, 40, generator=gen(12))
+    assert torch.equal(kmeans_pp_init(x, w, 5, gen(13)), kmeans_pp_init(x, w, 5, gen(13), trusted_weights=True))
+    with pytest.raises(ValueError, match="weights must be >= 0"):
+        kmeans_pp_init(x, -w, 5, gen(13))
+    with pytest.raises(ValueError, match="cannot seed 50 distinct centroids"):
+        kmeans_pp_init(x, w, 50, gen(13), trusted_weights=True)
+
+
+@pytest.mark.gpu
+def test_fused_seeding_of_trusted_weights_queues_behind_running_work():
+    """On the fit path nothing waits for the device: the fused draws return while earlier work still runs."""
+    x = torch.randn(4, 300, 16, generator=gen(14)).cuda()
+    w = torch.rand(4, 300, generator=gen(15)).cuda()
+    kmeans_pp_init(x, w, 8, gen(16), fused=True, trusted_weights=True)  # compiled before the timing below
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)
+    init = kmeans_pp_init(x, w, 8, gen(16), fused=True, trusted_weights=True)
+    assert not torch.cuda.current_stream().query()
+    assert torch.equal(init.cpu(), kmeans_pp_init(x, w, 8, gen(16), fused=True).cpu())
