@@ -32,15 +32,15 @@ class TasqTransform:
 
     def sigma(self, x: torch.Tensor) -> torch.Tensor:
         """[N, T, H, D] -> [N, T] float16."""
-        wx = x.float() * self.weight.to(x.device)
+        wx = x.float() * to_device(self.weight, x.device)
         rms = wx.pow(2).mean(dim=(-1, -2)).sqrt().clamp_min(self.sigma_min)
         return rms.to(torch.float16)
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-        return x * self.weight.to(x.device) / sigma.to(x.dtype)[..., None, None]
+        return x * to_device(self.weight, x.device) / sigma.to(x.dtype)[..., None, None]
 
     def inverse(self, y: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-        return y * sigma.to(y.dtype)[..., None, None] / self.weight.to(y.device)
+        return y * sigma.to(y.dtype)[..., None, None] / to_device(self.weight, y.device)
 
 
 @dataclass

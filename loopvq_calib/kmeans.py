@@ -32,6 +32,7 @@ from .kmeans_select import resolve_backend
 from .layouts import BlockLayout, codebook_shape, layout_owner, points_per_codebook
 from .models.sites import KVLayout
 from .quantizer import KVQuantizer
+from .transfer import to_device
 
 __all__ = [
     "KMeansResult", "kmeans_pp_init", "random_init", "weighted_kmeans", "resolve_backend",
@@ -56,7 +57,8 @@ def layout_problems(
         sigma = transform.sigma(x)
         x = transform.forward(x, sigma)
         scale = sigma.float()[..., None, None]
-        factor = fisher * (scale if fisher_tasq_weighted else scale / transform.weight.to(x.device)).pow(2)
+        weight = to_device(transform.weight, x.device)
+        factor = fisher * (scale if fisher_tasq_weighted else scale / weight).pow(2)
     elif fisher_tasq_weighted:
         raise ValueError(f"{layout.key}: the capture holds TaSQ-weighted key Fisher but the layout has no TaSQ transform")
     hc, nc, _, _ = codebook_shape(layout, codebook_size, sharing)
