@@ -24,19 +24,20 @@ class DeviceClock:
 
 class DeviceSpan:
     """Seconds a stretch of queued device work takes, read later (:meth:`seconds`) without stopping the host when
-    it starts or ends (CUDA events on the current stream; on the CPU the host's own seconds)."""
+    it starts or ends (CUDA events on the device's current stream; on the CPU the host's own seconds)."""
 
     def __init__(self, device: torch.device | str) -> None:
-        self.events = torch.device(device).type == "cuda"
+        self.device = torch.device(device)
+        self.events = self.device.type == "cuda"
         if self.events:
             self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.begin.record()
+            self.begin.record(torch.cuda.current_stream(self.device))
         self.start, self.stopped = time.perf_counter(), 0.0
 
     def stop(self) -> None:
         """The span ends after the work queued so far."""
         if self.events:
-            self.end.record()
+            self.end.record(torch.cuda.current_stream(self.device))
         self.stopped = time.perf_counter()
 
     def seconds(self) -> float:

@@ -168,7 +168,8 @@ def fit_codebooks(
     :func:`loopvq_calib.quantizer.merge_quantizers` joins the parts). Returns the quantizer and a report:
     per layout key the objectives at init and at the end per codebook, Lloyd updates, empty clusters,
     backend, seconds (a shared Lloyd loop's time split evenly over its layouts), ``seconds_init`` (the seeding's
-    device time, read after the Lloyd loop: nothing waits for the device between layouts); plus totals.
+    device time, read after the Lloyd loop: with the capture on the device nothing waits for the device between
+    layouts; a load from host memory does, and then counts the seeding queued before it); plus totals.
     """
     device = torch.device(device)
     meta = reader.meta
@@ -225,7 +226,7 @@ def fit_codebooks(
         del x, fisher
         _check_enough_points(reader, layout, tokens, points.shape[1], quant.codebook_size)
         seed = layout_seed(cfg.seed, layout)
-        seeding = DeviceSpan(device)  # read in solve(): the next layout's loading queues behind the draws
+        seeding = DeviceSpan(device)  # read in solve(): the next layout's work queues behind the draws
         init = init_fn(points, weights, quant.codebook_size, torch.Generator().manual_seed(seed))
         seeding.stop()
         joins = backend == "triton" and pending and pending[0].points.shape[1:] == points.shape[1:] and \

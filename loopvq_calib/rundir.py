@@ -96,7 +96,14 @@ def discard(path: Path, run_root: Path) -> None:
         os.replace(path, doomed)
     except FileNotFoundError:
         return
-    thread = threading.Thread(target=doomed.unlink, kwargs={"missing_ok": True}, name="loopvq-discard")
+    def unlink() -> None:
+        try:
+            doomed.unlink(missing_ok=True)
+        except OSError as err:  # the next run's open() removes it
+            log.warning("could not delete %s (%s); the next run in %s removes it", doomed, err.strerror or err,
+                        run_root)
+
+    thread = threading.Thread(target=unlink, name="loopvq-discard")
     thread.start()
     _DISCARDING.setdefault(run_root, []).append(thread)
 

@@ -9,7 +9,9 @@ import torch
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``t`` on ``device``: a CPU tensor goes to a CUDA device through pinned memory, queued without waiting for
-    the device (the pinned block is reused only once the copy has run); anything else as ``t.to(device)``."""
+    the device (a pinned copy made here is reused only once the copy has run; a ``t`` that is already pinned is
+    read by the queued copy itself, so the host must not write it until the copy has run); anything else as
+    ``t.to(device)``."""
     device = torch.device(device)
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)

@@ -41,3 +41,24 @@ def test_a_discarded_file_a_killed_run_left_is_removed_by_the_next_run(tmp_path)
     again.open()
     assert not left.exists() and (run.root / "manifest.json").is_file()
     again.close()
+
+
+def test_a_failed_background_deletion_is_logged_and_left_for_the_next_run(tmp_path, monkeypatch, caplog):
+    run = RunDir(tmp_path / "run")
+    run.open()
+    (run.root / "resume.pt").write_bytes(b"state")
+
+    def refuse(path, **kw):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(type(run.root), "unlink", refuse)
+    with caplog.at_level("WARNING", logger="loopvq_calib"):
+        discard(run.root / "resume.pt", run.root)
+        run.close()
+    left = [p for p in run.root.iterdir() if p.name.startswith(f"{TMP_PREFIX}discarded.")]
+    assert len(left) == 1 and "could not delete" in caplog.text and "Permission denied" in caplog.text
+    monkeypatch.undo()
+    again = RunDir(tmp_path / "run")
+    again.open()
+    assert not left[0].exists()
+    again.close()

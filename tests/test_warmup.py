@@ -129,6 +129,9 @@ def test_the_command_starts_the_device_job_before_its_pipeline_and_the_pipeline_
     real = Warmup.submit
     monkeypatch.setattr(Warmup, "submit", lambda self, name, device, fn, *args: seen.append(
         (name, fn, args, "loopvq_calib.pipeline" in sys.modules)) or real(self, name, device, fn, *args))
+    import loopvq_calib
+
+    monkeypatch.setattr(loopvq_calib, "pipeline", pipeline_module)  # put back after the re-import below
     monkeypatch.delitem(sys.modules, "loopvq_calib.pipeline")  # as in a fresh process
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", model={"device": "cpu"})))
