@@ -54,11 +54,11 @@ def layout_problems(
     """
     factor = fisher
     if transform is not None:
+        transform = transform.on(x.device)
         sigma = transform.sigma(x)
         x = transform.forward(x, sigma)
         scale = sigma.float()[..., None, None]
-        weight = to_device(transform.weight, x.device)
-        factor = fisher * (scale if fisher_tasq_weighted else scale / weight).pow(2)
+        factor = fisher * (scale if fisher_tasq_weighted else scale / transform.weight).pow(2)
     elif fisher_tasq_weighted:
         raise ValueError(f"{layout.key}: the capture holds TaSQ-weighted key Fisher but the layout has no TaSQ transform")
     hc, nc, _, _ = codebook_shape(layout, codebook_size, sharing)
@@ -69,10 +69,11 @@ def layout_problems(
         t = t.reshape(n, hc, h // hc, nc, groups // nc, *t.shape[3:])
         return t.permute(1, 3, 0, 2, 4, *range(5, t.dim())).reshape(hc * nc, -1, *t.shape[5:])
 
-    points = arrange(gather_groups(x, layout.groups))
+    index = to_device(layout.groups, x.device)  # once for the points and their weights
+    points = arrange(gather_groups(x, index))
     if not fisher_weighted:
         return points, torch.ones(points.shape[:2], device=points.device)
-    weights = arrange(gather_groups(factor, layout.groups).sum(-1))
+    weights = arrange(gather_groups(factor, index).sum(-1))
     peak = weights.amax(-1, keepdim=True)
     return points, torch.where(peak > 0, weights / peak.clamp_min(torch.finfo(peak.dtype).tiny), torch.ones_like(weights))
 

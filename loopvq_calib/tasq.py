@@ -208,6 +208,7 @@ def block_covariance(x: torch.Tensor, transform: TasqTransform) -> torch.Tensor:
     x [N, T, H, D] -> [H, T*D, T*D] float64 on x's device. Two passes (mean, then centred products) in
     chunks; each chunk's products are float32, summed in float64."""
     chunks = x.split(CHUNK_TOKENS)
+    transform = transform.on(x.device)  # its weights copied once, not at every chunk
 
     def transformed(part: torch.Tensor) -> torch.Tensor:
         return flatten_block(transform.forward(part.float(), transform.sigma(part)))

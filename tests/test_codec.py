@@ -191,3 +191,16 @@ def test_read_indices_names_the_tensor_it_refuses():
         read_indices(both, "value.b0", 16, 3)
     with pytest.raises(ValueError, match="form 'bits'"):
         indices_entries("key.b0", x, 16, form="bits")
+
+
+def test_a_transform_on_its_weights_device_is_itself():
+    t = TasqTransform(torch.rand(2, 3, 8) + 0.5, sigma_min=0.25)
+    assert t.on(torch.device("cpu")) is t
+
+
+@pytest.mark.gpu
+def test_a_transform_moved_to_the_gpu_is_a_copy_with_the_same_values():
+    t = TasqTransform(torch.rand(2, 3, 8) + 0.5, sigma_min=0.25)
+    moved = t.on(torch.device("cuda", 0))
+    assert moved is not t and moved.sigma_min == 0.25 and torch.equal(moved.weight.cpu(), t.weight)
+    assert t.weight.device.type == "cpu"  # the original keeps its weights
