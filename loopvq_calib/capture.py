@@ -297,19 +297,22 @@ class CaptureData:
 
     def load(
         self, name: str, sites: tuple[int, ...], sequences: list[int] | None = None, include_sinks: bool = False,
-        device: torch.device | str | None = None,
+        device: torch.device | str | None = None, non_blocking: bool = False,
     ) -> torch.Tensor:
         """Tensor ``name`` (key | value | fisher_key | fisher_value) of ``sites`` -> [N, T, H, D] fp32 on ``device``.
 
         N runs over the tokens of ``sequences`` (default all), sinks excluded unless asked for. The data moves
         tensor by tensor in its storage dtype and is stacked and widened on the device. A Fisher stored in
         sums (over channel chunks, or RoPE pairs for TaSQ keys) is spread evenly back over its coordinates.
+        ``non_blocking``: tensors in pinned host memory (an in-memory capture) are copied on the current stream
+        without stopping the host; the caller keeps the capture until the device has read them.
         """
         start = 0 if include_sinks else self.sink_tokens
         names = [f"{name}.{s}" for s in sites]
         dev = torch.device(device or "cpu")
         parts = [  # each tensor goes to the device as read: no stacked or concatenated host copies
-            torch.stack([t[start:].to(dev) for t in self._tensors(i, names)], dim=1)
+            torch.stack([t[start:].to(dev, non_blocking=non_blocking and t.is_pinned())
+                         for t in self._tensors(i, names)], dim=1)
             for i in (sequences if sequences is not None else range(self.num_sequences))
         ]
         out = torch.cat(parts)

@@ -32,7 +32,7 @@ from .kmeans_select import resolve_backend
 from .layouts import BlockLayout, codebook_shape, layout_owner, points_per_codebook
 from .models.sites import KVLayout
 from .quantizer import KVQuantizer
-from .transfer import to_device
+from .transfer import SideStream, to_device
 
 __all__ = [
     "KMeansResult", "kmeans_pp_init", "random_init", "weighted_kmeans", "resolve_backend",
@@ -121,6 +121,7 @@ class _Pending:
     transform: TasqTransform | None
     seconds: float  # loading, problems and queueing the seeding (its device time is in ``seeding``)
     seeding: DeviceSpan
+    ready: torch.cuda.Event | None  # the end of its problems and seeding on the side stream
     problems: int = 0
 
     def __post_init__(self) -> None:
@@ -163,14 +164,17 @@ def fit_codebooks(
     """Fit every layout's codebooks; codebooks are fp32 on the CPU. One layout is in memory at a time, except
     on the fused Triton path, where consecutive layouts of the same problem shape (up to
     ``LLOYD_GROUP_BYTES`` of points) share one Lloyd loop, each seeded alone: the same codebooks as one at
-    a time (reseeding draws are keyed by layout seed and problem), with the loop's host cost paid once.
+    a time (reseeding draws are keyed by layout seed and problem), with the loop's host cost paid once. There
+    a group's Lloyd loop starts once the next group is complete, and the layouts after it are loaded and seeded
+    on a second CUDA stream (:class:`~loopvq_calib.transfer.SideStream`) while the loop runs: the seeding fills
+    the device while the loop's host steps leave it idle. Up to two groups and a layout are then in memory.
 
     ``dist`` (several processes sharing the work) fits only the layouts ``layout_owner`` gives this process (
     :func:`loopvq_calib.quantizer.merge_quantizers` joins the parts). Returns the quantizer and a report:
     per layout key the objectives at init and at the end per codebook, Lloyd updates, empty clusters,
     backend, seconds (a shared Lloyd loop's time split evenly over its layouts), ``seconds_init`` (the seeding's
-    device time, read after the Lloyd loop: with the capture on the device nothing waits for the device between
-    layouts; a load from host memory does, and then counts the seeding queued before it); plus totals.
+    time on the device, from CUDA events: on the fused path it shares the device with a Lloyd loop; a load from
+    the disk waits for the stream it runs on, in-memory and on-device captures do not); plus totals.
     """
     device = torch.device(device)
     meta = reader.meta
@@ -184,12 +188,13 @@ def fit_codebooks(
         else INITS[cfg.init]
     codecs: dict[str, BlockCodec] = {}
     per_layout: dict[str, dict[str, Any]] = {}
-    pending: list[_Pending] = []
+    side = SideStream(device, enabled=backend == "triton")
+    queued: list[list[_Pending]] = []  # groups of layouts seeded, in layout order, waiting for their Lloyd loop
 
-    def solve() -> None:
-        if not pending:
-            return
+    def solve(pending: list[_Pending]) -> None:
         start = time.perf_counter()
+        for p in pending:
+            side.take(p.ready, p.points, p.weights, p.init)
         keys = [(p.seed, q) for p in pending for q in range(p.points.shape[0])]
         points, weights, init = (_join(pending, name) for name in ("points", "weights", "init"))
         result = weighted_kmeans(points, weights, init, cfg, backend, device, seed=pending[0].seed, problem_keys=keys)  # faiss: one layout
@@ -212,33 +217,37 @@ def fit_codebooks(
             }
             if progress:
                 progress(1)
-        pending.clear()
 
     for layout in dist.share(layouts):
         start = time.perf_counter()
-        x = reader.load(layout.kind, layout.sites, device=device)
-        fisher = reader.load("fisher_" + layout.kind, layout.sites, device=device)
-        transform = transforms.get(layout.key)
-        points, weights = layout_problems(
-            x, fisher, layout, transform, quant.codebook_size, quant.codebook_sharing, cfg.fisher_weighted,
-            fisher_tasq_weighted=layout.kind == "key" and reader.tasq_keys,
-        )
-        tokens = x.shape[0]
-        del x, fisher
-        _check_enough_points(reader, layout, tokens, points.shape[1], quant.codebook_size)
-        seed = layout_seed(cfg.seed, layout)
-        seeding = DeviceSpan(device)  # read in solve(): the next layout's work queues behind the draws
-        init = init_fn(points, weights, quant.codebook_size, torch.Generator().manual_seed(seed))
-        seeding.stop()
-        joins = backend == "triton" and pending and pending[0].points.shape[1:] == points.shape[1:] and \
-            sum(p.points.numel() for p in pending) * 4 + points.numel() * 4 <= LLOYD_GROUP_BYTES
-        if not joins:
-            solve()
-        pending.append(_Pending(layout, points, weights, init, seed, transform, time.perf_counter() - start, seeding))
+        with side.queue():  # on the fused path queued ahead on a second stream: it runs during a Lloyd loop
+            x = reader.load(layout.kind, layout.sites, device=device, non_blocking=True)
+            fisher = reader.load("fisher_" + layout.kind, layout.sites, device=device, non_blocking=True)
+            transform = transforms.get(layout.key)
+            points, weights = layout_problems(
+                x, fisher, layout, transform, quant.codebook_size, quant.codebook_sharing, cfg.fisher_weighted,
+                fisher_tasq_weighted=layout.kind == "key" and reader.tasq_keys,
+            )
+            tokens = x.shape[0]
+            del x, fisher
+            _check_enough_points(reader, layout, tokens, points.shape[1], quant.codebook_size)
+            seed = layout_seed(cfg.seed, layout)
+            seeding = DeviceSpan(device)  # read in solve(): the next layout's work queues behind the draws
+            init = init_fn(points, weights, quant.codebook_size, torch.Generator().manual_seed(seed))
+            seeding.stop()
+        item = _Pending(layout, points, weights, init, seed, transform, time.perf_counter() - start, seeding, side.mark())
         del points, weights, init
-        if backend != "triton":
-            solve()
-    solve()
+        last = queued[-1] if queued else []
+        if backend == "triton" and last and last[0].points.shape[1:] == item.points.shape[1:] and \
+                (sum(p.points.numel() for p in last) + item.points.numel()) * 4 <= LLOYD_GROUP_BYTES:
+            last.append(item)
+        else:
+            queued.append([item])
+        # a group's Lloyd loop starts once the group after it is complete, which is then seeded during that loop
+        while len(queued) > (2 if backend == "triton" else 0):
+            solve(queued.pop(0))
+    for group in queued:
+        solve(group)
     quantizer = KVQuantizer(
         codecs=codecs, method=quant.method, codebook_size=quant.codebook_size, group_size=quant.group_size,
         steps_per_block=quant.block_steps, sharing=quant.codebook_sharing, kv=kv,

@@ -202,6 +202,13 @@ def test_memory_store_on_a_gpu_copies_into_pinned_host_memory(tmp_path):
         assert seq[name].dtype == t.dtype and seq[name].shape == t.shape, name
         torch.testing.assert_close(seq[name], t, atol=1e-5, rtol=1e-4)
     assert torch.equal(seq["input_ids"], calib_set().input_ids[1]) and len(mem.copier.pinned) == 3
+    from loopvq_calib.capture import MemoryReader
+
+    reader = MemoryReader(mem)
+    torch.cuda._sleep(200_000_000)  # the pinned tensors' copies queue behind this without stopping the host
+    queued = reader.load("fisher_value", (2, 3), device="cuda", non_blocking=True)
+    assert not torch.cuda.current_stream().query()
+    torch.testing.assert_close(queued, reader.load("fisher_value", (2, 3), device="cuda"), rtol=0, atol=0)
     mem.copier.release()
     assert not seq["key.0"].is_pinned() and not mem.copier.pinned and torch.equal(seq["input_ids"], calib_set().input_ids[1])
 

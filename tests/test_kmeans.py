@@ -236,6 +236,55 @@ def test_fused_path_solves_layouts_together_as_one_at_a_time(tiny_capture, monke
         torch.testing.assert_close(together.codecs[lay.key].codebook, alone.codecs[lay.key].codebook)
 
 
+def test_fused_schedule_seeds_the_next_group_before_a_lloyd_loop_and_keeps_the_results(tiny_capture, monkeypatch):
+    """The fused path's schedule, on the CPU with the fused kernels replaced by the torch code of the same rules:
+    layouts are grouped (here two per Lloyd loop), a group's loop starts only once the group after it is loaded
+    and seeded (that seeding runs on a second stream during the loop on CUDA), and the codebooks are those of the
+    torch backend solving one layout at a time."""
+    import loopvq_calib.kmeans as kmeans
+    import loopvq_calib.kmeans_backends as backends
+
+    reader, kv = tiny_capture
+    quant = quant_config(method="cq")  # one loop step per layout: 16 layouts
+    layouts = plan_layouts(kv, quant)[:6]
+    cfg = KMeansConfig(iterations=12)
+    reference, ref_report = fit_codebooks(reader, layouts, {}, quant, KMeansConfig(iterations=12, backend="torch"), kv, CPU)
+
+    events = []
+    real_problems, real_solve = kmeans.layout_problems, kmeans.weighted_kmeans
+
+    def problems(x, fisher, layout, *args, **kwargs):
+        events.append(("seed", layout.key))
+        return real_problems(x, fisher, layout, *args, **kwargs)
+
+    def solve(x, *args, **kwargs):
+        events.append(("lloyd", x.shape[0]))
+        return real_solve(x, *args, **kwargs)
+
+    def lloyd_step(x, w, c, rows, accumulate):
+        return backends._assign(x[rows], x[rows].pow(2).sum(-1), w[rows], c, 1 << 20, accumulate)
+
+    for module in (kmeans, backends):
+        monkeypatch.setattr(module, "resolve_backend", lambda *a, **k: "triton")
+    monkeypatch.setattr(kmeans, "layout_problems", problems)
+    monkeypatch.setattr(kmeans, "weighted_kmeans", solve)
+    monkeypatch.setattr(kmeans_triton, "lloyd_step", lloyd_step)
+    monkeypatch.setattr(kmeans_triton, "kmeans_pp", backends._kmeans_pp_rows)
+    problems_per_layout = kv.kv_heads * layouts[0].num_groups
+    points = real_problems(reader.load(layouts[0].kind, layouts[0].sites), reader.load("fisher_" + layouts[0].kind,
+                           layouts[0].sites), layouts[0], None, K, "none")[0]
+    monkeypatch.setattr(kmeans, "LLOYD_GROUP_BYTES", 2 * points.numel() * 4)  # two layouts per Lloyd loop
+    fused, report = fit_codebooks(reader, layouts, {}, quant, cfg, kv, CPU)
+
+    seeded = [("seed", lay.key) for lay in layouts]
+    group = ("lloyd", 2 * problems_per_layout)
+    assert events == seeded[:5] + [group] + seeded[5:] + [group, group]
+    assert list(fused.codecs) == [lay.key for lay in layouts] and report["totals"]["backend"] == "triton"
+    for lay in layouts:
+        assert report["layouts"][lay.key]["iterations"] == ref_report["layouts"][lay.key]["iterations"]
+        torch.testing.assert_close(fused.codecs[lay.key].codebook, reference.codecs[lay.key].codebook)
+
+
 def test_faiss_layouts_are_seeded_by_their_own_layout_seed(tiny_capture, monkeypatch):
     """faiss solves one layout per call and draws from that layout's seed (kmeans.layout_seed), not kmeans.seed."""
     import loopvq_calib.kmeans as kmeans_module
