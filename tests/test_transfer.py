@@ -42,12 +42,16 @@ def test_without_cuda_a_side_stream_runs_work_in_place():
 def test_side_stream_work_runs_beside_the_current_stream_and_is_handed_back_in_order():
     x = torch.randn(256, 256, dtype=torch.float64)
     before = torch.full((256, 256), 3.0, dtype=torch.float64, device="cuda")
+    for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):  # first uses (cuBLAS, pinned memory) stop the host
+        with torch.cuda.stream(stream):
+            to_device(x, "cuda") @ before
+    torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)
     before.mul_(2)  # queued on the current stream before the side stream is made: the side stream waits for it
     side = SideStream("cuda")
     with side.queue():
         assert torch.cuda.current_stream() == side.stream
-        torch.cuda._sleep(500_000_000)
+        torch.cuda._sleep(1_000_000_000)  # about half a second
         y = to_device(x, "cuda") @ to_device(x, "cuda") + before
     mark = side.mark()
     torch.cuda.current_stream().synchronize()  # the current stream's work is done...
