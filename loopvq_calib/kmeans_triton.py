@@ -35,7 +35,6 @@ except ImportError:  # CPU-only installs: the torch path is used
 log = logging.getLogger("loopvq_calib")
 LLOYD_TILE = 16384  # distance-tile elements per program in a Lloyd step (K = 256: 64 points x 256 centroids)
 POINT_TILE = 8192  # point-tile elements per program (64 points of G <= 128)
-LLOYD_TILES = 1  # point tiles per Lloyd program, each codebook load serving them all
 CODEBOOK_TILE = 8192  # K x G entries a program holds (K 256 x G 32: 64 KiB of shared memory, under sm_86/89's 99 KiB)
 DRAW_BLOCK = 1024  # points per block of the k-means++ draw
 DRAW_SUB = 128  # points per step inside a block of the D^2 update (H200: 67 ms per Ouro-1.4B layout; 1024: 85 ms)
@@ -131,32 +130,28 @@ if triton is not None:
     def _lloyd_kernel(
         x_ptr, w_ptr, c_ptr, rows_ptr, err_ptr, sums_ptr, mass_ptr, n, n_rows, nb,
         K: tl.constexpr, G: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr,
-        ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, TILES: tl.constexpr = 1,
+        ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        # one flat grid axis (2^31 programs; the second axis would cap blocks at 65,535), problems fastest; a
-        # program loads its problem's codebook once for TILES tiles of BLOCK points
+        # one flat grid axis (2^31 programs; the second axis would cap blocks at 65,535), problems fastest
         a = tl.program_id(0) % n_rows
         b = tl.program_id(0) // n_rows
         p = tl.load(rows_ptr + a).to(tl.int64)
+        pts = b * BLOCK + tl.arange(0, BLOCK)
+        valid = pts < n
         gg = tl.arange(0, GP)
         kk = tl.arange(0, KP)
+        x = tl.load(x_ptr + (p * n + pts[:, None]) * G + gg[None, :], mask=valid[:, None] & (gg[None, :] < G), other=0.0)
+        w = tl.load(w_ptr + p * n + pts, mask=valid, other=0.0)
         c = tl.load(c_ptr + (a.to(tl.int64) * K + kk[:, None]) * G + gg[None, :], mask=(kk[:, None] < K) & (gg[None, :] < G), other=0.0)
         c_sq = tl.where(kk < K, tl.sum(c * c, axis=1), float("inf"))
-        total = 0.0
-        for t in tl.static_range(TILES):
-            pts = (b * TILES + t) * BLOCK + tl.arange(0, BLOCK)
-            valid = pts < n
-            x = tl.load(x_ptr + (p * n + pts[:, None]) * G + gg[None, :], mask=valid[:, None] & (gg[None, :] < G), other=0.0)
-            w = tl.load(w_ptr + p * n + pts, mask=valid, other=0.0)
-            d = c_sq[None, :] - 2.0 * tl.dot(x, tl.trans(c), input_precision=PRECISION)
-            dmin, idx = tl.min(d, axis=1, return_indices=True, return_indices_tie_break_left=True)
-            err = tl.where(valid, w * tl.maximum(dmin + tl.sum(x * x, axis=1), 0.0), 0.0)
-            total += tl.sum(err, axis=0)
-            if ACCUMULATE:
-                slot = a.to(tl.int64) * K + idx
-                tl.atomic_add(sums_ptr + slot[:, None] * G + gg[None, :], x * w[:, None], mask=valid[:, None] & (gg[None, :] < G), sem="relaxed")
-                tl.atomic_add(mass_ptr + slot, w, mask=valid, sem="relaxed")
-        tl.store(err_ptr + a.to(tl.int64) * nb + b, total)
+        d = c_sq[None, :] - 2.0 * tl.dot(x, tl.trans(c), input_precision=PRECISION)
+        dmin, idx = tl.min(d, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        err = tl.where(valid, w * tl.maximum(dmin + tl.sum(x * x, axis=1), 0.0), 0.0)
+        tl.store(err_ptr + a.to(tl.int64) * nb + b, tl.sum(err, axis=0))
+        if ACCUMULATE:
+            slot = a.to(tl.int64) * K + idx
+            tl.atomic_add(sums_ptr + slot[:, None] * G + gg[None, :], x * w[:, None], mask=valid[:, None] & (gg[None, :] < G), sem="relaxed")
+            tl.atomic_add(mass_ptr + slot, w, mask=valid, sem="relaxed")
 
     @triton.jit(do_not_specialize=["j", "n_problems", "nb"])
     def _pp_distance_kernel(
@@ -222,23 +217,21 @@ if triton is not None:
 
 
 def lloyd_step(
-    x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, rows: torch.Tensor, accumulate: bool, precision: str = "tf32x3",
-    tiles: int = LLOYD_TILES,
+    x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, rows: torch.Tensor, accumulate: bool, precision: str = "tf32x3"
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Assign the points of problems ``rows`` [A] to their nearest centroid in ``c`` [A, K, G] (row a of c
     belongs to problem rows[a]); x [P, N, G], w [P, N] fp32 contiguous. Returns the weighted squared
-    error [A] and, when ``accumulate``, per-cluster weighted sums [A, K, G] and weights [A, K]. ``tiles``: point
-    tiles per program (each loads its codebook once)."""
+    error [A] and, when ``accumulate``, per-cluster weighted sums [A, K, G] and weights [A, K]."""
     _, n, g = x.shape
     a, k = c.shape[0], c.shape[1]
     block = _lloyd_block(k, g)
-    nb = triton.cdiv(n, block * tiles)
+    nb = triton.cdiv(n, block)
     err = torch.empty(a, nb, device=x.device, dtype=torch.float32)
     sums = torch.zeros(a, k, g, device=x.device, dtype=torch.float32) if accumulate else err
     mass = torch.zeros(a, k, device=x.device, dtype=torch.float32) if accumulate else err
     _lloyd_kernel[(a * nb,)](
         x, w, c.contiguous(), rows, err, sums, mass, n, a, nb, K=k, G=g, KP=_pow2(k, 16), GP=_pow2(g, 16),
-        BLOCK=block, ACCUMULATE=accumulate, PRECISION=precision, TILES=tiles, num_warps=4,
+        BLOCK=block, ACCUMULATE=accumulate, PRECISION=precision, num_warps=4,
     )
     return (err.sum(1), sums, mass) if accumulate else (err.sum(1), None, None)
 

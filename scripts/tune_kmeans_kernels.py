@@ -1,13 +1,12 @@
 """Tile and precision choices of the fused Lloyd kernel (loopvq_calib/kmeans_triton.py) on one GPU.
 
 On 512 problems of Ouro-1.4B's k-means shape (32,640 points of 16 dims, K 256), times one Lloyd step of
-the torch path and of the Triton kernel for each dot precision (tf32x3, ieee, tf32), points per tile, point
-tiles per program (each loading the codebook once; tf32x3 only) and warps, with and without the cluster-sum
-atomics; compares each against the torch step (relative error of the weighted objective, largest difference
-of the cluster weights and sums), then times k-means++ seeding with the torch draws and the fused kernels.
-One JSON line per measurement.
+the torch path and of the Triton kernel for each dot precision (tf32x3, ieee, tf32), points per program and
+warps, with and without the cluster-sum atomics; compares each against the torch step (relative error of
+the weighted objective, largest difference of the cluster weights and sums), then times k-means++ seeding
+with the torch draws and the fused kernels. One JSON line per measurement.
 
-    python scripts/tune_kmeans_kernels.py [--tiles-only]
+    python scripts/tune_kmeans_kernels.py
 
 The sweep in docs/data/tune-kmeans-kernels-h200.jsonl ran at `d2a1f64`, with a two-axis grid of (problem,
 block); the kernel now takes one flat axis in the same order, problems fastest.
@@ -15,7 +14,6 @@ block); the kernel now takes one flat axis in the same order, problems fastest.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -44,9 +42,6 @@ def ms_per_call(fn, reps: int = 5) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiles-only", action="store_true", help="only the 3-pass TF32 Lloyd kernel; no seeding")
-    args = ap.parse_args()
     x, w = problems(P, N, G, K)
     x, w = x.cuda().contiguous(), w.cuda().contiguous()
     c = x[:, torch.randperm(N, generator=torch.Generator().manual_seed(0))[:K]].contiguous()
@@ -55,8 +50,8 @@ def main() -> None:
     err0, sums0, mass0 = _assign(x, x_sq, w, c, 16384, True)
     print(json.dumps({"torch_assign_ms": round(ms_per_call(lambda: _assign(x, x_sq, w, c, 16384, True)), 2)}), flush=True)
 
-    def step(block: int, warps: int, precision: str, accumulate: bool, tiles: int = 1):
-        nb = triton.cdiv(N, block * tiles)
+    def step(block: int, warps: int, precision: str, accumulate: bool):
+        nb = triton.cdiv(N, block)
         err = torch.empty(P, nb, device="cuda")
         sums, mass = torch.zeros(P, K, G, device="cuda"), torch.zeros(P, K, device="cuda")
 
@@ -65,23 +60,20 @@ def main() -> None:
             mass.zero_()
             kmeans_triton._lloyd_kernel[(P * nb,)](
                 x, w, c, rows, err, sums, mass, N, P, nb, K=K, G=G, KP=K, GP=G, BLOCK=block,
-                ACCUMULATE=accumulate, PRECISION=precision, TILES=tiles, num_warps=warps,
+                ACCUMULATE=accumulate, PRECISION=precision, num_warps=warps,
             )
         return ms_per_call(run), err.sum(1), sums, mass
 
-    grid = [(p, b, w, 1) for p in (["tf32x3"] if args.tiles_only else ["tf32x3", "ieee", "tf32"])
-            for b in (32, 64, 128) for w in (4, 8)]
-    grid += [("tf32x3", b, w, t) for b in (32, 64) for w in (4, 8) for t in (2, 4, 8)]
-    for precision, block, warps, tiles in grid:
-        ms, err, sums, mass = step(block, warps, precision, True, tiles)
-        print(json.dumps({
-            "prec": precision, "block": block, "warps": warps, "tiles": tiles, "ms": round(ms, 2),
-            "ms_no_accumulate": round(step(block, warps, precision, False, tiles)[0], 2),
-            "err_rel": ((err - err0).abs() / err0).max().item(), "mass_diff": (mass - mass0).abs().max().item(),
-            "sums_diff": (sums - sums0).abs().max().item(),
-        }), flush=True)
-    if args.tiles_only:
-        return
+    for precision in ("tf32x3", "ieee", "tf32"):
+        for block in (32, 64, 128):
+            for warps in (4, 8):
+                ms, err, sums, mass = step(block, warps, precision, True)
+                print(json.dumps({
+                    "prec": precision, "block": block, "warps": warps, "ms": round(ms, 2),
+                    "ms_no_accumulate": round(step(block, warps, precision, False)[0], 2),
+                    "err_rel": ((err - err0).abs() / err0).max().item(), "mass_diff": (mass - mass0).abs().max().item(),
+                    "sums_diff": (sums - sums0).abs().max().item(),
+                }), flush=True)
 
     def gen() -> torch.Generator:
         return torch.Generator().manual_seed(1)

@@ -32,17 +32,16 @@ def gen(seed: int) -> torch.Generator:
 
 
 @needs_kernels
-@pytest.mark.parametrize("tiles", [1, 3])  # point tiles per program (3: a program's last tiles run past the points)
 @pytest.mark.parametrize("k, g", [(32, 16), (20, 12), (6, 4), (300, 16), (256, 32)])  # padded K, G; tiles of 32 to 512 points
-def test_lloyd_step_on_a_subset_of_problems_matches_numpy(k, g, tiles):
+def test_lloyd_step_on_a_subset_of_problems_matches_numpy(k, g):
     x = torch.randn(4, 300, g, generator=gen(0))
     w = torch.rand(4, 300, generator=gen(1))
     w[:, :20] = 0.0
     rows = torch.tensor([3, 1])
     c = torch.randn(2, k, g, generator=gen(2))
     dev = [t.to(DEVICE) for t in (x, w, c, rows)]
-    err, sums, mass = (t.cpu() for t in kmeans_triton.lloyd_step(*dev, accumulate=True, tiles=tiles))
-    err_only, none_sums, none_mass = kmeans_triton.lloyd_step(*dev, accumulate=False, tiles=tiles)
+    err, sums, mass = (t.cpu() for t in kmeans_triton.lloyd_step(*dev, accumulate=True))
+    err_only, none_sums, none_mass = kmeans_triton.lloyd_step(*dev, accumulate=False)
     assert none_sums is None and none_mass is None
     for a, p in enumerate(rows.tolist()):
         xp, wp, cp = x[p].double().numpy(), w[p].double().numpy(), c[a].double().numpy()
