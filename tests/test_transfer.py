@@ -40,9 +40,10 @@ def test_without_cuda_a_side_stream_runs_work_in_place():
 
 @pytest.mark.gpu
 def test_side_stream_work_runs_beside_the_current_stream_and_is_handed_back_in_order():
-    x = torch.randn(256, 256, dtype=torch.float64)
+    # pinned here: to_device copies it as it is (making a pinned block may wait for the device,
+    # docs/data/probe-pinned-copies-h200.txt)
+    x = torch.randn(256, 256, dtype=torch.float64).pin_memory()
     before = torch.full((256, 256), 3.0, dtype=torch.float64, device="cuda")
-    to_device(x, "cuda")  # a pinned block: allocating one waits for the whole device; the copy below reuses it
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)
     before.mul_(2)  # queued on the current stream before the side stream is made: the side stream waits for it
