@@ -42,6 +42,25 @@ def test_verdicts_follow_the_targets_and_later_files_win(tmp_path):
     assert rows["Huginn-3.5B shipped config completes, <= 240 s"][1] == "not measured"
 
 
+def test_a_command_stopped_before_its_target_time_does_not_replace_a_finished_one(tmp_path):
+    """The measurement's deadline stopped Huginn after 213 s (< 240): no verdict on the target, the earlier finished
+    run stays; a command stopped after its target time has missed it and replaces the earlier line."""
+    old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
+    old.write_text("\n".join(json.dumps(r) for r in [_run("huginn-3.5b", 215.0, {"capture": 40.0}, 60.0),
+                                                    _run("ouro-1.4b", 55.0, {"kmeans": 9.0}, 50.0)]) + "\n")
+    new.write_text("\n".join(json.dumps(r) for r in [_run("huginn-3.5b", 213.0, {"capture": 40.0}, 60.0, rc=124),
+                                                    _run("ouro-1.4b", 61.0, {"kmeans": 9.0}, 50.0, rc=124),
+                                                    _run("ouro-1.4b-48gb", 50.0, {"capture": 9.0}, 20.0, rc=124)]) + "\n")
+    steps = pt.read_steps([old, new])
+    assert steps["huginn-3.5b"][1] == "old.jsonl" and steps["huginn-3.5b"][0]["rc"] == 0
+    assert steps["ouro-1.4b"][1] == "new.jsonl"  # stopped at 61 s: the 60 s target is missed whatever came before
+    assert steps["ouro-1.4b-48gb"][1] == "new.jsonl"  # nothing earlier to keep: shown, and not measured
+    rows = {t: (m, v) for t, m, v, _ in pt.rows(steps)}
+    assert rows["Huginn-3.5B shipped config completes, <= 240 s"][1] == "met"
+    assert rows["Ouro-1.4B shipped config, whole command <= 60 s"][1] == "not measured"
+    assert rows["48 GB card setting: peak GPU memory <= 40 GB, <= 90 s"][1] == "memory met; time not measured"
+
+
 def test_failed_run_is_not_met_and_markers_are_required(tmp_path):
     res = tmp_path / "r.jsonl"
     res.write_text(json.dumps(_run("huginn-3.5b", 100.0, {"capture": 90.0}, 60.0, rc=3)) + "\n")
