@@ -25,7 +25,7 @@ from .data import CalibrationSet
 from .distributed import SINGLE, DistContext
 from .epoch_state import EpochWriter
 from .finetune_recipe import CodebookParams, add_usage, lr_factor
-from .loop_policy import LoopPolicy
+from .loop_policy import LoopPolicy, release_cached_memory
 from .objective import Teacher, mean_kl, quantized_logits, teacher
 from .quantizer import KVQuantizer
 from .teacher_cache import Plan, TeacherCache, autocast
@@ -40,15 +40,6 @@ class FinetuneResult:
     curve: list[dict[str, Any]] = field(default_factory=list)  # per selection point: epoch, step, train_kl, selection_kl
     teacher_kept: int = 0  # sequences whose teacher outputs this process kept across epochs
     best_step: int = 0  # optimizer steps taken at that point
-
-
-def release_cached_memory(device: torch.device) -> None:
-    """Hand the blocks the caching allocator holds but no tensor uses (earlier stages' capture, k-means) back to
-    the device, then reset the peak statistics: the reserved peak :meth:`TeacherCache.settle` reads then counts
-    only what fine-tuning itself holds, not memory freed before it started."""
-    with torch.cuda.device(device):
-        torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
 
 
 def sequence_kl(model: torch.nn.Module, ids: torch.Tensor, quantizer: KVQuantizer, sink_tokens: int,

@@ -20,6 +20,15 @@ GIB = 1 << 30
 AUTO_DEVICES = ("cuda",)  # device types where ``auto`` tries steps without checkpointing (tests add "cpu")
 
 
+def release_cached_memory(device: torch.device) -> None:
+    """Hand the blocks the caching allocator holds but no tensor uses back to the device (at fine-tuning's start:
+    the capture's and k-means'), then reset the peak statistics, so that a peak read later counts only what is
+    held from here on (:meth:`TeacherCache.settle`'s sizing; the steps after one that ran out of memory)."""
+    with torch.cuda.device(device):
+        torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+
+
 class LoopPolicy:
     """Activation checkpointing per loop step of ``model`` for the steps run inside the block (the model's
     previous setting is restored on exit); ``setting`` is ``finetune.loop_checkpointing``."""
@@ -67,9 +76,7 @@ class LoopPolicy:
         memory = ""
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_reserved(self.device)
-            with torch.cuda.device(self.device):
-                torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
+            release_cached_memory(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
             memory = (f"{peak / GIB:.1f} GiB reserved at the peak, {free / GIB:.1f} of {total / GIB:.1f} GiB free "
                       "after releasing it; ")
