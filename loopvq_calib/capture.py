@@ -311,7 +311,7 @@ class CaptureData:
         names = [f"{name}.{s}" for s in sites]
         dev = torch.device(device or "cpu")
         parts = [  # each tensor goes to the device as read: no stacked or concatenated host copies
-            torch.stack([t[start:].to(dev, non_blocking=non_blocking and t.is_pinned())
+            torch.stack([t[start:].to(dev, non_blocking=non_blocking and dev.type == "cuda" and t.is_pinned())
                          for t in self._tensors(i, names)], dim=1)
             for i in (sequences if sequences is not None else range(self.num_sequences))
         ]

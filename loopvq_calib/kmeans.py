@@ -7,6 +7,7 @@ clustered per codebook (sharing: none | heads | groups | all). docs/kmeans.md de
 
 from __future__ import annotations
 
+import contextlib
 import time
 import zlib
 from dataclasses import dataclass
@@ -174,7 +175,7 @@ def fit_codebooks(
     per layout key the objectives at init and at the end per codebook, Lloyd updates, empty clusters,
     backend, seconds (a shared Lloyd loop's time split evenly over its layouts), ``seconds_init`` (the seeding's
     time on the device, from CUDA events: on the fused path it shares the device with a Lloyd loop; a load from
-    the disk waits for the stream it runs on, in-memory and on-device captures do not); plus totals.
+    the disk waits for the stream it runs on, one from pinned host memory or the device does not); plus totals.
     """
     device = torch.device(device)
     meta = reader.meta
@@ -218,36 +219,42 @@ def fit_codebooks(
             if progress:
                 progress(1)
 
-    for layout in dist.share(layouts):
-        start = time.perf_counter()
-        with side.queue():  # on the fused path queued ahead on a second stream: it runs during a Lloyd loop
-            x = reader.load(layout.kind, layout.sites, device=device, non_blocking=True)
-            fisher = reader.load("fisher_" + layout.kind, layout.sites, device=device, non_blocking=True)
-            transform = transforms.get(layout.key)
-            points, weights = layout_problems(
-                x, fisher, layout, transform, quant.codebook_size, quant.codebook_sharing, cfg.fisher_weighted,
-                fisher_tasq_weighted=layout.kind == "key" and reader.tasq_keys,
-            )
-            tokens = x.shape[0]
-            del x, fisher
-            _check_enough_points(reader, layout, tokens, points.shape[1], quant.codebook_size)
-            seed = layout_seed(cfg.seed, layout)
-            seeding = DeviceSpan(device)  # read in solve(): the next layout's work queues behind the draws
-            init = init_fn(points, weights, quant.codebook_size, torch.Generator().manual_seed(seed))
-            seeding.stop()
-        item = _Pending(layout, points, weights, init, seed, transform, time.perf_counter() - start, seeding, side.mark())
-        del points, weights, init
-        last = queued[-1] if queued else []
-        if backend == "triton" and last and last[0].points.shape[1:] == item.points.shape[1:] and \
-                (sum(p.points.numel() for p in last) + item.points.numel()) * 4 <= LLOYD_GROUP_BYTES:
-            last.append(item)
-        else:
-            queued.append([item])
-        # a group's Lloyd loop starts once the group after it is complete, which is then seeded during that loop
-        while len(queued) > (2 if backend == "triton" else 0):
-            solve(queued.pop(0))
-    for group in queued:
-        solve(group)
+    try:
+        for layout in dist.share(layouts):
+            start = time.perf_counter()
+            with side.queue():  # on the fused path queued ahead on a second stream: it runs during a Lloyd loop
+                x = reader.load(layout.kind, layout.sites, device=device, non_blocking=True)
+                fisher = reader.load("fisher_" + layout.kind, layout.sites, device=device, non_blocking=True)
+                transform = transforms.get(layout.key)
+                points, weights = layout_problems(
+                    x, fisher, layout, transform, quant.codebook_size, quant.codebook_sharing, cfg.fisher_weighted,
+                    fisher_tasq_weighted=layout.kind == "key" and reader.tasq_keys,
+                )
+                tokens = x.shape[0]
+                del x, fisher
+                _check_enough_points(reader, layout, tokens, points.shape[1], quant.codebook_size)
+                seed = layout_seed(cfg.seed, layout)
+                seeding = DeviceSpan(device)  # read in solve(): the next layout's work queues behind the draws
+                init = init_fn(points, weights, quant.codebook_size, torch.Generator().manual_seed(seed))
+                seeding.stop()
+            item = _Pending(layout, points, weights, init, seed, transform, time.perf_counter() - start, seeding, side.mark())
+            del points, weights, init
+            last = queued[-1] if queued else []
+            if backend == "triton" and last and last[0].points.shape[1:] == item.points.shape[1:] and \
+                    (sum(p.points.numel() for p in last) + item.points.numel()) * 4 <= LLOYD_GROUP_BYTES:
+                last.append(item)
+            else:
+                queued.append([item])
+            # a group's Lloyd loop starts once the group after it is complete, which is then seeded during that loop
+            while len(queued) > (2 if backend == "triton" else 0):
+                solve(queued.pop(0))
+        for group in queued:
+            solve(group)
+    except BaseException:  # the queued copies may still read the capture's pinned host memory: let them finish
+        if device.type == "cuda":
+            with contextlib.suppress(Exception):  # a failed device raises again here: the first error is the one to see
+                torch.cuda.synchronize(device)
+        raise
     quantizer = KVQuantizer(
         codecs=codecs, method=quant.method, codebook_size=quant.codebook_size, group_size=quant.group_size,
         steps_per_block=quant.block_steps, sharing=quant.codebook_sharing, kv=kv,

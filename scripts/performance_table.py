@@ -22,20 +22,21 @@ BEGIN, END = "<!-- targets:begin -->", "<!-- targets:end -->"
 
 
 TIME_TARGET_S = {"ouro-1.4b": 60.0, "ouro-1.4b-48gb": 90.0, "huginn-3.5b": 240.0}  # whole command, per step
-STOPPED = (124, 137)  # `timeout`'s exit statuses: the measurement's time limit (or DEADLINE) stopped the command
+STOPPED = 124  # `timeout`'s exit status (measure_real_command.sh sends no KILL): its time limit or DEADLINE stopped it
 
 
 def read_steps(paths: list[Path]) -> dict[str, tuple[dict[str, Any], str]]:
     """step name -> (its JSON line, the file it came from); later files win, except a command the measurement
-    stopped before its target's time had passed: that says nothing about the target, and the earlier line stays."""
+    stopped before its target's time had passed when an earlier line of that step finished: the stop says nothing
+    about the target, and the earlier line stays whole (the stopped run's stage times and memory are not used)."""
     steps: dict[str, tuple[dict[str, Any], str]] = {}
     for path in paths:
         for line in path.read_text().splitlines():
             row = json.loads(line) if line.strip() else {}
             if "step" not in row:  # other lines (a profile's, a probe's) are not steps
                 continue
-            cut_short = row.get("rc") in STOPPED and row.get("command_s", 0) < TIME_TARGET_S.get(row["step"], 0)
-            if cut_short and row["step"] in steps:
+            cut_short = row.get("rc") == STOPPED and row.get("command_s", 0) < TIME_TARGET_S.get(row["step"], 0)
+            if cut_short and row["step"] in steps and steps[row["step"]][0].get("rc") == 0:
                 continue
             steps[row["step"]] = (row, path.name)
     return steps

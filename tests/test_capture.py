@@ -205,10 +205,12 @@ def test_memory_store_on_a_gpu_copies_into_pinned_host_memory(tmp_path):
     from loopvq_calib.capture import MemoryReader
 
     reader = MemoryReader(mem)
-    torch.cuda._sleep(200_000_000)  # the pinned tensors' copies queue behind this without stopping the host
+    waited = reader.load("fisher_value", (2, 3), device="cuda")  # also the kernels' first launch (CUDA loads them lazily)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # the pinned tensors' copies queue behind this without stopping the host
     queued = reader.load("fisher_value", (2, 3), device="cuda", non_blocking=True)
     assert not torch.cuda.current_stream().query()
-    torch.testing.assert_close(queued, reader.load("fisher_value", (2, 3), device="cuda"), rtol=0, atol=0)
+    torch.testing.assert_close(queued, waited, rtol=0, atol=0)
     mem.copier.release()
     assert not seq["key.0"].is_pinned() and not mem.copier.pinned and torch.equal(seq["input_ids"], calib_set().input_ids[1])
 

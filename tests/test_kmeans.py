@@ -333,6 +333,32 @@ def test_fit_codebooks_on_cuda_matches_cpu(tiny_capture):
         torch.testing.assert_close(on_gpu.codecs[lay.key].codebook, on_cpu.codecs[lay.key].codebook, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.gpu
+def test_fused_schedule_on_cuda_from_a_pinned_capture_matches_cpu(tmp_path, monkeypatch):
+    """On CUDA with one layout per Lloyd loop (six loops: the seeding queued ahead on the side stream, the hand-offs
+    between streams), the layouts read from an in-memory capture in pinned host memory: the CPU backend's codebooks."""
+    import loopvq_calib.kmeans as kmeans
+    from loopvq_calib.capture import MemoryCapture, MemoryReader
+
+    model = make_tiny_ouro().cuda()
+    kv = model.kv_layout()
+    calib = CalibrationSet(input_ids=torch.randint(0, 4096, (4, 32), generator=gen(0)), train=[0, 1, 2], heldout=[3],
+                           sink_tokens=SINKS)
+    mem, cap = MemoryCapture(), CaptureConfig(dtype="float32", store="memory")
+    capture_kv(model, calib, kv, cap, mem)
+    write_meta(tmp_path, calib, kv, cap, mem)
+    reader = MemoryReader(mem)
+    assert mem.sequences[0]["key.0"].is_pinned()
+    quant = quant_config(method="cq")
+    layouts = plan_layouts(kv, quant)[:6]
+    on_cpu, _ = fit_codebooks(reader, layouts, {}, quant, FAST, kv, CPU)
+    monkeypatch.setattr(kmeans, "LLOYD_GROUP_BYTES", 1)  # no two layouts share a loop
+    on_gpu, report = fit_codebooks(reader, layouts, {}, quant, KMeansConfig(iterations=25), kv, torch.device("cuda"))
+    assert report["totals"]["backend"] == "triton" and list(on_gpu.codecs) == [lay.key for lay in layouts]
+    for lay in layouts:
+        torch.testing.assert_close(on_gpu.codecs[lay.key].codebook, on_cpu.codecs[lay.key].codebook, atol=1e-4, rtol=1e-4)
+
+
 def test_too_few_tokens_for_the_codebook(tiny_capture):
     reader, kv = tiny_capture
     quant = quant_config(codebook_size=256)  # 112 tokens < 256 codewords per (head, group)

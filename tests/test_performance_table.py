@@ -53,6 +53,12 @@ def test_a_command_stopped_before_its_target_time_does_not_replace_a_finished_on
                                                     _run("ouro-1.4b-48gb", 50.0, {"capture": 9.0}, 20.0, rc=124)]) + "\n")
     steps = pt.read_steps([old, new])
     assert steps["huginn-3.5b"][1] == "old.jsonl" and steps["huginn-3.5b"][0]["rc"] == 0
+    killed = tmp_path / "killed.jsonl"  # 137: killed by something else (the kernel's OOM killer): a failure, shown
+    killed.write_text(json.dumps(_run("huginn-3.5b", 150.0, {"capture": 40.0}, 60.0, rc=137)) + "\n")
+    assert pt.read_steps([old, killed])["huginn-3.5b"][1] == "killed.jsonl"
+    failed_first = tmp_path / "failed.jsonl"  # an earlier failed line is no finished run to keep
+    failed_first.write_text(json.dumps(_run("huginn-3.5b", 100.0, {"capture": 40.0}, 60.0, rc=1)) + "\n")
+    assert pt.read_steps([failed_first, new])["huginn-3.5b"][1] == "new.jsonl"
     assert steps["ouro-1.4b"][1] == "new.jsonl"  # stopped at 61 s: the 60 s target is missed whatever came before
     assert steps["ouro-1.4b-48gb"][1] == "new.jsonl"  # nothing earlier to keep: shown, and not measured
     rows = {t: (m, v) for t, m, v, _ in pt.rows(steps)}

@@ -40,10 +40,9 @@ def test_without_cuda_a_side_stream_runs_work_in_place():
 
 @pytest.mark.gpu
 def test_side_stream_work_runs_beside_the_current_stream_and_is_handed_back_in_order():
-    # pinned here: to_device copies it as it is (making a pinned block may wait for the device,
-    # docs/data/probe-pinned-copies-h200.txt)
-    x = torch.randn(256, 256, dtype=torch.float64).pin_memory()
+    x = torch.randn(256, 256, dtype=torch.float64).pin_memory()  # copied as it is: no new pinned block below
     before = torch.full((256, 256), 3.0, dtype=torch.float64, device="cuda")
+    warm = to_device(x, "cuda") * 3 + before  # the kernels' first launch (CUDA loads them lazily) may wait for the device
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)
     before.mul_(2)  # queued on the current stream before the side stream is made: the side stream waits for it
@@ -59,3 +58,4 @@ def test_side_stream_work_runs_beside_the_current_stream_and_is_handed_back_in_o
     z = y * 2  # on the current stream, after the side stream's work
     expected = (x * 3 + 6.0) * 2
     torch.testing.assert_close(z.cpu(), expected)
+    torch.testing.assert_close(warm.cpu(), x * 3 + 3.0)
