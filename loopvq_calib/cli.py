@@ -51,12 +51,10 @@ def calibrate_main(argv: list[str] | None = None) -> int:
 
     try:  # every bad input fails here, before the run directory is created or touched
         cfg = load_config(args.config, args.overrides)
-        import torch
-
         from .warmup import Warmup, warm_device
 
         warmup = Warmup()  # the device's first CUDA work runs while the pipeline's libraries import
-        warmup.submit("device", torch.device("cpu"), warm_device, cfg.model.device)  # picks its CUDA device itself
+        warmup.submit("device", None, warm_device, cfg.model.device)  # picks its CUDA device itself
         from .pipeline import Pipeline
 
         stages = [s.strip() for s in args.stages.split(",")] if args.stages is not None else None

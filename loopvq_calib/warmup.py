@@ -29,16 +29,16 @@ class Warmup:
         self._ran: dict[str, float] = {}
         self.waited: dict[str, float] = {}
 
-    def submit(self, name: str, device: torch.device, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` in the background with ``device`` as the thread's current CUDA device."""
+    def submit(self, name: str, device: torch.device | None, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` in the background with ``device`` as the thread's current CUDA device (None: as it is)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loopvq-warmup")
         self._jobs[name] = self._pool.submit(self._timed, name, device, fn, *args)
 
-    def _timed(self, name: str, device: torch.device, fn: Callable[..., Any], *args: Any) -> Any:
+    def _timed(self, name: str, device: torch.device | None, fn: Callable[..., Any], *args: Any) -> Any:
         start = time.perf_counter()
         try:
-            if device.type == "cuda":
+            if device is not None and device.type == "cuda":
                 with torch.cuda.device(device):
                     return fn(*args)
             return fn(*args)
