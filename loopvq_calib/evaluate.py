@@ -200,12 +200,6 @@ def check_served_options(served: ServedOptions | None) -> None:
 
     if served is None:
         return
-    if served.tasks or served.passkey_lengths:
-        try:
-            import lm_eval  # noqa: F401
-        except ImportError as err:
-            raise EvalInputError("--tasks / --passkey-lengths need lm-evaluation-harness: pip install "
-                                 "'loopvq-calib[eval]'") from err
     unknown = [b for b in served.baselines if b not in BASELINES]
     if unknown:
         raise EvalInputError(f"--baseline {','.join(unknown)}: unknown; expected some of {','.join(BASELINES)}")
@@ -222,6 +216,12 @@ def check_served_options(served: ServedOptions | None) -> None:
     for path in served.include_path:
         if not Path(path).is_dir():
             raise EvalInputError(f"--include-path {path}: no such folder")
+    if served.tasks or served.passkey_lengths:
+        try:
+            import lm_eval  # noqa: F401
+        except ImportError as err:
+            raise EvalInputError("--tasks / --passkey-lengths need lm-evaluation-harness: pip install "
+                                 "'loopvq-calib[eval]'") from err
     if served.tasks:
         known = set(task_manager(served.include_path, served.tasks).all_tasks)
         missing = [t for t in served.tasks if t not in known]

@@ -65,13 +65,13 @@ def answered(continuation: str, key: str) -> bool:
 def run_passkey(model: torch.nn.Module, tokenizer: Any, entries: list[Any], lengths: list[int], trials: int,
                 seed: int = 0) -> dict[str, Any]:
     """Accuracy per prompt length for each entry (``served.Entry``), on the same trials."""
-    from .harness import ServedLM
-
     window = getattr(model.config, "max_position_embeddings", None) or model.config.block_size
     too_long = [n for n in lengths if n + NEW_TOKENS > window]
     if too_long:
         raise ValueError(f"--passkey-lengths {too_long}: prompts plus {NEW_TOKENS} new tokens exceed the model's "
                          f"window of {window} tokens")
+    from .harness import ServedLM  # lm-eval, the optional eval extra, only once the input is known good
+
     cases = make_trials(tokenizer, lengths, trials, seed)
     acc: dict[str, dict[str, float]] = {}
     for e in entries:

@@ -4,6 +4,7 @@ model and corpora. Nothing is downloaded (HF_HUB_OFFLINE=1)."""
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
 import shutil
@@ -52,6 +53,21 @@ def run_kernel_script(script: str) -> dict:
 DATA = ROOT / "artifacts" / "data"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 TINY_K, TINY_G, TINY_T_C = 16, 8, 4  # codebook size, group size and steps per block of tiny_quantizer
+
+
+def importable(name: str) -> bool:
+    """Whether module ``name`` imports (an optional extra's package may be missing)."""
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
+# lm-evaluation-harness comes with the ``eval`` and ``dev`` extras (CI installs ``dev``); without it the tests
+# of task accuracy and passkey retrieval skip, like GPU tests without a GPU
+needs_lm_eval = pytest.mark.skipif(not importable("lm_eval"),
+                                   reason="needs lm-evaluation-harness: pip install 'loopvq-calib[eval]'")
 
 
 def pytest_collection_modifyitems(config, items):

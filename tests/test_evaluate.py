@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 import torch
 
-from conftest import DATA, REFERENCE_MODEL, make_tiny_huginn, make_tiny_ouro
+from conftest import DATA, REFERENCE_MODEL, make_tiny_huginn, make_tiny_ouro, needs_lm_eval
 from loopvq_calib.evaluate import check_gates, evaluate_quantizer, run_eval
 from loopvq_calib.models.loading import load_model, model_identity
 from loopvq_calib.qcache import sampled_quantizer
@@ -208,6 +209,7 @@ def test_run_eval_bad_input_returns_2(bundle_dir, tmp_path, capsys):
     assert "report.md: exists and is not a folder" in capsys.readouterr().err
 
 
+@needs_lm_eval
 @pytest.mark.slow  # quick equivalents: test_run_eval_writes_report_and_passes_gates (report), test_harness (tasks,
 # baselines served through the cache), test_report (the served plot)
 def test_cli_served_tasks_and_baselines_on_the_reference_model(bundle_dir, tmp_path, capsys):
@@ -253,6 +255,19 @@ def test_cli_served_bad_input_exits_2(bundle_dir, capsys):
     assert ">= 16 tokens" in capsys.readouterr().err
 
 
+def test_cli_tasks_and_passkey_without_the_eval_extra_exit_2_naming_it(bundle_dir, capsys, monkeypatch):
+    from loopvq_calib.cli import eval_main
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # how Python answers an import of a missing package
+    base = ["--bundle", str(bundle_dir), "--num-sequences", "1", "--sequence-length", "40", "--device", "cpu"]
+    for extra in (["--tasks", "loopvq_kjv_phrases"], ["--passkey-lengths", "64"]):
+        assert eval_main(base + extra) == 2
+        assert "need lm-evaluation-harness: pip install 'loopvq-calib[eval]'" in capsys.readouterr().err
+    assert eval_main(base + ["--passkey-lengths", "8"]) == 2  # a bad length is named first, with or without it
+    assert ">= 16 tokens" in capsys.readouterr().err
+
+
+@needs_lm_eval
 @pytest.mark.slow  # an unknown name makes lm-eval index all its own tasks (~20 s of YAML); CI's full suite runs it
 def test_cli_unknown_task_exits_2(bundle_dir, capsys):
     from loopvq_calib.cli import eval_main

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from conftest import REFERENCE_MODEL
-from loopvq_calib.harness import ServedLM
 from loopvq_calib.models.loading import load_model
 from loopvq_calib.qcache import sampled_quantizer
 from loopvq_calib.quantizer import KVQuantizer
 from loopvq_calib.served import TASKS_DIR, Entry, ServedOptions, model_details, run_tasks, task_manager
+
+pytest.importorskip("lm_eval", reason="needs lm-evaluation-harness: pip install 'loopvq-calib[eval]'")
+from loopvq_calib.harness import ServedLM  # noqa: E402  (lm-eval's model class: the optional eval extra)
 
 TASK = "loopvq_kjv_phrases"
 LIMIT = 3

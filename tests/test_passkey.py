@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import REFERENCE_MODEL
+from conftest import REFERENCE_MODEL, needs_lm_eval
 from loopvq_calib.models.loading import load_model
 from loopvq_calib.passkey import FILLER, NEW_TOKENS, QUESTION, answered, make_trials, needle, run_passkey
 from loopvq_calib.served import Entry
@@ -33,6 +33,7 @@ def test_answered_takes_the_first_number():
     assert not answered(" 4821 3", "48213") and not answered(" none", "48213")
 
 
+@needs_lm_eval
 def test_accuracy_per_length_equals_greedy_generate(reference):
     model, tok = reference
     result = run_passkey(model, tok, [Entry("fp", "full-precision")], [48, 96], trials=2, seed=3)
