@@ -1,17 +1,20 @@
 """The targets table of docs/performance.md, computed from `scripts/measure_real_command.sh` output.
 
 Each RESULTS file is one `results.jsonl` (one JSON line per step of the measurement); a step measured in
-several files is taken from the last file given. The table is printed, or with ``--write`` put between the
-``<!-- targets:begin -->`` / ``<!-- targets:end -->`` markers of docs/performance.md.
+several files is taken from the last file given. Below the table, every run of each step with a time target, in
+the files from the first whose name holds ``--spread-from`` (all by default), and how many met it: one run of a
+command on a fresh machine carries seconds of host noise. The text is printed, or with ``--write`` put between
+the ``<!-- targets:begin -->`` / ``<!-- targets:end -->`` markers of docs/performance.md.
 
     python scripts/performance_table.py docs/data/measure-real-command-h200-run19-results.jsonl
-    python scripts/performance_table.py RUN16.jsonl RUN19.jsonl --write docs/performance.md
+    python scripts/performance_table.py RUN16.jsonl RUN19.jsonl --spread-from run19 --write docs/performance.md
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ BEGIN, END = "<!-- targets:begin -->", "<!-- targets:end -->"
 
 
 TIME_TARGET_S = {"ouro-1.4b": 60.0, "ouro-1.4b-48gb": 90.0, "huginn-3.5b": 240.0}  # whole command, per step
+STEP_LABEL = {"ouro-1.4b": "Ouro-1.4B", "ouro-1.4b-48gb": "48 GB card setting", "huginn-3.5b": "Huginn-3.5B"}
 STOPPED = 124  # `timeout`'s exit status (measure_real_command.sh sends no KILL): its time limit or DEADLINE stopped it
 
 
@@ -128,6 +132,38 @@ def table(steps: dict[str, tuple[dict[str, Any], str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _run_name(path: Path) -> str:
+    found = re.search(r"run\d+", path.name)
+    return found.group(0) if found else path.stem
+
+
+def spread(paths: list[Path], since: str | None = None) -> str:
+    """Per step with a time target: its whole-command time in every file from the first whose name holds ``since``
+    (in file order, each named by its run), and how many of the finished ones met the target; a command the
+    measurement stopped (exit 124) is listed but not counted, a failed one counts as missed."""
+    if since is not None:
+        starts = [i for i, path in enumerate(paths) if since in path.name]
+        if not starts:
+            raise SystemExit(f"--spread-from {since}: no results file with that in its name")
+        paths = paths[starts[0]:]
+    runs: dict[str, list[str]] = {step: [] for step in TIME_TARGET_S}
+    met: dict[str, list[bool]] = {step: [] for step in TIME_TARGET_S}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            step = row.get("step")
+            if step not in TIME_TARGET_S:
+                continue
+            note = {0: "", STOPPED: ", stopped by the measurement"}.get(row["rc"], f", exit status {row['rc']}")
+            runs[step].append(f"{row['command_s']:.1f} ({_run_name(path)}{note})")
+            if row["rc"] != STOPPED:
+                met[step].append(row["rc"] == 0 and row["command_s"] <= TIME_TARGET_S[step])
+    lines = [f"- {STEP_LABEL[step]} (<= {TIME_TARGET_S[step]:.0f} s), every run, s: {', '.join(runs[step])}: "
+             f"met in {sum(met[step])} of {len(met[step])}" for step in TIME_TARGET_S if runs[step]]
+    head = "Every run of the timed commands" + (f" from `{_run_name(paths[0])}` on" if since else "") + ":\n\n"
+    return head + "\n".join(lines) + "\n" if lines else ""
+
+
 def write_between_markers(doc: Path, text: str) -> None:
     page = doc.read_text()
     if BEGIN not in page or END not in page:
@@ -139,9 +175,11 @@ def write_between_markers(doc: Path, text: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="+", type=Path, help="results.jsonl files of measure_real_command.sh")
+    ap.add_argument("--spread-from", help="list every run from the first results file whose name holds this")
     ap.add_argument("--write", type=Path, help="put the table between the markers of this page")
     args = ap.parse_args()
-    text = table(read_steps(args.results))
+    runs = spread(args.results, args.spread_from)
+    text = table(read_steps(args.results)) + (f"\n{runs}" if runs else "")
     if args.write:
         write_between_markers(args.write, text)
     else:

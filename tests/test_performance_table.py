@@ -98,3 +98,22 @@ def test_two_gpu_speedup_needs_both_runs_from_one_file(tmp_path):
     rows = {t: (m, v) for t, m, v, _ in pt.rows(pt.read_steps([a, b]))}
     assert rows[target][1] == "met"
     assert {t: v for t, _, v, _ in pt.rows(pt.read_steps([]))}[target] == "not measured"
+
+
+def test_spread_lists_every_run_from_the_named_file_and_counts_the_finished_ones(tmp_path):
+    files = [tmp_path / f"m-run{n}-results.jsonl" for n in (7, 8, 9)]
+    files[0].write_text(json.dumps(_run("ouro-1.4b", 80.0, {}, 1.0)) + "\n")  # before --spread-from: left out
+    files[1].write_text("\n".join(json.dumps(r) for r in [
+        _run("ouro-1.4b", 58.0, {}, 1.0), _run("huginn-3.5b", 230.0, {}, 1.0, rc=pt.STOPPED)]) + "\n")
+    files[2].write_text("\n".join(json.dumps(r) for r in [
+        _run("ouro-1.4b", 61.5, {}, 1.0), _run("ouro-1.4b", 40.0, {}, 1.0, rc=1)]) + "\n")
+    text = pt.spread(files, "run8")
+    ouro = next(line for line in text.splitlines() if line.startswith("- Ouro-1.4B"))
+    assert ouro == ("- Ouro-1.4B (<= 60 s), every run, s: 58.0 (run8), 61.5 (run9), 40.0 (run9, exit status 1): "
+                    "met in 1 of 3")
+    huginn = next(line for line in text.splitlines() if line.startswith("- Huginn-3.5B"))
+    assert huginn.endswith("230.0 (run8, stopped by the measurement): met in 0 of 0")
+    assert "from `run8` on" in text and "48 GB" not in text
+    assert "80.0" in pt.spread(files) and "met in 1 of 4" in pt.spread(files)
+    with pytest.raises(SystemExit, match="--spread-from run99: no results file"):
+        pt.spread(files, "run99")
