@@ -88,16 +88,28 @@ def test_two_gpu_speedup_needs_both_runs_from_one_file(tmp_path):
     a.write_text("\n".join(json.dumps(r) for r in [_run("ouro-2.6b", 98.0, {"finetune": 49.0}, 90.0),
                                                     _run("ouro-2.6b-2gpu", 78.4, {"finetune": 38.0}, 60.0)]) + "\n")
     target = "Ouro-2.6B on 2 GPUs >= 1.7x faster than on 1"
-    rows = {t: (m, v, s) for t, m, v, s in pt.rows(pt.read_steps([a]))}
-    assert rows[target][1] == "missed: 1.25x" and rows[target][0].endswith("**1.25x**") and rows[target][2] == "a.jsonl"
+    one_gpu = "Ouro-2.6B shipped config on 1 GPU (no target of its own)"
+
+    def table(*files):
+        return {t: (m, v, s) for t, m, v, s in pt.rows(pt.read_steps(list(files)), pt.two_gpu_pair(list(files)))}
+
+    rows = table(a)
+    # 98 / (78.4 - 38 + 49 / 2) = 98 / 64.9: what halving the shared stages' 49 s would give at most
+    assert rows[target][1] == "missed: 1.25x" and rows[target][2] == "a.jsonl"
+    assert rows[target][0].endswith("**1.25x** (a perfect split of capture, kmeans, finetune: 1.51x)")
+    assert one_gpu not in rows  # the pair's own 1-GPU run is in the pair's row
     b.write_text(json.dumps(_run("ouro-2.6b-2gpu", 50.0, {"finetune": 20.0}, 60.0)) + "\n")
-    rows = {t: (m, v) for t, m, v, _ in pt.rows(pt.read_steps([a, b]))}
-    assert rows[target] == ("1 GPU in `a.jsonl`, 2 GPUs in `b.jsonl`: not one run", "not measured")
+    assert table(a, b)[target] == rows[target]  # a file with one of the two runs does not make a pair
+    c = tmp_path / "c.jsonl"
+    c.write_text(json.dumps(_run("ouro-2.6b", 88.0, {"capture": 12.0, "finetune": 42.0, "bundle": 2.0}, 90.0)) + "\n")
+    later = table(a, c)
+    assert later[target] == rows[target]
+    # a later 1-GPU run alone: the speed-up a perfect split would give with the rest as on 1 GPU, 88 / (34 + 27)
+    assert later[one_gpu][1:] == ("bound of the 2-GPU speed-up, the rest as on 1 GPU: 1.44x", "c.jsonl")
     b.write_text("\n".join(json.dumps(r) for r in [_run("ouro-2.6b", 98.0, {}, 90.0),
                                                     _run("ouro-2.6b-2gpu", 57.0, {}, 60.0)]) + "\n")
-    rows = {t: (m, v) for t, m, v, _ in pt.rows(pt.read_steps([a, b]))}
-    assert rows[target][1] == "met"
-    assert {t: v for t, _, v, _ in pt.rows(pt.read_steps([]))}[target] == "not measured"
+    assert table(a, b)[target][1:] == ("met", "b.jsonl")
+    assert table()[target][:2] == ("not run", "not measured")
 
 
 def test_spread_lists_every_run_from_the_named_file_and_counts_the_finished_ones(tmp_path):
