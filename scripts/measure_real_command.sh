@@ -8,7 +8,8 @@
 #   scripts/measure_real_command.sh /tmp/out 8 --set data.num_sequences=4 ...   # CPU dry run, scaled down
 #
 # Runs (docs/performance.md; STEPS picks some, default all): ouro-1.4b (shipped config), ouro-1.4b-48gb (the
-# 48 GB-card setting: capture.store memory, finetune.cache_teacher false), huginn-3.5b (shipped config);
+# 48 GB-card setting: capture.store memory, finetune.cache_teacher false, finetune.selection_batch 1),
+# huginn-3.5b (shipped config);
 # on request (not in the default): ouro-2.6b (shipped config, GPU 0 alone) and ouro-2.6b-2gpu (the same under
 # `accelerate launch --multi_gpu --num_processes 2`, GPUs 0 and 1).
 # DEADLINE (seconds from the start, default 3600) cuts every step's time limit so that the script ends in time
