@@ -85,8 +85,9 @@ def test_failed_run_is_not_met_and_markers_are_required(tmp_path):
 
 def test_two_gpu_speedup_needs_both_runs_from_one_file(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    a.write_text("\n".join(json.dumps(r) for r in [_run("ouro-2.6b", 98.0, {"finetune": 49.0}, 90.0),
-                                                    _run("ouro-2.6b-2gpu", 78.4, {"finetune": 38.0}, 60.0)]) + "\n")
+    shared = {"capture": 0.0, "kmeans": 0.0}
+    a.write_text("\n".join(json.dumps(r) for r in [_run("ouro-2.6b", 98.0, {**shared, "finetune": 49.0}, 90.0),
+                                                    _run("ouro-2.6b-2gpu", 78.4, {**shared, "finetune": 38.0}, 60.0)]))
     target = "Ouro-2.6B on 2 GPUs >= 1.7x faster than on 1"
     one_gpu = "Ouro-2.6B shipped config on 1 GPU (no target of its own)"
 
@@ -101,31 +102,40 @@ def test_two_gpu_speedup_needs_both_runs_from_one_file(tmp_path):
     b.write_text(json.dumps(_run("ouro-2.6b-2gpu", 50.0, {"finetune": 20.0}, 60.0)) + "\n")
     assert table(a, b)[target] == rows[target]  # a file with one of the two runs does not make a pair
     c = tmp_path / "c.jsonl"
-    c.write_text(json.dumps(_run("ouro-2.6b", 88.0, {"capture": 12.0, "finetune": 42.0, "bundle": 2.0}, 90.0)) + "\n")
+    c.write_text(json.dumps(_run("ouro-2.6b", 88.0, {"capture": 12.0, "kmeans": 0.0, "finetune": 42.0, "bundle": 2.0},
+                                 90.0)) + "\n")
     later = table(a, c)
     assert later[target] == rows[target]
     # a later 1-GPU run alone: the speed-up a perfect split would give with the rest as on 1 GPU, 88 / (34 + 27)
     assert later[one_gpu][1:] == ("bound of the 2-GPU speed-up, the rest as on 1 GPU: 1.44x", "c.jsonl")
+    c.write_text(json.dumps(_run("ouro-2.6b", 88.0, {"capture": 12.0, "finetune": 42.0}, 90.0)) + "\n")
+    assert table(a, c)[one_gpu][1].endswith("1 GPU: not measured")  # k-means did not run: no bound
     b.write_text("\n".join(json.dumps(r) for r in [_run("ouro-2.6b", 98.0, {}, 90.0),
                                                     _run("ouro-2.6b-2gpu", 57.0, {}, 60.0)]) + "\n")
-    assert table(a, b)[target][1:] == ("met", "b.jsonl")
+    met = table(a, b)[target]
+    assert met[1:] == ("met", "b.jsonl")
+    assert met[0].endswith("(a perfect split of capture, kmeans, finetune: not measured)")  # no stage times
     assert table()[target][:2] == ("not run", "not measured")
 
 
 def test_spread_lists_every_run_from_the_named_file_and_counts_the_finished_ones(tmp_path):
-    files = [tmp_path / f"m-run{n}-results.jsonl" for n in (7, 8, 9)]
+    files = [tmp_path / f"measure-real-command-h200-run{n}-results.jsonl" for n in (7, 8, 9, 80)]
     files[0].write_text(json.dumps(_run("ouro-1.4b", 80.0, {}, 1.0)) + "\n")  # before --spread-from: left out
     files[1].write_text("\n".join(json.dumps(r) for r in [
         _run("ouro-1.4b", 58.0, {}, 1.0), _run("huginn-3.5b", 230.0, {}, 1.0, rc=pt.STOPPED)]) + "\n")
     files[2].write_text("\n".join(json.dumps(r) for r in [
         _run("ouro-1.4b", 61.5, {}, 1.0), _run("ouro-1.4b", 40.0, {}, 1.0, rc=1)]) + "\n")
-    text = pt.spread(files, "run8")
+    files[3].write_text(json.dumps(_run("huginn-3.5b", 250.0, {}, 1.0, rc=pt.STOPPED)) + "\n")
+    text = pt.spread(files, "h200-run8")
     ouro = next(line for line in text.splitlines() if line.startswith("- Ouro-1.4B"))
-    assert ouro == ("- Ouro-1.4B (<= 60 s), every run, s: 58.0 (run8), 61.5 (run9), 40.0 (run9, exit status 1): "
-                    "met in 1 of 3")
+    assert ouro == ("- Ouro-1.4B (<= 60 s), every run, s: 58.0 (h200-run8), 61.5 (h200-run9), "
+                    "40.0 (h200-run9, exit status 1): met in 1 of 3")
     huginn = next(line for line in text.splitlines() if line.startswith("- Huginn-3.5B"))
-    assert huginn.endswith("230.0 (run8, stopped by the measurement): met in 0 of 0")
-    assert "from `run8` on" in text and "48 GB" not in text
-    assert "80.0" in pt.spread(files) and "met in 1 of 4" in pt.spread(files)
-    with pytest.raises(SystemExit, match="--spread-from run99: no results file"):
-        pt.spread(files, "run99")
+    # stopped at 230 s, before the 240 s target: not counted; stopped at 250 s: missed
+    assert huginn.endswith("230.0 (h200-run8, stopped by the measurement), 250.0 (h200-run80, stopped by the "
+                           "measurement): met in 0 of 1")
+    assert "from `h200-run8` on" in text and "48 GB" not in text
+    assert "none finished" in pt.spread(files[1:2]) and "80.0" in pt.spread(files)
+    assert "met in 1 of 4" in pt.spread(files)
+    with pytest.raises(SystemExit, match="--spread-from h200-run: no results file labelled so"):
+        pt.spread(files, "h200-run")  # a label, not a part of one
