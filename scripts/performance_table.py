@@ -172,18 +172,25 @@ def run_label(path: Path) -> str:
     return path.name.removeprefix("measure-real-command-").removesuffix(".jsonl").removesuffix("-results")
 
 
+STAGE_TARGET_S = {("ouro-1.4b", "tasq"): 3.0, ("ouro-1.4b", "kmeans"): 10.0}  # the stage targets of a step
+
+
 def spread(paths: list[Path], since: str | None = None) -> str:
     """Per step with a time target: its whole-command time in every file from the one labelled ``since``
     (:func:`run_label`; in file order, each run named by its file's label), and how many met the target. A
     command the measurement stopped (exit 124) before its target's time is listed but not counted (the stop says
-    nothing about the target), one stopped later or one that failed counts as missed."""
+    nothing about the target), one stopped later or one that failed counts as missed. Then each stage target's
+    stage in the runs of its step that finished that stage."""
     if since is not None:
         starts = [i for i, path in enumerate(paths) if run_label(path) == since]
         if not starts:
             raise SystemExit(f"--spread-from {since}: no results file labelled so (e.g. h200-run30)")
         paths = paths[starts[0]:]
-    runs: dict[str, list[str]] = {step: [] for step in TIME_TARGET_S}
-    met: dict[str, list[bool]] = {step: [] for step in TIME_TARGET_S}
+    labels: dict[Any, str] = {step: f"{STEP_LABEL[step]} (<= {limit:.0f} s)" for step, limit in TIME_TARGET_S.items()}
+    labels |= {(step, stage): f"{STEP_LABEL[step]}'s {stage} stage (<= {limit:.0f} s)"
+               for (step, stage), limit in STAGE_TARGET_S.items()}
+    runs: dict[Any, list[str]] = {key: [] for key in labels}
+    met: dict[Any, list[bool]] = {key: [] for key in labels}
     for path in paths:
         for line in path.read_text().splitlines():
             row = json.loads(line) if line.strip() else {}
@@ -194,9 +201,14 @@ def spread(paths: list[Path], since: str | None = None) -> str:
             runs[step].append(f"{row['command_s']:.1f} ({run_label(path)}{note})")
             if row["rc"] != STOPPED or row["command_s"] > TIME_TARGET_S[step]:
                 met[step].append(row["rc"] == 0 and row["command_s"] <= TIME_TARGET_S[step])
-    lines = [f"- {STEP_LABEL[step]} (<= {TIME_TARGET_S[step]:.0f} s), every run, s: {', '.join(runs[step])}: "
-             + (f"met in {sum(met[step])} of {len(met[step])}" if met[step] else "none finished")
-             for step in TIME_TARGET_S if runs[step]]
+            for (target_step, stage), limit in STAGE_TARGET_S.items():
+                value = _stage(row, stage) if step == target_step else None
+                if value is not None:
+                    runs[(step, stage)].append(f"{value:.1f} ({run_label(path)})")
+                    met[(step, stage)].append(value <= limit)
+    lines = [f"- {labels[key]}, every run, s: {', '.join(runs[key])}: "
+             + (f"met in {sum(met[key])} of {len(met[key])}" if met[key] else "none finished")
+             for key in labels if runs[key]]
     head = "Every run of the timed commands" + (f" from `{since}` on" if since else "") + ":\n\n"
     return head + "\n".join(lines) + "\n" if lines else ""
 

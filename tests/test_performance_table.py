@@ -122,7 +122,8 @@ def test_spread_lists_every_run_from_the_named_file_and_counts_the_finished_ones
     files = [tmp_path / f"measure-real-command-h200-run{n}-results.jsonl" for n in (7, 8, 9, 80)]
     files[0].write_text(json.dumps(_run("ouro-1.4b", 80.0, {}, 1.0)) + "\n")  # before --spread-from: left out
     files[1].write_text("\n".join(json.dumps(r) for r in [
-        _run("ouro-1.4b", 58.0, {}, 1.0), _run("huginn-3.5b", 230.0, {}, 1.0, rc=pt.STOPPED)]) + "\n")
+        _run("ouro-1.4b", 58.0, {"tasq": 1.5, "kmeans": 10.2}, 1.0),
+        _run("huginn-3.5b", 230.0, {}, 1.0, rc=pt.STOPPED)]))
     files[2].write_text("\n".join(json.dumps(r) for r in [
         _run("ouro-1.4b", 61.5, {}, 1.0), _run("ouro-1.4b", 40.0, {}, 1.0, rc=1)]) + "\n")
     files[3].write_text(json.dumps(_run("huginn-3.5b", 250.0, {}, 1.0, rc=pt.STOPPED)) + "\n")
@@ -134,6 +135,9 @@ def test_spread_lists_every_run_from_the_named_file_and_counts_the_finished_ones
     # stopped at 230 s, before the 240 s target: not counted; stopped at 250 s: missed
     assert huginn.endswith("230.0 (h200-run8, stopped by the measurement), 250.0 (h200-run80, stopped by the "
                            "measurement): met in 0 of 1")
+    stages = [line for line in text.splitlines() if "stage" in line]  # the stage targets, from the runs that ran them
+    assert stages == ["- Ouro-1.4B's tasq stage (<= 3 s), every run, s: 1.5 (h200-run8): met in 1 of 1",
+                      "- Ouro-1.4B's kmeans stage (<= 10 s), every run, s: 10.2 (h200-run8): met in 0 of 1"]
     assert "from `h200-run8` on" in text and "48 GB" not in text
     assert "none finished" in pt.spread(files[1:2]) and "80.0" in pt.spread(files)
     assert "met in 1 of 4" in pt.spread(files)
