@@ -32,18 +32,25 @@ STEP_LABEL = {"ouro-1.4b": "Ouro-1.4B", "ouro-1.4b-48gb": "48 GB card setting", 
 STOPPED = 124  # `timeout`'s exit status (measure_real_command.sh sends no KILL): its time limit or DEADLINE stopped it
 
 
+def step_rows(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of a results file that are steps (other lines, a profile's or a probe's, have no ``step``)."""
+    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return [row for row in rows if "step" in row]
+
+
+def stopped_early(row: dict[str, Any]) -> bool:
+    """A command the measurement stopped before its target's time had passed: it says nothing about the target."""
+    return row.get("rc") == STOPPED and row.get("command_s", 0) < TIME_TARGET_S.get(row["step"], 0)
+
+
 def read_steps(paths: list[Path]) -> dict[str, Run]:
-    """step name -> (its JSON line, the file it came from); later files win, except a command the measurement
-    stopped before its target's time had passed when an earlier line of that step finished: the stop says nothing
-    about the target, and the earlier line stays whole (the stopped run's stage times and memory are not used)."""
+    """step name -> (its JSON line, the file it came from); later files win, except a command
+    :func:`stopped_early` when an earlier line of that step finished: the earlier line stays whole (the stopped
+    run's stage times and memory are not used)."""
     steps: dict[str, Run] = {}
     for path in paths:
-        for line in path.read_text().splitlines():
-            row = json.loads(line) if line.strip() else {}
-            if "step" not in row:  # other lines (a profile's, a probe's) are not steps
-                continue
-            cut_short = row.get("rc") == STOPPED and row.get("command_s", 0) < TIME_TARGET_S.get(row["step"], 0)
-            if cut_short and row["step"] in steps and steps[row["step"]][0].get("rc") == 0:
+        for row in step_rows(path):
+            if stopped_early(row) and row["step"] in steps and steps[row["step"]][0].get("rc") == 0:
                 continue
             steps[row["step"]] = (row, path.name)
     return steps
@@ -134,11 +141,7 @@ def two_gpu_pair(paths: list[Path]) -> Pair | None:
     """The Ouro-2.6B runs on 1 and on 2 GPUs of the last file that holds both (one machine, one tree); a 2-GPU run
     without its 1-GPU run in the same file says nothing about the speed-up and is left out."""
     for path in reversed(paths):
-        found: dict[str, dict[str, Any]] = {}
-        for line in path.read_text().splitlines():
-            row = json.loads(line) if line.strip() else {}
-            if row.get("step") in ("ouro-2.6b", "ouro-2.6b-2gpu"):
-                found[row["step"]] = row
+        found = {row["step"]: row for row in step_rows(path) if row["step"] in ("ouro-2.6b", "ouro-2.6b-2gpu")}
         if len(found) == 2:
             return (found["ouro-2.6b"], path.name), (found["ouro-2.6b-2gpu"], path.name)
     return None
@@ -178,8 +181,8 @@ STAGE_TARGET_S = {("ouro-1.4b", "tasq"): 3.0, ("ouro-1.4b", "kmeans"): 10.0}  # 
 def spread(paths: list[Path], since: str | None = None) -> str:
     """Per step with a time target: its whole-command time in every file from the one labelled ``since``
     (:func:`run_label`; in file order, each run named by its file's label), and how many met the target. A
-    command the measurement stopped (exit 124) before its target's time is listed but not counted (the stop says
-    nothing about the target), one stopped later or one that failed counts as missed. Then each stage target's
+    command :func:`stopped_early` is listed but not counted, one stopped later or one that failed counts as
+    missed. Then each stage target's
     stage in the runs of its step that finished that stage."""
     if since is not None:
         starts = [i for i, path in enumerate(paths) if run_label(path) == since]
@@ -192,14 +195,13 @@ def spread(paths: list[Path], since: str | None = None) -> str:
     runs: dict[Any, list[str]] = {key: [] for key in labels}
     met: dict[Any, list[bool]] = {key: [] for key in labels}
     for path in paths:
-        for line in path.read_text().splitlines():
-            row = json.loads(line) if line.strip() else {}
-            step = row.get("step")
+        for row in step_rows(path):
+            step = row["step"]
             if step not in TIME_TARGET_S:
                 continue
             note = {0: "", STOPPED: ", stopped by the measurement"}.get(row["rc"], f", exit status {row['rc']}")
             runs[step].append(f"{row['command_s']:.1f} ({run_label(path)}{note})")
-            if row["rc"] != STOPPED or row["command_s"] > TIME_TARGET_S[step]:
+            if not stopped_early(row):
                 met[step].append(row["rc"] == 0 and row["command_s"] <= TIME_TARGET_S[step])
             for (target_step, stage), limit in STAGE_TARGET_S.items():
                 value = _stage(row, stage) if step == target_step else None
