@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -53,6 +54,15 @@ def run_kernel_script(script: str) -> dict:
 DATA = ROOT / "artifacts" / "data"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 TINY_K, TINY_G, TINY_T_C = 16, 8, 4  # codebook size, group size and steps per block of tiny_quantizer
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
 
 
 def importable(name: str) -> bool:

@@ -4,7 +4,6 @@ the JSON it writes, its table, and that the synthetic fill is what the coded cac
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,14 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import load_script
 from loopvq_calib.codec import Codes
 from loopvq_calib.qcache import QuantizedLoopKVCache
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode_model.py"
-spec = importlib.util.spec_from_file_location("bench_decode_model", SCRIPT)
-bdm = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = bdm  # dataclasses look their module up
-spec.loader.exec_module(bdm)
+bdm = load_script("bench_decode_model")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "code_identity.py"
-spec = importlib.util.spec_from_file_location("code_identity", SCRIPT)
-ci = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ci)
+from conftest import load_script
+
+ci = load_script("code_identity")
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 

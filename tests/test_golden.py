@@ -5,9 +5,7 @@ computations (the decode kernel reproducing them: test_decode_attention.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import json
@@ -17,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import load_script
 from loopvq_calib.bundle import load_bundle
 from loopvq_calib.codec import read_indices
 from loopvq_calib.models.common import apply_rope, rope_angles
@@ -25,15 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden"
 GOLDEN_ATTENTION = ROOT / "tests" / "golden_attention"
 CASES = ("ouro_loopvq", "huginn_tasq_loopvq")
-
-
-def load_script(name: str):
-    """scripts/<name>.py as a module."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 def attention_golden_case(case: str):

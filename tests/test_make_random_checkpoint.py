@@ -3,19 +3,15 @@ loadable hub-layout folder."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import load_script
 from loopvq_calib.models.loading import load_model, read_model_config
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_random_checkpoint.py"
-spec = importlib.util.spec_from_file_location("make_random_checkpoint", SCRIPT)
-mrc = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mrc)
+mrc = load_script("make_random_checkpoint")
 
 
 @pytest.mark.parametrize("name, params", [("ouro-1.4b", 1_434_652_673), ("ouro-2.6b", 2_667_974_657)])

@@ -3,7 +3,6 @@ with the code's identity and the run's stages."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("code_identity", ROOT / "scripts" / "code_identity.py")
-code_identity = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(code_identity)
+code_identity = load_script("code_identity")
 
 
 @pytest.mark.slow  # about 10 s on 2 cores: a random checkpoint and a small calibration

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "performance_table.py"
-spec = importlib.util.spec_from_file_location("performance_table", SCRIPT)
-pt = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(pt)
+from conftest import load_script
+
+pt = load_script("performance_table")
 
 
 def _run(step: str, command_s: float, stages: dict[str, float], peak: float, rc: int = 0) -> dict:
