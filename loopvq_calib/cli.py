@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from .config import ConfigError
+from .config.source import ConfigError
 
 
 def _fail(message: str, status: int) -> int:
@@ -44,18 +44,18 @@ def calibrate_parser() -> argparse.ArgumentParser:
 def calibrate_main(argv: list[str] | None = None) -> int:
     args = calibrate_parser().parse_args(argv)
     _quiet_libraries()
-    from .config import load_config
-    from .data import DataError
+    from .calibration.rundir import RunDirError
+    from .config.load import load_config
+    from .data.files import DataError
     from .models.loading import ModelLoadError
-    from .rundir import RunDirError
 
     try:  # every bad input fails here, before the run directory is created or touched
         cfg = load_config(args.config, args.overrides)
-        from .warmup import Warmup, warm_device
+        from .runtime.warmup import Warmup, warm_device
 
         warmup = Warmup()  # the device's first CUDA work runs while the pipeline's libraries import
         warmup.submit("device", None, warm_device, cfg.model.device)  # picks its CUDA device itself
-        from .pipeline import Pipeline
+        from .calibration.pipeline import Pipeline
 
         stages = [s.strip() for s in args.stages.split(",")] if args.stages is not None else None
         pipeline = Pipeline(cfg, args.output, stages, warmup=warmup)
@@ -148,8 +148,8 @@ def eval_parser() -> argparse.ArgumentParser:
 def eval_main(argv: list[str] | None = None) -> int:
     args = eval_parser().parse_args(argv)
     _quiet_libraries()
-    from .evaluate import run_eval
-    from .served import ServedOptions
+    from .evaluation.evaluate import run_eval
+    from .evaluation.served import ServedOptions
 
     options = ServedOptions(args.tasks, args.baseline, args.limit, args.sink_tokens, args.recent_window,
                             args.batch_size, args.include_path, args.passkey_lengths, args.passkey_trials,
@@ -177,7 +177,7 @@ def inspect_parser() -> argparse.ArgumentParser:
 
 def inspect_main(argv: list[str] | None = None) -> int:
     args = inspect_parser().parse_args(argv)
-    from .bundle import BundleError, inspect_bundle
+    from .bundle.reader import BundleError, inspect_bundle
 
     try:
         print(inspect_bundle(args.bundle))
@@ -200,9 +200,9 @@ def push_parser() -> argparse.ArgumentParser:
 
 def push_main(argv: list[str] | None = None) -> int:
     args = push_parser().parse_args(argv)
-    from .bundle import BundleError
-    from .card import EvalReportError, attach_eval_report
-    from .hub import PushError, RepoIdError, push_bundle
+    from .bundle.card import EvalReportError, attach_eval_report
+    from .bundle.hub import PushError, RepoIdError, push_bundle
+    from .bundle.reader import BundleError
 
     try:
         if args.eval_report:

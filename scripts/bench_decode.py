@@ -26,9 +26,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loopvq_calib import decode_attention as da  # noqa: E402
-from loopvq_calib.codec import BlockCodec, TasqTransform  # noqa: E402
-from loopvq_calib.layouts import BlockLayout, loop_axis_groups  # noqa: E402
+from loopvq_calib.codes.codec import BlockCodec, TasqTransform  # noqa: E402
+from loopvq_calib.codes.layouts import BlockLayout, loop_axis_groups  # noqa: E402
+from loopvq_calib.serving import decode_attention as da  # noqa: E402
 
 LAYERS, STEPS, HEADS, KV_HEADS, D = 24, 4, 16, 16, 128
 HIDDEN, INTER, VOCAB, THETA = 2048, 5632, 49152, 1_000_000.0

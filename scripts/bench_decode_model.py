@@ -1,5 +1,5 @@
 """Whole-model greedy decode, measured: the native Ouro forward, one new token per sequence and step, through the
-served quantized cache (:class:`~loopvq_calib.qcache.QuantizedLoopKVCache`: on CUDA the decode kernel, the new
+served quantized cache (:class:`~loopvq_calib.serving.cache.QuantizedLoopKVCache`: on CUDA the decode kernel, the new
 tokens' pages encoded as they fill) against the model's own bf16 cache (:class:`~loopvq_calib.models.LoopKVCache`:
 append by concatenation, SDPA), at long contexts and batches.
 
@@ -39,14 +39,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from loopvq_calib.codec import BlockCodec, Codes, TasqTransform, index_dtype  # noqa: E402
-from loopvq_calib.config import QuantConfig  # noqa: E402
-from loopvq_calib.layouts import plan_layouts  # noqa: E402
+from site_check import SiteCheckCache  # noqa: E402
+
+from loopvq_calib.codes.codec import BlockCodec, Codes, TasqTransform, index_dtype  # noqa: E402
+from loopvq_calib.codes.layouts import plan_layouts  # noqa: E402
+from loopvq_calib.codes.quantizer import KVQuantizer  # noqa: E402
+from loopvq_calib.config.schema import QuantConfig  # noqa: E402
 from loopvq_calib.models import LoopKVCache  # noqa: E402
 from loopvq_calib.models.common import apply_rope, rope_angles  # noqa: E402
-from loopvq_calib.qcache import QuantizedLoopKVCache  # noqa: E402
-from loopvq_calib.quantizer import KVQuantizer  # noqa: E402
-from site_check import SiteCheckCache  # noqa: E402
+from loopvq_calib.serving.cache import QuantizedLoopKVCache  # noqa: E402
 
 METHODS = ("loopvq", "tasq+loopvq")
 GiB = 2**30

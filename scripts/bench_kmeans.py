@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from loopvq_calib.config import KMeansConfig
-from loopvq_calib import kmeans_triton
-from loopvq_calib.kmeans_backends import kmeans_pp_init, weighted_kmeans
+from loopvq_calib.calibration.kmeans.solvers import kmeans_pp_init, weighted_kmeans
+from loopvq_calib.config.schema import KMeansConfig
+from loopvq_calib.kernels import kmeans as kmeans_triton
 
 
 def problems(p: int, n: int, g: int, k: int, seed: int = 0,

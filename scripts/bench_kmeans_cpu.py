@@ -13,14 +13,15 @@ import time
 
 import torch
 
-from loopvq_calib import kmeans_backends
-from loopvq_calib.capture import CaptureReader
-from loopvq_calib.config import KMeansConfig, load_config
-from loopvq_calib.kmeans import layout_problems, layout_seed
-from loopvq_calib.kmeans_backends import kmeans_pp_init, weighted_kmeans
-from loopvq_calib.layouts import plan_layouts
+from loopvq_calib.calibration.capture.kv import CaptureReader
+from loopvq_calib.calibration.kmeans import solvers as kmeans_backends
+from loopvq_calib.calibration.kmeans.fit import layout_problems, layout_seed
+from loopvq_calib.calibration.kmeans.solvers import kmeans_pp_init, weighted_kmeans
+from loopvq_calib.calibration.pipeline import model_shape
+from loopvq_calib.codes.layouts import plan_layouts
+from loopvq_calib.config.load import load_config
+from loopvq_calib.config.schema import KMeansConfig
 from loopvq_calib.models.loading import read_model_config, resolve_model_dir
-from loopvq_calib.pipeline import model_shape
 
 
 def clock() -> tuple[float, float]:

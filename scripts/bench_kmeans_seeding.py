@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kmeans import problems  # noqa: E402
 
-from loopvq_calib import kmeans_triton  # noqa: E402
+from loopvq_calib.kernels import kmeans as kmeans_triton  # noqa: E402
 
 
 def load(path: str):

@@ -16,12 +16,12 @@ import time
 
 import torch
 
-from loopvq_calib.capture import CaptureReader
-from loopvq_calib.config import load_config
-from loopvq_calib.kmeans import fit_codebooks
-from loopvq_calib.layouts import plan_layouts
+from loopvq_calib.calibration.capture.kv import CaptureReader
+from loopvq_calib.calibration.kmeans.fit import fit_codebooks
+from loopvq_calib.calibration.pipeline import model_shape
+from loopvq_calib.codes.layouts import plan_layouts
+from loopvq_calib.config.load import load_config
 from loopvq_calib.models.loading import read_model_config, resolve_model_dir
-from loopvq_calib.pipeline import model_shape
 
 
 def _cpu_s() -> float:

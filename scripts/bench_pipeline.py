@@ -59,7 +59,7 @@ def summarize(run_dir: Path, wall_s: float | None = None, records: list[dict] | 
     if tasq.is_file():  # the TaSQ fit's phases (main process)
         out["tasq_seconds"] = json.loads(tasq.read_text())["report"].get("seconds")
     if (run_dir / "finetune" / "curve.json").is_file():
-        from loopvq_calib.stages import load_finetune, selection_metrics
+        from loopvq_calib.calibration.stages import load_finetune, selection_metrics
 
         out.update(selection_metrics(load_finetune(run_dir / "finetune")))
     out["startup"] = manifest.get("startup")  # seconds of each start-up step before the first stage

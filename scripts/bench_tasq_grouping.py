@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from loopvq_calib.tasq import fit_groups, rope_pair_units
+from loopvq_calib.calibration.tasq.grouping import fit_groups, rope_pair_units
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from loopvq_calib.stages import load_finetune, selection_metrics
+from loopvq_calib.calibration.stages import load_finetune, selection_metrics
 
 
 def compare(a: Path, b: Path) -> dict:

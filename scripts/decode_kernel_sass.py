@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loopvq_calib.decode_cuda import kernel_source  # noqa: E402
+from loopvq_calib.kernels.decode_cuda import kernel_source  # noqa: E402
 
 # Ouro-1.4B, LoopVQ K 256 G 16 T_c 4, fp16 tables, bf16 activations (decode_cuda.decode_attention_cuda's defines)
 OURO = dict(D=128, QG=1, KCB=256, NKC=32, NVC=32, KMIX=0, VT32=0, CHEB=1, HAS_MASK=0, ACT=0, IDXVEC=16)

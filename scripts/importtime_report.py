@@ -2,8 +2,8 @@
 (cumulative microseconds as Python reports them), and for each heavy package the chain of imports that first
 pulled it in. One JSON object.
 
-    python -X importtime -c "from loopvq_calib.pipeline import Pipeline" 2> importtime.txt
-    python scripts/importtime_report.py importtime.txt --module loopvq_calib.pipeline
+    python -X importtime -c "from loopvq_calib.calibration.pipeline import Pipeline" 2> importtime.txt
+    python scripts/importtime_report.py importtime.txt --module loopvq_calib.calibration.pipeline
 """
 
 from __future__ import annotations

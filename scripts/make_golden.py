@@ -20,14 +20,14 @@ from pathlib import Path
 import torch
 
 from loopvq_calib import __version__
-from loopvq_calib.bundle import safetensors_bytes, write_bundle
-from loopvq_calib.codec import BlockCodec, TasqTransform, gather_groups
-from loopvq_calib.config import QuantConfig, ServingConfig
-from loopvq_calib.layouts import BlockLayout, codebook_shape, plan_layouts
+from loopvq_calib.bundle.writer import safetensors_bytes, write_bundle
+from loopvq_calib.codes.codec import BlockCodec, TasqTransform, gather_groups
+from loopvq_calib.codes.layouts import BlockLayout, codebook_shape, plan_layouts
+from loopvq_calib.codes.quantizer import KVQuantizer
+from loopvq_calib.config.schema import QuantConfig, ServingConfig
 from loopvq_calib.models.common import apply_rope, rope_angles
-from loopvq_calib.models.loading import DTYPES, ModelIdentity
+from loopvq_calib.models.loading import TORCH_DTYPES, ModelIdentity
 from loopvq_calib.models.sites import KVLayout, KVSite
-from loopvq_calib.quantizer import KVQuantizer
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "golden"
 TOKENS = 16
@@ -88,7 +88,7 @@ def build_quantizer(kv: KVLayout, method: str, sharing: str, dtype: str, gen: to
             lay = BlockLayout(lay.name, lay.kind, lay.sites, HEAD_DIM, HEADS, pair_groups(lay.steps, gen))
             transform = TasqTransform(tasq_weight(lay.steps, gen), sigma_min=1e-4)
         lay.check()
-        cb = torch.randn(codebook_shape(lay, K, sharing), generator=gen).to(DTYPES[dtype]).float()
+        cb = torch.randn(codebook_shape(lay, K, sharing), generator=gen).to(TORCH_DTYPES[dtype]).float()
         codecs[lay.key] = BlockCodec(lay, cb, transform)
     return KVQuantizer(codecs, method, K, G, T_C, sharing, kv)
 

@@ -20,7 +20,12 @@ from pathlib import Path
 
 import torch
 
-from loopvq_calib.models import HuginnConfig, HuginnForCausalLM, OuroConfig, OuroForCausalLM
+from loopvq_calib.models import (
+    HuginnConfig,
+    HuginnForCausalLM,
+    OuroConfig,
+    OuroForCausalLM,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "artifacts" / "tiny-ouro"

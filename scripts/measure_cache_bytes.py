@@ -40,13 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from loopvq_calib.models.loading import load_model
-    from loopvq_calib.qcache import QuantizedLoopKVCache, sampled_quantizer
+    from loopvq_calib.serving.cache import QuantizedLoopKVCache, sampled_quantizer
 
     model, tok = load_model(Path(args.model), args.dtype, torch.device("cpu"))
     docs = [json.loads(line)["text"] for line in Path(args.text).read_text().splitlines() if line.strip()]
     stream = torch.tensor([tok("\n".join(docs))["input_ids"]])
     if args.bundle:
-        from loopvq_calib.bundle import load_bundle
+        from loopvq_calib.bundle.reader import load_bundle
 
         quantizer = load_bundle(args.bundle).quantizer
     else:

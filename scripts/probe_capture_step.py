@@ -21,9 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_random_checkpoint import MODELS, frozen_random_model  # noqa: E402
 
-from loopvq_calib.capture import capture_sequence  # noqa: E402
-from loopvq_calib.objective import shared_initial_state  # noqa: E402
-from loopvq_calib.tasq_stats import key_weights, query_statistics  # noqa: E402
+from loopvq_calib.calibration.capture.kv import capture_sequence  # noqa: E402
+from loopvq_calib.calibration.tasq.stats import key_weights, query_statistics  # noqa: E402
+from loopvq_calib.codes.objective import shared_initial_state  # noqa: E402
 
 
 def timed(fn, device: torch.device) -> float:

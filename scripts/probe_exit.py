@@ -16,7 +16,7 @@ import time
 
 CHILD = r"""
 import os, sys, time, torch
-from loopvq_calib.pipeline import Pipeline  # noqa: F401  (the command's imports)
+from loopvq_calib.calibration.pipeline import Pipeline  # noqa: F401  (the command's imports)
 gib, fast = float(sys.argv[1]), sys.argv[2] == "fast"
 if torch.cuda.is_available():
     blocks = [torch.empty(1 << 30, dtype=torch.uint8, device="cuda") for _ in range(int(gib))]

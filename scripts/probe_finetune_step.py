@@ -20,12 +20,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_random_checkpoint import MODELS, frozen_random_model  # noqa: E402
 
-from loopvq_calib.codec import BlockCodec, TasqTransform  # noqa: E402
-from loopvq_calib.config import load_config  # noqa: E402
-from loopvq_calib.layouts import codebook_shape, plan_layouts  # noqa: E402
+from loopvq_calib.codes.codec import BlockCodec, TasqTransform  # noqa: E402
+from loopvq_calib.codes.layouts import codebook_shape, plan_layouts  # noqa: E402
+from loopvq_calib.codes.objective import mean_kl, quantized_logits, teacher  # noqa: E402
+from loopvq_calib.codes.quantizer import KVQuantizer  # noqa: E402
+from loopvq_calib.config.load import load_config  # noqa: E402
 from loopvq_calib.models.sites import loop_checkpointing  # noqa: E402
-from loopvq_calib.objective import mean_kl, quantized_logits, teacher  # noqa: E402
-from loopvq_calib.quantizer import KVQuantizer  # noqa: E402
 
 
 def random_quantizer(model: torch.nn.Module, quant, device: torch.device) -> KVQuantizer:

@@ -1,4 +1,4 @@
-"""Which host-to-device copies stop the host while a side stream is busy (loopvq_calib.transfer.SideStream).
+"""Which host-to-device copies stop the host while a side stream is busy (loopvq_calib.runtime.streams.SideStream).
 
 Each case queues about 0.3 s of device work on a fresh side stream, then times one copy queued behind it and says
 whether the side stream was still busy afterwards (the copy did not wait for it). The last case is the same copy
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from loopvq_calib.transfer import SideStream
+from loopvq_calib.runtime.streams import SideStream
 
 
 def main() -> None:

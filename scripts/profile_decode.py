@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_decode as bd  # noqa: E402
-from loopvq_calib import decode_attention as da  # noqa: E402
+
+from loopvq_calib.serving import decode_attention as da  # noqa: E402
 
 
 def main() -> None:

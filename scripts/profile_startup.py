@@ -26,8 +26,8 @@ def main() -> None:
     from loopvq_calib.cli import _quiet_libraries
 
     _quiet_libraries()
-    from loopvq_calib.config import load_config
-    from loopvq_calib.pipeline import Pipeline
+    from loopvq_calib.calibration.pipeline import Pipeline
+    from loopvq_calib.config.load import load_config
 
     imports = time.perf_counter() - START
     cfg = load_config(args.config, args.overrides)
@@ -38,7 +38,7 @@ def main() -> None:
     import torch
 
     if pipeline.kmeans_device.type == "cuda":
-        from loopvq_calib import kmeans_triton
+        from loopvq_calib.kernels import kmeans as kmeans_triton
 
         k, g = cfg.quant.codebook_size, cfg.quant.group_size
         gen = torch.Generator().manual_seed(0)

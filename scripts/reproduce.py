@@ -106,13 +106,16 @@ def evaluate_all() -> dict:
     """Held-out metrics of every fine-tuned quantizer (with per-step sensitivity) and k-means quantizer."""
     import torch
 
-    from loopvq_calib.analysis import average_structure, correlation_structure
-    from loopvq_calib.capture import CaptureReader
-    from loopvq_calib.config import DataConfig
-    from loopvq_calib.data import build_calibration_set
-    from loopvq_calib.evaluate import evaluate_quantizers
+    from loopvq_calib.calibration.capture.kv import CaptureReader
+    from loopvq_calib.calibration.stages import load_quantizer
+    from loopvq_calib.config.schema import DataConfig
+    from loopvq_calib.data.corpus import build_calibration_set
+    from loopvq_calib.evaluation.evaluate import evaluate_quantizers
+    from loopvq_calib.evaluation.kv_structure import (
+        average_structure,
+        correlation_structure,
+    )
     from loopvq_calib.models.loading import load_model
-    from loopvq_calib.quantizer import load_quantizer
 
     model, tok = load_model(ROOT / "artifacts/tiny-ouro", "float32", torch.device("cpu"))
     held = build_calibration_set(DataConfig(dataset=str(ROOT / "artifacts/data/shakespeare-heldout.jsonl"),
@@ -157,7 +160,7 @@ def main() -> None:
     times = calibrate_all(args.workers)
     data = evaluate_all()
     data["times"], data["total_s"] = times, time.time() - start
-    from loopvq_calib.config import FinetuneConfig
+    from loopvq_calib.config.schema import FinetuneConfig
 
     data["settings"] = {"sequence_length": SEQ_LEN, "kmeans_iterations": KMEANS_ITERS, "workers": args.workers,
                         "finetune": asdict(FinetuneConfig())}

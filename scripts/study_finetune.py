@@ -104,12 +104,17 @@ def study_cell(method: str, bits: float, sequences: int, variants: list[str], de
     record after each variant (a time limit still leaves the finished ones)."""
     import torch
 
-    from loopvq_calib.config import FinetuneConfig, load_config
-    from loopvq_calib.evaluate import DEFAULT_DATA, _heldout, evaluate_quantizers
-    from loopvq_calib.finetune import finetune_codebooks
+    from loopvq_calib.calibration.finetune.train import finetune_codebooks
+    from loopvq_calib.calibration.pipeline import Pipeline, calibrate
+    from loopvq_calib.calibration.stages import load_quantizer
+    from loopvq_calib.config.load import load_config
+    from loopvq_calib.config.schema import FinetuneConfig
+    from loopvq_calib.evaluation.evaluate import (
+        DEFAULT_DATA,
+        _heldout,
+        evaluate_quantizers,
+    )
     from loopvq_calib.models.loading import load_model
-    from loopvq_calib.pipeline import Pipeline, calibrate
-    from loopvq_calib.quantizer import load_quantizer
 
     run_dir = runs / f"{method.replace('+', '-')}-{bits}-n{sequences}"
     raw = run_config(method, bits, sequences, device, run_dir, smoke)

@@ -214,7 +214,10 @@ def report(args: argparse.Namespace) -> None:
     """Held-out loss per loop, and the inter-step structure of pre-RoPE keys and values (paper Fig. 2b)."""
     from transformers import AutoModelForCausalLM
 
-    from loopvq_calib.analysis import average_structure, correlation_structure
+    from loopvq_calib.evaluation.kv_structure import (
+        average_structure,
+        correlation_structure,
+    )
     from loopvq_calib.models import KVRecorder, kv_hook
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -25,8 +25,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kmeans import problems  # noqa: E402
 
-from loopvq_calib import kmeans_triton  # noqa: E402
-from loopvq_calib.kmeans_backends import _assign, kmeans_pp_init  # noqa: E402
+from loopvq_calib.calibration.kmeans.solvers import _assign, kmeans_pp_init  # noqa: E402
+from loopvq_calib.kernels import kmeans as kmeans_triton  # noqa: E402
 
 P, N, G, K = 512, 32640, 16, 256
 

@@ -23,18 +23,28 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import loopvq_calib  # noqa: F401  (registers the native models)
-from loopvq_calib.bundle import write_bundle
-from loopvq_calib.capture import CaptureReader, capture_kv, write_meta
-from loopvq_calib.codec import BlockCodec, TasqTransform
-from loopvq_calib.config import CaptureConfig, FinetuneConfig, QuantConfig, ServingConfig
-from loopvq_calib.data import CalibrationSet
-from loopvq_calib.finetune import FinetuneResult, finetune_codebooks
-from loopvq_calib.layouts import codebook_shape, plan_layouts
-from loopvq_calib.models import HuginnConfig, HuginnForCausalLM, OuroConfig, OuroForCausalLM
+from loopvq_calib.bundle.writer import write_bundle
+from loopvq_calib.calibration.capture.kv import CaptureReader, capture_kv, write_meta
+from loopvq_calib.calibration.finetune.train import FinetuneResult, finetune_codebooks
+from loopvq_calib.codes.codec import BlockCodec, TasqTransform
+from loopvq_calib.codes.layouts import codebook_shape, plan_layouts
+from loopvq_calib.codes.quantizer import KVQuantizer
+from loopvq_calib.config.schema import (
+    CaptureConfig,
+    FinetuneConfig,
+    QuantConfig,
+    ServingConfig,
+)
+from loopvq_calib.data.corpus import CalibrationSet
+from loopvq_calib.models import (
+    HuginnConfig,
+    HuginnForCausalLM,
+    OuroConfig,
+    OuroForCausalLM,
+)
 from loopvq_calib.models.loading import model_identity
 from loopvq_calib.models.sites import kv_layout
-from loopvq_calib.qcache import sampled_quantizer
-from loopvq_calib.quantizer import KVQuantizer
+from loopvq_calib.serving.cache import sampled_quantizer
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_MODEL = ROOT / "artifacts" / "tiny-ouro"

@@ -9,14 +9,13 @@ import contextlib
 import io
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 import yaml
+from conftest import ROOT
 
 from loopvq_calib.cli import PARSERS
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKFLOW = ROOT / ".github" / "workflows" / "calibrate.yml"
 SHELL_OPERATORS = {"&&", "||", ";", "|", ">", ">>"}
 

@@ -7,14 +7,14 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
-from test_pipeline import tiny_config
+from conftest import ROOT
+from support.builders import tiny_config
 
+from loopvq_calib.calibration.pipeline import calibrate
 from loopvq_calib.cli import calibrate_main, eval_main, inspect_main, push_main
-from loopvq_calib.pipeline import calibrate
 
 
 @pytest.mark.parametrize("method", ["cq", "tasq", "loopvq", "tasq+loopvq"])
@@ -73,7 +73,7 @@ print("heavy:", *(m for m in ("torch", "transformers", "datasets", "safetensors"
 def test_help_imports_nothing_heavy(main):
     """--help parses and prints before torch, transformers, datasets or numpy are imported (it then takes
     well under a second; with torch loaded it took 4-5 s)."""
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     done = subprocess.run([sys.executable, "-c", HELP_PROBE, main], capture_output=True, text=True, cwd=root,
                           env={"PYTHONPATH": str(root), "PATH": ""}, check=True)
     lines = done.stdout.splitlines()
@@ -84,7 +84,7 @@ def test_help_imports_nothing_heavy(main):
 def test_python_m_exits_with_the_status_after_flushing_output_and_log(tiny_ouro_dir, calib_corpus, tmp_path):
     """``python -m loopvq_calib`` ends through cli.exit_now (no interpreter teardown): the exit status, the
     printed error and the run log written before it still arrive."""
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     env = {"PYTHONPATH": str(root), "PATH": "", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     bad = tmp_path / "bad.yaml"
     bad.write_text("quant:\n  bits: [1\n")

@@ -19,12 +19,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from test_pipeline import tiny_config
+from conftest import ROOT
+from support.builders import tiny_config
 
+from loopvq_calib.calibration.rundir import LOCK_FILE, RunDir
 from loopvq_calib.cli import calibrate_main, eval_main, inspect_main, push_main
-from loopvq_calib.rundir import LOCK_FILE, RunDir
 
-ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "ouro_loopvq"
 JSONL = "\n".join(json.dumps({"text": "To be, or not to be, that is the question. " * 8}) for _ in range(40)) + "\n"
 
@@ -245,7 +245,7 @@ def test_bad_input_exits_2_names_it_and_changes_nothing(ws, capsys, name, setup,
 def test_a_second_process_holding_the_lock_is_named_and_a_killed_ones_lock_is_taken_over(ws, capsys, caplog):
     """A real second run: refused at once naming its pid and host; once it is killed, its lock is taken over."""
     run = ws.run_dir()
-    holder = ("import sys, time; from pathlib import Path; from loopvq_calib.rundir import RunDir\n"
+    holder = ("import sys, time; from pathlib import Path; from loopvq_calib.calibration.rundir import RunDir\n"
               "r = RunDir(Path(sys.argv[1])); r.open(); print('locked', flush=True); time.sleep(120)")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-c", holder, str(run)], stdout=subprocess.PIPE, text=True, env=env)

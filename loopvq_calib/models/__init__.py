@@ -10,7 +10,15 @@ from .base import CheckpointMismatchError, LoopCausalLMOutput
 from .cache import LoopKVCache
 from .huginn import HuginnConfig, HuginnForCausalLM
 from .ouro import OuroConfig, OuroForCausalLM
-from .sites import KVLayout, KVRecorder, KVSite, KVSubstituter, SiteBlock, kv_hook, kv_layout
+from .sites import (
+    KVLayout,
+    KVRecorder,
+    KVSite,
+    KVSubstituter,
+    SiteBlock,
+    kv_hook,
+    kv_layout,
+)
 
 for _config, _model in ((OuroConfig, OuroForCausalLM), (HuginnConfig, HuginnForCausalLM)):
     AutoConfig.register(_config.model_type, _config, exist_ok=True)

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from ..config import DTYPES as DTYPE_NAMES
+from ..config.schema import DTYPE_NAMES
 
-DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the config's dtype names as torch dtypes
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the config's dtype names as torch dtypes
 NATIVE_TYPES = ("ouro", "huginn_raven")
 
 
@@ -25,8 +25,8 @@ class ModelLoadError(RuntimeError):
 def resolve_model_dir(name_or_path: str, revision: str | None = None, key: str = "model.name_or_path") -> Path:
     """A local folder as is; a hub id through the hub cache (snapshot_download; read from the cache only
     under HF_HUB_OFFLINE=1). A local-looking path that does not exist is reported as such, never as a
-    network error (see :func:`loopvq_calib.config.looks_local`)."""
-    from ..config_source import looks_local
+    network error (see :func:`loopvq_calib.config.source.looks_local`)."""
+    from ..config.source import looks_local
 
     path = Path(name_or_path).expanduser()
     if path.is_dir():
@@ -160,7 +160,7 @@ def load_model(folder: Path, dtype: str, device: torch.device, loop_steps: int |
 
     read_model_config(folder)
     # read straight onto the device (the same tensors as loading on the CPU and moving the model there)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype], device_map={"": str(device)}).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=TORCH_DTYPES[dtype], device_map={"": str(device)}).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     set_loop_steps(model, loop_steps)

@@ -9,8 +9,8 @@ them at chosen sites and positions.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager
 import dataclasses
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 

@@ -1,0 +1,193 @@
+"""The bundle's model card (README.md): hub front matter, a human summary and, when an evaluation report is
+attached (``loopvq-push --eval-report``), its results as model-index metadata (huggingface_hub's
+``ModelCardData`` / ``EvalResult``) and a table."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+
+from ..runtime.files import TMP_PREFIX, write_temp
+
+
+class EvalReportError(ValueError):
+    """The evaluation report cannot be attached to the bundle (missing, unreadable, other bundle)."""
+
+
+def model_card(meta: dict[str, Any], evaluation: dict[str, Any] | None = None) -> str:
+    """README.md of a bundle: hub front matter and a human summary; with ``evaluation`` (from
+    :func:`evaluation_for`) its results as model-index metadata and a table."""
+    ident, bits, serving, metrics = meta["model"], meta["bits"], meta["serving"], meta["metrics"]
+    cfg = meta.get("config") or {}
+    license_ = cfg.get("license") or (cfg.get("output") or {}).get("license")
+    data = ModelCardData(
+        base_model=ident["name"] if is_hub_id(ident["name"]) else None,  # a local model: no base_model
+        library_name="loopvq-calib", license=license_ or None,
+        tags=["loopvq", "kv-cache", "quantization", "vector-quantization", "looped-transformer", ident["model_type"]],
+        model_name=meta["name"] if evaluation else None,
+        eval_results=evaluation["results"] if evaluation else None,
+    )
+    kv = meta["kv_layout"]
+    n_key = sum(b["kind"] == "key" for b in meta["blocks"])
+    lines = [
+        "---", data.to_yaml().rstrip(), "---", "",
+        f"# {meta['name']}", "",
+        f"LoopVQ KV-cache codebooks for `{ident['name']}`"
+        + (f" (revision `{ident['revision']}`)" if ident.get("revision") else "")
+        + f", model type `{ident['model_type']}`, produced by loopvq-calib {meta['producer']['version']} "
+        f"(bundle format {meta['format_version']}). The codes replace the pre-RoPE keys and values of the KV "
+        "cache; the model weights are unchanged.", "",
+        "| | |", "|---|---|",
+        f"| method | {meta['method']} |",
+        f"| bits per element | key {bits['key']:.4f}, value {bits['value']:.4f} |",
+        f"| codebook size K / group size G / loop steps per block T_c | {meta['codebook_size']} / "
+        f"{meta['group_size']} / {meta['steps_per_block']} |",
+        f"| codebook sharing | {meta['codebook_sharing']} |",
+        f"| blocks | {n_key} key + {len(meta['blocks']) - n_key} value |",
+        f"| KV sites | {len(kv['sites'])} ({kv['loop_steps']} loop steps, {kv['kv_heads']} KV heads, head dim "
+        f"{kv['head_dim']}) |",
+        f"| codebook memory | {meta['codebook_bytes']:,} bytes ({meta['codebook_dtype']}) |",
+        f"| RoPE | {meta['rope']['style']}, theta {meta['rope']['theta']:g} (applied after decoding) |",
+    ]
+    selection = metrics.get("selection_kl", metrics.get("heldout_kl"))
+    if selection is not None:
+        init = metrics.get("selection_kl_init", metrics.get("heldout_kl_init"))
+        init_text = f" (after k-means: {_num(init)})" if init is not None else ""
+        lines.append(f"| selection KL to full precision (calibration selection sequences) | {_num(selection)}{init_text} |")
+    lines += [
+        "", "## Load", "", "```python",
+        "from huggingface_hub import snapshot_download",
+        "from loopvq_calib import load_bundle", "",
+        "path = snapshot_download(\"<this repo id>\")  # or a local bundle folder",
+        f"bundle = load_bundle(path, model=\"{ident['name']}\")  # checks checksums and the model identity",
+        "codec = bundle.quantizer.codecs[\"" + meta["blocks"][0]["key"] + "\"]  # one (kind, block)",
+        "codes = codec.encode(x)        # x [N, block steps, H, D] pre-RoPE, fp32",
+        "x_hat = codec.decode(codes)    # apply RoPE afterwards for keys", "```", "",
+        "## Serving defaults", "",
+        f"- sink tokens kept in full precision: {serving['sink_tokens']}",
+        f"- recent window kept in full precision: {serving['recent_window']} tokens",
+        f"- page size (tokens encoded together once they leave the window): {serving['page_size']}", "",
+        "The file format (tensor names, group layout, encoder/decoder rules) is specified in loopvq-calib's "
+        "docs/bundle-format.md.", "",
+    ]
+    if evaluation:
+        lines += evaluation["markdown"]
+    content = "\n".join(lines)
+    ModelCard(content)  # parses the front matter and model-index (raises on a malformed card)
+    return content
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether a bundle's model name is a hub id ``org/name`` (the card's ``base_model`` holds nothing else;
+    a local model is recorded by its absolute path)."""
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
+
+
+def _num(value: Any) -> str:
+    return f"{value:.5g}" if isinstance(value, float) else str(value)
+
+
+# -- evaluation results --------------------------------------------------------------------------------
+def evaluation_for(report: dict[str, Any], name: str) -> dict[str, Any]:
+    """EvalResults and markdown lines of the bundle called ``name`` in a ``loopvq-eval`` report.json."""
+    rows = {r["name"]: r for r in report.get("bundles") or [] if not r.get("baseline")}
+    if name not in rows:
+        raise EvalReportError(f"the evaluation report has no bundle named {name!r} (it has: "
+                              f"{', '.join(sorted(rows)) or 'none'})")
+    row = rows[name]
+    kl = row.get("eval_kl", row.get("heldout_kl"))
+    data = (report.get("data") or {}).get("dataset") or "held-out text"
+    served = report.get("served") or {}
+    entry = next((e for e in served.get("entries") or [] if e["name"] == name), None)
+    where = "" if entry is None else " (sinks {sink_tokens}, recent window {recent_window})".format(**entry["serving"])
+    results = [
+        EvalResult(task_type="text-generation", dataset_type="loopvq-eval", dataset_name=str(data), metric_type="kl",
+                   metric_name="evaluation KL to full precision", metric_value=round(float(kl), 6)),
+        EvalResult(task_type="text-generation", dataset_type="loopvq-eval", dataset_name=str(data),
+                   metric_type="perplexity", metric_name="perplexity (quantized cache)",
+                   metric_value=round(float(row["ppl_quantized"]), 4)),
+    ]
+    table = [("evaluation KL", str(data), _num(float(kl)), "0"),
+             ("perplexity", str(data), _num(float(row["ppl_quantized"])), _num(float(row["ppl_fp"])))]
+    ref = served.get("reference")
+    scores = (served.get("tasks") or {}).get("scores") or {}
+    for task, metrics in sorted((scores.get(name) or {}).items()):
+        for metric, value in metrics.items():
+            results.append(EvalResult(task_type="text-generation", dataset_type=task, dataset_name=task,
+                                      metric_type=metric.split(",")[0], metric_name=f"{metric}{where}",
+                                      metric_value=round(value, 6)))
+            fp = (scores.get(ref) or {}).get(task, {}).get(metric)
+            table.append((metric, task, _num(value), _num(fp) if fp is not None else "n/a"))
+    passkey = served.get("passkey")
+    if passkey and name in passkey["accuracy"]:
+        for n, acc in passkey["accuracy"][name].items():
+            results.append(EvalResult(task_type="text-generation", dataset_type="passkey", dataset_name=f"passkey {n} tokens",
+                                      metric_type="accuracy", metric_name=f"passkey retrieval{where}", metric_value=acc))
+            table.append(("passkey accuracy", f"{n} tokens", _num(acc), _num(passkey["accuracy"][ref][n])))
+    lines = ["## Evaluation", "",
+             f"Measured by `loopvq-eval` on `{report.get('model')}` ({report.get('dtype')}){where}; the "
+             f"evaluation KL is on text the calibration never saw.", "",
+             f"| metric | data / task | this bundle | {ref or 'full precision'} |", "|---|---|---|---|"]
+    lines += [f"| {m} | {d} | {v} | {f} |" for m, d, v, f in table] + [""]
+    return {"results": results, "markdown": lines}
+
+
+def attach_eval_report(bundle_path: str | Path, report_path: str | Path, write: bool = True) -> list[EvalResult]:
+    """Rewrite the bundle's README.md with the results of ``report_path`` (report.json or its folder) and
+    record its new checksum in loopvq.json; ``write=False`` only checks and returns the results. Both files
+    are written to temporary siblings first and renamed into place, so a failure leaves the old pair intact."""
+    from .format import CARD_FILE, META_FILE, file_entry, meta_bytes
+    from .reader import load_bundle  # the reader: no import of bundle.py
+
+    report_file = Path(report_path)
+    report_file = report_file / "report.json" if report_file.is_dir() else report_file
+    try:
+        report = json.loads(report_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise EvalReportError(f"--eval-report {report_path}: cannot read an evaluation report ({err})") from err
+    bundle = load_bundle(bundle_path)
+    evaluation = evaluation_for(report, bundle.meta["name"])
+    if write:
+        path = Path(bundle_path)
+        card = write_temp(path / CARD_FILE, model_card(bundle.meta, evaluation).encode("utf-8"), durable=True)
+        try:
+            meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
+            meta["files"][CARD_FILE] = file_entry(card)
+            new_meta = write_temp(path / META_FILE, meta_bytes(meta), durable=True)  # a new meta_sha256 over the new files entry
+        except BaseException:
+            card.unlink(missing_ok=True)
+            raise
+        _replace_pair(path / CARD_FILE, card, path / META_FILE, new_meta)
+        load_bundle(path)
+    return evaluation["results"]
+
+
+def _replace_pair(card: Path, card_tmp: Path, meta: Path, meta_tmp: Path) -> None:
+    """Rename both finished files into place, the card first, the old card moved aside (renamed, not reread);
+    if a rename fails, the old card is renamed back, so an error leaves README.md and loopvq.json (whose
+    checksum covers it) matching. A kill between the renames leaves the new card, or none, beside the old
+    metadata, which ``load_bundle`` refuses."""
+    aside = card.with_name(f"{TMP_PREFIX}{card.name}.old.{os.getpid()}")
+    moved = False  # a file already at ``aside`` (left by a killed attempt) is never put back
+    try:
+        os.replace(card, aside)
+        moved = True
+        os.replace(card_tmp, card)
+        os.replace(meta_tmp, meta)
+    except BaseException:
+        card_tmp.unlink(missing_ok=True)
+        meta_tmp.unlink(missing_ok=True)
+        if moved:
+            os.replace(aside, card)
+        raise
+    aside.unlink()

@@ -1,0 +1,293 @@
+"""Loop-aware codebook fine-tuning against the full-precision output (docs/finetune.md).
+
+Objective: mean over positions after the sinks of KL(p_j || q_j), q_j the frozen model's output when
+every site's keys/values after the sinks are replaced by decode(encode(.)) of that sequence's
+full-precision cache with the current codebooks, plus an optional proximal penalty toward the k-means
+codebooks. Assignments are recomputed each step without gradient; the free parameters
+(finetune_recipe.py) get exact gradients through the lookup. Model weights never change. The k-means
+initialisation is step 0; the selection point (epoch end or every ``select_every`` steps) with the
+lowest selection KL (KL on the calibration set's selection sequences) is kept.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ...codes.objective import Teacher, mean_kl, quantized_logits, teacher
+from ...codes.quantizer import KVQuantizer
+from ...config.schema import FinetuneConfig
+from ...data.corpus import CalibrationSet
+from ...runtime.processes import SINGLE, DistContext
+from .epoch_state import EpochWriter
+from .loop_policy import LoopPolicy, release_cached_memory
+from .recipe import CodebookParams, add_usage, lr_factor
+from .teacher_cache import Plan, TeacherCache, autocast
+
+log = logging.getLogger("loopvq_calib")
+
+
+@dataclass
+class FinetuneResult:
+    quantizer: KVQuantizer  # codebooks of the best selection point
+    best_epoch: int  # the epoch of that point (0: the k-means codebooks)
+    curve: list[dict[str, Any]] = field(default_factory=list)  # per selection point: epoch, step, train_kl, selection_kl
+    teacher_kept: int = 0  # sequences whose teacher outputs this process kept across epochs
+    best_step: int = 0  # optimizer steps taken at that point
+
+
+def sequence_kl(model: torch.nn.Module, ids: torch.Tensor, quantizer: KVQuantizer, sink_tokens: int,
+                cfg: FinetuneConfig, device: torch.device, fp=None) -> torch.Tensor:
+    """KL objective of sequences [B, S] of one length, the mean over their positions after the sinks
+    (differentiable w.r.t. the codebooks); ``fp`` their cached teacher outputs."""
+    with autocast(cfg, device):
+        fp = fp if fp is not None else teacher(model, ids)
+        q = quantized_logits(model, ids, quantizer, fp, sink_tokens)
+    return mean_kl(fp.logits, q, sink_tokens, cfg.kl_chunk)
+
+
+@torch.no_grad()
+def selection_kl(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, cfg: FinetuneConfig,
+               device: torch.device, cache: TeacherCache | None = None, dist: DistContext = SINGLE) -> float:
+    """Selection KL: mean KL over the selection sequences of the calibration set (``calib.heldout``; each
+    process of ``dist`` takes a share, summed across processes), ``cfg.selection_batch`` sequences per
+    forward: their kept teacher outputs joined along the batch, or one teacher forward of the batch when
+    ``cache`` keeps none of them."""
+    total = torch.zeros(2, device=device)
+    owned = dist.share(calib.heldout)
+    for start in range(0, len(owned), cfg.selection_batch):
+        rows = owned[start : start + cfg.selection_batch]
+        ids = calib.input_ids[rows].to(device)
+        fp = None
+        if cache is not None and any(cache.keeps(i) for i in rows):
+            fp = batch_teachers([cache.get(i, ids[j : j + 1], device) for j, i in enumerate(rows)])
+        total[0] += sequence_kl(model, ids, quantizer, calib.sink_tokens, cfg, device, fp).float() * len(rows)
+        total[1] += len(rows)
+    total = dist.all_reduce_sum(total)
+    return (total[0] / total[1]).item()
+
+
+def selection_extra(cache: TeacherCache, cfg: FinetuneConfig, selection_sequences: int) -> int:
+    """Bytes a joined selection batch of this process's ``selection_sequences`` may add on top of the peak of
+    training steps: the joined teacher outputs and the batch's quantized keys/values, estimated (not measured)
+    as twice its sequences' outputs; 0 for one sequence at a time."""
+    batch = min(cfg.selection_batch, selection_sequences)
+    return 2 * batch * (cache.per_sequence or 0) if batch > 1 else 0
+
+
+def batch_teachers(parts: list[Teacher]) -> Teacher:
+    """The teacher outputs of several sequences of one length as one batch (a part itself when alone)."""
+    if len(parts) == 1:
+        return parts[0]
+    return Teacher(torch.cat([p.logits for p in parts]),
+                   {s: torch.cat([p.keys[s] for p in parts]) for s in parts[0].keys},
+                   {s: torch.cat([p.values[s] for p in parts]) for s in parts[0].values})
+
+
+def epoch_batches(calib: CalibrationSet, cfg: FinetuneConfig, epoch: int) -> list[list[int]]:
+    """The training batches of epoch ``epoch`` (from 1), in the order it visits them (the same on every
+    process; each process takes its :meth:`~loopvq_calib.runtime.processes.DistContext.share` of a batch)."""
+    gen = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
+    order = [calib.train[i] for i in torch.randperm(len(calib.train), generator=gen).tolist()]
+    return [order[start : start + cfg.batch_size] for start in range(0, len(order), cfg.batch_size)]
+
+
+def teacher_plan(calib: CalibrationSet, cfg: FinetuneConfig, dist: DistContext = SINGLE,
+                 first_epoch: int = 1) -> Plan:
+    """The sequences whose teacher outputs this process of ``dist`` asks for in a run from epoch ``first_epoch``,
+    in order, in the groups it asks for together: its share of the selection sequences in batches of
+    ``selection_batch`` at every selection point (the first, step 0, only in a fresh run), of the usage count
+    (``min_usage``, one at a time) and of every training batch (one at a time; each batch is split by position,
+    and the order changes every epoch, so with ``batch_size`` > 1 a process sees most training sequences)."""
+    held = dist.share(calib.heldout)
+    selection = [held[i : i + cfg.selection_batch] for i in range(0, len(held), cfg.selection_batch)]
+    plan = list(selection) if first_epoch == 1 else []
+    total = training_steps(cfg, len(calib.train))
+    if total == 0:
+        return plan
+    if cfg.min_usage > 0:
+        plan += [[i] for i in dist.share(calib.train)]
+    steps = (first_epoch - 1) * -(-len(calib.train) // cfg.batch_size)
+    for epoch in range(first_epoch, cfg.epochs + 1):
+        batches = epoch_batches(calib, cfg, epoch)
+        for b, batch in enumerate(batches):
+            plan += [[i] for i in dist.share(batch)]
+            steps += 1
+            if selects(cfg, steps, total, b == len(batches) - 1):
+                plan += selection
+    return plan
+
+
+def selects(cfg: FinetuneConfig, steps: int, total: int, last_of_epoch: bool) -> bool:
+    """Whether a selection point follows optimizer step ``steps`` of ``total``: every ``select_every`` steps
+    and at the last step, else at every epoch's end."""
+    return bool(cfg.select_every and steps % cfg.select_every == 0) or (
+        last_of_epoch and (not cfg.select_every or steps == total))
+
+
+def training_steps(cfg: FinetuneConfig, train_sequences: int) -> int:
+    """Optimizer steps of a fine-tuning run (0 when it is off)."""
+    return cfg.epochs * -(-train_sequences // cfg.batch_size) if cfg.enabled else 0
+
+
+def usage_counts(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, cache: TeacherCache,
+                 device: torch.device, dist: DistContext = SINGLE) -> dict[str, torch.Tensor]:
+    """Per codebook [Hc, nc, K]: training vectors (this process's share, summed across processes)
+    assigned to each codeword."""
+    counts: dict[str, torch.Tensor] = {key: torch.zeros(c.codebook.shape[:3], dtype=torch.long)
+                                       for key, c in quantizer.codecs.items()}  # every process reduces every key
+    for i in dist.share(calib.train):
+        ids = calib.input_ids[i : i + 1].to(device)
+        add_usage(quantizer, cache.get(i, ids, device), calib.sink_tokens, counts)
+    return {k: dist.all_reduce_sum(v.to(device)).cpu() for k, v in counts.items()}
+
+
+def train_step(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, free: CodebookParams,
+               cfg: FinetuneConfig, device: torch.device, cache: TeacherCache, dist: DistContext, batch: list[int],
+               train_sum: torch.Tensor) -> None:
+    """This process's share of one optimizer step's forward and backward passes: fresh zero gradients, the
+    codebooks from the free parameters, the proximal penalty (main process) and each sequence's KL / batch
+    size; adds (KL sum, sequences) to ``train_sum``. It leaves the parameters and the optimizer alone."""
+    for p in free.params:
+        p.grad = torch.zeros_like(p)
+    free.apply()
+    if cfg.proximal > 0 and dist.is_main:
+        free.penalty(cfg.proximal).backward(retain_graph=True)
+    for i in dist.share(batch):
+        ids = calib.input_ids[i : i + 1].to(device)
+        kl = sequence_kl(model, ids, quantizer, calib.sink_tokens, cfg, device, cache.get(i, ids, device))
+        (kl / len(batch)).backward(retain_graph=cfg.parameterization == "affine")
+        train_sum += torch.stack([kl.detach().float(), torch.ones((), device=device)])
+
+
+def finetune_codebooks(
+    model: torch.nn.Module,
+    calib: CalibrationSet,
+    quantizer: KVQuantizer,
+    cfg: FinetuneConfig,
+    device: torch.device,
+    progress: Callable[[int], Any] | None = None,
+    on_select: Callable[[dict[str, Any], KVQuantizer], Any] | None = None,
+    checkpoint: Path | None = None,
+    dist: DistContext = SINGLE,
+) -> FinetuneResult:
+    """Adam on the codebooks' free parameters (``cfg.parameterization``), ``cfg.batch_size`` training
+    sequences per step (split across processes, gradients averaged), the selection KL after every epoch
+    (or every ``cfg.select_every`` steps); returns the codebooks of the best selection point.
+    ``on_select(entry, quantizer)`` sees every curve entry with the codebooks it measured. On CUDA it
+    returns the allocator's unused cached blocks to the device and resets its peak-memory statistics (the
+    teacher cache is sized from the first steps' peak).
+    ``checkpoint``: a file where the main process saves the state after every epoch but the last (free
+    parameters, Adam's state, the curve, the best point; written in the background, :class:`EpochWriter`)
+    and from which a rerun resumes after the last saved epoch.
+    ``dist``: the processes sharing each batch (gradients summed across them). ``cfg.loop_checkpointing``
+    ``auto`` may turn checkpointing on during the run (:class:`~loopvq_calib.calibration.finetune.loop_policy.LoopPolicy`; a step
+    that ran out of memory is redone), which does not change the result."""
+    quantizer = copy.deepcopy(quantizer).to(device, torch.float32)
+    resume = torch.load(checkpoint, weights_only=False) if checkpoint is not None and checkpoint.is_file() else None
+    first_epoch = 1 if resume is None else resume["epoch"] + 1
+    cache = TeacherCache(model, cfg, teacher_plan(calib, cfg, dist, first_epoch))
+    if device.type == "cuda":  # the first steps' peak decides how many teacher outputs fit (cache_teacher auto)
+        release_cached_memory(device)
+    total = training_steps(cfg, len(calib.train))
+
+    def select(epoch: int, step: int, train: torch.Tensor | None) -> dict[str, Any]:
+        sel = selection_kl(model, calib, quantizer, cfg, device, cache, dist) if calib.heldout else float("nan")
+        mean = None if train is None else (dist.all_reduce_sum(train)[0] / train[1].clamp_min(1)).item()
+        entry = {"epoch": epoch, "step": step, "train_kl": mean, "selection_kl": sel}
+        curve.append(entry)
+        if on_select is not None:
+            on_select(entry, quantizer)
+        return entry
+
+    curve: list[dict[str, Any]] = []
+    if resume is None:
+        select(0, 0, None)
+    if total == 0:
+        return FinetuneResult(quantizer, 0, curve, cache.kept)
+    usage = usage_counts(model, calib, quantizer, cache, device, dist) if cfg.min_usage > 0 else None
+    free = CodebookParams(quantizer, cfg.parameterization, usage, cfg.min_usage)
+    opt = torch.optim.Adam(free.params, lr=cfg.lr)
+    best, best_state = 0, free.snapshot()
+    steps, settle_after = 0, min(2, total)
+    train_sum = torch.zeros(2, device=device)
+    if resume is not None:
+        with torch.no_grad():
+            for p, saved in zip(free.params, resume["params"]):
+                p.copy_(saved)
+        opt.load_state_dict(resume["opt"])
+        curve[:], best, steps = resume["curve"], resume["best"], resume["steps"]
+        best_state = {k: t.to(device) for k, t in resume["best_state"].items()}
+        train_sum = resume["train_sum"].to(device)
+        settle_after = steps + min(2, total - steps)  # the teacher cache is sized after two steps of this run
+        log.info("fine-tune: resuming after epoch %d (step %d) from %s", resume["epoch"], steps, checkpoint)
+    saving = checkpoint is not None and dist.is_main
+    floor = torch.cuda.max_memory_reserved(device) if device.type == "cuda" and resume is None else 0  # step 0's peak
+    saved_best = None  # the best point at the last epoch-state save
+
+    def state(epoch: int) -> dict[str, Any]:
+        return {"epoch": epoch, "steps": steps, "curve": curve, "best": best, "best_state": best_state,
+                "params": [p.detach() for p in free.params], "opt": opt.state_dict(), "train_sum": train_sum}
+
+    with EpochWriter(checkpoint) if saving else nullcontext() as writer, \
+            LoopPolicy(model, cfg.loop_checkpointing, device) as loop:
+        for epoch in range(first_epoch, cfg.epochs + 1):
+            batches = epoch_batches(calib, cfg, epoch)
+            for b, batch in enumerate(batches):
+                mark, before = (cache.mark(), train_sum.clone()) if loop.trying_off else (None, None)
+
+                def undo() -> None:  # what a step that ran out of memory changed
+                    cache.rewind(mark)
+                    train_sum.copy_(before)
+                    for p in free.params:
+                        p.grad = None
+
+                switched = loop.run_step(lambda: train_step(model, calib, quantizer, free, cfg, device, cache, dist,
+                                                            batch, train_sum), undo)
+                for p in free.params:  # a no-op for one process
+                    dist.all_reduce_sum(p.grad)
+                for group in opt.param_groups:
+                    group["lr"] = cfg.lr * lr_factor(steps, total, cfg.warmup_steps, cfg.lr_schedule)
+                opt.step()
+                steps += 1
+                if writer is not None and b == 0 and epoch == first_epoch < cfg.epochs:  # Adam's state exists now
+                    writer.prepare(state(epoch))
+                if switched and cache.capacity is None:  # the peak statistics restarted before the redone step
+                    settle_after = max(settle_after, min(steps + 1, total))
+                if steps == settle_after:
+                    # a fresh run's peak already holds the first selection (``floor`` after a reset); a resumed
+                    # one has not selected yet
+                    joined = selection_extra(cache, cfg, -(-len(calib.heldout) // dist.world)) if resume else 0
+                    to_come = sum(c.numel() * c.element_size() for c in free.init.values()) + joined
+                    tiers = cache.tiers_now(device, to_come, floor) if loop.trying_off else None
+                    if tiers is not None and not loop.keep_off(len(tiers[0]) + len(tiers[1]), cache.still_asked(),
+                                                               torch.cuda.max_memory_reserved(device)):
+                        if device.type == "cuda":  # the cache is sized from the next steps, with checkpointing
+                            release_cached_memory(device)
+                        settle_after = steps + min(2, total - steps)
+                    else:
+                        cache.settle(device, to_come, floor)
+                if progress:
+                    progress(1)
+                if selects(cfg, steps, total, b == len(batches) - 1):
+                    with torch.no_grad():
+                        free.apply()
+                    entry = select(epoch, steps, train_sum)
+                    train_sum = torch.zeros(2, device=device)
+                    log.info("fine-tune epoch %d step %d: train KL %.5f, selection KL %.5f", epoch, steps,
+                             entry["train_kl"], entry["selection_kl"])
+                    if entry["selection_kl"] < curve[best]["selection_kl"]:
+                        best, best_state = len(curve) - 1, free.snapshot()
+            if writer is not None and epoch < cfg.epochs:  # after the last epoch the stage's result follows
+                writer.save(state(epoch), unchanged=("best_state",) if best == saved_best else ())
+                saved_best = best
+    free.restore(best_state)
+    kept = cache.kept
+    cache.release()
+    return FinetuneResult(quantizer, curve[best]["epoch"], curve, kept, curve[best]["step"])

@@ -1,0 +1,33 @@
+"""Stage fingerprints: what each stage's result depends on (its config, the toolkit version, its inputs'
+fingerprints), hashed, so that a change invalidates that stage and every later one."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+from typing import Any
+
+from .. import __version__
+from ..config.schema import Config
+
+
+def fingerprint(*parts: Any) -> str:
+    """sha256 of the JSON form of ``parts`` (keys sorted)."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+
+def stage_fingerprints(cfg: Config, data_fp: str, identity: dict[str, Any], loop_steps: int) -> dict[str, str | None]:
+    """Every stage's fingerprint, from the config and the data's and model's identities (``tasq``: None for
+    methods without it). ``capture`` is what the capture holds, not where (the store is left out), so the
+    later stages are reused whichever store held it; the capture stage itself adds the store."""
+    q = asdict(cfg.quant)
+    content = {k: v for k, v in asdict(cfg.capture).items() if k != "store"}
+    capture = fingerprint("capture", __version__, data_fp, identity, cfg.model.dtype, loop_steps, content,
+                          cfg.tasq.weight_floor if cfg.quant.uses_tasq else None)  # TaSQ keys' Fisher is stored weighted
+    tasq = fingerprint("tasq", __version__, capture, q, asdict(cfg.tasq)) if cfg.quant.uses_tasq else None
+    kmeans = fingerprint("kmeans", __version__, capture, tasq, q, asdict(cfg.kmeans))
+    finetune = fingerprint("finetune", __version__, kmeans, data_fp, identity, cfg.model.dtype, asdict(cfg.finetune))
+    bundle = fingerprint("bundle", __version__, finetune, asdict(cfg.output))
+    return {"data": data_fp, "capture": capture, "tasq": tasq, "kmeans": kmeans, "finetune": finetune, "bundle": bundle}

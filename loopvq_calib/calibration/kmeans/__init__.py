@@ -1,0 +1,3 @@
+"""The k-means stage: Fisher-weighted codebooks per layout, solved by batched weighted k-means
+(torch, the fused Triton kernels or faiss).
+"""

@@ -1,0 +1,370 @@
+"""Batched weighted k-means: initialisation (k-means++ / random) and Lloyd iterations (torch, fused
+Triton kernels from :mod:`kmeans_triton`, or faiss).
+
+A batch holds P independent problems of the same size: points x [P, N, G] (float32), non-negative
+weights w [P, N] and initial centroids [P, K, G]. Every backend minimises the weighted objective
+sum_n w_n ||x_n - c_a(n)||^2 / sum_n w_n, which we compute ourselves for all (faiss's ``obj`` is
+unweighted). docs/kmeans.md records the rules and the decisions behind them.
+
+Randomness is drawn on the CPU from seeded generators and only indices or uniforms are moved to the
+compute device, so a seed gives the same draws on any device and for any ``problems_per_batch``.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ...config.schema import KMeansConfig
+from ...kernels import kmeans as kmeans_triton
+from ...runtime.streams import to_device
+from .select import BACKENDS, resolve_backend, warn_once
+
+__all__ = ["BACKENDS", "resolve_backend", "weighted_kmeans", "kmeans_pp_init", "random_init", "KMeansResult"]
+
+
+
+@dataclass
+class KMeansResult:
+    """Centroids [P, K, G]; weighted objectives [P] at the initial and the final centroids; Lloyd
+    updates run [P]; empty clusters met [P] (torch, triton: reseeded; faiss: split)."""
+
+    centroids: torch.Tensor
+    objective_init: torch.Tensor
+    objective_final: torch.Tensor
+    iterations: torch.Tensor
+    empty_clusters: torch.Tensor
+
+
+def mix_seed(*parts: int) -> int:
+    """A 31-bit seed derived from integers (numpy SeedSequence), stable across runs and platforms."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0]) & 0x7FFFFFFF
+
+
+CPU_BLOCK = 8  # problems per task on the CPU: a block's points (8 x 8,064 x 16 fp32 = 4 MB) stay in cache
+
+
+def cpu_map(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+    """``[fn(i) for i in items]`` on the CPU, the items spread over ``torch.get_num_threads()`` threads that
+    each run single-threaded torch and faiss. The k-means problems are small and independent, so whole
+    problems per thread beat splitting each small op across threads (whose OpenMP teams, torch's and
+    faiss's separate ones, synchronise thousands of times a second and spin on a busy machine;
+    docs/performance.md). Results are those of the sequential loop, in order."""
+    threads = torch.get_num_threads()
+    workers = min(threads, len(items))
+    if workers <= 1:
+        return [fn(i) for i in items]
+    faiss = _faiss_module()
+
+    def run(item: Any) -> Any:
+        if faiss is not None:
+            faiss.omp_set_num_threads(1)  # this thread's OpenMP setting in faiss's own runtime
+        return fn(item)
+
+    torch.set_num_threads(1)  # new threads take this value at their first parallel op
+    try:
+        with ThreadPoolExecutor(workers, thread_name_prefix="loopvq-kmeans") as pool:
+            return list(pool.map(run, items))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_shapes(x: torch.Tensor, w: torch.Tensor, k: int, values: bool = True) -> None:
+    """Shapes always; the weights' values too unless ``values`` is False (that check waits for the device)."""
+    if x.dim() != 3 or w.shape != x.shape[:2]:
+        raise ValueError(f"expected points [P, N, G] and weights [P, N], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.shape[1] < k:
+        raise ValueError(f"{x.shape[1]} points per problem cannot seed {k} distinct centroids")
+    if values and ((w < 0).any() or not (w.sum(-1) > 0).all()):
+        raise ValueError("weights must be >= 0 with a positive total in every problem")
+
+
+def _draw_one(prob: torch.Tensor, fallback: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One index per row with probability proportional to ``prob`` [P, N] (>= 0), by inverse CDF of the
+    uniforms ``u`` [P] (drawn on the CPU by the caller); a row whose total is zero draws from ``fallback``
+    (same shape, positive total). Zero-probability entries are never drawn. One float64 prefix sum per
+    row: few, large kernels, since the k-means++ draws are sequential and bound by kernel launches on GPU."""
+    cdf = prob.cumsum(-1, dtype=torch.float64)
+    empty = cdf[:, -1] <= 0
+    if empty.any():  # rare: only those rows are redrawn from the fallback (one host sync; the common case skips a pass)
+        cdf = torch.where(empty[:, None], fallback.cumsum(-1, dtype=torch.float64), cdf)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
+    last_positive = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)
+    return torch.minimum(idx, last_positive).squeeze(1)
+
+
+def kmeans_pp_init(
+    x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Generator, fused: bool = False,
+    trusted_weights: bool = False,
+) -> torch.Tensor:
+    """Weighted k-means++: the first centroid drawn with probability ~ w, each next one ~ w * D^2
+    (D^2: squared distance to the nearest chosen centroid; a problem whose w * D^2 is all zero draws
+    ~ w again). x [P, N, G], w [P, N] -> [P, K, G]. ``generator`` is a CPU generator drawing all
+    K x P uniforms at once (one transfer to the device); the result is deterministic given its state.
+
+    D^2 to a new centroid is ||x||^2 - 2 x.c + ||c||^2 (one batched matrix-vector product per draw,
+    not a pass over an [P, N, G] difference); drawn points are pinned to exactly zero. ``fused``: the
+    Triton kernels of :mod:`kmeans_triton` (same rules and uniforms, D^2 as ||x - c||^2). ``trusted_weights``: the
+    caller guarantees w >= 0 with a positive total per problem (as :func:`~loopvq_calib.calibration.kmeans.fit.layout_problems`
+    makes them), so nothing waits for the device here: the draws queue behind its earlier work."""
+    _check_shapes(x, w, k, values=not trusted_weights)
+    p = x.shape[0]
+    uniforms = to_device(torch.rand(k, p, generator=generator, dtype=torch.float64), x.device)
+    if fused:
+        return kmeans_triton.kmeans_pp(x.float().contiguous(), w.float().contiguous(), k, uniforms)
+    if x.device.type != "cpu":
+        return _kmeans_pp_rows(x, w, k, uniforms)
+    blocks = [slice(s, s + CPU_BLOCK) for s in range(0, p, CPU_BLOCK)]
+    return torch.cat(cpu_map(lambda b: _kmeans_pp_rows(x[b], w[b], k, uniforms[:, b]), blocks))
+
+
+def _kmeans_pp_rows(x: torch.Tensor, w: torch.Tensor, k: int, uniforms: torch.Tensor) -> torch.Tensor:
+    """The torch k-means++ draws of :func:`kmeans_pp_init` with the uniforms [K, P] given; rows independent."""
+    p, _, g = x.shape
+    rows = torch.arange(p, device=x.device)
+    x_sq = x.pow(2).sum(-1)
+    xt = x.transpose(1, 2).contiguous()  # [P, G, N]: a row-vector product over it is fast on CPU and GPU
+    out = x.new_empty(p, k, g)
+    chosen = _draw_one(w, w, uniforms[0])
+    d2 = torch.full_like(x_sq, float("inf"))
+    bias, dist, prob = torch.empty_like(x_sq)[:, None, :], torch.empty_like(x_sq)[:, None, :], torch.empty_like(x_sq)
+    for j in range(k):  # buffers reused across the K draws: each draw is a few passes over [P, N]
+        out[:, j] = x[rows, chosen]
+        c = out[:, j]
+        torch.add(x_sq[:, None, :], c.pow(2).sum(-1)[:, None, None], out=bias)
+        torch.baddbmm(bias, c[:, None, :], xt, alpha=-2.0, out=dist)
+        torch.minimum(d2, dist[:, 0].clamp_min_(0), out=d2)
+        d2[rows, chosen] = 0.0
+        if j + 1 < k:
+            chosen = _draw_one(torch.mul(w, d2, out=prob), w, uniforms[j + 1])
+    return out
+
+
+def random_init(x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+    """K distinct points drawn without replacement with probability ~ w (Efraimidis-Spirakis keys
+    E/w, E ~ Exp(1)); zero-weight points come last, in index order. x [P, N, G] -> [P, K, G]."""
+    _check_shapes(x, w, k)
+    expo = torch.empty(w.shape, dtype=torch.float32).exponential_(generator=generator).to(x.device)
+    keys = torch.where(w > 0, expo / w, torch.full_like(expo, float("inf")))
+    idx = keys.sort(dim=-1, stable=True).indices[:, :k]
+    return x.gather(1, idx[..., None].expand(-1, -1, x.shape[-1]))
+
+
+INITS = {"kmeans++": kmeans_pp_init, "random": random_init}
+
+
+def batch_sizes(cfg: KMeansConfig, device: torch.device | str) -> tuple[int, int]:
+    """(problems per batch, points per distance chunk): the config's, or by device when null (GPU: large
+    batches; CPU: blocks that stay in cache)."""
+    cuda = torch.device(device).type == "cuda"
+    return cfg.problems_per_batch or (512 if cuda else CPU_BLOCK), cfg.points_per_chunk or (16384 if cuda else 512)
+
+
+def weighted_objective(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, chunk: int) -> torch.Tensor:
+    """sum_n w_n min_r ||x_n - c_r||^2 / sum_n w_n per problem -> [P]."""
+    return _assign(x, x.pow(2).sum(-1), w, c, chunk, accumulate=False)[0] / w.sum(-1)
+
+
+def _assign(
+    x: torch.Tensor, x_sq: torch.Tensor, w: torch.Tensor, c: torch.Tensor, chunk: int, accumulate: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Nearest centroid of every point, ``chunk`` points per problem at a time. Returns the weighted
+    squared error [P] and, when ``accumulate``, per-cluster weighted sums [P, K, G] and weights [P, K]."""
+    p, n, g = x.shape
+    k = c.shape[1]
+    err = x.new_zeros(p)
+    sums = x.new_zeros(p * k, g) if accumulate else None
+    mass = x.new_zeros(p * k) if accumulate else None
+    offset = torch.arange(p, device=x.device)[:, None] * k
+    search = _faiss_search() if x.device.type == "cpu" else None
+    if search is not None:
+        chunk = n  # one exact search per problem
+    else:
+        c_sq = c.pow(2).sum(-1).unsqueeze(1)
+        ct = c.transpose(1, 2)
+    for s in range(0, n, chunk):
+        xc, wc = x[:, s : s + chunk], w[:, s : s + chunk]
+        if search is not None:
+            d2, nearest = search(xc, c)
+        else:
+            dmin, nearest = torch.baddbmm(c_sq, xc, ct, alpha=-2).min(-1)
+            d2 = dmin + x_sq[:, s : s + chunk]
+        err += (d2.clamp_min(0) * wc).sum(-1)
+        if accumulate:
+            flat = (nearest + offset).flatten()
+            sums.index_add_(0, flat, (xc * wc[..., None]).reshape(-1, g))
+            mass.index_add_(0, flat, wc.flatten())
+    if not accumulate:
+        return err, None, None
+    return err, sums.view(p, k, g), mass.view(p, k)
+
+
+@lru_cache(maxsize=1)
+def _faiss_module() -> Any:
+    try:
+        import faiss
+    except ImportError:
+        return None
+    return faiss
+
+
+def _faiss_search() -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+    """On the CPU the nearest-centroid search of the torch backend is faiss's exact search when faiss is
+    installed (``faiss.knn``: the same ||x||^2 - 2 x.c + ||c||^2 distances through BLAS, blocked so they
+    stay in cache; 3.5x faster than the chunked ``baddbmm`` on one core of the 2-core CI machine,
+    docs/performance.md); the Lloyd rules around it are unchanged. None without faiss."""
+    faiss = _faiss_module()
+    if faiss is None:
+        return None
+
+    def search(x: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d2 = torch.empty(x.shape[:2])
+        nearest = torch.empty(x.shape[:2], dtype=torch.long)
+        for q in range(x.shape[0]):
+            dist, idx = faiss.knn(x[q].contiguous().numpy(), c[q].contiguous().numpy(), 1)
+            d2[q], nearest[q] = torch.from_numpy(dist[:, 0]), torch.from_numpy(idx[:, 0])
+        return d2, nearest
+
+    return search
+
+
+def _reseed(
+    c: torch.Tensor, empty: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rows: list[int], keys: list[tuple[int, ...]]
+) -> None:
+    """Move each empty centroid of row q of ``c`` (problem ``rows[q]`` of x, w) onto a distinct point of
+    positive weight, drawn uniformly by a generator seeded from ``keys[q]`` (seed, problem, iteration)."""
+    for q in empty.any(-1).nonzero().flatten().tolist():
+        slots = empty[q].nonzero().flatten()
+        candidates = (w[rows[q]] > 0).nonzero().flatten().cpu()
+        gen = torch.Generator().manual_seed(mix_seed(*keys[q]))
+        pick = candidates[torch.randperm(candidates.numel(), generator=gen)[: slots.numel()]]
+        c[q, slots[: pick.numel()]] = x[rows[q], pick.to(x.device)]
+
+
+def _lloyd(
+    x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, cfg: KMeansConfig, keys: list[tuple[int, int]], fused: bool
+) -> KMeansResult:
+    """Lloyd on one batch of problems, all on x's device; converged problems drop out of the batch.
+    ``keys``: per problem the (seed, problem index) its empty-cluster reseeding draws from.
+    ``fused``: each step is one Triton kernel over the active problems (:func:`kmeans_triton.lloyd_step`),
+    else the chunked torch assignment over copies of the active problems."""
+    p = x.shape[0]
+    chunk = batch_sizes(cfg, x.device)[1]
+    x_sq = None if fused else x.pow(2).sum(-1)
+
+    def step(active: torch.Tensor, ca: torch.Tensor, accumulate: bool):
+        if fused:
+            return kmeans_triton.lloyd_step(x, w, ca, active, accumulate)
+        part = [t.index_select(0, active) for t in (x, x_sq, w)] if active.numel() < p else [x, x_sq, w]
+        return _assign(*part, ca, chunk, accumulate)
+
+    total = w.sum(-1)
+    iterations = torch.zeros(p, dtype=torch.long)
+    empties = torch.zeros(p, dtype=torch.long)
+    active = torch.arange(p, device=x.device)
+    objective_init = None
+    for it in range(cfg.iterations):
+        ca = c.index_select(0, active) if active.numel() < p else c
+        err, sums, mass = step(active, ca, True)
+        if it == 0:
+            objective_init = err / total
+        new = torch.where(mass[..., None] > 0, sums / mass.clamp_min(torch.finfo(mass.dtype).tiny)[..., None], ca)
+        empty = mass <= 0
+        if empty.any():
+            rows = active.tolist()
+            _reseed(new, empty, x, w, rows, [(*keys[q], it) for q in rows])
+            empties.index_add_(0, active.cpu(), empty.sum(-1).cpu())
+        change = (new - ca).abs().mean(dim=(-1, -2))
+        c = c.index_copy(0, active, new)
+        iterations[active.cpu()] += 1
+        active = active[change >= cfg.tolerance]
+        if active.numel() == 0:
+            break
+    objective_final = step(torch.arange(p, device=x.device), c, False)[0] / total
+    return KMeansResult(c, objective_init, objective_final, iterations, empties)
+
+
+def _import_faiss():
+    try:
+        import faiss
+    except ImportError as err:
+        raise ImportError(
+            "kmeans.backend: 'faiss' needs the faiss package (pip install faiss-cpu); "
+            "set kmeans.backend to 'torch' or 'auto' to run without it"
+        ) from err
+    return faiss
+
+
+def _faiss_kmeans(
+    x: torch.Tensor, w: torch.Tensor, init: torch.Tensor, cfg: KMeansConfig, seed: int, device: torch.device
+) -> KMeansResult:
+    """One faiss.Kmeans per problem: exactly ``cfg.iterations`` updates (faiss has no tolerance stop),
+    never subsampled, empty clusters split by faiss. On faiss's GPUs only when ``device`` is a CUDA device
+    (``kmeans.device``) and faiss was built with GPU support, else on the CPU (logged for a CUDA device)."""
+    faiss = _import_faiss()
+    gpu = device.type == "cuda" and faiss.get_num_gpus() > 0
+    if device.type == "cuda" and not gpu:
+        warn_once(f"kmeans.backend faiss: this faiss has no GPU support (faiss-cpu); k-means runs on the CPU, not {device}")
+    p, n, g = x.shape
+    k = init.shape[1]
+    xs, ws, cs = (t.detach().cpu().float().numpy() for t in (x, w, init))
+    centroids = np.empty_like(cs)
+    empties = torch.zeros(p, dtype=torch.long)
+    for q in range(p):
+        km = faiss.Kmeans(
+            g, k, niter=cfg.iterations, seed=(seed + q) % 2**31, max_points_per_centroid=-(-n // k),
+            min_points_per_centroid=1, gpu=gpu, verbose=False,
+        )
+        km.train(np.ascontiguousarray(xs[q]), weights=np.ascontiguousarray(ws[q]), init_centroids=np.ascontiguousarray(cs[q]))
+        centroids[q] = km.centroids
+        empties[q] = sum(int(s["nsplit"]) for s in km.iteration_stats)
+    c = torch.from_numpy(centroids)
+    xc, wc = x.detach().cpu().float(), w.detach().cpu().float()
+    return KMeansResult(
+        c, weighted_objective(xc, wc, init.detach().cpu().float(), batch_sizes(cfg, "cpu")[1]),
+        weighted_objective(xc, wc, c, batch_sizes(cfg, "cpu")[1]), torch.full((p,), cfg.iterations), empties,
+    )
+
+
+def weighted_kmeans(
+    x: torch.Tensor, w: torch.Tensor, init: torch.Tensor, cfg: KMeansConfig, backend: str,
+    device: torch.device | str, seed: int | None = None, problem_keys: list[tuple[int, int]] | None = None,
+) -> KMeansResult:
+    """Weighted Lloyd from ``init`` [P, K, G] on points x [P, N, G] with weights w [P, N].
+
+    ``backend``: faiss | torch | triton | auto (:func:`resolve_backend`). torch and triton run
+    ``cfg.problems_per_batch`` problems at once on ``device`` and stop a problem when the mean absolute
+    centroid change falls below ``cfg.tolerance``. ``seed`` (default ``cfg.seed``) drives empty-cluster
+    reseeding (torch, triton) and faiss's own generator. Results are on the CPU.
+    ``problem_keys``: per problem, the (seed, index) of its reseeding draws (default ``(seed, p)`` for problem
+    p), so that problems of several layouts solved together draw what each would draw alone. The fused
+    Triton path takes every problem in one batch (it holds no distance block, and each batch pays the host
+    cost of its Lloyd loop; ``problems_per_batch`` is the torch backend's).
+    """
+    name = resolve_backend(backend, device, (init.shape[1], init.shape[2]))
+    _check_shapes(x, w, init.shape[1])
+    if init.shape[0] != x.shape[0] or init.shape[2] != x.shape[2]:
+        raise ValueError(f"initial centroids {tuple(init.shape)} do not fit points {tuple(x.shape)}")
+    seed = cfg.seed if seed is None else seed
+    device = torch.device(device)
+    if name == "faiss":
+        return _faiss_kmeans(x, w, init, cfg, seed, device)
+    keys = problem_keys if problem_keys is not None else [(seed, q) for q in range(x.shape[0])]
+    if len(keys) != x.shape[0]:
+        raise ValueError(f"{len(keys)} problem keys for {x.shape[0]} problems")
+    per_batch = x.shape[0] if name == "triton" else batch_sizes(cfg, device)[0]
+
+    def solve(s: int) -> list[torch.Tensor]:
+        sl = slice(s, s + per_batch)
+        xb, wb, cb = (t[sl].to(device=device, dtype=torch.float32) for t in (x, w, init))
+        r = _lloyd(xb.contiguous(), wb.contiguous(), cb.clone(), cfg, keys[sl], fused=name == "triton")
+        return [r.centroids.cpu(), r.objective_init.cpu(), r.objective_final.cpu(), r.iterations, r.empty_clusters]
+
+    starts = list(range(0, x.shape[0], per_batch))
+    parts = cpu_map(solve, starts) if device.type == "cpu" else [solve(s) for s in starts]
+    return KMeansResult(*(torch.cat(col) for col in zip(*parts)))

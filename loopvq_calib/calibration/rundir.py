@@ -1,0 +1,350 @@
+"""The run directory: one folder per stage, a manifest, fingerprinted reuse, atomic outputs.
+
+A stage writes into ``.loopvq-tmp.<stage>`` and is renamed to ``<stage>`` only when it finished, then the
+manifest (itself replaced atomically) records its fingerprint and the size of every file it wrote. A
+rerun reuses a stage only when the recorded fingerprint equals the new one and every recorded file is
+still there with its size (a deleted or truncated file makes the stage run again); a stage killed
+midway leaves only a temporary folder, which the next run deletes. The toolkit deletes only what it
+created: files the manifest records and ``.loopvq-tmp.*`` entries; a non-empty folder without a manifest
+is never used as a run directory, and one run at a time holds the directory's lock (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import resource
+import shutil
+import socket
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..runtime.files import TMP_PREFIX, write_json_atomic
+
+MANIFEST = "manifest.json"  # also the marker of a run directory
+LOCK_FILE = ".loopvq-lock"
+RESUME_MARKER = ".loopvq-resume"  # in a resumable stage's temporary folder: the fingerprint its files belong to
+TOOL = "loopvq-calib"
+log = logging.getLogger("loopvq_calib")
+
+
+_DISCARDING: dict[Path, list[threading.Thread]] = {}  # run root -> its files being deleted (RunDir.close waits)
+
+
+def discard(path: Path, run_root: Path) -> None:
+    """Delete the file ``path`` without waiting for the file system to free its blocks (0.64 s for the fine-tuning
+    stage's resume state at Ouro-1.4B's size on the GPU machine, docs/performance.md): renamed at once to a
+    temporary entry of the run directory ``run_root`` (which the next run removes if this one dies first), then
+    unlinked in a thread that :meth:`RunDir.close` waits for. Nothing happens when there is no such file."""
+    doomed = run_root / f"{TMP_PREFIX}discarded.{path.name}.{os.getpid()}.{threading.get_ident()}"
+    try:
+        os.replace(path, doomed)
+    except FileNotFoundError:
+        return
+    def unlink() -> None:
+        try:
+            doomed.unlink(missing_ok=True)
+        except OSError as err:  # the next run's open() removes it
+            log.warning("could not delete %s (%s); the next run in %s removes it", doomed, err.strerror or err,
+                        run_root)
+
+    thread = threading.Thread(target=unlink, name="loopvq-discard")
+    thread.start()
+    _DISCARDING.setdefault(run_root, []).append(thread)
+
+
+@dataclass
+class StageRecord:
+    name: str
+    fingerprint: str
+    status: str = "running"  # running | done | failed
+    wall_s: float = 0.0
+    peak_gpu_bytes: int | None = None
+    peak_rss_bytes: int = 0
+    reused: bool = False
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used (not a folder, not a run directory, unreadable manifest, user files
+    where a stage's output goes, locked by another run); the message names the path."""
+
+
+class RunDir:
+    """A run directory on disk and its manifest (the marker that a folder is a run directory).
+
+    Constructing one reads and checks, and changes nothing on disk; :meth:`open` creates the folder, takes
+    the lock, writes the manifest and removes the toolkit's own leftover temporary folders."""
+
+    def __init__(self, root: Path, is_main: bool = True, barrier: Callable[[], None] | None = None,
+                 stage_names: tuple[str, ...] = ()) -> None:
+        """``barrier`` synchronises processes of a distributed run (all share one temporary folder);
+        ``stage_names``: the stage folders checked for files the toolkit did not write."""
+        self.root = Path(root)
+        self.is_main = is_main
+        self.barrier = barrier or (lambda: None)
+        self.lock: RunLock | None = None
+        check_output_folder(self.root)
+        self.manifest: dict[str, Any] = _read_manifest(self.root / MANIFEST)
+        for name in stage_names:
+            foreign = self.foreign_files(name)
+            if foreign:
+                raise RunDirError(
+                    f"{self.path(name)} holds files this toolkit did not write ({', '.join(foreign[:3])}"
+                    f"{' ...' if len(foreign) > 3 else ''}); move them out: the folder is replaced when stage "
+                    f"{name} runs")
+        self.records: list[StageRecord] = []
+
+    def open(self) -> None:
+        """Create the folder, take the lock, write the manifest, remove this toolkit's temporary folders."""
+        if self.is_main:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self.lock = RunLock.acquire(self.root)
+            except OSError as err:
+                raise RunDirError(f"output.dir: cannot use {self.root}: {err.strerror or err}") from err
+            self.manifest = _read_manifest(self.root / MANIFEST)  # as the lock holder, read it again
+            self.manifest["tool"] = TOOL
+            self.save()
+            for stale in self.root.glob(f"{TMP_PREFIX}*"):
+                if stale.is_dir() and not stale.is_symlink():
+                    if not (stale / RESUME_MARKER).is_file():  # a resumable stage's partial work stays (stage())
+                        shutil.rmtree(stale, ignore_errors=True)
+                else:
+                    stale.unlink(missing_ok=True)
+        self.barrier()
+        if not self.is_main:
+            self.manifest = _read_manifest(self.root / MANIFEST)
+
+    def close(self) -> None:
+        """Wait for the files :func:`discard` deletes, then release the lock (the lock file stays: removing it
+        would race with a waiting run)."""
+        for thread in _DISCARDING.pop(self.root, []):
+            thread.join()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def path(self, stage: str) -> Path:
+        return self.root / stage
+
+    def foreign_files(self, stage: str) -> list[str]:
+        """Files under the stage's folder that the manifest does not record as written by the toolkit."""
+        folder = self.path(stage)
+        if not folder.is_dir() or folder.is_symlink():
+            return [stage] if folder.exists() or folder.is_symlink() else []
+        recorded = self.manifest["stages"].get(stage, {}).get("files", {})
+        return sorted(str(f.relative_to(folder)) for f in folder.rglob("*")
+                      if (f.is_file() or f.is_symlink()) and str(f.relative_to(folder)) not in recorded)
+
+    def update(self, **entries: Any) -> None:
+        """Set top-level manifest entries (config, model identity, ...) and save."""
+        self.manifest.update(entries)
+        self.save()
+
+    def save(self) -> None:
+        if self.is_main:
+            write_json_atomic(self.root / MANIFEST, self.manifest)
+
+    def reusable(self, stage: str, fp: str) -> bool:
+        rec = self.manifest["stages"].get(stage)
+        if not (rec and rec.get("status") == "done" and rec.get("fingerprint") == fp and self.path(stage).is_dir()):
+            return False
+        changed = [name for name, size in rec.get("files", {}).items()
+                   if not (self.path(stage) / name).is_file() or (self.path(stage) / name).stat().st_size != size]
+        if changed:
+            log.warning("stage %s: %s missing or changed size since the stage finished; running it again",
+                        stage, ", ".join(sorted(changed)[:5]) + (" ..." if len(changed) > 5 else ""))
+        return not changed
+
+    def record(self, stage: str) -> dict[str, Any]:
+        return self.manifest["stages"].get(stage, {})
+
+    def mark_reused(self, stage: str, fp: str) -> None:
+        rec = StageRecord(stage, fp, status="done", reused=True)
+        self.records.append(rec)
+        log.info("stage %s: reusing the result in %s (fingerprint %s)", stage, self.path(stage), fp)
+
+    def _set_status(self, name: str, fp: str, status: str) -> None:
+        """A running/failed record keeps the file list of the published folder it will replace."""
+        files = self.manifest["stages"].get(name, {}).get("files")
+        self.manifest["stages"][name] = {"fingerprint": fp, "status": status, **({"files": files} if files else {})}
+        self.save()
+
+    @contextmanager
+    def stage(self, name: str, fp: str, resumable: bool = False) -> Iterator[tuple[Path, StageRecord]]:
+        """Run a stage into a temporary folder; publish it by rename only if the block succeeds.
+
+        ``resumable``: the temporary folder of an interrupted run of this stage with the same fingerprint is
+        kept (killed, failed or interrupted), so the stage can skip the work whose files are already there."""
+        tmp = self.root / f"{TMP_PREFIX}{name}"
+        marker = tmp / RESUME_MARKER
+        if self.is_main:
+            kept = resumable and marker.is_file() and marker.read_text() == fp
+            if kept:
+                log.info("stage %s: resuming the interrupted run's work in %s", name, tmp)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+            if resumable:
+                marker.write_text(fp)
+            self._set_status(name, fp, "running")
+        self.barrier()
+        rec = StageRecord(name, fp)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        start = time.time()
+        log.info("stage %s: running (fingerprint %s)", name, fp)
+        try:
+            yield tmp, rec
+        except BaseException:
+            rec.status = "failed"
+            if self.is_main:
+                self._set_status(name, fp, "failed")
+                if not resumable:
+                    shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        rec.wall_s = time.time() - start
+        rec.peak_gpu_bytes = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+        rec.peak_rss_bytes = _peak_rss()
+        rec.status = "done"
+        self.barrier()
+        if self.is_main:
+            final = self.path(name)
+            marker.unlink(missing_ok=True)
+            try:
+                self._remove_published(name)
+            except RunDirError:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            os.replace(tmp, final)
+            self.manifest["stages"][name] = {k: v for k, v in vars(rec).items() if k != "name"}
+            self.manifest["stages"][name]["files"] = {
+                str(f.relative_to(final)): f.stat().st_size for f in sorted(final.rglob("*")) if f.is_file()}
+            self.manifest["stages"][name]["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+            self.save()
+        self.barrier()
+        self.records.append(rec)
+        log.info("stage %s: done in %.1f s", name, rec.wall_s)
+
+    def _remove_published(self, name: str) -> None:
+        """Delete the stage's earlier output: only the files the manifest records, then the emptied folders;
+        anything else found there stops the run (never deleted)."""
+        final = self.path(name)
+        if not final.exists() and not final.is_symlink():
+            return
+        foreign = self.foreign_files(name)
+        if foreign:
+            raise RunDirError(f"{final} holds files this toolkit did not write ({', '.join(foreign[:3])}); "
+                              "move them out and run again")
+        for rel in self.manifest["stages"].get(name, {}).get("files", {}):
+            (final / rel).unlink(missing_ok=True)
+        for folder in sorted((p for p in final.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+            folder.rmdir()
+        final.rmdir()
+
+    def summary_table(self) -> str:
+        """Markdown-ish table of this invocation's stages."""
+        rows = ["| stage | status | wall s | peak GPU GB | peak RSS GB |", "|---|---|---|---|---|"]
+        for r in self.records:
+            gpu = f"{r.peak_gpu_bytes / 1e9:.2f}" if r.peak_gpu_bytes is not None else "-"
+            status = "reused" if r.reused else r.status
+            rows.append(f"| {r.name} | {status} | {r.wall_s:.1f} | {gpu} | {r.peak_rss_bytes / 1e9:.2f} |")
+        return "\n".join(rows)
+
+
+def check_output_folder(root: Path) -> None:
+    """Refuse a path that is a file, or a non-empty folder that is not a run directory (no manifest; the
+    toolkit's own lock and temporary entries do not count: another process of this run may be creating it)."""
+    if root.exists() and not root.is_dir():
+        raise RunDirError(f"output.dir: {root} exists and is not a directory")
+    if root.is_dir() and not (root / MANIFEST).is_file():
+        entries = sorted(p.name for p in root.iterdir() if p.name != LOCK_FILE and not p.name.startswith(TMP_PREFIX))
+        if entries:
+            raise RunDirError(
+                f"output.dir: {root} is not empty and is not a loopvq-calibrate run directory (no {MANIFEST}; it "
+                f"holds {', '.join(entries[:3])}{' ...' if len(entries) > 3 else ''}); choose a new or empty folder")
+
+
+class RunLock:
+    """An advisory lock on a run directory: ``flock`` on ``.loopvq-lock``, which names its holder (pid,
+    host, start time) while it runs and is emptied on release. The kernel drops the lock when the holder
+    dies, so a killed run's lock is taken over by the next run, which logs whose it was."""
+
+    def __init__(self, path: Path, fd: int, previous: str | None = None) -> None:
+        """``previous``: the holder named in the file when the lock was taken (a run that died), or None."""
+        self.path, self.fd, self.previous = path, fd, previous
+
+    @classmethod
+    def acquire(cls, root: Path) -> "RunLock":
+        path = root / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            raise RunDirError(
+                f"{root} is in use by another loopvq-calibrate run ({holder}); wait for it to finish or choose "
+                "another --output") from None
+        previous = _lock_holder(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode(), 0)
+        return cls(path, fd, previous if previous != "holder unknown" else None)
+
+    def release(self) -> None:
+        """Clear the holder record (only a run that died leaves one behind), then unlock."""
+        os.ftruncate(self.fd, 0)
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def _lock_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"null")
+        return f"pid {info['pid']} on host {info['host']}, started {info['started']}"
+    except (ValueError, TypeError, KeyError):
+        return "holder unknown"
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {"stages": {}}
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RunDirError(f"{path} is not valid JSON ({err}); delete it (and the stage folders) to start the run over") from err
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("stages"), dict):
+        raise RunDirError(f"{path} has no 'stages' mapping; delete it (and the stage folders) to start the run over")
+    return manifest
+
+
+def _peak_rss() -> int:
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb if sys.platform == "darwin" else kb * 1024
+
+
+def setup_logging(root: Path, verbose: bool = True) -> None:
+    """Log to ``run.log`` in the run directory and to stderr."""
+    log.setLevel(logging.INFO)
+    for h in list(log.handlers):
+        log.removeHandler(h)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    fh = logging.FileHandler(root / "run.log")
+    fh.setFormatter(fmt)
+    log.addHandler(fh)
+    if verbose:
+        sh = logging.StreamHandler()
+        sh.setFormatter(fmt)
+        log.addHandler(sh)
+    log.propagate = False

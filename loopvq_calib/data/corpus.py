@@ -1,0 +1,203 @@
+"""Calibration corpora: load documents, concatenate with the tokenizer's separator, cut into sequences.
+
+Windows are non-overlapping ``sequence_length``-token slices of the concatenated stream (documents in
+order, each followed by the separator), drawn from its first ``POOL_FACTOR * num_sequences *
+sequence_length`` tokens; ``seed`` picks which windows and which of them are held out.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from ..config.schema import DataConfig
+from ..config.source import LOCAL_TYPES
+from ..runtime.files import sha256_file
+from .files import DataError, file_documents
+
+POOL_FACTOR = 16
+
+
+@dataclass
+class CalibrationSet:
+    """Token ids [n, L] plus which sequences train and which pick the fine-tuning epoch."""
+
+    input_ids: torch.Tensor
+    train: list[int]
+    heldout: list[int]
+    sink_tokens: int
+    description: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def content_hash(self) -> str:
+        ids = self.input_ids.to(torch.int64).contiguous().numpy().tobytes()
+        split = f"{self.train}|{self.heldout}|{self.sink_tokens}".encode()
+        return hashlib.sha256(ids + split).hexdigest()
+
+
+def local_files(spec: str) -> list[str]:
+    """The local files ``spec`` (file, folder or glob) names, sorted; empty when it names none."""
+    path = Path(spec)
+    if path.is_dir():
+        return sorted(str(p) for p in path.iterdir() if p.suffix in LOCAL_TYPES)
+    if any(ch in spec for ch in "*?["):
+        return sorted(glob.glob(spec))
+    return [spec] if path.is_file() else []
+
+
+def source_fingerprint(cfg: DataConfig) -> list[tuple[str, int, str]]:
+    """(file name, size, sha256) of every local file ``data.dataset`` names (empty for a hub dataset), so an
+    edited corpus invalidates the data stage of a run directory."""
+    return [(os.path.basename(n), os.path.getsize(n), sha256_file(n)) for n in local_files(cfg.dataset)]
+
+
+def _option(names: dict[str, str | None] | None, name: str) -> str | None:
+    """How the user sets DataConfig field ``name`` (``data.<name>`` in a config; a CLI flag in loopvq-eval;
+    None: not settable there)."""
+    return (names or {}).get(name, f"data.{name}")
+
+
+def load_documents(cfg: DataConfig, names: dict[str, str | None] | None = None) -> Iterator[Any]:
+    """Yield the documents' text (with ``data.chat_template``: their conversations) from local files (text / json / jsonl / parquet, read directly: no cache
+    outside the run directory, so an edited file is always read afresh) or a hub dataset (``datasets``,
+    through the hub cache). ``names`` renames fields in error messages (see :func:`_option`)."""
+    files = local_files(cfg.dataset)
+    kind = "json" if cfg.type == "jsonl" else cfg.type
+    if files and kind in ("auto", "text", "json", "parquet"):
+        if kind == "auto":
+            kinds = {LOCAL_TYPES.get(Path(f).suffix) for f in files}
+            if len(kinds) != 1 or None in kinds:
+                how = f"; set {_option(names, 'type')}" if _option(names, "type") else ""
+                raise DataError(f"{_option(names, 'dataset')}: cannot infer the file type of {files} (known suffixes: "
+                                f"{', '.join(LOCAL_TYPES)}){how}")
+            kind = kinds.pop()
+
+        field_key = _option(names, "text_field") or _option(names, "dataset")
+        for file in files:
+            yield from file_documents(Path(file), kind, cfg, _option(names, "dataset"), field_key)
+        return
+    if kind in ("auto", "hub") and not files and not _looks_like_a_path(cfg.dataset):
+        yield from _hub_documents(cfg, names)
+        return
+    if Path(cfg.dataset).is_dir():
+        raise DataError(f"{_option(names, 'dataset')}: folder {cfg.dataset} holds no {', '.join(LOCAL_TYPES)} file")
+    raise DataError(f"{_option(names, 'dataset')}: no local file matches {cfg.dataset!r} (type {cfg.type})")
+
+
+def _looks_like_a_path(spec: str) -> bool:
+    return os.path.isabs(spec) or spec.startswith((".", "~")) or spec.endswith(tuple(LOCAL_TYPES)) or any(
+        ch in spec for ch in "*?[")
+
+
+def _hub_documents(cfg: DataConfig, names: dict[str, str | None] | None) -> Iterator[str]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(cfg.dataset, cfg.config_name, split=cfg.split)
+    except Exception as err:  # offline, unknown name, missing split: all surface here
+        from ..models.loading import hub_offline
+
+        offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or hub_offline()
+        hint = " (offline mode is on: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)" if offline else ""
+        raise DataError(
+            f"{_option(names, 'dataset')}: could not load {cfg.dataset!r} (config {cfg.config_name!r}, split {cfg.split!r}) "
+            f"from the hub{hint}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        ) from err
+    if cfg.text_field not in ds.column_names:
+        raise DataError(f"{_option(names, 'text_field') or _option(names, 'dataset')}: column {cfg.text_field!r} not in "
+                        f"{cfg.dataset} (columns: {ds.column_names})")
+    for row in ds:
+        text = row[cfg.text_field]
+        if cfg.chat_template or (isinstance(text, str) and text.strip()):
+            yield text
+
+
+def checked_conversations(rows: Iterator[Any], field_key: str) -> Iterator[list[dict[str, Any]]]:
+    """The rows, each checked to be a conversation (a non-empty list of ``{"role", "content"}`` messages)."""
+    for n, messages in enumerate(rows):
+        if not (isinstance(messages, list) and messages
+                and all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)):
+            raise DataError(f"{field_key}: with data.chat_template every row must be a non-empty list of "
+                            f"{{role, content}} messages; document {n} is {type(messages).__name__} {str(messages)[:60]!r}")
+        yield messages
+
+
+def render_conversations(conversations: Iterator[list[dict[str, Any]]], tokenizer: Any) -> Iterator[str]:
+    """Each conversation as the text the model sees in chat use: the tokenizer's chat template, without a
+    generation prompt (``data.chat_template``). Rendered one at a time, as they are consumed."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("data.chat_template: the tokenizer of model.name_or_path has no chat template "
+                        "(tokenizer_config.json has no chat_template)")
+    for messages in conversations:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        if text.strip():
+            yield text
+
+
+def _token_stream(docs: Iterator[str], tokenizer: Any, limit: int) -> tuple[list[int], int]:
+    """Token ids of the documents (each followed by the separator) until ``limit``."""
+    sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
+    if sep is None:
+        raise DataError("model.name_or_path: the tokenizer has no eos or bos token to separate documents")
+    ids: list[int] = []
+    count = 0
+    for doc in docs:
+        ids.extend(tokenizer(doc, add_special_tokens=False, verbose=False)["input_ids"])
+        ids.append(sep)
+        count += 1
+        if len(ids) >= limit:
+            break
+    return ids, count
+
+
+def build_calibration_set(cfg: DataConfig, tokenizer: Any, names: dict[str, str | None] | None = None) -> CalibrationSet:
+    """Deterministic (given ``cfg.seed``) calibration sequences and their train / held-out split."""
+    n, length = cfg.num_sequences, cfg.sequence_length
+    source = load_documents(cfg, names)
+    texts = source
+    if cfg.chat_template:
+        source = checked_conversations(source, _option(names, "text_field") or "data.text_field")
+        texts = render_conversations(source, tokenizer)
+    ids, docs = _token_stream(texts, tokenizer, POOL_FACTOR * n * length)
+    if local_files(cfg.dataset):  # read (not tokenize or render) the rest: a bad row anywhere fails before the run
+        for _ in source:
+            pass
+    if docs == 0:
+        raise DataError(f"{_option(names, 'dataset')}: {cfg.dataset} holds no text (no non-empty "
+                        f"{cfg.text_field!r} in any document)")
+    windows = len(ids) // length
+    if windows < n:
+        raise DataError(
+            f"{_option(names, 'num_sequences')}: {cfg.dataset} gives {len(ids):,} tokens ({docs} documents), "
+            f"only {windows} windows of {length} tokens ({_option(names, 'sequence_length')}); {n} were asked for"
+        )
+    gen = torch.Generator().manual_seed(cfg.seed)
+    chosen = torch.randperm(windows, generator=gen)[:n].sort().values
+    stream = torch.tensor(ids[: windows * length], dtype=torch.long).view(windows, length)
+    order = torch.randperm(n, generator=gen).tolist()
+    heldout = sorted(order[: cfg.heldout_sequences])
+    train = sorted(order[cfg.heldout_sequences :])
+    return CalibrationSet(
+        input_ids=stream[chosen].clone(),
+        train=train,
+        heldout=heldout,
+        sink_tokens=cfg.sink_tokens,
+        description={
+            "dataset": cfg.dataset,
+            "config_name": cfg.config_name,
+            "split": cfg.split,
+            "text_field": cfg.text_field,
+            "chat_template": cfg.chat_template,
+            "documents_read": docs,
+            "tokens_in_pool": len(ids),
+            "num_sequences": n,
+            "sequence_length": length,
+            "seed": cfg.seed,
+        },
+    )

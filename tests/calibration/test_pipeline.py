@@ -1,0 +1,365 @@
+"""The staged run: fingerprinted reuse and invalidation, crash recovery, determinism, multi-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from support.builders import tiny_config
+
+import loopvq_calib.calibration.stages as stages_module
+from loopvq_calib.calibration.pipeline import calibrate
+from loopvq_calib.cli import calibrate_main
+from loopvq_calib.config.load import load_config
+
+
+def without_timings(path: Path):
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if not k.startswith("seconds")}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+
+    return strip(json.loads(path.read_text()))
+
+
+def statuses(run: Path) -> dict[str, str]:
+    stages = json.loads((run / "manifest.json").read_text())["stages"]
+    return {k: v["status"] for k, v in stages.items()}
+
+
+def test_full_run_then_reuse_then_partial_invalidation(tiny_ouro_dir, calib_corpus, tmp_path):
+    out = tmp_path / "run"
+    first = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, out))
+    assert [s["name"] for s in first.stages] == ["data", "capture", "kmeans", "finetune", "bundle"]
+    assert all(not s["reused"] for s in first.stages) and first.bundle == out / "bundle"
+    assert (out / "bundle" / "loopvq.json").is_file() and (out / "run.log").is_file()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model_identity"]["config_sha256"] and manifest["data_sha256"] and manifest["toolkit_version"]
+    assert len(manifest["finetune_curve"]) == 3
+
+    again = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, out))
+    assert all(s["reused"] for s in again.stages)
+
+    changed = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, out, finetune={"epochs": 2, "lr": 5e-3}))
+    assert {s["name"]: s["reused"] for s in changed.stages} == {
+        "data": True, "capture": True, "kmeans": True, "finetune": False, "bundle": False}
+
+    requant = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, out, quant={"method": "cq"}))
+    assert {s["name"]: s["reused"] for s in requant.stages} == {
+        "data": True, "capture": True, "kmeans": False, "finetune": False, "bundle": False}
+
+
+def test_stages_option_stops_early_and_tasq_only_for_tasq_methods(tiny_ouro_dir, calib_corpus, tmp_path):
+    out = tmp_path / "run"
+    res = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, out, quant={"method": "tasq"}), stages=["capture", "kmeans"])
+    assert [s["name"] for s in res.stages] == ["data", "capture", "tasq", "kmeans"]
+    assert not (out / "finetune").exists() and res.bundle is None
+    assert (out / "tasq" / "tasq.safetensors").is_file() and (out / "kmeans" / "quantizer.safetensors").is_file()
+
+
+def test_crash_leaves_nothing_a_rerun_mistakes_for_a_result(tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    cfg = tiny_config(tiny_ouro_dir, calib_corpus, out)
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("simulated crash in fine-tuning")
+
+    monkeypatch.setattr(stages_module, "finetune_codebooks", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        calibrate(cfg)
+    assert statuses(out)["finetune"] == "failed" and not (out / "finetune").exists()
+    # fine-tuning resumes after its last finished epoch: its temporary folder stays, marked, holding no result
+    assert [p.name for p in out.glob(".loopvq-tmp.*")] == [".loopvq-tmp.finetune"]
+    assert [p.name for p in (out / ".loopvq-tmp.finetune").iterdir()] == [".loopvq-resume"]
+    monkeypatch.undo()
+
+    # a process killed mid-stage leaves its temporary folder and a "running" record: neither is reused
+    (out / ".loopvq-tmp.finetune" / "quantizer.json").write_text("{partial")
+    resumed = calibrate(cfg)
+    assert {s["name"]: s["reused"] for s in resumed.stages} == {
+        "data": True, "capture": True, "kmeans": True, "finetune": False, "bundle": False}
+    assert statuses(out) == dict.fromkeys(["data", "capture", "kmeans", "finetune", "bundle"], "done")
+    assert not (out / ".loopvq-tmp.finetune").exists()
+
+
+def test_two_runs_with_the_same_seed_are_byte_identical(tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch):
+    """Run a keeps the k-means and fine-tuning results it saved (no file read back); run b reads them back from
+    its files, as a reused stage does: the same bytes everywhere, so the kept values are the reread ones."""
+    import loopvq_calib.calibration.pipeline as pipeline_module
+
+    reads = []
+    for name in ("load_quantizer", "load_finetune"):
+        real = getattr(pipeline_module, name)
+        monkeypatch.setattr(pipeline_module, name, lambda folder, real=real, name=name: reads.append(name) or real(folder))
+    a = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "a")).run_dir
+    assert reads == []
+    for name in ("as_saved_quantizer", "as_saved_finetune"):
+        monkeypatch.setattr(pipeline_module, name, lambda result: None)
+    b = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "b")).run_dir
+    assert reads == ["load_quantizer", "load_finetune"]
+    for stage in ("data", "capture", "kmeans", "finetune"):
+        for path in sorted((a / stage).iterdir()):
+            if path.name == "report.json":  # holds wall times; everything else in it must match
+                assert without_timings(path) == without_timings(b / stage / path.name)
+            else:
+                assert path.read_bytes() == (b / stage / path.name).read_bytes(), f"{stage}/{path.name}"
+    assert (a / "bundle" / "codebooks.safetensors").read_bytes() == (b / "bundle" / "codebooks.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("store", ["memory"])  # "device" on a CPU is "memory"; its GPU case is in test_capture.py
+def test_in_memory_stores_give_the_disk_codebooks_and_later_stages_are_reused(tiny_ouro_dir, calib_corpus, tmp_path,
+                                                                              store):
+    """An in-memory capture is never kept, but the stages after it are reused (their fingerprints do not
+    depend on the store), so a rerun skips the capture; a changed k-means setting captures again."""
+    disk = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "disk"), stages=["capture", "kmeans"]).run_dir
+    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / store, capture={"store": store, "dtype": "bfloat16"})
+    run = calibrate(cfg, stages=["capture", "kmeans"]).run_dir
+    assert not list((run / "capture").glob("seq*.safetensors"))
+    assert json.loads((run / "capture" / "meta.json").read_text())["store"] == store
+    a, b = load_file(disk / "kmeans" / "quantizer.safetensors"), load_file(run / "kmeans" / "quantizer.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    again = calibrate(cfg, stages=["capture", "kmeans"])
+    assert {s["name"]: s["reused"] for s in again.stages} == {"data": True, "kmeans": True}
+    changed = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / store, capture={"store": store, "dtype": "bfloat16"},
+                          kmeans={"iterations": 3})
+    rerun = calibrate(changed, stages=["capture", "kmeans"])
+    assert {s["name"]: s["reused"] for s in rerun.stages} == {"data": True, "capture": False, "kmeans": False}
+
+
+def test_cli_run_writes_bundle_and_reports(tiny_ouro_dir, calib_corpus, tmp_path, capsys):
+    import yaml
+
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "unused")))
+    out = tmp_path / "cli-run"
+    assert calibrate_main(["--config", str(cfg_path), "--output", str(out), "--set", "finetune.epochs=1"]) == 0
+    printed = capsys.readouterr().out
+    assert f"bundle: {out / 'bundle'}" in printed and "selection KL" in printed
+    assert load_config(out / "config.yaml").finetune.epochs == 1
+    assert calibrate_main(["--config", str(cfg_path), "--stages", "bogus"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store, method", [("disk", "loopvq"), ("memory", "loopvq"), ("memory", "tasq+loopvq")])
+def test_two_cpu_processes_equal_one(tiny_ouro_dir, calib_corpus, tmp_path, store, method):
+    """accelerate launch, 2 processes on gloo: capture shards sequences (disk: files; memory: each process
+    receives its layouts of the other's sequences), TaSQ and k-means share the layouts, fine-tuning averages
+    gradients. Everything up to k-means equals the single-process run exactly."""
+    import yaml
+
+    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "x", finetune={"epochs": 1, "batch_size": 2, "lr": 1e-2},
+                      capture={"store": store}, quant={"method": method})
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    single = calibrate(cfg, output=tmp_path / "one").run_dir
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    # accelerate's multi-process launcher (its flag says GPU; without CUDA our processes use gloo on CPU)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "loopvq_calib",
+           "--config", str(cfg_path), "--output", str(tmp_path / "two")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = tmp_path / "two"
+    shards = sorted((single / "capture").glob("seq*.safetensors"))
+    assert len(shards) == (6 if store == "disk" else 0)
+    for path in shards:
+        assert path.read_bytes() == (two / "capture" / path.name).read_bytes()
+    if "tasq" in method:
+        tasq_a, tasq_b = (load_file(run / "tasq" / "tasq.safetensors") for run in (single, two))
+        assert tasq_a.keys() == tasq_b.keys() and all(torch.equal(tasq_a[n], tasq_b[n]) for n in tasq_a)
+        reports = [json.loads((run / "tasq" / "tasq.json").read_text()) for run in (single, two)]
+        for report in reports:  # wall-clock phase timings differ between runs; everything else must not
+            assert set(report["report"].pop("seconds")) == {"query_stats", "load", "covariance", "grouping", "report"}
+        assert reports[0] == reports[1]
+    kmeans_a = load_file(single / "kmeans" / "quantizer.safetensors")
+    kmeans_b = load_file(two / "kmeans" / "quantizer.safetensors")
+    assert kmeans_a.keys() == kmeans_b.keys() and all(torch.equal(kmeans_a[n], kmeans_b[n]) for n in kmeans_a)
+    a = load_file(single / "finetune" / "quantizer.safetensors")
+    b = load_file(two / "finetune" / "quantizer.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
+    curve_a = json.loads((single / "finetune" / "curve.json").read_text())["curve"]
+    curve_b = json.loads((two / "finetune" / "curve.json").read_text())["curve"]
+    assert curve_a[1]["selection_kl"] == pytest.approx(curve_b[1]["selection_kl"], rel=1e-4)
+    assert json.loads((two / "manifest.json").read_text())["processes"] == 2
+
+
+def test_damaged_stage_files_rerun_the_stage(tiny_ouro_dir, calib_corpus, tmp_path):
+    """A truncated or deleted file of a finished stage is noticed (recorded sizes) and the stage runs again."""
+    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")
+    run = calibrate(cfg, stages=["capture", "kmeans"]).run_dir
+    shard = run / "capture" / "seq00001.safetensors"
+    good = shard.read_bytes()
+    shard.write_bytes(good[: len(good) // 2])
+    (run / "kmeans" / "report.json").unlink()
+    again = calibrate(cfg, stages=["capture", "kmeans"])
+    assert {s["name"]: s["reused"] for s in again.stages} == {"data": True, "capture": False, "kmeans": False}
+    assert shard.read_bytes() == good  # the capture is deterministic: the same shard again
+
+
+def test_edited_corpus_reruns_the_data_stage(tiny_ouro_dir, calib_corpus, tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(calib_corpus.read_bytes())
+    cfg = tiny_config(tiny_ouro_dir, corpus, tmp_path / "run")
+    first = calibrate(cfg, stages=["data"]).run_dir
+    ids = load_file(first / "data" / "sequences.safetensors")["input_ids"]
+    assert all(s["reused"] for s in calibrate(cfg, stages=["data"]).stages)
+    lines = corpus.read_text().splitlines()
+    corpus.write_text("\n".join(reversed(lines)) + "\n")
+    again = calibrate(cfg, stages=["data"])
+    assert not again.stages[0]["reused"]
+    assert not torch.equal(load_file(first / "data" / "sequences.safetensors")["input_ids"], ids)
+
+
+def test_cli_exit_codes_for_a_failed_stage_and_a_bad_run_directory(tiny_ouro_dir, calib_corpus, tmp_path, capsys, monkeypatch):
+    import yaml
+
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated k-means failure")
+
+    monkeypatch.setattr("loopvq_calib.calibration.stages.fit_codebooks", broken)
+    assert calibrate_main(["--config", str(cfg_path), "--stages", "kmeans"]) == 3
+    err = capsys.readouterr().err
+    assert "stage kmeans failed: RuntimeError: simulated k-means failure" in err and "run.log" in err
+    assert "simulated k-means failure" in (tmp_path / "run" / "run.log").read_text()
+    assert "Traceback" in (tmp_path / "run" / "run.log").read_text()
+
+    (tmp_path / "run" / "manifest.json").write_text('{"stages": {')
+    assert calibrate_main(["--config", str(cfg_path), "--stages", "data"]) == 2
+    assert "manifest.json is not valid JSON" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert calibrate_main(["--config", str(cfg_path), "--output", str(tmp_path / "afile")]) == 2
+    assert "afile exists and is not a directory" in capsys.readouterr().err
+    assert calibrate_main(["--config", str(cfg_path), "--output", str(tmp_path / "r2"), "--stages", "tasq"]) == 2
+    assert "tasq stage exists only for quant.method tasq or tasq+loopvq" in capsys.readouterr().err
+    cfg_path.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "r3", kmeans={"backend": "triton", "device": "cpu"})))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert calibrate_main(["--config", str(cfg_path)]) == 2  # k-means on the CPU: refused before the data stage
+    assert "kmeans.backend: 'triton' needs the triton package and a CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "r3" / "data").exists()
+
+
+def test_auto_store_is_chosen_before_any_work_and_refused_with_the_numbers(tiny_ouro_dir, calib_corpus, tmp_path,
+                                                                           capsys, monkeypatch):
+    import yaml
+
+    import loopvq_calib.calibration.capture.store as cs
+
+    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", capture={"store": "auto"})
+    run = calibrate(cfg, stages=["capture"]).run_dir
+    record = json.loads((run / "manifest.json").read_text())["stages"]["capture"]["details"]
+    assert record["store"] == "memory" and record["store_reason"].startswith("capture.store auto -> memory: ")
+    assert "capture.store auto -> memory" in (run / "run.log").read_text()
+    assert json.loads((run / "capture" / "meta.json").read_text())["store"] == "memory"
+
+    monkeypatch.setattr(cs, "host_available", lambda: 1000)
+    monkeypatch.setattr(cs, "disk_available", lambda folder: 2000)
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "refused", capture={"store": "auto"})))
+    assert calibrate_main(["--config", str(cfg_path)]) == 2
+    err = capsys.readouterr().err
+    assert "capture.store: no store holds the capture" in err and "memory: 0.00 GB" in err
+    assert not (tmp_path / "refused" / "data").exists()  # refused before the data stage
+
+
+def test_an_interrupted_disk_capture_resumes_after_the_sequences_it_wrote(tiny_ouro_dir, calib_corpus, tmp_path,
+                                                                          monkeypatch):
+    """Within-stage resume: a capture stopped in its 4th sequence keeps its 3 finished shards; the rerun (same
+    fingerprint) captures only the other 3 and publishes shards byte-identical to an uninterrupted run's."""
+    import loopvq_calib.calibration.capture.kv as capture
+
+    clean = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "clean"), stages=["capture"]).run_dir
+    real, calls = capture.capture_sequence, []
+
+    def counted(model, ids, kv, seqs, *args, **kwargs):
+        calls.append(list(seqs))
+        if stop_at is not None and len(calls) == stop_at:
+            raise KeyboardInterrupt  # Ctrl-C (a kill -9 leaves the same folder, without the failed record)
+        return real(model, ids, kv, seqs, *args, **kwargs)
+
+    monkeypatch.setattr(capture, "capture_sequence", counted)
+    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")
+    stop_at = 4
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(cfg, stages=["capture"])
+    assert statuses(tmp_path / "run")["capture"] == "failed"
+    calls.clear()
+    stop_at = None
+    run = calibrate(cfg, stages=["capture"]).run_dir
+    assert calls == [[3], [4], [5]]
+    shards = sorted(p.name for p in (clean / "capture").glob("seq*.safetensors"))
+    assert shards == sorted(p.name for p in (run / "capture").glob("seq*.safetensors")) and len(shards) == 6
+    for name in shards:
+        assert (run / "capture" / name).read_bytes() == (clean / "capture" / name).read_bytes(), name
+    assert not list(run.glob(".loopvq-tmp.*")) and not (run / "capture" / ".loopvq-resume").exists()
+    calls.clear()
+    changed = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", capture={"dtype": "float32"})
+    calibrate(changed, stages=["capture"])  # another fingerprint: everything is captured again
+    assert calls == [[i] for i in range(6)]
+
+
+def test_an_interrupted_finetune_resumes_after_its_last_epoch(tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch):
+    """Within-stage resume: fine-tuning stopped in its 2nd epoch restarts from the state saved after the 1st
+    (parameters, Adam's moments, curve) and gives the codebooks and curve of an uninterrupted run."""
+    import loopvq_calib.calibration.finetune.train as finetune
+
+    clean = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "clean"), stages=["finetune"]).run_dir
+    real, calls = finetune.sequence_kl, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        if stop_at is not None and len(calls) == stop_at:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(finetune, "sequence_kl", counted)
+    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")
+    stop_at = 1 + 4 + 1 + 2  # initial selection (2 sequences, one forward), epoch 1 (4 steps + selection), 2 steps of epoch 2
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(cfg, stages=["finetune"])
+    calls.clear()
+    stop_at = None
+    run = calibrate(cfg, stages=["finetune"]).run_dir
+    assert len(calls) == 4 + 1  # epoch 2 only: its 4 steps and its selection
+    for name in ("quantizer.safetensors", "curve.json"):
+        assert (run / "finetune" / name).read_bytes() == (clean / "finetune" / name).read_bytes(), name
+    assert not (run / "finetune" / "resume.pt").exists() and not list(run.glob(".loopvq-tmp.*"))
+
+
+def test_the_manifest_records_the_start_up_steps(tiny_ouro_dir, calib_corpus, tmp_path):
+    """Every check before the first stage is timed into the manifest's ``startup`` (with the seconds from the
+    process's start), so a slow start can be told apart from slow stages."""
+    import time
+
+    before = time.time()
+    result = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run"), stages=["data"])
+    startup = json.loads((result.run_dir / "manifest.json").read_text())["startup"]
+    steps = ("processes_s", "model_shape_s", "model_identity_s", "kmeans_backend_s", "data_fingerprint_s",
+             "calibration_set_s", "pipeline_init_s")
+    assert set(steps) <= set(startup) and all(startup[k] >= 0 for k in steps) and result.is_main
+    assert startup["pipeline_init_s"] >= sum(startup[k] for k in steps[:-1]) - 0.01  # the parts are inside the whole
+    assert before <= startup["entered_at"] <= time.time() and startup["process_start_s"] > 0
+
+
+def test_a_config_built_in_code_gets_its_derived_values_on_a_copy(tiny_ouro_dir, calib_corpus, tmp_path):
+    """``Pipeline`` fills what a Config built in code leaves null (here ``capture.fisher_channels``: the largest
+    exact value, as the loader does) on a copy, so validation and capture agree and the caller's object is kept."""
+    from loopvq_calib.calibration.pipeline import Pipeline
+    from loopvq_calib.config.validate import exact_fisher_channels
+
+    cfg = load_config(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run"))
+    cfg.capture.fisher_channels = None
+    pipeline = Pipeline(cfg, None, ["data"])
+    assert pipeline.cfg.capture.fisher_channels == exact_fisher_channels(cfg.quant) > 1
+    assert pipeline.cfg.capture.channels_per_fisher == exact_fisher_channels(cfg.quant)
+    assert cfg.capture.fisher_channels is None

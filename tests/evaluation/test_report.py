@@ -1,0 +1,79 @@
+"""report.md / report.json / plots of loopvq-eval, including the served part and reports written before the rename."""
+
+from __future__ import annotations
+
+from loopvq_calib.evaluation.report import (
+    eval_kl,
+    markdown_report,
+    selection_kl,
+    write_report,
+)
+
+
+def row(name: str, kl: float, **extra) -> dict:
+    base = {"name": name, "method": "loopvq", "bits": {"key": 0.5, "value": 0.5}, "sink_tokens": 8,
+            "eval_kl": kl, "ppl_fp": 10.0, "ppl_quantized": 10.2, "ppl_increase": 0.02, "per_step_kl": [kl / 2] * 2,
+            "nmse": {"key": 0.1, "value": 0.2}, "nmse_per_step": {"key": [0.1, 0.1], "value": [0.2, 0.2]},
+            "bundle": f"runs/{name}", "codebook_size": 256, "group_size": 16, "steps_per_block": 2,
+            "codebook_bytes": 1000, "selection_kl": 0.03}
+    base.update(extra)
+    return base
+
+
+def served() -> dict:
+    bytes_ = lambda per, enc: {"tokens": 512, "bytes_per_token": per, "encoded_bytes_per_token": enc,  # noqa: E731
+                               "ratio_to_bf16": per / 24576}
+    return {
+        "model": {"model_type": "huginn_raven", "loop_steps": 2, "recurrences": 2, "initial_state": "zero"},
+        "reference": "bfloat16",
+        "entries": [
+            {"name": "bfloat16", "kind": "full-precision", "bits": None, "serving": None, "bytes": bytes_(24576, None)},
+            {"name": "b1", "kind": "bundle", "bits": {"key": 0.5, "value": 0.5},
+             "serving": {"sink_tokens": 8, "recent_window": 64, "page_size": 8}, "bytes": bytes_(4014.5, 768)},
+            {"name": "kivi2", "kind": "baseline", "bits": {"key": 3, "value": 3},
+             "serving": {"sink_tokens": 8, "recent_window": 64, "page_size": 32}, "bytes": bytes_(7000.0, 4608)},
+        ],
+        "tasks": {"tasks": ["t"], "limit": 10.0, "samples": {"t": 10},
+                  "scores": {"bfloat16": {"t": {"exact_match,first_word": 0.7}},
+                             "b1": {"t": {"exact_match,first_word": 0.6}},
+                             "kivi2": {"t": {"exact_match,first_word": 0.7}}}},
+        "accuracy_drop": {"b1": {"t": 0.1}, "kivi2": {"t": 0.0}},
+        "passkey": {"lengths": [128, 512], "trials_per_length": 5,
+                    "accuracy": {"bfloat16": {"128": 1.0, "512": 0.8}, "b1": {"128": 1.0, "512": 0.4},
+                                 "kivi2": {"128": 1.0, "512": 0.6}}},
+    }
+
+
+def report(**extra) -> dict:
+    return {"model": "m", "dtype": "bfloat16", "device": "cpu", "loop_steps": 2,
+            "data": {"dataset": "d.jsonl", "num_sequences": 2, "sequence_length": 64},
+            "bundles": [row("b1", 0.02), row("kivi2", 0.05, baseline=True, bundle=None, selection_kl=None)], **extra}
+
+
+def test_served_tables_side_by_side():
+    md = markdown_report(report(served=served()))
+    assert "| b1 | bundle | 0.5 / 0.5 | 8 / 64 / 8 | 4014.5 | 768.0 | 0.1634 | 0.02000 |" in md
+    assert "| kivi2 | baseline | 3 / 3 | 8 / 64 / 32 | 7000.0 | 4608.0 | 0.2848 | 0.05000 |" in md
+    assert "| t | exact_match,first_word | 0.7000 | 0.6000 (-0.1000) | 0.7000 |" in md
+    assert "| b1 | 1.00 | 0.40 |" in md and "Huginn recurrences 2, initial state zero" in md
+    assert "(--limit 10)" in md
+    bundles_table = md.split("## Bundles")[1].split("##")[0]
+    assert "| b1 |" in bundles_table and "kivi2" not in bundles_table  # baselines have no codebooks
+
+
+def test_old_report_keys_are_read():
+    old = row("b1", 0.0)
+    del old["eval_kl"], old["selection_kl"]
+    old.update(heldout_kl=0.042, calibration_heldout_kl=0.031)
+    assert eval_kl(old) == 0.042 and selection_kl(old) == 0.031
+    md = markdown_report(report(bundles=[old]))
+    assert "| b1 | loopvq | 0.500 / 0.500 | 8 | 0.04200 |" in md and "0.03100" in md
+
+
+def test_write_report_adds_the_served_plot(tmp_path):
+    paths = write_report(report(served=served()), tmp_path)
+    assert {p.name for p in paths} == {"report.json", "report.md", "kl_by_method.png", "kl_per_step.png",
+                                       "nmse_per_step.png", "served_accuracy.png"}
+    assert (tmp_path / "served_accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plain = write_report(report(), tmp_path / "plain")
+    assert "served_accuracy.png" not in {p.name for p in plain}
