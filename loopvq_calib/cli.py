@@ -154,8 +154,8 @@ def eval_main(argv: list[str] | None = None) -> int:
     options = ServedOptions(args.tasks, args.baseline, args.limit, args.sink_tokens, args.recent_window,
                             args.batch_size, args.include_path, args.passkey_lengths, args.passkey_trials,
                             args.max_accuracy_drop, confirm_run_unsafe_code=args.confirm_run_unsafe_code)
-    return run_eval(args.bundle, args.model, args.data, args.num_sequences, args.sequence_length, args.out,
-                    args.max_kl, args.max_ppl_increase, args.device, args.dtype, served=options)
+    return run_eval(args.bundle, args.model, args.data, num_sequences=args.num_sequences, sequence_length=args.sequence_length, out_dir=args.out,
+                    max_kl=args.max_kl, max_ppl_increase=args.max_ppl_increase, device=args.device, dtype=args.dtype, served=options)
 
 
 def _names(text: str) -> list[str]:
@@ -209,7 +209,7 @@ def push_main(argv: list[str] | None = None) -> int:
             results = attach_eval_report(args.bundle, args.eval_report, write=not args.dry_run)
             verb = "would add" if args.dry_run else "added"
             print(f"{verb} {len(results)} evaluation results to {args.bundle}/README.md")
-        files = push_bundle(args.bundle, args.repo_id, args.private, args.dry_run, revision=args.revision)
+        files = push_bundle(args.bundle, args.repo_id, args.private, dry_run=args.dry_run, revision=args.revision)
     except (BundleError, RepoIdError, EvalReportError) as err:
         return _fail(str(err), 2)
     except PushError as err:

@@ -125,7 +125,7 @@ def bench_case(context: int, batch: int, method: str, tables: da.StepTables, dev
     rope = da.RopeTable(D, THETA)
 
     def coded_call() -> torch.Tensor:
-        return da.decode_attention(q, tables, coded, fp[0], fp[1], fpos, None, rope, max_position=context, **launch)
+        return da.decode_attention(q, tables, coded, fp_keys=fp[0], fp_values=fp[1], fp_positions=fpos, fp_mask=None, rope=rope, max_position=context, **launch)
 
     coded_call()
     coded_ms = graph_ms(coded_call)
@@ -158,9 +158,9 @@ def check_accuracy(method: str, tables: da.StepTables, kc: BlockCodec, vc: Block
     fpos = torch.cat([torch.arange(SINKS), torch.arange(SINKS + n, SINKS + n + WINDOW)])[None].repeat(2, 1)
     moved = da.CodedTokens(coded.key_indices.to(device), coded.value_indices.to(device),
                            None if coded.key_sigma is None else coded.key_sigma.to(device), n, coded.first_position)
-    out = da.decode_attention(q.to(device), tables, moved, fk.to(device), fv.to(device), fpos.to(device), None,
-                              da.RopeTable(D, THETA))
-    ref = da.decode_attention_reference(q.float(), kc, vc, tables.step, coded, fk, fv, fpos, None, "half", THETA)
+    out = da.decode_attention(q.to(device), tables, moved, fp_keys=fk.to(device), fp_values=fv.to(device), fp_positions=fpos.to(device), fp_mask=None,
+                              rope=da.RopeTable(D, THETA))
+    ref = da.decode_attention_reference(q.float(), kc, vc, step=tables.step, coded=coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=None, rope_style="half", rope_theta=THETA)
     return float((out.cpu().double() - ref).norm() / ref.norm())
 
 
@@ -200,7 +200,7 @@ def main() -> None:
     tables, accuracy = {}, {}
     for method in args.methods:
         kc, vc = codecs(method)
-        tables[method] = da.step_tables(kc, vc, 2, "half", device, torch.float16)
+        tables[method] = da.step_tables(kc, vc, 2, rope_style="half", device=device, dtype=torch.float16)
         accuracy[method] = check_accuracy(method, tables[method], kc, vc, device)
         print(f"{method}: relative error vs float64 reference {accuracy[method]:.2e}", flush=True)
     result["relative_error"] = accuracy

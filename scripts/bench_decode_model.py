@@ -144,7 +144,7 @@ def decoded_cache(quantizer: KVQuantizer, contents: dict[str, Any], serving: Ser
             if pages:
                 t = torch.cat([t[:, :sinks], x[:, :, m].to(t.dtype), t[:, sinks:]], 1)
             if codec.layout.kind == "key":
-                cache.keys[site] = apply_rope(t, *rope_angles(positions, kv.head_dim, kv.rope_theta), kv.rope_style)
+                cache.keys[site] = apply_rope(t, *rope_angles(positions, kv.head_dim, kv.rope_theta), style=kv.rope_style)
             else:
                 cache.values[site] = t
     return cache

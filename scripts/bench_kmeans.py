@@ -46,12 +46,12 @@ def main() -> None:
     xd, wd = x.to(dev), w.to(dev)
     fused_modes = [False, True] if cuda and kmeans_triton.available(dev) else [False]
     for fused in fused_modes:  # warm-up: CUDA/cuBLAS start-up and Triton compilation are not seeding
-        kmeans_pp_init(xd[:2], wd[:2], args.k, torch.Generator().manual_seed(1), fused=fused)
+        kmeans_pp_init(xd[:2], wd[:2], args.k, generator=torch.Generator().manual_seed(1), fused=fused)
     for fused in fused_modes:
         if cuda:
             torch.cuda.synchronize()
         t = time.time()
-        init = kmeans_pp_init(xd, wd, args.k, torch.Generator().manual_seed(1), fused=fused)
+        init = kmeans_pp_init(xd, wd, args.k, generator=torch.Generator().manual_seed(1), fused=fused)
         if cuda:
             torch.cuda.synchronize()
         print(json.dumps({"what": "kmeans++ init", "fused": fused, "device": str(dev), "problems": args.problems,
@@ -61,9 +61,9 @@ def main() -> None:
         device = torch.device("cpu") if backend == "faiss" else dev
         try:
             if backend == "triton":  # warm-up: Triton compilation
-                weighted_kmeans(x[:2].to(device), w[:2].to(device), init[:2].to(device), cfg, backend, device, seed=0)
+                weighted_kmeans(x[:2].to(device), w[:2].to(device), init[:2].to(device), cfg=cfg, backend=backend, device=device, seed=0)
             t = time.time()
-            res = weighted_kmeans(x.to(device), w.to(device), init.to(device), cfg, backend, device, seed=0)
+            res = weighted_kmeans(x.to(device), w.to(device), init.to(device), cfg=cfg, backend=backend, device=device, seed=0)
             if cuda:
                 torch.cuda.synchronize()
             seconds = time.time() - t

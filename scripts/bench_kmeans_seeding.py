@@ -55,12 +55,12 @@ def main() -> None:
     for name, module, tile in versions:
         if tile is not None:
             module.DRAW_SUB, module.DRAW_WARPS = tile
-        module.kmeans_pp(x[:2].contiguous(), w[:2].contiguous(), args.k, uniforms[:, :2].contiguous())  # compiles
+        module.kmeans_pp(x[:2].contiguous(), w[:2].contiguous(), args.k, uniforms=uniforms[:, :2].contiguous())  # compiles
         times = []
         for _ in range(3):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            out[name] = module.kmeans_pp(x, w, args.k, uniforms)
+            out[name] = module.kmeans_pp(x, w, args.k, uniforms=uniforms)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         print(json.dumps({"version": name, "problems": args.problems, "points": args.points, "k": args.k,

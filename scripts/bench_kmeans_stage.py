@@ -40,7 +40,7 @@ def main() -> None:
     layouts = plan_layouts(kv, cfg.quant)
     reader = CaptureReader(args.capture)
     wall, cpu = time.perf_counter(), _cpu_s()
-    _, report = fit_codebooks(reader, layouts, {}, cfg.quant, cfg.kmeans, kv, torch.device("cpu"))
+    _, report = fit_codebooks(reader, layouts, {}, quant=cfg.quant, cfg=cfg.kmeans, kv=kv, device=torch.device("cpu"))
     totals = report["totals"]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__import__("loopvq_calib").__file__))).stdout.strip()

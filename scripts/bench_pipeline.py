@@ -86,7 +86,7 @@ def main() -> None:
 
     stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
     start = time.perf_counter()
-    result = calibrate(args.config, args.output, stages, args.overrides)
+    result = calibrate(args.config, args.output, stages, overrides=args.overrides)
     wall = time.perf_counter() - start
     if result.is_main:
         print(json.dumps(summarize(result.run_dir, wall, result.stages)), flush=True)

@@ -35,7 +35,7 @@ def main() -> None:
         y = torch.randn(args.heads, args.tokens, coords, generator=gen, dtype=torch.float64) @ mix
         cov = y.transpose(1, 2) @ y / args.tokens
         start = time.perf_counter()
-        fit_groups(cov, units, args.group_size, 1e-6)
+        fit_groups(cov, units, args.group_size, eps=1e-6)
         seconds.append(round(time.perf_counter() - start, 3))
     print(json.dumps({**vars(args), "seconds_per_layout": seconds, "threads": torch.get_num_threads()}))
 

@@ -54,8 +54,8 @@ def build(golden: Path = GOLDEN) -> dict[str, torch.Tensor]:
         query = torch.randn(steps, heads * QUERY_GROUP, d, generator=gen)
         fp_keys = torch.randn(steps, SINKS + WINDOW, heads, d, generator=gen)
         fp_values = torch.randn(steps, SINKS + WINDOW, heads, d, generator=gen)
-        outputs = [decode_attention_reference(query[m][None], kc, vc, m, coded, fp_keys[m][None], fp_values[m][None],
-                                              fp_pos[None], None, rope["style"], rope["theta"])[0] for m in range(steps)]
+        outputs = [decode_attention_reference(query[m][None], kc, vc, step=m, coded=coded, fp_keys=fp_keys[m][None], fp_values=fp_values[m][None],
+                                              fp_positions=fp_pos[None], fp_mask=None, rope_style=rope["style"], rope_theta=rope["theta"])[0] for m in range(steps)]
         for kind in ("key", "value"):  # the coded tokens' indices bit-packed (format 1.1, bundle-format section 8)
             idx = expected[f"{case}/{kind}.{block}.indices"]
             out.update(indices_entries(f"{case}/{kind}", idx, bundle.meta["codebook_size"], form="packed"))

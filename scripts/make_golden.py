@@ -148,7 +148,7 @@ def build_case(name: str, kv: KVLayout, method: str, sharing: str, dtype: str, s
         if codes.sigma is not None:
             expected[f"{name}/{key}.sigma"] = codes.sigma
         if codec.layout.kind == "key":
-            rope = [apply_rope(y[:, m][None], cos, sin, kv.rope_style)[0] for m in range(codec.layout.steps)]
+            rope = [apply_rope(y[:, m][None], cos, sin, style=kv.rope_style)[0] for m in range(codec.layout.steps)]
             expected[f"{name}/{key}.decoded_rope"] = torch.stack(rope, 1).contiguous()
     config_json = json.dumps({"model_type": kv.model_type, "golden": name}, sort_keys=True).encode()
     identity = ModelIdentity(f"golden/{name}", None, kv.model_type, hashlib.sha256(config_json).hexdigest(), [])

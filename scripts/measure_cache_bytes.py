@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
 
         quantizer = load_bundle(args.bundle).quantizer
     else:
-        quantizer = sampled_quantizer(model, stream[:, :512], args.method, args.codebook_size, args.group_size,
-                                      args.steps_per_block)
+        quantizer = sampled_quantizer(model, stream[:, :512], args.method, codebook_size=args.codebook_size, group_size=args.group_size,
+                                      steps_per_block=args.steps_per_block)
     kv = quantizer.kv
     print(f"model {args.model} ({args.dtype}); quantizer {quantizer.method}, K={quantizer.codebook_size}, "
           f"G={quantizer.group_size}, T_c={quantizer.steps_per_block}, bits {quantizer.bits()}; "
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
           "bf16 bytes per token | ratio to bf16 |")
     print("|---|---|---|---|---|---|---|")
     for length in args.lengths:
-        cache = QuantizedLoopKVCache(quantizer, args.sink_tokens, args.recent_window, args.page_size)
+        cache = QuantizedLoopKVCache(quantizer, args.sink_tokens, args.recent_window, page_size=args.page_size)
         with torch.no_grad():
             out = model(stream[:, :length], cache=cache, use_cache=True)
             for _ in range(args.new_tokens):

@@ -58,17 +58,17 @@ def main() -> None:
 
     def capture() -> None:
         for i in seqs:
-            capture_sequence(model, ids[i : i + 1].to(device), kv, [i], torch.bfloat16, 1, on_device=True,
+            capture_sequence(model, ids[i : i + 1].to(device), kv, seqs=[i], dtype=torch.bfloat16, fisher_channels=1, on_device=True,
                              tasq_weights=weights)
 
-    stats = query_statistics(model, ids[:1], kv, [0], 1)  # warm-up, and the weights of the capture step
-    weights = key_weights({0: stats[0]}, kv, args.seq_len, 1e-6, device)
-    capture_sequence(model, ids[:1].to(device), kv, [0], torch.bfloat16, 1, on_device=True, tasq_weights=weights)
+    stats = query_statistics(model, ids[:1], kv, mine=[0], batch_size=1)  # warm-up, and the weights of the capture step
+    weights = key_weights({0: stats[0]}, kv, args.seq_len, floor=1e-6, device=device)
+    capture_sequence(model, ids[:1].to(device), kv, seqs=[0], dtype=torch.bfloat16, fisher_channels=1, on_device=True, tasq_weights=weights)
     line = {"model": args.model, "seq_len": args.seq_len, "sequences": n,
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     for batch in args.batches:
         for what, fn in (("forward", lambda: forward(batch)),
-                         ("query_statistics", lambda: query_statistics(model, ids, kv, seqs, batch))):
+                         ("query_statistics", lambda: query_statistics(model, ids, kv, mine=seqs, batch_size=batch))):
             seconds = timed(fn, device)
             print(json.dumps({**line, "what": what, "batch": batch, "seconds": round(seconds, 3),
                               "per_sequence_s": round(seconds / n, 4)}), flush=True)
@@ -80,7 +80,7 @@ def main() -> None:
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=acts) as prof:
-            query_statistics(model, ids[:1], kv, [0], 1)
+            query_statistics(model, ids[:1], kv, mine=[0], batch_size=1)
         keys = ["cpu_time_total"] + (["device_time_total"] if device.type == "cuda" else [])
         Path(args.profile).write_text("\n".join(prof.key_averages().table(sort_by=k, row_limit=30) for k in keys))
 

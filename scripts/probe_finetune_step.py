@@ -63,7 +63,7 @@ def one_step(model, ids, quantizer, params, sinks: int) -> dict[str, float]:
         fp, times["teacher_s"] = timed(lambda: teacher(model, ids), sync)
         dtype = next(iter(fp.keys.values())).dtype  # as quantized_logits: each block cast once to the forward's dtype
         q, times["encode_decode_s"] = timed(lambda: quantizer.quantize_sites(fp.keys, fp.values, dtype), sync)
-        logits, times["quantized_forward_s"] = timed(lambda: quantized_logits(model, ids, quantizer, fp, sinks, quantized=q), sync)
+        logits, times["quantized_forward_s"] = timed(lambda: quantized_logits(model, ids, quantizer, fp=fp, sink_tokens=sinks, quantized=q), sync)
     kl, times["kl_s"] = timed(lambda: mean_kl(fp.logits, logits, sinks), sync)
     _, times["backward_s"] = timed(kl.backward, sync)
     for p in params:

@@ -25,7 +25,7 @@ from loopvq_calib.serving import decode_attention as da  # noqa: E402
 def main() -> None:
     device = torch.device("cuda")
     kc, vc = bd.codecs("loopvq")
-    tables = da.step_tables(kc, vc, 2, "half", device, torch.float16)
+    tables = da.step_tables(kc, vc, 2, rope_style="half", device=device, dtype=torch.float16)
     batch, context = 8, 32768
     n = context - bd.SINKS - bd.WINDOW
     gen = torch.Generator(device=device).manual_seed(0)
@@ -38,7 +38,7 @@ def main() -> None:
     rope = da.RopeTable(bd.D, bd.THETA)
     backend = "triton" if "--triton" in sys.argv[1:] else "cuda"
     for _ in range(3):
-        da.decode_attention(q, tables, coded, fk, fv, fpos, None, rope, max_position=context, backend=backend)
+        da.decode_attention(q, tables, coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=None, rope=rope, max_position=context, backend=backend)
     torch.cuda.synchronize()
     print("done")
 

@@ -45,9 +45,9 @@ def main() -> None:
         x = torch.randn(2, 32640, g, generator=gen).to(pipeline.kmeans_device)
         w = torch.rand(2, 32640, generator=gen).to(pipeline.kmeans_device)
         uniforms = torch.rand(k, 2, generator=gen, dtype=torch.float64).to(pipeline.kmeans_device)
-        for name, fn in (("compile_kmeans_pp_s", lambda: kmeans_triton.kmeans_pp(x, w, k, uniforms)),
+        for name, fn in (("compile_kmeans_pp_s", lambda: kmeans_triton.kmeans_pp(x, w, k, uniforms=uniforms)),
                          ("compile_lloyd_s", lambda: kmeans_triton.lloyd_step(
-                             x, w, x[:, :k].contiguous(), torch.arange(2, device=x.device), accumulate=True))):
+                             x, w, x[:, :k].contiguous(), rows=torch.arange(2, device=x.device), accumulate=True))):
             for attempt in ("", "_again"):
                 torch.cuda.synchronize()
                 t = time.perf_counter()

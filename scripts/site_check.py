@@ -25,12 +25,12 @@ class SiteCheckCache:
         self.sites: list[int] = []
         self._errors: list[torch.Tensor] = []  # 0-d, on the device (read once at the end)
 
-    def attend(self, site: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: Any) -> torch.Tensor:
+    def attend(self, site: int, q: torch.Tensor, *, key: torch.Tensor, value: torch.Tensor, ctx: Any) -> torch.Tensor:
         """The reference cache's attention output for this decode call, after recording the served one's error."""
-        got = self.served.attend(site, q, key, value, ctx)
+        got = self.served.attend(site, q, key=key, value=value, ctx=ctx)
         if got is None:  # the served cache's reference path serves this call
-            got = sdpa(q, *self.served.update(site, key, value, ctx.positions, ctx.rope), ctx.mask)
-        want = sdpa(q, *self.reference.update(site, key, value, ctx.positions, ctx.rope), ctx.mask)
+            got = sdpa(q, *self.served.update(site, key, value, positions=ctx.positions, rope=ctx.rope), mask=ctx.mask)
+        want = sdpa(q, *self.reference.update(site, key, value, positions=ctx.positions, rope=ctx.rope), mask=ctx.mask)
         self.sites.append(site)
         self._errors.append((got.float() - want.float()).norm() / want.float().norm())
         return want

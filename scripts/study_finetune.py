@@ -149,7 +149,7 @@ def study_cell(method: str, bits: float, sequences: int, variants: list[str], de
             eval_s += time.perf_counter() - t
 
         t0 = time.perf_counter()
-        result = finetune_codebooks(model, calib, init, FinetuneConfig(**settings), dev, on_select=on_select)
+        result = finetune_codebooks(model, calib, init, cfg=FinetuneConfig(**settings), device=dev, on_select=on_select)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0 - eval_s

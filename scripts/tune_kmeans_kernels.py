@@ -47,8 +47,8 @@ def main() -> None:
     c = x[:, torch.randperm(N, generator=torch.Generator().manual_seed(0))[:K]].contiguous()
     rows = torch.arange(P, device="cuda")
     x_sq = x.pow(2).sum(-1)
-    err0, sums0, mass0 = _assign(x, x_sq, w, c, 16384, True)
-    print(json.dumps({"torch_assign_ms": round(ms_per_call(lambda: _assign(x, x_sq, w, c, 16384, True)), 2)}), flush=True)
+    err0, sums0, mass0 = _assign(x, x_sq, w, c=c, chunk=16384, accumulate=True)
+    print(json.dumps({"torch_assign_ms": round(ms_per_call(lambda: _assign(x, x_sq, w, c=c, chunk=16384, accumulate=True)), 2)}), flush=True)
 
     def step(block: int, warps: int, precision: str, accumulate: bool):
         nb = triton.cdiv(N, block)
@@ -79,12 +79,12 @@ def main() -> None:
         return torch.Generator().manual_seed(1)
 
     for fused in (True, False):  # warm-up (compilation)
-        kmeans_pp_init(x[:2], w[:2], K, gen(), fused=fused)
+        kmeans_pp_init(x[:2], w[:2], K, generator=gen(), fused=fused)
     seeds = {}
     for fused in (True, False):
         torch.cuda.synchronize()
         start = time.time()
-        seeds[fused] = kmeans_pp_init(x, w, K, gen(), fused=fused)
+        seeds[fused] = kmeans_pp_init(x, w, K, generator=gen(), fused=fused)
         torch.cuda.synchronize()
         print(json.dumps({"pp_fused": fused, "s": round(time.time() - start, 3)}), flush=True)
     print(json.dumps({"pp_equal_rows": (seeds[True] == seeds[False]).all(-1).all(-1).float().mean().item()}))

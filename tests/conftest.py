@@ -216,8 +216,8 @@ def tiny_captures(tmp_path_factory) -> dict[str, tuple]:
         calib = CalibrationSet(input_ids=torch.randint(0, 4096, (3, 64)), train=[0, 1], heldout=[2], sink_tokens=4)
         folder = tmp_path_factory.mktemp(f"capture-{name}")
         cfg = CaptureConfig(dtype="float32")
-        capture_kv(model, calib, kv, cfg, folder)
-        write_meta(folder, calib, kv, cfg)
+        capture_kv(model, calib, kv, cfg=cfg, out=folder)
+        write_meta(folder, calib, kv, cfg=cfg)
         out[name] = (model, kv, calib, CaptureReader(folder))
     return out
 
@@ -236,7 +236,7 @@ def run_finetune(setup: tuple, **cfg) -> tuple[FinetuneResult, list[tuple[dict, 
     -> the result and (curve entry, quantizer) at every selection point."""
     model, calib, init = setup
     seen = []
-    result = finetune_codebooks(model, calib, init, FinetuneConfig(**cfg), torch.device("cpu"),
+    result = finetune_codebooks(model, calib, init, cfg=FinetuneConfig(**cfg), device=torch.device("cpu"),
                                 on_select=lambda e, q: seen.append((dict(e), copy.deepcopy(q))))
     return result, seen
 

@@ -167,12 +167,12 @@ def attach_eval_report(bundle_path: str | Path, report_path: str | Path, write: 
         except BaseException:
             card.unlink(missing_ok=True)
             raise
-        _replace_pair(path / CARD_FILE, card, path / META_FILE, new_meta)
+        _replace_pair(path / CARD_FILE, card, path / META_FILE, meta_tmp=new_meta)
         load_bundle(path)
     return evaluation["results"]
 
 
-def _replace_pair(card: Path, card_tmp: Path, meta: Path, meta_tmp: Path) -> None:
+def _replace_pair(card: Path, card_tmp: Path, meta: Path, *, meta_tmp: Path) -> None:
     """Rename both finished files into place, the card first, the old card moved aside (renamed, not reread);
     if a rename fails, the old card is renamed back, so an error leaves README.md and loopvq.json (whose
     checksum covers it) matching. A kill between the renames leaves the new card, or none, beside the old

@@ -32,7 +32,7 @@ def bundle_files(bundle: Bundle) -> list[str]:
     return sorted({META_FILE, *bundle.meta["files"]})
 
 
-def push_bundle(path: str | Path, repo_id: str, private: bool = False, dry_run: bool = False,
+def push_bundle(path: str | Path, repo_id: str, private: bool = False, *, dry_run: bool = False,
                 token: str | None = None, revision: str | None = None) -> list[str]:
     """Validate the bundle, then upload its files (:func:`bundle_files`) to the model repo ``repo_id``
     (created if needed).

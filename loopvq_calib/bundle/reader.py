@@ -76,9 +76,9 @@ def load_bundle(path: str | Path, model: str | Path | None = None, identity: Mod
     tensors = _read_tensors(path / TENSOR_FILE)
     _check_tensors(path / TENSOR_FILE, meta, tensors)
     if model is not None:
-        _check_identity(path, meta, _folder_identity(meta, model), f"model {model}")
+        _check_identity(path, meta, _folder_identity(meta, model), what=f"model {model}")
     if identity is not None:
-        _check_identity(path, meta, identity.to_dict(), f"model identity {identity.name}")
+        _check_identity(path, meta, identity.to_dict(), what=f"model identity {identity.name}")
     qmeta = {**meta, "kv_layout": {**meta["kv_layout"], "rope_style": meta["rope"]["style"],
                                    "rope_theta": meta["rope"]["theta"]}}
     return Bundle(path, meta, KVQuantizer.from_tensors(qmeta, tensors, torch.float32))
@@ -97,12 +97,12 @@ def resolve_bundle_dir(spec: str | Path, key: str = "bundle") -> Path:
     if isinstance(spec, Path) or looks_local(str(spec), Path.cwd()):
         raise BundleError(f"{spec}: no such bundle folder")
     try:  # loopvq.json first, then exactly the files it lists
-        meta_file = Path(hub_snapshot(str(spec), None, key, "bundle", [META_FILE])) / META_FILE
+        meta_file = Path(hub_snapshot(str(spec), None, key, what="bundle", patterns=[META_FILE])) / META_FILE
         try:
             listed = [str(name) for name in json.loads(meta_file.read_text(encoding="utf-8")).get("files", {})]
         except (OSError, ValueError, AttributeError):
             listed = []  # load_bundle then names what is wrong with loopvq.json
-        return Path(hub_snapshot(str(spec), None, key, "bundle", [META_FILE, *listed]))
+        return Path(hub_snapshot(str(spec), None, key, what="bundle", patterns=[META_FILE, *listed]))
     except ModelLoadError as err:
         raise BundleError(str(err)) from err
 
@@ -130,24 +130,24 @@ def _read_meta(path: Path) -> dict[str, Any]:
     if int(major) != int(FORMAT_VERSION.split(".")[0]):
         raise BundleError(f"{file}: format_version {version} is not supported; this reader supports "
                           f"{FORMAT_VERSION.split('.')[0]}.x (any minor version)")
-    _require(meta, _REQUIRED, file, "")
+    _require(meta, _REQUIRED, file, prefix="")
     if meta["format"] != "loopvq":
         raise BundleError(f"{file}: field format is {meta['format']!r}, expected 'loopvq'")
-    _require(meta["producer"], {"name": str, "version": str}, file, "producer.")
-    _require(meta["bits"], {"key": _NUMBER, "value": _NUMBER}, file, "bits.")
-    _require(meta["model"], _REQUIRED_MODEL, file, "model.")
-    _require(meta["serving"], {k: int for k in ("sink_tokens", "recent_window", "page_size")}, file, "serving.")
+    _require(meta["producer"], {"name": str, "version": str}, file, prefix="producer.")
+    _require(meta["bits"], {"key": _NUMBER, "value": _NUMBER}, file, prefix="bits.")
+    _require(meta["model"], _REQUIRED_MODEL, file, prefix="model.")
+    _require(meta["serving"], {k: int for k in ("sink_tokens", "recent_window", "page_size")}, file, prefix="serving.")
     _check_serving(meta["serving"], file)
-    _require(meta["rope"], {"style": str, "theta": (int, float)}, file, "rope.")
+    _require(meta["rope"], {"style": str, "theta": (int, float)}, file, prefix="rope.")
     _require(meta["kv_layout"], {"model_type": str, "loop_steps": int, "kv_heads": int, "head_dim": int,
-                                 "sites": list}, file, "kv_layout.")
+                                 "sites": list}, file, prefix="kv_layout.")
     if meta["codebook_dtype"] not in TORCH_DTYPES:
         raise BundleError(f"{file}: field codebook_dtype {meta['codebook_dtype']!r} is not one of {', '.join(TORCH_DTYPES)}")
     for i, site in enumerate(meta["kv_layout"]["sites"]):
         _require(site, {"site": int, "step": int, "layer": int, "looped": bool, "stage": str}, file,
-                 f"kv_layout.sites[{i}].")
+                 prefix=f"kv_layout.sites[{i}].")
     for i, block in enumerate(meta["blocks"]):
-        _require(block, _REQUIRED_BLOCK, file, f"blocks[{i}].")
+        _require(block, _REQUIRED_BLOCK, file, prefix=f"blocks[{i}].")
     return meta
 
 
@@ -162,7 +162,7 @@ def _check_serving(serving: dict[str, int], file: Path) -> None:
                               f"got {serving[key]}")
 
 
-def _require(obj: Any, spec: dict[str, Any], file: Path, prefix: str) -> None:
+def _require(obj: Any, spec: dict[str, Any], file: Path, *, prefix: str) -> None:
     if not isinstance(obj, dict):
         raise BundleError(f"{file}: field {prefix.rstrip('.')} must be an object")
     for key, tp in spec.items():
@@ -281,7 +281,7 @@ def _folder_identity(meta: dict[str, Any], model: str | Path) -> dict[str, Any]:
         raise BundleError(f"cannot compute the identity of model {model}: {err}") from err
 
 
-def _check_identity(path: Path, meta: dict[str, Any], actual: dict[str, Any], what: str) -> None:
+def _check_identity(path: Path, meta: dict[str, Any], actual: dict[str, Any], *, what: str) -> None:
     stored = meta["model"]
     diffs = []
     if stored.get("model_type") != actual.get("model_type"):

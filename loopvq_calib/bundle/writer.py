@@ -69,8 +69,8 @@ def write_bundle(out_dir: Path, quantizer: KVQuantizer, *, name: str, identity: 
     tmp = out_dir.with_name(f"{TMP_PREFIX}{out_dir.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
-        meta = _bundle_meta(quantizer, name, identity, calibration, metrics, serving, codebook_dtype, config,
-                            producer_version)
+        meta = _bundle_meta(quantizer, name, identity, calibration=calibration, metrics=metrics, serving=serving, codebook_dtype=codebook_dtype, config=config,
+                            producer_version=producer_version)
         _save_tensors(tmp / TENSOR_FILE, quantizer.tensors(TORCH_DTYPES[codebook_dtype]))
         from .card import model_card
 
@@ -107,7 +107,7 @@ def _check_replaceable(out_dir: Path) -> None:
 
 
 
-def _bundle_meta(q: KVQuantizer, name: str, identity: ModelIdentity, calibration: dict, metrics: dict,
+def _bundle_meta(q: KVQuantizer, name: str, identity: ModelIdentity, *, calibration: dict, metrics: dict,
                  serving: ServingConfig, codebook_dtype: str, config: dict, producer_version: str) -> dict[str, Any]:
     qm = q.meta()
     kv = q.kv.to_dict()

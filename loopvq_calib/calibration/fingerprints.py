@@ -18,7 +18,7 @@ def fingerprint(*parts: Any) -> str:
 
 
 
-def stage_fingerprints(cfg: Config, data_fp: str, identity: dict[str, Any], loop_steps: int) -> dict[str, str | None]:
+def stage_fingerprints(cfg: Config, data_fp: str, identity: dict[str, Any], *, loop_steps: int) -> dict[str, str | None]:
     """Every stage's fingerprint, from the config and the data's and model's identities (``tasq``: None for
     methods without it). ``capture`` is what the capture holds, not where (the store is left out), so the
     later stages are reused whichever store held it; the capture stage itself adds the store."""

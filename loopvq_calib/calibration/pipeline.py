@@ -91,7 +91,7 @@ class Pipeline:
     """One calibration run; :meth:`run_all` executes (or reuses) the stages up to the last one asked for."""
 
     def __init__(self, cfg: Config, output: str | Path | None = None, stages: list[str] | None = None,
-                 dist: DistContext | None = None, warmup: Warmup | None = None) -> None:
+                 *, dist: DistContext | None = None, warmup: Warmup | None = None) -> None:
         """Every check that can fail on bad input runs here, before anything is written: the config against
         the model's config.json, ``stages``, devices, the k-means backend, the store, the output folder and
         (unless the run directory holds a reusable data stage) the calibration data itself, built once, by
@@ -110,8 +110,8 @@ class Pipeline:
             self.folder = resolve_model_dir(cfg.model.name_or_path, cfg.model.revision)
             model_config = read_model_config(self.folder)
             self.kv, model_bytes = model_shape(model_config, cfg.model.loop_steps, cfg.model.dtype)
-        validate_for_model(cfg, self.kv.head_dim, self.kv.kv_heads, self.kv.loop_steps,
-                           any(not s.looped for s in self.kv.sites))
+        validate_for_model(cfg, self.kv.head_dim, self.kv.kv_heads, loop_steps=self.kv.loop_steps,
+                           has_prelude=any(not s.looped for s in self.kv.sites))
         local = Path(cfg.model.name_or_path).expanduser().is_dir()  # else a hub id
         name = os.path.abspath(Path(cfg.model.name_or_path).expanduser()) if local else cfg.model.name_or_path
         with timed(self.startup, "model_identity_s"):
@@ -124,29 +124,28 @@ class Pipeline:
         with timed(self.startup, "kmeans_backend_s"):  # an unusable kmeans.backend fails here, before any work;
             if "kmeans" in self.wanted:  # auto's probe compiles the kernels for the run's problems (kept for the stage)
                 points = run_points_per_codebook(plan_layouts(self.kv, cfg.quant), cfg.data.num_sequences,
-                                                 cfg.data.sequence_length, cfg.data.sink_tokens,
-                                                 cfg.quant.codebook_sharing)
-                backend = (cfg.kmeans.backend, self.kmeans_device, (cfg.quant.codebook_size, cfg.quant.group_size),
-                           points)
+                                                 cfg.data.sequence_length, sink_tokens=cfg.data.sink_tokens,
+                                                 sharing=cfg.quant.codebook_sharing)
+                backend = (cfg.kmeans.backend, self.kmeans_device, (cfg.quant.codebook_size, cfg.quant.group_size))
                 if cfg.kmeans.backend == "auto" and self.kmeans_device.type == "cuda":  # a failed probe falls back
-                    self.warmup.submit("kmeans_backend", self.kmeans_device, resolve_backend, *backend)
+                    self.warmup.submit("kmeans_backend", self.kmeans_device, resolve_backend, *backend, points=points)
                 else:
-                    resolve_backend(*backend)
+                    resolve_backend(*backend, points=points)
         if "finetune" in self.wanted and self.device.type == "cuda":
             self.warmup.submit("codec_kernels", self.device, warm_codec_kernels, self.device, cfg.quant.codebook_size,
                                cfg.quant.group_size)
         self.run = RunDir(Path(output or cfg.output.dir), self.dist.is_main, self.dist.barrier, stage_names=STAGES)
         self.store = None  # where the capture goes: decided (or refused, ConfigError) before any work
         if "capture" in self.wanted:
-            step = capture_step_bytes(self.kv, model_config.hidden_size, cfg.data.sequence_length, cfg.capture.batch_size)
-            self.store = choose_store(cfg.capture, self.kv, cfg.data.num_sequences, cfg.data.sequence_length,
-                                      self.device, model_bytes, step, self.run.root, self.dist.world,
-                                      cfg.quant.uses_tasq)
+            step = capture_step_bytes(self.kv, model_config.hidden_size, cfg.data.sequence_length, batch_size=cfg.capture.batch_size)
+            self.store = choose_store(cfg.capture, self.kv, cfg.data.num_sequences, sequence_length=cfg.data.sequence_length,
+                                      device=self.device, model_bytes=model_bytes, step_bytes=step, capture_dir=self.run.root, processes=self.dist.world,
+                                      tasq_keys=cfg.quant.uses_tasq)
         self._model = self._tokenizer = None
         with timed(self.startup, "data_fingerprint_s"):
             data_fp = fingerprint("data", __version__, asdict(cfg.data), _tokenizer_hash(self.folder),
                                   source_fingerprint(cfg.data))
-        self.fingerprints = stage_fingerprints(cfg, data_fp, self.identity.to_dict(), self.kv.loop_steps)
+        self.fingerprints = stage_fingerprints(cfg, data_fp, self.identity.to_dict(), loop_steps=self.kv.loop_steps)
         building = self.dist.is_main and not self.run.reusable("data", data_fp)
         with timed(self.startup, "calibration_set_s"):  # tokenizer, text, tokens: checked before any work
             self._calib = build_calibration_set(cfg.data, self.tokenizer()) if building else None
@@ -155,7 +154,7 @@ class Pipeline:
     # -- helpers -------------------------------------------------------------------------------------
     def model(self):
         if self._model is None:
-            self._model, self._tokenizer = load_model(self.folder, self.cfg.model.dtype, self.device, self.cfg.model.loop_steps)
+            self._model, self._tokenizer = load_model(self.folder, self.cfg.model.dtype, self.device, loop_steps=self.cfg.model.loop_steps)
         return self._model
 
     def tokenizer(self):
@@ -169,7 +168,7 @@ class Pipeline:
         return tqdm(total=total, desc=desc, disable=not self.dist.is_main, dynamic_ncols=True)
 
     def _stage(self, name: str, body: Callable[[Path], dict | None], distributed: bool = True,
-               reusable: bool = True, resumable: bool = False, fp: str | None = None) -> Path:
+               *, reusable: bool = True, resumable: bool = False, fp: str | None = None) -> Path:
         """Reuse stage ``name`` when its fingerprint matches the run directory's, else run ``body(folder)``
         (on every process when ``distributed``, else on the main one) and record what it returns; returns
         the stage's folder."""
@@ -201,8 +200,8 @@ class Pipeline:
             model = self.model()  # loaded here, on first use: its time is reported apart
             loading = time.time() - loading
             bar = self._progress(calib.input_ids.shape[0], "capture")
-            reader = run_capture(model, calib, self.kv, self.cfg, self.store, tmp, self.dist,
-                                 lambda n: bar.update(n * self.dist.world))
+            reader = run_capture(model, calib, self.kv, cfg=self.cfg, store=self.store, folder=tmp, dist=self.dist,
+                                 progress=lambda n: bar.update(n * self.dist.world))
             bar.close()
             return {"sequences": int(calib.input_ids.shape[0]), "sites": self.kv.num_sites, "store": self.store.store,
                     "store_reason": self.store.reason, "model_load_s": round(loading, 2)}
@@ -216,7 +215,7 @@ class Pipeline:
 
         def body(tmp: Path) -> dict:
             self.warmup.wait("linalg")
-            result = run_tasq(reader, self.kv, self.cfg, tmp, self.dist, self.kmeans_device)
+            result = run_tasq(reader, self.kv, self.cfg, folder=tmp, dist=self.dist, device=self.kmeans_device)
             return {"blocks": len(result.transforms), "processes": self.dist.world} if result is not None else {}
 
         return TasqResult.load(self._stage("tasq", body))
@@ -231,8 +230,8 @@ class Pipeline:
             layouts = len(tasq.layouts if tasq is not None else plan_layouts(self.kv, self.cfg.quant))
             self.warmup.wait("kmeans_backend")
             bar = self._progress(layouts, "kmeans")
-            report = run_kmeans(reader, tasq, self.kv, self.cfg, tmp, self.dist, self.kmeans_device,
-                                lambda n: bar.update(n * self.dist.world))
+            report = run_kmeans(reader, tasq, self.kv, cfg=self.cfg, folder=tmp, dist=self.dist, device=self.kmeans_device,
+                                progress=lambda n: bar.update(n * self.dist.world))
             bar.close()
             fitted = as_saved_quantizer(report.quantizer) if report is not None else None  # main process only
             return {"codebooks": layouts, "processes": self.dist.world}
@@ -248,7 +247,7 @@ class Pipeline:
             nonlocal tuned
             self.warmup.wait("codec_kernels")
             bar = self._progress(training_steps(self.cfg.finetune, len(calib.train)), "finetune")
-            result = run_finetune(self.model(), calib, init, self.cfg, tmp, self.dist, self.device, bar.update)
+            result = run_finetune(self.model(), calib, init, cfg=self.cfg, folder=tmp, dist=self.dist, device=self.device, progress=bar.update)
             bar.close()
             tuned = as_saved_finetune(result) if self.dist.is_main else None  # the process that saved it
             return {"best_epoch": result.best_epoch, "best_step": result.best_step}
@@ -257,7 +256,7 @@ class Pipeline:
         return tuned if tuned is not None else load_finetune(folder)
 
     def stage_bundle(self, calib: CalibrationSet, tuned: FinetuneResult) -> Path:
-        return self._stage("bundle", lambda tmp: run_bundle(tmp, tuned, calib, self.identity, self.cfg, __version__),
+        return self._stage("bundle", lambda tmp: run_bundle(tmp, tuned, calib, identity=self.identity, cfg=self.cfg, version=__version__),
                            distributed=False)
 
     # -- driver --------------------------------------------------------------------------------------
@@ -373,7 +372,7 @@ def _tokenizer_hash(folder: Path) -> str:
 
 
 def calibrate(config: Config | str | Path | dict, output: str | Path | None = None,
-              stages: list[str] | None = None, overrides: list[str] | None = None) -> RunResult:
+              stages: list[str] | None = None, *, overrides: list[str] | None = None) -> RunResult:
     """Python API of ``loopvq-calibrate``: run (or resume) a calibration and return the run's result."""
     from ..config.load import load_config
 

@@ -86,7 +86,7 @@ class RunDir:
     the lock, writes the manifest and removes the toolkit's own leftover temporary folders."""
 
     def __init__(self, root: Path, is_main: bool = True, barrier: Callable[[], None] | None = None,
-                 stage_names: tuple[str, ...] = ()) -> None:
+                 *, stage_names: tuple[str, ...] = ()) -> None:
         """``barrier`` synchronises processes of a distributed run (all share one temporary folder);
         ``stage_names``: the stage folders checked for files the toolkit did not write."""
         self.root = Path(root)

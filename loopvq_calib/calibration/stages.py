@@ -76,7 +76,7 @@ def load_calibration(folder: Path) -> CalibrationSet:
 
 
 # -- capture ---------------------------------------------------------------------------------------
-def run_capture(model: torch.nn.Module, calib: CalibrationSet, kv: KVLayout, cfg: Config, store: StoreChoice,
+def run_capture(model: torch.nn.Module, calib: CalibrationSet, kv: KVLayout, *, cfg: Config, store: StoreChoice,
                 folder: Path, dist: DistContext, progress: Progress | None = None) -> CaptureData:
     """Capture every sequence (each process its own, ``dist.owns``) into ``store``: files under ``folder``
     (``disk``) or memory; returns the reader later stages use. An in-memory capture under several processes
@@ -84,23 +84,23 @@ def run_capture(model: torch.nn.Module, calib: CalibrationSet, kv: KVLayout, cfg
     memory = MemoryCapture() if store.store != "disk" else None
     tasq = cfg.quant.uses_tasq
     capture = replace(cfg.capture, store=store.store)
-    capture_kv(model, calib, kv, capture, memory or folder, dist, progress,
+    capture_kv(model, calib, kv, cfg=capture, out=memory or folder, dist=dist, progress=progress,
                tasq_floor=cfg.tasq.weight_floor if tasq else None, device_sequences=store.device_sequences,
                query_stats=tasq)
     dist.barrier()
     if memory is not None and dist.world > 1:
         names = shard_tensor_names(plan_layouts(kv, cfg.quant), dist.world, tasq)
-        share_sequences(memory, names, dist, calib.input_ids.shape[0])
+        share_sequences(memory, names, dist, num_sequences=calib.input_ids.shape[0])
     if dist.is_main:  # meta.json describes the files (or sequences) of all processes
-        write_meta(folder, calib, kv, capture, memory, tasq)
+        write_meta(folder, calib, kv, cfg=capture, memory=memory, tasq_keys=tasq)
     elif memory is not None:
-        capture_meta(calib, kv, capture, memory, tasq)
+        capture_meta(calib, kv, capture, memory=memory, tasq_keys=tasq)
     dist.barrier()
     return MemoryReader(memory) if memory is not None else CaptureReader(folder)
 
 
 # -- joining the processes' parts ------------------------------------------------------------------
-def join_parts(dist: DistContext, folder: Path, save: Callable[[Path], Any], load: Callable[[Path], Any]) -> list | None:
+def join_parts(dist: DistContext, folder: Path, save: Callable[[Path], Any], *, load: Callable[[Path], Any]) -> list | None:
     """Each process saves its share of a stage under ``folder/part{rank}``; the main process gets every
     part, in rank order (their folders are then removed), the others None."""
     mine = folder / f"part{dist.rank}"
@@ -116,14 +116,14 @@ def join_parts(dist: DistContext, folder: Path, save: Callable[[Path], Any], loa
 
 
 # -- TaSQ ------------------------------------------------------------------------------------------
-def run_tasq(reader: CaptureData, kv: KVLayout, cfg: Config, folder: Path, dist: DistContext,
+def run_tasq(reader: CaptureData, kv: KVLayout, cfg: Config, *, folder: Path, dist: DistContext,
              device: torch.device):
     """TaSQ transforms and groups of every key layout (processes share the layouts as k-means does), saved
     in ``folder``; the main process returns the joined :class:`~loopvq_calib.calibration.tasq.grouping.TasqResult`."""
     from .tasq.grouping import TasqResult, fit_tasq, merge_tasq
 
-    part = fit_tasq(reader, plan_layouts(kv, cfg.quant), kv, cfg.quant, cfg.tasq, dist, device=device)
-    parts = join_parts(dist, folder, part.save, TasqResult.load)
+    part = fit_tasq(reader, plan_layouts(kv, cfg.quant), kv, quant=cfg.quant, cfg=cfg.tasq, dist=dist, device=device)
+    parts = join_parts(dist, folder, part.save, load=TasqResult.load)
     if parts is None:
         return None
     result = merge_tasq(parts)
@@ -152,17 +152,17 @@ class KMeansReport:
         return cls(load_quantizer(folder), report["layouts"], report["totals"])
 
 
-def run_kmeans(reader: CaptureData, tasq: Any, kv: KVLayout, cfg: Config, folder: Path, dist: DistContext,
+def run_kmeans(reader: CaptureData, tasq: Any, kv: KVLayout, *, cfg: Config, folder: Path, dist: DistContext,
                device: torch.device, progress: Progress | None = None) -> KMeansReport | None:
     """Codebooks of every layout (TaSQ's layouts and transforms when ``tasq`` is given), processes sharing the
     layouts (disk capture: every process reads every sequence; in-memory: each holds its layouts of every
     sequence); the main process joins the parts, saves them in ``folder`` and returns the report."""
     layouts = tasq.layouts if tasq is not None else plan_layouts(kv, cfg.quant)
     transforms = tasq.transforms if tasq is not None else {}
-    part, report = fit_codebooks(reader, layouts, transforms, cfg.quant, cfg.kmeans, kv, device, progress, dist)
+    part, report = fit_codebooks(reader, layouts, transforms, quant=cfg.quant, cfg=cfg.kmeans, kv=kv, device=device, progress=progress, dist=dist)
     parts = join_parts(
         dist, folder, lambda d: save_quantizer(part, d, {"report": report}),
-        lambda d: (load_quantizer(d), json.loads((d / "quantizer.json").read_text())["report"]),
+        load=lambda d: (load_quantizer(d), json.loads((d / "quantizer.json").read_text())["report"]),
     )
     if parts is None:
         return None
@@ -173,14 +173,14 @@ def run_kmeans(reader: CaptureData, tasq: Any, kv: KVLayout, cfg: Config, folder
 
 
 # -- fine-tuning -----------------------------------------------------------------------------------
-def run_finetune(model: torch.nn.Module, calib: CalibrationSet, init: KVQuantizer, cfg: Config, folder: Path,
+def run_finetune(model: torch.nn.Module, calib: CalibrationSet, init: KVQuantizer, *, cfg: Config, folder: Path,
                  dist: DistContext, device: torch.device, progress: Progress | None = None) -> FinetuneResult:
     """KL fine-tuning of the k-means codebooks (processes share each batch); the state after every epoch but the
     last is kept in ``folder/resume.pt`` so an interrupted run resumes; the main process saves the kept codebooks
     and the selection curve (``curve.json``) in ``folder`` and returns the result with its quantizer as saved
     (:func:`as_saved_quantizer`: on the CPU, copied from the device once), the other processes as fine-tuned."""
     resume = folder / "resume.pt"
-    result = finetune_codebooks(model, calib, init, cfg.finetune, device, progress, checkpoint=resume, dist=dist)
+    result = finetune_codebooks(model, calib, init, cfg=cfg.finetune, device=device, progress=progress, checkpoint=resume, dist=dist)
     if dist.is_main:
         discard(resume, folder.parent)
         result = replace(result, quantizer=as_saved_quantizer(result.quantizer))  # one copy from the device
@@ -227,7 +227,7 @@ def bundle_name(cfg: Config) -> str:
     return cfg.output.bundle_name or f"{Path(cfg.model.name_or_path).name}-{cfg.quant.method}-{cfg.quant.bits:g}bit"
 
 
-def run_bundle(folder: Path, tuned: FinetuneResult, calib: CalibrationSet, identity: ModelIdentity, cfg: Config,
+def run_bundle(folder: Path, tuned: FinetuneResult, calib: CalibrationSet, *, identity: ModelIdentity, cfg: Config,
                version: str) -> dict[str, Any]:
     """Write the versioned bundle of the kept codebooks into ``folder``; returns the stage's record details."""
     from ..bundle.writer import write_bundle

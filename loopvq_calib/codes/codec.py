@@ -88,7 +88,7 @@ def scatter_groups(z: torch.Tensor, groups: torch.Tensor, steps: int) -> torch.T
     return unflatten_block(zf, steps)
 
 
-def block_permutation(groups: torch.Tensor, steps: int, heads: int, head_dim: int,
+def block_permutation(groups: torch.Tensor, steps: int, heads: int, *, head_dim: int,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The group coordinates of a block as flat positions in one token's contiguous [T, H, D] slice:
     ``to_groups`` [H * n * G], position of each group element in :func:`gather_groups` order, and its
@@ -164,7 +164,7 @@ class BlockCodec:
         groups, key = self.layout.groups, (heads, head_dim, device)
         kept = self._permutation.get(key)
         if kept is None or kept[0] is not groups:
-            kept = (groups, *block_permutation(groups, self.layout.steps, heads, head_dim, device))
+            kept = (groups, *block_permutation(groups, self.layout.steps, heads, head_dim=head_dim, device=device))
             self._permutation[key] = kept
         return kept[1], kept[2]
 
@@ -190,7 +190,7 @@ class BlockCodec:
         from ..kernels import lookup as lookup_triton
 
         if lookup_triton.usable(codebook):  # CUDA: one fused kernel, the same values
-            y = lookup_triton.decode_block(codes.indices.to(codebook.device), codebook, to_block, to_groups, steps, d)
+            y = lookup_triton.decode_block(codes.indices.to(codebook.device), codebook, to_block, to_groups=to_groups, steps=steps, head_dim=d)
         else:
             z = lookup(codes.indices, codebook)
             y = z.reshape(n, -1).gather(-1, to_block.expand(n, -1)).view(n, steps, h, d)

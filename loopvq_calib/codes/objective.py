@@ -54,7 +54,7 @@ def quantized_logits(
     model: torch.nn.Module,
     ids: torch.Tensor,
     quantizer: KVQuantizer,
-    fp: Teacher,
+    *, fp: Teacher,
     sink_tokens: int,
     only_steps: set[int] | None = None,
     quantized: tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None = None,
@@ -85,7 +85,7 @@ def kl_per_position(p_logits: torch.Tensor, q_logits: torch.Tensor, chunk: int =
     return torch.cat(out, dim=1)
 
 
-def mean_kl(p_logits: torch.Tensor, q_logits: torch.Tensor, sink_tokens: int, chunk: int = 1024) -> torch.Tensor:
+def mean_kl(p_logits: torch.Tensor, q_logits: torch.Tensor, sink_tokens: int, *, chunk: int = 1024) -> torch.Tensor:
     """Mean KL over the positions after the sinks (the fine-tuning objective)."""
     return kl_per_position(p_logits[:, sink_tokens:], q_logits[:, sink_tokens:], chunk).mean()
 

@@ -219,7 +219,7 @@ def derived_bits(q: QuantConfig) -> float:
     return math.log2(q.codebook_size) / q.group_size if q.codebook_size > 0 and q.group_size > 0 else math.nan
 
 
-def validate_for_model(cfg: Config, head_dim: int, kv_heads: int, loop_steps: int, has_prelude: bool) -> None:
+def validate_for_model(cfg: Config, head_dim: int, kv_heads: int, *, loop_steps: int, has_prelude: bool) -> None:
     """Checks that need the model's shapes (read from config.json only, before any work)."""
     q = cfg.quant
     c = q.group_size // q.block_steps

@@ -80,7 +80,7 @@ def load_documents(cfg: DataConfig, names: dict[str, str | None] | None = None) 
 
         field_key = _option(names, "text_field") or _option(names, "dataset")
         for file in files:
-            yield from file_documents(Path(file), kind, cfg, _option(names, "dataset"), field_key)
+            yield from file_documents(Path(file), kind, cfg, dataset_key=_option(names, "dataset"), field_key=field_key)
         return
     if kind in ("auto", "hub") and not files and not _looks_like_a_path(cfg.dataset):
         yield from _hub_documents(cfg, names)

@@ -18,7 +18,7 @@ class DataError(ValueError):
 
 
 
-def file_documents(file: Path, kind: str, cfg: DataConfig, dataset_key: str, field_key: str) -> Iterator[Any]:
+def file_documents(file: Path, kind: str, cfg: DataConfig, *, dataset_key: str, field_key: str) -> Iterator[Any]:
     """Non-empty documents of one local file of ``kind`` (text | json | parquet); errors name ``dataset_key``
     (or ``field_key`` for a missing column) and the file. With ``cfg.chat_template`` the column's values are
     yielded as they are (conversations, rendered by :func:`loopvq_calib.data.corpus.render_conversations`)."""
@@ -28,9 +28,9 @@ def file_documents(file: Path, kind: str, cfg: DataConfig, dataset_key: str, fie
         yield from _text_documents(file, cfg.text_sample_by, dataset_key)
         return
     if kind == "parquet":
-        rows: Iterator[Any] = iter(_parquet_column(file, cfg.text_field, dataset_key, field_key))
+        rows: Iterator[Any] = iter(_parquet_column(file, cfg.text_field, dataset_key, field_key=field_key))
     else:
-        rows = _json_column(file, cfg.text_field, dataset_key, field_key)
+        rows = _json_column(file, cfg.text_field, dataset_key, field_key=field_key)
     for text in rows:
         if cfg.chat_template or (isinstance(text, str) and text.strip()):
             yield text
@@ -45,14 +45,14 @@ def _lines(file: Path, dataset_key: str) -> Iterator[tuple[int, str]]:
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as err:
-                    raise _not_utf8(file, dataset_key, offset + err.start, raw[err.start:err.start + 4]) from err
+                    raise _not_utf8(file, dataset_key, offset + err.start, bad=raw[err.start:err.start + 4]) from err
                 offset += len(raw)
                 yield number, (line.lstrip("\ufeff") if number == 1 else line).rstrip("\r\n")
     except OSError as err:
         raise DataError(f"{dataset_key}: cannot read {file}: {err.strerror}") from err
 
 
-def _not_utf8(file: Path, dataset_key: str, offset: int, bad: bytes) -> DataError:
+def _not_utf8(file: Path, dataset_key: str, offset: int, *, bad: bytes) -> DataError:
     return DataError(f"{dataset_key}: {file} is not UTF-8 text: byte offset {offset} ({bad!r}...); convert it, "
                      "e.g. iconv -f latin1 -t utf-8")
 
@@ -65,7 +65,7 @@ def _read_text(file: Path, dataset_key: str) -> str:
     try:
         return data.decode("utf-8").lstrip("\ufeff")
     except UnicodeDecodeError as err:
-        raise _not_utf8(file, dataset_key, err.start, data[err.start:err.start + 4]) from err
+        raise _not_utf8(file, dataset_key, err.start, bad=data[err.start:err.start + 4]) from err
 
 
 def _text_documents(file: Path, sample_by: str, dataset_key: str) -> Iterator[str]:
@@ -94,7 +94,7 @@ def _nonempty(text: str) -> Iterator[str]:
         yield text
 
 
-def _json_column(file: Path, column: str, dataset_key: str, field_key: str) -> Iterator[Any]:
+def _json_column(file: Path, column: str, dataset_key: str, *, field_key: str) -> Iterator[Any]:
     """``column`` of each object of a JSON array (read whole) or of JSON lines (streamed)."""
     lines = _lines(file, dataset_key)
     first = next(((n, line) for n, line in lines if line.strip()), None)
@@ -110,7 +110,7 @@ def _json_column(file: Path, column: str, dataset_key: str, field_key: str) -> I
         items = rows if isinstance(rows, list) else [rows]
         numbered: Iterator[tuple[str, Any]] = ((f"item {i}", row) for i, row in enumerate(items))
     else:
-        numbered = ((f"line {n}", _json_line(file, n, line, dataset_key))
+        numbered = ((f"line {n}", _json_line(file, n, line, dataset_key=dataset_key))
                     for n, line in _chain(first, lines) if line.strip())
     found, columns = False, None
     for where, row in numbered:
@@ -130,7 +130,7 @@ def _chain(first: tuple[int, str], rest: Iterator[tuple[int, str]]) -> Iterator[
     yield from rest
 
 
-def _json_line(file: Path, number: int, line: str, dataset_key: str) -> Any:
+def _json_line(file: Path, number: int, line: str, *, dataset_key: str) -> Any:
     try:
         return json.loads(line)
     except json.JSONDecodeError as err:
@@ -138,7 +138,7 @@ def _json_line(file: Path, number: int, line: str, dataset_key: str) -> Any:
                         f"{err.colno})") from err
 
 
-def _parquet_column(file: Path, column: str, dataset_key: str, field_key: str) -> list[Any]:
+def _parquet_column(file: Path, column: str, dataset_key: str, *, field_key: str) -> list[Any]:
     import pyarrow.parquet as pq
 
     try:

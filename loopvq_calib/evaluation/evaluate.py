@@ -50,12 +50,12 @@ class _Sums:
         self.sequences = 0
 
     @torch.no_grad()
-    def add(self, model: torch.nn.Module, ids: torch.Tensor, fp: Teacher, per_step: bool, kl_chunk: int) -> None:
+    def add(self, model: torch.nn.Module, ids: torch.Tensor, fp: Teacher, *, per_step: bool, kl_chunk: int) -> None:
         s = self.sink
         if ids.shape[1] <= max(s, 1):
             raise ValueError(f"sequences of {ids.shape[1]} tokens leave no position after {s} sink tokens")
         qk, qv = self.q.quantize_sites(fp.keys, fp.values)  # encoded once, reused below
-        q_logits = quantized_logits(model, ids, self.q, fp, s, quantized=(qk, qv))
+        q_logits = quantized_logits(model, ids, self.q, fp=fp, sink_tokens=s, quantized=(qk, qv))
         kl = kl_per_position(fp.logits[:, s:], q_logits[:, s:], kl_chunk)
         self.kl += kl.sum().item()
         self.positions += kl.numel()
@@ -69,7 +69,7 @@ class _Sums:
                 self.ref[kind][site] += ref.pow(2).sum().item()
         if per_step:
             for t in range(len(self.step_kl)):
-                q_t = quantized_logits(model, ids, self.q, fp, s, only_steps={t}, quantized=(qk, qv))
+                q_t = quantized_logits(model, ids, self.q, fp=fp, sink_tokens=s, only_steps={t}, quantized=(qk, qv))
                 self.step_kl[t] += kl_per_position(fp.logits[:, s:], q_t[:, s:], kl_chunk).sum().item()
         self.sequences += ids.shape[0]
 
@@ -107,7 +107,7 @@ def _ratio(num: float, den: float) -> float:
 
 
 def evaluate_quantizers(model: torch.nn.Module, sequences: torch.Tensor, entries: list[tuple[KVQuantizer, int]],
-                        per_step: bool = True, kl_chunk: int = 1024) -> list[dict[str, Any]]:
+                        *, per_step: bool = True, kl_chunk: int = 1024) -> list[dict[str, Any]]:
     """Metrics of several (quantizer, sink_tokens) pairs on the same sequences [n, L], one sequence at a
     time; each sequence's teacher forward is computed once and reused by every quantizer."""
     device = next(model.parameters()).device
@@ -116,15 +116,15 @@ def evaluate_quantizers(model: torch.nn.Module, sequences: torch.Tensor, entries
         ids = row[None].to(device)
         fp = teacher(model, ids)
         for acc in sums:
-            acc.add(model, ids, fp, per_step, kl_chunk)
+            acc.add(model, ids, fp, per_step=per_step, kl_chunk=kl_chunk)
     return [acc.result(per_step) for acc in sums]
 
 
-def evaluate_quantizer(model: torch.nn.Module, sequences: torch.Tensor, quantizer: KVQuantizer, sink_tokens: int,
+def evaluate_quantizer(model: torch.nn.Module, sequences: torch.Tensor, quantizer: KVQuantizer, *, sink_tokens: int,
                        per_step: bool = True, kl_chunk: int = 1024) -> dict[str, Any]:
     """Held-out KL, perplexities, NMSE per site and loop step, per-step KL table, bits and codebook bytes
     of ``quantizer`` on ``sequences`` [n, L] (docs/evaluation.md). The quantizer must be on the model's device."""
-    return evaluate_quantizers(model, sequences, [(quantizer, sink_tokens)], per_step, kl_chunk)[0]
+    return evaluate_quantizers(model, sequences, [(quantizer, sink_tokens)], per_step=per_step, kl_chunk=kl_chunk)[0]
 
 
 def check_gates(results: list[dict[str, Any]], max_kl: float | None, max_ppl_increase: float | None) -> list[str]:
@@ -146,7 +146,7 @@ class EvalInputError(ValueError):
     """Bad input to ``loopvq-eval`` (missing bundle, model or data); exit status 2."""
 
 
-def run_eval(bundles: list[str], model: str | None, data: str | None, num_sequences: int, sequence_length: int,
+def run_eval(bundles: list[str], model: str | None, data: str | None, *, num_sequences: int, sequence_length: int,
              out_dir: str | None, max_kl: float | None, max_ppl_increase: float | None,
              device: str = "auto", dtype: str = "float32", served: ServedOptions | None = None) -> int:
     """Evaluate bundles side by side on the same held-out sequences, write the report, apply the gates.
@@ -165,12 +165,12 @@ def run_eval(bundles: list[str], model: str | None, data: str | None, num_sequen
         _check_gates_and_out(out_dir, max_kl, max_ppl_increase)
         if device != "auto" and device != "cpu" and not device.startswith("cuda"):
             raise EvalInputError(f"--device {device!r} is not allowed; use auto, cpu, cuda or cuda:N")
-        loaded, model_obj, tokenizer, model_name = _load_inputs(bundles, model, device, dtype)
+        loaded, model_obj, tokenizer, model_name = _load_inputs(bundles, model, device, dtype=dtype)
         for b in loaded:
             if sequence_length <= max(b.serving["sink_tokens"], 1):
                 raise EvalInputError(f"--sequence-length {sequence_length} leaves no position after the "
                                      f"{b.serving['sink_tokens']} sink tokens of {b.path}")
-        sequences, data_desc = _heldout(data, tokenizer, num_sequences, sequence_length)
+        sequences, data_desc = _heldout(data, tokenizer, num_sequences, sequence_length=sequence_length)
     except (EvalInputError, BundleError, ModelLoadError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -189,7 +189,7 @@ def run_eval(bundles: list[str], model: str | None, data: str | None, num_sequen
               "loop_steps": loaded[0].quantizer.kv.loop_steps, "bundles": results}
     gate_failures: list[str] = []
     if served is not None and (served.tasks or served.passkey_lengths or served.baselines):
-        report["served"] = served_evaluation(model_obj, tokenizer, loaded, served, dtype, sequences[:1].to(dev))
+        report["served"] = served_evaluation(model_obj, tokenizer, loaded, options=served, dtype=dtype, sample=sequences[:1].to(dev))
         gate_failures = check_accuracy_gate(report["served"].get("accuracy_drop") or {}, served.max_accuracy_drop)
     from .report import markdown_report, write_report
 
@@ -241,7 +241,7 @@ def check_served_options(served: ServedOptions | None) -> None:
                                  "local task is loopvq_kjv_phrases; add task folders with --include-path)")
 
 
-def _load_inputs(paths: list[str], model: str | None, device: str, dtype: str):
+def _load_inputs(paths: list[str], model: str | None, device: str, *, dtype: str):
     """Bundles (each checked against the model's identity), the model, its tokenizer and its name."""
     from ..bundle.reader import BundleError, load_bundle, resolve_bundle_dir
     from ..models.loading import (
@@ -318,7 +318,7 @@ def _data_source(data: str | None, num_sequences: int, sequence_length: int) -> 
     return data
 
 
-def _heldout(data: str, tokenizer: Any, num_sequences: int, sequence_length: int) -> tuple[torch.Tensor, dict]:
+def _heldout(data: str, tokenizer: Any, num_sequences: int, *, sequence_length: int) -> tuple[torch.Tensor, dict]:
     """Held-out token windows [n, L] of ``data`` (local file/folder/glob or hub dataset)."""
     from ..config.schema import DataConfig
     from ..data.corpus import build_calibration_set

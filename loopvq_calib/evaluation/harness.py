@@ -25,7 +25,7 @@ class ServedLM(LM):
     """An lm-eval ``LM`` over a loaded looped model and a cache factory (``None``: full precision)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, make_cache: Callable[[], Any] | None,
-                 batch_size: int = 1, max_length: int | None = None, seed: int = 0,
+                 *, batch_size: int = 1, max_length: int | None = None, seed: int = 0,
                  forward_kwargs: dict[str, Any] | None = None) -> None:
         super().__init__()
         if batch_size < 1:

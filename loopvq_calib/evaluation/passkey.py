@@ -33,7 +33,7 @@ def needle(key: str) -> str:
     return f"The pass key is {key}. Remember it. {key} is the pass key. "
 
 
-def make_trials(tokenizer: Any, lengths: list[int], trials: int, seed: int = 0) -> list[Trial]:
+def make_trials(tokenizer: Any, lengths: list[int], trials: int, *, seed: int = 0) -> list[Trial]:
     """``trials`` prompts per length, each at most ``length`` tokens (the longest filler that fits)."""
     rng = random.Random(seed)
     out = []
@@ -62,7 +62,7 @@ def answered(continuation: str, key: str) -> bool:
 
 
 @torch.no_grad()
-def run_passkey(model: torch.nn.Module, tokenizer: Any, entries: list[Any], lengths: list[int], trials: int,
+def run_passkey(model: torch.nn.Module, tokenizer: Any, entries: list[Any], *, lengths: list[int], trials: int,
                 seed: int = 0) -> dict[str, Any]:
     """Accuracy per prompt length for each entry (``served.Entry``), on the same trials."""
     window = getattr(model.config, "max_position_embeddings", None) or model.config.block_size
@@ -74,7 +74,7 @@ def run_passkey(model: torch.nn.Module, tokenizer: Any, entries: list[Any], leng
         ServedLM,  # lm-eval, the optional eval extra, only once the input is known good
     )
 
-    cases = make_trials(tokenizer, lengths, trials, seed)
+    cases = make_trials(tokenizer, lengths, trials, seed=seed)
     acc: dict[str, dict[str, float]] = {}
     for e in entries:
         lm = ServedLM(model, tokenizer, e.make_cache(), seed=seed)

@@ -69,7 +69,7 @@ class Entry:
                                                    "page_size": self.page_size}}
 
 
-def build_entries(model: torch.nn.Module, bundles: list[Any], options: ServedOptions, dtype: str) -> list[Entry]:
+def build_entries(model: torch.nn.Module, bundles: list[Any], options: ServedOptions, *, dtype: str) -> list[Entry]:
     """The full-precision entry, one per bundle (serving defaults, overridable) and one per baseline."""
     def serving(base: dict[str, Any]) -> tuple[int, int]:
         s = options.sink_tokens if options.sink_tokens is not None else int(base["sink_tokens"])
@@ -117,7 +117,7 @@ def _manager(paths: tuple[str, ...], include_defaults: bool) -> Any:
     return TaskManager(include_path=list(paths), include_defaults=include_defaults)
 
 
-def run_tasks(model: torch.nn.Module, tokenizer: Any, entries: list[Entry], options: ServedOptions) -> dict[str, Any]:
+def run_tasks(model: torch.nn.Module, tokenizer: Any, entries: list[Entry], *, options: ServedOptions) -> dict[str, Any]:
     """Every entry on ``options.tasks`` through lm-eval; ``{"tasks", "limit", "scores": {entry: {task: {metric: v}}},
     "samples": {task: n}}``."""
     import lm_eval
@@ -205,21 +205,21 @@ def baseline_entries(model: torch.nn.Module, bundles: list[Any], options: Served
     return [(make_baseline(name, model.kv_layout()), sink) for name in options.baselines]
 
 
-def served_evaluation(model: torch.nn.Module, tokenizer: Any, bundles: list[Any], options: ServedOptions,
+def served_evaluation(model: torch.nn.Module, tokenizer: Any, bundles: list[Any], *, options: ServedOptions,
                       dtype: str, sample: torch.Tensor) -> dict[str, Any]:
     """Entries, measured bytes per token (after prefilling ``sample`` [1, L]), task scores with accuracy
     drops against full precision, and passkey accuracy per length."""
-    entries = build_entries(model, bundles, options, dtype)
+    entries = build_entries(model, bundles, options, dtype=dtype)
     out: dict[str, Any] = {"model": model_details(model), "reference": entries[0].name,
                            "entries": [e.describe() for e in entries]}
     for row, e in zip(out["entries"], entries):
         row["bytes"] = measured_bytes(model, e, sample)
     if options.tasks:
-        out["tasks"] = run_tasks(model, tokenizer, entries, options)
+        out["tasks"] = run_tasks(model, tokenizer, entries, options=options)
         out["accuracy_drop"] = accuracy_drops(out["tasks"], entries[0].name)
     if options.passkey_lengths:
         from .passkey import run_passkey
 
-        out["passkey"] = run_passkey(model, tokenizer, entries, options.passkey_lengths, options.passkey_trials,
-                                     options.seed)
+        out["passkey"] = run_passkey(model, tokenizer, entries, lengths=options.passkey_lengths, trials=options.passkey_trials,
+                                     seed=options.seed)
     return out

@@ -73,7 +73,7 @@ def _align16(x: int) -> int:
     return (x + 15) // 16 * 16
 
 
-def shared_layout(d: int, k: int, key_bytes: int, value_bytes: int, key_codes: int, value_codes: int, warps: int,
+def shared_layout(d: int, k: int, key_bytes: int, *, value_bytes: int, key_codes: int, value_codes: int, warps: int,
                   query_groups: int, step_tokens: int, rows: int = 1) -> int:
     """Bytes of dynamic shared memory (the kernel source's KT_BYTES + VT_BYTES + STAGE_BYTES + the queries qs
     + pbuf + the channel maps); ``step_tokens`` tokens per warp step (TOK), ``rows`` batch rows per pass (RPB)."""
@@ -98,7 +98,7 @@ class LaunchPlan:
     shared: int
 
 
-def launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
+def launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, *, fp_values: torch.Tensor, coded,
            warps: int | None = None, tokens: int | None = None, rows: int | None = None, num_splits: int | None = None,
            key_float32: bool | None = None) -> LaunchPlan | str:
     """The call's :class:`LaunchPlan`, or why it cannot run the CUDA kernel: an earlier failed build
@@ -111,11 +111,11 @@ def launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_
     if not hasattr(torch.cuda, "_compile_kernel"):
         return "this torch has no torch.cuda._compile_kernel (NVRTC)"
     props = torch.cuda.get_device_properties(q.device)
-    return plan_launch(lanes, q, fp_keys, fp_values, coded, warps, tokens, rows, num_splits, key_float32,
-                       props.shared_memory_per_block_optin, props.multi_processor_count)
+    return plan_launch(lanes, q, fp_keys, fp_values=fp_values, coded=coded, warps=warps, tokens=tokens, rows=rows, num_splits=num_splits, key_float32=key_float32,
+                       shared_limit=props.shared_memory_per_block_optin, sms=props.multi_processor_count)
 
 
-def plan_launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, coded,
+def plan_launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, *, fp_values: torch.Tensor, coded,
                 warps: int | None, tokens: int | None, rows: int | None, num_splits: int | None,
                 key_float32: bool | None, shared_limit: int, sms: int) -> LaunchPlan | str:
     """The launch (defaults from :func:`default_launch`, rows per pass by :func:`rows_per_pass`, splits per KV
@@ -159,19 +159,19 @@ def plan_launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor
     rows = rows_per_pass(rows if given else r, bsz, warps)
 
     def need32(t: int) -> int:
-        return launch_shared(lanes, coded, warps, qg, t, torch.float32, rows if given else 1)
+        return launch_shared(lanes, coded, warps, query_groups=qg, tokens=t, key_dtype=torch.float32, rows=rows if given else 1)
     if wanted and default_tokens:  # default tokens above 8 give way to a float32 key table that fits at 8
         tokens = next((t for t in (tokens, 8) if t <= tokens and need32(t) <= shared_limit), tokens)
     wide = wanted and need32(tokens) <= shared_limit  # float32 wanted and fits
     if key_float32 and not wide:
         return f"a float32 key table needs {need32(tokens)} bytes of shared memory, {shared_limit} available"
     key_dtype = torch.float32 if wide else None
-    while not given and rows > 1 and launch_shared(lanes, coded, warps, qg, tokens, key_dtype, rows) > shared_limit:
+    while not given and rows > 1 and launch_shared(lanes, coded, warps, query_groups=qg, tokens=tokens, key_dtype=key_dtype, rows=rows) > shared_limit:
         rows = rows_per_pass(rows - 1, bsz, warps)  # default rows give way to the key table
     n = coded.count
     if num_splits is None:
         num_splits = max(1, min(max(sms // heads, 1), -(-n // (warps // rows * 32 // lanes.lanes * tokens))))
-    need = launch_shared(lanes, coded, warps, qg, tokens, key_dtype, rows)
+    need = launch_shared(lanes, coded, warps, query_groups=qg, tokens=tokens, key_dtype=key_dtype, rows=rows)
     if need > shared_limit:
         return f"{need} bytes of shared memory, {shared_limit} available"
     if any(t.stride(-1) != 1 for t in read + list(indices)):
@@ -193,14 +193,14 @@ def _index_vector(idx: torch.Tensor) -> int:
     return 0
 
 
-def launch_shared(lanes: LaneTables, coded, warps: int, query_groups: int, tokens: int,
+def launch_shared(lanes: LaneTables, coded, warps: int, *, query_groups: int, tokens: int,
                   key_dtype: torch.dtype | None = None, rows: int = 1) -> int:
     """Shared memory of a launch with the key table in ``key_dtype`` (default: the tables' own)."""
     heads, _, k, _, _ = lanes.key.shape
     d = lanes.key_channel.shape[1]
     kb = torch.finfo(key_dtype or lanes.key.dtype).bits // 8
-    return shared_layout(d, k, kb, lanes.value.element_size(), coded.key_indices.shape[3],
-                         coded.value_indices.shape[3], warps, query_groups, 32 // lanes.lanes * tokens, rows)
+    return shared_layout(d, k, kb, value_bytes=lanes.value.element_size(), key_codes=coded.key_indices.shape[3],
+                         value_codes=coded.value_indices.shape[3], warps=warps, query_groups=query_groups, step_tokens=32 // lanes.lanes * tokens, rows=rows)
 
 
 def _float_bits(x: float) -> int:
@@ -267,7 +267,7 @@ def split_counters(device: torch.device, count: int) -> torch.Tensor:
 
 
 def decode_attention_cuda(
-    inputs, tables, lanes: LaneTables, coded, fp_keys: torch.Tensor, fp_values: torch.Tensor,
+    inputs, tables, lanes: LaneTables, *, coded, fp_keys: torch.Tensor, fp_values: torch.Tensor,
     warps: int | None = None, tokens_per_iteration: int | None = None, num_splits: int | None = None,
     key_float32: bool | None = None, rows_per_pass: int | None = None, plan: LaunchPlan | None = None,
 ) -> torch.Tensor:
@@ -287,8 +287,8 @@ def decode_attention_cuda(
     asked = {"warps": warps, "tokens_per_iteration": tokens_per_iteration, "num_splits": num_splits,
              "key_float32": key_float32, "rows_per_pass": rows_per_pass}
     if plan is None:
-        plan = launch(lanes, q, fp_keys, fp_values, coded, warps, tokens_per_iteration, rows_per_pass, num_splits,
-                      key_float32)
+        plan = launch(lanes, q, fp_keys, fp_values=fp_values, coded=coded, warps=warps, tokens=tokens_per_iteration, rows=rows_per_pass, num_splits=num_splits,
+                      key_float32=key_float32)
         if isinstance(plan, str):
             raise LaunchError(f"{KERNEL} refuses this call: {plan}")
     elif any(v is not None for v in asked.values()):

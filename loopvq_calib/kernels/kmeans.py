@@ -54,7 +54,7 @@ def available(device: torch.device | str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def works(device: str, k: int = 16, g: int = 16, n: int = 0) -> bool:
+def works(device: str, k: int = 16, g: int = 16, *, n: int = 0) -> bool:
     """Whether the kernels compile and run on ``device`` (once per process, device and shape): Triton needs
     a C compiler and a matching driver at first use. ``kmeans.backend: auto`` falls back to torch, with a
     warning, where this fails. Probing for the run's codebook shape (``k`` x ``g``) and points per problem
@@ -62,7 +62,7 @@ def works(device: str, k: int = 16, g: int = 16, n: int = 0) -> bool:
     them), on a few points (:func:`probe_points`), so the check costs no extra compilation. On CUDA the
     probe's memory goes back to the driver, so free memory read after it is what the run has."""
     try:
-        return _probe(device, k, g, n)
+        return _probe(device, k, g, n=n)
     except Exception as err:  # compiler, driver or launch failure: any of them means "use torch"
         log.warning("the fused Triton k-means kernels do not run on %s (%s: %s); using the torch backend",
                     device, type(err).__name__, err)
@@ -91,7 +91,7 @@ def draw_tile(n: int) -> int:
     return _pow2(triton.cdiv(n, DRAW_BLOCK))
 
 
-def _probe(device: str, k: int, g: int, n: int) -> bool:
+def _probe(device: str, k: int, g: int, *, n: int) -> bool:
     """Run every kernel variant the k-means stage uses for problems of ``n`` points (0: a small problem) once,
     on two problems of :func:`probe_points` points -> True, or raise."""
     k, g, m = int(k), int(g), probe_points(int(n), int(k))
@@ -99,9 +99,9 @@ def _probe(device: str, k: int, g: int, n: int) -> bool:
     x = torch.randn(2, m, g, generator=gen).to(device)
     w = torch.rand(2, m, generator=gen).to(device)
     uniforms = torch.rand(k, 2, generator=gen, dtype=torch.float64).to(device)
-    c = _kmeans_pp(x, w, k, uniforms, draw_tile(int(n) or m))
+    c = _kmeans_pp(x, w, k, uniforms=uniforms, tile=draw_tile(int(n) or m))
     for accumulate in (True, False):
-        lloyd_step(x, w, c, torch.arange(2, device=device), accumulate=accumulate)
+        lloyd_step(x, w, c, rows=torch.arange(2, device=device), accumulate=accumulate)
     if x.is_cuda:
         torch.cuda.synchronize(x.device)  # a launch failure surfaces here
     return True
@@ -217,7 +217,7 @@ if triton is not None:
 
 
 def lloyd_step(
-    x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, rows: torch.Tensor, accumulate: bool, precision: str = "tf32x3"
+    x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, *, rows: torch.Tensor, accumulate: bool, precision: str = "tf32x3"
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Assign the points of problems ``rows`` [A] to their nearest centroid in ``c`` [A, K, G] (row a of c
     belongs to problem rows[a]); x [P, N, G], w [P, N] fp32 contiguous. Returns the weighted squared
@@ -236,15 +236,15 @@ def lloyd_step(
     return (err.sum(1), sums, mass) if accumulate else (err.sum(1), None, None)
 
 
-def kmeans_pp(x: torch.Tensor, w: torch.Tensor, k: int, uniforms: torch.Tensor) -> torch.Tensor:
+def kmeans_pp(x: torch.Tensor, w: torch.Tensor, k: int, *, uniforms: torch.Tensor) -> torch.Tensor:
     """Weighted k-means++ (the rules of ``kmeans_backends.kmeans_pp_init``) on x [P, N, G], w [P, N] fp32
     contiguous, with the draws' uniforms [K, P] float64 on x's device -> centroids [P, K, G]. A bfloat16
     copy of x lets each D^2 update skip reading the fp32 points the new centroid cannot come closer to
     (an exact test: the same D^2 as updating every point)."""
-    return _kmeans_pp(x, w, k, uniforms, draw_tile(x.shape[1]))
+    return _kmeans_pp(x, w, k, uniforms=uniforms, tile=draw_tile(x.shape[1]))
 
 
-def _kmeans_pp(x: torch.Tensor, w: torch.Tensor, k: int, uniforms: torch.Tensor, tile: int) -> torch.Tensor:
+def _kmeans_pp(x: torch.Tensor, w: torch.Tensor, k: int, *, uniforms: torch.Tensor, tile: int) -> torch.Tensor:
     """:func:`kmeans_pp` with the draw's block-sum ``tile`` given (a power of two, at least the blocks)."""
     p, n, g = x.shape
     nb = triton.cdiv(n, DRAW_BLOCK)

@@ -46,7 +46,7 @@ if triton is not None:
         tl.store(out_ptr + t[:, None] * coords + f[None, :], value, mask=inside)
 
 
-def _lookup_block(indices: torch.Tensor, codebook: torch.Tensor, to_block: torch.Tensor, steps: int, head_dim: int) -> torch.Tensor:
+def _lookup_block(indices: torch.Tensor, codebook: torch.Tensor, to_block: torch.Tensor, *, steps: int, head_dim: int) -> torch.Tensor:
     n_tok, h, n = indices.shape
     hc, nc, k, g = codebook.shape
     out = torch.empty(n_tok, steps, h, head_dim, dtype=codebook.dtype, device=codebook.device)
@@ -64,7 +64,7 @@ class _Lookup(torch.autograd.Function):
     def forward(ctx, codebook, indices, to_block, to_groups, steps, head_dim):  # type: ignore[override]
         ctx.save_for_backward(indices, to_groups)
         ctx.book_shape = codebook.shape
-        return _lookup_block(indices, codebook, to_block, steps, head_dim)
+        return _lookup_block(indices, codebook, to_block, steps=steps, head_dim=head_dim)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -78,7 +78,7 @@ class _Lookup(torch.autograd.Function):
         return flat.view(ctx.book_shape), None, None, None, None, None
 
 
-def decode_block(indices: torch.Tensor, codebook: torch.Tensor, to_block: torch.Tensor, to_groups: torch.Tensor,
+def decode_block(indices: torch.Tensor, codebook: torch.Tensor, to_block: torch.Tensor, *, to_groups: torch.Tensor,
                  steps: int, head_dim: int) -> torch.Tensor:
     """Codewords of ``indices`` [N, H, n] from ``codebook`` [Hc, nc, K, G] (fp32) placed in block order
     [N, steps, H, head_dim] (``to_block``/``to_groups``: ``codec.block_permutation``); differentiable
@@ -100,7 +100,7 @@ def works(device: str) -> bool:
         codes = Codes(torch.randint(0, 16, (40, 3, 2), generator=gen, dtype=torch.uint8))
         want = codec.decode(codes)  # on the CPU: the torch path
         to_groups, to_block = (t.to(device) for t in codec.permutation(3, 16, torch.device("cpu")))
-        got = decode_block(codes.indices.to(device), codec.codebook.to(device), to_block, to_groups, 2, 16).cpu()
+        got = decode_block(codes.indices.to(device), codec.codebook.to(device), to_block, to_groups=to_groups, steps=2, head_dim=16).cpu()
         if not torch.equal(got, want):
             raise RuntimeError("it does not copy the torch path's values")
         return True

@@ -59,7 +59,7 @@ def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[t
     return ang.cos(), ang.sin()
 
 
-def rope_factors(cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_factors(cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle, *, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """What :func:`rotate` multiplies by, from ``cos``/``sin`` [B, S, D/2]: [B, S, 1, D], in ``dtype`` for
     ``half`` (cos twice, and -sin then sin: the sign of rotate_half folded in), fp32 for ``interleaved``
     (each cos twice, and -sin, sin per pair)."""
@@ -91,13 +91,13 @@ def pair_channels(head_dim: int, style: str) -> tuple[torch.Tensor, torch.Tensor
     raise ValueError(f"unknown RoPE style {style!r}; expected 'half' or 'interleaved'")
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, style: RopeStyle) -> torch.Tensor:
     """Rotate ``x`` [B, S, H, D] with per-position angles ``cos``/``sin`` [B, S, D/2] (fp32).
 
     ``half``: channel i rotates with channel i + D/2 (Ouro, computed in the activation dtype).
     ``interleaved``: channels (2i, 2i+1) form one pair (Huginn, computed in fp32, cast back).
     """
-    return rotate(x, rope_factors(cos, sin, style, x.dtype), style)
+    return rotate(x, rope_factors(cos, sin, style, dtype=x.dtype), style)
 
 
 class KVHook(Protocol):
@@ -120,7 +120,7 @@ class KVStore(Protocol):
         site: int,
         key: torch.Tensor,
         value: torch.Tensor,
-        positions: torch.Tensor,
+        *, positions: torch.Tensor,
         rope: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -145,17 +145,15 @@ class ForwardContext:
         shared by every site (every loop step and layer rotates at the same positions)."""
         if positions is not self.positions:
             cos, sin = rope_angles(positions, x.shape[-1], self.rope_theta)
-            return apply_rope(x, cos, sin, self.rope_style)
+            return apply_rope(x, cos, sin, style=self.rope_style)
         key = (x.shape[-1], x.dtype)
         if key not in self._rope:
             cos, sin = rope_angles(positions, x.shape[-1], self.rope_theta)
-            self._rope[key] = rope_factors(cos, sin, self.rope_style, x.dtype)
+            self._rope[key] = rope_factors(cos, sin, self.rope_style, dtype=x.dtype)
         return rotate(x, self._rope[key], self.rope_style)
 
 
-def attend(
-    ctx: ForwardContext, site: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> torch.Tensor:
+def attend(ctx: ForwardContext, site: int, q: torch.Tensor, *, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Attention at one KV site. q [B,S,Hq,D], k/v pre-RoPE [B,S,Hkv,D]; returns [B,S,Hq*D]."""
     if ctx.query_observer is not None:
         ctx.query_observer(site, q, ctx.positions)
@@ -163,17 +161,17 @@ def attend(
         k, v = ctx.hook(site, k, v, ctx.positions)
     q = ctx.rope(q, ctx.positions)
     if ctx.cache is not None and q.shape[1] == 1 and hasattr(ctx.cache, "attend"):
-        out = ctx.cache.attend(site, q, k, v, ctx)  # a cache with its own decode kernel (qcache); None: not this call
+        out = ctx.cache.attend(site, q, key=k, value=v, ctx=ctx)  # a cache with its own decode kernel (qcache); None: not this call
         if out is not None:
             return out
     if ctx.cache is not None:
-        k, v = ctx.cache.update(site, k, v, ctx.positions, ctx.rope)
+        k, v = ctx.cache.update(site, k, v, positions=ctx.positions, rope=ctx.rope)
     else:
         k = ctx.rope(k, ctx.positions)
-    return sdpa(q, k, v, ctx.mask)
+    return sdpa(q, k, v, mask=ctx.mask)
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None) -> torch.Tensor:
     """The attention of :func:`attend` once keys are rotated: q [B,S,Hq,D], k/v post-RoPE [B,P+S,Hkv,D] (GQA:
     KV heads repeated), ``mask`` [B,1,S,P+S] bool or None (causal); returns [B,S,Hq*D]."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -192,7 +190,7 @@ def build_context(
     input_len: int,
     batch: int,
     device: torch.device,
-    rope_style: RopeStyle,
+    *, rope_style: RopeStyle,
     rope_theta: float,
     cache: KVStore | None,
     attention_mask: torch.Tensor | None,

@@ -39,7 +39,7 @@ class HuginnConfig(PretrainedConfig):
         n_embd: int = 5280,
         n_heads: int = 55,
         n_layers: int = 8,
-        n_layers_in_prelude: int = 2,
+        *, n_layers_in_prelude: int = 2,
         n_layers_in_recurrent_block: int = 4,
         n_layers_in_coda: int = 2,
         intermediate_size: int = 17920,
@@ -120,7 +120,7 @@ class HuginnAttention(nn.Module):
         if self.qk_bias is not None:
             q = (q + self.qk_bias[0]).to(q.dtype)
             k = (k + self.qk_bias[1]).to(q.dtype)  # the pre-RoPE key includes the bias
-        return self.proj(attend(ctx, site, q, k, v))
+        return self.proj(attend(ctx, site, q, k=k, v=v))
 
 
 class HuginnMLP(nn.Module):
@@ -259,7 +259,7 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
+        *, labels: torch.Tensor | None = None,
         use_cache: bool | None = None,
         num_steps: int | None = None,
         input_states: torch.Tensor | None = None,
@@ -271,7 +271,7 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         """``num_steps`` recurrences (default ``mean_recurrence``); ``input_states`` fixes the initial state."""
         c, tf = self.config, self.transformer
         r = num_steps or c.mean_recurrence
-        cache, ctx = self._forward_context(input_ids, attention_mask, position_ids, use_cache, r, kwargs)
+        cache, ctx = self._forward_context(input_ids, attention_mask, position_ids, use_cache=use_cache, steps=r, kwargs=kwargs)
         e = tf.wte(input_ids) * torch.tensor(c.init_values["embed_scale"], dtype=tf.wte.weight.dtype)
         for i, block in enumerate(tf.prelude):
             e = block(e, ctx, i)

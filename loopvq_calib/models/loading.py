@@ -36,8 +36,8 @@ def resolve_model_dir(name_or_path: str, revision: str | None = None, key: str =
     if looks_local(name_or_path, Path.cwd()):
         raise ModelLoadError(f"{key}: no such folder: {name_or_path}"
                              + ("" if path.is_absolute() else f" (relative to {Path.cwd()})"))
-    return Path(hub_snapshot(name_or_path, revision, key, "model",
-                             ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]))
+    return Path(hub_snapshot(name_or_path, revision, key, what="model",
+                             patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]))
 
 
 def hub_offline() -> bool:
@@ -45,7 +45,7 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def hub_snapshot(repo_id: str, revision: str | None, key: str, what: str, patterns: list[str] | None = None) -> str:
+def hub_snapshot(repo_id: str, revision: str | None, key: str, *, what: str, patterns: list[str] | None = None) -> str:
     """snapshot_download of a hub model repo into the hub cache; any failure is a ModelLoadError naming ``key``
     and the id (offline: says it is not in the local cache)."""
     from huggingface_hub import snapshot_download
@@ -154,7 +154,7 @@ def pick_device(device: str, key: str = "model.device") -> torch.device:
     return torch.device(device)
 
 
-def load_model(folder: Path, dtype: str, device: torch.device, loop_steps: int | None = None) -> tuple[Any, Any]:
+def load_model(folder: Path, dtype: str, device: torch.device, *, loop_steps: int | None = None) -> tuple[Any, Any]:
     """(model in eval mode with frozen weights, tokenizer) from a hub-layout folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -30,7 +30,7 @@ class OuroConfig(PretrainedConfig):
         vocab_size: int = 151936,
         hidden_size: int = 4096,
         intermediate_size: int = 22016,
-        num_hidden_layers: int = 32,
+        *, num_hidden_layers: int = 32,
         num_attention_heads: int = 32,
         num_key_value_heads: int | None = 32,
         head_dim: int | None = None,
@@ -105,7 +105,7 @@ class OuroAttention(nn.Module):
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim)
-        return self.o_proj(attend(ctx, site, q, k, v))
+        return self.o_proj(attend(ctx, site, q, k=k, v=v))
 
 
 class OuroDecoderLayer(nn.Module):
@@ -182,7 +182,7 @@ class OuroForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
+        *, labels: torch.Tensor | None = None,
         use_cache: bool | None = None,
         exit_at_step: int | None = None,
         early_exit_threshold: float | None = None,
@@ -192,7 +192,7 @@ class OuroForCausalLM(LoopedPreTrainedModel, GenerationMixin):
     ) -> ModelOutput:
         """``use_cache`` creates a :class:`LoopKVCache` unless one is passed as ``cache`` / ``past_key_values``."""
         steps = self.config.total_ut_steps
-        cache, ctx = self._forward_context(input_ids, attention_mask, position_ids, use_cache, steps, kwargs)
+        cache, ctx = self._forward_context(input_ids, attention_mask, position_ids, use_cache=use_cache, steps=steps, kwargs=kwargs)
         h = self.model.embed_tokens(input_ids)
         hidden, gates = [], []
         for t in range(steps):
@@ -206,7 +206,7 @@ class OuroForCausalLM(LoopedPreTrainedModel, GenerationMixin):
             logits = sum(pdf[..., t : t + 1].to(h.dtype) * self.lm_head(hidden[t][:, keep]) for t in range(steps))
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
         else:
-            logits = self.lm_head(self._readout(hidden, gates, exit_at_step, early_exit_threshold)[:, keep])
+            logits = self.lm_head(self._readout(hidden, gates, exit_at_step, threshold=early_exit_threshold)[:, keep])
         return make_output(
             cache,
             loss=loss,
@@ -220,7 +220,7 @@ class OuroForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         hidden: list[torch.Tensor],
         gates: list[torch.Tensor],
         exit_at_step: int | None,
-        threshold: float | None,
+        *, threshold: float | None,
     ) -> torch.Tensor:
         """The reference readout: a fixed exit step, else the first step whose exit CDF reaches the threshold."""
         steps = len(hidden)

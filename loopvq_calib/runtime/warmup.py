@@ -29,19 +29,19 @@ class Warmup:
         self._ran: dict[str, float] = {}
         self.waited: dict[str, float] = {}
 
-    def submit(self, name: str, device: torch.device | None, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` in the background with ``device`` as the thread's current CUDA device (None: as it is)."""
+    def submit(self, name: str, device: torch.device | None, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run ``fn(*args, **kwargs)`` in the background with ``device`` as the thread's current CUDA device (None: as it is)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loopvq-warmup")
-        self._jobs[name] = self._pool.submit(self._timed, name, device, fn, *args)
+        self._jobs[name] = self._pool.submit(self._timed, name, device, lambda: fn(*args, **kwargs))
 
-    def _timed(self, name: str, device: torch.device | None, fn: Callable[..., Any], *args: Any) -> Any:
+    def _timed(self, name: str, device: torch.device | None, job: Callable[[], Any]) -> Any:
         start = time.perf_counter()
         try:
             if device is not None and device.type == "cuda":
                 with torch.cuda.device(device):
-                    return fn(*args)
-            return fn(*args)
+                    return job()
+            return job()
         finally:
             self._ran[name] = round(time.perf_counter() - start, 3)
 

@@ -53,7 +53,7 @@ class QuantizedLoopKVCache:
     is_compileable = False  # generate() asks (transformers 5.17 and 5.24)
     is_linear = (False,)  # generate() asks (5.24): attention layers, not a recurrent state
 
-    def __init__(self, quantizer: KVQuantizer, sink_tokens: int, recent_window: int, page_size: int = 8,
+    def __init__(self, quantizer: KVQuantizer, sink_tokens: int, recent_window: int, *, page_size: int = 8,
                  store: str = "indices", kernel: str = "auto") -> None:
         if store not in STORES:
             raise ValueError(f"store {store!r}; expected one of {', '.join(STORES)}")
@@ -97,18 +97,18 @@ class QuantizedLoopKVCache:
         site: int,
         key: torch.Tensor,
         value: torch.Tensor,
-        positions: torch.Tensor,
+        *, positions: torch.Tensor,
         rope: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this call's pre-RoPE ``key`` and ``value``; return the site's post-RoPE keys and values."""
-        self._append(site, key, value, positions)
+        self._append(site, key, value, positions=positions)
         out_k, out_v = self.site_kv(site)
         out = rope(out_k, self.positions[site]), out_v  # at prefill the forward's own positions object (RoPE once)
         if site == self.last_site:
             self._encode_ready_pages()
         return out
 
-    def attend(self, site: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: Any) -> torch.Tensor | None:
+    def attend(self, site: int, q: torch.Tensor, *, key: torch.Tensor, value: torch.Tensor, ctx: Any) -> torch.Tensor | None:
         """A decode step's attention from the codes (the CUDA or Triton kernel), or None when the kernel does not take
         this call (more than one query token, ``store="fake"``, ``kernel="torch"``, a baseline quantizer, no CUDA
         under ``auto``).
@@ -133,15 +133,15 @@ class QuantizedLoopKVCache:
             return None
         if self.kernel == "auto" and q.device.type != "cuda":
             return None
-        self._append(site, key, value, ctx.positions)
+        self._append(site, key, value, positions=ctx.positions)
         if self._kernel_state is None:
             self._kernel_state = KernelState(self.quantizer.kv.head_dim, ctx.rope_theta)
-        out = self._kernel_state.attend(self, site, q[:, 0], ctx)
+        out = self._kernel_state.attend(self, site, q[:, 0], ctx=ctx)
         if site == self.last_site:
             self._encode_ready_pages()
         return out.reshape(q.shape[0], 1, -1)
 
-    def _append(self, site: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
+    def _append(self, site: int, key: torch.Tensor, value: torch.Tensor, *, positions: torch.Tensor) -> None:
         if self.sink_columns is None:
             padding = ((positions == 0).sum(-1) - 1).clamp_min(0)  # left padding takes position 0 (build_context)
             self.sink_columns = self.sink_tokens + int(padding.max())
@@ -212,7 +212,7 @@ class QuantizedLoopKVCache:
         return self._kernel_state is not None
 
     def fill(self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], positions: torch.Tensor,
-             codes: dict[str, list[Codes]]) -> None:
+             *, codes: dict[str, list[Codes]]) -> None:
         """Give an empty ``store="indices"`` cache the contents a prefill leaves, without a forward (long-context
         benchmarks: scripts/bench_decode_model.py). Per KV site the pre-RoPE sink and window tokens ``keys`` /
         ``values`` [B, S_fp, H, D] (the first ``sink_tokens`` are the sinks); ``positions`` [B, S], every token's
@@ -344,7 +344,7 @@ def _select_codes(c: Any, beam_idx: torch.Tensor, page: int) -> Any:
 
 
 @torch.no_grad()
-def sampled_quantizer(model: torch.nn.Module, ids: torch.Tensor, method: str = "loopvq", codebook_size: int = 16,
+def sampled_quantizer(model: torch.nn.Module, ids: torch.Tensor, method: str = "loopvq", *, codebook_size: int = 16,
                       group_size: int = 16, steps_per_block: int = 4, seed: int = 0) -> KVQuantizer:
     """A crude quantizer without k-means: each codebook's entries are random group vectors of one
     full-precision forward over ``ids`` (for tests, smoke runs and byte measurements).

@@ -99,7 +99,7 @@ def channel_table(codec: BlockCodec, step: int) -> tuple[torch.Tensor, torch.Ten
     return table.contiguous(), code
 
 
-def step_tables(key_codec: BlockCodec, value_codec: BlockCodec, step: int, rope_style: str,
+def step_tables(key_codec: BlockCodec, value_codec: BlockCodec, step: int, *, rope_style: str,
                 device: torch.device | str, dtype: torch.dtype = torch.float16) -> StepTables:
     """Build a site's :class:`StepTables` on ``device``; codeword values in ``dtype``, the key or the value
     tables in float32 where the CUDA kernel's half sums could overflow (:func:`table_dtype`)."""
@@ -160,7 +160,7 @@ class CodedTokens:
 
 
 def decode_attention_reference(
-    q: torch.Tensor, key_codec: BlockCodec, value_codec: BlockCodec, step: int, coded: CodedTokens,
+    q: torch.Tensor, key_codec: BlockCodec, value_codec: BlockCodec, *, step: int, coded: CodedTokens,
     fp_keys: torch.Tensor, fp_values: torch.Tensor, fp_positions: torch.Tensor, fp_mask: torch.Tensor | None,
     rope_style: str, rope_theta: float,
 ) -> torch.Tensor:
@@ -177,10 +177,10 @@ def decode_attention_reference(
 
         pos = coded.first_position.to(q.device)[:, None].long() + torch.arange(n, device=q.device)
         cos, sin = rope_angles(pos, key_codec.layout.head_dim, rope_theta)
-        keys.append(apply_rope(decode(key_codec, coded.key_indices, coded.key_sigma), cos, sin, rope_style))
+        keys.append(apply_rope(decode(key_codec, coded.key_indices, coded.key_sigma), cos, sin, style=rope_style))
         values.append(decode(value_codec, coded.value_indices, None))
     cos, sin = rope_angles(fp_positions, fp_keys.shape[-1], rope_theta)
-    keys.append(apply_rope(fp_keys.float(), cos, sin, rope_style))
+    keys.append(apply_rope(fp_keys.float(), cos, sin, style=rope_style))
     values.append(fp_values.float())
     k = torch.cat(keys, 1).double().transpose(1, 2)  # [B, H, S, D]
     v = torch.cat(values, 1).double().transpose(1, 2)
@@ -193,7 +193,7 @@ def decode_attention_reference(
     return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), v)
 
 
-def plan_splits(n_coded: int, heads: int, block_n: int, programs: int) -> tuple[int, int]:
+def plan_splits(n_coded: int, heads: int, block_n: int, *, programs: int) -> tuple[int, int]:
     """(coded splits, tokens per split): at most ``programs`` programs over the KV heads (at least one split
     each), each split a whole number of ``block_n`` tiles; one (empty) split when nothing is coded."""
     tiles = -(-n_coded // block_n)
@@ -211,7 +211,7 @@ def _programs_for(device: torch.device) -> int:
 
 
 def decode_attention(
-    q: torch.Tensor, tables: StepTables, coded: CodedTokens, fp_keys: torch.Tensor, fp_values: torch.Tensor,
+    q: torch.Tensor, tables: StepTables, coded: CodedTokens, *, fp_keys: torch.Tensor, fp_values: torch.Tensor,
     fp_positions: torch.Tensor, fp_mask: torch.Tensor | None, rope: RopeTable, block_n: int = 16,
     num_splits: int | None = None, num_warps: int = 4, max_position: int | None = None,
     programs_per_sm: int = 4, batch_per_program: int = 1, cache_hints: bool = False, backend: str = "auto",
@@ -248,15 +248,15 @@ def decode_attention(
     if tables.tasq and n and coded.key_sigma is None:
         raise ValueError("TaSQ key tables need the coded tokens' key_sigma")
     if backend == "cuda" or (backend == "auto" and _on_cuda(q)):
-        out = _cuda_attention(q, tables, coded, fp_keys, fp_values, fp_positions, fp_mask, rope, max_position,
-                              backend, warps, tokens_per_iteration, lanes_per_token, num_splits, key_float32,
-                              rows_per_pass)
+        out = _cuda_attention(q, tables, coded, fp_keys=fp_keys, fp_values=fp_values, fp_positions=fp_positions, fp_mask=fp_mask, rope=rope, max_position=max_position,
+                              backend=backend, warps=warps, tokens=tokens_per_iteration, lanes_per_token=lanes_per_token, num_splits=num_splits, key_float32=key_float32,
+                              rows=rows_per_pass)
         if out is not None:
             return out
     slices = -(-bsz // batch_per_program)
     programs = num_splits * heads if num_splits else _programs_for(q.device) * programs_per_sm // slices
-    splits, per_split = plan_splits(n, heads, block_n, programs)
-    inputs = kernel_inputs(q, tables, coded, fp_positions, fp_mask, rope, max_position + 1 + block_n)
+    splits, per_split = plan_splits(n, heads, block_n, programs=programs)
+    inputs = kernel_inputs(q, tables, coded, fp_positions=fp_positions, fp_mask=fp_mask, rope=rope, rows=max_position + 1 + block_n)
     kidx, vidx, sig, fk, fv = coded.key_indices, coded.value_indices, inputs.sigma, fp_keys, fp_values
     qg = hq // heads
     acc = torch.empty(bsz, hq, splits + 1, d, device=q.device, dtype=torch.float32)
@@ -294,7 +294,7 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, stacklevel=4)  # the caller of decode_attention
 
 
-def _cuda_attention(q: torch.Tensor, tables: StepTables, coded: CodedTokens, fp_keys: torch.Tensor,
+def _cuda_attention(q: torch.Tensor, tables: StepTables, coded: CodedTokens, *, fp_keys: torch.Tensor,
                     fp_values: torch.Tensor, fp_positions: torch.Tensor, fp_mask: torch.Tensor | None, rope: RopeTable,
                     max_position: int, backend: str, warps: int | None, tokens: int | None, lanes_per_token: int | None,
                     num_splits: int | None, key_float32: bool | None, rows: int | None) -> torch.Tensor | None:
@@ -304,17 +304,17 @@ def _cuda_attention(q: torch.Tensor, tables: StepTables, coded: CodedTokens, fp_
     from ..kernels import decode_cuda
 
     lanes = decode_cuda.site_lanes(tables, q.shape[1] // tables.value.shape[0], lanes_per_token)
-    plan = decode_cuda.launch(lanes, q, fp_keys, fp_values, coded, warps, tokens, rows, num_splits, key_float32)
+    plan = decode_cuda.launch(lanes, q, fp_keys, fp_values=fp_values, coded=coded, warps=warps, tokens=tokens, rows=rows, num_splits=num_splits, key_float32=key_float32)
     if isinstance(plan, str):
         reason = plan
         if backend == "cuda":
             raise RuntimeError(f"the CUDA decode kernel does not take this call: {reason}")
         _warn_once(f"CUDA decode kernel skipped ({reason}); using the Triton kernel")
         return None
-    inputs = kernel_inputs(q, tables, coded, fp_positions, fp_mask, rope,
-                           decode_cuda.rope_rows(max_position, lanes.lanes))
+    inputs = kernel_inputs(q, tables, coded, fp_positions=fp_positions, fp_mask=fp_mask, rope=rope,
+                           rows=decode_cuda.rope_rows(max_position, lanes.lanes))
     try:
-        return decode_cuda.decode_attention_cuda(inputs, tables, lanes, coded, fp_keys, fp_values, plan=plan)
+        return decode_cuda.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fp_keys, fp_values=fp_values, plan=plan)
     except decode_cuda.BuildError as err:  # no NVRTC, a failed build or launch: the Triton kernel serves
         if backend == "cuda":
             raise
@@ -340,7 +340,7 @@ class KernelInputs:
     masked: bool
 
 
-def kernel_inputs(q: torch.Tensor, tables: StepTables, coded: CodedTokens, fp_positions: torch.Tensor,
+def kernel_inputs(q: torch.Tensor, tables: StepTables, coded: CodedTokens, *, fp_positions: torch.Tensor,
                   fp_mask: torch.Tensor | None, rope: RopeTable, rows: int) -> KernelInputs:
     """The inputs of :class:`KernelInputs` for one call; the RoPE table covers at least ``rows`` positions."""
     cos, sin = rope.covering(rows, q.device)

@@ -31,19 +31,19 @@ class CodeBuffer:
         self.pages = 0
         self.count = 0
 
-    def sync(self, pages: list[Codes], batch: int, page_size: int, chunk: int = 256) -> "CodeBuffer":
+    def sync(self, pages: list[Codes], batch: int, page_size: int, *, chunk: int = 256) -> "CodeBuffer":
         """Copy in the pages added since the last call (pages' rows are batch-major: b * page + token), up to
         ``chunk`` pages per copy; the capacity is the one page-by-page calls reach (grown once)."""
         new = pages[self.pages:]
         if new:
             first = new[0]
             cap = self.indices.shape[1] if self.indices is not None else 0
-            grown = _capacity(cap, self.count, len(new), page_size)
+            grown = _capacity(cap, self.count, len(new), page_size=page_size)
             if grown != cap:
                 idx = first.indices.view(batch, page_size, *first.indices.shape[1:])
-                self.indices = _grown(self.indices, idx, grown, self.count, head_major=True)
+                self.indices = _grown(self.indices, idx, grown, count=self.count, head_major=True)
                 if first.sigma is not None:
-                    self.sigma = _grown(self.sigma, first.sigma.view(batch, page_size, -1), grown, self.count)
+                    self.sigma = _grown(self.sigma, first.sigma.view(batch, page_size, -1), grown, count=self.count)
             for i in range(0, len(new), chunk):
                 part = new[i:i + chunk]
                 n = page_size * len(part)
@@ -57,7 +57,7 @@ class CodeBuffer:
         return self
 
 
-def _capacity(capacity: int, count: int, pages: int, page_size: int) -> int:
+def _capacity(capacity: int, count: int, pages: int, *, page_size: int) -> int:
     """Tokens a buffer holds after ``pages`` more pages, one at a time: max(2 * count, count + page, 64) whenever
     a page overflows it."""
     for _ in range(pages):
@@ -72,7 +72,7 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
-def _grown(old: torch.Tensor | None, like: torch.Tensor, capacity: int, count: int,
+def _grown(old: torch.Tensor | None, like: torch.Tensor, capacity: int, *, count: int,
            head_major: bool = False) -> torch.Tensor:
     """A [B, capacity, ...] tensor holding ``old``'s first ``count`` tokens; ``head_major``: [B, H, capacity, n]
     storage behind a [B, capacity, H, n] view."""
@@ -121,7 +121,7 @@ class KernelState:
             self._tokens = (ctx, n, first, fp_pos, fp_mask)
         return self._tokens[2:]
 
-    def attend(self, cache: Any, site: int, q: torch.Tensor, ctx: Any) -> torch.Tensor:
+    def attend(self, cache: Any, site: int, q: torch.Tensor, *, ctx: Any) -> torch.Tensor:
         """Attention of q [B, Hq, D] (post-RoPE) over the cache's tokens at ``site`` (the new token appended)."""
         if self.rope is None:
             self.rope = RopeTable(self.head_dim, self.rope_theta)
@@ -130,7 +130,7 @@ class KernelState:
         step = kc.layout.sites.index(site)
         if site not in self.tables:
             dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
-            self.tables[site] = step_tables(kc, vc, step, ctx.rope_style, q.device, dtype)
+            self.tables[site] = step_tables(kc, vc, step, rope_style=ctx.rope_style, device=q.device, dtype=dtype)
         n, bsz = cache.encoded, q.shape[0]
         first, fp_pos, fp_mask = self._token_positions(cache, site, ctx)
         if n:
@@ -141,5 +141,5 @@ class KernelState:
         else:
             empty = torch.zeros(bsz, 1, 1, 1, dtype=torch.uint8, device=q.device)
             coded = CodedTokens(empty, empty, None, 0, first)
-        return decode_attention(q, self.tables[site], coded, cache.keys[site], cache.values[site], fp_pos, fp_mask,
-                                self.rope, max_position=self._max_position(ctx))
+        return decode_attention(q, self.tables[site], coded, fp_keys=cache.keys[site], fp_values=cache.values[site], fp_positions=fp_pos, fp_mask=fp_mask,
+                                rope=self.rope, max_position=self._max_position(ctx))

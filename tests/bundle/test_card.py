@@ -163,7 +163,7 @@ def test_failing_first_rename_never_restores_a_stale_aside_card(tmp_path, monkey
 
     monkeypatch.setattr(os, "replace", replace)
     with pytest.raises(OSError, match="Input/output error"):
-        _replace_pair(tmp_path / "README.md", tmp_path / "card.tmp", tmp_path / "loopvq.json", tmp_path / "meta.tmp")
+        _replace_pair(tmp_path / "README.md", tmp_path / "card.tmp", tmp_path / "loopvq.json", meta_tmp=tmp_path / "meta.tmp")
     monkeypatch.undo()
     assert (tmp_path / "README.md").read_text() == "old card" and (tmp_path / "loopvq.json").read_text() == "old meta"
     assert not (tmp_path / "card.tmp").exists() and not (tmp_path / "meta.tmp").exists()

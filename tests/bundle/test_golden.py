@@ -144,7 +144,7 @@ def test_reference_codec_matches_the_spec_reader(case, inputs):
         decoded = codec.decode(codes)
         _check(f"{key}.decoded", decoded.numpy(), spec[f"{key}.decoded"])
         if codec.layout.kind == "key":
-            roped = torch.stack([apply_rope(decoded[:, m][None], cos, sin, kv.rope_style)[0]
+            roped = torch.stack([apply_rope(decoded[:, m][None], cos, sin, style=kv.rope_style)[0]
                                  for m in range(codec.layout.steps)], 1)
             _check(f"{key}.decoded_rope", roped.numpy(), spec[f"{key}.decoded_rope"])
 
@@ -231,7 +231,7 @@ def test_attention_golden_output_from_the_decoded_golden_tensors(case):
     fp_pos = gold[f"{case}/fp_positions"]
     for m in range(keys.shape[1]):
         cos, sin = rope_angles(fp_pos[None], keys.shape[-1], rope["theta"])
-        fk = apply_rope(gold[f"{case}/fp_keys"][m][None], cos, sin, rope["style"])[0]
+        fk = apply_rope(gold[f"{case}/fp_keys"][m][None], cos, sin, style=rope["style"])[0]
         k = torch.cat([keys[:, m], fk]).double().repeat_interleave(2, 1)  # [S, Hq, D]
         v = torch.cat([values[:, m], gold[f"{case}/fp_values"][m]]).double().repeat_interleave(2, 1)
         q = gold[f"{case}/query"][m].double()
@@ -265,4 +265,4 @@ def test_attention_golden_packed_codes_are_the_golden_indices(case):
         packed = gold[f"{case}/{kind}.indices_packed"]
         assert packed.dtype == torch.uint8 and packed.shape[-1] == -(-plain.shape[-1] * 4 // 8)  # K 16: 4 bits
         assert np.array_equal(spec_unpack(packed.numpy(), int(math.log2(k)), plain.shape[-1]), plain.numpy())
-        assert torch.equal(read_indices(gold, f"{case}/{kind}", k, plain.shape[-1]), plain.long())
+        assert torch.equal(read_indices(gold, f"{case}/{kind}", k, count=plain.shape[-1]), plain.long())

@@ -281,11 +281,11 @@ def test_an_interrupted_disk_capture_resumes_after_the_sequences_it_wrote(tiny_o
     clean = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "clean"), stages=["capture"]).run_dir
     real, calls = capture.capture_sequence, []
 
-    def counted(model, ids, kv, seqs, *args, **kwargs):
+    def counted(model, ids, kv, *, seqs, **kwargs):
         calls.append(list(seqs))
         if stop_at is not None and len(calls) == stop_at:
             raise KeyboardInterrupt  # Ctrl-C (a kill -9 leaves the same folder, without the failed record)
-        return real(model, ids, kv, seqs, *args, **kwargs)
+        return real(model, ids, kv, seqs=seqs, **kwargs)
 
     monkeypatch.setattr(capture, "capture_sequence", counted)
     cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")

@@ -48,7 +48,7 @@ def test_capture_returns_its_reader_and_kmeans_its_report(tmp_path):
     for store in ("memory", "disk"):
         folder = tmp_path / store
         folder.mkdir()
-        readers[store] = run_capture(model, calib, kv, cfg, StoreChoice(store, "test"), folder, SINGLE)
+        readers[store] = run_capture(model, calib, kv, cfg=cfg, store=StoreChoice(store, "test"), folder=folder, dist=SINGLE)
     on_disk = json.loads((tmp_path / "disk" / "meta.json").read_text())
     assert readers["memory"].meta == {**on_disk, "store": "memory"} and readers["disk"].meta == on_disk
     assert on_disk["store"] == "disk" and json.loads((tmp_path / "memory" / "meta.json").read_text())["store"] == "memory"
@@ -56,7 +56,7 @@ def test_capture_returns_its_reader_and_kmeans_its_report(tmp_path):
         assert torch.equal(readers["memory"].load(name, (0, 1)), readers["disk"].load(name, (0, 1)))
     out = tmp_path / "kmeans"
     out.mkdir()
-    report = run_kmeans(readers["disk"], None, kv, cfg, out, SINGLE, torch.device("cpu"))
+    report = run_kmeans(readers["disk"], None, kv, cfg=cfg, folder=out, dist=SINGLE, device=torch.device("cpu"))
     assert isinstance(report, KMeansReport) and len(report.totals) == 1
     assert list(report.layouts) == list(report.quantizer.codecs) and not (out / "part0").exists()
     again = KMeansReport.load(out)
@@ -97,21 +97,21 @@ def test_calibration_round_trip_and_parts(tmp_path):
     back = load_calibration(tmp_path)
     assert torch.equal(back.input_ids, calib.input_ids) and (back.train, back.heldout) == ([0, 1], [2])
     assert details["content_sha256"] == back.content_hash == calib.content_hash and details["tokens"] == 12
-    parts = join_parts(SINGLE, tmp_path, lambda d: (d / "x.txt").write_text("part"), lambda d: (d / "x.txt").read_text())
+    parts = join_parts(SINGLE, tmp_path, lambda d: (d / "x.txt").write_text("part"), load=lambda d: (d / "x.txt").read_text())
     assert parts == ["part"] and not (tmp_path / "part0").exists()
 
 
 def test_fingerprints_chain_from_the_changed_section():
     cfg = tiny_run_config()
-    base = stage_fingerprints(cfg, "data", {"name": "m"}, 4)
+    base = stage_fingerprints(cfg, "data", {"name": "m"}, loop_steps=4)
     assert base["tasq"] is None  # loopvq has no TaSQ stage
     more = stage_fingerprints(dataclasses.replace(cfg, kmeans=dataclasses.replace(cfg.kmeans, iterations=6)),
-                              "data", {"name": "m"}, 4)
+                              "data", {"name": "m"}, loop_steps=4)
     assert [s for s in base if base[s] != more[s]] == ["kmeans", "finetune", "bundle"]
     stored = stage_fingerprints(dataclasses.replace(cfg, capture=dataclasses.replace(cfg.capture, store="disk")),
-                                "data", {"name": "m"}, 4)
+                                "data", {"name": "m"}, loop_steps=4)
     assert stored == base  # where the capture lives is not what it holds
-    other_data = stage_fingerprints(cfg, "data2", {"name": "m"}, 4)
+    other_data = stage_fingerprints(cfg, "data2", {"name": "m"}, loop_steps=4)
     assert all(other_data[s] != base[s] for s in ("data", "capture", "kmeans", "finetune", "bundle"))
 
 

@@ -128,5 +128,5 @@ def test_quantize_sites_casts_to_the_dtype_the_objective_asks_for():
     for got, want in [(keys16[s], keys[s]) for s in keys] + [(values16[s], values[s]) for s in values]:
         assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
     assert not torch.equal(keys[0], fp.keys[0])  # 2-bit codes: the values did change
-    logits = quantized_logits(model, ids, q, fp, sink_tokens=2)
-    torch.testing.assert_close(logits, quantized_logits(model, ids, q, fp, sink_tokens=2, quantized=(keys, values)))
+    logits = quantized_logits(model, ids, q, fp=fp, sink_tokens=2)
+    torch.testing.assert_close(logits, quantized_logits(model, ids, q, fp=fp, sink_tokens=2, quantized=(keys, values)))

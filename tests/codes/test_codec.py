@@ -186,7 +186,7 @@ def test_indices_entries_store_the_forms_of_format_1_1_and_read_back():
     assert both["key.b0.indices_packed"].tolist() == [[0x21, 0x0F], [0x70, 0x09]]
     packed = indices_entries("key.b0", x, 16, form="packed")
     assert list(packed) == ["key.b0.indices_packed"]
-    assert torch.equal(read_indices(packed, "key.b0", 16, 3), x) and torch.equal(read_indices(both, "key.b0", 16, 3), x)
+    assert torch.equal(read_indices(packed, "key.b0", 16, count=3), x) and torch.equal(read_indices(both, "key.b0", 16, count=3), x)
     assert list(indices_entries("v", x, 256, form="packed")) == ["v.indices"]
     wide = indices_entries("v", torch.tensor([[299, 0, 5]]), 300)
     assert list(wide) == ["v.indices"] and wide["v.indices"].dtype == torch.int32
@@ -198,12 +198,12 @@ def test_read_indices_names_the_tensor_it_refuses():
     x = torch.tensor([[1, 2, 15]])
     both = indices_entries("key.b0", x, 16)
     with pytest.raises(ValueError, match=r"key.b0.indices_packed: expected uint8 with 3 bytes per row"):
-        read_indices(both, "key.b0", 16, 5)
+        read_indices(both, "key.b0", 16, count=5)
     both["key.b0.indices"] = torch.tensor([[1, 2, 14]], dtype=torch.uint8)
     with pytest.raises(ValueError, match="key.b0.indices and key.b0.indices_packed disagree"):
-        read_indices(both, "key.b0", 16, 3)
+        read_indices(both, "key.b0", 16, count=3)
     with pytest.raises(KeyError, match="no tensor value.b0.indices"):
-        read_indices(both, "value.b0", 16, 3)
+        read_indices(both, "value.b0", 16, count=3)
     with pytest.raises(ValueError, match="form 'bits'"):
         indices_entries("key.b0", x, 16, form="bits")
 

@@ -65,9 +65,9 @@ def test_metrics_equal_independent_computation(make, method, steps):
     model = make()
     gen = torch.Generator().manual_seed(0)
     seqs = torch.randint(0, 4096, (2, 24), generator=gen)
-    q = sampled_quantizer(model, torch.randint(0, 4096, (1, 40), generator=gen), method, 16, 8, steps)
+    q = sampled_quantizer(model, torch.randint(0, 4096, (1, 40), generator=gen), method, codebook_size=16, group_size=8, steps_per_block=steps)
     sink = 4
-    r = evaluate_quantizer(model, seqs, q, sink)
+    r = evaluate_quantizer(model, seqs, q, sink_tokens=sink)
     parts = [explicit_metrics(model, seqs[i : i + 1], q, sink) for i in range(2)]
     kl = sum(p[0] for p in parts) / sum(p[1] for p in parts)
     assert r["eval_kl"] == pytest.approx(kl, rel=1e-4, abs=1e-7)
@@ -170,7 +170,7 @@ def bundle_dir(reference, tmp_path_factory):
 
 def test_run_eval_writes_report_and_passes_gates(bundle_dir, tmp_path, capsys):
     out = tmp_path / "report"
-    status = run_eval([str(bundle_dir)], None, None, 1, 32, str(out), max_kl=100.0, max_ppl_increase=100.0,
+    status = run_eval([str(bundle_dir)], None, None, num_sequences=1, sequence_length=32, out_dir=str(out), max_kl=100.0, max_ppl_increase=100.0,
                       device="cpu")
     assert status == 0
     names = {p.name for p in out.iterdir()}
@@ -190,28 +190,28 @@ def test_run_eval_writes_report_and_passes_gates(bundle_dir, tmp_path, capsys):
 
 
 def test_run_eval_gate_failure_returns_1(bundle_dir, capsys):
-    status = run_eval([str(bundle_dir)], None, None, 1, 32, None, max_kl=1e-9, max_ppl_increase=None, device="cpu")
+    status = run_eval([str(bundle_dir)], None, None, num_sequences=1, sequence_length=32, out_dir=None, max_kl=1e-9, max_ppl_increase=None, device="cpu")
     assert status == 1
     assert "gate failed: crude-0.25bit: evaluation KL" in capsys.readouterr().out
 
 
 def test_run_eval_bad_input_returns_2(bundle_dir, tmp_path, capsys):
-    assert run_eval([str(tmp_path / "missing")], None, None, 1, 32, None, None, None) == 2
+    assert run_eval([str(tmp_path / "missing")], None, None, num_sequences=1, sequence_length=32, out_dir=None, max_kl=None, max_ppl_increase=None) == 2
     assert "no such bundle folder" in capsys.readouterr().err
-    assert run_eval([str(bundle_dir)], None, str(tmp_path / "nothing.jsonl"), 1, 32, None, None, None) == 2
+    assert run_eval([str(bundle_dir)], None, str(tmp_path / "nothing.jsonl"), num_sequences=1, sequence_length=32, out_dir=None, max_kl=None, max_ppl_increase=None) == 2
     assert "nothing.jsonl: no such file" in capsys.readouterr().err
-    assert run_eval([str(tmp_path)], None, None, 1, 32, None, None, None) == 2  # a folder that is no bundle
+    assert run_eval([str(tmp_path)], None, None, num_sequences=1, sequence_length=32, out_dir=None, max_kl=None, max_ppl_increase=None) == 2  # a folder that is no bundle
     assert "loopvq.json" in capsys.readouterr().err
-    assert run_eval([str(bundle_dir)], None, None, 1, 8, None, None, None) == 2  # nothing after 8 sinks
+    assert run_eval([str(bundle_dir)], None, None, num_sequences=1, sequence_length=8, out_dir=None, max_kl=None, max_ppl_increase=None) == 2  # nothing after 8 sinks
     assert "leaves no position after the 8 sink tokens" in capsys.readouterr().err
     (tmp_path / "notes.md").write_text("# not a corpus file type")
-    assert run_eval([str(bundle_dir)], None, str(tmp_path / "notes.md"), 1, 32, None, None, None) == 2
+    assert run_eval([str(bundle_dir)], None, str(tmp_path / "notes.md"), num_sequences=1, sequence_length=32, out_dir=None, max_kl=None, max_ppl_increase=None) == 2
     err = capsys.readouterr().err
     assert "--data: cannot infer the file type" in err and "data.type" not in err
-    assert run_eval([str(bundle_dir)], None, None, 1, 10**7, None, None, None) == 2
+    assert run_eval([str(bundle_dir)], None, None, num_sequences=1, sequence_length=10**7, out_dir=None, max_kl=None, max_ppl_increase=None) == 2
     assert "--num-sequences: " in capsys.readouterr().err
     (tmp_path / "report.md").write_text("not a folder")
-    assert run_eval([str(bundle_dir)], None, None, 1, 32, str(tmp_path / "report.md"), None, None) == 2
+    assert run_eval([str(bundle_dir)], None, None, num_sequences=1, sequence_length=32, out_dir=str(tmp_path / "report.md"), max_kl=None, max_ppl_increase=None) == 2
     assert "report.md: exists and is not a folder" in capsys.readouterr().err
 
 

@@ -64,7 +64,7 @@ def test_full_precision_accuracy_matches_an_independent_run(reference):
     """lm-eval's exact match through ServedLM equals greedy generate() scored by hand."""
     model, tok = reference
     options = ServedOptions(tasks=[TASK], limit=LIMIT)
-    scores = run_tasks(model, tok, [Entry("fp", "full-precision")], options)
+    scores = run_tasks(model, tok, [Entry("fp", "full-precision")], options=options)
     got = scores["scores"]["fp"][TASK]["exact_match,first_word"]
     hits = 0
     for item in task_items(LIMIT):
@@ -96,7 +96,7 @@ def test_identity_quantizer_keeps_accuracy_and_answers(reference):
     assert outs["identity"] == outs["fp"]
     assert outs["crude"] != outs["fp"]  # the same path with a lossy codebook does change answers
     scores = run_tasks(model, tok, [Entry("fp", "full-precision"), ident],
-                       ServedOptions(tasks=[TASK], limit=2))["scores"]
+                       options=ServedOptions(tasks=[TASK], limit=2))["scores"]
     assert scores["identity"] == scores["fp"]
     cache = ident.make_cache()()
     with torch.no_grad():
@@ -137,9 +137,9 @@ def test_huginn_served_through_a_bundle_and_a_baseline(tiny_huginn_dir):
     model, tok = load_model(tiny_huginn_dir, "float32", torch.device("cpu"))
     ids = torch.tensor([tok(task_items(1)[0]["context"], add_special_tokens=False)["input_ids"][:96]])
     entries = [Entry("fp", "full-precision"),
-               Entry("b", "bundle", sampled_quantizer(model, ids, "loopvq", 16, 16, 2), 4, 16, 8),
+               Entry("b", "bundle", sampled_quantizer(model, ids, "loopvq", codebook_size=16, group_size=16, steps_per_block=2), 4, 16, 8),
                Entry("last", "baseline", make_baseline("last-step-kv", model.kv_layout()), 4, 16, 8)]
-    result = run_tasks(model, tok, entries, ServedOptions(tasks=[TASK], limit=1))
+    result = run_tasks(model, tok, entries, options=ServedOptions(tasks=[TASK], limit=1))
     assert set(result["scores"]) == {"fp", "b", "last"}
     assert set(accuracy_drops(result, "fp")) == {"b", "last"}
     bytes_ = measured_bytes(model, entries[2], ids)

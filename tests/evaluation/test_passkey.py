@@ -44,7 +44,7 @@ def test_answered_takes_the_first_number():
 @needs_lm_eval
 def test_accuracy_per_length_equals_greedy_generate(reference):
     model, tok = reference
-    result = run_passkey(model, tok, [Entry("fp", "full-precision")], [48, 96], trials=2, seed=3)
+    result = run_passkey(model, tok, [Entry("fp", "full-precision")], lengths=[48, 96], trials=2, seed=3)
     expected = {}
     for t in make_trials(tok, [48, 96], 2, seed=3):
         ids = torch.tensor([tok(t.prompt, add_special_tokens=False)["input_ids"]])
@@ -57,4 +57,4 @@ def test_accuracy_per_length_equals_greedy_generate(reference):
 def test_lengths_beyond_the_window_are_refused(reference):
     model, tok = reference
     with pytest.raises(ValueError, match=r"--passkey-lengths \[2045\]: .* window of 2048 tokens"):
-        run_passkey(model, tok, [Entry("fp", "full-precision")], [64, 2045], trials=1)
+        run_passkey(model, tok, [Entry("fp", "full-precision")], lengths=[64, 2045], trials=1)

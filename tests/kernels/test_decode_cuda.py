@@ -33,9 +33,9 @@ def test_a_failed_build_is_remembered_and_named(monkeypatch):
     assert dc.KERNEL in str(err.value) and "'TASQ': 1" in str(err.value) and dc.BUILD_FAILED == [err.value]
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
-    tables = da.step_tables(kc, vc, 0, "half", "cpu", torch.float16)
+    tables = da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="an earlier build failed: .*broken on purpose"):
-        da.decode_attention(q, tables, coded, fk, fv, fpos, None, da.RopeTable(64, 1e4), backend="cuda")
+        da.decode_attention(q, tables, coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=None, rope=da.RopeTable(64, 1e4), backend="cuda")
 
 
 def test_launch_checks_what_the_kernel_reads(monkeypatch):
@@ -46,7 +46,7 @@ def test_launch_checks_what_the_kernel_reads(monkeypatch):
 
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
-    lanes = dl.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 8)
+    lanes = dl.lane_tables(da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16), 8)
     monkeypatch.setattr(dc, "BUILD_FAILED", [])
     monkeypatch.setattr(torch.cuda, "_compile_kernel", lambda *a, **k: None, raising=False)
     limit = SimpleNamespace(shared_memory_per_block_optin=228 * 1024, multi_processor_count=132)
@@ -55,14 +55,14 @@ def test_launch_checks_what_the_kernel_reads(monkeypatch):
     u8 = SimpleNamespace(key_indices=head_major(coded.key_indices.to(torch.uint8)),
                          value_indices=head_major(coded.value_indices.to(torch.uint8)), key_sigma=None, count=coded.count)
     def fits(coded, fk=fk, tokens=None) -> bool:
-        return isinstance(dc.launch(lanes, cuda_q, fk, fv, coded, 8, tokens), dc.LaunchPlan)
+        return isinstance(dc.launch(lanes, cuda_q, fk, fp_values=fv, coded=coded, warps=8, tokens=tokens), dc.LaunchPlan)
 
     assert fits(u8)
     assert not fits(SimpleNamespace(**{**vars(u8), "value_indices": u8.value_indices.int()}))
     assert not fits(SimpleNamespace(**{**vars(u8), "key_indices": coded.key_indices.to(torch.uint8)}))  # token-major
     assert not fits(SimpleNamespace(**{**vars(u8), "key_sigma": torch.ones(1, 8, 4)}))
     assert not fits(u8, fk.transpose(-1, -2))
-    need = dc.launch_shared(lanes, u8, 8, 1, 8)  # 8 lanes per token: 4 groups x 8 tokens per warp step
+    need = dc.launch_shared(lanes, u8, 8, query_groups=1, tokens=8)  # 8 lanes per token: 4 groups x 8 tokens per warp step
     assert need == 2 * 64 * 16 * 2 + 8 * 2 * 32 * 64 + 64 * 4 + 8 * 32 * 4 + 2 * 64 * 4  # tables, stages, query,
     # weights, channel maps
     limit.shared_memory_per_block_optin = need - 1
@@ -78,20 +78,20 @@ def test_large_batches_and_buffers_are_refused_only_where_32_bit_offsets_overflo
     size (batch 64 x capacity 65536 holds 2**31 bytes: row offsets are 64-bit); it refuses only a batch stride
     (16 x capacity x 32 bytes) beyond 2**31 - 1, which also bounds a token's 32-bit offset in its stream."""
     kc, vc = make_codecs("loopvq", 16, 128, 256, 16, 4)
-    lanes = dl.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 16)
+    lanes = dl.lane_tables(da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16), 16)
     fk = torch.empty(64, 76, 16, 128, dtype=torch.bfloat16, device="meta")
     q = torch.empty(64, 16, 128, dtype=torch.bfloat16, device="meta")
     for batch, capacity, refused in ((64, 65536, False), (32, 131072, False), (256, 2**20, False),
                                      (1, 2**22 - 1, False), (1, 2**22, True), (2, 2**23, True)):
         idx = torch.empty(batch, 16, capacity, 32, dtype=torch.uint8, device="meta").transpose(1, 2)  # CodeBuffer's
         coded = SimpleNamespace(key_indices=idx, value_indices=idx, key_sigma=None, count=capacity - 100)
-        reason = dc.plan_launch(lanes, q[:batch], fk[:batch], fk[:batch], coded, None, None, None, None, None,
-                                227 * 1024, 1)
+        reason = dc.plan_launch(lanes, q[:batch], fk[:batch], fp_values=fk[:batch], coded=coded, warps=None, tokens=None, rows=None, num_splits=None, key_float32=None,
+                                shared_limit=227 * 1024, sms=1)
         assert isinstance(reason, str) == refused, (batch, capacity, reason)
         assert idx.stride(0) == 16 * capacity * 32 and (idx.stride(0) > dc.INT32_MAX) == refused
         if refused:
             assert "stride beyond 2**31 - 1" in reason
-    assert dc.plan_launch(None, q, fk, fk, coded, None, None, None, None, None, 227 * 1024, 1).startswith(
+    assert dc.plan_launch(None, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=None, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=1).startswith(
         "the site has no lane tables")
 
 
@@ -116,7 +116,7 @@ def test_the_launch_runs_on_the_query_device_and_its_stream(monkeypatch):
 
     tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
     lanes = dc.site_lanes(tables, 1, 16)
-    inputs = da.kernel_inputs(q, tables, coded, fpos, mask, da.RopeTable(64, 1e4), 64)
+    inputs = da.kernel_inputs(q, tables, coded, fp_positions=fpos, fp_mask=mask, rope=da.RopeTable(64, 1e4), rows=64)
     entered, launches = [], []
 
     @contextlib.contextmanager
@@ -136,11 +136,11 @@ def test_the_launch_runs_on_the_query_device_and_its_stream(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d: ("stream of", d))
     monkeypatch.setattr(dc, "_compiled", lambda defines, shared, index: kernel)
-    monkeypatch.setattr(dc, "launch", lambda *args: dc.plan_launch(*args, 227 * 1024, 4))  # CPU q: no CUDA check
-    dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv)
+    monkeypatch.setattr(dc, "launch", lambda *args, **kwargs: dc.plan_launch(*args, **kwargs, shared_limit=227 * 1024, sms=4))  # CPU q: no CUDA check
+    dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv)
     assert launches == [([q.device], ("stream of", q.device))] and entered[-1] == "left"
     with pytest.raises(dc.LaunchError, match="invalid resource handle"):
-        dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv)
+        dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv)
 
 
 def test_rows_per_pass_divide_the_warps_and_never_exceed_the_batch():
@@ -156,14 +156,14 @@ def test_launch_plan_at_ouro_shapes():
     split would give a warp less than one step's tokens (warps per row = warps / rows); shared memory holds a
     query per row of the pass."""
     kc, vc = make_codecs("loopvq", 16, 128, 256, 16, 4)
-    lanes = dl.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 16)
+    lanes = dl.lane_tables(da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16), 16)
     fk = torch.empty(8, 76, 16, 128, dtype=torch.bfloat16, device="meta")
     for batch, n, rows, splits in ((8, 32768, 8, 8), (8, 100, 8, 2), (8, 200, 8, 4), (1, 100, 1, 1), (3, 100, 2, 1),
                                    (32, 500, 8, 8)):
         idx = torch.empty(batch, 16, n, 32, dtype=torch.uint8, device="meta").transpose(1, 2)
         coded = SimpleNamespace(key_indices=idx, value_indices=idx, key_sigma=None, count=n)
         q = torch.empty(batch, 16, 128, dtype=torch.bfloat16, device="meta")
-        plan = dc.plan_launch(lanes, q, fk[:batch], fk[:batch], coded, None, None, None, None, None, 227 * 1024, 132)
+        plan = dc.plan_launch(lanes, q, fk[:batch], fp_values=fk[:batch], coded=coded, warps=None, tokens=None, rows=None, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=132)
         assert (plan.warps, plan.tokens, plan.rows, plan.splits) == (16, 16, rows, splits), (batch, n, plan)
         assert plan.split_len == -(-n // splits) and not plan.key_float32
         # fp16 tables (2 x 64 KiB), 16 warps x 2 buffers x 32 tokens x 64 index bytes, queries, weights, channel maps
@@ -176,7 +176,7 @@ def test_default_rows_give_way_to_a_float32_key_table():
     shared memory, not 4 or 8, so the default tokens drop to 8 and the rows per pass to 2; rows asked for are
     kept and the table stays fp16, at 16 tokens (8 do not make it fit either)."""
     kc, vc = make_codecs("tasq+loopvq", 16, 128, 256, 16, 4)
-    lanes = dl.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 16)
+    lanes = dl.lane_tables(da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16), 16)
     assert lanes.run_key == 1
     fk = torch.empty(8, 76, 16, 128, dtype=torch.bfloat16, device="meta")
     idx = torch.empty(8, 16, 32768, 32, dtype=torch.uint8, device="meta").transpose(1, 2)
@@ -184,20 +184,20 @@ def test_default_rows_give_way_to_a_float32_key_table():
                             key_sigma=torch.empty(8, 32768, 4, dtype=torch.float16, device="meta"))
     q = torch.empty(8, 16, 128, dtype=torch.bfloat16, device="meta")
     tables = 128 * 256 * 4 + 128 * 256 * 2
-    assert dc.launch_shared(lanes, coded, 16, 1, 16, torch.float32) == tables + 16 * 2 * 32 * 64 + 512 + 2048 + 1024
-    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, None, None, None, 227 * 1024, 132)
+    assert dc.launch_shared(lanes, coded, 16, query_groups=1, tokens=16, key_dtype=torch.float32) == tables + 16 * 2 * 32 * 64 + 512 + 2048 + 1024
+    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=None, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=132)
     assert (plan.tokens, plan.rows, plan.key_float32) == (8, 2, True)
     assert plan.shared == tables + 16 * 2 * 16 * 64 + 2 * 128 * 4 + 16 * 16 * 4 + 2 * 128 * 4 <= 227 * 1024
-    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, 8, None, None, 227 * 1024, 132)
+    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=8, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=132)
     assert (plan.tokens, plan.rows, plan.key_float32) == (16, 8, False)
-    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, 16, None, None, None, 227 * 1024, 132)
+    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=16, rows=None, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=132)
     assert (plan.tokens, plan.rows, plan.key_float32) == (16, 8, False)  # 16 tokens asked for: no fp32 table
 
 
 def ouro_like_call(method: str, kv_heads: int, q_heads: int, batch: int, n: int = 32000):
     """Lane tables (16 lanes, fp16) and meta tensors of a call at Ouro's D 128, K 256, 32 index bytes per token."""
     kc, vc = make_codecs(method, kv_heads, 128, 256, 16, 4)
-    lanes = dl.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 16)
+    lanes = dl.lane_tables(da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16), 16)
     fk = torch.empty(batch, 76, kv_heads, 128, dtype=torch.bfloat16, device="meta")
     idx = torch.empty(batch, kv_heads, n + 768, 32, dtype=torch.uint8, device="meta").transpose(1, 2)
     sigma = torch.empty(batch, n + 768, 4, dtype=torch.float16, device="meta") if method.startswith("tasq") else None
@@ -215,10 +215,10 @@ def test_default_rows_are_lowered_until_a_gqa_call_fits():
     def need(rows):  # fp16 tables, merge area (larger than the stages), queries, weights, channel maps
         return 2 * 128 * 256 * 2 + 8 * 16 * 130 * 4 + rows * 16 * 128 * 4 + 8 * 16 * 8 * 4 + 2 * 128 * 4
     assert need(8) == 268288 and need(4) > limit >= need(2)
-    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, None, None, None, limit, 132)
+    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=None, num_splits=None, key_float32=None, shared_limit=limit, sms=132)
     assert (plan.warps, plan.tokens, plan.rows, plan.key_float32, plan.shared) == (8, 4, 2, False, need(2))
     assert plan.splits == 132 // 4
-    assert isinstance(dc.plan_launch(lanes, q, fk, fk, coded, None, None, 4, None, None, limit, 132), str)
+    assert isinstance(dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=4, num_splits=None, key_float32=None, shared_limit=limit, sms=132), str)
 
 
 def test_rows_are_kept_when_a_float32_key_table_fits_at_no_rows():
@@ -231,7 +231,7 @@ def test_rows_are_kept_when_a_float32_key_table_fits_at_no_rows():
     def need(key_bytes, rows):  # tables, merge area, queries, weights, channel maps
         return 128 * 256 * (key_bytes + 2) + 8 * 8 * 130 * 4 + rows * 8 * 128 * 4 + 8 * 8 * 8 * 4 + 2 * 128 * 4
     assert need(4, 1) == 237056 > limit >= need(2, 8)
-    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, None, None, None, limit, 132)
+    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=None, num_splits=None, key_float32=None, shared_limit=limit, sms=132)
     assert (plan.rows, plan.key_float32, plan.shared) == (8, False, need(2, 8))
 
 
@@ -242,22 +242,22 @@ def test_a_float32_key_table_asked_for_is_refused_where_it_does_not_fit():
     lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
     limit = 227 * 1024
     need = 128 * 256 * (4 + 2) + 16 * 2 * 16 * 64 + 2 * 128 * 4 + 16 * 16 * 4 + 2 * 128 * 4  # at 2 rows
-    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, 2, None, True, limit, 132)
+    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=2, num_splits=None, key_float32=True, shared_limit=limit, sms=132)
     assert (plan.tokens, plan.rows, plan.key_float32, plan.shared) == (8, 2, True, need) and need == limit
-    reason = dc.plan_launch(lanes, q, fk, fk, coded, None, None, 8, None, True, limit, 132)
+    reason = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=8, num_splits=None, key_float32=True, shared_limit=limit, sms=132)
     at16 = need + 6 * 128 * 4 + 16 * 2 * 16 * 64 + 16 * 16 * 4  # 8 rows, 16 tokens: more stages and weights
     assert reason == f"a float32 key table needs {at16} bytes of shared memory, {limit} available"
-    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, None, None, True, limit, 132)
+    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=None, num_splits=None, key_float32=True, shared_limit=limit, sms=132)
     assert (plan.tokens, plan.rows, plan.key_float32) == (8, 2, True)  # default tokens and rows give way
 
 
 def test_zero_rows_warps_or_tokens_are_refused_not_taken_for_the_default():
     lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
     with pytest.raises(ValueError, match="rows per pass must be at least 1, got 0"):
-        dc.plan_launch(lanes, q, fk, fk, coded, None, None, 0, None, None, 227 * 1024, 132)
+        dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=0, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=132)
     for warps, tokens in ((0, None), (None, 0)):
         with pytest.raises(ValueError, match="tokens_per_iteration must be"):
-            dc.plan_launch(lanes, q, fk, fk, coded, warps, tokens, None, None, None, 227 * 1024, 132)
+            dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=warps, tokens=tokens, rows=None, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=132)
 
 
 def test_a_given_plan_is_launched_as_is(monkeypatch):
@@ -265,7 +265,7 @@ def test_a_given_plan_is_launched_as_is(monkeypatch):
     no device query, the plan's grid, block, shared memory and rows per pass."""
     tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
     lanes = dc.site_lanes(tables, 1, 16)
-    inputs = da.kernel_inputs(q, tables, coded, fpos, mask, da.RopeTable(64, 1e4), 64)
+    inputs = da.kernel_inputs(q, tables, coded, fp_positions=fpos, fp_mask=mask, rope=da.RopeTable(64, 1e4), rows=64)
     launches = []
 
     def no_query(device):
@@ -277,7 +277,7 @@ def test_a_given_plan_is_launched_as_is(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(dc, "_compiled", lambda defines, shared, index: lambda **kw: launches.append((defines, kw)))
     plan = dc.LaunchPlan(warps=4, tokens=2, rows=2, splits=3, split_len=7, key_float32=False, shared=12345)
-    out = dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv, plan=plan)
+    out = dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv, plan=plan)
     (defines, kw), = launches
     assert kw["grid"] == (tables.value.shape[0], 3, 1) and kw["block"] == (128, 1, 1) and kw["shared_mem"] == 12345
     acc, ml, counters, written = kw["args"][17:21]
@@ -292,19 +292,19 @@ def test_a_hand_made_plan_is_checked_and_no_plan_goes_through_launch(monkeypatch
     build) raise LaunchError."""
     tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
     lanes = dc.site_lanes(tables, 1, 16)
-    inputs = da.kernel_inputs(q, tables, coded, fpos, mask, da.RopeTable(64, 1e4), 64)
+    inputs = da.kernel_inputs(q, tables, coded, fp_positions=fpos, fp_mask=mask, rope=da.RopeTable(64, 1e4), rows=64)
     monkeypatch.setattr(dc, "_compiled", lambda *args: pytest.fail("built despite a bad plan"))
     plan = dc.LaunchPlan(warps=16, tokens=8, rows=3, splits=2, split_len=11, key_float32=False, shared=0)
     with pytest.raises(ValueError, match=r"rows per pass \(3\) must divide its warps \(16\)"):
-        dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv, plan=plan)
+        dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv, plan=plan)
     plan = dc.LaunchPlan(warps=16, tokens=8, rows=4, splits=2, split_len=11, key_float32=False, shared=0)
     with pytest.raises(ValueError, match="a launch plan and warps, rows_per_pass given"):
-        dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv, warps=8, rows_per_pass=2, plan=plan)
+        dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv, warps=8, rows_per_pass=2, plan=plan)
     with pytest.raises(dc.LaunchError, match="refuses this call: device cpu is not CUDA"):
-        dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv)
+        dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv)
     monkeypatch.setattr(dc, "BUILD_FAILED", [dc.BuildError("broken before")])
     with pytest.raises(dc.LaunchError, match="an earlier build failed: broken before"):
-        dc.decode_attention_cuda(inputs, tables, lanes, coded, fk, fv)
+        dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv)
 
 
 @pytest.mark.skipif(shutil.which("cpp") is None, reason="needs a C preprocessor")
@@ -326,28 +326,28 @@ def test_the_kernel_source_refuses_rows_that_do_not_divide_the_warps(tmp_path):
 def test_cpu_tensors_never_take_the_cuda_kernel():
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
-    lanes = dl.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16))
-    assert dc.launch(lanes, q, fk, fv, coded, 8) == "device cpu is not CUDA"
-    tables = da.step_tables(kc, vc, 0, "half", "cpu", torch.float16)
+    lanes = dl.lane_tables(da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16))
+    assert dc.launch(lanes, q, fk, fp_values=fv, coded=coded, warps=8) == "device cpu is not CUDA"
+    tables = da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="CUDA decode kernel does not take this call"):
-        da.decode_attention(q, tables, coded, fk, fv, fpos, None, da.RopeTable(64, 1e4), backend="cuda")
+        da.decode_attention(q, tables, coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=None, rope=da.RopeTable(64, 1e4), backend="cuda")
     with pytest.raises(ValueError, match="backend 'fast'"):
-        da.decode_attention(q, tables, coded, fk, fv, fpos, None, da.RopeTable(64, 1e4), backend="fast")
+        da.decode_attention(q, tables, coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=None, rope=da.RopeTable(64, 1e4), backend="fast")
 
 
 def test_default_tokens_per_step_follow_the_lanes():
     """16 tokens per lane group and step by default (one query head per KV head), at most the lanes per token (8
     at 8 lanes); GQA keeps 4; more tokens than lanes are refused."""
     lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
-    plan = dc.plan_launch(lanes, q, fk, fk, coded, None, None, None, None, None, 227 * 1024, 132)
+    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=None, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=132)
     assert (plan.warps, plan.tokens, plan.rows) == (16, 16, 8)
     kc, vc = make_codecs("loopvq", 16, 128, 256, 16, 4)
-    lanes8 = dl.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float16), 8)
-    assert dc.plan_launch(lanes8, q, fk, fk, coded, None, None, None, None, None, 227 * 1024, 132).tokens == 8
+    lanes8 = dl.lane_tables(da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16), 8)
+    assert dc.plan_launch(lanes8, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=None, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=132).tokens == 8
     with pytest.raises(ValueError, match=r"up to the lanes per token \(8\).*got 16"):
-        dc.plan_launch(lanes8, q, fk, fk, coded, None, 16, None, None, None, 227 * 1024, 132)
+        dc.plan_launch(lanes8, q, fk, fp_values=fk, coded=coded, warps=None, tokens=16, rows=None, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=132)
     lanes, q, fk, coded = ouro_like_call("loopvq", 4, 16, 8)
-    assert dc.plan_launch(lanes, q, fk, fk, coded, None, None, None, None, None, 227 * 1024, 132).tokens == 4
+    assert dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=None, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=132).tokens == 4
 
 
 def test_split_counters_grow_and_keep_earlier_buffers(monkeypatch):

@@ -21,9 +21,9 @@ def test_lane_tables_give_the_reference_attention(method, style, q_heads, lanes)
     kc, vc = make_codecs(method, 2, 64, 16, 8, 4, seed=4)
     coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, 2, q_heads, 23, 6, seed=4, pad=2)
     for step in range(kc.layout.steps):
-        tables = da.step_tables(kc, vc, step, style, "cpu", torch.float32)
+        tables = da.step_tables(kc, vc, step, rope_style=style, device="cpu", dtype=torch.float32)
         got = emulate(q, tables, coded, fk, fv, fpos, mask, 1e4, lanes)
-        ref = da.decode_attention_reference(q, kc, vc, step, coded, fk, fv, fpos, mask, style, 1e4)
+        ref = da.decode_attention_reference(q, kc, vc, step=step, coded=coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=mask, rope_style=style, rope_theta=1e4)
         assert ((got - ref).norm() / ref.norm()).item() < 1e-6, (method, style, step)  # float32 tables and angles
 
 
@@ -37,7 +37,7 @@ def test_run_lengths_of_known_layouts():
             (16, 4, "half", 4, False, 4), (8, 4, "half", 2, False, 2), (4, 4, "half", 1, False, 1),
             (32, 4, "half", 4, False, 8), (16, 4, "interleaved", 4, True, 4), (32, 4, "interleaved", 8, False, 8)):
         kc, vc = make_codecs("loopvq", 2, 128, 16, g, steps)
-        tables = da.step_tables(kc, vc, 1, style, "cpu", torch.float32)
+        tables = da.step_tables(kc, vc, 1, rope_style=style, device="cpu", dtype=torch.float32)
         lanes = dl.lane_tables(tables, 16)
         assert (lanes.run_key, lanes.key_mixed, lanes.run_value) == (run_key, mixed, run_value), (g, style)
         assert lanes.key.shape == (2, 8 // run_key, 16, 16, run_key)
@@ -56,14 +56,14 @@ def test_index_bytes_read_together_at_ouro_shapes():
     """With 8 lanes per token a loop-axis lane reads codes 2m, 2m+1 (first channels) and 2m+16, 2m+17 (second
     channels) of the keys: two 16-bit loads; values 4m .. 4m+3: one 32-bit load. TaSQ's permuted keys: bytes."""
     kc, vc = make_codecs("loopvq", 2, 128, 16, 16, 4)
-    lanes = dl.lane_tables(da.step_tables(kc, vc, 1, "half", "cpu", torch.float16), 8)
+    lanes = dl.lane_tables(da.step_tables(kc, vc, 1, rope_style="half", device="cpu", dtype=torch.float16), 8)
     assert (lanes.run_key, lanes.key_group, lanes.run_value, lanes.value_group) == (4, 2, 4, 4)
     assert lanes.key_column[0, 3].tolist() == [6, 7, 22, 23] and lanes.value_column[0, 3].tolist() == [12, 13, 14, 15]
     kc, vc = make_codecs("tasq+loopvq", 2, 128, 16, 16, 4)
-    lanes = dl.lane_tables(da.step_tables(kc, vc, 1, "half", "cpu", torch.float16), 8)
+    lanes = dl.lane_tables(da.step_tables(kc, vc, 1, rope_style="half", device="cpu", dtype=torch.float16), 8)
     assert (lanes.run_key, lanes.key_group, lanes.value_group) == (1, 1, 4)
 
 
 def test_head_dims_that_are_no_multiple_of_32_are_left_to_triton():
     kc, vc = make_codecs("loopvq", 2, 24, 16, 8, 4)
-    assert dl.lane_tables(da.step_tables(kc, vc, 0, "half", "cpu", torch.float32)) is None
+    assert dl.lane_tables(da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float32)) is None

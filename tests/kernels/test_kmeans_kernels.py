@@ -63,8 +63,8 @@ def test_fused_kmeans_pp_makes_the_torch_draws():
     w = torch.rand(3, n, generator=gen(4))
     w[0, : kmeans_triton.DRAW_BLOCK] = 0.0  # the whole first block has no mass
     w[1, -50:] = 0.0
-    fused = kmeans_pp_init(x.to(DEVICE), w.to(DEVICE), 24, gen(5), fused=True).cpu()
-    assert torch.equal(fused, kmeans_pp_init(x, w, 24, gen(5)))
+    fused = kmeans_pp_init(x.to(DEVICE), w.to(DEVICE), 24, generator=gen(5), fused=True).cpu()
+    assert torch.equal(fused, kmeans_pp_init(x, w, 24, generator=gen(5)))
     assert not (fused[0, :, None] == x[0, None, : kmeans_triton.DRAW_BLOCK]).all(-1).any()
 
 
@@ -146,14 +146,14 @@ def test_fused_draws_equal_the_torch_draws_far_from_the_origin():
     x = torch.randn(2, 700, 16, generator=gen(8)) * 0.5 + 20.0
     x[1, 100:200] = x[1, :100]  # duplicates: zero distances
     w = torch.rand(2, 700, generator=gen(9))
-    fused = kmeans_pp_init(x.to(DEVICE), w.to(DEVICE), 64, gen(10), fused=True).cpu()
-    assert torch.equal(fused, kmeans_pp_init(x, w, 64, gen(10)))
+    fused = kmeans_pp_init(x.to(DEVICE), w.to(DEVICE), 64, generator=gen(10), fused=True).cpu()
+    assert torch.equal(fused, kmeans_pp_init(x, w, 64, generator=gen(10)))
 
 
 @needs_kernels
 def test_the_kernels_work_here():
     kmeans_triton.works.cache_clear()
-    assert kmeans_triton.works(str(DEVICE)) and kmeans_triton.works(str(DEVICE), 16, 4, 1040)  # the run's points per problem
+    assert kmeans_triton.works(str(DEVICE)) and kmeans_triton.works(str(DEVICE), 16, 4, n=1040)  # the run's points per problem
 
 
 @pytest.mark.parametrize("n, k, points", [
@@ -218,12 +218,12 @@ def test_the_probe_launches_on_a_few_points_every_kernel_variant_the_stage_launc
     k, g = 16, 8
     sink = _record(monkeypatch)
     probe = sink["into"]
-    assert kmeans_triton._probe(str(DEVICE), k, g, n)
+    assert kmeans_triton._probe(str(DEVICE), k, g, n=n)
     stage = sink["into"] = set()
     x = torch.randn(3, n, g, generator=gen(11)).to(DEVICE)
     w = torch.rand(3, n, generator=gen(12)).to(DEVICE)
-    init = kmeans_pp_init(x, w, k, gen(13), fused=True)
-    weighted_kmeans(x, w, init, KMeansConfig(iterations=3, tolerance=0.0), "triton", DEVICE)
+    init = kmeans_pp_init(x, w, k, generator=gen(13), fused=True)
+    weighted_kmeans(x, w, init, cfg=KMeansConfig(iterations=3, tolerance=0.0), backend="triton", device=DEVICE)
     probe_variants = {v for v in probe if v[0] != "n"}
     assert {v[1] for v in probe if v[0] == "n"} == {kmeans_triton.probe_points(n, k)}
     assert {v[1] for v in stage if v[0] == "n"} == {n}
@@ -260,8 +260,8 @@ def test_the_probe_gives_its_gpu_memory_back(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     kmeans_triton.works.cache_clear()
     try:
-        assert kmeans_triton.works("cpu", 16, 16, 100) and emptied == []
-        assert kmeans_triton.works("cuda:0", 16, 16, 100) and emptied == [True]
+        assert kmeans_triton.works("cpu", 16, 16, n=100) and emptied == []
+        assert kmeans_triton.works("cuda:0", 16, 16, n=100) and emptied == [True]
     finally:
         kmeans_triton.works.cache_clear()
 
@@ -270,7 +270,7 @@ def test_kernel_probe_failure_is_logged_and_cached(monkeypatch, caplog):
     """works() runs the kernels once per device; a failure (here a missing compiler) is a warning, not an error."""
     calls = []
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         calls.append(1)
         raise RuntimeError("Failed to find C compiler")
 

@@ -39,7 +39,7 @@ for case in cases:
     (want * weight).sum().backward()
     to_groups, to_block = (t.to(device) for t in codec.permutation(h, d, torch.device("cpu")))
     book = codec.codebook.detach().to(device).requires_grad_(True)
-    got = lookup_triton.decode_block(codes.indices.to(device), book, to_block, to_groups, steps, d)
+    got = lookup_triton.decode_block(codes.indices.to(device), book, to_block, to_groups=to_groups, steps=steps, head_dim=d)
     (got * weight.to(device)).sum().backward()
     grad = book.grad.cpu()
     out[str(case)] = {"values": torch.equal(got.detach().cpu(), want.detach()), "shape": list(got.shape),

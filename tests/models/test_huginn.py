@@ -172,7 +172,7 @@ def test_like_init_kl_of_an_identity_quantizer_is_exactly_zero_and_reproducible(
     ids = torch.randint(0, 4096, (1, 16))
     exact = sampled_quantizer(model, ids, "loopvq", codebook_size=16)
     lossy = sampled_quantizer(model, ids, "loopvq", codebook_size=4)
-    assert sequence_kl(model, ids, exact, 2, FinetuneConfig(), torch.device("cpu")).item() == 0.0
+    assert sequence_kl(model, ids, exact, sink_tokens=2, cfg=FinetuneConfig(), device=torch.device("cpu")).item() == 0.0
     first = evaluate_quantizers(model, ids, [(exact, 2), (lossy, 2)], per_step=False)
     again = evaluate_quantizers(model, ids, [(exact, 2), (lossy, 2)], per_step=False)
     assert first[0]["eval_kl"] == 0.0 and first[0]["nmse"] == {"key": 0.0, "value": 0.0}
@@ -188,7 +188,7 @@ def test_capture_uses_the_teachers_initial_state():
 
     model = make_tiny_huginn(state_init="like-init")
     ids = torch.randint(0, 4096, (2, 12))
-    stored = capture_sequence(model, ids, model.kv_layout(), [0, 1])
+    stored = capture_sequence(model, ids, model.kv_layout(), seqs=[0, 1])
     fp = teacher(model, ids[1:])
     for site in fp.keys:
         torch.testing.assert_close(stored[1][f"key.{site}"], fp.keys[site][0], rtol=0, atol=0)

@@ -191,7 +191,7 @@ def test_rope_tables_are_computed_once_per_forward(monkeypatch):
 
     def per_site_rope(self, x, positions):  # the uncached rule, at every site
         cos, sin = real(positions, x.shape[-1], self.rope_theta)
-        return common.apply_rope(x, cos, sin, self.rope_style)
+        return common.apply_rope(x, cos, sin, style=self.rope_style)
 
     monkeypatch.setattr(common.ForwardContext, "rope", per_site_rope)
     assert torch.equal(model(ids, use_cache=False).logits, logits)

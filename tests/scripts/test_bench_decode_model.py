@@ -104,8 +104,8 @@ class DoubledValues(QuantizedLoopKVCache):
     """A served cache that is wrong by a known amount: its values doubled, so its attention output is exactly twice
     the reference's (relative error 1)."""
 
-    def update(self, *args):
-        k, v = super().update(*args)
+    def update(self, *args, **kwargs):
+        k, v = super().update(*args, **kwargs)
         return k, 2 * v
 
 

@@ -37,7 +37,7 @@ def test_scaled_down_checkpoint_loads_strictly(tmp_path, name):
     out = mrc.write_checkpoint(name, tmp_path / name, scale_down=11)
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
-    model, tokenizer = load_model(out, "bfloat16", torch.device("cpu"), None)  # strict: any tensor mismatch raises
+    model, tokenizer = load_model(out, "bfloat16", torch.device("cpu"), loop_steps=None)  # strict: any tensor mismatch raises
     real = mrc.model_config(name)
     assert model.kv_layout().loop_steps == {"ouro-1.4b": 4, "huginn-3.5b": 32}[name]
     assert model.config.vocab_size == real.vocab_size and len(tokenizer) <= real.vocab_size
@@ -54,8 +54,8 @@ def test_a_model_loaded_onto_the_gpu_has_the_tensors_and_outputs_of_one_moved_th
     """load_model reads the weights straight onto the device: the same parameters and buffers, and the same
     logits, as loading on the CPU and moving the model."""
     out = mrc.write_checkpoint("ouro-1.4b", tmp_path / "ouro", scale_down=11)
-    model, _ = load_model(out, "bfloat16", torch.device("cuda"), None)
-    moved, _ = load_model(out, "bfloat16", torch.device("cpu"), None)
+    model, _ = load_model(out, "bfloat16", torch.device("cuda"), loop_steps=None)
+    moved, _ = load_model(out, "bfloat16", torch.device("cpu"), loop_steps=None)
     moved = moved.to("cuda")
     ours = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     theirs = {**dict(moved.named_parameters()), **dict(moved.named_buffers())}

@@ -189,16 +189,16 @@ def test_positions_grow_in_place_and_survive_a_reorder():
     q = sampled_quantizer(model, prompt, "loopvq", codebook_size=16, group_size=8, steps_per_block=4)
     cache = QuantizedLoopKVCache(q, sink_tokens=4, recent_window=8)
     k = torch.zeros(2, 1, q.kv.kv_heads, q.kv.head_dim)
-    cache._append(0, k.expand(-1, 3, -1, -1), k.expand(-1, 3, -1, -1), torch.arange(1, 4).repeat(2, 1))
+    cache._append(0, k.expand(-1, 3, -1, -1), k.expand(-1, 3, -1, -1), positions=torch.arange(1, 4).repeat(2, 1))
     storages = set()
     for t in range(4, 300):
-        cache._append(0, k, k, torch.tensor([[t], [t + 1000]]))
+        cache._append(0, k, k, positions=torch.tensor([[t], [t + 1000]]))
         storages.add(cache.positions[0].data_ptr())
     expect = torch.stack([torch.arange(1, 300), torch.cat([torch.arange(1, 4), torch.arange(1004, 1300)])])
     assert torch.equal(cache.positions[0], expect)
     assert len(storages) <= 4  # 64 -> 128 -> 256 -> 512 columns
     cache.reorder_cache(torch.tensor([1, 0]))
-    cache._append(0, k, k, torch.tensor([[7], [8]]))
+    cache._append(0, k, k, positions=torch.tensor([[7], [8]]))
     assert torch.equal(cache.positions[0], torch.cat([expect.flip(0), torch.tensor([[7], [8]])], 1))
 
 
@@ -218,8 +218,8 @@ def test_prefill_rotates_by_the_forward_positions_object():
         return x
 
     prefill = torch.arange(5).repeat(2, 1)
-    cache.update(0, k, k, prefill, rope)
-    cache.update(0, k[:, :1], k[:, :1], torch.tensor([[5], [5]]), rope)
+    cache.update(0, k, k, positions=prefill, rope=rope)
+    cache.update(0, k[:, :1], k[:, :1], positions=torch.tensor([[5], [5]]), rope=rope)
     assert seen[0] is prefill
     assert torch.equal(seen[1], torch.arange(6).repeat(2, 1))
 

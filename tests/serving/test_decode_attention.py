@@ -116,11 +116,11 @@ def test_tables_switch_to_float32_where_packed_half_sums_could_overflow():
         kc, vc = make_codecs("loopvq", 2, 32, 16, 8, 4)
         for codec, largest in ((kc, key_max), (vc, value_max)):
             codec.codebook.data *= largest / da.channel_table(codec, 1)[0].abs().max()  # the step's largest
-        tables = da.step_tables(kc, vc, 1, "half", "cpu", torch.float16)
+        tables = da.step_tables(kc, vc, 1, rope_style="half", device="cpu", dtype=torch.float16)
         assert (tables.key_a.dtype, tables.key_b.dtype, tables.value.dtype) == (key_dtype, key_dtype, value_dtype)
-        assert torch.allclose(tables.value.float(), da.step_tables(kc, vc, 1, "half", "cpu", torch.float32).value,
+        assert torch.allclose(tables.value.float(), da.step_tables(kc, vc, 1, rope_style="half", device="cpu", dtype=torch.float32).value,
                               rtol=1e-3)
-        assert da.step_tables(kc, vc, 1, "half", "cpu", torch.float32).key_a.dtype == torch.float32
+        assert da.step_tables(kc, vc, 1, rope_style="half", device="cpu", dtype=torch.float32).key_a.dtype == torch.float32
     assert value_limit > 4000 and 200 < key_limit < 300  # 65504 / 16 and 65504 / 256
 
 
@@ -129,30 +129,30 @@ def test_step_tables_refuse_a_layout_that_misses_channels():
     kc.layout.groups = kc.layout.groups.clone()
     kc.layout.groups[0, 0, 0] = kc.layout.groups[0, 0, 1]  # one coordinate twice, another never
     with pytest.raises(ValueError, match="does not cover the 16 channels exactly once"):
-        da.step_tables(kc, vc, 0, "half", "cpu")
+        da.step_tables(kc, vc, 0, rope_style="half", device="cpu")
 
 
 def test_plan_splits_covers_every_token_in_whole_tiles():
     for n in (0, 1, 15, 16, 1000, 32768):
         for heads in (1, 16, 256):
-            splits, per = da.plan_splits(n, heads, 16, 132)
+            splits, per = da.plan_splits(n, heads, 16, programs=132)
             assert per % 16 == 0 and splits >= 1
             assert (splits - 1) * per < max(n, 1) <= splits * per or n == 0
             assert splits * heads <= max(132, heads)
-    assert da.plan_splits(32768, 16, 16, 132) == (8, 4096)  # 16 heads x 8 splits on 132 multiprocessors
+    assert da.plan_splits(32768, 16, 16, programs=132) == (8, 4096)  # 16 heads x 8 splits on 132 multiprocessors
 
 
 @needs_kernels
 def test_bad_shapes_are_refused():
     kc, vc = make_codecs("tasq", 2, 16, 16, 8, 1)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 3, 4, 2, 0)
-    tables = da.step_tables(kc, vc, 0, "half", DEVICE)
+    tables = da.step_tables(kc, vc, 0, rope_style="half", device=DEVICE)
     with pytest.raises(ValueError, match="multiple of KV heads"):
-        da.decode_attention(q.to(DEVICE), tables, coded, fk, fv, fpos, None, da.RopeTable(16, 1e4))
+        da.decode_attention(q.to(DEVICE), tables, coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=None, rope=da.RopeTable(16, 1e4))
     coded.key_sigma = None
     with pytest.raises(ValueError, match="key_sigma"):
-        da.decode_attention(q[:, :2].to(DEVICE), tables, coded, fk.to(DEVICE), fv.to(DEVICE), fpos.to(DEVICE),
-                            None, da.RopeTable(16, 1e4))
+        da.decode_attention(q[:, :2].to(DEVICE), tables, coded, fp_keys=fk.to(DEVICE), fp_values=fv.to(DEVICE), fp_positions=fpos.to(DEVICE),
+                            fp_mask=None, rope=da.RopeTable(16, 1e4))
 
 
 @pytest.mark.gpu
@@ -181,12 +181,12 @@ def test_a_failed_launch_falls_back_to_triton_with_a_warning(monkeypatch):
 
     monkeypatch.setattr(da, "_on_cuda", lambda q: True)
     monkeypatch.setattr(da, "_WARNED", set())
-    monkeypatch.setattr(decode_cuda, "launch", lambda *args: decode_cuda.LaunchPlan(16, 8, 1, 2, 11, False, 0))
+    monkeypatch.setattr(decode_cuda, "launch", lambda *args, **kwargs: decode_cuda.LaunchPlan(16, 8, 1, 2, 11, False, 0))
     monkeypatch.setattr(decode_cuda, "decode_attention_cuda", failing_launch)
     with pytest.raises(decode_cuda.LaunchError, match="on purpose"):
-        da.decode_attention(q, tables, coded, fk, fv, fpos, mask, da.RopeTable(64, 1e4), backend="cuda")
+        da.decode_attention(q, tables, coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=mask, rope=da.RopeTable(64, 1e4), backend="cuda")
     with pytest.warns(UserWarning, match="CUDA decode kernel unavailable .*on purpose.*using the Triton kernel"):
-        out = da.decode_attention(q, tables, coded, fk, fv, fpos, mask, da.RopeTable(64, 1e4), num_splits=2)
+        out = da.decode_attention(q, tables, coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=mask, rope=da.RopeTable(64, 1e4), num_splits=2)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
     assert tables.lanes[16] is None and len(rows) == 2
     assert rows[0] >= decode_cuda.rope_rows(int(coded.first_position.max()) + coded.count, 16)
@@ -201,13 +201,13 @@ def test_a_refused_call_warns_once_per_reason(monkeypatch):
     tables, coded, q, fk, fv, fpos, mask, ref = dispatch_case()
     monkeypatch.setattr(da, "_on_cuda", lambda q: True)
     monkeypatch.setattr(da, "_WARNED", set())
-    monkeypatch.setattr(decode_cuda, "launch", lambda *args: "a stride beyond 2**31 - 1 elements")
+    monkeypatch.setattr(decode_cuda, "launch", lambda *args, **kwargs: "a stride beyond 2**31 - 1 elements")
     with pytest.warns(UserWarning, match=r"CUDA decode kernel skipped \(a stride beyond"):
-        out = da.decode_attention(q, tables, coded, fk, fv, fpos, mask, da.RopeTable(64, 1e4))
+        out = da.decode_attention(q, tables, coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=mask, rope=da.RopeTable(64, 1e4))
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        da.decode_attention(q, tables, coded, fk, fv, fpos, mask, da.RopeTable(64, 1e4))
+        da.decode_attention(q, tables, coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=mask, rope=da.RopeTable(64, 1e4))
 
 
 # -- attention-level golden vectors (tests/golden_attention) --------------------------------------------------
@@ -223,15 +223,15 @@ def test_kernel_reproduces_the_attention_golden_vectors(case):
     expected = load_file(str(GOLDEN / "expected.safetensors"))
     sigma = expected.get(f"{case}/key.{block}.sigma")
     idx = {kind: read_indices(gold, f"{case}/{kind}", bundle.meta["codebook_size"],
-                              expected[f"{case}/{kind}.{block}.indices"].shape[-1]).to(torch.uint8)
+                              count=expected[f"{case}/{kind}.{block}.indices"].shape[-1]).to(torch.uint8)
            for kind in ("key", "value")}
     coded = da.CodedTokens(idx["key"][None].to(DEVICE), idx["value"][None].to(DEVICE),
                            None if sigma is None else sigma[None].to(DEVICE), 16, gold[f"{case}/coded_positions"][:1])
     rope = da.RopeTable(kc.layout.head_dim, bundle.meta["rope"]["theta"])
     for m in range(kc.layout.steps):
-        tables = da.step_tables(kc, vc, m, bundle.meta["rope"]["style"], DEVICE, torch.float32)
+        tables = da.step_tables(kc, vc, m, rope_style=bundle.meta["rope"]["style"], device=DEVICE, dtype=torch.float32)
         out = da.decode_attention(gold[f"{case}/query"][m][None].to(DEVICE), tables, coded,
-                                  gold[f"{case}/fp_keys"][m][None].to(DEVICE), gold[f"{case}/fp_values"][m][None].to(DEVICE),
-                                  gold[f"{case}/fp_positions"][None].to(DEVICE), None, rope, block_n=8, num_splits=2)
+                                  fp_keys=gold[f"{case}/fp_keys"][m][None].to(DEVICE), fp_values=gold[f"{case}/fp_values"][m][None].to(DEVICE),
+                                  fp_positions=gold[f"{case}/fp_positions"][None].to(DEVICE), fp_mask=None, rope=rope, block_n=8, num_splits=2)
         ref = gold[f"{case}/output"][m]
         assert ((out[0].cpu() - ref).norm() / ref.norm()) < 1e-5

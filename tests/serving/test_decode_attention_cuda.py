@@ -43,11 +43,11 @@ def test_the_last_rows_padding_is_masked(monkeypatch):
     coded, q, fk, fv, fpos, mask = decode_cases.make_inputs(kc, vc, 3, 2, 23, 6, seed=5, pad=2)
     assert mask[:, :2].tolist() == [[False, False], [True, True], [False, False]] and mask[:, 2:].all()
     assert fpos[2, :3].tolist() == fpos[0, :3].tolist() == [0, 0, 0]  # sinks: pads at 0, then positions from 0
-    tables = da.step_tables(kc, vc, 1, "half", "cpu", torch.float32)
+    tables = da.step_tables(kc, vc, 1, rope_style="half", device="cpu", dtype=torch.float32)
     got = emulate(q, tables, coded, fk, fv, fpos, mask, 1e4, 16)
-    ref = da.decode_attention_reference(q, kc, vc, 1, coded, fk, fv, fpos, mask, "half", 1e4)
+    ref = da.decode_attention_reference(q, kc, vc, step=1, coded=coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=mask, rope_style="half", rope_theta=1e4)
     assert ((got - ref).norm() / ref.norm()).item() < 1e-6
-    unmasked = da.decode_attention_reference(q, kc, vc, 1, coded, fk, fv, fpos, None, "half", 1e4)
+    unmasked = da.decode_attention_reference(q, kc, vc, step=1, coded=coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=None, rope_style="half", rope_theta=1e4)
     changed = [not torch.allclose(ref[b], unmasked[b]) for b in range(3)]
     assert changed == [True, False, True]
 
@@ -105,7 +105,7 @@ def test_the_split_merge_in_the_kernel_survives_graph_replays():
     kc, vc = make_codecs("loopvq", 2, 128, 64, 16, 4, seed=8)
     coded, q, fk, fv, fpos, mask = decode_cases.make_inputs(kc, vc, 3, 2, 700, 9, seed=8, pad=2)
     dev = torch.device("cuda")
-    tables = da.step_tables(kc, vc, 1, "half", dev, torch.float32)
+    tables = da.step_tables(kc, vc, 1, rope_style="half", device=dev, dtype=torch.float32)
     store = decode_cases.head_major
     moved = da.CodedTokens(store(coded.key_indices).to(dev), store(coded.value_indices).to(dev), None, 700,
                            coded.first_position.to(dev))  # no host copy inside the capture
@@ -113,7 +113,7 @@ def test_the_split_merge_in_the_kernel_survives_graph_replays():
     rope = da.RopeTable(128, 10000.0)
 
     def call() -> torch.Tensor:
-        return da.decode_attention(qd, tables, moved, fkd, fvd, fposd, maskd, rope, max_position=2000, backend="cuda",
+        return da.decode_attention(qd, tables, moved, fp_keys=fkd, fp_values=fvd, fp_positions=fposd, fp_mask=maskd, rope=rope, max_position=2000, backend="cuda",
                                    num_splits=5, rows_per_pass=2)
 
     call()  # builds the kernel and the split counters outside the capture
@@ -125,7 +125,7 @@ def test_the_split_merge_in_the_kernel_survives_graph_replays():
         qd.copy_((q * (1 + i)).to(dev))
         graph.replay()
         torch.cuda.synchronize()
-        ref = da.decode_attention_reference(q * (1 + i), kc, vc, 1, coded, fk, fv, fpos, mask, "half", 10000.0)
+        ref = da.decode_attention_reference(q * (1 + i), kc, vc, step=1, coded=coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=mask, rope_style="half", rope_theta=10000.0)
         assert ((out.cpu().double() - ref).norm() / ref.norm()).item() < 1e-5, i
         assert int(dc.split_counters(dev, 6).count_nonzero()) == 0, i
 

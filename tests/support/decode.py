@@ -104,14 +104,15 @@ def check(method, style, heads, q_heads, n, s_fp, *, steps=4, d=16, k=16, g=8, s
         fv = (fv.float() * value_scale).to(dtype)
     rope = da.RopeTable(d, 10000.0)
     for step in range(kc.layout.steps):
-        tables = da.step_tables(kc, vc, step, style, DEVICE, table_dtype)
+        tables = da.step_tables(kc, vc, step, rope_style=style, device=DEVICE, dtype=table_dtype)
         dev = [t.to(DEVICE) if t is not None else None for t in (q, fk, fv, fpos, mask)]
         store = head_major if kernel.get("backend") == "cuda" else (lambda t: t)
         moved = da.CodedTokens(store(coded.key_indices).to(DEVICE), store(coded.value_indices).to(DEVICE),
                                coded.key_sigma.to(DEVICE) if coded.key_sigma is not None else None, n, coded.first_position)
-        out = da.decode_attention(dev[0], tables, moved, *dev[1:], rope, block_n=block_n, num_splits=splits,
+        fields = dict(zip(("fp_keys", "fp_values", "fp_positions", "fp_mask"), dev[1:]))
+        out = da.decode_attention(dev[0], tables, moved, **fields, rope=rope, block_n=block_n, num_splits=splits,
                                   batch_per_program=per_program, cache_hints=hints, **kernel)
-        ref = da.decode_attention_reference(q.float(), kc, vc, step, coded, fk, fv, fpos, mask, style, 10000.0)
+        ref = da.decode_attention_reference(q.float(), kc, vc, step=step, coded=coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=mask, rope_style=style, rope_theta=10000.0)
         assert out.dtype == dtype and out.shape == ref.shape and torch.isfinite(out).all()
         err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
         assert err < tol, (method, style, step, err)
@@ -123,8 +124,8 @@ def dispatch_case():
     coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, 2, 2, 21, 5, seed=1, pad=1)
     coded = da.CodedTokens(head_major(coded.key_indices.to(torch.uint8)),
                            head_major(coded.value_indices.to(torch.uint8)), None, coded.count, coded.first_position)
-    tables = da.step_tables(kc, vc, 2, "half", "cpu", torch.float32)
-    ref = da.decode_attention_reference(q, kc, vc, 2, coded, fk, fv, fpos, mask, "half", 1e4)
+    tables = da.step_tables(kc, vc, 2, rope_style="half", device="cpu", dtype=torch.float32)
+    ref = da.decode_attention_reference(q, kc, vc, step=2, coded=coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=mask, rope_style="half", rope_theta=1e4)
     return tables, coded, q, fk, fv, fpos, mask, ref
 
 

@@ -64,7 +64,7 @@ def _check_finite(tensors: dict[str, torch.Tensor], kv: KVLayout, seq: int) -> N
 
 
 def capture_sequence(
-    model: torch.nn.Module, ids: torch.Tensor, kv: KVLayout, seqs: list[int], dtype: torch.dtype = torch.float32,
+    model: torch.nn.Module, ids: torch.Tensor, kv: KVLayout, *, seqs: list[int], dtype: torch.dtype = torch.float32,
     fisher_channels: int = 1, on_device: bool = False, tasq_weights: dict[int, torch.Tensor] | None = None,
     query_stats: bool = True,
 ) -> tuple[dict[str, torch.Tensor], ...]:
@@ -135,7 +135,7 @@ def capture_kv(
     model: torch.nn.Module,
     calib: CalibrationSet,
     kv: KVLayout,
-    cfg: CaptureConfig,
+    *, cfg: CaptureConfig,
     out: Path | MemoryCapture,
     dist: DistContext = SINGLE,
     progress: Callable[[int], Any] | None = None,
@@ -168,8 +168,8 @@ def capture_kv(
     clock = DeviceClock(device)
     stats = weights = None
     if tasq_floor is not None:
-        stats = query_statistics(model, calib.input_ids, kv, mine, cfg.batch_size, dist)
-        weights = key_weights(stats, kv, calib.input_ids.shape[1], tasq_floor, device)
+        stats = query_statistics(model, calib.input_ids, kv, mine=mine, batch_size=cfg.batch_size, dist=dist)
+        weights = key_weights(stats, kv, calib.input_ids.shape[1], floor=tasq_floor, device=device)
     keep = device_sequences if device_sequences is not None else (len(mine) if cfg.store == "device" else 0)
     to_host = isinstance(out, MemoryCapture) and device.type == "cuda" and keep < len(todo)
     # several processes drop the tensors only others need (share_sequences): one slab per tensor frees them
@@ -183,8 +183,8 @@ def capture_kv(
         for start in range(0, len(todo), cfg.batch_size):
             batch = todo[start : start + cfg.batch_size]
             on_device = start + len(batch) <= keep
-            results = capture_sequence(model, calib.input_ids[batch].to(device), kv, batch, TORCH_DTYPES[cfg.dtype],
-                                       cfg.channels_per_fisher, on_device=on_device or copier is not None,
+            results = capture_sequence(model, calib.input_ids[batch].to(device), kv, seqs=batch, dtype=TORCH_DTYPES[cfg.dtype],
+                                       fisher_channels=cfg.channels_per_fisher, on_device=on_device or copier is not None,
                                        tasq_weights=weights, query_stats=query_stats)
             seconds["forward_backward"] += clock.lap()
             for seq, stored in zip(batch, results):
@@ -212,7 +212,7 @@ def capture_kv(
     return mine
 
 
-def capture_meta(calib: CalibrationSet, kv: KVLayout, cfg: CaptureConfig, memory: MemoryCapture | None = None,
+def capture_meta(calib: CalibrationSet, kv: KVLayout, cfg: CaptureConfig, *, memory: MemoryCapture | None = None,
                  tasq_keys: bool = False) -> dict[str, Any]:
     """What a reader needs to know about a capture (``meta.json``); also set as ``memory.meta``.
     ``tasq_keys``: the keys' Fisher was stored as TaSQ-weighted RoPE-pair sums (``capture_kv(tasq_floor=...)``)."""
@@ -232,10 +232,10 @@ def capture_meta(calib: CalibrationSet, kv: KVLayout, cfg: CaptureConfig, memory
     return meta
 
 
-def write_meta(out_dir: Path, calib: CalibrationSet, kv: KVLayout, cfg: CaptureConfig,
+def write_meta(out_dir: Path, calib: CalibrationSet, kv: KVLayout, *, cfg: CaptureConfig,
                memory: MemoryCapture | None = None, tasq_keys: bool = False) -> dict[str, Any]:
     """Describe the capture in ``out_dir/meta.json`` (called once all sequences exist)."""
-    meta = capture_meta(calib, kv, cfg, memory, tasq_keys)
+    meta = capture_meta(calib, kv, cfg, memory=memory, tasq_keys=tasq_keys)
     if memory is not None:
         have = set(memory.sequences)
     else:
@@ -247,7 +247,7 @@ def write_meta(out_dir: Path, calib: CalibrationSet, kv: KVLayout, cfg: CaptureC
     return meta
 
 
-def share_sequences(capture: MemoryCapture, needs: list[list[str]], dist: DistContext, num_sequences: int) -> None:
+def share_sequences(capture: MemoryCapture, needs: list[list[str]], dist: DistContext, *, num_sequences: int) -> None:
     """An in-memory capture across processes: after each process captured the sequences ``i % world ==
     rank``, process r receives the tensors ``needs[r]`` of every sequence it did not capture, by
     point-to-point transfers (NCCL between GPUs, host tensors staged through this process's GPU; gloo on
@@ -301,7 +301,7 @@ class CaptureData:
         return self.meta["num_sequences"]
 
     def load(
-        self, name: str, sites: tuple[int, ...], sequences: list[int] | None = None, include_sinks: bool = False,
+        self, name: str, sites: tuple[int, ...], sequences: list[int] | None = None, *, include_sinks: bool = False,
         device: torch.device | str | None = None, non_blocking: bool = False,
     ) -> torch.Tensor:
         """Tensor ``name`` (key | value | fisher_key | fisher_value) of ``sites`` -> [N, T, H, D] fp32 on ``device``.

@@ -25,7 +25,7 @@ from ...runtime.host_memory import COPY_DEPTH, host_available
 GB = 1e9
 
 
-def capture_bytes(kv: KVLayout, num_sequences: int, sequence_length: int, cfg: CaptureConfig,
+def capture_bytes(kv: KVLayout, num_sequences: int, sequence_length: int, *, cfg: CaptureConfig,
                   tasq_keys: bool = False) -> int:
     """Bytes of a whole capture: per sequence and site, keys and values [S, H, D] and their Fisher
     [S, H, D / fisher_channels] (TaSQ keys: [S, H, D / 2]) in ``capture.dtype``, the fp32 query statistic
@@ -36,7 +36,7 @@ def capture_bytes(kv: KVLayout, num_sequences: int, sequence_length: int, cfg: C
     return int(num_sequences * (kv.num_sites * per_site + sequence_length * 8))
 
 
-def capture_step_bytes(kv: KVLayout, hidden_size: int, sequence_length: int, batch_size: int) -> int:
+def capture_step_bytes(kv: KVLayout, hidden_size: int, sequence_length: int, *, batch_size: int) -> int:
     """Accelerator memory one capture step needs besides the weights and the stored capture: its forward's
     activations kept for the backward, the recorded keys and values and their probes' gradients: 64 bytes
     per site, token and hidden unit (measured on one H200, docs/performance.md: about 46 at Ouro-1.4B shapes;
@@ -61,7 +61,7 @@ class StoreChoice:
 
 
 def choose_store(
-    cfg: CaptureConfig, kv: KVLayout, num_sequences: int, sequence_length: int, device: torch.device,
+    cfg: CaptureConfig, kv: KVLayout, num_sequences: int, *, sequence_length: int, device: torch.device,
     model_bytes: int, step_bytes: int, capture_dir: Path, processes: int = 1, tasq_keys: bool = False,
 ) -> StoreChoice:
     """Resolve ``capture.store``. ``auto``: the first of device, memory, disk that holds the capture, or
@@ -70,8 +70,8 @@ def choose_store(
     :class:`HostCopier`'s ``COPY_DEPTH`` sequences in flight. A store that cannot hold it (auto: none)
     raises :class:`ConfigError` with the numbers. ``step_bytes``: the capture step's own accelerator memory
     (:func:`capture_step_bytes`)."""
-    total = capture_bytes(kv, num_sequences, sequence_length, cfg, tasq_keys)
-    per_sequence = capture_bytes(kv, 1, sequence_length, cfg, tasq_keys)
+    total = capture_bytes(kv, num_sequences, sequence_length, cfg=cfg, tasq_keys=tasq_keys)
+    per_sequence = capture_bytes(kv, 1, sequence_length, cfg=cfg, tasq_keys=tasq_keys)
     share = total // processes  # in-memory stores: each process keeps its layouts of every sequence
     need = f"the capture takes {total / GB:.2f} GB ({num_sequences} sequences x {sequence_length} tokens x " \
            f"{kv.num_sites} sites, fisher_channels {cfg.channels_per_fisher})"

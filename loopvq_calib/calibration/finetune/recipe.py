@@ -22,7 +22,7 @@ class CodebookParams:
     """The free parameters of a quantizer's codebooks and the map from them to the codewords."""
 
     def __init__(self, quantizer: KVQuantizer, parameterization: str,
-                 usage: dict[str, torch.Tensor] | None = None, min_usage: int = 0) -> None:
+                 usage: dict[str, torch.Tensor] | None = None, *, min_usage: int = 0) -> None:
         self.quantizer, self.mode = quantizer, parameterization
         self.init = {key: c.codebook.detach().clone() for key, c in quantizer.codecs.items()}
         self.init_sq = sum(c.pow(2).sum() for c in self.init.values()).clamp_min(1e-30)
@@ -63,7 +63,7 @@ class CodebookParams:
 
 
 @torch.no_grad()
-def add_usage(quantizer: KVQuantizer, fp: Teacher, sink_tokens: int, counts: dict[str, torch.Tensor]) -> None:
+def add_usage(quantizer: KVQuantizer, fp: Teacher, sink_tokens: int, *, counts: dict[str, torch.Tensor]) -> None:
     """Add to ``counts[key]`` [Hc, nc, K] how many group vectors of this sequence (after the sinks) each
     codeword of ``quantizer`` is the nearest of."""
     src = {"key": fp.keys, "value": fp.values}
@@ -77,7 +77,7 @@ def add_usage(quantizer: KVQuantizer, fp: Teacher, sink_tokens: int, counts: dic
         counts[key] = counts.get(key, 0) + hist.cpu()
 
 
-def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
+def lr_factor(step: int, total: int, warmup: int, *, schedule: str) -> float:
     """Multiplier of ``finetune.lr`` for optimizer step ``step`` (0-based) of ``total``: linear warm-up
     (step+1)/warmup over the first ``warmup`` steps, then constant, or a cosine / linear decay from 1
     towards 0 over the remaining steps (progress (step - warmup) / (total - warmup))."""

@@ -27,7 +27,7 @@ TEACHER_CACHE_BYTES = 2 << 30  # host memory (CPU runs)
 TEACHER_CACHE_MARGIN = 0.10  # of a CUDA device's memory, left free beside the first two steps' peak
 
 
-def cache_capacity(per_sequence: int, sequences: int, total: int, peak_reserved: int, device_free: int,
+def cache_capacity(per_sequence: int, sequences: int, total: int, *, peak_reserved: int, device_free: int,
                    reserved: int, to_come: int = 0, margin: float = TEACHER_CACHE_MARGIN) -> int:
     """Sequences of ``per_sequence`` bytes (at most ``sequences``) that fit a device of ``total`` bytes beside
     the allocator's ``peak_reserved``, ``to_come`` bytes still to be allocated and a margin of ``margin`` x
@@ -186,8 +186,8 @@ class TeacherCache:
             return None
         room = cache_capacity(
             self.per_sequence, self.sequences, torch.cuda.get_device_properties(device).total_memory,
-            max(torch.cuda.max_memory_reserved(device), peak_floor), torch.cuda.mem_get_info(device)[0],
-            torch.cuda.memory_reserved(device), to_come)
+            peak_reserved=max(torch.cuda.max_memory_reserved(device), peak_floor), device_free=torch.cuda.mem_get_info(device)[0],
+            reserved=torch.cuda.memory_reserved(device), to_come=to_come)
         self.host_seen = max(host_available(), 0)
         return split_tiers(self.plan[self.group + 1 :], room, self.host_seen // self.per_sequence)
 

@@ -42,18 +42,18 @@ class FinetuneResult:
     best_step: int = 0  # optimizer steps taken at that point
 
 
-def sequence_kl(model: torch.nn.Module, ids: torch.Tensor, quantizer: KVQuantizer, sink_tokens: int,
+def sequence_kl(model: torch.nn.Module, ids: torch.Tensor, quantizer: KVQuantizer, *, sink_tokens: int,
                 cfg: FinetuneConfig, device: torch.device, fp=None) -> torch.Tensor:
     """KL objective of sequences [B, S] of one length, the mean over their positions after the sinks
     (differentiable w.r.t. the codebooks); ``fp`` their cached teacher outputs."""
     with autocast(cfg, device):
         fp = fp if fp is not None else teacher(model, ids)
-        q = quantized_logits(model, ids, quantizer, fp, sink_tokens)
-    return mean_kl(fp.logits, q, sink_tokens, cfg.kl_chunk)
+        q = quantized_logits(model, ids, quantizer, fp=fp, sink_tokens=sink_tokens)
+    return mean_kl(fp.logits, q, sink_tokens, chunk=cfg.kl_chunk)
 
 
 @torch.no_grad()
-def selection_kl(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, cfg: FinetuneConfig,
+def selection_kl(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, *, cfg: FinetuneConfig,
                device: torch.device, cache: TeacherCache | None = None, dist: DistContext = SINGLE) -> float:
     """Selection KL: mean KL over the selection sequences of the calibration set (``calib.heldout``; each
     process of ``dist`` takes a share, summed across processes), ``cfg.selection_batch`` sequences per
@@ -67,7 +67,7 @@ def selection_kl(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQua
         fp = None
         if cache is not None and any(cache.keeps(i) for i in rows):
             fp = batch_teachers([cache.get(i, ids[j : j + 1], device) for j, i in enumerate(rows)])
-        total[0] += sequence_kl(model, ids, quantizer, calib.sink_tokens, cfg, device, fp).float() * len(rows)
+        total[0] += sequence_kl(model, ids, quantizer, sink_tokens=calib.sink_tokens, cfg=cfg, device=device, fp=fp).float() * len(rows)
         total[1] += len(rows)
     total = dist.all_reduce_sum(total)
     return (total[0] / total[1]).item()
@@ -99,7 +99,7 @@ def epoch_batches(calib: CalibrationSet, cfg: FinetuneConfig, epoch: int) -> lis
 
 
 def teacher_plan(calib: CalibrationSet, cfg: FinetuneConfig, dist: DistContext = SINGLE,
-                 first_epoch: int = 1) -> Plan:
+                 *, first_epoch: int = 1) -> Plan:
     """The sequences whose teacher outputs this process of ``dist`` asks for in a run from epoch ``first_epoch``,
     in order, in the groups it asks for together: its share of the selection sequences in batches of
     ``selection_batch`` at every selection point (the first, step 0, only in a fresh run), of the usage count
@@ -119,12 +119,12 @@ def teacher_plan(calib: CalibrationSet, cfg: FinetuneConfig, dist: DistContext =
         for b, batch in enumerate(batches):
             plan += [[i] for i in dist.share(batch)]
             steps += 1
-            if selects(cfg, steps, total, b == len(batches) - 1):
+            if selects(cfg, steps, total, last_of_epoch=b == len(batches) - 1):
                 plan += selection
     return plan
 
 
-def selects(cfg: FinetuneConfig, steps: int, total: int, last_of_epoch: bool) -> bool:
+def selects(cfg: FinetuneConfig, steps: int, total: int, *, last_of_epoch: bool) -> bool:
     """Whether a selection point follows optimizer step ``steps`` of ``total``: every ``select_every`` steps
     and at the last step, else at every epoch's end."""
     return bool(cfg.select_every and steps % cfg.select_every == 0) or (
@@ -136,7 +136,7 @@ def training_steps(cfg: FinetuneConfig, train_sequences: int) -> int:
     return cfg.epochs * -(-train_sequences // cfg.batch_size) if cfg.enabled else 0
 
 
-def usage_counts(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, cache: TeacherCache,
+def usage_counts(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, *, cache: TeacherCache,
                  device: torch.device, dist: DistContext = SINGLE) -> dict[str, torch.Tensor]:
     """Per codebook [Hc, nc, K]: training vectors (this process's share, summed across processes)
     assigned to each codeword."""
@@ -144,11 +144,11 @@ def usage_counts(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQua
                                        for key, c in quantizer.codecs.items()}  # every process reduces every key
     for i in dist.share(calib.train):
         ids = calib.input_ids[i : i + 1].to(device)
-        add_usage(quantizer, cache.get(i, ids, device), calib.sink_tokens, counts)
+        add_usage(quantizer, cache.get(i, ids, device), calib.sink_tokens, counts=counts)
     return {k: dist.all_reduce_sum(v.to(device)).cpu() for k, v in counts.items()}
 
 
-def train_step(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, free: CodebookParams,
+def train_step(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, *, free: CodebookParams,
                cfg: FinetuneConfig, device: torch.device, cache: TeacherCache, dist: DistContext, batch: list[int],
                train_sum: torch.Tensor) -> None:
     """This process's share of one optimizer step's forward and backward passes: fresh zero gradients, the
@@ -161,7 +161,7 @@ def train_step(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuant
         free.penalty(cfg.proximal).backward(retain_graph=True)
     for i in dist.share(batch):
         ids = calib.input_ids[i : i + 1].to(device)
-        kl = sequence_kl(model, ids, quantizer, calib.sink_tokens, cfg, device, cache.get(i, ids, device))
+        kl = sequence_kl(model, ids, quantizer, sink_tokens=calib.sink_tokens, cfg=cfg, device=device, fp=cache.get(i, ids, device))
         (kl / len(batch)).backward(retain_graph=cfg.parameterization == "affine")
         train_sum += torch.stack([kl.detach().float(), torch.ones((), device=device)])
 
@@ -170,7 +170,7 @@ def finetune_codebooks(
     model: torch.nn.Module,
     calib: CalibrationSet,
     quantizer: KVQuantizer,
-    cfg: FinetuneConfig,
+    *, cfg: FinetuneConfig,
     device: torch.device,
     progress: Callable[[int], Any] | None = None,
     on_select: Callable[[dict[str, Any], KVQuantizer], Any] | None = None,
@@ -192,13 +192,13 @@ def finetune_codebooks(
     quantizer = copy.deepcopy(quantizer).to(device, torch.float32)
     resume = torch.load(checkpoint, weights_only=False) if checkpoint is not None and checkpoint.is_file() else None
     first_epoch = 1 if resume is None else resume["epoch"] + 1
-    cache = TeacherCache(model, cfg, teacher_plan(calib, cfg, dist, first_epoch))
+    cache = TeacherCache(model, cfg, teacher_plan(calib, cfg, dist, first_epoch=first_epoch))
     if device.type == "cuda":  # the first steps' peak decides how many teacher outputs fit (cache_teacher auto)
         release_cached_memory(device)
     total = training_steps(cfg, len(calib.train))
 
     def select(epoch: int, step: int, train: torch.Tensor | None) -> dict[str, Any]:
-        sel = selection_kl(model, calib, quantizer, cfg, device, cache, dist) if calib.heldout else float("nan")
+        sel = selection_kl(model, calib, quantizer, cfg=cfg, device=device, cache=cache, dist=dist) if calib.heldout else float("nan")
         mean = None if train is None else (dist.all_reduce_sum(train)[0] / train[1].clamp_min(1)).item()
         entry = {"epoch": epoch, "step": step, "train_kl": mean, "selection_kl": sel}
         curve.append(entry)
@@ -211,8 +211,8 @@ def finetune_codebooks(
         select(0, 0, None)
     if total == 0:
         return FinetuneResult(quantizer, 0, curve, cache.kept)
-    usage = usage_counts(model, calib, quantizer, cache, device, dist) if cfg.min_usage > 0 else None
-    free = CodebookParams(quantizer, cfg.parameterization, usage, cfg.min_usage)
+    usage = usage_counts(model, calib, quantizer, cache=cache, device=device, dist=dist) if cfg.min_usage > 0 else None
+    free = CodebookParams(quantizer, cfg.parameterization, usage, min_usage=cfg.min_usage)
     opt = torch.optim.Adam(free.params, lr=cfg.lr)
     best, best_state = 0, free.snapshot()
     steps, settle_after = 0, min(2, total)
@@ -248,12 +248,12 @@ def finetune_codebooks(
                     for p in free.params:
                         p.grad = None
 
-                switched = loop.run_step(lambda: train_step(model, calib, quantizer, free, cfg, device, cache, dist,
-                                                            batch, train_sum), undo)
+                switched = loop.run_step(lambda: train_step(model, calib, quantizer, free=free, cfg=cfg, device=device, cache=cache, dist=dist,
+                                                            batch=batch, train_sum=train_sum), undo)
                 for p in free.params:  # a no-op for one process
                     dist.all_reduce_sum(p.grad)
                 for group in opt.param_groups:
-                    group["lr"] = cfg.lr * lr_factor(steps, total, cfg.warmup_steps, cfg.lr_schedule)
+                    group["lr"] = cfg.lr * lr_factor(steps, total, cfg.warmup_steps, schedule=cfg.lr_schedule)
                 opt.step()
                 steps += 1
                 if writer is not None and b == 0 and epoch == first_epoch < cfg.epochs:  # Adam's state exists now
@@ -275,7 +275,7 @@ def finetune_codebooks(
                         cache.settle(device, to_come, floor)
                 if progress:
                     progress(1)
-                if selects(cfg, steps, total, b == len(batches) - 1):
+                if selects(cfg, steps, total, last_of_epoch=b == len(batches) - 1):
                     with torch.no_grad():
                         free.apply()
                     entry = select(epoch, steps, train_sum)

@@ -47,7 +47,7 @@ __all__ = [
 
 
 def layout_problems(
-    x: torch.Tensor, fisher: torch.Tensor, layout: BlockLayout, transform: TasqTransform | None,
+    x: torch.Tensor, fisher: torch.Tensor, layout: BlockLayout, *, transform: TasqTransform | None,
     codebook_size: int, sharing: str, fisher_weighted: bool = True, fisher_tasq_weighted: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K-means problems of one layout: x, fisher [N, T, H, D] -> points [P, M, G], weights [P, M].
@@ -101,7 +101,7 @@ def shard_tensor_names(layouts: list[BlockLayout], world: int, tasq: bool = Fals
     return names
 
 
-def _check_enough_points(reader: CaptureData, layout: BlockLayout, tokens: int, points: int, k: int) -> None:
+def _check_enough_points(reader: CaptureData, layout: BlockLayout, tokens: int, *, points: int, k: int) -> None:
     if points < k:
         m = reader.meta
         raise ValueError(
@@ -153,7 +153,7 @@ def _join(pending: list[_Pending], name: str) -> torch.Tensor:
     return joined
 
 
-def run_points_per_codebook(layouts: list[BlockLayout], num_sequences: int, sequence_length: int, sink_tokens: int,
+def run_points_per_codebook(layouts: list[BlockLayout], num_sequences: int, sequence_length: int, *, sink_tokens: int,
                             sharing: str) -> int:
     """Group vectors each codebook of a run's ``layouts`` is fitted on (the first layout's: a run's layouts share
     their shape), from its calibration tokens less the sinks; 0 without layouts. The k-means backend's probe
@@ -164,7 +164,7 @@ def run_points_per_codebook(layouts: list[BlockLayout], num_sequences: int, sequ
 
 def fit_codebooks(
     reader: CaptureData, layouts: list[BlockLayout], transforms: dict[str, TasqTransform],
-    quant: QuantConfig, cfg: KMeansConfig, kv: KVLayout, device: torch.device,
+    *, quant: QuantConfig, cfg: KMeansConfig, kv: KVLayout, device: torch.device,
     progress: Callable[[int], Any] | None = None, dist: DistContext = SINGLE,
 ) -> tuple[KVQuantizer, dict]:
     """Fit every layout's codebooks; codebooks are fp32 on the CPU. One layout is in memory at a time, except
@@ -185,9 +185,9 @@ def fit_codebooks(
     device = torch.device(device)
     meta = reader.meta
     probing = time.perf_counter()
-    points = run_points_per_codebook(layouts, meta["num_sequences"], meta["sequence_length"], meta["sink_tokens"],
-                                     quant.codebook_sharing)
-    backend = resolve_backend(cfg.backend, device, (quant.codebook_size, quant.group_size), points)
+    points = run_points_per_codebook(layouts, meta["num_sequences"], meta["sequence_length"], sink_tokens=meta["sink_tokens"],
+                                     sharing=quant.codebook_sharing)
+    backend = resolve_backend(cfg.backend, device, (quant.codebook_size, quant.group_size), points=points)
     probing = time.perf_counter() - probing
     # layout_problems' weights are >= 0 with a positive maximum per problem: no check that waits for the device
     init_fn = partial(kmeans_pp_init, fused=backend == "triton", trusted_weights=True) if cfg.init == "kmeans++" \
@@ -203,7 +203,7 @@ def fit_codebooks(
             side.take(p.ready, p.points, p.weights, p.init)
         keys = [(p.seed, q) for p in pending for q in range(p.points.shape[0])]
         points, weights, init = (_join(pending, name) for name in ("points", "weights", "init"))
-        result = weighted_kmeans(points, weights, init, cfg, backend, device, seed=pending[0].seed, problem_keys=keys)  # faiss: one layout
+        result = weighted_kmeans(points, weights, init, cfg=cfg, backend=backend, device=device, seed=pending[0].seed, problem_keys=keys)  # faiss: one layout
         share = (time.perf_counter() - start) / len(pending)
         first = 0
         for p in pending:
@@ -232,15 +232,15 @@ def fit_codebooks(
                 fisher = reader.load("fisher_" + layout.kind, layout.sites, device=device, non_blocking=True)
                 transform = transforms.get(layout.key)
                 points, weights = layout_problems(
-                    x, fisher, layout, transform, quant.codebook_size, quant.codebook_sharing, cfg.fisher_weighted,
+                    x, fisher, layout, transform=transform, codebook_size=quant.codebook_size, sharing=quant.codebook_sharing, fisher_weighted=cfg.fisher_weighted,
                     fisher_tasq_weighted=layout.kind == "key" and reader.tasq_keys,
                 )
                 tokens = x.shape[0]
                 del x, fisher
-                _check_enough_points(reader, layout, tokens, points.shape[1], quant.codebook_size)
+                _check_enough_points(reader, layout, tokens, points=points.shape[1], k=quant.codebook_size)
                 seed = layout_seed(cfg.seed, layout)
                 seeding = DeviceSpan(device)  # read in solve(): the next layout's work queues behind the draws
-                init = init_fn(points, weights, quant.codebook_size, torch.Generator().manual_seed(seed))
+                init = init_fn(points, weights, quant.codebook_size, generator=torch.Generator().manual_seed(seed))
                 seeding.stop()
             item = _Pending(layout, points, weights, init, seed, transform, time.perf_counter() - start, seeding, side.mark())
             del points, weights, init

@@ -15,7 +15,7 @@ log = logging.getLogger("loopvq_calib")
 
 
 def resolve_backend(backend: str, device: torch.device | str, shape: tuple[int, int] | None = None,
-                    points: int = 0) -> str:
+                    *, points: int = 0) -> str:
     """``auto`` is the fused Triton kernels on a CUDA device with triton installed where they compile and
     run, for codebooks of ``shape`` = (K, G) the kernels take (:func:`kmeans_triton.supports`), else the
     batched torch backend, with a warning (once) saying why on a CUDA device; on the CPU it is torch (whose
@@ -28,7 +28,7 @@ def resolve_backend(backend: str, device: torch.device | str, shape: tuple[int, 
     if backend == "auto":
         if torch.device(device).type != "cuda":
             return "torch"
-        why = _triton_unusable(device, shape, fits, points)
+        why = _triton_unusable(device, shape, fits, points=points)
         if why:
             warn_once(f"kmeans.backend auto: using the torch backend on {device}, not the fused Triton kernels: {why}")
         return "torch" if why else "triton"
@@ -46,7 +46,7 @@ def resolve_backend(backend: str, device: torch.device | str, shape: tuple[int, 
     return backend
 
 
-def _triton_unusable(device: torch.device | str, shape: tuple[int, int] | None, fits: bool, points: int = 0) -> str:
+def _triton_unusable(device: torch.device | str, shape: tuple[int, int] | None, fits: bool, *, points: int = 0) -> str:
     """Why the fused kernels cannot fit codebooks of ``shape`` on the CUDA ``device`` ('' when they can)."""
     if kmeans_triton.triton is None:
         return "the triton package is not installed"
@@ -56,7 +56,7 @@ def _triton_unusable(device: torch.device | str, shape: tuple[int, int] | None, 
     if not fits:
         return (f"quant.codebook_size {shape[0]} x group size {shape[1]} exceeds the kernels' codebook tile of "
                 f"{kmeans_triton.CODEBOOK_TILE} entries x dimensions")
-    if not kmeans_triton.works(str(device), *(shape or (16, 16)), points):
+    if not kmeans_triton.works(str(device), *(shape or (16, 16)), n=points):
         return "the kernels do not compile or run there (warning above)"
     return ""
 

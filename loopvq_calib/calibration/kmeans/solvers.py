@@ -74,7 +74,7 @@ def cpu_map(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
         torch.set_num_threads(threads)
 
 
-def _check_shapes(x: torch.Tensor, w: torch.Tensor, k: int, values: bool = True) -> None:
+def _check_shapes(x: torch.Tensor, w: torch.Tensor, k: int, *, values: bool = True) -> None:
     """Shapes always; the weights' values too unless ``values`` is False (that check waits for the device)."""
     if x.dim() != 3 or w.shape != x.shape[:2]:
         raise ValueError(f"expected points [P, N, G] and weights [P, N], got {tuple(x.shape)} and {tuple(w.shape)}")
@@ -99,7 +99,7 @@ def _draw_one(prob: torch.Tensor, fallback: torch.Tensor, u: torch.Tensor) -> to
 
 
 def kmeans_pp_init(
-    x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Generator, fused: bool = False,
+    x: torch.Tensor, w: torch.Tensor, k: int, *, generator: torch.Generator, fused: bool = False,
     trusted_weights: bool = False,
 ) -> torch.Tensor:
     """Weighted k-means++: the first centroid drawn with probability ~ w, each next one ~ w * D^2
@@ -116,14 +116,14 @@ def kmeans_pp_init(
     p = x.shape[0]
     uniforms = to_device(torch.rand(k, p, generator=generator, dtype=torch.float64), x.device)
     if fused:
-        return kmeans_triton.kmeans_pp(x.float().contiguous(), w.float().contiguous(), k, uniforms)
+        return kmeans_triton.kmeans_pp(x.float().contiguous(), w.float().contiguous(), k, uniforms=uniforms)
     if x.device.type != "cpu":
-        return _kmeans_pp_rows(x, w, k, uniforms)
+        return _kmeans_pp_rows(x, w, k, uniforms=uniforms)
     blocks = [slice(s, s + CPU_BLOCK) for s in range(0, p, CPU_BLOCK)]
-    return torch.cat(cpu_map(lambda b: _kmeans_pp_rows(x[b], w[b], k, uniforms[:, b]), blocks))
+    return torch.cat(cpu_map(lambda b: _kmeans_pp_rows(x[b], w[b], k, uniforms=uniforms[:, b]), blocks))
 
 
-def _kmeans_pp_rows(x: torch.Tensor, w: torch.Tensor, k: int, uniforms: torch.Tensor) -> torch.Tensor:
+def _kmeans_pp_rows(x: torch.Tensor, w: torch.Tensor, k: int, *, uniforms: torch.Tensor) -> torch.Tensor:
     """The torch k-means++ draws of :func:`kmeans_pp_init` with the uniforms [K, P] given; rows independent."""
     p, _, g = x.shape
     rows = torch.arange(p, device=x.device)
@@ -145,7 +145,7 @@ def _kmeans_pp_rows(x: torch.Tensor, w: torch.Tensor, k: int, uniforms: torch.Te
     return out
 
 
-def random_init(x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+def random_init(x: torch.Tensor, w: torch.Tensor, k: int, *, generator: torch.Generator) -> torch.Tensor:
     """K distinct points drawn without replacement with probability ~ w (Efraimidis-Spirakis keys
     E/w, E ~ Exp(1)); zero-weight points come last, in index order. x [P, N, G] -> [P, K, G]."""
     _check_shapes(x, w, k)
@@ -165,13 +165,13 @@ def batch_sizes(cfg: KMeansConfig, device: torch.device | str) -> tuple[int, int
     return cfg.problems_per_batch or (512 if cuda else CPU_BLOCK), cfg.points_per_chunk or (16384 if cuda else 512)
 
 
-def weighted_objective(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, chunk: int) -> torch.Tensor:
+def weighted_objective(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, *, chunk: int) -> torch.Tensor:
     """sum_n w_n min_r ||x_n - c_r||^2 / sum_n w_n per problem -> [P]."""
-    return _assign(x, x.pow(2).sum(-1), w, c, chunk, accumulate=False)[0] / w.sum(-1)
+    return _assign(x, x.pow(2).sum(-1), w, c=c, chunk=chunk, accumulate=False)[0] / w.sum(-1)
 
 
 def _assign(
-    x: torch.Tensor, x_sq: torch.Tensor, w: torch.Tensor, c: torch.Tensor, chunk: int, accumulate: bool
+    x: torch.Tensor, x_sq: torch.Tensor, w: torch.Tensor, *, c: torch.Tensor, chunk: int, accumulate: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Nearest centroid of every point, ``chunk`` points per problem at a time. Returns the weighted
     squared error [P] and, when ``accumulate``, per-cluster weighted sums [P, K, G] and weights [P, K]."""
@@ -234,7 +234,7 @@ def _faiss_search() -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor
 
 
 def _reseed(
-    c: torch.Tensor, empty: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rows: list[int], keys: list[tuple[int, ...]]
+    c: torch.Tensor, empty: torch.Tensor, x: torch.Tensor, *, w: torch.Tensor, rows: list[int], keys: list[tuple[int, ...]]
 ) -> None:
     """Move each empty centroid of row q of ``c`` (problem ``rows[q]`` of x, w) onto a distinct point of
     positive weight, drawn uniformly by a generator seeded from ``keys[q]`` (seed, problem, iteration)."""
@@ -247,7 +247,7 @@ def _reseed(
 
 
 def _lloyd(
-    x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, cfg: KMeansConfig, keys: list[tuple[int, int]], fused: bool
+    x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, *, cfg: KMeansConfig, keys: list[tuple[int, int]], fused: bool
 ) -> KMeansResult:
     """Lloyd on one batch of problems, all on x's device; converged problems drop out of the batch.
     ``keys``: per problem the (seed, problem index) its empty-cluster reseeding draws from.
@@ -259,9 +259,9 @@ def _lloyd(
 
     def step(active: torch.Tensor, ca: torch.Tensor, accumulate: bool):
         if fused:
-            return kmeans_triton.lloyd_step(x, w, ca, active, accumulate)
+            return kmeans_triton.lloyd_step(x, w, ca, rows=active, accumulate=accumulate)
         part = [t.index_select(0, active) for t in (x, x_sq, w)] if active.numel() < p else [x, x_sq, w]
-        return _assign(*part, ca, chunk, accumulate)
+        return _assign(*part, c=ca, chunk=chunk, accumulate=accumulate)
 
     total = w.sum(-1)
     iterations = torch.zeros(p, dtype=torch.long)
@@ -277,7 +277,7 @@ def _lloyd(
         empty = mass <= 0
         if empty.any():
             rows = active.tolist()
-            _reseed(new, empty, x, w, rows, [(*keys[q], it) for q in rows])
+            _reseed(new, empty, x, w=w, rows=rows, keys=[(*keys[q], it) for q in rows])
             empties.index_add_(0, active.cpu(), empty.sum(-1).cpu())
         change = (new - ca).abs().mean(dim=(-1, -2))
         c = c.index_copy(0, active, new)
@@ -301,7 +301,7 @@ def _import_faiss():
 
 
 def _faiss_kmeans(
-    x: torch.Tensor, w: torch.Tensor, init: torch.Tensor, cfg: KMeansConfig, seed: int, device: torch.device
+    x: torch.Tensor, w: torch.Tensor, init: torch.Tensor, *, cfg: KMeansConfig, seed: int, device: torch.device
 ) -> KMeansResult:
     """One faiss.Kmeans per problem: exactly ``cfg.iterations`` updates (faiss has no tolerance stop),
     never subsampled, empty clusters split by faiss. On faiss's GPUs only when ``device`` is a CUDA device
@@ -326,13 +326,13 @@ def _faiss_kmeans(
     c = torch.from_numpy(centroids)
     xc, wc = x.detach().cpu().float(), w.detach().cpu().float()
     return KMeansResult(
-        c, weighted_objective(xc, wc, init.detach().cpu().float(), batch_sizes(cfg, "cpu")[1]),
-        weighted_objective(xc, wc, c, batch_sizes(cfg, "cpu")[1]), torch.full((p,), cfg.iterations), empties,
+        c, weighted_objective(xc, wc, init.detach().cpu().float(), chunk=batch_sizes(cfg, "cpu")[1]),
+        weighted_objective(xc, wc, c, chunk=batch_sizes(cfg, "cpu")[1]), torch.full((p,), cfg.iterations), empties,
     )
 
 
 def weighted_kmeans(
-    x: torch.Tensor, w: torch.Tensor, init: torch.Tensor, cfg: KMeansConfig, backend: str,
+    x: torch.Tensor, w: torch.Tensor, init: torch.Tensor, *, cfg: KMeansConfig, backend: str,
     device: torch.device | str, seed: int | None = None, problem_keys: list[tuple[int, int]] | None = None,
 ) -> KMeansResult:
     """Weighted Lloyd from ``init`` [P, K, G] on points x [P, N, G] with weights w [P, N].
@@ -353,7 +353,7 @@ def weighted_kmeans(
     seed = cfg.seed if seed is None else seed
     device = torch.device(device)
     if name == "faiss":
-        return _faiss_kmeans(x, w, init, cfg, seed, device)
+        return _faiss_kmeans(x, w, init, cfg=cfg, seed=seed, device=device)
     keys = problem_keys if problem_keys is not None else [(seed, q) for q in range(x.shape[0])]
     if len(keys) != x.shape[0]:
         raise ValueError(f"{len(keys)} problem keys for {x.shape[0]} problems")
@@ -362,7 +362,7 @@ def weighted_kmeans(
     def solve(s: int) -> list[torch.Tensor]:
         sl = slice(s, s + per_batch)
         xb, wb, cb = (t[sl].to(device=device, dtype=torch.float32) for t in (x, w, init))
-        r = _lloyd(xb.contiguous(), wb.contiguous(), cb.clone(), cfg, keys[sl], fused=name == "triton")
+        r = _lloyd(xb.contiguous(), wb.contiguous(), cb.clone(), cfg=cfg, keys=keys[sl], fused=name == "triton")
         return [r.centroids.cpu(), r.objective_init.cpu(), r.objective_final.cpu(), r.iterations, r.empty_clusters]
 
     starts = list(range(0, x.shape[0], per_batch))

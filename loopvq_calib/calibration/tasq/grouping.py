@@ -145,12 +145,12 @@ def min_weight_matching(cost: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         for e in (k, l):  # only the gains of pairs with a re-paired edge change: same values as recomputing all
             cur[h, e] = cost[h, a[h, e], b[h, e]]
         for e in (k, l):
-            _refresh_gains(cost, a, b, cur, gains, h, e)
+            _refresh_gains(cost, a, b, cur=cur, gains=gains, h=h, e=e)
     return a, b
 
 
 def _refresh_gains(
-    cost: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cur: torch.Tensor, gains: torch.Tensor,
+    cost: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, cur: torch.Tensor, gains: torch.Tensor,
     h: torch.Tensor, e: torch.Tensor,
 ) -> None:
     """Row and column e[i] of matrix h[i]'s 2-opt gains, by the formulas of the full computation."""
@@ -172,13 +172,13 @@ def check_group_size(group_size: int, coords: int) -> None:
         )
 
 
-def fit_groups(cov: torch.Tensor, units: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+def fit_groups(cov: torch.Tensor, units: torch.Tensor, group_size: int, *, eps: float) -> torch.Tensor:
     """Merge ``units`` [n, u] pairwise by :func:`min_weight_matching` of :func:`merge_costs` until they hold
     ``group_size`` coordinates. -> [n_groups, G], each row sorted, rows ordered by first coordinate. A
     batch cov [B, C, C] (the heads of a block) is fitted at once -> [B, n_groups, G]."""
     check_group_size(group_size, units.numel())
     if cov.dim() == 2:
-        return fit_groups(cov[None], units, group_size, eps)[0]
+        return fit_groups(cov[None], units, group_size, eps=eps)[0]
     rb = torch.arange(cov.shape[0], device=cov.device)[:, None]
     units = units.to(cov.device).expand(cov.shape[0], *units.shape)
     while units.shape[-1] < group_size:
@@ -233,7 +233,7 @@ def heads_per_batch(units: int, budget_bytes: int = GROUPING_BYTES) -> int:
 
 
 def fit_tasq(
-    reader: CaptureData, layouts: list[BlockLayout], kv: KVLayout, quant: QuantConfig, cfg: TasqConfig,
+    reader: CaptureData, layouts: list[BlockLayout], kv: KVLayout, *, quant: QuantConfig, cfg: TasqConfig,
     dist: DistContext = SINGLE, device: torch.device | str | None = None,
 ) -> TasqResult:
     """Fit w, sigma_min and P for every key layout; value layouts are returned unchanged.
@@ -262,7 +262,7 @@ def fit_tasq(
         covs[lay.key], tokens[lay.key] = block_covariance(x, transforms[lay.key]), int(x.shape[0])
         seconds["covariance"] += clock.lap()
         del x
-    fitted = _fit_all_groups(mine, covs, kv, quant.group_size, cfg.det_eps)
+    fitted = _fit_all_groups(mine, covs, kv, group_size=quant.group_size, eps=cfg.det_eps)
     seconds["grouping"] += clock.lap()
     new_layouts, blocks = {}, {}
     for lay in mine:
@@ -290,7 +290,7 @@ def fit_tasq(
 
 
 def _fit_all_groups(
-    layouts: list[BlockLayout], covs: dict[str, torch.Tensor], kv: KVLayout, group_size: int, eps: float
+    layouts: list[BlockLayout], covs: dict[str, torch.Tensor], kv: KVLayout, *, group_size: int, eps: float
 ) -> dict[str, torch.Tensor]:
     """:func:`fit_groups` over the heads of all ``layouts``: those with the same steps stacked and fitted in
     batches of :func:`heads_per_batch` heads -> {layout key: groups [H, n_groups, G]}."""
@@ -300,7 +300,7 @@ def _fit_all_groups(
         units = rope_pair_units(kv.head_dim, steps, kv.rope_style)
         stacked = torch.cat([covs[lay.key] for lay in same])
         batch = heads_per_batch(units.shape[0], GROUPING_BYTES if stacked.device.type == "cpu" else GPU_GROUPING_BYTES)
-        groups = torch.cat([fit_groups(part, units, group_size, eps) for part in stacked.split(batch)])
+        groups = torch.cat([fit_groups(part, units, group_size, eps=eps) for part in stacked.split(batch)])
         out.update(zip((lay.key for lay in same), groups.split(kv.kv_heads)))
     return out
 

@@ -34,7 +34,7 @@ class QueryStats:
         """RoPE factors (fp32) and the prefix sums of cos^2, sin^2 and 2 cos sin over key positions."""
         if self._positions is not positions:  # a new forward; held, so its identity cannot be reused meanwhile
             cos, sin = rope_angles(positions, d, self.kv.rope_theta)
-            factors = rope_factors(cos, sin, self.kv.rope_style, torch.float32)
+            factors = rope_factors(cos, sin, self.kv.rope_style, dtype=torch.float32)
             c2, s2, cs = (t.cumsum(1)[:, :, None, :] for t in (cos * cos, sin * sin, cos * sin))
             self._positions, self._terms = positions, (factors, c2, s2, 2 * cs)
         return self._terms
@@ -79,7 +79,7 @@ def pairs_per_sequence(sequence_length: int) -> float:
 
 
 def query_statistics(
-    model: torch.nn.Module, input_ids: torch.Tensor, kv: KVLayout, mine: list[int], batch_size: int,
+    model: torch.nn.Module, input_ids: torch.Tensor, kv: KVLayout, *, mine: list[int], batch_size: int,
     dist: DistContext = SINGLE,
 ) -> dict[int, dict[int, torch.Tensor]]:
     """Forward-only pass over the sequences ``mine`` -> per sequence (all of them when the processes
@@ -107,7 +107,7 @@ def mean_query_stat(per_sequence: list[torch.Tensor], pairs: int, sequences: int
     return sum(per_sequence) / (pairs * sequences)
 
 
-def key_weights(stats: dict[int, dict[int, torch.Tensor]], kv: KVLayout, sequence_length: int, floor: float,
+def key_weights(stats: dict[int, dict[int, torch.Tensor]], kv: KVLayout, sequence_length: int, *, floor: float,
                 device: torch.device) -> dict[int, torch.Tensor]:
     """w [H, D] of every site from the per-sequence statistics, averaged by :func:`mean_query_stat` as
     :meth:`~loopvq_calib.calibration.capture.kv.CaptureData.query_stats` does, so the TaSQ stage derives the same w."""

@@ -20,8 +20,8 @@ from loopvq_calib.runtime.processes import DistContext
 
 def run_capture(model, calib, folder, **cfg) -> CaptureReader:
     config = CaptureConfig(**cfg)
-    capture_kv(model, calib, model.kv_layout(), config, folder)
-    write_meta(folder, calib, model.kv_layout(), config)
+    capture_kv(model, calib, model.kv_layout(), cfg=config, out=folder)
+    write_meta(folder, calib, model.kv_layout(), cfg=config)
     return CaptureReader(folder)
 
 
@@ -90,8 +90,8 @@ def test_without_query_stats_the_capture_is_the_same_less_its_query_statistics(t
     model, calib = make_tiny_ouro(), calib_set(n=2)
     full = run_capture(model, calib, tmp_path / "full", dtype="float32")
     config = CaptureConfig(dtype="float32")
-    capture_kv(model, calib, model.kv_layout(), config, tmp_path / "lean", query_stats=False)
-    write_meta(tmp_path / "lean", calib, model.kv_layout(), config)
+    capture_kv(model, calib, model.kv_layout(), cfg=config, out=tmp_path / "lean", query_stats=False)
+    write_meta(tmp_path / "lean", calib, model.kv_layout(), cfg=config)
     lean = CaptureReader(tmp_path / "lean")
     for a, b in zip(full.files, lean.files):
         with safe_open(str(a), "pt") as fa, safe_open(str(b), "pt") as fb:
@@ -130,11 +130,11 @@ def test_processes_split_sequences(tmp_path):
     model = make_tiny_ouro()
     calib = calib_set(n=5)
     kv, cfg = model.kv_layout(), CaptureConfig()
-    assert capture_kv(model, calib, kv, cfg, tmp_path, DistContext(0, 2)) == [0, 2, 4]
+    assert capture_kv(model, calib, kv, cfg=cfg, out=tmp_path, dist=DistContext(0, 2)) == [0, 2, 4]
     with pytest.raises(CaptureError, match=r"sequences \[1, 3\] have no file"):
-        write_meta(tmp_path, calib, kv, cfg)
-    assert capture_kv(model, calib, kv, cfg, tmp_path, DistContext(1, 2)) == [1, 3]
-    write_meta(tmp_path, calib, kv, cfg)
+        write_meta(tmp_path, calib, kv, cfg=cfg)
+    assert capture_kv(model, calib, kv, cfg=cfg, out=tmp_path, dist=DistContext(1, 2)) == [1, 3]
+    write_meta(tmp_path, calib, kv, cfg=cfg)
 
 
 def _store_reads_like_disk(tmp_path, model, store):
@@ -144,9 +144,9 @@ def _store_reads_like_disk(tmp_path, model, store):
     disk = run_capture(model, calib, tmp_path, dtype="float32")
     mem = MemoryCapture()
     cfg = CaptureConfig(dtype="float32", store=store)
-    capture_kv(model, calib, model.kv_layout(), cfg, mem)
+    capture_kv(model, calib, model.kv_layout(), cfg=cfg, out=mem)
     (tmp_path / "m").mkdir()
-    assert write_meta(tmp_path / "m", calib, model.kv_layout(), cfg, mem)["store"] == store
+    assert write_meta(tmp_path / "m", calib, model.kv_layout(), cfg=cfg, memory=mem)["store"] == store
     reader = MemoryReader(mem)
     for name in ("key", "fisher_value"):
         a, b = reader.load(name, (2, 4)), disk.load(name, (2, 4))
@@ -180,7 +180,7 @@ def test_device_store_makes_no_host_copies(monkeypatch):
     counts = []
     for on_device in (False, True):
         calls.clear()
-        capture_sequence(model, ids, kv, [0, 1], fisher_channels=1, on_device=on_device)
+        capture_sequence(model, ids, kv, seqs=[0, 1], fisher_channels=1, on_device=on_device)
         counts.append(len(calls))
     assert counts[0] - counts[1] == 2 * (4 * kv.num_sites + 1)
 
@@ -227,7 +227,7 @@ def test_memory_store_under_several_processes_gives_each_tensor_its_own_pinned_s
 
     model, calib = make_tiny_ouro().cuda(), calib_set()
     mem = MemoryCapture()
-    capture_kv(model, calib, model.kv_layout(), CaptureConfig(dtype="float32", store="memory"), mem,
+    capture_kv(model, calib, model.kv_layout(), cfg=CaptureConfig(dtype="float32", store="memory"), out=mem,
                dist=DistContext(0, 2))
     assert sorted(mem.sequences) == [0, 2] and mem.copier.slab_per_tensor
     moved = [t for stored in mem.sequences.values() for n, t in stored.items() if not n.startswith("qstat")]
@@ -319,7 +319,7 @@ def test_share_sequences_needs_a_sequence_per_process():
     from loopvq_calib.calibration.capture.kv import MemoryCapture, share_sequences
 
     with pytest.raises(CaptureError, match="process 1 captured no sequence: data.num_sequences 1 is below the 2 processes"):
-        share_sequences(MemoryCapture(), [[], []], DistContext(1, 2), 1)
+        share_sequences(MemoryCapture(), [[], []], DistContext(1, 2), num_sequences=1)
 
 
 @pytest.mark.parametrize("make", [make_tiny_ouro, make_tiny_huginn])  # half | interleaved RoPE
@@ -335,8 +335,8 @@ def test_tasq_key_fisher_keeps_every_group_weight(tmp_path, make):
     kv = model.kv_layout()
     full = run_capture(model, calib, tmp_path / "full", dtype="float32")
     cfg = CaptureConfig(dtype="float32")
-    capture_kv(model, calib, kv, cfg, tmp_path / "tasq", tasq_floor=1e-6)
-    write_meta(tmp_path / "tasq", calib, kv, cfg, tasq_keys=True)
+    capture_kv(model, calib, kv, cfg=cfg, out=tmp_path / "tasq", tasq_floor=1e-6)
+    write_meta(tmp_path / "tasq", calib, kv, cfg=cfg, tasq_keys=True)
     reduced = CaptureReader(tmp_path / "tasq")
     assert reduced.tasq_keys and not full.tasq_keys
     with safe_open(str(tmp_path / "tasq" / "seq00000.safetensors"), "pt") as f:
@@ -354,12 +354,12 @@ def test_tasq_key_fisher_keeps_every_group_weight(tmp_path, make):
     layout.check()
     x = full.load("key", sites)
     assert torch.equal(x, reduced.load("key", sites))
-    _, want = layout_problems(x, full.load("fisher_key", sites), layout, transform, 4, "none")
-    _, got = layout_problems(x, reduced.load("fisher_key", sites), layout, transform, 4, "none",
+    _, want = layout_problems(x, full.load("fisher_key", sites), layout, transform=transform, codebook_size=4, sharing="none")
+    _, got = layout_problems(x, reduced.load("fisher_key", sites), layout, transform=transform, codebook_size=4, sharing="none",
                              fisher_tasq_weighted=True)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="TaSQ-weighted key Fisher"):
-        layout_problems(x, reduced.load("fisher_key", sites), layout, None, 4, "none", fisher_tasq_weighted=True)
+        layout_problems(x, reduced.load("fisher_key", sites), layout, transform=None, codebook_size=4, sharing="none", fisher_tasq_weighted=True)
 
 
 @pytest.mark.gpu
@@ -369,9 +369,9 @@ def test_split_store_keeps_the_first_sequences_on_the_gpu(tmp_path):
     model, calib = make_tiny_ouro().cuda(), calib_set()
     disk = run_capture(model, calib, tmp_path, dtype="float32")
     mem, cfg = MemoryCapture(), CaptureConfig(dtype="float32", store="split")
-    capture_kv(model, calib, model.kv_layout(), cfg, mem, device_sequences=1)
+    capture_kv(model, calib, model.kv_layout(), cfg=cfg, out=mem, device_sequences=1)
     (tmp_path / "m").mkdir()
-    assert write_meta(tmp_path / "m", calib, model.kv_layout(), cfg, mem)["store"] == "split"
+    assert write_meta(tmp_path / "m", calib, model.kv_layout(), cfg=cfg, memory=mem)["store"] == "split"
     assert {seq: mem.sequences[seq]["key.0"].device.type for seq in range(3)} == {0: "cuda", 1: "cpu", 2: "cpu"}
     torch.testing.assert_close(MemoryReader(mem).load("key", (0, 1)), disk.load("key", (0, 1)), atol=1e-5, rtol=1e-4)
 

@@ -286,16 +286,16 @@ def test_capture_bytes_is_the_stored_size(tasq):
     model, calib = make_tiny_huginn(), calib_set(n=2, length=16)
     cfg = CaptureConfig(dtype="bfloat16", fisher_channels=4, store="memory")
     mem = MemoryCapture()
-    capture_kv(model, calib, model.kv_layout(), cfg, mem, tasq_floor=1e-6 if tasq else None)
+    capture_kv(model, calib, model.kv_layout(), cfg=cfg, out=mem, tasq_floor=1e-6 if tasq else None)
     stored = sum(t.numel() * t.element_size() for seq in mem.sequences.values() for t in seq.values())
-    assert stored == cs.capture_bytes(model.kv_layout(), 2, 16, cfg, tasq_keys=tasq)
+    assert stored == cs.capture_bytes(model.kv_layout(), 2, 16, cfg=cfg, tasq_keys=tasq)
 
 
 def test_store_choice_and_refusal(tmp_path, monkeypatch):
     kv = make_tiny_ouro().kv_layout()
-    size = cs.capture_bytes(kv, 4, 64, CaptureConfig(fisher_channels=4))
-    choose = lambda store, device="cpu": cs.choose_store(CaptureConfig(store=store, fisher_channels=4), kv, 4, 64,
-                                                         torch.device(device), 100, 1000, tmp_path)
+    size = cs.capture_bytes(kv, 4, 64, cfg=CaptureConfig(fisher_channels=4))
+    choose = lambda store, device="cpu": cs.choose_store(CaptureConfig(store=store, fisher_channels=4), kv, 4, sequence_length=64,
+                                                         device=torch.device(device), model_bytes=100, step_bytes=1000, capture_dir=tmp_path)
     monkeypatch.setattr(cs, "host_available", lambda: size)
     monkeypatch.setattr(cs, "disk_available", lambda folder: size - 1)
     auto = choose("auto")
@@ -311,7 +311,7 @@ def test_store_choice_and_refusal(tmp_path, monkeypatch):
     assert "4 sequences x 64 tokens" in str(err.value) and "memory:" in str(err.value) and "disk:" in str(err.value)
     # one process, neither alone holds it: the first sequences stay on the accelerator, the rest in host memory;
     # the accelerator keeps room for the copier's 2 sequences in flight to host memory
-    per_sequence = cs.capture_bytes(kv, 1, 64, CaptureConfig(fisher_channels=4))
+    per_sequence = cs.capture_bytes(kv, 1, 64, cfg=CaptureConfig(fisher_channels=4))
     device_room = lambda room: monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1200 + room, 2000))
     device_room(per_sequence * 7 // 2)  # weights 100, step 1000 and 5 % of the card 100 come off
     monkeypatch.setattr(cs, "host_available", lambda: per_sequence * 3)
@@ -338,9 +338,9 @@ def test_host_memory_store_keeps_gpu_room_only_for_the_sequences_it_can_have_in_
     """``capture.store: memory`` with one sequence per process (2 processes, 2 sequences): at most one waits on
     the GPU for its copy, so the GPU needs room for one, not two."""
     kv, cfg = make_tiny_ouro().kv_layout(), CaptureConfig(store="memory", fisher_channels=4)
-    per_sequence = cs.capture_bytes(kv, 1, 64, cfg)
+    per_sequence = cs.capture_bytes(kv, 1, 64, cfg=cfg)
     monkeypatch.setattr(cs, "host_available", lambda: 2 * per_sequence)
-    choose = lambda: cs.choose_store(cfg, kv, 2, 64, torch.device("cuda"), 100, 1000, tmp_path, processes=2)
+    choose = lambda: cs.choose_store(cfg, kv, 2, sequence_length=64, device=torch.device("cuda"), model_bytes=100, step_bytes=1000, capture_dir=tmp_path, processes=2)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1200 + per_sequence, 2000))
     assert choose().store == "memory" and "keep up to 1 sequences" in choose().reason
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1200 + per_sequence - 1, 2000))

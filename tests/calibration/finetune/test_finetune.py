@@ -47,14 +47,14 @@ def reference_setup(tmp_path_factory, reference_model_dir, calib_corpus):
 def test_finetuning_lowers_selection_kl_and_keeps_the_best_epoch(reference_setup):
     model, calib, init = reference_setup
     weights = {k: v.clone() for k, v in model.state_dict().items()}
-    result = finetune_codebooks(model, calib, init, FinetuneConfig(epochs=2, lr=1e-3), torch.device("cpu"))
+    result = finetune_codebooks(model, calib, init, cfg=FinetuneConfig(epochs=2, lr=1e-3), device=torch.device("cpu"))
     curve = [c["selection_kl"] for c in result.curve]
     assert [c["step"] for c in result.curve] == [0, 4, 8, 12] and result.curve[0]["train_kl"] is None
     assert min(curve[1:]) < curve[0]
     best = min(range(4), key=curve.__getitem__)
     assert (result.best_step, result.best_epoch) == (result.curve[best]["step"], result.curve[best]["epoch"])
     # the returned codebooks are the best point's: re-measuring gives its selection KL
-    again = selection_kl(model, calib, result.quantizer, FinetuneConfig(), torch.device("cpu"))
+    again = selection_kl(model, calib, result.quantizer, cfg=FinetuneConfig(), device=torch.device("cpu"))
     assert again == pytest.approx(curve[best], rel=1e-5)
     for k, v in model.state_dict().items():
         assert torch.equal(v, weights[k]), f"model weight {k} changed"
@@ -64,7 +64,7 @@ def test_finetuning_lowers_selection_kl_and_keeps_the_best_epoch(reference_setup
 def test_epoch_zero_is_kept_when_training_only_hurts(reference_setup):
     model, calib, init = reference_setup
     paper = FinetuneConfig(epochs=1, lr=5.0, lr_schedule="constant", warmup_steps=0, select_every=0, proximal=0.0)
-    result = finetune_codebooks(model, calib, init, paper, torch.device("cpu"))
+    result = finetune_codebooks(model, calib, init, cfg=paper, device=torch.device("cpu"))
     assert result.curve[1]["selection_kl"] > result.curve[0]["selection_kl"]
     assert result.best_epoch == 0
     for key, codec in result.quantizer.codecs.items():
@@ -74,7 +74,7 @@ def test_epoch_zero_is_kept_when_training_only_hurts(reference_setup):
 @pytest.mark.slow  # the shipped reference model
 def test_disabled_gives_exactly_the_kmeans_codebooks(reference_setup):
     model, calib, init = reference_setup
-    result = finetune_codebooks(model, calib, init, FinetuneConfig(enabled=False), torch.device("cpu"))
+    result = finetune_codebooks(model, calib, init, cfg=FinetuneConfig(enabled=False), device=torch.device("cpu"))
     assert result.best_epoch == 0 and len(result.curve) == 1
     for key, codec in result.quantizer.codecs.items():
         assert torch.equal(codec.codebook, init.codecs[key].codebook)
@@ -91,7 +91,7 @@ def test_codebook_gradient_is_exact_through_the_lookup(reference_setup):
     q.codecs[key].codebook = cb
     ids = calib.input_ids[:1]
     cfg = FinetuneConfig()
-    sequence_kl(model, ids, q, calib.sink_tokens, cfg, torch.device("cpu")).backward()
+    sequence_kl(model, ids, q, sink_tokens=calib.sink_tokens, cfg=cfg, device=torch.device("cpu")).backward()
     grad = cb.grad.clone()
 
     codec = q.codecs[key]
@@ -130,8 +130,8 @@ def test_codebook_gradient_is_exact_through_the_lookup(reference_setup):
 @pytest.mark.slow  # the shipped reference model
 def test_cached_teacher_gives_the_same_result(reference_setup):
     model, calib, init = reference_setup
-    a = finetune_codebooks(model, calib, init, FinetuneConfig(epochs=1, cache_teacher="true"), torch.device("cpu"))
-    b = finetune_codebooks(model, calib, init, FinetuneConfig(epochs=1, cache_teacher="false"), torch.device("cpu"))
+    a = finetune_codebooks(model, calib, init, cfg=FinetuneConfig(epochs=1, cache_teacher="true"), device=torch.device("cpu"))
+    b = finetune_codebooks(model, calib, init, cfg=FinetuneConfig(epochs=1, cache_teacher="false"), device=torch.device("cpu"))
     assert a.curve == b.curve
     for key in a.quantizer.codecs:
         assert torch.equal(a.quantizer.codecs[key].codebook, b.quantizer.codecs[key].codebook)
@@ -191,7 +191,7 @@ def test_teacher_cache_is_sized_after_the_second_step(reference_setup, monkeypat
     progress = []
     monkeypatch.setattr(TeacherCache, "settle", lambda self, device, to_come=0, peak_floor=0:
                         calls.append((len(progress), to_come, peak_floor)))
-    finetune_codebooks(model, calib, init, FinetuneConfig(epochs=1), torch.device("cpu"), progress.append)
+    finetune_codebooks(model, calib, init, cfg=FinetuneConfig(epochs=1), device=torch.device("cpu"), progress=progress.append)
     codebook_bytes = sum(c.codebook.numel() * 4 for c in init.codecs.values())  # fp32 during fine-tuning
     assert calls == [(1, codebook_bytes, 0)] and len(progress) > 2  # no floor on CPU (no peak statistics)
     cache = TeacherCache(model, FinetuneConfig(), [[0], [1]])
@@ -218,7 +218,7 @@ def test_teacher_cache_on_cuda_ignores_memory_freed_before_finetuning(tiny_setup
     held = block.numel()
     del block  # freed into the caching allocator, still reserved
     assert torch.cuda.memory_reserved(cuda) >= held
-    result = finetune_codebooks(model, calib, init, FinetuneConfig(epochs=2, cache_teacher="auto"), cuda)
+    result = finetune_codebooks(model, calib, init, cfg=FinetuneConfig(epochs=2, cache_teacher="auto"), device=cuda)
     assert result.teacher_kept == calib.input_ids.shape[0]
     assert torch.cuda.mem_get_info(cuda)[0] >= held
 
@@ -236,7 +236,7 @@ def test_loop_checkpointing_gives_the_same_gradients(make):
         for c in q.codecs.values():
             c.codebook.requires_grad_(True)
         model.loop_checkpointing = on
-        sequence_kl(model, ids, q, 4, FinetuneConfig(), torch.device("cpu")).backward()
+        sequence_kl(model, ids, q, sink_tokens=4, cfg=FinetuneConfig(), device=torch.device("cpu")).backward()
         grads.append(torch.cat([c.codebook.grad.flatten() for c in q.codecs.values()]))
     model.loop_checkpointing = False
     assert grads[0].abs().sum() > 0
@@ -275,7 +275,7 @@ def test_teacher_cache_holds_every_sequence_a_process_is_asked_for(tiny_setup, m
         seen = asked.setdefault(rank, [])
         monkeypatch.setattr(TeacherCache, "get", lambda self, seq, *a, _s=seen: _s.append(seq) or get(self, seq, *a))
         cfg = FinetuneConfig(epochs=3, batch_size=2, select_every=2, cache_teacher="true")
-        result = finetune_codebooks(model, calib, init, cfg, torch.device("cpu"), dist=DistContext(rank, 2))
+        result = finetune_codebooks(model, calib, init, cfg=cfg, device=torch.device("cpu"), dist=DistContext(rank, 2))
         assert result.teacher_kept == len(set(seen))
         plan = finetune_module.teacher_plan(calib, cfg, DistContext(rank, 2))
         assert [s for group in plan for s in group] == seen and len(ranked(plan)) == len(set(seen))
@@ -300,11 +300,11 @@ def test_batched_selection_equals_one_sequence_at_a_time(make):
     calib = CalibrationSet(ids, [0], [1, 2, 3, 4, 5], 2)
     lossy = sampled_quantizer(model, ids[:2], "loopvq", codebook_size=4)
     cpu = torch.device("cpu")
-    each = [sequence_kl(model, ids[i : i + 1], lossy, 2, FinetuneConfig(), cpu).item() for i in calib.heldout]
+    each = [sequence_kl(model, ids[i : i + 1], lossy, sink_tokens=2, cfg=FinetuneConfig(), device=cpu).item() for i in calib.heldout]
     for batch in (1, 2, 5):
         cfg = FinetuneConfig(selection_batch=batch)
         for cache in (None, TeacherCache(model, cfg, [[i] for i in range(6)])):
-            got = selection_kl(model, calib, lossy, cfg, cpu, cache)
+            got = selection_kl(model, calib, lossy, cfg=cfg, device=cpu, cache=cache)
             assert got == pytest.approx(sum(each) / len(each), rel=1e-5), (batch, cache)
     exact = sampled_quantizer(model, ids, "loopvq", codebook_size=96)
-    assert selection_kl(model, calib, exact, FinetuneConfig(selection_batch=5), cpu) == 0.0
+    assert selection_kl(model, calib, exact, cfg=FinetuneConfig(selection_batch=5), device=cpu) == 0.0

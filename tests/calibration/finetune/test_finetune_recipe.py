@@ -18,12 +18,12 @@ from loopvq_calib.config.schema import FinetuneConfig
 
 
 def test_lr_factor_by_hand():
-    assert [lr_factor(s, 6, 2, "constant") for s in range(6)] == [0.5, 1, 1, 1, 1, 1]
-    assert [lr_factor(s, 6, 2, "linear") for s in range(6)] == [0.5, 1, 1, 0.75, 0.5, 0.25]
-    cos = [lr_factor(s, 6, 2, "cosine") for s in range(6)]
+    assert [lr_factor(s, 6, 2, schedule="constant") for s in range(6)] == [0.5, 1, 1, 1, 1, 1]
+    assert [lr_factor(s, 6, 2, schedule="linear") for s in range(6)] == [0.5, 1, 1, 0.75, 0.5, 0.25]
+    cos = [lr_factor(s, 6, 2, schedule="cosine") for s in range(6)]
     assert cos[:3] == [0.5, 1, 1] and cos[3] == pytest.approx((1 + math.cos(math.pi / 4)) / 2)
     assert cos[5] == pytest.approx((1 + math.cos(3 * math.pi / 4)) / 2)
-    assert lr_factor(0, 4, 0, "cosine") == 1.0
+    assert lr_factor(0, 4, 0, schedule="cosine") == 1.0
 
 
 def test_schedule_sets_the_step_size(tiny_setup):
@@ -90,7 +90,7 @@ def test_min_usage_trains_only_codewords_used_enough(tiny_setup):
     """Usage = nearest-codeword counts of the training sequences' group vectors (after the sinks) under
     the k-means codebooks; entries below min_usage stay exactly as they were, others move."""
     model, calib, init = tiny_setup
-    counts = usage_counts(model, calib, init, TeacherCache(model, FinetuneConfig(), [[i] for i in range(4)]), torch.device("cpu"))
+    counts = usage_counts(model, calib, init, cache=TeacherCache(model, FinetuneConfig(), [[i] for i in range(4)]), device=torch.device("cpu"))
     key = "key.b0.l0"
     codec = init.codecs[key]
     hand = torch.zeros(codec.codebook.shape[:3], dtype=torch.long)

@@ -82,7 +82,7 @@ def test_auto_turns_checkpointing_on_when_the_teacher_cache_would_not_keep_every
                             (set(range(self.still_asked())), set()) if _k else ({0}, set()))
         monkeypatch.setattr(TeacherCache, "settle",
                             lambda self, device, to_come=0, peak_floor=0: sizings.append(len(progress)))
-        finetune_codebooks(model, calib, init, FinetuneConfig(**cfg), torch.device("cpu"), progress.append)
+        finetune_codebooks(model, calib, init, cfg=FinetuneConfig(**cfg), device=torch.device("cpu"), progress=progress.append)
         monkeypatch.undo()
         monkeypatch.setattr(loop_policy, "AUTO_DEVICES", ("cuda", "cpu"))
         steps = [on for on, grad in zip(asks, grad_calls(asks, calib, cfg)) if grad]
@@ -124,7 +124,7 @@ def test_a_real_cuda_out_of_memory_frees_the_step_and_redoes_it(tiny_setup, monk
     cuda = torch.device("cuda")
     _, calib, init = tiny_setup
     model = copy.deepcopy(tiny_setup[0]).to(cuda)
-    on = finetune_codebooks(model, calib, init, FinetuneConfig(**RECIPE, loop_checkpointing=True), cuda)
+    on = finetune_codebooks(model, calib, init, cfg=FinetuneConfig(**RECIPE, loop_checkpointing=True), device=cuda)
     real, seen = finetune_module.sequence_kl, {}
 
     def flaky(*args, **kwargs):
@@ -143,7 +143,7 @@ def test_a_real_cuda_out_of_memory_frees_the_step_and_redoes_it(tiny_setup, monk
     monkeypatch.setattr(LoopPolicy, "turn_on", noted)
     monkeypatch.setattr(finetune_module, "sequence_kl", flaky)
     with caplog.at_level(logging.INFO, logger="loopvq_calib"):
-        auto = finetune_codebooks(model, calib, init, FinetuneConfig(**RECIPE, loop_checkpointing="auto"), cuda)
+        auto = finetune_codebooks(model, calib, init, cfg=FinetuneConfig(**RECIPE, loop_checkpointing="auto"), device=cuda)
     assert seen["switch"] <= seen["entry"] and "ran out of GPU memory" in caplog.text
     assert [e["step"] for e in auto.curve] == [e["step"] for e in on.curve]
     torch.testing.assert_close([e["selection_kl"] for e in auto.curve], [e["selection_kl"] for e in on.curve],
@@ -153,6 +153,6 @@ def test_a_real_cuda_out_of_memory_frees_the_step_and_redoes_it(tiny_setup, monk
     monkeypatch.undo()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="loopvq_calib"):
-        finetune_codebooks(model, calib, init, FinetuneConfig(**dict(RECIPE, cache_teacher="auto"),
-                                                              loop_checkpointing="auto"), cuda)
+        finetune_codebooks(model, calib, init, cfg=FinetuneConfig(**dict(RECIPE, cache_teacher="auto"),
+                                                              loop_checkpointing="auto"), device=cuda)
     assert "loop checkpointing auto -> off" in caplog.text and "-> on" not in caplog.text

@@ -23,13 +23,13 @@ def test_cache_capacity_counts_memory_outside_the_allocator():
     come): 28 when the allocator holds all memory in use; 3 fewer when 3 units lie outside it (context, other
     processes: the device reports 3 less free); the device's size still bounds it when it reports more free;
     never below 0 nor above the sequences asked for."""
-    assert cache_capacity(1, 50, 100, 60, device_free=40, reserved=60, to_come=2) == 100 - 10 - 60 - 2
-    assert cache_capacity(1, 50, 100, 60, device_free=37, reserved=60, to_come=2) == 100 - 10 - 60 - 2 - 3
-    assert cache_capacity(1, 50, 100, 60, device_free=30, reserved=50, to_come=2) == 100 - 10 - 60 - 2 - 20
-    assert cache_capacity(1, 50, 100, 60, device_free=90, reserved=60, to_come=2) == 28
-    assert cache_capacity(2, 50, 100, 60, device_free=37, reserved=60, to_come=2) == 12  # 25 units
-    assert cache_capacity(1, 5, 100, 60, device_free=40, reserved=60) == 5
-    assert cache_capacity(1, 5, 100, 95, device_free=5, reserved=95) == 0
+    assert cache_capacity(1, 50, 100, peak_reserved=60, device_free=40, reserved=60, to_come=2) == 100 - 10 - 60 - 2
+    assert cache_capacity(1, 50, 100, peak_reserved=60, device_free=37, reserved=60, to_come=2) == 100 - 10 - 60 - 2 - 3
+    assert cache_capacity(1, 50, 100, peak_reserved=60, device_free=30, reserved=50, to_come=2) == 100 - 10 - 60 - 2 - 20
+    assert cache_capacity(1, 50, 100, peak_reserved=60, device_free=90, reserved=60, to_come=2) == 28
+    assert cache_capacity(2, 50, 100, peak_reserved=60, device_free=37, reserved=60, to_come=2) == 12  # 25 units
+    assert cache_capacity(1, 5, 100, peak_reserved=60, device_free=40, reserved=60) == 5
+    assert cache_capacity(1, 5, 100, peak_reserved=95, device_free=5, reserved=95) == 0
 
 
 def test_tiers_by_hand():

@@ -48,8 +48,8 @@ def tiny_capture(tmp_path_factory):
     calib = CalibrationSet(input_ids=ids, train=[0, 1, 2], heldout=[3], sink_tokens=SINKS)
     out = tmp_path_factory.mktemp("capture")
     cap = CaptureConfig(dtype="float32")
-    capture_kv(model, calib, kv, cap, out)
-    write_meta(out, calib, kv, cap)
+    capture_kv(model, calib, kv, cfg=cap, out=out)
+    write_meta(out, calib, kv, cfg=cap)
     return CaptureReader(out), kv
 
 
@@ -78,7 +78,7 @@ def test_fit_codebooks_shapes_objectives_and_encoding(tiny_capture, sharing):
     quant = quant_config(sharing=sharing)
     layouts = plan_layouts(kv, quant)
     calls = []
-    q, report = fit_codebooks(reader, layouts, {}, quant, FAST, kv, CPU, progress=calls.append)
+    q, report = fit_codebooks(reader, layouts, {}, quant=quant, cfg=FAST, kv=kv, device=CPU, progress=calls.append)
     assert calls == [1] * len(layouts) and set(q.codecs) == {lay.key for lay in layouts}
     hc = 1 if sharing in ("heads", "all") else kv.kv_heads
     nc = 1 if sharing in ("groups", "all") else layouts[0].num_groups
@@ -90,7 +90,7 @@ def test_fit_codebooks_shapes_objectives_and_encoding(tiny_capture, sharing):
         # the points each codebook was fitted on: what the run's helper (the backend probe's size) says
         m = reader.meta
         assert r["points_per_codebook"] == run_points_per_codebook(layouts, m["num_sequences"], m["sequence_length"],
-                                                                   m["sink_tokens"], sharing)
+                                                                   sink_tokens=m["sink_tokens"], sharing=sharing)
         assert r["points_per_codebook"] == reader.load(lay.kind, lay.sites).shape[0] * kv.kv_heads * lay.num_groups // (hc * nc)
         assert 0 < r["seconds_init"] < r["seconds"]
         assert all(f <= i + 1e-6 for i, f in zip(r["objective_init"], r["objective_final"]))
@@ -115,7 +115,7 @@ def test_fit_codebooks_tasq_encoding_and_cq(tiny_capture):
     quant = quant_config(method="tasq+loopvq")
     layouts = plan_layouts(kv, quant)
     transforms = tasq_transforms(layouts, kv)
-    q, _ = fit_codebooks(reader, layouts, transforms, quant, FAST, kv, CPU)
+    q, _ = fit_codebooks(reader, layouts, transforms, quant=quant, cfg=FAST, kv=kv, device=CPU)
     lay = layouts[0]
     assert lay.kind == "key" and q.codecs[lay.key].transform is transforms[lay.key]
     x = reader.load(lay.kind, lay.sites)
@@ -128,7 +128,7 @@ def test_fit_codebooks_tasq_encoding_and_cq(tiny_capture):
     np.testing.assert_allclose(chosen, d.min(-1), rtol=1e-5, atol=1e-6)
     cq = quant_config(method="cq")
     cq_layouts = plan_layouts(kv, cq)[:2]
-    q_cq, _ = fit_codebooks(reader, cq_layouts, {}, cq, FAST, kv, CPU)
+    q_cq, _ = fit_codebooks(reader, cq_layouts, {}, quant=cq, cfg=FAST, kv=kv, device=CPU)
     assert q_cq.steps_per_block == 1 and all(lay.steps == 1 for lay in cq_layouts)
     assert tuple(q_cq.codecs[cq_layouts[0].key].codebook.shape) == (kv.kv_heads, kv.head_dim // G, K, G)
 
@@ -142,7 +142,7 @@ def test_layout_problems_weights_match_numpy(tiny_capture, sharing):
     lay = plan_layouts(kv, quant)[0]
     t = tasq_transforms([lay], kv)[lay.key]
     x, f = reader.load(lay.kind, lay.sites), reader.load("fisher_" + lay.kind, lay.sites)
-    points, weights = layout_problems(x, f, lay, t, K, sharing)
+    points, weights = layout_problems(x, f, lay, transform=t, codebook_size=K, sharing=sharing)
     xn, fn, wn = x.double().numpy(), f.double().numpy(), t.weight.double().numpy()
     sigma = t.sigma(x).double().numpy()  # [N, T]
     y = xn * wn / sigma[..., None, None]
@@ -169,7 +169,7 @@ def test_layout_problems_weights_match_numpy(tiny_capture, sharing):
         np.testing.assert_allclose(got_x, ref_x[match], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(weights[p].double().numpy(), (ref_w / ref_w.max())[match], rtol=1e-4, atol=1e-7)
     assert (weights.amax(-1) == 1).all()
-    _, ones = layout_problems(x, f, lay, t, K, sharing, fisher_weighted=False)
+    _, ones = layout_problems(x, f, lay, transform=t, codebook_size=K, sharing=sharing, fisher_weighted=False)
     assert (ones == 1).all()
 
 
@@ -188,8 +188,8 @@ def test_sink_tokens_are_excluded(tiny_capture, tmp_path):
     assert outliers.load("key", (0,), include_sinks=True).abs().max() == 1e4
     quant = quant_config()
     layouts = [lay for lay in plan_layouts(kv, quant) if lay.kind == "key"]
-    clean, _ = fit_codebooks(reader, layouts, {}, quant, FAST, kv, CPU)
-    dirty, _ = fit_codebooks(outliers, layouts, {}, quant, FAST, kv, CPU)
+    clean, _ = fit_codebooks(reader, layouts, {}, quant=quant, cfg=FAST, kv=kv, device=CPU)
+    dirty, _ = fit_codebooks(outliers, layouts, {}, quant=quant, cfg=FAST, kv=kv, device=CPU)
     for lay in layouts:
         assert torch.equal(clean.codecs[lay.key].codebook, dirty.codecs[lay.key].codebook)
         assert dirty.codecs[lay.key].codebook.abs().max() < 1e2
@@ -199,12 +199,12 @@ def test_fit_is_deterministic_and_order_independent(tiny_capture):
     reader, kv = tiny_capture
     quant = quant_config()
     layouts = plan_layouts(kv, quant)
-    a, _ = fit_codebooks(reader, layouts, {}, quant, FAST, kv, CPU)
-    b, _ = fit_codebooks(reader, layouts[::-1][:2], {}, quant, FAST, kv, CPU)
+    a, _ = fit_codebooks(reader, layouts, {}, quant=quant, cfg=FAST, kv=kv, device=CPU)
+    b, _ = fit_codebooks(reader, layouts[::-1][:2], {}, quant=quant, cfg=FAST, kv=kv, device=CPU)
     for key in b.codecs:
         assert torch.equal(a.codecs[key].codebook, b.codecs[key].codebook)
     other_seed = KMeansConfig(iterations=25, backend="torch", seed=1)
-    c, _ = fit_codebooks(reader, layouts[:1], {}, quant, other_seed, kv, CPU)
+    c, _ = fit_codebooks(reader, layouts[:1], {}, quant=quant, cfg=other_seed, kv=kv, device=CPU)
     assert not torch.equal(c.codecs[layouts[0].key].codebook, a.codecs[layouts[0].key].codebook)
 
 
@@ -226,12 +226,12 @@ def test_fused_path_solves_layouts_together_as_one_at_a_time(tiny_capture, monke
         return real(x, *args, **kwargs)
 
     monkeypatch.setattr(kmeans, "weighted_kmeans", counted)
-    together, joined = fit_codebooks(reader, layouts, transforms, quant, cfg, kv, TRITON_DEVICE)
+    together, joined = fit_codebooks(reader, layouts, transforms, quant=quant, cfg=cfg, kv=kv, device=TRITON_DEVICE)
     problems = kv.kv_heads * layouts[0].num_groups
     assert calls == [4 * problems]
     calls.clear()
     monkeypatch.setattr(kmeans, "LLOYD_GROUP_BYTES", 0)  # no room to join: one layout per loop
-    alone, single = fit_codebooks(reader, layouts, transforms, quant, cfg, kv, TRITON_DEVICE)
+    alone, single = fit_codebooks(reader, layouts, transforms, quant=quant, cfg=cfg, kv=kv, device=TRITON_DEVICE)
     assert calls == [problems] * 4
     assert list(together.codecs) == list(alone.codecs) == [lay.key for lay in layouts]
     for lay in layouts:
@@ -253,7 +253,7 @@ def test_fused_schedule_seeds_the_next_group_before_a_lloyd_loop_and_keeps_the_r
     quant = quant_config(method="cq")  # one loop step per layout: 16 layouts
     layouts = plan_layouts(kv, quant)[:6]
     cfg = KMeansConfig(iterations=12)
-    reference, ref_report = fit_codebooks(reader, layouts, {}, quant, KMeansConfig(iterations=12, backend="torch"), kv, CPU)
+    reference, ref_report = fit_codebooks(reader, layouts, {}, quant=quant, cfg=KMeansConfig(iterations=12, backend="torch"), kv=kv, device=CPU)
 
     events = []
     real_problems, real_solve = kmeans.layout_problems, kmeans.weighted_kmeans
@@ -267,7 +267,7 @@ def test_fused_schedule_seeds_the_next_group_before_a_lloyd_loop_and_keeps_the_r
         return real_solve(x, *args, **kwargs)
 
     def lloyd_step(x, w, c, rows, accumulate):
-        return backends._assign(x[rows], x[rows].pow(2).sum(-1), w[rows], c, 1 << 20, accumulate)
+        return backends._assign(x[rows], x[rows].pow(2).sum(-1), w[rows], c=c, chunk=1 << 20, accumulate=accumulate)
 
     for module in (kmeans, backends):
         monkeypatch.setattr(module, "resolve_backend", lambda *a, **k: "triton")
@@ -277,9 +277,9 @@ def test_fused_schedule_seeds_the_next_group_before_a_lloyd_loop_and_keeps_the_r
     monkeypatch.setattr(kmeans_triton, "kmeans_pp", backends._kmeans_pp_rows)
     problems_per_layout = kv.kv_heads * layouts[0].num_groups
     points = real_problems(reader.load(layouts[0].kind, layouts[0].sites), reader.load("fisher_" + layouts[0].kind,
-                           layouts[0].sites), layouts[0], None, K, "none")[0]
+                           layouts[0].sites), layouts[0], transform=None, codebook_size=K, sharing="none")[0]
     monkeypatch.setattr(kmeans, "LLOYD_GROUP_BYTES", 2 * points.numel() * 4)  # two layouts per Lloyd loop
-    fused, report = fit_codebooks(reader, layouts, {}, quant, cfg, kv, CPU)
+    fused, report = fit_codebooks(reader, layouts, {}, quant=quant, cfg=cfg, kv=kv, device=CPU)
 
     seeded = [("seed", lay.key) for lay in layouts]
     group = ("lloyd", 2 * problems_per_layout)
@@ -305,7 +305,7 @@ def test_faiss_layouts_are_seeded_by_their_own_layout_seed(tiny_capture, monkeyp
     monkeypatch.setattr(backends, "_faiss_kmeans", lambda x, w, init, cfg, seed, device: seeds.append(seed) or
                         backends.KMeansResult(init.clone(), torch.zeros(x.shape[0]), torch.zeros(x.shape[0]),
                                               torch.zeros(x.shape[0], dtype=torch.long), torch.zeros(x.shape[0], dtype=torch.long)))
-    fit_codebooks(reader, layouts, {}, quant, FAST, kv, CPU)
+    fit_codebooks(reader, layouts, {}, quant=quant, cfg=FAST, kv=kv, device=CPU)
     assert seeds == [layout_seed(FAST.seed, lay) for lay in layouts] and len(set(seeds)) == 2
 
 
@@ -315,7 +315,7 @@ def test_fit_codebooks_faiss_equals_torch(tiny_capture):
     reader, kv = tiny_capture
     quant = quant_config(sharing="groups")  # 4 codebooks per layout: faiss pays a fixed cost per problem
     layouts = plan_layouts(kv, quant)[:2]
-    fits = {b: fit_codebooks(reader, layouts, {}, quant, KMeansConfig(iterations=6, tolerance=0.0, backend=b), kv, CPU)
+    fits = {b: fit_codebooks(reader, layouts, {}, quant=quant, cfg=KMeansConfig(iterations=6, tolerance=0.0, backend=b), kv=kv, device=CPU)
             for b in ("torch", "faiss")}
     for lay in layouts:
         reports = [fits[b][1]["layouts"][lay.key] for b in fits]
@@ -331,8 +331,8 @@ def test_fit_codebooks_on_cuda_matches_cpu(tiny_capture):
     quant = quant_config(method="tasq+loopvq")
     layouts = plan_layouts(kv, quant)[:2]
     transforms = tasq_transforms(layouts, kv)
-    on_cpu, _ = fit_codebooks(reader, layouts, transforms, quant, FAST, kv, CPU)
-    on_gpu, report = fit_codebooks(reader, layouts, transforms, quant, KMeansConfig(iterations=25), kv, torch.device("cuda"))
+    on_cpu, _ = fit_codebooks(reader, layouts, transforms, quant=quant, cfg=FAST, kv=kv, device=CPU)
+    on_gpu, report = fit_codebooks(reader, layouts, transforms, quant=quant, cfg=KMeansConfig(iterations=25), kv=kv, device=torch.device("cuda"))
     assert report["totals"]["backend"] == "triton" and report["totals"]["device"] == "cuda"  # auto on CUDA
     for lay in layouts:
         torch.testing.assert_close(on_gpu.codecs[lay.key].codebook, on_cpu.codecs[lay.key].codebook, atol=1e-4, rtol=1e-4)
@@ -350,15 +350,15 @@ def test_fused_schedule_on_cuda_from_a_pinned_capture_matches_cpu(tmp_path, monk
     calib = CalibrationSet(input_ids=torch.randint(0, 4096, (4, 32), generator=gen(0)), train=[0, 1, 2], heldout=[3],
                            sink_tokens=SINKS)
     mem, cap = MemoryCapture(), CaptureConfig(dtype="float32", store="memory")
-    capture_kv(model, calib, kv, cap, mem)
-    write_meta(tmp_path, calib, kv, cap, mem)
+    capture_kv(model, calib, kv, cfg=cap, out=mem)
+    write_meta(tmp_path, calib, kv, cfg=cap, memory=mem)
     reader = MemoryReader(mem)
     assert mem.sequences[0]["key.0"].is_pinned()
     quant = quant_config(method="cq")
     layouts = plan_layouts(kv, quant)[:6]
-    on_cpu, _ = fit_codebooks(reader, layouts, {}, quant, FAST, kv, CPU)
+    on_cpu, _ = fit_codebooks(reader, layouts, {}, quant=quant, cfg=FAST, kv=kv, device=CPU)
     monkeypatch.setattr(kmeans, "LLOYD_GROUP_BYTES", 1)  # no two layouts share a loop
-    on_gpu, report = fit_codebooks(reader, layouts, {}, quant, KMeansConfig(iterations=25), kv, torch.device("cuda"))
+    on_gpu, report = fit_codebooks(reader, layouts, {}, quant=quant, cfg=KMeansConfig(iterations=25), kv=kv, device=torch.device("cuda"))
     assert report["totals"]["backend"] == "triton" and list(on_gpu.codecs) == [lay.key for lay in layouts]
     for lay in layouts:
         torch.testing.assert_close(on_gpu.codecs[lay.key].codebook, on_cpu.codecs[lay.key].codebook, atol=1e-4, rtol=1e-4)
@@ -368,4 +368,4 @@ def test_too_few_tokens_for_the_codebook(tiny_capture):
     reader, kv = tiny_capture
     quant = quant_config(codebook_size=256)  # 112 tokens < 256 codewords per (head, group)
     with pytest.raises(ValueError, match=r"quant.codebook_size 256.*112 .*data.num_sequences 4"):
-        fit_codebooks(reader, plan_layouts(kv, quant), {}, quant, FAST, kv, CPU)
+        fit_codebooks(reader, plan_layouts(kv, quant), {}, quant=quant, cfg=FAST, kv=kv, device=CPU)

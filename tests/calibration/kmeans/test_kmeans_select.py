@@ -49,7 +49,7 @@ def test_backend_resolution_and_missing_faiss(monkeypatch):
     monkeypatch.setitem(sys.modules, "faiss", None)
     x, w = blobs(1, 100, 4, 2, seed=10)
     with pytest.raises(ImportError, match="kmeans.backend"):
-        weighted_kmeans(x, w, x[:, :K], KMeansConfig(), "faiss", CPU)
+        weighted_kmeans(x, w, x[:, :K], cfg=KMeansConfig(), backend="faiss", device=CPU)
 
 
 def test_auto_logs_why_it_does_not_use_triton(monkeypatch, caplog):

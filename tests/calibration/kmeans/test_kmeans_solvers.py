@@ -30,7 +30,7 @@ TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_triton = pytest.mark.skipif(
     not kmeans_triton.available(TRITON_DEVICE), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1"
 )
-LLOYD = [pytest.param(("torch", CPU), id="torch"), pytest.param(("triton", TRITON_DEVICE), id="triton", marks=needs_triton)]
+LLOYD = [pytest.param({"backend": "torch", "device": CPU}, id="torch"), pytest.param({"backend": "triton", "device": TRITON_DEVICE}, id="triton", marks=needs_triton)]
 
 
 # ---------- independent references ----------
@@ -65,8 +65,8 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def fused_pp(x: torch.Tensor, w: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
-    return kmeans_pp_init(x.to(TRITON_DEVICE), w.to(TRITON_DEVICE), k, generator, fused=True).cpu()
+def fused_pp(x: torch.Tensor, w: torch.Tensor, k: int, *, generator: torch.Generator) -> torch.Tensor:
+    return kmeans_pp_init(x.to(TRITON_DEVICE), w.to(TRITON_DEVICE), k, generator=generator, fused=True).cpu()
 
 
 INITS = [kmeans_pp_init, random_init, pytest.param(fused_pp, marks=needs_triton)]
@@ -82,7 +82,7 @@ def test_init_picks_only_positive_weight_points(init):
     w = torch.zeros_like(w)
     chosen = torch.stack([torch.randperm(200, generator=gen(p))[:K] for p in range(3)])
     w.scatter_(1, chosen, torch.rand(3, K, generator=gen(9)) + 0.1)
-    c = init(x, w, K, gen(0))
+    c = init(x, w, K, generator=gen(0))
     for p in range(3):
         expect = {tuple(v) for v in x[p, chosen[p]].tolist()}
         assert {tuple(v) for v in c[p].tolist()} == expect
@@ -91,7 +91,7 @@ def test_init_picks_only_positive_weight_points(init):
 @pytest.mark.parametrize("init", INITS)
 def test_init_is_deterministic_for_a_seed(init):
     x, w = blobs(4, 300, 4, 8, seed=2)
-    a, b, other = init(x, w, K, gen(5)), init(x, w, K, gen(5)), init(x, w, K, gen(6))
+    a, b, other = init(x, w, K, generator=gen(5)), init(x, w, K, generator=gen(5)), init(x, w, K, generator=gen(6))
     assert torch.equal(a, b) and not torch.equal(a, other)
     rows = [{tuple(v) for v in x[p].tolist()} for p in range(4)]
     assert all(tuple(v) in rows[p] for p in range(4) for v in a[p].tolist())  # centroids are data points
@@ -104,7 +104,7 @@ def test_kmeans_pp_spreads_over_separated_clusters(init):
     centres = torch.randn(6, K, 4, generator=gen(3)) * 300
     label = torch.arange(400).remainder(K).expand(6, -1)
     x = centres.gather(1, label[..., None].expand(-1, -1, 4)) + 0.1 * torch.randn(6, 400, 4, generator=gen(4))
-    c = init(x, torch.rand(6, 400, generator=gen(5)) + 0.1, K, gen(0))
+    c = init(x, torch.rand(6, 400, generator=gen(5)) + 0.1, K, generator=gen(0))
     for p in range(6):
         assert len(set(np_assign(c[p].double().numpy(), centres[p].double().numpy()).tolist())) == K
 
@@ -142,7 +142,7 @@ def test_kmeans_pp_never_seeds_on_zero_weight_points_when_positive_ones_run_out(
     x[0, 1] = x[0, 0]
     w = torch.zeros(1, 40)
     w[0, :3] = torch.tensor([1.0, 2.0, 0.5])
-    c = init(x, w, 5, gen(8))[0]
+    c = init(x, w, 5, generator=gen(8))[0]
     allowed = {tuple(x[0, 0].tolist()), tuple(x[0, 2].tolist())}
     assert {tuple(v) for v in c.tolist()} == allowed
 
@@ -153,9 +153,9 @@ def test_kmeans_pp_never_seeds_on_zero_weight_points_when_positive_ones_run_out(
 def test_lloyd_matches_numpy_reference(backend):
     """Weighted update, iteration count under the tolerance stop, and both objectives vs numpy."""
     x, w = blobs(5, 600, 4, 6, seed=4)
-    init = kmeans_pp_init(x, w, 6, gen(1))
+    init = kmeans_pp_init(x, w, 6, generator=gen(1))
     cfg = KMeansConfig(iterations=30, tolerance=1e-3, points_per_chunk=97, problems_per_batch=2)
-    res = weighted_kmeans(x, w, init, cfg, *backend)
+    res = weighted_kmeans(x, w, init, cfg=cfg, **backend)
     for p in range(5):
         xp, wp, cp = x[p].double().numpy(), w[p].double().numpy(), init[p].double().numpy()
         ref, its = np_lloyd(xp, wp, cp, cfg.iterations, cfg.tolerance)
@@ -169,8 +169,8 @@ def test_lloyd_matches_numpy_reference(backend):
 @pytest.mark.parametrize("backend", LLOYD)
 def test_one_update_is_the_weighted_mean(backend):
     x, w = blobs(2, 500, 4, 8, seed=5)
-    init = random_init(x, w, 8, gen(2))
-    res = weighted_kmeans(x, w, init, KMeansConfig(iterations=1, tolerance=0), *backend)
+    init = random_init(x, w, 8, generator=gen(2))
+    res = weighted_kmeans(x, w, init, cfg=KMeansConfig(iterations=1, tolerance=0), **backend)
     for p in range(2):
         xp, wp = x[p].double().numpy(), w[p].double().numpy()
         a = np_assign(xp, init[p].double().numpy())
@@ -184,10 +184,10 @@ def test_one_update_is_the_weighted_mean(backend):
 def test_faiss_and_torch_agree(n):
     k = 4 if n > 1000 else K
     x, w = blobs(3, n, G, k, seed=6)
-    init = kmeans_pp_init(x, w, k, gen(3))
+    init = kmeans_pp_init(x, w, k, generator=gen(3))
     cfg = KMeansConfig(iterations=8, tolerance=0.0)
-    a = weighted_kmeans(x, w, init, cfg, "torch", CPU)
-    b = weighted_kmeans(x, w, init, cfg, "faiss", CPU)
+    a = weighted_kmeans(x, w, init, cfg=cfg, backend="torch", device=CPU)
+    b = weighted_kmeans(x, w, init, cfg=cfg, backend="faiss", device=CPU)
     assert a.empty_clusters.sum() == 0 and b.empty_clusters.sum() == 0
     torch.testing.assert_close(a.centroids, b.centroids, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(a.objective_final, b.objective_final, rtol=1e-5, atol=0)
@@ -205,12 +205,12 @@ def test_cpu_search_through_faiss_equals_the_chunked_torch_search(monkeypatch):
     """On the CPU the torch backend finds nearest centroids with faiss.knn when faiss is installed; the chunked
     baddbmm search (no faiss, and every GPU) must give the same Lloyd run, reseeded empty clusters included."""
     x, w = blobs(4, 700, G, K, seed=13)
-    init = kmeans_pp_init(x, w, K, gen(7))
+    init = kmeans_pp_init(x, w, K, generator=gen(7))
     init[:, 0] = 1e3
     cfg = KMeansConfig(iterations=40, tolerance=1e-4, points_per_chunk=100, problems_per_batch=3)
-    with_faiss = weighted_kmeans(x, w, init, cfg, "torch", CPU)
+    with_faiss = weighted_kmeans(x, w, init, cfg=cfg, backend="torch", device=CPU)
     monkeypatch.setattr(kmeans_backends, "_faiss_search", lambda: None)
-    chunked = weighted_kmeans(x, w, init, cfg, "torch", CPU)
+    chunked = weighted_kmeans(x, w, init, cfg=cfg, backend="torch", device=CPU)
     torch.testing.assert_close(with_faiss.centroids, chunked.centroids, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(with_faiss.objective_final, chunked.objective_final)
     assert torch.equal(with_faiss.iterations, chunked.iterations) and len(set(chunked.iterations.tolist())) > 1
@@ -222,10 +222,10 @@ def test_cpu_problems_spread_over_threads_equal_one_sequential_batch(monkeypatch
     blocks spread over torch.get_num_threads() single-threaded workers: the same seeds and centroids as all
     problems in one batch on the calling thread, and the thread settings are restored afterwards."""
     x, w = blobs(11, 300, G, K, seed=21)
-    init = kmeans_pp_init(x, w, K, gen(4))
+    init = kmeans_pp_init(x, w, K, generator=gen(4))
     uniforms = torch.rand(K, 11, generator=gen(4), dtype=torch.float64)  # the draws kmeans_pp_init makes
-    assert torch.equal(init, kmeans_backends._kmeans_pp_rows(x, w, K, uniforms))
-    whole = weighted_kmeans(x, w, init, KMeansConfig(iterations=12, tolerance=1e-4, problems_per_batch=11), "torch", CPU)
+    assert torch.equal(init, kmeans_backends._kmeans_pp_rows(x, w, K, uniforms=uniforms))
+    whole = weighted_kmeans(x, w, init, cfg=KMeansConfig(iterations=12, tolerance=1e-4, problems_per_batch=11), backend="torch", device=CPU)
     seen = []
     real_lloyd = kmeans_backends._lloyd
 
@@ -237,7 +237,7 @@ def test_cpu_problems_spread_over_threads_equal_one_sequential_batch(monkeypatch
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        blocks = weighted_kmeans(x, w, init, KMeansConfig(iterations=12, tolerance=1e-4, problems_per_batch=3), "torch", CPU)
+        blocks = weighted_kmeans(x, w, init, cfg=KMeansConfig(iterations=12, tolerance=1e-4, problems_per_batch=3), backend="torch", device=CPU)
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
@@ -247,15 +247,15 @@ def test_cpu_problems_spread_over_threads_equal_one_sequential_batch(monkeypatch
     assert len(set(whole.iterations.tolist())) > 1  # problems stop at different updates
 
 
-@pytest.mark.parametrize("backend", LLOYD + [pytest.param(("faiss", CPU), id="faiss", marks=needs_faiss)])
+@pytest.mark.parametrize("backend", LLOYD + [pytest.param({"backend": "faiss", "device": CPU}, id="faiss", marks=needs_faiss)])
 def test_zero_weight_points_do_not_move_centroids(backend):
     x, w = blobs(2, 400, 4, 6, seed=7)
     outliers = torch.randn(2, 50, 4, generator=gen(8)) * 5 + 20
     x_all, w_all = torch.cat([x, outliers], 1), torch.cat([w, torch.zeros(2, 50)], 1)
-    init = kmeans_pp_init(x, w, 6, gen(4))
+    init = kmeans_pp_init(x, w, 6, generator=gen(4))
     cfg = KMeansConfig(iterations=10, tolerance=0.0)
-    with_outliers = weighted_kmeans(x_all, w_all, init, cfg, *backend)
-    without = weighted_kmeans(x, w, init, cfg, *backend)
+    with_outliers = weighted_kmeans(x_all, w_all, init, cfg=cfg, **backend)
+    without = weighted_kmeans(x, w, init, cfg=cfg, **backend)
     torch.testing.assert_close(with_outliers.centroids, without.centroids, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(with_outliers.objective_final, without.objective_final)
 
@@ -264,20 +264,20 @@ def test_zero_weight_points_do_not_move_centroids(backend):
 def test_empty_clusters_are_reseeded_deterministically(backend):
     x, w = blobs(3, 300, 4, 4, seed=9)
     w[:, :10] = 0.0
-    init = kmeans_pp_init(x, w, 4, gen(5))
+    init = kmeans_pp_init(x, w, 4, generator=gen(5))
     init[:, 0] = 1e3  # no point is nearest to centroid 0: it is empty in the first update
     cfg = KMeansConfig(iterations=1, tolerance=0.0, seed=11)
-    res = weighted_kmeans(x, w, init, cfg, *backend)
+    res = weighted_kmeans(x, w, init, cfg=cfg, **backend)
     assert res.empty_clusters.tolist() == [1, 1, 1]
     for p in range(3):
         positive = {tuple(v) for v in x[p, 10:].tolist()}
         assert tuple(res.centroids[p, 0].tolist()) in positive
-    again = weighted_kmeans(x, w, init, KMeansConfig(iterations=1, tolerance=0.0, seed=11, problems_per_batch=1), *backend)
+    again = weighted_kmeans(x, w, init, cfg=KMeansConfig(iterations=1, tolerance=0.0, seed=11, problems_per_batch=1), **backend)
     assert torch.equal(res.centroids[:, 0], again.centroids[:, 0])  # same seed, any batching: same reseeded point
     torch.testing.assert_close(res.centroids, again.centroids)  # (GPU atomic adds may differ in the last bits)
-    other = weighted_kmeans(x, w, init, KMeansConfig(iterations=1, tolerance=0.0, seed=12), *backend)
+    other = weighted_kmeans(x, w, init, cfg=KMeansConfig(iterations=1, tolerance=0.0, seed=12), **backend)
     assert not torch.equal(res.centroids[:, 0], other.centroids[:, 0])
-    full = weighted_kmeans(x, w, init, KMeansConfig(iterations=20, tolerance=0.0), *backend)
+    full = weighted_kmeans(x, w, init, cfg=KMeansConfig(iterations=20, tolerance=0.0), **backend)
     assert (full.objective_final < full.objective_init).all()
 
 
@@ -286,24 +286,24 @@ def test_problems_of_two_layouts_solved_together_keep_their_own_reseeding(backen
     """problem_keys: two sets of problems (two layouts, seeds 11 and 12) joined in one call give what each
     gives alone, reseeded empty clusters included (their draws are keyed by (seed, problem), not by the row)."""
     x, w = blobs(4, 300, 4, 4, seed=9)
-    init = kmeans_pp_init(x, w, 4, gen(5))
+    init = kmeans_pp_init(x, w, 4, generator=gen(5))
     init[:, 0] = 1e3  # centroid 0 is empty in the first update of every problem: all are reseeded
     cfg = KMeansConfig(iterations=3, tolerance=0.0)
-    a = weighted_kmeans(x[:2], w[:2], init[:2], cfg, *backend, seed=11)
-    b = weighted_kmeans(x[2:], w[2:], init[2:], cfg, *backend, seed=12)
+    a = weighted_kmeans(x[:2], w[:2], init[:2], cfg=cfg, **backend, seed=11)
+    b = weighted_kmeans(x[2:], w[2:], init[2:], cfg=cfg, **backend, seed=12)
     keys = [(11, 0), (11, 1), (12, 0), (12, 1)]
-    joined = weighted_kmeans(x, w, init, cfg, *backend, problem_keys=keys)
+    joined = weighted_kmeans(x, w, init, cfg=cfg, **backend, problem_keys=keys)
     assert joined.empty_clusters.tolist() == [1, 1, 1, 1] and joined.iterations.tolist() == [3, 3, 3, 3]
     torch.testing.assert_close(joined.centroids, torch.cat([a.centroids, b.centroids]))  # (GPU atomic adds: last bits)
     first = KMeansConfig(iterations=1, tolerance=0.0)  # after the first update centroid 0 is the reseeded point itself
-    alone = [weighted_kmeans(x[s], w[s], init[s], first, *backend, seed=seed).centroids[:, 0]
+    alone = [weighted_kmeans(x[s], w[s], init[s], cfg=first, **backend, seed=seed).centroids[:, 0]
              for s, seed in ((slice(0, 2), 11), (slice(2, 4), 12))]
-    assert torch.equal(weighted_kmeans(x, w, init, first, *backend, problem_keys=keys).centroids[:, 0], torch.cat(alone))
+    assert torch.equal(weighted_kmeans(x, w, init, cfg=first, **backend, problem_keys=keys).centroids[:, 0], torch.cat(alone))
     torch.testing.assert_close(joined.objective_final, torch.cat([a.objective_final, b.objective_final]))
-    unkeyed = weighted_kmeans(x, w, init, cfg, *backend, seed=11)  # rows 2, 3 would draw as problems (11, 2), (11, 3)
+    unkeyed = weighted_kmeans(x, w, init, cfg=cfg, **backend, seed=11)  # rows 2, 3 would draw as problems (11, 2), (11, 3)
     assert not torch.equal(unkeyed.centroids[2:, 0], b.centroids[:, 0])
     with pytest.raises(ValueError, match="3 problem keys for 4 problems"):
-        weighted_kmeans(x, w, init, cfg, *backend, problem_keys=keys[:3])
+        weighted_kmeans(x, w, init, cfg=cfg, **backend, problem_keys=keys[:3])
 
 
 def test_reseed_maps_batch_rows_to_their_problems():
@@ -314,12 +314,12 @@ def test_reseed_maps_batch_rows_to_their_problems():
     w[3, :4] = 0.0  # problem 3: only points 4 and 5 may be drawn
     c = torch.full((2, 3, 2), -1.0)
     empty = torch.tensor([[False, True, False], [True, False, True]])
-    _reseed(c, empty, x, w, rows=[1, 3], keys=[(7, 1, 2), (7, 3, 2)])
+    _reseed(c, empty, x, w=w, rows=[1, 3], keys=[(7, 1, 2), (7, 3, 2)])
     assert (c[~empty] == -1).all()
     assert tuple(c[0, 1].tolist()) in {tuple(v) for v in x[1].tolist()}
     assert {tuple(c[1, 0].tolist()), tuple(c[1, 2].tolist())} == {tuple(x[3, 4].tolist()), tuple(x[3, 5].tolist())}
     again = torch.full((2, 3, 2), -1.0)
-    _reseed(again, empty, x, w, rows=[1, 3], keys=[(7, 1, 2), (7, 3, 2)])
+    _reseed(again, empty, x, w=w, rows=[1, 3], keys=[(7, 1, 2), (7, 3, 2)])
     assert torch.equal(c, again)
 
 
@@ -330,20 +330,20 @@ def test_faiss_runs_where_kmeans_device_says(monkeypatch, caplog):
     import faiss
 
     x, w = blobs(2, 300, 4, 4, seed=14)
-    init = kmeans_pp_init(x, w, 4, gen(9))
+    init = kmeans_pp_init(x, w, 4, generator=gen(9))
     cfg = KMeansConfig(iterations=5, tolerance=0.0)
-    reference = weighted_kmeans(x, w, init, cfg, "faiss", CPU)
+    reference = weighted_kmeans(x, w, init, cfg=cfg, backend="faiss", device=CPU)
     asked, real = [], faiss.Kmeans
     monkeypatch.setattr(faiss, "Kmeans", lambda *args, **kw: asked.append(kw["gpu"]) or real(*args, **kw))
     monkeypatch.setattr(faiss, "get_num_gpus", lambda: 1)  # faiss-gpu with a visible GPU
-    torch.testing.assert_close(weighted_kmeans(x, w, init, cfg, "faiss", CPU).centroids, reference.centroids)
+    torch.testing.assert_close(weighted_kmeans(x, w, init, cfg=cfg, backend="faiss", device=CPU).centroids, reference.centroids)
     assert asked == [False, False]
-    weighted_kmeans(x, w, init, cfg, "faiss", torch.device("cuda"))  # (this faiss-cpu then runs on the CPU)
+    weighted_kmeans(x, w, init, cfg=cfg, backend="faiss", device=torch.device("cuda"))  # (this faiss-cpu then runs on the CPU)
     assert asked[2:] == [True, True]
     monkeypatch.setattr(faiss, "get_num_gpus", lambda: 0)
     kmeans_backends.warn_once.cache_clear()
     with caplog.at_level("WARNING", logger="loopvq_calib"):
-        on_cuda = weighted_kmeans(x, w, init, cfg, "faiss", torch.device("cuda"))
+        on_cuda = weighted_kmeans(x, w, init, cfg=cfg, backend="faiss", device=torch.device("cuda"))
     torch.testing.assert_close(on_cuda.centroids, reference.centroids)
     assert "this faiss has no GPU support (faiss-cpu); k-means runs on the CPU, not cuda" in caplog.text
 
@@ -353,12 +353,12 @@ def test_faiss_runs_where_kmeans_device_says(monkeypatch, caplog):
 def test_gpu_backends_match_cpu(backend):
     x, w = blobs(6, 3000, G, K, seed=12)
     w[:, :100] = 0.0
-    init = kmeans_pp_init(x.cuda(), w.cuda(), K, gen(6))
-    assert torch.equal(init.cpu(), kmeans_pp_init(x, w, K, gen(6)))  # same draws on any device
+    init = kmeans_pp_init(x.cuda(), w.cuda(), K, generator=gen(6))
+    assert torch.equal(init.cpu(), kmeans_pp_init(x, w, K, generator=gen(6)))  # same draws on any device
     init[:, 0] = 1e3  # forces a reseed on both devices
     cfg = KMeansConfig(iterations=30, tolerance=1e-6, points_per_chunk=1000, problems_per_batch=4)
-    on_gpu = weighted_kmeans(x, w, init.cpu(), cfg, backend, torch.device("cuda"))
-    on_cpu = weighted_kmeans(x, w, init.cpu(), cfg, "torch", CPU)
+    on_gpu = weighted_kmeans(x, w, init.cpu(), cfg=cfg, backend=backend, device=torch.device("cuda"))
+    on_cpu = weighted_kmeans(x, w, init.cpu(), cfg=cfg, backend="torch", device=CPU)
     torch.testing.assert_close(on_gpu.centroids, on_cpu.centroids, atol=1e-4, rtol=1e-4)
     assert torch.equal(on_gpu.iterations, on_cpu.iterations) and on_gpu.empty_clusters.sum() >= 6
 
@@ -367,11 +367,11 @@ def test_trusted_weights_skip_only_the_check_that_waits_for_the_device():
     """``kmeans_pp_init(trusted_weights=True)`` draws the same centroids; only the weights' value check (a host
     sync on a GPU) is left out, the shape checks stay."""
     x, w = torch.randn(3, 40, 4, generator=gen(11)), torch.rand(3, 40, generator=gen(12))
-    assert torch.equal(kmeans_pp_init(x, w, 5, gen(13)), kmeans_pp_init(x, w, 5, gen(13), trusted_weights=True))
+    assert torch.equal(kmeans_pp_init(x, w, 5, generator=gen(13)), kmeans_pp_init(x, w, 5, generator=gen(13), trusted_weights=True))
     with pytest.raises(ValueError, match="weights must be >= 0"):
-        kmeans_pp_init(x, -w, 5, gen(13))
+        kmeans_pp_init(x, -w, 5, generator=gen(13))
     with pytest.raises(ValueError, match="cannot seed 50 distinct centroids"):
-        kmeans_pp_init(x, w, 50, gen(13), trusted_weights=True)
+        kmeans_pp_init(x, w, 50, generator=gen(13), trusted_weights=True)
 
 
 @pytest.mark.gpu
@@ -379,9 +379,9 @@ def test_fused_seeding_of_trusted_weights_queues_behind_running_work():
     """On the fit path nothing waits for the device: the fused draws return while earlier work still runs."""
     x = torch.randn(4, 300, 16, generator=gen(14)).cuda()
     w = torch.rand(4, 300, generator=gen(15)).cuda()
-    kmeans_pp_init(x, w, 8, gen(16), fused=True, trusted_weights=True)  # compiled before the timing below
+    kmeans_pp_init(x, w, 8, generator=gen(16), fused=True, trusted_weights=True)  # compiled before the timing below
     torch.cuda.synchronize()
     torch.cuda._sleep(500_000_000)
-    init = kmeans_pp_init(x, w, 8, gen(16), fused=True, trusted_weights=True)
+    init = kmeans_pp_init(x, w, 8, generator=gen(16), fused=True, trusted_weights=True)
     assert not torch.cuda.current_stream().query()
-    assert torch.equal(init.cpu(), kmeans_pp_init(x, w, 8, gen(16), fused=True).cpu())
+    assert torch.equal(init.cpu(), kmeans_pp_init(x, w, 8, generator=gen(16), fused=True).cpu())

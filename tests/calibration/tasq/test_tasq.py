@@ -84,7 +84,7 @@ def fits(tiny_captures):
     for name, (_, kv, _, reader) in tiny_captures.items():
         for method in METHODS:
             layouts = plan_layouts(kv, quant(method))
-            out[name, method] = (layouts, fit_tasq(reader, layouts, kv, quant(method), TasqConfig()))
+            out[name, method] = (layouts, fit_tasq(reader, layouts, kv, quant=quant(method), cfg=TasqConfig()))
     return out
 
 
@@ -180,7 +180,7 @@ def planted(group_size: int, steps: int = 2, d: int = 8, n: int = 4000) -> tuple
 @pytest.mark.parametrize("group_size", [4, 8])
 def test_planted_correlated_units_are_grouped(group_size):
     cov, want = planted(group_size)
-    got = fit_groups(cov, rope_pair_units(8, 2, "half"), group_size, 1e-6)
+    got = fit_groups(cov, rope_pair_units(8, 2, "half"), group_size, eps=1e-6)
     assert torch.equal(got, want)
     identity = torch.arange(16).view(-1, group_size)
     assert grouping_cost(cov, got, 1e-6) < 0.5 * grouping_cost(cov, identity, 1e-6)
@@ -231,9 +231,9 @@ def test_a_batch_is_matched_and_fitted_as_one_matrix_at_a_time():
     x = torch.randn(4, 300, 32, generator=gen, dtype=torch.float64) @ torch.randn(4, 32, 32, generator=gen, dtype=torch.float64)
     cov = x.transpose(1, 2) @ x / 300
     units = rope_pair_units(8, 4, "half")
-    fitted = fit_groups(cov, units, 8, 1e-6)
+    fitted = fit_groups(cov, units, 8, eps=1e-6)
     assert fitted.shape == (4, 4, 8)
-    assert torch.equal(fitted, torch.stack([fit_groups(m, units, 8, 1e-6) for m in cov]))
+    assert torch.equal(fitted, torch.stack([fit_groups(m, units, 8, eps=1e-6) for m in cov]))
 
 
 def test_matching_close_to_exact_blossom_on_captured_keys(tiny_captures, fits):
@@ -258,13 +258,13 @@ def test_rope_pair_units():
 def test_unreachable_group_size_is_rejected(tiny_captures):
     cov = torch.eye(24, dtype=torch.float64)
     with pytest.raises(ConfigError, match="quant.group_size"):
-        fit_groups(cov, rope_pair_units(24, 1, "half"), 12, 1e-6)
+        fit_groups(cov, rope_pair_units(24, 1, "half"), 12, eps=1e-6)
     _, kv, _, reader = tiny_captures["ouro"]
     layouts = plan_layouts(kv, quant("tasq+loopvq"))
     with pytest.raises(ConfigError, match="quant.group_size"):
-        fit_tasq(reader, layouts, kv, quant("tasq+loopvq", 12), TasqConfig())
+        fit_tasq(reader, layouts, kv, quant=quant("tasq+loopvq", 12), cfg=TasqConfig())
     with pytest.raises(ValueError):
-        fit_tasq(reader, plan_layouts(kv, quant("loopvq")), kv, quant("loopvq"), TasqConfig())
+        fit_tasq(reader, plan_layouts(kv, quant("loopvq")), kv, quant=quant("loopvq"), cfg=TasqConfig())
 
 
 # ---------- bits and storage ----------
@@ -301,7 +301,7 @@ def test_sharded_fit_merges_into_the_single_fit(tiny_captures, fits):
     transform); merge_tasq of the two parts equals the fit in one process."""
     _, kv, _, reader = tiny_captures["ouro"]
     layouts, whole = fits["ouro", "tasq+loopvq"]
-    parts = [fit_tasq(reader, layouts, kv, quant("tasq+loopvq"), TasqConfig(), DistContext(r, 2)) for r in range(2)]
+    parts = [fit_tasq(reader, layouts, kv, quant=quant("tasq+loopvq"), cfg=TasqConfig(), dist=DistContext(r, 2)) for r in range(2)]
     for r, part in enumerate(parts):
         mine = {lay.key for i, lay in enumerate(layouts) if lay.kind == "key" and i % 2 == r}
         assert set(part.transforms) == set(part.report["blocks"]) == mine
@@ -329,19 +329,19 @@ def test_layouts_fitted_together_equal_one_head_at_a_time(tiny_captures, fits, m
     _, kv, _, reader = tiny_captures["huginn"]
     layouts, _ = fits["huginn", "tasq+loopvq"]
     monkeypatch.setattr(tasq, "GROUPING_BYTES", budget)
-    res = fit_tasq(reader, layouts, kv, quant("tasq+loopvq"), TasqConfig())
+    res = fit_tasq(reader, layouts, kv, quant=quant("tasq+loopvq"), cfg=TasqConfig())
     for lay in (l for l in res.layouts if l.kind == "key"):
         cov = block_covariance(reader.load("key", lay.sites), res.transforms[lay.key])
         units = rope_pair_units(kv.head_dim, lay.steps, kv.rope_style)
         for h in range(kv.kv_heads):
-            assert torch.equal(lay.groups[h], fit_groups(cov[h], units, 8, TasqConfig().det_eps))
+            assert torch.equal(lay.groups[h], fit_groups(cov[h], units, 8, eps=TasqConfig().det_eps))
 
 
 @pytest.mark.gpu
 def test_fit_on_the_gpu_equals_the_cpu_fit(tiny_captures, fits):
     _, kv, _, reader = tiny_captures["ouro"]
     layouts, cpu = fits["ouro", "tasq+loopvq"]
-    gpu = fit_tasq(reader, layouts, kv, quant("tasq+loopvq"), TasqConfig(), device="cuda")
+    gpu = fit_tasq(reader, layouts, kv, quant=quant("tasq+loopvq"), cfg=TasqConfig(), device="cuda")
     for a in gpu.layouts:  # float32 products on another device may break a tie otherwise: same quality
         assert a.groups.device.type == "cpu"
         a.check()
