@@ -15,7 +15,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from .version import __version__
 
 # public name -> the module that defines it (None: the name is that module)
 _LAZY: dict[str, str | None] = {

@@ -67,8 +67,9 @@ TINY_K, TINY_G, TINY_T_C = 16, 8, 4  # codebook size, group size and steps per b
 
 
 def load_script(name: str):
-    """scripts/<name>.py as a module."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    """scripts/<name>.py or benchmarks/<name>.py as a module."""
+    path = next(p for p in (ROOT / "scripts" / f"{name}.py", ROOT / "benchmarks" / f"{name}.py") if p.is_file())
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)

@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from .. import __version__
+from ..version import __version__
 from ..config.schema import Config
 
 

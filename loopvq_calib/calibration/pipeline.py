@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from .. import __version__
+from ..version import __version__
 from ..codes.layouts import plan_layouts
 from ..codes.quantizer import KVQuantizer
 from ..config.load import dump_config, resolve_derived
@@ -40,6 +40,7 @@ from ..models.loading import (
     set_loop_steps,
 )
 from ..models.sites import KVLayout
+from ..runtime.clock import seconds_since_process_start
 from ..runtime.processes import DistContext, start_processes
 from ..runtime.warmup import Warmup, warm_linalg
 from .capture.kv import CaptureData, CaptureReader, MemoryReader
@@ -100,7 +101,7 @@ class Pipeline:
         imports; default: a new one). ``startup`` records the seconds of each step (and those from the process's
         start to here)."""
         entered = time.perf_counter()
-        self.startup: dict[str, float] = {"entered_at": time.time(), "process_start_s": _seconds_since_process_start()}
+        self.startup: dict[str, float] = {"entered_at": time.time(), "process_start_s": seconds_since_process_start()}
         # on a copy (the caller's cfg never changes): a Config built in code gets its derived values and checks
         cfg = self.cfg = validate(resolve_derived(copy.deepcopy(cfg)))
         with timed(self.startup, "processes_s"):  # CUDA and, under accelerate launch, the process group
@@ -338,16 +339,6 @@ def timed(into: dict[str, float], key: str) -> Iterator[None]:
         yield
     finally:
         into[key] = round(time.perf_counter() - start, 3)
-
-
-def _seconds_since_process_start() -> float | None:
-    """Seconds since this process started (interpreter start-up, imports, config), from /proc (Linux)."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-    return round(time.time() - boot - ticks / os.sysconf("SC_CLK_TCK"), 2)
 
 
 def _wanted_stages(cfg: Config, stages: list[str] | None) -> list[str]:

@@ -1,10 +1,19 @@
-"""Stage instrumentation: wall seconds of a stage's phases on a device that runs ahead of the host."""
+"""Clocks: seconds since the process started, and the wall seconds of a stage's phases on a device that runs
+ahead of the host."""
 
 from __future__ import annotations
 
 import time
 
+import psutil
 import torch
+
+
+
+def seconds_since_process_start() -> float:
+    """Seconds since this process started (interpreter start-up, imports, config), from the operating system's
+    record of the process."""
+    return round(time.time() - psutil.Process().create_time(), 2)
 
 
 class DeviceClock:

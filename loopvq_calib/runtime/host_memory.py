@@ -16,6 +16,7 @@ import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import psutil
 import torch
 
 log = logging.getLogger("loopvq_calib")
@@ -25,13 +26,10 @@ COPY_DEPTH = 2  # sequences a HostCopier holds on the accelerator while they wai
 
 
 def host_available() -> int:
-    """Host memory available to new allocations (``MemAvailable``), less a tenth of the machine's memory."""
-    info = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            info[key] = int(value.split()[0]) * 1024
-    return info.get("MemAvailable", info["MemFree"]) - info["MemTotal"] // 10
+    """Host memory available to new allocations (the kernel's estimate, without swapping), less a tenth of the
+    machine's memory."""
+    memory = psutil.virtual_memory()
+    return memory.available - memory.total // 10
 
 
 class HostCopyError(RuntimeError):

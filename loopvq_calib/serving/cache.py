@@ -214,7 +214,7 @@ class QuantizedLoopKVCache:
     def fill(self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], positions: torch.Tensor,
              *, codes: dict[str, list[Codes]]) -> None:
         """Give an empty ``store="indices"`` cache the contents a prefill leaves, without a forward (long-context
-        benchmarks: scripts/bench_decode_model.py). Per KV site the pre-RoPE sink and window tokens ``keys`` /
+        benchmarks: benchmarks/bench_decode_model.py). Per KV site the pre-RoPE sink and window tokens ``keys`` /
         ``values`` [B, S_fp, H, D] (the first ``sink_tokens`` are the sinks); ``positions`` [B, S], every token's
         position (an unpadded batch, shared by the sites); per codec the codes of its encoded pages, oldest first,
         each page's rows batch-major (b * page_size + token). S = S_fp + page_size * pages."""

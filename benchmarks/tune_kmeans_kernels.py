@@ -6,7 +6,7 @@ warps, with and without the cluster-sum atomics; compares each against the torch
 the weighted objective, largest difference of the cluster weights and sums), then times k-means++ seeding
 with the torch draws and the fused kernels. One JSON line per measurement.
 
-    python scripts/tune_kmeans_kernels.py
+    python benchmarks/tune_kmeans_kernels.py
 
 The sweep in docs/data/tune-kmeans-kernels-h200.jsonl ran at `d2a1f64`, with a two-axis grid of (problem,
 block); the kernel now takes one flat axis in the same order, problems fastest.

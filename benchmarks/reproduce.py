@@ -6,8 +6,8 @@ same data (their fingerprints match, so the pipeline reuses them), and runs go t
 single-threaded workers. Held-out text (artifacts/data/shakespeare-heldout.jsonl) is never used for
 calibration.
 
-    python scripts/reproduce.py                 # about 16 minutes on 2 CPU cores
-    python scripts/reproduce.py --report-only   # rewrite results.md from docs/data/*.json, no runs
+    python benchmarks/reproduce.py                 # about 16 minutes on 2 CPU cores
+    python benchmarks/reproduce.py --report-only   # rewrite results.md from docs/data/*.json, no runs
 """
 
 from __future__ import annotations

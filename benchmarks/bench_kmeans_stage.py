@@ -3,7 +3,7 @@
 its k-means++ seeding, and the mean objectives. Run it with another checkout on PYTHONPATH to compare code.
 
     loopvq-calibrate --config configs/tiny-ouro.yaml --stages capture --set capture.store=disk --output /tmp/run
-    python scripts/bench_kmeans_stage.py /tmp/run/capture --set kmeans.iterations=20
+    python benchmarks/bench_kmeans_stage.py /tmp/run/capture --set kmeans.iterations=20
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@ wiring as ``loopvq-calibrate``, then one JSON line with the whole call's wall ti
 time and peak GPU memory as the run's manifest records them (docs/performance.md has the measured numbers).
 
     python scripts/make_random_checkpoint.py --model ouro-1.4b --out /tmp/ouro-1.4b-random
-    python scripts/bench_pipeline.py --config configs/ouro-1.4b.yaml --set model.name_or_path=/tmp/ouro-1.4b-random \
+    python benchmarks/bench_pipeline.py --config configs/ouro-1.4b.yaml --set model.name_or_path=/tmp/ouro-1.4b-random \
         --set data.dataset=artifacts/data/shakespeare-calib.jsonl --output /tmp/run
-    accelerate launch --num_processes 2 scripts/bench_pipeline.py --config configs/ouro-2.6b.yaml --set ...
-    python scripts/bench_pipeline.py --summarize /tmp/run   # a finished run (e.g. of loopvq-calibrate), no work
+    accelerate launch --num_processes 2 benchmarks/bench_pipeline.py --config configs/ouro-2.6b.yaml --set ...
+    python benchmarks/bench_pipeline.py --summarize /tmp/run   # a finished run (e.g. of loopvq-calibrate), no work
 
 A stage reused from an earlier run in the same output folder is reported as reused (its time is not
 measured again): pass a fresh ``--output`` to time every stage.

@@ -8,14 +8,14 @@ runs, with loopvq-eval's defaults (8 windows of 512 tokens, every position after
 The evaluation KL of the selected codebooks is what the tables report; the per-point curve is for the
 figure only (it plays no part in any choice). Writes one JSON file.
 
-    python scripts/study_finetune.py --device cuda --out docs/data/finetune-study.json
-    python scripts/study_finetune.py --grid smoke --device cpu --out /tmp/smoke.json   # two variants, one cell
-    python scripts/study_finetune.py --report docs/data/finetune-study.json  # tables (stdout) + docs/figures PNG
+    python benchmarks/study_finetune.py --device cuda --out docs/data/finetune-study.json
+    python benchmarks/study_finetune.py --grid smoke --device cpu --out /tmp/smoke.json   # two variants, one cell
+    python benchmarks/study_finetune.py --report docs/data/finetune-study.json  # tables (stdout) + docs/figures PNG
     # batch 1 against batch 2 (docs/finetune.md, "Batch 2"), one process per cell on one GPU, then merged as below:
-    python scripts/study_finetune.py --device cuda --grid batch2 --cell 0 --out b0.json   # ... cells 1-3
+    python benchmarks/study_finetune.py --device cuda --grid batch2 --cell 0 --out b0.json   # ... cells 1-3
     # the data grid (64 and 176 calibration sequences), one process per cell on one GPU, then merged:
-    python scripts/study_finetune.py --device cuda --grid data --cell 0 --out cell0.json   # ... cells 1-3
-    python scripts/study_finetune.py --merge cell0.json cell1.json cell2.json cell3.json --out docs/data/finetune-study-data.json
+    python benchmarks/study_finetune.py --device cuda --grid data --cell 0 --out cell0.json   # ... cells 1-3
+    python benchmarks/study_finetune.py --merge cell0.json cell1.json cell2.json cell3.json --out docs/data/finetune-study-data.json
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def merge(files: list[str], out: str) -> dict[str, Any]:
     """One study file from per-cell ones: their cells in order, the longest part's time, the merge as its
     ``command`` and each part's own command under ``parts``."""
     parts = [json.loads(Path(f).read_text()) for f in files]
-    return {**parts[0], "command": f"python scripts/study_finetune.py --merge {' '.join(files)} --out {out}",
+    return {**parts[0], "command": f"python benchmarks/study_finetune.py --merge {' '.join(files)} --out {out}",
             "parts": [part["command"] for part in parts], "cells": [c for part in parts for c in part["cells"]],
             "total_s": max(part.get("total_s", 0.0) for part in parts)}
 
@@ -260,7 +260,7 @@ def main() -> None:
     commit = os.environ.get("STUDY_COMMIT") or subprocess.run(  # STUDY_COMMIT: a copy without its own .git
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     cell_args = "".join(f" --cell {i}" for i in args.cell or [])
-    results = {"command": f"python scripts/study_finetune.py --device {args.device} --grid {args.grid}{cell_args}",
+    results = {"command": f"python benchmarks/study_finetune.py --device {args.device} --grid {args.grid}{cell_args}",
                "commit": commit or None, "variants": VARIANTS, "paper": PAPER, "cells": []}
     t0 = time.perf_counter()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -5,8 +5,8 @@ and prints QuantizedLoopKVCache.bytes_per_token() as a markdown table. Without -
 codebooks are random group vectors of the text (sampled_quantizer): byte counts depend only on the
 layout (K, G, T_c, TaSQ), not on the codebook values.
 
-    python scripts/measure_cache_bytes.py                      # reference model, bf16, LoopVQ 0.5 bit
-    python scripts/measure_cache_bytes.py --bundle runs/x/bundle --model artifacts/tiny-ouro
+    python benchmarks/measure_cache_bytes.py                      # reference model, bf16, LoopVQ 0.5 bit
+    python benchmarks/measure_cache_bytes.py --bundle runs/x/bundle --model artifacts/tiny-ouro
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 Problems have Ouro-1.4B's k-means shape (32,768 points of G = 16 or 32 dims, K = 256 per codebook); data
 are Gaussian mixtures with Fisher-like log-normal weights. Prints one JSON line per backend.
 
-    python scripts/bench_kmeans.py --problems 512 --iterations 25 --backends triton torch faiss
+    python benchmarks/bench_kmeans.py --problems 512 --iterations 25 --backends triton torch faiss
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ fine-tuning on, ``loopvq-calibrate`` again in the same run directory with ``--se
 unchanged), then ``loopvq-eval`` on the two bundles side by side (same windows of the evaluation text, the
 shipped held-out plays by default). Writes one JSON file; ``--report`` prints its markdown table.
 
-    python scripts/measure_finetune_gain.py --config configs/tiny-ouro-reference.yaml --device cuda --jobs 4 \\
+    python benchmarks/measure_finetune_gain.py --config configs/tiny-ouro-reference.yaml --device cuda --jobs 4 \\
         --out docs/data/finetune-gain.json
-    python scripts/measure_finetune_gain.py --report docs/data/finetune-gain.json
+    python benchmarks/measure_finetune_gain.py --report docs/data/finetune-gain.json
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def main() -> None:
     commit = os.environ.get("STUDY_COMMIT") or subprocess.run(  # STUDY_COMMIT: a copy without its own .git
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     config = Path(args.config).resolve()
-    results = {"command": "python scripts/measure_finetune_gain.py " + " ".join(sys.argv[1:]),
+    results = {"command": "python benchmarks/measure_finetune_gain.py " + " ".join(sys.argv[1:]),
                "commit": commit or None, "config": str(config.relative_to(ROOT)) if config.is_relative_to(ROOT)
                else str(config), "overrides": args.overrides, "cells": []}
     t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 covariances; prints one JSON line with the seconds per layout. The covariance computation and the capture
 reads are not included (docs/performance.md, "TaSQ").
 
-    python scripts/bench_tasq_grouping.py --heads 16 --head-dim 128 --steps 4 --group-size 16   # Ouro-1.4B
+    python benchmarks/bench_tasq_grouping.py --heads 16 --head-dim 128 --steps 4 --group-size 16   # Ouro-1.4B
 """
 
 from __future__ import annotations

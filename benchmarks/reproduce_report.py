@@ -1,4 +1,4 @@
-"""Tables and figures of docs/results.md from the data gathered by scripts/reproduce.py."""
+"""Tables and figures of docs/results.md from the data gathered by benchmarks/reproduce.py."""
 
 from __future__ import annotations
 
@@ -221,7 +221,7 @@ def write_results(data: dict, path: Path, figs: Path) -> None:
     h = data["heldout"]
     text = f"""# Results on the shipped reference model
 
-Everything on this page was measured by `python scripts/reproduce.py` at commit `{data.get('commit') or 'unknown'}`
+Everything on this page was measured by `python benchmarks/reproduce.py` at commit `{data.get('commit') or 'unknown'}`
 on the 2-core CPU development machine (total {data['total_s'] / 60:.1f} min), on the shipped reference model (`artifacts/tiny-ouro`, a 4-layer x
 4-loop Ouro, head_dim 64, 6 KV heads: docs/reference-model.md). Raw numbers: `docs/data/results.json`.
 

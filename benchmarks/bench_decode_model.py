@@ -12,12 +12,12 @@ Speed does not depend on the values. Each case: ``--warmup`` steps, then ``--ste
 median and mean ms per step, tokens/s = batch / mean (the mean over whole pages of steps counts the steps that
 encode a page; the median skips them). Checks first, per method: one decode step's logits through the coded cache
 as served (kernel) and through its reference path, against the model's own cache holding the decoded contents;
-then the per-site, teacher-forced check (scripts/site_check.py): each KV site's attention output as served against
+then the per-site, teacher-forced check (benchmarks/site_check.py): each KV site's attention output as served against
 the reference path's, on the reference trajectory (max, median and every site's relative error).
 
-    python scripts/bench_decode_model.py --out docs/data/bench-decode-model-h200.json   # on the GPU
-    python scripts/bench_decode_model.py --checks-only --out checks.json               # the checks alone
-    python scripts/bench_decode_model.py --table-from docs/data/bench-decode-model-h200.json
+    python benchmarks/bench_decode_model.py --out docs/data/bench-decode-model-h200.json   # on the GPU
+    python benchmarks/bench_decode_model.py --checks-only --out checks.json               # the checks alone
+    python benchmarks/bench_decode_model.py --table-from docs/data/bench-decode-model-h200.json
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from site_check import SiteCheckCache  # noqa: E402
 
@@ -313,7 +314,7 @@ def main() -> None:
                                            cwd=ROOT).stdout.strip() or None
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
-        "commit": commit, "command": " ".join(["python", "scripts/bench_decode_model.py", *sys.argv[1:]]),
+        "commit": commit, "command": " ".join(["python", "benchmarks/bench_decode_model.py", *sys.argv[1:]]),
         "model": str(args.checkpoint or args.model), "scale_down": args.scale_down,
         "kv": {"sites": kv.num_sites, "kv_heads": kv.kv_heads, "head_dim": kv.head_dim, "loop_steps": kv.loop_steps},
         "quantizer": {"codebook_size": args.codebook_size, "group_size": args.group_size,

@@ -1,4 +1,4 @@
-"""scripts/performance_table.py: the targets table of docs/performance.md computed from measurement files."""
+"""benchmarks/performance_table.py: the targets table of docs/performance.md computed from measurement files."""
 
 from __future__ import annotations
 

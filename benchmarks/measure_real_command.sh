@@ -2,11 +2,11 @@
 # Time the real command (`python -m loopvq_calib` = `loopvq-calibrate`) with the shipped configs on
 # random-weight checkpoints of the real shapes (scripts/make_random_checkpoint.py), local data; one JSON
 # line per step in OUT/results.jsonl (whole-command wall time, exit status, the code's identity from
-# scripts/code_identity.py, then the run's stages as scripts/bench_pipeline.py --summarize reads them), every
+# benchmarks/code_identity.py, then the run's stages as benchmarks/bench_pipeline.py --summarize reads them), every
 # command's output in OUT/measure.log.
 #
-#   scripts/measure_real_command.sh OUT [SCALE_DOWN] [--set overrides for every run ...]
-#   scripts/measure_real_command.sh /tmp/out 8 --set data.num_sequences=4 ...   # CPU dry run, scaled down
+#   benchmarks/measure_real_command.sh OUT [SCALE_DOWN] [--set overrides for every run ...]
+#   benchmarks/measure_real_command.sh /tmp/out 8 --set data.num_sequences=4 ...   # CPU dry run, scaled down
 #
 # Runs (docs/performance.md; STEPS picks some, default all): ouro-1.4b (shipped config), ouro-1.4b-48gb (the
 # 48 GB-card setting: capture.store memory, finetune.cache_teacher false, finetune.selection_batch 1),
@@ -27,14 +27,14 @@ DATA=artifacts/data/shakespeare-calib.jsonl
 mkdir -p "$OUT" "$WORK"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 LOG="$OUT/measure.log"
-# the code measured (scripts/code_identity.py; `--find` names its commit where the history is)
-export CODE_IDENTITY=$($PY scripts/code_identity.py)
+# the code measured (benchmarks/code_identity.py; `--find` names its commit where the history is)
+export CODE_IDENTITY=$($PY benchmarks/code_identity.py)
 
 record() {  # name rc start end [run dir]
   $PY - "$@" >> "$OUT/results.jsonl" <<'EOF'
 import json, os, sys
 from pathlib import Path
-sys.path.insert(0, "scripts")
+sys.path.insert(0, "benchmarks")
 name, rc, start, end = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
 line = {"step": name, "rc": rc, "command_s": round(end - start, 2), "code": os.environ["CODE_IDENTITY"]}
 run = Path(sys.argv[5]) if len(sys.argv) > 5 else None

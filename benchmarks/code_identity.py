@@ -1,11 +1,11 @@
 """The identity of the code a measurement ran: SHA-256 over the paths and contents of the files that make up the
 toolkit and its measurements (``pyproject.toml`` and the code and settings under ``loopvq_calib/``, ``configs/`` and
-``scripts/``). `scripts/measure_real_command.sh` records it in every results line, because the device machine's copy
+``scripts/``). `benchmarks/measure_real_command.sh` records it in every results line, because the device machine's copy
 of the tree has no history to ask; ``--find`` names the commits of this repository with that identity.
 
-    python scripts/code_identity.py                    # the working tree's
-    python scripts/code_identity.py --commit HEAD      # a commit's
-    python scripts/code_identity.py --find 1f2e... [--last 300]
+    python benchmarks/code_identity.py                    # the working tree's
+    python benchmarks/code_identity.py --commit HEAD      # a commit's
+    python benchmarks/code_identity.py --find 1f2e... [--last 300]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterable
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("loopvq_calib", "configs", "scripts")
+FOLDERS = ("loopvq_calib", "configs", "scripts", "benchmarks")
 FILES = ("pyproject.toml",)
 SUFFIXES = (".py", ".yaml", ".sh", ".cu", ".cuh", ".toml")
 

@@ -1,4 +1,4 @@
-"""scripts/bench_decode_model.py at a tiny scale (Ouro-1.4B scaled down 16x: 1 layer x 4 loops, one KV head of 128):
+"""benchmarks/bench_decode_model.py at a tiny scale (Ouro-1.4B scaled down 16x: 1 layer x 4 loops, one KV head of 128):
 the JSON it writes, its table, and that the synthetic fill is what the coded cache serves."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from conftest import ROOT, load_script
 from loopvq_calib.codes.codec import Codes
 from loopvq_calib.serving.cache import QuantizedLoopKVCache
 
-SCRIPT = ROOT / "scripts" / "bench_decode_model.py"
+SCRIPT = ROOT / "benchmarks" / "bench_decode_model.py"
 bdm = load_script("bench_decode_model")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -44,7 +44,7 @@ def test_script_writes_every_case_and_the_fill_check(tmp_path, monkeypatch, caps
     on CPU, where the served path is the reference one); --table-from prints the same table."""
     result = run_script(monkeypatch, tmp_path / "r.json")
     printed = capsys.readouterr().out
-    assert result["command"].startswith("python scripts/bench_decode_model.py --scale-down 16")
+    assert result["command"].startswith("python benchmarks/bench_decode_model.py --scale-down 16")
     assert "commit" in result and result["kv"] == {"sites": 4, "kv_heads": 1, "head_dim": 128, "loop_steps": 4}
     assert [(r["context"], r["batch"], r["cache"]) for r in result["cases"]] == [
         (90, b, c) for b in (1, 2) for c in ("bf16", "loopvq", "tasq+loopvq")]

@@ -3,7 +3,7 @@ capture, with the torch backend's nearest-centroid search through faiss (when in
 ``baddbmm``, and the faiss backend. Prints wall and CPU seconds and the objectives per variant.
 
     loopvq-calibrate --config configs/tiny-ouro.yaml --stages capture --set capture.store=disk
-    python scripts/bench_kmeans_cpu.py runs/tiny-ouro-loopvq-0.5/capture --problems 16 --threads 1
+    python benchmarks/bench_kmeans_cpu.py runs/tiny-ouro-loopvq-0.5/capture --problems 16 --threads 1
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The targets table of docs/performance.md, computed from `scripts/measure_real_command.sh` output.
+"""The targets table of docs/performance.md, computed from `benchmarks/measure_real_command.sh` output.
 
 Each RESULTS file is one `results.jsonl` (one JSON line per step of the measurement); a step measured in
 several files is taken from the last file given, the 2-GPU pair from the last file that holds both. Below the
@@ -8,8 +8,8 @@ on a fresh machine carries seconds of host noise.
 The text is printed, or with ``--write`` put between the ``<!-- targets:begin -->`` / ``<!-- targets:end -->``
 markers of docs/performance.md.
 
-    python scripts/performance_table.py docs/data/measure-real-command-h200-run19-results.jsonl
-    python scripts/performance_table.py RUN16.jsonl RUN19.jsonl --spread-from RUN16 --write docs/performance.md
+    python benchmarks/performance_table.py docs/data/measure-real-command-h200-run19-results.jsonl
+    python benchmarks/performance_table.py RUN16.jsonl RUN19.jsonl --spread-from RUN16 --write docs/performance.md
 """
 
 from __future__ import annotations

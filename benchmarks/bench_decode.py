@@ -10,7 +10,7 @@ step (q/k/v/o projections and SwiGLU of 24 layers x 4 steps, the LM head; norms 
 out). Also: the copy bandwidth of the card (device-to-device, bytes read + written) and the longest context
 that fits at batch 1 (free memory after the weights, over the cache bytes per token).
 
-    python scripts/bench_decode.py --out docs/data/bench-decode-h200.json     # on the GPU
+    python benchmarks/bench_decode.py --out docs/data/bench-decode-h200.json     # on the GPU
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "codebook_size": K, "commit": args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                        cwd=Path(__file__).parent).stdout.strip() or None,
-              "command": " ".join(["python", "scripts/bench_decode.py", *sys.argv[1:]]),
+              "command": " ".join(["python", "benchmarks/bench_decode.py", *sys.argv[1:]]),
               "copy_GBps": copy_bandwidth(device), "cases": [], "launches": []}
     print(f"copy bandwidth {result['copy_GBps']:.0f} GB/s", flush=True)
     tables, accuracy = {}, {}
