@@ -10,7 +10,7 @@ step (q/k/v/o projections and SwiGLU of 24 layers x 4 steps, the LM head; norms 
 out). Also: the copy bandwidth of the card (device-to-device, bytes read + written) and the longest context
 that fits at batch 1 (free memory after the weights, over the cache bytes per token).
 
-    python benchmarks/bench_decode.py --out docs/data/bench-decode-h200.json     # on the GPU
+    python benchmarks/bench_decode.py --out benchmarks/results/bench-decode-h200.json     # on the GPU
 """
 
 from __future__ import annotations

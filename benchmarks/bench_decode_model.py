@@ -15,9 +15,9 @@ as served (kernel) and through its reference path, against the model's own cache
 then the per-site, teacher-forced check (benchmarks/site_check.py): each KV site's attention output as served against
 the reference path's, on the reference trajectory (max, median and every site's relative error).
 
-    python benchmarks/bench_decode_model.py --out docs/data/bench-decode-model-h200.json   # on the GPU
+    python benchmarks/bench_decode_model.py --out benchmarks/results/bench-decode-model-h200.json   # on the GPU
     python benchmarks/bench_decode_model.py --checks-only --out checks.json               # the checks alone
-    python benchmarks/bench_decode_model.py --table-from docs/data/bench-decode-model-h200.json
+    python benchmarks/bench_decode_model.py --table-from benchmarks/results/bench-decode-model-h200.json
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 Calibrates one bundle per method (cq, tasq, loopvq, tasq+loopvq) and width (0.5 / 0.25 bit) with the setup
 of benchmarks/reproduce.py (16 x 192 tokens of Hamlet + Macbeth, k-means 10 iterations) but 2 fine-tuning epochs
 (bundles under runs/eval-reference/, reused when present), then runs ``loopvq-eval`` once on all of them with
-the baselines, the shipped local task and passkey retrieval. The report goes to docs/data/eval-reference/.
+the baselines, the shipped local task and passkey retrieval. The report goes to benchmarks/results/eval-reference/.
 
     python benchmarks/eval_reference.py                   # about 40 minutes on 2 shared CPU cores
     python benchmarks/eval_reference.py --limit 8 --passkey-lengths 128 --out /tmp/quick   # a smoke run
     python benchmarks/eval_reference.py --recent-window 0 --passkey-lengths "" --kl-sequences 1 \
-        --out docs/data/eval-reference-window0       # every token after the sinks read from codes
+        --out benchmarks/results/eval-reference-window0       # every token after the sinks read from codes
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ unchanged), then ``loopvq-eval`` on the two bundles side by side (same windows o
 shipped held-out plays by default). Writes one JSON file; ``--report`` prints its markdown table.
 
     python benchmarks/measure_finetune_gain.py --config configs/tiny-ouro-reference.yaml --device cuda --jobs 4 \\
-        --out docs/data/finetune-gain.json
-    python benchmarks/measure_finetune_gain.py --report docs/data/finetune-gain.json
+        --out benchmarks/results/finetune-gain.json
+    python benchmarks/measure_finetune_gain.py --report benchmarks/results/finetune-gain.json
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def _num(x: float | None) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default=str(ROOT / "configs/tiny-ouro-reference.yaml"))
-    p.add_argument("--out", default=str(ROOT / "docs/data/finetune-gain.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/finetune-gain.json"))
     p.add_argument("--device", default="auto")
     p.add_argument("--runs", default=str(ROOT / "runs/finetune-gain"))
     p.add_argument("--jobs", type=int, default=1, help="cells calibrated side by side (one GPU holds several)")

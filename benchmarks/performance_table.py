@@ -8,7 +8,7 @@ on a fresh machine carries seconds of host noise.
 The text is printed, or with ``--write`` put between the ``<!-- targets:begin -->`` / ``<!-- targets:end -->``
 markers of docs/performance.md.
 
-    python benchmarks/performance_table.py docs/data/measure-real-command-h200-run19-results.jsonl
+    python benchmarks/performance_table.py benchmarks/results/measure-real-command-h200-run19-results.jsonl
     python benchmarks/performance_table.py RUN16.jsonl RUN19.jsonl --spread-from RUN16 --write docs/performance.md
 """
 
@@ -164,7 +164,7 @@ def _two_gpus(pair: Pair | None) -> tuple[str, str, str, str]:
 
 
 def table(steps: dict[str, Run], pair: Pair | None = None) -> str:
-    lines = ["| target | measured | verdict | raw output (docs/data/) |", "|---|---|---|---|"]
+    lines = ["| target | measured | verdict | raw output (benchmarks/results/) |", "|---|---|---|---|"]
     lines += [f"| {t} | {m} | {v} | {f'`{s}`' if s != '-' else '-'} |" for t, m, v, s in rows(steps, pair)]
     return "\n".join(lines) + "\n"
 

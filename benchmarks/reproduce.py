@@ -7,7 +7,7 @@ single-threaded workers. Held-out text (artifacts/data/shakespeare-heldout.jsonl
 calibration.
 
     python benchmarks/reproduce.py                 # about 16 minutes on 2 CPU cores
-    python benchmarks/reproduce.py --report-only   # rewrite results.md from docs/data/*.json, no runs
+    python benchmarks/reproduce.py --report-only   # rewrite results.md from benchmarks/results/*.json, no runs
 """
 
 from __future__ import annotations
@@ -146,13 +146,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--report-only", action="store_true",
-                    help="rewrite docs/results.md and its figures from the stored docs/data/results.json")
+                    help="rewrite docs/results.md and its figures from the stored benchmarks/results/results.json")
     args = ap.parse_args()
     from reproduce_report import write_results
 
     if args.report_only:
         write_results(json.loads((DOCS / "data" / "results.json").read_text()), DOCS / "results.md", FIGS)
-        print(f"rewritten from docs/data/results.json: {DOCS / 'results.md'}")
+        print(f"rewritten from benchmarks/results/results.json: {DOCS / 'results.md'}")
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -146,7 +146,7 @@ def figures(data: dict, figs: Path) -> None:
 
 
 def gain_sentence(gain: dict) -> str:
-    """One sentence on the fine-tuning gain measured with more calibration text (docs/data/finetune-gain.json)."""
+    """One sentence on the fine-tuning gain measured with more calibration text (benchmarks/results/finetune-gain.json)."""
     cells = gain["cells"]
     changes = [-100 * c["change"] for c in cells]
     return (f"With more text the paper's gain appears: `{gain['config']}` (all calibration windows) lowers the "
@@ -223,7 +223,7 @@ def write_results(data: dict, path: Path, figs: Path) -> None:
 
 Everything on this page was measured by `python benchmarks/reproduce.py` at commit `{data.get('commit') or 'unknown'}`
 on the 2-core CPU development machine (total {data['total_s'] / 60:.1f} min), on the shipped reference model (`artifacts/tiny-ouro`, a 4-layer x
-4-loop Ouro, head_dim 64, 6 KV heads: docs/reference-model.md). Raw numbers: `docs/data/results.json`.
+4-loop Ouro, head_dim 64, 6 KV heads: docs/reference-model.md). Raw numbers: `benchmarks/results/results.json`.
 
 Setup. Calibration: 16 sequences x {data['settings']['sequence_length']} tokens of *Hamlet* + *Macbeth*
 (`artifacts/data/shakespeare-calib.jsonl`), 8 sink tokens, 12 train / 4 selection sequences;

@@ -8,14 +8,14 @@ runs, with loopvq-eval's defaults (8 windows of 512 tokens, every position after
 The evaluation KL of the selected codebooks is what the tables report; the per-point curve is for the
 figure only (it plays no part in any choice). Writes one JSON file.
 
-    python benchmarks/study_finetune.py --device cuda --out docs/data/finetune-study.json
+    python benchmarks/study_finetune.py --device cuda --out benchmarks/results/finetune-study.json
     python benchmarks/study_finetune.py --grid smoke --device cpu --out /tmp/smoke.json   # two variants, one cell
-    python benchmarks/study_finetune.py --report docs/data/finetune-study.json  # tables (stdout) + docs/figures PNG
+    python benchmarks/study_finetune.py --report benchmarks/results/finetune-study.json  # tables (stdout) + docs/figures PNG
     # batch 1 against batch 2 (docs/finetune.md, "Batch 2"), one process per cell on one GPU, then merged as below:
     python benchmarks/study_finetune.py --device cuda --grid batch2 --cell 0 --out b0.json   # ... cells 1-3
     # the data grid (64 and 176 calibration sequences), one process per cell on one GPU, then merged:
     python benchmarks/study_finetune.py --device cuda --grid data --cell 0 --out cell0.json   # ... cells 1-3
-    python benchmarks/study_finetune.py --merge cell0.json cell1.json cell2.json cell3.json --out docs/data/finetune-study-data.json
+    python benchmarks/study_finetune.py --merge cell0.json cell1.json cell2.json cell3.json --out benchmarks/results/finetune-study-data.json
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ def merge(files: list[str], out: str) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=str(ROOT / "docs/data/finetune-study.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/finetune-study.json"))
     p.add_argument("--device", default="auto")
     p.add_argument("--grid", choices=["main", "data", "batch2", "smoke", "smoke-data"], default="main")
     p.add_argument("--cell", type=int, action="append",

@@ -8,7 +8,7 @@ with the torch draws and the fused kernels. One JSON line per measurement.
 
     python benchmarks/tune_kmeans_kernels.py
 
-The sweep in docs/data/tune-kmeans-kernels-h200.jsonl ran at `d2a1f64`, with a two-axis grid of (problem,
+The sweep in benchmarks/results/tune-kmeans-kernels-h200.jsonl ran at `d2a1f64`, with a two-axis grid of (problem,
 block); the kernel now takes one flat axis in the same order, problems fastest.
 """
 
