@@ -14,6 +14,8 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from ..runtime.files import TMP_PREFIX, write_temp
+from .format import CARD_FILE, META_FILE, file_entry, meta_bytes
+from .reader import load_bundle
 
 
 class EvalReportError(ValueError):
@@ -146,9 +148,6 @@ def attach_eval_report(bundle_path: str | Path, report_path: str | Path, write: 
     """Rewrite the bundle's README.md with the results of ``report_path`` (report.json or its folder) and
     record its new checksum in loopvq.json; ``write=False`` only checks and returns the results. Both files
     are written to temporary siblings first and renamed into place, so a failure leaves the old pair intact."""
-    from .format import CARD_FILE, META_FILE, file_entry, meta_bytes
-    from .reader import load_bundle  # the reader: no import of bundle.py
-
     report_file = Path(report_path)
     report_file = report_file / "report.json" if report_file.is_dir() else report_file
     try:

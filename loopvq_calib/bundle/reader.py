@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from ..codes.layouts import KINDS, BlockLayout, codebook_shape
 from ..codes.quantizer import KVQuantizer
+from ..config.source import looks_local
 from ..models.loading import (
     TORCH_DTYPES,
     ModelIdentity,
@@ -87,8 +89,6 @@ def load_bundle(path: str | Path, model: str | Path | None = None, identity: Mod
 def resolve_bundle_dir(spec: str | Path, key: str = "bundle") -> Path:
     """A bundle folder as is; a hub id (a str ``org/name`` that is not a local-looking path) through the hub
     cache (snapshot_download; offline: only what the cache holds). A missing local path says so."""
-    from ..config.source import looks_local
-
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
@@ -194,8 +194,6 @@ def _check_files(path: Path, meta: dict[str, Any]) -> None:
 
 
 def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
     try:
         with safe_open(str(file), framework="pt") as f:
             header = f.metadata() or {}

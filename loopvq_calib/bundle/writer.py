@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save
 
 from ..codes.codec import code_bits, index_dtype, sigma_bits
 from ..codes.packing import indices_entries, read_indices
@@ -23,6 +24,7 @@ from ..codes.quantizer import KVQuantizer
 from ..config.schema import ServingConfig
 from ..models.loading import TORCH_DTYPES, ModelIdentity
 from ..runtime.files import TMP_PREFIX
+from .card import model_card
 from .format import (
     CARD_FILE,
     FORMAT_VERSION,
@@ -72,8 +74,6 @@ def write_bundle(out_dir: Path, quantizer: KVQuantizer, *, name: str, identity: 
         meta = _bundle_meta(quantizer, name, identity, calibration=calibration, metrics=metrics, serving=serving, codebook_dtype=codebook_dtype, config=config,
                             producer_version=producer_version)
         _save_tensors(tmp / TENSOR_FILE, quantizer.tensors(TORCH_DTYPES[codebook_dtype]))
-        from .card import model_card
-
         (tmp / CARD_FILE).write_text(model_card(meta), encoding="utf-8")
         meta["files"] = {f: file_entry(tmp / f) for f in (TENSOR_FILE, CARD_FILE)}
         (tmp / META_FILE).write_bytes(meta_bytes(meta))
@@ -135,8 +135,6 @@ def _bundle_meta(q: KVQuantizer, name: str, identity: ModelIdentity, *, calibrat
 
 def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
     """A safetensors file as bytes, byte-reproducible (safetensors orders metadata keys at random)."""
-    from safetensors.torch import save
-
     seen: set[int] = set()  # safetensors refuses tensors that share memory (e.g. one groups tensor, two blocks)
     for k, t in list(tensors.items()):
         tensors[k] = t.clone() if t.data_ptr() in seen else t

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..bundle.writer import write_bundle
 from ..codes.layouts import plan_layouts
 from ..codes.quantizer import KVQuantizer, merge_quantizers
 from ..config.schema import Config
@@ -40,6 +41,7 @@ from .capture.store import StoreChoice
 from .finetune.train import FinetuneResult, finetune_codebooks
 from .kmeans.fit import fit_codebooks, shard_tensor_names
 from .rundir import discard
+from .tasq.grouping import TasqResult, fit_tasq, merge_tasq
 
 Progress = Callable[[int], Any]
 
@@ -120,8 +122,6 @@ def run_tasq(reader: CaptureData, kv: KVLayout, cfg: Config, *, folder: Path, di
              device: torch.device):
     """TaSQ transforms and groups of every key layout (processes share the layouts as k-means does), saved
     in ``folder``; the main process returns the joined :class:`~loopvq_calib.calibration.tasq.grouping.TasqResult`."""
-    from .tasq.grouping import TasqResult, fit_tasq, merge_tasq
-
     part = fit_tasq(reader, plan_layouts(kv, cfg.quant), kv, quant=cfg.quant, cfg=cfg.tasq, dist=dist, device=device)
     parts = join_parts(dist, folder, part.save, load=TasqResult.load)
     if parts is None:
@@ -230,8 +230,6 @@ def bundle_name(cfg: Config) -> str:
 def run_bundle(folder: Path, tuned: FinetuneResult, calib: CalibrationSet, *, identity: ModelIdentity, cfg: Config,
                version: str) -> dict[str, Any]:
     """Write the versioned bundle of the kept codebooks into ``folder``; returns the stage's record details."""
-    from ..bundle.writer import write_bundle
-
     metrics = {**selection_metrics(tuned), "finetune_curve": tuned.curve,
                "selection_sequences": len(calib.heldout), "bits": tuned.quantizer.bits()}
     name = bundle_name(cfg)

@@ -18,6 +18,7 @@ import torch
 
 from ..config.schema import DataConfig
 from ..config.source import LOCAL_TYPES
+from ..models.loading import hub_offline
 from ..runtime.files import sha256_file
 from .files import DataError, file_documents
 
@@ -101,8 +102,6 @@ def _hub_documents(cfg: DataConfig, names: dict[str, str | None] | None) -> Iter
     try:
         ds = datasets.load_dataset(cfg.dataset, cfg.config_name, split=cfg.split)
     except Exception as err:  # offline, unknown name, missing split: all surface here
-        from ..models.loading import hub_offline
-
         offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or hub_offline()
         hint = " (offline mode is on: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)" if offline else ""
         raise DataError(

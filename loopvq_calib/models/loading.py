@@ -11,8 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import snapshot_download
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..config.schema import DTYPE_NAMES
+from ..config.source import looks_local
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the config's dtype names as torch dtypes
 NATIVE_TYPES = ("ouro", "huginn_raven")
@@ -26,8 +29,6 @@ def resolve_model_dir(name_or_path: str, revision: str | None = None, key: str =
     """A local folder as is; a hub id through the hub cache (snapshot_download; read from the cache only
     under HF_HUB_OFFLINE=1). A local-looking path that does not exist is reported as such, never as a
     network error (see :func:`loopvq_calib.config.source.looks_local`)."""
-    from ..config.source import looks_local
-
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
@@ -48,8 +49,6 @@ def hub_offline() -> bool:
 def hub_snapshot(repo_id: str, revision: str | None, key: str, *, what: str, patterns: list[str] | None = None) -> str:
     """snapshot_download of a hub model repo into the hub cache; any failure is a ModelLoadError naming ``key``
     and the id (offline: says it is not in the local cache)."""
-    from huggingface_hub import snapshot_download
-
     offline = hub_offline()
     try:
         return snapshot_download(repo_id, revision=revision, local_files_only=offline, allow_patterns=patterns)
@@ -121,11 +120,8 @@ def model_identity(folder: Path, name: str, revision: str | None = None) -> Mode
 
 
 def read_model_config(folder: Path, key: str = "model.name_or_path") -> Any:
-    """config.json as a transformers config (no weights read)."""
-    from transformers import AutoConfig
-
-    import loopvq_calib.models  # noqa: F401  (registers ouro / huginn_raven)
-
+    """config.json as a transformers config (no weights read; the models package registered ouro and
+    huginn_raven with AutoConfig when this module was imported)."""
     raw = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else None
     if raw is None:
         raise ModelLoadError(f"{key}: {folder} has no config.json")
@@ -156,8 +152,6 @@ def pick_device(device: str, key: str = "model.device") -> torch.device:
 
 def load_model(folder: Path, dtype: str, device: torch.device, *, loop_steps: int | None = None) -> tuple[Any, Any]:
     """(model in eval mode with frozen weights, tokenizer) from a hub-layout folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     read_model_config(folder)
     # read straight onto the device (the same tensors as loading on the CPU and moving the model there)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=TORCH_DTYPES[dtype], device_map={"": str(device)}).eval()

@@ -11,7 +11,7 @@ import yaml
 from conftest import TINY_G as G, TINY_K as K, TINY_T_C as T_C, tiny_quantizer, write_tiny_bundle
 from safetensors.torch import load_file
 
-from loopvq_calib.bundle import card
+from loopvq_calib.bundle import writer
 from loopvq_calib.bundle.format import FORMAT_VERSION
 from loopvq_calib.bundle.reader import BundleError, load_bundle
 from loopvq_calib.bundle.writer import write_bundle
@@ -95,7 +95,7 @@ def test_failed_write_keeps_previous_bundle(tmp_path, tiny_ouro_dir, monkeypatch
     def boom(meta):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(card, "model_card", boom)
+    monkeypatch.setattr(writer, "model_card", boom)  # fails while the new bundle is being built
     with pytest.raises(RuntimeError, match="disk full"):
         write_tiny_bundle(path, tiny_ouro_dir, name="new")
     with pytest.raises(RuntimeError, match="disk full"):
