@@ -1,14 +1,19 @@
-"""The CI workflow and the documented command lines: valid YAML, every loopvq-* command accepted by the real
-argparse parser of its console script, the quality gate on, publishing on main only, tests run as the README
-says, docs/ci.md showing the workflow verbatim, and every relative link of the docs resolving."""
+"""The CI workflow, the documented command lines and the docs' own rules: valid YAML, every loopvq-* command of
+the workflow and of the docs' bash blocks accepted by the real argparse parser of its console script, the quality
+gate on, publishing on main only, tests run as the README says, docs/ci.md showing the workflow verbatim; and the
+pages (README.md, docs/*.md): every link and backticked repository path or ``loopvq_calib`` name resolving, no
+page over 300 lines but the bundle-format spec, no run logs outside the results pages, every page in README's map.
+The docs checker is itself run on a small tree that breaks each rule, so that it cannot pass by finding nothing."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import io
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 import yaml
@@ -18,6 +23,13 @@ from loopvq_calib.cli import PARSERS
 
 WORKFLOW = ROOT / ".github" / "workflows" / "calibrate.yml"
 SHELL_OPERATORS = {"&&", "||", ";", "|", ">", ">>"}
+MAX_LINES = 300
+LONG_PAGES = {"bundle-format.md"}  # the format specification: exact, whole, on one page
+RESULTS_PAGES = {"performance.md", "quality.md", "decode-speed.md", "reference-model.md"}  # measured numbers live here
+REPO_DIRS = {"loopvq_calib", "docs", "tests", "scripts", "benchmarks", "configs", "artifacts", ".github", ".ci"}
+# run-by-run history belongs in git and the issue notes, not in the guide pages
+HISTORY = [re.compile(p) for p in (r"\b[Rr]un \d+\b", r"\b[Ii]ssue \d+\b", r"before this work", r"measured in session",
+                                   r"`(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}`")]
 
 
 def _steps(job: str | None = None) -> list[dict]:
@@ -149,12 +161,133 @@ def test_docs_show_the_workflow_verbatim():
     assert WORKFLOW.read_text() in blocks
 
 
-def test_doc_links_resolve_inside_the_repo():
-    """Relative links of README.md and docs/*.md point at files that exist; nothing cites the team's notes."""
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    for page in pages:
-        text = page.read_text()
+def _bash_commands(page: Path) -> list[tuple[str, list[str]]]:
+    """(console script, arguments) of every loopvq-* line in a page's bash blocks."""
+    blocks = re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S)
+    return [c for block in blocks for c in _commands(block)]
+
+
+def test_every_documented_command_parses():
+    """Every loopvq-* line in a bash block of README.md or docs/*.md is accepted by its console script's parser."""
+    found = 0
+    for page in _pages(ROOT):
+        for name, args in _bash_commands(page):
+            _parse(name, args)
+            found += 1
+    assert found >= len(PARSERS)
+
+
+def _pages(root: Path) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def _top_level_names(path: Path) -> dict[str, ast.AST]:
+    """Names a module defines or imports at its top level (a package face's lazy names too) -> their node."""
+    tree = ast.parse(path.read_text(), str(path))
+    names: dict[str, ast.AST] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update({t.id: node for t in targets if isinstance(t, ast.Name)})
+            if isinstance(node.value, ast.Dict):  # loopvq_calib/__init__.py's _LAZY: public name -> module
+                names.update({k.value: node for k in node.value.keys if isinstance(k, ast.Constant)})
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update({(a.asname or a.name).split(".")[0]: node for a in node.names})
+    return names
+
+
+def _python_name_problem(root: Path, dotted: str) -> str | None:
+    """Why ``loopvq_calib.x.y`` names nothing in the source (None when it names a module, or a name defined in
+    one, or a method or attribute of a class defined in one)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        base = root.joinpath(*parts[:cut])
+        module = base / "__init__.py" if (base / "__init__.py").is_file() else base.with_suffix(".py")
+        if module.is_file():
+            break
+    else:
+        return "no such module"
+    rest = parts[cut:]
+    if not rest:
+        return None
+    names = _top_level_names(module)
+    if rest[0] not in names:
+        return f"{module.relative_to(root)} defines no {rest[0]}"
+    node = names[rest[0]]
+    if len(rest) > 1 and isinstance(node, ast.ClassDef):
+        members = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+        members |= {t.id for n in node.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        members |= {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+        if rest[1] not in members:
+            return f"{rest[0]} in {module.relative_to(root)} has no {rest[1]}"
+    return None
+
+
+def doc_problems(root: Path) -> list[str]:
+    """Every broken docs rule under ``root``, one line each (empty: the rules hold)."""
+    out = []
+    readme = (root / "README.md").read_text()
+    for page in _pages(root):
+        text, name = page.read_text(), page.relative_to(root).as_posix()
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
-            if "://" not in target:
-                assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to missing {target}"
-        assert "../shared" not in text and "looped-architectures" not in text, page.name
+            if "://" not in target and not target.startswith("mailto:") and not (page.parent / target).exists():
+                out.append(f"{name} links to missing {target}")
+        for span in re.findall(r"`([^`\n]+)`", text):
+            path = span.split("::")[0].rstrip("/")
+            if re.fullmatch(r"[\w.\-/]+", path) and "/" in path and path.split("/")[0] in REPO_DIRS:
+                if not (root / path).exists():
+                    out.append(f"{name} names missing {path}")
+            dotted = re.match(r"(loopvq_calib(?:\.\w+)+)(?:\(|$)", span)
+            if dotted and (problem := _python_name_problem(root, dotted.group(1))):
+                out.append(f"{name} names {dotted.group(1)}: {problem}")
+        if "../shared" in text or "looped-architectures" in text:
+            out.append(f"{name} cites the team's notes")
+        lines = len(text.splitlines())
+        if page.parent.name == "docs" and page.name not in LONG_PAGES and lines > MAX_LINES:
+            out.append(f"{name} has {lines} lines (at most {MAX_LINES})")
+        if page.name not in RESULTS_PAGES:
+            for pattern in HISTORY:
+                for hit in pattern.finditer(text):
+                    out.append(f"{name} tells history: {hit.group(0)!r} (results pages and git hold it)")
+        if page.parent.name == "docs" and f"](docs/{page.name})" not in readme:
+            out.append(f"{name} is not in README.md's documentation map")
+    return out
+
+
+def test_the_docs_keep_their_rules():
+    assert doc_problems(ROOT) == []
+
+
+def test_the_docs_checker_reports_each_kind_of_broken_rule(tmp_path):
+    """A tree whose pages break every rule once is reported line by line; what is right is not."""
+    (tmp_path / "docs").mkdir()
+    pkg = tmp_path / "loopvq_calib" / "codes"
+    pkg.mkdir(parents=True)
+    (tmp_path / "loopvq_calib" / "__init__.py").write_text('_LAZY = {"load_bundle": "bundle.reader"}\n')
+    (pkg / "__init__.py").write_text("")
+    (pkg / "codec.py").write_text("class BlockCodec:\n    def encode(self):\n        pass\n\n\ndef nearest():\n    pass\n")
+    (tmp_path / "README.md").write_text("[guide](docs/guide.md), [spec](docs/bundle-format.md)\n")
+    (tmp_path / "docs" / "bundle-format.md").write_text("spec line\n" * (MAX_LINES + 1))
+    (tmp_path / "docs" / "guide.md").write_text(
+        "[spec](bundle-format.md) [gone](gone.md) [web](https://example.org/x.md) `loopvq_calib/codes/codec.py`\n"
+        "`loopvq_calib/codes/old.py` `tests/golden*/` `runs/x/bundle` `loopvq_calib.codes.codec.nearest`\n"
+        "`loopvq_calib.codes.codec.BlockCodec.encode` `loopvq_calib.load_bundle(path)` `loopvq_calib.qcache`\n"
+        "`loopvq_calib.codes.codec.farthest` `loopvq_calib.codes.codec.BlockCodec.fit` see ../shared/notes\n"
+        "in run 36 (issue 16), at `0f03392`\n" + "line\n" * MAX_LINES)
+    (tmp_path / "docs" / "performance.md").write_text("run 36 at `0f03392`: 51 s\n")
+    found = doc_problems(tmp_path)
+    assert found == [
+        "docs/guide.md links to missing gone.md",
+        "docs/guide.md names missing loopvq_calib/codes/old.py",
+        "docs/guide.md names loopvq_calib.qcache: loopvq_calib/__init__.py defines no qcache",
+        "docs/guide.md names loopvq_calib.codes.codec.farthest: loopvq_calib/codes/codec.py defines no farthest",
+        "docs/guide.md names loopvq_calib.codes.codec.BlockCodec.fit: BlockCodec in loopvq_calib/codes/codec.py has no fit",
+        "docs/guide.md cites the team's notes",
+        f"docs/guide.md has {MAX_LINES + 5} lines (at most {MAX_LINES})",
+        "docs/guide.md tells history: 'run 36' (results pages and git hold it)",
+        "docs/guide.md tells history: 'issue 16' (results pages and git hold it)",
+        "docs/guide.md tells history: '`0f03392`' (results pages and git hold it)",
+        "docs/performance.md is not in README.md's documentation map",
+    ]
