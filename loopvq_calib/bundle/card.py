@@ -61,7 +61,8 @@ def model_card(meta: dict[str, Any], evaluation: dict[str, Any] | None = None) -
     if selection is not None:
         init = metrics.get("selection_kl_init", metrics.get("heldout_kl_init"))
         init_text = f" (after k-means: {_num(init)})" if init is not None else ""
-        lines.append(f"| selection KL to full precision (calibration selection sequences) | {_num(selection)}{init_text} |")
+        lines.append("| selection KL to full precision (calibration selection sequences) | "
+                     f"{_num(selection)}{init_text} |")
     lines += [
         "", "## Load", "", "```python",
         "from huggingface_hub import snapshot_download",
@@ -133,8 +134,9 @@ def evaluation_for(report: dict[str, Any], name: str) -> dict[str, Any]:
     passkey = served.get("passkey")
     if passkey and name in passkey["accuracy"]:
         for n, acc in passkey["accuracy"][name].items():
-            results.append(EvalResult(task_type="text-generation", dataset_type="passkey", dataset_name=f"passkey {n} tokens",
-                                      metric_type="accuracy", metric_name=f"passkey retrieval{where}", metric_value=acc))
+            results.append(EvalResult(task_type="text-generation", dataset_type="passkey",
+                                      dataset_name=f"passkey {n} tokens", metric_type="accuracy",
+                                      metric_name=f"passkey retrieval{where}", metric_value=acc))
             table.append(("passkey accuracy", f"{n} tokens", _num(acc), _num(passkey["accuracy"][ref][n])))
     lines = ["## Evaluation", "",
              f"Measured by `loopvq-eval` on `{report.get('model')}` ({report.get('dtype')}){where}; the "
@@ -162,7 +164,8 @@ def attach_eval_report(bundle_path: str | Path, report_path: str | Path, write: 
         try:
             meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
             meta["files"][CARD_FILE] = file_entry(card)
-            new_meta = write_temp(path / META_FILE, meta_bytes(meta), durable=True)  # a new meta_sha256 over the new files entry
+            # a new meta_sha256 over the new files entry
+            new_meta = write_temp(path / META_FILE, meta_bytes(meta), durable=True)
         except BaseException:
             card.unlink(missing_ok=True)
             raise

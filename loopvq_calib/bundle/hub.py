@@ -1,4 +1,5 @@
-"""Publishing a validated bundle folder to the hub (``loopvq-push``); the model card is :mod:`loopvq_calib.bundle.card`."""
+"""Publishing a validated bundle folder to the hub (``loopvq-push``); the model card is
+:mod:`loopvq_calib.bundle.card`."""
 
 from __future__ import annotations
 

@@ -142,7 +142,8 @@ def _read_meta(path: Path) -> dict[str, Any]:
     _require(meta["kv_layout"], {"model_type": str, "loop_steps": int, "kv_heads": int, "head_dim": int,
                                  "sites": list}, file, prefix="kv_layout.")
     if meta["codebook_dtype"] not in TORCH_DTYPES:
-        raise BundleError(f"{file}: field codebook_dtype {meta['codebook_dtype']!r} is not one of {', '.join(TORCH_DTYPES)}")
+        raise BundleError(f"{file}: field codebook_dtype {meta['codebook_dtype']!r} is not one of "
+                          f"{', '.join(TORCH_DTYPES)}")
     for i, site in enumerate(meta["kv_layout"]["sites"]):
         _require(site, {"site": int, "step": int, "layer": int, "looped": bool, "stage": str}, file,
                  prefix=f"kv_layout.sites[{i}].")
@@ -236,8 +237,9 @@ def _expected_tensors(meta: dict[str, Any], file: Path) -> dict[str, tuple[list[
             out[f"{key}.tasq_weight"] = ([steps, h, d], torch.float32, key)
     for kind, sites in covered.items():
         if sorted(sites) != sorted(site_ids):
+            repeated = sorted({s for s in sites if sites.count(s) > 1})
             raise BundleError(f"{file.parent / META_FILE}: the {kind} blocks must cover every KV site exactly once "
-                              f"(missing {sorted(site_ids - set(sites))}, repeated {sorted({s for s in sites if sites.count(s) > 1})})")
+                              f"(missing {sorted(site_ids - set(sites))}, repeated {repeated})")
     return out
 
 

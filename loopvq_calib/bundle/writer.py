@@ -71,8 +71,8 @@ def write_bundle(out_dir: Path, quantizer: KVQuantizer, *, name: str, identity: 
     tmp = out_dir.with_name(f"{TMP_PREFIX}{out_dir.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
-        meta = _bundle_meta(quantizer, name, identity, calibration=calibration, metrics=metrics, serving=serving, codebook_dtype=codebook_dtype, config=config,
-                            producer_version=producer_version)
+        meta = _bundle_meta(quantizer, name, identity, calibration=calibration, metrics=metrics, serving=serving,
+                            codebook_dtype=codebook_dtype, config=config, producer_version=producer_version)
         _save_tensors(tmp / TENSOR_FILE, quantizer.tensors(TORCH_DTYPES[codebook_dtype]))
         (tmp / CARD_FILE).write_text(model_card(meta), encoding="utf-8")
         meta["files"] = {f: file_entry(tmp / f) for f in (TENSOR_FILE, CARD_FILE)}

@@ -54,9 +54,9 @@ def save_quantizer(q: KVQuantizer, folder: Path, extra: dict[str, Any] | None = 
 
 
 def load_quantizer(folder: Path) -> KVQuantizer:
+    """The codebooks :func:`save_quantizer` wrote into ``folder``."""
     meta = json.loads((folder / "quantizer.json").read_text())
     return KVQuantizer.from_tensors(meta, load_file(str(folder / "quantizer.safetensors")))
-
 
 
 # -- data ------------------------------------------------------------------------------------------
@@ -102,7 +102,8 @@ def run_capture(model: torch.nn.Module, calib: CalibrationSet, kv: KVLayout, *, 
 
 
 # -- joining the processes' parts ------------------------------------------------------------------
-def join_parts(dist: DistContext, folder: Path, save: Callable[[Path], Any], *, load: Callable[[Path], Any]) -> list | None:
+def join_parts(dist: DistContext, folder: Path, save: Callable[[Path], Any], *,
+               load: Callable[[Path], Any]) -> list | None:
     """Each process saves its share of a stage under ``folder/part{rank}``; the main process gets every
     part, in rank order (their folders are then removed), the others None."""
     mine = folder / f"part{dist.rank}"
@@ -119,7 +120,7 @@ def join_parts(dist: DistContext, folder: Path, save: Callable[[Path], Any], *, 
 
 # -- TaSQ ------------------------------------------------------------------------------------------
 def run_tasq(reader: CaptureData, kv: KVLayout, cfg: Config, *, folder: Path, dist: DistContext,
-             device: torch.device):
+             device: torch.device) -> TasqResult | None:
     """TaSQ transforms and groups of every key layout (processes share the layouts as k-means does), saved
     in ``folder``; the main process returns the joined :class:`~loopvq_calib.calibration.tasq.grouping.TasqResult`."""
     part = fit_tasq(reader, plan_layouts(kv, cfg.quant), kv, quant=cfg.quant, cfg=cfg.tasq, dist=dist, device=device)
@@ -142,12 +143,14 @@ class KMeansReport:
     totals: list[dict[str, Any]] = field(default_factory=list)
 
     def save(self, folder: Path) -> None:
+        """The codebooks (:func:`save_quantizer`) and ``report.json``."""
         save_quantizer(self.quantizer, folder)
         report = {"layouts": self.layouts, "totals": self.totals}
         (folder / "report.json").write_text(json.dumps(report, indent=1, default=float))
 
     @classmethod
     def load(cls, folder: Path) -> "KMeansReport":
+        """The report :meth:`save` wrote."""
         report = json.loads((folder / "report.json").read_text())
         return cls(load_quantizer(folder), report["layouts"], report["totals"])
 
@@ -159,7 +162,8 @@ def run_kmeans(reader: CaptureData, tasq: Any, kv: KVLayout, *, cfg: Config, fol
     sequence); the main process joins the parts, saves them in ``folder`` and returns the report."""
     layouts = tasq.layouts if tasq is not None else plan_layouts(kv, cfg.quant)
     transforms = tasq.transforms if tasq is not None else {}
-    part, report = fit_codebooks(reader, layouts, transforms, quant=cfg.quant, cfg=cfg.kmeans, kv=kv, device=device, progress=progress, dist=dist)
+    part, report = fit_codebooks(reader, layouts, transforms, quant=cfg.quant, cfg=cfg.kmeans, kv=kv, device=device,
+                                 progress=progress, dist=dist)
     parts = join_parts(
         dist, folder, lambda d: save_quantizer(part, d, {"report": report}),
         load=lambda d: (load_quantizer(d), json.loads((d / "quantizer.json").read_text())["report"]),
@@ -180,7 +184,8 @@ def run_finetune(model: torch.nn.Module, calib: CalibrationSet, init: KVQuantize
     and the selection curve (``curve.json``) in ``folder`` and returns the result with its quantizer as saved
     (:func:`as_saved_quantizer`: on the CPU, copied from the device once), the other processes as fine-tuned."""
     resume = folder / "resume.pt"
-    result = finetune_codebooks(model, calib, init, cfg=cfg.finetune, device=device, progress=progress, checkpoint=resume, dist=dist)
+    result = finetune_codebooks(model, calib, init, cfg=cfg.finetune, device=device, progress=progress,
+                                checkpoint=resume, dist=dist)
     if dist.is_main:
         discard(resume, folder.parent)
         result = replace(result, quantizer=as_saved_quantizer(result.quantizer))  # one copy from the device
@@ -189,6 +194,7 @@ def run_finetune(model: torch.nn.Module, calib: CalibrationSet, init: KVQuantize
 
 
 def save_finetune(result: FinetuneResult, folder: Path) -> None:
+    """The kept codebooks (:func:`save_quantizer`) and ``curve.json`` (the selection curve, the best point)."""
     save_quantizer(result.quantizer, folder)
     best = {"best_epoch": result.best_epoch, "best_step": result.best_step, "curve": result.curve}
     (folder / "curve.json").write_text(json.dumps(best, indent=1))

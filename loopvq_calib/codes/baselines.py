@@ -37,6 +37,7 @@ class SiteSpan:
 
     @property
     def steps(self) -> int:
+        """Sites covered."""
         return len(self.sites)
 
 
@@ -50,9 +51,11 @@ class StoredCodes:
     zero: torch.Tensor | None = None
 
     def nbytes(self) -> int:
+        """Bytes of every stored tensor."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def tensors(self) -> list[torch.Tensor]:
+        """The stored tensors (the fields that are set)."""
         return [getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None]
 
     def select(self, beam_idx: torch.Tensor) -> "StoredCodes":
@@ -82,10 +85,13 @@ def unpack_bits(p: torch.Tensor, bits: int) -> torch.Tensor:
 
 # -- codecs --------------------------------------------------------------------------------------------
 class _Codec:
+    """What every baseline codec shares: its sites and quantize = decode(encode(.))."""
+
     def __init__(self, layout: SiteSpan) -> None:
         self.layout = layout
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """decode(encode(x)) in ``x``'s dtype."""
         return self.decode(self.encode(x), dtype=x.dtype)
 
 
@@ -100,6 +106,8 @@ class LastStepCodec(_Codec):
 
 
 class Fp8Codec(_Codec):
+    """float8 e4m3 values, saturating at +-FP8_MAX."""
+
     def encode(self, x: torch.Tensor) -> StoredCodes:
         return StoredCodes(x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))
 
@@ -190,12 +198,15 @@ class BaselineQuantizer:
         return out["key"], out["value"]
 
     def bits(self) -> dict[str, float]:
+        """Stored bits per element of keys and values."""
         return dict(self.bits_per_element)
 
     def codebook_bytes(self, bytes_per_value: int = 2) -> int:
+        """0: a baseline has no codebooks."""
         return 0
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "BaselineQuantizer":
+        """Nothing to move (no tensors); returns self."""
         return self
 
 

@@ -38,14 +38,17 @@ class BlockLayout:
 
     @property
     def steps(self) -> int:
+        """Sites (loop steps) of the block."""
         return len(self.sites)
 
     @property
     def group_size(self) -> int:
+        """G, the coordinates of one code."""
         return self.groups.shape[-1]
 
     @property
     def num_groups(self) -> int:
+        """Codes per head and token."""
         return self.groups.shape[-2]
 
     @property
@@ -60,6 +63,7 @@ class BlockLayout:
 
     @classmethod
     def from_dict(cls, d: dict, groups: torch.Tensor) -> "BlockLayout":
+        """The layout :meth:`to_dict` described, with its ``groups`` tensor."""
         return cls(d["name"], d["kind"], tuple(d["sites"]), d["head_dim"], d["kv_heads"], groups)
 
     def check(self) -> None:
@@ -68,7 +72,8 @@ class BlockLayout:
         for h in range(self.groups.shape[0]):
             flat = self.groups[h].flatten().sort().values
             if flat.numel() != total or not torch.equal(flat, torch.arange(total)):
-                raise ValueError(f"layout {self.key} head {h}: groups do not cover the {total} coordinates exactly once")
+                raise ValueError(f"layout {self.key} head {h}: groups do not cover the {total} coordinates "
+                                 "exactly once")
 
 
 def channel_groups(head_dim: int, group_size: int) -> torch.Tensor:
@@ -97,7 +102,7 @@ def plan_layouts(kv: KVLayout, quant: QuantConfig) -> list[BlockLayout]:
 
     Loop-axis methods group looped sites in blocks of T_c steps; non-looped sites (Huginn prelude and
     coda) and channel-only methods use CQ groups. TaSQ methods later replace the key groups with the
-    permutation fitted by the tasq stage (``tasq.py``).
+    permutation fitted by the TaSQ stage (:mod:`loopvq_calib.calibration.tasq.grouping`).
     """
     out = []
     for block in kv.blocks(quant.block_steps):

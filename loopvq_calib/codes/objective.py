@@ -2,9 +2,9 @@
 
 ``teacher`` runs the frozen model in full precision and records every site's pre-RoPE keys/values.
 ``quantized_logits`` reruns it with the keys/values after the sink tokens replaced by decode(encode(.))
-of that full-precision cache (docs/method.md section 8, the paper's eq. 6), optionally only at some loop steps. Both run inside
-:func:`shared_initial_state`, so a model with a random initial state (Huginn ``like-init``) starts the
-teacher and the quantized forward of one sequence from the same state.
+of that full-precision cache (docs/method.md section 8, the paper's eq. 6), optionally only at some loop steps.
+Both run inside :func:`shared_initial_state`, so a model with a random initial state (Huginn ``like-init``)
+starts the teacher and the quantized forward of one sequence from the same state.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def shared_initial_state(model: torch.nn.Module) -> AbstractContextManager:
 
 @torch.no_grad()
 def teacher(model: torch.nn.Module, ids: torch.Tensor) -> Teacher:
+    """The full-precision forward of ``ids`` [B, S]: its logits and every site's pre-RoPE keys and values."""
     rec = KVRecorder()
     with kv_hook(model, rec), shared_initial_state(model):
         logits = model(ids, use_cache=False).logits
@@ -91,7 +92,7 @@ def mean_kl(p_logits: torch.Tensor, q_logits: torch.Tensor, sink_tokens: int, *,
 
 
 def next_token_nll(logits: torch.Tensor, ids: torch.Tensor, sink_tokens: int) -> torch.Tensor:
-    """Summed next-token negative log-likelihood over targets after the sinks, and their count."""
+    """Summed next-token negative log-likelihood over the targets after the sinks (at least position 1)."""
     tgt = ids[:, max(sink_tokens, 1):]
     lg = logits[:, max(sink_tokens, 1) - 1 : -1]
     return F.cross_entropy(lg.flatten(0, 1).float(), tgt.flatten(), reduction="sum")

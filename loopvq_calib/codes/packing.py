@@ -43,7 +43,8 @@ def unpack_indices(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 PACKED = "indices_packed"  # tensor-name suffix of bit-packed indices (format 1.1, docs/bundle-format.md section 8)
 
 
-def indices_entries(name: str, indices: torch.Tensor, codebook_size: int, *, form: str = "both") -> dict[str, torch.Tensor]:
+def indices_entries(name: str, indices: torch.Tensor, codebook_size: int, *,
+                    form: str = "both") -> dict[str, torch.Tensor]:
     """The tensors that store ``indices`` [..., n] under ``name`` in a format file: ``{name}.indices`` (uint8 for
     K <= 256, else int32; the 1.0 form) and/or ``{name}.indices_packed`` (uint8 [..., ceil(n * b / 8)], b =
     log2(K) bits, :func:`pack_indices`; 1.1, only for K < 256). ``form``: ``"both"``, ``"plain"`` or

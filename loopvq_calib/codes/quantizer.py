@@ -50,6 +50,7 @@ class KVQuantizer:
         return out["key"], out["value"]
 
     def parameters(self) -> list[torch.Tensor]:
+        """Every codec's codebook."""
         return [c.codebook for c in self.codecs.values()]
 
     def bits(self) -> dict[str, float]:
@@ -66,6 +67,8 @@ class KVQuantizer:
         return sum(c.codebook.numel() * bytes_per_value for c in self.codecs.values())
 
     def tensors(self, codebook_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """The stored tensors (contiguous, on the CPU): codebooks in ``codebook_dtype``, groups int32, TaSQ
+        weights fp32."""
         out = {}
         for key, c in self.codecs.items():
             out[f"{key}.codebook"] = c.codebook.detach().to(codebook_dtype).contiguous().cpu()
@@ -75,6 +78,7 @@ class KVQuantizer:
         return out
 
     def meta(self) -> dict[str, Any]:
+        """The JSON that describes :meth:`tensors` (method, sizes, KV layout, one entry per block)."""
         blocks = []
         for key, c in self.codecs.items():
             blocks.append({
@@ -90,12 +94,15 @@ class KVQuantizer:
         }
 
     @classmethod
-    def from_tensors(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> "KVQuantizer":
+    def from_tensors(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
+                     dtype: torch.dtype = torch.float32) -> "KVQuantizer":
+        """The quantizer :meth:`meta` and :meth:`tensors` describe, codebooks in ``dtype``."""
         kv = KVLayout.from_dict(meta["kv_layout"])
         codecs = {}
         for b in meta["blocks"]:
             key = b["key"]
-            layout = BlockLayout(b["name"], b["kind"], tuple(b["sites"]), kv.head_dim, kv.kv_heads, tensors[f"{key}.groups"].long())
+            layout = BlockLayout(b["name"], b["kind"], tuple(b["sites"]), kv.head_dim, kv.kv_heads,
+                                 tensors[f"{key}.groups"].long())
             transform = TasqTransform(tensors[f"{key}.tasq_weight"].float(), b["sigma_min"]) if b["tasq"] else None
             codecs[key] = BlockCodec(layout, tensors[f"{key}.codebook"].to(dtype), transform)
         return cls(codecs, meta["method"], meta["codebook_size"], meta["group_size"], meta["steps_per_block"],

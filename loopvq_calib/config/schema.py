@@ -15,6 +15,13 @@ SHARING = ("none", "heads", "groups", "all")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CAPTURE_STORES = ("auto", "device", "memory", "disk")
 KMEANS_BACKENDS = ("auto", "faiss", "torch", "triton")
+KMEANS_INITS = ("kmeans++", "random")
+DATA_TYPES = ("auto", "hub", "text", "json", "jsonl", "parquet")
+TEXT_SAMPLE_BY = ("line", "paragraph", "document")
+LR_SCHEDULES = ("constant", "cosine", "linear")
+PARAMETERIZATIONS = ("codewords", "affine")
+AUTOCAST_MODES = ("auto", "bfloat16", "none")
+CACHE_TEACHER = ("auto", "true", "false")
 
 
 @dataclass
@@ -53,10 +60,12 @@ class QuantConfig:
 
     @property
     def loop_axis(self) -> bool:
+        """Whether codes span loop steps (``loopvq``, ``tasq+loopvq``)."""
         return self.method in ("loopvq", "tasq+loopvq")
 
     @property
     def uses_tasq(self) -> bool:
+        """Whether the method has a TaSQ stage (``tasq``, ``tasq+loopvq``)."""
         return self.method in ("tasq", "tasq+loopvq")
 
     @property
@@ -69,8 +78,10 @@ class QuantConfig:
 class CaptureConfig:
     dtype: str = "bfloat16"  # storage dtype of captured K/V and Fisher
     batch_size: int = 1  # sequences per forward/backward
-    store: str = "auto"  # auto (the first of device, memory, disk that holds it) | device | memory (host RAM) | disk (reusable)
-    fisher_channels: int | None = None  # squared gradients summed over this many consecutive channels; null = the largest exact value
+    # auto (the first of device, memory, disk that holds it) | device | memory (host RAM) | disk (reusable)
+    store: str = "auto"
+    # squared gradients summed over this many consecutive channels; null = the largest exact value
+    fisher_channels: int | None = None
 
     @property
     def channels_per_fisher(self) -> int:
@@ -88,7 +99,8 @@ class KMeansConfig:
     seed: int = 0
     device: str = "auto"
     problems_per_batch: int | None = None  # torch backend: problems solved together (null: 512 GPU, 8 CPU)
-    points_per_chunk: int | None = None  # torch backend: points per problem per distance block (null: 16384 GPU, 512 CPU)
+    # torch backend: points per problem per distance block (null: 16384 GPU, 512 CPU)
+    points_per_chunk: int | None = None
 
 
 @dataclass
@@ -112,9 +124,11 @@ class FinetuneConfig:
     min_usage: int = 0  # codewords: train only entries that >= this many training vectors use (0: all)
     proximal: float = 1.0  # weight of sum ||C - C0||^2 / sum ||C0||^2 toward the k-means codebooks; the paper: 0
     kl_chunk: int = 1024  # positions per chunk of the KL computation
-    loop_checkpointing: bool | str = False  # activation checkpointing per loop step: true | false | auto (off until it does not fit)
+    # activation checkpointing per loop step: true | false | auto (off until it does not fit)
+    loop_checkpointing: bool | str = False
     autocast: str = "auto"  # auto (bf16 on GPU) | bfloat16 | none
-    cache_teacher: str = "auto"  # keep full-precision outputs across epochs: auto (as many sequences as fit) | true | false
+    # keep full-precision outputs across epochs: auto (as many sequences as fit) | true | false
+    cache_teacher: str = "auto"
     seed: int = 0
 
 
@@ -145,4 +159,5 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def to_dict(self) -> dict[str, Any]:
+        """The tree as nested plain dicts (what run directories and bundles record)."""
         return dataclasses.asdict(self)

@@ -15,7 +15,8 @@ from typing import Any
 import yaml
 
 PATH_KEYS = ("model.name_or_path", "data.dataset", "output.dir")
-LOCAL_TYPES = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}  # suffix -> datasets builder
+# file suffix -> datasets builder
+LOCAL_TYPES = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 LOCAL_DATA_SUFFIXES = tuple(LOCAL_TYPES)
 
 

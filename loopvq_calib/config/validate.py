@@ -9,11 +9,18 @@ import math
 from typing import Any
 
 from .schema import (
+    AUTOCAST_MODES,
+    CACHE_TEACHER,
     CAPTURE_STORES,
+    DATA_TYPES,
     DTYPE_NAMES,
     KMEANS_BACKENDS,
+    KMEANS_INITS,
+    LR_SCHEDULES,
     METHODS,
+    PARAMETERIZATIONS,
     SHARING,
+    TEXT_SAMPLE_BY,
     CaptureConfig,
     Config,
     DataConfig,
@@ -96,8 +103,8 @@ def _device(key: str, device: str) -> None:
 def _validate_data(d: DataConfig, finetune_enabled: bool) -> None:
     if not d.dataset.strip():
         raise ConfigError("data.dataset", "must not be empty")
-    _choice("data.type", d.type, ("auto", "hub", "text", "json", "jsonl", "parquet"))
-    _choice("data.text_sample_by", d.text_sample_by, ("line", "paragraph", "document"))
+    _choice("data.type", d.type, DATA_TYPES)
+    _choice("data.text_sample_by", d.text_sample_by, TEXT_SAMPLE_BY)
     _positive("data.num_sequences", d.num_sequences)
     _positive("data.sequence_length", d.sequence_length)
     _positive("data.sink_tokens", d.sink_tokens, zero_ok=True)
@@ -107,7 +114,8 @@ def _validate_data(d: DataConfig, finetune_enabled: bool) -> None:
         raise ConfigError("data.chat_template", "needs rows of messages (json, jsonl, parquet or a hub dataset), "
                           "not plain text files (data.type text)")
     if d.sink_tokens >= d.sequence_length:
-        raise ConfigError("data.sink_tokens", f"{d.sink_tokens} sinks leave no token of a {d.sequence_length}-token sequence to quantize")
+        raise ConfigError("data.sink_tokens", f"{d.sink_tokens} sinks leave no token of a {d.sequence_length}-token "
+                          "sequence to quantize")
     if finetune_enabled and not 0 < d.heldout_sequences < d.num_sequences:
         raise ConfigError(
             "data.heldout_sequences",
@@ -126,7 +134,8 @@ def _validate_quant(q: QuantConfig) -> None:
     if q.bits is not None and not math.isclose(q.bits, derived, rel_tol=1e-9):
         raise ConfigError(
             "quant.bits",
-            f"{q.bits} does not match log2(codebook_size)/group_size = log2({q.codebook_size})/{q.group_size} = {derived:g}",
+            f"{q.bits} does not match log2(codebook_size)/group_size = log2({q.codebook_size})/{q.group_size} = "
+            f"{derived:g}",
         )
     if q.loop_axis and q.group_size % q.steps_per_block:
         raise ConfigError(
@@ -137,13 +146,14 @@ def _validate_quant(q: QuantConfig) -> None:
     if q.uses_tasq and (q.group_size // q.block_steps) % 2:
         raise ConfigError(
             "quant.group_size",
-            f"TaSQ keeps each RoPE pair in one group: channels per step G/T_c = {q.group_size // q.block_steps} must be even",
+            f"TaSQ keeps each RoPE pair in one group: channels per step G/T_c = {q.group_size // q.block_steps} "
+            "must be even",
         )
 
 
 def _validate_kmeans(k: KMeansConfig) -> None:
     _choice("kmeans.backend", k.backend, KMEANS_BACKENDS)
-    _choice("kmeans.init", k.init, ("kmeans++", "random"))
+    _choice("kmeans.init", k.init, KMEANS_INITS)
     _device("kmeans.device", k.device)
     _positive("kmeans.iterations", k.iterations)
     _positive("kmeans.tolerance", k.tolerance, zero_ok=True)
@@ -157,19 +167,20 @@ def _validate_tasq(t: TasqConfig) -> None:
     for name in ("det_eps", "sigma_min", "weight_floor"):
         _positive(f"tasq.{name}", getattr(t, name))
     if t.weight_floor >= 1:
-        raise ConfigError("tasq.weight_floor", f"is a fraction of the largest weight and must be < 1, got {t.weight_floor}")
+        raise ConfigError("tasq.weight_floor",
+                          f"is a fraction of the largest weight and must be < 1, got {t.weight_floor}")
 
 
 def validate_finetune(f: FinetuneConfig) -> None:
     """The ``finetune`` section's own values."""
     _positive("finetune.epochs", f.epochs, zero_ok=True)
     _positive("finetune.lr", f.lr)
-    _choice("finetune.lr_schedule", f.lr_schedule, ("constant", "cosine", "linear"))
+    _choice("finetune.lr_schedule", f.lr_schedule, LR_SCHEDULES)
     _positive("finetune.warmup_steps", f.warmup_steps, zero_ok=True)
     _positive("finetune.batch_size", f.batch_size)
     _positive("finetune.select_every", f.select_every, zero_ok=True)
     _positive("finetune.selection_batch", f.selection_batch)
-    _choice("finetune.parameterization", f.parameterization, ("codewords", "affine"))
+    _choice("finetune.parameterization", f.parameterization, PARAMETERIZATIONS)
     _positive("finetune.min_usage", f.min_usage, zero_ok=True)
     if f.min_usage and f.parameterization != "codewords":
         raise ConfigError("finetune.min_usage", f"{f.min_usage} restricts codewords; it needs parameterization "
@@ -177,8 +188,8 @@ def validate_finetune(f: FinetuneConfig) -> None:
     _positive("finetune.proximal", f.proximal, zero_ok=True)
     _positive("finetune.kl_chunk", f.kl_chunk)
     _seed("finetune.seed", f.seed)
-    _choice("finetune.autocast", f.autocast, ("auto", "bfloat16", "none"))
-    _choice("finetune.cache_teacher", f.cache_teacher, ("auto", "true", "false"))
+    _choice("finetune.autocast", f.autocast, AUTOCAST_MODES)
+    _choice("finetune.cache_teacher", f.cache_teacher, CACHE_TEACHER)
     if f.loop_checkpointing not in (True, False, "auto") or type(f.loop_checkpointing) not in (bool, str):
         raise ConfigError("finetune.loop_checkpointing", f"{f.loop_checkpointing!r} is not allowed; choose one of "
                           "true, false, auto")
@@ -233,7 +244,8 @@ def validate_for_model(cfg: Config, head_dim: int, kv_heads: int, *, loop_steps:
     if has_prelude and q.loop_axis and head_dim % q.group_size:
         raise ConfigError(
             "quant.group_size",
-            f"non-looped layers are coded per layer like CQ: head_dim {head_dim} is not divisible by G = {q.group_size}",
+            f"non-looped layers are coded per layer like CQ: head_dim {head_dim} is not divisible by G = "
+            f"{q.group_size}",
         )
 
 

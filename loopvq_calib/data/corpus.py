@@ -37,6 +37,7 @@ class CalibrationSet:
 
     @property
     def content_hash(self) -> str:
+        """sha256 of the token ids and the split (what the data stage's record names)."""
         ids = self.input_ids.to(torch.int64).contiguous().numpy().tobytes()
         split = f"{self.train}|{self.heldout}|{self.sink_tokens}".encode()
         return hashlib.sha256(ids + split).hexdigest()
@@ -65,9 +66,10 @@ def _option(names: dict[str, str | None] | None, name: str) -> str | None:
 
 
 def load_documents(cfg: DataConfig, names: dict[str, str | None] | None = None) -> Iterator[Any]:
-    """Yield the documents' text (with ``data.chat_template``: their conversations) from local files (text / json / jsonl / parquet, read directly: no cache
-    outside the run directory, so an edited file is always read afresh) or a hub dataset (``datasets``,
-    through the hub cache). ``names`` renames fields in error messages (see :func:`_option`)."""
+    """Yield the documents' text (with ``data.chat_template``: their conversations) from local files (text /
+    json / jsonl / parquet, read directly: no cache outside the run directory, so an edited file is always read
+    afresh) or a hub dataset (``datasets``, through the hub cache). ``names`` renames fields in error messages
+    (see :func:`_option`)."""
     files = local_files(cfg.dataset)
     kind = "json" if cfg.type == "jsonl" else cfg.type
     if files and kind in ("auto", "text", "json", "parquet"):
@@ -105,12 +107,12 @@ def _hub_documents(cfg: DataConfig, names: dict[str, str | None] | None) -> Iter
         offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or hub_offline()
         hint = " (offline mode is on: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)" if offline else ""
         raise DataError(
-            f"{_option(names, 'dataset')}: could not load {cfg.dataset!r} (config {cfg.config_name!r}, split {cfg.split!r}) "
-            f"from the hub{hint}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            f"{_option(names, 'dataset')}: could not load {cfg.dataset!r} (config {cfg.config_name!r}, split "
+            f"{cfg.split!r}) from the hub{hint}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         ) from err
     if cfg.text_field not in ds.column_names:
-        raise DataError(f"{_option(names, 'text_field') or _option(names, 'dataset')}: column {cfg.text_field!r} not in "
-                        f"{cfg.dataset} (columns: {ds.column_names})")
+        key = _option(names, "text_field") or _option(names, "dataset")
+        raise DataError(f"{key}: column {cfg.text_field!r} not in {cfg.dataset} (columns: {ds.column_names})")
     for row in ds:
         text = row[cfg.text_field]
         if cfg.chat_template or (isinstance(text, str) and text.strip()):
@@ -123,7 +125,8 @@ def checked_conversations(rows: Iterator[Any], field_key: str) -> Iterator[list[
         if not (isinstance(messages, list) and messages
                 and all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)):
             raise DataError(f"{field_key}: with data.chat_template every row must be a non-empty list of "
-                            f"{{role, content}} messages; document {n} is {type(messages).__name__} {str(messages)[:60]!r}")
+                            f"{{role, content}} messages; document {n} is {type(messages).__name__} "
+                            f"{str(messages)[:60]!r}")
         yield messages
 
 
@@ -155,7 +158,8 @@ def _token_stream(docs: Iterator[str], tokenizer: Any, limit: int) -> tuple[list
     return ids, count
 
 
-def build_calibration_set(cfg: DataConfig, tokenizer: Any, names: dict[str, str | None] | None = None) -> CalibrationSet:
+def build_calibration_set(cfg: DataConfig, tokenizer: Any,
+                          names: dict[str, str | None] | None = None) -> CalibrationSet:
     """Deterministic (given ``cfg.seed``) calibration sequences and their train / held-out split."""
     n, length = cfg.num_sequences, cfg.sequence_length
     source = load_documents(cfg, names)

@@ -23,7 +23,8 @@ def file_documents(file: Path, kind: str, cfg: DataConfig, *, dataset_key: str, 
     (or ``field_key`` for a missing column) and the file. With ``cfg.chat_template`` the column's values are
     yielded as they are (conversations, rendered by :func:`loopvq_calib.data.corpus.render_conversations`)."""
     if kind == "text" and cfg.chat_template:
-        raise DataError(f"data.chat_template: {file} is a plain text file; conversations need json, jsonl or parquet rows")
+        raise DataError(f"data.chat_template: {file} is a plain text file; conversations need json, jsonl or "
+                        "parquet rows")
     if kind == "text":
         yield from _text_documents(file, cfg.text_sample_by, dataset_key)
         return

@@ -80,7 +80,7 @@ class LoopedPreTrainedModel(PreTrainedModel):
             nn.init.ones_(module.weight)
 
     @classmethod
-    def from_pretrained(cls, *args: Any, **kwargs: Any):  # type: ignore[override]
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """Load a hub-layout checkpoint; any missing, unexpected or mis-shaped tensor is an error."""
         wanted_info = kwargs.pop("output_loading_info", False)
         kwargs["ignore_mismatched_sizes"] = True  # so that mis-shaped tensors are listed below, by name
@@ -102,6 +102,7 @@ class LoopedPreTrainedModel(PreTrainedModel):
         return (model, info) if wanted_info else model
 
     def get_output_embeddings(self) -> nn.Linear:
+        """The LM head (transformers ties and resizes embeddings through it)."""
         return self.lm_head
 
     def _forward_context(
@@ -117,7 +118,8 @@ class LoopedPreTrainedModel(PreTrainedModel):
             cache.check_steps(steps)
         kv = self.kv_layout(steps)
         b, s = input_ids.shape
-        ctx = build_context(s, b, input_ids.device, rope_style=kv.rope_style, rope_theta=kv.rope_theta, cache=cache, attention_mask=attention_mask, position_ids=position_ids,
+        ctx = build_context(s, b, input_ids.device, rope_style=kv.rope_style, rope_theta=kv.rope_theta, cache=cache,
+                            attention_mask=attention_mask, position_ids=position_ids,
                             hook=kwargs.get("kv_hook", self.kv_hook), query_observer=self.query_observer)
         return cache, ctx
 

@@ -51,6 +51,7 @@ class LoopKVCache:
             )
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens cached so far (every site holds the same number; ``layer_idx`` is ignored)."""
         if not self.keys:
             return 0
         return self.keys[min(self.keys)].shape[1]

@@ -59,7 +59,8 @@ def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[t
     return ang.cos(), ang.sin()
 
 
-def rope_factors(cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle, *, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_factors(cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle, *,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """What :func:`rotate` multiplies by, from ``cos``/``sin`` [B, S, D/2]: [B, S, 1, D], in ``dtype`` for
     ``half`` (cos twice, and -sin then sin: the sign of rotate_half folded in), fp32 for ``interleaved``
     (each cos twice, and -sin, sin per pair)."""
@@ -161,7 +162,8 @@ def attend(ctx: ForwardContext, site: int, q: torch.Tensor, *, k: torch.Tensor, 
         k, v = ctx.hook(site, k, v, ctx.positions)
     q = ctx.rope(q, ctx.positions)
     if ctx.cache is not None and q.shape[1] == 1 and hasattr(ctx.cache, "attend"):
-        out = ctx.cache.attend(site, q, key=k, value=v, ctx=ctx)  # a cache with its own decode kernel (qcache); None: not this call
+        # a cache with its own decode attention; None: not this call
+        out = ctx.cache.attend(site, q, key=k, value=v, ctx=ctx)
         if out is not None:
             return out
     if ctx.cache is not None:

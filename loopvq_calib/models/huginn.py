@@ -91,7 +91,8 @@ class HuginnConfig(PretrainedConfig):
         std = math.sqrt(2 / (5 * n_embd))
         self.init_values = init_values or {
             "std": std,
-            "out_proj": std / math.sqrt(2 * (n_layers_in_prelude + n_layers_in_coda + n_layers_in_recurrent_block * mean_recurrence)),
+            "out_proj": std / math.sqrt(2 * (n_layers_in_prelude + n_layers_in_coda
+                                             + n_layers_in_recurrent_block * mean_recurrence)),
             "embedding": std,
             "embed_scale": math.sqrt(n_embd),
         }
@@ -165,7 +166,7 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
     optional_checkpoint_keys = ("freqs_cis",)
     _state_seed: int | None = None  # set inside seeded_initial_state
-    _state_memo: tuple | None = None  # (key, state) of the last seeded draw, reused by the next forward of those sequences
+    _state_memo: tuple | None = None  # (key, state) of the last seeded draw: the next forward of those sequences
 
     def __init__(self, config: HuginnConfig) -> None:
         super().__init__(config)
@@ -195,9 +196,11 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         return torch.stack([ang.cos(), ang.sin()], -1)[None, :, None]  # [1, block, 1, hd/2, 2]
 
     def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding."""
         return self.transformer.wte
 
     def kv_layout(self, num_steps: int | None = None) -> KVLayout:
+        """KV sites: prelude i -> i, core (t, j) -> P + C*t + j (looped), coda k -> P + C*r + k."""
         c = self.config
         r = num_steps or c.mean_recurrence
         p, core = c.n_layers_in_prelude, c.n_layers_in_recurrent_block
@@ -247,6 +250,8 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
             self._state_seed = previous
 
     def _core_step(self, s: torch.Tensor, e: torch.Tensor, ctx: ForwardContext, t: int) -> torch.Tensor:
+        """Recurrence ``t``: the adapter over [state, embedded input], then the core blocks (a checkpointed step:
+        called positionally)."""
         tf, c = self.transformer, self.config
         s = tf.adapter(torch.cat([s, e], dim=-1))
         base = c.n_layers_in_prelude + c.n_layers_in_recurrent_block * t
@@ -271,7 +276,8 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         """``num_steps`` recurrences (default ``mean_recurrence``); ``input_states`` fixes the initial state."""
         c, tf = self.config, self.transformer
         r = num_steps or c.mean_recurrence
-        cache, ctx = self._forward_context(input_ids, attention_mask, position_ids, use_cache=use_cache, steps=r, kwargs=kwargs)
+        cache, ctx = self._forward_context(input_ids, attention_mask, position_ids, use_cache=use_cache, steps=r,
+                                           kwargs=kwargs)
         e = tf.wte(input_ids) * torch.tensor(c.init_values["embed_scale"], dtype=tf.wte.weight.dtype)
         for i, block in enumerate(tf.prelude):
             e = block(e, ctx, i)

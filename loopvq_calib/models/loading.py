@@ -98,9 +98,11 @@ class ModelIdentity:
 
     @property
     def weights_sha256(self) -> str:
+        """sha256 of the weight file descriptions (one hash to compare)."""
         return hashlib.sha256(json.dumps(self.weights, sort_keys=True).encode()).hexdigest()
 
     def to_dict(self) -> dict[str, Any]:
+        """The ``model`` entry of a bundle's ``loopvq.json``."""
         return {
             "name": self.name, "revision": self.revision, "model_type": self.model_type,
             "config_sha256": self.config_sha256, "weights_sha256": self.weights_sha256, "weights": self.weights,

@@ -164,6 +164,7 @@ class OuroForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding."""
         return self.model.embed_tokens
 
     def kv_layout(self, num_steps: int | None = None) -> KVLayout:
@@ -192,7 +193,8 @@ class OuroForCausalLM(LoopedPreTrainedModel, GenerationMixin):
     ) -> ModelOutput:
         """``use_cache`` creates a :class:`LoopKVCache` unless one is passed as ``cache`` / ``past_key_values``."""
         steps = self.config.total_ut_steps
-        cache, ctx = self._forward_context(input_ids, attention_mask, position_ids, use_cache=use_cache, steps=steps, kwargs=kwargs)
+        cache, ctx = self._forward_context(input_ids, attention_mask, position_ids, use_cache=use_cache, steps=steps,
+                                           kwargs=kwargs)
         h = self.model.embed_tokens(input_ids)
         hidden, gates = [], []
         for t in range(steps):

@@ -42,6 +42,7 @@ class SiteBlock:
 
     @property
     def steps(self) -> int:
+        """Sites (loop steps) of the block."""
         return len(self.sites)
 
 
@@ -59,6 +60,7 @@ class KVLayout:
 
     @property
     def num_sites(self) -> int:
+        """KV sites of the model at this loop count."""
         return len(self.sites)
 
     def to_dict(self) -> dict[str, Any]:
@@ -71,8 +73,10 @@ class KVLayout:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "KVLayout":
+        """The layout :meth:`to_dict` wrote."""
         sites = tuple(KVSite(**s) for s in d["sites"])
-        return cls(d["model_type"], sites, d["loop_steps"], d["kv_heads"], d["head_dim"], d["rope_style"], d["rope_theta"])
+        return cls(d["model_type"], sites, d["loop_steps"], d["kv_heads"], d["head_dim"], d["rope_style"],
+                   d["rope_theta"])
 
     def blocks(self, steps_per_block: int) -> list[SiteBlock]:
         """Group looped sites into blocks of ``steps_per_block`` steps per layer; others stay alone.
@@ -193,6 +197,7 @@ class KVSubstituter:
     def from_tensors(
         cls, tensors: dict[int, tuple[torch.Tensor, torch.Tensor]], positions_mask: torch.Tensor | None = None
     ) -> "KVSubstituter":
+        """Substitute the given (key, value) of each site in ``tensors``; other sites stay as computed."""
         return cls(tensors.get, positions_mask)
 
     def __call__(

@@ -3,10 +3,10 @@
 One safetensors file per calibration sequence (``seq00000.safetensors`` ...) holds, per site s:
 ``key.{s}`` / ``value.{s}`` [S, H, D], ``fisher_key.{s}`` / ``fisher_value.{s}`` [S, H, D / fisher_channels]
 (squared gradients of the sequence's summed next-token loss, flowing through every later loop step; for
-TaSQ methods the keys' as F / w^2 summed per RoPE pair, [S, H, D/2], see ``tasq_stats.py``) and
-``qstat.{s}`` [H, D] fp32 (TaSQ's query statistic, summed), plus ``input_ids`` [S]. ``meta.json``
-describes the capture. Later stages read it block by block (:class:`CaptureReader`), so memory stays
-bounded by one block's data, never the whole capture.
+TaSQ methods the keys' as F / w^2 summed per RoPE pair, [S, H, D/2], see
+:mod:`loopvq_calib.calibration.tasq.stats`) and ``qstat.{s}`` [H, D] fp32 (TaSQ's query statistic, summed),
+plus ``input_ids`` [S]. ``meta.json`` describes the capture. Later stages read it block by block
+(:class:`CaptureReader`), so memory stays bounded by one block's data, never the whole capture.
 """
 
 from __future__ import annotations
@@ -149,19 +149,13 @@ def capture_kv(
     statistics of every sequence (all processes), so the keys' Fisher is stored reduced (see
     :func:`capture_sequence`). On disk, files are written under a temporary name and renamed, so a killed
     run leaves no partial shard, and sequences whose shard is already in ``out`` (an interrupted run's, kept by
-    the run directory when the fingerprint matches) are not captured again. In memory, the first ``device_sequences`` of this process's sequences stay
-    on the accelerator (default: all for ``cfg.store`` device, none otherwise), the others go to host memory.
+    the run directory when the fingerprint matches) are not captured again. In memory, the first ``device_sequences``
+    of this process's sequences stay on the accelerator (default: all for ``cfg.store`` device, none otherwise), the
+    others go to host memory.
     ``query_stats=False``: no query statistics are gathered or stored (for methods without TaSQ).
     """
     mine = dist.mine(calib.input_ids.shape[0])
-    todo = mine
-    if isinstance(out, Path):
-        out.mkdir(parents=True, exist_ok=True)
-        for partial in out.glob(".seq*.tmp*"):  # a killed run's unfinished shard
-            partial.unlink(missing_ok=True)
-        todo = [i for i in mine if not (out / f"seq{i:05d}.safetensors").is_file()]  # shards are renamed when whole
-        if progress and len(todo) < len(mine):
-            progress(len(mine) - len(todo))
+    todo = _missing_shards(out, mine, progress) if isinstance(out, Path) else mine
     for p in model.parameters():
         p.requires_grad_(False)
     device = next(model.parameters()).device
@@ -183,9 +177,10 @@ def capture_kv(
         for start in range(0, len(todo), cfg.batch_size):
             batch = todo[start : start + cfg.batch_size]
             on_device = start + len(batch) <= keep
-            results = capture_sequence(model, calib.input_ids[batch].to(device), kv, seqs=batch, dtype=TORCH_DTYPES[cfg.dtype],
-                                       fisher_channels=cfg.channels_per_fisher, on_device=on_device or copier is not None,
-                                       tasq_weights=weights, query_stats=query_stats)
+            results = capture_sequence(model, calib.input_ids[batch].to(device), kv, seqs=batch,
+                                       dtype=TORCH_DTYPES[cfg.dtype], fisher_channels=cfg.channels_per_fisher,
+                                       on_device=on_device or copier is not None, tasq_weights=weights,
+                                       query_stats=query_stats)
             seconds["forward_backward"] += clock.lap()
             for seq, stored in zip(batch, results):
                 if stats is not None:
@@ -195,9 +190,7 @@ def capture_kv(
                 elif isinstance(out, MemoryCapture):
                     out.sequences[seq] = stored
                 else:
-                    tmp = out / f".seq{seq:05d}.tmp{os.getpid()}"
-                    save_file(stored, str(tmp), metadata={"sequence": str(seq)})
-                    os.replace(tmp, out / f"seq{seq:05d}.safetensors")
+                    _write_shard(out, seq, stored)
                 if progress:
                     progress(1)
             seconds["storing"] += clock.lap()
@@ -210,6 +203,30 @@ def capture_kv(
               (f"; {copier.pageable} slabs pageable (pinning failed)" if copier.pageable else "")
               if copier is not None else ""))
     return mine
+
+
+def shard_path(folder: Path, seq: int) -> Path:
+    """The file of sequence ``seq`` in a capture on disk."""
+    return folder / f"seq{seq:05d}.safetensors"
+
+
+def _missing_shards(out: Path, mine: list[int], progress: Callable[[int], Any] | None) -> list[int]:
+    """The sequences of ``mine`` with no shard in ``out`` yet (shards are renamed into place when whole; a killed
+    run's unfinished ones are removed); those already there count as progress."""
+    out.mkdir(parents=True, exist_ok=True)
+    for partial in out.glob(".seq*.tmp*"):
+        partial.unlink(missing_ok=True)
+    todo = [i for i in mine if not shard_path(out, i).is_file()]
+    if progress and len(todo) < len(mine):
+        progress(len(mine) - len(todo))
+    return todo
+
+
+def _write_shard(out: Path, seq: int, stored: dict[str, torch.Tensor]) -> None:
+    """``seq``'s shard, through a temporary name and a rename (save_file writes from the tensors: no copy)."""
+    tmp = out / f".seq{seq:05d}.tmp{os.getpid()}"
+    save_file(stored, str(tmp), metadata={"sequence": str(seq)})
+    os.replace(tmp, shard_path(out, seq))
 
 
 def capture_meta(calib: CalibrationSet, kv: KVLayout, cfg: CaptureConfig, *, memory: MemoryCapture | None = None,
@@ -239,7 +256,7 @@ def write_meta(out_dir: Path, calib: CalibrationSet, kv: KVLayout, *, cfg: Captu
     if memory is not None:
         have = set(memory.sequences)
     else:
-        have = {i for i in range(meta["num_sequences"]) if (out_dir / f"seq{i:05d}.safetensors").is_file()}
+        have = {i for i in range(meta["num_sequences"]) if shard_path(out_dir, i).is_file()}
     missing = [i for i in range(meta["num_sequences"]) if i not in have]
     if missing:
         raise CaptureError(f"capture incomplete: sequences {missing} have no file in {out_dir}")
@@ -266,7 +283,8 @@ def share_sequences(capture: MemoryCapture, needs: list[list[str]], dist: DistCo
         ops, received = [], []
         if owner == rank:
             stored = capture.sequences[seq]
-            ops = [torch_dist.P2POp(torch_dist.isend, stored[n].to(via).contiguous(), r) for r in range(world) if r != rank for n in needs[r]]
+            ops = [torch_dist.P2POp(torch_dist.isend, stored[n].to(via).contiguous(), r)
+                   for r in range(world) if r != rank for n in needs[r]]
         else:
             received = [(n, torch.empty_like(own[n], device=via)) for n in needs[rank]]
             ops = [torch_dist.P2POp(torch_dist.irecv, t, owner) for _, t in received]
@@ -352,7 +370,7 @@ class CaptureReader(CaptureData):
     def __init__(self, folder: Path) -> None:
         self.dir = Path(folder)
         self.meta = json.loads((self.dir / "meta.json").read_text())
-        self.files = [self.dir / f"seq{i:05d}.safetensors" for i in range(self.meta["num_sequences"])]
+        self.files = [shard_path(self.dir, i) for i in range(self.meta["num_sequences"])]
 
     def _tensors(self, seq: int, names: list[str]) -> list[torch.Tensor | None]:
         try:

@@ -12,7 +12,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -66,7 +66,8 @@ def layout_problems(
         scale = sigma.float()[..., None, None]
         factor = fisher * (scale if fisher_tasq_weighted else scale / transform.weight).pow(2)
     elif fisher_tasq_weighted:
-        raise ValueError(f"{layout.key}: the capture holds TaSQ-weighted key Fisher but the layout has no TaSQ transform")
+        raise ValueError(f"{layout.key}: the capture holds TaSQ-weighted key Fisher but the layout has no TaSQ "
+                         "transform")
     hc, nc, _, _ = codebook_shape(layout, codebook_size, sharing)
     n, h = x.shape[0], layout.kv_heads
     groups = layout.num_groups
@@ -81,7 +82,8 @@ def layout_problems(
         return points, torch.ones(points.shape[:2], device=points.device)
     weights = arrange(gather_groups(factor, index).sum(-1))
     peak = weights.amax(-1, keepdim=True)
-    return points, torch.where(peak > 0, weights / peak.clamp_min(torch.finfo(peak.dtype).tiny), torch.ones_like(weights))
+    scaled = weights / peak.clamp_min(torch.finfo(peak.dtype).tiny)
+    return points, torch.where(peak > 0, scaled, torch.ones_like(weights))
 
 
 def layout_seed(seed: int, layout: BlockLayout) -> int:
@@ -91,9 +93,9 @@ def layout_seed(seed: int, layout: BlockLayout) -> int:
 
 
 def shard_tensor_names(layouts: list[BlockLayout], world: int, tasq: bool = False) -> list[list[str]]:
-    """Capture tensors each process reads when ``world`` processes share the layouts as
-    :func:`fit_codebooks` (and ``fit_tasq``) do (:func:`~loopvq_calib.codes.layouts.layout_owner`): per process, its layouts'
-    data and Fisher, plus the query statistics of its key layouts when ``tasq``."""
+    """Capture tensors each process reads when ``world`` processes share the layouts as :func:`fit_codebooks`
+    (and ``fit_tasq``) do (:func:`~loopvq_calib.codes.layouts.layout_owner`): per process, its layouts' data and
+    Fisher, plus the query statistics of its key layouts when ``tasq``."""
     names: list[list[str]] = [[] for _ in range(world)]
     for i, layout in enumerate(layouts):
         kinds = (layout.kind, "fisher_" + layout.kind) + (("qstat",) if tasq and layout.kind == "key" else ())
@@ -176,95 +178,143 @@ def fit_codebooks(
     the device while the loop's host steps leave it idle. Up to two groups and a layout are then in memory.
 
     ``dist`` (several processes sharing the work) fits only the layouts ``layout_owner`` gives this process (
-    :func:`loopvq_calib.calibration.stages.merge_quantizers` joins the parts). Returns the quantizer and a report:
+    :func:`loopvq_calib.codes.quantizer.merge_quantizers` joins the parts). Returns the quantizer and a report:
     per layout key the objectives at init and at the end per codebook, Lloyd updates, empty clusters,
     backend, seconds (a shared Lloyd loop's time split evenly over its layouts), ``seconds_init`` (the seeding's
     time on the device, from CUDA events: on the fused path it shares the device with a Lloyd loop; a load from
     the disk waits for the stream it runs on, one from pinned host memory or the device does not); plus totals.
     """
     device = torch.device(device)
-    meta = reader.meta
     probing = time.perf_counter()
-    points = run_points_per_codebook(layouts, meta["num_sequences"], meta["sequence_length"], sink_tokens=meta["sink_tokens"],
-                                     sharing=quant.codebook_sharing)
-    backend = resolve_backend(cfg.backend, device, (quant.codebook_size, quant.group_size), points=points)
+    backend = _pick_backend(reader.meta, layouts, quant=quant, cfg=cfg, device=device)
     probing = time.perf_counter() - probing
-    # layout_problems' weights are >= 0 with a positive maximum per problem: no check that waits for the device
-    init_fn = partial(kmeans_pp_init, fused=backend == "triton", trusted_weights=True) if cfg.init == "kmeans++" \
-        else INITS[cfg.init]
-    codecs: dict[str, BlockCodec] = {}
-    per_layout: dict[str, dict[str, Any]] = {}
-    side = SideStream(device, enabled=backend == "triton")
-    queued: list[list[_Pending]] = []  # groups of layouts seeded, in layout order, waiting for their Lloyd loop
-
-    def solve(pending: list[_Pending]) -> None:
-        start = time.perf_counter()
-        for p in pending:
-            side.take(p.ready, p.points, p.weights, p.init)
-        keys = [(p.seed, q) for p in pending for q in range(p.points.shape[0])]
-        points, weights, init = (_join(pending, name) for name in ("points", "weights", "init"))
-        result = weighted_kmeans(points, weights, init, cfg=cfg, backend=backend, device=device, seed=pending[0].seed, problem_keys=keys)  # faiss: one layout
-        share = (time.perf_counter() - start) / len(pending)
-        first = 0
-        for p in pending:
-            rows = slice(first, first + p.problems)
-            first = rows.stop
-            shape = codebook_shape(p.layout, quant.codebook_size, quant.codebook_sharing)
-            codecs[p.layout.key] = BlockCodec(p.layout, result.centroids[rows].reshape(shape).contiguous(), p.transform)
-            per_layout[p.layout.key] = {
-                "objective_init": result.objective_init[rows].tolist(),
-                "objective_final": result.objective_final[rows].tolist(),
-                "iterations": result.iterations[rows].tolist(),
-                "empty_clusters": int(result.empty_clusters[rows].sum()),
-                "points_per_codebook": int(points.shape[1]),
-                "backend": backend,
-                "seconds": p.seconds + share,
-                "seconds_init": p.seeding.seconds(),
-            }
-            if progress:
-                progress(1)
-
+    fits = _LayoutFits(reader, transforms, quant=quant, cfg=cfg, backend=backend, device=device, progress=progress)
+    queue = _LloydQueue(fused=backend == "triton")
     try:
         for layout in dist.share(layouts):
-            start = time.perf_counter()
-            with side.queue():  # on the fused path queued ahead on a second stream: it runs during a Lloyd loop
-                x = reader.load(layout.kind, layout.sites, device=device, non_blocking=True)
-                fisher = reader.load("fisher_" + layout.kind, layout.sites, device=device, non_blocking=True)
-                transform = transforms.get(layout.key)
-                points, weights = layout_problems(
-                    x, fisher, layout, transform=transform, codebook_size=quant.codebook_size, sharing=quant.codebook_sharing, fisher_weighted=cfg.fisher_weighted,
-                    fisher_tasq_weighted=layout.kind == "key" and reader.tasq_keys,
-                )
-                tokens = x.shape[0]
-                del x, fisher
-                _check_enough_points(reader, layout, tokens, points=points.shape[1], k=quant.codebook_size)
-                seed = layout_seed(cfg.seed, layout)
-                seeding = DeviceSpan(device)  # read in solve(): the next layout's work queues behind the draws
-                init = init_fn(points, weights, quant.codebook_size, generator=torch.Generator().manual_seed(seed))
-                seeding.stop()
-            item = _Pending(layout, points, weights, init, seed, transform, time.perf_counter() - start, seeding, side.mark())
-            del points, weights, init
-            last = queued[-1] if queued else []
-            if backend == "triton" and last and last[0].points.shape[1:] == item.points.shape[1:] and \
-                    (sum(p.points.numel() for p in last) + item.points.numel()) * 4 <= LLOYD_GROUP_BYTES:
-                last.append(item)
-            else:
-                queued.append([item])
-            # a group's Lloyd loop starts once the group after it is complete, which is then seeded during that loop
-            while len(queued) > (2 if backend == "triton" else 0):
-                solve(queued.pop(0))
-        for group in queued:
-            solve(group)
+            queue.add(fits.seed(layout))
+            for group in queue.ready():
+                fits.solve(group)
+        for group in queue.drain():
+            fits.solve(group)
     except BaseException:  # the queued copies may still read the capture's pinned host memory: let them finish
         if device.type == "cuda":
             with contextlib.suppress(Exception):  # a failed device raises again here: the first error is the one to see
                 torch.cuda.synchronize(device)
         raise
     quantizer = KVQuantizer(
-        codecs=codecs, method=quant.method, codebook_size=quant.codebook_size, group_size=quant.group_size,
+        codecs=fits.codecs, method=quant.method, codebook_size=quant.codebook_size, group_size=quant.group_size,
         steps_per_block=quant.block_steps, sharing=quant.codebook_sharing, kv=kv,
     )
-    return quantizer, {"layouts": per_layout, "totals": {**_totals(per_layout, backend, device), "seconds_backend": probing}}
+    totals = {**_totals(fits.per_layout, backend, device), "seconds_backend": probing}
+    return quantizer, {"layouts": fits.per_layout, "totals": totals}
+
+
+def _pick_backend(meta: dict[str, Any], layouts: list[BlockLayout], *, quant: QuantConfig, cfg: KMeansConfig,
+                  device: torch.device) -> str:
+    """``kmeans.backend`` resolved for this device and the run's problem size."""
+    points = run_points_per_codebook(layouts, meta["num_sequences"], meta["sequence_length"],
+                                     sink_tokens=meta["sink_tokens"], sharing=quant.codebook_sharing)
+    return resolve_backend(cfg.backend, device, (quant.codebook_size, quant.group_size), points=points)
+
+
+class _LloydQueue:
+    """Seeded layouts waiting for their Lloyd loop, in groups, in layout order. On the fused Triton path
+    (``fused``) consecutive layouts of one problem shape join a group up to ``LLOYD_GROUP_BYTES`` of points,
+    and a group is ready once the group after it is complete (which is then seeded during its loop); otherwise
+    every layout is ready as soon as it is seeded."""
+
+    def __init__(self, fused: bool) -> None:
+        self.fused = fused
+        self.groups: list[list[_Pending]] = []
+
+    def add(self, item: _Pending) -> None:
+        last = self.groups[-1] if self.groups else []
+        if self.fused and last and last[0].points.shape[1:] == item.points.shape[1:] and \
+                (sum(p.points.numel() for p in last) + item.points.numel()) * 4 <= LLOYD_GROUP_BYTES:
+            last.append(item)
+        else:
+            self.groups.append([item])
+
+    def ready(self) -> Iterator[list[_Pending]]:
+        """The groups whose Lloyd loop may start now, oldest first."""
+        while len(self.groups) > (2 if self.fused else 0):
+            yield self.groups.pop(0)
+
+    def drain(self) -> Iterator[list[_Pending]]:
+        """Every group left, oldest first (after the last layout)."""
+        while self.groups:
+            yield self.groups.pop(0)
+
+
+class _LayoutFits:
+    """The two steps of one layout's fit, and their results: :meth:`seed` (load, k-means problems, seeding; on the
+    fused path queued on the side stream) and :meth:`solve` (the Lloyd loop of a group of seeded layouts)."""
+
+    def __init__(self, reader: CaptureData, transforms: dict[str, TasqTransform], *, quant: QuantConfig,
+                 cfg: KMeansConfig, backend: str, device: torch.device, progress: Callable[[int], Any] | None) -> None:
+        self.reader, self.transforms, self.quant, self.cfg = reader, transforms, quant, cfg
+        self.backend, self.device, self.progress = backend, device, progress
+        # layout_problems' weights are >= 0 with a positive maximum per problem: no check that waits for the device
+        self.init_fn = partial(kmeans_pp_init, fused=backend == "triton", trusted_weights=True) \
+            if cfg.init == "kmeans++" else INITS[cfg.init]
+        self.side = SideStream(device, enabled=backend == "triton")
+        self.codecs: dict[str, BlockCodec] = {}
+        self.per_layout: dict[str, dict[str, Any]] = {}
+
+    def seed(self, layout: BlockLayout) -> _Pending:
+        """Load ``layout``'s data and Fisher, build its problems and draw their initial codebooks."""
+        reader, quant, device = self.reader, self.quant, self.device
+        start = time.perf_counter()
+        with self.side.queue():  # on the fused path queued ahead on a second stream: it runs during a Lloyd loop
+            x = reader.load(layout.kind, layout.sites, device=device, non_blocking=True)
+            fisher = reader.load("fisher_" + layout.kind, layout.sites, device=device, non_blocking=True)
+            transform = self.transforms.get(layout.key)
+            points, weights = layout_problems(
+                x, fisher, layout, transform=transform, codebook_size=quant.codebook_size,
+                sharing=quant.codebook_sharing, fisher_weighted=self.cfg.fisher_weighted,
+                fisher_tasq_weighted=layout.kind == "key" and reader.tasq_keys,
+            )
+            tokens = x.shape[0]
+            del x, fisher
+            _check_enough_points(reader, layout, tokens, points=points.shape[1], k=quant.codebook_size)
+            seed = layout_seed(self.cfg.seed, layout)
+            seeding = DeviceSpan(device)  # read in solve(): the next layout's work queues behind the draws
+            init = self.init_fn(points, weights, quant.codebook_size, generator=torch.Generator().manual_seed(seed))
+            seeding.stop()
+        return _Pending(layout, points, weights, init, seed, transform, time.perf_counter() - start, seeding,
+                        self.side.mark())
+
+    def solve(self, pending: list[_Pending]) -> None:
+        """One Lloyd loop over the joined problems of ``pending``; each layout's codec and report entry."""
+        quant = self.quant
+        start = time.perf_counter()
+        for p in pending:
+            self.side.take(p.ready, p.points, p.weights, p.init)
+        keys = [(p.seed, q) for p in pending for q in range(p.points.shape[0])]
+        points, weights, init = (_join(pending, name) for name in ("points", "weights", "init"))
+        result = weighted_kmeans(points, weights, init, cfg=self.cfg, backend=self.backend, device=self.device,
+                                 seed=pending[0].seed, problem_keys=keys)  # faiss: one layout
+        share = (time.perf_counter() - start) / len(pending)
+        first = 0
+        for p in pending:
+            rows = slice(first, first + p.problems)
+            first = rows.stop
+            shape = codebook_shape(p.layout, quant.codebook_size, quant.codebook_sharing)
+            self.codecs[p.layout.key] = BlockCodec(p.layout, result.centroids[rows].reshape(shape).contiguous(),
+                                                   p.transform)
+            self.per_layout[p.layout.key] = {
+                "objective_init": result.objective_init[rows].tolist(),
+                "objective_final": result.objective_final[rows].tolist(),
+                "iterations": result.iterations[rows].tolist(),
+                "empty_clusters": int(result.empty_clusters[rows].sum()),
+                "points_per_codebook": int(points.shape[1]),
+                "backend": self.backend,
+                "seconds": p.seconds + share,
+                "seconds_init": p.seeding.seconds(),
+            }
+            if self.progress:
+                self.progress(1)
 
 
 def _totals(per_layout: dict[str, dict[str, Any]], backend: str, device: torch.device) -> dict[str, Any]:

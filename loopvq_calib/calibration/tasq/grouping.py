@@ -63,7 +63,8 @@ class TasqResult:
         meta = json.loads((folder / "tasq.json").read_text())
         tensors = load_file(str(folder / "tasq.safetensors"))
         layouts = [BlockLayout.from_dict(d, tensors[f"{d['kind']}.{d['name']}.groups"]) for d in meta["layouts"]]
-        transforms = {k: TasqTransform(tensors[f"{k}.tasq_weight"], v["sigma_min"]) for k, v in meta["transforms"].items()}
+        transforms = {k: TasqTransform(tensors[f"{k}.tasq_weight"], v["sigma_min"])
+                      for k, v in meta["transforms"].items()}
         return cls(layouts, transforms, meta["report"])
 
 
@@ -129,7 +130,8 @@ def min_weight_matching(cost: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
             free[rb, end, :] = float("inf")
             free[rb, :, end] = float("inf")
     cur = cost[rb[:, None], a, b]
-    gains = torch.empty(batch, 2, m, m, dtype=cost.dtype, device=cost.device)  # re-pairing edges k, l as (a_k,a_l) (b_k,b_l) | (a_k,b_l) (b_k,a_l)
+    # re-pairing edges k, l as (a_k,a_l) (b_k,b_l) | (a_k,b_l) (b_k,a_l)
+    gains = torch.empty(batch, 2, m, m, dtype=cost.dtype, device=cost.device)
     gains[:, 0] = cur[:, :, None] + cur[:, None, :] - (_block(cost, a, a) + _block(cost, b, b))
     gains[:, 1] = cur[:, :, None] + cur[:, None, :] - (_block(cost, a, b) + _block(cost, b, a))
     for _ in range(n * n):
