@@ -48,14 +48,17 @@ def build(golden: Path = GOLDEN) -> dict[str, torch.Tensor]:
         n = coded_pos.numel()
         fp_pos = torch.cat([torch.arange(SINKS), torch.arange(WINDOW) + int(coded_pos[-1]) + 1])
         sigma = expected.get(f"{case}/key.{block}.sigma")
-        coded = CodedTokens(expected[f"{case}/key.{block}.indices"][None], expected[f"{case}/value.{block}.indices"][None],
+        coded = CodedTokens(expected[f"{case}/key.{block}.indices"][None],
+                            expected[f"{case}/value.{block}.indices"][None],
                             None if sigma is None else sigma[None], n, coded_pos[:1])
         gen = torch.Generator().manual_seed(7)
         query = torch.randn(steps, heads * QUERY_GROUP, d, generator=gen)
         fp_keys = torch.randn(steps, SINKS + WINDOW, heads, d, generator=gen)
         fp_values = torch.randn(steps, SINKS + WINDOW, heads, d, generator=gen)
-        outputs = [decode_attention_reference(query[m][None], kc, vc, step=m, coded=coded, fp_keys=fp_keys[m][None], fp_values=fp_values[m][None],
-                                              fp_positions=fp_pos[None], fp_mask=None, rope_style=rope["style"], rope_theta=rope["theta"])[0] for m in range(steps)]
+        outputs = [decode_attention_reference(query[m][None], kc, vc, step=m, coded=coded, fp_keys=fp_keys[m][None],
+                                              fp_values=fp_values[m][None], fp_positions=fp_pos[None], fp_mask=None,
+                                              rope_style=rope["style"], rope_theta=rope["theta"])[0]
+                   for m in range(steps)]
         for kind in ("key", "value"):  # the coded tokens' indices bit-packed (format 1.1, bundle-format section 8)
             idx = expected[f"{case}/{kind}.{block}.indices"]
             out.update(indices_entries(f"{case}/{kind}", idx, bundle.meta["codebook_size"], form="packed"))
@@ -68,9 +71,9 @@ def build(golden: Path = GOLDEN) -> dict[str, torch.Tensor]:
 README = """# Attention-level golden vectors
 
 Written by `scripts/make_attention_golden.py` from the bundles and codes of `tests/golden/` (read its README
-first); `tests/test_golden.py` checks them against an independent computation, `tests/test_decode_attention.py`
-against the Triton kernel. They let a serving backend check its whole decode-attention path: codes -> decoded keys and values ->
-RoPE -> softmax over coded and full-precision tokens.
+first); `tests/bundle/test_golden.py` checks them against an independent computation,
+`tests/serving/test_decode_attention.py` against the Triton kernel. They let a serving backend check its whole
+decode-attention path: codes -> decoded keys and values -> RoPE -> softmax over coded and full-precision tokens.
 
 For each case, one loop block (`ouro_loopvq`: `b0.l1`, half-split RoPE; `huginn_tasq_loopvq`: `b0.l0`, TaSQ
 keys with per-head permuted groups, interleaved RoPE) and every step `m` of it (T = 4), one sequence:
@@ -91,6 +94,7 @@ A reader passes when its output is within 1e-5 (relative L2 per step) of `output
 
 
 def main() -> None:
+    """Write the golden tensors and README.md to the folder given (default tests/golden_attention)."""
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else OUT
     out.mkdir(parents=True, exist_ok=True)
     save_file(build(), str(out / "attention.safetensors"), metadata={"blocks": str(BLOCKS)})

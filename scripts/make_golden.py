@@ -40,6 +40,8 @@ CREATED_EPOCH = "1767225600"  # 2026-01-01T00:00:00Z, so loopvq.json is byte-sta
 
 @dataclass
 class GoldenCase:
+    """One golden bundle's quantizer and identity, and its input and expected tensors."""
+
     name: str
     quantizer: KVQuantizer
     codebook_dtype: str
@@ -49,11 +51,13 @@ class GoldenCase:
 
 
 def ouro_layout() -> KVLayout:
+    """An Ouro-like layout: 2 layers x 4 loop steps, half-split RoPE."""
     sites = tuple(KVSite(t * 2 + l, t, l, True, "loop") for t in range(LOOPS) for l in range(2))
     return KVLayout("ouro", sites, LOOPS, HEADS, HEAD_DIM, "half", 10000.0)
 
 
 def huginn_layout() -> KVLayout:
+    """A Huginn-like layout: prelude 1, core 2 x 4 recurrences, coda 1, interleaved RoPE."""
     p, core = 1, 2
     sites = [KVSite(0, 0, 0, False, "prelude")]
     sites += [KVSite(p + core * t + j, t, j, True, "loop") for t in range(LOOPS) for j in range(core)]
@@ -78,7 +82,9 @@ def tasq_weight(steps: int, gen: torch.Generator) -> torch.Tensor:
     return (w / w.pow(2).mean(-1, keepdim=True).sqrt()).float()
 
 
-def build_quantizer(kv: KVLayout, method: str, sharing: str, dtype: str, gen: torch.Generator) -> KVQuantizer:
+def build_quantizer(kv: KVLayout, method: str, sharing: str, *, dtype: str, gen: torch.Generator) -> KVQuantizer:
+    """Random codebooks (rounded to ``dtype``) for every layout of ``method``; TaSQ keys get pair-preserving
+    permuted groups and random weights."""
     quant = QuantConfig(method=method, bits=None, codebook_size=K, group_size=G, steps_per_block=T_C,
                         codebook_sharing=sharing)
     codecs = {}
@@ -117,7 +123,7 @@ def block_inputs(codec: BlockCodec, gen: torch.Generator) -> torch.Tensor:
     shape = (TOKENS, codec.layout.steps, HEADS, HEAD_DIM)
     tasq = codec.transform is not None
 
-    def sample(n: int) -> torch.Tensor:
+    def sample(n: int) -> torch.Tensor:  # n tokens' inputs
         x = torch.randn(n, *shape[1:], generator=gen)
         return x * 3.0 + 0.5 if tasq else x
 
@@ -132,9 +138,11 @@ def block_inputs(codec: BlockCodec, gen: torch.Generator) -> torch.Tensor:
     raise RuntimeError(f"{codec.layout.key}: could not draw unambiguous inputs")
 
 
-def build_case(name: str, kv: KVLayout, method: str, sharing: str, dtype: str, seed: int) -> GoldenCase:
+def build_case(name: str, kv: KVLayout, method: str, *, sharing: str, dtype: str, seed: int) -> GoldenCase:
+    """The golden case ``name``: its quantizer, unambiguous inputs and their codes, decoded values and (keys) the
+    decoded values after RoPE."""
     gen = torch.Generator().manual_seed(seed)
-    q = build_quantizer(kv, method, sharing, dtype, gen)
+    q = build_quantizer(kv, method, sharing, dtype=dtype, gen=gen)
     positions = torch.arange(TOKENS) + POSITION_OFFSET
     cos, sin = rope_angles(positions[None], HEAD_DIM, kv.rope_theta)
     inputs, expected = {f"{name}/positions": positions}, {}
@@ -158,14 +166,14 @@ def build_case(name: str, kv: KVLayout, method: str, sharing: str, dtype: str, s
 def build_cases() -> list[GoldenCase]:
     """The golden cases, rebuilt identically on every call."""
     return [
-        build_case("ouro_loopvq", ouro_layout(), "loopvq", "none", "float16", seed=1),
-        build_case("huginn_tasq_loopvq", huginn_layout(), "tasq+loopvq", "heads", "bfloat16", seed=2),
+        build_case("ouro_loopvq", ouro_layout(), "loopvq", sharing="none", dtype="float16", seed=1),
+        build_case("huginn_tasq_loopvq", huginn_layout(), "tasq+loopvq", sharing="heads", dtype="bfloat16", seed=2),
     ]
 
 
 README = """# Golden vectors for LoopVQ bundle readers
 
-Written by `scripts/make_golden.py` (deterministic; `tests/test_golden.py` checks that our reference
+Written by `scripts/make_golden.py` (deterministic; `tests/bundle/test_golden.py` checks that our reference
 encoder/decoder reproduces them and that the script rebuilds identical tensors). The format itself is
 specified in `docs/bundle-format.md`; these files let a serving backend check its reader bit for bit.
 
@@ -206,6 +214,7 @@ float16 and bfloat16 codebooks; single-site (prelude/coda) blocks; loop blocks o
 
 
 def golden_readme(inputs: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> str:
+    """README.md: the fixed text and a table of every tensor."""
     rows = [f"| `{k}` | {list(t.shape)} | {str(t.dtype).replace('torch.', '')} |"
             for k, t in sorted({**inputs, **expected}.items())]
     return README + "\n".join(rows) + "\n"

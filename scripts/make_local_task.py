@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "artifacts" / "data" / "kjv-calib.jsonl"
-OUT = ROOT / "loopvq_calib" / "tasks" / "loopvq_kjv_phrases" / "kjv_phrases.jsonl"
+OUT = ROOT / "loopvq_calib" / "evaluation" / "tasks" / "loopvq_kjv_phrases" / "kjv_phrases.jsonl"
 PHRASES = ("Holy Ghost", "came to pass", "children of Israel", "kingdom of God", "fear of the LORD", "Son of God",
            "Jesus Christ", "word of God", "right hand", "house of Israel")
 CONTEXT_CHARS = 900
@@ -22,6 +22,8 @@ PER_PHRASE = 5
 
 
 def items() -> list[dict[str, str]]:
+    """The task's items: per phrase, its first ``PER_PHRASE`` occurrences with ``CONTEXT_CHARS`` of context that
+    do not start a line with the answer."""
     docs = [json.loads(line) for line in SOURCE.read_text(encoding="utf-8").splitlines()]
     out = []
     for phrase in PHRASES:
@@ -39,7 +41,12 @@ def items() -> list[dict[str, str]]:
     return out
 
 
+def task_file_text(rows: list[dict[str, str]]) -> str:
+    """The task's jsonl: one item per line."""
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
 if __name__ == "__main__":
     rows = items()
-    OUT.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    OUT.write_text(task_file_text(rows), encoding="utf-8")
     print(f"wrote {len(rows)} items to {OUT.relative_to(ROOT)}")

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import PretrainedConfig
 
 from loopvq_calib.models import (
     HuginnConfig,
@@ -39,7 +40,9 @@ HUGINN = dict(n_embd=5280, n_heads=55, n_layers=8, n_layers_in_prelude=2, n_laye
 MODELS = {"ouro-1.4b": (OuroForCausalLM, OuroConfig, {**OURO, "num_hidden_layers": 24}),
           "ouro-2.6b": (OuroForCausalLM, OuroConfig, {**OURO, "num_hidden_layers": 48}),
           "huginn-3.5b": (HuginnForCausalLM, HuginnConfig, HUGINN)}
-def model_config(name: str, scale_down: int = 1):
+
+
+def model_config(name: str, scale_down: int = 1) -> PretrainedConfig:
     """The real config of ``name``; ``scale_down`` > 1 divides the heads, widths and (Ouro) layer count by
     it, keeping the head width and loop counts (tests and CPU dry runs)."""
     _, config_cls, kwargs = MODELS[name]
@@ -81,17 +84,7 @@ def random_model(name: str, device: str = "cpu", seed: int = 0, scale_down: int 
     return model.eval()
 
 
-def frozen_random_model(name: str, scale_down: int = 1) -> tuple[torch.nn.Module, torch.device]:
-    """(:func:`random_model` on the GPU when there is one, else on the CPU, with its weights frozen; that device):
-    the model of the probe scripts."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = random_model(name, device, scale_down=scale_down)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model, device
-
-
-def write_checkpoint(name: str, out: Path, device: str = "cpu", seed: int = 0, scale_down: int = 1) -> Path:
+def write_checkpoint(name: str, out: Path, device: str = "cpu", *, seed: int = 0, scale_down: int = 1) -> Path:
     """Write ``out``/config.json, model safetensors and the shipped tokenizer; returns ``out``."""
     out = Path(out)
     model = random_model(name, device, seed, scale_down)
@@ -102,6 +95,7 @@ def write_checkpoint(name: str, out: Path, device: str = "cpu", seed: int = 0, s
 
 
 def main() -> None:
+    """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), required=True)
     p.add_argument("--out", type=Path, required=True)
@@ -110,7 +104,7 @@ def main() -> None:
     p.add_argument("--scale-down", type=int, default=1, help="divide widths and layers by this (tests, dry runs)")
     args = p.parse_args()
     start = time.time()
-    write_checkpoint(args.model, args.out, args.device, args.seed, args.scale_down)
+    write_checkpoint(args.model, args.out, args.device, seed=args.seed, scale_down=args.scale_down)
     size = sum(f.stat().st_size for f in args.out.iterdir())
     print(f"{args.model}: wrote {args.out} ({size / 1e9:.2f} GB) in {time.time() - start:.1f} s")
 

