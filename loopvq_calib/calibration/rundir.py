@@ -11,13 +11,11 @@ is never used as a run directory, and one run at a time holds the directory's lo
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
 import resource
 import shutil
-import socket
 import sys
 import threading
 import time
@@ -26,12 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import torch
-
+from ..runtime.device_memory import PEAKS
 from ..runtime.files import TMP_PREFIX, write_json_atomic
+from .run_lock import LOCK_FILE, RunLock, RunLockedError
 
 MANIFEST = "manifest.json"  # also the marker of a run directory
-LOCK_FILE = ".loopvq-lock"
 RESUME_MARKER = ".loopvq-resume"  # in a resumable stage's temporary folder: the fingerprint its files belong to
 TOOL = "loopvq-calib"
 log = logging.getLogger("loopvq_calib")
@@ -41,10 +38,10 @@ _DISCARDING: dict[Path, list[threading.Thread]] = {}  # run root -> its files be
 
 
 def discard(path: Path, run_root: Path) -> None:
-    """Delete the file ``path`` without waiting for the file system to free its blocks (0.64 s for the fine-tuning
-    stage's resume state at Ouro-1.4B's size on the GPU machine, docs/performance.md): renamed at once to a
-    temporary entry of the run directory ``run_root`` (which the next run removes if this one dies first), then
-    unlinked in a thread that :meth:`RunDir.close` waits for. Nothing happens when there is no such file."""
+    """Delete the file ``path`` without waiting for the file system to free its blocks (a noticeable wait for a
+    file of many GB, such as the fine-tuning stage's resume state): renamed at once to a temporary entry of the
+    run directory ``run_root`` (which the next run removes if this one dies first), then unlinked in a thread
+    that :meth:`RunDir.close` waits for. Nothing happens when there is no such file."""
     doomed = run_root / f"{TMP_PREFIX}discarded.{path.name}.{os.getpid()}.{threading.get_ident()}"
     try:
         os.replace(path, doomed)
@@ -64,6 +61,13 @@ def discard(path: Path, run_root: Path) -> None:
 
 @dataclass
 class StageRecord:
+    """A stage's entry in the manifest. ``peak_gpu_bytes``: the most bytes torch's allocator held for tensors
+    (``max_memory_allocated``) on this process's current CUDA device at any time from the stage's start to its
+    end, however often the work inside it restarted the peak counters for readings of its own (fine-tuning
+    does, :data:`~loopvq_calib.runtime.device_memory.PEAKS`); tensors still held from earlier stages count, their
+    peaks do not; None without CUDA; the manifest holds the main process's. ``peak_rss_bytes``: the process's
+    peak resident memory since it started (the operating system keeps no per-stage peak)."""
+
     name: str
     fingerprint: str
     status: str = "running"  # running | done | failed
@@ -110,6 +114,8 @@ class RunDir:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 self.lock = RunLock.acquire(self.root)
+            except RunLockedError as err:
+                raise RunDirError(str(err)) from None
             except OSError as err:
                 raise RunDirError(f"output.dir: cannot use {self.root}: {err.strerror or err}") from err
             self.manifest = _read_manifest(self.root / MANIFEST)  # as the lock holder, read it again
@@ -200,21 +206,20 @@ class RunDir:
             self._set_status(name, fp, "running")
         self.barrier()
         rec = StageRecord(name, fp)
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
         start = time.time()
         log.info("stage %s: running (fingerprint %s)", name, fp)
-        try:
-            yield tmp, rec
-        except BaseException:
-            rec.status = "failed"
-            if self.is_main:
-                self._set_status(name, fp, "failed")
-                if not resumable:
-                    shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        with PEAKS.stage() as peak:
+            try:
+                yield tmp, rec
+            except BaseException:
+                rec.status = "failed"
+                if self.is_main:
+                    self._set_status(name, fp, "failed")
+                    if not resumable:
+                        shutil.rmtree(tmp, ignore_errors=True)
+                raise
         rec.wall_s = time.time() - start
-        rec.peak_gpu_bytes = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+        rec.peak_gpu_bytes = peak.bytes if peak is not None else None
         rec.peak_rss_bytes = _peak_rss()
         rec.status = "done"
         self.barrier()
@@ -275,55 +280,14 @@ def check_output_folder(root: Path) -> None:
                 f"holds {', '.join(entries[:3])}{' ...' if len(entries) > 3 else ''}); choose a new or empty folder")
 
 
-class RunLock:
-    """An advisory lock on a run directory: ``flock`` on ``.loopvq-lock``, which names its holder (pid,
-    host, start time) while it runs and is emptied on release. The kernel drops the lock when the holder
-    dies, so a killed run's lock is taken over by the next run, which logs whose it was."""
-
-    def __init__(self, path: Path, fd: int, previous: str | None = None) -> None:
-        """``previous``: the holder named in the file when the lock was taken (a run that died), or None."""
-        self.path, self.fd, self.previous = path, fd, previous
-
-    @classmethod
-    def acquire(cls, root: Path) -> "RunLock":
-        path = root / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = _lock_holder(fd)
-            os.close(fd)
-            raise RunDirError(
-                f"{root} is in use by another loopvq-calibrate run ({holder}); wait for it to finish or choose "
-                "another --output") from None
-        previous = _lock_holder(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode(), 0)
-        return cls(path, fd, previous if previous != "holder unknown" else None)
-
-    def release(self) -> None:
-        """Clear the holder record (only a run that died leaves one behind), then unlock."""
-        os.ftruncate(self.fd, 0)
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
-
-
-def _lock_holder(fd: int) -> str:
-    try:
-        info = json.loads(os.pread(fd, 4096, 0) or b"null")
-        return f"pid {info['pid']} on host {info['host']}, started {info['started']}"
-    except (ValueError, TypeError, KeyError):
-        return "holder unknown"
-
-
 def _read_manifest(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {"stages": {}}
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RunDirError(f"{path} is not valid JSON ({err}); delete it (and the stage folders) to start the run over") from err
+        raise RunDirError(f"{path} is not valid JSON ({err}); delete it (and the stage folders) to start the run "
+                          "over") from err
     if not isinstance(manifest, dict) or not isinstance(manifest.get("stages"), dict):
         raise RunDirError(f"{path} has no 'stages' mapping; delete it (and the stage folders) to start the run over")
     return manifest

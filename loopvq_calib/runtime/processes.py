@@ -13,6 +13,9 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from accelerate import PartialState
+
+from .devices import indexed_device
 
 T = TypeVar("T")
 
@@ -59,7 +62,7 @@ class DistContext:
     def transfer_device(self) -> torch.device:
         """Where tensors go for a collective: this process's GPU under NCCL, the CPU under gloo."""
         if self.world > 1 and dist.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
+            return indexed_device("cuda")
         return torch.device("cpu")
 
 
@@ -69,7 +72,5 @@ SINGLE = DistContext()
 def start_processes(device_setting: str) -> DistContext:
     """The context of this process: accelerate's process state (which joins the process group under
     ``accelerate launch``; CPU processes, for ``model.device: cpu`` or no CUDA, talk over gloo)."""
-    from accelerate import PartialState
-
     state = PartialState(cpu=device_setting == "cpu" or not torch.cuda.is_available())
     return DistContext(state.process_index, state.num_processes, torch.device(state.device))

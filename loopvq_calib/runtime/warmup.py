@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 
+from .devices import indexed_device
+
 __all__ = ["Warmup", "warm_device", "warm_linalg"]
 
 
@@ -29,11 +31,14 @@ class Warmup:
         self._ran: dict[str, float] = {}
         self.waited: dict[str, float] = {}
 
-    def submit(self, name: str, device: torch.device | None, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """Run ``fn(*args, **kwargs)`` in the background with ``device`` as the thread's current CUDA device (None: as it is)."""
+    def submit(self, name: str, device: torch.device | str | None, fn: Callable[..., Any], *args: Any,
+               **kwargs: Any) -> None:
+        """Run ``fn(*args, **kwargs)`` in the background with ``device`` as the thread's current CUDA device (None:
+        as it is; a CUDA device without an index: the submitting thread's current one)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loopvq-warmup")
-        self._jobs[name] = self._pool.submit(self._timed, name, device, lambda: fn(*args, **kwargs))
+        where = indexed_device(device) if device is not None else None
+        self._jobs[name] = self._pool.submit(self._timed, name, where, lambda: fn(*args, **kwargs))
 
     def _timed(self, name: str, device: torch.device | None, job: Callable[[], Any]) -> Any:
         start = time.perf_counter()
@@ -88,7 +93,8 @@ def warm_device(setting: str) -> None:
 
 def warm_linalg(device: torch.device) -> None:
     """The first dense linear algebra on ``device``, on tiny inputs: TaSQ's grouping takes log-determinants
-    (:func:`~loopvq_calib.calibration.tasq.grouping.set_costs`: float64 LU of batches of small matrices and of single ones)."""
+    (:func:`~loopvq_calib.calibration.tasq.grouping.set_costs`: float64 LU of batches of small matrices and of
+    single ones)."""
     eye = torch.eye(4, dtype=torch.float64, device=device)
     torch.linalg.slogdet(eye.expand(3, 4, 4).contiguous())
     torch.linalg.slogdet(eye)

@@ -42,7 +42,7 @@ def test_without_cuda_a_side_stream_runs_work_in_place():
 def test_side_stream_work_runs_beside_the_current_stream_and_is_handed_back_in_order():
     x = torch.randn(256, 256, dtype=torch.float64).pin_memory()  # copied as it is: no new pinned block below
     before = torch.full((256, 256), 3.0, dtype=torch.float64, device="cuda")
-    warm = to_device(x, "cuda") * 3 + before  # the kernels' first launch (CUDA loads them lazily) may wait for the device
+    warm = to_device(x, "cuda") * 3 + before  # the kernels' first launch (CUDA loads them lazily) may wait for it
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)
     before.mul_(2)  # queued on the current stream before the side stream is made: the side stream waits for it

@@ -4,8 +4,8 @@ the capture's size and what is free, before any work starts (docs/config.md, "ca
 The size is exact (every stored tensor's bytes). The accelerator keeps room for the model's weights, the
 capture step's own working memory (:func:`capture_step_bytes`) and 5 % of the card (allocator
 fragmentation), and where sequences go to host memory from it, the ``COPY_DEPTH`` sequences waiting there
-for their copy (:class:`~loopvq_calib.runtime.host_memory.HostCopier`); host memory keeps a tenth of the machine's memory; the disk keeps 5 %
-free.
+for their copy (:class:`~loopvq_calib.runtime.host_memory.HostCopier`); host memory keeps a tenth of the
+machine's memory; the disk keeps 5 % free.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def capture_bytes(kv: KVLayout, num_sequences: int, sequence_length: int, *, cfg
 def capture_step_bytes(kv: KVLayout, hidden_size: int, sequence_length: int, *, batch_size: int) -> int:
     """Accelerator memory one capture step needs besides the weights and the stored capture: its forward's
     activations kept for the backward, the recorded keys and values and their probes' gradients: 64 bytes
-    per site, token and hidden unit (measured on one H200, docs/performance.md: about 46 at Ouro-1.4B shapes;
-    at Huginn-3.5B's 57 was not enough once the Fisher's float32 temporaries came on top)."""
+    per site, token and hidden unit (with room above the need measured at Ouro's and Huginn's shapes, where the
+    Fisher's float32 temporaries come on top)."""
     return 64 * kv.num_sites * sequence_length * hidden_size * batch_size
 
 
@@ -55,7 +55,9 @@ def disk_available(folder: Path) -> int:
 
 @dataclass
 class StoreChoice:
-    store: str  # device | memory | disk | split (the first device_sequences on the accelerator, the rest in host memory)
+    """A resolved ``capture.store``."""
+
+    store: str  # device | memory | disk | split (the first device_sequences on the accelerator, the rest on the host)
     reason: str  # the numbers behind the choice, for the log and the stage record
     device_sequences: int = 0  # sequences (of this process) kept on the accelerator
 

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import threading
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Iterable
 
 import torch
 
+from ...runtime.files import remove_temp_siblings, write_atomic
+from ...runtime.host_memory import host_buffer
+
 log = logging.getLogger("loopvq_calib")
+BUFFERS_NAME = "fine-tune: epoch state"  # how the log names these host buffers
 
 
 class EpochWriter:
@@ -32,13 +36,13 @@ class EpochWriter:
         self._buffers: dict[tuple, torch.Tensor] = {}  # host copies of accelerator tensors, by place in the state
         self._last: dict[str, Any] = {}  # the previous save's host state
         self._preparing: threading.Thread | None = None
-        for orphan in path.parent.glob(f".{path.name}.tmp*"):
-            orphan.unlink(missing_ok=True)
+        remove_temp_siblings(path)
 
     def __enter__(self) -> "EpochWriter":
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if exc_type is None:
             self.close()
             return
@@ -59,9 +63,8 @@ class EpochWriter:
     def _allocate(self, shapes: dict[tuple, tuple[torch.Size, torch.dtype, torch.device]]) -> None:
         """The buffers of :meth:`prepare` (a place left out on an error is allocated by the save)."""
         try:
-            for place, (shape, dtype, device) in shapes.items():
-                with torch.cuda.device(device):  # this thread's CUDA calls on the state's device, not cuda:0
-                    self._buffers[place] = _host_buffer(shape, dtype)
+            for place, (shape, dtype, device) in shapes.items():  # each in its device's context, not cuda:0's
+                self._buffers[place] = host_buffer(shape, dtype, device=device, what=BUFFERS_NAME)
         except Exception as e:  # noqa: BLE001 (only a speed-up)
             log.warning("fine-tune: host buffers for the epoch state not prepared: %s", e)
 
@@ -99,7 +102,7 @@ class EpochWriter:
                 return obj.detach().to("cpu", copy=True)
             buffer = self._buffers.get(place)
             if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype:
-                buffer = self._buffers[place] = _host_buffer(obj.shape, obj.dtype)
+                buffer = self._buffers[place] = host_buffer(obj.shape, obj.dtype, device=obj.device, what=BUFFERS_NAME)
             buffer.copy_(obj.detach(), non_blocking=buffer.is_pinned())
             devices.add(obj.device)
             return buffer
@@ -110,15 +113,12 @@ class EpochWriter:
         return copy.deepcopy(obj)
 
     def _write(self, state: dict[str, Any], done: list[tuple[torch.device, torch.cuda.Event]]) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
         try:
             for device, event in done:  # the copies into the host buffers
                 with torch.cuda.device(device):
                     event.synchronize()
-            torch.save(state, tmp)
-            os.replace(tmp, self.path)
+            write_atomic(self.path, lambda tmp: torch.save(state, tmp))
         except BaseException as e:  # handed to the training thread by close()
-            tmp.unlink(missing_ok=True)
             self._error = e
 
 
@@ -134,12 +134,3 @@ def _cuda_tensors(obj: Any, place: tuple, found: dict[tuple, torch.Tensor]) -> N
         for i, v in enumerate(obj):
             _cuda_tensors(v, (*place, i), found)
 
-
-def _host_buffer(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """Host memory for a copy of a tensor: pinned, or pageable where pinning fails (the copy is then
-    synchronous)."""
-    try:
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
-    except RuntimeError as e:
-        log.warning("fine-tune: epoch state in pageable host memory (pinning failed: %s)", e)
-        return torch.empty(shape, dtype=dtype)

@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import torch
 
+from ...runtime.device_memory import reset_peak_memory
+
 log = logging.getLogger("loopvq_calib")
 GIB = 1 << 30
 AUTO_DEVICES = ("cuda",)  # device types where ``auto`` tries steps without checkpointing (tests add "cpu")
@@ -22,11 +24,12 @@ AUTO_DEVICES = ("cuda",)  # device types where ``auto`` tries steps without chec
 
 def release_cached_memory(device: torch.device) -> None:
     """Hand the blocks the caching allocator holds but no tensor uses back to the device (at fine-tuning's start:
-    the capture's and k-means'), then reset the peak statistics, so that a peak read later counts only what is
-    held from here on (:meth:`TeacherCache.settle`'s sizing; the steps after one that ran out of memory)."""
+    the capture's and k-means'), then restart the peak counters, so that a peak read later counts only what is
+    held from here on (:meth:`TeacherCache.settle`'s sizing; the steps after one that ran out of memory); the
+    stage's own recorded peak keeps what came before (:func:`~loopvq_calib.runtime.device_memory.reset_peak_memory`)."""
     with torch.cuda.device(device):
         torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
+    reset_peak_memory(device)
 
 
 class LoopPolicy:

@@ -186,8 +186,9 @@ class TeacherCache:
             return None
         room = cache_capacity(
             self.per_sequence, self.sequences, torch.cuda.get_device_properties(device).total_memory,
-            peak_reserved=max(torch.cuda.max_memory_reserved(device), peak_floor), device_free=torch.cuda.mem_get_info(device)[0],
-            reserved=torch.cuda.memory_reserved(device), to_come=to_come)
+            peak_reserved=max(torch.cuda.max_memory_reserved(device), peak_floor),
+            device_free=torch.cuda.mem_get_info(device)[0], reserved=torch.cuda.memory_reserved(device),
+            to_come=to_come)
         self.host_seen = max(host_available(), 0)
         return split_tiers(self.plan[self.group + 1 :], room, self.host_seen // self.per_sequence)
 

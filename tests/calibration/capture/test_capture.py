@@ -257,12 +257,11 @@ def _share_worker(rank: int, world: int, init_file: str, queue) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     unpinned = []
-    hm._register = lambda ptr, nbytes: 0  # pinning succeeds (a CPU has nothing to pin); unpinning is recorded
-    hm._unregister = unpinned.append
+    pinner = hm.HostPinner(lambda ptr, nbytes: 0, unpinned.append)  # locking succeeds (a CPU has nothing to lock)
     names = ["key.0", "key.1", "fisher_key.0", "value.0"]
     needs = [["key.0", "fisher_key.0"], ["key.1", "value.0"]]
     memory = MemoryCapture()
-    memory.copier = hm.HostCopier(torch.device("cpu"), slab_per_tensor=True)  # as capture_kv under 2 processes
+    memory.copier = hm.HostCopier(torch.device("cpu"), slab_per_tensor=True, pinner=pinner)  # as under 2 processes
     with memory.copier:  # this process's captured sequences, every tensor of each, copied into pinned slabs
         captured = {seq: {n: torch.full((3, 2), 10.0 * seq + i) for i, n in enumerate(names)}
                     for seq in range(rank, 5, world)}

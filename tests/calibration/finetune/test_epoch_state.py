@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from loopvq_calib.calibration.finetune.epoch_state import EpochWriter
+from loopvq_calib.runtime.files import TMP_PREFIX
 
 
 def test_epoch_writer_saves_a_host_copy_in_the_background_and_replaces_atomically(tmp_path):
@@ -34,13 +35,15 @@ def test_epoch_writer_removes_orphans_and_lets_the_training_error_win(tmp_path, 
     """A killed run's temporary beside the state file is removed; when training raises while a write fails, the
     training error propagates and the write error is logged."""
     path = tmp_path / "resume.pt"
-    (tmp_path / ".resume.pt.tmp123").write_bytes(b"half")
+    orphan, other = tmp_path / f"{TMP_PREFIX}resume.pt.123", tmp_path / f"{TMP_PREFIX}resume.pt-other.123"
+    for left in (orphan, other):
+        left.write_bytes(b"half")
     with pytest.raises(KeyError, match="training"):
         with EpochWriter(path) as writer:
-            assert not (tmp_path / ".resume.pt.tmp123").exists()
+            assert not orphan.exists() and other.exists()  # only the state file's own temporaries
             writer.save({"unpicklable": lambda: None})
             raise KeyError("training")
-    assert "could not be written" in caplog.text and not path.exists()
+    assert "could not be written" in caplog.text and not path.exists() and not orphan.exists()
 
 
 def test_unchanged_entries_are_written_from_the_previous_copy(tmp_path):
