@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -31,6 +30,7 @@ from ...data.corpus import CalibrationSet
 from ...models.loading import TORCH_DTYPES
 from ...models.sites import KVLayout, KVRecorder, kv_hook, query_observer
 from ...runtime.clock import DeviceClock
+from ...runtime.files import TMP_PREFIX, write_atomic
 from ...runtime.host_memory import HostCopier, let_go
 from ...runtime.processes import SINGLE, DistContext
 from ..tasq.stats import (
@@ -189,8 +189,9 @@ def capture_kv(
                     copies[seq] = copier.submit(stored, seq)  # to host memory behind the next sequences' capture
                 elif isinstance(out, MemoryCapture):
                     out.sequences[seq] = stored
-                else:
-                    _write_shard(out, seq, stored)
+                else:  # save_file writes from the tensors: no copy of them in memory
+                    write_atomic(shard_path(out, seq),
+                                 lambda tmp: save_file(stored, str(tmp), metadata={"sequence": str(seq)}))
                 if progress:
                     progress(1)
             seconds["storing"] += clock.lap()
@@ -214,19 +215,12 @@ def _missing_shards(out: Path, mine: list[int], progress: Callable[[int], Any] |
     """The sequences of ``mine`` with no shard in ``out`` yet (shards are renamed into place when whole; a killed
     run's unfinished ones are removed); those already there count as progress."""
     out.mkdir(parents=True, exist_ok=True)
-    for partial in out.glob(".seq*.tmp*"):
+    for partial in out.glob(f"{TMP_PREFIX}seq*"):
         partial.unlink(missing_ok=True)
     todo = [i for i in mine if not shard_path(out, i).is_file()]
     if progress and len(todo) < len(mine):
         progress(len(mine) - len(todo))
     return todo
-
-
-def _write_shard(out: Path, seq: int, stored: dict[str, torch.Tensor]) -> None:
-    """``seq``'s shard, through a temporary name and a rename (save_file writes from the tensors: no copy)."""
-    tmp = out / f".seq{seq:05d}.tmp{os.getpid()}"
-    save_file(stored, str(tmp), metadata={"sequence": str(seq)})
-    os.replace(tmp, shard_path(out, seq))
 
 
 def capture_meta(calib: CalibrationSet, kv: KVLayout, cfg: CaptureConfig, *, memory: MemoryCapture | None = None,
