@@ -1,6 +1,7 @@
-"""Time the real calibration: ``loopvq_calib.calibrate()`` on a config (+ ``--set`` overrides), the same
-wiring as ``loopvq-calibrate``, then one JSON line with the whole call's wall time and each stage's wall
-time and peak GPU memory as the run's manifest records them (docs/performance.md has the measured numbers).
+"""benchmarks/bench_pipeline.py: time the real calibration, ``loopvq_calib.calibrate()`` on a config (+ ``--set``
+overrides), the same wiring as ``loopvq-calibrate``, then one JSON line with the whole call's wall time and each
+stage's wall time and peak GPU memory as the run's manifest records them; `benchmarks/measure_real_command.sh` reads
+its :func:`summarize` (docs/performance.md has the measured numbers).
 
     python scripts/make_random_checkpoint.py --model ouro-1.4b --out /tmp/ouro-1.4b-random
     python benchmarks/bench_pipeline.py --config configs/ouro-1.4b.yaml --set model.name_or_path=/tmp/ouro-1.4b-random \
@@ -21,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from loopvq_calib import calibrate
+from loopvq_calib.calibration.stages import load_finetune, selection_metrics
 
 GIB = 2**30
 
@@ -59,8 +63,6 @@ def summarize(run_dir: Path, wall_s: float | None = None, records: list[dict] | 
     if tasq.is_file():  # the TaSQ fit's phases (main process)
         out["tasq_seconds"] = json.loads(tasq.read_text())["report"].get("seconds")
     if (run_dir / "finetune" / "curve.json").is_file():
-        from loopvq_calib.calibration.stages import load_finetune, selection_metrics
-
         out.update(selection_metrics(load_finetune(run_dir / "finetune")))
     out["startup"] = manifest.get("startup")  # seconds of each start-up step before the first stage
     out["warmup"] = manifest.get("warmup")  # background first-use jobs: seconds each ran, seconds a stage waited
@@ -82,8 +84,6 @@ def main() -> None:
         return
     if args.config is None:
         p.error("--config is required (or --summarize RUN_DIR)")
-    from loopvq_calib import calibrate
-
     stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
     start = time.perf_counter()
     result = calibrate(args.config, args.output, stages, overrides=args.overrides)

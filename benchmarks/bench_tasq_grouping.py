@@ -1,6 +1,6 @@
-"""TaSQ's grouping fit (merge costs + matching, all heads of one key layout) at real shapes on random
-covariances; prints one JSON line with the seconds per layout. The covariance computation and the capture
-reads are not included (docs/performance.md, "TaSQ").
+"""benchmarks/bench_tasq_grouping.py: TaSQ's grouping fit (merge costs + matching, all heads of one key layout) at
+real shapes on random covariances; prints one JSON line with the seconds per layout. The covariance computation and
+the capture reads are not included (the TaSQ stage's whole time: docs/performance.md).
 
     python benchmarks/bench_tasq_grouping.py --heads 16 --head-dim 128 --steps 4 --group-size 16   # Ouro-1.4B
 """

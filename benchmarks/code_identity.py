@@ -1,7 +1,8 @@
-"""The identity of the code a measurement ran: SHA-256 over the paths and contents of the files that make up the
-toolkit and its measurements (``pyproject.toml`` and the code and settings under ``loopvq_calib/``, ``configs/`` and
-``scripts/``). `benchmarks/measure_real_command.sh` records it in every results line, because the device machine's copy
-of the tree has no history to ask; ``--find`` names the commits of this repository with that identity.
+"""benchmarks/code_identity.py: the identity of the code a measurement ran, a SHA-256 over the paths and contents of
+the files that make up the toolkit and its measurements (``pyproject.toml`` and the code and settings under
+``loopvq_calib/``, ``configs/``, ``scripts/`` and ``benchmarks/``; not the stored results).
+`benchmarks/measure_real_command.sh` records it in every results line, because the device machine's copy of the tree
+has no history to ask; ``--find`` names the commits of this repository with that identity.
 
     python benchmarks/code_identity.py                    # the working tree's
     python benchmarks/code_identity.py --commit HEAD      # a commit's
@@ -39,7 +40,8 @@ def tree_identity(root: Path = ROOT) -> str:
     """The identity of the files as they are on disk under ``root`` (what a run there imports)."""
     paths = [root / name for name in FILES if (root / name).is_file()]
     paths += [p for folder in FOLDERS if (root / folder).is_dir() for p in (root / folder).rglob("*") if p.is_file()]
-    return identity((p.relative_to(root).as_posix(), p.read_bytes()) for p in paths)
+    names = [(p, p.relative_to(root).as_posix()) for p in paths]
+    return identity((name, p.read_bytes()) for p, name in names if counts(name))
 
 
 def _git(root: Path, *args: str, data: bytes | None = None) -> bytes:

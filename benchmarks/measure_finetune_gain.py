@@ -1,4 +1,5 @@
-"""What fine-tuning buys on unseen text, measured the way a user would: through the command-line tools.
+"""benchmarks/measure_finetune_gain.py: what fine-tuning buys on unseen text, measured the way a user would, through
+the command-line tools.
 
 For each cell (loopvq / tasq+loopvq at 0.5 / 0.25 bit) of one config: ``loopvq-calibrate`` with
 fine-tuning on, ``loopvq-calibrate`` again in the same run directory with ``--set finetune.enabled=false``
@@ -22,6 +23,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = [("loopvq", 0.5), ("loopvq", 0.25), ("tasq+loopvq", 0.5), ("tasq+loopvq", 0.25)]
@@ -50,7 +53,7 @@ def stage_seconds(run_dir: Path) -> dict[str, float]:
     return {name: s["wall_s"] for name, s in stages.items() if not s.get("reused") and s.get("wall_s") is not None}
 
 
-def measure_cell(config: Path, method: str, bits: float, device: str, runs: Path, extra: list[str],
+def measure_cell(config: Path, method: str, bits: float, *, device: str, runs: Path, extra: list[str],
                  eval_args: list[str]) -> dict:
     """Both calibrations of one cell and the evaluation of their bundles; returns the cell's record."""
     name = f"{method.replace('+', '-')}-{bits:g}bit"
@@ -137,8 +140,9 @@ def main() -> None:
                else str(config), "overrides": args.overrides, "cells": []}
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(measure_cell, config, m, b, args.device, Path(args.runs), args.overrides,
-                               args.eval_args.split()): n for n, (m, b) in enumerate(cells)}
+        futures = {pool.submit(measure_cell, config, m, b, device=args.device, runs=Path(args.runs),
+                               extra=args.overrides, eval_args=args.eval_args.split()): n
+                   for n, (m, b) in enumerate(cells)}
         done: dict[int, dict] = {}
         for fut in as_completed(futures):  # each cell is saved as soon as it is done, in the order of CELLS
             done[futures[fut]] = fut.result()
@@ -146,8 +150,6 @@ def main() -> None:
             results["total_s"] = time.perf_counter() - t0
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(results, indent=1))
-    import torch
-
     results["device"] = (torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu"
                          else "cpu")
     Path(args.out).write_text(json.dumps(results, indent=1))

@@ -1,4 +1,5 @@
-"""Reproduce the paper's analyses on the shipped reference model; writes docs/results.md and docs/figures/.
+"""Reproduce the paper's analyses on the shipped reference model: benchmarks/reproduce.py gathers the data
+(benchmarks/results/results.json) and writes docs/quality.md and docs/figures/ (benchmarks/reproduce_report.py).
 
 A thin driver over the pipeline (``loopvq_calib.calibrate``) and the evaluation (``evaluate_quantizers``):
 every run is a normal run directory under runs/reproduce/, captures are shared between runs with the
@@ -7,7 +8,7 @@ single-threaded workers. Held-out text (artifacts/data/shakespeare-heldout.jsonl
 calibration.
 
     python benchmarks/reproduce.py                 # about 16 minutes on 2 CPU cores
-    python benchmarks/reproduce.py --report-only   # rewrite results.md from benchmarks/results/*.json, no runs
+    python benchmarks/reproduce.py --report-only   # rewrite quality.md and its figures from the stored results
 """
 
 from __future__ import annotations
@@ -22,11 +23,26 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: local models and data only
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import torch
+from reproduce_figures import draw
+from reproduce_report import METHODS, STUDY, write_page
+
+from loopvq_calib import calibrate
+from loopvq_calib.calibration.capture.kv import CaptureReader
+from loopvq_calib.calibration.stages import load_quantizer
+from loopvq_calib.config.schema import DataConfig, FinetuneConfig
+from loopvq_calib.data.corpus import build_calibration_set
+from loopvq_calib.evaluation.evaluate import evaluate_quantizers
+from loopvq_calib.evaluation.kv_structure import average_structure, correlation_structure
+from loopvq_calib.models.loading import load_model
+
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs" / "reproduce"
-DOCS = ROOT / "docs"
-FIGS = DOCS / "figures"
-METHODS = ("cq", "tasq", "loopvq", "tasq+loopvq")
+PAGE = ROOT / "docs" / "quality.md"
+FIGS = ROOT / "docs" / "figures"
 WIDTHS = {0.5: 16, 0.25: 32}
 CORPORA = {"shakespeare": "artifacts/data/shakespeare-calib.jsonl", "kjv": "artifacts/data/kjv-calib.jsonl"}
 SEQ_LEN, KMEANS_ITERS, HELDOUT_SEQS, HELDOUT_LEN = 192, 10, 8, 512
@@ -37,7 +53,8 @@ def run_config(method: str, bits: float, corpus: str = "shakespeare", sequences:
         "model": {"name_or_path": str(ROOT / "artifacts/tiny-ouro")},
         "data": {"dataset": str(ROOT / CORPORA[corpus]), "num_sequences": sequences, "sequence_length": SEQ_LEN,
                  "heldout_sequences": sequences // 4, "sink_tokens": 8},
-        "quant": {"method": method, "bits": bits, "group_size": WIDTHS[bits], "codebook_size": 256, "steps_per_block": 4},
+        "quant": {"method": method, "bits": bits, "group_size": WIDTHS[bits], "codebook_size": 256,
+                  "steps_per_block": 4},
         # on disk and per coordinate, so runs of one corpus share their capture (TaSQ methods share theirs)
         "capture": {"store": "disk", "fisher_channels": 1},
         "kmeans": {"iterations": KMEANS_ITERS, "fisher_weighted": fisher},
@@ -52,7 +69,8 @@ def plan() -> list[tuple[str, dict, list[str] | None, str]]:
         for method in METHODS:
             runs.append((f"{method}-{bits}", run_config(method, bits), None, "shakespeare-16"))
         for method in ("cq", "loopvq"):
-            runs.append((f"{method}-{bits}-plain", run_config(method, bits, fisher=False), ["kmeans"], "shakespeare-16"))
+            plain = run_config(method, bits, fisher=False)
+            runs.append((f"{method}-{bits}-plain", plain, ["kmeans"], "shakespeare-16"))
     for n in (8, 32):
         runs.append((f"loopvq-0.25-n{n}", run_config("loopvq", 0.25, sequences=n), None, f"shakespeare-{n}"))
     for method in ("cq", "tasq+loopvq"):
@@ -61,14 +79,10 @@ def plan() -> list[tuple[str, dict, list[str] | None, str]]:
 
 
 def _worker_init() -> None:
-    import torch
-
     torch.set_num_threads(1)
 
 
 def _calibrate(name: str, cfg: dict, stages: list[str] | None) -> tuple[str, float]:
-    from loopvq_calib import calibrate
-
     start = time.time()
     calibrate(cfg, output=RUNS / name, stages=stages)
     return name, time.time() - start
@@ -104,22 +118,10 @@ def calibrate_all(workers: int) -> dict[str, float]:
 
 def evaluate_all() -> dict:
     """Held-out metrics of every fine-tuned quantizer (with per-step sensitivity) and k-means quantizer."""
-    import torch
-
-    from loopvq_calib.calibration.capture.kv import CaptureReader
-    from loopvq_calib.calibration.stages import load_quantizer
-    from loopvq_calib.config.schema import DataConfig
-    from loopvq_calib.data.corpus import build_calibration_set
-    from loopvq_calib.evaluation.evaluate import evaluate_quantizers
-    from loopvq_calib.evaluation.kv_structure import (
-        average_structure,
-        correlation_structure,
-    )
-    from loopvq_calib.models.loading import load_model
-
     model, tok = load_model(ROOT / "artifacts/tiny-ouro", "float32", torch.device("cpu"))
     held = build_calibration_set(DataConfig(dataset=str(ROOT / "artifacts/data/shakespeare-heldout.jsonl"),
-                                            num_sequences=HELDOUT_SEQS, sequence_length=HELDOUT_LEN, heldout_sequences=0), tok)
+                                            num_sequences=HELDOUT_SEQS, sequence_length=HELDOUT_LEN,
+                                            heldout_sequences=0), tok)
     entries, names = [], []
     for name, _, stages, _ in plan():
         for stage in (["kmeans"] if stages else ["kmeans", "finetune"]):
@@ -128,7 +130,8 @@ def evaluate_all() -> dict:
     results = {}
     per_step = [i for i, (name, stage) in enumerate(names) if stage == "finetune"]
     for subset, with_steps in ((per_step, True), ([i for i in range(len(names)) if i not in per_step], False)):
-        for i, r in zip(subset, evaluate_quantizers(model, held.input_ids, [entries[i] for i in subset], per_step=with_steps)):
+        metrics = evaluate_quantizers(model, held.input_ids, [entries[i] for i in subset], per_step=with_steps)
+        for i, r in zip(subset, metrics):
             results[f"{names[i][0]}/{names[i][1]}"] = r
     reader = CaptureReader(RUNS / "cq-0.5" / "capture")
     kv = load_quantizer(RUNS / "cq-0.5" / "kmeans").kv
@@ -146,30 +149,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--report-only", action="store_true",
-                    help="rewrite docs/results.md and its figures from the stored benchmarks/results/results.json")
+                    help="rewrite docs/quality.md and its figures from the stored benchmarks/results/results.json")
     args = ap.parse_args()
-    from reproduce_report import write_results
-
-    if args.report_only:
-        write_results(json.loads((DOCS / "data" / "results.json").read_text()), DOCS / "results.md", FIGS)
-        print(f"rewritten from benchmarks/results/results.json: {DOCS / 'results.md'}")
-        return
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    start = time.time()
-    times = calibrate_all(args.workers)
-    data = evaluate_all()
-    data["times"], data["total_s"] = times, time.time() - start
-    from loopvq_calib.config.schema import FinetuneConfig
-
-    data["settings"] = {"sequence_length": SEQ_LEN, "kmeans_iterations": KMEANS_ITERS, "workers": args.workers,
-                        "finetune": asdict(FinetuneConfig())}
-    data["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                    text=True).stdout.strip() or None
-    FIGS.mkdir(parents=True, exist_ok=True)
-    (DOCS / "data" / "results.json").write_text(json.dumps(data, indent=1, default=float))
-    write_results(data, DOCS / "results.md", FIGS)
-    print(f"done in {data['total_s'] / 60:.1f} min: {DOCS / 'results.md'}")
+    if not args.report_only:
+        start = time.time()
+        times = calibrate_all(args.workers)
+        data = evaluate_all()
+        data["times"], data["total_s"] = times, time.time() - start
+        data["settings"] = {"sequence_length": SEQ_LEN, "kmeans_iterations": KMEANS_ITERS, "workers": args.workers,
+                            "finetune": asdict(FinetuneConfig())}
+        data["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                        text=True).stdout.strip() or None
+        STUDY.write_text(json.dumps(data, indent=1, default=float))
+    write_page(PAGE)
+    draw(json.loads(STUDY.read_text()), FIGS)
+    print(f"written from {STUDY.relative_to(ROOT)}: {PAGE.relative_to(ROOT)} and {FIGS.relative_to(ROOT)}/")
 
 
 if __name__ == "__main__":

@@ -1,141 +1,143 @@
-"""benchmarks/performance_table.py: the targets table of docs/performance.md computed from measurement files."""
+"""benchmarks/performance_table.py: docs/performance.md generated from the stored measurement files."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 
 import pytest
-from conftest import load_script
+from conftest import ROOT, load_script
 
+ci = load_script("code_identity")  # performance_table imports it by name (benchmarks/ is its folder)
 pt = load_script("performance_table")
 
 
-def _run(step: str, command_s: float, stages: dict[str, float], peak: float, rc: int = 0) -> dict:
+def _run(step: str, command_s: float, stages: dict[str, float], peak: float = 50.0, rc: int = 0, **extra) -> dict:
     return {"step": step, "rc": rc, "command_s": command_s, "peak_gpu_gib": peak, "stages_s": sum(stages.values()),
-            "stages": {k: {"wall_s": v, "status": "done"} for k, v in stages.items()},
-            "before_pipeline_s": 10.0, "after_stages_s": 1.0, "startup": {"pipeline_init_s": 2.0}}
+            "stages": {k: {"wall_s": v, "peak_gpu_gib": peak / 2, "status": "done"} for k, v in stages.items()},
+            "before_pipeline_s": 10.0, "after_stages_s": 1.0, "startup": {"pipeline_init_s": 2.0},
+            "method": "tasq+loopvq", "bits": 0.5, "sequences": 16, "seq_len": 2048, "store": "device", **extra}
 
 
-def test_verdicts_follow_the_targets_and_later_files_win(tmp_path):
-    old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
-    old.write_text("\n".join(json.dumps(r) for r in [
-        {"step": "checkpoint-ouro-1.4b", "rc": 0, "command_s": 20.0},
-        _run("ouro-1.4b", 99.0, {"tasq": 9.0, "kmeans": 9.0, "finetune": 50.0}, 50.0),
-        _run("ouro-1.4b-48gb", 80.0, {"finetune": 30.0}, 38.0),  # 38 GiB = 40.8 GB: over 40 GB
-    ]) + "\n{\"profile\": 1}\n")
-    new.write_text(json.dumps(_run("ouro-1.4b", 72.0, {"tasq": 2.5, "kmeans": 12.0, "finetune": 42.0}, 50.0)) + "\n")
-    rows = {target: (measured, verdict, src) for target, measured, verdict, src in
-            pt.rows(pt.read_steps([old, new]))}
-    whole = rows["Ouro-1.4B shipped config, whole command <= 60 s"]
-    assert whole[1] == "missed by 12.0 s (1.20x)" and whole[2] == "new.jsonl"
-    assert "10.0 s before the pipeline + 2.0 s of checks + 56.5 s of stages" in whole[0]
-    assert rows["TaSQ stage <= 3 s"][1] == "met"
-    assert rows["k-means stage <= 10 s"][1] == "missed by 2.0 s (1.20x)"
-    ft = rows["fine-tuning stage <= 1.5x its 28.5 s before the fine-tuning work"]
-    assert ft[0] == "42.0 s (x1.47)" and ft[1] == "met"
-    small = rows["48 GB card setting: peak GPU memory <= 40 GB, <= 90 s"]
-    assert small[1] == "memory missed; time met" and small[2] == "old.jsonl"
-    assert rows["Huginn-3.5B shipped config completes, <= 240 s"][1] == "not measured"
+def _write(path, *rows) -> None:
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
 
 
-def test_a_command_stopped_before_its_target_time_does_not_replace_a_finished_one(tmp_path):
-    """The measurement's deadline stopped Huginn after 213 s (< 240): no verdict on the target, the earlier finished
-    run stays; a command stopped after its target time has missed it and replaces the earlier line."""
-    old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
-    old.write_text("\n".join(json.dumps(r) for r in [_run("huginn-3.5b", 215.0, {"capture": 40.0}, 60.0),
-                                                    _run("ouro-1.4b", 55.0, {"kmeans": 9.0}, 50.0)]) + "\n")
-    new.write_text("\n".join(json.dumps(r) for r in [_run("huginn-3.5b", 213.0, {"capture": 40.0}, 60.0, rc=124),
-                                                    _run("ouro-1.4b", 61.0, {"kmeans": 9.0}, 50.0, rc=124),
-                                                    _run("ouro-1.4b-48gb", 50.0, {"capture": 9.0}, 20.0, rc=124)]) + "\n")
-    steps = pt.read_steps([old, new])
-    assert steps["huginn-3.5b"][1] == "old.jsonl" and steps["huginn-3.5b"][0]["rc"] == 0
-    killed = tmp_path / "killed.jsonl"  # 137: killed by something else (the kernel's OOM killer): a failure, shown
-    killed.write_text(json.dumps(_run("huginn-3.5b", 150.0, {"capture": 40.0}, 60.0, rc=137)) + "\n")
-    assert pt.read_steps([old, killed])["huginn-3.5b"][1] == "killed.jsonl"
-    failed_first = tmp_path / "failed.jsonl"  # an earlier failed line is no finished run to keep
-    failed_first.write_text(json.dumps(_run("huginn-3.5b", 100.0, {"capture": 40.0}, 60.0, rc=1)) + "\n")
-    assert pt.read_steps([failed_first, new])["huginn-3.5b"][1] == "new.jsonl"
-    assert steps["ouro-1.4b"][1] == "new.jsonl"  # stopped at 61 s: the 60 s target is missed whatever came before
-    assert steps["ouro-1.4b-48gb"][1] == "new.jsonl"  # nothing earlier to keep: shown, and not measured
-    rows = {t: (m, v) for t, m, v, _ in pt.rows(steps)}
-    assert rows["Huginn-3.5B shipped config completes, <= 240 s"][1] == "met"
-    assert rows["Ouro-1.4B shipped config, whole command <= 60 s"][1] == "not measured"
-    assert rows["48 GB card setting: peak GPU memory <= 40 GB, <= 90 s"][1] == "memory met; time not measured"
+def test_the_committed_page_is_the_one_the_stored_results_give(tmp_path, monkeypatch):
+    out = tmp_path / "performance.md"
+    monkeypatch.setattr(sys, "argv", ["performance_table.py", "--write", str(out)])
+    pt.main()
+    assert out.read_text() == (ROOT / "docs" / "performance.md").read_text()
+    assert len(out.read_text().splitlines()) <= 300
 
 
-def test_failed_run_is_not_met_and_markers_are_required(tmp_path):
-    res = tmp_path / "r.jsonl"
-    res.write_text(json.dumps(_run("huginn-3.5b", 100.0, {"capture": 90.0}, 60.0, rc=3)) + "\n")
-    rows = {t: (m, v) for t, m, v, _ in pt.rows(pt.read_steps([res]))}
-    assert rows["Huginn-3.5B shipped config completes, <= 240 s"][1] == "not measured"
-    assert "(exit status 3)" in rows["Huginn-3.5B shipped config completes, <= 240 s"][0]
-    page = tmp_path / "perf.md"
-    page.write_text("# P\n")
-    with pytest.raises(SystemExit, match="no <!-- targets:begin -->"):
-        pt.write_between_markers(page, "x\n")
-    page.write_text(f"# P\n{pt.BEGIN}\nold table\n{pt.END}\ntail\n")
-    pt.write_between_markers(page, pt.table(pt.read_steps([res])))
-    text = page.read_text()
-    assert "old table" not in text and text.endswith(f"{pt.END}\ntail\n") and "| Huginn-3.5B" in text
+def test_each_step_shows_its_latest_finished_run_in_run_number_order(tmp_path):
+    run9, run10 = (tmp_path / f"measure-real-command-h200-run{n}-results.jsonl" for n in (9, 10))
+    _write(run9, {"step": "checkpoint-ouro-1.4b", "rc": 0, "command_s": 20.0},
+           _run("ouro-1.4b", 70.0, {"capture": 9.0}), _run("huginn-3.5b", 230.0, {"finetune": 120.0}),
+           {"profile": "a probe's line, no step"})
+    _write(run10, _run("ouro-1.4b", 61.0, {"capture": 8.0}), _run("huginn-3.5b", 213.0, {"finetune": 99.0}, rc=124))
+    runs = pt.latest_runs([run10, run9])  # file order does not matter; run 10 comes after run 9, not before it
+    assert list(runs) == ["ouro-1.4b", "huginn-3.5b"]
+    assert runs["ouro-1.4b"].path == run10 and runs["ouro-1.4b"].stage("capture") == 8.0
+    assert runs["huginn-3.5b"].path == run9  # run 10's was stopped (exit status 124): not a result
+    table = pt.time_table(runs)
+    assert table[2] == "| Ouro-1.4B | 1 | **61.0** | 10.0 | 2.0 | 8.0 | - | - | - | - | 1.0 |"
+    with pytest.raises(SystemExit, match="not a results file name"):
+        pt.latest_runs([tmp_path / "results.jsonl"])
 
 
-def test_two_gpu_speedup_needs_both_runs_from_one_file(tmp_path):
-    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    shared = {"capture": 0.0, "kmeans": 0.0}
-    a.write_text("\n".join(json.dumps(r) for r in [_run("ouro-2.6b", 98.0, {**shared, "finetune": 49.0}, 90.0),
-                                                    _run("ouro-2.6b-2gpu", 78.4, {**shared, "finetune": 38.0}, 60.0)]))
-    target = "Ouro-2.6B on 2 GPUs >= 1.7x faster than on 1"
-    one_gpu = "Ouro-2.6B shipped config on 1 GPU (no target of its own)"
-
-    def table(*files):
-        return {t: (m, v, s) for t, m, v, s in pt.rows(pt.read_steps(list(files)), pt.two_gpu_pair(list(files)))}
-
-    rows = table(a)
-    # 98 / (78.4 - 38 + 49 / 2) = 98 / 64.9: what halving the shared stages' 49 s would give at most
-    assert rows[target][1] == "missed: 1.25x" and rows[target][2] == "a.jsonl"
-    assert rows[target][0].endswith("**1.25x** (a perfect split of capture, kmeans, finetune: 1.51x)")
-    assert one_gpu not in rows  # the pair's own 1-GPU run is in the pair's row
-    b.write_text(json.dumps(_run("ouro-2.6b-2gpu", 50.0, {"finetune": 20.0}, 60.0)) + "\n")
-    assert table(a, b)[target] == rows[target]  # a file with one of the two runs does not make a pair
-    c = tmp_path / "c.jsonl"
-    c.write_text(json.dumps(_run("ouro-2.6b", 88.0, {"capture": 12.0, "kmeans": 0.0, "finetune": 42.0, "bundle": 2.0},
-                                 90.0)) + "\n")
-    later = table(a, c)
-    assert later[target] == rows[target]
-    # a later 1-GPU run alone: the speed-up a perfect split would give with the rest as on 1 GPU, 88 / (34 + 27)
-    assert later[one_gpu][1:] == ("bound of the 2-GPU speed-up, the rest as on 1 GPU: 1.44x", "c.jsonl")
-    c.write_text(json.dumps(_run("ouro-2.6b", 88.0, {"capture": 12.0, "finetune": 42.0}, 90.0)) + "\n")
-    assert table(a, c)[one_gpu][1].endswith("1 GPU: not measured")  # k-means did not run: no bound
-    b.write_text("\n".join(json.dumps(r) for r in [_run("ouro-2.6b", 98.0, {}, 90.0),
-                                                    _run("ouro-2.6b-2gpu", 57.0, {}, 60.0)]) + "\n")
-    met = table(a, b)[target]
-    assert met[1:] == ("met", "b.jsonl")
-    assert met[0].endswith("(a perfect split of capture, kmeans, finetune: not measured)")  # no stage times
-    assert table()[target][:2] == ("not run", "not measured")
+def test_commits_come_from_the_code_identity_or_the_files_record(tmp_path):
+    with_code, without = (tmp_path / f"measure-real-command-h200-run{n}-results.jsonl" for n in (40, 37))
+    _write(with_code, _run("ouro-1.4b", 60.0, {}, code="ab" * 32))
+    _write(without, _run("huginn-3.5b", 220.0, {}), _run("ouro-1.4b-48gb", 70.0, {}))
+    runs = pt.latest_runs([with_code, without])
+    commits = {"codes": {"ab" * 32: ["1234567", "89abcde"]}, "files": {without.name: "01c06a7"}}
+    assert pt.commit_of(runs["ouro-1.4b"], commits) == "1234567"
+    assert pt.commit_of(runs["huginn-3.5b"], commits) == "01c06a7"
+    assert pt.commit_of(runs["ouro-1.4b"], {"files": {with_code.name: "x"}}) is None  # an identity wins over files
+    table = "\n".join(pt.source_table(runs, {"files": {}}, {"h200": "1 x NVIDIA H200"}))
+    assert table.count("not recorded (--resolve)") == 3 and "| 1 x NVIDIA H200 |" in table
+    assert "`STEPS=\"ouro-1.4b-48gb\" benchmarks/measure_real_command.sh OUT`" in table
 
 
-def test_spread_lists_every_run_from_the_named_file_and_counts_the_finished_ones(tmp_path):
-    files = [tmp_path / f"measure-real-command-h200-run{n}-results.jsonl" for n in (7, 8, 9, 80)]
-    files[0].write_text(json.dumps(_run("ouro-1.4b", 80.0, {}, 1.0)) + "\n")  # before --spread-from: left out
-    files[1].write_text("\n".join(json.dumps(r) for r in [
-        _run("ouro-1.4b", 58.0, {"tasq": 1.5, "kmeans": 10.2}, 1.0),
-        _run("huginn-3.5b", 230.0, {}, 1.0, rc=pt.STOPPED)]))
-    files[2].write_text("\n".join(json.dumps(r) for r in [
-        _run("ouro-1.4b", 61.5, {}, 1.0), _run("ouro-1.4b", 40.0, {}, 1.0, rc=1)]) + "\n")
-    files[3].write_text(json.dumps(_run("huginn-3.5b", 250.0, {}, 1.0, rc=pt.STOPPED)) + "\n")
-    text = pt.spread(files, "h200-run8")
-    ouro = next(line for line in text.splitlines() if line.startswith("- Ouro-1.4B"))
-    assert ouro == ("- Ouro-1.4B (<= 60 s), every run, s: 58.0 (h200-run8), 61.5 (h200-run9), "
-                    "40.0 (h200-run9, exit status 1): met in 1 of 3")
-    huginn = next(line for line in text.splitlines() if line.startswith("- Huginn-3.5B"))
-    # stopped at 230 s, before the 240 s target: not counted; stopped at 250 s: missed
-    assert huginn.endswith("230.0 (h200-run8, stopped by the measurement), 250.0 (h200-run80, stopped by the "
-                           "measurement): met in 0 of 1")
-    stages = [line for line in text.splitlines() if "stage" in line]  # the stage targets, from the runs that ran them
-    assert stages == ["- Ouro-1.4B's tasq stage (<= 3 s), every run, s: 1.5 (h200-run8): met in 1 of 1",
-                      "- Ouro-1.4B's kmeans stage (<= 10 s), every run, s: 10.2 (h200-run8): met in 0 of 1"]
-    assert "from `h200-run8` on" in text and "48 GB" not in text
-    assert "none finished" in pt.spread(files[1:2]) and "80.0" in pt.spread(files)
-    assert "met in 1 of 4" in pt.spread(files)
-    with pytest.raises(SystemExit, match="--spread-from h200-run: no results file labelled so"):
-        pt.spread(files, "h200-run")  # a label, not a part of one
+def test_two_gpu_speedup_pairs_the_runs_of_one_call(tmp_path):
+    pair, later = (tmp_path / f"measure-real-command-h200x2-run{n}-results.jsonl" for n in (20, 21))
+    shared = {"capture": 10.0, "kmeans": 20.0}
+    _write(pair, _run("ouro-2.6b", 98.0, {**shared, "finetune": 50.0}), _run("ouro-2.6b-2gpu", 78.4,
+                                                                          {**shared, "finetune": 40.0}))
+    _write(later, _run("ouro-2.6b", 88.0, {"finetune": 42.0}))
+    runs = pt.latest_runs([pair, later])
+    assert runs["ouro-2.6b"].path == later and runs["ouro-2.6b-2gpu"].path == pair
+    text = " ".join(" ".join(pt.two_gpu_lines(runs)).split())  # the paragraph unwrapped
+    # 98 / 78.4; halving the 1-GPU run's shared 80 s: 98 / (78.4 - 70 + 40)
+    assert "**1.25x**" in text and f"{98 / 48.4:.2f}x" in text and "98.0 s on one GPU of the same call" in text
+    _write(pair, _run("ouro-2.6b-2gpu", 78.4, {}))
+    assert pt.two_gpu_lines(pt.latest_runs([pair])) == []  # no 1-GPU run in that call: no speed-up
+
+
+def test_machine_files_describe_each_machine_label(tmp_path):
+    (tmp_path / "measure-real-command-h200x2-run20-machine.txt").write_text(
+        "GPU 0: NVIDIA H200 (UUID: GPU-1)\nGPU 1: NVIDIA H200 (UUID: GPU-2)\n32\n"
+        "               total        used        free\nMem:             251           0         250\n")
+    (tmp_path / "measure-real-command-h200-run22-machine.txt").write_text("name, memory.total [MiB]\nNVIDIA H200\n")
+    (tmp_path / "measure-real-command-h200-run25-machine.txt").write_text(
+        "GPU 0: NVIDIA H200 (UUID: GPU-3)\n16\nMem:             125           0         124\n")
+    assert pt.machines(tmp_path) == {"h200x2": "2 x NVIDIA H200, 32 CPU cores, 251 GiB host memory",
+                                     "h200": "1 x NVIDIA H200, 16 CPU cores, 125 GiB host memory"}
+
+
+def test_the_demo_section_reads_the_log_of_scripts_demo_sh(tmp_path):
+    log = tmp_path / "demo-sh-cpu-0824725.log"
+    log.write_text("| data | done | 0.0 | - | 0.51 |\n| capture | done | 13.3 | - | 1.30 |\n"
+                   "| finetune | done | 27.6 | - | 2.38 |\nrun: runs/x (63 s; stage times in runs/x/manifest.json)\n")
+    text = " ".join(" ".join(pt.demo_section(log)).split())
+    assert "commit `0824725`" in text and "**63 s** (capture 13.3, fine-tuning 27.6 s)" in text
+    assert pt.demo_section(tmp_path / "none.log") == []
+    bad = tmp_path / "demo-sh-cpu-idle.log"
+    bad.write_text(log.read_text())
+    with pytest.raises(SystemExit, match="no commit in the file name"):
+        pt.demo_section(bad)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_resolve_names_the_commits_with_a_runs_code_identity(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "loopvq_calib").mkdir(parents=True)
+    (repo / "loopvq_calib" / "a.py").write_text("A = 1\n")
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    head = git("rev-parse", "HEAD").strip()
+    results = tmp_path / "measure-real-command-h200-run40-results.jsonl"
+    _write(results, _run("ouro-1.4b", 60.0, {}, code=ci.commit_identity("HEAD", repo)))
+    runs = pt.latest_runs([results])
+    kept = {"files": {"f": "c"}}
+    code = runs["ouro-1.4b"].row["code"]
+    assert pt.resolve(runs, kept, root=repo) == {"files": {"f": "c"}, "codes": {code: [head[:7]]}}
+    _write(results, _run("ouro-1.4b", 60.0, {}, code="0" * 64))
+    with pytest.raises(SystemExit, match="no commit among the last 300 has code identity 0000"):
+        pt.resolve(pt.latest_runs([results]), kept, root=repo)
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs the repository")
+def test_the_stored_commit_record_agrees_with_the_history():
+    commits = json.loads(pt.COMMITS.read_text())
+    for code, found in commits["codes"].items():
+        assert {ci.commit_identity(commit) for commit in found} == {code}
+    for name, commit in commits["files"].items():
+        assert (pt.RESULTS / name).is_file()
+        subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"], check=True)
+
+
+def test_the_steps_are_those_of_the_measurement_script():
+    script = (ROOT / "benchmarks" / "measure_real_command.sh").read_text()
+    for step, spec in pt.STEPS.items():
+        assert f"calibrate {step} " in script and spec.config in script
+        assert all(f"--set {override}" in script for override in spec.overrides)
