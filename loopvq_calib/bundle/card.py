@@ -13,7 +13,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from ..runtime.files import TMP_PREFIX, write_temp
+from ..runtime.files import temp_sibling, write_temp
 from .format import CARD_FILE, META_FILE, file_entry, meta_bytes
 from .reader import load_bundle
 
@@ -179,7 +179,7 @@ def _replace_pair(card: Path, card_tmp: Path, meta: Path, *, meta_tmp: Path) -> 
     if a rename fails, the old card is renamed back, so an error leaves README.md and loopvq.json (whose
     checksum covers it) matching. A kill between the renames leaves the new card, or none, beside the old
     metadata, which ``load_bundle`` refuses."""
-    aside = card.with_name(f"{TMP_PREFIX}{card.name}.old.{os.getpid()}")
+    aside = temp_sibling(card.with_name(f"{card.name}.old"))
     moved = False  # a file already at ``aside`` (left by a killed attempt) is never put back
     try:
         os.replace(card, aside)

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import struct
-import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from ..codes.packing import indices_entries, read_indices
 from ..codes.quantizer import KVQuantizer
 from ..config.schema import ServingConfig
 from ..models.loading import TORCH_DTYPES, ModelIdentity
-from ..runtime.files import TMP_PREFIX
+from ..runtime.files import temp_sibling
 from .card import model_card
 from .format import (
     CARD_FILE,
@@ -68,7 +67,7 @@ def write_bundle(out_dir: Path, quantizer: KVQuantizer, *, name: str, identity: 
             raise BundleError(f"serving.{field} must be an integer, got {getattr(serving, field)!r}")
     _check_replaceable(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f"{TMP_PREFIX}{out_dir.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = _cleared(temp_sibling(out_dir))
     tmp.mkdir()
     try:
         meta = _bundle_meta(quantizer, name, identity, calibration=calibration, metrics=metrics, serving=serving,
@@ -155,7 +154,7 @@ def _swap_in(tmp: Path, final: Path) -> None:
     if not final.exists():
         os.replace(tmp, final)
         return
-    old = final.with_name(f"{TMP_PREFIX}{final.name}-old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    old = _cleared(temp_sibling(final.with_name(f"{final.name}.old")))
     os.replace(final, old)
     try:
         os.replace(tmp, final)
@@ -163,3 +162,9 @@ def _swap_in(tmp: Path, final: Path) -> None:
         os.replace(old, final)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _cleared(tmp: Path) -> Path:
+    """``tmp``, a temporary sibling named for this process, without what a dead process of the same id left there."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    return tmp

@@ -9,6 +9,7 @@ import pytest
 import torch
 import yaml
 from conftest import TINY_G as G, TINY_K as K, TINY_T_C as T_C, tiny_quantizer, write_tiny_bundle
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from loopvq_calib.bundle import writer
@@ -17,6 +18,7 @@ from loopvq_calib.bundle.reader import BundleError, load_bundle
 from loopvq_calib.bundle.writer import write_bundle
 from loopvq_calib.config.schema import ServingConfig
 from loopvq_calib.models.loading import model_identity
+from loopvq_calib.runtime.files import temp_sibling
 
 
 def test_round_trip(tmp_path, tiny_ouro_dir):
@@ -49,8 +51,6 @@ def test_round_trip(tmp_path, tiny_ouro_dir):
 
 
 def test_safetensors_metadata_and_model_card(tmp_path, tiny_ouro_dir):
-    from safetensors import safe_open
-
     bundle_dir = write_tiny_bundle(tmp_path / "bundle", tiny_ouro_dir)
     with safe_open(str(bundle_dir / "codebooks.safetensors"), "pt") as f:
         assert f.metadata() == {"format": "loopvq", "format_version": FORMAT_VERSION}
@@ -114,3 +114,15 @@ def test_write_bundle_never_replaces_a_folder_with_other_files(tmp_path, tiny_ou
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".loopvq-tmp.")]
 
 
+
+
+def test_leftovers_of_a_dead_process_with_this_process_id_do_not_block_a_write(tmp_path, tiny_ouro_dir):
+    """The temporary folders are named for the writing process (runtime.files.temp_sibling): a killed writer
+    whose id this process now has left its build folder and its moved-aside bundle; both are cleared."""
+    path = write_tiny_bundle(tmp_path / "b", tiny_ouro_dir, name="first")
+    for leftover in (temp_sibling(path), temp_sibling(path.with_name("b.old"))):
+        leftover.mkdir()
+        (leftover / "loopvq.json").write_text("{half")
+    write_tiny_bundle(path, tiny_ouro_dir, name="second")
+    assert load_bundle(path).meta["name"] == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]

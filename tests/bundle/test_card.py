@@ -15,6 +15,7 @@ from huggingface_hub import ModelCard
 
 from loopvq_calib.bundle.card import (
     EvalReportError,
+    _replace_pair,
     attach_eval_report,
     evaluation_for,
     is_hub_id,
@@ -25,6 +26,7 @@ from loopvq_calib.bundle.writer import write_bundle
 from loopvq_calib.cli import push_main
 from loopvq_calib.config.schema import ServingConfig
 from loopvq_calib.models.loading import model_identity
+from loopvq_calib.runtime.files import TMP_PREFIX, write_bytes_atomic, write_json_atomic
 
 GOLDEN = ROOT / "tests" / "golden" / "ouro_loopvq"
 
@@ -149,8 +151,6 @@ def test_attach_eval_report_failing_rename_of_the_manifest_restores_the_card(bun
 def test_failing_first_rename_never_restores_a_stale_aside_card(tmp_path, monkeypatch):
     """When moving the old card aside fails, a file a killed attempt left at the aside name stays where it is:
     README.md keeps the old card, not the stale one."""
-    from loopvq_calib.bundle.card import TMP_PREFIX, _replace_pair
-
     for name, text in (("README.md", "old card"), ("loopvq.json", "old meta"), ("card.tmp", "new card"),
                        ("meta.tmp", "new meta"), (f"{TMP_PREFIX}README.md.old.{os.getpid()}", "stale card")):
         (tmp_path / name).write_text(text)
@@ -171,8 +171,6 @@ def test_failing_first_rename_never_restores_a_stale_aside_card(tmp_path, monkey
 
 @pytest.mark.parametrize("durable", [False, True])
 def test_write_bytes_atomic_replaces_the_file_whole_or_not_at_all(tmp_path, monkeypatch, durable):
-    from loopvq_calib.runtime.files import write_bytes_atomic, write_json_atomic
-
     target = tmp_path / "f.json"
     write_json_atomic(target, {"a": [1, 2]})
     assert json.loads(target.read_bytes()) == {"a": [1, 2]}

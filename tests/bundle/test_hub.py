@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 from conftest import ROOT
+from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
 from loopvq_calib.bundle import hub
 from loopvq_calib.bundle.hub import PushError, push_bundle
 from loopvq_calib.bundle.reader import BundleError
+from loopvq_calib.cli import push_main
 
 GOLDEN = ROOT / "tests" / "golden" / "ouro_loopvq"
 
 
 @pytest.fixture
 def bundle_dir(tmp_path) -> Path:
-    import shutil
-
     return Path(shutil.copytree(GOLDEN, tmp_path / "bundle"))
 
 
@@ -59,8 +60,6 @@ def test_dry_run_lists_exactly_the_bundle_files(bundle_dir, monkeypatch):
 
 def test_only_the_files_the_format_lists_are_uploaded(bundle_dir, fake_api, capsys):
     """Secrets, a git checkout and notes beside the bundle files never leave the machine."""
-    from loopvq_calib.cli import push_main
-
     (bundle_dir / ".env").write_text("HF_TOKEN=hf_secret\n")
     (bundle_dir / ".git").mkdir()
     (bundle_dir / ".git" / "config").write_text("[remote]\n")
@@ -83,7 +82,6 @@ def test_invalid_bundle_or_repo_id_fails_before_any_upload(bundle_dir):
         push_bundle(GOLDEN, "not a repo", dry_run=True)
     with pytest.raises(PushError, match="namespace"):
         push_bundle(GOLDEN, "just-a-name", dry_run=True)
-    from loopvq_calib.cli import push_main
 
     assert push_main([str(GOLDEN), "--repo-id", "just-a-name", "--dry-run"]) == 2  # bad input, not a failed push
 
@@ -105,8 +103,6 @@ def test_push_creates_repo_then_uploads(bundle_dir, fake_api):
 
 
 def test_network_and_auth_errors_become_push_errors(bundle_dir, fake_api):
-    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
-
     fake_api.fail = ConnectionError("Name or service not known")
     with pytest.raises(PushError, match="could not reach the Hugging Face Hub"):
         push_bundle(bundle_dir, "org/x")
