@@ -2,8 +2,9 @@
 
 The public API: :func:`calibrate` runs the pipeline (as ``loopvq-calibrate`` does) and returns a
 :class:`RunResult`; :func:`load_bundle` reads and validates a published :class:`Bundle`; :func:`evaluate`
-measures bundles against full precision (as ``loopvq-eval`` does) and returns an :class:`EvalReport`;
-:class:`QuantizedLoopKVCache` serves a bundle's :class:`KVQuantizer` through ``generate()``. Importing
+measures bundles against full precision (as ``loopvq-eval`` does; settings :class:`ServedOptions` and
+:class:`Gates`) and returns an :class:`EvalReport`; :class:`QuantizedLoopKVCache` serves a bundle's
+:class:`KVQuantizer` through ``generate()``. Importing
 ``loopvq_calib.models`` registers the native Ouro and Huginn models with transformers' Auto classes.
 
 Names are imported on first use, so ``import loopvq_calib`` (and a console script's ``--help``) loads neither
@@ -29,14 +30,18 @@ _LAZY: dict[str, str | None] = {
     "load_bundle": "bundle.reader",
     "KVQuantizer": "codes.quantizer",
     "QuantizedLoopKVCache": "serving.cache",
+    "EvalInputError": "evaluation.inputs",
     "EvalReport": "evaluation.evaluate",
+    "Gates": "evaluation.options",
+    "ServedOptions": "evaluation.options",
     "evaluate": "evaluation.evaluate",
     "models": None,
 }
 
 __all__ = [
-    "Bundle", "BundleError", "Config", "ConfigError", "EvalReport", "KVQuantizer", "QuantizedLoopKVCache", "RunResult",
-    "__version__", "calibrate", "evaluate", "load_bundle", "load_config", "models",
+    "Bundle", "BundleError", "Config", "ConfigError", "EvalInputError", "EvalReport", "Gates", "KVQuantizer",
+    "QuantizedLoopKVCache", "RunResult", "ServedOptions", "__version__", "calibrate", "evaluate", "load_bundle",
+    "load_config", "models",
 ]
 
 if TYPE_CHECKING:
@@ -48,6 +53,8 @@ if TYPE_CHECKING:
     from .config.schema import Config
     from .config.source import ConfigError
     from .evaluation.evaluate import EvalReport, evaluate
+    from .evaluation.inputs import EvalInputError
+    from .evaluation.options import Gates, ServedOptions
     from .serving.cache import QuantizedLoopKVCache
 
 

@@ -1,13 +1,18 @@
-"""Console scripts: loopvq-calibrate, loopvq-eval, loopvq-inspect, loopvq-push.
-
-Exit status: 0 success, 1 a gate or check failed, 2 bad input (config, paths, bundle), 3 a run failed.
+"""Console scripts: loopvq-calibrate, loopvq-eval, loopvq-inspect, loopvq-push. The library raises and returns
+reports; these print them and pick the exit status: 0 success, 1 a gate or check failed, 2 bad input (config,
+paths, bundle), 3 a run failed. Each command imports what it runs on demand, so ``--help`` loads neither torch
+nor transformers.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import traceback
+from pathlib import Path
+from typing import Any
 
 from .config.source import ConfigError
 
@@ -31,6 +36,7 @@ def _quiet_libraries() -> None:
 
 
 def calibrate_parser() -> argparse.ArgumentParser:
+    """``loopvq-calibrate``'s options."""
     p = argparse.ArgumentParser(prog="loopvq-calibrate", description="Calibrate LoopVQ KV-cache codebooks.")
     p.add_argument("--config", required=True, help="YAML config (see docs/config.md)")
     p.add_argument("--output", help="run directory (default: output.dir of the config)")
@@ -42,6 +48,8 @@ def calibrate_parser() -> argparse.ArgumentParser:
 
 
 def calibrate_main(argv: list[str] | None = None) -> int:
+    """``loopvq-calibrate``: check everything, then run (or resume) the stages; prints the bundle and the
+    selection KL; returns the exit status."""
     args = calibrate_parser().parse_args(argv)
     _quiet_libraries()
     from .calibration.rundir import RunDirError
@@ -81,29 +89,19 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def calibrate_command() -> None:
-    """The ``loopvq-calibrate`` process: :func:`calibrate_main` on ``sys.argv``, then :func:`exit_now`."""
-    exit_now(calibrate_main())
+def calibrate_command() -> int:
+    """The ``loopvq-calibrate`` console script and ``python -m loopvq_calib``: :func:`calibrate_main` on
+    ``sys.argv``; the log handlers (run.log) are flushed and closed before the status is returned."""
+    try:
+        return calibrate_main()
+    finally:
+        logging.shutdown()
 
 
-def exit_now(status: int) -> None:
-    """End the process with ``status`` once the logs and standard streams are flushed, skipping the
-    interpreter's teardown: nothing is left to run once a command has returned (the run directory is
-    closed, background writers joined), and tearing down torch, transformers and a CUDA context that holds
-    tens of GB takes about a second (scripts/probe_exit.py)."""
-    import logging
-
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(status)
-
-
-def _run_failure(pipeline, err: Exception) -> str:
+def _run_failure(pipeline: Any, err: Exception) -> str:
     """One line for a failed run; the traceback goes to run.log (the stage's temporary output is gone)."""
-    import traceback
-
-    failed = [name for name, rec in pipeline.run.manifest["stages"].items() if rec.get("status") in ("failed", "running")]
+    stages = pipeline.run.manifest["stages"]
+    failed = [name for name, rec in stages.items() if rec.get("status") in ("failed", "running")]
     where = f"stage {failed[-1]}" if failed else "the run"
     log_file = pipeline.run.root / "run.log"
     if not pipeline.run.root.is_dir():
@@ -114,15 +112,18 @@ def _run_failure(pipeline, err: Exception) -> str:
 
 
 def eval_parser() -> argparse.ArgumentParser:
+    """``loopvq-eval``'s options."""
     p = argparse.ArgumentParser(prog="loopvq-eval", description="Evaluate LoopVQ bundles against full precision.")
-    p.add_argument("--bundle", action="append", required=True, help="bundle folder or hub id, repeatable (side by side)")
+    p.add_argument("--bundle", action="append", required=True,
+                   help="bundle folder or hub id, repeatable (side by side)")
     p.add_argument("--model", help="model folder or hub id (default: the bundle's model)")
     p.add_argument("--data", help="held-out text: local text/json/jsonl/parquet file or hub dataset")
     p.add_argument("--num-sequences", type=int, default=8)
     p.add_argument("--sequence-length", type=int, default=512)
     p.add_argument("--out", help="report folder (report.json, report.md, PNG plots)")
     p.add_argument("--max-kl", type=float, help="exit 1 if any bundle's evaluation KL exceeds this")
-    p.add_argument("--max-ppl-increase", type=float, help="exit 1 if any bundle raises perplexity by more than this fraction")
+    p.add_argument("--max-ppl-increase", type=float,
+                   help="exit 1 if any bundle raises perplexity by more than this fraction")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     served = p.add_argument_group("served cache", "accuracy through the quantized cache (docs/evaluation.md)")
@@ -146,23 +147,46 @@ def eval_parser() -> argparse.ArgumentParser:
 
 
 def eval_main(argv: list[str] | None = None) -> int:
+    """``loopvq-eval``: evaluate, print report.md, write the report folder (``--out``), print each failed gate;
+    returns 0 (every gate passed), 1 (a gate failed) or 2 (bad input)."""
     args = eval_parser().parse_args(argv)
     _quiet_libraries()
-    from .evaluation.evaluate import run_eval
-    from .evaluation.served import ServedOptions
+    from .bundle.reader import BundleError
+    from .data.files import DataError
+    from .evaluation.evaluate import evaluate
+    from .evaluation.inputs import EvalInputError, check_out_folder
+    from .evaluation.options import Gates, ServedOptions
+    from .evaluation.report import markdown_report, write_report
+    from .models.loading import ModelLoadError
 
-    options = ServedOptions(args.tasks, args.baseline, args.limit, args.sink_tokens, args.recent_window,
-                            args.batch_size, args.include_path, args.passkey_lengths, args.passkey_trials,
-                            args.max_accuracy_drop, confirm_run_unsafe_code=args.confirm_run_unsafe_code)
-    return run_eval(args.bundle, args.model, args.data, num_sequences=args.num_sequences, sequence_length=args.sequence_length, out_dir=args.out,
-                    max_kl=args.max_kl, max_ppl_increase=args.max_ppl_increase, device=args.device, dtype=args.dtype, served=options)
+    served = ServedOptions(tasks=args.tasks, baselines=args.baseline, limit=args.limit, sink_tokens=args.sink_tokens,
+                           recent_window=args.recent_window, batch_size=args.batch_size, include_path=args.include_path,
+                           passkey_lengths=args.passkey_lengths, passkey_trials=args.passkey_trials,
+                           confirm_run_unsafe_code=args.confirm_run_unsafe_code)
+    gates = Gates(max_kl=args.max_kl, max_ppl_increase=args.max_ppl_increase, max_accuracy_drop=args.max_accuracy_drop)
+    try:
+        check_out_folder(args.out)
+        result = evaluate(args.bundle, model=args.model, data=args.data, num_sequences=args.num_sequences,
+                          sequence_length=args.sequence_length, device=args.device, dtype=args.dtype, served=served,
+                          gates=gates)
+    except (EvalInputError, BundleError, ModelLoadError, DataError) as err:
+        return _fail(str(err), 2)
+    print(markdown_report(result.report))
+    if args.out is not None:
+        for path in write_report(result.report, Path(args.out)):
+            print(f"wrote {path}")
+    for failure in result.gate_failures:
+        print(f"gate failed: {failure}")
+    return 0 if result.passed else 1
 
 
 def _names(text: str) -> list[str]:
+    """A comma-separated list, blanks dropped."""
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def _ints(text: str) -> list[int]:
+    """A comma-separated list of integers (an argparse type)."""
     try:
         return [int(t) for t in _names(text)]
     except ValueError as err:
@@ -170,12 +194,14 @@ def _ints(text: str) -> list[int]:
 
 
 def inspect_parser() -> argparse.ArgumentParser:
+    """``loopvq-inspect``'s options."""
     p = argparse.ArgumentParser(prog="loopvq-inspect", description="Summarise a LoopVQ bundle.")
     p.add_argument("bundle")
     return p
 
 
 def inspect_main(argv: list[str] | None = None) -> int:
+    """``loopvq-inspect``: print a bundle's summary; returns 0, or 2 for a bundle that does not check out."""
     args = inspect_parser().parse_args(argv)
     from .bundle.reader import BundleError, inspect_bundle
 
@@ -187,6 +213,7 @@ def inspect_main(argv: list[str] | None = None) -> int:
 
 
 def push_parser() -> argparse.ArgumentParser:
+    """``loopvq-push``'s options."""
     p = argparse.ArgumentParser(prog="loopvq-push", description="Publish a LoopVQ bundle to the Hugging Face Hub.")
     p.add_argument("bundle")
     p.add_argument("--repo-id", required=True, help="ORG/NAME")
@@ -199,6 +226,8 @@ def push_parser() -> argparse.ArgumentParser:
 
 
 def push_main(argv: list[str] | None = None) -> int:
+    """``loopvq-push``: (attach an evaluation report and) upload a bundle; returns 0, 2 for bad input, 3 when the
+    upload failed."""
     args = push_parser().parse_args(argv)
     from .bundle.card import EvalReportError, attach_eval_report
     from .bundle.hub import PushError, RepoIdError, push_bundle
@@ -221,5 +250,6 @@ def push_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# console script name -> its argument parser (tests check docs and CI against them)
 PARSERS = {"loopvq-calibrate": calibrate_parser, "loopvq-eval": eval_parser, "loopvq-inspect": inspect_parser,
-           "loopvq-push": push_parser}  # console script name -> its argument parser (tests check docs and CI against them)
+           "loopvq-push": push_parser}

@@ -48,7 +48,7 @@ def test_push_dry_run_lists_the_files(bundle, capsys):
         assert name in out
 
 
-@pytest.mark.slow  # quick equivalents: test_evaluate's run_eval tests (statuses 0, 1, 2) and its eval_main exit 2
+@pytest.mark.slow  # quick equivalent: test_evaluate's test_eval_main_prints_writes_and_picks_the_exit_status
 def test_eval_gates_exit_status(bundle, tiny_ouro_dir, heldout_corpus, tmp_path):
     common = ["--bundle", str(bundle), "--model", str(tiny_ouro_dir), "--data", str(heldout_corpus),
               "--num-sequences", "2", "--sequence-length", "32", "--out", str(tmp_path / "rep")]
@@ -82,21 +82,43 @@ def test_help_imports_nothing_heavy(main):
 
 
 def test_python_m_exits_with_the_status_after_flushing_output_and_log(tiny_ouro_dir, calib_corpus, tmp_path):
-    """``python -m loopvq_calib`` ends through cli.exit_now (no interpreter teardown): the exit status, the
-    printed error and the run log written before it still arrive."""
+    """``python -m loopvq_calib`` returns its status to the interpreter, which exits with it: the printed
+    error, the printed bundle and the run log's last lines (the stage summary, logged just before the command
+    returns) all arrive."""
     root = ROOT
     env = {"PYTHONPATH": str(root), "PATH": "", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     bad = tmp_path / "bad.yaml"
     bad.write_text("quant:\n  bits: [1\n")
     done = subprocess.run([sys.executable, "-m", "loopvq_calib", "--config", str(bad)], capture_output=True, text=True,
                           cwd=root, env=env)
-    assert done.returncode == 2 and "config error" in done.stderr
+    assert done.returncode == 2 and "error: config error" in done.stderr and "Traceback" not in done.stderr
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")))
-    done = subprocess.run([sys.executable, "-m", "loopvq_calib", "--config", str(cfg), "--stages", "data"],
+    cfg.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", finetune={"epochs": 1})))
+    done = subprocess.run([sys.executable, "-m", "loopvq_calib", "--config", str(cfg)],
                           capture_output=True, text=True, cwd=root, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert f"bundle: {tmp_path / 'run' / 'bundle'}" in done.stdout and "selection KL" in done.stdout
+    log = (tmp_path / "run" / "run.log").read_text()
+    assert "stage bundle: done" in log and log.rstrip().splitlines()[-1].startswith("| bundle | done |")  # the summary
+
+
+def test_the_console_script_returns_the_status_and_closes_the_run_log(tiny_ouro_dir, calib_corpus, tmp_path,
+                                                                      monkeypatch):
+    """``loopvq-calibrate`` (cli.calibrate_command) returns calibrate_main's status for sys.exit, with run.log's
+    handler flushed and closed."""
+    import logging
+
+    from loopvq_calib.cli import calibrate_command
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")))
+    monkeypatch.setattr(sys, "argv", ["loopvq-calibrate", "--config", str(cfg), "--stages", "data"])
+    assert calibrate_command() == 0
+    handlers = [h for h in logging.getLogger("loopvq_calib").handlers if isinstance(h, logging.FileHandler)]
+    assert handlers and all(h.stream is None for h in handlers)  # closed: nothing left unwritten
     assert "stage data: done" in (tmp_path / "run" / "run.log").read_text()
+    monkeypatch.setattr(sys, "argv", ["loopvq-calibrate", "--config", str(tmp_path / "none.yaml")])
+    assert calibrate_command() == 2
 
 
 @pytest.mark.slow

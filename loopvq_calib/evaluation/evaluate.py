@@ -1,41 +1,40 @@
-"""Evaluation of calibrated quantizers against the full-precision model (the ``loopvq-eval`` logic).
+"""Evaluation of calibrated quantizers against the full-precision model: :func:`evaluate` (the ``loopvq-eval``
+logic) and the metrics it reports.
 
 The KL reported here is the *evaluation KL*: measured on held-out text the calibration never saw (the
-calibration's own held-out number, which picked the fine-tuning epoch, is the *selection KL*). Every metric is measured on held-out sequences with the sink tokens kept in full precision and every
-other position's keys/values replaced by decode(encode(.)) of the sequence's full-precision cache, at all
-sites at once (no recent window: the worst case a served sequence sees); docs/evaluation.md defines them.
-The teacher forward of a sequence is computed once and shared by every quantizer evaluated on it.
+calibration's own held-out number, which picked the fine-tuning epoch, is the *selection KL*). Every metric is
+measured on held-out sequences with the sink tokens kept in full precision and every other position's keys/values
+replaced by decode(encode(.)) of the sequence's full-precision cache, at all sites at once (no recent window: the
+worst case a served sequence sees); docs/evaluation.md defines them. The teacher forward of a sequence is
+computed once and shared by every quantizer evaluated on it.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..codes.objective import (
-    Teacher,
-    kl_per_position,
-    next_token_nll,
-    quantized_logits,
-    teacher,
-)
+from ..codes.objective import Teacher, kl_per_position, next_token_nll, quantized_logits, teacher
 from ..codes.quantizer import KVQuantizer
-from .served import (
-    ServedOptions,
-    baseline_entries,
-    check_accuracy_gate,
-    served_evaluation,
+from .inputs import (
+    EvalInputs,
+    check_device,
+    check_gate_thresholds,
+    check_served_options,
+    check_sink_room,
+    data_source,
+    heldout_sequences,
+    load_inputs,
 )
+from .options import Gates, ServedOptions
+from .served import baseline_entries, check_accuracy_gate, served_evaluation
 
-DEFAULT_DATA = Path("artifacts/data/shakespeare-heldout.jsonl")
 KINDS = ("key", "value")
-EVAL_DATA_NAMES = {"dataset": "--data", "num_sequences": "--num-sequences", "sequence_length": "--sequence-length",
-                   "type": None, "text_field": None}  # how loopvq-eval's data errors name the setting
 
 
 class _Sums:
@@ -51,6 +50,7 @@ class _Sums:
 
     @torch.no_grad()
     def add(self, model: torch.nn.Module, ids: torch.Tensor, fp: Teacher, *, per_step: bool, kl_chunk: int) -> None:
+        """Add sequence ``ids`` [1, L], whose full-precision forward is ``fp``."""
         s = self.sink
         if ids.shape[1] <= max(s, 1):
             raise ValueError(f"sequences of {ids.shape[1]} tokens leave no position after {s} sink tokens")
@@ -74,6 +74,7 @@ class _Sums:
         self.sequences += ids.shape[0]
 
     def result(self, per_step: bool) -> dict[str, Any]:
+        """The metrics over the sequences added (docs/evaluation.md)."""
         kv = self.q.kv
         nmse = {kind: _ratio(sum(self.err[kind].values()), sum(self.ref[kind].values())) for kind in KINDS}
         per_site = [
@@ -141,43 +142,58 @@ def check_gates(results: list[dict[str, Any]], max_kl: float | None, max_ppl_inc
     return failures
 
 
-# -- the CLI logic -------------------------------------------------------------------------------------
-class EvalInputError(ValueError):
-    """Bad input to ``loopvq-eval`` (missing bundle, model or data); exit status 2."""
+@dataclass(frozen=True)
+class EvalReport:
+    """What :func:`evaluate` measured: ``report`` (report.json's content: model, dtype, device, data, loop steps,
+    one row per bundle and baseline in ``bundles``, and the served-cache evaluation in ``served`` when one ran)
+    and one message per failed gate."""
+
+    report: dict[str, Any]
+    gate_failures: list[str]
+
+    @property
+    def passed(self) -> bool:
+        """Whether every gate passed."""
+        return not self.gate_failures
 
 
-def run_eval(bundles: list[str], model: str | None, data: str | None, *, num_sequences: int, sequence_length: int,
-             out_dir: str | None, max_kl: float | None, max_ppl_increase: float | None,
-             device: str = "auto", dtype: str = "float32", served: ServedOptions | None = None) -> int:
-    """Evaluate bundles side by side on the same held-out sequences, write the report, apply the gates.
+def evaluate(bundles: Sequence[str | Path], *, model: str | None = None, data: str | None = None,
+             num_sequences: int = 8, sequence_length: int = 512, device: str = "auto", dtype: str = "float32",
+             served: ServedOptions | None = None, gates: Gates | None = None) -> EvalReport:
+    """Evaluate bundles (folders or hub ids) side by side on the same held-out sequences and apply the gates.
 
-    ``served`` adds the baselines (evaluation KL too) and the served-cache evaluation (lm-eval tasks, passkey,
-    bytes per token; :mod:`loopvq_calib.evaluation.served`). Returns 0 (all gates pass), 1 (a gate failed; each failure
-    is printed) or 2 (bad input).
-    """
-    from ..bundle.reader import BundleError
-    from ..data.files import DataError
-    from ..models.loading import ModelLoadError
+    ``model``: folder or hub id (default: the bundles' model); ``data``: held-out text (default: the shipped
+    held-out file); ``served`` adds the baselines (evaluation KL too) and the served-cache evaluation (lm-eval
+    tasks, passkey, bytes per token; :mod:`loopvq_calib.evaluation.served`). Bad input raises before any model is
+    loaded where it can (:class:`~loopvq_calib.evaluation.inputs.EvalInputError`, BundleError, ModelLoadError,
+    DataError)."""
+    gates = gates or Gates()
+    check_served_options(served)
+    source = data_source(data, num_sequences, sequence_length)
+    check_gate_thresholds(gates)
+    check_device(device)
+    inputs = load_inputs(bundles, model, device, dtype=dtype)
+    check_sink_room(inputs.bundles, sequence_length)
+    sequences, description = heldout_sequences(source, inputs.tokenizer, num_sequences, sequence_length=sequence_length)
+    report = {"model": inputs.model_name, "dtype": dtype, "device": str(next(inputs.model.parameters()).device),
+              "data": description, "loop_steps": inputs.bundles[0].quantizer.kv.loop_steps,
+              "bundles": _result_rows(inputs, sequences, served)}
+    failures = check_gates(report["bundles"], gates.max_kl, gates.max_ppl_increase)
+    if served is not None and served.any_served:
+        sample = sequences[:1].to(next(inputs.model.parameters()).device)
+        report["served"] = served_evaluation(inputs.model, inputs.tokenizer, inputs.bundles, options=served,
+                                             dtype=dtype, sample=sample)
+        failures += check_accuracy_gate(report["served"].get("accuracy_drop") or {}, gates.max_accuracy_drop)
+    return EvalReport(report, failures)
 
-    try:
-        check_served_options(served)
-        data = _data_source(data, num_sequences, sequence_length)
-        _check_gates_and_out(out_dir, max_kl, max_ppl_increase)
-        if device != "auto" and device != "cpu" and not device.startswith("cuda"):
-            raise EvalInputError(f"--device {device!r} is not allowed; use auto, cpu, cuda or cuda:N")
-        loaded, model_obj, tokenizer, model_name = _load_inputs(bundles, model, device, dtype=dtype)
-        for b in loaded:
-            if sequence_length <= max(b.serving["sink_tokens"], 1):
-                raise EvalInputError(f"--sequence-length {sequence_length} leaves no position after the "
-                                     f"{b.serving['sink_tokens']} sink tokens of {b.path}")
-        sequences, data_desc = _heldout(data, tokenizer, num_sequences, sequence_length=sequence_length)
-    except (EvalInputError, BundleError, ModelLoadError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    dev = next(model_obj.parameters()).device
+
+def _result_rows(inputs: EvalInputs, sequences: torch.Tensor, served: ServedOptions | None) -> list[dict[str, Any]]:
+    """The metrics of every bundle, then every baseline, each with its name, path, serving and selection KL."""
+    dev = next(inputs.model.parameters()).device
+    loaded = inputs.bundles
     entries = [(b.quantizer.to(dev), int(b.serving["sink_tokens"])) for b in loaded]
-    baselines = baseline_entries(model_obj, loaded, served)
-    results = evaluate_quantizers(model_obj, sequences, entries + baselines)
+    baselines = baseline_entries(inputs.model, loaded, served)
+    results = evaluate_quantizers(inputs.model, sequences, entries + baselines)
     for b, r in zip(loaded, results):
         metrics = b.meta.get("metrics") or {}
         r.update(name=b.meta.get("name", b.path.name), bundle=str(b.path), serving=b.serving,
@@ -185,144 +201,4 @@ def run_eval(bundles: list[str], model: str | None, data: str | None, *, num_seq
                  finetune_curve=metrics.get("finetune_curve"))
     for (q, _), r in zip(baselines, results[len(loaded):]):
         r.update(name=q.method, bundle=None, serving=None, selection_kl=None, finetune_curve=None, baseline=True)
-    report = {"model": model_name, "dtype": dtype, "device": str(dev), "data": data_desc,
-              "loop_steps": loaded[0].quantizer.kv.loop_steps, "bundles": results}
-    gate_failures: list[str] = []
-    if served is not None and (served.tasks or served.passkey_lengths or served.baselines):
-        report["served"] = served_evaluation(model_obj, tokenizer, loaded, options=served, dtype=dtype, sample=sequences[:1].to(dev))
-        gate_failures = check_accuracy_gate(report["served"].get("accuracy_drop") or {}, served.max_accuracy_drop)
-    from .report import markdown_report, write_report
-
-    print(markdown_report(report))
-    if out_dir is not None:
-        for path in write_report(report, Path(out_dir)):
-            print(f"wrote {path}")
-    failures = check_gates(results, max_kl, max_ppl_increase) + gate_failures
-    for f in failures:
-        print(f"gate failed: {f}")
-    return 1 if failures else 0
-
-
-def check_served_options(served: ServedOptions | None) -> None:
-    """Baseline names, task names (lm-eval's registry plus the shipped tasks), passkey lengths and the
-    serving overrides, checked before any model is loaded."""
-    from ..codes.baselines import BASELINES
-    from .served import task_manager
-
-    if served is None:
-        return
-    unknown = [b for b in served.baselines if b not in BASELINES]
-    if unknown:
-        raise EvalInputError(f"--baseline {','.join(unknown)}: unknown; expected some of {','.join(BASELINES)}")
-    for flag, value in (("--sink-tokens", served.sink_tokens), ("--recent-window", served.recent_window)):
-        if value is not None and value < 0:
-            raise EvalInputError(f"{flag} must be >= 0, got {value}")
-    if served.limit is not None and not served.limit > 0:
-        raise EvalInputError(f"--limit must be > 0, got {served.limit:g}")
-    if served.batch_size < 1 or served.passkey_trials < 1:
-        raise EvalInputError(f"--batch-size and --passkey-trials must be >= 1, got {served.batch_size}, "
-                             f"{served.passkey_trials}")
-    if any(n < 16 for n in served.passkey_lengths):
-        raise EvalInputError(f"--passkey-lengths {served.passkey_lengths}: each length must be >= 16 tokens")
-    for path in served.include_path:
-        if not Path(path).is_dir():
-            raise EvalInputError(f"--include-path {path}: no such folder")
-    if served.tasks or served.passkey_lengths:
-        try:
-            import lm_eval  # noqa: F401
-        except ImportError as err:
-            raise EvalInputError("--tasks / --passkey-lengths need lm-evaluation-harness: pip install "
-                                 "'loopvq-calib[eval]'") from err
-    if served.tasks:
-        known = set(task_manager(served.include_path, served.tasks).all_tasks)
-        missing = [t for t in served.tasks if t not in known]
-        if missing:
-            raise EvalInputError(f"--tasks {','.join(missing)}: not an lm-eval task or group here (the shipped "
-                                 "local task is loopvq_kjv_phrases; add task folders with --include-path)")
-
-
-def _load_inputs(paths: list[str], model: str | None, device: str, *, dtype: str):
-    """Bundles (each checked against the model's identity), the model, its tokenizer and its name."""
-    from ..bundle.reader import BundleError, load_bundle, resolve_bundle_dir
-    from ..models.loading import (
-        ModelLoadError,
-        load_model,
-        pick_device,
-        resolve_model_dir,
-    )
-
-    if not paths:
-        raise EvalInputError("no bundle given (--bundle PATH, repeatable)")
-    dirs = []
-    for p in paths:
-        try:
-            dirs.append(resolve_bundle_dir(p, key="--bundle"))
-        except BundleError as err:
-            raise EvalInputError(f"--bundle {err}" if not str(err).startswith("--bundle") else str(err)) from err
-    first = [load_bundle(d) for d in dirs]
-    idents = [b.meta["model"] for b in first]
-    if model is None:
-        names = {i["name"] for i in idents}
-        if len(names) > 1:
-            raise EvalInputError(f"the bundles were calibrated for different models ({', '.join(sorted(names))}); "
-                                 "evaluate them separately or name one with --model")
-        model, revision = idents[0]["name"], idents[0].get("revision")
-        try:
-            folder = resolve_model_dir(model, revision, key=f"{dirs[0]}: the bundle's model")
-        except ModelLoadError as err:
-            raise EvalInputError(f"{err}; pass the model with --model FOLDER_OR_HUB_ID") from err
-    else:
-        folder = resolve_model_dir(model, None, key="--model")
-    loaded = [load_bundle(d, model=folder) for d in dirs]
-    layouts = {json.dumps(b.meta["kv_layout"], sort_keys=True) for b in loaded}
-    if len(layouts) > 1:
-        raise EvalInputError("the bundles have different KV layouts (loop counts); evaluate them separately")
-    steps = loaded[0].quantizer.kv.loop_steps
-    model_obj, tokenizer = load_model(folder, dtype, pick_device(device), loop_steps=steps)
-    if model_obj.kv_layout() != loaded[0].quantizer.kv:
-        raise EvalInputError(f"{loaded[0].path}: its KV layout does not match model {model} at {steps} loop steps")
-    return loaded, model_obj, tokenizer, model
-
-
-def _check_gates_and_out(out_dir: str | None, max_kl: float | None, max_ppl_increase: float | None) -> None:
-    """--out must be a folder (or not exist yet); gate thresholds finite and >= 0."""
-    if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
-        raise EvalInputError(f"--out {out_dir}: exists and is not a folder")
-    for flag, value in (("--max-kl", max_kl), ("--max-ppl-increase", max_ppl_increase)):
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            raise EvalInputError(f"{flag} must be a finite number >= 0, got {value}")
-
-
-def _data_source(data: str | None, num_sequences: int, sequence_length: int) -> str:
-    """Check the held-out data argument before anything is loaded; ``None`` -> the shipped default file."""
-    from ..config.schema import DataConfig
-    from ..config.source import LOCAL_TYPES
-    from ..data.corpus import load_documents, local_files
-
-    if num_sequences < 1 or sequence_length < 2:
-        raise EvalInputError(f"need --num-sequences >= 1 and --sequence-length >= 2, got {num_sequences}, "
-                             f"{sequence_length}")
-    if data is None:
-        candidates = [DEFAULT_DATA, Path(__file__).resolve().parents[2] / DEFAULT_DATA]
-        found = next((p for p in candidates if p.is_file()), None)
-        if found is None:
-            raise EvalInputError(f"no --data given and the default {DEFAULT_DATA} does not exist here")
-        return str(found)
-    looks_local = Path(data).suffix in LOCAL_TYPES or data.startswith((".", "/", "~"))  # else maybe a hub name
-    if looks_local and not any(ch in data for ch in "*?[") and not Path(data).expanduser().exists():
-        raise EvalInputError(f"--data {data}: no such file or folder")
-    data = str(Path(data).expanduser()) if looks_local else data
-    if local_files(data):  # read it now (UTF-8, parseable, some text) before any model is loaded
-        if next(load_documents(DataConfig(dataset=data), EVAL_DATA_NAMES), None) is None:
-            raise EvalInputError(f"--data {data}: holds no text (no non-empty 'text' field or line)")
-    return data
-
-
-def _heldout(data: str, tokenizer: Any, num_sequences: int, *, sequence_length: int) -> tuple[torch.Tensor, dict]:
-    """Held-out token windows [n, L] of ``data`` (local file/folder/glob or hub dataset)."""
-    from ..config.schema import DataConfig
-    from ..data.corpus import build_calibration_set
-
-    cfg = DataConfig(dataset=data, num_sequences=num_sequences, sequence_length=sequence_length, heldout_sequences=0)
-    calib = build_calibration_set(cfg, tokenizer, EVAL_DATA_NAMES)
-    return calib.input_ids, calib.description
+    return results

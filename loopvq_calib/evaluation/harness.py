@@ -1,6 +1,8 @@
-"""lm-evaluation-harness model class: our native looped models, decoding greedily through a served cache.
+"""lm-evaluation-harness (the optional ``eval`` extra) meets our models here, and only here: :class:`ServedLM`
+answers lm-eval's requests by decoding greedily through a served cache, :func:`task_manager` finds the tasks and
+:func:`run_tasks` scores entries on them.
 
-:class:`ServedLM` answers lm-eval's requests with one cache per batch built by ``make_cache`` (a
+:class:`ServedLM` is built with one cache per batch from ``make_cache`` (a
 :class:`~loopvq_calib.serving.cache.QuantizedLoopKVCache` for a bundle or a baseline, ``None`` for the model's
 own full-precision :class:`~loopvq_calib.models.cache.LoopKVCache`):
 
@@ -9,16 +11,42 @@ own full-precision :class:`~loopvq_calib.models.cache.LoopKVCache`):
   the cache, as a server does; generation stops at the request's ``until`` strings or ``max_gen_toks``.
 - ``loglikelihood``: the context is prefilled into the cache, then the continuation is scored in one
   forward that reads the context from the cache (encoded pages included).
+
+Its base class is lm-eval's ``LM`` when lm-eval is installed, else ``object``: this module, and the evaluation
+that imports it, load without the extra, and ServedLM still decodes (passkey retrieval calls
+:meth:`ServedLM.greedy`). lm-eval's evaluator and task index (about 0.4 s to import) are imported by the
+functions that call them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import functools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
-from lm_eval.api.model import LM
 
+from ..models.cache import LoopKVCache
+from .options import ServedOptions
+
+try:
+    from lm_eval.api.model import LM
+except ImportError:  # without the eval extra: the tasks are refused before any work (lm_eval_available)
+    LM = object  # type: ignore[misc,assignment]
+
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"  # the shipped local lm-eval tasks
 DEFAULT_MAX_GEN_TOKS = 256
+
+
+def lm_eval_available() -> bool:
+    """Whether lm-evaluation-harness can be imported."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class ServedLM(LM):
@@ -43,8 +71,6 @@ class ServedLM(LM):
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _cache(self) -> Any:
-        from ..models.cache import LoopKVCache
-
         return self.make_cache() if self.make_cache is not None else LoopKVCache()
 
     def _forward(self, ids: torch.Tensor, cache: Any, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -53,12 +79,14 @@ class ServedLM(LM):
     # -- lm-eval requests ------------------------------------------------------------------------------
     @torch.no_grad()
     def generate_until(self, requests: list[Any]) -> list[str]:
+        """lm-eval's generation requests: greedy continuations, batched, cut at each request's ``until``."""
         out: list[str] = []
         args = [r.args for r in requests]
         for start in range(0, len(args), self.batch_size):
             batch = args[start:start + self.batch_size]
             kwargs = batch[0][1] or {}
-            out += self.greedy([c for c, _ in batch], _until(kwargs), int(kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)))
+            max_new = int(kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
+            out += self.greedy([c for c, _ in batch], _until(kwargs), max_new)
         return out
 
     @torch.no_grad()
@@ -88,6 +116,7 @@ class ServedLM(LM):
 
     @torch.no_grad()
     def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
+        """lm-eval's scoring requests: (log-probability of the continuation, whether greedy decoding gives it)."""
         out = []
         for req in requests:
             context, continuation = req.args
@@ -100,15 +129,63 @@ class ServedLM(LM):
             torch.manual_seed(self.seed)
             cache = self._cache()
             first = self._forward(torch.tensor([ctx_ids], device=self._device), cache)[:, -1:]
-            rest = self._forward(torch.tensor([cont_ids[:-1]], device=self._device), cache) if len(cont_ids) > 1 else first[:, :0]
+            rest = (self._forward(torch.tensor([cont_ids[:-1]], device=self._device), cache) if len(cont_ids) > 1
+                    else first[:, :0])
             logp = torch.log_softmax(torch.cat([first, rest], 1)[0].float(), -1)
             target = torch.tensor(cont_ids, device=self._device)
             out.append((logp.gather(-1, target[:, None]).sum().item(), bool((logp.argmax(-1) == target).all())))
         return out
 
     def loglikelihood_rolling(self, requests: list[Any]) -> list[float]:
+        """Not served: perplexity comes from the evaluation on held-out text instead."""
         raise NotImplementedError("perplexity tasks are not served through the cache; loopvq-eval reports "
                                   "perplexity and the evaluation KL on held-out text (--data) instead")
+
+
+# -- lm-eval tasks ----------------------------------------------------------------------------------------
+def task_manager(include_path: list[str], tasks: list[str] | None = None) -> Any:
+    """lm-eval's task registry with the shipped local tasks (:data:`TASKS_DIR`) and ``include_path``; lm-eval's
+    own tasks (indexing them takes ~20 s) only when ``tasks`` needs one (or ``tasks`` is None)."""
+    local = _manager((str(TASKS_DIR), *include_path), False)
+    if tasks is not None and all(t in local.all_tasks for t in tasks):
+        return local
+    return _manager((str(TASKS_DIR), *include_path), True)
+
+
+@functools.lru_cache(maxsize=4)
+def _manager(paths: tuple[str, ...], include_defaults: bool) -> Any:
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=list(paths), include_defaults=include_defaults)
+
+
+def run_tasks(model: torch.nn.Module, tokenizer: Any, entries: list[Any], *, options: ServedOptions) -> dict[str, Any]:
+    """Every entry (:class:`~loopvq_calib.evaluation.served.Entry`: ``name``, ``make_cache()``) on
+    ``options.tasks`` through lm-eval; ``{"tasks", "limit", "scores": {entry: {task: {metric: v}}},
+    "samples": {task: n}}``."""
+    import lm_eval
+
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    manager = task_manager(options.include_path, options.tasks)
+    scores: dict[str, dict[str, dict[str, float]]] = {}
+    samples: dict[str, int] = {}
+    seed = options.seed
+    for e in entries:
+        lm = ServedLM(model, tokenizer, e.make_cache(), batch_size=options.batch_size, seed=seed)
+        out = lm_eval.simple_evaluate(model=lm, tasks=list(options.tasks), limit=options.limit, task_manager=manager,
+                                      log_samples=False, random_seed=seed, numpy_random_seed=seed,
+                                      torch_random_seed=seed, fewshot_random_seed=seed,
+                                      confirm_run_unsafe_code=options.confirm_run_unsafe_code)
+        scores[e.name] = {task: _metrics(res) for task, res in out["results"].items()}
+        samples = {task: int(n.get("effective", n.get("original", 0))) if isinstance(n, dict) else int(n)
+                   for task, n in (out.get("n-samples") or {}).items()}
+    return {"tasks": list(options.tasks), "limit": options.limit, "scores": scores, "samples": samples}
+
+
+def _metrics(result: dict[str, Any]) -> dict[str, float]:
+    """``{"exact_match,first_word": 0.5, ...}``: the "metric,filter" entries, without stderr."""
+    return {k: float(v) for k, v in result.items()
+            if isinstance(v, (int, float)) and "," in k and "_stderr" not in k}
 
 
 def _until(kwargs: dict[str, Any]) -> list[str]:

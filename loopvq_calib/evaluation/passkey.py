@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .harness import ServedLM
+
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 QUESTION = "What is the pass key? The pass key is"
 NEW_TOKENS = 8
@@ -23,6 +25,8 @@ NEW_TOKENS = 8
 
 @dataclass
 class Trial:
+    """One passkey prompt."""
+
     length: int  # prompt tokens
     key: str
     depth: float  # where the needle sits, as a fraction of the filler
@@ -30,6 +34,7 @@ class Trial:
 
 
 def needle(key: str) -> str:
+    """The sentences that hide ``key`` in the filler."""
     return f"The pass key is {key}. Remember it. {key} is the pass key. "
 
 
@@ -37,7 +42,10 @@ def make_trials(tokenizer: Any, lengths: list[int], trials: int, *, seed: int = 
     """``trials`` prompts per length, each at most ``length`` tokens (the longest filler that fits)."""
     rng = random.Random(seed)
     out = []
-    size = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+
+    def size(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
     filler_tokens = size(FILLER * 8) / 8
     for length in lengths:
         for _ in range(trials):
@@ -64,16 +72,13 @@ def answered(continuation: str, key: str) -> bool:
 @torch.no_grad()
 def run_passkey(model: torch.nn.Module, tokenizer: Any, entries: list[Any], *, lengths: list[int], trials: int,
                 seed: int = 0) -> dict[str, Any]:
-    """Accuracy per prompt length for each entry (``served.Entry``), on the same trials."""
+    """Accuracy per prompt length for each entry (:class:`~loopvq_calib.evaluation.served.Entry`), on the same
+    trials; lengths whose prompts and answers exceed the model's window raise ValueError."""
     window = getattr(model.config, "max_position_embeddings", None) or model.config.block_size
     too_long = [n for n in lengths if n + NEW_TOKENS > window]
     if too_long:
         raise ValueError(f"--passkey-lengths {too_long}: prompts plus {NEW_TOKENS} new tokens exceed the model's "
                          f"window of {window} tokens")
-    from .harness import (
-        ServedLM,  # lm-eval, the optional eval extra, only once the input is known good
-    )
-
     cases = make_trials(tokenizer, lengths, trials, seed=seed)
     acc: dict[str, dict[str, float]] = {}
     for e in entries:

@@ -1,11 +1,12 @@
-"""The ``loopvq-eval`` report: report.json, a side-by-side report.md and PNG plots (matplotlib, Agg).
+"""The ``loopvq-eval`` report: report.json, a side-by-side report.md and PNG plots (matplotlib, Agg), for the
+evaluation KL part and the served-cache part alike.
 
-The report dict is :func:`loopvq_calib.evaluation.evaluate.run_eval`'s: ``bundles`` is a list of per-bundle (and
-per-baseline) results (:func:`loopvq_calib.evaluation.evaluate.evaluate_quantizer` plus name, bundle path, serving,
-fine-tuning curve); ``served`` (optional) holds the served-cache evaluation (:mod:`loopvq_calib.evaluation.served`).
-Reports written before the rename (``heldout_kl``, ``calibration_heldout_kl``) are read too.
-Loop steps are 0-based in JSON (as ``KVSite.step``) and labelled 1-based in report.md and the plots,
-like the paper's tables.
+The report dict is :attr:`loopvq_calib.evaluation.evaluate.EvalReport.report`: ``bundles`` is a list of per-bundle
+(and per-baseline) results (:func:`loopvq_calib.evaluation.evaluate.evaluate_quantizer` plus name, bundle path,
+serving, fine-tuning curve); ``served`` (optional) holds the served-cache evaluation
+(:mod:`loopvq_calib.evaluation.served`). Reports that name the KLs ``heldout_kl`` and ``calibration_heldout_kl``
+are read too. Loop steps are 0-based in JSON (as ``KVSite.step``) and labelled 1-based in report.md and the
+plots, like the paper's tables.
 """
 
 from __future__ import annotations
@@ -75,7 +76,6 @@ def markdown_report(report: dict[str, Any]) -> str:
         lines.append(f"| {r['name']} | `{r['bundle']}` | {r['codebook_size']} | {r['group_size']} | "
                      f"{r['steps_per_block']} | {r['codebook_bytes']:,} | {_fmt(selection_kl(r), '.5f')} |")
     if report.get("served"):
-
         lines += served_markdown(report)
     return "\n".join(lines) + "\n"
 
@@ -90,23 +90,38 @@ def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
 
 
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
-    """kl_by_method.png, kl_per_step.png, nmse_per_step.png and, when any bundle has one,
-    finetune_curve.png."""
+    """kl_by_method.png, kl_per_step.png, nmse_per_step.png, finetune_curve.png when any bundle has a curve and
+    served_accuracy.png when the report has task or passkey results; returns the written paths."""
+    plt = _pyplot()
+    rows, steps = report["bundles"], report["loop_steps"]
+    figures = {"kl_by_method.png": _kl_by_method(plt, rows), "kl_per_step.png": _kl_per_step(plt, rows, steps),
+               "nmse_per_step.png": _nmse_per_step(plt, rows, steps)}
+    curves = [r for r in rows if r.get("finetune_curve")]
+    if curves:
+        figures["finetune_curve.png"] = _finetune_curves(plt, curves)
+    served = report.get("served") or {}
+    if served.get("tasks") or served.get("passkey"):
+        figures["served_accuracy.png"] = _served_accuracy(plt, served)
+    out = []
+    for name, fig in figures.items():
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        out.append(out_dir / name)
+    return out
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only, no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows, steps = report["bundles"], report["loop_steps"]
-    x_steps = list(range(1, steps + 1))
-    out = []
+    return plt
 
-    def save(fig: Any, name: str) -> None:
-        fig.tight_layout()
-        fig.savefig(out_dir / name, dpi=110)
-        plt.close(fig)
-        out.append(out_dir / name)
 
+def _kl_by_method(plt: Any, rows: list[dict[str, Any]]) -> Any:
     methods = sorted({r["method"] for r in rows})
     colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
     fig, ax = plt.subplots(figsize=(max(4.0, 1.3 * len(rows) + 1.5), 3.6))
@@ -115,8 +130,11 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel("evaluation KL to full precision")
     ax.set_title("KL per method and width")
-    save(fig, "kl_by_method.png")
+    return fig
 
+
+def _kl_per_step(plt: Any, rows: list[dict[str, Any]], steps: int) -> Any:
+    x_steps = list(range(1, steps + 1))
     fig, ax = plt.subplots(figsize=(5, 3.6))
     for r in rows:
         if r.get("per_step_kl"):
@@ -126,8 +144,11 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.set_xticks(x_steps)
     ax.set_title("KL when one loop step is quantized")
     ax.legend(fontsize=7)
-    save(fig, "kl_per_step.png")
+    return fig
 
+
+def _nmse_per_step(plt: Any, rows: list[dict[str, Any]], steps: int) -> Any:
+    x_steps = list(range(1, steps + 1))
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=False)
     for ax, kind in zip(axes, ("key", "value")):
         for r in rows:
@@ -137,32 +158,27 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_xticks(x_steps)
         ax.set_title(f"{kind}s")
     axes[0].legend(fontsize=7)
-    save(fig, "nmse_per_step.png")
-
-    curves = [r for r in rows if r.get("finetune_curve")]
-    if curves:
-        fig, ax = plt.subplots(figsize=(5, 3.6))
-        for r in curves:
-            c = r["finetune_curve"]
-            epochs = [e["epoch"] for e in c]
-            line = ax.plot(epochs, [e.get("selection_kl", e.get("heldout_kl")) for e in c], marker="o",
-                           label=f"{r['name']} selection")
-            if any(e.get("train_kl") is not None for e in c):
-                ax.plot(epochs, [e.get("train_kl") for e in c], ls="--", color=line[0].get_color(),
-                        label=f"{r['name']} train")
-        ax.set_xlabel("epoch (0 = k-means init)")
-        ax.set_ylabel("KL to full precision")
-        ax.set_title("Codebook fine-tuning")
-        ax.legend(fontsize=7)
-        save(fig, "finetune_curve.png")
-    if (report.get("served") or {}).get("tasks") or (report.get("served") or {}).get("passkey"):
-
-        out.append(served_plot(report["served"], out_dir))
-    return out
+    return fig
 
 
-# -- the served-cache part: markdown tables and one plot (served_accuracy.png) --------------------------
+def _finetune_curves(plt: Any, curves: list[dict[str, Any]]) -> Any:
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    for r in curves:
+        c = r["finetune_curve"]
+        epochs = [e["epoch"] for e in c]
+        line = ax.plot(epochs, [e.get("selection_kl", e.get("heldout_kl")) for e in c], marker="o",
+                       label=f"{r['name']} selection")
+        if any(e.get("train_kl") is not None for e in c):
+            ax.plot(epochs, [e.get("train_kl") for e in c], ls="--", color=line[0].get_color(),
+                    label=f"{r['name']} train")
+    ax.set_xlabel("epoch (0 = k-means init)")
+    ax.set_ylabel("KL to full precision")
+    ax.set_title("Codebook fine-tuning")
+    ax.legend(fontsize=7)
+    return fig
 
+
+# -- the served-cache part: markdown tables and served_accuracy.png ------------------------------------
 def _serving(e: dict[str, Any]) -> str:
     s = e.get("serving")
     return "all tokens" if s is None else f"{s['sink_tokens']} / {s['recent_window']} / {s['page_size']}"
@@ -230,14 +246,9 @@ def served_markdown(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def served_plot(served: dict[str, Any], out_dir: Path) -> Path:
-    """served_accuracy.png: grouped bars, one group per task (primary metric) and passkey length, one bar
-    per entry (full precision, bundles, baselines)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _served_accuracy(plt: Any, served: dict[str, Any]) -> Any:
+    """Grouped bars, one group per task (primary metric) and passkey length, one bar per entry (full
+    precision, bundles, baselines)."""
     names = [e["name"] for e in served["entries"]]
     groups = [(task, values) for task, _, values in task_table(served)]
     pk = served.get("passkey")
@@ -253,8 +264,4 @@ def served_plot(served: dict[str, Any], out_dir: Path) -> Path:
     ax.set_ylim(0, 1.05)
     ax.set_title("Accuracy through the served cache")
     ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    path = out_dir / "served_accuracy.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig

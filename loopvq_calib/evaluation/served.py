@@ -9,36 +9,20 @@ defaults) or a ``baseline`` (:mod:`loopvq_calib.codes.baselines`, the same cache
 
 from __future__ import annotations
 
-import functools
-import logging
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..codes.baselines import make_baseline
+from ..models.cache import LoopKVCache
+from ..serving.cache import QuantizedLoopKVCache
+from .harness import run_tasks
+from .options import ServedOptions
+from .passkey import run_passkey
 
-TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 DEFAULT_SERVING = {"sink_tokens": 8, "recent_window": 64}  # baselines' defaults when no bundle is given
-
-
-@dataclass
-class ServedOptions:
-    """What ``loopvq-eval`` evaluates through the served cache besides the evaluation KL."""
-
-    tasks: list[str] = field(default_factory=list)
-    baselines: list[str] = field(default_factory=list)
-    limit: float | None = None
-    sink_tokens: int | None = None
-    recent_window: int | None = None
-    batch_size: int = 1
-    include_path: list[str] = field(default_factory=list)
-    passkey_lengths: list[int] = field(default_factory=list)
-    passkey_trials: int = 5
-    max_accuracy_drop: float | None = None
-    seed: int = 0
-    confirm_run_unsafe_code: bool = False  # humaneval / mbpp execute the generated code
 
 
 @dataclass
@@ -52,16 +36,15 @@ class Entry:
     recent_window: int = 0
     page_size: int = 8
 
-    def make_cache(self):
+    def make_cache(self) -> Callable[[], QuantizedLoopKVCache] | None:
         """A cache factory for :class:`~loopvq_calib.evaluation.harness.ServedLM` (``None``: full precision)."""
         if self.quantizer is None:
             return None
-        from ..serving.cache import QuantizedLoopKVCache
-
         q, s, w, p = self.quantizer, self.sink_tokens, self.recent_window, self.page_size
         return lambda: QuantizedLoopKVCache(q, sink_tokens=s, recent_window=w, page_size=p)
 
     def describe(self) -> dict[str, Any]:
+        """The entry as the report lists it: name, kind, method, bits and serving settings."""
         q = self.quantizer
         return {"name": self.name, "kind": self.kind, "method": q.method if q is not None else "full-precision",
                 "bits": q.bits() if q is not None else None,
@@ -69,22 +52,33 @@ class Entry:
                                                    "page_size": self.page_size}}
 
 
+def _serving(options: ServedOptions, base: dict[str, Any]) -> tuple[int, int]:
+    """(sink tokens, recent window): the options' overrides, else ``base``'s (a bundle's serving defaults)."""
+    s = options.sink_tokens if options.sink_tokens is not None else int(base["sink_tokens"])
+    w = options.recent_window if options.recent_window is not None else int(base["recent_window"])
+    return s, w
+
+
 def build_entries(model: torch.nn.Module, bundles: list[Any], options: ServedOptions, *, dtype: str) -> list[Entry]:
     """The full-precision entry, one per bundle (serving defaults, overridable) and one per baseline."""
-    def serving(base: dict[str, Any]) -> tuple[int, int]:
-        s = options.sink_tokens if options.sink_tokens is not None else int(base["sink_tokens"])
-        w = options.recent_window if options.recent_window is not None else int(base["recent_window"])
-        return s, w
-
     entries = [Entry(dtype, "full-precision")]
     for b in bundles:
-        s, w = serving(b.serving)
+        s, w = _serving(options, b.serving)
         entries.append(Entry(b.meta.get("name", b.path.name), "bundle", b.quantizer, s, w, int(b.serving["page_size"])))
-    s, w = serving(bundles[0].serving if bundles else DEFAULT_SERVING)
+    s, w = _serving(options, bundles[0].serving if bundles else DEFAULT_SERVING)
     for name in options.baselines:
         q = make_baseline(name, model.kv_layout())
         entries.append(Entry(name, "baseline", q, s, w, q.page_size))
     return entries
+
+
+def baseline_entries(model: torch.nn.Module, bundles: list[Any],
+                     options: ServedOptions | None) -> list[tuple[Any, int]]:
+    """(baseline quantizer, sink tokens) pairs for the evaluation KL, with the entries' sink count."""
+    if options is None:
+        return []
+    sink, _ = _serving(options, bundles[0].serving if bundles else DEFAULT_SERVING)
+    return [(make_baseline(name, model.kv_layout()), sink) for name in options.baselines]
 
 
 def model_details(model: torch.nn.Module) -> dict[str, Any]:
@@ -100,52 +94,7 @@ def model_details(model: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
-# -- lm-eval tasks ----------------------------------------------------------------------------------------
-def task_manager(include_path: list[str], tasks: list[str] | None = None) -> Any:
-    """lm-eval's task registry with the shipped local tasks (``loopvq_calib/tasks``) and ``include_path``;
-    lm-eval's own tasks (indexing them takes ~20 s) only when ``tasks`` needs one (or ``tasks`` is None)."""
-    local = _manager((str(TASKS_DIR), *include_path), False)
-    if tasks is not None and all(t in local.all_tasks for t in tasks):
-        return local
-    return _manager((str(TASKS_DIR), *include_path), True)
-
-
-@functools.lru_cache(maxsize=4)
-def _manager(paths: tuple[str, ...], include_defaults: bool) -> Any:
-    from lm_eval.tasks import TaskManager
-
-    return TaskManager(include_path=list(paths), include_defaults=include_defaults)
-
-
-def run_tasks(model: torch.nn.Module, tokenizer: Any, entries: list[Entry], *, options: ServedOptions) -> dict[str, Any]:
-    """Every entry on ``options.tasks`` through lm-eval; ``{"tasks", "limit", "scores": {entry: {task: {metric: v}}},
-    "samples": {task: n}}``."""
-    import lm_eval
-
-    from .harness import ServedLM
-
-    logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    manager = task_manager(options.include_path, options.tasks)
-    scores: dict[str, dict[str, dict[str, float]]] = {}
-    samples: dict[str, int] = {}
-    for e in entries:
-        lm = ServedLM(model, tokenizer, e.make_cache(), batch_size=options.batch_size, seed=options.seed)
-        out = lm_eval.simple_evaluate(model=lm, tasks=list(options.tasks), limit=options.limit, task_manager=manager,
-                                      log_samples=False, random_seed=options.seed, numpy_random_seed=options.seed,
-                                      torch_random_seed=options.seed, fewshot_random_seed=options.seed,
-                                      confirm_run_unsafe_code=options.confirm_run_unsafe_code)
-        scores[e.name] = {task: _metrics(res) for task, res in out["results"].items()}
-        samples = {task: int(n.get("effective", n.get("original", 0))) if isinstance(n, dict) else int(n)
-                   for task, n in (out.get("n-samples") or {}).items()}
-    return {"tasks": list(options.tasks), "limit": options.limit, "scores": scores, "samples": samples}
-
-
-def _metrics(result: dict[str, Any]) -> dict[str, float]:
-    """``{"exact_match,first_word": 0.5, ...}``: the "metric,filter" entries, without stderr."""
-    return {k: float(v) for k, v in result.items()
-            if isinstance(v, (int, float)) and "," in k and "_stderr" not in k}
-
-
+# -- task accuracy ----------------------------------------------------------------------------------------
 def primary_metric(metrics: dict[str, float]) -> str | None:
     """The metric a task is judged by: the first one lm-eval reports."""
     return next(iter(metrics), None)
@@ -178,8 +127,6 @@ def check_accuracy_gate(drops: dict[str, dict[str, float]], max_drop: float | No
 @torch.no_grad()
 def measured_bytes(model: torch.nn.Module, entry: Entry, ids: torch.Tensor) -> dict[str, Any]:
     """Bytes per token held after prefilling ``ids`` [1, L] through the entry's cache (its actual tensors)."""
-    from ..models.cache import LoopKVCache
-
     factory = entry.make_cache()
     cache = factory() if factory is not None else LoopKVCache()
     torch.manual_seed(0)
@@ -196,15 +143,6 @@ def measured_bytes(model: torch.nn.Module, entry: Entry, ids: torch.Tensor) -> d
 
 
 # -- the served part of the report -----------------------------------------------------------------------
-def baseline_entries(model: torch.nn.Module, bundles: list[Any], options: ServedOptions | None) -> list[tuple[Any, int]]:
-    """(baseline quantizer, sink tokens) pairs for the evaluation KL, with the entries' sink count."""
-    if options is None:
-        return []
-    base = bundles[0].serving if bundles else DEFAULT_SERVING
-    sink = options.sink_tokens if options.sink_tokens is not None else int(base["sink_tokens"])
-    return [(make_baseline(name, model.kv_layout()), sink) for name in options.baselines]
-
-
 def served_evaluation(model: torch.nn.Module, tokenizer: Any, bundles: list[Any], *, options: ServedOptions,
                       dtype: str, sample: torch.Tensor) -> dict[str, Any]:
     """Entries, measured bytes per token (after prefilling ``sample`` [1, L]), task scores with accuracy
@@ -218,8 +156,6 @@ def served_evaluation(model: torch.nn.Module, tokenizer: Any, bundles: list[Any]
         out["tasks"] = run_tasks(model, tokenizer, entries, options=options)
         out["accuracy_drop"] = accuracy_drops(out["tasks"], entries[0].name)
     if options.passkey_lengths:
-        from .passkey import run_passkey
-
-        out["passkey"] = run_passkey(model, tokenizer, entries, lengths=options.passkey_lengths, trials=options.passkey_trials,
-                                     seed=options.seed)
+        out["passkey"] = run_passkey(model, tokenizer, entries, lengths=options.passkey_lengths,
+                                     trials=options.passkey_trials, seed=options.seed)
     return out

@@ -15,10 +15,16 @@ from conftest import (
     make_tiny_ouro,
     needs_lm_eval,
 )
+from support.quantizers import sampled_quantizer
 
-from loopvq_calib.evaluation.evaluate import check_gates, evaluate_quantizer, run_eval
+from loopvq_calib.bundle.reader import BundleError
+from loopvq_calib.cli import eval_main
+from loopvq_calib.data.files import DataError
+from loopvq_calib.evaluation.evaluate import EvalReport, check_gates, evaluate, evaluate_quantizer
+from loopvq_calib.evaluation.inputs import EvalInputError
+from loopvq_calib.evaluation.options import Gates
+from loopvq_calib.evaluation.report import markdown_report
 from loopvq_calib.models.loading import load_model, model_identity
-from loopvq_calib.serving.cache import sampled_quantizer
 
 
 def explicit_metrics(model, ids, quantizer, sink, only_step=None):
@@ -168,61 +174,74 @@ def bundle_dir(reference, tmp_path_factory):
     return out
 
 
-def test_run_eval_writes_report_and_passes_gates(bundle_dir, tmp_path, capsys):
+def test_evaluate_returns_the_report_and_the_gate_failures(bundle_dir):
+    """The library returns the report and the failed gates and prints nothing."""
+    passed = evaluate([bundle_dir], num_sequences=1, sequence_length=32, device="cpu",
+                      gates=Gates(max_kl=100.0, max_ppl_increase=100.0))
+    assert isinstance(passed, EvalReport) and passed.passed and passed.gate_failures == []
+    (row,) = passed.report["bundles"]
+    assert row["name"] == "crude-0.25bit" and row["method"] == "loopvq" and row["sink_tokens"] == 8
+    assert passed.report["data"]["num_sequences"] == 1 and row["kl_positions"] == 32 - 8
+    assert len(row["per_step_kl"]) == 4 and row["eval_kl"] > 0 and row["selection_kl"] == 0.25
+    assert passed.report["loop_steps"] == 4 and passed.report["device"] == "cpu"
+    failed = evaluate([str(bundle_dir)], num_sequences=1, sequence_length=32, device="cpu", gates=Gates(max_kl=1e-9))
+    assert failed.report["bundles"][0]["eval_kl"] == row["eval_kl"]  # the same sequences, the same numbers
+    assert failed.gate_failures == check_gates(failed.report["bundles"], 1e-9, None) and not failed.passed
+    assert failed.gate_failures[0].startswith("crude-0.25bit: evaluation KL")
+
+
+def test_evaluate_raises_on_bad_input(bundle_dir, tmp_path):
+    with pytest.raises(EvalInputError, match="no such bundle folder"):
+        evaluate([tmp_path / "missing"], num_sequences=1, sequence_length=32)
+    with pytest.raises(EvalInputError, match="nothing.jsonl: no such file"):
+        evaluate([bundle_dir], data=str(tmp_path / "nothing.jsonl"), num_sequences=1, sequence_length=32)
+    with pytest.raises(BundleError, match="loopvq.json"):  # a folder that is no bundle
+        evaluate([tmp_path], num_sequences=1, sequence_length=32)
+    with pytest.raises(EvalInputError, match="leaves no position after the 8 sink tokens"):
+        evaluate([bundle_dir], num_sequences=1, sequence_length=8)
+    (tmp_path / "notes.md").write_text("# not a corpus file type")
+    with pytest.raises(DataError, match="--data: cannot infer the file type") as err:
+        evaluate([bundle_dir], data=str(tmp_path / "notes.md"), num_sequences=1, sequence_length=32)
+    assert "data.type" not in str(err.value)
+    with pytest.raises(DataError, match="--num-sequences: "):
+        evaluate([bundle_dir], num_sequences=1, sequence_length=10**7)
+    with pytest.raises(EvalInputError, match=r"--max-ppl-increase must be a finite number >= 0, got -1"):
+        evaluate([bundle_dir], gates=Gates(max_ppl_increase=-1.0))
+
+
+def test_eval_main_prints_writes_and_picks_the_exit_status(bundle_dir, tmp_path, capsys):
+    """The CLI prints report.md, writes the report folder, prints each failed gate: 0, 1, or 2 for bad input."""
     out = tmp_path / "report"
-    status = run_eval([str(bundle_dir)], None, None, num_sequences=1, sequence_length=32, out_dir=str(out), max_kl=100.0, max_ppl_increase=100.0,
-                      device="cpu")
-    assert status == 0
+    common = ["--bundle", str(bundle_dir), "--num-sequences", "1", "--sequence-length", "32", "--device", "cpu"]
+    assert eval_main(common + ["--out", str(out), "--max-kl", "100", "--max-ppl-increase", "100"]) == 0
     names = {p.name for p in out.iterdir()}
     assert names == {"report.json", "report.md", "kl_by_method.png", "kl_per_step.png", "nmse_per_step.png",
                      "finetune_curve.png"}
     assert all((out / n).stat().st_size > 0 for n in names)
+    printed = capsys.readouterr().out
     report = json.loads((out / "report.json").read_text())
-    (row,) = report["bundles"]
-    assert row["name"] == "crude-0.25bit" and row["method"] == "loopvq" and row["sink_tokens"] == 8
-    assert report["data"]["num_sequences"] == 1 and row["kl_positions"] == 32 - 8
-    assert len(row["per_step_kl"]) == 4 and row["eval_kl"] > 0
     md = (out / "report.md").read_text()
+    assert md == markdown_report(report) and printed.startswith(md)  # what it wrote is what it printed
+    assert all(f"wrote {out / n}" in printed for n in names) and "gate failed" not in printed
+    (row,) = report["bundles"]
     assert "| crude-0.25bit | loopvq | 0.250 / 0.250 | 8 |" in md and "KL step 4 only" in md
-    assert row["selection_kl"] == 0.25 and "selection KL" in md and "evaluation KL" in md
-    assert f"{row['eval_kl']:.5f}" in md
-    assert "gate failed" not in capsys.readouterr().out
-
-
-def test_run_eval_gate_failure_returns_1(bundle_dir, capsys):
-    status = run_eval([str(bundle_dir)], None, None, num_sequences=1, sequence_length=32, out_dir=None, max_kl=1e-9, max_ppl_increase=None, device="cpu")
-    assert status == 1
+    assert "selection KL" in md and "evaluation KL" in md and f"{row['eval_kl']:.5f}" in md
+    assert eval_main(common + ["--max-kl", "1e-9"]) == 1
     assert "gate failed: crude-0.25bit: evaluation KL" in capsys.readouterr().out
-
-
-def test_run_eval_bad_input_returns_2(bundle_dir, tmp_path, capsys):
-    assert run_eval([str(tmp_path / "missing")], None, None, num_sequences=1, sequence_length=32, out_dir=None, max_kl=None, max_ppl_increase=None) == 2
-    assert "no such bundle folder" in capsys.readouterr().err
-    assert run_eval([str(bundle_dir)], None, str(tmp_path / "nothing.jsonl"), num_sequences=1, sequence_length=32, out_dir=None, max_kl=None, max_ppl_increase=None) == 2
-    assert "nothing.jsonl: no such file" in capsys.readouterr().err
-    assert run_eval([str(tmp_path)], None, None, num_sequences=1, sequence_length=32, out_dir=None, max_kl=None, max_ppl_increase=None) == 2  # a folder that is no bundle
-    assert "loopvq.json" in capsys.readouterr().err
-    assert run_eval([str(bundle_dir)], None, None, num_sequences=1, sequence_length=8, out_dir=None, max_kl=None, max_ppl_increase=None) == 2  # nothing after 8 sinks
-    assert "leaves no position after the 8 sink tokens" in capsys.readouterr().err
-    (tmp_path / "notes.md").write_text("# not a corpus file type")
-    assert run_eval([str(bundle_dir)], None, str(tmp_path / "notes.md"), num_sequences=1, sequence_length=32, out_dir=None, max_kl=None, max_ppl_increase=None) == 2
-    err = capsys.readouterr().err
-    assert "--data: cannot infer the file type" in err and "data.type" not in err
-    assert run_eval([str(bundle_dir)], None, None, num_sequences=1, sequence_length=10**7, out_dir=None, max_kl=None, max_ppl_increase=None) == 2
-    assert "--num-sequences: " in capsys.readouterr().err
     (tmp_path / "report.md").write_text("not a folder")
-    assert run_eval([str(bundle_dir)], None, None, num_sequences=1, sequence_length=32, out_dir=str(tmp_path / "report.md"), max_kl=None, max_ppl_increase=None) == 2
-    assert "report.md: exists and is not a folder" in capsys.readouterr().err
+    assert eval_main(common + ["--out", str(tmp_path / "report.md")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --out {tmp_path / 'report.md'}: exists and is not a folder" in err
+    assert eval_main(["--bundle", str(tmp_path / "missing")]) == 2
+    assert "no such bundle folder" in capsys.readouterr().err
 
 
 @needs_lm_eval
-@pytest.mark.slow  # quick equivalents: test_run_eval_writes_report_and_passes_gates (report), test_harness (tasks,
-# baselines served through the cache), test_report (the served plot)
+@pytest.mark.slow  # quick equivalents: test_eval_main_prints_writes_and_picks_the_exit_status (report),
+# test_harness (tasks, baselines served through the cache), test_report (the served plot)
 def test_cli_served_tasks_and_baselines_on_the_reference_model(bundle_dir, tmp_path, capsys):
     """``loopvq-eval --tasks <local task> --baseline ...``: the bundle, the baselines and full precision side
     by side in report.json / report.md / served_accuracy.png, and the accuracy gate."""
-    from loopvq_calib.cli import eval_main
-
     out = tmp_path / "served"
     argv = ["--bundle", str(bundle_dir), "--num-sequences", "1", "--sequence-length", "40", "--device", "cpu",
             "--tasks", "loopvq_kjv_phrases", "--limit", "2", "--baseline", "kivi2,last-step-kv",
@@ -252,8 +271,6 @@ def test_cli_served_tasks_and_baselines_on_the_reference_model(bundle_dir, tmp_p
 
 
 def test_cli_served_bad_input_exits_2(bundle_dir, capsys):
-    from loopvq_calib.cli import eval_main
-
     base = ["--bundle", str(bundle_dir), "--num-sequences", "1", "--sequence-length", "40", "--device", "cpu"]
     assert eval_main(base + ["--baseline", "kivi3"]) == 2
     assert "--baseline kivi3: unknown" in capsys.readouterr().err
@@ -262,8 +279,6 @@ def test_cli_served_bad_input_exits_2(bundle_dir, capsys):
 
 
 def test_cli_tasks_and_passkey_without_the_eval_extra_exit_2_naming_it(bundle_dir, capsys, monkeypatch):
-    from loopvq_calib.cli import eval_main
-
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # how Python answers an import of a missing package
     base = ["--bundle", str(bundle_dir), "--num-sequences", "1", "--sequence-length", "40", "--device", "cpu"]
     for extra in (["--tasks", "loopvq_kjv_phrases"], ["--passkey-lengths", "64"]):
@@ -276,8 +291,6 @@ def test_cli_tasks_and_passkey_without_the_eval_extra_exit_2_naming_it(bundle_di
 @needs_lm_eval
 @pytest.mark.slow  # an unknown name makes lm-eval index all its own tasks (~20 s of YAML); CI's full suite runs it
 def test_cli_unknown_task_exits_2(bundle_dir, capsys):
-    from loopvq_calib.cli import eval_main
-
     base = ["--bundle", str(bundle_dir), "--num-sequences", "1", "--sequence-length", "40", "--device", "cpu"]
     assert eval_main(base + ["--tasks", "no_such_task_xyz"]) == 2
     assert "--tasks no_such_task_xyz: not an lm-eval task" in capsys.readouterr().err

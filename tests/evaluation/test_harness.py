@@ -1,28 +1,24 @@
-"""The lm-eval model class through the served cache, on the shipped local task and the reference model."""
+"""The lm-eval model class through the served cache, on the shipped local task and the reference model; without
+lm-eval the evaluation still imports and ServedLM still decodes."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import REFERENCE_MODEL
+from conftest import REFERENCE_MODEL, ROOT, needs_lm_eval
+from support.quantizers import sampled_quantizer
 
+from loopvq_calib.codes.baselines import make_baseline
 from loopvq_calib.codes.quantizer import KVQuantizer
-from loopvq_calib.evaluation.served import (
-    TASKS_DIR,
-    Entry,
-    ServedOptions,
-    model_details,
-    run_tasks,
-    task_manager,
-)
+from loopvq_calib.evaluation.harness import TASKS_DIR, ServedLM, run_tasks, task_manager
+from loopvq_calib.evaluation.options import ServedOptions
+from loopvq_calib.evaluation.served import Entry, accuracy_drops, measured_bytes, model_details
 from loopvq_calib.models.loading import load_model
-from loopvq_calib.serving.cache import sampled_quantizer
-
-pytest.importorskip("lm_eval", reason="needs lm-evaluation-harness: pip install 'loopvq-calib[eval]'")
-from loopvq_calib.evaluation.harness import ServedLM  # noqa: E402  (lm-eval's model class: the optional eval extra)
 
 TASK = "loopvq_kjv_phrases"
 LIMIT = 3
@@ -53,6 +49,7 @@ def identity_quantizer(model, tokenizer, prompts: list[str]) -> KVQuantizer:
     return first
 
 
+@needs_lm_eval
 def test_local_task_is_registered_offline():
     manager = task_manager([], [TASK])
     assert manager.all_tasks == [TASK]  # lm-eval's own tasks were not indexed for a local-only run
@@ -60,6 +57,7 @@ def test_local_task_is_registered_offline():
     assert len(items) >= 40 and all(i["context"] and re.fullmatch(r"[A-Za-z]+", i["answer"]) for i in items)
 
 
+@needs_lm_eval
 def test_full_precision_accuracy_matches_an_independent_run(reference):
     """lm-eval's exact match through ServedLM equals greedy generate() scored by hand."""
     model, tok = reference
@@ -77,6 +75,7 @@ def test_full_precision_accuracy_matches_an_independent_run(reference):
     assert got == pytest.approx(hits / LIMIT)
 
 
+@needs_lm_eval
 @pytest.mark.slow  # quick equivalents: test_huginn_served_through_a_bundle_and_a_baseline here, test_qcache's cache-vs-plain
 # generation tests
 def test_identity_quantizer_keeps_accuracy_and_answers(reference):
@@ -129,11 +128,9 @@ def test_huginn_details_and_batched_greedy(tiny_huginn_dir):
     assert batched == one  # left padding does not change full-precision greedy answers
 
 
+@needs_lm_eval
 def test_huginn_served_through_a_bundle_and_a_baseline(tiny_huginn_dir):
     """Huginn end to end: a sampled quantizer and last-step KV served on the local task, side by side."""
-    from loopvq_calib.codes.baselines import make_baseline
-    from loopvq_calib.evaluation.served import accuracy_drops, measured_bytes
-
     model, tok = load_model(tiny_huginn_dir, "float32", torch.device("cpu"))
     ids = torch.tensor([tok(task_items(1)[0]["context"], add_special_tokens=False)["input_ids"][:96]])
     entries = [Entry("fp", "full-precision"),
@@ -146,3 +143,27 @@ def test_huginn_served_through_a_bundle_and_a_baseline(tiny_huginn_dir):
     kv = model.kv_layout()  # prelude 1 + 4 x core 2 + coda 1 sites, 4 heads of 16, fp32
     stored_sites = 1 + 2 + 1  # last-step KV keeps one step of the 2 core layers, prelude and coda as they are
     assert bytes_["encoded_bytes_per_token"] == stored_sites * 2 * kv.kv_heads * kv.head_dim * 4
+
+
+WITHOUT_LM_EVAL = """
+import sys
+sys.modules["lm_eval"] = None  # how Python answers an import of a missing package
+from pathlib import Path
+import torch
+from loopvq_calib.evaluation import evaluate, harness, passkey, served
+from loopvq_calib.models.loading import load_model
+model, tok = load_model(Path(sys.argv[1]), "float32", torch.device("cpu"))
+lm = harness.ServedLM(model, tok, served.Entry("fp", "full-precision").make_cache())
+print(harness.lm_eval_available(), [c.__name__ for c in type(lm).__mro__], repr(lm.greedy(["Thou art"], [], 4)[0]))
+"""
+
+
+def test_without_lm_eval_the_evaluation_imports_and_served_lm_decodes(tiny_huginn_dir):
+    """The eval extra is optional: without lm-eval every evaluation module imports and ServedLM (then a plain
+    class) answers as it does with lm-eval's base class."""
+    done = subprocess.run([sys.executable, "-c", WITHOUT_LM_EVAL, str(tiny_huginn_dir)], capture_output=True,
+                          text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "", "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    model, tok = load_model(tiny_huginn_dir, "float32", torch.device("cpu"))
+    expected = ServedLM(model, tok, None).greedy(["Thou art"], [], 4)[0]
+    assert done.stdout.split("\n")[0] == f"False ['ServedLM', 'object'] {expected!r}"
