@@ -1,6 +1,7 @@
-"""The k-means stage alone (``fit_codebooks``, every layout of the method) on a capture written with
-``capture.store: disk``: wall and CPU seconds (user + sys of the whole process, all threads) of the stage and of
-its k-means++ seeding, and the mean objectives. Run it with another checkout on PYTHONPATH to compare code.
+"""benchmarks/bench_kmeans_stage.py: the k-means stage alone (``fit_codebooks``, every layout of the method) on a
+capture written with ``capture.store: disk``: wall and CPU seconds (user + sys of the whole process, all threads) of
+the stage and of its k-means++ seeding, and the mean objectives. Run it with another checkout on PYTHONPATH to
+compare code.
 
     loopvq-calibrate --config configs/tiny-ouro.yaml --stages capture --set capture.store=disk --output /tmp/run
     python benchmarks/bench_kmeans_stage.py /tmp/run/capture --set kmeans.iterations=20
@@ -13,12 +14,14 @@ import json
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import torch
 
+import loopvq_calib
 from loopvq_calib.calibration.capture.kv import CaptureReader
 from loopvq_calib.calibration.kmeans.fit import fit_codebooks
-from loopvq_calib.calibration.pipeline import model_shape
+from loopvq_calib.calibration.preflight import model_shape
 from loopvq_calib.codes.layouts import plan_layouts
 from loopvq_calib.config.load import load_config
 from loopvq_calib.models.loading import read_model_config, resolve_model_dir
@@ -42,13 +45,15 @@ def main() -> None:
     wall, cpu = time.perf_counter(), _cpu_s()
     _, report = fit_codebooks(reader, layouts, {}, quant=cfg.quant, cfg=cfg.kmeans, kv=kv, device=torch.device("cpu"))
     totals = report["totals"]
+    checkout = Path(loopvq_calib.__file__).resolve().parent  # the code measured (PYTHONPATH may name another tree)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__import__("loopvq_calib").__file__))).stdout.strip()
+                            cwd=checkout).stdout.strip()
     print(json.dumps({
         "code": commit, "overrides": args.overrides, "threads": torch.get_num_threads(),
         "wall_s": round(time.perf_counter() - wall, 2), "cpu_s": round(_cpu_s() - cpu, 2),
-        "seeding_wall_s": round(totals["seconds_init"], 2), "layouts": totals["layouts"], "codebooks": totals["codebooks"],
-        "objective_init_mean": round(totals["objective_init_mean"], 6), "objective_final_mean": round(totals["objective_final_mean"], 6),
+        "seeding_wall_s": round(totals["seconds_init"], 2), "layouts": totals["layouts"],
+        "codebooks": totals["codebooks"], "objective_init_mean": round(totals["objective_init_mean"], 6),
+        "objective_final_mean": round(totals["objective_final_mean"], 6),
         "load_average": [round(v, 2) for v in os.getloadavg()],
     }))
 

@@ -1,4 +1,5 @@
-"""What makes fine-tuned codebooks keep their gain on unseen text: a study on the reference model.
+"""benchmarks/study_finetune.py: what makes fine-tuned codebooks keep their gain on unseen text, a study on the
+reference model.
 
 For each (method, width, calibration sequences) one capture and one k-means (normal pipeline run
 directories under runs/study-finetune/), then every fine-tuning variant from those k-means codebooks.
@@ -25,10 +26,24 @@ import json
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+import torch
+import yaml
+
+from loopvq_calib.calibration.finetune.train import finetune_codebooks
+from loopvq_calib.calibration.pipeline import Pipeline, calibrate
+from loopvq_calib.calibration.stages import load_quantizer
+from loopvq_calib.config.load import load_config
+from loopvq_calib.config.schema import DataConfig, FinetuneConfig
+from loopvq_calib.data.corpus import build_calibration_set
+from loopvq_calib.evaluation.evaluate import evaluate_quantizers
+from loopvq_calib.models.loading import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
+HELDOUT = ROOT / "artifacts/data/shakespeare-heldout.jsonl"  # loopvq-eval's default evaluation text
 CELLS = [("loopvq", 0.5), ("loopvq", 0.25), ("tasq+loopvq", 0.5), ("tasq+loopvq", 0.25)]
 GROUP = {0.5: 16, 0.25: 32}
 PAPER = {"epochs": 4, "lr": 1e-3}  # the paper's recipe (and the shipped one before this study)
@@ -79,9 +94,7 @@ SMOKE = {"cells": CELLS[2:3], "sequences": {8: ["paper", "affine-lr3e-2"]}}
 SMOKE_SHAPES = {"sequence_length": 64, "kmeans_iterations": 3, "epochs": 1, "eval": (2, 64)}  # a quick CPU check
 
 
-def run_config(method: str, bits: float, sequences: int, device: str, run_dir: Path, smoke: bool = False) -> dict:
-    import yaml
-
+def run_config(method: str, bits: float, sequences: int, *, device: str, run_dir: Path, smoke: bool = False) -> dict:
     cfg = yaml.safe_load((ROOT / "configs/tiny-ouro.yaml").read_text())
     cfg["model"].update(name_or_path=str(ROOT / "artifacts/tiny-ouro"), device=device)
     cfg["data"].update(dataset=str(ROOT / "artifacts/data/shakespeare-calib.jsonl"), num_sequences=sequences,
@@ -98,26 +111,12 @@ def run_config(method: str, bits: float, sequences: int, device: str, run_dir: P
     return cfg
 
 
-def study_cell(method: str, bits: float, sequences: int, variants: list[str], device: str, runs: Path,
+def study_cell(method: str, bits: float, sequences: int, *, variants: list[str], device: str, runs: Path,
                smoke: bool = False, partial: Callable[[dict], Any] | None = None) -> dict:
     """One capture and k-means, then every variant from those codebooks; ``partial(cell)`` sees the cell's
     record after each variant (a time limit still leaves the finished ones)."""
-    import torch
-
-    from loopvq_calib.calibration.finetune.train import finetune_codebooks
-    from loopvq_calib.calibration.pipeline import Pipeline, calibrate
-    from loopvq_calib.calibration.stages import load_quantizer
-    from loopvq_calib.config.load import load_config
-    from loopvq_calib.config.schema import FinetuneConfig
-    from loopvq_calib.evaluation.evaluate import (
-        DEFAULT_DATA,
-        _heldout,
-        evaluate_quantizers,
-    )
-    from loopvq_calib.models.loading import load_model
-
     run_dir = runs / f"{method.replace('+', '-')}-{bits}-n{sequences}"
-    raw = run_config(method, bits, sequences, device, run_dir, smoke)
+    raw = run_config(method, bits, sequences, device=device, run_dir=run_dir, smoke=smoke)
     t0 = time.perf_counter()
     calibrate(raw, stages=["kmeans"])
     calibrate_s = time.perf_counter() - t0
@@ -126,7 +125,9 @@ def study_cell(method: str, bits: float, sequences: int, variants: list[str], de
     init = load_quantizer(run_dir / "kmeans")
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     model, tokenizer = load_model(ROOT / "artifacts/tiny-ouro", "float32", dev)
-    eval_ids, _ = _heldout(str(ROOT / DEFAULT_DATA), tokenizer, *(SMOKE_SHAPES["eval"] if smoke else (8, 512)))
+    windows, length = SMOKE_SHAPES["eval"] if smoke else (8, 512)
+    eval_ids = build_calibration_set(DataConfig(dataset=str(HELDOUT), num_sequences=windows, sequence_length=length,
+                                                heldout_sequences=0), tokenizer).input_ids
     sink = cfg.data.sink_tokens
 
     def evaluation_kl(q) -> float:
@@ -273,9 +274,8 @@ def main() -> None:
                 results["total_s"] = time.perf_counter() - t0
                 Path(args.out).write_text(json.dumps(results, indent=1))
 
-            save(study_cell(method, bits, n, names, args.device, Path(args.runs), smoke, save))
-    import torch
-
+            save(study_cell(method, bits, n, variants=names, device=args.device, runs=Path(args.runs), smoke=smoke,
+                            partial=save))
     results["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
     results["total_s"] = time.perf_counter() - t0
     Path(args.out).write_text(json.dumps(results, indent=1))
