@@ -40,6 +40,7 @@ class CodebookParams:
         self.apply()
 
     def codebooks(self) -> dict[str, torch.Tensor]:
+        """Every codebook from the current parameters (differentiable)."""
         if self.mode == "affine":
             return {k: c * self.scale[k] + self.shift[k] for k, c in self.init.items()}
         return dict(self.words)
@@ -55,9 +56,11 @@ class CodebookParams:
         return weight * dist / self.init_sq
 
     def snapshot(self) -> dict[str, torch.Tensor]:
+        """A detached copy of the current codebooks."""
         return {k: cb.detach().clone() for k, cb in self.codebooks().items()}
 
     def restore(self, state: dict[str, torch.Tensor]) -> None:
+        """Point every codec at the codebooks of a :meth:`snapshot`."""
         for key, cb in state.items():
             self.quantizer.codecs[key].codebook = cb
 
