@@ -306,10 +306,12 @@ class CaptureData:
 
     @property
     def sink_tokens(self) -> int:
+        """Leading tokens of each sequence kept in full precision (excluded from :meth:`load`)."""
         return self.meta["sink_tokens"]
 
     @property
     def num_sequences(self) -> int:
+        """Calibration sequences in the capture."""
         return self.meta["num_sequences"]
 
     def load(
@@ -355,6 +357,7 @@ class CaptureData:
         return mean_query_stat(found, self.meta["qstat_pairs_per_sequence"], self.num_sequences)
 
     def input_ids(self) -> torch.Tensor:
+        """The captured sequences' token ids [n, S] on the CPU."""
         return torch.stack([self._tensor(i, "input_ids").cpu() for i in range(self.num_sequences)])
 
 

@@ -229,6 +229,7 @@ class _LloydQueue:
         self.groups: list[list[_Pending]] = []
 
     def add(self, item: _Pending) -> None:
+        """Queue a seeded layout: into the last group when it joins it, else as a new group."""
         last = self.groups[-1] if self.groups else []
         if self.fused and last and last[0].points.shape[1:] == item.points.shape[1:] and \
                 (sum(p.points.numel() for p in last) + item.points.numel()) * 4 <= LLOYD_GROUP_BYTES:
