@@ -12,6 +12,7 @@ from loopvq_calib.codes.baselines import (
     pack_bits,
     unpack_bits,
 )
+from loopvq_calib.codes.objective import quantized_logits, teacher
 from loopvq_calib.serving.cache import QuantizedLoopKVCache
 
 
@@ -116,8 +117,6 @@ def test_kivi_cache_decodes_what_it_encoded_and_reorders():
 def test_quantize_sites_casts_to_the_dtype_the_objective_asks_for():
     """The fine-tuning objective calls ``quantize_sites(..., dtype=)`` on whatever quantizer it is given;
     a baseline gives the same values cast once, and the objective runs on it without ``quantized=``."""
-    from loopvq_calib.codes.objective import quantized_logits, teacher
-
     model = make_tiny_ouro().eval()
     q = make_baseline("kivi2", model.kv_layout(), group=4)
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))

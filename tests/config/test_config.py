@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -9,10 +12,10 @@ import yaml
 from conftest import ROOT
 
 from loopvq_calib.cli import calibrate_main
-from loopvq_calib.config.load import dump_config, load_config
+from loopvq_calib.config.load import dump_config, load_config, resolve_derived
 from loopvq_calib.config.schema import Config
 from loopvq_calib.config.source import ConfigError
-from loopvq_calib.config.validate import validate_for_model
+from loopvq_calib.config.validate import validate, validate_for_model
 
 BAD = [
     ({"quant": {"method": "vq"}}, "quant.method", "'vq' is not allowed; choose one of cq, tasq, loopvq, tasq+loopvq"),
@@ -103,9 +106,6 @@ def test_yaml_booleans_for_true_false_choices_and_a_non_mapping_config(tmp_path)
 
 def test_every_config_key_is_documented():
     """docs/config.md has a table row for every key of the config tree, under its section."""
-    import dataclasses
-    import re
-
     text = (ROOT / "docs" / "config.md").read_text()
     sections = dict(re.findall(r"^## (\w+)\n(.*?)(?=^## |\Z)", text, flags=re.S | re.M))
 
@@ -140,10 +140,6 @@ def test_cli_exits_2_with_the_key_path_before_any_work(tmp_path, capsys):
 
 def test_validate_never_changes_the_config():
     """Derived values are filled by the loader (resolve_derived) only; validate is a pure check."""
-    import copy
-
-    from loopvq_calib.config.load import resolve_derived
-    from loopvq_calib.config.validate import validate
 
     cfg = Config()
     cfg.quant.bits, cfg.quant.group_size, cfg.output.serving.sink_tokens = None, 32, None

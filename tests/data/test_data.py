@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -12,7 +13,9 @@ import torch
 from conftest import REFERENCE_MODEL
 from transformers import AutoTokenizer
 
-from loopvq_calib.config.schema import DataConfig
+from loopvq_calib.config.schema import Config, DataConfig
+from loopvq_calib.config.source import ConfigError
+from loopvq_calib.config.validate import validate
 from loopvq_calib.data.corpus import build_calibration_set, load_documents
 from loopvq_calib.data.files import DataError
 
@@ -104,8 +107,6 @@ def test_offline_hub_dataset_gives_a_clear_message(monkeypatch):
 def test_an_edited_file_is_read_afresh_and_no_shared_cache_is_written(tmp_path):
     """Edited in place with the same size and mtime: the new text is read (no cache keyed on file stats), and
     nothing lands in the datasets cache (local files never go through it)."""
-    import os
-
     import datasets
 
     cache = Path(datasets.config.HF_DATASETS_CACHE)
@@ -206,9 +207,6 @@ def test_chat_template_errors_name_the_key(tmp_path, tokenizer):
             build_calibration_set(cfg, tokenizer)
     finally:
         tokenizer.chat_template = original
-    from loopvq_calib.config.schema import Config
-    from loopvq_calib.config.source import ConfigError
-    from loopvq_calib.config.validate import validate
 
     with pytest.raises(ConfigError, match="data.chat_template"):
         validate(Config(data=DataConfig(type="text", chat_template=True)))

@@ -12,7 +12,7 @@ from conftest import make_tiny_ouro, save_with_tokenizer, tiny_ouro_config
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from loopvq_calib.models import CheckpointMismatchError, LoopKVCache, OuroForCausalLM
+from loopvq_calib.models import CheckpointMismatchError, LoopKVCache, OuroForCausalLM, common
 from loopvq_calib.models.ouro import exit_pdf
 
 
@@ -178,8 +178,6 @@ def test_bad_checkpoint_errors_name_the_tensors(tmp_path, edit, expected):
 def test_rope_tables_are_computed_once_per_forward(monkeypatch):
     """Every site of a forward rotates at the same positions: the angles are computed once per forward (not
     twice per site, which also cost a host-to-device copy each time), with unchanged outputs."""
-    import loopvq_calib.models.common as common
-
     model = make_tiny_ouro()
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     sites = model.kv_layout().num_sites

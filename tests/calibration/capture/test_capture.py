@@ -4,17 +4,33 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as torch_dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from conftest import calib_set, make_tiny_huginn, make_tiny_ouro
 from safetensors import safe_open
+from safetensors.torch import load_file
 
+from loopvq_calib.calibration.capture import kv as capture_module
 from loopvq_calib.calibration.capture.kv import (
     CaptureError,
     CaptureReader,
+    MemoryCapture,
+    MemoryReader,
     capture_kv,
+    capture_sequence,
+    shard_path,
+    share_sequences,
     write_meta,
 )
+from loopvq_calib.calibration.kmeans.fit import layout_problems
+from loopvq_calib.calibration.tasq.grouping import rope_pair_units
+from loopvq_calib.calibration.tasq.stats import channel_weights
+from loopvq_calib.codes.codec import TasqTransform
+from loopvq_calib.codes.layouts import BlockLayout
 from loopvq_calib.config.schema import CaptureConfig
+from loopvq_calib.runtime import host_memory as hm
+from loopvq_calib.runtime.files import TMP_PREFIX
 from loopvq_calib.runtime.processes import DistContext
 
 
@@ -85,8 +101,6 @@ def test_batched_capture_equals_one_sequence_at_a_time(tmp_path):
 
 def test_without_query_stats_the_capture_is_the_same_less_its_query_statistics(tmp_path):
     """``query_stats=False`` (methods without TaSQ) stores no ``qstat.*`` and the same keys, values and Fisher."""
-    from safetensors import safe_open
-
     model, calib = make_tiny_ouro(), calib_set(n=2)
     full = run_capture(model, calib, tmp_path / "full", dtype="float32")
     config = CaptureConfig(dtype="float32")
@@ -107,6 +121,25 @@ def test_two_runs_give_byte_identical_files(tmp_path):
     run_capture(model, calib, tmp_path / "b")
     for path in sorted((tmp_path / "a").iterdir()):
         assert path.read_bytes() == (tmp_path / "b" / path.name).read_bytes(), path.name
+
+
+def test_a_rerun_keeps_whole_shards_and_removes_a_killed_runs_partial_one(tmp_path, monkeypatch):
+    """Sequences whose shard is whole are not captured again (they count as progress); a killed run's temporary
+    shard is removed; the files equal an uninterrupted capture's."""
+    model, calib = make_tiny_ouro(), calib_set()
+    clean = run_capture(model, calib, tmp_path / "clean")
+    run = tmp_path / "run"
+    run.mkdir()
+    shard_path(run, 0).write_bytes(shard_path(clean.dir, 0).read_bytes())
+    (run / f"{TMP_PREFIX}seq00001.safetensors.99999").write_bytes(b"half a shard")
+    real, forwards, done = capture_module.capture_sequence, [], []
+    monkeypatch.setattr(capture_module, "capture_sequence",
+                        lambda *a, seqs, **k: forwards.append(list(seqs)) or real(*a, seqs=seqs, **k))
+    captured = capture_kv(model, calib, model.kv_layout(), cfg=CaptureConfig(), out=run, progress=done.append)
+    assert captured == [0, 1, 2] and forwards == [[1], [2]] and done == [1, 1, 1]
+    assert sorted(p.name for p in run.iterdir()) == [shard_path(run, i).name for i in range(3)]
+    for i in range(3):
+        assert shard_path(run, i).read_bytes() == shard_path(clean.dir, i).read_bytes()
 
 
 def test_storage_dtype(tmp_path):
@@ -138,8 +171,6 @@ def test_processes_split_sequences(tmp_path):
 
 
 def _store_reads_like_disk(tmp_path, model, store):
-    from loopvq_calib.calibration.capture.kv import MemoryCapture, MemoryReader
-
     calib = calib_set()
     disk = run_capture(model, calib, tmp_path, dtype="float32")
     mem = MemoryCapture()
@@ -169,8 +200,6 @@ def test_memory_store_reads_like_disk(tmp_path):
 def test_device_store_makes_no_host_copies(monkeypatch):
     """capture_sequence(on_device=True) never calls .cpu() on the stored tensors: per sequence, exactly
     (4 per site + input_ids) fewer .cpu() calls than the host store (query statistics go to the host in both)."""
-    from loopvq_calib.calibration.capture.kv import capture_sequence
-
     model = make_tiny_ouro()
     kv = model.kv_layout()
     ids = calib_set().input_ids[:2]
@@ -196,8 +225,6 @@ def test_device_store_keeps_the_capture_on_the_gpu(tmp_path):
 def test_memory_store_on_a_gpu_copies_into_pinned_host_memory(tmp_path):
     """The host copies run on the copier's worker (same values as the disk capture of the same forwards, within
     GPU float order) into one pinned slab per sequence, unpinned by release()."""
-    from safetensors.torch import load_file
-
     mem = _store_reads_like_disk(tmp_path, make_tiny_ouro().cuda(), "memory")
     seq = mem.sequences[1]
     assert not seq["key.0"].is_cuda and seq["key.0"].is_pinned() and seq["fisher_value.3"].is_pinned()
@@ -207,7 +234,6 @@ def test_memory_store_on_a_gpu_copies_into_pinned_host_memory(tmp_path):
         assert seq[name].dtype == t.dtype and seq[name].shape == t.shape, name
         torch.testing.assert_close(seq[name], t, atol=1e-5, rtol=1e-4)
     assert torch.equal(seq["input_ids"], calib_set().input_ids[1]) and len(mem.copier.pinned) == 3
-    from loopvq_calib.calibration.capture.kv import MemoryReader
 
     reader = MemoryReader(mem)
     waited = reader.load("fisher_value", (2, 3), device="cuda")  # also the kernels' first launch (CUDA loads them lazily)
@@ -223,8 +249,6 @@ def test_memory_store_on_a_gpu_copies_into_pinned_host_memory(tmp_path):
 @pytest.mark.gpu
 def test_memory_store_under_several_processes_gives_each_tensor_its_own_pinned_slab():
     """Process 0 of 2 (its sequences 0 and 2): one slab per tensor, so share_sequences can free what it drops."""
-    from loopvq_calib.calibration.capture.kv import MemoryCapture
-
     model, calib = make_tiny_ouro().cuda(), calib_set()
     mem = MemoryCapture()
     capture_kv(model, calib, model.kv_layout(), cfg=CaptureConfig(dtype="float32", store="memory"), out=mem,
@@ -250,12 +274,7 @@ def test_fisher_summed_over_channel_chunks_keeps_group_weights(tmp_path):
 
 
 def _share_worker(rank: int, world: int, init_file: str, queue) -> None:
-    import torch.distributed as dist
-
-    import loopvq_calib.runtime.host_memory as hm
-    from loopvq_calib.calibration.capture.kv import MemoryCapture, share_sequences
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch_dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     unpinned = []
     pinner = hm.HostPinner(lambda ptr, nbytes: 0, unpinned.append)  # locking succeeds (a CPU has nothing to lock)
     names = ["key.0", "key.1", "fisher_key.0", "value.0"]
@@ -282,7 +301,7 @@ def _share_worker(rank: int, world: int, init_file: str, queue) -> None:
     queue.put((rank, ({seq: {n: t.tolist() for n, t in d.items()} for seq, d in memory.sequences.items()},
                       pinned == kept and len(kept) == 2 * len(futures), set(unpinned) == dropped, len(unpinned),
                       pinned_after)))
-    dist.destroy_process_group()
+    torch_dist.destroy_process_group()
 
 
 def test_share_sequences_gives_each_process_its_tensors_of_every_sequence(tmp_path):
@@ -290,8 +309,6 @@ def test_share_sequences_gives_each_process_its_tensors_of_every_sequence(tmp_pa
     afterwards each holds exactly the tensors it needs of all 5 sequences, with the capturing process's
     values, and the slabs of the tensors it dropped are unpinned and let go as each sequence is sent: only its
     kept ones stay pinned."""
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_share_worker, args=(r, 2, str(tmp_path / "init"), queue)) for r in range(2)]
@@ -315,8 +332,6 @@ def test_share_sequences_gives_each_process_its_tensors_of_every_sequence(tmp_pa
 
 
 def test_share_sequences_needs_a_sequence_per_process():
-    from loopvq_calib.calibration.capture.kv import MemoryCapture, share_sequences
-
     with pytest.raises(CaptureError, match="process 1 captured no sequence: data.num_sequences 1 is below the 2 processes"):
         share_sequences(MemoryCapture(), [[], []], DistContext(1, 2), num_sequences=1)
 
@@ -325,11 +340,6 @@ def test_share_sequences_needs_a_sequence_per_process():
 def test_tasq_key_fisher_keeps_every_group_weight(tmp_path, make):
     """A TaSQ capture stores the keys' Fisher as F / w^2 per RoPE pair; k-means' weight of any group made of
     whole RoPE pairs (sigma^2 * sum F_i / w_i^2) equals the one from the per-coordinate Fisher."""
-    from loopvq_calib.calibration.kmeans.fit import layout_problems
-    from loopvq_calib.calibration.tasq.grouping import channel_weights, rope_pair_units
-    from loopvq_calib.codes.codec import TasqTransform
-    from loopvq_calib.codes.layouts import BlockLayout
-
     model, calib = make(), calib_set(n=3, length=32)
     kv = model.kv_layout()
     full = run_capture(model, calib, tmp_path / "full", dtype="float32")
@@ -363,8 +373,6 @@ def test_tasq_key_fisher_keeps_every_group_weight(tmp_path, make):
 
 @pytest.mark.gpu
 def test_split_store_keeps_the_first_sequences_on_the_gpu(tmp_path):
-    from loopvq_calib.calibration.capture.kv import MemoryCapture, MemoryReader
-
     model, calib = make_tiny_ouro().cuda(), calib_set()
     disk = run_capture(model, calib, tmp_path, dtype="float32")
     mem, cfg = MemoryCapture(), CaptureConfig(dtype="float32", store="split")
@@ -378,8 +386,6 @@ def test_split_store_keeps_the_first_sequences_on_the_gpu(tmp_path):
 def test_memory_capture_release_drops_accelerator_tensors_at_once():
     """``MemoryCapture.release`` empties the capture, deletes its tensors off the host (meta tensors stand in for
     the accelerator's) before it returns, and lets go of the host ones in a background thread."""
-    from loopvq_calib.calibration.capture.kv import MemoryCapture
-
     capture = MemoryCapture()
     stored = {"key.0": torch.zeros(2), "value.0": torch.empty(2, device="meta")}
     capture.sequences = {0: stored}

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from conftest import ROOT
+from conftest import ROOT, load_script
 from transformers import AutoTokenizer
 
 from loopvq_calib.config.load import load_config
@@ -14,6 +14,7 @@ from loopvq_calib.data.corpus import build_calibration_set
 
 REFERENCE = ROOT / "configs" / "tiny-ouro-reference.yaml"
 DEMO = ROOT / "configs" / "tiny-ouro.yaml"
+study = load_script("study_finetune")
 
 
 def test_reference_config_uses_every_window_of_the_calibration_plays(reference_model_dir, calib_corpus):
@@ -44,13 +45,10 @@ def test_reference_config_is_the_demo_setup_at_full_budget():
     assert ref.finetune.epochs == 6 and ref.kmeans.iterations == 100
 
 
-def test_ouro_2_6b_configs_ship_the_studied_batch2_recipe(monkeypatch):
+def test_ouro_2_6b_configs_ship_the_studied_batch2_recipe():
     """The four Ouro-2.6B configs fine-tune with the batch-2 variant the study measured
     (benchmarks/study_finetune.py ``proximal1-batch2-lr2e-2``, docs/finetune.md "Batch 2")."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    from study_finetune import PAPER, VARIANTS
-
-    studied = {**PAPER, **VARIANTS["proximal1-batch2-lr2e-2"]}
+    studied = {**study.PAPER, **study.VARIANTS["proximal1-batch2-lr2e-2"]}
     paths = sorted((ROOT / "configs").glob("ouro-2.6b*.yaml"))
     assert len(paths) == 4
     for path in paths:
@@ -58,18 +56,15 @@ def test_ouro_2_6b_configs_ship_the_studied_batch2_recipe(monkeypatch):
         assert {key: getattr(ft, key) for key in studied} == studied, path.name
 
 
-def test_study_merge_records_the_merge_and_each_parts_command(tmp_path, monkeypatch):
+def test_study_merge_records_the_merge_and_each_parts_command(tmp_path):
     """A merged study file names the merge as its command and keeps each per-cell file's command and cells."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    from study_finetune import merge
-
     files = []
     for n in range(2):
         part = {"command": f"python benchmarks/study_finetune.py --grid batch2 --cell {n}", "commit": "abc",
                 "cells": [{"method": "loopvq", "bits": 0.5 / (n + 1)}], "total_s": 10.0 + n}
         files.append(str(tmp_path / f"b{n}.json"))
         Path(files[-1]).write_text(json.dumps(part))
-    merged = merge(files, "all.json")
+    merged = study.merge(files, "all.json")
     assert merged["command"] == f"python benchmarks/study_finetune.py --merge {files[0]} {files[1]} --out all.json"
     assert merged["parts"] == ["python benchmarks/study_finetune.py --grid batch2 --cell 0",
                                "python benchmarks/study_finetune.py --grid batch2 --cell 1"]

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from loopvq_calib.calibration.tasq import grouping as tasq
 from loopvq_calib.calibration.tasq.grouping import (
     TasqResult,
     block_covariance,
@@ -324,8 +325,6 @@ def test_sharded_fit_merges_into_the_single_fit(tiny_captures, fits):
 def test_layouts_fitted_together_equal_one_head_at_a_time(tiny_captures, fits, monkeypatch, budget):
     """fit_tasq stacks the heads of every key layout with the same steps; the groups equal fit_groups of
     each head's own covariance, one at a time, whatever the batch size."""
-    import loopvq_calib.calibration.tasq.grouping as tasq
-
     _, kv, _, reader = tiny_captures["huginn"]
     layouts, _ = fits["huginn", "tasq+loopvq"]
     monkeypatch.setattr(tasq, "GROUPING_BYTES", budget)
