@@ -20,6 +20,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +55,7 @@ def codecs(method: str) -> tuple[BlockCodec, BlockCodec]:
     return make("key", keys, method == "tasq+loopvq"), make("value", plain, False)
 
 
-def graph_ms(fn, reps: int = 50) -> float:
+def graph_ms(fn: Callable[[], Any], reps: int = 50) -> float:
     """Median time of ``fn`` replayed from a CUDA graph (triton.testing.do_bench_cudagraph)."""
     from triton.testing import do_bench_cudagraph
 
@@ -91,7 +92,7 @@ def body_ms(batch: int, device: torch.device) -> float:
     return ms
 
 
-def random_indices(batch: int, n: int, n_groups: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+def random_indices(batch: int, n: int, n_groups: int, *, device: torch.device, gen: torch.Generator) -> torch.Tensor:
     """Random uint8 codes [B, n, H, n_groups] stored head-major, as the cache's CodeBuffer stores them."""
     idx = torch.randint(0, K, (batch, KV_HEADS, n, n_groups), device=device, dtype=torch.uint8, generator=gen)
     return idx.transpose(1, 2)
@@ -100,7 +101,8 @@ def random_indices(batch: int, n: int, n_groups: int, device: torch.device, gen:
 def parse_variant(spec: str) -> dict:
     """``cuda-WxUxL[xR]`` (warps per block x tokens per lane group and step x lanes per token x most batch rows per
     pass, default 1; a trailing ``f``: the key table in float32) or ``triton-NxWxPxS`` (block_n x num_warps x
-    programs per multiprocessor x sequences per program) -> decode_attention keyword arguments."""
+    programs per multiprocessor x sequences per program) -> the launch's settings (:func:`attention_arguments` turns
+    them into decode_attention's keyword arguments)."""
     backend, shape = spec.split("-")
     nums = [int(x) for x in shape.rstrip("f").split("x")]
     if backend == "cuda":
@@ -110,14 +112,24 @@ def parse_variant(spec: str) -> dict:
                 batch_per_program=nums[3])
 
 
-def bench_case(context: int, batch: int, method: str, tables: da.StepTables, device: torch.device,
+def attention_arguments(launch: dict) -> dict:
+    """decode_attention's keyword arguments for a launch of :func:`parse_variant` (or ``{"backend": "auto"}``)."""
+    settings = {k: v for k, v in launch.items() if k != "backend"}
+    if launch["backend"] == "cuda":
+        return {"backend": "cuda", "cuda": da.CudaDecodeLaunch(**settings)}
+    if launch["backend"] == "triton":
+        return {"backend": "triton", "triton": da.TritonDecodeLaunch(**settings)}
+    return {"backend": launch["backend"]}
+
+
+def bench_case(context: int, batch: int, method: str, *, tables: da.StepTables, device: torch.device,
                launch: dict) -> dict:
     gen = torch.Generator(device=device).manual_seed(context + batch)
     n = context - SINKS - WINDOW
     n_groups = D * T_C // G
     q = torch.randn(batch, HEADS, D, device=device, dtype=torch.bfloat16, generator=gen)
     coded = da.CodedTokens(
-        random_indices(batch, n, n_groups, device, gen), random_indices(batch, n, n_groups, device, gen),
+        random_indices(batch, n, n_groups, device=device, gen=gen), random_indices(batch, n, n_groups, device=device, gen=gen),
         (torch.rand(batch, n, T_C, device=device, generator=gen) + 0.5).half() if tables.tasq else None,
         n, torch.full((batch,), SINKS, device=device, dtype=torch.int32))
     fp = torch.randn(2, batch, SINKS + WINDOW, KV_HEADS, D, device=device, dtype=torch.bfloat16, generator=gen)
@@ -125,7 +137,8 @@ def bench_case(context: int, batch: int, method: str, tables: da.StepTables, dev
     rope = da.RopeTable(D, THETA)
 
     def coded_call() -> torch.Tensor:
-        return da.decode_attention(q, tables, coded, fp_keys=fp[0], fp_values=fp[1], fp_positions=fpos, fp_mask=None, rope=rope, max_position=context, **launch)
+        return da.decode_attention(q, tables, coded, fp=da.FullPrecisionTokens(fp[0], fp[1], fpos), rope=rope,
+                                   max_position=context, **attention_arguments(launch))
 
     coded_call()
     coded_ms = graph_ms(coded_call)
@@ -145,12 +158,12 @@ def bench_case(context: int, batch: int, method: str, tables: da.StepTables, dev
     return out
 
 
-def check_accuracy(method: str, tables: da.StepTables, kc: BlockCodec, vc: BlockCodec, device: torch.device) -> float:
+def check_accuracy(tables: da.StepTables, kc: BlockCodec, vc: BlockCodec, *, device: torch.device) -> float:
     """Relative error against the float64 reference at these shapes (batch 2, 3000 coded tokens)."""
     gen = torch.Generator().manual_seed(1)
     n, s = 3000, SINKS + WINDOW
-    coded = da.CodedTokens(random_indices(2, n, 32, torch.device("cpu"), gen),
-                           random_indices(2, n, 32, torch.device("cpu"), gen),
+    coded = da.CodedTokens(random_indices(2, n, 32, device=torch.device("cpu"), gen=gen),
+                           random_indices(2, n, 32, device=torch.device("cpu"), gen=gen),
                            (torch.rand(2, n, T_C, generator=gen) + 0.5).half() if tables.tasq else None, n,
                            torch.tensor([SINKS, SINKS]))
     q = torch.randn(2, HEADS, D, generator=gen).bfloat16()
@@ -158,7 +171,7 @@ def check_accuracy(method: str, tables: da.StepTables, kc: BlockCodec, vc: Block
     fpos = torch.cat([torch.arange(SINKS), torch.arange(SINKS + n, SINKS + n + WINDOW)])[None].repeat(2, 1)
     moved = da.CodedTokens(coded.key_indices.to(device), coded.value_indices.to(device),
                            None if coded.key_sigma is None else coded.key_sigma.to(device), n, coded.first_position)
-    out = da.decode_attention(q.to(device), tables, moved, fp_keys=fk.to(device), fp_values=fv.to(device), fp_positions=fpos.to(device), fp_mask=None,
+    out = da.decode_attention(q.to(device), tables, moved, fp=da.FullPrecisionTokens(fk.to(device), fv.to(device), fpos.to(device)),
                               rope=da.RopeTable(D, THETA))
     ref = da.decode_attention_reference(q.float(), kc, vc, step=tables.step, coded=coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=None, rope_style="half", rope_theta=THETA)
     return float((out.cpu().double() - ref).norm() / ref.norm())
@@ -201,19 +214,10 @@ def main() -> None:
     for method in args.methods:
         kc, vc = codecs(method)
         tables[method] = da.step_tables(kc, vc, 2, rope_style="half", device=device, dtype=torch.float16)
-        accuracy[method] = check_accuracy(method, tables[method], kc, vc, device)
+        accuracy[method] = check_accuracy(tables[method], kc, vc, device=device)
         print(f"{method}: relative error vs float64 reference {accuracy[method]:.2e}", flush=True)
     result["relative_error"] = accuracy
-    for spec in filter(None, args.variants.split(",")):
-        for method in args.methods:
-            try:
-                r = bench_case(32768, 8, method, tables[method], device, parse_variant(spec))
-            except (RuntimeError, ValueError) as err:  # a launch shape the kernel refuses here (shared memory)
-                print(f"{spec} {method}: not run ({err})", flush=True)
-                continue
-            r["variant"] = spec
-            result["launches"].append(r)
-            print(f"{spec} {method}: coded {r['coded_ms'] * 1e3:.1f} us, bf16 {r['bf16_ms'] * 1e3:.1f} us", flush=True)
+    result["launches"] = run_variants(args.variants, args.methods, tables, device=device)
     launch = {m: {"backend": "auto"} for m in args.methods}  # the table: what a caller gets by default
     if args.table_variant == "best" and result["launches"]:
         for m in args.methods:
@@ -231,27 +235,52 @@ def main() -> None:
     for context in sorted(set(args.contexts) | {32768}):
         for batch in args.batches:
             for method in args.methods:
-                r = bench_case(context, batch, method, tables[method], device, launch[method])
+                r = bench_case(context, batch, method, tables=tables[method], device=device, launch=launch[method])
                 for kind in ("coded", "bf16"):
                     r[f"{kind}_tokens_per_s"] = batch / (bodies[batch] + SITES * r[f"{kind}_ms"]) * 1e3
                 result["cases"].append(r)
                 print(json.dumps(r), flush=True)
-    free, total = torch.cuda.mem_get_info(device)
-    code_bytes = SITES // T_C * 2 * KV_HEADS * 32  # 24 blocks x (K, V) x 16 heads x 32 index bytes
-    codebooks = SITES * 2 * KV_HEADS * K * D * 2  # fp16 step tables
-    spare = total - WEIGHT_BYTES - 2 * 2**30  # 2 GiB for activations and the allocator
-    result["fits_batch1"] = {
-        "total_bytes": total, "weight_bytes": WEIGHT_BYTES,
-        "bf16_tokens": spare // (SITES * 2 * KV_HEADS * D * 2),
-        "coded_tokens": (spare - codebooks - (SINKS + WINDOW) * SITES * 2 * KV_HEADS * D * 2) // code_bytes + SINKS + WINDOW,
-    }
+    result["fits_batch1"] = fits_batch1(device)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(table(result))
 
 
+def run_variants(variants: str, methods: list[str], tables: dict[str, da.StepTables], *,
+                 device: torch.device) -> list[dict]:
+    """Every kernel variant of the comma-separated ``variants`` (see :func:`parse_variant`) at 32k, batch 8, per
+    method; a variant the kernel refuses here (shared memory) is printed and left out."""
+    out = []
+    for spec in filter(None, variants.split(",")):
+        for method in methods:
+            try:
+                r = bench_case(32768, 8, method, tables=tables[method], device=device, launch=parse_variant(spec))
+            except (RuntimeError, ValueError) as err:
+                print(f"{spec} {method}: not run ({err})", flush=True)
+                continue
+            r["variant"] = spec
+            out.append(r)
+            print(f"{spec} {method}: coded {r['coded_ms'] * 1e3:.1f} us, bf16 {r['bf16_ms'] * 1e3:.1f} us", flush=True)
+    return out
+
+
+def fits_batch1(device: torch.device) -> dict:
+    """The longest context one sequence fits in: the card's memory less the weights and 2 GiB (activations, the
+    allocator) over a bf16 cache's bytes per token, and over the codes' (with fp16 step tables and bf16
+    sinks/window)."""
+    _, total = torch.cuda.mem_get_info(device)
+    code_bytes = SITES // T_C * 2 * KV_HEADS * 32  # 24 blocks x (K, V) x 16 heads x 32 index bytes
+    codebooks = SITES * 2 * KV_HEADS * K * D * 2  # fp16 step tables
+    spare = total - WEIGHT_BYTES - 2 * 2**30
+    return {
+        "total_bytes": total, "weight_bytes": WEIGHT_BYTES,
+        "bf16_tokens": spare // (SITES * 2 * KV_HEADS * D * 2),
+        "coded_tokens": (spare - codebooks - (SINKS + WINDOW) * SITES * 2 * KV_HEADS * D * 2) // code_bytes + SINKS + WINDOW,
+    }
+
+
 def table(result: dict) -> str:
-    """Markdown tables of the launch variants and the cases (what docs/quantized-cache.md shows)."""
+    """Markdown tables of the launch variants and the cases (what docs/decode-speed.md shows)."""
     rows = ["| variant | method | coded ms | bf16 SDPA ms | speedup |", "|---|---|---|---|---|"]
     for r in result["launches"]:
         rows.append(f"| {r['variant']} | {r['method']} | {r['coded_ms']:.4f} | {r['bf16_ms']:.4f} | "
@@ -287,7 +316,7 @@ def fixed_cost(result: dict, batch: int = 8, method: str = "loopvq") -> str:
 
 def sequences_that_fit(result: dict, context: int = 65536) -> str:
     """Sequences of ``context`` tokens one card holds at bench_decode's accounting (codes once, fp16 step tables
-    once, each sequence's sinks/window in bf16) and at the shipped cache's (``qcache``, LoopVQ / TaSQ+LoopVQ):
+    once, each sequence's sinks/window in bf16) and at the shipped cache's (``serving.cache``, LoopVQ / TaSQ+LoopVQ):
     codes twice (the page list and the kernel's code buffer, which holds 1x to 2x the tokens it needs: it doubles
     when full), int64 positions per site (1x to 2x: they double too), step tables twice (the step tables and the
     kernel's lane-order copy) plus the fp32 key table for TaSQ+LoopVQ's fp32-key launch."""

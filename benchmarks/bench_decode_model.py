@@ -6,7 +6,7 @@ append by concatenation, SDPA), at long contexts and batches.
 Caches are filled without a prefill (a 64k x 32 prefill would take long, and a bf16 cache of 32k x 8 tokens,
 206 GB, does not fit): the coded cache holds random codes (uniform indices; TaSQ sigmas in [0.5, 1.5)) under a
 bundle-shaped quantizer with random float32 codebooks (the method's layouts; TaSQ keys a random per-head
-permutation, as a fitted bundle has) and random bf16 sinks/window, via ``QuantizedLoopKVCache.fill``; the bf16
+permutation, as a fitted bundle has) and random bf16 sinks/window, via :func:`fill_cache`; the bf16
 cache random post-RoPE keys and values where they fit (else the case says "does not fit" with the bytes).
 Speed does not depend on the values. Each case: ``--warmup`` steps, then ``--steps`` timed steps (CUDA events);
 median and mean ms per step, tokens/s = batch / mean (the mean over whole pages of steps counts the steps that
@@ -46,6 +46,7 @@ from loopvq_calib.codes.codec import BlockCodec, Codes, TasqTransform, index_dty
 from loopvq_calib.codes.layouts import plan_layouts  # noqa: E402
 from loopvq_calib.codes.quantizer import KVQuantizer  # noqa: E402
 from loopvq_calib.config.schema import QuantConfig  # noqa: E402
+from loopvq_calib.kernels.backends import CACHE_CHOICES  # noqa: E402
 from loopvq_calib.models import LoopKVCache  # noqa: E402
 from loopvq_calib.models.common import apply_rope, rope_angles  # noqa: E402
 from loopvq_calib.serving.cache import QuantizedLoopKVCache  # noqa: E402
@@ -75,7 +76,7 @@ def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Modu
     return random_model(args.model, str(device), args.seed, args.scale_down)
 
 
-def synthetic_quantizer(kv: Any, method: str, codebook_size: int, group_size: int, steps_per_block: int,
+def synthetic_quantizer(kv: Any, method: str, *, codebook_size: int, group_size: int, steps_per_block: int,
                         device: torch.device, seed: int = 0) -> KVQuantizer:
     """A bundle-shaped quantizer: the method's layouts, random float32 codebooks; TaSQ keys grouped by a random
     per-head permutation with random channel weights."""
@@ -102,9 +103,37 @@ def coded_pages(context: int, serving: Serving) -> int:
     return max(context - serving.sink_tokens - serving.recent_window, 0) // serving.page_size
 
 
-def random_contents(quantizer: KVQuantizer, serving: Serving, context: int, batch: int, device: torch.device,
+def fill_cache(cache: QuantizedLoopKVCache, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], *,
+               positions: torch.Tensor, codes: dict[str, list[Codes]]) -> QuantizedLoopKVCache:
+    """Give an empty ``store="indices"`` cache the contents a prefill leaves, without a forward: per KV site the
+    pre-RoPE sink and window tokens ``keys`` / ``values`` [B, S_fp, H, D] (the first ``sink_tokens`` are the
+    sinks); ``positions`` [B, S], every token's position (an unpadded batch, shared by the sites); per codec the
+    codes of its encoded pages, oldest first, each page's rows batch-major (b * page_size + token). S = S_fp +
+    page_size * pages. Returns the cache."""
+    if cache.keys or cache.store != "indices":
+        raise ValueError("fill_cache needs an empty cache with store='indices'")
+    sites = {s.site for s in cache.quantizer.kv.sites}
+    if set(keys) != sites or set(values) != sites or set(codes) != set(cache.quantizer.codecs):
+        raise ValueError("fill_cache needs keys and values for every KV site and codes for every codec")
+    pages = {len(p) for p in codes.values()}
+    fp = {t.shape[1] for t in (*keys.values(), *values.values())}
+    if len(pages) != 1 or len(fp) != 1:
+        raise ValueError(f"every codec needs the same number of pages (got {sorted(pages)}) and every site the "
+                         f"same full-precision tokens (got {sorted(fp)})")
+    encoded, n_fp = pages.pop() * cache.page_size, fp.pop()
+    if (encoded and n_fp < cache.sink_tokens) or n_fp + encoded != positions.shape[1]:
+        raise ValueError(f"{n_fp} full-precision and {encoded} coded tokens with {cache.sink_tokens} sinks do not "
+                         f"make the {positions.shape[1]} positions given")
+    cache.keys, cache.values = dict(keys), dict(values)
+    cache.positions = dict.fromkeys(sites, positions)
+    cache.codes = {name: list(p) for name, p in codes.items()}
+    cache.encoded, cache.sink_columns = encoded, cache.sink_tokens
+    return cache
+
+
+def random_contents(quantizer: KVQuantizer, serving: Serving, context: int, *, batch: int, device: torch.device,
                     gen: torch.Generator) -> dict[str, Any]:
-    """Arguments of ``QuantizedLoopKVCache.fill``: random bf16 sinks/window and random codes of every page (each
+    """Arguments of :func:`fill_cache`: random bf16 sinks/window and random codes of every page (each
     codec's pages views of one tensor)."""
     kv, page = quantizer.kv, serving.page_size
     pages = coded_pages(context, serving)
@@ -151,7 +180,7 @@ def decoded_cache(quantizer: KVQuantizer, contents: dict[str, Any], serving: Ser
     return cache
 
 
-def bf16_cache(kv: Any, context: int, batch: int, device: torch.device, gen: torch.Generator) -> LoopKVCache:
+def bf16_cache(kv: Any, context: int, batch: int, *, device: torch.device, gen: torch.Generator) -> LoopKVCache:
     """The model's own cache holding random post-RoPE keys and values of ``context`` tokens at every site."""
     cache = LoopKVCache()
     shape = (batch, context, kv.kv_heads, kv.head_dim)
@@ -168,7 +197,7 @@ def decode_step(model: torch.nn.Module, cache: Any, ids: torch.Tensor) -> tuple[
 
 
 @torch.inference_mode()
-def time_steps(model: torch.nn.Module, cache: Any, ids: torch.Tensor, warmup: int, steps: int) -> list[float]:
+def time_steps(model: torch.nn.Module, cache: Any, ids: torch.Tensor, *, warmup: int, steps: int) -> list[float]:
     """Milliseconds of each of ``steps`` greedy steps after ``warmup`` untimed ones (CUDA events on CUDA)."""
     for _ in range(warmup):
         ids, _ = decode_step(model, cache, ids)
@@ -189,25 +218,23 @@ def time_steps(model: torch.nn.Module, cache: Any, ids: torch.Tensor, warmup: in
 
 
 @torch.inference_mode()
-def check_fill(model: torch.nn.Module, quantizer: KVQuantizer, serving: Serving, context: int, batch: int,
-               device: torch.device, seed: int = 0, kernel: str = "auto") -> dict[str, Any]:
-    """One decode step on one random fill: logits through the coded cache as served (``kernel``) and its
+def check_fill(model: torch.nn.Module, quantizer: KVQuantizer, serving: Serving, *, context: int, batch: int,
+               device: torch.device, seed: int = 0, backend: str = "auto") -> dict[str, Any]:
+    """One decode step on one random fill: logits through the coded cache as served (``backend``) and its
     reference path (``"torch"``), each against the model's own cache holding the decoded contents; then the
     per-site check (:class:`SiteCheckCache`: served against reference at every site, teacher-forced), whose
     logits must be the reference path's exactly."""
     gen = torch.Generator(device).manual_seed(seed)
-    contents = random_contents(quantizer, serving, context, batch, device, gen)
+    contents = random_contents(quantizer, serving, context, batch=batch, device=device, gen=gen)
     ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=device, generator=gen)
     _, want = decode_step(model, decoded_cache(quantizer, contents, serving), ids)
     out = {"context": context, "batch": batch, "method": quantizer.method}
 
     def filled(path: str) -> QuantizedLoopKVCache:
-        cache = QuantizedLoopKVCache(quantizer, **dataclasses.asdict(serving), kernel=path)
-        cache.fill(**contents)
-        return cache
+        return fill_cache(QuantizedLoopKVCache(quantizer, **dataclasses.asdict(serving), backend=path), **contents)
 
     logits = {}
-    for path, name in ((kernel, "served"), ("torch", "reference")):
+    for path, name in ((backend, "served"), ("torch", "reference")):
         cache = filled(path)
         _, logits[name] = decode_step(model, cache, ids)
         diff = (logits[name].float() - want.float())
@@ -216,7 +243,7 @@ def check_fill(model: torch.nn.Module, quantizer: KVQuantizer, serving: Serving,
         out[f"{name}_same_argmax"] = bool(torch.equal(logits[name].argmax(-1), want.argmax(-1)))
         if name == "served":
             out["served_path"] = "kernel" if cache.served_by_kernel else "reference"
-    site = SiteCheckCache(filled(kernel), filled("torch"))
+    site = SiteCheckCache(filled(backend), filled("torch"))
     _, got = decode_step(model, site, ids)
     out.update(site.summary(), site_logits_are_reference=bool(torch.equal(got, logits["reference"])))
     return out
@@ -227,7 +254,7 @@ def bf16_bytes(kv: Any, context: int, batch: int) -> int:
     return kv.num_sites * 2 * batch * context * kv.kv_heads * kv.head_dim * 2
 
 
-def run_case(model: torch.nn.Module, cache_kind: str, quantizer: KVQuantizer | None, serving: Serving, context: int,
+def run_case(model: torch.nn.Module, cache_kind: str, quantizer: KVQuantizer | None, *, serving: Serving, context: int,
              batch: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """Fill one cache at (context, batch), time its decode steps; "does not fit" / "out of memory" with the bytes."""
     kv = model.kv_layout()
@@ -250,12 +277,12 @@ def run_case(model: torch.nn.Module, cache_kind: str, quantizer: KVQuantizer | N
         base = torch.cuda.memory_allocated(device)
     try:
         if cache_kind == "bf16":
-            cache = bf16_cache(kv, context, batch, device, gen)
+            cache = bf16_cache(kv, context, batch, device=device, gen=gen)
         else:
-            cache = QuantizedLoopKVCache(quantizer, **dataclasses.asdict(serving))
-            cache.fill(**random_contents(quantizer, serving, context, batch, device, gen))
+            cache = fill_cache(QuantizedLoopKVCache(quantizer, **dataclasses.asdict(serving)),
+                               **random_contents(quantizer, serving, context, batch=batch, device=device, gen=gen))
         ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=device, generator=gen)
-        ms = time_steps(model, cache, ids, args.warmup, args.steps)
+        ms = time_steps(model, cache, ids, warmup=args.warmup, steps=args.steps)
         out["cache_bytes"] = cache.nbytes()
         if cache_kind != "bf16":
             out["served_path"] = "kernel" if cache.served_by_kernel else "reference"
@@ -292,8 +319,8 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=8)
     ap.add_argument("--check-context", type=int, default=1024, help="context of the logits check (0: none)")
     ap.add_argument("--check-batch", type=int, default=2)
-    ap.add_argument("--check-kernel", default="auto", choices=["auto", "triton", "torch"],
-                    help="the served cache's kernel in the checks (triton: also on CPU under TRITON_INTERPRET=1)")
+    ap.add_argument("--check-kernel", default="auto", choices=[b.value for b in CACHE_CHOICES],
+                    help="the served cache's backend in the checks (triton: also on CPU under TRITON_INTERPRET=1)")
     ap.add_argument("--checks-only", action="store_true", help="run the checks, no timed cases")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
@@ -320,13 +347,14 @@ def main() -> None:
         "quantizer": {"codebook_size": args.codebook_size, "group_size": args.group_size,
                       "steps_per_block": args.steps_per_block}, "serving": dataclasses.asdict(serving),
         "warmup": args.warmup, "steps": args.steps, "check_kernel": args.check_kernel, "checks": [], "cases": []}
-    quantizers = {m: synthetic_quantizer(kv, m, args.codebook_size, args.group_size, args.steps_per_block, device,
-                                         args.seed) for m in args.caches if m in METHODS}
+    quantizers = {m: synthetic_quantizer(kv, m, codebook_size=args.codebook_size, group_size=args.group_size,
+                                         steps_per_block=args.steps_per_block, device=device, seed=args.seed)
+                  for m in args.caches if m in METHODS}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.check_context:
         for q in quantizers.values():
-            result["checks"].append(check_fill(model, q, serving, args.check_context, args.check_batch, device,
-                                               args.seed, args.check_kernel))
+            result["checks"].append(check_fill(model, q, serving, context=args.check_context, batch=args.check_batch,
+                                               device=device, seed=args.seed, backend=args.check_kernel))
             c = result["checks"][-1]
             print(json.dumps(c), flush=True)
             print(f"{c['method']}: per-site relative error (served by {c['site_served_path']}) max "
@@ -335,7 +363,8 @@ def main() -> None:
     for context in [] if args.checks_only else args.contexts:
         for batch in args.batches:
             for kind in args.caches:
-                r = run_case(model, kind, quantizers.get(kind), serving, context, batch, args, device)
+                r = run_case(model, kind, quantizers.get(kind), serving=serving, context=context, batch=batch, args=args,
+                             device=device)
                 result["cases"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "step_ms"}), flush=True)
                 args.out.write_text(json.dumps(result, indent=1))  # after every case: a cut-off run keeps its cases

@@ -15,10 +15,10 @@ import torch
 
 from loopvq_calib.calibration.kmeans.solvers import kmeans_pp_init, weighted_kmeans
 from loopvq_calib.config.schema import KMeansConfig
-from loopvq_calib.kernels import kmeans as kmeans_triton
+from loopvq_calib.kernels.backends import Backend, available
 
 
-def problems(p: int, n: int, g: int, k: int, seed: int = 0,
+def problems(p: int, n: int, g: int, *, k: int, seed: int = 0,
              gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``p`` Gaussian-mixture problems of ``n`` points in ``g`` dims around ``k`` centres, with log-normal
     weights scaled to at most 1; drawn from ``gen`` (on its device) or a CPU generator seeded ``seed``."""
@@ -40,11 +40,11 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=25)
     ap.add_argument("--backends", nargs="+", default=["triton", "torch", "faiss"])
     args = ap.parse_args()
-    x, w = problems(args.problems, args.points, args.dims, args.k)
+    x, w = problems(args.problems, args.points, args.dims, k=args.k)
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     xd, wd = x.to(dev), w.to(dev)
-    fused_modes = [False, True] if cuda and kmeans_triton.available(dev) else [False]
+    fused_modes = [False, True] if cuda and available(Backend.TRITON, dev) else [False]
     for fused in fused_modes:  # warm-up: CUDA/cuBLAS start-up and Triton compilation are not seeding
         kmeans_pp_init(xd[:2], wd[:2], args.k, generator=torch.Generator().manual_seed(1), fused=fused)
     for fused in fused_modes:

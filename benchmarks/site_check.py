@@ -1,5 +1,5 @@
 """Per-site, teacher-forced check of a served quantized cache (benchmarks/bench_decode_model.py): the model decodes
-through :class:`SiteCheckCache`, which holds the served cache and a reference cache (``kernel="torch"``) filled
+through :class:`SiteCheckCache`, which holds the served cache and a reference cache (``backend="torch"``) filled
 identically. At every KV site's decode call it runs the served cache's ``attend`` (the kernel, or when that
 declines, the served cache's ``update`` and SDPA) and the reference computation (the reference cache's ``update``,
 then :func:`~loopvq_calib.models.common.sdpa`, as the models' ``attend`` does), records the relative L2 error of

@@ -1,4 +1,4 @@
-"""Tile and precision choices of the fused Lloyd kernel (loopvq_calib/kmeans_triton.py) on one GPU.
+"""Tile and precision choices of the fused Lloyd kernel (loopvq_calib/kernels/kmeans.py) on one GPU.
 
 On 512 problems of Ouro-1.4B's k-means shape (32,640 points of 16 dims, K 256), times one Lloyd step of
 the torch path and of the Triton kernel for each dot precision (tf32x3, ieee, tf32), points per program and
@@ -18,6 +18,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import triton
@@ -31,7 +32,7 @@ from loopvq_calib.kernels import kmeans as kmeans_triton  # noqa: E402
 P, N, G, K = 512, 32640, 16, 256
 
 
-def ms_per_call(fn, reps: int = 5) -> float:
+def ms_per_call(fn: Callable[[], object], reps: int = 5) -> float:
     fn()
     torch.cuda.synchronize()
     start = time.time()
@@ -42,7 +43,7 @@ def ms_per_call(fn, reps: int = 5) -> float:
 
 
 def main() -> None:
-    x, w = problems(P, N, G, K)
+    x, w = problems(P, N, G, k=K)
     x, w = x.cuda().contiguous(), w.cuda().contiguous()
     c = x[:, torch.randperm(N, generator=torch.Generator().manual_seed(0))[:K]].contiguous()
     rows = torch.arange(P, device="cuda")
@@ -50,7 +51,8 @@ def main() -> None:
     err0, sums0, mass0 = _assign(x, x_sq, w, c=c, chunk=16384, accumulate=True)
     print(json.dumps({"torch_assign_ms": round(ms_per_call(lambda: _assign(x, x_sq, w, c=c, chunk=16384, accumulate=True)), 2)}), flush=True)
 
-    def step(block: int, warps: int, precision: str, accumulate: bool):
+    def step(block: int, warps: int, precision: str, *,
+             accumulate: bool) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
         nb = triton.cdiv(N, block)
         err = torch.empty(P, nb, device="cuda")
         sums, mass = torch.zeros(P, K, G, device="cuda"), torch.zeros(P, K, device="cuda")
@@ -67,10 +69,10 @@ def main() -> None:
     for precision in ("tf32x3", "ieee", "tf32"):
         for block in (32, 64, 128):
             for warps in (4, 8):
-                ms, err, sums, mass = step(block, warps, precision, True)
+                ms, err, sums, mass = step(block, warps, precision, accumulate=True)
                 print(json.dumps({
                     "prec": precision, "block": block, "warps": warps, "ms": round(ms, 2),
-                    "ms_no_accumulate": round(step(block, warps, precision, False)[0], 2),
+                    "ms_no_accumulate": round(step(block, warps, precision, accumulate=False)[0], 2),
                     "err_rel": ((err - err0).abs() / err0).max().item(), "mass_diff": (mass - mass0).abs().max().item(),
                     "sums_diff": (sums - sums0).abs().max().item(),
                 }), flush=True)

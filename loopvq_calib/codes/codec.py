@@ -10,10 +10,13 @@ scatters them back and undoes the transform.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
+from ..kernels import lookup as lookup_kernel, nearest as nearest_kernel
+from ..kernels.backends import CODEC_CHOICES, DISPATCH, Backend, Candidate
 from ..runtime.streams import to_device
 from .layouts import BlockLayout
 
@@ -119,19 +122,23 @@ def nearest(z: torch.Tensor, codebook: torch.Tensor, chunk: int = 4096) -> torch
 
     Distance ||c||^2 - 2 z.c in fp32 (||z||^2 is common to all codewords; fp32 under autocast too, which
     would otherwise run the product in bf16); ties go to the lowest index. On CUDA one fused kernel
-    (``nearest_triton``) where it works: the same distances up to the order of the fp32 sums, without the
-    [H*n, N, K] distance block.
+    (:mod:`~loopvq_calib.kernels.nearest`) where the kernels' dispatch takes it: the same distances up to the
+    order of the fp32 sums, without the [H*n, N, K] distance block.
     """
-    if z.is_cuda:
-        from ..kernels import nearest as nearest_triton
-
-        if nearest_triton.usable(z, codebook):
-            return nearest_triton.nearest(z, codebook)
-    with torch.autocast(z.device.type, enabled=False):
-        return _nearest_torch(z, codebook, chunk)
+    k, g = codebook.shape[-2:]
+    fused = nearest_kernel.candidate(z.device, k, g)
+    return DISPATCH.run(Backend.AUTO, [
+        replace(fused, run=lambda: nearest_kernel.nearest(z, codebook)),
+        Candidate(Backend.TORCH, "torch", run=lambda: _nearest_torch(z, codebook, chunk)),
+    ], what="nearest codeword", choices=CODEC_CHOICES, device=z.device)
 
 
 def _nearest_torch(z: torch.Tensor, codebook: torch.Tensor, chunk: int) -> torch.Tensor:
+    with torch.autocast(z.device.type, enabled=False):
+        return _nearest_chunks(z, codebook, chunk)
+
+
+def _nearest_chunks(z: torch.Tensor, codebook: torch.Tensor, chunk: int) -> torch.Tensor:
     n_tok, h, n = z.shape[:3]
     cb = codebook.detach().float().expand(h, n, -1, -1).reshape(h * n, *codebook.shape[2:])  # [HN, K, G]
     cb_sq = cb.pow(2).sum(-1)[:, None, :]  # [HN, 1, K]
@@ -147,6 +154,35 @@ def lookup(indices: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """Codewords for indices [N, H, n] -> [N, H, n, G]; differentiable w.r.t. ``codebook``."""
     rows = _flat_codebook_index(indices, codebook)
     return codebook.reshape(-1, codebook.shape[-1]).index_select(0, rows.reshape(-1)).view(*indices.shape, -1)
+
+
+class _FusedLookup(torch.autograd.Function):
+    """:func:`~loopvq_calib.kernels.lookup.lookup_block` with the torch path's gradient: the block's gradient
+    gathered into group order (``to_groups``) and added into the codebook rows of the codes."""
+
+    @staticmethod
+    def forward(ctx: Any, codebook: torch.Tensor, indices: torch.Tensor, to_block: torch.Tensor,  # type: ignore[override]
+                to_groups: torch.Tensor, steps: int, head_dim: int) -> torch.Tensor:
+        ctx.save_for_backward(indices, to_groups)
+        ctx.book_shape = codebook.shape
+        return lookup_kernel.lookup_block(indices, codebook, to_block, steps=steps, head_dim=head_dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        indices, to_groups = ctx.saved_tensors
+        n_tok, g = indices.shape[0], ctx.book_shape[-1]
+        grad_z = grad.reshape(n_tok, -1).gather(-1, to_groups.expand(n_tok, -1))  # group order [N, H*n*G]
+        rows = _flat_codebook_index(indices, torch.empty(ctx.book_shape, device="meta"))
+        flat = grad.new_zeros(ctx.book_shape.numel() // g, g).index_add_(0, rows.reshape(-1), grad_z.view(-1, g))
+        return flat.view(ctx.book_shape), None, None, None, None, None
+
+
+def fused_lookup(codebook: torch.Tensor, indices: torch.Tensor, to_block: torch.Tensor, *, to_groups: torch.Tensor,
+                 steps: int, head_dim: int) -> torch.Tensor:
+    """Codewords of ``indices`` [N, H, n] from ``codebook`` [Hc, nc, K, G] (fp32) placed in block order [N, steps,
+    H, head_dim] by the fused kernel (:func:`~loopvq_calib.kernels.lookup.lookup_block`; ``to_block`` /
+    ``to_groups``: :func:`block_permutation`), differentiable w.r.t. the codebook."""
+    return _FusedLookup.apply(codebook, indices, to_block, to_groups, steps, head_dim)
 
 
 @dataclass
@@ -187,13 +223,17 @@ class BlockCodec:
         n, h, n_groups = codes.indices.shape
         d = n_groups * codebook.shape[-1] // steps
         to_groups, to_block = self.permutation(h, d, codebook.device)
-        from ..kernels import lookup as lookup_triton
 
-        if lookup_triton.usable(codebook):  # CUDA: one fused kernel, the same values
-            y = lookup_triton.decode_block(codes.indices.to(codebook.device), codebook, to_block, to_groups=to_groups, steps=steps, head_dim=d)
-        else:
+        def in_torch() -> torch.Tensor:
             z = lookup(codes.indices, codebook)
-            y = z.reshape(n, -1).gather(-1, to_block.expand(n, -1)).view(n, steps, h, d)
+            return z.reshape(n, -1).gather(-1, to_block.expand(n, -1)).view(n, steps, h, d)
+
+        fused = lookup_kernel.candidate(codebook.device, codebook.dtype)
+        y = DISPATCH.run(Backend.AUTO, [  # CUDA: one fused kernel, the same values
+            replace(fused, run=lambda: fused_lookup(codebook, codes.indices.to(codebook.device), to_block,
+                                                    to_groups=to_groups, steps=steps, head_dim=d)),
+            Candidate(Backend.TORCH, "torch", run=in_torch),
+        ], what="codeword lookup", choices=CODEC_CHOICES, device=codebook.device)
         if self.transform is not None:
             y = self.transform.inverse(y, codes.sigma)
         return y

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.common import pair_channels
+from .decode_inputs import StepTables
+
 LANE_CHOICES = (8, 16)  # lanes per token the kernel is built for
 
 
@@ -111,11 +114,9 @@ def _group(columns: torch.Tensor) -> int:
     return 1
 
 
-def lane_tables(tables, lanes: int = 16) -> LaneTables | None:
-    """:class:`LaneTables` of a :class:`~loopvq_calib.serving.decode_attention.StepTables` for ``lanes`` lanes per token,
-    or None when the site does not fit this kernel (head dim not a multiple of 2 lanes)."""
-    from ..models.common import pair_channels
-
+def lane_tables(tables: StepTables, lanes: int = 16) -> LaneTables | None:
+    """:class:`LaneTables` of a site's :class:`~loopvq_calib.kernels.decode_inputs.StepTables` for ``lanes``
+    lanes per token, or None when the site does not fit this kernel (head dim not a multiple of 2 lanes)."""
     heads, k, d = tables.value.shape
     if lanes not in LANE_CHOICES or d % (2 * lanes):
         return None

@@ -1,14 +1,38 @@
-"""The Triton kernels behind :func:`loopvq_calib.serving.decode_attention.decode_attention` (design in that module's
-docstring and docs/quantized-cache.md): a split-K attention pass over coded and full-precision tokens (the
-CPU-interpreter path and the fallback of the CUDA kernel in ``decode_attention.cu``), and a log-sum-exp merge
-of the splits (used by both)."""
+"""The Triton decode-attention kernels (the design: :mod:`~loopvq_calib.serving.decode_attention` and
+docs/serving.md): a split-K attention pass over coded and full-precision tokens, where each program
+gathers a head's step tables through the L1 cache (the CPU-interpreter path and the fallback of the CUDA kernel
+in ``decode_attention.cu``), and a log-sum-exp merge of the splits. :func:`decode_attention_triton` launches
+them with a :class:`TritonDecodeLaunch`."""
 
 from __future__ import annotations
 
-from .kmeans import triton
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .backends import pow2, tl, triton
+from .decode_inputs import CodedTokens, FullPrecisionTokens, KernelInputs, StepTables
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class TritonDecodeLaunch:
+    """How the Triton kernel is launched: ``block_n`` tokens per tile, ``num_warps`` per program; programs
+    are (KV head, split, slice of ``batch_per_program`` sequences), about ``programs_per_sm`` per multiprocessor
+    unless ``num_splits`` coded splits per KV head are given; ``cache_hints``: tables loaded evict-last and the
+    index stream evict-first."""
+
+    block_n: int = 16
+    num_warps: int = 4
+    programs_per_sm: int = 4
+    batch_per_program: int = 1
+    cache_hints: bool = False
+    num_splits: int | None = None
+
 
 if triton is not None:
-    import triton.language as tl
 
     @triton.jit
     def _online_softmax(sc, v, m_i, l_i, acc):
@@ -143,3 +167,59 @@ if triton is not None:
         acc = tl.load(acc_ptr + (row * S + sp[:, None]) * D + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
         out = tl.sum(acc * scale[:, None], axis=0) / tl.sum(l_s * scale, axis=0)
         tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def plan_splits(n_coded: int, heads: int, block_n: int, *, programs: int) -> tuple[int, int]:
+    """(coded splits, tokens per split): at most ``programs`` programs over the KV heads (at least one split
+    each), each split a whole number of ``block_n`` tiles; one (empty) split when nothing is coded."""
+    tiles = -(-n_coded // block_n)
+    if not tiles:
+        return 1, block_n
+    per_split = -(-tiles // max(1, min(tiles, programs // heads))) * block_n
+    return -(-n_coded // per_split), per_split
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """Multiprocessors on CUDA (programs are planned per multiprocessor); 0 elsewhere (the interpreter: one
+    split per row unless asked)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 0
+
+
+def decode_attention_triton(inputs: KernelInputs, tables: StepTables, coded: CodedTokens, *, fp: FullPrecisionTokens,
+                            launch: TritonDecodeLaunch) -> torch.Tensor:
+    """Attention [B, Hq, D] in q's dtype of ``inputs.q`` over the coded and full-precision tokens (the RoPE table
+    in ``inputs`` covers every position plus ``launch.block_n`` rows): the split kernel, then the merge."""
+    q = inputs.q
+    bsz, hq, d = q.shape
+    heads, k = tables.value.shape[0], tables.value.shape[1]
+    n, qg = coded.count, hq // heads
+    slices = -(-bsz // launch.batch_per_program)
+    programs = launch.num_splits * heads if launch.num_splits else \
+        _multiprocessors(q.device) * launch.programs_per_sm // slices
+    splits, per_split = plan_splits(n, heads, launch.block_n, programs=programs)
+    kidx, vidx, sig, fk, fv = coded.key_indices, coded.value_indices, inputs.sigma, fp.keys, fp.values
+    acc = torch.empty(bsz, hq, splits + 1, d, device=q.device, dtype=torch.float32)
+    ml = torch.empty(bsz, hq, splits + 1, 2, device=q.device, dtype=torch.float32)
+    hints = launch.cache_hints
+    _split_kernel[(heads, splits + 1, slices)](
+        q, kidx, vidx, sig, tables.key_a, tables.key_b, tables.key_code_a, tables.key_code_b, tables.value,
+        tables.value_code, inputs.first, inputs.cos, inputs.sin, fk, fv, inputs.fp_positions, inputs.fp_mask, acc, ml,
+        bsz, launch.batch_per_program, n, fk.shape[1], per_split, LOG2E / math.sqrt(d),
+        kidx.stride(0), kidx.stride(1), kidx.stride(2), vidx.stride(0), vidx.stride(1), vidx.stride(2),
+        sig.stride(0), sig.stride(1), fk.stride(0), fk.stride(1), fk.stride(2), fv.stride(0), fv.stride(1),
+        fv.stride(2), inputs.fp_positions.stride(0),
+        H=heads, QG=qg, QGP=pow2(qg), D=d, K=k, HALF=tables.rope_style == "half", TASQ=tables.tasq, STEP=tables.step,
+        HAS_MASK=inputs.masked, BLOCK_N=launch.block_n, DP=pow2(d), TABLE_EVICT="evict_last" if hints else "",
+        STREAM_EVICT="evict_first" if hints else "", num_warps=launch.num_warps,
+    )
+    return merged(acc, ml, q.dtype)
+
+
+def merged(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Log-sum-exp merge of the splits: acc [B, Hq, S, D], ml [B, Hq, S, 2] (max, sum) -> [B, Hq, D]."""
+    bsz, hq, splits, d = acc.shape
+    out = torch.empty(bsz, hq, d, device=acc.device, dtype=dtype)
+    _merge_kernel[(bsz * hq,)](acc, ml, out, S=splits, SP=pow2(splits), D=d, DP=pow2(d), num_warps=4)
+    return out

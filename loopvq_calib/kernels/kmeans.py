@@ -12,7 +12,7 @@ about 17 small kernels per k-means++ draw; both bind it to memory traffic and la
   ``index_add_`` on CUDA).
 - :func:`kmeans_pp`: two kernels per draw. One updates D^2 with the last chosen centroid and writes
   per-block sums of w * D^2 (float64); one per problem picks a block by inverse CDF over the block sums,
-  then the point inside it, with the same rules as ``kmeans_backends._draw_one``.
+  then the point inside it, with the same rules as the torch k-means++ draws (``calibration.kmeans.solvers``).
 
 The kernels also run in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``), which is how the tests
 check them on a machine without a GPU when triton is installed.
@@ -20,53 +20,41 @@ check them on a machine without a GPU when triton is installed.
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the torch path is used
-    triton = tl = None
+from ..runtime.devices import indexed_device
+from .backends import Backend, Candidate, pow2, tl, triton
 
-log = logging.getLogger("loopvq_calib")
 LLOYD_TILE = 16384  # distance-tile elements per program in a Lloyd step (K = 256: 64 points x 256 centroids)
 POINT_TILE = 8192  # point-tile elements per program (64 points of G <= 128)
 CODEBOOK_TILE = 8192  # K x G entries a program holds (K 256 x G 32: 64 KiB of shared memory, under sm_86/89's 99 KiB)
 DRAW_BLOCK = 1024  # points per block of the k-means++ draw
 DRAW_SUB = 128  # points per step inside a block of the D^2 update (H200: 67 ms per Ouro-1.4B layout; 1024: 85 ms)
 DRAW_WARPS = 4  # warps per program of the D^2 update
+LABEL = "the fused Triton kernels"
 
 
-def available(device: torch.device | str) -> bool:
-    """Whether the fused kernels can run on ``device``: triton importable and a CUDA device of compute
-    capability 8.0 or newer (the 3-pass TF32 dot; Ampere, Ada, Hopper), or any device under
-    ``TRITON_INTERPRET=1``."""
-    if triton is None:
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0)
+def candidate(device: torch.device | str, shape: tuple[int, int] | None, *, points: int = 0) -> Candidate:
+    """The Triton candidate of the k-means dispatch on ``device`` for codebooks of ``shape`` = (K, G) (None: any
+    the kernels take) and ``points`` per problem (0: a small problem): considered by ``auto`` on CUDA only, for
+    the shapes :func:`supports` takes; its probe (:func:`probe`) compiles every kernel variant the stage uses."""
+    k, g = shape or (16, 16)
+    where = torch.device(device)
+    if where.type == "cuda" and torch.cuda.is_available():  # named with its index (no CUDA: never probed)
+        where = indexed_device(where)
+    return Candidate(Backend.TRITON, LABEL, auto=where.type == "cuda", unfit=lambda: "" if shape is None else unfit(k, g),
+                     probe=lambda: probe(where, k, g, n=points),
+                     probe_key=("kmeans", str(where), k, g, points))
 
 
-@functools.lru_cache(maxsize=None)
-def works(device: str, k: int = 16, g: int = 16, *, n: int = 0) -> bool:
-    """Whether the kernels compile and run on ``device`` (once per process, device and shape): Triton needs
-    a C compiler and a matching driver at first use. ``kmeans.backend: auto`` falls back to torch, with a
-    warning, where this fails. Probing for the run's codebook shape (``k`` x ``g``) and points per problem
-    ``n`` (0: a small problem) compiles every kernel variant the k-means stage then uses (Triton keeps
-    them), on a few points (:func:`probe_points`), so the check costs no extra compilation. On CUDA the
-    probe's memory goes back to the driver, so free memory read after it is what the run has."""
+def probe(device: torch.device, k: int, g: int, *, n: int = 0) -> None:
+    """Run every kernel variant the k-means stage uses for codebooks of ``k`` x ``g`` and problems of ``n``
+    points (0: a small problem) once, on two problems of :func:`probe_points` points; raises where they do not
+    compile or run (Triton needs a C compiler and a matching driver at first use). The kernels keep what they
+    compiled, so the check costs no extra compilation. On CUDA the probe's memory goes back to the driver, so
+    free memory read after it is what the run has."""
     try:
-        return _probe(device, k, g, n=n)
-    except Exception as err:  # compiler, driver or launch failure: any of them means "use torch"
-        log.warning("the fused Triton k-means kernels do not run on %s (%s: %s); using the torch backend",
-                    device, type(err).__name__, err)
-        return False
+        _run_every_variant(device, k, g, n=n)
     finally:
         if torch.device(device).type == "cuda" and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
@@ -88,12 +76,10 @@ def probe_points(n: int, k: int) -> int:
 
 def draw_tile(n: int) -> int:
     """Block sums a k-means++ draw program holds for problems of ``n`` points (a constexpr of its kernel)."""
-    return _pow2(triton.cdiv(n, DRAW_BLOCK))
+    return pow2(triton.cdiv(n, DRAW_BLOCK))
 
 
-def _probe(device: str, k: int, g: int, *, n: int) -> bool:
-    """Run every kernel variant the k-means stage uses for problems of ``n`` points (0: a small problem) once,
-    on two problems of :func:`probe_points` points -> True, or raise."""
+def _run_every_variant(device: torch.device, k: int, g: int, *, n: int) -> None:
     k, g, m = int(k), int(g), probe_points(int(n), int(k))
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, m, g, generator=gen).to(device)
@@ -104,23 +90,26 @@ def _probe(device: str, k: int, g: int, *, n: int) -> bool:
         lloyd_step(x, w, c, rows=torch.arange(2, device=device), accumulate=accumulate)
     if x.is_cuda:
         torch.cuda.synchronize(x.device)  # a launch failure surfaces here
-    return True
 
 
 def supports(k: int, g: int) -> bool:
     """Whether the kernels take ``k`` centroids of ``g`` dimensions: the codebook tile (both padded to
     powers of two >= 16) holds at most ``CODEBOOK_TILE`` entries, e.g. K 256 x G 32 or K 512 x G 16."""
-    return _pow2(k, 16) * _pow2(g, 16) <= CODEBOOK_TILE
+    return pow2(k, 16) * pow2(g, 16) <= CODEBOOK_TILE
+
+
+def unfit(k: int, g: int) -> str:
+    """Why the kernels do not take codebooks of ``k`` x ``g`` ('' when :func:`supports` them)."""
+    if supports(k, g):
+        return ""
+    return (f"quant.codebook_size {k} x group size {g} exceeds the kernels' codebook tile of {CODEBOOK_TILE} "
+            "entries x dimensions (each rounded up to a power of two >= 16)")
 
 
 def _lloyd_block(k: int, g: int) -> int:
     """Points per Lloyd program: the distance tile holds ``LLOYD_TILE`` and the point tile ``POINT_TILE``
     entries (at least 16 points, the smallest dot tile)."""
-    return max(16, min(LLOYD_TILE // _pow2(k, 16), POINT_TILE // _pow2(g, 16)))
-
-
-def _pow2(n: int, floor: int = 1) -> int:
-    return max(floor, 1 << (int(n) - 1).bit_length())
+    return max(16, min(LLOYD_TILE // pow2(k, 16), POINT_TILE // pow2(g, 16)))
 
 
 if triton is not None:
@@ -230,14 +219,14 @@ def lloyd_step(
     sums = torch.zeros(a, k, g, device=x.device, dtype=torch.float32) if accumulate else err
     mass = torch.zeros(a, k, device=x.device, dtype=torch.float32) if accumulate else err
     _lloyd_kernel[(a * nb,)](
-        x, w, c.contiguous(), rows, err, sums, mass, n, a, nb, K=k, G=g, KP=_pow2(k, 16), GP=_pow2(g, 16),
+        x, w, c.contiguous(), rows, err, sums, mass, n, a, nb, K=k, G=g, KP=pow2(k, 16), GP=pow2(g, 16),
         BLOCK=block, ACCUMULATE=accumulate, PRECISION=precision, num_warps=4,
     )
     return (err.sum(1), sums, mass) if accumulate else (err.sum(1), None, None)
 
 
 def kmeans_pp(x: torch.Tensor, w: torch.Tensor, k: int, *, uniforms: torch.Tensor) -> torch.Tensor:
-    """Weighted k-means++ (the rules of ``kmeans_backends.kmeans_pp_init``) on x [P, N, G], w [P, N] fp32
+    """Weighted k-means++ (the rules of the torch ``kmeans_pp_init``) on x [P, N, G], w [P, N] fp32
     contiguous, with the draws' uniforms [K, P] float64 on x's device -> centroids [P, K, G]. A bfloat16
     copy of x lets each D^2 update skip reading the fp32 points the new centroid cannot come closer to
     (an exact test: the same D^2 as updating every point)."""
@@ -256,6 +245,6 @@ def _kmeans_pp(x: torch.Tensor, w: torch.Tensor, k: int, *, uniforms: torch.Tens
     chosen = torch.empty(p, device=x.device, dtype=torch.int64)
     for j in range(k):
         _pp_draw_kernel[(p,)](w, d2, bsum, wsum, uniforms[j], chosen, n, nb, BLOCK=DRAW_BLOCK, NBP=tile, num_warps=4)
-        _pp_distance_kernel[(p * nb,)](x, xb, w, d2, chosen, out, bsum, n, j, p, nb, K=k, G=g, GP=_pow2(g), BLOCK=DRAW_BLOCK,
+        _pp_distance_kernel[(p * nb,)](x, xb, w, d2, chosen, out, bsum, n, j, p, nb, K=k, G=g, GP=pow2(g), BLOCK=DRAW_BLOCK,
                                        SUB=DRAW_SUB, num_warps=DRAW_WARPS)
     return out

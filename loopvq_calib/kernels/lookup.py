@@ -1,36 +1,31 @@
-"""Codeword lookup straight into block order in one fused Triton kernel on CUDA (``BlockCodec.decode``'s GPU path).
+"""Codeword lookup straight into block order in one fused Triton kernel on CUDA.
 
 The torch path copies each code's codeword into group order ([N, H*n, G], ``index_select``) and then moves every
 coordinate to its place in the block ([N, T, H, D], a gather): two passes over the decoded block, the first
 of them slow for 16-value rows. Here one program writes a [tokens, coordinates] tile of the block, reading for
 each coordinate its group element (a table computed once per layout), that group's code and the codeword
-value. The values are exactly the torch path's (copies); the backward is the torch path's backward written
-out: the gradient gathered into group order and added into the codebook rows with ``index_add_``.
+value. The values are exact copies (its gradient is the caller's: an ``index_add_`` into the codebook rows).
 
-Used for fp32 codebooks on CUDA devices where :func:`works` holds, the torch path everywhere else. Runs on CPU
-tensors in Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests check it without a GPU.
+:func:`candidate` is the kernel's entry in the codec's dispatch (:mod:`~loopvq_calib.kernels.backends`): fp32
+codebooks on CUDA where :func:`probe` (compiles, runs and copies what a plain torch gather copies) passes.
+Runs on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests check it without
+a GPU.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import torch
 
-from .kmeans import (  # the same triton import and device test as the k-means kernels
-    available,
-    tl,
-    triton,
-)
+from ..runtime.devices import indexed_device
+from .backends import Backend, Candidate, tl, triton
 
-log = logging.getLogger("loopvq_calib")
 TOKENS, COORDS = 32, 256  # tile of one program
+LABEL = "the fused codeword-lookup kernel"
 
 
 if triton is not None:
 
-    # no integer argument is specialised on: the probe in works() compiles the kernel every later call runs
+    # no integer argument is specialised on: the probe compiles the kernel every later call runs
     @triton.jit(do_not_specialize=["n_tok", "n_groups", "head_stride", "group_stride", "hn", "coords", "k", "g"])
     def _lookup_kernel(idx_ptr, cb_ptr, src_ptr, out_ptr, n_tok, n_groups, head_stride, group_stride, hn, coords, k, g,
                        TOKENS: tl.constexpr, COORDS: tl.constexpr):
@@ -46,7 +41,11 @@ if triton is not None:
         tl.store(out_ptr + t[:, None] * coords + f[None, :], value, mask=inside)
 
 
-def _lookup_block(indices: torch.Tensor, codebook: torch.Tensor, to_block: torch.Tensor, *, steps: int, head_dim: int) -> torch.Tensor:
+def lookup_block(indices: torch.Tensor, codebook: torch.Tensor, to_block: torch.Tensor, *, steps: int,
+                 head_dim: int) -> torch.Tensor:
+    """Codewords of ``indices`` [N, H, n] from ``codebook`` [Hc, nc, K, G] (shared heads or groups broadcast)
+    placed in block order [N, steps, H, head_dim]: block coordinate f of a token is group element
+    ``to_block[f]`` (head-major group order, G per group). No gradient."""
     n_tok, h, n = indices.shape
     hc, nc, k, g = codebook.shape
     out = torch.empty(n_tok, steps, h, head_dim, dtype=codebook.dtype, device=codebook.device)
@@ -59,58 +58,32 @@ def _lookup_block(indices: torch.Tensor, codebook: torch.Tensor, to_block: torch
     return out
 
 
-class _Lookup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, codebook, indices, to_block, to_groups, steps, head_dim):  # type: ignore[override]
-        ctx.save_for_backward(indices, to_groups)
-        ctx.book_shape = codebook.shape
-        return _lookup_block(indices, codebook, to_block, steps=steps, head_dim=head_dim)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        from ..codes.codec import _flat_codebook_index
-
-        indices, to_groups = ctx.saved_tensors
-        n_tok, g = indices.shape[0], ctx.book_shape[-1]
-        grad_z = grad.reshape(n_tok, -1).gather(-1, to_groups.expand(n_tok, -1))  # group order [N, H*n*G]
-        rows = _flat_codebook_index(indices, torch.empty(ctx.book_shape, device="meta"))
-        flat = grad.new_zeros(ctx.book_shape.numel() // g, g).index_add_(0, rows.reshape(-1), grad_z.view(-1, g))
-        return flat.view(ctx.book_shape), None, None, None, None, None
+def reference(indices: torch.Tensor, codebook: torch.Tensor, to_block: torch.Tensor, *, steps: int,
+              head_dim: int) -> torch.Tensor:
+    """:func:`lookup_block` in plain torch (the probe's check)."""
+    n_tok, h, n = indices.shape
+    books = codebook.expand(h, n, -1, -1)  # [H, n, K, G]
+    z = books[torch.arange(h)[:, None], torch.arange(n)[None, :], indices.long()]  # [N, H, n, G]
+    return z.reshape(n_tok, -1)[:, to_block].view(n_tok, steps, h, head_dim)
 
 
-def decode_block(indices: torch.Tensor, codebook: torch.Tensor, to_block: torch.Tensor, *, to_groups: torch.Tensor,
-                 steps: int, head_dim: int) -> torch.Tensor:
-    """Codewords of ``indices`` [N, H, n] from ``codebook`` [Hc, nc, K, G] (fp32) placed in block order
-    [N, steps, H, head_dim] (``to_block``/``to_groups``: ``codec.block_permutation``); differentiable
-    w.r.t. the codebook."""
-    return _Lookup.apply(codebook, indices, to_block, to_groups, steps, head_dim)
+def probe(device: torch.device) -> None:
+    """Compile and run the kernel on ``device``; raises unless it copies :func:`reference`'s values exactly on a
+    probe (3 heads of 2 groups of 16, 2 steps of 16 channels, shared codebook groups)."""
+    gen = torch.Generator().manual_seed(0)
+    indices = torch.randint(0, 16, (40, 3, 2), generator=gen, dtype=torch.uint8)
+    codebook = torch.randn(3, 1, 16, 16, generator=gen)
+    to_block = torch.randperm(3 * 2 * 16, generator=gen)
+    want = reference(indices, codebook, to_block, steps=2, head_dim=16)
+    got = lookup_block(indices.to(device), codebook.to(device), to_block.to(device), steps=2, head_dim=16).cpu()
+    if not torch.equal(got, want):
+        raise RuntimeError("it does not copy the torch reference's values")
 
 
-@functools.lru_cache(maxsize=None)
-def works(device: str) -> bool:
-    """Whether the kernel compiles, runs and copies exactly what the torch path does on ``device`` (once per
-    process and device)."""
-    from ..codes.codec import BlockCodec, Codes
-    from ..codes.layouts import BlockLayout
-
-    try:
-        gen = torch.Generator().manual_seed(0)
-        groups = torch.stack([torch.randperm(2 * 16, generator=gen) for _ in range(3)]).view(3, 2, 16)
-        codec = BlockCodec(BlockLayout("probe", "key", (0, 1), 16, 3, groups), torch.randn(3, 2, 16, 16, generator=gen))
-        codes = Codes(torch.randint(0, 16, (40, 3, 2), generator=gen, dtype=torch.uint8))
-        want = codec.decode(codes)  # on the CPU: the torch path
-        to_groups, to_block = (t.to(device) for t in codec.permutation(3, 16, torch.device("cpu")))
-        got = decode_block(codes.indices.to(device), codec.codebook.to(device), to_block, to_groups=to_groups, steps=2, head_dim=16).cpu()
-        if not torch.equal(got, want):
-            raise RuntimeError("it does not copy the torch path's values")
-        return True
-    except Exception as err:  # compiler, driver or launch failure: use torch
-        log.warning("the fused codeword-lookup kernel does not run on %s (%s: %s); using torch", device,
-                    type(err).__name__, err)
-        return False
-
-
-def usable(codebook: torch.Tensor) -> bool:
-    """Whether :func:`decode_block` takes this codebook: fp32 on a CUDA device where it works."""
-    return codebook.is_cuda and codebook.dtype == torch.float32 and available(codebook.device) \
-        and works(str(codebook.device))
+def candidate(device: torch.device, dtype: torch.dtype) -> Candidate:
+    """The kernel's candidate in the codec's dispatch for codebooks of ``dtype`` on ``device`` (float32 only:
+    what it was checked for)."""
+    where = indexed_device(device)
+    return Candidate(Backend.TRITON, LABEL, auto=where.type == "cuda",
+                     unfit=lambda: "" if dtype == torch.float32 else f"a {dtype} codebook (it reads float32)",
+                     probe=lambda: probe(where), probe_key=("lookup", str(where)))

@@ -1,4 +1,4 @@
-"""The nearest codeword of every group vector in one fused Triton kernel on CUDA (``codec.nearest``'s GPU path).
+"""The nearest codeword of every group vector in one fused Triton kernel on CUDA.
 
 The torch path writes a [H*n, N, K] fp32 distance block per chunk of tokens (1 GB for one Ouro-1.4B block
 of 2,048 tokens) and reads it back to take the minimum; fine-tuning does this for every block at every step.
@@ -7,28 +7,23 @@ the [64, K] distances ||c||^2 - 2 z.c in registers (an fp32 dot, ``ieee`` precis
 index of the smallest, the lowest index on ties. The distances are the torch path's up to the order of the
 fp32 sums, so a token whose two nearest codewords are within rounding of each other may get the other one.
 
-Used on CUDA devices where :func:`works` (triton importable, compute capability 8.0 or newer, the kernel
-compiles and agrees with the torch path on a probe) holds; the torch path everywhere else. Runs on CPU
-tensors in Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests check it without a GPU.
+:func:`candidate` is the kernel's entry in the codec's dispatch (:mod:`~loopvq_calib.kernels.backends`): on
+CUDA, for the shapes :func:`supports` takes, where :func:`probe` (compiles, runs and agrees with a plain torch
+argmin) passes. Runs on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests
+check it without a GPU.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import torch
 
-from .kmeans import (  # the same triton import and device test as the k-means kernels
-    available,
-    tl,
-    triton,
-)
+from ..runtime.devices import indexed_device
+from .backends import Backend, Candidate, tl, triton
 
-log = logging.getLogger("loopvq_calib")
 BLOCK = 64  # tokens per program: a [64, K] fp32 distance tile in registers
 MAX_K = 256  # the codebook sizes the kernel was written and timed for (a [64, 512] tile spills registers)
 MAX_TILE = 256 * 32  # K x G codebook entries a program holds
+LABEL = "the fused nearest-codeword kernel"
 
 
 def supports(k: int, g: int) -> bool:
@@ -39,7 +34,7 @@ def supports(k: int, g: int) -> bool:
 
 if triton is not None:
 
-    # no integer argument is specialised on: the probe in works() compiles the kernel every later call runs
+    # no integer argument is specialised on: the probe compiles the kernel every later call runs
     @triton.jit(do_not_specialize=["n_tok", "n_groups", "head_stride", "group_stride", "hn"])
     def _nearest_kernel(z_ptr, cb_ptr, out_ptr, n_tok, n_groups, head_stride, group_stride, hn,
                         K: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
@@ -59,7 +54,8 @@ if triton is not None:
 
 
 def nearest(z: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
-    """``codec.nearest`` in one kernel: z [N, H, n, G], codebook [Hc, nc, K, G] (fp32) -> [N, H, n] int64."""
+    """Index of the nearest codeword for each group vector in one kernel: z [N, H, n, G], codebook [Hc, nc,
+    K, G] (fp32; shared heads or groups broadcast) -> [N, H, n] int64."""
     n_tok, h, n, g = z.shape
     hc, nc, k, _ = codebook.shape
     out = torch.empty(n_tok, h, n, dtype=torch.long, device=z.device)
@@ -70,30 +66,31 @@ def nearest(z: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def works(device: str, k: int, g: int) -> bool:
-    """Whether the kernel compiles, runs and agrees with the torch path on ``device`` for codebooks of ``k`` x
-    ``g`` (once per process, device and shape; compiling here is what the first real call would pay)."""
-    from ..codes.codec import nearest as torch_nearest
-
-    try:
-        gen = torch.Generator().manual_seed(0)
-        z = torch.randn(100, 2, 3, g, generator=gen)
-        cb = torch.randn(2, 3, k, g, generator=gen)
-        want = torch_nearest(z, cb)  # on the CPU
-        got = nearest(z.to(device), cb.to(device)).cpu()
-        agree = float((got == want).float().mean())
-        if agree < 0.99:
-            raise RuntimeError(f"it agrees with the torch path on {agree:.1%} of a probe's codes")
-        return True
-    except Exception as err:  # compiler, driver or launch failure: use torch
-        log.warning("the fused nearest-codeword kernel does not run on %s (%s: %s); using torch", device,
-                    type(err).__name__, err)
-        return False
+def reference(z: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """:func:`nearest` in plain torch, float64 (the probe's check): the lowest index of the smallest squared
+    distance."""
+    h, n = z.shape[1:3]
+    books = codebook.double().expand(h, n, -1, -1)  # [H, n, K, G]
+    dist = (z.double()[:, :, :, None, :] - books[None]).pow(2).sum(-1)  # [N, H, n, K]
+    return dist.argmin(-1)
 
 
-def usable(z: torch.Tensor, codebook: torch.Tensor) -> bool:
-    """Whether :func:`nearest` takes these operands: CUDA tensors on a device where it works, a supported
-    shape (the interpreter is for tests, which call :func:`nearest` themselves)."""
-    k, g = codebook.shape[-2:]
-    return z.is_cuda and available(z.device) and supports(k, g) and works(str(z.device), k, g)
+def probe(device: torch.device, k: int, g: int) -> None:
+    """Compile and run the kernel for codebooks of ``k`` x ``g`` on ``device`` (what the first real call would
+    compile); raises unless it picks :func:`reference`'s codeword for at least 99 % of a probe's vectors."""
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(100, 2, 3, g, generator=gen)
+    cb = torch.randn(2, 3, k, g, generator=gen)
+    got = nearest(z.to(device), cb.to(device)).cpu()
+    agree = float((got == reference(z, cb)).float().mean())
+    if agree < 0.99:
+        raise RuntimeError(f"it agrees with the torch reference on {agree:.1%} of a probe's codes")
+
+
+def candidate(device: torch.device, k: int, g: int) -> Candidate:
+    """The kernel's candidate in the codec's dispatch for codebooks of ``k`` x ``g`` on ``device``."""
+    where = indexed_device(device)
+    return Candidate(Backend.TRITON, LABEL, auto=where.type == "cuda",
+                     unfit=lambda: "" if supports(k, g) else f"codebooks of {k} x {g} (it takes powers of two, "
+                                                              f"16 <= K <= {MAX_K}, G >= 16, K x G <= {MAX_TILE})",
+                     probe=lambda: probe(where, k, g), probe_key=("nearest", str(where), k, g))

@@ -21,9 +21,10 @@ their stored positions when read, decoded keys after decoding.
 
 Decode steps (one new token) can attend straight from the codes: :meth:`QuantizedLoopKVCache.attend`, which
 the models' attention calls when a cache offers it, runs :func:`~loopvq_calib.serving.decode_attention.decode_attention`
-(on CUDA the shared-memory CUDA kernel where the site fits it, else the Triton kernel; ``kernel="auto"``: on
-CUDA; ``"triton"``: also on CPU under ``TRITON_INTERPRET=1``; ``"torch"``: never) and returns None otherwise,
-so that ``update`` (this reference path) serves the call.
+through the kernels' dispatch (``backend="auto"``: on CUDA, the shared-memory CUDA kernel where the site fits
+it, else the Triton kernel; ``"cuda"`` / ``"triton"``: that kernel, Triton also on CPU under
+``TRITON_INTERPRET=1``; ``"torch"``: never) and returns None otherwise, so that ``update`` (this reference
+path) serves the call.
 
 ``quantizer`` is a calibrated :class:`~loopvq_calib.codes.quantizer.KVQuantizer` or a
 :class:`~loopvq_calib.codes.baselines.BaselineQuantizer` (last-step KV, KIVI, fp8): any set of codecs with
@@ -42,9 +43,10 @@ import torch
 
 from ..codes.codec import BlockCodec, Codes
 from ..codes.quantizer import KVQuantizer
+from ..kernels.backends import CACHE_CHOICES, DISPATCH, Backend, BackendUnavailable, Candidate
+from .decode_state import KernelState
 
 STORES = ("indices", "fake")
-KERNELS = ("auto", "triton", "torch")
 
 
 class QuantizedLoopKVCache:
@@ -54,11 +56,10 @@ class QuantizedLoopKVCache:
     is_linear = (False,)  # generate() asks (5.24): attention layers, not a recurrent state
 
     def __init__(self, quantizer: KVQuantizer, sink_tokens: int, recent_window: int, *, page_size: int = 8,
-                 store: str = "indices", kernel: str = "auto") -> None:
+                 store: str = "indices", backend: Backend | str = Backend.AUTO) -> None:
         if store not in STORES:
             raise ValueError(f"store {store!r}; expected one of {', '.join(STORES)}")
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
+        self.backend = Backend.parse(backend, CACHE_CHOICES, what="QuantizedLoopKVCache backend")
         if sink_tokens < 0 or recent_window < 0 or page_size < 1:
             raise ValueError(f"need sink_tokens >= 0, recent_window >= 0, page_size >= 1; got "
                              f"{sink_tokens}, {recent_window}, {page_size}")
@@ -70,8 +71,7 @@ class QuantizedLoopKVCache:
         self.recent_window = recent_window
         self.page_size = page_size
         self.store = store
-        self.kernel = kernel
-        self._kernel_state: Any = None  # decode_state.KernelState, made at the first kernel call
+        self._kernel_state: KernelState | None = None  # made at the first kernel call
         self.num_steps: int | None = None
         self.last_site = max(s.site for s in quantizer.kv.sites)
         self.codec_of: dict[int, dict[str, str]] = {}  # site -> {"key": codec name, "value": codec name}
@@ -109,37 +109,44 @@ class QuantizedLoopKVCache:
         return out
 
     def attend(self, site: int, q: torch.Tensor, *, key: torch.Tensor, value: torch.Tensor, ctx: Any) -> torch.Tensor | None:
-        """A decode step's attention from the codes (the CUDA or Triton kernel), or None when the kernel does not take
-        this call (more than one query token, ``store="fake"``, ``kernel="torch"``, a baseline quantizer, no CUDA
-        under ``auto``).
+        """A decode step's attention from the codes (the CUDA or Triton kernel), or None when no kernel serves
+        this call (more than one query token, ``store="fake"``, ``backend="torch"``, a baseline quantizer, no
+        CUDA under ``auto``): the reference path does.
 
         q [B, 1, Hq, D] post-RoPE; key/value [B, 1, H, D] pre-RoPE; ``ctx`` the forward's context (RoPE
         convention, attention mask). Returns [B, 1, Hq * D]. The mask is applied to the full-precision tokens;
         coded tokens are never padding (left padding stays in the sink columns).
         """
-        from . import decode_attention as da
-        from .decode_state import KernelState
-
-        if self.kernel == "torch" or self.store != "indices" or q.shape[1] != 1:
-            return None
-        if not isinstance(self.quantizer, KVQuantizer):  # a baseline's codes: the kernel reads LoopVQ codes only
-            if self.kernel == "triton":
-                raise RuntimeError(f"kernel='triton' reads LoopVQ codes; {type(self.quantizer).__name__} has none")
-            return None
-        if not da.available(q.device):
-            if self.kernel == "triton":
-                raise RuntimeError(f"kernel='triton' needs a CUDA GPU of compute capability 8.0+ or TRITON_INTERPRET=1; "
-                                   f"got device {q.device}")
-            return None
-        if self.kernel == "auto" and q.device.type != "cuda":
+        kernel = self._decode_backend(q)
+        if kernel is None:
             return None
         self._append(site, key, value, positions=ctx.positions)
         if self._kernel_state is None:
             self._kernel_state = KernelState(self.quantizer.kv.head_dim, ctx.rope_theta)
-        out = self._kernel_state.attend(self, site, q[:, 0], ctx=ctx)
+        out = self._kernel_state.attend(self, site, q[:, 0], ctx=ctx, backend=kernel)
         if site == self.last_site:
             self._encode_ready_pages()
         return out.reshape(q.shape[0], 1, -1)
+
+    def _decode_backend(self, q: torch.Tensor) -> Backend | None:
+        """The decode kernel's backend for this call (``auto``: the decode dispatch picks between the kernels
+        per call), or None for the reference path."""
+        if self.backend is Backend.TORCH or self.store != "indices" or q.shape[1] != 1:
+            return None
+        if not isinstance(self.quantizer, KVQuantizer):  # a baseline's codes: the kernels read LoopVQ codes only
+            if self.backend is not Backend.AUTO:
+                raise BackendUnavailable(f"backend={self.backend.value!r} reads LoopVQ codes; "
+                                 f"{type(self.quantizer).__name__} has none")
+            return None
+        on_cuda = q.device.type == "cuda"
+        chosen = DISPATCH.choose(self.backend, [
+            Candidate(Backend.CUDA, "the CUDA decode kernel", auto=on_cuda),
+            Candidate(Backend.TRITON, "the Triton decode kernel", auto=on_cuda),
+            Candidate(Backend.TORCH, "the reference path"),
+        ], what="QuantizedLoopKVCache backend", choices=CACHE_CHOICES, device=q.device).backend
+        if chosen is Backend.TORCH:
+            return None
+        return Backend.AUTO if self.backend is Backend.AUTO and chosen is Backend.CUDA else chosen
 
     def _append(self, site: int, key: torch.Tensor, value: torch.Tensor, *, positions: torch.Tensor) -> None:
         if self.sink_columns is None:
@@ -210,32 +217,6 @@ class QuantizedLoopKVCache:
         """Whether this cache's decode steps went through the fused decode-attention kernel (its state is made
         at the first kernel call; the reference path leaves it unmade)."""
         return self._kernel_state is not None
-
-    def fill(self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], positions: torch.Tensor,
-             *, codes: dict[str, list[Codes]]) -> None:
-        """Give an empty ``store="indices"`` cache the contents a prefill leaves, without a forward (long-context
-        benchmarks: benchmarks/bench_decode_model.py). Per KV site the pre-RoPE sink and window tokens ``keys`` /
-        ``values`` [B, S_fp, H, D] (the first ``sink_tokens`` are the sinks); ``positions`` [B, S], every token's
-        position (an unpadded batch, shared by the sites); per codec the codes of its encoded pages, oldest first,
-        each page's rows batch-major (b * page_size + token). S = S_fp + page_size * pages."""
-        if self.keys or self.store != "indices":
-            raise ValueError("fill needs an empty cache with store='indices'")
-        sites = {s.site for s in self.quantizer.kv.sites}
-        if set(keys) != sites or set(values) != sites or set(codes) != set(self.quantizer.codecs):
-            raise ValueError("fill needs keys and values for every KV site and codes for every codec")
-        pages = {len(p) for p in codes.values()}
-        fp = {t.shape[1] for t in (*keys.values(), *values.values())}
-        if len(pages) != 1 or len(fp) != 1:
-            raise ValueError(f"every codec needs the same number of pages (got {sorted(pages)}) and every site the "
-                             f"same full-precision tokens (got {sorted(fp)})")
-        encoded, n_fp = pages.pop() * self.page_size, fp.pop()
-        if (encoded and n_fp < self.sink_tokens) or n_fp + encoded != positions.shape[1]:
-            raise ValueError(f"{n_fp} full-precision and {encoded} coded tokens with {self.sink_tokens} sinks do not "
-                             f"make the {positions.shape[1]} positions given")
-        self.keys, self.values = dict(keys), dict(values)
-        self.positions = dict.fromkeys(sites, positions)
-        self.codes = {name: list(p) for name, p in codes.items()}
-        self.encoded, self.sink_columns = encoded, self.sink_tokens
 
     # -- regions -----------------------------------------------------------------------------------
     @property
@@ -341,40 +322,3 @@ def _select_codes(c: Any, beam_idx: torch.Tensor, page: int) -> Any:
         return t.view(-1, page, *t.shape[1:]).index_select(0, beam_idx.to(t.device)).flatten(0, 1)
 
     return Codes(pick(c.indices), pick(c.sigma) if c.sigma is not None else None)
-
-
-@torch.no_grad()
-def sampled_quantizer(model: torch.nn.Module, ids: torch.Tensor, method: str = "loopvq", *, codebook_size: int = 16,
-                      group_size: int = 16, steps_per_block: int = 4, seed: int = 0) -> KVQuantizer:
-    """A crude quantizer without k-means: each codebook's entries are random group vectors of one
-    full-precision forward over ``ids`` (for tests, smoke runs and byte measurements).
-
-    Layouts are :func:`~loopvq_calib.codes.layouts.plan_layouts`' (no codebook sharing); TaSQ methods get unit
-    channel weights. With ``codebook_size`` >= the number of tokens every group vector of ``ids`` is a
-    codeword, so keys and values are reproduced exactly (non-TaSQ methods).
-    """
-    from ..codes.codec import TasqTransform, gather_groups
-    from ..codes.layouts import plan_layouts
-    from ..codes.objective import teacher
-    from ..config.schema import QuantConfig
-
-    quant = QuantConfig(method=method, bits=None, codebook_size=codebook_size, group_size=group_size,
-                        steps_per_block=steps_per_block)
-    kv = model.kv_layout()
-    fp = teacher(model, ids)
-    gen = torch.Generator().manual_seed(seed)
-    codecs = {}
-    for layout in plan_layouts(kv, quant):
-        src = fp.keys if layout.kind == "key" else fp.values
-        x = torch.stack([src[s].flatten(0, 1) for s in layout.sites], dim=1).float()  # [N, T, H, D]
-        transform = None
-        if quant.uses_tasq and layout.kind == "key":
-            transform = TasqTransform(torch.ones(x.shape[1:], device=x.device))
-            x = transform.forward(x, transform.sigma(x))
-        z = gather_groups(x, layout.groups)  # [N, H, n, G]
-        n = z.shape[0]
-        rows = torch.randperm(n, generator=gen)[:codebook_size]
-        if codebook_size > n:
-            rows = torch.cat([rows, torch.randint(n, (codebook_size - n,), generator=gen)])
-        codecs[layout.key] = BlockCodec(layout, z[rows.to(z.device)].permute(1, 2, 0, 3).contiguous(), transform)
-    return KVQuantizer(codecs, method, codebook_size, group_size, quant.block_steps, "none", kv)

@@ -20,53 +20,35 @@ all its steps, plus TaSQ's fp16 sigma per step) and full-precision pre-RoPE sink
   kernel merges the splits by log-sum-exp (the CUDA kernel merges them itself: the split that finishes last).
   GQA: a program serves the KV head's ``Hq / H`` query heads.
 
-Two implementations: on CUDA, where the site fits it, the CUDA kernel of :mod:`~loopvq_calib.kernels.decode_cuda`
-keeps a head's step tables in shared memory and reads one vector per run of a code (tables in lane order,
-a lane group per token, the query rotated by a recurrence); the
-Triton kernel of :mod:`~loopvq_calib.kernels.decode_triton` reads the tables through the L1 cache, one gather per
-channel, and serves every other call. The Triton kernels need CUDA compute capability 8.0+ or Triton's
-interpreter (``TRITON_INTERPRET=1``, CPU tensors), like ``kmeans_triton``.
+Two implementations, picked by the kernels' dispatch (:mod:`~loopvq_calib.kernels.backends`): on CUDA, where
+the site and the call fit it, the CUDA kernel of :mod:`~loopvq_calib.kernels.decode_cuda` keeps a head's step
+tables in shared memory and reads one vector per run of a code (tables in lane order, a lane group per token,
+the query rotated by a recurrence); the Triton kernel of :mod:`~loopvq_calib.kernels.decode_triton` reads the
+tables through the L1 cache, one gather per channel, and serves every other call. The Triton kernels need CUDA
+compute capability 8.0+ or Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors).
 """
 
 from __future__ import annotations
 
 import math
-import warnings
-from dataclasses import dataclass, field
 
 import torch
 
 from ..codes.codec import BlockCodec, Codes
-from ..kernels.kmeans import _pow2, available
+from ..kernels import decode_cuda
+from ..kernels.backends import DECODE_CHOICES, DISPATCH, Backend, Candidate, pow2
+from ..kernels.cuda_build import BuildError
+from ..kernels.decode_cuda import CudaDecodeLaunch
+from ..kernels.decode_inputs import CodedTokens, FullPrecisionTokens, KernelInputs, StepTables
+from ..kernels.decode_triton import TritonDecodeLaunch, decode_attention_triton
 from ..models.common import apply_rope, pair_channels, rope_angles
 
-LOG2E = 1.4426950408889634
-BACKENDS = ("auto", "cuda", "triton")
+__all__ = ["CodedTokens", "CudaDecodeLaunch", "FullPrecisionTokens", "KernelInputs", "RopeTable", "StepTables",
+           "TritonDecodeLaunch", "channel_codes", "channel_table", "decode_attention", "decode_attention_reference",
+           "kernel_inputs", "step_tables", "table_dtype"]
 VALUE_TERMS = 16  # tokens the CUDA kernel sums per lane in one packed half (tokens per lane group and step, <= 16)
 KEY_TERMS = 8  # products per packed half of the CUDA kernel's key dot product (8 lanes per token: 16 channels)
 QUERY_BOUND = 32.0  # assumed bound of a scaled query channel |q| log2(e) / sqrt(D): |q| up to ~250 at D = 128
-
-
-@dataclass
-class StepTables:
-    """What the kernel reads at one site: codeword values per channel and the code of each channel.
-
-    ``key_a`` / ``key_b`` [H, K, D/2]: the first / second channel of every RoPE pair (``half``: i and i + D/2;
-    ``interleaved``: 2i and 2i+1), divided by TaSQ's weight; ``key_code_a`` / ``key_code_b`` [H, D/2] int32;
-    ``value`` [H, K, D], ``value_code`` [H, D] int32 (key and value tables may differ in dtype); ``tasq``:
-    keys are multiplied by the token's sigma; ``rope_style`` the pairs' convention.
-    """
-
-    key_a: torch.Tensor
-    key_b: torch.Tensor
-    key_code_a: torch.Tensor
-    key_code_b: torch.Tensor
-    value: torch.Tensor
-    value_code: torch.Tensor
-    step: int
-    tasq: bool
-    rope_style: str
-    lanes: dict = field(default_factory=dict, repr=False)  # lanes per token -> decode_cuda.LaneTables or None
 
 
 def channel_codes(codec: BlockCodec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,23 +122,10 @@ class RopeTable:
     def covering(self, positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables of at least ``positions`` rows on ``device``."""
         if self.cos is None or self.cos.shape[0] < positions or self.cos.device != device:
-            n = _pow2(max(positions, 64))
+            n = pow2(max(positions, 64))
             cos, sin = rope_angles(torch.arange(n, device=device)[None], self.head_dim, self.theta)
             self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
         return self.cos, self.sin
-
-
-@dataclass
-class CodedTokens:
-    """One block's coded tokens of a batch: ``key_indices`` [B, >=N, H, nk], ``value_indices`` [B, >=N, H, nv]
-    (uint8 or int32), ``key_sigma`` [B, >=N, T_b] float16 (TaSQ) or None, ``count`` N valid tokens, and
-    ``first_position`` [B] the position of each row's first coded token (the others follow one by one)."""
-
-    key_indices: torch.Tensor
-    value_indices: torch.Tensor
-    key_sigma: torch.Tensor | None
-    count: int
-    first_position: torch.Tensor
 
 
 def decode_attention_reference(
@@ -193,94 +162,40 @@ def decode_attention_reference(
     return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), v)
 
 
-def plan_splits(n_coded: int, heads: int, block_n: int, *, programs: int) -> tuple[int, int]:
-    """(coded splits, tokens per split): at most ``programs`` programs over the KV heads (at least one split
-    each), each split a whole number of ``block_n`` tiles; one (empty) split when nothing is coded."""
-    tiles = -(-n_coded // block_n)
-    if not tiles:
-        return 1, block_n
-    per_split = -(-tiles // max(1, min(tiles, programs // heads))) * block_n
-    return -(-n_coded // per_split), per_split
-
-
-def _programs_for(device: torch.device) -> int:
-    """Multiprocessors on CUDA (programs are planned per multiprocessor)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 0  # the interpreter: one split per row unless asked (tests ask for several)
-
-
-def decode_attention(
-    q: torch.Tensor, tables: StepTables, coded: CodedTokens, *, fp_keys: torch.Tensor, fp_values: torch.Tensor,
-    fp_positions: torch.Tensor, fp_mask: torch.Tensor | None, rope: RopeTable, block_n: int = 16,
-    num_splits: int | None = None, num_warps: int = 4, max_position: int | None = None,
-    programs_per_sm: int = 4, batch_per_program: int = 1, cache_hints: bool = False, backend: str = "auto",
-    warps: int | None = None, tokens_per_iteration: int | None = None, lanes_per_token: int | None = None,
-    key_float32: bool | None = None, rows_per_pass: int | None = None,
-) -> torch.Tensor:
-    """Attention of one query token per sequence over coded and full-precision tokens (the Triton kernels).
+def decode_attention(q: torch.Tensor, tables: StepTables, coded: CodedTokens, *, fp: FullPrecisionTokens,
+                     rope: RopeTable, max_position: int | None = None, backend: Backend | str = Backend.AUTO,
+                     triton: TritonDecodeLaunch = TritonDecodeLaunch(),
+                     cuda: CudaDecodeLaunch = CudaDecodeLaunch()) -> torch.Tensor:
+    """Attention of one query token per sequence over coded and full-precision tokens.
 
     q [B, Hq, D] post-RoPE; ``tables`` from :func:`step_tables` for this site; ``coded`` the block's coded
-    tokens; fp_keys / fp_values [B, S, H, D] pre-RoPE (sinks and window, S >= 1); fp_positions [B, S];
-    fp_mask [B, S] (nonzero = attend) or None. Returns [B, Hq, D] in q's dtype (softmax scale 1/sqrt(D)).
-    ``max_position``: an upper bound of every position (read from the tensors when None: a device sync).
-    Launch shape: ``block_n`` tokens per tile and ``num_warps``; programs are (KV head, split, slice of
-    ``batch_per_program`` sequences), about ``programs_per_sm`` per multiprocessor (``num_splits`` overrides);
-    ``cache_hints``: tables loaded evict-last and the index stream evict-first.
-    ``backend``: ``"cuda"`` the shared-memory kernel of :mod:`~loopvq_calib.kernels.decode_cuda` (``warps`` per
-    block, ``tokens_per_iteration`` per lane group and step, ``lanes_per_token`` 8 or 16, ``key_float32``,
-    ``rows_per_pass`` (most batch rows a block serves at once); defaults from :func:`~loopvq_calib.kernels.decode_cuda.default_launch`; ``num_splits`` per KV head), ``"triton"``
-    the kernel of :mod:`~loopvq_calib.kernels.decode_triton`, ``"auto"`` for CUDA tensors the CUDA kernel where the
-    site and the call fit it (:func:`~loopvq_calib.kernels.decode_cuda.launch` gives a plan) and it builds and launches,
-    else (with a warning once per reason) and for other tensors Triton.
+    tokens; ``fp`` the full-precision tokens (S >= 1). Returns [B, Hq, D] in q's dtype (softmax scale
+    1/sqrt(D)). ``max_position``: an upper bound of every position (read from the tensors when None: a device
+    sync). ``backend``: ``"cuda"`` the shared-memory kernel of :mod:`~loopvq_calib.kernels.decode_cuda`
+    launched with ``cuda``; ``"triton"`` the kernel of :mod:`~loopvq_calib.kernels.decode_triton` launched with
+    ``triton``; ``"auto"``: for CUDA tensors the CUDA kernel where the site and the call fit it
+    (:func:`~loopvq_calib.kernels.decode_cuda.launch` gives a plan) and it builds and launches, else (with a
+    warning once per reason) and for other tensors Triton.
     """
     bsz, hq, d = q.shape
-    heads, k = tables.value.shape[0], tables.value.shape[1]
+    heads = tables.value.shape[0]
     if hq % heads or d % 2:
         raise ValueError(f"need query heads ({hq}) a multiple of KV heads ({heads}) and an even head dim ({d})")
-    if fp_keys.shape[1] < 1:
+    if fp.keys.shape[1] < 1:
         raise ValueError("decode attention needs at least one full-precision token (the new one)")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     n = coded.count
     if max_position is None:
-        max_position = max(int(coded.first_position.max()) + n if n else 0, int(fp_positions.max()))
+        max_position = max(int(coded.first_position.max()) + n if n else 0, int(fp.positions.max()))
     if tables.tasq and n and coded.key_sigma is None:
         raise ValueError("TaSQ key tables need the coded tokens' key_sigma")
-    if backend == "cuda" or (backend == "auto" and _on_cuda(q)):
-        out = _cuda_attention(q, tables, coded, fp_keys=fp_keys, fp_values=fp_values, fp_positions=fp_positions, fp_mask=fp_mask, rope=rope, max_position=max_position,
-                              backend=backend, warps=warps, tokens=tokens_per_iteration, lanes_per_token=lanes_per_token, num_splits=num_splits, key_float32=key_float32,
-                              rows=rows_per_pass)
-        if out is not None:
-            return out
-    slices = -(-bsz // batch_per_program)
-    programs = num_splits * heads if num_splits else _programs_for(q.device) * programs_per_sm // slices
-    splits, per_split = plan_splits(n, heads, block_n, programs=programs)
-    inputs = kernel_inputs(q, tables, coded, fp_positions=fp_positions, fp_mask=fp_mask, rope=rope, rows=max_position + 1 + block_n)
-    kidx, vidx, sig, fk, fv = coded.key_indices, coded.value_indices, inputs.sigma, fp_keys, fp_values
-    qg = hq // heads
-    acc = torch.empty(bsz, hq, splits + 1, d, device=q.device, dtype=torch.float32)
-    ml = torch.empty(bsz, hq, splits + 1, 2, device=q.device, dtype=torch.float32)
-    if not available(q.device):
-        raise RuntimeError(f"the decode-attention kernels need triton and a CUDA GPU of compute capability 8.0+, "
-                           f"or TRITON_INTERPRET=1 for CPU tensors; got device {q.device}")
-    from ..kernels.decode_triton import _split_kernel
 
-    _split_kernel[(heads, splits + 1, slices)](
-        inputs.q, kidx, vidx, sig, tables.key_a, tables.key_b, tables.key_code_a, tables.key_code_b, tables.value,
-        tables.value_code, inputs.first, inputs.cos, inputs.sin, fk, fv, inputs.fp_positions, inputs.fp_mask, acc, ml,
-        bsz, batch_per_program, n, fk.shape[1], per_split, LOG2E / math.sqrt(d),
-        kidx.stride(0), kidx.stride(1), kidx.stride(2), vidx.stride(0), vidx.stride(1), vidx.stride(2),
-        sig.stride(0), sig.stride(1), fk.stride(0), fk.stride(1), fk.stride(2), fv.stride(0), fv.stride(1),
-        fv.stride(2), inputs.fp_positions.stride(0),
-        H=heads, QG=qg, QGP=_pow2(qg), D=d, K=k, HALF=tables.rope_style == "half", TASQ=tables.tasq, STEP=tables.step, HAS_MASK=fp_mask is not None, BLOCK_N=block_n,
-        DP=_pow2(d), TABLE_EVICT="evict_last" if cache_hints else "", STREAM_EVICT="evict_first" if cache_hints else "",
-        num_warps=num_warps,
-    )
-    return _merged(acc, ml, q.dtype)
+    def run_triton() -> torch.Tensor:
+        inputs = kernel_inputs(q, tables, coded, fp=fp, rope=rope, rows=max_position + 1 + triton.block_n)
+        return decode_attention_triton(inputs, tables, coded, fp=fp, launch=triton)
 
-
-_WARNED: set[str] = set()  # fallbacks to the Triton kernel already warned about in this process
+    candidates = [_CudaCall(q, tables, coded, fp=fp, rope=rope, max_position=max_position, settings=cuda).candidate(),
+                  Candidate(Backend.TRITON, "the Triton decode kernel", run=run_triton)]
+    return DISPATCH.run(backend, candidates, what="decode attention", choices=DECODE_CHOICES, device=q.device)
 
 
 def _on_cuda(q: torch.Tensor) -> bool:
@@ -288,74 +203,49 @@ def _on_cuda(q: torch.Tensor) -> bool:
     return q.device.type == "cuda"
 
 
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, stacklevel=4)  # the caller of decode_attention
+class _CudaCall:
+    """One call's CUDA-kernel candidate: the site's lane tables and the launch plan worked out once (its
+    ``unfit``), then the launch (its ``run``; a failed build or launch is a BuildError, and a failed launch
+    keeps the site off the CUDA kernel)."""
 
+    def __init__(self, q: torch.Tensor, tables: StepTables, coded: CodedTokens, *, fp: FullPrecisionTokens,
+                 rope: RopeTable, max_position: int, settings: CudaDecodeLaunch) -> None:
+        self.q, self.tables, self.coded, self.fp, self.rope = q, tables, coded, fp, rope
+        self.max_position, self.settings = max_position, settings
+        self.lanes = self.plan = None
 
-def _cuda_attention(q: torch.Tensor, tables: StepTables, coded: CodedTokens, *, fp_keys: torch.Tensor,
-                    fp_values: torch.Tensor, fp_positions: torch.Tensor, fp_mask: torch.Tensor | None, rope: RopeTable,
-                    max_position: int, backend: str, warps: int | None, tokens: int | None, lanes_per_token: int | None,
-                    num_splits: int | None, key_float32: bool | None, rows: int | None) -> torch.Tensor | None:
-    """The CUDA kernel's output, or None when the Triton kernel serves the call (``auto``: with a warning, once per
-    reason, when the kernel refuses it, fails to build or fails to launch); ``backend="cuda"`` raises instead.
-    The launch plan is worked out once (:func:`~loopvq_calib.kernels.decode_cuda.launch`) and handed to the launch."""
-    from ..kernels import decode_cuda
+    def candidate(self) -> Candidate:
+        return Candidate(Backend.CUDA, "the CUDA decode kernel", auto=_on_cuda(self.q),
+                         unfit=self.unfit, run=self.run, fails_with=(BuildError,))
 
-    lanes = decode_cuda.site_lanes(tables, q.shape[1] // tables.value.shape[0], lanes_per_token)
-    plan = decode_cuda.launch(lanes, q, fp_keys, fp_values=fp_values, coded=coded, warps=warps, tokens=tokens, rows=rows, num_splits=num_splits, key_float32=key_float32)
-    if isinstance(plan, str):
-        reason = plan
-        if backend == "cuda":
-            raise RuntimeError(f"the CUDA decode kernel does not take this call: {reason}")
-        _warn_once(f"CUDA decode kernel skipped ({reason}); using the Triton kernel")
-        return None
-    inputs = kernel_inputs(q, tables, coded, fp_positions=fp_positions, fp_mask=fp_mask, rope=rope,
-                           rows=decode_cuda.rope_rows(max_position, lanes.lanes))
-    try:
-        return decode_cuda.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fp_keys, fp_values=fp_values, plan=plan)
-    except decode_cuda.BuildError as err:  # no NVRTC, a failed build or launch: the Triton kernel serves
-        if backend == "cuda":
+    def unfit(self) -> str:
+        """Why the kernel does not take this call ('' when it does: the plan is kept for :meth:`run`)."""
+        query_groups = self.q.shape[1] // self.tables.value.shape[0]
+        self.lanes = decode_cuda.site_lanes(self.tables, query_groups, self.settings.lanes_per_token)
+        plan = decode_cuda.launch(self.lanes, self.q, self.fp.keys, fp_values=self.fp.values, coded=self.coded,
+                                  settings=self.settings)
+        if isinstance(plan, str):
+            return plan
+        self.plan = plan
+        return ""
+
+    def run(self) -> torch.Tensor:
+        inputs = kernel_inputs(self.q, self.tables, self.coded, fp=self.fp, rope=self.rope,
+                               rows=decode_cuda.rope_rows(self.max_position, self.lanes.lanes))
+        try:
+            return decode_cuda.decode_attention_cuda(inputs, self.tables, self.lanes, coded=self.coded,
+                                                     fp_keys=self.fp.keys, fp_values=self.fp.values, plan=self.plan)
+        except decode_cuda.LaunchError:
+            self.tables.lanes[self.lanes.lanes] = None  # this site does not try the kernel again
             raise
-        _warn_once(f"CUDA decode kernel unavailable ({err}); using the Triton kernel")
-        tables.lanes[lanes.lanes] = None
-        return None
 
 
-@dataclass
-class KernelInputs:
-    """What both kernels read besides the tables, in the dtypes they read: ``q`` contiguous, ``first`` [B]
-    int32 (first coded position of each row), ``fp_positions`` [B, S] int32, ``fp_mask`` [B, S] int8 (or the
-    positions again when there is no mask: never read; ``masked`` says which), ``sigma`` (TaSQ's fp16 sigmas, or a stand-in tensor
-    when unread), ``cos`` / ``sin`` the RoPE table covering every position read."""
-
-    q: torch.Tensor
-    first: torch.Tensor
-    fp_positions: torch.Tensor
-    fp_mask: torch.Tensor
-    sigma: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    masked: bool
-
-
-def kernel_inputs(q: torch.Tensor, tables: StepTables, coded: CodedTokens, *, fp_positions: torch.Tensor,
-                  fp_mask: torch.Tensor | None, rope: RopeTable, rows: int) -> KernelInputs:
-    """The inputs of :class:`KernelInputs` for one call; the RoPE table covers at least ``rows`` positions."""
+def kernel_inputs(q: torch.Tensor, tables: StepTables, coded: CodedTokens, *, fp: FullPrecisionTokens,
+                  rope: RopeTable, rows: int) -> KernelInputs:
+    """The :class:`KernelInputs` of one call; the RoPE table covers at least ``rows`` positions."""
     cos, sin = rope.covering(rows, q.device)
-    fpos = fp_positions.to(torch.int32).contiguous()
+    fpos = fp.positions.to(torch.int32).contiguous()
     return KernelInputs(
         q.contiguous(), coded.first_position.to(device=q.device, dtype=torch.int32).contiguous(), fpos,
-        fp_mask.to(torch.int8).contiguous() if fp_mask is not None else fpos,
-        coded.key_sigma if tables.tasq and coded.count else cos, cos, sin, fp_mask is not None)
-
-
-def _merged(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Log-sum-exp merge of the splits: acc [B, Hq, S, D], ml [B, Hq, S, 2] (max, sum) -> [B, Hq, D]."""
-    from ..kernels.decode_triton import _merge_kernel
-
-    bsz, hq, splits, d = acc.shape
-    out = torch.empty(bsz, hq, d, device=acc.device, dtype=dtype)
-    _merge_kernel[(bsz * hq,)](acc, ml, out, S=splits, SP=_pow2(splits), D=d, DP=_pow2(d), num_warps=4)
-    return out
+        fp.mask.to(torch.int8).contiguous() if fp.mask is not None else fpos,
+        coded.key_sigma if tables.tasq and coded.count else cos, cos, sin, fp.mask is not None)

@@ -10,13 +10,9 @@ from typing import Any
 import torch
 
 from ..codes.codec import Codes
-from .decode_attention import (
-    CodedTokens,
-    RopeTable,
-    StepTables,
-    decode_attention,
-    step_tables,
-)
+from ..kernels.backends import Backend
+from ..kernels.decode_inputs import CodedTokens, FullPrecisionTokens, StepTables
+from .decode_attention import RopeTable, decode_attention, step_tables
 
 
 class CodeBuffer:
@@ -106,7 +102,7 @@ class KernelState:
             self._largest = max(self._largest, int(ctx.positions.max()))
         return self._largest
 
-    def _token_positions(self, cache: Any, site: int, ctx: Any):
+    def _token_positions(self, cache: Any, site: int, ctx: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The first coded position, the full-precision tokens' positions and their mask column, in the
         kernels' dtypes (int32, int32, int8): the same at every site of one forward (every site holds the same
         tokens), so built and converted once per forward."""
@@ -121,8 +117,9 @@ class KernelState:
             self._tokens = (ctx, n, first, fp_pos, fp_mask)
         return self._tokens[2:]
 
-    def attend(self, cache: Any, site: int, q: torch.Tensor, *, ctx: Any) -> torch.Tensor:
-        """Attention of q [B, Hq, D] (post-RoPE) over the cache's tokens at ``site`` (the new token appended)."""
+    def attend(self, cache: Any, site: int, q: torch.Tensor, *, ctx: Any, backend: Backend) -> torch.Tensor:
+        """Attention of q [B, Hq, D] (post-RoPE) over the cache's tokens at ``site`` (the new token appended),
+        through ``backend``'s decode kernel (``auto``: the decode dispatch's choice)."""
         if self.rope is None:
             self.rope = RopeTable(self.head_dim, self.rope_theta)
         names = cache.codec_of[site]
@@ -141,5 +138,6 @@ class KernelState:
         else:
             empty = torch.zeros(bsz, 1, 1, 1, dtype=torch.uint8, device=q.device)
             coded = CodedTokens(empty, empty, None, 0, first)
-        return decode_attention(q, self.tables[site], coded, fp_keys=cache.keys[site], fp_values=cache.values[site], fp_positions=fp_pos, fp_mask=fp_mask,
-                                rope=self.rope, max_position=self._max_position(ctx))
+        fp = FullPrecisionTokens(cache.keys[site], cache.values[site], fp_pos, fp_mask)
+        return decode_attention(q, self.tables[site], coded, fp=fp, rope=self.rope, max_position=self._max_position(ctx),
+                                backend=backend)

@@ -1,5 +1,6 @@
 """benchmarks/bench_decode_model.py at a tiny scale (Ouro-1.4B scaled down 16x: 1 layer x 4 loops, one KV head of 128):
-the JSON it writes, its table, and that the synthetic fill is what the coded cache serves."""
+the JSON it writes, its table, that the synthetic fill is what the coded cache serves, and fill_cache against a
+prefill."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, load_script
+from conftest import ROOT, load_script, make_tiny_ouro
+from support.quantizers import sampled_quantizer
 
 from loopvq_calib.codes.codec import Codes
 from loopvq_calib.serving.cache import QuantizedLoopKVCache
@@ -80,13 +82,12 @@ def test_random_fill_is_what_the_cache_serves_and_the_check_sees_a_wrong_one(tin
     whose pages are put in another order."""
     serving = bdm.Serving(sink_tokens=8, recent_window=16, page_size=8)
     kv = tiny_model.kv_layout()
-    q = bdm.synthetic_quantizer(kv, "tasq+loopvq", 256, 16, 4, DEVICE)
+    q = bdm.synthetic_quantizer(kv, "tasq+loopvq", codebook_size=256, group_size=16, steps_per_block=4, device=DEVICE)
     assert q.codecs["key.b0.l0"].layout.groups.shape == (1, 32, 16)  # one head: a per-head permutation of 512
     assert sorted(q.codecs["key.b0.l0"].layout.groups.flatten().tolist()) == list(range(512))
     gen = torch.Generator(DEVICE).manual_seed(0)
-    contents = bdm.random_contents(q, serving, 75, 2, DEVICE, gen)
-    cache = QuantizedLoopKVCache(q, **dataclasses.asdict(serving), kernel="torch")
-    cache.fill(**contents)
+    contents = bdm.random_contents(q, serving, 75, batch=2, device=DEVICE, gen=gen)
+    cache = bdm.fill_cache(QuantizedLoopKVCache(q, **dataclasses.asdict(serving), backend="torch"), **contents)
     assert cache.regions() == {"sink": 8, "encoded": 48, "window": 19} and cache.get_seq_length() == 75
     ids = torch.randint(0, 4096, (2, 1), device=DEVICE, generator=gen)
     with torch.inference_mode():
@@ -113,16 +114,15 @@ class DoubledValues(QuantizedLoopKVCache):
 def test_site_check_follows_the_reference_and_measures_each_site(tiny_model, served_cls):
     """The per-site check's logits are a plain reference-cache decode's, bit for bit, whatever the served cache
     returns (teacher forcing); one error per KV site in site order: 0 when served is the reference path (both
-    ``kernel="torch"``), exactly 1 at every site when served doubles the values (not compounded over sites)."""
+    ``backend="torch"``), exactly 1 at every site when served doubles the values (not compounded over sites)."""
     serving = bdm.Serving(sink_tokens=8, recent_window=16, page_size=8)
-    q = bdm.synthetic_quantizer(tiny_model.kv_layout(), "loopvq", 256, 16, 4, DEVICE)
-    contents = bdm.random_contents(q, serving, 75, 2, DEVICE, torch.Generator(DEVICE).manual_seed(1))
+    q = bdm.synthetic_quantizer(tiny_model.kv_layout(), "loopvq", codebook_size=256, group_size=16, steps_per_block=4,
+                                device=DEVICE)
+    contents = bdm.random_contents(q, serving, 75, batch=2, device=DEVICE, gen=torch.Generator(DEVICE).manual_seed(1))
     ids = torch.randint(0, 4096, (2, 1), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(2))
 
     def filled(cls):
-        cache = cls(q, **dataclasses.asdict(serving), kernel="torch")
-        cache.fill(**contents)
-        return cache
+        return bdm.fill_cache(cls(q, **dataclasses.asdict(serving), backend="torch"), **contents)
 
     site = bdm.SiteCheckCache(filled(served_cls), filled(QuantizedLoopKVCache))
     with torch.inference_mode():
@@ -159,6 +159,38 @@ def test_site_check_through_the_triton_kernel(tmp_path):
         assert len(c["site_relative_errors"]) == 4 and 1e-4 < min(c["site_relative_errors"])
         assert c["site_relative_error_max"] < (1e-2 if DEVICE.type == "cpu" else 2e-2)  # GPU: the CUDA kernel
         assert f"{c['method']}: per-site relative error (served by kernel) max" in code.stdout
+
+
+def test_fill_gives_the_state_a_prefill_leaves():
+    """A fresh cache filled with a prefilled cache's sinks/window, positions and pages decodes the same logits at
+    every following step (pages encoded on the way), with the same regions; a used cache, missing sites, uneven
+    pages or tokens that do not add up to the positions are refused."""
+    model = make_tiny_ouro()
+    prompt = torch.randint(0, 4096, (2, 37), generator=torch.Generator().manual_seed(5))
+    q = sampled_quantizer(model, prompt, "tasq+loopvq", codebook_size=16, group_size=8, steps_per_block=4)
+    serving = dict(sink_tokens=4, recent_window=8, page_size=8)
+    prefilled = QuantizedLoopKVCache(q, **serving)
+    out = model(prompt, cache=prefilled, use_cache=True)
+    positions = prefilled.positions[min(prefilled.positions)]
+    state = dict(keys=dict(prefilled.keys), values=dict(prefilled.values), positions=positions,
+                 codes={name: list(pages) for name, pages in prefilled.codes.items()})
+    filled = bdm.fill_cache(QuantizedLoopKVCache(q, **serving), **state)
+    assert filled.regions() == prefilled.regions() == {"sink": 4, "encoded": 24, "window": 9}
+    ids = out.logits[:, -1:].argmax(-1)
+    for _ in range(9):  # one more page encoded in both
+        a, b = (model(ids, cache=c, use_cache=True).logits[:, -1] for c in (prefilled, filled))
+        assert torch.equal(a, b)
+        ids = a[:, None].argmax(-1)
+    assert filled.regions() == prefilled.regions() and filled.encoded == 32
+    with pytest.raises(ValueError, match="fill_cache needs an empty cache"):
+        bdm.fill_cache(filled, **state)
+    with pytest.raises(ValueError, match="every KV site"):
+        bdm.fill_cache(QuantizedLoopKVCache(q, **serving), **{**state, "keys": {0: state["keys"][0]}})
+    uneven = {**state["codes"], next(iter(state["codes"])): state["codes"][next(iter(state["codes"]))][:1]}
+    with pytest.raises(ValueError, match="same number of pages"):
+        bdm.fill_cache(QuantizedLoopKVCache(q, **serving), **{**state, "codes": uneven})
+    with pytest.raises(ValueError, match="do not make the 36 positions"):
+        bdm.fill_cache(QuantizedLoopKVCache(q, **serving), **{**state, "positions": positions[:, 1:]})
 
 
 def test_table_says_when_the_bf16_cache_does_not_fit():

@@ -1,4 +1,4 @@
-"""The CUDA decode kernel's launch (loopvq_calib/decode_cuda.py): rows per pass, the launch plan at Ouro shapes,
+"""The CUDA decode kernel's launch (kernels/decode_cuda.py): rows per pass, the launch plan at Ouro shapes,
 the key table's dtype and the tokens per step, the calls it refuses (build failures, devices, 32-bit offsets, shared
 memory), plan checks, the split counters and the launch's device and stream. CPU only: plans need shapes and
 strides (meta tensors); the kernel itself is checked in test_decode_attention_cuda.py, its lane tables in
@@ -15,39 +15,26 @@ import pytest
 import torch
 from support.decode import dispatch_case, head_major, make_codecs, make_inputs
 
-from loopvq_calib.kernels import decode_cuda as dc, decode_lanes as dl
+from loopvq_calib.kernels import cuda_build, decode_cuda as dc, decode_lanes as dl
+from loopvq_calib.kernels.backends import BackendUnavailable
 from loopvq_calib.serving import decode_attention as da
 
 
-def test_a_failed_build_is_remembered_and_named(monkeypatch):
-    """A failed NVRTC build raises BuildError naming the kernel and its constants, is kept in BUILD_FAILED (so
-    later calls go to Triton without compiling again), and backend='cuda' then says so."""
-    def broken(*args, **kwargs):
-        raise RuntimeError("nvrtc: error: broken on purpose")
-
-    monkeypatch.setattr(dc, "BUILD_FAILED", [])
-    monkeypatch.setattr(torch.cuda, "_compile_kernel", broken, raising=False)
-    monkeypatch.setattr(torch.cuda, "device", lambda index: __import__("contextlib").nullcontext())
-    with pytest.raises(dc.BuildError, match="broken on purpose") as err:
-        dc._compiled((("D", 64), ("TASQ", 1)), 0, 0)
-    assert dc.KERNEL in str(err.value) and "'TASQ': 1" in str(err.value) and dc.BUILD_FAILED == [err.value]
-    kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
-    coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
-    tables = da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16)
-    with pytest.raises(RuntimeError, match="an earlier build failed: .*broken on purpose"):
-        da.decode_attention(q, tables, coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=None, rope=da.RopeTable(64, 1e4), backend="cuda")
+@pytest.fixture
+def builds(monkeypatch) -> cuda_build.CudaBuilds:
+    """A fresh record of NVRTC builds for the test (no earlier failure, no counters)."""
+    fresh = cuda_build.CudaBuilds()
+    monkeypatch.setattr(cuda_build, "BUILDS", fresh)
+    return fresh
 
 
-def test_launch_checks_what_the_kernel_reads(monkeypatch):
+def test_launch_checks_what_the_kernel_reads(builds, monkeypatch):
     """The CUDA path is taken only when the kernel can read every tensor as it assumes: one-byte key AND value
     indices stored head-major, fp16 TaSQ sigmas, unit inner strides, tables and buffers within shared memory
-    (checked here with a stand-in CUDA query on the CPU)."""
-    from types import SimpleNamespace
-
+    (checked here with a stand-in CUDA query on the CPU), and never after a failed build."""
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
     lanes = dl.lane_tables(da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16), 8)
-    monkeypatch.setattr(dc, "BUILD_FAILED", [])
     monkeypatch.setattr(torch.cuda, "_compile_kernel", lambda *a, **k: None, raising=False)
     limit = SimpleNamespace(shared_memory_per_block_optin=228 * 1024, multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: limit)
@@ -55,7 +42,8 @@ def test_launch_checks_what_the_kernel_reads(monkeypatch):
     u8 = SimpleNamespace(key_indices=head_major(coded.key_indices.to(torch.uint8)),
                          value_indices=head_major(coded.value_indices.to(torch.uint8)), key_sigma=None, count=coded.count)
     def fits(coded, fk=fk, tokens=None) -> bool:
-        return isinstance(dc.launch(lanes, cuda_q, fk, fp_values=fv, coded=coded, warps=8, tokens=tokens), dc.LaunchPlan)
+        settings = dc.CudaDecodeLaunch(warps=8, tokens_per_iteration=tokens)
+        return isinstance(dc.launch(lanes, cuda_q, fk, fp_values=fv, coded=coded, settings=settings), dc.LaunchPlan)
 
     assert fits(u8)
     assert not fits(SimpleNamespace(**{**vars(u8), "value_indices": u8.value_indices.int()}))
@@ -69,7 +57,7 @@ def test_launch_checks_what_the_kernel_reads(monkeypatch):
     assert not fits(u8, tokens=8)
     limit.shared_memory_per_block_optin = need
     assert fits(u8, tokens=8)
-    dc.BUILD_FAILED.append(dc.BuildError("earlier"))
+    builds.failure = cuda_build.BuildError("earlier")
     assert not fits(u8)
 
 
@@ -85,13 +73,13 @@ def test_large_batches_and_buffers_are_refused_only_where_32_bit_offsets_overflo
                                      (1, 2**22 - 1, False), (1, 2**22, True), (2, 2**23, True)):
         idx = torch.empty(batch, 16, capacity, 32, dtype=torch.uint8, device="meta").transpose(1, 2)  # CodeBuffer's
         coded = SimpleNamespace(key_indices=idx, value_indices=idx, key_sigma=None, count=capacity - 100)
-        reason = dc.plan_launch(lanes, q[:batch], fk[:batch], fp_values=fk[:batch], coded=coded, warps=None, tokens=None, rows=None, num_splits=None, key_float32=None,
+        reason = dc.plan_launch(lanes, q[:batch], fk[:batch], fp_values=fk[:batch], coded=coded, settings=dc.CudaDecodeLaunch(),
                                 shared_limit=227 * 1024, sms=1)
         assert isinstance(reason, str) == refused, (batch, capacity, reason)
         assert idx.stride(0) == 16 * capacity * 32 and (idx.stride(0) > dc.INT32_MAX) == refused
         if refused:
             assert "stride beyond 2**31 - 1" in reason
-    assert dc.plan_launch(None, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=None, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=1).startswith(
+    assert dc.plan_launch(None, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=1).startswith(
         "the site has no lane tables")
 
 
@@ -109,14 +97,12 @@ def test_rope_rows_cover_every_anchor_read():
     assert dc.rope_rows(first + n - 1, 8) > 2**16
 
 
-def test_the_launch_runs_on_the_query_device_and_its_stream(monkeypatch):
+def test_the_launch_runs_on_the_query_device_and_its_stream(builds, monkeypatch):
     """decode_attention_cuda launches inside torch.cuda.device(q.device) on that device's current stream, and
     turns a launch's RuntimeError into LaunchError (stand-ins for the CUDA runtime, CPU tensors)."""
-    import contextlib
-
     tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
     lanes = dc.site_lanes(tables, 1, 16)
-    inputs = da.kernel_inputs(q, tables, coded, fp_positions=fpos, fp_mask=mask, rope=da.RopeTable(64, 1e4), rows=64)
+    inputs = da.kernel_inputs(q, tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos, mask), rope=da.RopeTable(64, 1e4), rows=64)
     entered, launches = [], []
 
     @contextlib.contextmanager
@@ -135,7 +121,7 @@ def test_the_launch_runs_on_the_query_device_and_its_stream(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d: ("stream of", d))
-    monkeypatch.setattr(dc, "_compiled", lambda defines, shared, index: kernel)
+    monkeypatch.setattr(cuda_build, "build_kernel", lambda source, name, *, shared, device: kernel)
     monkeypatch.setattr(dc, "launch", lambda *args, **kwargs: dc.plan_launch(*args, **kwargs, shared_limit=227 * 1024, sms=4))  # CPU q: no CUDA check
     dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv)
     assert launches == [([q.device], ("stream of", q.device))] and entered[-1] == "left"
@@ -163,7 +149,7 @@ def test_launch_plan_at_ouro_shapes():
         idx = torch.empty(batch, 16, n, 32, dtype=torch.uint8, device="meta").transpose(1, 2)
         coded = SimpleNamespace(key_indices=idx, value_indices=idx, key_sigma=None, count=n)
         q = torch.empty(batch, 16, 128, dtype=torch.bfloat16, device="meta")
-        plan = dc.plan_launch(lanes, q, fk[:batch], fp_values=fk[:batch], coded=coded, warps=None, tokens=None, rows=None, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=132)
+        plan = dc.plan_launch(lanes, q, fk[:batch], fp_values=fk[:batch], coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132)
         assert (plan.warps, plan.tokens, plan.rows, plan.splits) == (16, 16, rows, splits), (batch, n, plan)
         assert plan.split_len == -(-n // splits) and not plan.key_float32
         # fp16 tables (2 x 64 KiB), 16 warps x 2 buffers x 32 tokens x 64 index bytes, queries, weights, channel maps
@@ -185,12 +171,12 @@ def test_default_rows_give_way_to_a_float32_key_table():
     q = torch.empty(8, 16, 128, dtype=torch.bfloat16, device="meta")
     tables = 128 * 256 * 4 + 128 * 256 * 2
     assert dc.launch_shared(lanes, coded, 16, query_groups=1, tokens=16, key_dtype=torch.float32) == tables + 16 * 2 * 32 * 64 + 512 + 2048 + 1024
-    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=None, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=132)
+    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132)
     assert (plan.tokens, plan.rows, plan.key_float32) == (8, 2, True)
     assert plan.shared == tables + 16 * 2 * 16 * 64 + 2 * 128 * 4 + 16 * 16 * 4 + 2 * 128 * 4 <= 227 * 1024
-    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=8, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=132)
+    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(rows_per_pass=8), shared_limit=227 * 1024, sms=132)
     assert (plan.tokens, plan.rows, plan.key_float32) == (16, 8, False)
-    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=16, rows=None, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=132)
+    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(tokens_per_iteration=16), shared_limit=227 * 1024, sms=132)
     assert (plan.tokens, plan.rows, plan.key_float32) == (16, 8, False)  # 16 tokens asked for: no fp32 table
 
 
@@ -215,10 +201,10 @@ def test_default_rows_are_lowered_until_a_gqa_call_fits():
     def need(rows):  # fp16 tables, merge area (larger than the stages), queries, weights, channel maps
         return 2 * 128 * 256 * 2 + 8 * 16 * 130 * 4 + rows * 16 * 128 * 4 + 8 * 16 * 8 * 4 + 2 * 128 * 4
     assert need(8) == 268288 and need(4) > limit >= need(2)
-    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=None, num_splits=None, key_float32=None, shared_limit=limit, sms=132)
+    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=limit, sms=132)
     assert (plan.warps, plan.tokens, plan.rows, plan.key_float32, plan.shared) == (8, 4, 2, False, need(2))
     assert plan.splits == 132 // 4
-    assert isinstance(dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=4, num_splits=None, key_float32=None, shared_limit=limit, sms=132), str)
+    assert isinstance(dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(rows_per_pass=4), shared_limit=limit, sms=132), str)
 
 
 def test_rows_are_kept_when_a_float32_key_table_fits_at_no_rows():
@@ -231,7 +217,7 @@ def test_rows_are_kept_when_a_float32_key_table_fits_at_no_rows():
     def need(key_bytes, rows):  # tables, merge area, queries, weights, channel maps
         return 128 * 256 * (key_bytes + 2) + 8 * 8 * 130 * 4 + rows * 8 * 128 * 4 + 8 * 8 * 8 * 4 + 2 * 128 * 4
     assert need(4, 1) == 237056 > limit >= need(2, 8)
-    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=None, num_splits=None, key_float32=None, shared_limit=limit, sms=132)
+    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=limit, sms=132)
     assert (plan.rows, plan.key_float32, plan.shared) == (8, False, need(2, 8))
 
 
@@ -242,30 +228,30 @@ def test_a_float32_key_table_asked_for_is_refused_where_it_does_not_fit():
     lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
     limit = 227 * 1024
     need = 128 * 256 * (4 + 2) + 16 * 2 * 16 * 64 + 2 * 128 * 4 + 16 * 16 * 4 + 2 * 128 * 4  # at 2 rows
-    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=2, num_splits=None, key_float32=True, shared_limit=limit, sms=132)
+    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(rows_per_pass=2, key_float32=True), shared_limit=limit, sms=132)
     assert (plan.tokens, plan.rows, plan.key_float32, plan.shared) == (8, 2, True, need) and need == limit
-    reason = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=8, num_splits=None, key_float32=True, shared_limit=limit, sms=132)
+    reason = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(rows_per_pass=8, key_float32=True), shared_limit=limit, sms=132)
     at16 = need + 6 * 128 * 4 + 16 * 2 * 16 * 64 + 16 * 16 * 4  # 8 rows, 16 tokens: more stages and weights
     assert reason == f"a float32 key table needs {at16} bytes of shared memory, {limit} available"
-    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=None, num_splits=None, key_float32=True, shared_limit=limit, sms=132)
+    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(key_float32=True), shared_limit=limit, sms=132)
     assert (plan.tokens, plan.rows, plan.key_float32) == (8, 2, True)  # default tokens and rows give way
 
 
 def test_zero_rows_warps_or_tokens_are_refused_not_taken_for_the_default():
     lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
     with pytest.raises(ValueError, match="rows per pass must be at least 1, got 0"):
-        dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=0, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=132)
+        dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(rows_per_pass=0), shared_limit=227 * 1024, sms=132)
     for warps, tokens in ((0, None), (None, 0)):
         with pytest.raises(ValueError, match="tokens_per_iteration must be"):
-            dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=warps, tokens=tokens, rows=None, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=132)
+            dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(warps=warps, tokens_per_iteration=tokens), shared_limit=227 * 1024, sms=132)
 
 
-def test_a_given_plan_is_launched_as_is(monkeypatch):
+def test_a_given_plan_is_launched_as_is(builds, monkeypatch):
     """decode_attention_cuda with a plan (the dispatch's, from decode_cuda.launch) does not work it out again:
     no device query, the plan's grid, block, shared memory and rows per pass."""
     tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
     lanes = dc.site_lanes(tables, 1, 16)
-    inputs = da.kernel_inputs(q, tables, coded, fp_positions=fpos, fp_mask=mask, rope=da.RopeTable(64, 1e4), rows=64)
+    inputs = da.kernel_inputs(q, tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos, mask), rope=da.RopeTable(64, 1e4), rows=64)
     launches = []
 
     def no_query(device):
@@ -275,34 +261,40 @@ def test_a_given_plan_is_launched_as_is(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(dc, "_compiled", lambda defines, shared, index: lambda **kw: launches.append((defines, kw)))
+    def build(source, name, *, shared, device):
+        constants = source[:source.index(dc.kernel_source())].splitlines()  # the #defines put before the source
+        defines = dict(line.split()[1:] for line in constants)
+        return lambda **kw: launches.append((defines, kw))
+
+    monkeypatch.setattr(cuda_build, "build_kernel", build)
     plan = dc.LaunchPlan(warps=4, tokens=2, rows=2, splits=3, split_len=7, key_float32=False, shared=12345)
     out = dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv, plan=plan)
     (defines, kw), = launches
     assert kw["grid"] == (tables.value.shape[0], 3, 1) and kw["block"] == (128, 1, 1) and kw["shared_mem"] == 12345
     acc, ml, counters, written = kw["args"][17:21]
-    assert dict(defines)["RPB"] == 2 and dict(defines)["U"] == 2 and acc.shape[2] == ml.shape[2] == 3
+    assert defines["RPB"] == "2" and defines["U"] == "2" and acc.shape[2] == ml.shape[2] == 3
     assert written is out and out.shape == q.shape and out.dtype == q.dtype
     assert counters.dtype == torch.int32 and counters.numel() >= 2 * 2 and not counters.any()
 
 
-def test_a_hand_made_plan_is_checked_and_no_plan_goes_through_launch(monkeypatch):
+def test_a_hand_made_plan_is_checked_and_no_plan_goes_through_launch(builds, monkeypatch):
     """A plan whose rows do not divide its warps, or a plan next to launch arguments it would silently override,
     raises ValueError before any build; without a plan, launch()'s refusals (a CPU query, an earlier failed
     build) raise LaunchError."""
     tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
     lanes = dc.site_lanes(tables, 1, 16)
-    inputs = da.kernel_inputs(q, tables, coded, fp_positions=fpos, fp_mask=mask, rope=da.RopeTable(64, 1e4), rows=64)
-    monkeypatch.setattr(dc, "_compiled", lambda *args: pytest.fail("built despite a bad plan"))
+    inputs = da.kernel_inputs(q, tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos, mask), rope=da.RopeTable(64, 1e4), rows=64)
+    monkeypatch.setattr(cuda_build, "build_kernel", lambda *args, **kwargs: pytest.fail("built despite a bad plan"))
     plan = dc.LaunchPlan(warps=16, tokens=8, rows=3, splits=2, split_len=11, key_float32=False, shared=0)
     with pytest.raises(ValueError, match=r"rows per pass \(3\) must divide its warps \(16\)"):
         dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv, plan=plan)
     plan = dc.LaunchPlan(warps=16, tokens=8, rows=4, splits=2, split_len=11, key_float32=False, shared=0)
     with pytest.raises(ValueError, match="a launch plan and warps, rows_per_pass given"):
-        dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv, warps=8, rows_per_pass=2, plan=plan)
+        dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv,
+                                 settings=dc.CudaDecodeLaunch(warps=8, rows_per_pass=2), plan=plan)
     with pytest.raises(dc.LaunchError, match="refuses this call: device cpu is not CUDA"):
         dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv)
-    monkeypatch.setattr(dc, "BUILD_FAILED", [dc.BuildError("broken before")])
+    builds.failure = cuda_build.BuildError("broken before")
     with pytest.raises(dc.LaunchError, match="an earlier build failed: broken before"):
         dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv)
 
@@ -327,39 +319,26 @@ def test_cpu_tensors_never_take_the_cuda_kernel():
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
     lanes = dl.lane_tables(da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16))
-    assert dc.launch(lanes, q, fk, fp_values=fv, coded=coded, warps=8) == "device cpu is not CUDA"
+    assert dc.launch(lanes, q, fk, fp_values=fv, coded=coded, settings=dc.CudaDecodeLaunch(warps=8)) == "device cpu is not CUDA"
     tables = da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16)
-    with pytest.raises(RuntimeError, match="CUDA decode kernel does not take this call"):
-        da.decode_attention(q, tables, coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=None, rope=da.RopeTable(64, 1e4), backend="cuda")
-    with pytest.raises(ValueError, match="backend 'fast'"):
-        da.decode_attention(q, tables, coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=None, rope=da.RopeTable(64, 1e4), backend="fast")
+    fp = da.FullPrecisionTokens(fk, fv, fpos)
+    with pytest.raises(BackendUnavailable, match=r"decode attention: 'cuda' needs a CUDA device .*, not cpu \(device cpu "
+                                                 r"is not CUDA\)"):
+        da.decode_attention(q, tables, coded, fp=fp, rope=da.RopeTable(64, 1e4), backend="cuda")
+    with pytest.raises(ValueError, match="decode attention: 'fast' is not one of auto, cuda, triton"):
+        da.decode_attention(q, tables, coded, fp=fp, rope=da.RopeTable(64, 1e4), backend="fast")
 
 
 def test_default_tokens_per_step_follow_the_lanes():
     """16 tokens per lane group and step by default (one query head per KV head), at most the lanes per token (8
     at 8 lanes); GQA keeps 4; more tokens than lanes are refused."""
     lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
-    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=None, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=132)
+    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132)
     assert (plan.warps, plan.tokens, plan.rows) == (16, 16, 8)
     kc, vc = make_codecs("loopvq", 16, 128, 256, 16, 4)
     lanes8 = dl.lane_tables(da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16), 8)
-    assert dc.plan_launch(lanes8, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=None, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=132).tokens == 8
+    assert dc.plan_launch(lanes8, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132).tokens == 8
     with pytest.raises(ValueError, match=r"up to the lanes per token \(8\).*got 16"):
-        dc.plan_launch(lanes8, q, fk, fp_values=fk, coded=coded, warps=None, tokens=16, rows=None, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=132)
+        dc.plan_launch(lanes8, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(tokens_per_iteration=16), shared_limit=227 * 1024, sms=132)
     lanes, q, fk, coded = ouro_like_call("loopvq", 4, 16, 8)
-    assert dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, warps=None, tokens=None, rows=None, num_splits=None, key_float32=None, shared_limit=227 * 1024, sms=132).tokens == 4
-
-
-def test_split_counters_grow_and_keep_earlier_buffers(monkeypatch):
-    """One zeroed int32 buffer per device, at least 4096 counters, replaced by a larger one when a launch needs
-    more (the earlier one kept alive for captured graphs); none can be made during a CUDA-graph capture."""
-    monkeypatch.setattr(dc, "_COUNTERS", {})
-    cpu = torch.device("cpu")
-    first = dc.split_counters(cpu, 16)
-    assert first.numel() == 4096 and first.dtype == torch.int32 and not first.any()
-    assert dc.split_counters(cpu, 4096) is first
-    grown = dc.split_counters(cpu, 5000)
-    assert grown.numel() == 8192 and dc._COUNTERS["cpu"] == [first, grown]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(dc.LaunchError, match="during CUDA-graph capture"):
-        dc.split_counters(torch.device("cuda", 0), 16)
+    assert dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132).tokens == 4

@@ -1,4 +1,4 @@
-"""The Triton decode-attention kernels (decode_kernels.py) compile for the GPUs we target at Ouro's and Huginn's
+"""The Triton decode-attention kernels (kernels/decode_triton.py) compile for the GPUs we target at Ouro's and Huginn's
 shapes, within the smallest target's shared memory. Needs triton (with its bundled ptxas) but no GPU, and does
 not run under the interpreter (the kernels' outputs: test_decode_attention.py)."""
 

@@ -3,7 +3,7 @@ their compilation for the GPUs we target.
 
 The kernels run on a CUDA GPU, or on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1`` with
 triton installed). The compilation test needs triton (with its bundled ptxas) but no GPU, and does not run
-under the interpreter. Without triton everything here is skipped. test_kmeans_backends.py runs the Lloyd
+under the interpreter. Without triton everything here is skipped. tests/calibration/kmeans/test_kmeans_solvers.py runs the Lloyd
 and init behaviour tests on this backend too."""
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ import pytest
 import torch
 
 from loopvq_calib.calibration.kmeans.solvers import _draw_one, kmeans_pp_init
-from loopvq_calib.kernels import kmeans as kmeans_triton
+from loopvq_calib.kernels import backends, kmeans as kmeans_triton
+from loopvq_calib.kernels.backends import Backend
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_kernels = pytest.mark.skipif(
-    not kmeans_triton.available(DEVICE), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1"
+    not backends.available(Backend.TRITON, DEVICE), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1"
 )
 needs_compiler = pytest.mark.skipif(
-    kmeans_triton.triton is None or os.environ.get("TRITON_INTERPRET") == "1",
+    backends.triton is None or os.environ.get("TRITON_INTERPRET") == "1",
     reason="needs triton, not in interpreter mode",
 )
 
@@ -40,8 +41,8 @@ def test_lloyd_step_on_a_subset_of_problems_matches_numpy(k, g):
     rows = torch.tensor([3, 1])
     c = torch.randn(2, k, g, generator=gen(2))
     dev = [t.to(DEVICE) for t in (x, w, c, rows)]
-    err, sums, mass = (t.cpu() for t in kmeans_triton.lloyd_step(*dev, accumulate=True))
-    err_only, none_sums, none_mass = kmeans_triton.lloyd_step(*dev, accumulate=False)
+    err, sums, mass = (t.cpu() for t in kmeans_triton.lloyd_step(*dev[:3], rows=dev[3], accumulate=True))
+    err_only, none_sums, none_mass = kmeans_triton.lloyd_step(*dev[:3], rows=dev[3], accumulate=False)
     assert none_sums is None and none_mass is None
     for a, p in enumerate(rows.tolist()):
         xp, wp, cp = x[p].double().numpy(), w[p].double().numpy(), c[a].double().numpy()
@@ -152,8 +153,9 @@ def test_fused_draws_equal_the_torch_draws_far_from_the_origin():
 
 @needs_kernels
 def test_the_kernels_work_here():
-    kmeans_triton.works.cache_clear()
-    assert kmeans_triton.works(str(DEVICE)) and kmeans_triton.works(str(DEVICE), 16, 4, n=1040)  # the run's points per problem
+    """The probe runs every variant without an error, for a small problem and for the run's points per problem."""
+    kmeans_triton.probe(DEVICE, 16, 16)
+    kmeans_triton.probe(DEVICE, 16, 4, n=1040)
 
 
 @pytest.mark.parametrize("n, k, points", [
@@ -218,7 +220,7 @@ def test_the_probe_launches_on_a_few_points_every_kernel_variant_the_stage_launc
     k, g = 16, 8
     sink = _record(monkeypatch)
     probe = sink["into"]
-    assert kmeans_triton._probe(str(DEVICE), k, g, n=n)
+    kmeans_triton.probe(DEVICE, k, g, n=n)
     stage = sink["into"] = set()
     x = torch.randn(3, n, g, generator=gen(11)).to(DEVICE)
     w = torch.rand(3, n, generator=gen(12)).to(DEVICE)
@@ -252,22 +254,29 @@ def test_the_specialisation_model_is_tritons():
 
 
 def test_the_probe_gives_its_gpu_memory_back(monkeypatch):
-    """works() empties the CUDA caching allocator after the probe, so the store choice that reads free
-    memory next sees what the run has; on other devices it leaves CUDA alone."""
+    """The probe empties the CUDA caching allocator after it ran (also when it failed), so the store choice that
+    reads free memory next sees what the run has; on other devices it leaves CUDA alone."""
     emptied = []
-    monkeypatch.setattr(kmeans_triton, "_probe", lambda device, k, g, n: True)
+    monkeypatch.setattr(kmeans_triton, "_run_every_variant", lambda device, k, g, n: None)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
-    kmeans_triton.works.cache_clear()
-    try:
-        assert kmeans_triton.works("cpu", 16, 16, n=100) and emptied == []
-        assert kmeans_triton.works("cuda:0", 16, 16, n=100) and emptied == [True]
-    finally:
-        kmeans_triton.works.cache_clear()
+    kmeans_triton.probe(torch.device("cpu"), 16, 16, n=100)
+    assert emptied == []
+    kmeans_triton.probe(torch.device("cuda", 0), 16, 16, n=100)
+    assert emptied == [True]
+
+    def broken(device, k, g, n):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(kmeans_triton, "_run_every_variant", broken)
+    with pytest.raises(RuntimeError, match="out of resources"):
+        kmeans_triton.probe(torch.device("cuda", 0), 16, 16)
+    assert emptied == [True, True]
 
 
-def test_kernel_probe_failure_is_logged_and_cached(monkeypatch, caplog):
-    """works() runs the kernels once per device; a failure (here a missing compiler) is a warning, not an error."""
+def test_a_failed_probe_is_remembered_once_per_key(monkeypatch):
+    """The dispatch runs the kernels' probe once per (device, K, G, points); a failure (here a missing compiler)
+    is kept as the reason to skip them, not raised."""
     calls = []
 
     def broken(*args, **kwargs):
@@ -275,28 +284,12 @@ def test_kernel_probe_failure_is_logged_and_cached(monkeypatch, caplog):
         raise RuntimeError("Failed to find C compiler")
 
     monkeypatch.setattr(kmeans_triton, "_kmeans_pp", broken)  # the probe's first launch
-    kmeans_triton.works.cache_clear()
-    try:
-        with caplog.at_level("WARNING", logger="loopvq_calib"):
-            assert not kmeans_triton.works("cpu") and not kmeans_triton.works("cpu")
-        assert len(calls) == 1
-        assert "do not run on cpu (RuntimeError: Failed to find C compiler); using the torch backend" in caplog.text
-    finally:
-        kmeans_triton.works.cache_clear()
-
-
-@needs_kernels
-def test_available_needs_triton_and_cuda_or_the_interpreter(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
-    assert kmeans_triton.available("cuda") and not kmeans_triton.available("cpu")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 0))
-    assert not kmeans_triton.available("cuda")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert kmeans_triton.available("cpu")
-    monkeypatch.setattr(kmeans_triton, "triton", None)
-    assert not kmeans_triton.available("cuda")
+    dispatch = backends.Dispatcher()
+    candidate = kmeans_triton.candidate("cpu", (16, 16), points=100)
+    for _ in range(2):
+        assert dispatch.probe(candidate) == "its probe failed (RuntimeError: Failed to find C compiler)"
+    assert len(calls) == 1 and dispatch.probed() == {("kmeans", "cpu", 16, 16, 100): dispatch.probe(candidate)}
+    assert dispatch.probe(kmeans_triton.candidate("cpu", (16, 16), points=200)) and len(calls) == 2
 
 
 SHARED_MEMORY_LIMIT = 99 * 1024  # per block on sm_86 / sm_89 cards, the smallest of the targets below
@@ -315,7 +308,7 @@ def test_kernels_compile_within_shared_memory_for_every_supported_tile(capabilit
         signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
         constexprs = {(fn.arg_names.index(name),): value for name, value in constants.items()}
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        return kmeans_triton.triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4})
+        return backends.triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4})
 
     lloyd = {"x_ptr": "*fp32", "w_ptr": "*fp32", "c_ptr": "*fp32", "rows_ptr": "*i64", "err_ptr": "*fp32",
              "sums_ptr": "*fp32", "mass_ptr": "*fp32", "n": "i32", "n_rows": "i32", "nb": "i32"}
@@ -323,7 +316,7 @@ def test_kernels_compile_within_shared_memory_for_every_supported_tile(capabilit
     assert all(kmeans_triton.supports(k, g) for k, g in shapes) and not kmeans_triton.supports(512, 32)
     for k, g in shapes:
         out = compile_(kmeans_triton._lloyd_kernel, lloyd, dict(
-            K=k, G=g, KP=kmeans_triton._pow2(k, 16), GP=kmeans_triton._pow2(g, 16), BLOCK=kmeans_triton._lloyd_block(k, g),
+            K=k, G=g, KP=backends.pow2(k, 16), GP=backends.pow2(g, 16), BLOCK=kmeans_triton._lloyd_block(k, g),
             ACCUMULATE=True, PRECISION="tf32x3"))
         assert out.asm["cubin"] and out.metadata.shared <= SHARED_MEMORY_LIMIT, (k, g, out.metadata.shared)
     distance = {"x_ptr": "*fp32", "xb_ptr": "*bf16", "w_ptr": "*fp32", "d2_ptr": "*fp32", "chosen_ptr": "*i64", "out_ptr": "*fp32",

@@ -7,12 +7,13 @@ import json
 import pytest
 import torch
 from conftest import DATA, REFERENCE_MODEL, make_tiny_huginn, make_tiny_ouro
+from support.quantizers import sampled_quantizer
 
 from loopvq_calib.codes.objective import teacher
 from loopvq_calib.models import LoopKVCache
 from loopvq_calib.models.base import CACHE_FIELD
 from loopvq_calib.models.loading import load_model
-from loopvq_calib.serving.cache import QuantizedLoopKVCache, sampled_quantizer
+from loopvq_calib.serving.cache import QuantizedLoopKVCache
 
 
 @pytest.fixture(scope="module")
@@ -256,36 +257,3 @@ def test_left_padded_batch_keeps_every_rows_sinks_in_full_precision(reference):
     single = list(greedy(model, short, alone, 10))
     assert alone.regions()["sink"] == 8 and alone.regions()["encoded"] > 0
     torch.testing.assert_close(torch.stack(logits)[:, 1], torch.stack(single)[:, 0], atol=1e-4, rtol=1e-4)
-
-
-def test_fill_gives_the_state_a_prefill_leaves():
-    """A fresh cache filled with a prefilled cache's sinks/window, positions and pages decodes the same logits at
-    every following step (pages encoded on the way), with the same regions; a used cache, missing sites, uneven
-    pages or tokens that do not add up to the positions are refused."""
-    model = make_tiny_ouro()
-    prompt = torch.randint(0, 4096, (2, 37), generator=torch.Generator().manual_seed(5))
-    q = sampled_quantizer(model, prompt, "tasq+loopvq", codebook_size=16, group_size=8, steps_per_block=4)
-    serving = dict(sink_tokens=4, recent_window=8, page_size=8)
-    prefilled = QuantizedLoopKVCache(q, **serving)
-    out = model(prompt, cache=prefilled, use_cache=True)
-    positions = prefilled.positions[min(prefilled.positions)]
-    state = dict(keys=dict(prefilled.keys), values=dict(prefilled.values), positions=positions,
-                 codes={name: list(pages) for name, pages in prefilled.codes.items()})
-    filled = QuantizedLoopKVCache(q, **serving)
-    filled.fill(**state)
-    assert filled.regions() == prefilled.regions() == {"sink": 4, "encoded": 24, "window": 9}
-    ids = out.logits[:, -1:].argmax(-1)
-    for _ in range(9):  # one more page encoded in both
-        a, b = (model(ids, cache=c, use_cache=True).logits[:, -1] for c in (prefilled, filled))
-        assert torch.equal(a, b)
-        ids = a[:, None].argmax(-1)
-    assert filled.regions() == prefilled.regions() and filled.encoded == 32
-    with pytest.raises(ValueError, match="empty cache"):
-        filled.fill(**state)
-    with pytest.raises(ValueError, match="every KV site"):
-        QuantizedLoopKVCache(q, **serving).fill(**{**state, "keys": {0: state["keys"][0]}})
-    uneven = {**state["codes"], next(iter(state["codes"])): state["codes"][next(iter(state["codes"]))][:1]}
-    with pytest.raises(ValueError, match="same number of pages"):
-        QuantizedLoopKVCache(q, **serving).fill(**{**state, "codes": uneven})
-    with pytest.raises(ValueError, match="do not make the 36 positions"):
-        QuantizedLoopKVCache(q, **serving).fill(**{**state, "positions": positions[:, 1:]})

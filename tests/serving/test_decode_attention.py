@@ -8,13 +8,17 @@ and output (codeword values to fp16, the output to bf16: about 4e-3 measured).""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from safetensors.torch import load_file
 from support.decode import DEVICE, check, dispatch_case, gen, make_codecs, make_inputs, needs_kernels
 from support.golden import GOLDEN, GOLDEN_ATTENTION, attention_golden_case
 
-from loopvq_calib.kernels import decode_cuda
+from loopvq_calib.codes.codec import Codes
+from loopvq_calib.codes.packing import read_indices
+from loopvq_calib.kernels import backends, cuda_build, decode_cuda, decode_triton
 from loopvq_calib.serving import decode_attention as da
 
 
@@ -76,7 +80,6 @@ def test_step_tables_reproduce_the_codec_decode():
     kc, _ = make_codecs("tasq+loopvq", 2, 16, 16, 8, 4)
     idx = torch.randint(0, 16, (5, 2, kc.layout.num_groups), generator=gen(1)).to(torch.uint8)
     sigma = torch.ones(5, 4).half()
-    from loopvq_calib.codes.codec import Codes
     full = kc.decode(Codes(idx, sigma))  # [5, T, H, D]
     for step in range(4):
         table, code = da.channel_table(kc, step)
@@ -135,11 +138,11 @@ def test_step_tables_refuse_a_layout_that_misses_channels():
 def test_plan_splits_covers_every_token_in_whole_tiles():
     for n in (0, 1, 15, 16, 1000, 32768):
         for heads in (1, 16, 256):
-            splits, per = da.plan_splits(n, heads, 16, programs=132)
+            splits, per = decode_triton.plan_splits(n, heads, 16, programs=132)
             assert per % 16 == 0 and splits >= 1
             assert (splits - 1) * per < max(n, 1) <= splits * per or n == 0
             assert splits * heads <= max(132, heads)
-    assert da.plan_splits(32768, 16, 16, programs=132) == (8, 4096)  # 16 heads x 8 splits on 132 multiprocessors
+    assert decode_triton.plan_splits(32768, 16, 16, programs=132) == (8, 4096)  # 16 heads x 8 splits on 132 multiprocessors
 
 
 @needs_kernels
@@ -148,11 +151,11 @@ def test_bad_shapes_are_refused():
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 3, 4, 2, 0)
     tables = da.step_tables(kc, vc, 0, rope_style="half", device=DEVICE)
     with pytest.raises(ValueError, match="multiple of KV heads"):
-        da.decode_attention(q.to(DEVICE), tables, coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=None, rope=da.RopeTable(16, 1e4))
+        da.decode_attention(q.to(DEVICE), tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos), rope=da.RopeTable(16, 1e4))
     coded.key_sigma = None
     with pytest.raises(ValueError, match="key_sigma"):
-        da.decode_attention(q[:, :2].to(DEVICE), tables, coded, fp_keys=fk.to(DEVICE), fp_values=fv.to(DEVICE), fp_positions=fpos.to(DEVICE),
-                            fp_mask=None, rope=da.RopeTable(16, 1e4))
+        da.decode_attention(q[:, :2].to(DEVICE), tables, coded,
+                            fp=da.FullPrecisionTokens(fk.to(DEVICE), fv.to(DEVICE), fpos.to(DEVICE)), rope=da.RopeTable(16, 1e4))
 
 
 @pytest.mark.gpu
@@ -165,49 +168,92 @@ def test_ouro_shapes_on_the_gpu(method):
 
 # -- the dispatch between the CUDA and the Triton kernel -------------------------------------------------
 
+class CpuAsCuda(cuda_build.CudaBuilds):
+    """NVRTC builds whose device check takes CPU tensors for CUDA ones (the rest of the check as it is)."""
+
+    def unavailable(self, device: torch.device) -> str:
+        return super().unavailable(torch.device("cuda", 0))
+
+
+@pytest.fixture
+def stand_in_cuda(monkeypatch, caplog):
+    """``auto`` considers the CUDA kernel for CPU tensors and NVRTC builds look available (the dispatch under
+    test, Triton's interpreter behind); the dispatcher starts afresh and its warnings reach caplog."""
+    monkeypatch.setattr(da, "_on_cuda", lambda q: True)
+    monkeypatch.setattr(cuda_build, "BUILDS", CpuAsCuda())
+    monkeypatch.setattr(logging.getLogger("loopvq_calib"), "propagate", True)
+    backends.DISPATCH.clear()
+    with caplog.at_level("WARNING", logger="loopvq_calib"):
+        yield caplog
+    backends.DISPATCH.clear()
 
 
 @needs_kernels
-def test_a_failed_launch_falls_back_to_triton_with_a_warning(monkeypatch):
+def test_a_failed_launch_falls_back_to_triton_with_a_warning(stand_in_cuda, monkeypatch):
     """Under ``auto`` a launch failure (LaunchError) warns once and the Triton kernel serves the call (the site
     does not try the CUDA kernel again); ``backend="cuda"`` raises it. The launch was given a RoPE table of
-    rope_rows rows. (A stand-in CUDA device on the CPU: the dispatch under test, Triton's interpreter behind.)"""
+    rope_rows rows."""
     tables, coded, q, fk, fv, fpos, mask, ref = dispatch_case()
+    fp = da.FullPrecisionTokens(fk, fv, fpos, mask)
     rows = []
 
     def failing_launch(inputs, tables, lanes, *args, **kwargs):
         rows.append(inputs.cos.shape[0])
         raise decode_cuda.LaunchError("cuLaunchKernel failed on purpose")
 
-    monkeypatch.setattr(da, "_on_cuda", lambda q: True)
-    monkeypatch.setattr(da, "_WARNED", set())
-    monkeypatch.setattr(decode_cuda, "launch", lambda *args, **kwargs: decode_cuda.LaunchPlan(16, 8, 1, 2, 11, False, 0))
+    plan = decode_cuda.LaunchPlan(16, 8, 1, 2, 11, False, 0)
+    monkeypatch.setattr(decode_cuda, "launch", lambda lanes, *args, **kwargs: plan if lanes else "no lane tables")
     monkeypatch.setattr(decode_cuda, "decode_attention_cuda", failing_launch)
-    with pytest.raises(decode_cuda.LaunchError, match="on purpose"):
-        da.decode_attention(q, tables, coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=mask, rope=da.RopeTable(64, 1e4), backend="cuda")
-    with pytest.warns(UserWarning, match="CUDA decode kernel unavailable .*on purpose.*using the Triton kernel"):
-        out = da.decode_attention(q, tables, coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=mask, rope=da.RopeTable(64, 1e4), num_splits=2)
+    out = da.decode_attention(q, tables, coded, fp=fp, rope=da.RopeTable(64, 1e4),
+                              triton=da.TritonDecodeLaunch(num_splits=2))
+    assert "decode attention auto: using the Triton decode kernel on cpu, not the CUDA decode kernel: cuLaunchKernel " \
+           "failed on purpose" in stand_in_cuda.text
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
-    assert tables.lanes[16] is None and len(rows) == 2
+    assert tables.lanes[16] is None and len(rows) == 1
     assert rows[0] >= decode_cuda.rope_rows(int(coded.first_position.max()) + coded.count, 16)
+    tables.lanes.clear()
+    with pytest.raises(decode_cuda.LaunchError, match="on purpose"):
+        da.decode_attention(q, tables, coded, fp=fp, rope=da.RopeTable(64, 1e4), backend="cuda")
+    assert len(rows) == 2
 
 
 @needs_kernels
-def test_a_refused_call_warns_once_per_reason(monkeypatch):
+def test_a_refused_call_warns_once_per_reason(stand_in_cuda, monkeypatch):
     """A call ``auto`` would give the CUDA kernel but the kernel refuses goes to Triton with one warning per
     reason and process (not per call)."""
-    import warnings
-
     tables, coded, q, fk, fv, fpos, mask, ref = dispatch_case()
-    monkeypatch.setattr(da, "_on_cuda", lambda q: True)
-    monkeypatch.setattr(da, "_WARNED", set())
+    fp = da.FullPrecisionTokens(fk, fv, fpos, mask)
     monkeypatch.setattr(decode_cuda, "launch", lambda *args, **kwargs: "a stride beyond 2**31 - 1 elements")
-    with pytest.warns(UserWarning, match=r"CUDA decode kernel skipped \(a stride beyond"):
-        out = da.decode_attention(q, tables, coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=mask, rope=da.RopeTable(64, 1e4))
+    out = da.decode_attention(q, tables, coded, fp=fp, rope=da.RopeTable(64, 1e4))
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        da.decode_attention(q, tables, coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=mask, rope=da.RopeTable(64, 1e4))
+    da.decode_attention(q, tables, coded, fp=fp, rope=da.RopeTable(64, 1e4))
+    assert stand_in_cuda.text.count("not the CUDA decode kernel: a stride beyond 2**31 - 1 elements") == 1
+
+
+@needs_kernels
+def test_a_failed_build_falls_back_to_triton_and_later_calls_do_not_build(stand_in_cuda, monkeypatch):
+    """A failed NVRTC build under ``auto``: one warning naming the kernel's constants and the error, the Triton
+    kernel's output (equal to the reference), and no second build at the next call: the failure is remembered
+    (the availability check gives it as the reason)."""
+    tables, coded, q, fk, fv, fpos, mask, ref = dispatch_case()
+    fp = da.FullPrecisionTokens(fk, fv, fpos, mask)
+    builds = []
+
+    def broken(source, name, *, shared, device):
+        builds.append(name)
+        raise cuda_build.BuildError("nvrtc: error: broken on purpose")
+
+    monkeypatch.setattr(cuda_build, "build_kernel", broken)
+    monkeypatch.setattr(decode_cuda, "launch", lambda *args, **kwargs: decode_cuda.LaunchPlan(16, 8, 1, 2, 11, False, 0))
+    for _ in range(2):
+        out = da.decode_attention(q, tables, coded, fp=fp, rope=da.RopeTable(64, 1e4),
+                                  triton=da.TritonDecodeLaunch(num_splits=2))
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+    assert builds == [decode_cuda.KERNEL]
+    text = stand_in_cuda.text
+    assert text.count(f"not the CUDA decode kernel: {decode_cuda.KERNEL} with {{'D': 64,") == 1
+    assert "broken on purpose" in text
+    assert text.count("not the CUDA decode kernel: an earlier build failed: ") == 1
 
 
 # -- attention-level golden vectors (tests/golden_attention) --------------------------------------------------
@@ -216,8 +262,6 @@ def test_a_refused_call_warns_once_per_reason(monkeypatch):
 @pytest.mark.parametrize("case", ["ouro_loopvq", "huginn_tasq_loopvq"])
 def test_kernel_reproduces_the_attention_golden_vectors(case):
     """From the packed codes (read back to uint8), as a backend reading format 1.1 files would."""
-    from loopvq_calib.codes.packing import read_indices
-
     _, block, bundle, (kc, vc) = attention_golden_case(case)
     gold = load_file(str(GOLDEN_ATTENTION / "attention.safetensors"))
     expected = load_file(str(GOLDEN / "expected.safetensors"))
@@ -230,8 +274,9 @@ def test_kernel_reproduces_the_attention_golden_vectors(case):
     rope = da.RopeTable(kc.layout.head_dim, bundle.meta["rope"]["theta"])
     for m in range(kc.layout.steps):
         tables = da.step_tables(kc, vc, m, rope_style=bundle.meta["rope"]["style"], device=DEVICE, dtype=torch.float32)
-        out = da.decode_attention(gold[f"{case}/query"][m][None].to(DEVICE), tables, coded,
-                                  fp_keys=gold[f"{case}/fp_keys"][m][None].to(DEVICE), fp_values=gold[f"{case}/fp_values"][m][None].to(DEVICE),
-                                  fp_positions=gold[f"{case}/fp_positions"][None].to(DEVICE), fp_mask=None, rope=rope, block_n=8, num_splits=2)
+        fp = da.FullPrecisionTokens(gold[f"{case}/fp_keys"][m][None].to(DEVICE), gold[f"{case}/fp_values"][m][None].to(DEVICE),
+                                    gold[f"{case}/fp_positions"][None].to(DEVICE))
+        out = da.decode_attention(gold[f"{case}/query"][m][None].to(DEVICE), tables, coded, fp=fp, rope=rope,
+                                  triton=da.TritonDecodeLaunch(block_n=8, num_splits=2), cuda=da.CudaDecodeLaunch(num_splits=2))
         ref = gold[f"{case}/output"][m]
         assert ((out[0].cpu() - ref).norm() / ref.norm()) < 1e-5

@@ -1,4 +1,4 @@
-"""The shared-memory CUDA decode kernel (loopvq_calib/decode_cuda.py + its CUDA source).
+"""The shared-memory CUDA decode kernel (kernels/decode_cuda.py + its CUDA source).
 
 On a GPU (``gpu``): the kernel itself against the reference (tolerances as in test_decode_attention.py: 1e-5
 with float32 tables and inputs, 1e-2 with float16 tables and bf16 inputs), its in-kernel split merge under
@@ -12,7 +12,8 @@ import support.decode as decode_cases
 import torch
 from support.decode import check, emulate, make_codecs
 
-from loopvq_calib.kernels import decode_cuda as dc
+from loopvq_calib.kernels import cuda_build, decode_cuda as dc
+from loopvq_calib.runtime.devices import indexed_device
 from loopvq_calib.serving import decode_attention as da
 
 CUDA = torch.cuda.is_available()
@@ -113,8 +114,8 @@ def test_the_split_merge_in_the_kernel_survives_graph_replays():
     rope = da.RopeTable(128, 10000.0)
 
     def call() -> torch.Tensor:
-        return da.decode_attention(qd, tables, moved, fp_keys=fkd, fp_values=fvd, fp_positions=fposd, fp_mask=maskd, rope=rope, max_position=2000, backend="cuda",
-                                   num_splits=5, rows_per_pass=2)
+        return da.decode_attention(qd, tables, moved, fp=da.FullPrecisionTokens(fkd, fvd, fposd, maskd), rope=rope,
+                                   max_position=2000, backend="cuda", cuda=da.CudaDecodeLaunch(num_splits=5, rows_per_pass=2))
 
     call()  # builds the kernel and the split counters outside the capture
     torch.cuda.synchronize()
@@ -127,7 +128,7 @@ def test_the_split_merge_in_the_kernel_survives_graph_replays():
         torch.cuda.synchronize()
         ref = da.decode_attention_reference(q * (1 + i), kc, vc, step=1, coded=coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=mask, rope_style="half", rope_theta=10000.0)
         assert ((out.cpu().double() - ref).norm() / ref.norm()).item() < 1e-5, i
-        assert int(dc.split_counters(dev, 6).count_nonzero()) == 0, i
+        assert int(cuda_build.BUILDS.counters(indexed_device(dev), 6).count_nonzero()) == 0, i
 
 
 @pytest.mark.gpu
@@ -143,7 +144,7 @@ def test_kernel_at_ouro_shapes_in_fp16_tables_and_bf16(method, lanes, key_float3
     16 tokens per lane group and step with fp16 keys, 8 with TaSQ's float32 keys."""
     pad_the_last_row_too(monkeypatch)
     plans, plan_of = [], dc.launch
-    monkeypatch.setattr(dc, "launch", lambda *args: plans.append(plan_of(*args)) or plans[-1])
+    monkeypatch.setattr(dc, "launch", lambda *args, **kwargs: plans.append(plan_of(*args, **kwargs)) or plans[-1])
     check(method, "half", heads=16, q_heads=16, n=3000, s_fp=72, d=128, k=256, g=16, table_dtype=torch.float16,
           dtype=torch.bfloat16, tol=1e-2, backend="cuda", lanes_per_token=lanes, key_float32=key_float32,
           rows_per_pass=rows, batch=8, pad=2)

@@ -1,4 +1,4 @@
-"""The cache-side state of the decode kernels (loopvq_calib/decode_state.py): the code buffer's growth and
+"""The cache-side state of the decode kernels (serving/decode_state.py): the code buffer's growth and
 layout, and the quantized cache decoding through the kernel against its reference path (Triton's interpreter on
 CPU: ``TRITON_INTERPRET=1``)."""
 
@@ -8,10 +8,12 @@ import pytest
 import torch
 from conftest import make_tiny_huginn, make_tiny_ouro
 from support.decode import DEVICE, gen, needs_kernels
+from support.quantizers import sampled_quantizer
 
 from loopvq_calib.codes.codec import Codes
-from loopvq_calib.serving import decode_attention as da
-from loopvq_calib.serving.cache import QuantizedLoopKVCache, sampled_quantizer
+from loopvq_calib.kernels import backends
+from loopvq_calib.kernels.backends import BackendUnavailable
+from loopvq_calib.serving.cache import QuantizedLoopKVCache
 from loopvq_calib.serving.decode_state import CodeBuffer
 
 
@@ -62,10 +64,10 @@ def test_code_buffer_copies_many_new_pages_at_once_as_one_by_one():
 
 # -- the quantized cache through the kernel ---------------------------------------------------------------
 
-def run_cache(model, batch, mask, quantizer, kernel, new_tokens, **serving):
+def run_cache(model, batch, mask, quantizer, backend, new_tokens, **serving):
     """Prefill, then ``new_tokens`` greedy decode forwards (explicit calls, so the padding mask travels);
     returns the stacked last-position logits and the cache."""
-    cache = QuantizedLoopKVCache(quantizer, kernel=kernel, **serving)
+    cache = QuantizedLoopKVCache(quantizer, backend=backend, **serving)
     kw = {} if mask is None else {"attention_mask": mask}
     out = model(batch.to(DEVICE), cache=cache, use_cache=True, **kw)
     logits = [out.logits[:, -1]]
@@ -111,19 +113,20 @@ def test_huginn_cache_through_the_kernel():
     torch.testing.assert_close(with_kernel, reference, atol=1e-4, rtol=1e-4)
 
 
-def test_cache_kernel_choice(monkeypatch):
-    """``auto`` leaves CPU tensors to the reference path; ``triton`` without a way to run refuses clearly;
-    an unknown choice is refused at construction."""
+def test_cache_backend_choice(monkeypatch):
+    """``auto`` leaves CPU tensors to the reference path; ``triton`` or ``cuda`` without a way to run refuse
+    clearly at the first decode step; an unknown choice is refused at construction."""
     model = make_tiny_ouro()
     q = sampled_quantizer(model, torch.randint(0, 4096, (1, 16)), "cq", codebook_size=16, group_size=8)
-    with pytest.raises(ValueError, match="kernel 'cuda'"):
-        QuantizedLoopKVCache(q, 4, 8, kernel="cuda")
-    cache = QuantizedLoopKVCache(q, 4, 8, kernel="auto")
+    with pytest.raises(ValueError, match="QuantizedLoopKVCache backend: 'faiss' is not one of auto, cuda, triton, torch"):
+        QuantizedLoopKVCache(q, 4, 8, backend="faiss")
+    cache = QuantizedLoopKVCache(q, 4, 8, backend="auto")
     model(torch.randint(0, 4096, (1, 12)), cache=cache, use_cache=True)
     model(torch.randint(0, 4096, (1, 1)), cache=cache, use_cache=True)
     assert cache._kernel_state is None
-    monkeypatch.setattr(da, "available", lambda device: False)
-    strict = QuantizedLoopKVCache(q, 4, 8, kernel="triton")
-    model(torch.randint(0, 4096, (1, 12)), cache=strict, use_cache=True)
-    with pytest.raises(RuntimeError, match="kernel='triton' needs a CUDA GPU"):
-        model(torch.randint(0, 4096, (1, 1)), cache=strict, use_cache=True)
+    monkeypatch.setattr(backends, "triton", None)
+    for backend, reason in (("triton", "the triton package is not installed"), ("cuda", "device cpu is not CUDA")):
+        strict = QuantizedLoopKVCache(q, 4, 8, backend=backend)
+        model(torch.randint(0, 4096, (1, 12)), cache=strict, use_cache=True)
+        with pytest.raises(BackendUnavailable, match=f"QuantizedLoopKVCache backend: '{backend}' needs .*{reason}"):
+            model(torch.randint(0, 4096, (1, 1)), cache=strict, use_cache=True)

@@ -10,7 +10,7 @@ import torch
 
 from loopvq_calib.codes.codec import BlockCodec, TasqTransform
 from loopvq_calib.codes.layouts import BlockLayout, channel_groups, loop_axis_groups
-from loopvq_calib.kernels import decode_lanes as dl
+from loopvq_calib.kernels import backends, decode_lanes as dl
 from loopvq_calib.models.common import rope_angles
 from loopvq_calib.serving import decode_attention as da
 
@@ -35,7 +35,8 @@ def lane_reads(idx: torch.Tensor, table: torch.Tensor, column: torch.Tensor) -> 
     return flat[torch.arange(heads)[None, None, :, None], offset.reshape(b, n, heads, -1)].view(b, n, heads, lanes, -1)
 
 
-needs_kernels = pytest.mark.skipif(not da.available(DEVICE), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1")
+needs_kernels = pytest.mark.skipif(not backends.available(backends.Backend.TRITON, DEVICE),
+                                   reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1")
 
 
 def gen(seed: int) -> torch.Generator:
@@ -91,10 +92,11 @@ def head_major(idx: torch.Tensor) -> torch.Tensor:
 
 def check(method, style, heads, q_heads, n, s_fp, *, steps=4, d=16, k=16, g=8, sharing="none", block_n=8,
           splits=None, pad=0, seed=0, table_dtype=torch.float32, dtype=torch.float32, tol=1e-5, batch=2, per_program=1,
-          hints=False, key_bias=0.0, q_scale=1.0, value_scale=1.0, **kernel):
+          hints=False, key_bias=0.0, q_scale=1.0, value_scale=1.0, backend="auto", **cuda):
     """Kernel output against the reference at every step; ``key_bias`` is added to every key (codewords and
     full-precision keys: near-constant channels of that magnitude), the query is multiplied by ``q_scale`` and
-    every value (codewords and full-precision values) by ``value_scale``."""
+    every value (codewords and full-precision values) by ``value_scale``. ``block_n``, ``per_program`` and
+    ``hints`` launch the Triton kernel, ``cuda`` (CudaDecodeLaunch's fields) the CUDA kernel; ``splits`` both."""
     kc, vc = make_codecs(method, heads, d, k, g, steps, sharing, seed)
     coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, batch, q_heads, n, s_fp, seed, dtype, pad)
     if key_bias or q_scale != 1.0 or value_scale != 1.0:
@@ -106,12 +108,13 @@ def check(method, style, heads, q_heads, n, s_fp, *, steps=4, d=16, k=16, g=8, s
     for step in range(kc.layout.steps):
         tables = da.step_tables(kc, vc, step, rope_style=style, device=DEVICE, dtype=table_dtype)
         dev = [t.to(DEVICE) if t is not None else None for t in (q, fk, fv, fpos, mask)]
-        store = head_major if kernel.get("backend") == "cuda" else (lambda t: t)
+        store = head_major if backend == "cuda" else (lambda t: t)
         moved = da.CodedTokens(store(coded.key_indices).to(DEVICE), store(coded.value_indices).to(DEVICE),
                                coded.key_sigma.to(DEVICE) if coded.key_sigma is not None else None, n, coded.first_position)
-        fields = dict(zip(("fp_keys", "fp_values", "fp_positions", "fp_mask"), dev[1:]))
-        out = da.decode_attention(dev[0], tables, moved, **fields, rope=rope, block_n=block_n, num_splits=splits,
-                                  batch_per_program=per_program, cache_hints=hints, **kernel)
+        triton = da.TritonDecodeLaunch(block_n=block_n, num_splits=splits, batch_per_program=per_program,
+                                       cache_hints=hints)
+        out = da.decode_attention(dev[0], tables, moved, fp=da.FullPrecisionTokens(*dev[1:]), rope=rope,
+                                  backend=backend, triton=triton, cuda=da.CudaDecodeLaunch(num_splits=splits, **cuda))
         ref = da.decode_attention_reference(q.float(), kc, vc, step=step, coded=coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=mask, rope_style=style, rope_theta=10000.0)
         assert out.dtype == dtype and out.shape == ref.shape and torch.isfinite(out).all()
         err = ((out.cpu().double() - ref).norm() / ref.norm()).item()

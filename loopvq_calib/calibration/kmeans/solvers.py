@@ -1,5 +1,5 @@
-"""Batched weighted k-means: initialisation (k-means++ / random) and Lloyd iterations (torch, fused
-Triton kernels from :mod:`kmeans_triton`, or faiss).
+"""Batched weighted k-means: initialisation (k-means++ / random) and Lloyd iterations (torch, the fused
+Triton kernels of :mod:`~loopvq_calib.kernels.kmeans`, or faiss).
 
 A batch holds P independent problems of the same size: points x [P, N, G] (float32), non-negative
 weights w [P, N] and initial centroids [P, K, G]. Every backend minimises the weighted objective
@@ -21,11 +21,12 @@ import numpy as np
 import torch
 
 from ...config.schema import KMeansConfig
-from ...kernels import kmeans as kmeans_triton
+from ...kernels import kmeans as kmeans_kernels
+from ...kernels.backends import DISPATCH
 from ...runtime.streams import to_device
-from .select import BACKENDS, resolve_backend, warn_once
+from .select import resolve_backend
 
-__all__ = ["BACKENDS", "resolve_backend", "weighted_kmeans", "kmeans_pp_init", "random_init", "KMeansResult"]
+__all__ = ["resolve_backend", "weighted_kmeans", "kmeans_pp_init", "random_init", "KMeansResult"]
 
 
 
@@ -109,14 +110,14 @@ def kmeans_pp_init(
 
     D^2 to a new centroid is ||x||^2 - 2 x.c + ||c||^2 (one batched matrix-vector product per draw,
     not a pass over an [P, N, G] difference); drawn points are pinned to exactly zero. ``fused``: the
-    Triton kernels of :mod:`kmeans_triton` (same rules and uniforms, D^2 as ||x - c||^2). ``trusted_weights``: the
+    Triton kernels of :mod:`~loopvq_calib.kernels.kmeans` (same rules and uniforms, D^2 as ||x - c||^2). ``trusted_weights``: the
     caller guarantees w >= 0 with a positive total per problem (as :func:`~loopvq_calib.calibration.kmeans.fit.layout_problems`
     makes them), so nothing waits for the device here: the draws queue behind its earlier work."""
     _check_shapes(x, w, k, values=not trusted_weights)
     p = x.shape[0]
     uniforms = to_device(torch.rand(k, p, generator=generator, dtype=torch.float64), x.device)
     if fused:
-        return kmeans_triton.kmeans_pp(x.float().contiguous(), w.float().contiguous(), k, uniforms=uniforms)
+        return kmeans_kernels.kmeans_pp(x.float().contiguous(), w.float().contiguous(), k, uniforms=uniforms)
     if x.device.type != "cpu":
         return _kmeans_pp_rows(x, w, k, uniforms=uniforms)
     blocks = [slice(s, s + CPU_BLOCK) for s in range(0, p, CPU_BLOCK)]
@@ -251,15 +252,16 @@ def _lloyd(
 ) -> KMeansResult:
     """Lloyd on one batch of problems, all on x's device; converged problems drop out of the batch.
     ``keys``: per problem the (seed, problem index) its empty-cluster reseeding draws from.
-    ``fused``: each step is one Triton kernel over the active problems (:func:`kmeans_triton.lloyd_step`),
+    ``fused``: each step is one Triton kernel over the active problems (:func:`~loopvq_calib.kernels.kmeans.lloyd_step`),
     else the chunked torch assignment over copies of the active problems."""
     p = x.shape[0]
     chunk = batch_sizes(cfg, x.device)[1]
     x_sq = None if fused else x.pow(2).sum(-1)
 
-    def step(active: torch.Tensor, ca: torch.Tensor, accumulate: bool):
+    def step(active: torch.Tensor, ca: torch.Tensor,
+             accumulate: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         if fused:
-            return kmeans_triton.lloyd_step(x, w, ca, rows=active, accumulate=accumulate)
+            return kmeans_kernels.lloyd_step(x, w, ca, rows=active, accumulate=accumulate)
         part = [t.index_select(0, active) for t in (x, x_sq, w)] if active.numel() < p else [x, x_sq, w]
         return _assign(*part, c=ca, chunk=chunk, accumulate=accumulate)
 
@@ -289,7 +291,7 @@ def _lloyd(
     return KMeansResult(c, objective_init, objective_final, iterations, empties)
 
 
-def _import_faiss():
+def _import_faiss() -> Any:
     try:
         import faiss
     except ImportError as err:
@@ -309,7 +311,7 @@ def _faiss_kmeans(
     faiss = _import_faiss()
     gpu = device.type == "cuda" and faiss.get_num_gpus() > 0
     if device.type == "cuda" and not gpu:
-        warn_once(f"kmeans.backend faiss: this faiss has no GPU support (faiss-cpu); k-means runs on the CPU, not {device}")
+        DISPATCH.warn_once(f"kmeans.backend faiss: this faiss has no GPU support (faiss-cpu); k-means runs on the CPU, not {device}")
     p, n, g = x.shape
     k = init.shape[1]
     xs, ws, cs = (t.detach().cpu().float().numpy() for t in (x, w, init))

@@ -1,5 +1,5 @@
-// Decode attention over coded pages with the step tables in shared memory (loopvq_calib/decode_cuda.py
-// compiles this text with NVRTC at first use; design in docs/quantized-cache.md).
+// Decode attention over coded pages with the step tables in shared memory (loopvq_calib/kernels/decode_cuda.py
+// compiles this text with NVRTC at first use; design in docs/serving.md).
 //
 // One block per (KV head, split of the coded tokens); it copies the head's key and value step tables into
 // shared memory once (in *lane order*, see decode_lanes.lane_tables) and loops over the batch. A token is

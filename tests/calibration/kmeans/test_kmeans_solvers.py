@@ -5,6 +5,7 @@ or on CPU in Triton's interpreter (TRITON_INTERPRET=1 with triton installed); ot
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from loopvq_calib.calibration.kmeans.solvers import (
     weighted_kmeans,
 )
 from loopvq_calib.config.schema import KMeansConfig
-from loopvq_calib.kernels import kmeans as kmeans_triton
+from loopvq_calib.kernels.backends import DISPATCH, Backend, available
 
 K, G = 16, 8
 HAS_FAISS = importlib.util.find_spec("faiss") is not None
@@ -28,7 +29,7 @@ needs_faiss = pytest.mark.skipif(not HAS_FAISS, reason="faiss is not installed")
 # the fused Triton kernels run on the GPU, or in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1)
 TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_triton = pytest.mark.skipif(
-    not kmeans_triton.available(TRITON_DEVICE), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1"
+    not available(Backend.TRITON, TRITON_DEVICE), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1"
 )
 LLOYD = [pytest.param({"backend": "torch", "device": CPU}, id="torch"), pytest.param({"backend": "triton", "device": TRITON_DEVICE}, id="triton", marks=needs_triton)]
 
@@ -341,7 +342,8 @@ def test_faiss_runs_where_kmeans_device_says(monkeypatch, caplog):
     weighted_kmeans(x, w, init, cfg=cfg, backend="faiss", device=torch.device("cuda"))  # (this faiss-cpu then runs on the CPU)
     assert asked[2:] == [True, True]
     monkeypatch.setattr(faiss, "get_num_gpus", lambda: 0)
-    kmeans_backends.warn_once.cache_clear()
+    DISPATCH.clear()  # the note is given once per process
+    monkeypatch.setattr(logging.getLogger("loopvq_calib"), "propagate", True)
     with caplog.at_level("WARNING", logger="loopvq_calib"):
         on_cuda = weighted_kmeans(x, w, init, cfg=cfg, backend="faiss", device=torch.device("cuda"))
     torch.testing.assert_close(on_cuda.centroids, reference.centroids)
