@@ -27,7 +27,10 @@ ALLOWED: dict[str, set[str]] = {
 }
 TOP_LEVEL = {"__init__", "__main__", "cli", "version"}  # modules allowed at the package's top
 IMPORTABLE_EVERYWHERE = {f"{PACKAGE}.version"}  # the one place the version is written
-OPTIONAL_HEAVY = {"lm_eval", "faiss", "triton", "matplotlib"}  # may be imported where they are needed
+# optional heavy libraries, imported where they are needed: an extra (lm_eval, faiss, triton), or a library
+# only some inputs need (datasets for hub datasets, pyarrow for parquet files, matplotlib for the report's plots;
+# the GPU image has no datasets)
+OPTIONAL_HEAVY = {"lm_eval", "faiss", "triton", "matplotlib", "datasets", "pyarrow"}
 LAZY_MODULES = {"cli"}  # imports the command it runs on demand (a console script's --help stays light)
 SKIPPED = ("evaluation/tasks/",)  # lm-eval task folders: data and the loaders lm-eval imports itself
 
