@@ -1,4 +1,4 @@
-"""Measure the bytes per token held by the reference quantized KV cache against a bf16 cache.
+"""benchmarks/measure_cache_bytes.py: the bytes per token held by the quantized KV cache against a bf16 cache.
 
 Prefills held-out text of each length, decodes a few tokens greedily through explicit forward calls,
 and prints QuantizedLoopKVCache.bytes_per_token() as a markdown table. Without --bundle the quantizer's
@@ -16,7 +16,14 @@ import json
 import os
 from pathlib import Path
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: local models and data only
+
 import torch
+from quantizers import sampled_quantizer  # benchmarks/quantizers.py (this script's folder)
+
+from loopvq_calib.bundle.reader import load_bundle
+from loopvq_calib.models.loading import load_model
+from loopvq_calib.serving.cache import QuantizedLoopKVCache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,21 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--text", default=str(ROOT / "artifacts" / "data" / "shakespeare-heldout.jsonl"))
     args = p.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-    from loopvq_calib.models.loading import load_model
-    from loopvq_calib.serving.cache import QuantizedLoopKVCache, sampled_quantizer
-
     model, tok = load_model(Path(args.model), args.dtype, torch.device("cpu"))
     docs = [json.loads(line)["text"] for line in Path(args.text).read_text().splitlines() if line.strip()]
     stream = torch.tensor([tok("\n".join(docs))["input_ids"]])
     if args.bundle:
-        from loopvq_calib.bundle.reader import load_bundle
-
         quantizer = load_bundle(args.bundle).quantizer
     else:
-        quantizer = sampled_quantizer(model, stream[:, :512], args.method, codebook_size=args.codebook_size, group_size=args.group_size,
-                                      steps_per_block=args.steps_per_block)
+        quantizer = sampled_quantizer(model, stream[:, :512], args.method, codebook_size=args.codebook_size,
+                                      group_size=args.group_size, steps_per_block=args.steps_per_block)
     kv = quantizer.kv
     print(f"model {args.model} ({args.dtype}); quantizer {quantizer.method}, K={quantizer.codebook_size}, "
           f"G={quantizer.group_size}, T_c={quantizer.steps_per_block}, bits {quantizer.bits()}; "
