@@ -11,7 +11,9 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
+from typing import Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -20,6 +22,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # processes the tests start (spaw
 
 import pytest
 import torch
+from support.quantizers import sampled_quantizer
 from transformers import AutoModelForCausalLM
 
 import loopvq_calib  # noqa: F401  (registers the native models)
@@ -44,10 +47,12 @@ from loopvq_calib.models import (
 )
 from loopvq_calib.models.loading import model_identity
 from loopvq_calib.models.sites import kv_layout
-from loopvq_calib.serving.cache import sampled_quantizer
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_MODEL = ROOT / "artifacts" / "tiny-ouro"
+DATA = ROOT / "artifacts" / "data"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TINY_K, TINY_G, TINY_T_C = 16, 8, 4  # codebook size, group size and steps per block of tiny_quantizer
 
 
 def run_kernel_script(script: str) -> dict:
@@ -61,12 +66,9 @@ def run_kernel_script(script: str) -> dict:
         code = subprocess.run([sys.executable, "-c", script, "cpu"], capture_output=True, text=True, cwd=ROOT, env=env)
     assert code.returncode == 0, code.stderr[-3000:]
     return json.loads(code.stdout.strip().splitlines()[-1])
-DATA = ROOT / "artifacts" / "data"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-TINY_K, TINY_G, TINY_T_C = 16, 8, 4  # codebook size, group size and steps per block of tiny_quantizer
 
 
-def load_script(name: str):
+def load_script(name: str) -> types.ModuleType:
     """scripts/<name>.py or benchmarks/<name>.py as a module."""
     path = next(p for p in (ROOT / "scripts" / f"{name}.py", ROOT / "benchmarks" / f"{name}.py") if p.is_file())
     spec = importlib.util.spec_from_file_location(name, path)
@@ -91,7 +93,8 @@ needs_lm_eval = pytest.mark.skipif(not importable("lm_eval"),
                                    reason="needs lm-evaluation-harness: pip install 'loopvq-calib[eval]'")
 
 
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """GPU tests (``@pytest.mark.gpu``) skip without CUDA."""
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU")
         for item in items:
@@ -121,6 +124,7 @@ def tiny_huginn_config(**overrides) -> HuginnConfig:
 
 
 def save_with_tokenizer(model: torch.nn.Module, folder: Path) -> Path:
+    """``model`` in the hub layout with the reference model's tokenizer; returns ``folder``."""
     model.save_pretrained(folder)
     for name in TOKENIZER_FILES:
         shutil.copy(REFERENCE_MODEL / name, folder / name)
@@ -140,11 +144,13 @@ def _scaled_init(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 def make_tiny_ouro(seed: int = 0, **overrides) -> OuroForCausalLM:
+    """:func:`tiny_ouro_config` with random weights large enough to matter (seeded), in eval mode."""
     torch.manual_seed(seed)
     return _scaled_init(OuroForCausalLM(tiny_ouro_config(**overrides)), seed)
 
 
 def make_tiny_huginn(seed: int = 0, **overrides) -> HuginnForCausalLM:
+    """:func:`tiny_huginn_config` with random weights large enough to matter (seeded), in eval mode."""
     torch.manual_seed(seed)
     return _scaled_init(HuginnForCausalLM(tiny_huginn_config(**overrides)), seed)
 
@@ -156,10 +162,10 @@ def calib_set(n: int = 3, length: int = 24, sinks: int = 4) -> CalibrationSet:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def one_thread():
+def one_thread() -> Iterator[None]:
     """Every test runs single-threaded torch and faiss: the tiny models and problems gain nothing from a second
     intra-op thread, while two OpenMP teams (torch's, faiss's) synchronising on every small op cost several times
-    the work on 2 cores, and ~10x when the machine is busy (docs/ci.md). A test about threads sets its own."""
+    the work on 2 cores (docs/ci.md). A test about threads sets its own."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     faiss = _faiss_or_none()
@@ -172,7 +178,7 @@ def one_thread():
         faiss.omp_set_num_threads(faiss_threads)
 
 
-def _faiss_or_none():
+def _faiss_or_none() -> types.ModuleType | None:
     try:
         import faiss
     except ImportError:
@@ -181,32 +187,37 @@ def _faiss_or_none():
 
 
 @pytest.fixture(scope="session")
-def tiny_ouro_dir(tmp_path_factory) -> Path:
+def tiny_ouro_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Ouro saved once per session."""
     return save_with_tokenizer(make_tiny_ouro(), tmp_path_factory.mktemp("tiny-ouro"))
 
 
 @pytest.fixture(scope="session")
-def tiny_huginn_dir(tmp_path_factory) -> Path:
+def tiny_huginn_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Huginn saved once per session."""
     return save_with_tokenizer(make_tiny_huginn(), tmp_path_factory.mktemp("tiny-huginn"))
 
 
 @pytest.fixture(scope="session")
 def reference_model_dir() -> Path:
+    """The shipped reference model (artifacts/tiny-ouro)."""
     return REFERENCE_MODEL
 
 
 @pytest.fixture(scope="session")
 def calib_corpus() -> Path:
+    """The shipped calibration corpus."""
     return DATA / "shakespeare-calib.jsonl"
 
 
 @pytest.fixture(scope="session")
 def heldout_corpus() -> Path:
+    """The shipped held-out corpus."""
     return DATA / "shakespeare-heldout.jsonl"
 
 
 @pytest.fixture(scope="module")
-def tiny_captures(tmp_path_factory) -> dict[str, tuple]:
+def tiny_captures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
     """Float32 captures (with query statistics) of 3 random sequences of 64 tokens on the tiny Ouro and Huginn:
     name -> (model, KV layout, calibration set, reader)."""
     out = {}
@@ -257,14 +268,15 @@ def tiny_quantizer(model_dir: Path, method: str = "tasq+loopvq", sharing: str = 
     return KVQuantizer(codecs, method, TINY_K, TINY_G, TINY_T_C, sharing, kv)
 
 
-def write_tiny_bundle(out: Path, model_dir: Path, name: str = "tiny", config: dict | None = None, **kw) -> Path:
+def write_tiny_bundle(out: Path, model_dir: Path, name: str = "tiny", *, config: dict | None = None,
+                      quantizer: KVQuantizer | None = None, codebook_dtype: str = "float16") -> Path:
     """A bundle of ``quantizer`` (default :func:`tiny_quantizer`) for ``model_dir`` named org/tiny-ouro, with a
     few metrics."""
-    q = kw.pop("quantizer", None) or tiny_quantizer(model_dir)
     return write_bundle(
-        out, q, name=name, identity=model_identity(model_dir, "org/tiny-ouro", "main"),
+        out, quantizer or tiny_quantizer(model_dir), name=name,
+        identity=model_identity(model_dir, "org/tiny-ouro", "main"),
         calibration={"dataset": "shakespeare", "num_sequences": 4}, serving=ServingConfig(8, 64, 8),
         metrics={"heldout_kl": 0.0123, "heldout_kl_init": 0.0456, "ppl_increase": 0.021, "finetune_curve": [{}, {}]},
-        codebook_dtype=kw.pop("codebook_dtype", "float16"), config=config or {"quant": {"method": "tasq+loopvq"}},
+        codebook_dtype=codebook_dtype, config=config or {"quant": {"method": "tasq+loopvq"}},
         producer_version="0.1.0",
     )

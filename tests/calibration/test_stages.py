@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from conftest import make_tiny_ouro
+from support.quantizers import sampled_quantizer
 
 from loopvq_calib.calibration.capture.store import StoreChoice
 from loopvq_calib.calibration.finetune.train import FinetuneResult
@@ -118,8 +119,6 @@ def test_fingerprints_chain_from_the_changed_section():
 def test_same_quantizer_check_sees_each_codecs_own_tensors():
     """The round-trip check compares what the codecs hold, not their exported copies (which are always CPU with
     fixed dtypes): a group table in int32 instead of int64, or a TaSQ weight in float64, fails it."""
-    from loopvq_calib.serving.cache import sampled_quantizer
-
     model = make_tiny_ouro()
     source = sampled_quantizer(model, torch.randint(0, 4096, (1, 16), generator=torch.Generator().manual_seed(0)),
                                "tasq+loopvq", codebook_size=8)

@@ -9,9 +9,16 @@ import torch
 import torch.nn.functional as F
 from conftest import make_tiny_huginn
 from safetensors.torch import load_file, save_file
+from support.quantizers import sampled_quantizer
 from transformers import AutoModelForCausalLM
 
+from loopvq_calib.calibration.capture.kv import capture_sequence
+from loopvq_calib.calibration.finetune.train import sequence_kl
+from loopvq_calib.codes.objective import mean_kl, teacher
+from loopvq_calib.config.schema import FinetuneConfig
+from loopvq_calib.evaluation.evaluate import evaluate_quantizers
 from loopvq_calib.models import HuginnForCausalLM, LoopKVCache
+from loopvq_calib.models.huginn import sequence_seed
 
 
 def reference_huginn_logits(sd: dict, cfg, ids: torch.Tensor, r: int, state: torch.Tensor) -> torch.Tensor:
@@ -134,8 +141,6 @@ def test_seeded_initial_state_is_a_function_of_the_tokens():
     """Inside seeded_initial_state each row's state comes from sequence_seed(its tokens): repeated
     forwards agree, a row alone equals the same row in a batch, other tokens give another state, the
     draw equals a hand-seeded truncated normal, and outside the block the state is random again."""
-    from loopvq_calib.models.huginn import sequence_seed
-
     model = make_tiny_huginn(state_init="like-init")
     ids = torch.randint(0, 4096, (2, 6))
     e = torch.zeros(2, 6, 64)
@@ -162,12 +167,6 @@ def test_like_init_kl_of_an_identity_quantizer_is_exactly_zero_and_reproducible(
     """A quantizer whose codebooks hold every group vector of the sequence reproduces its keys/values;
     under like-init the teacher and quantized forwards share the initial state, so the KL is exactly 0
     (fine-tuning objective and evaluation), and a lossy quantizer's numbers repeat exactly."""
-    from loopvq_calib.calibration.finetune.train import sequence_kl
-    from loopvq_calib.codes.objective import mean_kl, teacher
-    from loopvq_calib.config.schema import FinetuneConfig
-    from loopvq_calib.evaluation.evaluate import evaluate_quantizers
-    from loopvq_calib.serving.cache import sampled_quantizer
-
     model = make_tiny_huginn(state_init="like-init")
     ids = torch.randint(0, 4096, (1, 16))
     exact = sampled_quantizer(model, ids, "loopvq", codebook_size=16)
@@ -183,9 +182,6 @@ def test_like_init_kl_of_an_identity_quantizer_is_exactly_zero_and_reproducible(
 
 def test_capture_uses_the_teachers_initial_state():
     """The captured keys/values (and so the Fisher's forward) of a like-init model are the teacher's."""
-    from loopvq_calib.calibration.capture.kv import capture_sequence
-    from loopvq_calib.codes.objective import teacher
-
     model = make_tiny_huginn(state_init="like-init")
     ids = torch.randint(0, 4096, (2, 12))
     stored = capture_sequence(model, ids, model.kv_layout(), seqs=[0, 1])

@@ -8,20 +8,28 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_finetune
+from conftest import make_tiny_huginn, make_tiny_ouro, run_finetune
+from support.builders import random_quantizer
+from support.quantizers import sampled_quantizer
 
 from loopvq_calib.calibration.finetune import teacher_cache as teacher_cache_module, train as finetune_module
+from loopvq_calib.calibration.finetune.teacher_cache import ranked
 from loopvq_calib.calibration.finetune.train import (
     TeacherCache,
     finetune_codebooks,
     selection_kl,
     sequence_kl,
 )
-from loopvq_calib.calibration.pipeline import calibrate
+from loopvq_calib.calibration.pipeline import Pipeline, calibrate
 from loopvq_calib.calibration.stages import load_quantizer
-from loopvq_calib.codes.objective import teacher
+from loopvq_calib.codes.codec import scatter_groups
+from loopvq_calib.codes.objective import kl_per_position, sink_mask, teacher
+from loopvq_calib.config.load import load_config
 from loopvq_calib.config.schema import FinetuneConfig
+from loopvq_calib.data.corpus import CalibrationSet
+from loopvq_calib.models import KVRecorder, KVSubstituter, kv_hook
 from loopvq_calib.models.loading import load_model
+from loopvq_calib.runtime.processes import DistContext
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +44,6 @@ def reference_setup(tmp_path_factory, reference_model_dir, calib_corpus):
     }
     calibrate(cfg, stages=["kmeans"])
     model, _ = load_model(reference_model_dir, "float32", torch.device("cpu"))
-    from loopvq_calib.calibration.pipeline import Pipeline
-    from loopvq_calib.config.load import load_config
 
     calib = Pipeline(load_config(cfg)).stage_data()
     return model, calib, load_quantizer(out / "kmeans")
@@ -95,7 +101,6 @@ def test_codebook_gradient_is_exact_through_the_lookup(reference_setup):
     grad = cb.grad.clone()
 
     codec = q.codecs[key]
-    from loopvq_calib.models import KVRecorder, kv_hook
 
     rec = KVRecorder()
     with kv_hook(model, rec):
@@ -105,13 +110,10 @@ def test_codebook_gradient_is_exact_through_the_lookup(reference_setup):
     cb2 = init.codecs[key].codebook.clone().requires_grad_(True)
     onehot = F.one_hot(idx, cb2.shape[2]).float()  # [N, H, n, K]
     z = torch.einsum("thnk,hnkg->thng", onehot, cb2)
-    from loopvq_calib.codes.codec import scatter_groups
 
     decoded = scatter_groups(z, codec.layout.groups, codec.layout.steps)
     q2 = copy.deepcopy(init)
     q2.codecs.pop(key)
-    from loopvq_calib.codes.objective import kl_per_position, sink_mask, teacher
-    from loopvq_calib.models import KVSubstituter
 
     fp = teacher(model, ids)
     qk, qv = q2.quantize_sites(fp.keys, fp.values)
@@ -225,9 +227,6 @@ def test_teacher_cache_on_cuda_ignores_memory_freed_before_finetuning(tiny_setup
 
 @pytest.mark.parametrize("make", ["ouro", "huginn"])
 def test_loop_checkpointing_gives_the_same_gradients(make):
-    from conftest import make_tiny_huginn, make_tiny_ouro
-    from support.builders import random_quantizer
-
     model = make_tiny_ouro() if make == "ouro" else make_tiny_huginn()
     ids = torch.randint(0, 4096, (1, 20), generator=torch.Generator().manual_seed(0))
     grads = []
@@ -264,9 +263,6 @@ def test_teacher_cache_holds_every_sequence_a_process_is_asked_for(tiny_setup, m
     process is asked for more than its half of the sequences: ``cache_teacher: true`` keeps every distinct
     sequence it asks for (recorded here), and ``teacher_plan`` lists the asks in the order they come (here
     with a selection every 2 steps)."""
-    from loopvq_calib.calibration.finetune.teacher_cache import ranked
-    from loopvq_calib.runtime.processes import DistContext
-
     model, calib, init = tiny_setup
     monkeypatch.setattr(DistContext, "all_reduce_sum", lambda self, t: t)  # a fake second process
     asked: dict[int, list[int]] = {}
@@ -290,10 +286,6 @@ def test_batched_selection_equals_one_sequence_at_a_time(make):
     """``selection_batch`` joins the selection sequences' teacher outputs into one forward: the selection KL is
     the mean of the per-sequence KLs (up to float rounding), also under Huginn's like-init (per-row states),
     with and without a teacher cache, and an identity quantizer still scores exactly 0."""
-    from conftest import make_tiny_huginn, make_tiny_ouro
-
-    from loopvq_calib.data.corpus import CalibrationSet
-    from loopvq_calib.serving.cache import sampled_quantizer
 
     model = make_tiny_ouro() if make == "ouro" else make_tiny_huginn(state_init="like-init")
     ids = torch.randint(0, 4096, (6, 16), generator=torch.Generator().manual_seed(3))

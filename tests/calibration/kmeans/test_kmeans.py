@@ -1,6 +1,6 @@
 """The k-means stage on a real tiny capture: layout problems and their Fisher weights, codebook fitting
 for every sharing, TaSQ, sinks, determinism, backends agreeing (the backends themselves:
-test_kmeans_backends.py)."""
+test_kmeans_solvers.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ from conftest import make_tiny_ouro
 from safetensors.torch import load_file, save_file
 from support.builders import np_assign
 
-from loopvq_calib.calibration.capture.kv import CaptureReader, capture_kv, write_meta
+from loopvq_calib.calibration.capture.kv import CaptureReader, MemoryCapture, MemoryReader, capture_kv, write_meta
+from loopvq_calib.calibration.kmeans import fit as kmeans, solvers
 from loopvq_calib.calibration.kmeans.fit import (
     fit_codebooks,
     layout_problems,
+    layout_seed,
     run_points_per_codebook,
 )
 from loopvq_calib.codes.codec import TasqTransform, gather_groups
@@ -24,7 +26,7 @@ from loopvq_calib.codes.layouts import plan_layouts, points_per_codebook
 from loopvq_calib.config.schema import CaptureConfig, Config, KMeansConfig, QuantConfig
 from loopvq_calib.config.validate import validate
 from loopvq_calib.data.corpus import CalibrationSet
-from loopvq_calib.kernels import kmeans as kmeans_triton
+from loopvq_calib.kernels import backends as kernel_backends, kmeans as kmeans_triton
 
 CPU = torch.device("cpu")
 TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: Triton's interpreter
@@ -208,12 +210,11 @@ def test_fit_is_deterministic_and_order_independent(tiny_capture):
     assert not torch.equal(c.codecs[layouts[0].key].codebook, a.codecs[layouts[0].key].codebook)
 
 
-@pytest.mark.skipif(not kmeans_triton.available(TRITON_DEVICE), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1")
+@pytest.mark.skipif(not kernel_backends.available(kernel_backends.Backend.TRITON, TRITON_DEVICE),
+                    reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1")
 def test_fused_path_solves_layouts_together_as_one_at_a_time(tiny_capture, monkeypatch):
     """On the fused Triton path consecutive layouts share one Lloyd loop (here all 4 in one weighted_kmeans
     call); each layout gets the codebooks, objectives and Lloyd updates it gets when solved alone."""
-    import loopvq_calib.calibration.kmeans.fit as kmeans
-
     reader, kv = tiny_capture
     quant = quant_config(method="tasq+loopvq")
     layouts = plan_layouts(kv, quant)[:4]
@@ -246,9 +247,6 @@ def test_fused_schedule_seeds_the_next_group_before_a_lloyd_loop_and_keeps_the_r
     layouts are grouped (here two per Lloyd loop), a group's loop starts only once the group after it is loaded
     and seeded (that seeding runs on a second stream during the loop on CUDA), and the codebooks are those of the
     torch backend solving one layout at a time."""
-    import loopvq_calib.calibration.kmeans.fit as kmeans
-    import loopvq_calib.calibration.kmeans.solvers as backends
-
     reader, kv = tiny_capture
     quant = quant_config(method="cq")  # one loop step per layout: 16 layouts
     layouts = plan_layouts(kv, quant)[:6]
@@ -267,14 +265,14 @@ def test_fused_schedule_seeds_the_next_group_before_a_lloyd_loop_and_keeps_the_r
         return real_solve(x, *args, **kwargs)
 
     def lloyd_step(x, w, c, rows, accumulate):
-        return backends._assign(x[rows], x[rows].pow(2).sum(-1), w[rows], c=c, chunk=1 << 20, accumulate=accumulate)
+        return solvers._assign(x[rows], x[rows].pow(2).sum(-1), w[rows], c=c, chunk=1 << 20, accumulate=accumulate)
 
-    for module in (kmeans, backends):
+    for module in (kmeans, solvers):
         monkeypatch.setattr(module, "resolve_backend", lambda *a, **k: "triton")
     monkeypatch.setattr(kmeans, "layout_problems", problems)
     monkeypatch.setattr(kmeans, "weighted_kmeans", solve)
     monkeypatch.setattr(kmeans_triton, "lloyd_step", lloyd_step)
-    monkeypatch.setattr(kmeans_triton, "kmeans_pp", backends._kmeans_pp_rows)
+    monkeypatch.setattr(kmeans_triton, "kmeans_pp", solvers._kmeans_pp_rows)
     problems_per_layout = kv.kv_heads * layouts[0].num_groups
     points = real_problems(reader.load(layouts[0].kind, layouts[0].sites), reader.load("fisher_" + layouts[0].kind,
                            layouts[0].sites), layouts[0], transform=None, codebook_size=K, sharing="none")[0]
@@ -292,18 +290,14 @@ def test_fused_schedule_seeds_the_next_group_before_a_lloyd_loop_and_keeps_the_r
 
 def test_faiss_layouts_are_seeded_by_their_own_layout_seed(tiny_capture, monkeypatch):
     """faiss solves one layout per call and draws from that layout's seed (kmeans.layout_seed), not kmeans.seed."""
-    import loopvq_calib.calibration.kmeans.fit as kmeans_module
-    import loopvq_calib.calibration.kmeans.solvers as backends
-    from loopvq_calib.calibration.kmeans.fit import layout_seed
-
     reader, kv = tiny_capture
     quant = quant_config()
     layouts = plan_layouts(kv, quant)[:2]
     seeds = []
-    monkeypatch.setattr(kmeans_module, "resolve_backend", lambda *a, **k: "faiss")
-    monkeypatch.setattr(backends, "resolve_backend", lambda *a, **k: "faiss")
-    monkeypatch.setattr(backends, "_faiss_kmeans", lambda x, w, init, cfg, seed, device: seeds.append(seed) or
-                        backends.KMeansResult(init.clone(), torch.zeros(x.shape[0]), torch.zeros(x.shape[0]),
+    monkeypatch.setattr(kmeans, "resolve_backend", lambda *a, **k: "faiss")
+    monkeypatch.setattr(solvers, "resolve_backend", lambda *a, **k: "faiss")
+    monkeypatch.setattr(solvers, "_faiss_kmeans", lambda x, w, init, cfg, seed, device: seeds.append(seed) or
+                        solvers.KMeansResult(init.clone(), torch.zeros(x.shape[0]), torch.zeros(x.shape[0]),
                                               torch.zeros(x.shape[0], dtype=torch.long), torch.zeros(x.shape[0], dtype=torch.long)))
     fit_codebooks(reader, layouts, {}, quant=quant, cfg=FAST, kv=kv, device=CPU)
     assert seeds == [layout_seed(FAST.seed, lay) for lay in layouts] and len(set(seeds)) == 2
@@ -342,9 +336,6 @@ def test_fit_codebooks_on_cuda_matches_cpu(tiny_capture):
 def test_fused_schedule_on_cuda_from_a_pinned_capture_matches_cpu(tmp_path, monkeypatch):
     """On CUDA with one layout per Lloyd loop (six loops: the seeding queued ahead on the side stream, the hand-offs
     between streams), the layouts read from an in-memory capture in pinned host memory: the CPU backend's codebooks."""
-    import loopvq_calib.calibration.kmeans.fit as kmeans
-    from loopvq_calib.calibration.capture.kv import MemoryCapture, MemoryReader
-
     model = make_tiny_ouro().cuda()
     kv = model.kv_layout()
     calib = CalibrationSet(input_ids=torch.randint(0, 4096, (4, 32), generator=gen(0)), train=[0, 1, 2], heldout=[3],
