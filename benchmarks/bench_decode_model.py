@@ -73,7 +73,7 @@ def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Modu
         return load_model(args.checkpoint, "bfloat16", device)[0]
     from make_random_checkpoint import random_model
 
-    return random_model(args.model, str(device), args.seed, args.scale_down)
+    return random_model(args.model, str(device), seed=args.seed, scale_down=args.scale_down)
 
 
 def synthetic_quantizer(kv: Any, method: str, *, codebook_size: int, group_size: int, steps_per_block: int,

@@ -64,6 +64,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
         warmup = Warmup()  # the device's first CUDA work runs while the pipeline's libraries import
         warmup.submit("device", None, warm_device, cfg.model.device)  # picks its CUDA device itself
         from .calibration.pipeline import Pipeline
+        from .runtime.processes import end_processes
 
         stages = [s.strip() for s in args.stages.split(",")] if args.stages is not None else None
         pipeline = Pipeline(cfg, args.output, stages, warmup=warmup)
@@ -79,6 +80,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
         return _fail(str(err), 2)
     except Exception as err:  # a stage failed: say which and where the traceback is, exit 3
         return _fail(_run_failure(pipeline, err), 3)
+    end_processes()
     if pipeline.dist.is_main:
         if result.bundle:
             print(f"bundle: {result.bundle}")

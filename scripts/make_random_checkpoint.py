@@ -60,7 +60,7 @@ def model_config(name: str, scale_down: int = 1) -> PretrainedConfig:
 
 
 @torch.no_grad()
-def random_model(name: str, device: str = "cpu", seed: int = 0, scale_down: int = 1) -> torch.nn.Module:
+def random_model(name: str, device: str = "cpu", *, seed: int = 0, scale_down: int = 1) -> torch.nn.Module:
     """The model of ``name`` with random bf16 weights, built and drawn on ``device``."""
     model_cls, _, _ = MODELS[name]
     config = model_config(name, scale_down)
@@ -87,7 +87,7 @@ def random_model(name: str, device: str = "cpu", seed: int = 0, scale_down: int 
 def write_checkpoint(name: str, out: Path, device: str = "cpu", *, seed: int = 0, scale_down: int = 1) -> Path:
     """Write ``out``/config.json, model safetensors and the shipped tokenizer; returns ``out``."""
     out = Path(out)
-    model = random_model(name, device, seed, scale_down)
+    model = random_model(name, device, seed=seed, scale_down=scale_down)
     model.save_pretrained(out)
     for file in TOKENIZER_FILES:
         shutil.copy(TOKENIZER / file, out / file)

@@ -108,7 +108,7 @@ def block_permutation(groups: torch.Tensor, steps: int, heads: int, *, head_dim:
     return to_groups, to_block
 
 
-def _flat_codebook_index(indices: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+def flat_codebook_index(indices: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """Row of each code in ``codebook.view(-1, G)``; shared heads/groups broadcast."""
     hc, gc, k, _ = codebook.shape
     _, h, n = indices.shape
@@ -152,7 +152,7 @@ def _nearest_chunks(z: torch.Tensor, codebook: torch.Tensor, chunk: int) -> torc
 
 def lookup(indices: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """Codewords for indices [N, H, n] -> [N, H, n, G]; differentiable w.r.t. ``codebook``."""
-    rows = _flat_codebook_index(indices, codebook)
+    rows = flat_codebook_index(indices, codebook)
     return codebook.reshape(-1, codebook.shape[-1]).index_select(0, rows.reshape(-1)).view(*indices.shape, -1)
 
 
@@ -172,7 +172,7 @@ class _FusedLookup(torch.autograd.Function):
         indices, to_groups = ctx.saved_tensors
         n_tok, g = indices.shape[0], ctx.book_shape[-1]
         grad_z = grad.reshape(n_tok, -1).gather(-1, to_groups.expand(n_tok, -1))  # group order [N, H*n*G]
-        rows = _flat_codebook_index(indices, torch.empty(ctx.book_shape, device="meta"))
+        rows = flat_codebook_index(indices, torch.empty(ctx.book_shape, device="meta"))
         flat = grad.new_zeros(ctx.book_shape.numel() // g, g).index_add_(0, rows.reshape(-1), grad_z.view(-1, g))
         return flat.view(ctx.book_shape), None, None, None, None, None
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..codes.layouts import KINDS
 from ..codes.objective import Teacher, kl_per_position, next_token_nll, quantized_logits, teacher
 from ..codes.quantizer import KVQuantizer
 from .inputs import (
@@ -33,8 +34,6 @@ from .inputs import (
 )
 from .options import Gates, ServedOptions
 from .served import baseline_entries, check_accuracy_gate, served_evaluation
-
-KINDS = ("key", "value")
 
 
 class _Sums:

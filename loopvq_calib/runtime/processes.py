@@ -69,6 +69,13 @@ class DistContext:
 SINGLE = DistContext()
 
 
+def end_processes() -> None:
+    """Leave the process group this process joined under ``accelerate launch`` (nothing for a single process):
+    at the end of a command, so that no group is left for the interpreter's exit to tear down."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def start_processes(device_setting: str) -> DistContext:
     """The context of this process: accelerate's process state (which joins the process group under
     ``accelerate launch``; CPU processes, for ``model.device: cpu`` or no CUDA, talk over gloo)."""

@@ -29,7 +29,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 def tiny_model():
     from make_random_checkpoint import random_model  # on sys.path through the script
 
-    return random_model("ouro-1.4b", str(DEVICE), 0, 16)
+    return random_model("ouro-1.4b", str(DEVICE), seed=0, scale_down=16)
 
 
 def run_script(monkeypatch, out: Path, *extra: str) -> dict:

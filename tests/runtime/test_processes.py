@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from loopvq_calib.runtime.processes import SINGLE, DistContext, start_processes
+from loopvq_calib.runtime.processes import SINGLE, DistContext, end_processes, start_processes
 
 
 def test_one_process_owns_everything_and_its_collectives_are_no_ops():
@@ -57,3 +58,14 @@ def test_two_gloo_processes_sum_and_meet():
             p.join(timeout=60)
             assert p.exitcode == 0
     assert results == {0: ([3.0, 10.0], "cpu"), 1: ([3.0, 10.0], "cpu")}
+
+
+def test_end_processes_leaves_a_joined_group_and_is_a_no_op_without_one(tmp_path):
+    """A command ends by leaving the process group it joined (one gloo process here); without a group nothing
+    happens, so a single-process run can call it too."""
+    end_processes()  # no group: nothing to leave
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    assert dist.is_initialized()
+    end_processes()
+    assert not dist.is_initialized()
+

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ...codes.codec import _flat_codebook_index
+from ...codes.codec import flat_codebook_index
 from ...codes.objective import Teacher
 from ...codes.quantizer import KVQuantizer
 
@@ -74,7 +74,7 @@ def add_usage(quantizer: KVQuantizer, fp: Teacher, sink_tokens: int, *, counts: 
         lay = codec.layout
         x = torch.stack([src[lay.kind][s][:, sink_tokens:].flatten(0, 1) for s in lay.sites], dim=1)
         idx = codec.encode(x).indices.long()  # [N, H, n]
-        rows = _flat_codebook_index(idx, codec.codebook).flatten()
+        rows = flat_codebook_index(idx, codec.codebook).flatten()
         shape = codec.codebook.shape[:3]
         hist = torch.bincount(rows, minlength=math.prod(shape)).view(shape)
         counts[key] = counts.get(key, 0) + hist.cpu()
