@@ -39,6 +39,8 @@ from loopvq_calib.config.schema import (
     ServingConfig,
 )
 from loopvq_calib.data.corpus import CalibrationSet
+from loopvq_calib.kernels import cuda_build
+from loopvq_calib.kernels.backends import Backend, available
 from loopvq_calib.models import (
     HuginnConfig,
     HuginnForCausalLM,
@@ -91,6 +93,20 @@ def importable(name: str) -> bool:
 # of task accuracy and passkey retrieval skip, like GPU tests without a GPU
 needs_lm_eval = pytest.mark.skipif(not importable("lm_eval"),
                                    reason="needs lm-evaluation-harness: pip install 'loopvq-calib[eval]'")
+
+
+# the fused Triton kernels run on a CUDA GPU, or in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1)
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+needs_triton_kernels = pytest.mark.skipif(not available(Backend.TRITON, KERNEL_DEVICE),
+                                          reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1")
+
+
+@pytest.fixture
+def builds(monkeypatch) -> cuda_build.CudaBuilds:
+    """A fresh record of NVRTC builds for the test (no earlier failure, no counters)."""
+    fresh = cuda_build.CudaBuilds()
+    monkeypatch.setattr(cuda_build, "BUILDS", fresh)
+    return fresh
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

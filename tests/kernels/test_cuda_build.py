@@ -17,14 +17,6 @@ from loopvq_calib.kernels.backends import BackendUnavailable
 from loopvq_calib.serving import decode_attention as da
 
 
-@pytest.fixture
-def builds(monkeypatch) -> cuda_build.CudaBuilds:
-    """A fresh record of NVRTC builds for the test (no earlier failure, no counters)."""
-    fresh = cuda_build.CudaBuilds()
-    monkeypatch.setattr(cuda_build, "BUILDS", fresh)
-    return fresh
-
-
 def test_a_failed_build_is_remembered_and_named(builds, monkeypatch):
     """A failed NVRTC build raises BuildError naming the kernel and its constants and is kept (so later calls go
     to Triton without compiling again: the availability check gives it as the reason), and backend='cuda' then

@@ -20,14 +20,6 @@ from loopvq_calib.kernels.backends import BackendUnavailable
 from loopvq_calib.serving import decode_attention as da
 
 
-@pytest.fixture
-def builds(monkeypatch) -> cuda_build.CudaBuilds:
-    """A fresh record of NVRTC builds for the test (no earlier failure, no counters)."""
-    fresh = cuda_build.CudaBuilds()
-    monkeypatch.setattr(cuda_build, "BUILDS", fresh)
-    return fresh
-
-
 def test_launch_checks_what_the_kernel_reads(builds, monkeypatch):
     """The CUDA path is taken only when the kernel can read every tensor as it assumes: one-byte key AND value
     indices stored head-major, fp16 TaSQ sigmas, unit inner strides, tables and buffers within shared memory

@@ -13,15 +13,11 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import KERNEL_DEVICE as DEVICE, needs_triton_kernels as needs_kernels
 
 from loopvq_calib.calibration.kmeans.solvers import _draw_one, kmeans_pp_init
 from loopvq_calib.kernels import backends, kmeans as kmeans_triton
-from loopvq_calib.kernels.backends import Backend
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-needs_kernels = pytest.mark.skipif(
-    not backends.available(Backend.TRITON, DEVICE), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1"
-)
 needs_compiler = pytest.mark.skipif(
     backends.triton is None or os.environ.get("TRITON_INTERPRET") == "1",
     reason="needs triton, not in interpreter mode",

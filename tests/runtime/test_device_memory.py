@@ -11,6 +11,7 @@ from support.peak_counters import CUDA0, CUDA1, FakeCounters
 from loopvq_calib.runtime.device_memory import PeakMeter
 from loopvq_calib.runtime.devices import indexed_device
 
+
 def test_a_reset_inside_a_stage_keeps_the_stage_peak_and_restarts_the_reading():
     counters = FakeCounters()
     meter = PeakMeter(counters)

@@ -12,8 +12,9 @@ import logging
 
 import pytest
 import torch
+from conftest import KERNEL_DEVICE as DEVICE, needs_triton_kernels as needs_kernels
 from safetensors.torch import load_file
-from support.decode import DEVICE, check, dispatch_case, gen, make_codecs, make_inputs, needs_kernels
+from support.decode import check, dispatch_case, gen, make_codecs, make_inputs
 from support.golden import GOLDEN, GOLDEN_ATTENTION, attention_golden_case
 
 from loopvq_calib.codes.codec import Codes

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_huginn, make_tiny_ouro
-from support.decode import DEVICE, gen, needs_kernels
+from conftest import KERNEL_DEVICE as DEVICE, make_tiny_huginn, make_tiny_ouro, needs_triton_kernels as needs_kernels
+from support.decode import gen
 from support.quantizers import sampled_quantizer
 
 from loopvq_calib.codes.codec import Codes

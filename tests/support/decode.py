@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
+from conftest import KERNEL_DEVICE as DEVICE
 
 from loopvq_calib.codes.codec import BlockCodec, TasqTransform
 from loopvq_calib.codes.layouts import BlockLayout, channel_groups, loop_axis_groups
-from loopvq_calib.kernels import backends, decode_lanes as dl
+from loopvq_calib.kernels import decode_lanes as dl
 from loopvq_calib.models.common import rope_angles
 from loopvq_calib.serving import decode_attention as da
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def permuted_groups(heads: int, steps: int, d: int, g: int, seed: int) -> torch.Tensor:
@@ -33,10 +31,6 @@ def lane_reads(idx: torch.Tensor, table: torch.Tensor, column: torch.Tensor) -> 
     r, lane, i = torch.arange(runs), torch.arange(lanes), torch.arange(run)
     offset = ((r[None, :, None] * k * lanes + lane[:, None, None]) * run + i) + ix[..., None] * lanes * run
     return flat[torch.arange(heads)[None, None, :, None], offset.reshape(b, n, heads, -1)].view(b, n, heads, lanes, -1)
-
-
-needs_kernels = pytest.mark.skipif(not backends.available(backends.Backend.TRITON, DEVICE),
-                                   reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1")
 
 
 def gen(seed: int) -> torch.Generator:

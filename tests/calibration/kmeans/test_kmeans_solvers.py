@@ -10,6 +10,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from conftest import KERNEL_DEVICE as TRITON_DEVICE, needs_triton_kernels as needs_triton
 from support.builders import CPU, blobs, np_assign
 
 from loopvq_calib.calibration.kmeans import solvers as kmeans_backends
@@ -21,16 +22,11 @@ from loopvq_calib.calibration.kmeans.solvers import (
     weighted_kmeans,
 )
 from loopvq_calib.config.schema import KMeansConfig
-from loopvq_calib.kernels.backends import DISPATCH, Backend, available
+from loopvq_calib.kernels.backends import DISPATCH
 
 K, G = 16, 8
 HAS_FAISS = importlib.util.find_spec("faiss") is not None
 needs_faiss = pytest.mark.skipif(not HAS_FAISS, reason="faiss is not installed")
-# the fused Triton kernels run on the GPU, or in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1)
-TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-needs_triton = pytest.mark.skipif(
-    not available(Backend.TRITON, TRITON_DEVICE), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1"
-)
 LLOYD = [pytest.param({"backend": "torch", "device": CPU}, id="torch"), pytest.param({"backend": "triton", "device": TRITON_DEVICE}, id="triton", marks=needs_triton)]
 
 
