@@ -22,7 +22,7 @@ WORK=${WORK:-/tmp/loopvq-compare}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT" "$WORK"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-$PY "$HERE/scripts/make_random_checkpoint.py" --model "$MODEL" --out "$WORK/checkpoint" --scale-down "${SCALE:-1}" >> "$OUT/compare.log" 2>&1 || exit 1
+PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" $PY "$HERE/scripts/make_random_checkpoint.py" --model "$MODEL" --out "$WORK/checkpoint" --scale-down "${SCALE:-1}" >> "$OUT/compare.log" 2>&1 || exit 1
 
 run() {  # tree label round
   local tree=$1 label=$2 round=$3 start end rc
