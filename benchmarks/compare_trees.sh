@@ -2,8 +2,8 @@
 # The same shipped command from two checkouts in turn on one machine (B A B A ...: the other tree first), on one
 # random-weight checkpoint of the real shapes (scripts/make_random_checkpoint.py) and local data: one JSON line
 # per run in OUT/compare.jsonl (tree, round, exit status, the whole command's seconds, each stage's seconds and
-# peak GPU bytes from the run's manifest), every command's output in OUT/compare.log. Alternating keeps a
-# machine's drift out of the comparison.
+# peak GPU bytes from the run's manifest, the seconds before the pipeline and after its last stage), every
+# command's output in OUT/compare.log. Alternating keeps a machine's drift out of the comparison.
 #
 #   benchmarks/compare_trees.sh OUT OTHER_TREE [ROUNDS] [CONFIG] [MODEL] [--set overrides for every run ...]
 #   benchmarks/compare_trees.sh /tmp/cmp /tmp/before 2 configs/ouro-1.4b.yaml ouro-1.4b   # on the GPU
@@ -37,10 +37,15 @@ run() {  # tree label round
 import json, sys
 from pathlib import Path
 label, round_, rc, start, end, manifest = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *map(float, sys.argv[4:6]), Path(sys.argv[6])
-stages = json.loads(manifest.read_text())["stages"] if manifest.is_file() else {}
-print(json.dumps({"tree": label, "round": round_, "rc": rc, "command_s": round(end - start, 2),
-                  "stages": {name: {"wall_s": round(rec.get("wall_s", 0.0), 2), "peak_gpu_bytes": rec.get("peak_gpu_bytes")}
-                             for name, rec in stages.items()}}))
+record = json.loads(manifest.read_text()) if manifest.is_file() else {}
+line = {"tree": label, "round": round_, "rc": rc, "command_s": round(end - start, 2),
+        "stages": {name: {"wall_s": round(rec.get("wall_s", 0.0), 2), "peak_gpu_bytes": rec.get("peak_gpu_bytes")}
+                   for name, rec in record.get("stages", {}).items()}}
+if "entered_at" in record.get("startup", {}):  # from the command's start to the pipeline's checks
+    line["before_pipeline_s"] = round(record["startup"]["entered_at"] - start, 2)
+if "stages_done_at" in record:  # from the last stage's end to the command's exit
+    line["after_stages_s"] = round(end - record["stages_done_at"], 2)
+print(json.dumps(line))
 EOF
 }
 

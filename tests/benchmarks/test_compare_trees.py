@@ -26,4 +26,5 @@ def test_both_trees_run_in_turn_and_each_run_records_its_stages(tmp_path):
     for line in lines:
         assert list(line["stages"]) == ["data", "capture", "tasq", "kmeans", "finetune", "bundle"]
         assert 0 < sum(stage["wall_s"] for stage in line["stages"].values()) < line["command_s"]
+        assert 0 < line["before_pipeline_s"] < line["command_s"] and 0 <= line["after_stages_s"] < line["command_s"]
     assert not work.exists()
