@@ -26,6 +26,8 @@ PY=${PYTHON:-python3}
 DATA=artifacts/data/shakespeare-calib.jsonl
 mkdir -p "$OUT" "$WORK"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# the checkout's package for the scripts too (a machine where it is not installed: the GPU image)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 LOG="$OUT/measure.log"
 # the code measured (benchmarks/code_identity.py; `--find` names its commit where the history is)
 export CODE_IDENTITY=$($PY benchmarks/code_identity.py)
