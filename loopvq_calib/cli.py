@@ -64,7 +64,6 @@ def calibrate_main(argv: list[str] | None = None) -> int:
         warmup = Warmup()  # the device's first CUDA work runs while the pipeline's libraries import
         warmup.submit("device", None, warm_device, cfg.model.device)  # picks its CUDA device itself
         from .calibration.pipeline import Pipeline
-        from .runtime.processes import end_processes
 
         stages = [s.strip() for s in args.stages.split(",")] if args.stages is not None else None
         pipeline = Pipeline(cfg, args.output, stages, warmup=warmup)
@@ -80,7 +79,6 @@ def calibrate_main(argv: list[str] | None = None) -> int:
         return _fail(str(err), 2)
     except Exception as err:  # a stage failed: say which and where the traceback is, exit 3
         return _fail(_run_failure(pipeline, err), 3)
-    end_processes()
     if pipeline.dist.is_main:
         if result.bundle:
             print(f"bundle: {result.bundle}")
@@ -93,11 +91,22 @@ def calibrate_main(argv: list[str] | None = None) -> int:
 
 def calibrate_command() -> int:
     """The ``loopvq-calibrate`` console script and ``python -m loopvq_calib``: :func:`calibrate_main` on
-    ``sys.argv``; the log handlers (run.log) are flushed and closed before the status is returned."""
+    ``sys.argv``; the process group is left and the log handlers (run.log) are flushed and closed before the
+    status is returned."""
     try:
         return calibrate_main()
     finally:
+        _leave_processes()
         logging.shutdown()
+
+
+def _leave_processes() -> None:
+    """Leave the process group a run joined under ``accelerate launch``, on every way out (success, exit 2 after
+    the processes started, exit 3); nothing when torch was never loaded (``--help``, a config error)."""
+    if "torch.distributed" in sys.modules:
+        from .runtime.processes import end_processes
+
+        end_processes()
 
 
 def _run_failure(pipeline: Any, err: Exception) -> str:

@@ -121,6 +121,25 @@ def test_the_console_script_returns_the_status_and_closes_the_run_log(tiny_ouro_
     assert calibrate_command() == 2
 
 
+def test_the_console_script_leaves_its_process_group_on_a_failed_run_too(tiny_ouro_dir, tmp_path, monkeypatch,
+                                                                          capsys):
+    """A command that joined a process group (one gloo process here) leaves it however it ends: here with exit 2,
+    bad data found after the processes started."""
+    import torch.distributed as dist
+
+    from loopvq_calib.cli import calibrate_command
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    corpus = tmp_path / "short.jsonl"
+    corpus.write_text(json.dumps({"text": "Too short."}) + "\n")  # fewer tokens than the calibration needs
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, corpus, tmp_path / "run")))
+    monkeypatch.setattr(sys, "argv", ["loopvq-calibrate", "--config", str(cfg), "--stages", "data"])
+    assert calibrate_command() == 2
+    assert "data.num_sequences" in capsys.readouterr().err  # found by the checks, after the processes started
+    assert not dist.is_initialized() and not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_identical_runs_write_byte_identical_bundles(tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch):
     """Without SOURCE_DATE_EPOCH ``created`` is the Unix epoch, so two runs of one config give the same bytes;

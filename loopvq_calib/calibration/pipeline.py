@@ -25,7 +25,6 @@ from ..codes.quantizer import KVQuantizer
 from ..config.load import dump_config, load_config
 from ..config.schema import Config
 from ..data.corpus import CalibrationSet, build_calibration_set
-from ..kernels.prepare import prepare_codec_kernels
 from ..models.loading import load_model
 from ..runtime.clock import seconds_since_process_start
 from ..runtime.processes import DistContext
@@ -84,9 +83,6 @@ class Pipeline:
         cfg = self.cfg = self.plan.cfg
         self.dist, self.run = self.plan.dist, self.plan.run
         self.wanted, self.device = self.plan.wanted, self.plan.device
-        if "finetune" in self.wanted and self.device.type == "cuda":
-            self.warmup.submit("codec_kernels", self.device, prepare_codec_kernels, self.device,
-                               k=cfg.quant.codebook_size, g=cfg.quant.group_size)
         self._model, self._tokenizer = None, self.plan.tokenizer
         self.startup = {**startup, **self.plan.timings, "pipeline_init_s": round(time.perf_counter() - entered, 3)}
 

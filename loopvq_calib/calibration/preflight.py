@@ -22,6 +22,7 @@ from ..config.load import resolve_derived
 from ..config.schema import Config
 from ..config.validate import validate, validate_for_model
 from ..data.corpus import CalibrationSet, build_calibration_set
+from ..kernels.prepare import prepare_codec_kernels
 from ..models.loading import (
     TORCH_DTYPES,
     ModelIdentity,
@@ -90,6 +91,9 @@ def plan_run(cfg: Config, output: str | Path | None = None, stages: list[str] | 
     with timed(timings, "kmeans_backend_s"):
         if "kmeans" in wanted:
             check_kmeans_backend(cfg, kv, kmeans_device, warmup=warmup)
+    if "finetune" in wanted and device.type == "cuda":  # the kernels fine-tuning's first encode and decode launch
+        warmup.submit("codec_kernels", device, prepare_codec_kernels, device, k=cfg.quant.codebook_size,
+                      g=cfg.quant.group_size)
     run = RunDir(Path(output or cfg.output.dir), dist.is_main, dist.barrier, stage_names=STAGES)
     store = None
     if "capture" in wanted:

@@ -16,6 +16,7 @@ reason, and the Triton kernel serves it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -161,11 +162,14 @@ def plan_launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor
         if coded.key_sigma.dtype != torch.float16:
             return f"TaSQ sigmas in {coded.key_sigma.dtype}, not float16"
         read.append(coded.key_sigma)
+    plan = _sized(lanes, q, coded, settings=settings, shared_limit=shared_limit, sms=sms)  # bad settings raise first
+    if isinstance(plan, str):
+        return plan
     if any(t.stride(-1) != 1 for t in read + list(indices)):
         return "a tensor's last dimension is not contiguous"
     if any(max(t.stride()) > INT32_MAX for t in read + list(indices)):
         return "a stride beyond 2**31 - 1 elements (the kernel takes strides as int32)"
-    return _sized(lanes, q, coded, settings=settings, shared_limit=shared_limit, sms=sms)
+    return plan
 
 
 def _sized(lanes: LaneTables, q: torch.Tensor, coded: CodedTokens, *, settings: CudaDecodeLaunch, shared_limit: int,
@@ -234,8 +238,9 @@ def _float_bits(x: float) -> int:
     return struct.unpack("<i", struct.pack("<f", x))[0]
 
 
+@functools.lru_cache(maxsize=1)
 def kernel_source() -> str:
-    """The kernel's source text without its constants: the device functions, then the kernel."""
+    """The kernel's source text without its constants: the device functions, then the kernel (read once)."""
     return "".join(path.read_text() for path in SOURCES)
 
 

@@ -84,6 +84,6 @@ def candidate(device: torch.device, dtype: torch.dtype) -> Candidate:
     """The kernel's candidate in the codec's dispatch for codebooks of ``dtype`` on ``device`` (float32 only:
     what it was checked for)."""
     where = indexed_device(device)
-    return Candidate(Backend.TRITON, LABEL, auto=where.type == "cuda",
+    return Candidate(Backend.TRITON, LABEL, auto=where.type == "cuda" and dtype == torch.float32,  # else torch, silently
                      unfit=lambda: "" if dtype == torch.float32 else f"a {dtype} codebook (it reads float32)",
                      probe=lambda: probe(where), probe_key=("lookup", str(where)))

@@ -90,7 +90,7 @@ def probe(device: torch.device, k: int, g: int) -> None:
 def candidate(device: torch.device, k: int, g: int) -> Candidate:
     """The kernel's candidate in the codec's dispatch for codebooks of ``k`` x ``g`` on ``device``."""
     where = indexed_device(device)
-    return Candidate(Backend.TRITON, LABEL, auto=where.type == "cuda",
+    return Candidate(Backend.TRITON, LABEL, auto=where.type == "cuda" and supports(k, g),  # else torch, silently
                      unfit=lambda: "" if supports(k, g) else f"codebooks of {k} x {g} (it takes powers of two, "
                                                               f"16 <= K <= {MAX_K}, G >= 16, K x G <= {MAX_TILE})",
                      probe=lambda: probe(where, k, g), probe_key=("nearest", str(where), k, g))

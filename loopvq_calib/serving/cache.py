@@ -43,7 +43,7 @@ import torch
 
 from ..codes.codec import BlockCodec, Codes
 from ..codes.quantizer import KVQuantizer
-from ..kernels.backends import CACHE_CHOICES, DISPATCH, Backend, BackendUnavailable, Candidate
+from ..kernels.backends import CACHE_CHOICES, DISPATCH, Backend, BackendUnavailable, Candidate, available
 from .decode_state import KernelState
 
 STORES = ("indices", "fake")
@@ -129,8 +129,10 @@ class QuantizedLoopKVCache:
         return out.reshape(q.shape[0], 1, -1)
 
     def _decode_backend(self, q: torch.Tensor) -> Backend | None:
-        """The decode kernel's backend for this call (``auto``: the decode dispatch picks between the kernels
-        per call), or None for the reference path."""
+        """The decode kernel's backend for this call, or None for the reference path. ``auto`` hands the call
+        to decode attention's own dispatch (the CUDA kernel where the site fits it, else Triton) on a CUDA device
+        where the Triton kernel, the fallback, runs; elsewhere the reference path serves. An explicit backend
+        that cannot run here is refused before the cache changes."""
         if self.backend is Backend.TORCH or self.store != "indices" or q.shape[1] != 1:
             return None
         if not isinstance(self.quantizer, KVQuantizer):  # a baseline's codes: the kernels read LoopVQ codes only
@@ -138,15 +140,12 @@ class QuantizedLoopKVCache:
                 raise BackendUnavailable(f"backend={self.backend.value!r} reads LoopVQ codes; "
                                  f"{type(self.quantizer).__name__} has none")
             return None
-        on_cuda = q.device.type == "cuda"
-        chosen = DISPATCH.choose(self.backend, [
-            Candidate(Backend.CUDA, "the CUDA decode kernel", auto=on_cuda),
-            Candidate(Backend.TRITON, "the Triton decode kernel", auto=on_cuda),
-            Candidate(Backend.TORCH, "the reference path"),
-        ], what="QuantizedLoopKVCache backend", choices=CACHE_CHOICES, device=q.device).backend
-        if chosen is Backend.TORCH:
-            return None
-        return Backend.AUTO if self.backend is Backend.AUTO and chosen is Backend.CUDA else chosen
+        if self.backend is Backend.AUTO:
+            return Backend.AUTO if q.device.type == "cuda" and available(Backend.TRITON, q.device) else None
+        DISPATCH.choose(self.backend, [Candidate(Backend.CUDA, "the CUDA decode kernel"),
+                                       Candidate(Backend.TRITON, "the Triton decode kernel")],
+                        what="QuantizedLoopKVCache backend", choices=CACHE_CHOICES, device=q.device)
+        return self.backend
 
     def _append(self, site: int, key: torch.Tensor, value: torch.Tensor, *, positions: torch.Tensor) -> None:
         if self.sink_columns is None:
