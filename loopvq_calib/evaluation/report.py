@@ -94,16 +94,18 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     served_accuracy.png when the report has task or passkey results; returns the written paths."""
     plt = _pyplot()
     rows, steps = report["bundles"], report["loop_steps"]
-    figures = {"kl_by_method.png": _kl_by_method(plt, rows), "kl_per_step.png": _kl_per_step(plt, rows, steps),
-               "nmse_per_step.png": _nmse_per_step(plt, rows, steps)}
+    figures = {"kl_by_method.png": lambda: _kl_by_method(plt, rows),
+               "kl_per_step.png": lambda: _kl_per_step(plt, rows, steps),
+               "nmse_per_step.png": lambda: _nmse_per_step(plt, rows, steps)}
     curves = [r for r in rows if r.get("finetune_curve")]
     if curves:
-        figures["finetune_curve.png"] = _finetune_curves(plt, curves)
+        figures["finetune_curve.png"] = lambda: _finetune_curves(plt, curves)
     served = report.get("served") or {}
     if served.get("tasks") or served.get("passkey"):
-        figures["served_accuracy.png"] = _served_accuracy(plt, served)
+        figures["served_accuracy.png"] = lambda: _served_accuracy(plt, served)
     out = []
-    for name, fig in figures.items():
+    for name, draw in figures.items():  # each figure drawn, saved and closed before the next
+        fig = draw()
         fig.tight_layout()
         fig.savefig(out_dir / name, dpi=110)
         plt.close(fig)

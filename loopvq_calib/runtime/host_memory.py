@@ -50,7 +50,7 @@ def host_buffer(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, *, devi
     if device.type != "cuda":
         return torch.empty(shape, dtype=dtype)
     try:
-        with torch.cuda.device(device):
+        with _on(device):
             return torch.empty(shape, dtype=dtype, pin_memory=True)
     except RuntimeError as err:
         log.warning("%s: pageable host memory (pinning failed: %s)", what, err)
