@@ -4,8 +4,11 @@ attached (``loopvq-push --eval-report``), its results as model-index metadata (h
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +17,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from ..runtime.files import temp_sibling, write_temp
-from .format import CARD_FILE, META_FILE, file_entry, meta_bytes
+from .format import CARD_FILE, META_FILE, TENSOR_FILE, meta_bytes, read_bundle_file
 from .reader import load_bundle
 
 
@@ -146,32 +149,122 @@ def evaluation_for(report: dict[str, Any], name: str) -> dict[str, Any]:
     return {"results": results, "markdown": lines}
 
 
-def attach_eval_report(bundle_path: str | Path, report_path: str | Path, write: bool = True) -> list[EvalResult]:
-    """Rewrite the bundle's README.md with the results of ``report_path`` (report.json or its folder) and
-    record its new checksum in loopvq.json; ``write=False`` only checks and returns the results. Both files
-    are written to temporary siblings first and renamed into place, so a failure leaves the old pair intact."""
+@dataclass(frozen=True)
+class EvalAttachment:
+    """An evaluation report's results for one bundle, not yet written: the new README.md and loopvq.json
+    bytes, and the loopvq.json bytes they replace (a bundle changed since is refused)."""
+
+    results: list[EvalResult]
+    card: bytes
+    meta: bytes
+    replaces: bytes
+
+
+def read_eval_report(report_path: str | Path) -> dict[str, Any]:
+    """A ``loopvq-eval`` report.json (or its folder), as a dict."""
     report_file = Path(report_path)
     report_file = report_file / "report.json" if report_file.is_dir() else report_file
     try:
         report = json.loads(report_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise EvalReportError(f"--eval-report {report_path}: cannot read an evaluation report ({err})") from err
-    bundle = load_bundle(bundle_path)
-    evaluation = evaluation_for(report, bundle.meta["name"])
+    if not isinstance(report, dict) or not isinstance(report.get("bundles"), list):
+        raise EvalReportError(f"--eval-report {report_path}: not a loopvq-eval report (no list of bundles)")
+    return report
+
+
+def report_identity(meta: dict[str, Any]) -> dict[str, Any]:
+    """What a ``loopvq-eval`` report row records of the bundle it measured, as this bundle's ``loopvq.json``
+    says: its settings, serving defaults and calibration metrics (``codebooks_sha256`` where the report has it)."""
+    metrics = meta["metrics"]
+    return {"codebooks_sha256": meta["files"][TENSOR_FILE]["sha256"], "method": meta["method"],
+            "codebook_size": meta["codebook_size"], "group_size": meta["group_size"],
+            "steps_per_block": meta["steps_per_block"], "bits": meta["bits"], "serving": meta["serving"],
+            "sink_tokens": meta["serving"]["sink_tokens"],
+            "selection_kl": metrics.get("selection_kl", metrics.get("heldout_kl")),
+            "finetune_curve": metrics.get("finetune_curve")}
+
+
+def check_report_row(row: dict[str, Any], meta: dict[str, Any], report_path: str | Path) -> None:
+    """Refuse a report row that is not this bundle's: every field of :func:`report_identity` must be in the
+    row (``codebooks_sha256`` only where the report records it) and equal this bundle's."""
+    aliases = {"selection_kl": ("selection_kl", "calibration_heldout_kl")}
+    for field, want in report_identity(meta).items():
+        names = [n for n in aliases.get(field, (field,)) if n in row]
+        if not names:
+            if field == "codebooks_sha256":
+                continue
+            raise EvalReportError(f"--eval-report {report_path}: the row of bundle {meta['name']!r} records no "
+                                  f"{field}, so it cannot be matched to this bundle; run loopvq-eval on it again")
+        got = row[names[0]]
+        if not _same(got, want):
+            raise EvalReportError(f"--eval-report {report_path}: the report measured another bundle named "
+                                  f"{meta['name']!r}: its {names[0]} is {_short(got)}, this bundle's is {_short(want)}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal JSON values, numbers up to float rounding."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b))
+    if numbers:
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0) or a == b
+    return type(a) is type(b) and a == b
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def prepare_eval_report(bundle_path: str | Path, report_path: str | Path) -> EvalAttachment:
+    """The bundle's new README.md (with the results of the report at ``report_path``) and loopvq.json (its new
+    checksum), computed and checked, nothing written. Raises EvalReportError for an unreadable report or one
+    of another bundle (:func:`check_report_row`), BundleError for an invalid bundle."""
+    report = read_eval_report(report_path)
+    bundle = load_bundle(Path(bundle_path))
+    name = bundle.meta["name"]
+    row = next((r for r in report["bundles"] if isinstance(r, dict) and r.get("name") == name
+                and not r.get("baseline")), None)
+    if row is not None:
+        check_report_row(row, bundle.meta, report_path)
+    evaluation = evaluation_for(report, name)  # no row: names the bundles the report has
+    card = model_card(bundle.meta, evaluation).encode("utf-8")
+    meta = {**bundle.meta, "files": {**bundle.meta["files"], CARD_FILE: _entry(card)}}
+    replaces = read_bundle_file(bundle.path, META_FILE)
+    return EvalAttachment(evaluation["results"], card, meta_bytes(meta), replaces)
+
+
+def _entry(data: bytes) -> dict[str, Any]:
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def write_eval_report(bundle_path: str | Path, attachment: EvalAttachment) -> None:
+    """Replace the bundle's README.md and loopvq.json by the attachment's: both written to flushed temporary
+    siblings and renamed into place (:func:`_replace_pair`), so a failure leaves the old pair; refused when
+    loopvq.json changed since the attachment was prepared."""
+    path = Path(bundle_path)
+    if read_bundle_file(path, META_FILE) != attachment.replaces:
+        raise EvalReportError(f"{path / META_FILE}: changed since the evaluation report was prepared; attach it again")
+    card = write_temp(path / CARD_FILE, attachment.card, durable=True)
+    try:
+        new_meta = write_temp(path / META_FILE, attachment.meta, durable=True)
+    except BaseException:
+        card.unlink(missing_ok=True)
+        raise
+    _replace_pair(path / CARD_FILE, card, path / META_FILE, meta_tmp=new_meta)
+    load_bundle(path)
+
+
+def attach_eval_report(bundle_path: str | Path, report_path: str | Path, write: bool = True) -> list[EvalResult]:
+    """:func:`prepare_eval_report`, then (``write``) :func:`write_eval_report`; returns the results. A push
+    should instead pass the prepared attachment to ``push_bundle``, which writes it only once the hub has it."""
+    attachment = prepare_eval_report(bundle_path, report_path)
     if write:
-        path = Path(bundle_path)
-        card = write_temp(path / CARD_FILE, model_card(bundle.meta, evaluation).encode("utf-8"), durable=True)
-        try:
-            meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
-            meta["files"][CARD_FILE] = file_entry(card)
-            # a new meta_sha256 over the new files entry
-            new_meta = write_temp(path / META_FILE, meta_bytes(meta), durable=True)
-        except BaseException:
-            card.unlink(missing_ok=True)
-            raise
-        _replace_pair(path / CARD_FILE, card, path / META_FILE, meta_tmp=new_meta)
-        load_bundle(path)
-    return evaluation["results"]
+        write_eval_report(bundle_path, attachment)
+    return attachment.results
 
 
 def _replace_pair(card: Path, card_tmp: Path, meta: Path, *, meta_tmp: Path) -> None:

@@ -1,12 +1,16 @@
 """What writer and reader of a bundle share (format 1.x, docs/bundle-format.md): the file names, the format
-version, the files' checksums and the one rule that serialises ``loopvq.json`` with its own checksum."""
+version, the error type, the rule for the names ``files`` may list and how such a file is reached inside the
+bundle folder, strict JSON, the files' checksums and the one rule that serialises ``loopvq.json`` with its own
+checksum."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,11 @@ META_FILE = "loopvq.json"
 TENSOR_FILE = "codebooks.safetensors"
 CARD_FILE = "README.md"
 _META_SUM = re.compile(rb'"meta_sha256"\s*:\s*"([0-9a-f]{64})"')
+_GLOB = frozenset("*?[]")
+
+
+class BundleError(ValueError):
+    """A bundle cannot be written or is invalid; the message names the file, tensor or field."""
 
 
 def file_entry(path: Path) -> dict[str, Any]:
@@ -54,3 +63,122 @@ def json_safe(obj: Any) -> Any:
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     return str(obj)
+
+
+# -- strict JSON ---------------------------------------------------------------------------------------
+class _NonFinite(str):
+    """A bare ``NaN`` / ``Infinity`` / ``-Infinity`` found while parsing (refused after the parse)."""
+
+
+class _Object(dict):
+    """A parsed JSON object that remembers the keys it held more than once."""
+
+    duplicates: list[str]
+
+
+def _pairs(items: list[tuple[str, Any]]) -> _Object:
+    obj = _Object()
+    obj.duplicates = []
+    for key, value in items:
+        if key in obj:
+            obj.duplicates.append(key)
+        obj[key] = value
+    return obj
+
+
+def _plain(value: Any, field: str, file: Path) -> Any:
+    """``value`` as plain dicts and lists; a duplicate key or a non-finite number is a BundleError naming it."""
+    if isinstance(value, _NonFinite):
+        raise BundleError(f"{file}: field {field or '(top level)'} is a bare {value}, which is not JSON (a writer "
+                          "stores non-finite numbers as the strings \"nan\", \"inf\", \"-inf\")")
+    if isinstance(value, _Object):
+        if value.duplicates:
+            name = f"{field}.{value.duplicates[0]}" if field else value.duplicates[0]
+            raise BundleError(f"{file}: field {name} appears more than once (duplicate JSON key)")
+        return {k: _plain(v, f"{field}.{k}" if field else k, file) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v, f"{field}[{i}]", file) for i, v in enumerate(value)]
+    return value
+
+
+def strict_json(data: bytes, file: Path) -> Any:
+    """Parse UTF-8 JSON strictly: a duplicate key, a bare ``NaN`` or ``Infinity`` or malformed text is a
+    BundleError naming ``file`` and the field."""
+    try:
+        parsed = json.loads(data.decode("utf-8"), object_pairs_hook=_pairs, parse_constant=_NonFinite)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise BundleError(f"{file}: not valid JSON ({err})") from err
+    return _plain(parsed, "", file)
+
+
+# -- the files a bundle lists ----------------------------------------------------------------------------
+def file_name_problem(name: Any) -> str | None:
+    """Why ``name`` cannot be listed under ``files`` (None when it can): a relative POSIX path whose
+    components are neither empty, ``.`` nor ``..``, without backslashes, glob characters (``* ? [ ]``) or
+    control characters."""
+    if not isinstance(name, str) or not name:
+        return "is not a non-empty string"
+    if name.startswith("/"):
+        return "is an absolute path"
+    if "\\" in name:
+        return "contains a backslash (paths use '/')"
+    if _GLOB & set(name):
+        return "contains a glob character (* ? [ ])"
+    if any(ord(c) < 0x20 or c == "\x7f" for c in name):
+        return "contains a control character"
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        return "has an empty, '.' or '..' component"
+    return None
+
+
+def hub_blobs(root: Path) -> Path | None:
+    """The blob folder of a hub-cache snapshot ``<cache>/models--org--name/snapshots/<commit>`` (its files are
+    symlinks into it), or None for any other folder."""
+    repo = root.parent.parent
+    blobs = repo / "blobs"
+    if root.parent.name == "snapshots" and repo.name.startswith("models--") and blobs.is_dir():
+        return blobs if not blobs.is_symlink() else None
+    return None
+
+
+def bundle_file(root: Path, name: str, *, blobs: Path | None = None) -> Path:
+    """``root / name`` when ``name`` obeys :func:`file_name_problem` and is a regular file inside ``root``
+    reached through no symlink; in a hub-cache snapshot (``blobs``: :func:`hub_blobs`) its last component may
+    be a symlink to a regular file directly in ``blobs``. Anything else is a BundleError naming the entry."""
+    problem = file_name_problem(name)
+    if problem is not None:
+        raise BundleError(f"{root / META_FILE}: files entry {name!r} {problem}")
+    parts = name.split("/")
+    path = root
+    for i, part in enumerate(parts):
+        path = path / part
+        try:
+            mode = path.lstat().st_mode
+        except FileNotFoundError:
+            raise BundleError(f"{path}: missing (listed in {META_FILE})") from None
+        last = i == len(parts) - 1
+        if stat.S_ISLNK(mode):
+            target = path.resolve()
+            if not last or blobs is None or target.parent != blobs.resolve():
+                raise BundleError(f"{path}: files entry {name!r} is or passes through a symbolic link (a bundle's "
+                                  "files are regular files inside its folder)")
+            mode = target.stat().st_mode
+        if not last and not stat.S_ISDIR(mode):
+            raise BundleError(f"{path}: files entry {name!r} passes through something that is not a folder")
+    if not stat.S_ISREG(mode):
+        raise BundleError(f"{path}: files entry {name!r} is not a regular file")
+    return path
+
+
+def read_bundle_file(root: Path, name: str) -> bytes:
+    """The bytes of ``root / name`` (checked by :func:`bundle_file`, no symlink allowed), opened without
+    following a symlink put there since the check."""
+    path = bundle_file(root, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as err:  # replaced by a symlink since the check (ELOOP), or removed
+        raise BundleError(f"{path}: files entry {name!r} cannot be opened as a regular file ({err})") from err
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise BundleError(f"{path}: files entry {name!r} is not a regular file")
+        return f.read()

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,11 +13,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..codes.layouts import KINDS, BlockLayout, codebook_shape
+from ..codes.layouts import BlockLayout
 from ..codes.quantizer import KVQuantizer
 from ..config.source import looks_local
 from ..models.loading import (
-    TORCH_DTYPES,
     ModelIdentity,
     ModelLoadError,
     hub_snapshot,
@@ -25,29 +24,19 @@ from ..models.loading import (
     resolve_model_dir,
 )
 from .format import (
-    FORMAT_VERSION,
     META_FILE,
     TENSOR_FILE,
+    BundleError,
+    bundle_file,
     file_entry,
+    file_name_problem,
+    hub_blobs,
     meta_checksum,
+    strict_json,
 )
+from .validate import SITE_FIELDS, check_meta, expected_tensors
 
-_NUMBER = (int, float)
-_REQUIRED: dict[str, type | tuple[type, ...]] = {  # docs/bundle-format.md section 2: all present in 1.0
-    "format": str, "producer": dict, "created": str, "name": str, "method": str, "bits": dict, "bits_detail": dict,
-    "codebook_size": int, "group_size": int, "steps_per_block": int, "codebook_sharing": str,
-    "codebook_dtype": str, "index_dtype": str, "codebook_bytes": int, "model": dict, "kv_layout": dict,
-    "rope": dict, "serving": dict, "sigma_rule": str, "blocks": list, "calibration": dict, "metrics": dict,
-    "config": dict, "files": dict,
-}
-_REQUIRED_MODEL = {"name": str, "revision": (str, type(None)), "model_type": str, "config_sha256": str,
-                   "weights_sha256": str, "weights": list}
-_REQUIRED_BLOCK = {"key": str, "kind": str, "name": str, "sites": list, "codebook_shape": list,
-                   "groups_shape": list, "tasq": bool}
-
-
-class BundleError(ValueError):
-    """A bundle cannot be written or is invalid; the message names the file, tensor or field."""
+__all__ = ["Bundle", "BundleError", "inspect_bundle", "load_bundle", "meta_checksum", "resolve_bundle_dir"]
 
 
 @dataclass
@@ -69,21 +58,26 @@ def load_bundle(path: str | Path, model: str | Path | None = None, identity: Mod
     """Read and validate a bundle (a folder, or a hub id ``org/name`` fetched into the hub cache); with
     ``model`` (folder or hub id) or ``identity``, check the model identity.
 
-    Raises :class:`BundleError` on any missing file, checksum mismatch, unreadable safetensors, unsupported
-    format version, missing/extra/mis-shaped/mis-typed tensor, or model mismatch.
+    Raises :class:`BundleError` on any missing file, a file that is not a regular file inside the folder (a
+    symlink, except a hub-cache snapshot's links to its blobs), checksum mismatch, metadata that is not strict
+    JSON or breaks a rule of docs/bundle-format.md, unreadable safetensors, unsupported format version,
+    missing/extra/mis-shaped/mis-typed tensor, or model mismatch.
     """
     path = resolve_bundle_dir(path)
-    meta = _read_meta(path)
-    _check_files(path, meta)
-    tensors = _read_tensors(path / TENSOR_FILE)
-    _check_tensors(path / TENSOR_FILE, meta, tensors)
+    blobs = hub_blobs(path)
+    meta = _read_meta(path, blobs)
+    expected = expected_tensors(meta, path / META_FILE)
+    _check_files(path, meta, blobs)
+    tensor_file = bundle_file(path, TENSOR_FILE, blobs=blobs)
+    tensors = _read_tensors(tensor_file, meta)
+    _check_tensors(tensor_file, meta, tensors, expected)
     if model is not None:
         _check_identity(path, meta, _folder_identity(meta, model), what=f"model {model}")
     if identity is not None:
         _check_identity(path, meta, identity.to_dict(), what=f"model identity {identity.name}")
-    qmeta = {**meta, "kv_layout": {**meta["kv_layout"], "rope_style": meta["rope"]["style"],
-                                   "rope_theta": meta["rope"]["theta"]}}
-    return Bundle(path, meta, KVQuantizer.from_tensors(qmeta, tensors, torch.float32))
+    kv = {**meta["kv_layout"], "rope_style": meta["rope"]["style"], "rope_theta": meta["rope"]["theta"],
+          "sites": [{k: s[k] for k in SITE_FIELDS} for s in meta["kv_layout"]["sites"]]}  # unknown fields ignored
+    return Bundle(path, meta, KVQuantizer.from_tensors({**meta, "kv_layout": kv}, tensors, torch.float32))
 
 
 def resolve_bundle_dir(spec: str | Path, key: str = "bundle") -> Path:
@@ -96,26 +90,25 @@ def resolve_bundle_dir(spec: str | Path, key: str = "bundle") -> Path:
         raise BundleError(f"{spec}: is a file, not a bundle folder")
     if isinstance(spec, Path) or looks_local(str(spec), Path.cwd()):
         raise BundleError(f"{spec}: no such bundle folder")
-    try:  # loopvq.json first, then exactly the files it lists
+    try:  # loopvq.json first, then exactly the files it lists (names that are not plain paths never fetched)
         meta_file = Path(hub_snapshot(str(spec), None, key, what="bundle", patterns=[META_FILE])) / META_FILE
         try:
-            listed = [str(name) for name in json.loads(meta_file.read_text(encoding="utf-8")).get("files", {})]
-        except (OSError, ValueError, AttributeError):
+            files = strict_json(meta_file.read_bytes(), meta_file).get("files", {})
+            listed = [str(name) for name in files if file_name_problem(name) is None]
+        except (OSError, BundleError, AttributeError):
             listed = []  # load_bundle then names what is wrong with loopvq.json
         return Path(hub_snapshot(str(spec), None, key, what="bundle", patterns=[META_FILE, *listed]))
     except ModelLoadError as err:
         raise BundleError(str(err)) from err
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
+def _read_meta(path: Path, blobs: Path | None) -> dict[str, Any]:
+    """``loopvq.json``: a regular file, strict JSON, its ``meta_sha256``, then every field (:func:`check_meta`)."""
     file = path / META_FILE
-    if not file.is_file():
+    if not os.path.lexists(file):
         raise BundleError(f"{file}: missing (not a LoopVQ bundle)")
-    data = file.read_bytes()
-    try:
-        meta = json.loads(data.decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BundleError(f"{file}: not valid JSON ({err})") from err
+    data = bundle_file(path, META_FILE, blobs=blobs).read_bytes()
+    meta = strict_json(data, file)
     if not isinstance(meta, dict):
         raise BundleError(f"{file}: expected a JSON object")
     if "meta_sha256" in meta:  # since format 1.1; older bundles have no metadata checksum
@@ -123,78 +116,25 @@ def _read_meta(path: Path) -> dict[str, Any]:
         if got is None or got != meta["meta_sha256"]:
             raise BundleError(f"{file}: metadata checksum mismatch (field meta_sha256): the file was edited after "
                               "it was written; restore the original or calibrate again")
-    version = meta.get("format_version")
-    major = str(version).split(".")[0]
-    if not isinstance(version, str) or not major.isdigit():
-        raise BundleError(f"{file}: field format_version is missing or not 'major.minor' (got {version!r})")
-    if int(major) != int(FORMAT_VERSION.split(".")[0]):
-        raise BundleError(f"{file}: format_version {version} is not supported; this reader supports "
-                          f"{FORMAT_VERSION.split('.')[0]}.x (any minor version)")
-    _require(meta, _REQUIRED, file, prefix="")
-    if meta["format"] != "loopvq":
-        raise BundleError(f"{file}: field format is {meta['format']!r}, expected 'loopvq'")
-    _require(meta["producer"], {"name": str, "version": str}, file, prefix="producer.")
-    _require(meta["bits"], {"key": _NUMBER, "value": _NUMBER}, file, prefix="bits.")
-    _require(meta["model"], _REQUIRED_MODEL, file, prefix="model.")
-    _require(meta["serving"], {k: int for k in ("sink_tokens", "recent_window", "page_size")}, file, prefix="serving.")
-    _check_serving(meta["serving"], file)
-    _require(meta["rope"], {"style": str, "theta": (int, float)}, file, prefix="rope.")
-    _require(meta["kv_layout"], {"model_type": str, "loop_steps": int, "kv_heads": int, "head_dim": int,
-                                 "sites": list}, file, prefix="kv_layout.")
-    if meta["codebook_dtype"] not in TORCH_DTYPES:
-        raise BundleError(f"{file}: field codebook_dtype {meta['codebook_dtype']!r} is not one of "
-                          f"{', '.join(TORCH_DTYPES)}")
-    for i, site in enumerate(meta["kv_layout"]["sites"]):
-        _require(site, {"site": int, "step": int, "layer": int, "looped": bool, "stage": str}, file,
-                 prefix=f"kv_layout.sites[{i}].")
-    for i, block in enumerate(meta["blocks"]):
-        _require(block, _REQUIRED_BLOCK, file, prefix=f"blocks[{i}].")
+    check_meta(meta, file)
     return meta
 
 
-def _check_serving(serving: dict[str, int], file: Path) -> None:
-    """Section 12: pages of at least one token; sinks and window non-negative multiples of the page."""
-    page = serving["page_size"]
-    if page <= 0:
-        raise BundleError(f"{file}: field serving.page_size must be > 0, got {page}")
-    for key in ("sink_tokens", "recent_window"):
-        if serving[key] < 0 or serving[key] % page:
-            raise BundleError(f"{file}: field serving.{key} must be a non-negative multiple of page_size {page}, "
-                              f"got {serving[key]}")
-
-
-def _require(obj: Any, spec: dict[str, Any], file: Path, *, prefix: str) -> None:
-    if not isinstance(obj, dict):
-        raise BundleError(f"{file}: field {prefix.rstrip('.')} must be an object")
-    for key, tp in spec.items():
-        if key not in obj:
-            raise BundleError(f"{file}: required field {prefix}{key} is missing")
-        if not isinstance(obj[key], tp) or (tp is int and isinstance(obj[key], bool)):
-            raise BundleError(f"{file}: field {prefix}{key} has the wrong type ({type(obj[key]).__name__})")
-
-
-def _check_files(path: Path, meta: dict[str, Any]) -> None:
-    files = meta["files"]
-    if TENSOR_FILE not in files:
-        raise BundleError(f"{path / META_FILE}: field files does not list {TENSOR_FILE}")
-    for name, entry in files.items():
-        if not isinstance(entry, dict):
-            raise BundleError(f"{path / META_FILE}: files entry {name!r} must be an object with sha256 and bytes")
-        if Path(name).is_absolute() or ".." in Path(name).parts:
-            raise BundleError(f"{path / META_FILE}: files entry {name!r} points outside the bundle")
-        file = path / name
-        if not file.is_file():
-            raise BundleError(f"{file}: missing (listed in {META_FILE})")
+def _check_files(path: Path, meta: dict[str, Any], blobs: Path | None) -> None:
+    for name, entry in meta["files"].items():
+        file = bundle_file(path, name, blobs=blobs)
         actual = file_entry(file)
-        if actual["bytes"] != entry.get("bytes"):
-            raise BundleError(f"{file}: size mismatch: {actual['bytes']} bytes, {META_FILE} says {entry.get('bytes')} "
+        if actual["bytes"] != entry["bytes"]:
+            raise BundleError(f"{file}: size mismatch: {actual['bytes']} bytes, {META_FILE} says {entry['bytes']} "
                               "(truncated or modified)")
-        if actual["sha256"] != entry.get("sha256"):
+        if actual["sha256"] != entry["sha256"]:
             raise BundleError(f"{file}: checksum mismatch: sha256 {actual['sha256']}, {META_FILE} says "
-                              f"{entry.get('sha256')} (corrupted or modified)")
+                              f"{entry['sha256']} (corrupted or modified)")
 
 
-def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
+def _read_tensors(file: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors of ``codebooks.safetensors``; its header metadata says format loopvq and, when it names a
+    format_version, the one of ``loopvq.json``."""
     try:
         with safe_open(str(file), framework="pt") as f:
             header = f.metadata() or {}
@@ -203,48 +143,15 @@ def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
         raise BundleError(f"{file}: not a readable safetensors file ({type(err).__name__}: {err})") from err
     if header.get("format") != "loopvq":
         raise BundleError(f"{file}: safetensors metadata format is {header.get('format')!r}, expected 'loopvq'")
+    version = header.get("format_version")
+    if version is not None and version != meta["format_version"]:
+        raise BundleError(f"{file}: safetensors metadata format_version {version!r} differs from field "
+                          f"format_version {meta['format_version']!r} of {META_FILE} (one bundle, one version)")
     return tensors
 
 
-def _expected_tensors(meta: dict[str, Any], file: Path) -> dict[str, tuple[list[int], torch.dtype, str]]:
-    """Tensor name -> (shape, dtype, block key) implied by loopvq.json; checks block consistency."""
-    kv = meta["kv_layout"]
-    h, d = kv["kv_heads"], kv["head_dim"]
-    site_ids = {s.get("site") for s in kv["sites"] if isinstance(s, dict)}
-    out: dict[str, tuple[list[int], torch.dtype, str]] = {}
-    covered: dict[str, list[int]] = {kind: [] for kind in KINDS}
-    for b in meta["blocks"]:
-        key, where = b["key"], f"{file.parent / META_FILE}: block {b['key']!r}"
-        if b["kind"] not in KINDS or key != f"{b['kind']}.{b['name']}":
-            raise BundleError(f"{where}: kind must be key/value and key must be '<kind>.<name>'")
-        if not b["sites"] or not set(b["sites"]) <= site_ids:
-            raise BundleError(f"{where}: sites {b['sites']} are not all in kv_layout.sites")
-        covered[b["kind"]] += b["sites"]
-        steps, gs = len(b["sites"]), b["groups_shape"]
-        if len(gs) != 3 or gs[0] not in (1, h) or gs[2] != meta["group_size"] or gs[1] * gs[2] != steps * d:
-            raise BundleError(f"{where}: groups_shape {gs} is not [1 or {h}, n, {meta['group_size']}] with "
-                              f"n*G = {steps}*{d}")
-        layout = BlockLayout(b["name"], b["kind"], tuple(b["sites"]), d, h, torch.zeros(gs, dtype=torch.long))
-        want_cb = list(codebook_shape(layout, meta["codebook_size"], meta["codebook_sharing"]))
-        if b["codebook_shape"] != want_cb:
-            raise BundleError(f"{where}: codebook_shape {b['codebook_shape']} does not match sharing "
-                              f"{meta['codebook_sharing']!r} (expected {want_cb})")
-        out[f"{key}.codebook"] = (want_cb, TORCH_DTYPES[meta["codebook_dtype"]], key)
-        out[f"{key}.groups"] = (gs, torch.int32, key)
-        if b["tasq"]:
-            if not isinstance(b.get("sigma_min"), (int, float)) or b["sigma_min"] <= 0:
-                raise BundleError(f"{where}: a TaSQ block needs sigma_min > 0, got {b.get('sigma_min')!r}")
-            out[f"{key}.tasq_weight"] = ([steps, h, d], torch.float32, key)
-    for kind, sites in covered.items():
-        if sorted(sites) != sorted(site_ids):
-            repeated = sorted({s for s in sites if sites.count(s) > 1})
-            raise BundleError(f"{file.parent / META_FILE}: the {kind} blocks must cover every KV site exactly once "
-                              f"(missing {sorted(site_ids - set(sites))}, repeated {repeated})")
-    return out
-
-
-def _check_tensors(file: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    expected = _expected_tensors(meta, file)
+def _check_tensors(file: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
+                   expected: dict[str, tuple[list[int], torch.dtype, str]]) -> None:
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise BundleError(f"{file}: tensor {missing[0]!r} (block {expected[missing[0]][2]!r}) is missing"

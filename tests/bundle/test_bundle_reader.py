@@ -45,23 +45,28 @@ def _set_meta(path: Path, meta: dict) -> None:
     (path / "loopvq.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "meta_sha256"}))
 
 
-def _rewrite_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Replace codebooks.safetensors and update its checksum, as a buggy writer would."""
+def _rewrite_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None,
+                     meta: dict | None = None) -> None:
+    """Replace codebooks.safetensors (header ``metadata``) and record its checksum in ``meta`` (default: the
+    bundle's loopvq.json), as a buggy writer would."""
     file = path / "codebooks.safetensors"
-    save_file(tensors, str(file), metadata={"format": "loopvq", "format_version": FORMAT_VERSION})
-    meta = _meta(path)
+    save_file(tensors, str(file), metadata=metadata or {"format": "loopvq", "format_version": FORMAT_VERSION})
+    meta = meta or _meta(path)
     meta["files"]["codebooks.safetensors"] = {"sha256": hashlib.sha256(file.read_bytes()).hexdigest(),
                                               "bytes": file.stat().st_size}
     _set_meta(path, meta)
 
 
-@pytest.mark.parametrize("field,value", [
-    (("name",), "renamed"), (("model", "config_sha256"), "0" * 64), (("model", "model_type"), "llama"),
-    (("model", "weights", 0, "sample_sha256"), "f" * 64), (("metrics", "heldout_kl"), 0.0001),
+@pytest.mark.parametrize("field,value,resealed_error", [
+    (("name",), "renamed", None), (("model", "config_sha256"), "0" * 64, None),
+    (("model", "model_type"), "llama", r"field model\.model_type 'llama' differs from kv_layout\.model_type 'ouro'"),
+    (("model", "weights", 0, "sample_sha256"), "f" * 64, r"field model\.weights_sha256 is not the sha256 of model"),
+    (("metrics", "heldout_kl"), 0.0001, None),
 ])
-def test_edited_metadata_is_refused(bundle_dir, field, value):
+def test_edited_metadata_is_refused(bundle_dir, field, value, resealed_error):
     """loopvq.json carries meta_sha256 (its bytes with the value zeroed); any edit is refused by load_bundle
-    and inspect, while the same edit with the checksum recomputed (a re-sealing writer) loads."""
+    and inspect, while the same edit with the checksum recomputed (a re-sealing writer) loads unless it breaks
+    another rule (one model type; weights_sha256 over the weights)."""
     raw = (bundle_dir / "loopvq.json").read_bytes()
     meta = json.loads(raw)
     assert meta["meta_sha256"] == hashlib.sha256(raw.replace(meta["meta_sha256"].encode(), b"0" * 64)).hexdigest()
@@ -79,7 +84,11 @@ def test_edited_metadata_is_refused(bundle_dir, field, value):
     resealed = resealed.replace(b"0" * 64, meta_checksum(resealed).encode(), 1) if field[-1] != "config_sha256" else None
     if resealed is not None:
         (bundle_dir / "loopvq.json").write_bytes(resealed)
-        assert load_bundle(bundle_dir).meta["meta_sha256"] != meta["meta_sha256"]
+        if resealed_error is None:
+            assert load_bundle(bundle_dir).meta["meta_sha256"] != meta["meta_sha256"]
+        else:
+            with pytest.raises(BundleError, match=resealed_error):
+                load_bundle(bundle_dir)
 
 
 def test_checksum_mismatch(bundle_dir):
@@ -121,8 +130,17 @@ def test_format_versions(bundle_dir):
     _set_meta(bundle_dir, {**meta, "format_version": "2.0"})
     with pytest.raises(BundleError, match=r"format_version 2\.0 is not supported.*supports 1\.x"):
         load_bundle(bundle_dir)
-    _set_meta(bundle_dir, {**meta, "format_version": "1.7", "a_future_optional_field": {"x": 1}})
+    tensors = load_file(str(bundle_dir / "codebooks.safetensors"))
+    future = {**meta, "format_version": "1.7", "a_future_optional_field": {"x": 1}}
+    _rewrite_tensors(bundle_dir, tensors, {"format": "loopvq", "format_version": "1.7"}, meta=future)
     assert load_bundle(bundle_dir).meta["format_version"] == "1.7"
+    _rewrite_tensors(bundle_dir, tensors, meta=future)  # the header says 1.1, loopvq.json 1.7
+    with pytest.raises(BundleError, match=r"codebooks\.safetensors: safetensors metadata format_version '1\.1' "
+                                          r"differs from field format_version '1\.7' of loopvq\.json"):
+        load_bundle(bundle_dir)
+    _rewrite_tensors(bundle_dir, tensors, {"format": "loopvq"}, meta=future)  # a header without a version
+    assert load_bundle(bundle_dir).meta["format_version"] == "1.7"
+    meta = _meta(bundle_dir)
     _set_meta(bundle_dir, {**meta, "blocks": meta["blocks"][1:]})
     with pytest.raises(BundleError, match=r"key blocks must cover every KV site exactly once \(missing \[0, 2, 4, 6\]"):
         load_bundle(bundle_dir)

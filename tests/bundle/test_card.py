@@ -12,6 +12,7 @@ import pytest
 import yaml
 from conftest import ROOT, tiny_quantizer, write_tiny_bundle
 from huggingface_hub import ModelCard
+from support.eval_reports import eval_report, write_report
 
 from loopvq_calib.bundle.card import (
     EvalReportError,
@@ -20,11 +21,13 @@ from loopvq_calib.bundle.card import (
     evaluation_for,
     is_hub_id,
     model_card,
+    prepare_eval_report,
 )
 from loopvq_calib.bundle.reader import load_bundle
 from loopvq_calib.bundle.writer import write_bundle
 from loopvq_calib.cli import push_main
 from loopvq_calib.config.schema import ServingConfig
+from loopvq_calib.evaluation.evaluate import evaluate
 from loopvq_calib.models.loading import model_identity
 from loopvq_calib.runtime.files import TMP_PREFIX, write_bytes_atomic, write_json_atomic
 
@@ -36,25 +39,6 @@ def bundle_dir(tmp_path) -> Path:
     return Path(shutil.copytree(GOLDEN, tmp_path / "bundle"))
 
 
-def eval_report(name: str) -> dict:
-    """A loopvq-eval report.json as run_eval writes it (one bundle, one baseline, tasks and passkey)."""
-    task = {"exact_match,first_word": 0.5}
-    return {
-        "model": "org/tiny-ouro", "dtype": "bfloat16", "device": "cpu", "data": {"dataset": "heldout.jsonl"},
-        "loop_steps": 4,
-        "bundles": [{"name": name, "eval_kl": 0.0123, "ppl_fp": 10.0, "ppl_quantized": 10.5},
-                    {"name": "kivi2", "baseline": True, "eval_kl": 0.05, "ppl_fp": 10.0, "ppl_quantized": 11.0}],
-        "served": {
-            "reference": "bfloat16",
-            "entries": [{"name": "bfloat16", "serving": None},
-                        {"name": name, "serving": {"sink_tokens": 8, "recent_window": 64, "page_size": 8}}],
-            "tasks": {"scores": {"bfloat16": {"loopvq_kjv_phrases": {"exact_match,first_word": 0.75}},
-                                 name: {"loopvq_kjv_phrases": task}, "kivi2": {"loopvq_kjv_phrases": task}}},
-            "passkey": {"lengths": [256], "accuracy": {"bfloat16": {"256": 1.0}, name: {"256": 0.8}}},
-        },
-    }
-
-
 def test_card_without_evaluation_has_no_model_index(bundle_dir):
     meta = load_bundle(bundle_dir).meta
     card = ModelCard(model_card(meta))
@@ -64,7 +48,7 @@ def test_card_without_evaluation_has_no_model_index(bundle_dir):
 
 def test_evaluation_results_become_model_index(bundle_dir):
     meta = load_bundle(bundle_dir).meta
-    card = ModelCard(model_card(meta, evaluation_for(eval_report(meta["name"]), meta["name"])))
+    card = ModelCard(model_card(meta, evaluation_for(eval_report(meta), meta["name"])))
     results = {(r.dataset_name, r.metric_type): r for r in card.data.eval_results}
     assert card.data.model_name == meta["name"]
     assert results[("heldout.jsonl", "kl")].metric_value == 0.0123
@@ -74,14 +58,13 @@ def test_evaluation_results_become_model_index(bundle_dir):
     assert results[("passkey 256 tokens", "accuracy")].metric_value == 0.8
     assert "| exact_match,first_word | loopvq_kjv_phrases | 0.5 | 0.75 |" in card.content
     with pytest.raises(EvalReportError, match="no bundle named 'other' .*has: " + meta["name"]):
-        evaluation_for(eval_report(meta["name"]), "other")  # a baseline row is never a bundle
+        evaluation_for(eval_report(meta), "other")  # a baseline row is never a bundle
 
 
 def test_push_with_eval_report_rewrites_the_card_and_its_checksum(bundle_dir, tmp_path, capsys):
-    name = load_bundle(bundle_dir).meta["name"]
     report = tmp_path / "eval"
     report.mkdir()
-    (report / "report.json").write_text(json.dumps(eval_report(name)))
+    (report / "report.json").write_text(json.dumps(eval_report(load_bundle(bundle_dir).meta)))
     before = (bundle_dir / "README.md").read_bytes()
     argv = [str(bundle_dir), "--repo-id", "org/name", "--dry-run", "--eval-report", str(report)]
     assert push_main(argv) == 0
@@ -105,8 +88,7 @@ def _bundle_files(folder: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("failing_write", [1, 2])  # 1: the new README.md, 2: the new loopvq.json
 def test_attach_eval_report_failing_mid_write_leaves_the_old_bundle(bundle_dir, tmp_path, monkeypatch, failing_write):
-    name = load_bundle(bundle_dir).meta["name"]
-    (tmp_path / "report.json").write_text(json.dumps(eval_report(name)))
+    (tmp_path / "report.json").write_text(json.dumps(eval_report(load_bundle(bundle_dir).meta)))
     before = _bundle_files(bundle_dir)
     real_fsync, calls = os.fsync, []
 
@@ -129,8 +111,7 @@ def test_attach_eval_report_failing_mid_write_leaves_the_old_bundle(bundle_dir, 
 def test_attach_eval_report_failing_rename_of_the_manifest_restores_the_card(bundle_dir, tmp_path, monkeypatch,
                                                                             failing):
     """The old card is moved aside and renamed back (the same file, not a rewritten copy); nothing is left over."""
-    name = load_bundle(bundle_dir).meta["name"]
-    (tmp_path / "report.json").write_text(json.dumps(eval_report(name)))
+    (tmp_path / "report.json").write_text(json.dumps(eval_report(load_bundle(bundle_dir).meta)))
     before, card_inode = _bundle_files(bundle_dir), (bundle_dir / "README.md").stat().st_ino
     real_replace, failed = os.replace, []
 
@@ -203,3 +184,77 @@ def test_card_base_model_is_only_ever_a_hub_id(tmp_path, tiny_ouro_dir):
     assert "base_model" not in front(local)
     assert [is_hub_id(n) for n in ("org/name", "/abs/path", "./rel/x", "a/b/c", "name", "../m")] == [
         True, False, False, False, False, False]
+
+
+# -- which bundle a report measured -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory, tiny_ouro_dir) -> tuple[Path, Path]:
+    """A tiny bundle and the report.json of loopvq-eval's measurement of it (``evaluate``; the plots, which its
+    placeholder fine-tuning curve cannot draw, left out)."""
+    root = tmp_path_factory.mktemp("measured")
+    bundle = write_tiny_bundle(root / "bundle", tiny_ouro_dir)
+    result = evaluate([bundle], model=str(tiny_ouro_dir), num_sequences=1, sequence_length=32, device="cpu")
+    (root / "eval").mkdir()
+    write_report(result.report, root / "eval" / "report.json")
+    return bundle, root / "eval"
+
+
+def _other_bundle(folder: Path, model_dir: Path, **changes) -> Path:
+    """A bundle of the same name as write_tiny_bundle's, calibrated differently (``changes`` to its metrics,
+    or a ``quantizer``)."""
+    quantizer = changes.pop("quantizer", None) or tiny_quantizer(model_dir)
+    metrics = {"heldout_kl": 0.0123, "heldout_kl_init": 0.0456, "ppl_increase": 0.021, "finetune_curve": [{}, {}]}
+    return write_bundle(folder, quantizer, name="tiny", identity=model_identity(model_dir, "org/tiny-ouro", "main"),
+                        calibration={"dataset": "other", "seed": 1}, metrics={**metrics, **changes},
+                        serving=ServingConfig(8, 64, 8), codebook_dtype="float16",
+                        config={"quant": {"method": quantizer.method}}, producer_version="0.1.0")
+
+
+def test_a_real_report_attaches_to_its_bundle_and_to_no_other_of_that_name(measured, tmp_path, tiny_ouro_dir,
+                                                                           capsys):
+    bundle, report = measured
+    copy = Path(shutil.copytree(bundle, tmp_path / "copy"))  # the measured bundle, elsewhere
+    assert len(attach_eval_report(copy, report)) == 2  # evaluation KL and perplexity
+    assert "## Evaluation" in (copy / "README.md").read_text() and load_bundle(copy)
+    cases = [(_other_bundle(tmp_path / "seed", tiny_ouro_dir, heldout_kl=0.0311), "selection_kl is 0.0123, this "
+              "bundle's is 0.0311"),
+             (_other_bundle(tmp_path / "method", tiny_ouro_dir, quantizer=tiny_quantizer(tiny_ouro_dir, "loopvq")),
+              "method is \"tasq\\+loopvq\", this bundle's is \"loopvq\"")]
+    for other, message in cases:
+        before = _bundle_files(other)
+        with pytest.raises(EvalReportError, match="the report measured another bundle named 'tiny': its " + message):
+            attach_eval_report(other, report)
+        assert push_main([str(other), "--repo-id", "org/x", "--dry-run", "--eval-report", str(report)]) == 2
+        assert "measured another bundle named 'tiny'" in capsys.readouterr().err
+        assert _bundle_files(other) == before
+
+
+@pytest.mark.parametrize("field,value", [
+    ("codebook_size", 256), ("group_size", 16), ("steps_per_block", 1), ("method", "cq"),
+    ("bits", {"key": 1.0, "value": 0.5}), ("sink_tokens", 0), ("serving", {"sink_tokens": 0, "recent_window": 64,
+                                                                           "page_size": 8}),
+    ("selection_kl", 0.5), ("finetune_curve", []), ("codebooks_sha256", "0" * 64),
+])
+def test_a_row_that_differs_from_the_bundle_in_any_recorded_field_is_refused(bundle_dir, tmp_path, field, value):
+    report = eval_report(load_bundle(bundle_dir).meta)
+    report["bundles"][0][field] = value
+    before = _bundle_files(bundle_dir)
+    with pytest.raises(EvalReportError, match=f"another bundle named 'ouro_loopvq': its {field} is "):
+        attach_eval_report(bundle_dir, write_report(report, tmp_path / "report.json"))
+    assert _bundle_files(bundle_dir) == before
+
+
+def test_what_the_row_must_record_and_the_names_older_reports_use(bundle_dir, tmp_path):
+    meta = load_bundle(bundle_dir).meta
+    report = eval_report(meta)
+    del report["bundles"][0]["serving"]
+    with pytest.raises(EvalReportError, match="row of bundle 'ouro_loopvq' records no serving, so it cannot be "
+                                              "matched to this bundle"):
+        prepare_eval_report(bundle_dir, write_report(report, tmp_path / "report.json"))
+    report = eval_report(meta)
+    row = report["bundles"][0]
+    row["calibration_heldout_kl"] = row.pop("selection_kl")  # the KL's name before the rename
+    row["codebooks_sha256"] = meta["files"]["codebooks.safetensors"]["sha256"]
+    attachment = prepare_eval_report(bundle_dir, write_report(report, tmp_path / "report.json"))
+    assert len(attachment.results) == 4 and attachment.replaces == (bundle_dir / "loopvq.json").read_bytes()
+    assert _bundle_files(bundle_dir)["README.md"] != attachment.card  # prepared, not written
