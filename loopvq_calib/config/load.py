@@ -21,6 +21,7 @@ from .source import (
     copy_sections,
     read_yaml,
     resolve_paths,
+    shown,
 )
 from .validate import derived_bits, exact_fisher_channels, validate
 
@@ -54,14 +55,17 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if tp is str and isinstance(value, bool):
         return "true" if value else "false"  # YAML reads true/false unquoted as booleans (cache_teacher: true)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError as err:
+            raise ConfigError(path, f"{shown(value)} is out of range for a float") from err
     if tp is float and isinstance(value, str):
         try:
             return float(value)  # YAML 1.1 reads 1e-5 as a string
         except ValueError:
             pass
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-        raise ConfigError(path, f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
+        raise ConfigError(path, f"expected {tp.__name__}, got {type(value).__name__} {shown(value)}")
     return value
 
 

@@ -31,7 +31,7 @@ from .schema import (
     QuantConfig,
     TasqConfig,
 )
-from .source import ConfigError
+from .source import ConfigError, shown
 
 SEED_LIMIT = 2**32  # seeds any generator accepts (numpy needs < 2**32)
 INT_LIMIT = 2**31 - 1
@@ -60,17 +60,17 @@ def validate_capture(c: CaptureConfig, q: QuantConfig) -> None:
 
 def _choice(path: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ConfigError(path, f"{value!r} is not allowed; choose one of {', '.join(allowed)}")
+        raise ConfigError(path, f"{shown(value)} is not allowed; choose one of {', '.join(allowed)}")
 
 
 def _positive(path: str, value: float, zero_ok: bool = False) -> None:
     if value < 0 or (value == 0 and not zero_ok):
-        raise ConfigError(path, f"must be {'>= 0' if zero_ok else '> 0'}, got {value}")
+        raise ConfigError(path, f"must be {'>= 0' if zero_ok else '> 0'}, got {shown(value)}")
 
 
 def _seed(path: str, value: int) -> None:
     if not 0 <= value < SEED_LIMIT:
-        raise ConfigError(path, f"must be in [0, 2**32), got {value}")
+        raise ConfigError(path, f"must be in [0, 2**32), got {shown(value)}")
 
 
 def _numbers(obj: Any, path: str = "") -> None:
@@ -81,9 +81,9 @@ def _numbers(obj: Any, path: str = "") -> None:
         if dataclasses.is_dataclass(value):
             _numbers(value, key + ".")
         elif isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(key, f"must be a finite number, got {value}")
+            raise ConfigError(key, f"must be a finite number, got {shown(value)}")
         elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT and f.name != "seed":
-            raise ConfigError(key, f"{value} is out of range (at most {INT_LIMIT:,})")
+            raise ConfigError(key, f"{shown(value)} is out of range (at most {INT_LIMIT:,})")
 
 
 def _validate_model(m: ModelConfig) -> None:
@@ -97,7 +97,7 @@ def _validate_model(m: ModelConfig) -> None:
 
 def _device(key: str, device: str) -> None:
     if device != "auto" and device != "cpu" and not device.startswith("cuda"):
-        raise ConfigError(key, f"{device!r} is not allowed; use auto, cpu, cuda or cuda:N")
+        raise ConfigError(key, f"{shown(device)} is not allowed; use auto, cpu, cuda or cuda:N")
 
 
 def _validate_data(d: DataConfig, finetune_enabled: bool) -> None:
@@ -191,15 +191,15 @@ def validate_finetune(f: FinetuneConfig) -> None:
     _choice("finetune.autocast", f.autocast, AUTOCAST_MODES)
     _choice("finetune.cache_teacher", f.cache_teacher, CACHE_TEACHER)
     if f.loop_checkpointing not in (True, False, "auto") or type(f.loop_checkpointing) not in (bool, str):
-        raise ConfigError("finetune.loop_checkpointing", f"{f.loop_checkpointing!r} is not allowed; choose one of "
-                          "true, false, auto")
+        raise ConfigError("finetune.loop_checkpointing",
+                          f"{shown(f.loop_checkpointing)} is not allowed; choose one of true, false, auto")
 
 
 def _validate_output(o: OutputConfig, d: DataConfig) -> None:
     if not o.dir.strip():
         raise ConfigError("output.dir", "must not be empty")
     if o.bundle_name is not None and (not o.bundle_name.strip() or "/" in o.bundle_name or "\\" in o.bundle_name):
-        raise ConfigError("output.bundle_name", f"{o.bundle_name!r} must be a non-empty name without / or \\")
+        raise ConfigError("output.bundle_name", f"{shown(o.bundle_name)} must be a non-empty name without / or \\")
     _choice("output.codebook_dtype", o.codebook_dtype, DTYPE_NAMES)
     s = o.serving
     values = {"sink_tokens": d.sink_tokens if s.sink_tokens is None else s.sink_tokens,
