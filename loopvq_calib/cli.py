@@ -1,20 +1,77 @@
 """Console scripts: loopvq-calibrate, loopvq-eval, loopvq-inspect, loopvq-push. The library raises and returns
 reports; these print them and pick the exit status: 0 success, 1 a gate or check failed, 2 bad input (config,
-paths, bundle), 3 a run failed. Each command imports what it runs on demand, so ``--help`` loads neither torch
-nor transformers.
+paths, bundle), 3 a run failed, 130 interrupted (Ctrl-C, SIGINT), 143 terminated (SIGTERM); each failure is one
+line on stderr, never a traceback (a run's goes to its run.log). Each command imports what it runs on demand, so
+``--help`` loads neither torch nor transformers.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from .config.source import ConfigError
+
+INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
+TERMINATED = 143  # 128 + SIGTERM: what a shell reports for a command killed by SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt, so that every cleanup runs
+    (stage records, temporary folders, the run lock) and a rerun resumes as after Ctrl-C."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    """The SIGTERM handler of a running command."""
+    raise Terminated()
+
+
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """While the block runs (in the main thread: only there can Python handle signals), SIGTERM raises
+    :class:`Terminated`; the previous handler comes back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _interrupt_status(err: KeyboardInterrupt) -> int:
+    """130 for Ctrl-C (SIGINT), 143 for SIGTERM."""
+    return TERMINATED if isinstance(err, Terminated) else INTERRUPTED
+
+
+def _interrupt_name(err: KeyboardInterrupt) -> str:
+    """The signal that stopped the command."""
+    return "SIGTERM" if isinstance(err, Terminated) else "SIGINT"
+
+
+def _command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+    """A console script's ``main(argv) -> status`` that also maps Ctrl-C and SIGTERM to one line and exit 130 /
+    143 (where ``main`` did not already say more, as a calibration run does)."""
+    @functools.wraps(main)
+    def run(argv: list[str] | None = None) -> int:
+        try:
+            with _sigterm_interrupts():
+                return main(argv)
+        except KeyboardInterrupt as err:
+            return _fail(f"interrupted ({_interrupt_name(err)})", _interrupt_status(err))
+
+    return run
 
 
 def _fail(message: str, status: int) -> int:
@@ -47,6 +104,7 @@ def calibrate_parser() -> argparse.ArgumentParser:
     return p
 
 
+@_command
 def calibrate_main(argv: list[str] | None = None) -> int:
     """``loopvq-calibrate``: check everything, then run (or resume) the stages; prints the bundle and the
     selection KL; returns the exit status."""
@@ -77,6 +135,8 @@ def calibrate_main(argv: list[str] | None = None) -> int:
         result = pipeline.run_all()
     except (ConfigError, DataError, ModelLoadError, RunDirError) as err:
         return _fail(str(err), 2)
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: the stage's cleanup ran, a rerun resumes
+        return _fail(_run_failure(pipeline, err), _interrupt_status(err))
     except Exception as err:  # a stage failed: say which and where the traceback is, exit 3
         return _fail(_run_failure(pipeline, err), 3)
     if pipeline.dist.is_main:
@@ -109,17 +169,22 @@ def _leave_processes() -> None:
         end_processes()
 
 
-def _run_failure(pipeline: Any, err: Exception) -> str:
-    """One line for a failed run; the traceback goes to run.log (the stage's temporary output is gone)."""
+def _run_failure(pipeline: Any, err: BaseException) -> str:
+    """One line for a failed or interrupted run; the traceback goes to run.log (a failed stage's temporary output
+    is gone, a resumable stage's kept for the rerun)."""
     stages = pipeline.run.manifest["stages"]
     failed = [name for name, rec in stages.items() if rec.get("status") in ("failed", "running")]
     where = f"stage {failed[-1]}" if failed else "the run"
+    if isinstance(err, KeyboardInterrupt):
+        what = f"interrupted ({_interrupt_name(err)}) in {where}; the same command resumes it"
+    else:
+        what = f"{where} failed: {type(err).__name__}: {err}"
     log_file = pipeline.run.root / "run.log"
     if not pipeline.run.root.is_dir():
-        return f"{where} failed: {type(err).__name__}: {err}"
+        return what
     with open(log_file, "a", encoding="utf-8") as f:
         f.write("".join(traceback.format_exception(err)))
-    return f"{where} failed: {type(err).__name__}: {err} (traceback in {log_file})"
+    return f"{what} (traceback in {log_file})"
 
 
 def eval_parser() -> argparse.ArgumentParser:
@@ -157,6 +222,7 @@ def eval_parser() -> argparse.ArgumentParser:
     return p
 
 
+@_command
 def eval_main(argv: list[str] | None = None) -> int:
     """``loopvq-eval``: evaluate, print report.md, write the report folder (``--out``), print each failed gate;
     returns 0 (every gate passed), 1 (a gate failed) or 2 (bad input)."""
@@ -211,6 +277,7 @@ def inspect_parser() -> argparse.ArgumentParser:
     return p
 
 
+@_command
 def inspect_main(argv: list[str] | None = None) -> int:
     """``loopvq-inspect``: print a bundle's summary; returns 0, or 2 for a bundle that does not check out."""
     args = inspect_parser().parse_args(argv)
@@ -236,6 +303,7 @@ def push_parser() -> argparse.ArgumentParser:
     return p
 
 
+@_command
 def push_main(argv: list[str] | None = None) -> int:
     """``loopvq-push``: (attach an evaluation report and) upload a bundle; returns 0, 2 for bad input, 3 when the
     upload failed."""

@@ -15,20 +15,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from ..codes.layouts import plan_layouts
 from ..config.load import resolve_derived
 from ..config.schema import Config
+from ..config.source import ConfigError
 from ..config.validate import validate, validate_for_model
 from ..data.corpus import CalibrationSet, build_calibration_set
 from ..kernels.prepare import prepare_codec_kernels
 from ..models.loading import (
     TORCH_DTYPES,
     ModelIdentity,
+    ModelLoadError,
+    check_model_folder,
+    load_tokenizer,
     model_identity,
+    model_window,
     pick_device,
-    read_model_config,
     resolve_model_dir,
     set_loop_steps,
 )
@@ -76,9 +80,10 @@ def plan_run(cfg: Config, output: str | Path | None = None, stages: list[str] | 
     with timed(timings, "processes_s"):  # CUDA and, under accelerate launch, the process group
         dist = dist or start_processes(cfg.model.device)
     wanted = wanted_stages(cfg, stages)
-    with timed(timings, "model_shape_s"):  # config.json and the model built on the meta device
+    with timed(timings, "model_shape_s"):  # the folder's files and the model built on the meta device
         folder = resolve_model_dir(cfg.model.name_or_path, cfg.model.revision)
-        model_config = read_model_config(folder)
+        model_config = check_model_folder(folder)
+        check_sequence_length(cfg, model_config, folder)
         kv, model_bytes = model_shape(model_config, cfg.model.loop_steps, cfg.model.dtype)
     validate_for_model(cfg, kv.head_dim, kv.kv_heads, loop_steps=kv.loop_steps,
                        has_prelude=any(not s.looped for s in kv.sites))
@@ -127,10 +132,24 @@ def wanted_stages(cfg: Config, stages: list[str] | None) -> list[str]:
     return wanted[: max(wanted.index(s) for s in stages if s in wanted) + 1]
 
 
+def check_sequence_length(cfg: Config, model_config: Any, folder: Path) -> None:
+    """``data.sequence_length`` fits the model's window (:func:`~loopvq_calib.models.loading.model_window`)."""
+    window, field = model_window(model_config)
+    if cfg.data.sequence_length > window:
+        raise ConfigError("data.sequence_length", f"{cfg.data.sequence_length:,} tokens exceed the model's window of "
+                                                  f"{window:,} tokens ({field} in {folder / 'config.json'})")
+
+
 def model_shape(model_config: Any, loop_steps: int | None, dtype: str) -> tuple[KVLayout, int]:
-    """The KV sites and the weights' bytes in ``dtype`` of a model built on the meta device (no weights read)."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+    """The KV sites and the weights' bytes in ``dtype`` of a model built on the meta device (no weights read);
+    a config.json that builds no model is a ModelLoadError."""
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config)
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as err:
+        where = Path(model_config.name_or_path) / "config.json"
+        raise ModelLoadError(f"model.name_or_path: {where} describes no model that can be built: "
+                             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from err
     set_loop_steps(model, loop_steps)
     return model.kv_layout(), sum(p.numel() for p in model.parameters()) * TORCH_DTYPES[dtype].itemsize
 
@@ -151,11 +170,6 @@ def check_kmeans_backend(cfg: Config, kv: KVLayout, device: torch.device, *, war
         warmup.submit("kmeans_backend", device, resolve_backend, *backend, points=points)
     else:
         resolve_backend(*backend, points=points)
-
-
-def load_tokenizer(folder: Path) -> Any:
-    """The model folder's tokenizer."""
-    return AutoTokenizer.from_pretrained(folder)
 
 
 @contextmanager

@@ -165,13 +165,15 @@ def evaluate(bundles: Sequence[str | Path], *, model: str | None = None, data: s
     held-out file); ``served`` adds the baselines (evaluation KL too) and the served-cache evaluation (lm-eval
     tasks, passkey, bytes per token; :mod:`loopvq_calib.evaluation.served`). Bad input raises before any model is
     loaded where it can (:class:`~loopvq_calib.evaluation.inputs.EvalInputError`, BundleError, ModelLoadError,
-    DataError)."""
+    DataError): the model folder's files and ``sequence_length`` (and the passkey lengths) against the model's
+    window are checked before its weights are read."""
     gates = gates or Gates()
     check_served_options(served)
     source = data_source(data, num_sequences, sequence_length)
     check_gate_thresholds(gates)
     check_device(device)
-    inputs = load_inputs(bundles, model, device, dtype=dtype)
+    inputs = load_inputs(bundles, model, device, dtype=dtype, sequence_length=sequence_length,
+                         passkey_lengths=served.passkey_lengths if served is not None else ())
     check_sink_room(inputs.bundles, sequence_length)
     sequences, description = heldout_sequences(source, inputs.tokenizer, num_sequences, sequence_length=sequence_length)
     report = {"model": inputs.model_name, "dtype": dtype, "device": str(next(inputs.model.parameters()).device),

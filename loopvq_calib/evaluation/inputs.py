@@ -17,9 +17,17 @@ from ..codes.baselines import BASELINES
 from ..config.schema import DataConfig
 from ..config.source import LOCAL_TYPES
 from ..data.corpus import build_calibration_set, load_documents, local_files
-from ..models.loading import ModelLoadError, load_model, pick_device, resolve_model_dir
+from ..models.loading import (
+    ModelLoadError,
+    check_model_folder,
+    load_model,
+    model_window,
+    pick_device,
+    resolve_model_dir,
+)
 from .harness import lm_eval_available, task_manager
 from .options import Gates, ServedOptions
+from .passkey import NEW_TOKENS
 
 DEFAULT_DATA = Path("artifacts/data/shakespeare-heldout.jsonl")  # relative to the working folder or the checkout
 EVAL_DATA_NAMES = {"dataset": "--data", "num_sequences": "--num-sequences", "sequence_length": "--sequence-length",
@@ -112,8 +120,11 @@ def data_source(data: str | None, num_sequences: int, sequence_length: int) -> s
     return data
 
 
-def load_inputs(paths: Sequence[str | Path], model: str | None, device: str, *, dtype: str) -> EvalInputs:
-    """Bundles (each checked against the model's identity), the model (default: the bundles') and its tokenizer."""
+def load_inputs(paths: Sequence[str | Path], model: str | None, device: str, *, dtype: str,
+                sequence_length: int | None = None, passkey_lengths: Sequence[int] = ()) -> EvalInputs:
+    """Bundles (each checked against the model's identity), the model (default: the bundles') and its tokenizer.
+    The model folder's files, and ``sequence_length`` and ``passkey_lengths`` against the model's window, are
+    checked before any weight is read."""
     if not paths:
         raise EvalInputError("no bundle given (--bundle PATH, repeatable)")
     dirs = []
@@ -123,26 +134,43 @@ def load_inputs(paths: Sequence[str | Path], model: str | None, device: str, *, 
         except BundleError as err:
             raise EvalInputError(f"--bundle {err}" if not str(err).startswith("--bundle") else str(err)) from err
     idents = [load_bundle(d).meta["model"] for d in dirs]
+    key = "--model"
     if model is None:
         names = {i["name"] for i in idents}
         if len(names) > 1:
             raise EvalInputError(f"the bundles were calibrated for different models ({', '.join(sorted(names))}); "
                                  "evaluate them separately or name one with --model")
-        model, revision = idents[0]["name"], idents[0].get("revision")
+        model, revision, key = idents[0]["name"], idents[0].get("revision"), f"{dirs[0]}: the bundle's model"
         try:
-            folder = resolve_model_dir(model, revision, key=f"{dirs[0]}: the bundle's model")
+            folder = resolve_model_dir(model, revision, key=key)
         except ModelLoadError as err:
             raise EvalInputError(f"{err}; pass the model with --model FOLDER_OR_HUB_ID") from err
     else:
-        folder = resolve_model_dir(model, None, key="--model")
+        folder = resolve_model_dir(model, None, key=key)
+    check_window(check_model_folder(folder, key), folder, sequence_length, passkey_lengths)
     loaded = [load_bundle(d, model=folder) for d in dirs]
     if len({json.dumps(b.meta["kv_layout"], sort_keys=True) for b in loaded}) > 1:
         raise EvalInputError("the bundles have different KV layouts (loop counts); evaluate them separately")
     steps = loaded[0].quantizer.kv.loop_steps
-    model_obj, tokenizer = load_model(folder, dtype, pick_device(device), loop_steps=steps)
+    model_obj, tokenizer = load_model(folder, dtype, pick_device(device), loop_steps=steps, key=key)
     if model_obj.kv_layout() != loaded[0].quantizer.kv:
         raise EvalInputError(f"{loaded[0].path}: its KV layout does not match model {model} at {steps} loop steps")
     return EvalInputs(loaded, model_obj, tokenizer, model)
+
+
+def check_window(model_config: Any, folder: Path, sequence_length: int | None,
+                 passkey_lengths: Sequence[int] = ()) -> None:
+    """``--sequence-length`` and each passkey prompt with its answer fit the model's window (config.json's
+    ``max_position_embeddings``, Huginn ``block_size``)."""
+    window, field = model_window(model_config)
+    source = f"{field} in {folder / 'config.json'}"
+    if sequence_length is not None and sequence_length > window:
+        raise EvalInputError(f"--sequence-length {sequence_length:,} exceeds the model's window of {window:,} tokens "
+                             f"({source})")
+    too_long = [n for n in passkey_lengths if n + NEW_TOKENS > window]
+    if too_long:
+        raise EvalInputError(f"--passkey-lengths {too_long}: prompts plus {NEW_TOKENS} new tokens exceed the model's "
+                             f"window of {window:,} tokens ({source})")
 
 
 def check_sink_room(bundles: list[Bundle], sequence_length: int) -> None:

@@ -1,4 +1,10 @@
-"""Load a looped model by hub id or folder, and compute the identity a bundle is tied to."""
+"""Load a looped model by hub id or folder, check a model folder's files before any work, and compute the
+identity a bundle is tied to.
+
+:func:`check_model_folder` reads what a run needs without loading weights: config.json (UTF-8, JSON, a supported
+``model_type``, a config transformers accepts), the weight files (every shard the index names present, each
+safetensors header whole and its tensors inside the file) and the tokenizer's files. Each failure is a
+:class:`ModelLoadError` naming the config key or flag and the file."""
 
 from __future__ import annotations
 
@@ -15,14 +21,19 @@ from huggingface_hub import snapshot_download
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..config.schema import DTYPE_NAMES
-from ..config.source import looks_local
+from ..config.source import looks_local, shown
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the config's dtype names as torch dtypes
 NATIVE_TYPES = ("ouro", "huginn_raven")
+WEIGHTS_INDEX = "model.safetensors.index.json"
+# any one of these makes a tokenizer (fast tokenizer.json, sentencepiece, BPE vocab + merges, WordPiece vocab)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+WINDOW_FIELDS = {"ouro": "max_position_embeddings", "huginn_raven": "block_size"}  # config.json's window
 
 
 class ModelLoadError(RuntimeError):
-    """The model cannot be found or is not a supported looped architecture; names the config key."""
+    """The model cannot be found, a file of its folder is missing or broken, or it is not a supported looped
+    architecture; names the config key (or flag) and the file."""
 
 
 def resolve_model_dir(name_or_path: str, revision: str | None = None, key: str = "model.name_or_path") -> Path:
@@ -64,9 +75,32 @@ SAMPLE_BYTES = 1 << 16
 
 
 def _safetensors_header_hash(path: Path) -> str:
+    return hashlib.sha256(safetensors_header(path)).hexdigest()
+
+
+def safetensors_header(path: Path, key: str = "") -> bytes:
+    """The JSON header of a safetensors file, checked: whole, valid JSON, every tensor's bytes inside the file
+    (a truncated or cut download fails here, naming the file, instead of deep inside the loader)."""
+    where = f"{key}: {path}" if key else str(path)
+    size = path.stat().st_size
     with path.open("rb") as f:
+        if size < 8:
+            raise ModelLoadError(f"{where}: not a safetensors file ({size} bytes; truncated?)")
         (n,) = struct.unpack("<Q", f.read(8))
-        return hashlib.sha256(f.read(n)).hexdigest()
+        if n > size - 8:
+            raise ModelLoadError(f"{where}: truncated: its header says {n:,} bytes, the file holds {size - 8:,} after "
+                                 "the length")
+        header = f.read(n)
+    try:
+        entries = json.loads(header.decode("utf-8"))
+        ends = [int(e["data_offsets"][1]) for name, e in entries.items() if name != "__metadata__"]
+    except (UnicodeDecodeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
+        raise ModelLoadError(f"{where}: not a safetensors file (its header is no valid tensor table: "
+                             f"{type(err).__name__})") from err
+    if 8 + n + max(ends, default=0) > size:
+        raise ModelLoadError(f"{where}: truncated: its tensors need {8 + n + max(ends):,} bytes, the file has "
+                             f"{size:,}")
+    return header
 
 
 def _content_hash(path: Path) -> dict[str, str]:
@@ -117,22 +151,114 @@ def model_identity(folder: Path, name: str, revision: str | None = None) -> Mode
         {"file": p.name, "bytes": p.stat().st_size, "header_sha256": _safetensors_header_hash(p), **_content_hash(p)}
         for p in sorted(folder.glob("*.safetensors"))
     ]
-    model_type = json.loads(config_bytes).get("model_type", "")
+    model_type = read_config_json(folder).get("model_type", "")
     return ModelIdentity(name, revision, model_type, hashlib.sha256(config_bytes).hexdigest(), weights)
+
+
+def read_config_json(folder: Path, key: str = "") -> dict[str, Any]:
+    """config.json's mapping; a missing, non-UTF-8, invalid or non-object file is a ModelLoadError naming the
+    file and where in it."""
+    path = folder / "config.json"
+    where = f"{key}: {path}" if key else str(path)
+    if not path.is_file():
+        raise ModelLoadError(f"{key + ': ' if key else ''}{folder} has no config.json")
+    try:
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ModelLoadError(f"{where} is not UTF-8 text (byte {err.start}: {err.object[err.start:err.start + 1]!r})"
+                             ) from err
+    except json.JSONDecodeError as err:
+        raise ModelLoadError(f"{where} is not valid JSON: {err.msg} (line {err.lineno}, column {err.colno})") from err
+    except RecursionError as err:
+        raise ModelLoadError(f"{where} is nested too deeply to read") from err
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{where} must hold a JSON object, not {type(raw).__name__}")
+    return raw
 
 
 def read_model_config(folder: Path, key: str = "model.name_or_path") -> Any:
     """config.json as a transformers config (no weights read; the models package registered ouro and
-    huginn_raven with AutoConfig when this module was imported)."""
-    raw = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else None
-    if raw is None:
-        raise ModelLoadError(f"{key}: {folder} has no config.json")
+    huginn_raven with AutoConfig when this module was imported); errors name the file."""
+    raw = read_config_json(folder, key)
     if raw.get("model_type") not in NATIVE_TYPES:
         raise ModelLoadError(
-            f"{key}: model_type {raw.get('model_type')!r} in {folder}/config.json is not a supported looped "
+            f"{key}: model_type {shown(raw.get('model_type'))} in {folder}/config.json is not a supported looped "
             f"model; supported: {', '.join(NATIVE_TYPES)}"
         )
-    return AutoConfig.from_pretrained(folder)
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (ValueError, TypeError, KeyError, OSError) as err:
+        raise ModelLoadError(f"{key}: {folder}/config.json: {_first_line(err)}") from err
+
+
+def model_window(config: Any) -> tuple[int, str]:
+    """The longest sequence the model takes (its RoPE and position range) and the config.json field it comes
+    from: Ouro ``max_position_embeddings``, Huginn ``block_size``."""
+    name = WINDOW_FIELDS[config.model_type]
+    return int(getattr(config, name)), name
+
+
+def check_model_folder(folder: Path, key: str = "model.name_or_path") -> Any:
+    """Every file a run reads from a model folder, checked without loading weights (module docstring);
+    returns the transformers config."""
+    config = read_model_config(folder, key)
+    check_weight_files(folder, key)
+    check_tokenizer_files(folder, key)
+    return config
+
+
+def weight_files(folder: Path, key: str = "model.name_or_path") -> list[Path]:
+    """The safetensors files of a model folder: the shards ``model.safetensors.index.json`` names (each must be
+    there, a plain file name in the folder), else every ``*.safetensors``; none is an error."""
+    index = folder / WEIGHTS_INDEX
+    if not index.is_file():
+        found = sorted(folder.glob("*.safetensors"))
+        if not found:
+            raise ModelLoadError(f"{key}: {folder} has no weights (model.safetensors, or {WEIGHTS_INDEX} and the "
+                                 "shards it names)")
+        return found
+    try:
+        weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as err:
+        raise ModelLoadError(f"{key}: {index} is not a valid weight index (JSON with a weight_map of tensor -> "
+                             f"file): {type(err).__name__}") from err
+    for shard in shards:
+        if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+            raise ModelLoadError(f"{key}: {index} names {shown(shard)}, not a file name in {folder}")
+        if not (folder / shard).is_file():
+            raise ModelLoadError(f"{key}: {folder / shard} is missing ({WEIGHTS_INDEX} names it)")
+    return [folder / shard for shard in shards]
+
+
+def check_weight_files(folder: Path, key: str = "model.name_or_path") -> None:
+    """Every weight file there (:func:`weight_files`) and whole (:func:`safetensors_header`)."""
+    for path in weight_files(folder, key):
+        safetensors_header(path, key)
+
+
+def check_tokenizer_files(folder: Path, key: str = "model.name_or_path") -> None:
+    """The folder holds a tokenizer's files (one of TOKENIZER_FILES, or a ``*.tiktoken``)."""
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES) and not any(folder.glob("*.tiktoken")):
+        raise ModelLoadError(f"{key}: {folder} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} or *.tiktoken "
+                             "is there (copy the tokenizer's files from the model's hub repo)")
+
+
+def load_tokenizer(folder: Path, key: str = "model.name_or_path") -> Any:
+    """The model folder's tokenizer; a tokenizer that does not load is a ModelLoadError naming the folder."""
+    check_tokenizer_files(folder, key)
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as err:  # transformers raises many kinds here (ValueError, OSError, ImportError, ...)
+        raise ModelLoadError(f"{key}: the tokenizer in {folder} does not load: {type(err).__name__}: "
+                             f"{_first_line(err)}") from err
+
+
+def _first_line(err: BaseException, limit: int = 200) -> str:
+    """The first line of an error's message, at most ``limit`` characters."""
+    lines = str(err).strip().splitlines()
+    first = lines[0] if lines else ""
+    return first if len(first) <= limit else first[: limit - 3] + "..."
 
 
 def set_loop_steps(model: torch.nn.Module, steps: int | None) -> None:
@@ -152,13 +278,14 @@ def pick_device(device: str, key: str = "model.device") -> torch.device:
     return torch.device(device)
 
 
-def load_model(folder: Path, dtype: str, device: torch.device, *, loop_steps: int | None = None) -> tuple[Any, Any]:
-    """(model in eval mode with frozen weights, tokenizer) from a hub-layout folder."""
-    read_model_config(folder)
+def load_model(folder: Path, dtype: str, device: torch.device, *, loop_steps: int | None = None,
+               key: str = "model.name_or_path") -> tuple[Any, Any]:
+    """(model in eval mode with frozen weights, tokenizer) from a hub-layout folder, checked first
+    (:func:`check_model_folder`)."""
+    check_model_folder(folder, key)
     # read straight onto the device (the same tensors as loading on the CPU and moving the model there)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=TORCH_DTYPES[dtype], device_map={"": str(device)}).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     set_loop_steps(model, loop_steps)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    return model, tokenizer
+    return model, load_tokenizer(folder, key)

@@ -204,7 +204,10 @@ def test_evaluate_raises_on_bad_input(bundle_dir, tmp_path):
         evaluate([bundle_dir], data=str(tmp_path / "notes.md"), num_sequences=1, sequence_length=32)
     assert "data.type" not in str(err.value)
     with pytest.raises(DataError, match="--num-sequences: "):
-        evaluate([bundle_dir], num_sequences=1, sequence_length=10**7)
+        evaluate([bundle_dir], num_sequences=10**5, sequence_length=2048)
+    with pytest.raises(EvalInputError, match=r"--sequence-length 2,049 exceeds the model's window of 2,048 tokens "
+                                             r"\(max_position_embeddings in .*config.json\)"):
+        evaluate([bundle_dir], num_sequences=1, sequence_length=2049)
     with pytest.raises(EvalInputError, match=r"--max-ppl-increase must be a finite number >= 0, got -1"):
         evaluate([bundle_dir], gates=Gates(max_ppl_increase=-1.0))
 
