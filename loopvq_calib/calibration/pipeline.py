@@ -10,6 +10,7 @@ Under ``accelerate launch`` capture, TaSQ, k-means and fine-tuning are shared ac
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from ..config.schema import Config
 from ..data.corpus import CalibrationSet, build_calibration_set
 from ..models.loading import load_model
 from ..runtime.clock import seconds_since_process_start
+from ..runtime.files import write_bytes_atomic
 from ..runtime.processes import DistContext
 from ..runtime.warmup import Warmup
 from ..version import __version__
@@ -34,7 +36,7 @@ from .capture.kv import CaptureData, CaptureReader, MemoryReader
 from .finetune.train import FinetuneResult, training_steps
 from .fingerprints import fingerprint
 from .preflight import load_tokenizer, plan_run
-from .rundir import setup_logging
+from .rundir import CONFIG_FILE, LOG_FILE
 from .stages import (
     as_saved_finetune,
     as_saved_quantizer,
@@ -52,6 +54,24 @@ from .stages import (
 from .tasq.grouping import TasqResult
 
 log = logging.getLogger("loopvq_calib")
+StageMethod = Callable[..., Any]
+
+
+def _names_failure(stage: str) -> Callable[[StageMethod], StageMethod]:
+    """A stage method that sets :attr:`Pipeline.failed_stage` to ``stage`` when it raises (unless a stage it ran
+    already named itself), whatever the manifest's older records say."""
+    def wrap(method: StageMethod) -> StageMethod:
+        @functools.wraps(method)
+        def run(self: Pipeline, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except BaseException:
+                self.failed_stage = self.failed_stage or stage
+                raise
+
+        return run
+
+    return wrap
 
 
 @dataclass
@@ -67,7 +87,11 @@ class RunResult:
 
 
 class Pipeline:
-    """One calibration run; :meth:`run_all` executes (or reuses) the stages up to the last one asked for."""
+    """One calibration run; :meth:`run_all` executes (or reuses) the stages up to the last one asked for.
+    :attr:`failed_stage`: the stage (data, capture, tasq, kmeans, finetune, bundle) that raised in the last
+    :meth:`run_all`, None when none did (the run failed elsewhere, or did not fail)."""
+
+    failed_stage: str | None = None
 
     def __init__(self, cfg: Config, output: str | Path | None = None, stages: list[str] | None = None,
                  *, dist: DistContext | None = None, warmup: Warmup | None = None) -> None:
@@ -118,6 +142,7 @@ class Pipeline:
         return self.run.path(name)
 
     # -- stages --------------------------------------------------------------------------------------
+    @_names_failure("data")
     def stage_data(self) -> CalibrationSet:
         """The calibration set: the plan's (built by the checks), else built now, unless the stage is reused."""
         def body(tmp: Path) -> dict:
@@ -126,6 +151,7 @@ class Pipeline:
 
         return load_calibration(self._stage("data", body, distributed=False))
 
+    @_names_failure("capture")
     def stage_capture(self, calib: CalibrationSet) -> CaptureData:
         """An in-memory capture is never kept; a disk capture resumes after the sequences an interrupted run wrote."""
         store, kv = self.plan.store, self.plan.kv
@@ -149,6 +175,7 @@ class Pipeline:
                              fp=fingerprint(self.plan.fingerprints["capture"], store.store))
         return reader if in_memory else CaptureReader(folder)
 
+    @_names_failure("tasq")
     def stage_tasq(self, reader: CaptureData | None) -> TasqResult | None:
         """TaSQ's transforms and groups (the stage's files read back; None on processes without them)."""
         def body(tmp: Path) -> dict:
@@ -159,6 +186,7 @@ class Pipeline:
 
         return TasqResult.load(self._stage("tasq", body))
 
+    @_names_failure("kmeans")
     def stage_kmeans(self, reader: CaptureData | None, tasq: TasqResult | None) -> KVQuantizer:
         """The codebooks: the main process keeps those it saved when the stage ran (as the files read them
         back); a reused stage, and the other processes, read the files."""
@@ -178,6 +206,7 @@ class Pipeline:
         folder = self._stage("kmeans", body)
         return fitted if fitted is not None else load_quantizer(folder)
 
+    @_names_failure("finetune")
     def stage_finetune(self, calib: CalibrationSet, init: KVQuantizer) -> FinetuneResult:
         """The kept codebooks: as :meth:`stage_kmeans`, the main process keeps what it saved."""
         tuned = None
@@ -195,6 +224,7 @@ class Pipeline:
         folder = self._stage("finetune", body, resumable=True)
         return tuned if tuned is not None else load_finetune(folder)
 
+    @_names_failure("bundle")
     def stage_bundle(self, calib: CalibrationSet, tuned: FinetuneResult) -> Path:
         """The bundle's folder (written by the main process)."""
         def body(tmp: Path) -> dict:
@@ -227,6 +257,7 @@ class Pipeline:
 
     def run_all(self) -> RunResult:
         """Open the run directory (lock held until this returns) and run or reuse the wanted stages."""
+        self.failed_stage = None
         self.run.open()
         try:
             return self._run_stages()
@@ -240,7 +271,7 @@ class Pipeline:
             if self.run.lock is not None and self.run.lock.previous:
                 log.warning("%s: took over the lock of a run that is no longer running (%s)", self.run.root,
                             self.run.lock.previous)
-            (self.run.root / "config.yaml").write_text(dump_config(self.cfg))
+            write_bytes_atomic(self.run.root / CONFIG_FILE, dump_config(self.cfg).encode())
             self.run.update(toolkit_version=__version__, config=self.cfg.to_dict(),
                             model_identity=self.plan.identity.to_dict(), processes=self.dist.world,
                             startup=self.startup)
@@ -260,6 +291,22 @@ class Pipeline:
                             warmup=self.warmup.report())
             log.info("stage summary\n%s", self.run.summary_table())
         return result
+
+
+def setup_logging(root: Path, verbose: bool = True) -> None:
+    """Log to ``run.log`` in the run directory and to stderr."""
+    log.setLevel(logging.INFO)
+    for h in list(log.handlers):
+        log.removeHandler(h)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    fh = logging.FileHandler(root / LOG_FILE)
+    fh.setFormatter(fmt)
+    log.addHandler(fh)
+    if verbose:
+        sh = logging.StreamHandler()
+        sh.setFormatter(fmt)
+        log.addHandler(sh)
+    log.propagate = False
 
 
 def calibrate(config: Config | str | Path | dict, output: str | Path | None = None,

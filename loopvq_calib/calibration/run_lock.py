@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
 LOCK_FILE = ".loopvq-lock"
 
 
-class RunLockedError(RuntimeError):
+class RunLockError(RuntimeError):
+    """The run directory's lock cannot be taken: another run holds it, or ``.loopvq-lock`` is not a plain file
+    (a symbolic link, a hard link, not a regular file); the message names the file."""
+
+
+class RunLockedError(RunLockError):
     """Another run holds the run directory's lock (the message names it)."""
 
 
@@ -28,9 +35,22 @@ class RunLock:
     @classmethod
     def acquire(cls, root: Path) -> RunLock:
         """Take the lock of the run directory ``root`` (which exists), or raise :class:`RunLockedError` naming
-        the run that holds it."""
+        the run that holds it, :class:`RunLockError` when the lock file is not a plain file of its own (opened
+        without following a link, checked before anything is written into it)."""
         path = root / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            raise RunLockError(f"{path} is a symbolic link; the run's lock must be a plain file: remove the link (its "
+                               "target is left alone) and run again") from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            os.close(fd)
+            what = "not a regular file" if not stat.S_ISREG(info.st_mode) else "a hard link to another file"
+            raise RunLockError(f"{path} is {what}; the run's lock must be a plain file of its own: remove it and run "
+                               "again")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -1,12 +1,14 @@
 """The run directory: one folder per stage, a manifest, fingerprinted reuse, atomic outputs.
 
 A stage writes into ``.loopvq-tmp.<stage>`` and is renamed to ``<stage>`` only when it finished, then the
-manifest (itself replaced atomically) records its fingerprint and the size of every file it wrote. A
-rerun reuses a stage only when the recorded fingerprint equals the new one and every recorded file is
-still there with its size (a deleted or truncated file makes the stage run again); a stage killed
-midway leaves only a temporary folder, which the next run deletes. The toolkit deletes only what it
-created: files the manifest records and ``.loopvq-tmp.*`` entries; a non-empty folder without a manifest
-is never used as a run directory, and one run at a time holds the directory's lock (docs/reliability.md).
+manifest (itself replaced atomically) records its fingerprint and the size and sha256 of every file it wrote
+(hashed as written, ``runtime/files.py``). A rerun reuses a stage only when the recorded fingerprint equals the
+new one and every recorded file is still there with its size and sha256 (a deleted, truncated or corrupted file
+makes the stage run again); a stage killed midway leaves only a temporary folder, which the next run deletes.
+The toolkit deletes only what it created: files the manifest records and ``.loopvq-tmp.*`` entries; every path
+the manifest names must stay inside its stage's folder (:func:`contained`); a non-empty folder without a
+manifest is never used as a run directory, and one run at a time holds the directory's lock
+(docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -21,14 +23,15 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator
 
 from ..runtime.device_memory import PEAKS
-from ..runtime.files import TMP_PREFIX, write_json_atomic
-from .run_lock import LOCK_FILE, RunLock, RunLockedError
+from ..runtime.files import TMP_PREFIX, recording_digests, sha256_file, take_digests, write_json_atomic
+from .run_lock import LOCK_FILE, RunLock, RunLockError
 
 MANIFEST = "manifest.json"  # also the marker of a run directory
+LOG_FILE, CONFIG_FILE = "run.log", "config.yaml"  # written by the run into its directory, never through a link
 RESUME_MARKER = ".loopvq-resume"  # in a resumable stage's temporary folder: the fingerprint its files belong to
 TOOL = "loopvq-calib"
 log = logging.getLogger("loopvq_calib")
@@ -98,7 +101,9 @@ class RunDir:
         self.barrier = barrier or (lambda: None)
         self.lock: RunLock | None = None
         check_output_folder(self.root)
+        _check_own_files(self.root)
         self.manifest: dict[str, Any] = _read_manifest(self.root / MANIFEST)
+        self._reusable: dict[tuple[str, str], bool] = {}  # (stage, fingerprint) -> checked since the manifest's read
         for name in stage_names:
             foreign = self.foreign_files(name)
             if foreign:
@@ -113,12 +118,14 @@ class RunDir:
         if self.is_main:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
+                _check_own_files(self.root)
                 self.lock = RunLock.acquire(self.root)
-            except RunLockedError as err:
+            except RunLockError as err:
                 raise RunDirError(str(err)) from None
             except OSError as err:
                 raise RunDirError(f"output.dir: cannot use {self.root}: {err.strerror or err}") from err
             self.manifest = _read_manifest(self.root / MANIFEST)  # as the lock holder, read it again
+            self._reusable.clear()
             self.manifest["tool"] = TOOL
             self.save()
             for stale in self.root.glob(f"{TMP_PREFIX}*"):
@@ -162,15 +169,29 @@ class RunDir:
             write_json_atomic(self.root / MANIFEST, self.manifest)
 
     def reusable(self, stage: str, fp: str) -> bool:
+        """Whether the stage's published result is reusable: done with fingerprint ``fp``, every recorded file
+        there with its recorded size (all checked first) and sha256 (a record without hashes, from an older
+        toolkit: sizes only); a changed file is named in a warning. Checked once per reading of the manifest."""
+        if (stage, fp) not in self._reusable:
+            self._reusable[stage, fp] = self._check_reusable(stage, fp)
+        return self._reusable[stage, fp]
+
+    def _check_reusable(self, stage: str, fp: str) -> bool:
         rec = self.manifest["stages"].get(stage)
         if not (rec and rec.get("status") == "done" and rec.get("fingerprint") == fp and self.path(stage).is_dir()):
             return False
-        changed = [name for name, size in rec.get("files", {}).items()
-                   if not (self.path(stage) / name).is_file() or (self.path(stage) / name).stat().st_size != size]
+        sizes, hashes = rec.get("files", {}), rec.get("sha256", {})
+        files = {name: contained(self.root, stage, name, source=self.root / MANIFEST) for name in sizes}
+        changed = [name for name, f in files.items() if not f.is_file() or f.stat().st_size != sizes[name]]
         if changed:
             log.warning("stage %s: %s missing or changed size since the stage finished; running it again",
                         stage, ", ".join(sorted(changed)[:5]) + (" ..." if len(changed) > 5 else ""))
-        return not changed
+            return False
+        corrupted = next((name for name, f in files.items() if name in hashes and sha256_file(f) != hashes[name]), None)
+        if corrupted is not None:
+            log.warning("stage %s: %s changed since the stage finished (its sha256 differs from the manifest's); "
+                        "running it again", stage, files[corrupted])
+        return corrupted is None
 
     def record(self, stage: str) -> dict[str, Any]:
         return self.manifest["stages"].get(stage, {})
@@ -208,7 +229,7 @@ class RunDir:
         rec = StageRecord(name, fp)
         start = time.time()
         log.info("stage %s: running (fingerprint %s)", name, fp)
-        with PEAKS.stage() as peak:
+        with PEAKS.stage() as peak, recording_digests(tmp):
             try:
                 yield tmp, rec
             except BaseException:
@@ -226,6 +247,7 @@ class RunDir:
         if self.is_main:
             final = self.path(name)
             marker.unlink(missing_ok=True)
+            written = take_digests(tmp)
             try:
                 self._remove_published(name)
             except RunDirError:
@@ -233,17 +255,18 @@ class RunDir:
                 raise
             os.replace(tmp, final)
             self.manifest["stages"][name] = {k: v for k, v in vars(rec).items() if k != "name"}
-            self.manifest["stages"][name]["files"] = {
-                str(f.relative_to(final)): f.stat().st_size for f in sorted(final.rglob("*")) if f.is_file()}
+            self.manifest["stages"][name].update(_file_table(final, written))
             self.manifest["stages"][name]["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+            self._reusable = {key: ok for key, ok in self._reusable.items() if key[0] != name}
             self.save()
         self.barrier()
         self.records.append(rec)
         log.info("stage %s: done in %.1f s", name, rec.wall_s)
 
     def _remove_published(self, name: str) -> None:
-        """Delete the stage's earlier output: only the files the manifest records, then the emptied folders;
-        anything else found there stops the run (never deleted)."""
+        """Delete the stage's earlier output: only the files the manifest records (every entry checked to lie
+        inside the folder before the first is deleted), then the emptied folders; anything else found there stops
+        the run (never deleted)."""
         final = self.path(name)
         if not final.exists() and not final.is_symlink():
             return
@@ -251,8 +274,9 @@ class RunDir:
         if foreign:
             raise RunDirError(f"{final} holds files this toolkit did not write ({', '.join(foreign[:3])}); "
                               "move them out and run again")
-        for rel in self.manifest["stages"].get(name, {}).get("files", {}):
-            (final / rel).unlink(missing_ok=True)
+        recorded = self.manifest["stages"].get(name, {}).get("files", {})
+        for doomed in [contained(self.root, name, rel, source=self.root / MANIFEST) for rel in recorded]:
+            doomed.unlink(missing_ok=True)
         for folder in sorted((p for p in final.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
             folder.rmdir()
         final.rmdir()
@@ -269,18 +293,68 @@ class RunDir:
 
 def check_output_folder(root: Path) -> None:
     """Refuse a path that is a file, or a non-empty folder that is not a run directory (no manifest; the
-    toolkit's own lock and temporary entries do not count: another process of this run may be creating it)."""
+    toolkit's own lock and temporary entries do not count, another process of this run may be creating it,
+    but a symbolic link always does: the toolkit makes none)."""
     if root.exists() and not root.is_dir():
         raise RunDirError(f"output.dir: {root} exists and is not a directory")
     if root.is_dir() and not (root / MANIFEST).is_file():
-        entries = sorted(p.name for p in root.iterdir() if p.name != LOCK_FILE and not p.name.startswith(TMP_PREFIX))
+        entries = sorted(p.name for p in root.iterdir()
+                         if p.is_symlink() or (p.name != LOCK_FILE and not p.name.startswith(TMP_PREFIX)))
         if entries:
             raise RunDirError(
                 f"output.dir: {root} is not empty and is not a loopvq-calibrate run directory (no {MANIFEST}; it "
                 f"holds {', '.join(entries[:3])}{' ...' if len(entries) > 3 else ''}); choose a new or empty folder")
 
 
+def contained(root: Path, stage: str, entry: str, *, source: Path) -> Path:
+    """The file ``entry`` (read from ``source``, a file the toolkit wrote) of stage ``stage``'s folder in the run
+    directory ``root``: a relative path that stays inside that folder, also once symbolic links are followed
+    (neither the folder nor a folder on the way may lead out), or :class:`RunDirError` naming ``source`` and
+    the entry."""
+    folder, rel = root.resolve() / stage, PurePosixPath(entry)
+    if rel.is_absolute():
+        why = f"an absolute path, not a file of {root / stage}"
+    elif ".." in rel.parts or not rel.parts or "\0" in entry:
+        why = f"not the name of a file inside {root / stage}"
+    else:
+        try:
+            (folder / rel).resolve().relative_to(folder)
+            return root / stage / rel
+        except ValueError:
+            why = f"a path that leads out of {root / stage} through a symbolic link"
+        except (OSError, RuntimeError):  # a loop of links
+            why = "a path through a loop of symbolic links"
+    raise RunDirError(f"{source}: stage {stage!r} lists {entry!r}, {why}; the toolkit reads and deletes only files "
+                      "inside its run directory: restore the manifest, or delete it (and the stage folders) to start "
+                      "the run over")
+
+
+def _file_table(final: Path, written: dict[str, tuple[str, int]]) -> dict[str, dict[str, Any]]:
+    """The manifest's ``files`` (sizes) and ``sha256`` of a published stage folder: each file's digest as logged
+    when it was written; read from the file only where the log has none of its size (a file not written through
+    ``runtime/files.py``: the bundle's, whose writer builds and checks the bundle in a folder of its own)."""
+    sizes, hashes = {}, {}
+    for f in sorted(final.rglob("*")):
+        if f.is_file():
+            rel, size = str(f.relative_to(final)), f.stat().st_size
+            digest, logged = written.get(rel, ("", -1))
+            sizes[rel], hashes[rel] = size, digest if logged == size else sha256_file(f)
+    return {"files": sizes, "sha256": hashes}
+
+
+def _check_own_files(root: Path) -> None:
+    """The files a run writes at the top of its directory (manifest, log, config, lock) must be plain files (or
+    absent), never symbolic links, so that writing them never reaches outside the directory."""
+    for name in (MANIFEST, LOG_FILE, CONFIG_FILE, LOCK_FILE):
+        path = root / name
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            what = "a symbolic link" if path.is_symlink() else "not a file"
+            raise RunDirError(f"output.dir: {path} is {what}; the run writes this file itself, never through a link: "
+                              "move it away and run again")
+
+
 def _read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest at ``path`` (an empty one when there is none), its stage records checked (:func:`_check_stages`)."""
     if not path.is_file():
         return {"stages": {}}
     try:
@@ -290,25 +364,26 @@ def _read_manifest(path: Path) -> dict[str, Any]:
                           "over") from err
     if not isinstance(manifest, dict) or not isinstance(manifest.get("stages"), dict):
         raise RunDirError(f"{path} has no 'stages' mapping; delete it (and the stage folders) to start the run over")
+    _check_stages(path, manifest["stages"])
     return manifest
+
+
+def _check_stages(path: Path, stages: dict[str, Any]) -> None:
+    """Every stage record of the manifest at ``path``: a mapping, named by one plain folder name, whose ``files``
+    (sizes) and ``sha256`` are mappings of file names, each :func:`contained` in the stage's folder."""
+    for name, rec in stages.items():
+        if not isinstance(rec, dict) or name in ("", ".", "..") or "/" in name:
+            raise RunDirError(f"{path}: stage entry {name!r} is not a stage record (a folder name mapped to its "
+                              "record); delete the manifest (and the stage folders) to start the run over")
+        sizes, hashes = rec.get("files", {}), rec.get("sha256", {})
+        if not (isinstance(sizes, dict) and all(type(v) is int for v in sizes.values())
+                and isinstance(hashes, dict) and all(isinstance(v, str) for v in hashes.values())):
+            raise RunDirError(f"{path}: stage {name!r} has a 'files' or 'sha256' entry that is not a mapping of file "
+                              "names to sizes or hashes; delete the manifest (and the stage folders) to start over")
+        for entry in [*sizes, *hashes]:
+            contained(path.parent, name, entry, source=path)
 
 
 def _peak_rss() -> int:
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb if sys.platform == "darwin" else kb * 1024
-
-
-def setup_logging(root: Path, verbose: bool = True) -> None:
-    """Log to ``run.log`` in the run directory and to stderr."""
-    log.setLevel(logging.INFO)
-    for h in list(log.handlers):
-        log.removeHandler(h)
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
-    fh = logging.FileHandler(root / "run.log")
-    fh.setFormatter(fmt)
-    log.addHandler(fh)
-    if verbose:
-        sh = logging.StreamHandler()
-        sh.setFormatter(fmt)
-        log.addHandler(sh)
-    log.propagate = False

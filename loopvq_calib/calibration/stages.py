@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..bundle.writer import write_bundle
 from ..codes.layouts import plan_layouts
@@ -26,6 +26,7 @@ from ..config.schema import Config
 from ..data.corpus import CalibrationSet
 from ..models.loading import ModelIdentity
 from ..models.sites import KVLayout
+from ..runtime.files import write_bytes_atomic, write_tensors_atomic
 from ..runtime.processes import DistContext
 from .capture.kv import (
     CaptureData,
@@ -49,8 +50,8 @@ Progress = Callable[[int], Any]
 # -- codebooks on disk -------------------------------------------------------------------------
 def save_quantizer(q: KVQuantizer, folder: Path, extra: dict[str, Any] | None = None) -> None:
     """A stage's codebooks on disk: ``quantizer.safetensors`` (fp32 codebooks) + ``quantizer.json``."""
-    save_file(q.tensors(torch.float32), str(folder / "quantizer.safetensors"))
-    (folder / "quantizer.json").write_text(json.dumps({**q.meta(), **(extra or {})}, indent=1))
+    write_tensors_atomic(folder / "quantizer.safetensors", q.tensors(torch.float32))
+    write_bytes_atomic(folder / "quantizer.json", json.dumps({**q.meta(), **(extra or {})}, indent=1).encode())
 
 
 def load_quantizer(folder: Path) -> KVQuantizer:
@@ -63,10 +64,10 @@ def load_quantizer(folder: Path) -> KVQuantizer:
 def save_calibration(calib: CalibrationSet, folder: Path) -> dict[str, Any]:
     """``sequences.safetensors`` (token ids) and ``split.json`` (train / selection split, description,
     content hash); returns the stage's record details."""
-    save_file({"input_ids": calib.input_ids}, str(folder / "sequences.safetensors"))
+    write_tensors_atomic(folder / "sequences.safetensors", {"input_ids": calib.input_ids})
     split = {"train": calib.train, "heldout": calib.heldout, "sink_tokens": calib.sink_tokens,
              "description": calib.description, "content_sha256": calib.content_hash}
-    (folder / "split.json").write_text(json.dumps(split, indent=1))
+    write_bytes_atomic(folder / "split.json", json.dumps(split, indent=1).encode())
     return {"content_sha256": calib.content_hash, "tokens": calib.input_ids.numel()}
 
 
@@ -146,7 +147,7 @@ class KMeansReport:
         """The codebooks (:func:`save_quantizer`) and ``report.json``."""
         save_quantizer(self.quantizer, folder)
         report = {"layouts": self.layouts, "totals": self.totals}
-        (folder / "report.json").write_text(json.dumps(report, indent=1, default=float))
+        write_bytes_atomic(folder / "report.json", json.dumps(report, indent=1, default=float).encode())
 
     @classmethod
     def load(cls, folder: Path) -> "KMeansReport":
@@ -197,7 +198,7 @@ def save_finetune(result: FinetuneResult, folder: Path) -> None:
     """The kept codebooks (:func:`save_quantizer`) and ``curve.json`` (the selection curve, the best point)."""
     save_quantizer(result.quantizer, folder)
     best = {"best_epoch": result.best_epoch, "best_step": result.best_step, "curve": result.curve}
-    (folder / "curve.json").write_text(json.dumps(best, indent=1))
+    write_bytes_atomic(folder / "curve.json", json.dumps(best, indent=1).encode())
 
 
 def load_finetune(folder: Path) -> FinetuneResult:

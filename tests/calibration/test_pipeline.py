@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -170,6 +171,8 @@ def test_two_cpu_processes_equal_one(tiny_ouro_dir, calib_corpus, tmp_path, stor
     assert len(shards) == (6 if store == "disk" else 0)
     for path in shards:
         assert path.read_bytes() == (two / "capture" / path.name).read_bytes()
+    recorded = json.loads((two / "manifest.json").read_text())["stages"]["capture"]["sha256"]  # both processes' shards
+    assert recorded == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (two / "capture").iterdir()}
     if "tasq" in method:
         tasq_a, tasq_b = (load_file(run / "tasq" / "tasq.safetensors") for run in (single, two))
         assert tasq_a.keys() == tasq_b.keys() and all(torch.equal(tasq_a[n], tasq_b[n]) for n in tasq_a)

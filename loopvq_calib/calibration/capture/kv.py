@@ -22,7 +22,6 @@ import torch
 import torch.distributed as torch_dist
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ...codes.objective import shared_initial_state
 from ...config.schema import CaptureConfig
@@ -30,7 +29,7 @@ from ...data.corpus import CalibrationSet
 from ...models.loading import TORCH_DTYPES
 from ...models.sites import KVLayout, KVRecorder, kv_hook, query_observer
 from ...runtime.clock import DeviceClock
-from ...runtime.files import TMP_PREFIX, write_atomic
+from ...runtime.files import TMP_PREFIX, write_bytes_atomic, write_tensors_atomic
 from ...runtime.host_memory import HostCopier, let_go
 from ...runtime.processes import SINGLE, DistContext
 from ..tasq.stats import (
@@ -189,9 +188,8 @@ def capture_kv(
                     copies[seq] = copier.submit(stored, seq)  # to host memory behind the next sequences' capture
                 elif isinstance(out, MemoryCapture):
                     out.sequences[seq] = stored
-                else:  # save_file writes from the tensors: no copy of them in memory
-                    write_atomic(shard_path(out, seq),
-                                 lambda tmp: save_file(stored, str(tmp), metadata={"sequence": str(seq)}))
+                else:  # written (and hashed) from the tensors' own memory: no copy of them
+                    write_tensors_atomic(shard_path(out, seq), stored, {"sequence": str(seq)})
                 if progress:
                     progress(1)
             seconds["storing"] += clock.lap()
@@ -254,7 +252,7 @@ def write_meta(out_dir: Path, calib: CalibrationSet, kv: KVLayout, *, cfg: Captu
     missing = [i for i in range(meta["num_sequences"]) if i not in have]
     if missing:
         raise CaptureError(f"capture incomplete: sequences {missing} have no file in {out_dir}")
-    (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+    write_bytes_atomic(out_dir / "meta.json", json.dumps(meta, indent=1).encode())
     return meta
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ...codes.codec import TasqTransform, flatten_block, sigma_bits
 from ...codes.layouts import BlockLayout, layout_owner
@@ -25,6 +25,7 @@ from ...config.source import ConfigError
 from ...models.common import pair_channels
 from ...models.sites import KVLayout
 from ...runtime.clock import DeviceClock
+from ...runtime.files import write_bytes_atomic, write_tensors_atomic
 from ...runtime.processes import SINGLE, DistContext
 from ..capture.kv import CaptureData
 from .stats import channel_weights
@@ -48,13 +49,13 @@ class TasqResult:
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {f"{lay.key}.groups": lay.groups.to(torch.int64).contiguous().cpu() for lay in self.layouts}
         tensors.update({f"{k}.tasq_weight": t.weight.float().contiguous().cpu() for k, t in self.transforms.items()})
-        save_file(tensors, str(folder / "tasq.safetensors"))
+        write_tensors_atomic(folder / "tasq.safetensors", tensors)
         meta = {
             "layouts": [lay.to_dict() for lay in self.layouts],
             "transforms": {k: {"sigma_min": t.sigma_min} for k, t in self.transforms.items()},
             "report": self.report,
         }
-        (folder / "tasq.json").write_text(json.dumps(meta, indent=1))
+        write_bytes_atomic(folder / "tasq.json", json.dumps(meta, indent=1).encode())
 
     @classmethod
     def load(cls, folder: Path) -> "TasqResult":
