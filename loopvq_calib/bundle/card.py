@@ -1,6 +1,8 @@
 """The bundle's model card (README.md): hub front matter, a human summary and, when an evaluation report is
 attached (``loopvq-push --eval-report``), its results as model-index metadata (huggingface_hub's
-``ModelCardData`` / ``EvalResult``) and a table."""
+``ModelCardData`` / ``EvalResult``) and a table. A report attaches only to the bundle it measured; the new card
+and loopvq.json are prepared without writing (:class:`EvalAttachment`) and written by the push once the hub
+has them."""
 
 from __future__ import annotations
 

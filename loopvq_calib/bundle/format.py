@@ -134,6 +134,7 @@ def file_name_problem(name: Any) -> str | None:
 def hub_blobs(root: Path) -> Path | None:
     """The blob folder of a hub-cache snapshot ``<cache>/models--org--name/snapshots/<commit>`` (its files are
     symlinks into it), or None for any other folder."""
+    root = root.absolute()
     repo = root.parent.parent
     blobs = repo / "blobs"
     if root.parent.name == "snapshots" and repo.name.startswith("models--") and blobs.is_dir():

@@ -148,6 +148,8 @@ def test_a_hub_cache_snapshot_may_link_to_its_own_blobs_only(bundle_dir, tmp_pat
     assert hub_blobs(snapshot) == tmp_path / "hub" / "models--org--tiny-bundle" / "blobs"
     assert hub_blobs(bundle_dir) is None
     assert load_bundle(snapshot).meta == load_bundle(bundle_dir).meta  # snapshot_download's folder, as the card says
+    monkeypatch.chdir(snapshot.parent.parent)
+    assert load_bundle(Path("snapshots") / snapshot.name).meta["name"] == "tiny"  # a relative path to it too
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert load_bundle("org/tiny-bundle").path == snapshot
