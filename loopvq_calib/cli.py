@@ -75,9 +75,12 @@ def _command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | N
 
 
 def _fail(message: str, status: int) -> int:
-    """Print ``error: message`` on a line of its own (below any progress bar still drawn) and return ``status``."""
+    """Print ``error: message`` on a line of its own, the last one: any progress bar still drawn (a stage that
+    raised never closed its own) is closed first, at the state it reached. Returns ``status``."""
     from tqdm import tqdm
 
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
     tqdm.write(f"error: {message}", file=sys.stderr)
     return status
 
@@ -131,6 +134,8 @@ def calibrate_main(argv: list[str] | None = None) -> int:
         return _fail(str(err), 2)
     except OSError as err:
         return _fail(f"{err.filename or 'input'}: {err.strerror or err}", 2)
+    except RecursionError as err:  # only input nested deeper than Python recurses (a JSON line, say) gets here
+        return _fail(f"an input is nested too deeply to read ({err})", 2)
     try:
         result = pipeline.run_all()
     except (ConfigError, DataError, ModelLoadError, RunDirError) as err:

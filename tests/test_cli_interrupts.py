@@ -57,7 +57,7 @@ def test_a_signal_during_the_capture_exits_with_its_status_one_line_and_the_trac
     errors = [line for line in stderr.replace("\r", "\n").splitlines() if line.startswith("error:")]
     assert errors == [f"error: interrupted ({name}) in stage capture; the same command resumes it (traceback in "
                       f"{run / 'run.log'})"]
-    assert "Traceback" not in stderr
+    assert "Traceback" not in stderr and stderr.replace("\r", "\n").rstrip().splitlines()[-1] == errors[0]  # last
     log = (run / "run.log").read_text()
     assert "Traceback (most recent call last)" in log and exception in log
     manifest = json.loads((run / "manifest.json").read_text())

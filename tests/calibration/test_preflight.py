@@ -105,3 +105,15 @@ def test_the_cli_exits_2_for_a_sequence_length_beyond_the_window(short_window_mo
     err = capsys.readouterr().err
     assert err.startswith("error: config error: data.sequence_length: 4,096 tokens exceed the model's window of 64")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_data_row_nested_too_deeply_exits_2_before_the_run_directory(tiny_ouro_dir, calib_corpus, tmp_path,
+                                                                      capsys):
+    corpus = tmp_path / "deep.jsonl"
+    corpus.write_text(calib_corpus.read_text() + '{"text": "x", "deep": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, corpus, tmp_path / "run")))
+    assert calibrate_main(["--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: an input is nested too deeply to read (maximum recursion depth exceeded")
+    assert err.count("\n") == 1 and not (tmp_path / "run").exists()

@@ -20,7 +20,7 @@ from conftest import (
 from loopvq_calib.cli import eval_main
 from loopvq_calib.evaluation import inputs
 from loopvq_calib.evaluation.evaluate import evaluate
-from loopvq_calib.evaluation.inputs import EvalInputError
+from loopvq_calib.evaluation.inputs import EvalInputError, data_source
 from loopvq_calib.evaluation.options import ServedOptions
 from loopvq_calib.evaluation.passkey import NEW_TOKENS
 
@@ -91,3 +91,16 @@ def test_a_broken_model_folder_exits_2_naming_the_file(short_window, tmp_path, c
                       "--sequence-length", "32", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --model: {broken}") and message in err and err.count("\n") == 1, err
+
+
+def test_held_out_data_nested_too_deeply_is_bad_input(short_window, heldout_corpus, tmp_path):
+    deep = '{"text": "x", "deep": ' + "[" * 100_000 + "]" * 100_000 + "}\n"
+    first = tmp_path / "first.jsonl"
+    first.write_text(deep)
+    with pytest.raises(EvalInputError, match=f"^--data {first}: nested too deeply to read$"):
+        data_source(str(first), 1, 32)
+    later = tmp_path / "later.jsonl"  # read in full only once the model's tokenizer is there
+    later.write_text(heldout_corpus.read_text() + deep)
+    folder, bundle, _ = short_window["ouro"]
+    with pytest.raises(EvalInputError, match=f"^--data {later}: nested too deeply to read$"):
+        evaluate([bundle], model=str(folder), data=str(later), num_sequences=1, sequence_length=32, device="cpu")
