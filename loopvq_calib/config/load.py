@@ -16,6 +16,7 @@ import yaml
 from .schema import Config
 from .source import (
     PATH_KEYS,
+    SHOWN_CHARS,
     ConfigError,
     apply_overrides,
     copy_sections,
@@ -31,10 +32,10 @@ def _build(cls: type, raw: Any, path: str) -> Any:
         raise ConfigError(path, f"expected a mapping, got {type(raw).__name__}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
+    unknown = sorted((k for k in raw if k not in names), key=str)  # YAML keys may be numbers too
     if unknown:
-        where = f"{path}.{unknown[0]}" if path else unknown[0]
-        raise ConfigError(where, f"unknown key; allowed here: {', '.join(sorted(names))}")
+        name = unknown[0] if isinstance(unknown[0], str) and len(unknown[0]) <= SHOWN_CHARS else shown(unknown[0])
+        raise ConfigError(f"{path}.{name}" if path else name, f"unknown key; allowed here: {', '.join(sorted(names))}")
     kwargs = {}
     for name, value in raw.items():
         kwargs[name] = _coerce(hints[name], value, f"{path}.{name}" if path else name)

@@ -111,7 +111,7 @@ class StrictLoader(yaml.SafeLoader):
             if name is None:
                 continue
             if name in first:
-                self.keys.append(name)
+                self.keys.append(name if len(name) <= SHOWN_CHARS else shown(name))
                 path = self.path()
                 self.keys.pop()
                 again = f" and line {key.start_mark.line + 1}" if self.lines else " twice"
@@ -124,7 +124,8 @@ def _key_of(parent: Node | None, index: Any) -> str | None:
     if isinstance(parent, SequenceNode):
         return f"[{index}]"
     if isinstance(parent, MappingNode) and isinstance(index, Node):
-        return index.value if isinstance(index, ScalarNode) else "?"
+        name = index.value if isinstance(index, ScalarNode) else "?"
+        return name if len(name) <= SHOWN_CHARS else shown(name)
     return None
 
 

@@ -104,6 +104,17 @@ def test_an_error_shows_a_long_value_cut_short():
     assert shown("cq") == "'cq'" and shown(0.5) == "0.5" and shown(None) == "None"  # short values as repr
 
 
+def test_unknown_and_duplicate_keys_are_named_short_whatever_their_type_or_length(tmp_path):
+    err = config_error({"quant": {1: "a", "b": "c"}})  # a number and a string: sorted without comparing them
+    assert err.path == "quant.1" and "unknown key; allowed here: bits," in str(err)
+    long = "k" * 1000  # (YAML allows plain keys of up to 1024 characters)
+    assert config_error({"quant": {long: 1}}).path == f"quant.{shown(long)}"
+    file = tmp_path / "c.yaml"
+    file.write_text(f"quant:\n  {long}: 1\n  {long}: 2\n")
+    err = config_error(file)
+    assert err.path == f"quant.{shown(long)}" and len(str(err)) < 250 and "duplicate key" in str(err)
+
+
 def test_shown_is_bounded_for_values_that_would_be_huge_to_format():
     shared = ["x"] * 10
     for _ in range(9):  # a billion leaves, as the expanded alias bomb
