@@ -71,10 +71,10 @@ def test_a_broken_model_folder_exits_2_naming_the_file_before_the_run_directory(
     expected = breaks(folder)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(folder, calib_corpus, tmp_path / "run")))
-    assert calibrate_main(["--config", str(cfg)]) == 2
+    assert calibrate_main(["--config", str(cfg), "--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: model.name_or_path: {expected}") and err.count("\n") == 1, err
-    assert "Traceback" not in err and not (tmp_path / "run").exists()
+    assert "Traceback" not in err and not (tmp_path / "out").exists() and not (tmp_path / "run").exists()
 
 
 @pytest.fixture(scope="module")
