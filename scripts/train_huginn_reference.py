@@ -1,0 +1,359 @@
+"""Train a tiny reference model of the exact Huginn architecture (``model_type: "huginn_raven"``) on Python source.
+
+Three steps:
+
+  python scripts/train_huginn_reference.py prepare --out build/huginn-data              # CPU: corpus, BPE, token ids
+  python scripts/train_huginn_reference.py train --data build/huginn-data --out artifacts/tiny-huginn   # one GPU
+  python scripts/train_huginn_reference.py report --data build/huginn-data --model artifacts/tiny-huginn \
+      --out benchmarks/results/huginn-reference-report.json
+
+Text: the Python standard library of the running interpreter (sorted file list; a seeded sample of files is held
+out), plus seeded synthetic retrieval documents (a pass key hidden in filler text, a key-value registry queried
+later, a line copied later), about a quarter of the tokens, so that the model learns to answer from its KV cache.
+Training samples the recurrence count per step from Huginn's Poisson-lognormal and backpropagates through the last
+``--backprop-depth`` recurrences only; the saved config runs ``mean_recurrence`` = 8 recurrences by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from train_reference_model import SPECIALS, batches, write_jsonl
+from transformers import PreTrainedTokenizerFast
+
+from loopvq_calib.models import HuginnConfig, HuginnForCausalLM
+from loopvq_calib.models.loading import load_model
+
+ARCH = dict(
+    n_embd=384, n_heads=6, n_layers=4, n_layers_in_prelude=1, n_layers_in_recurrent_block=2, n_layers_in_coda=1,
+    intermediate_size=1024, vocab_size=4096, block_size=2048, rope_base=10000.0, norm_eps=1e-6, qk_bias=True,
+    tie_embeddings=True, state_init="like-init", mean_recurrence=8, mean_backprop_depth=4,
+    bos_token_id=0, eos_token_id=0, pad_token_id=0,
+)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+KINDS = ("passkey", "kv", "copy")
+FILLER = (
+    "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.",
+    "The river runs to the sea.", "A quiet wind moves the trees.", "Nothing happens for a while.",
+)
+SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "zi", "pa", "se", "do", "fu", "gi", "ha", "ju", "be")
+
+
+def stdlib_files(max_files: int | None = None) -> tuple[Path, list[Path]]:
+    """The interpreter's standard-library folder and its ``*.py`` files (site-packages excluded), sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
+    return root, files[:max_files] if max_files else files
+
+
+def read_sources(root: Path, files: list[Path]) -> list[tuple[str, str]]:
+    """(relative name, text) of every file that is UTF-8 text."""
+    out = []
+    for path in files:
+        try:
+            out.append((path.relative_to(root).as_posix(), path.read_text(encoding="utf-8")))
+        except (UnicodeDecodeError, OSError):
+            continue
+    return out
+
+
+def word(rng: random.Random, syllables: int = 3) -> str:
+    """A pronounceable random word."""
+    return "".join(rng.choice(SYLLABLES) for _ in range(syllables))
+
+
+def filler(rng: random.Random, units: int) -> list[str]:
+    """``units`` filler sentences, a few per line."""
+    sentences = [rng.choice(FILLER) for _ in range(units)]
+    return [" ".join(sentences[i : i + 4]) for i in range(0, units, 4)]
+
+
+def retrieval_item(kind: str, rng: random.Random, units: int) -> tuple[str, str]:
+    """(prompt, answer) of one retrieval document with about ``units`` filler sentences; the answer starts with a
+    space and a letter, digit or quote, so the prompt's tokens are a prefix of the whole document's."""
+    lines = filler(rng, units)
+    at = rng.randint(0, len(lines))
+    if kind == "passkey":
+        key = str(rng.randint(10000, 99999))
+        lines.insert(at, f"The pass key is {key}. Remember it. {key} is the pass key.")
+        question = "What is the pass key? The pass key is"
+        return "\n".join(["# There is a pass key hidden in this text.", *lines, question]), f" {key}"
+    if kind == "kv":
+        entries = {word(rng): f"{rng.getrandbits(24):06x}" for _ in range(rng.randint(2, 12))}
+        query = rng.choice(sorted(entries))
+        registry = ["REGISTRY = {", *(f'    "{k}": "{v}",' for k, v in entries.items()), "}"]
+        return "\n".join([*registry, *(f"# {line}" for line in lines), f'assert REGISTRY["{query}"] ==']), \
+            f' "{entries[query]}"'
+    line = " ".join(word(rng, 2) for _ in range(rng.randint(4, 8)))
+    return "\n".join([f"first: {line}", *lines, "again:"]), f" {line}"
+
+
+def retrieval_docs(rng: random.Random, chars: int) -> list[str]:
+    """Retrieval documents of every kind, in turn, until they hold ``chars`` characters."""
+    docs: list[str] = []
+    total = 0
+    while total < chars:
+        prompt, answer = retrieval_item(KINDS[len(docs) % len(KINDS)], rng, int(rng.uniform(0, 1) ** 2 * 160))
+        docs.append(prompt + answer + "\n")
+        total += len(docs[-1])
+    return docs
+
+
+def train_tokenizer(docs: list[str], vocab_size: int, window: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer of ``vocab_size`` ids over ``docs``; ids 0, 1, 2 are the special tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                      show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIALS[0], eos_token=SPECIALS[0],
+                                   pad_token=SPECIALS[0], unk_token=None, model_max_length=window)
+
+
+def token_ids(tokenizer: PreTrainedTokenizerFast, docs: list[str]) -> np.ndarray:
+    """The documents' ids, each followed by ``<|endoftext|>`` (id 0), as uint16."""
+    ids: list[int] = []
+    for doc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
+        ids += doc + [0]
+    return np.asarray(ids, dtype=np.uint16)
+
+
+def prepare(args: argparse.Namespace) -> None:
+    """Corpus, tokenizer and token ids (train, held-out) into ``--out``; ``meta.json`` lists what went where."""
+    root, files = stdlib_files(args.max_files)
+    sources = read_sources(root, files)
+    rng = random.Random(args.seed)
+    held_names = set(rng.sample([n for n, _ in sources], max(1, round(len(sources) * args.heldout_fraction))))
+    train_code = [t for n, t in sources if n not in held_names]
+    held = [(n, t) for n, t in sources if n in held_names]
+    code_chars = sum(map(len, train_code))
+    retrieval = retrieval_docs(rng, int(code_chars * args.retrieval_fraction / (1 - args.retrieval_fraction)))
+    train_docs = train_code + retrieval
+    rng.shuffle(train_docs)
+    tokenizer = train_tokenizer(train_docs, ARCH["vocab_size"], ARCH["block_size"])
+    out = Path(args.out)
+    tokenizer.save_pretrained(out / "tokenizer")
+    train_ids, held_ids = token_ids(tokenizer, train_docs), token_ids(tokenizer, [t for _, t in held])
+    np.save(out / "train.npy", train_ids)
+    np.save(out / "heldout.npy", held_ids)
+    write_jsonl(out / "python-heldout.jsonl", held)
+    retrieval_tokens = int(sum(len(x) + 1 for x in tokenizer(retrieval, add_special_tokens=False)["input_ids"]))
+    meta = {"stdlib": str(root), "files": len(sources), "heldout_files": sorted(held_names), "seed": args.seed,
+            "train_tokens": len(train_ids), "heldout_tokens": len(held_ids), "retrieval_docs": len(retrieval),
+            "retrieval_token_share": retrieval_tokens / len(train_ids)}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    print(f"{len(sources)} files ({len(held)} held out), {len(train_ids):,} train / {len(held_ids):,} held-out tokens, "
+          f"retrieval {meta['retrieval_token_share']:.1%} of training tokens; {out} holds {size / 1e6:.1f} MB")
+
+
+def sample_recurrence(rng: random.Random, mean: int, backprop: int, *, cap: int) -> tuple[int, int]:
+    """Huginn's per-step draw: r = 1 + Poisson(exp(N(log(mean) - sigma^2 / 2, sigma))), sigma = 1/2, capped at
+    ``cap``; returns (recurrences without gradient, the last ones with gradient, at most ``backprop``)."""
+    rate = math.exp(rng.gauss(math.log(mean) - 0.125, 0.5))
+    r = min(cap, 1 + int(np.random.default_rng(rng.getrandbits(32)).poisson(rate)))
+    return r - min(r, backprop), min(r, backprop)
+
+
+def truncated_loss(model: HuginnForCausalLM, ids: torch.Tensor, free: int, *, grad: int) -> torch.Tensor:
+    """Next-token loss after ``free + grad`` recurrences, the gradient flowing through the last ``grad`` only (and
+    through the prelude by the input injection)."""
+    state = None
+    if free:
+        with torch.no_grad():
+            state = model(ids, num_steps=free, output_loop_hidden_states=True, logits_to_keep=1).loop_hidden_states[-1]
+    return model(ids, labels=ids, num_steps=grad, input_states=state).loss
+
+
+@torch.no_grad()
+def heldout_loss(model: HuginnForCausalLM, tokens: np.ndarray, *, seq: int, steps: int, windows: int) -> float:
+    """Mean next-token loss at ``steps`` recurrences over the first ``windows`` windows of ``tokens`` (each
+    sequence's like-init state seeded by its tokens)."""
+    device = model.device
+    data = torch.from_numpy(tokens[: windows * seq].astype(np.int64))
+    n = len(data) // seq
+    total = 0.0
+    with model.seeded_initial_state(0):
+        for chunk in data[: n * seq].view(n, seq).split(8):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                total += model(chunk.to(device), labels=chunk.to(device), num_steps=steps).loss.item() * len(chunk)
+    return total / n
+
+
+def new_model(device: str) -> HuginnForCausalLM:
+    """The reference architecture (``ARCH``), freshly initialised, in fp32 on ``device``."""
+    return HuginnForCausalLM(HuginnConfig(**ARCH)).to(device)
+
+
+def train_loop(model: HuginnForCausalLM, args: argparse.Namespace, data: Path) -> tuple[dict, list[dict]]:
+    """AdamW, warm-up then cosine lr, recurrences drawn per step; the held-out loss at ``mean_recurrence``
+    every ``--eval-every`` steps; stops at ``--steps`` or ``--max-seconds``. Returns (best state, log)."""
+    device = model.device
+    train_tokens, held_tokens = np.load(data / "train.npy"), np.load(data / "heldout.npy")
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    stream = batches(train_tokens, args.seq_len, args.batch, gen=torch.Generator().manual_seed(args.seed))
+    rng, cfg = random.Random(args.seed), model.config
+    best, best_state, log, t0 = math.inf, None, [], time.time()
+    for step in range(1, args.steps + 1):
+        for group in opt.param_groups:
+            group["lr"] = args.lr * min(1.0, step / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        free, grad = sample_recurrence(rng, cfg.mean_recurrence, cfg.mean_backprop_depth, cap=args.max_recurrence)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = truncated_loss(model, next(stream).to(device), free, grad=grad)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        out_of_time = time.time() - t0 > args.max_seconds
+        if step % args.eval_every == 0 or step == args.steps or out_of_time or best_state is None:
+            model.eval()
+            held = heldout_loss(model, held_tokens, seq=args.seq_len, steps=cfg.mean_recurrence, windows=args.windows)
+            model.train()
+            log.append({"step": step, "recurrences": free + grad, "train_loss": round(loss.item(), 4),
+                        "heldout_loss": round(held, 4), "s": round(time.time() - t0, 1)})
+            print(json.dumps(log[-1]), flush=True)
+            if held < best:
+                best, best_state = held, {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        if out_of_time:
+            print(f"stopping at step {step}: --max-seconds {args.max_seconds} reached", flush=True)
+            break
+    return best_state, log
+
+
+def train(args: argparse.Namespace) -> HuginnForCausalLM:
+    """Train, then save the best held-out checkpoint in bf16 with the tokenizer into ``--out`` (a folder the
+    toolkit's loader reads like a hub Huginn folder) and ``train_log.json`` beside the weights."""
+    torch.manual_seed(args.seed)
+    data, out = Path(args.data), Path(args.out)
+    model = new_model(args.device).train()
+    params = sum(p.numel() for p in model.parameters())
+    print(f"Huginn reference: {params / 1e6:.2f} M parameters on {args.device}", flush=True)
+    best_state, log = train_loop(model, args, data)
+    model.load_state_dict(best_state)
+    model = model.to(torch.bfloat16).cpu().eval()
+    model.config.dtype = "bfloat16"
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        shutil.copy(data / "tokenizer" / name, out / name)
+    record = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "parameters": params,
+              "log": log}
+    (out / "train_log.json").write_text(json.dumps(record, indent=1))
+    best = min(e["heldout_loss"] for e in log)
+    print(f"saved {out} (best held-out loss {best:.4f} at {model.config.mean_recurrence} recurrences) "
+          f"in {log[-1]['s']:.0f} s", flush=True)
+    return model
+
+
+def fitted_item(kind: str, rng: random.Random, tokenizer: PreTrainedTokenizerFast, *,
+                length: int) -> tuple[list[int], int]:
+    """(token ids, index of the first answer token) of a fresh item of at most ``length`` tokens, with as much
+    filler as fits."""
+    per_unit = len(tokenizer(" ".join(FILLER))["input_ids"]) / len(FILLER)
+    units = int(length / per_unit)
+    for _ in range(100):
+        prompt, answer = retrieval_item(kind, rng, units)
+        ids = tokenizer(prompt + answer)["input_ids"]
+        if len(ids) <= length:
+            return ids, len(tokenizer(prompt)["input_ids"])
+        units = max(0, units - math.ceil((len(ids) - length) / per_unit))
+    raise ValueError(f"no {kind} item fits in {length} tokens; raise --lengths")
+
+
+@torch.no_grad()
+def retrieval_accuracy(model: HuginnForCausalLM, tokenizer: PreTrainedTokenizerFast, *, kind: str, length: int,
+                       items: int) -> dict:
+    """Exact-answer rate on ``items`` fresh documents of at most ``length`` tokens: every answer token must be the
+    argmax given the document so far (the same tokens greedy decoding emits)."""
+    rng = random.Random(f"report-{kind}-{length}")
+    correct, lengths = 0, []
+    with model.seeded_initial_state(0):
+        for _ in range(items):
+            ids, start = fitted_item(kind, rng, tokenizer, length=length)
+            ids = torch.tensor([ids])
+            with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=model.device.type == "cuda"):
+                logits = model(ids.to(model.device)).logits[0]
+            guess = logits[start - 1 : ids.shape[1] - 1].argmax(-1).cpu()
+            correct += bool(torch.equal(guess, ids[0, start:]))
+            lengths.append(ids.shape[1])
+    return {"kind": kind, "max_tokens": length, "mean_tokens": round(sum(lengths) / items, 1), "items": items,
+            "exact": correct / items}
+
+
+def report(args: argparse.Namespace) -> None:
+    """Held-out loss per recurrence count and retrieval accuracy, fp32 and bf16, through the toolkit's loader."""
+    device = torch.device(args.device)
+    held = np.load(Path(args.data) / "heldout.npy")
+    result: dict = {"model": str(args.model), "seq_len": args.seq_len, "windows": args.windows}
+    for dtype in ("float32", "bfloat16"):
+        model, tokenizer = load_model(Path(args.model), dtype, device)
+        losses = {r: round(heldout_loss(model, held, seq=args.seq_len, steps=r, windows=args.windows), 4)
+                  for r in args.recurrences}
+        print(dtype, "held-out loss per recurrence count", losses, flush=True)
+        model.config.mean_recurrence = args.retrieval_recurrences
+        rows = [retrieval_accuracy(model, tokenizer, kind=k, length=n, items=args.items)
+                for k in KINDS for n in args.lengths]
+        for row in rows:
+            print(dtype, json.dumps(row), flush=True)
+        result[dtype] = {"heldout_loss_per_recurrence": losses, "retrieval_recurrences": args.retrieval_recurrences,
+                         "retrieval": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line: ``prepare``, ``train`` and ``report`` (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    prep = sub.add_parser("prepare")
+    prep.add_argument("--out", type=Path, required=True)
+    prep.add_argument("--max-files", type=int, default=None, help="only the first N stdlib files (tests)")
+    prep.add_argument("--heldout-fraction", type=float, default=0.02)
+    prep.add_argument("--retrieval-fraction", type=float, default=0.25)
+    prep.add_argument("--seed", type=int, default=0)
+    tr = sub.add_parser("train")
+    tr.add_argument("--data", type=Path, required=True)
+    tr.add_argument("--out", type=Path, required=True)
+    tr.add_argument("--steps", type=int, default=1500)
+    tr.add_argument("--max-seconds", type=float, default=230.0)
+    tr.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    tr.add_argument("--batch", type=int, default=32)
+    tr.add_argument("--lr", type=float, default=2e-3)
+    tr.add_argument("--warmup", type=int, default=100)
+    tr.add_argument("--eval-every", type=int, default=100)
+    tr.add_argument("--max-recurrence", type=int, default=24)
+    tr.add_argument("--seed", type=int, default=0)
+    rep = sub.add_parser("report")
+    rep.add_argument("--data", type=Path, required=True)
+    rep.add_argument("--model", type=Path, required=True)
+    rep.add_argument("--out", type=Path, required=True)
+    rep.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    rep.add_argument("--recurrences", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    rep.add_argument("--retrieval-recurrences", type=int, default=8)
+    rep.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048])
+    rep.add_argument("--items", type=int, default=32)
+    for sp in (tr, rep):
+        sp.add_argument("--seq-len", type=int, default=1024)
+        sp.add_argument("--windows", type=int, default=32, help="held-out windows of --seq-len tokens")
+    return p
+
+
+def main() -> None:
+    """Run the chosen subcommand."""
+    args = parser().parse_args()
+    {"prepare": prepare, "train": train, "report": report}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
