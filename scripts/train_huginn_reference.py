@@ -177,16 +177,17 @@ def truncated_loss(model: HuginnForCausalLM, ids: torch.Tensor, free: int, *, gr
 
 
 @torch.no_grad()
-def heldout_loss(model: HuginnForCausalLM, tokens: np.ndarray, *, seq: int, steps: int, windows: int) -> float:
+def heldout_loss(model: HuginnForCausalLM, tokens: np.ndarray, *, seq: int, steps: int, windows: int,
+                 autocast: bool = False) -> float:
     """Mean next-token loss at ``steps`` recurrences over the first ``windows`` windows of ``tokens`` (each
-    sequence's like-init state seeded by its tokens)."""
+    sequence's like-init state seeded by its tokens); ``autocast``: under bf16 autocast (CUDA training)."""
     device = model.device
     data = torch.from_numpy(tokens[: windows * seq].astype(np.int64))
     n = len(data) // seq
     total = 0.0
     with model.seeded_initial_state(0):
         for chunk in data[: n * seq].view(n, seq).split(8):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 total += model(chunk.to(device), labels=chunk.to(device), num_steps=steps).loss.item() * len(chunk)
     return total / n
 
@@ -218,7 +219,8 @@ def train_loop(model: HuginnForCausalLM, args: argparse.Namespace, data: Path) -
         out_of_time = time.time() - t0 > args.max_seconds
         if step % args.eval_every == 0 or step == args.steps or out_of_time or best_state is None:
             model.eval()
-            held = heldout_loss(model, held_tokens, seq=args.seq_len, steps=cfg.mean_recurrence, windows=args.windows)
+            held = heldout_loss(model, held_tokens, seq=args.seq_len, steps=cfg.mean_recurrence, windows=args.windows,
+                                autocast=device.type == "cuda")
             model.train()
             log.append({"step": step, "recurrences": free + grad, "train_loss": round(loss.item(), 4),
                         "heldout_loss": round(held, 4), "s": round(time.time() - t0, 1)})
@@ -281,8 +283,7 @@ def retrieval_accuracy(model: HuginnForCausalLM, tokenizer: PreTrainedTokenizerF
         for _ in range(items):
             ids, start = fitted_item(kind, rng, tokenizer, length=length)
             ids = torch.tensor([ids])
-            with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=model.device.type == "cuda"):
-                logits = model(ids.to(model.device)).logits[0]
+            logits = model(ids.to(model.device)).logits[0]
             guess = logits[start - 1 : ids.shape[1] - 1].argmax(-1).cpu()
             correct += bool(torch.equal(guess, ids[0, start:]))
             lengths.append(ids.shape[1])
@@ -291,7 +292,8 @@ def retrieval_accuracy(model: HuginnForCausalLM, tokenizer: PreTrainedTokenizerF
 
 
 def report(args: argparse.Namespace) -> None:
-    """Held-out loss per recurrence count and retrieval accuracy, fp32 and bf16, through the toolkit's loader."""
+    """Held-out loss per recurrence count and retrieval accuracy, fp32 and bf16 weights and compute (no autocast),
+    through the toolkit's loader."""
     device = torch.device(args.device)
     held = np.load(Path(args.data) / "heldout.npy")
     result: dict = {"model": str(args.model), "seq_len": args.seq_len, "windows": args.windows}
