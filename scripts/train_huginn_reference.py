@@ -245,7 +245,7 @@ def train(args: argparse.Namespace) -> HuginnForCausalLM:
     model.load_state_dict(best_state)
     model = model.to(torch.bfloat16).cpu().eval()
     model.config.dtype = "bfloat16"
-    model.save_pretrained(out)
+    model.save_pretrained(out, max_shard_size="8MB")  # shards under 8 MB, as the Ouro reference ships
     for name in TOKENIZER_FILES:
         shutil.copy(data / "tokenizer" / name, out / name)
     record = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "parameters": params,

@@ -52,9 +52,12 @@ def test_the_saved_folder_loads_with_the_trained_logits_and_eight_recurrences(tr
     assert config["model_type"] == "huginn_raven" and config["mean_recurrence"] >= 8
     loaded, _ = load_model(out, "bfloat16", torch.device("cpu"))
     assert loaded.kv_layout().loop_steps == config["mean_recurrence"]
-    with safe_open(str(out / "model.safetensors"), "pt") as f:
-        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
-    assert (out / "model.safetensors").stat().st_size < 20e6
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and all(s.stat().st_size < 8e6 for s in shards)  # each under 8 MB
+    for shard in shards:
+        with safe_open(str(shard), "pt") as f:
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert sum(s.stat().st_size for s in shards) < 20e6
     ids = torch.randint(0, thr.ARCH["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
     state = torch.randn(2, 24, thr.ARCH["n_embd"], generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     with torch.no_grad():
