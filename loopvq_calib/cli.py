@@ -177,9 +177,7 @@ def _leave_processes() -> None:
 def _run_failure(pipeline: Any, err: BaseException) -> str:
     """One line for a failed or interrupted run; the traceback goes to run.log (a failed stage's temporary output
     is gone, a resumable stage's kept for the rerun)."""
-    stages = pipeline.run.manifest["stages"]
-    failed = [name for name, rec in stages.items() if rec.get("status") in ("failed", "running")]
-    where = f"stage {failed[-1]}" if failed else "the run"
+    where = f"stage {pipeline.failed_stage}" if pipeline.failed_stage else "the run"
     if isinstance(err, KeyboardInterrupt):
         what = f"interrupted ({_interrupt_name(err)}) in {where}; the same command resumes it"
     else:
@@ -303,30 +301,32 @@ def push_parser() -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="list what would be uploaded, upload nothing")
     p.add_argument("--revision", help="branch to push to")
-    p.add_argument("--eval-report", help="loopvq-eval report.json (or its folder): its results go into the model "
-                   "card (README.md) as model-index metadata before the push")
+    p.add_argument("--eval-report", help="loopvq-eval report.json (or its folder): the results it measured on this "
+                   "bundle go into the model card (README.md) as model-index metadata, written only after the push")
     return p
 
 
 @_command
 def push_main(argv: list[str] | None = None) -> int:
-    """``loopvq-push``: (attach an evaluation report and) upload a bundle; returns 0, 2 for bad input, 3 when the
-    upload failed."""
+    """``loopvq-push``: upload a bundle (with the evaluation report it measured added to its card); returns 0, 2 for
+    bad input, 3 when the upload failed. The card and ``loopvq.json`` are written into the folder only after the
+    hub took them."""
     args = push_parser().parse_args(argv)
-    from .bundle.card import EvalReportError, attach_eval_report
+    from .bundle.card import EvalReportError, prepare_eval_report
     from .bundle.hub import PushError, RepoIdError, push_bundle
     from .bundle.reader import BundleError
 
     try:
-        if args.eval_report:
-            results = attach_eval_report(args.bundle, args.eval_report, write=not args.dry_run)
-            verb = "would add" if args.dry_run else "added"
-            print(f"{verb} {len(results)} evaluation results to {args.bundle}/README.md")
-        files = push_bundle(args.bundle, args.repo_id, args.private, dry_run=args.dry_run, revision=args.revision)
+        attachment = prepare_eval_report(args.bundle, args.eval_report) if args.eval_report else None
+        files = push_bundle(args.bundle, args.repo_id, args.private, dry_run=args.dry_run, revision=args.revision,
+                            attachment=attachment)
     except (BundleError, RepoIdError, EvalReportError) as err:
         return _fail(str(err), 2)
     except PushError as err:
         return _fail(str(err), 3)
+    if attachment is not None:
+        verb = "would add" if args.dry_run else "added"
+        print(f"{verb} {len(attachment.results)} evaluation results to {args.bundle}/README.md")
     verb = "would upload" if args.dry_run else "uploaded"
     print(f"{verb} {len(files)} files to {args.repo_id}:")
     for f in files:

@@ -26,7 +26,7 @@ from ..codes.quantizer import KVQuantizer
 from ..config.load import dump_config, load_config
 from ..config.schema import Config
 from ..data.corpus import CalibrationSet, build_calibration_set
-from ..models.loading import load_model
+from ..models.loading import load_model, load_tokenizer
 from ..runtime.clock import seconds_since_process_start
 from ..runtime.files import write_bytes_atomic
 from ..runtime.processes import DistContext
@@ -35,7 +35,7 @@ from ..version import __version__
 from .capture.kv import CaptureData, CaptureReader, MemoryReader
 from .finetune.train import FinetuneResult, training_steps
 from .fingerprints import fingerprint
-from .preflight import load_tokenizer, plan_run
+from .preflight import plan_run
 from .rundir import CONFIG_FILE, LOG_FILE
 from .stages import (
     as_saved_finetune,

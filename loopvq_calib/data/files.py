@@ -108,6 +108,8 @@ def _json_column(file: Path, column: str, dataset_key: str, *, field_key: str) -
         except json.JSONDecodeError as err:
             raise DataError(f"{dataset_key}: {file} is not valid JSON: {err.msg} at line {err.lineno} column "
                             f"{err.colno}") from err
+        except RecursionError:
+            raise DataError(f"{dataset_key}: {file} is nested too deeply to read") from None
         items = rows if isinstance(rows, list) else [rows]
         numbered: Iterator[tuple[str, Any]] = ((f"item {i}", row) for i, row in enumerate(items))
     else:
@@ -137,6 +139,8 @@ def _json_line(file: Path, number: int, line: str, *, dataset_key: str) -> Any:
     except json.JSONDecodeError as err:
         raise DataError(f"{dataset_key}: {file} line {number} is not a JSON object ({err.msg}, column "
                         f"{err.colno})") from err
+    except RecursionError:
+        raise DataError(f"{dataset_key}: {file} line {number} is nested too deeply to read") from None
 
 
 def _parquet_column(file: Path, column: str, dataset_key: str, *, field_key: str) -> list[Any]:

@@ -198,8 +198,9 @@ def _result_rows(inputs: EvalInputs, sequences: torch.Tensor, served: ServedOpti
     for b, r in zip(loaded, results):
         metrics = b.meta.get("metrics") or {}
         r.update(name=b.meta.get("name", b.path.name), bundle=str(b.path), serving=b.serving,
+                 codebooks_sha256=b.meta["files"]["codebooks.safetensors"]["sha256"],
                  selection_kl=metrics.get("selection_kl", metrics.get("heldout_kl")),
                  finetune_curve=metrics.get("finetune_curve"))
     for (q, _), r in zip(baselines, results[len(loaded):]):
-        r.update(name=q.method, bundle=None, serving=None, selection_kl=None, finetune_curve=None, baseline=True)
+        r.update(name=q.method, bundle=None, serving=None, codebooks_sha256=None, selection_kl=None, finetune_curve=None, baseline=True)
     return results

@@ -115,10 +115,7 @@ def data_source(data: str | None, num_sequences: int, sequence_length: int) -> s
         raise EvalInputError(f"--data {data}: no such file or folder")
     data = str(Path(data).expanduser()) if looks_local else data
     # a local source is read now (UTF-8, parseable, some text)
-    try:
-        empty = local_files(data) and next(load_documents(DataConfig(dataset=data), EVAL_DATA_NAMES), None) is None
-    except RecursionError as err:
-        raise EvalInputError(f"--data {data}: nested too deeply to read") from err
+    empty = local_files(data) and next(load_documents(DataConfig(dataset=data), EVAL_DATA_NAMES), None) is None
     if empty:
         raise EvalInputError(f"--data {data}: holds no text (no non-empty 'text' field or line)")
     return data
@@ -189,8 +186,5 @@ def heldout_sequences(data: str, tokenizer: Any, num_sequences: int, *,
                       sequence_length: int) -> tuple[torch.Tensor, dict[str, Any]]:
     """Held-out token windows [n, L] of ``data`` (local file/folder/glob or hub dataset) and their description."""
     cfg = DataConfig(dataset=data, num_sequences=num_sequences, sequence_length=sequence_length, heldout_sequences=0)
-    try:
-        calib = build_calibration_set(cfg, tokenizer, EVAL_DATA_NAMES)
-    except RecursionError as err:  # a row nested deeper than Python's JSON reader recurses
-        raise EvalInputError(f"--data {data}: nested too deeply to read") from err
+    calib = build_calibration_set(cfg, tokenizer, EVAL_DATA_NAMES)
     return calib.input_ids, calib.description

@@ -304,8 +304,6 @@ def test_a_failed_local_write_after_the_push_is_a_push_error_and_keeps_the_old_p
     assert len(fake_hub.commits) == 1 and _bundle_bytes(bundle_dir) == before
 
 
-@pytest.mark.xfail(strict=True, reason="push_main (cli.py) still writes the card before the push: it must call "
-                   "prepare_eval_report and pass push_bundle(attachment=...); remove this mark with that change")
 def test_loopvq_push_writes_the_card_only_after_the_push(bundle_dir, fake_hub, tmp_path, monkeypatch, capsys):
     report = write_report(eval_report(load_bundle(bundle_dir).meta), tmp_path / "report.json")
     before = _bundle_bytes(bundle_dir)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 from support.builders import tiny_config
 
 import loopvq_calib.calibration.pipeline as pipeline_module
 import loopvq_calib.calibration.stages as stages_module
 from loopvq_calib.calibration.pipeline import Pipeline
+from loopvq_calib.cli import calibrate_main
 from loopvq_calib.config.load import load_config
 
 
@@ -60,3 +62,20 @@ def test_no_stage_is_named_when_none_failed(tiny_ouro_dir, calib_corpus, tmp_pat
     with pytest.raises(RuntimeError, match="after the stages"):
         later.run_all()
     assert later.failed_stage is None and later.run.records[-1].name == "finetune"
+
+
+def test_the_console_names_the_stage_that_raised_not_a_stale_record(tiny_ouro_dir, calib_corpus, tmp_path,
+                                                                    monkeypatch, capsys):
+    out = tmp_path / "run"
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, out)))
+    monkeypatch.setattr(stages_module, "write_bundle", failing("disk full"))
+    assert calibrate_main(["--config", str(cfg_file)]) == 3
+    last = capsys.readouterr().err.splitlines()[-1]  # the run's log lines come first
+    assert last.startswith("error: stage bundle failed: RuntimeError: disk full")
+    monkeypatch.setattr(stages_module, "save_finetune", failing("cannot save"))
+    assert calibrate_main(["--config", str(cfg_file), "--set", "finetune.epochs=1"]) == 3
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1].startswith("error: stage finetune failed: RuntimeError: cannot save (traceback in ")
+    assert sum(line.startswith("error:") for line in lines) == 1
+    assert "Traceback" in (out / "run.log").read_text()

@@ -121,5 +121,5 @@ def test_a_data_row_nested_too_deeply_exits_2_before_the_run_directory(tiny_ouro
     cfg.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, corpus, tmp_path / "run")))
     assert calibrate_main(["--config", str(cfg)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: an input is nested too deeply to read (maximum recursion depth exceeded")
+    assert err == f"error: data.dataset: {corpus} line 3 is nested too deeply to read\n"
     assert err.count("\n") == 1 and not (tmp_path / "run").exists()

@@ -17,6 +17,7 @@ from conftest import (
     write_tiny_bundle,
 )
 
+from loopvq_calib.data.files import DataError
 from loopvq_calib.cli import eval_main
 from loopvq_calib.evaluation import inputs
 from loopvq_calib.evaluation.evaluate import evaluate
@@ -97,10 +98,10 @@ def test_held_out_data_nested_too_deeply_is_bad_input(short_window, heldout_corp
     deep = '{"text": "x", "deep": ' + "[" * 100_000 + "]" * 100_000 + "}\n"
     first = tmp_path / "first.jsonl"
     first.write_text(deep)
-    with pytest.raises(EvalInputError, match=f"^--data {first}: nested too deeply to read$"):
+    with pytest.raises(DataError, match=f"^--data: {first} line 1 is nested too deeply to read$"):
         data_source(str(first), 1, 32)
     later = tmp_path / "later.jsonl"  # read in full only once the model's tokenizer is there
     later.write_text(heldout_corpus.read_text() + deep)
     folder, bundle, _ = short_window["ouro"]
-    with pytest.raises(EvalInputError, match=f"^--data {later}: nested too deeply to read$"):
+    with pytest.raises(DataError, match=f"^--data: {later} line \\d+ is nested too deeply to read$"):
         evaluate([bundle], model=str(folder), data=str(later), num_sequences=1, sequence_length=32, device="cpu")
