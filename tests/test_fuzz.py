@@ -19,9 +19,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from conftest import ROOT
+from conftest import ROOT, write_tiny_bundle
 from support.builders import tiny_config
+from support.eval_reports import eval_report, write_report
 
+from loopvq_calib.bundle.format import meta_bytes
 from loopvq_calib.calibration.rundir import LOCK_FILE, RunDir
 from loopvq_calib.cli import calibrate_main, eval_main, inspect_main, push_main
 
@@ -113,6 +115,88 @@ def parquet_bytes() -> bytes:
     return sink.getvalue().to_pybytes()
 
 
+def reseal(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    """Edit loopvq.json and recompute its own checksum (a writer with that bug), so the rule under test refuses it."""
+    def apply(path: Path) -> None:
+        meta = json.loads((path / "loopvq.json").read_text())
+        edit(meta)
+        (path / "loopvq.json").write_bytes(meta_bytes(meta))
+    return apply
+
+
+def list_file(name: str, data: bytes) -> Callable[[dict], None]:
+    def edit(meta: dict) -> None:
+        meta["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return edit
+
+
+def listed(ws: Workspace, name: str) -> tuple[Callable, list[str]]:
+    """A bundle listing ``name`` (checksums right), the folder holding a .env and every look-alike beside it."""
+    def edit(path: Path) -> None:
+        for extra in (".env", "card1.md", "README.md.bak"):
+            (path / extra).write_text("SECRET=1")
+        reseal(list_file(name, b"SECRET=1"))(path)
+    return push_main, [ws.bundle(edit), "--repo-id", "org/x", "--dry-run"]
+
+
+def symlinked_card(ws: Workspace) -> tuple[Callable, list[str]]:
+    secret = Path(ws.file("secret.txt", "password"))
+    def edit(path: Path) -> None:
+        (path / "README.md").unlink()
+        (path / "README.md").symlink_to(secret)
+        reseal(list_file("README.md", b"password"))(path)
+    return push_main, [ws.bundle(edit), "--repo-id", "org/x", "--dry-run"]
+
+
+def manifest_entry(ws: Workspace, entry: str) -> tuple[Callable, list[str]]:
+    """A run directory whose data record lists ``entry`` (a file outside the run), then a rerun of that stage."""
+    run = ws.run_dir()
+    ws.file("notes.txt", "my notes")
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["stages"]["data"]["files"][entry.format(ws.root)] = 8
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    return ws.run_with("--set", "data.seed=1", "--stages", "data")
+
+
+def linked_lock(ws: Workspace) -> tuple[Callable, list[str]]:
+    run = ws.run_dir()
+    (run / LOCK_FILE).unlink(missing_ok=True)
+    (run / LOCK_FILE).symlink_to(ws.file("thesis.txt", "chapter 1"))
+    return ws.run_with("--stages", "data")
+
+
+def output_holding_a_link(ws: Workspace) -> tuple[Callable, list[str]]:
+    out = ws.root / "out"
+    out.mkdir()
+    (out / "link").symlink_to(ws.file("mine.txt", "mine"))
+    return ws.run_with("--output", str(out))
+
+
+def model_copy(ws: Workspace, edit: Callable[[Path], None]) -> tuple[Callable, list[str]]:
+    """A copy of the tiny model with ``edit`` applied, named by the config."""
+    folder = Path(shutil.copytree(ws.model, ws.root / "model"))
+    edit(folder)
+    return ws.run_with("--set", f"model.name_or_path={folder}")
+
+
+def cut_shard(folder: Path) -> None:
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+
+
+def tiny_eval(ws: Workspace, *args: str) -> tuple[Callable, list[str]]:
+    bundle = write_tiny_bundle(ws.root / "tb", ws.model)
+    return eval_main, ["--bundle", str(bundle), "--model", str(ws.model), "--device", "cpu", *args]
+
+
+def other_report(ws: Workspace) -> tuple[Callable, list[str]]:
+    bundle = ws.bundle()
+    report = eval_report(json.loads((Path(bundle) / "loopvq.json").read_text()))
+    report["bundles"][0]["codebooks_sha256"] = "0" * 64  # the report of another bundle of that name
+    path = write_report(report, ws.root / "report.json")
+    return push_main, [bundle, "--repo-id", "org/x", "--dry-run", "--eval-report", str(path)]
+
+
 NO_CUDA = not torch.cuda.is_available()
 
 # (id, setup(ws) -> (main, argv), exit status, fragment of stderr)
@@ -199,6 +283,36 @@ CASES: list[tuple[str, Callable[[Workspace], tuple[Callable, list[str]]], int, s
     ("eval-device-bad", lambda ws: (eval_main, ["--bundle", ws.bundle(), "--device", "tpu"]), 2, "--device 'tpu' is not allowed"),
     ("eval-out-is-file", lambda ws: (eval_main, ["--bundle", ws.bundle(), "--out", ws.file("rep", "x")]), 2, "rep: exists and is not a folder"),
     ("eval-bundle-model-missing", lambda ws: (eval_main, ["--bundle", ws.bundle()]), 2, "golden/ouro_loopvq"),
+    # -- files that must not make the toolkit delete, upload or compute the wrong thing (issue: file contents) --
+    ("push-glob-name", lambda ws: listed(ws, "*"), 2, "files entry '*' contains a glob character"),
+    ("push-bracket-name", lambda ws: listed(ws, "card[1].md"), 2, "files entry 'card[1].md' contains a glob character"),
+    ("push-dot-slash-name", lambda ws: listed(ws, "./README.md"), 2, "files entry './README.md' has an empty, '.' or '..' component"),
+    ("push-dotdot-name", lambda ws: listed(ws, "../secret.txt"), 2, "files entry '../secret.txt' has an empty, '.' or '..' component"),
+    ("push-absolute-name", lambda ws: listed(ws, "/etc/passwd"), 2, "files entry '/etc/passwd' is an absolute path"),
+    ("push-symlinked-card", symlinked_card, 2, "files entry 'README.md' is or passes through a symbolic link"),
+    ("push-report-of-another-bundle", other_report, 2, "the report measured another bundle named"),
+    ("manifest-entry-dotdot", lambda ws: manifest_entry(ws, "../../notes.txt"), 2, "lists '../../notes.txt', not the name of a file inside {}/run/data"),
+    ("manifest-entry-absolute", lambda ws: manifest_entry(ws, "{}/notes.txt"), 2, "notes.txt', an absolute path, not a file of {}/run/data"),
+    ("lock-is-a-symlink", linked_lock, 2, f"run/{LOCK_FILE} is a symbolic link"),
+    ("output-holds-only-a-link", output_holding_a_link, 2, "{}/out is not empty and is not a loopvq-calibrate run directory (no manifest.json; it holds link)"),
+    ("yaml-anchor-alias", lambda ws: (calibrate_main, ["--config", ws.file("a.yaml", "quant:\n  bits: &a [0.5]\nkmeans:\n  seed: *a\n")]), 2, "quant.bits: YAML anchors and aliases are not allowed (&a at {}/a.yaml line 2)"),
+    ("yaml-alias-bomb-in-set", lambda ws: ws.run_with("--set", "quant.bits=[&a0 [1, 1], &a1 [*a0, *a0], &a2 [*a1, *a1]]"), 2, "quant.bits[0]: YAML anchors and aliases are not allowed (&a0 at --set quant.bits)"),
+    ("yaml-duplicate-section", lambda ws: (calibrate_main, ["--config", ws.file("d.yaml", "quant:\n  method: cq\nquant:\n  method: loopvq\n")]), 2, "quant: duplicate key ({}/d.yaml line 1 and line 3)"),
+    ("yaml-duplicate-key", lambda ws: (calibrate_main, ["--config", ws.file("d.yaml", "quant:\n  method: cq\n  method: loopvq\n")]), 2, "quant.method: duplicate key ({}/d.yaml line 2 and line 3)"),
+    ("yaml-too-deep", lambda ws: ws.run_with("--set", "quant.bits=" + "[" * 20_000 + "]" * 20_000), 2, "nested deeper than 32 levels (--set quant.bits)"),
+    ("sequence-length-past-window", lambda ws: ws.run_with("--set", "data.sequence_length=4096"), 2, "data.sequence_length: 4,096 tokens exceed the model's window of 512"),
+    ("eval-sequence-length-past-window", lambda ws: tiny_eval(ws, "--sequence-length", "4096"), 2, "--sequence-length 4,096 exceeds the model's window of 512 tokens (max_position_embeddings in"),
+    ("model-config-bad-json", lambda ws: model_copy(ws, lambda f: (f / "config.json").write_text('{"model_type": "ouro",')), 2, "{}/model/config.json is not valid JSON: Expecting property name enclosed in double quotes (line 1, column 23)"),
+    ("model-config-not-utf8", lambda ws: model_copy(ws, lambda f: (f / "config.json").write_bytes(b'{"x": "\xff"}')), 2, "{}/model/config.json is not UTF-8 text (byte 7"),
+    ("model-no-tokenizer", lambda ws: model_copy(ws, lambda f: [t.unlink() for t in f.glob("tokenizer*")]), 2, "{}/model has no tokenizer: none of tokenizer.json"),
+    ("model-truncated-shard", lambda ws: model_copy(ws, cut_shard), 2, "{}/model/model.safetensors: truncated: its header says"),
+    ("model-missing-shard", lambda ws: model_copy(ws, lambda f: sorted(f.glob("*.safetensors"))[-1].unlink()), 2, "{}/model has no weights (model.safetensors, or model.safetensors.index.json"),
+    ("bundle-theta-negative", lambda ws: (inspect_main, [ws.bundle(reseal(lambda m: m["rope"].update(theta=-1.0)))]), 2, "rope.theta must be a finite number > 0"),
+    ("bundle-rope-style-bogus", lambda ws: (inspect_main, [ws.bundle(reseal(lambda m: m["rope"].update(style="bogus")))]), 2, "rope.style is 'bogus'"),
+    ("bundle-bits-inconsistent", lambda ws: (inspect_main, [ws.bundle(reseal(lambda m: m["bits"].update(key=0.75)))]), 2, "bits.key is 0.75"),
+    ("bundle-theta-bare-nan", lambda ws: (inspect_main, [ws.bundle(lambda p: (p / "loopvq.json").write_text((p / "loopvq.json").read_text().replace('"theta": 10000.0', '"theta": NaN')))]), 2, "field rope.theta is a bare NaN, which is not JSON"),
+    ("bundle-duplicate-key", lambda ws: (inspect_main, [ws.bundle(lambda p: (p / "loopvq.json").write_text((p / "loopvq.json").read_text().replace('"theta": 10000.0', '"theta": 10000.0, "theta": 5.0')))]), 2, "field rope.theta appears more than once (duplicate JSON key)"),
+    ("bundle-card-links-out", lambda ws: (inspect_main, [ws.bundle(lambda p: ((p / "README.md").unlink(), (p / "README.md").symlink_to(ws.file("outside.md", "x"))))]), 2, "{}/bundle/README.md: files entry 'README.md' is or passes through a symbolic link"),
 ]
 
 
