@@ -38,6 +38,7 @@ class Workspace:
     root: Path
     model: Path
     corpus: Path
+    huginn: Path  # a tiny Huginn folder (another architecture's weights)
     cleanups: list[Callable[[], None]] = field(default_factory=list)
 
     def config(self, *overrides: str, **sections) -> str:
@@ -307,6 +308,7 @@ CASES: list[tuple[str, Callable[[Workspace], tuple[Callable, list[str]]], int, s
     ("model-no-tokenizer", lambda ws: model_copy(ws, lambda f: [t.unlink() for t in f.glob("tokenizer*")]), 2, "{}/model has no tokenizer: none of tokenizer.json"),
     ("model-truncated-shard", lambda ws: model_copy(ws, cut_shard), 2, "{}/model/model.safetensors: truncated: its header says"),
     ("model-missing-shard", lambda ws: model_copy(ws, lambda f: sorted(f.glob("*.safetensors"))[-1].unlink()), 2, "{}/model has no weights (model.safetensors, or model.safetensors.index.json"),
+    ("model-type-of-other-weights", lambda ws: model_copy(ws, lambda f: (f / "config.json").write_text((ws.huginn / "config.json").read_text())), 2, "the weights in {}/model are not those of its config.json's model_type 'huginn_raven'"),
     ("bundle-theta-negative", lambda ws: (inspect_main, [ws.bundle(reseal(lambda m: m["rope"].update(theta=-1.0)))]), 2, "rope.theta must be a finite number > 0"),
     ("bundle-rope-style-bogus", lambda ws: (inspect_main, [ws.bundle(reseal(lambda m: m["rope"].update(style="bogus")))]), 2, "rope.style is 'bogus'"),
     ("bundle-bits-inconsistent", lambda ws: (inspect_main, [ws.bundle(reseal(lambda m: m["bits"].update(key=0.75)))]), 2, "bits.key is 0.75"),
@@ -330,11 +332,11 @@ def snapshot(root: Path) -> dict[str, tuple[int, str]]:
 
 
 @pytest.fixture
-def ws(tmp_path, tiny_ouro_dir, calib_corpus, monkeypatch):
+def ws(tmp_path, tiny_ouro_dir, tiny_huginn_dir, calib_corpus, monkeypatch):
     root = tmp_path / "ws"
     root.mkdir()
     monkeypatch.chdir(root)  # relative paths (--output P) land here, and are checked with the rest
-    space = Workspace(root, tiny_ouro_dir, calib_corpus)
+    space = Workspace(root, tiny_ouro_dir, calib_corpus, tiny_huginn_dir)
     yield space
     for cleanup in space.cleanups:
         cleanup()

@@ -29,6 +29,7 @@ from ..models.loading import (
     ModelIdentity,
     ModelLoadError,
     check_model_folder,
+    check_weights_match,
     load_tokenizer,
     model_identity,
     model_window,
@@ -84,7 +85,7 @@ def plan_run(cfg: Config, output: str | Path | None = None, stages: list[str] | 
         folder = resolve_model_dir(cfg.model.name_or_path, cfg.model.revision)
         model_config = check_model_folder(folder)
         check_sequence_length(cfg, model_config, folder)
-        kv, model_bytes = model_shape(model_config, cfg.model.loop_steps, cfg.model.dtype)
+        kv, model_bytes = model_shape(model_config, cfg.model.loop_steps, cfg.model.dtype, folder=folder)
     validate_for_model(cfg, kv.head_dim, kv.kv_heads, loop_steps=kv.loop_steps,
                        has_prelude=any(not s.looped for s in kv.sites))
     with timed(timings, "model_identity_s"):
@@ -140,9 +141,10 @@ def check_sequence_length(cfg: Config, model_config: Any, folder: Path) -> None:
                                                   f"{window:,} tokens ({field} in {folder / 'config.json'})")
 
 
-def model_shape(model_config: Any, loop_steps: int | None, dtype: str) -> tuple[KVLayout, int]:
+def model_shape(model_config: Any, loop_steps: int | None, dtype: str, *, folder: Path | None = None
+                ) -> tuple[KVLayout, int]:
     """The KV sites and the weights' bytes in ``dtype`` of a model built on the meta device (no weights read);
-    a config.json that builds no model is a ModelLoadError."""
+    a config.json that builds no model, or whose model the weights in ``folder`` are not, is a ModelLoadError."""
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(model_config)
@@ -150,6 +152,8 @@ def model_shape(model_config: Any, loop_steps: int | None, dtype: str) -> tuple[
         where = Path(model_config.name_or_path) / "config.json"
         raise ModelLoadError(f"model.name_or_path: {where} describes no model that can be built: "
                              f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from err
+    if folder is not None:
+        check_weights_match(model, folder)
     set_loop_steps(model, loop_steps)
     return model.kv_layout(), sum(p.numel() for p in model.parameters()) * TORCH_DTYPES[dtype].itemsize
 

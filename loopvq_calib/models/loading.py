@@ -237,6 +237,27 @@ def check_weight_files(folder: Path, key: str = "model.name_or_path") -> None:
         safetensors_header(path, key)
 
 
+def weight_names(folder: Path, key: str = "model.name_or_path") -> set[str]:
+    """The names of every tensor the folder's weight files hold (read from their checked headers)."""
+    names: set[str] = set()
+    for path in weight_files(folder, key):
+        names.update(name for name in json.loads(safetensors_header(path, key)) if name != "__metadata__")
+    return names
+
+
+def check_weights_match(model: torch.nn.Module, folder: Path, key: str = "model.name_or_path") -> None:
+    """The folder's weights are this model's: a config.json whose ``model_type`` builds a model most of whose
+    parameters have no tensor of that name in the shards (another architecture's weights) is a ModelLoadError.
+    Half is the bar, so tied or renamed tensors that transformers maps on loading never trip it."""
+    expected = [name for name, _ in model.named_parameters()]
+    present = weight_names(folder, key)
+    missing = [name for name in expected if name not in present]
+    if expected and len(missing) * 2 > len(expected):
+        raise ModelLoadError(f"{key}: the weights in {folder} are not those of its config.json's model_type "
+                             f"{shown(model.config.model_type)}: {len(missing)} of the {len(expected)} tensors it "
+                             f"needs are not in the weight files (e.g. {', '.join(missing[:3])})")
+
+
 def check_tokenizer_files(folder: Path, key: str = "model.name_or_path") -> None:
     """The folder holds a tokenizer's files (one of TOKENIZER_FILES, or a ``*.tiktoken``)."""
     if not any((folder / name).is_file() for name in TOKENIZER_FILES) and not any(folder.glob("*.tiktoken")):
@@ -285,6 +306,7 @@ def load_model(folder: Path, dtype: str, device: torch.device, *, loop_steps: in
     check_model_folder(folder, key)
     # read straight onto the device (the same tensors as loading on the CPU and moving the model there)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=TORCH_DTYPES[dtype], device_map={"": str(device)}).eval()
+    check_weights_match(model, folder, key)
     for p in model.parameters():
         p.requires_grad_(False)
     set_loop_steps(model, loop_steps)
