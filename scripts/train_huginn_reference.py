@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from train_reference_model import SPECIALS, batches, write_jsonl
+from train_reference_model import SPECIALS, batches, kv_structure, write_jsonl
 from transformers import PreTrainedTokenizerFast
 
 from loopvq_calib.models import HuginnConfig, HuginnForCausalLM
@@ -314,8 +314,21 @@ def report(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}")
 
 
+def structure(args: argparse.Namespace) -> None:
+    """The inter-step structure of the pre-RoPE keys and values of the core's layers (fp32, 16 held-out windows
+    of ``--seq-len`` tokens, the first 8 tokens left out), as the Ouro reference's report measures it."""
+    model, _ = load_model(Path(args.model), "float32", torch.device(args.device))
+    held = np.load(Path(args.data) / "heldout.npy")[: 16 * args.seq_len].astype(np.int64)
+    windows = torch.from_numpy(held).view(16, args.seq_len).to(args.device)
+    torch.manual_seed(0)  # the like-init state is drawn at random: a fixed draw
+    result = {"model": str(args.model), "seq_len": args.seq_len, "recurrences": model.config.mean_recurrence,
+              "tokens_for_correlation": 16 * (args.seq_len - 8), "correlation": kv_structure(model, windows, sinks=8)}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
 def parser() -> argparse.ArgumentParser:
-    """The command line: ``prepare``, ``train`` and ``report`` (see the module docstring)."""
+    """The command line: ``prepare``, ``train``, ``report`` and ``structure`` (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare")
@@ -345,6 +358,12 @@ def parser() -> argparse.ArgumentParser:
     rep.add_argument("--retrieval-recurrences", type=int, default=8)
     rep.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048])
     rep.add_argument("--items", type=int, default=32)
+    st = sub.add_parser("structure")
+    st.add_argument("--data", type=Path, required=True)
+    st.add_argument("--model", type=Path, required=True)
+    st.add_argument("--out", type=Path, required=True)
+    st.add_argument("--device", default="cpu")
+    st.add_argument("--seq-len", type=int, default=512)
     for sp in (tr, rep):
         sp.add_argument("--seq-len", type=int, default=1024)
         sp.add_argument("--windows", type=int, default=32, help="held-out windows of --seq-len tokens")
@@ -354,7 +373,7 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     """Run the chosen subcommand."""
     args = parser().parse_args()
-    {"prepare": prepare, "train": train, "report": report}[args.command](args)
+    {"prepare": prepare, "train": train, "report": report, "structure": structure}[args.command](args)
 
 
 if __name__ == "__main__":

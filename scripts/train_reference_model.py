@@ -228,20 +228,27 @@ def report(args: argparse.Namespace) -> None:
     held = heldout_per_loop(model, held_tokens, args.seq_len, device=device)
     data = torch.from_numpy(held_tokens.astype(np.int64))
     windows = torch.stack([data[i * args.seq_len : (i + 1) * args.seq_len] for i in range(16)]).to(device)
+    structure = kv_structure(model, windows, sinks=8)
+    print(json.dumps({"heldout_loss_per_loop": held, "seq_len": args.seq_len, "correlation": structure,
+                      "tokens_for_correlation": int(16 * (args.seq_len - 8))}, indent=1))
+
+
+def kv_structure(model: torch.nn.Module, windows: torch.Tensor, *, sinks: int) -> dict:
+    """Mean |Pearson r| of the pre-RoPE keys and values over ``windows`` (sinks excluded), across adjacent loop
+    steps and within 16-channel groups, averaged over the looped layers (prelude and coda sites left out)."""
     rec = KVRecorder()
     with torch.no_grad(), kv_hook(model, rec):
         model(windows)
-    kv, sinks = model.kv_layout(), 8
+    looped = [s for s in model.kv_layout().sites if s.looped]
     structure = {}
     for kind, store in (("key", rec.keys), ("value", rec.values)):
         per_layer = []
-        for layer in range(model.config.num_hidden_layers):
-            sites = [s.site for s in kv.sites if s.layer == layer]
-            x = torch.stack([store[s][:, sinks:].flatten(0, 1) for s in sites], 1).cpu()  # [N, T, H, D]
+        for layer in sorted({s.layer for s in looped}):
+            sites = [s.site for s in sorted(looped, key=lambda s: s.step) if s.layer == layer]
+            x = torch.stack([store[s][:, sinks:].flatten(0, 1) for s in sites], 1).float().cpu()  # [N, T, H, D]
             per_layer.append(correlation_structure(x, group_size=16))
         structure[kind] = average_structure(per_layer)
-    print(json.dumps({"heldout_loss_per_loop": held, "seq_len": args.seq_len, "correlation": structure,
-                      "tokens_for_correlation": int(16 * (args.seq_len - sinks))}, indent=1))
+    return structure
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ import torch
 from conftest import load_script
 from safetensors import safe_open
 
+from loopvq_calib.models import KVRecorder, kv_hook
 from loopvq_calib.models.loading import load_model, load_tokenizer
 
 load_script("train_reference_model")  # the Huginn script imports its helpers by module name
@@ -117,3 +118,28 @@ def test_train_stops_at_max_seconds_and_still_saves(trained, tmp_path):
     log = json.loads((out / "train_log.json").read_text())["log"]
     assert [e["step"] for e in log] == [1]
     load_model(out, "float32", torch.device("cpu"))  # a whole, loadable folder
+
+
+def test_structure_correlates_each_core_layer_across_its_recurrences(trained, tmp_path):
+    data, out, _ = trained
+    file = tmp_path / "structure.json"
+    thr.structure(thr.parser().parse_args(["structure", "--data", str(data), "--model", str(out), "--out", str(file),
+                                           "--seq-len", "24"]))
+    result = json.loads(file.read_text())
+    assert result["recurrences"] == 8 and result["tokens_for_correlation"] == 16 * 16
+    model, _ = load_model(out, "float32", torch.device("cpu"))
+    core = [s for s in model.kv_layout().sites if s.looped]
+    held = torch.from_numpy(np.load(data / "heldout.npy")[: 16 * 24].astype(np.int64)).view(16, 24)
+    rec = KVRecorder()
+    torch.manual_seed(0)  # the like-init state is drawn at random: the script's draw
+    with torch.no_grad(), kv_hook(model, rec):
+        model(held)
+    keys = [rec.keys[s.site][:, 8:].flatten(0, 1).double() for s in core if s.layer == 0]  # layer 0, steps in order
+    z = [(k - k.mean(0)) / (k - k.mean(0)).norm(dim=0) for k in keys]
+    first_pair = (z[0] * z[1]).sum(0).abs().mean().item()  # steps 1-2, mean over heads and channels
+    layer1 = [rec.keys[s.site][:, 8:].flatten(0, 1).double() for s in core if s.layer == 1]
+    y = [(k - k.mean(0)) / (k - k.mean(0)).norm(dim=0) for k in layer1]
+    expected = (first_pair + (y[0] * y[1]).sum(0).abs().mean().item()) / 2  # averaged over the two core layers
+    got = result["correlation"]["key"]
+    assert got["layers"] == 2 and len(got["adjacent_steps"]) == 7
+    assert got["adjacent_steps"][0] == pytest.approx(expected, rel=1e-5)
