@@ -42,7 +42,10 @@ def stage_fingerprints(cfg: Config, data_fp: str, identity: dict[str, Any], *,
     content = {k: v for k, v in asdict(cfg.capture).items() if k != "store"}
     capture = fingerprint("capture", __version__, data_fp, identity, cfg.model.dtype, loop_steps, content,
                           cfg.tasq.weight_floor if cfg.quant.uses_tasq else None)  # TaSQ keys' Fisher: stored weighted
-    tasq = fingerprint("tasq", __version__, capture, q, asdict(cfg.tasq)) if cfg.quant.uses_tasq else None
+    tasq_settings = asdict(cfg.tasq)
+    if tasq_settings["grouping"] == "free":  # the grouping of runs made before the option: their stages stay reusable
+        del tasq_settings["grouping"]
+    tasq = fingerprint("tasq", __version__, capture, q, tasq_settings) if cfg.quant.uses_tasq else None
     kmeans = fingerprint("kmeans", __version__, capture, tasq, q, asdict(cfg.kmeans))
     finetune = fingerprint("finetune", __version__, kmeans, data_fp, identity, cfg.model.dtype, asdict(cfg.finetune))
     bundle = fingerprint("bundle", __version__, finetune, asdict(cfg.output))

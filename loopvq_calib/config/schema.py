@@ -20,6 +20,7 @@ DATA_TYPES = ("auto", "hub", "text", "json", "jsonl", "parquet")
 TEXT_SAMPLE_BY = ("line", "paragraph", "document")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 PARAMETERIZATIONS = ("codewords", "affine")
+TASQ_GROUPINGS = ("free", "channels")
 AUTOCAST_MODES = ("auto", "bfloat16", "none")
 CACHE_TEACHER = ("auto", "true", "false")
 
@@ -105,6 +106,7 @@ class KMeansConfig:
 
 @dataclass
 class TasqConfig:
+    grouping: str = "free"  # free: RoPE pairs of any step merge | channels: the same channels at every step of a block
     det_eps: float = 1e-6  # eps in det(Sigma[S,S] + eps I)^(1/|S|)
     sigma_min: float = 1e-4
     weight_floor: float = 1e-6  # query-statistic diagonal floored at this fraction of its max

@@ -20,6 +20,7 @@ from .schema import (
     METHODS,
     PARAMETERIZATIONS,
     SHARING,
+    TASQ_GROUPINGS,
     TEXT_SAMPLE_BY,
     CaptureConfig,
     Config,
@@ -164,6 +165,7 @@ def _validate_kmeans(k: KMeansConfig) -> None:
 
 
 def _validate_tasq(t: TasqConfig) -> None:
+    _choice("tasq.grouping", t.grouping, TASQ_GROUPINGS)
     for name in ("det_eps", "sigma_min", "weight_floor"):
         _positive(f"tasq.{name}", getattr(t, name))
     if t.weight_floor >= 1:

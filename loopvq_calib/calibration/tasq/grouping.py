@@ -4,7 +4,9 @@ For every key block (one site for ``tasq``, the T_c steps of one layer for ``tas
 the captured query statistic of each site, sigma is :meth:`TasqTransform.sigma`, and P is fitted per KV head
 from the covariance of the transformed keys y = x * w / sigma over the block's T*D flat coordinates
 (``m * D + channel``): RoPE pairs are merged pairwise, round by round, by a minimum-weight perfect matching
-with cost det(Sigma[S,S] + eps I)^(1/|S|), until units hold ``group_size`` coordinates.
+with cost det(Sigma[S,S] + eps I)^(1/|S|), until units hold ``group_size`` coordinates. With
+``tasq.grouping: channels`` a unit is one RoPE pair at every step of the block, so each group holds the same
+channels at every step (a fixed per-step slice, as LoopVQ, with the channels permuted).
 Value layouts pass through unchanged.
 """
 
@@ -78,6 +80,19 @@ def rope_pair_units(head_dim: int, steps: int, rope_style: str) -> torch.Tensor:
     pair = torch.stack(pair_channels(head_dim, rope_style), -1)
     offsets = torch.arange(steps)[:, None, None] * head_dim
     return (pair[None] + offsets).reshape(steps * half, 2)
+
+
+def channel_units(head_dim: int, steps: int, rope_style: str) -> torch.Tensor:
+    """Each RoPE pair at every step of the block as one unit of flat coordinates -> [D/2, 2 * steps]: merged,
+    they give groups of the same channels at every step (c = G / steps coordinates per step)."""
+    pair = torch.stack(pair_channels(head_dim, rope_style), -1)  # [D/2, 2]
+    offsets = torch.arange(steps)[None, :, None] * head_dim
+    return (pair[:, None, :] + offsets).reshape(head_dim // 2, 2 * steps)
+
+
+def grouping_units(head_dim: int, steps: int, rope_style: str, grouping: str) -> torch.Tensor:
+    """The units ``tasq.grouping`` merges: :func:`rope_pair_units` (``free``) or :func:`channel_units`."""
+    return (channel_units if grouping == "channels" else rope_pair_units)(head_dim, steps, rope_style)
 
 
 def _block(m: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -165,13 +180,16 @@ def _refresh_gains(
     gains[h, 1, :, e] = ch + ce - (cost[hc, ah, be] + cost[hc, bh, ae])
 
 
-def check_group_size(group_size: int, coords: int) -> None:
-    """TaSQ groups are RoPE pairs merged by doubling: G must be 2^k (k >= 1) and divide ``coords``."""
-    if group_size < 2 or group_size & (group_size - 1) or coords % group_size:
+def check_group_size(group_size: int, coords: int, *, unit: int = 2) -> None:
+    """TaSQ groups are units of ``unit`` coordinates merged by doubling: G must be unit * 2^k and divide
+    ``coords``."""
+    multiple = group_size // unit
+    if group_size % unit or multiple & (multiple - 1) or coords % group_size:
+        what = "RoPE pairs" if unit == 2 else f"RoPE pairs taken at every step ({unit} coordinates)"
         raise ConfigError(
             "quant.group_size",
-            f"TaSQ merges RoPE pairs by doubling (2, 4, 8, ...) into groups that split the {coords} coordinates "
-            f"of a block; group_size {group_size} is not reachable",
+            f"TaSQ merges {what} by doubling ({unit}, {2 * unit}, {4 * unit}, ...) into groups that split the "
+            f"{coords} coordinates of a block; group_size {group_size} is not reachable",
         )
 
 
@@ -179,7 +197,7 @@ def fit_groups(cov: torch.Tensor, units: torch.Tensor, group_size: int, *, eps: 
     """Merge ``units`` [n, u] pairwise by :func:`min_weight_matching` of :func:`merge_costs` until they hold
     ``group_size`` coordinates. -> [n_groups, G], each row sorted, rows ordered by first coordinate. A
     batch cov [B, C, C] (the heads of a block) is fitted at once -> [B, n_groups, G]."""
-    check_group_size(group_size, units.numel())
+    check_group_size(group_size, units.numel(), unit=units.shape[-1])
     if cov.dim() == 2:
         return fit_groups(cov[None], units, group_size, eps=eps)[0]
     rb = torch.arange(cov.shape[0], device=cov.device)[:, None]
@@ -229,10 +247,10 @@ def block_covariance(x: torch.Tensor, transform: TasqTransform) -> torch.Tensor:
     return cov / x.shape[0]
 
 
-def heads_per_batch(units: int, budget_bytes: int = GROUPING_BYTES) -> int:
+def heads_per_batch(units: int, budget_bytes: int = GROUPING_BYTES, *, unit_size: int = 2) -> int:
     """Heads whose grouping is fitted together: the first merge round gathers units * (units - 1) / 2
-    candidate sets of 2 x 2 coordinates per head (float64 values and int64 indices)."""
-    return max(1, budget_bytes // (units * (units - 1) // 2 * 16 * 16))
+    candidate sets of (2 unit_size)^2 coordinates per head (float64 values and int64 indices)."""
+    return max(1, budget_bytes // (units * (units - 1) // 2 * (2 * unit_size) ** 2 * 16))
 
 
 def fit_tasq(
@@ -250,7 +268,8 @@ def fit_tasq(
         raise ValueError(f"fit_tasq called for method {quant.method!r}, which uses no TaSQ transform")
     for lay in layouts:
         if lay.kind == "key":
-            check_group_size(quant.group_size, lay.steps * lay.head_dim)
+            unit = 2 * lay.steps if cfg.grouping == "channels" else 2
+            check_group_size(quant.group_size, lay.steps * lay.head_dim, unit=unit)
     dev = torch.device(device or "cpu")
     mine = [lay for lay in dist.share(layouts) if lay.kind == "key"]
     transforms, covs, tokens = {}, {}, {}
@@ -265,7 +284,7 @@ def fit_tasq(
         covs[lay.key], tokens[lay.key] = block_covariance(x, transforms[lay.key]), int(x.shape[0])
         seconds["covariance"] += clock.lap()
         del x
-    fitted = _fit_all_groups(mine, covs, kv, group_size=quant.group_size, eps=cfg.det_eps)
+    fitted = _fit_all_groups(mine, covs, kv, group_size=quant.group_size, eps=cfg.det_eps, grouping=cfg.grouping)
     seconds["grouping"] += clock.lap()
     new_layouts, blocks = {}, {}
     for lay in mine:
@@ -285,6 +304,7 @@ def fit_tasq(
         "seconds": {k: round(v, 3) for k, v in seconds.items()},
         "method": quant.method,
         "group_size": quant.group_size,
+        "grouping": cfg.grouping,
         "det_eps": cfg.det_eps,
         "sigma_bits": sigma_bits(kv.kv_heads, kv.head_dim),
         "blocks": blocks,
@@ -293,16 +313,18 @@ def fit_tasq(
 
 
 def _fit_all_groups(
-    layouts: list[BlockLayout], covs: dict[str, torch.Tensor], kv: KVLayout, *, group_size: int, eps: float
+    layouts: list[BlockLayout], covs: dict[str, torch.Tensor], kv: KVLayout, *, group_size: int, eps: float,
+    grouping: str = "free",
 ) -> dict[str, torch.Tensor]:
     """:func:`fit_groups` over the heads of all ``layouts``: those with the same steps stacked and fitted in
     batches of :func:`heads_per_batch` heads -> {layout key: groups [H, n_groups, G]}."""
     out: dict[str, torch.Tensor] = {}
     for steps in sorted({lay.steps for lay in layouts}):
         same = [lay for lay in layouts if lay.steps == steps]
-        units = rope_pair_units(kv.head_dim, steps, kv.rope_style)
+        units = grouping_units(kv.head_dim, steps, kv.rope_style, grouping)
         stacked = torch.cat([covs[lay.key] for lay in same])
-        batch = heads_per_batch(units.shape[0], GROUPING_BYTES if stacked.device.type == "cpu" else GPU_GROUPING_BYTES)
+        budget = GROUPING_BYTES if stacked.device.type == "cpu" else GPU_GROUPING_BYTES
+        batch = heads_per_batch(units.shape[0], budget, unit_size=units.shape[1])
         groups = torch.cat([fit_groups(part, units, group_size, eps=eps) for part in stacked.split(batch)])
         out.update(zip((lay.key for lay in same), groups.split(kv.kv_heads)))
     return out
