@@ -82,9 +82,9 @@ def test_help_imports_nothing_heavy(main):
 
 
 def test_python_m_exits_with_the_status_after_flushing_output_and_log(tiny_ouro_dir, calib_corpus, tmp_path):
-    """``python -m loopvq_calib`` returns its status to the interpreter, which exits with it: the printed
-    error, the printed bundle and the run log's last lines (the stage summary, logged just before the command
-    returns) all arrive."""
+    """``python -m loopvq_calib`` (cli.calibrate_process, which ends the process without the interpreter's
+    teardown) exits with the command's status: the printed error, the printed bundle and the run log's last
+    lines (the stage summary, logged just before the command returns) all arrive."""
     root = ROOT
     env = {"PYTHONPATH": str(root), "PATH": "", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     bad = tmp_path / "bad.yaml"
@@ -102,10 +102,21 @@ def test_python_m_exits_with_the_status_after_flushing_output_and_log(tiny_ouro_
     assert "stage bundle: done" in log and log.rstrip().splitlines()[-1].startswith("| bundle | done |")  # the summary
 
 
+def test_exit_process_flushes_the_streams_and_skips_the_teardown():
+    """cli.exit_process: buffered output on both streams arrives, the status is the process's, and the
+    interpreter's teardown (here an atexit handler that would print) does not run."""
+    code = ("import atexit, sys\nfrom loopvq_calib.cli import exit_process\n"
+            "atexit.register(lambda: print('teardown ran'))\n"
+            "print('out', end=''); print('err', end='', file=sys.stderr)\nexit_process(7)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    assert (done.returncode, done.stdout, done.stderr) == (7, "out", "err")
+
+
 def test_the_console_script_returns_the_status_and_closes_the_run_log(tiny_ouro_dir, calib_corpus, tmp_path,
                                                                       monkeypatch):
-    """``loopvq-calibrate`` (cli.calibrate_command) returns calibrate_main's status for sys.exit, with run.log's
-    handler flushed and closed."""
+    """cli.calibrate_command (what the ``loopvq-calibrate`` process runs) returns calibrate_main's status, with
+    run.log's handler flushed and closed."""
     import logging
 
     from loopvq_calib.cli import calibrate_command
