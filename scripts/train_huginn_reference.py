@@ -8,8 +8,8 @@ Three steps:
       --out benchmarks/results/huginn-reference-report.json
 
 Text: the Python standard library of the running interpreter (sorted file list; a seeded sample of files is held
-out), plus seeded synthetic retrieval documents (a pass key hidden in filler text, a key-value registry queried
-later, a line copied later), about a quarter of the tokens, so that the model learns to answer from its KV cache.
+out). A quarter of every batch's rows are fresh recall documents (``retrieval_text.py``: a pass key hidden in
+filler, a registry looked up later, a line repeated later), so that the model learns to answer from its KV cache.
 Training samples the recurrence count per step from Huginn's Poisson-lognormal and backpropagates through the last
 ``--backprop-depth`` recurrences only; the saved config runs ``mean_recurrence`` = 8 recurrences by default.
 """
@@ -27,8 +27,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from retrieval_text import KINDS, recall_accuracy, recall_rows, training_item
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from train_reference_model import SPECIALS, batches, kv_structure, write_jsonl
+from train_reference_model import SPECIALS, batches, kv_structure, tokenize_with, write_jsonl
 from transformers import PreTrainedTokenizerFast
 
 from loopvq_calib.models import HuginnConfig, HuginnForCausalLM
@@ -41,12 +42,6 @@ ARCH = dict(
     bos_token_id=0, eos_token_id=0, pad_token_id=0,
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-KINDS = ("passkey", "kv", "copy")
-FILLER = (
-    "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.",
-    "The river runs to the sea.", "A quiet wind moves the trees.", "Nothing happens for a while.",
-)
-SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "zi", "pa", "se", "do", "fu", "gi", "ha", "ju", "be")
 
 
 def stdlib_files(max_files: int | None = None) -> tuple[Path, list[Path]]:
@@ -65,48 +60,6 @@ def read_sources(root: Path, files: list[Path]) -> list[tuple[str, str]]:
         except (UnicodeDecodeError, OSError):
             continue
     return out
-
-
-def word(rng: random.Random, syllables: int = 3) -> str:
-    """A pronounceable random word."""
-    return "".join(rng.choice(SYLLABLES) for _ in range(syllables))
-
-
-def filler(rng: random.Random, units: int) -> list[str]:
-    """``units`` filler sentences, a few per line."""
-    sentences = [rng.choice(FILLER) for _ in range(units)]
-    return [" ".join(sentences[i : i + 4]) for i in range(0, units, 4)]
-
-
-def retrieval_item(kind: str, rng: random.Random, units: int) -> tuple[str, str]:
-    """(prompt, answer) of one retrieval document with about ``units`` filler sentences; the answer starts with a
-    space and a letter, digit or quote, so the prompt's tokens are a prefix of the whole document's."""
-    lines = filler(rng, units)
-    at = rng.randint(0, len(lines))
-    if kind == "passkey":
-        key = str(rng.randint(10000, 99999))
-        lines.insert(at, f"The pass key is {key}. Remember it. {key} is the pass key.")
-        question = "What is the pass key? The pass key is"
-        return "\n".join(["# There is a pass key hidden in this text.", *lines, question]), f" {key}"
-    if kind == "kv":
-        entries = {word(rng): f"{rng.getrandbits(24):06x}" for _ in range(rng.randint(2, 12))}
-        query = rng.choice(sorted(entries))
-        registry = ["REGISTRY = {", *(f'    "{k}": "{v}",' for k, v in entries.items()), "}"]
-        return "\n".join([*registry, *(f"# {line}" for line in lines), f'assert REGISTRY["{query}"] ==']), \
-            f' "{entries[query]}"'
-    line = " ".join(word(rng, 2) for _ in range(rng.randint(4, 8)))
-    return "\n".join([f"first: {line}", *lines, "again:"]), f" {line}"
-
-
-def retrieval_docs(rng: random.Random, chars: int) -> list[str]:
-    """Retrieval documents of every kind, in turn, until they hold ``chars`` characters."""
-    docs: list[str] = []
-    total = 0
-    while total < chars:
-        prompt, answer = retrieval_item(KINDS[len(docs) % len(KINDS)], rng, int(rng.uniform(0, 1) ** 2 * 160))
-        docs.append(prompt + answer + "\n")
-        total += len(docs[-1])
-    return docs
 
 
 def train_tokenizer(docs: list[str], vocab_size: int, window: int) -> PreTrainedTokenizerFast:
@@ -137,25 +90,25 @@ def prepare(args: argparse.Namespace) -> None:
     held_names = set(rng.sample([n for n, _ in sources], max(1, round(len(sources) * args.heldout_fraction))))
     train_code = [t for n, t in sources if n not in held_names]
     held = [(n, t) for n, t in sources if n in held_names]
-    code_chars = sum(map(len, train_code))
-    retrieval = retrieval_docs(rng, int(code_chars * args.retrieval_fraction / (1 - args.retrieval_fraction)))
-    train_docs = train_code + retrieval
+    per_unit = {"passkey": 30.0, "registry": 8.0, "copy": 8.0}  # sizes only the tokenizer's sample
+    recall = [training_item(KINDS[i % len(KINDS)], rng, max_tokens=ARCH["block_size"], per_unit=per_unit)
+              for i in range(300)]
+    train_docs = list(train_code)
     rng.shuffle(train_docs)
-    tokenizer = train_tokenizer(train_docs, ARCH["vocab_size"], ARCH["block_size"])
+    tokenizer = train_tokenizer(train_docs + [r.prompt + r.answer for r in recall], ARCH["vocab_size"],
+                                ARCH["block_size"])
     out = Path(args.out)
     tokenizer.save_pretrained(out / "tokenizer")
     train_ids, held_ids = token_ids(tokenizer, train_docs), token_ids(tokenizer, [t for _, t in held])
     np.save(out / "train.npy", train_ids)
     np.save(out / "heldout.npy", held_ids)
     write_jsonl(out / "python-heldout.jsonl", held)
-    retrieval_tokens = int(sum(len(x) + 1 for x in tokenizer(retrieval, add_special_tokens=False)["input_ids"]))
     meta = {"stdlib": str(root), "files": len(sources), "heldout_files": sorted(held_names), "seed": args.seed,
-            "train_tokens": len(train_ids), "heldout_tokens": len(held_ids), "retrieval_docs": len(retrieval),
-            "retrieval_token_share": retrieval_tokens / len(train_ids)}
+            "train_tokens": len(train_ids), "heldout_tokens": len(held_ids)}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    print(f"{len(sources)} files ({len(held)} held out), {len(train_ids):,} train / {len(held_ids):,} held-out tokens, "
-          f"retrieval {meta['retrieval_token_share']:.1%} of training tokens; {out} holds {size / 1e6:.1f} MB")
+    print(f"{len(sources)} files ({len(held)} held out), {len(train_ids):,} train / {len(held_ids):,} held-out tokens; "
+          f"{out} holds {size / 1e6:.1f} MB")
 
 
 def sample_recurrence(rng: random.Random, mean: int, backprop: int, *, cap: int) -> tuple[int, int]:
@@ -203,7 +156,10 @@ def train_loop(model: HuginnForCausalLM, args: argparse.Namespace, data: Path) -
     device = model.device
     train_tokens, held_tokens = np.load(data / "train.npy"), np.load(data / "heldout.npy")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    stream = batches(train_tokens, args.seq_len, args.batch, gen=torch.Generator().manual_seed(args.seed))
+    tokenize = tokenize_with(PreTrainedTokenizerFast.from_pretrained(data / "tokenizer"))
+    recall = recall_rows(tokenize, random.Random(args.seed), seq=args.seq_len, eos=ARCH["eos_token_id"])
+    stream = batches(train_tokens, args.seq_len, args.batch, gen=torch.Generator().manual_seed(args.seed),
+                     recall=recall, recall_rows_per_batch=round(args.batch * args.recall_share))
     rng, cfg = random.Random(args.seed), model.config
     best, best_state, log, t0 = math.inf, None, [], time.time()
     for step in range(1, args.steps + 1):
@@ -257,40 +213,6 @@ def train(args: argparse.Namespace) -> HuginnForCausalLM:
     return model
 
 
-def fitted_item(kind: str, rng: random.Random, tokenizer: PreTrainedTokenizerFast, *,
-                length: int) -> tuple[list[int], int]:
-    """(token ids, index of the first answer token) of a fresh item of at most ``length`` tokens, with as much
-    filler as fits."""
-    per_unit = len(tokenizer(" ".join(FILLER))["input_ids"]) / len(FILLER)
-    units = int(length / per_unit)
-    for _ in range(100):
-        prompt, answer = retrieval_item(kind, rng, units)
-        ids = tokenizer(prompt + answer)["input_ids"]
-        if len(ids) <= length:
-            return ids, len(tokenizer(prompt)["input_ids"])
-        units = max(0, units - math.ceil((len(ids) - length) / per_unit))
-    raise ValueError(f"no {kind} item fits in {length} tokens; raise --lengths")
-
-
-@torch.no_grad()
-def retrieval_accuracy(model: HuginnForCausalLM, tokenizer: PreTrainedTokenizerFast, *, kind: str, length: int,
-                       items: int) -> dict:
-    """Exact-answer rate on ``items`` fresh documents of at most ``length`` tokens: every answer token must be the
-    argmax given the document so far (the same tokens greedy decoding emits)."""
-    rng = random.Random(f"report-{kind}-{length}")
-    correct, lengths = 0, []
-    with model.seeded_initial_state(0):
-        for _ in range(items):
-            ids, start = fitted_item(kind, rng, tokenizer, length=length)
-            ids = torch.tensor([ids])
-            logits = model(ids.to(model.device)).logits[0]
-            guess = logits[start - 1 : ids.shape[1] - 1].argmax(-1).cpu()
-            correct += bool(torch.equal(guess, ids[0, start:]))
-            lengths.append(ids.shape[1])
-    return {"kind": kind, "max_tokens": length, "mean_tokens": round(sum(lengths) / items, 1), "items": items,
-            "exact": correct / items}
-
-
 def report(args: argparse.Namespace) -> None:
     """Held-out loss per recurrence count and retrieval accuracy, fp32 and bf16 weights and compute (no autocast),
     through the toolkit's loader."""
@@ -303,8 +225,8 @@ def report(args: argparse.Namespace) -> None:
                   for r in args.recurrences}
         print(dtype, "held-out loss per recurrence count", losses, flush=True)
         model.config.mean_recurrence = args.retrieval_recurrences
-        rows = [retrieval_accuracy(model, tokenizer, kind=k, length=n, items=args.items)
-                for k in KINDS for n in args.lengths]
+        rows = [recall_accuracy(model, tokenize_with(tokenizer), kind=k, tokens=n, items=args.items,
+                                context=lambda: model.seeded_initial_state(0)) for k in KINDS for n in args.lengths]
         for row in rows:
             print(dtype, json.dumps(row), flush=True)
         result[dtype] = {"heldout_loss_per_recurrence": losses, "retrieval_recurrences": args.retrieval_recurrences,
@@ -335,7 +257,6 @@ def parser() -> argparse.ArgumentParser:
     prep.add_argument("--out", type=Path, required=True)
     prep.add_argument("--max-files", type=int, default=None, help="only the first N stdlib files (tests)")
     prep.add_argument("--heldout-fraction", type=float, default=0.02)
-    prep.add_argument("--retrieval-fraction", type=float, default=0.25)
     prep.add_argument("--seed", type=int, default=0)
     tr = sub.add_parser("train")
     tr.add_argument("--data", type=Path, required=True)
@@ -348,6 +269,7 @@ def parser() -> argparse.ArgumentParser:
     tr.add_argument("--warmup", type=int, default=100)
     tr.add_argument("--eval-every", type=int, default=100)
     tr.add_argument("--max-recurrence", type=int, default=24)
+    tr.add_argument("--recall-share", type=float, default=0.25, help="rows of each batch that are recall documents")
     tr.add_argument("--seed", type=int, default=0)
     rep = sub.add_parser("report")
     rep.add_argument("--data", type=Path, required=True)
@@ -356,7 +278,7 @@ def parser() -> argparse.ArgumentParser:
     rep.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     rep.add_argument("--recurrences", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     rep.add_argument("--retrieval-recurrences", type=int, default=8)
-    rep.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048])
+    rep.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2040])
     rep.add_argument("--items", type=int, default=32)
     st = sub.add_parser("structure")
     st.add_argument("--data", type=Path, required=True)

