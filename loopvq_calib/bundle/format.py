@@ -1,7 +1,7 @@
 """What writer and reader of a bundle share (format 1.x, docs/bundle-format.md): the file names, the format
-version, the error type, the rule for the names ``files`` may list and how such a file is reached inside the
-bundle folder, strict JSON, the files' checksums and the one rule that serialises ``loopvq.json`` with its own
-checksum."""
+versions (the newest, and the one a bundle's fields need), the error type, the rule for the names ``files`` may
+list and how such a file is reached inside the bundle folder, strict JSON, the files' checksums and the one rule
+that serialises ``loopvq.json`` with its own checksum."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from typing import Any
 
 from ..runtime.files import sha256_file
 
-FORMAT_VERSION = "1.1"
+FORMAT_VERSION = "1.2"  # the newest format version this toolkit reads and writes
+BASE_VERSION = "1.1"  # what a bundle that uses no 1.2 field is written as (every bundle carries 1.1's meta_sha256)
 META_FILE = "loopvq.json"
 TENSOR_FILE = "codebooks.safetensors"
 CARD_FILE = "README.md"
@@ -31,6 +32,11 @@ class BundleError(ValueError):
 def file_entry(path: Path) -> dict[str, Any]:
     """sha256 and size of a bundle file, as recorded under ``files`` in ``loopvq.json``."""
     return {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+
+
+def written_version(blocks: list[dict[str, Any]]) -> str:
+    """The lowest minor version whose optional fields a bundle uses: 1.2 when a block has ``grouping``, else 1.1."""
+    return FORMAT_VERSION if any("grouping" in b for b in blocks) else BASE_VERSION
 
 
 def meta_checksum(data: bytes) -> str | None:

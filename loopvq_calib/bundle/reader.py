@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..codes.layouts import BlockLayout
+from ..codes.layouts import BlockLayout, channel_sets
 from ..codes.quantizer import KVQuantizer
 from ..config.source import looks_local
 from ..models.loading import (
@@ -169,6 +169,7 @@ def _check_tensors(file: Path, meta: dict[str, Any], tensors: dict[str, torch.Te
             raise BundleError(f"{file}: tensor {name!r} has non-finite values")
         if name.endswith(".tasq_weight") and (t == 0).any():
             raise BundleError(f"{file}: tensor {name!r} has zero weights (the decoder divides by them)")
+    style = meta["rope"]["style"]
     for b in meta["blocks"]:
         groups = tensors[f"{b['key']}.groups"].long()
         layout = BlockLayout(b["name"], b["kind"], tuple(b["sites"]), meta["kv_layout"]["head_dim"],
@@ -177,6 +178,10 @@ def _check_tensors(file: Path, meta: dict[str, Any], tensors: dict[str, torch.Te
             layout.check()
         except ValueError as err:
             raise BundleError(f"{file}: tensor '{b['key']}.groups': {err}") from err
+        if "grouping" in b and channel_sets(layout, style) is None:
+            raise BundleError(f"{file}: block {b['key']!r}: field grouping is 'channels', but tensor "
+                              f"'{b['key']}.groups' does not hold the same channels, whole RoPE pairs ({style}), at "
+                              "every step of the block")
 
 
 def _folder_identity(meta: dict[str, Any], model: str | Path) -> dict[str, Any]:
@@ -222,7 +227,8 @@ def inspect_bundle(path: str | Path) -> str:
     n_codebooks = sum(c.codebook.shape[0] * c.codebook.shape[1] for c in q.codecs.values())
     shapes: dict[tuple, list[str]] = {}
     for blk in m["blocks"]:
-        sig = (blk["kind"], tuple(blk["codebook_shape"]), tuple(blk["groups_shape"]), len(blk["sites"]), blk["tasq"])
+        sig = (blk["kind"], tuple(blk["codebook_shape"]), tuple(blk["groups_shape"]), len(blk["sites"]),
+               blk["tasq"], blk.get("grouping"))
         shapes.setdefault(sig, []).append(blk["name"])
     lines = [
         f"bundle      {m['name']}  ({b.path})",
@@ -238,8 +244,8 @@ def inspect_bundle(path: str | Path) -> str:
         f"memory      codebooks {m['codebook_bytes']:,} bytes ({m['codebook_bytes'] / 2**20:.3f} MiB)",
         "shapes",
     ]
-    for (kind, cb, gs, steps, tasq), names in shapes.items():
-        extra = " +tasq" if tasq else ""
+    for (kind, cb, gs, steps, tasq, grouping), names in shapes.items():
+        extra = (" +tasq" if tasq else "") + (f" grouping={grouping}" if grouping else "")
         lines.append(f"  {kind:<5} x{len(names):<3} steps {steps}  codebook {list(cb)}  groups {list(gs)}{extra}"
                      f"  ({names[0]}{', ...' if len(names) > 1 else ''})")
     lines += [

@@ -253,6 +253,7 @@ def expected_tensors(meta: dict[str, Any], file: Path) -> dict[str, tuple[list[i
             raise BundleError(f"{where}: field key must be '<kind>.<name>' ({b['kind']}.{b['name']})")
         _check_block_sites(b, sites, meta["steps_per_block"], where)
         _check_block_tasq(b, meta["method"], where)
+        _check_block_grouping(b, where)
         covered[b["kind"]] += b["sites"]
         steps, gs = len(b["sites"]), b["groups_shape"]
         if len(gs) != 3 or gs[0] not in (1, h) or gs[2] != meta["group_size"] or gs[1] * gs[2] != steps * d:
@@ -299,6 +300,18 @@ def _check_block_sites(b: dict[str, Any], sites: dict[int, dict[str, Any]], step
     if len(ids) != steps_per_block or first % steps_per_block or steps != list(range(first, first + len(ids))):
         raise BundleError(f"{where}: field sites {ids} (steps {steps}) are not the {steps_per_block} consecutive "
                           "loop steps of one block in step order")
+
+
+def _check_block_grouping(b: dict[str, Any], where: str) -> None:
+    """Section 2 (1.2): the optional ``grouping`` is ``"channels"``, on key blocks only (that the groups are such
+    a layout is checked with the tensors, by the reader)."""
+    if "grouping" not in b:
+        return
+    if b["grouping"] != "channels":
+        raise BundleError(f"{where}: field grouping is {b['grouping']!r}, not 'channels' (the only value; leave the "
+                          "field out for any other layout)")
+    if b["kind"] != "key":
+        raise BundleError(f"{where}: field grouping is set on a {b['kind']} block; it describes key layouts only")
 
 
 def _check_block_tasq(b: dict[str, Any], method: str, where: str) -> None:

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save
 
 from ..codes.codec import code_bits, index_dtype, sigma_bits
+from ..codes.layouts import channel_sets
 from ..codes.packing import indices_entries, read_indices
 from ..codes.quantizer import KVQuantizer
 from ..config.schema import ServingConfig
@@ -31,6 +32,7 @@ from .format import (
     TENSOR_FILE,
     file_entry,
     meta_bytes,
+    written_version,
 )
 from .reader import Bundle, BundleError, inspect_bundle, load_bundle
 
@@ -72,7 +74,7 @@ def write_bundle(out_dir: Path, quantizer: KVQuantizer, *, name: str, identity: 
     try:
         meta = _bundle_meta(quantizer, name, identity, calibration=calibration, metrics=metrics, serving=serving,
                             codebook_dtype=codebook_dtype, config=config, producer_version=producer_version)
-        _save_tensors(tmp / TENSOR_FILE, quantizer.tensors(TORCH_DTYPES[codebook_dtype]))
+        _save_tensors(tmp / TENSOR_FILE, quantizer.tensors(TORCH_DTYPES[codebook_dtype]), meta["format_version"])
         (tmp / CARD_FILE).write_text(model_card(meta), encoding="utf-8")
         meta["files"] = {f: file_entry(tmp / f) for f in (TENSOR_FILE, CARD_FILE)}
         (tmp / META_FILE).write_bytes(meta_bytes(meta))
@@ -113,8 +115,9 @@ def _bundle_meta(q: KVQuantizer, name: str, identity: ModelIdentity, *, calibrat
     rope = {"style": kv.pop("rope_style"), "theta": kv.pop("rope_theta")}
     key_sigma = sigma_bits(q.kv.kv_heads, q.kv.head_dim) if any(b["tasq"] for b in qm["blocks"]) else 0.0
     created = datetime.fromtimestamp(int(os.environ.get("SOURCE_DATE_EPOCH") or 0), timezone.utc)
+    blocks = [_flagged(block, q, rope["style"]) for block in qm["blocks"]]
     return {
-        "format": "loopvq", "format_version": FORMAT_VERSION,
+        "format": "loopvq", "format_version": written_version(blocks),
         "producer": {"name": "loopvq-calib", "version": producer_version},
         "created": created.strftime("%Y-%m-%dT%H:%M:%SZ"), "name": name, "method": q.method,
         "bits": q.bits(),
@@ -126,10 +129,19 @@ def _bundle_meta(q: KVQuantizer, name: str, identity: ModelIdentity, *, calibrat
         "model": identity.to_dict(), "kv_layout": kv, "rope": rope,
         "serving": {"sink_tokens": serving.sink_tokens, "recent_window": serving.recent_window,
                     "page_size": serving.page_size},
-        "sigma_rule": SIGMA_RULE, "blocks": qm["blocks"], "calibration": calibration, "metrics": metrics,
+        "sigma_rule": SIGMA_RULE, "blocks": blocks, "calibration": calibration, "metrics": metrics,
         "config": config,
     }
 
+
+
+def _flagged(block: dict[str, Any], q: KVQuantizer, rope_style: str) -> dict[str, Any]:
+    """``block`` with ``"grouping": "channels"`` (format 1.2) when it is a TaSQ key block of several steps whose
+    groups hold the same channels, whole RoPE pairs, at every step (:func:`~loopvq_calib.codes.layouts.channel_sets`)."""
+    layout = q.codecs[block["key"]].layout
+    if block["tasq"] and layout.steps > 1 and channel_sets(layout, rope_style) is not None:
+        return {**block, "grouping": "channels"}
+    return block
 
 
 def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
@@ -144,9 +156,9 @@ def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
     return data[:8] + header.ljust(n) + data[8 + n:] if len(header) <= n else data
 
 
-def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor], version: str) -> None:
     # through bytes: safetensors' save_file creates files with mode 0600 regardless of the umask
-    path.write_bytes(safetensors_bytes(tensors, {"format": "loopvq", "format_version": FORMAT_VERSION}))
+    path.write_bytes(safetensors_bytes(tensors, {"format": "loopvq", "format_version": version}))
 
 
 def _swap_in(tmp: Path, final: Path) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config.schema import QuantConfig
+from ..models.common import pair_channels
 from ..models.sites import KVLayout
 
 KINDS = ("key", "value")
@@ -114,6 +115,33 @@ def plan_layouts(kv: KVLayout, quant: QuantConfig) -> list[BlockLayout]:
         for kind in KINDS:
             out.append(BlockLayout(block.name, kind, sites, kv.head_dim, kv.kv_heads, groups[None].clone()))
     return out
+
+
+def channel_sets(layout: BlockLayout, rope_style: str) -> torch.Tensor | None:
+    """The channels of every code when ``layout`` is a *channels* layout, else None.
+
+    A channels layout (``tasq.grouping: channels``): each code holds the same c = G / T channels at every step
+    of the block (c coordinates of each step, the same channel set at each), and those channels are whole RoPE
+    pairs of ``rope_style`` (``half``: i with i + D/2, ``interleaved``: 2i with 2i + 1). Step m's slice of a code is
+    then a fixed set of channels, as in the loop-axis layout, so a decoder may permute channels once instead of
+    gathering them per coordinate. Returns [Hg, n, c] int64, each row sorted; positions inside a codeword are
+    free (read ``groups`` for them). The one test of the property: serving, the bundle writer and the reader
+    use it."""
+    d, t, g = layout.head_dim, layout.steps, layout.group_size
+    if g % t:
+        return None
+    coords = layout.groups.detach().cpu().long().sort(-1).values  # ascending: step 0's coordinates first
+    per_step = coords.view(*coords.shape[:2], t, g // t)
+    if not bool((per_step // d == torch.arange(t)[:, None]).all()):
+        return None
+    channels = per_step % d
+    if not bool((channels == channels[:, :, :1]).all()):
+        return None
+    sets = channels[:, :, 0]
+    a, b = pair_channels(d, rope_style)
+    partner = torch.empty(d, dtype=torch.long)
+    partner[a], partner[b] = b, a
+    return sets if torch.equal(partner[sets].sort(-1).values, sets) else None
 
 
 def codebook_shape(layout: BlockLayout, codebook_size: int, sharing: str) -> tuple[int, int, int, int]:

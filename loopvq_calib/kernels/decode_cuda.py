@@ -288,6 +288,7 @@ def decode_attention_cuda(inputs: KernelInputs, tables: StepTables, lanes: LaneT
                ("RV", lanes.run_value), ("KG", lanes.key_group), ("VG", lanes.value_group),
                ("KT32", int(key.dtype == torch.float32)), ("VT32", int(lanes.value.dtype == torch.float32)),
                ("CHEB", int(lanes.value.dtype != torch.float32)), ("TASQ", int(tables.tasq)),
+               ("PAIRS", int(lanes.key_pair is not None)),
                ("HAS_MASK", int(inputs.masked)), ("ACT", ACT_CODES[q.dtype]), ("IDXVEC", vec))
     device = indexed_device(q.device)
     builds = cuda_build.BUILDS
@@ -297,8 +298,9 @@ def decode_attention_cuda(inputs: KernelInputs, tables: StepTables, lanes: LaneT
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype)
     strides = [kidx.stride(0), kidx.stride(2), vidx.stride(0), vidx.stride(2), *sig.stride()[:2],
                *fp_keys.stride()[:3], *fp_values.stride()[:3], fpos.stride(0)]  # within int32: launch checked
+    pairs = lanes.key_column if lanes.key_pair is None else lanes.key_pair  # unread without PAIRS
     args = [q, kidx, vidx, sig, key, lanes.value, lanes.key_column, lanes.value_column, lanes.key_channel,
-            lanes.value_channel, inputs.first, inputs.cos, inputs.sin, fp_keys, fp_values, fpos, inputs.fp_mask, acc,
+            lanes.value_channel, pairs, inputs.first, inputs.cos, inputs.sin, fp_keys, fp_values, fpos, inputs.fp_mask, acc,
             ml, builds.counters(device, bsz * heads), out, bsz, n, fp_keys.shape[1], plan.split_len,
             _float_bits(1.4426950408889634 / math.sqrt(d)), *strides]
     try:

@@ -14,12 +14,15 @@ import torch
 class StepTables:
     """What the kernels read at one site: codeword values per channel and the code of each channel.
 
-    ``key_a`` / ``key_b`` [H, K, D/2]: the first / second channel of every RoPE pair (``half``: i and i + D/2;
-    ``interleaved``: 2i and 2i+1), divided by TaSQ's weight; ``key_code_a`` / ``key_code_b`` [H, D/2] int32;
+    ``key_a`` / ``key_b`` [H, K, D/2]: the first / second channel of every slot's RoPE pair (``half``: i and
+    i + D/2; ``interleaved``: 2i and 2i+1, for pair i), divided by TaSQ's weight; ``key_code_a`` / ``key_code_b``
+    [H, D/2] int32: their codes;
     ``value`` [H, K, D], ``value_code`` [H, D] int32 (key and value tables may differ in dtype); ``step`` the
     site's step in its block; ``tasq``: keys are multiplied by the token's sigma; ``rope_style`` the pairs'
-    convention; ``lanes``: lanes per token -> the CUDA kernel's lane-order tables (or None where it does not
-    serve the site), made on first use.
+    convention; ``key_pairs`` [H, D/2] int32: the RoPE pair (cos/sin column) of every key slot, or None when slot
+    i holds pair i (a channels layout's pairs are put in code order, so that a code's channels sit side by side);
+    ``lanes``: lanes per token -> the CUDA kernel's lane-order tables (or None where it does not serve the site),
+    made on first use.
     """
 
     key_a: torch.Tensor
@@ -31,6 +34,7 @@ class StepTables:
     step: int
     tasq: bool
     rope_style: str
+    key_pairs: torch.Tensor | None = None
     lanes: dict[int, Any] = field(default_factory=dict, repr=False)
 
 

@@ -5,8 +5,11 @@ A token is served by a group of ``lanes`` lanes (8 or 16), lane ``l`` owning ``D
 channels of ``D/(2 lanes)`` RoPE pairs, so the query's rotation is lane-local) and ``D/lanes`` value channels;
 the channels a lane reads from one code form a *run* (one index byte and one vector load per token). Loop-axis
 layouts give runs of 4 (Ouro, 16 lanes: a lane reads 2 key and 2 value codes per token, the value codes' index
-bytes in one 16-bit load; with 8 lanes 4 and 4, in one 16-bit and one 32-bit load); TaSQ's permuted keys give
-runs of 1. :func:`lane_tables` says whether a site fits (head dim a multiple of 2 lanes).
+bytes in one 16-bit load; with 8 lanes 4 and 4, in one 16-bit and one 32-bit load); TaSQ's free keys give
+runs of 1. A lane owns the pairs of its slots of the step tables: pair i in slot i, or a channels layout's pairs
+in code order (``StepTables.key_pairs``), whose codes then give runs as long as the loop-axis layout's (both
+channels of c/2 pairs: ``key_mixed``). :func:`lane_tables` says whether a site fits (head dim a multiple of 2
+lanes).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ class LaneTables:
     float32); ``key_column`` [H, L, runs] / ``value_column`` int32: the index column (code) of every run;
     ``key_channel`` [H, D] int32: the channel of lane l's key register j at l*D/L + j; ``value_channel`` [H, D]
     likewise; ``key_group`` / ``value_group``: how many runs' index bytes sit in adjacent columns (1, 2 or 4:
-    read with one load)."""
+    read with one load); ``key_pair`` [H, D/2] int32: the RoPE pair (cos/sin column) of lane l's pair j at
+    l*D/(2L) + j, or None when that is pair l*D/(2L) + j (the kernel then reads consecutive columns)."""
 
     key: torch.Tensor
     value: torch.Tensor
@@ -46,6 +50,7 @@ class LaneTables:
     lanes: int
     key_group: int
     value_group: int
+    key_pair: torch.Tensor | None = None
     key_wide: torch.Tensor | None = None  # the key table in float32 (exact), made on first use
 
     def key_table(self, float32: bool) -> torch.Tensor:
@@ -122,7 +127,8 @@ def lane_tables(tables: StepTables, lanes: int = 16) -> LaneTables | None:
         return None
     per_lane, pairs = d // lanes, d // (2 * lanes)
     dev = tables.value.device
-    a, b = (c.to(dev) for c in pair_channels(d, tables.rope_style))
+    slots = torch.arange(d // 2, device=dev).expand(heads, -1) if tables.key_pairs is None else tables.key_pairs.long()
+    a, b = (c.to(dev)[slots].view(heads, lanes, pairs) for c in pair_channels(d, tables.rope_style))
     code_a = tables.key_code_a.view(heads, lanes, pairs)
     code_b = tables.key_code_b.view(heads, lanes, pairs)
     rk, mixed = _key_runs(code_a.cpu(), code_b.cpu(), per_lane)
@@ -130,7 +136,7 @@ def lane_tables(tables: StepTables, lanes: int = 16) -> LaneTables | None:
     reg_values = torch.cat([tables.key_a.view(heads, k, lanes, pairs), tables.key_b.view(heads, k, lanes, pairs)], 3)
     key = reg_values[..., order].view(heads, k, lanes, per_lane // rk, rk).permute(0, 3, 1, 2, 4)
     reg_codes = torch.cat([code_a, code_b], 2)[..., order].view(heads, lanes, per_lane // rk, rk)
-    reg_channel = torch.cat([a.view(lanes, pairs), b.view(lanes, pairs)], 1)  # [L, per_lane]
+    reg_channel = torch.cat([a, b], 2)  # [H, L, per_lane]
 
     vorder = _slot_order(tables.value_code)
     vcode = tables.value_code.gather(1, vorder)
@@ -142,5 +148,5 @@ def lane_tables(tables: StepTables, lanes: int = 16) -> LaneTables | None:
     value_column = vcode.view(heads, lanes, per_lane // rv, rv)[..., 0].to(i32).contiguous()
     return LaneTables(
         key.contiguous(), value.contiguous(), key_column, value_column,
-        reg_channel.reshape(1, d).expand(heads, -1).to(i32).contiguous(), vorder.to(i32).contiguous(), rk, mixed, rv,
-        lanes, _group(key_column.cpu()), _group(value_column.cpu()))
+        reg_channel.reshape(heads, d).to(i32).contiguous(), vorder.to(i32).contiguous(), rk, mixed, rv,
+        lanes, _group(key_column.cpu()), _group(value_column.cpu()), tables.key_pairs)

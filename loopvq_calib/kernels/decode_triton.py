@@ -47,13 +47,13 @@ if triton is not None:
     # counts that change between calls are not specialised on: no recompilation as the cache grows
     @triton.jit(do_not_specialize=["n_batch", "batch_per_program", "n_coded", "n_fp", "split_len"])
     def _split_kernel(
-        q_ptr, kidx_ptr, vidx_ptr, sig_ptr, ka_ptr, kb_ptr, kca_ptr, kcb_ptr, tv_ptr, vc_ptr,
+        q_ptr, kidx_ptr, vidx_ptr, sig_ptr, ka_ptr, kb_ptr, kca_ptr, kcb_ptr, kp_ptr, tv_ptr, vc_ptr,
         p0_ptr, cos_ptr, sin_ptr, fk_ptr, fv_ptr, fpos_ptr, fmask_ptr, acc_ptr, ml_ptr,
         n_batch, batch_per_program, n_coded, n_fp, split_len, qk_scale,
         s_kib, s_kit, s_kih, s_vib, s_vit, s_vih, s_sb, s_st,
         s_fkb, s_fkt, s_fkh, s_fvb, s_fvt, s_fvh, s_fpb,
         H: tl.constexpr, QG: tl.constexpr, QGP: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
-        HALF: tl.constexpr, TASQ: tl.constexpr, STEP: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr,
+        HALF: tl.constexpr, PAIRS: tl.constexpr, TASQ: tl.constexpr, STEP: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr,
         DP: tl.constexpr, TABLE_EVICT: tl.constexpr = "", STREAM_EVICT: tl.constexpr = "",
     ):
         # one program per (KV head, split, batch slice), looping over its sequences: the head's step tables
@@ -70,12 +70,16 @@ if triton is not None:
         d_ok = d < D
         r = tl.arange(0, QGP)
         j = tl.arange(0, BLOCK_N)
-        if HALF:
-            ca_ch = i
-            cb_ch = i + D2
+        if PAIRS:  # slot i holds RoPE pair fr[i] (a channels layout's pairs in code order): its channels, cos/sin
+            fr = tl.load(kp_ptr + h * D2 + i, mask=i_ok, other=0)
         else:
-            ca_ch = 2 * i
-            cb_ch = 2 * i + 1
+            fr = i
+        if HALF:
+            ca_ch = fr
+            cb_ch = fr + D2
+        else:
+            ca_ch = 2 * fr
+            cb_ch = 2 * fr + 1
         row_ok = r < QG
         q_ok = row_ok[:, None] & i_ok[None, :]
         code_a = tl.load(kca_ptr + h * D2 + i, mask=i_ok, other=0)
@@ -84,8 +88,8 @@ if triton is not None:
         tab_a = ka_ptr + h.to(tl.int64) * K * D2
         tab_b = kb_ptr + h.to(tl.int64) * K * D2
         tab_v = tv_ptr + h.to(tl.int64) * K * D
-        cos_d = tl.load(cos_ptr + j[:, None] * D2 + i[None, :], mask=i_ok[None, :], other=0.0)  # by 0..BLOCK_N-1
-        sin_d = tl.load(sin_ptr + j[:, None] * D2 + i[None, :], mask=i_ok[None, :], other=0.0)
+        cos_d = tl.load(cos_ptr + j[:, None] * D2 + fr[None, :], mask=i_ok[None, :], other=0.0)  # by 0..BLOCK_N-1
+        sin_d = tl.load(sin_ptr + j[:, None] * D2 + fr[None, :], mask=i_ok[None, :], other=0.0)
         start = s * split_len  # coded tokens [start, end) of this split (none for the last split)
         end = tl.where(s < n_splits, tl.minimum(start + split_len, n_coded), start)
         fend = tl.where(s == n_splits, n_fp, 0)
@@ -103,8 +107,8 @@ if triton is not None:
                 tok = t0 + j
                 ok = tok < end
                 base = p0 + t0
-                cb = tl.load(cos_ptr + base * D2 + i, mask=i_ok, other=0.0)
-                sb = tl.load(sin_ptr + base * D2 + i, mask=i_ok, other=0.0)
+                cb = tl.load(cos_ptr + base * D2 + fr, mask=i_ok, other=0.0)
+                sb = tl.load(sin_ptr + base * D2 + fr, mask=i_ok, other=0.0)
                 qa2 = qa * cb[None, :] + qb * sb[None, :]  # the query rotated back by the tile's first position
                 qb2 = qb * cb[None, :] - qa * sb[None, :]
                 u = qa2[:, None, :] * cos_d[None] + qb2[:, None, :] * sin_d[None]  # [QGP, N, D/2]
@@ -136,8 +140,8 @@ if triton is not None:
                 if HAS_MASK:
                     ok = ok & (tl.load(fmask_ptr + b * s_fpb + tok, mask=ok, other=0) != 0)
                 pos = tl.load(fpos_ptr + b * s_fpb + tok, mask=tok < fend, other=0).to(tl.int64)
-                c = tl.load(cos_ptr + pos[:, None] * D2 + i[None, :], mask=i_ok[None, :], other=0.0)
-                sn = tl.load(sin_ptr + pos[:, None] * D2 + i[None, :], mask=i_ok[None, :], other=0.0)
+                c = tl.load(cos_ptr + pos[:, None] * D2 + fr[None, :], mask=i_ok[None, :], other=0.0)
+                sn = tl.load(sin_ptr + pos[:, None] * D2 + fr[None, :], mask=i_ok[None, :], other=0.0)
                 u = qa[:, None, :] * c[None] + qb[:, None, :] * sn[None]
                 w = qb[:, None, :] * c[None] - qa[:, None, :] * sn[None]
                 krow = fk_ptr + b * s_fkb + tok.to(tl.int64)[:, None] * s_fkt + h * s_fkh
@@ -203,14 +207,17 @@ def decode_attention_triton(inputs: KernelInputs, tables: StepTables, coded: Cod
     acc = torch.empty(bsz, hq, splits + 1, d, device=q.device, dtype=torch.float32)
     ml = torch.empty(bsz, hq, splits + 1, 2, device=q.device, dtype=torch.float32)
     hints = launch.cache_hints
+    pairs = tables.key_pairs
     _split_kernel[(heads, splits + 1, slices)](
-        q, kidx, vidx, sig, tables.key_a, tables.key_b, tables.key_code_a, tables.key_code_b, tables.value,
+        q, kidx, vidx, sig, tables.key_a, tables.key_b, tables.key_code_a, tables.key_code_b,
+        tables.key_code_a if pairs is None else pairs, tables.value,
         tables.value_code, inputs.first, inputs.cos, inputs.sin, fk, fv, inputs.fp_positions, inputs.fp_mask, acc, ml,
         bsz, launch.batch_per_program, n, fk.shape[1], per_split, LOG2E / math.sqrt(d),
         kidx.stride(0), kidx.stride(1), kidx.stride(2), vidx.stride(0), vidx.stride(1), vidx.stride(2),
         sig.stride(0), sig.stride(1), fk.stride(0), fk.stride(1), fk.stride(2), fv.stride(0), fv.stride(1),
         fv.stride(2), inputs.fp_positions.stride(0),
-        H=heads, QG=qg, QGP=pow2(qg), D=d, K=k, HALF=tables.rope_style == "half", TASQ=tables.tasq, STEP=tables.step,
+        H=heads, QG=qg, QGP=pow2(qg), D=d, K=k, HALF=tables.rope_style == "half", PAIRS=pairs is not None,
+        TASQ=tables.tasq, STEP=tables.step,
         HAS_MASK=inputs.masked, BLOCK_N=launch.block_n, DP=pow2(d), TABLE_EVICT="evict_last" if hints else "",
         STREAM_EVICT="evict_first" if hints else "", num_warps=launch.num_warps,
     )

@@ -35,6 +35,7 @@ import math
 import torch
 
 from ..codes.codec import BlockCodec, Codes
+from ..codes.layouts import BlockLayout, channel_sets
 from ..kernels import decode_cuda
 from ..kernels.backends import DECODE_CHOICES, DISPATCH, Backend, Candidate, pow2
 from ..kernels.cuda_build import BuildError
@@ -81,22 +82,50 @@ def channel_table(codec: BlockCodec, step: int) -> tuple[torch.Tensor, torch.Ten
     return table.contiguous(), code
 
 
+def pair_order(layout: BlockLayout, rope_style: str) -> torch.Tensor | None:
+    """The RoPE pairs of every head in code order, [H, D/2] (each code's c/2 pairs side by side, ascending), for
+    a channels layout (:func:`~loopvq_calib.codes.layouts.channel_sets`) whose codes do not already hold
+    consecutive pairs; None for any other layout (the tables then keep pair i in slot i)."""
+    sets = channel_sets(layout, rope_style)
+    if sets is None:
+        return None
+    d = layout.head_dim
+    a, _ = pair_channels(d, rope_style)
+    first = torch.zeros(d, dtype=torch.bool)
+    first[a] = True
+    pair_of = torch.empty(d, dtype=torch.long)
+    pair_of[a] = torch.arange(d // 2)
+    order = pair_of[sets[first[sets]].view(sets.shape[0], d // 2)]  # the first channel of each pair, in code order
+    if torch.equal(order, torch.arange(d // 2).expand_as(order)):
+        return None
+    return order.expand(layout.kv_heads, -1)
+
+
 def step_tables(key_codec: BlockCodec, value_codec: BlockCodec, step: int, *, rope_style: str,
                 device: torch.device | str, dtype: torch.dtype = torch.float16) -> StepTables:
     """Build a site's :class:`StepTables` on ``device``; codeword values in ``dtype``, the key or the value
-    tables in float32 where the CUDA kernel's half sums could overflow (:func:`table_dtype`)."""
+    tables in float32 where the CUDA kernel's half sums could overflow (:func:`table_dtype`). A channels layout's
+    key tables hold the pairs in :func:`pair_order` (``key_pairs``: the kernels rotate the query by each slot's
+    pair), every other layout's pair i in slot i."""
     kt, kc = channel_table(key_codec, step)
     vt, vc = channel_table(value_codec, step)
-    a, b = pair_channels(key_codec.layout.head_dim, rope_style)
+    heads, d = kc.shape
+    order = pair_order(key_codec.layout, rope_style)
+    slots = torch.arange(d // 2).expand(heads, -1) if order is None else order
+    a, b = (c[slots] for c in pair_channels(d, rope_style))  # [H, D/2]: the channels of every slot's pair
     key_dtype = table_dtype(kt.abs().max().item(), dtype, "key")
     value_dtype = table_dtype(vt.abs().max().item(), dtype, "value")
 
     def put(t: torch.Tensor, as_dtype: torch.dtype) -> torch.Tensor:
         return t.to(device=device, dtype=as_dtype).contiguous()
 
+    def key(channels: torch.Tensor) -> torch.Tensor:
+        return kt.gather(2, channels[:, None, :].expand(-1, kt.shape[1], -1))
+
     i32 = torch.int32
-    return StepTables(put(kt[:, :, a], key_dtype), put(kt[:, :, b], key_dtype), put(kc[:, a], i32), put(kc[:, b], i32),
-                      put(vt, value_dtype), put(vc, i32), step, key_codec.transform is not None, rope_style)
+    return StepTables(put(key(a), key_dtype), put(key(b), key_dtype), put(kc.gather(1, a), i32),
+                      put(kc.gather(1, b), i32), put(vt, value_dtype), put(vc, i32), step,
+                      key_codec.transform is not None, rope_style, None if order is None else put(order, i32))
 
 
 def table_dtype(largest: float, dtype: torch.dtype, kind: str) -> torch.dtype:

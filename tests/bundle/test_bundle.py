@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from loopvq_calib.bundle import writer
-from loopvq_calib.bundle.format import FORMAT_VERSION
+from loopvq_calib.bundle.format import BASE_VERSION
 from loopvq_calib.bundle.reader import BundleError, load_bundle
 from loopvq_calib.bundle.writer import write_bundle
 from loopvq_calib.config.schema import ServingConfig
@@ -36,7 +36,7 @@ def test_round_trip(tmp_path, tiny_ouro_dir):
             assert torch.equal(got.transform.weight, codec.transform.weight)
     assert b.quantizer.kv == q.kv and b.quantizer.bits() == q.bits()
     m = b.meta
-    assert m["format_version"] == FORMAT_VERSION and m["producer"] == {"name": "loopvq-calib", "version": "0.1.0"}
+    assert m["format_version"] == BASE_VERSION and m["producer"] == {"name": "loopvq-calib", "version": "0.1.0"}
     assert m["created"].endswith("Z") and m["method"] == "tasq+loopvq" and m["index_dtype"] == "uint8"
     assert m["bits"] == {"key": 0.5 + 16 / (4 * 16), "value": 0.5}
     assert (m["codebook_size"], m["group_size"], m["steps_per_block"]) == (K, G, T_C)
@@ -53,7 +53,7 @@ def test_round_trip(tmp_path, tiny_ouro_dir):
 def test_safetensors_metadata_and_model_card(tmp_path, tiny_ouro_dir):
     bundle_dir = write_tiny_bundle(tmp_path / "bundle", tiny_ouro_dir)
     with safe_open(str(bundle_dir / "codebooks.safetensors"), "pt") as f:
-        assert f.metadata() == {"format": "loopvq", "format_version": FORMAT_VERSION}
+        assert f.metadata() == {"format": "loopvq", "format_version": BASE_VERSION}
     card = (bundle_dir / "README.md").read_text()
     front = yaml.safe_load(card.split("---")[1])
     assert front["base_model"] == "org/tiny-ouro" and front["library_name"] == "loopvq-calib"

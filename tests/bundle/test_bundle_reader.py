@@ -50,8 +50,8 @@ def _rewrite_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dic
     """Replace codebooks.safetensors (header ``metadata``) and record its checksum in ``meta`` (default: the
     bundle's loopvq.json), as a buggy writer would."""
     file = path / "codebooks.safetensors"
-    save_file(tensors, str(file), metadata=metadata or {"format": "loopvq", "format_version": FORMAT_VERSION})
     meta = meta or _meta(path)
+    save_file(tensors, str(file), metadata=metadata or {"format": "loopvq", "format_version": meta["format_version"]})
     meta["files"]["codebooks.safetensors"] = {"sha256": hashlib.sha256(file.read_bytes()).hexdigest(),
                                               "bytes": file.stat().st_size}
     _set_meta(path, meta)
@@ -134,7 +134,7 @@ def test_format_versions(bundle_dir):
     future = {**meta, "format_version": "1.7", "a_future_optional_field": {"x": 1}}
     _rewrite_tensors(bundle_dir, tensors, {"format": "loopvq", "format_version": "1.7"}, meta=future)
     assert load_bundle(bundle_dir).meta["format_version"] == "1.7"
-    _rewrite_tensors(bundle_dir, tensors, meta=future)  # the header says 1.1, loopvq.json 1.7
+    _rewrite_tensors(bundle_dir, tensors, {"format": "loopvq", "format_version": "1.1"}, meta=future)  # vs 1.7
     with pytest.raises(BundleError, match=r"codebooks\.safetensors: safetensors metadata format_version '1\.1' "
                                           r"differs from field format_version '1\.7' of loopvq\.json"):
         load_bundle(bundle_dir)

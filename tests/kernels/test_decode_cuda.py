@@ -263,7 +263,7 @@ def test_a_given_plan_is_launched_as_is(builds, monkeypatch):
     out = dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv, plan=plan)
     (defines, kw), = launches
     assert kw["grid"] == (tables.value.shape[0], 3, 1) and kw["block"] == (128, 1, 1) and kw["shared_mem"] == 12345
-    acc, ml, counters, written = kw["args"][17:21]
+    acc, ml, counters, written = kw["args"][18:22]
     assert defines["RPB"] == "2" and defines["U"] == "2" and acc.shape[2] == ml.shape[2] == 3
     assert written is out and out.shape == q.shape and out.dtype == q.dtype
     assert counters.dtype == torch.int32 and counters.numel() >= 2 * 2 and not counters.any()

@@ -14,11 +14,13 @@ from loopvq_calib.models.common import pair_channels
 from loopvq_calib.serving import decode_attention as da
 
 
-@pytest.mark.parametrize("method", ["cq", "tasq", "loopvq", "tasq+loopvq"])
+@pytest.mark.parametrize("method", ["cq", "tasq", "loopvq", "tasq+loopvq", "tasq+loopvq channels"])
 @pytest.mark.parametrize("style", ["half", "interleaved"])
 @pytest.mark.parametrize("q_heads, lanes", [(2, 8), (2, 16), (6, 8)])
 def test_lane_tables_give_the_reference_attention(method, style, q_heads, lanes):
-    kc, vc = make_codecs(method, 2, 64, 16, 8, 4, seed=4)
+    """``tasq+loopvq channels``: a channels layout of 2 RoPE pairs per code and step (its pairs permuted)."""
+    name, _, grouping = method.partition(" ")
+    kc, vc = make_codecs(name, 2, 64, 16, 16 if grouping else 8, 4, seed=4, grouping=grouping or "free", style=style)
     coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, 2, q_heads, 23, 6, seed=4, pad=2)
     for step in range(kc.layout.steps):
         tables = da.step_tables(kc, vc, step, rope_style=style, device="cpu", dtype=torch.float32)
@@ -62,6 +64,25 @@ def test_index_bytes_read_together_at_ouro_shapes():
     kc, vc = make_codecs("tasq+loopvq", 2, 128, 16, 16, 4)
     lanes = dl.lane_tables(da.step_tables(kc, vc, 1, rope_style="half", device="cpu", dtype=torch.float16), 8)
     assert (lanes.run_key, lanes.key_group, lanes.value_group) == (1, 1, 4)
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_channels_layouts_read_runs_as_long_as_loopvqs(style):
+    """Ouro's shapes (D 128, G 16, T_c 4: 2 RoPE pairs per code and step), 16 lanes: with the pairs in code order a
+    lane's 4 pairs are 2 codes, each a run of 4 holding both channels of 2 pairs (LoopVQ: 2 runs of 4 too), their
+    index bytes adjacent (read in one load); each lane's cos/sin columns are its pairs' (the pair map). A free
+    TaSQ layout reads runs of 1 through no map."""
+    kc, vc = make_codecs("tasq+loopvq", 2, 128, 16, 16, 4, grouping="channels", style=style)
+    tables = da.step_tables(kc, vc, 1, rope_style=style, device="cpu", dtype=torch.float16)
+    lanes = dl.lane_tables(tables, 16)
+    assert (lanes.run_key, lanes.key_mixed, lanes.key_group, lanes.run_value) == (4, True, 2, 4)
+    assert torch.equal(lanes.key_pair, tables.key_pairs)
+    a, _ = pair_channels(128, style)
+    first = lanes.key_channel.view(2, 16, 2, 4)[:, :, 0].reshape(2, 64)  # the first channel of every lane's pairs
+    assert torch.equal(first.long(), a[lanes.key_pair.long()])
+    kc, vc = make_codecs("tasq+loopvq", 2, 128, 16, 16, 4)
+    free = dl.lane_tables(da.step_tables(kc, vc, 1, rope_style=style, device="cpu", dtype=torch.float16), 16)
+    assert (free.run_key, free.key_pair) == (1, None)
 
 
 def test_head_dims_that_are_no_multiple_of_32_are_left_to_triton():

@@ -11,13 +11,26 @@ from conftest import KERNEL_DEVICE as DEVICE
 from loopvq_calib.codes.codec import BlockCodec, TasqTransform
 from loopvq_calib.codes.layouts import BlockLayout, channel_groups, loop_axis_groups
 from loopvq_calib.kernels import decode_lanes as dl
-from loopvq_calib.models.common import rope_angles
+from loopvq_calib.models.common import pair_channels, rope_angles
 from loopvq_calib.serving import decode_attention as da
 
 
 def permuted_groups(heads: int, steps: int, d: int, g: int, seed: int) -> torch.Tensor:
     """A TaSQ-like per-head layout: any permutation of the flat coordinates (the kernel must not assume pairs)."""
     return torch.stack([torch.randperm(steps * d, generator=gen(seed + h)) for h in range(heads)]).view(heads, -1, g)
+
+
+def channels_groups(heads: int, steps: int, d: int, g: int, style: str, seed: int) -> torch.Tensor:
+    """A TaSQ channels layout per head (``tasq.grouping: channels``): random RoPE pairs of ``style``, G / steps / 2
+    per code, each at every step; coordinates sorted, codes by their first coordinate (as the TaSQ stage writes)."""
+    a, b = pair_channels(d, style)
+    out = []
+    for h in range(heads):
+        perm = torch.randperm(d // 2, generator=gen(seed + h)).view(-1, g // steps // 2)  # the pairs of each code
+        channels = torch.cat([a[perm], b[perm]], 1)
+        coords = (torch.arange(steps)[None, :, None] * d + channels[:, None, :]).flatten(1).sort(-1).values
+        out.append(coords[coords[:, 0].argsort()])
+    return torch.stack(out)
 
 
 def lane_reads(idx: torch.Tensor, table: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
@@ -37,12 +50,16 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def make_codecs(method: str, heads: int, d: int, k: int, g: int, steps: int, sharing: str = "none", seed: int = 0):
-    """Key and value codecs of one block with the layouts of ``method`` (T_b = ``steps`` for loop-axis methods)."""
+def make_codecs(method: str, heads: int, d: int, k: int, g: int, steps: int, sharing: str = "none", seed: int = 0, *,
+                grouping: str = "free", style: str = "half"):
+    """Key and value codecs of one block with the layouts of ``method`` (T_b = ``steps`` for loop-axis methods);
+    TaSQ keys: any permutation (``grouping`` free) or :func:`channels_groups` of RoPE ``style``."""
     loop = method in ("loopvq", "tasq+loopvq")
     t_b = steps if loop else 1
     plain = loop_axis_groups(d, t_b, g)[None] if loop else channel_groups(d, g)[None]
     key_groups = permuted_groups(heads, t_b, d, g, seed) if method.startswith("tasq") else plain
+    if grouping == "channels":
+        key_groups = channels_groups(heads, t_b, d, g, style, seed)
 
     def codec(kind: str, groups: torch.Tensor, tasq: bool, s: int) -> BlockCodec:
         lay = BlockLayout("b0.l0", kind, tuple(range(t_b)), d, heads, groups.clone())
@@ -86,12 +103,13 @@ def head_major(idx: torch.Tensor) -> torch.Tensor:
 
 def check(method, style, heads, q_heads, n, s_fp, *, steps=4, d=16, k=16, g=8, sharing="none", block_n=8,
           splits=None, pad=0, seed=0, table_dtype=torch.float32, dtype=torch.float32, tol=1e-5, batch=2, per_program=1,
-          hints=False, key_bias=0.0, q_scale=1.0, value_scale=1.0, backend="auto", **cuda):
+          hints=False, key_bias=0.0, q_scale=1.0, value_scale=1.0, backend="auto", grouping="free", **cuda):
     """Kernel output against the reference at every step; ``key_bias`` is added to every key (codewords and
     full-precision keys: near-constant channels of that magnitude), the query is multiplied by ``q_scale`` and
     every value (codewords and full-precision values) by ``value_scale``. ``block_n``, ``per_program`` and
-    ``hints`` launch the Triton kernel, ``cuda`` (CudaDecodeLaunch's fields) the CUDA kernel; ``splits`` both."""
-    kc, vc = make_codecs(method, heads, d, k, g, steps, sharing, seed)
+    ``hints`` launch the Triton kernel, ``cuda`` (CudaDecodeLaunch's fields) the CUDA kernel; ``splits`` both;
+    ``grouping``: TaSQ keys' layout (make_codecs)."""
+    kc, vc = make_codecs(method, heads, d, k, g, steps, sharing, seed, grouping=grouping, style=style)
     coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, batch, q_heads, n, s_fp, seed, dtype, pad)
     if key_bias or q_scale != 1.0 or value_scale != 1.0:
         kc.codebook.data += key_bias
@@ -149,7 +167,9 @@ def emulate(q: torch.Tensor, tables: da.StepTables, coded: da.CodedTokens, fk, f
     qreg = q.double().view(bsz, heads, qg, d).gather(3, kch[None, :, None, :].expand(bsz, -1, qg, -1))
     qa, qb = qreg.view(bsz, heads, qg, L, 2, pairs).unbind(4)  # [B, H, qg, L, pairs]
     pos = torch.cat([coded.first_position[:, None].long() + torch.arange(n), fpos.long()], 1)
-    cos, sin = (t.double().view(bsz, -1, L, pairs)[:, :, None, None] for t in rope_angles(pos, d, theta))
+    first = kch.view(heads, L, 2, pairs)[:, :, 0]  # the first channel of each lane's pairs -> the pair's angle
+    pair = first % (d // 2) if tables.rope_style == "half" else first // 2
+    cos, sin = (t.double()[:, :, pair][:, :, :, None] for t in rope_angles(pos, d, theta))  # [B, S, H, 1, L, pairs]
     xa, xb = qa[:, None] * cos + qb[:, None] * sin, qb[:, None] * cos - qa[:, None] * sin  # [B, S, H, qg, L, pairs]
     ka, kb = keys.view(*keys.shape[:4], 2, pairs).unbind(4)
     scores = (ka[:, :, :, None] * xa + kb[:, :, :, None] * xb).sum((-1, -2)) / math.sqrt(d)  # [B, S, H, qg]

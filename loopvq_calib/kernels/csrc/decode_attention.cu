@@ -2,7 +2,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
     const void* __restrict__ q, const u8* __restrict__ kidx, const u8* __restrict__ vidx,
     const u16* __restrict__ sig, const void* __restrict__ ktab_g, const void* __restrict__ vtab_g,
     const int* __restrict__ kcol_g, const int* __restrict__ vcol_g, const int* __restrict__ kch,
-    const int* __restrict__ vch, const int* __restrict__ p0, const float* __restrict__ cos_t,
+    const int* __restrict__ vch, const int* __restrict__ kpair, const int* __restrict__ p0, const float* __restrict__ cos_t,
     const float* __restrict__ sin_t, const void* __restrict__ fk, const void* __restrict__ fv,
     const int* __restrict__ fpos, const signed char* __restrict__ fmask, float* __restrict__ acc_out,
     float* __restrict__ ml_out, int* __restrict__ count, void* __restrict__ out, int n_batch, int n_coded, int n_fp, int split_len, int qk_scale_bits,
@@ -52,8 +52,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
         vcol[r] = vcol_g[(h * LPT + l) * NRV + r];
         vofs[r] = sm + KT_BYTES + (r * KCB * LPT + l) * RV * (VT32 ? 4 : 2);
     }
+    int fr[PPL];  // the cos/sin column (RoPE pair) of each of the lane's pairs
+#pragma unroll
+    for (int j = 0; j < PPL; ++j) fr[j] = PAIRS ? kpair[h * HD2 + l * PPL + j] : l * PPL + j;
     float cg2[PPL];  // 2 cos(GRP theta) of the lane's pairs (GRP positions: the step between a group's tokens)
-    load_floats<PPL>(cos_t + GRP * HD2 + l * PPL, cg2);
+    load_pairs(cos_t + GRP * HD2, fr, cg2);
 #pragma unroll
     for (int j = 0; j < PPL; ++j) cg2[j] *= 2.0f;
 
@@ -109,8 +112,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
             const i64 krw = (i64)b * s_fkb + (i64)t * s_fkt + (i64)h * s_fkh;
             const i64 vrw = (i64)b * s_fvb + (i64)t * s_fvt + (i64)h * s_fvh;
             float cf[PPL], sf[PPL], kf[CPL];
-            load_floats<PPL>(cos_t + pos * HD2 + l * PPL, cf);
-            load_floats<PPL>(sin_t + pos * HD2 + l * PPL, sf);
+            load_pairs(cos_t + pos * HD2, fr, cf);
+            load_pairs(sin_t + pos * HD2, fr, sf);
 #pragma unroll
             for (int j = 0; j < CPL; ++j) kf[j] = act(fk, krw + kchan[l * CPL + j]);
             bool ok = base + grp < n_fp;
@@ -145,10 +148,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
             if (since == 0) {  // warp-uniform
                 const i64 pos = pb + t0 + grp;  // < pb + n_coded + GRP - 1: inside the table (decode_cuda.rope_rows)
                 float cc[PPL], ss[PPL], cg[PPL], sg2[PPL];  // at the position; rotation by GRP positions
-                load_floats<PPL>(cos_t + pos * HD2 + l * PPL, cc);
-                load_floats<PPL>(sin_t + pos * HD2 + l * PPL, ss);
-                load_floats<PPL>(cos_t + GRP * HD2 + l * PPL, cg);
-                load_floats<PPL>(sin_t + GRP * HD2 + l * PPL, sg2);
+                load_pairs(cos_t + pos * HD2, fr, cc);
+                load_pairs(sin_t + pos * HD2, fr, ss);
+                load_pairs(cos_t + GRP * HD2, fr, cg);
+                load_pairs(sin_t + GRP * HD2, fr, sg2);
 #pragma unroll
                 for (int g = 0; g < QG; ++g) {
                     const float* qv = qs + (rsub * QG + g) * D + l * CPL;
@@ -228,7 +231,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
                         xp[g][j] = xc[g][j];
                         xp[g][PPL + j] = xc[g][PPL + j];
 #else
-                        const float c = 0.5f * cg2[j], sn = sin_t[GRP * HD2 + l * PPL + j];  // angle addition (exact halving)
+                        const float c = 0.5f * cg2[j], sn = sin_t[GRP * HD2 + fr[j]];  // angle addition (exact halving)
                         const float na = c * xc[g][j] + sn * xc[g][PPL + j];
                         const float nb = c * xc[g][PPL + j] - sn * xc[g][j];
 #endif

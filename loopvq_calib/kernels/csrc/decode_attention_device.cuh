@@ -11,9 +11,11 @@
 // memory by cp.async one step ahead. Keys: the query is rotated to the token's position on the query side
 // (q . R(t) k = k . R(t)^T q), anchored from the cos/sin table every AE steps and advanced by GRP positions
 // per token (CHEB: x(t+GRP) = 2 cos(GRP theta) x(t) - x(t-GRP), one FMA per channel; else angle addition);
-// KH2: fp16 key table, the dot product in packed half2 FMAs. The U partial dot products are reduce-scattered
-// over the group (each lane then holds one token's logit); softmax base 2 with a lazily moved reference
-// maximum; values accumulate per lane (VH2: packed half2 FMAs over a step, added into float32 after it).
+// KH2: fp16 key table, the dot product in packed half2 FMAs. A lane's pairs read their cos/sin columns through
+// a pair map (PAIRS: a channels layout's pairs in code order), else consecutive columns. The U partial dot
+// products are reduce-scattered over the group (each lane then holds one token's logit); softmax base 2 with a
+// lazily moved reference maximum; values accumulate per lane (VH2: packed half2 FMAs over a step, added into
+// float32 after it).
 // Full-precision sink/window tokens are spread over every block's groups. Warps are merged through shared
 // memory; the block writes its split's (acc in channel order, max, sum) and counts itself in for the (row, KV
 // head); the split that arrives last merges every split's result by log-sum-exp, writes the output in q's dtype
@@ -25,11 +27,14 @@
 // Constants defined before this text: D, LPT (8 or 16), RPB (rows per pass), QG (query heads per KV head), U, WARPS, KCB
 // (codebook size), NKC / NVC (index bytes per token: key / value codes), RK / RV (run lengths), KMIX (key runs
 // hold both channels of their pairs), KG / VG (runs whose index bytes are read together: 1, 2 or 4), KT32 /
-// VT32 (key / value tables in fp32, else fp16), CHEB, TASQ, HAS_MASK, ACT (0 bf16, 1 fp16, 2 fp32: q
-// and the full-precision keys/values, and the output), IDXVEC (bytes per cp.async: 4 or 16).
+// VT32 (key / value tables in fp32, else fp16), CHEB, TASQ, PAIRS (read the pair map kpair), HAS_MASK, ACT (0
+// bf16, 1 fp16, 2 fp32: q and the full-precision keys/values, and the output), IDXVEC (bytes per cp.async: 4 or 16).
 
 #ifndef RPB
 #define RPB 1  // batch rows per pass (decode_cuda defines it; 1 for other builders)
+#endif
+#ifndef PAIRS
+#define PAIRS 0  // the lane's pairs are consecutive cos/sin columns (decode_cuda defines it)
 #endif
 #if RPB < 1 || WARPS % RPB != 0
 #error "RPB (batch rows per pass) must divide WARPS: every row of a pass gets WARPS / RPB warps"
@@ -192,6 +197,17 @@ __device__ __forceinline__ void load_floats(const float* p, float* o) {
 #pragma unroll
         for (int i = 0; i < N; ++i) o[i] = p[i];
     }
+}
+
+// the cos/sin values of a lane's PPL pairs in one table row: columns fr[j] (PAIRS), else the consecutive columns
+// from fr[0] (vector loads)
+__device__ __forceinline__ void load_pairs(const float* row, const int* fr, float* o) {
+#if PAIRS
+#pragma unroll
+    for (int j = 0; j < PPL; ++j) o[j] = row[fr[j]];
+#else
+    load_floats<PPL>(row + fr[0], o);
+#endif
 }
 
 // shared-memory loads at 32-bit shared addresses (one address add per load instead of two)
