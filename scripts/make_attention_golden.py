@@ -30,7 +30,8 @@ from loopvq_calib.serving.decode_attention import (  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "golden"
 OUT = Path(__file__).resolve().parents[1] / "tests" / "golden_attention"
-BLOCKS = {"ouro_loopvq": "b0.l1", "huginn_tasq_loopvq": "b0.l0"}  # Huginn's: TaSQ keys, per-head permuted groups
+BLOCKS = {"ouro_loopvq": "b0.l1", "huginn_tasq_loopvq": "b0.l0",  # Huginn's: TaSQ keys, per-head permuted groups
+          "ouro_tasq_loopvq_channels": "b0.l1"}  # TaSQ keys in a channels layout, its pairs permuted in head 1
 SINKS, WINDOW, QUERY_GROUP = 8, 5, 2
 
 
@@ -76,13 +77,16 @@ first); `tests/bundle/test_golden.py` checks them against an independent computa
 decode-attention path: codes -> decoded keys and values -> RoPE -> softmax over coded and full-precision tokens.
 
 For each case, one loop block (`ouro_loopvq`: `b0.l1`, half-split RoPE; `huginn_tasq_loopvq`: `b0.l0`, TaSQ
-keys with per-head permuted groups, interleaved RoPE) and every step `m` of it (T = 4), one sequence:
+keys with per-head permuted groups, interleaved RoPE; `ouro_tasq_loopvq_channels`: `b0.l1`, TaSQ keys in a
+channels layout, format 1.2's `"grouping": "channels"`, half-split RoPE: head 1's codes hold the RoPE pairs
+{0, 2} and {1, 3}, so a backend reading it through a per-head pair permutation is checked) and every step `m`
+of it (T = 4), one sequence:
 
 | tensor `{case}/...` | shape | meaning |
 |---|---|---|
 | `query` | [T, 4, 8] float32 | post-RoPE query of step `m`: 4 query heads, 2 per KV head (query head `q` reads KV head `q // 2`) |
 | `coded_positions` | [16] int64 | positions 8..23 of the 16 coded tokens; their codes are `tests/golden/expected.safetensors`' `{case}/key.{block}.indices`, `.sigma` (TaSQ) and `{case}/value.{block}.indices` |
-| `key.indices_packed`, `value.indices_packed` | [16, 2, ceil(n * 4 / 8)] uint8 | the same codes bit-packed (K = 16: 4 bits per index, LSB first; bundle-format section 8): unpacked, they equal the plain indices above |
+| `key.indices_packed`, `value.indices_packed` | [16, 2, ceil(n * 4 / 8)] uint8 (n: the block's codes per head) | the same codes bit-packed (K = 16: 4 bits per index, LSB first; bundle-format section 8): unpacked, they equal the plain indices above |
 | `fp_keys`, `fp_values` | [T, 13, 2, 8] float32 | full-precision tokens of step `m`'s site, keys pre-RoPE: 8 sinks then 5 window tokens |
 | `fp_positions` | [13] int64 | their positions: 0..7, then 24..28 |
 | `output` | [T, 4, 8] float32 | softmax(q . k / sqrt(8)) v over the 29 tokens, computed in float64 |

@@ -1,9 +1,12 @@
 """Write the golden vectors under tests/golden/ for serving-backend authors (deterministic, seeded).
 
-Two tiny bundles built from hand-made layouts and random codebooks (no calibration):
+Three tiny bundles built from hand-made layouts and random codebooks (no calibration):
   ouro_loopvq          Ouro-like: 2 layers x 4 loop steps, half-split RoPE, loop-axis groups, float16 codebooks
   huginn_tasq_loopvq   Huginn-like: prelude 1 + core 2 (r = 4) + coda 1, interleaved RoPE, TaSQ keys with
                        per-head permuted groups that keep RoPE pairs together, bfloat16 codebooks shared over heads
+  ouro_tasq_loopvq_channels
+                       Ouro-like, TaSQ keys with a channels layout (each code: the same 2 RoPE pairs at every step;
+                       format 1.2's grouping flag), G = 16, float32 codebooks shared over a head's groups
 plus inputs.safetensors (pre-RoPE keys/values per block, positions), expected.safetensors (indices, sigma,
 decoded, decoded keys after RoPE) and README.md. Run: ``python scripts/make_golden.py [OUT_DIR]``.
 """
@@ -25,7 +28,7 @@ from loopvq_calib.codes.codec import BlockCodec, TasqTransform, gather_groups
 from loopvq_calib.codes.layouts import BlockLayout, codebook_shape, plan_layouts
 from loopvq_calib.codes.quantizer import KVQuantizer
 from loopvq_calib.config.schema import QuantConfig, ServingConfig
-from loopvq_calib.models.common import apply_rope, rope_angles
+from loopvq_calib.models.common import apply_rope, pair_channels, rope_angles
 from loopvq_calib.models.loading import TORCH_DTYPES, ModelIdentity
 from loopvq_calib.models.sites import KVLayout, KVSite
 
@@ -74,29 +77,47 @@ def pair_groups(steps: int, gen: torch.Generator) -> torch.Tensor:
                         for _ in range(HEADS)])
 
 
-def tasq_weight(steps: int, gen: torch.Generator) -> torch.Tensor:
-    """[T, H, D] positive weights, equal within a RoPE pair, mean(w^2) = 1 per (step, head). Normalised in
-    float64, then rounded: a float32 mean's summation order follows the CPU's vector width, which would make
-    the shipped weights' last bit depend on the machine that builds them."""
-    w = (0.5 + torch.rand(steps, HEADS, HEAD_DIM // 2, generator=gen)).double().repeat_interleave(2, -1)
+def channels_groups(steps: int, group_size: int, style: str, gen: torch.Generator) -> torch.Tensor:
+    """A TaSQ channels layout [H, n, G] (``tasq.grouping: channels``): random RoPE pairs of ``style``,
+    G / steps / 2 per code, each at every step; coordinates ascending, codes by their first coordinate (as the
+    TaSQ stage writes them)."""
+    a, b = pair_channels(HEAD_DIM, style)
+    out = []
+    for _ in range(HEADS):
+        perm = torch.randperm(HEAD_DIM // 2, generator=gen).view(-1, group_size // steps // 2)  # each code's pairs
+        channels = torch.cat([a[perm], b[perm]], 1)
+        coords = (torch.arange(steps)[None, :, None] * HEAD_DIM + channels[:, None, :]).flatten(1).sort(-1).values
+        out.append(coords[coords[:, 0].argsort()])
+    return torch.stack(out)
+
+
+def tasq_weight(steps: int, gen: torch.Generator, style: str = "interleaved") -> torch.Tensor:
+    """[T, H, D] positive weights, equal within a RoPE pair of ``style``, mean(w^2) = 1 per (step, head).
+    Normalised in float64, then rounded: a float32 mean's summation order follows the CPU's vector width, which
+    would make the shipped weights' last bit depend on the machine that builds them."""
+    w = (0.5 + torch.rand(steps, HEADS, HEAD_DIM // 2, generator=gen)).double()
+    w = w.repeat_interleave(2, -1) if style == "interleaved" else w.repeat(1, 1, 2)
     return (w / w.pow(2).mean(-1, keepdim=True).sqrt()).float()
 
 
-def build_quantizer(kv: KVLayout, method: str, sharing: str, *, dtype: str, gen: torch.Generator) -> KVQuantizer:
+def build_quantizer(kv: KVLayout, method: str, sharing: str, *, dtype: str, gen: torch.Generator, group_size: int = G,
+                    grouping: str = "free") -> KVQuantizer:
     """Random codebooks (rounded to ``dtype``) for every layout of ``method``; TaSQ keys get pair-preserving
-    permuted groups and random weights."""
-    quant = QuantConfig(method=method, bits=None, codebook_size=K, group_size=G, steps_per_block=T_C,
+    permuted groups (``grouping`` free) or a channels layout, and random weights."""
+    quant = QuantConfig(method=method, bits=None, codebook_size=K, group_size=group_size, steps_per_block=T_C,
                         codebook_sharing=sharing)
     codecs = {}
     for lay in plan_layouts(kv, quant):
         transform = None
         if quant.uses_tasq and lay.kind == "key":
-            lay = BlockLayout(lay.name, lay.kind, lay.sites, HEAD_DIM, HEADS, pair_groups(lay.steps, gen))
-            transform = TasqTransform(tasq_weight(lay.steps, gen), sigma_min=1e-4)
+            groups = (channels_groups(lay.steps, group_size, kv.rope_style, gen) if grouping == "channels"
+                      else pair_groups(lay.steps, gen))
+            lay = BlockLayout(lay.name, lay.kind, lay.sites, HEAD_DIM, HEADS, groups)
+            transform = TasqTransform(tasq_weight(lay.steps, gen, kv.rope_style), sigma_min=1e-4)
         lay.check()
         cb = torch.randn(codebook_shape(lay, K, sharing), generator=gen).to(TORCH_DTYPES[dtype]).float()
         codecs[lay.key] = BlockCodec(lay, cb, transform)
-    return KVQuantizer(codecs, method, K, G, T_C, sharing, kv)
+    return KVQuantizer(codecs, method, K, group_size, T_C, sharing, kv)
 
 
 def _bad_tokens(codec: BlockCodec, x: torch.Tensor) -> torch.Tensor:
@@ -138,11 +159,12 @@ def block_inputs(codec: BlockCodec, gen: torch.Generator) -> torch.Tensor:
     raise RuntimeError(f"{codec.layout.key}: could not draw unambiguous inputs")
 
 
-def build_case(name: str, kv: KVLayout, method: str, *, sharing: str, dtype: str, seed: int) -> GoldenCase:
+def build_case(name: str, kv: KVLayout, method: str, *, sharing: str, dtype: str, seed: int, group_size: int = G,
+               grouping: str = "free") -> GoldenCase:
     """The golden case ``name``: its quantizer, unambiguous inputs and their codes, decoded values and (keys) the
     decoded values after RoPE."""
     gen = torch.Generator().manual_seed(seed)
-    q = build_quantizer(kv, method, sharing, dtype=dtype, gen=gen)
+    q = build_quantizer(kv, method, sharing, dtype=dtype, gen=gen, group_size=group_size, grouping=grouping)
     positions = torch.arange(TOKENS) + POSITION_OFFSET
     cos, sin = rope_angles(positions[None], HEAD_DIM, kv.rope_theta)
     inputs, expected = {f"{name}/positions": positions}, {}
@@ -168,6 +190,8 @@ def build_cases() -> list[GoldenCase]:
     return [
         build_case("ouro_loopvq", ouro_layout(), "loopvq", sharing="none", dtype="float16", seed=1),
         build_case("huginn_tasq_loopvq", huginn_layout(), "tasq+loopvq", sharing="heads", dtype="bfloat16", seed=2),
+        build_case("ouro_tasq_loopvq_channels", ouro_layout(), "tasq+loopvq", sharing="groups", dtype="float32",
+                   seed=3, group_size=16, grouping="channels"),
     ]
 
 
@@ -186,6 +210,13 @@ specified in `docs/bundle-format.md`; these files let a serving backend check it
   TaSQ on keys with per-head permuted groups (`groups` [2, n, 8]) that keep every RoPE pair (2i, 2i+1) of a
   step in one code, codebooks shared across heads (`[1, n, K, G]`, broadcast) in bfloat16. Prelude and coda
   are single-site blocks coded like CQ.
+- `ouro_tasq_loopvq_channels/`: the Ouro-like layout of `ouro_loopvq` (half-split RoPE, theta 10000), method
+  `tasq+loopvq` with G = 16 (c = 4 channels per step per code, 2 codes per head) and TaSQ keys in a *channels*
+  layout: each code holds the same 2 RoPE pairs `(i, i + 4)` at every step (per head; coordinates ascending,
+  codes by first coordinate), so its key blocks carry `"grouping": "channels"` and the bundle is format 1.2
+  (`docs/bundle-format.md` section 4: step `m`'s slice of a code is those 4 channels). In `key.b0.l1` head 0's
+  codes hold pairs {0, 1} and {2, 3}, head 1's {0, 2} and {1, 3}. Codebooks shared across a head's groups
+  (`[H, 1, K, G]`) in float32; values keep loop-axis groups.
 - `inputs.safetensors`: `{case}/{kind}.{block}` float32 [N, T, H, D]: the pre-RoPE keys or values of the
   block's T sites (in the order of `blocks[].sites` in loopvq.json) for N = 16 tokens; `{case}/positions`
   int64 [N]: the tokens' absolute positions (after 8 sink tokens), for RoPE.
@@ -204,8 +235,10 @@ specified in `docs/bundle-format.md`; these files let a serving backend check it
    `decoded_rope`.
 
 Edge cases covered: token 0 of every TaSQ key block has an all-zero last site (its sigma is the clamp,
-float16(1e-4), and its group vectors are zero there); codebook broadcast over heads; per-head groups;
-float16 and bfloat16 codebooks; single-site (prelude/coda) blocks; loop blocks of 4 steps.
+float16(1e-4), and its group vectors are zero there); codebook broadcast over heads and over a head's groups;
+per-head groups; float16, bfloat16 and float32 codebooks; single-site (prelude/coda) blocks; loop blocks of
+4 steps; a format 1.2 bundle whose key blocks are flagged `"grouping": "channels"` (a reader of 1.1 ignores
+the flag and reads the same groups).
 
 ## Tensors
 | name | shape | dtype |

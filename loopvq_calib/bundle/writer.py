@@ -137,7 +137,8 @@ def _bundle_meta(q: KVQuantizer, name: str, identity: ModelIdentity, *, calibrat
 
 def _flagged(block: dict[str, Any], q: KVQuantizer, rope_style: str) -> dict[str, Any]:
     """``block`` with ``"grouping": "channels"`` (format 1.2) when it is a TaSQ key block of several steps whose
-    groups hold the same channels, whole RoPE pairs, at every step (:func:`~loopvq_calib.codes.layouts.channel_sets`)."""
+    groups hold the same channels, whole RoPE pairs, at every step
+    (:func:`~loopvq_calib.codes.layouts.channel_sets`)."""
     layout = q.codecs[block["key"]].layout
     if block["tasq"] and layout.steps > 1 and channel_sets(layout, rope_style) is not None:
         return {**block, "grouping": "channels"}

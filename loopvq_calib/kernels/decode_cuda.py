@@ -300,8 +300,8 @@ def decode_attention_cuda(inputs: KernelInputs, tables: StepTables, lanes: LaneT
                *fp_keys.stride()[:3], *fp_values.stride()[:3], fpos.stride(0)]  # within int32: launch checked
     pairs = lanes.key_column if lanes.key_pair is None else lanes.key_pair  # unread without PAIRS
     args = [q, kidx, vidx, sig, key, lanes.value, lanes.key_column, lanes.value_column, lanes.key_channel,
-            lanes.value_channel, pairs, inputs.first, inputs.cos, inputs.sin, fp_keys, fp_values, fpos, inputs.fp_mask, acc,
-            ml, builds.counters(device, bsz * heads), out, bsz, n, fp_keys.shape[1], plan.split_len,
+            lanes.value_channel, pairs, inputs.first, inputs.cos, inputs.sin, fp_keys, fp_values, fpos, inputs.fp_mask,
+            acc, ml, builds.counters(device, bsz * heads), out, bsz, n, fp_keys.shape[1], plan.split_len,
             _float_bits(1.4426950408889634 / math.sqrt(d)), *strides]
     try:
         with torch.cuda.device(q.device):  # q's device and its current stream, whichever device is current

@@ -20,7 +20,7 @@ from loopvq_calib.bundle.reader import load_bundle
 from loopvq_calib.codes.packing import read_indices
 from loopvq_calib.models.common import apply_rope, rope_angles
 
-CASES = ("ouro_loopvq", "huginn_tasq_loopvq")
+CASES = ("ouro_loopvq", "huginn_tasq_loopvq", "ouro_tasq_loopvq_channels")
 
 
 
@@ -110,6 +110,42 @@ def spec_values(case: str, inputs: dict[str, torch.Tensor]) -> dict[str, np.ndar
     return out
 
 
+def spec_channel_runs(reader: SpecReader, block: dict, idx: np.ndarray, step: int) -> np.ndarray:
+    """Step ``step`` of a ``"grouping": "channels"`` block decoded the way docs/bundle-format.md section 4 lets a
+    backend read it (numpy, TaSQ aside): each head's channels ordered once, code by code (code g's channel set
+    S_g, the same at every step), and code g's step slice read as one run of codeword values in that order."""
+    d = reader.d
+    out = np.zeros((idx.shape[0], reader.h, d), np.float32)
+    for h in range(reader.h):
+        runs, order = [], []
+        for g in range(idx.shape[2]):
+            e, coords = reader._parts(block["key"], h, g)
+            mine = np.flatnonzero(coords // d == step)
+            channels = coords[mine] % d
+            assert all(sorted(coords[coords // d == m] % d) == sorted(channels) for m in range(len(block["sites"])))
+            slot = mine[np.argsort(channels)]  # positions of the run, by channel
+            runs.append(e[idx[:, h, g]][:, slot])
+            order += sorted(channels)
+        out[:, h, order] = np.concatenate(runs, 1)
+    return out
+
+
+@pytest.mark.parametrize("block", ["key.b0.l0", "key.b0.l1"])
+def test_channels_blocks_read_as_per_code_runs(block, inputs, expected):
+    """A flagged block's codes read as runs of one fixed channel set per code (the fast-path reading the format
+    describes) give the golden decoded keys (before TaSQ's sigma / w, applied here as section 6.2 says)."""
+    reader = SpecReader(GOLDEN / "ouro_tasq_loopvq_channels")
+    meta = next(b for b in reader.meta["blocks"] if b["key"] == block)
+    assert meta["grouping"] == "channels"
+    idx = expected[f"ouro_tasq_loopvq_channels/{block}.indices"].numpy()
+    sigma = expected[f"ouro_tasq_loopvq_channels/{block}.sigma"].numpy().astype(np.float32)
+    weight = reader.t[f"{block}.tasq_weight"]
+    for m in range(4):
+        got = spec_channel_runs(reader, meta, idx, m) * sigma[:, m, None, None] / weight[m]
+        want = expected[f"ouro_tasq_loopvq_channels/{block}.decoded"][:, m].numpy()
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+
+
 def _check(name: str, got: np.ndarray, want: np.ndarray) -> None:
     if name.endswith((".indices", ".sigma")):
         np.testing.assert_array_equal(got, want, err_msg=name)
@@ -161,6 +197,13 @@ def test_golden_covers_the_edge_cases(expected):
     pairs = tasq.layout.groups // 2  # interleaved RoPE pair id (flat coordinate // 2)
     assert all((pairs[h, g].view(-1, 2)[:, 0] == pairs[h, g].view(-1, 2)[:, 1]).all() for h in range(2) for g in range(4))
     assert load_bundle(GOLDEN / "ouro_loopvq").meta["rope"]["style"] == "half"
+    assert [load_bundle(GOLDEN / c).meta["format_version"] for c in CASES] == ["1.1", "1.1", "1.2"]
+    channels = load_bundle(GOLDEN / "ouro_tasq_loopvq_channels")
+    flagged = {b["key"] for b in channels.meta["blocks"] if b.get("grouping") == "channels"}
+    assert flagged == {"key.b0.l0", "key.b0.l1"} and channels.meta["codebook_sharing"] == "groups"
+    groups = channels.quantizer.codecs["key.b0.l1"].layout.groups.tolist()
+    pairs = [[sorted({c % 4 for c in code}) for code in head] for head in groups]
+    assert pairs == [[[0, 1], [2, 3]], [[0, 2], [1, 3]]]  # half-split pair i = channels (i, i + 4); head 1 permuted
 
 
 def _same_golden_tensor(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -217,7 +260,7 @@ def test_attention_golden_vectors_are_rebuilt_identically():
     assert (GOLDEN_ATTENTION / "README.md").read_text() == module.README
 
 
-@pytest.mark.parametrize("case", ["ouro_loopvq", "huginn_tasq_loopvq"])
+@pytest.mark.parametrize("case", CASES)
 def test_attention_golden_output_from_the_decoded_golden_tensors(case):
     """Independent of the reference function: the decoded (and rotated) keys and decoded values stored in
     tests/golden/expected.safetensors, the full-precision tokens rotated with the model's apply_rope, a float64
@@ -252,7 +295,7 @@ def spec_unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("case", ["ouro_loopvq", "huginn_tasq_loopvq"])
+@pytest.mark.parametrize("case", CASES)
 def test_attention_golden_packed_codes_are_the_golden_indices(case):
     """The 1.1 packed form of the golden codes: a spec-text unpacker and the package's reader both give the plain
     indices of tests/golden/."""

@@ -260,7 +260,7 @@ def test_a_failed_build_falls_back_to_triton_and_later_calls_do_not_build(stand_
 # -- attention-level golden vectors (tests/golden_attention) --------------------------------------------------
 
 @needs_kernels
-@pytest.mark.parametrize("case", ["ouro_loopvq", "huginn_tasq_loopvq"])
+@pytest.mark.parametrize("case", ["ouro_loopvq", "huginn_tasq_loopvq", "ouro_tasq_loopvq_channels"])
 def test_kernel_reproduces_the_attention_golden_vectors(case):
     """From the packed codes (read back to uint8), as a backend reading format 1.1 files would."""
     _, block, bundle, (kc, vc) = attention_golden_case(case)
