@@ -1,7 +1,10 @@
 """Decode attention from coded pages (the CUDA shared-memory kernel, or the Triton one) against bf16 attention over an uncompressed cache
 (PyTorch SDPA), at Ouro-1.4B's shapes: 24 layers x 4 loop steps = 96 KV sites, 16 query and 16 KV heads,
 head dim 128; codes LoopVQ K 256, G 16, T_c 4 (0.5 bit; 32 index bytes per head and kind and token, shared
-by the block's 4 steps); 8 sinks + 68 window tokens in bf16 (the serving defaults, mid-page).
+by the block's 4 steps); 8 sinks + 68 window tokens in bf16 (the serving defaults, mid-page). Methods: ``loopvq``,
+``tasq+loopvq`` (TaSQ keys of the ``free`` grouping: any permutation, read channel by channel) and
+``tasq+loopvq-channels`` (``tasq.grouping: channels``: each code the same 2 RoPE pairs at every step, read through
+the LoopVQ path with the pairs permuted), all through ``step_tables`` and ``decode_attention`` as served.
 
 For every (context, batch): the median time of one site's attention (CUDA-graph replays, so launch gaps do
 not count), the bytes it must read, the bandwidth that implies, and whole-model decode tokens/s =
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from loopvq_calib.calibration.tasq.grouping import channel_units  # noqa: E402
 from loopvq_calib.codes.codec import BlockCodec, TasqTransform  # noqa: E402
 from loopvq_calib.codes.layouts import BlockLayout, loop_axis_groups  # noqa: E402
 from loopvq_calib.serving import decode_attention as da  # noqa: E402
@@ -37,22 +41,38 @@ K, G, T_C = 256, 16, 4
 SINKS, WINDOW = 8, 68
 SITES = LAYERS * STEPS
 WEIGHT_BYTES = 2 * (LAYERS * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTER) + 2 * VOCAB * HIDDEN)
+METHODS = ("loopvq", "tasq+loopvq", "tasq+loopvq-channels")
+
+
+def channels_keys(gen: torch.Generator) -> torch.Tensor:
+    """A ``tasq.grouping: channels`` key layout [H, n, G]: the TaSQ stage's units (one RoPE pair at every step)
+    merged at random, G / (2 T_c) units per code; coordinates ascending, codes by their first coordinate, as the
+    stage writes them."""
+    units = channel_units(D, T_C, "half")  # [D/2, 2 T_c]
+    heads = []
+    for _ in range(KV_HEADS):
+        groups = units[torch.randperm(len(units), generator=gen)].reshape(-1, G).sort(-1).values
+        heads.append(groups[groups[:, 0].argsort()])
+    return torch.stack(heads)
 
 
 def codecs(method: str) -> tuple[BlockCodec, BlockCodec]:
-    """One block's random codebooks with the method's layouts (TaSQ: a random per-head permutation)."""
+    """One block's random codebooks with the method's layouts (TaSQ free: a random per-head permutation; TaSQ
+    channels: :func:`channels_keys`)."""
     gen = torch.Generator().manual_seed(0)
     plain = loop_axis_groups(D, T_C, G)[None]
     keys = plain
     if method == "tasq+loopvq":
         keys = torch.stack([torch.randperm(T_C * D, generator=gen) for _ in range(KV_HEADS)]).view(KV_HEADS, -1, G)
+    elif method == "tasq+loopvq-channels":
+        keys = channels_keys(gen)
 
     def make(kind: str, groups: torch.Tensor, tasq: bool) -> BlockCodec:
         lay = BlockLayout("b0.l0", kind, tuple(range(T_C)), D, KV_HEADS, groups)
         transform = TasqTransform(torch.rand(T_C, KV_HEADS, D, generator=gen) + 0.5) if tasq else None
         return BlockCodec(lay, torch.randn(KV_HEADS, D * T_C // G, K, G, generator=gen).half(), transform)
 
-    return make("key", keys, method == "tasq+loopvq"), make("value", plain, False)
+    return make("key", keys, method.startswith("tasq")), make("value", plain, False)
 
 
 def graph_ms(fn: Callable[[], Any], reps: int = 50) -> float:
@@ -182,7 +202,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--methods", nargs="+", default=["loopvq", "tasq+loopvq"])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--variants", default="cuda-16x8x16x8,cuda-16x16x16x8,cuda-16x8x16x2f,cuda-16x16x16x2",
                     help="kernel variants tried at 32k, batch 8 (see parse_variant); the table runs the defaults")
     ap.add_argument("--codebook-size", type=int, default=K, help="K (256 is the 0.5-bit bundle; smaller K shrinks the "
@@ -198,7 +218,7 @@ def main() -> None:
         saved = json.loads(args.table_from.read_text())
         print(table(saved))
         if saved["cases"]:
-            print("\n" + fixed_cost(saved) + "\n" + sequences_that_fit(saved))
+            print("\n" + against_loopvq(saved) + "\n" + fixed_cost(saved) + "\n" + sequences_that_fit(saved))
         return
     if args.out is None:
         ap.error("--out is required")
@@ -244,6 +264,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(table(result))
+    print(against_loopvq(result))
 
 
 def run_variants(variants: str, methods: list[str], tables: dict[str, da.StepTables], *,
@@ -296,6 +317,18 @@ def table(result: dict) -> str:
     return "\n".join(rows)
 
 
+def against_loopvq(result: dict) -> str:
+    """Per (context, batch): each TaSQ method's speed-up over bf16 SDPA and its time over LoopVQ's."""
+    cases = {(r["context"], r["batch"], r["method"]): r for r in result["cases"]}
+    lines = []
+    for (context, batch, method), r in sorted(cases.items()):
+        loopvq = cases.get((context, batch, "loopvq"))
+        if method != "loopvq" and loopvq is not None:
+            lines.append(f"{context} x {batch} {method}: {r['speedup']:.2f}x bf16 SDPA (LoopVQ "
+                         f"{loopvq['speedup']:.2f}x), time {r['coded_ms'] / loopvq['coded_ms'] - 1:+.1%} over LoopVQ's")
+    return "\n".join(lines)
+
+
 def fixed_cost(result: dict, batch: int = 8, method: str = "loopvq") -> str:
     """Straight lines time = intercept + slope x context through each pair of successive contexts (and a least-
     squares line through all) of one (batch, method): how much of the time does not grow with the context."""
@@ -319,7 +352,8 @@ def sequences_that_fit(result: dict, context: int = 65536) -> str:
     once, each sequence's sinks/window in bf16) and at the shipped cache's (``serving.cache``, LoopVQ / TaSQ+LoopVQ):
     codes twice (the page list and the kernel's code buffer, which holds 1x to 2x the tokens it needs: it doubles
     when full), int64 positions per site (1x to 2x: they double too), step tables twice (the step tables and the
-    kernel's lane-order copy) plus the fp32 key table for TaSQ+LoopVQ's fp32-key launch."""
+    kernel's lane-order copy) plus the fp32 key table for free TaSQ+LoopVQ's fp32-key launch (channels layouts
+    launch with fp16 keys, as LoopVQ does)."""
     fit = result["fits_batch1"]
     spare = fit["total_bytes"] - fit["weight_bytes"] - 2 * 2**30
     bf16_token = SITES * 2 * KV_HEADS * D * 2
@@ -332,7 +366,7 @@ def sequences_that_fit(result: dict, context: int = 65536) -> str:
              f"codes {coded * code_token / 1e9:.3f} GB"]
     once = coded * code_token + fp_tokens * bf16_token
     lines.append(f"  codes once, tables once ({tables / 1e6:.0f} MB): {(spare - tables) // once} sequences")
-    for name, copies in (("loopvq", 2), ("tasq+loopvq", 3)):
+    for name, copies in (("loopvq", 2), ("tasq+loopvq", 3), ("tasq+loopvq-channels", 2)):
         for slack in (1, 2):  # code buffer and position storage exactly full, or just doubled
             per_seq = coded * code_token * (1 + slack) + context * SITES * 8 * slack + fp_tokens * bf16_token
             lines.append(f"  shipped cache, {name}: tables {copies * tables / 1e6:.0f} MB, buffers {slack}x: "

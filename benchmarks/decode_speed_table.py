@@ -23,7 +23,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 KERNEL = RESULTS / "bench-decode-cuda-h200-run7.json"  # the decode kernel as it ships (run 7)
 MODEL = RESULTS / "bench-decode-model-h200.json"
 CHECKS = RESULTS / "bench-decode-model-checks-h200.json"
-METHODS = {"loopvq": "LoopVQ", "tasq+loopvq": "TaSQ+LoopVQ"}
+METHODS = {"loopvq": "LoopVQ", "tasq+loopvq": "TaSQ+LoopVQ", "tasq+loopvq-channels": "TaSQ+LoopVQ channels"}
 GB = 1e9
 
 
