@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import KERNEL_DEVICE as DEVICE, needs_triton_kernels as needs_kernels
-from support.decode import check, make_codecs, make_inputs
+from conftest import KERNEL_DEVICE as DEVICE, make_tiny_ouro, needs_triton_kernels as needs_kernels
+from support.decode import channels_groups, check, gen, make_codecs, make_inputs
+from support.quantizers import sampled_quantizer
 
 from loopvq_calib.kernels import decode_cuda as dc
 from loopvq_calib.models.common import pair_channels
 from loopvq_calib.serving import decode_attention as da
+from loopvq_calib.serving.cache import QuantizedLoopKVCache
 
 CUDA = torch.cuda.is_available()
 
@@ -102,6 +104,34 @@ def test_one_pair_per_code_in_pair_order_needs_no_map():
     kc, vc = make_codecs("tasq+loopvq", 2, 32, 16, 8, 4, grouping="channels", style="half", seed=1)
     assert da.pair_order(kc.layout, "half") is None
     assert da.step_tables(kc, vc, 2, rope_style="half", device="cpu", dtype=torch.float32).key_pairs is None
+
+
+@needs_kernels
+def test_the_cache_decodes_a_channels_quantizer_through_the_kernel_as_its_reference_path():
+    """A tiny Ouro (half-split RoPE, head dim 16) with TaSQ+LoopVQ keys in channels layouts (G 16: 2 pairs per
+    code and step): greedy decoding through the Triton kernel gives the reference path's tokens, logits within
+    1e-4; the kernel's step tables carry the pair map."""
+    model = make_tiny_ouro().to(DEVICE)
+    prompt = torch.randint(0, 4096, (1, 17), generator=gen(2))
+    q = sampled_quantizer(model, prompt.to(DEVICE), "tasq+loopvq", codebook_size=16, group_size=16, steps_per_block=4)
+    for codec in q.codecs.values():
+        lay = codec.layout
+        if lay.kind == "key":
+            lay.groups = channels_groups(lay.kv_heads, lay.steps, lay.head_dim, 16, "half", seed=3).to(DEVICE)
+    runs = {}
+    for backend in ("triton", "torch"):
+        cache = QuantizedLoopKVCache(q, sink_tokens=4, recent_window=4, page_size=4, backend=backend)
+        out = model(prompt.to(DEVICE), cache=cache, use_cache=True)
+        logits = [out.logits[:, -1]]
+        for _ in range(4):
+            out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+        runs[backend] = (torch.stack(logits, 1), cache)
+    (kernel, cache), (reference, _) = runs["triton"], runs["torch"]
+    assert cache.regions()["encoded"] == 12
+    assert all(t.key_pairs is not None for t in cache._kernel_state.tables.values())
+    assert torch.equal(kernel.argmax(-1), reference.argmax(-1))
+    torch.testing.assert_close(kernel, reference, atol=1e-4, rtol=1e-4)
 
 
 # -- the CUDA kernel (GPU) ------------------------------------------------------------------------------------
