@@ -227,7 +227,7 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     served = p.add_argument_group("served cache", "accuracy through the quantized cache (docs/evaluation.md)")
     served.add_argument("--tasks", type=_names, default=[], metavar="T1,T2",
-                        help="lm-eval tasks (e.g. gsm8k,minerva_math,humaneval,mbpp; offline: loopvq_kjv_phrases)")
+                        help="lm-eval tasks (e.g. gsm8k,minerva_math,humaneval,mbpp; offline: loopvq_recall)")
     served.add_argument("--baseline", type=_names, default=[], metavar="B1,B2",
                         help="uncalibrated baselines side by side: last-step-kv,kivi2,kivi4,fp8")
     served.add_argument("--limit", type=float, help="lm-eval: at most this many items per task (<1: a fraction)")

@@ -1,52 +1,74 @@
-"""Build the shipped local lm-eval task ``loopvq_kjv_phrases`` from artifacts/data/kjv-calib.jsonl.
+"""Build the shipped local lm-eval task ``loopvq_recall``: exact recall from the KV cache.
 
-Each item is ~900 characters of *Proverbs* or *Acts* (books the reference model never saw) ending just
-before the last word of a frequent King James phrase ("Holy Ghost", "came to pass", ...); the answer is
-that word. Items are picked by rule (the first occurrences with enough context), not by the model's
-answers. Command: ``python scripts/make_local_task.py`` (rewrites the task's jsonl).
+240 items, 80 of each kind of ``retrieval_text.py`` (a pass key in filler, a registry looked up later, a line
+repeated later), drawn with their own seed (the reference models train on fresh items of the same kinds, never on
+these). Every item fits in ``LENGTHS`` prompt tokens under each shipped reference model's tokenizer (20 items per
+kind and length, in rounds of one item per kind and length, so that ``--limit 12n`` takes n of each), its evidence
+starts after ``LEAD`` tokens (past the sink tokens) and ends at least ``TAIL`` tokens before the question's end
+(outside the recent window), and its answer is several tokens long, so that all but its first token are decoded
+from the coded cache.
+Command: ``python scripts/make_local_task.py`` (rewrites the task's jsonl).
 """
 
 from __future__ import annotations
 
 import json
-import re
+import random
 from pathlib import Path
 
+from retrieval_text import KINDS, task_item, unit_tokens
+from transformers import AutoTokenizer
+
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "artifacts" / "data" / "kjv-calib.jsonl"
-OUT = ROOT / "loopvq_calib" / "evaluation" / "tasks" / "loopvq_kjv_phrases" / "kjv_phrases.jsonl"
-PHRASES = ("Holy Ghost", "came to pass", "children of Israel", "kingdom of God", "fear of the LORD", "Son of God",
-           "Jesus Christ", "word of God", "right hand", "house of Israel")
-CONTEXT_CHARS = 900
-PER_PHRASE = 5
+MODELS = (ROOT / "artifacts" / "tiny-ouro", ROOT / "artifacts" / "tiny-huginn")
+OUT = ROOT / "loopvq_calib" / "evaluation" / "tasks" / "loopvq_recall" / "recall.jsonl"
+LENGTHS = (256, 512, 1024, 1536)
+PER_LENGTH = 20
+LEAD, TAIL = 16, 128
+SEED = "loopvq_recall-v1"
 
 
-def items() -> list[dict[str, str]]:
-    """The task's items: per phrase, its first ``PER_PHRASE`` occurrences with ``CONTEXT_CHARS`` of context that
-    do not start a line with the answer."""
-    docs = [json.loads(line) for line in SOURCE.read_text(encoding="utf-8").splitlines()]
+def tokenizers() -> list:
+    """``text -> ids`` of each shipped reference model's tokenizer, the one that makes filler longest first."""
     out = []
-    for phrase in PHRASES:
-        pattern = re.compile(r"\b" + r"\s+".join(map(re.escape, phrase.split())) + r"\b")
-        found = []
-        for doc in docs:
-            text = doc["text"]
-            for m in pattern.finditer(text):
-                cut = m.start() + m.group(0).rindex(phrase.split()[-1])
-                if m.start() < CONTEXT_CHARS or text[cut - 1] == "\n":
-                    continue  # too little context, or the answer starts a line
-                found.append({"context": text[cut - CONTEXT_CHARS:cut].rstrip(), "answer": phrase.split()[-1],
-                              "phrase": phrase, "source": doc["source"]})
-        out += found[:PER_PHRASE]
-    return out
+    for folder in MODELS:
+        tok = AutoTokenizer.from_pretrained(folder)
+        out.append(lambda text, tok=tok: tok(text, add_special_tokens=False)["input_ids"])
+    return sorted(out, key=lambda t: -unit_tokens(t)["copy"])
 
 
-def task_file_text(rows: list[dict[str, str]]) -> str:
+def fits(item, tokenize, *, tokens: int) -> bool:
+    """Whether ``item`` keeps the task's bounds under ``tokenize``."""
+    size = len(tokenize(item.prompt))
+    return (size <= tokens and len(tokenize(item.prompt[:item.evidence_start])) >= LEAD
+            and size - len(tokenize(item.prompt[:item.evidence_end])) >= TAIL and len(tokenize(item.answer)) > 1)
+
+
+def items() -> list[dict]:
+    """The task's rows: ``prompt``, ``answer`` (without its leading space), ``kind``, ``max_tokens``; items are
+    sized with the first tokenizer and redrawn until they keep the bounds under every tokenizer."""
+    rng = random.Random(SEED)
+    toks = tokenizers()
+    return [row(kind, rng, toks, tokens=tokens) for _ in range(PER_LENGTH) for tokens in LENGTHS for kind in KINDS]
+
+
+def row(kind: str, rng: random.Random, toks: list, *, tokens: int) -> dict:
+    """One task row of ``kind`` within ``tokens`` under every tokenizer: sized with the first (the longest), the
+    evidence's distances from both ends widened until every tokenizer keeps them."""
+    for margin in range(0, TAIL, 8):
+        item = task_item(kind, rng, toks[0], tokens=tokens, lead=LEAD + margin // 2, tail=TAIL + margin)
+        if all(fits(item, t, tokens=tokens) for t in toks):
+            return {"prompt": item.prompt, "answer": item.answer[1:], "kind": kind, "max_tokens": tokens}
+    raise ValueError(f"no {kind} item of {tokens} tokens keeps the task's bounds under every tokenizer")
+
+
+def task_file_text(rows: list[dict]) -> str:
     """The task's jsonl: one item per line."""
     return "".join(json.dumps(r) + "\n" for r in rows)
 
 
 if __name__ == "__main__":
-    rows = items()
-    OUT.write_text(task_file_text(rows), encoding="utf-8")
-    print(f"wrote {len(rows)} items to {OUT.relative_to(ROOT)}")
+    task_rows = items()
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(task_file_text(task_rows), encoding="utf-8")
+    print(f"wrote {len(task_rows)} items to {OUT.relative_to(ROOT)}")

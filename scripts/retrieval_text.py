@@ -43,12 +43,13 @@ Tokenize = Callable[[str], list[int]]
 
 @dataclass(frozen=True)
 class RecallItem:
-    """One document: ``prompt``, then ``answer`` (leading space); ``evidence_end`` is the prompt's character
-    offset where the evidence ends (everything after it is filler and the question)."""
+    """One document: ``prompt``, then ``answer`` (leading space); the evidence is ``prompt[evidence_start:
+    evidence_end]`` (filler before it, filler and the question after it)."""
 
     kind: str
     prompt: str
     answer: str
+    evidence_start: int
     evidence_end: int
 
 
@@ -68,18 +69,23 @@ def make_item(kind: str, rng: random.Random, *, before: int, after: int) -> Reca
     sentence, or for ``passkey`` one repeat of the passkey filler)."""
     if kind == "passkey":
         key = str(rng.randint(10000, 99999))
-        head = PASSKEY_FILLER * before + needle(key)
-        return RecallItem(kind, head + PASSKEY_FILLER * after + PASSKEY_QUESTION, f" {key}", len(head))
+        lead = PASSKEY_FILLER * before
+        head = lead + needle(key)
+        return RecallItem(kind, head + PASSKEY_FILLER * after + PASSKEY_QUESTION, f" {key}", len(lead), len(head))
     if kind == "registry":
         names = list(dict.fromkeys(word(rng, rng.randint(2, 3)) for _ in range(rng.randint(2, 8))))
         table = {n: str(rng.randint(10000, 99999)) for n in names}
-        head = filler_lines(rng, before) + "Registry:\n" + "".join(f"{n} = {v}\n" for n, v in table.items())
+        lead = filler_lines(rng, before)
+        head = lead + "Registry:\n" + "".join(f"{n} = {v}\n" for n, v in table.items())
         query = rng.choice(names)
-        return RecallItem(kind, head + filler_lines(rng, after) + f"Look up {query} =", f" {table[query]}", len(head))
+        return RecallItem(kind, head + filler_lines(rng, after) + f"Look up {query} =", f" {table[query]}",
+                          len(lead), len(head))
     if kind == "copy":
         line = " ".join(word(rng, rng.randint(1, 3)) for _ in range(rng.randint(4, 8)))
-        head = filler_lines(rng, before) + f"Remember this line: {line}\n"
-        return RecallItem(kind, head + filler_lines(rng, after) + "Repeat the line:", f" {line}", len(head))
+        lead = filler_lines(rng, before)
+        head = lead + f"Remember this line: {line}\n"
+        return RecallItem(kind, head + filler_lines(rng, after) + "Repeat the line:", f" {line}", len(lead),
+                          len(head))
     raise ValueError(f"unknown kind {kind!r}; choose from {KINDS}")
 
 
@@ -110,23 +116,27 @@ def recall_rows(tokenize: Tokenize, rng: random.Random, *, seq: int, eos: int) -
         yield np.asarray(row[:seq], dtype=np.int64)
 
 
-def task_item(kind: str, rng: random.Random, tokenize: Tokenize, *, tokens: int, tail: int) -> RecallItem:
-    """An item of at most ``tokens`` prompt tokens under ``tokenize`` whose question comes at least ``tail``
-    tokens after the evidence (so the evidence lies outside a recent window of fewer tokens), the evidence at a
-    uniform depth of what is left."""
+def task_item(kind: str, rng: random.Random, tokenize: Tokenize, *, tokens: int, lead: int = 0,
+              tail: int = 0) -> RecallItem:
+    """An item of at most ``tokens`` prompt tokens under ``tokenize`` whose evidence starts after at least ``lead``
+    tokens and ends at least ``tail`` tokens before the question's end (so it lies outside sink tokens and a recent
+    window of fewer tokens), at a uniform depth of what is left."""
     per_unit = unit_tokens(tokenize)[kind]
     units = max(0, int((tokens - 48) / per_unit))
-    min_after = int(np.ceil(tail / per_unit))
+    min_before, min_after = int(np.ceil(lead / per_unit)), int(np.ceil(tail / per_unit))
     for _ in range(64):
-        before = rng.randint(0, max(0, units - min_after))
+        before = rng.randint(min_before, max(min_before, units - min_after))
         item = make_item(kind, rng, before=before, after=max(min_after, units - before))
         size = len(tokenize(item.prompt))
+        ahead = len(tokenize(item.prompt[:item.evidence_start]))
         after = size - len(tokenize(item.prompt[:item.evidence_end]))
-        if size <= tokens and after >= tail:
+        if size <= tokens and ahead >= lead and after >= tail:
             return item
+        min_before += ahead < lead
         min_after += after < tail
         units -= max(1, int((size - tokens) / per_unit) + 1) if size > tokens else 0
-    raise ValueError(f"no {kind} item of at most {tokens} tokens with {tail} tokens after its evidence")
+    raise ValueError(f"no {kind} item of at most {tokens} tokens with {lead} tokens before and {tail} after its "
+                     "evidence")
 
 
 @torch.no_grad()

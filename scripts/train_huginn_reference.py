@@ -103,6 +103,9 @@ def prepare(args: argparse.Namespace) -> None:
     np.save(out / "train.npy", train_ids)
     np.save(out / "heldout.npy", held_ids)
     write_jsonl(out / "python-heldout.jsonl", held)
+    if args.shipped_data is not None:  # the held-out files in turn: calibration text and evaluation text
+        write_jsonl(args.shipped_data / "python-calib.jsonl", held[0::2])
+        write_jsonl(args.shipped_data / "python-heldout.jsonl", held[1::2])
     meta = {"stdlib": str(root), "files": len(sources), "heldout_files": sorted(held_names), "seed": args.seed,
             "train_tokens": len(train_ids), "heldout_tokens": len(held_ids)}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -257,6 +260,9 @@ def parser() -> argparse.ArgumentParser:
     prep.add_argument("--out", type=Path, required=True)
     prep.add_argument("--max-files", type=int, default=None, help="only the first N stdlib files (tests)")
     prep.add_argument("--heldout-fraction", type=float, default=0.02)
+    prep.add_argument("--shipped-data", type=Path, default=None,
+                      help="also write the held-out files, in turn, as python-calib.jsonl / python-heldout.jsonl here "
+                           "(artifacts/data: the Huginn reference's calibration and evaluation text)")
     prep.add_argument("--seed", type=int, default=0)
     tr = sub.add_parser("train")
     tr.add_argument("--data", type=Path, required=True)

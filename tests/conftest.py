@@ -71,8 +71,11 @@ def run_kernel_script(script: str) -> dict:
 
 
 def load_script(name: str) -> types.ModuleType:
-    """scripts/<name>.py or benchmarks/<name>.py as a module."""
+    """scripts/<name>.py or benchmarks/<name>.py as a module, its folder on ``sys.path`` (as when it runs, so that it
+    imports its sibling modules)."""
     path = next(p for p in (ROOT / "scripts" / f"{name}.py", ROOT / "benchmarks" / f"{name}.py") if p.is_file())
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built

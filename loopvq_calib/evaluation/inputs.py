@@ -76,7 +76,7 @@ def check_served_options(served: ServedOptions | None) -> None:
         missing = [t for t in served.tasks if t not in known]
         if missing:
             raise EvalInputError(f"--tasks {','.join(missing)}: not an lm-eval task or group here (the shipped "
-                                 "local task is loopvq_kjv_phrases; add task folders with --include-path)")
+                                 "local task is loopvq_recall; add task folders with --include-path)")
 
 
 def check_gate_thresholds(gates: Gates) -> None:

@@ -53,10 +53,10 @@ def test_evaluation_results_become_model_index(bundle_dir):
     assert card.data.model_name == meta["name"]
     assert results[("heldout.jsonl", "kl")].metric_value == 0.0123
     assert results[("heldout.jsonl", "perplexity")].metric_value == 10.5
-    task = results[("loopvq_kjv_phrases", "exact_match")]
+    task = results[("loopvq_recall", "exact_match")]
     assert task.metric_value == 0.5 and "sinks 8, recent window 64" in task.metric_name
     assert results[("passkey 256 tokens", "accuracy")].metric_value == 0.8
-    assert "| exact_match,first_word | loopvq_kjv_phrases | 0.5 | 0.75 |" in card.content
+    assert "| exact_match,answer | loopvq_recall | 0.5 | 0.75 |" in card.content
     with pytest.raises(EvalReportError, match="no bundle named 'other' .*has: " + meta["name"]):
         evaluation_for(eval_report(meta), "other")  # a baseline row is never a bundle
 

@@ -247,7 +247,7 @@ def test_cli_served_tasks_and_baselines_on_the_reference_model(bundle_dir, tmp_p
     by side in report.json / report.md / served_accuracy.png, and the accuracy gate."""
     out = tmp_path / "served"
     argv = ["--bundle", str(bundle_dir), "--num-sequences", "1", "--sequence-length", "40", "--device", "cpu",
-            "--tasks", "loopvq_kjv_phrases", "--limit", "2", "--baseline", "kivi2,last-step-kv",
+            "--tasks", "loopvq_recall", "--limit", "2", "--baseline", "kivi2,last-step-kv",
             "--recent-window", "16", "--out", str(out), "--max-accuracy-drop", "1.0"]
     assert eval_main(argv) == 0
     report = json.loads((out / "report.json").read_text())
@@ -258,17 +258,17 @@ def test_cli_served_tasks_and_baselines_on_the_reference_model(bundle_dir, tmp_p
     assert all(e["serving"]["recent_window"] == 16 for e in served["entries"][1:])
     assert served["entries"][2]["serving"]["page_size"] == 32  # KIVI: a page is one key token group
     scores = served["tasks"]["scores"]
-    assert set(scores) == set(names) and served["tasks"]["samples"] == {"loopvq_kjv_phrases": 2}
-    fp = scores["float32"]["loopvq_kjv_phrases"]["exact_match,first_word"]
+    assert set(scores) == set(names) and served["tasks"]["samples"] == {"loopvq_recall": 2}
+    fp = scores["float32"]["loopvq_recall"]["exact_match,answer"]
     for name in names[1:]:
-        got = scores[name]["loopvq_kjv_phrases"]["exact_match,first_word"]
-        assert served["accuracy_drop"][name]["loopvq_kjv_phrases"] == pytest.approx(fp - got)
+        got = scores[name]["loopvq_recall"]["exact_match,answer"]
+        assert served["accuracy_drop"][name]["loopvq_recall"] == pytest.approx(fp - got)
     encoded = [e["bytes"]["encoded_bytes_per_token"] for e in served["entries"]]
     assert encoded[0] is None and encoded[1] == 4 * 2 * 6 * 16  # 0.25-bit LoopVQ: one byte per 16-element group
     md = (out / "report.md").read_text()
-    assert "## Served through the cache" in md and "| loopvq_kjv_phrases | exact_match,first_word |" in md
+    assert "## Served through the cache" in md and "| loopvq_recall | exact_match,answer |" in md
     assert (out / "served_accuracy.png").stat().st_size > 0
-    strict = argv[:8] + ["--tasks", "loopvq_kjv_phrases", "--limit", "1", "--max-accuracy-drop", "-0.5"]  # fails all
+    strict = argv[:8] + ["--tasks", "loopvq_recall", "--limit", "1", "--max-accuracy-drop", "-0.5"]  # fails all
     assert eval_main(strict) == 1
     assert "accuracy drop" in capsys.readouterr().out
 
@@ -284,7 +284,7 @@ def test_cli_served_bad_input_exits_2(bundle_dir, capsys):
 def test_cli_tasks_and_passkey_without_the_eval_extra_exit_2_naming_it(bundle_dir, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # how Python answers an import of a missing package
     base = ["--bundle", str(bundle_dir), "--num-sequences", "1", "--sequence-length", "40", "--device", "cpu"]
-    for extra in (["--tasks", "loopvq_kjv_phrases"], ["--passkey-lengths", "64"]):
+    for extra in (["--tasks", "loopvq_recall"], ["--passkey-lengths", "64"]):
         assert eval_main(base + extra) == 2
         assert "need lm-evaluation-harness: pip install 'loopvq-calib[eval]'" in capsys.readouterr().err
     assert eval_main(base + ["--passkey-lengths", "8"]) == 2  # a bad length is named first, with or without it
