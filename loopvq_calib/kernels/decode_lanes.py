@@ -127,7 +127,9 @@ def lane_tables(tables: StepTables, lanes: int = 16) -> LaneTables | None:
         return None
     per_lane, pairs = d // lanes, d // (2 * lanes)
     dev = tables.value.device
-    slots = torch.arange(d // 2, device=dev).expand(heads, -1) if tables.key_pairs is None else tables.key_pairs.long()
+    slots = torch.arange(d // 2, device=dev).expand(heads, -1)  # slot i: pair i, unless the tables say otherwise
+    if tables.key_pairs is not None:
+        slots = tables.key_pairs.long()
     a, b = (c.to(dev)[slots].view(heads, lanes, pairs) for c in pair_channels(d, tables.rope_style))
     code_a = tables.key_code_a.view(heads, lanes, pairs)
     code_b = tables.key_code_b.view(heads, lanes, pairs)

@@ -53,8 +53,8 @@ if triton is not None:
         s_kib, s_kit, s_kih, s_vib, s_vit, s_vih, s_sb, s_st,
         s_fkb, s_fkt, s_fkh, s_fvb, s_fvt, s_fvh, s_fpb,
         H: tl.constexpr, QG: tl.constexpr, QGP: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
-        HALF: tl.constexpr, PAIRS: tl.constexpr, TASQ: tl.constexpr, STEP: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr,
-        DP: tl.constexpr, TABLE_EVICT: tl.constexpr = "", STREAM_EVICT: tl.constexpr = "",
+        HALF: tl.constexpr, PAIRS: tl.constexpr, TASQ: tl.constexpr, STEP: tl.constexpr, HAS_MASK: tl.constexpr,
+        BLOCK_N: tl.constexpr, DP: tl.constexpr, TABLE_EVICT: tl.constexpr = "", STREAM_EVICT: tl.constexpr = "",
     ):
         # one program per (KV head, split, batch slice), looping over its sequences: the head's step tables
         # (the codebook slice, [K, D] per kind) stay hot in the multiprocessor's L1 cache across them

@@ -8,7 +8,10 @@ all its steps, plus TaSQ's fp16 sigma per step) and full-precision pre-RoPE sink
   codeword values per *channel*, ``[H, K, D]``, gathered from the codebook through the block's group layout
   and divided by TaSQ's channel weight; plus, per channel, the code (index column) that holds it. Any layout
   (loop-axis, channel, TaSQ's permuted groups) decodes the same way: channel d of a token is
-  ``table[h, idx[token, h, code[h, d]], d]`` (times sigma for TaSQ keys).
+  ``table[h, idx[token, h, code[h, d]], d]`` (times sigma for TaSQ keys). Key tables are kept per RoPE pair;
+  a channels layout (:func:`~loopvq_calib.codes.layouts.channel_sets`) keeps its pairs in code order
+  (:func:`pair_order`), so that a code's channels sit side by side as in LoopVQ's layout, and the kernels take
+  each slot's query channels and cos/sin column from that order.
 - **RoPE on the query side.** Keys are decoded pre-RoPE and never rotated: for a RoPE pair (a, b) at angle
   theta, ``q . R(theta) k = k_a (q_a cos + q_b sin) + k_b (q_b cos - q_a sin)``. Encoded tokens of a row sit at
   consecutive positions (left padding lives in the sink columns), so a tile of ``BLOCK_N`` tokens starting
@@ -46,7 +49,7 @@ from ..models.common import apply_rope, pair_channels, rope_angles
 
 __all__ = ["CodedTokens", "CudaDecodeLaunch", "FullPrecisionTokens", "KernelInputs", "RopeTable", "StepTables",
            "TritonDecodeLaunch", "channel_codes", "channel_table", "decode_attention", "decode_attention_reference",
-           "kernel_inputs", "step_tables", "table_dtype"]
+           "kernel_inputs", "pair_order", "step_tables", "table_dtype"]
 VALUE_TERMS = 16  # tokens the CUDA kernel sums per lane in one packed half (tokens per lane group and step, <= 16)
 KEY_TERMS = 8  # products per packed half of the CUDA kernel's key dot product (8 lanes per token: 16 channels)
 QUERY_BOUND = 32.0  # assumed bound of a scaled query channel |q| log2(e) / sqrt(D): |q| up to ~250 at D = 128
