@@ -29,12 +29,12 @@ SEED = "loopvq_recall-v1"
 
 
 def tokenizers() -> list:
-    """``text -> ids`` of each shipped reference model's tokenizer, the one that makes filler longest first."""
+    """``text -> ids`` of each shipped reference model's tokenizer."""
     out = []
     for folder in MODELS:
         tok = AutoTokenizer.from_pretrained(folder)
         out.append(lambda text, tok=tok: tok(text, add_special_tokens=False)["input_ids"])
-    return sorted(out, key=lambda t: -unit_tokens(t)["copy"])
+    return out
 
 
 def fits(item, tokenize, *, tokens: int) -> bool:
@@ -53,10 +53,11 @@ def items() -> list[dict]:
 
 
 def row(kind: str, rng: random.Random, toks: list, *, tokens: int) -> dict:
-    """One task row of ``kind`` within ``tokens`` under every tokenizer: sized with the first (the longest), the
-    evidence's distances from both ends widened until every tokenizer keeps them."""
+    """One task row of ``kind`` within ``tokens`` under every tokenizer: sized with the one that makes this kind's
+    filler longest, the evidence's distances from both ends widened until every tokenizer keeps them."""
+    sizer = max(toks, key=lambda t: unit_tokens(t)[kind])
     for margin in range(0, TAIL, 8):
-        item = task_item(kind, rng, toks[0], tokens=tokens, lead=LEAD + margin // 2, tail=TAIL + margin)
+        item = task_item(kind, rng, sizer, tokens=tokens, lead=LEAD + margin // 2, tail=TAIL + margin)
         if all(fits(item, t, tokens=tokens) for t in toks):
             return {"prompt": item.prompt, "answer": item.answer[1:], "kind": kind, "max_tokens": tokens}
     raise ValueError(f"no {kind} item of {tokens} tokens keeps the task's bounds under every tokenizer")
