@@ -289,7 +289,8 @@ def decode_attention_cuda(inputs: KernelInputs, tables: StepTables, lanes: LaneT
                ("KT32", int(key.dtype == torch.float32)), ("VT32", int(lanes.value.dtype == torch.float32)),
                ("CHEB", int(lanes.value.dtype != torch.float32)), ("TASQ", int(tables.tasq)),
                ("PAIRS", int(lanes.key_pair is not None)),
-               ("HAS_MASK", int(inputs.masked)), ("ACT", ACT_CODES[q.dtype]), ("IDXVEC", vec))
+               ("HAS_MASK", int(inputs.masked)), ("ACT", ACT_CODES[q.dtype]), ("IDXVEC", vec),
+               ("LIVE", int(coded.live is not None)))
     device = indexed_device(q.device)
     builds = cuda_build.BUILDS
     kernel = builds.kernel(kernel_source(), KERNEL, defines=defines, shared=plan.shared, device=device.index)
@@ -301,7 +302,8 @@ def decode_attention_cuda(inputs: KernelInputs, tables: StepTables, lanes: LaneT
     pairs = lanes.key_column if lanes.key_pair is None else lanes.key_pair  # unread without PAIRS
     args = [q, kidx, vidx, sig, key, lanes.value, lanes.key_column, lanes.value_column, lanes.key_channel,
             lanes.value_channel, pairs, inputs.first, inputs.cos, inputs.sin, fp_keys, fp_values, fpos, inputs.fp_mask,
-            acc, ml, builds.counters(device, bsz * heads), out, bsz, n, fp_keys.shape[1], plan.split_len,
+            acc, ml, builds.counters(device, bsz * heads), out, inputs.first if coded.live is None else coded.live,
+            bsz, n, fp_keys.shape[1], plan.split_len,
             _float_bits(1.4426950408889634 / math.sqrt(d)), *strides]
     try:
         with torch.cuda.device(q.device):  # q's device and its current stream, whichever device is current

@@ -42,13 +42,16 @@ class StepTables:
 class CodedTokens:
     """One block's coded tokens of a batch: ``key_indices`` [B, >=N, H, nk], ``value_indices`` [B, >=N, H, nv]
     (uint8 or int32), ``key_sigma`` [B, >=N, T_b] float16 (TaSQ) or None, ``count`` N valid tokens, and
-    ``first_position`` [B] the position of each row's first coded token (the others follow one by one)."""
+    ``first_position`` [B] the position of each row's first coded token (the others follow one by one).
+    ``live``: int32 [1] on the device, the valid tokens when only the device knows them (a static cache under a
+    CUDA graph); ``count`` is then the capacity the launch is planned for and the kernels read min(count, live)."""
 
     key_indices: torch.Tensor
     value_indices: torch.Tensor
     key_sigma: torch.Tensor | None
     count: int
     first_position: torch.Tensor
+    live: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -48,13 +48,14 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_batch", "batch_per_program", "n_coded", "n_fp", "split_len"])
     def _split_kernel(
         q_ptr, kidx_ptr, vidx_ptr, sig_ptr, ka_ptr, kb_ptr, kca_ptr, kcb_ptr, kp_ptr, tv_ptr, vc_ptr,
-        p0_ptr, cos_ptr, sin_ptr, fk_ptr, fv_ptr, fpos_ptr, fmask_ptr, acc_ptr, ml_ptr,
+        p0_ptr, live_ptr, cos_ptr, sin_ptr, fk_ptr, fv_ptr, fpos_ptr, fmask_ptr, acc_ptr, ml_ptr,
         n_batch, batch_per_program, n_coded, n_fp, split_len, qk_scale,
         s_kib, s_kit, s_kih, s_vib, s_vit, s_vih, s_sb, s_st,
         s_fkb, s_fkt, s_fkh, s_fvb, s_fvt, s_fvh, s_fpb,
         H: tl.constexpr, QG: tl.constexpr, QGP: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
         HALF: tl.constexpr, PAIRS: tl.constexpr, TASQ: tl.constexpr, STEP: tl.constexpr, HAS_MASK: tl.constexpr,
         BLOCK_N: tl.constexpr, DP: tl.constexpr, TABLE_EVICT: tl.constexpr = "", STREAM_EVICT: tl.constexpr = "",
+        LIVE: tl.constexpr = False,
     ):
         # one program per (KV head, split, batch slice), looping over its sequences: the head's step tables
         # (the codebook slice, [K, D] per kind) stay hot in the multiprocessor's L1 cache across them
@@ -90,6 +91,8 @@ if triton is not None:
         tab_v = tv_ptr + h.to(tl.int64) * K * D
         cos_d = tl.load(cos_ptr + j[:, None] * D2 + fr[None, :], mask=i_ok[None, :], other=0.0)  # by 0..BLOCK_N-1
         sin_d = tl.load(sin_ptr + j[:, None] * D2 + fr[None, :], mask=i_ok[None, :], other=0.0)
+        if LIVE:  # the valid count read on the device (a static cache under a CUDA graph)
+            n_coded = tl.minimum(tl.load(live_ptr), n_coded)
         start = s * split_len  # coded tokens [start, end) of this split (none for the last split)
         end = tl.where(s < n_splits, tl.minimum(start + split_len, n_coded), start)
         fend = tl.where(s == n_splits, n_fp, 0)
@@ -211,7 +214,8 @@ def decode_attention_triton(inputs: KernelInputs, tables: StepTables, coded: Cod
     _split_kernel[(heads, splits + 1, slices)](
         q, kidx, vidx, sig, tables.key_a, tables.key_b, tables.key_code_a, tables.key_code_b,
         tables.key_code_a if pairs is None else pairs, tables.value,
-        tables.value_code, inputs.first, inputs.cos, inputs.sin, fk, fv, inputs.fp_positions, inputs.fp_mask, acc, ml,
+        tables.value_code, inputs.first, inputs.first if coded.live is None else coded.live, inputs.cos, inputs.sin,
+        fk, fv, inputs.fp_positions, inputs.fp_mask, acc, ml,
         bsz, launch.batch_per_program, n, fk.shape[1], per_split, LOG2E / math.sqrt(d),
         kidx.stride(0), kidx.stride(1), kidx.stride(2), vidx.stride(0), vidx.stride(1), vidx.stride(2),
         sig.stride(0), sig.stride(1), fk.stride(0), fk.stride(1), fk.stride(2), fv.stride(0), fv.stride(1),
@@ -219,7 +223,7 @@ def decode_attention_triton(inputs: KernelInputs, tables: StepTables, coded: Cod
         H=heads, QG=qg, QGP=pow2(qg), D=d, K=k, HALF=tables.rope_style == "half", PAIRS=pairs is not None,
         TASQ=tables.tasq, STEP=tables.step,
         HAS_MASK=inputs.masked, BLOCK_N=launch.block_n, DP=pow2(d), TABLE_EVICT="evict_last" if hints else "",
-        STREAM_EVICT="evict_first" if hints else "", num_warps=launch.num_warps,
+        STREAM_EVICT="evict_first" if hints else "", LIVE=coded.live is not None, num_warps=launch.num_warps,
     )
     return merged(acc, ml, q.dtype)
 

@@ -117,7 +117,7 @@ class QuantizedLoopKVCache:
         convention, attention mask). Returns [B, 1, Hq * D]. The mask is applied to the full-precision tokens;
         coded tokens are never padding (left padding stays in the sink columns).
         """
-        kernel = self._decode_backend(q)
+        kernel = self.decode_backend(q)
         if kernel is None:
             return None
         self._append(site, key, value, positions=ctx.positions)
@@ -128,7 +128,7 @@ class QuantizedLoopKVCache:
             self._encode_ready_pages()
         return out.reshape(q.shape[0], 1, -1)
 
-    def _decode_backend(self, q: torch.Tensor) -> Backend | None:
+    def decode_backend(self, q: torch.Tensor) -> Backend | None:
         """The decode kernel's backend for this call, or None for the reference path. ``auto`` hands the call
         to decode attention's own dispatch (the CUDA kernel where the site fits it, else Triton) on a CUDA device
         where the Triton kernel, the fallback, runs; elsewhere the reference path serves. An explicit backend

@@ -166,10 +166,11 @@ def decode_attention_reference(
     rope_style: str, rope_theta: float,
 ) -> torch.Tensor:
     """The same attention in plain PyTorch (float64 after decoding): codecs decode the coded tokens, RoPE
-    rotates keys at their positions, softmax over coded then full-precision tokens. q [B, Hq, D] post-RoPE;
+    rotates keys at their positions, softmax over coded then full-precision tokens (``coded.live`` read here: a
+    device sync). q [B, Hq, D] post-RoPE;
     fp_keys / fp_values [B, S, H, D] pre-RoPE; fp_positions [B, S]; fp_mask [B, S] bool (True = attend) or
     None. Returns [B, Hq, D] float64."""
-    b, n = q.shape[0], coded.count
+    b, n = q.shape[0], coded.count if coded.live is None else min(coded.count, int(coded.live))
     keys, values = [], []
     if n:
         def decode(codec: BlockCodec, idx: torch.Tensor, sigma: torch.Tensor | None) -> torch.Tensor:
