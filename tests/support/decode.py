@@ -13,6 +13,7 @@ from loopvq_calib.codes.layouts import BlockLayout, channel_groups, loop_axis_gr
 from loopvq_calib.kernels import decode_lanes as dl
 from loopvq_calib.models.common import pair_channels, rope_angles
 from loopvq_calib.serving import decode_attention as da
+from loopvq_calib.serving.cache import QuantizedLoopKVCache
 
 
 def permuted_groups(heads: int, steps: int, d: int, g: int, seed: int) -> torch.Tensor:
@@ -180,3 +181,30 @@ def emulate(q: torch.Tensor, tables: da.StepTables, coded: da.CodedTokens, fk, f
     out = torch.empty_like(out_lane)
     out.scatter_(3, vch[None, :, None, :].expand(bsz, -1, qg, -1), out_lane)
     return out.reshape(bsz, hq, d)
+
+
+def prefill(model, prompt: torch.Tensor, quantizer, *, mask: torch.Tensor | None = None, backend: str = "torch",
+            **serving):
+    """A QuantizedLoopKVCache after ``prompt``'s prefill (left padding in ``mask``) and the prefill's greedy token
+    [B, 1]."""
+    cache = QuantizedLoopKVCache(quantizer, backend=backend, **serving)
+    kw = {} if mask is None else {"attention_mask": mask}
+    with torch.inference_mode():
+        out = model(prompt, cache=cache, use_cache=True, **kw)
+    return cache, out.logits[:, -1:].argmax(-1)
+
+
+def lockstep(model, eager, decoder, ids: torch.Tensor, steps: int, *, mask: torch.Tensor | None = None):
+    """``steps`` decode steps of an eager cache (explicit forwards, the padding mask extended each step) and of a
+    GraphDecoder, both fed the eager path's greedy tokens: yields (eager logits, decoder logits, eager regions,
+    decoder's cache regions) per step."""
+    with torch.inference_mode():
+        for _ in range(steps):
+            kw = {}
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+                kw["attention_mask"] = mask
+            want = model(ids, cache=eager, use_cache=True, **kw).logits[:, -1]
+            got = decoder.step(ids).clone()
+            yield want, got, eager.regions(), decoder.cache.regions()
+            ids = want.argmax(-1, keepdim=True)
