@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .config.source import ConfigError
+from .config.source import ConfigError, shown
 
 INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
 TERMINATED = 143  # 128 + SIGTERM: what a shell reports for a command killed by SIGTERM
@@ -62,7 +62,8 @@ def _interrupt_name(err: KeyboardInterrupt) -> str:
 
 def _command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
     """A console script's ``main(argv) -> status`` that also maps Ctrl-C and SIGTERM to one line and exit 130 /
-    143 (where ``main`` did not already say more, as a calibration run does)."""
+    143 (where ``main`` did not already say more, as a calibration run does), and input nested too deeply for
+    Python to read to one line and exit 2."""
     @functools.wraps(main)
     def run(argv: list[str] | None = None) -> int:
         try:
@@ -70,6 +71,8 @@ def _command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | N
                 return main(argv)
         except KeyboardInterrupt as err:
             return _fail(f"interrupted ({_interrupt_name(err)})", _interrupt_status(err))
+        except RecursionError:  # only input nested deeper than Python recurses (a JSON file, say) gets here
+            return _fail("an input is nested too deeply to read (maximum recursion depth exceeded)", 2)
 
     return run
 
@@ -133,7 +136,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     except (ModelLoadError, DataError, ValueError) as err:  # also --stages and the run directory
         return _fail(str(err), 2)
     except OSError as err:
-        return _fail(f"{err.filename or 'input'}: {err.strerror or err}", 2)
+        return _fail(f"{shown(err.filename) if err.filename else 'input'}: {err.strerror or err}", 2)
     except RecursionError as err:  # only input nested deeper than Python recurses (a JSON line, say) gets here
         return _fail(f"an input is nested too deeply to read ({err})", 2)
     try:

@@ -14,6 +14,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from ..config.source import shown
 from ..runtime.files import sha256_file
 
 FORMAT_VERSION = "1.2"  # the newest format version this toolkit reads and writes
@@ -23,6 +24,7 @@ TENSOR_FILE = "codebooks.safetensors"
 CARD_FILE = "README.md"
 _META_SUM = re.compile(rb'"meta_sha256"\s*:\s*"([0-9a-f]{64})"')
 _GLOB = frozenset("*?[]")
+MAX_NAME_BYTES, MAX_PART_BYTES = 1024, 255  # a listed name, and each of its components (the file system's NAME_MAX)
 
 
 class BundleError(ValueError):
@@ -95,12 +97,12 @@ def _pairs(items: list[tuple[str, Any]]) -> _Object:
 def _plain(value: Any, field: str, file: Path) -> Any:
     """``value`` as plain dicts and lists; a duplicate key or a non-finite number is a BundleError naming it."""
     if isinstance(value, _NonFinite):
-        raise BundleError(f"{file}: field {field or '(top level)'} is a bare {value}, which is not JSON (a writer "
-                          "stores non-finite numbers as the strings \"nan\", \"inf\", \"-inf\")")
+        raise BundleError(f"{file}: field {_cut(field) or '(top level)'} is a bare {value}, which is not JSON (a "
+                          "writer stores non-finite numbers as the strings \"nan\", \"inf\", \"-inf\")")
     if isinstance(value, _Object):
         if value.duplicates:
             name = f"{field}.{value.duplicates[0]}" if field else value.duplicates[0]
-            raise BundleError(f"{file}: field {name} appears more than once (duplicate JSON key)")
+            raise BundleError(f"{file}: field {_cut(name)} appears more than once (duplicate JSON key)")
         return {k: _plain(v, f"{field}.{k}" if field else k, file) for k, v in value.items()}
     if isinstance(value, list):
         return [_plain(v, f"{field}[{i}]", file) for i, v in enumerate(value)]
@@ -112,18 +114,33 @@ def strict_json(data: bytes, file: Path) -> Any:
     BundleError naming ``file`` and the field."""
     try:
         parsed = json.loads(data.decode("utf-8"), object_pairs_hook=_pairs, parse_constant=_NonFinite)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return _plain(parsed, "", file)
+    except RecursionError:
+        raise BundleError(f"{file}: nested too deeply to read (not valid JSON of this format)") from None
+    except BundleError:
+        raise
+    except ValueError as err:  # malformed text, bad UTF-8, an integer of more digits than Python converts
         raise BundleError(f"{file}: not valid JSON ({err})") from err
-    return _plain(parsed, "", file)
+
+
+def _cut(field: str, limit: int = 120) -> str:
+    """A field path for a message (its keys come from the file), at most ``limit`` characters."""
+    return field if len(field) <= limit else field[: limit - 3] + "..."
 
 
 # -- the files a bundle lists ----------------------------------------------------------------------------
 def file_name_problem(name: Any) -> str | None:
     """Why ``name`` cannot be listed under ``files`` (None when it can): a relative POSIX path whose
     components are neither empty, ``.`` nor ``..``, without backslashes, glob characters (``* ? [ ]``) or
-    control characters."""
+    control characters, of at most MAX_NAME_BYTES UTF-8 bytes and MAX_PART_BYTES a component."""
     if not isinstance(name, str) or not name:
         return "is not a non-empty string"
+    try:
+        longest = max(len(part.encode("utf-8")) for part in name.split("/"))
+    except UnicodeEncodeError:
+        return "is not valid Unicode text (a lone surrogate)"
+    if len(name.encode("utf-8")) > MAX_NAME_BYTES or longest > MAX_PART_BYTES:
+        return f"is longer than a file name may be ({MAX_NAME_BYTES} bytes, {MAX_PART_BYTES} a component)"
     if name.startswith("/"):
         return "is an absolute path"
     if "\\" in name:
@@ -154,7 +171,7 @@ def bundle_file(root: Path, name: str, *, blobs: Path | None = None) -> Path:
     be a symlink to a regular file directly in ``blobs``. Anything else is a BundleError naming the entry."""
     problem = file_name_problem(name)
     if problem is not None:
-        raise BundleError(f"{root / META_FILE}: files entry {name!r} {problem}")
+        raise BundleError(f"{root / META_FILE}: files entry {shown(name)} {problem}")
     parts = name.split("/")
     path = root
     for i, part in enumerate(parts):
@@ -163,17 +180,20 @@ def bundle_file(root: Path, name: str, *, blobs: Path | None = None) -> Path:
             mode = path.lstat().st_mode
         except FileNotFoundError:
             raise BundleError(f"{path}: missing (listed in {META_FILE})") from None
+        except OSError as err:  # a name the file system refuses, a folder it may not read
+            raise BundleError(f"{root / META_FILE}: files entry {shown(name)} cannot be looked up "
+                              f"({err.strerror or type(err).__name__})") from None
         last = i == len(parts) - 1
         if stat.S_ISLNK(mode):
             target = path.resolve()
             if not last or blobs is None or target.parent != blobs.resolve():
-                raise BundleError(f"{path}: files entry {name!r} is or passes through a symbolic link (a bundle's "
+                raise BundleError(f"{path}: files entry {shown(name)} is or passes through a symbolic link (a bundle's "
                                   "files are regular files inside its folder)")
             mode = target.stat().st_mode
         if not last and not stat.S_ISDIR(mode):
-            raise BundleError(f"{path}: files entry {name!r} passes through something that is not a folder")
+            raise BundleError(f"{path}: files entry {shown(name)} passes through something that is not a folder")
     if not stat.S_ISREG(mode):
-        raise BundleError(f"{path}: files entry {name!r} is not a regular file")
+        raise BundleError(f"{path}: files entry {shown(name)} is not a regular file")
     return path
 
 
@@ -184,8 +204,9 @@ def read_bundle_file(root: Path, name: str) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError as err:  # replaced by a symlink since the check (ELOOP), or removed
-        raise BundleError(f"{path}: files entry {name!r} cannot be opened as a regular file ({err})") from err
+        raise BundleError(f"{path}: files entry {shown(name)} cannot be opened as a regular file "
+                          f"({err.strerror or err})") from err
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise BundleError(f"{path}: files entry {name!r} is not a regular file")
+            raise BundleError(f"{path}: files entry {shown(name)} is not a regular file")
         return f.read()

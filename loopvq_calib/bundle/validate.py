@@ -18,6 +18,7 @@ import torch
 from ..codes.codec import code_bits, sigma_bits
 from ..codes.layouts import KINDS, BlockLayout, codebook_shape
 from ..config.schema import DTYPE_NAMES, METHODS, SHARING
+from ..config.source import shown
 from ..models.loading import TORCH_DTYPES
 from .format import FORMAT_VERSION, META_FILE, TENSOR_FILE, BundleError, file_name_problem
 
@@ -40,7 +41,7 @@ SITE_FIELDS = {"site": int, "step": int, "layer": int, "looped": bool, "stage": 
 _REQUIRED_BLOCK = {"key": str, "kind": str, "name": str, "sites": list, "codebook_shape": list,
                    "groups_shape": list, "tasq": bool}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_VERSION = re.compile(r"([0-9]+)\.([0-9]+)")
+_VERSION = re.compile(r"([0-9]{1,9})\.([0-9]{1,9})")
 _CREATED = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?Z")
 
 
@@ -49,7 +50,7 @@ def check_version(meta: dict[str, Any], file: Path) -> None:
     version = meta.get("format_version")
     found = _VERSION.fullmatch(version) if isinstance(version, str) else None
     if found is None:
-        raise BundleError(f"{file}: field format_version is missing or not 'major.minor' (got {version!r})")
+        raise BundleError(f"{file}: field format_version is missing or not 'major.minor' (got {shown(version)})")
     if int(found.group(1)) != int(FORMAT_VERSION.split(".")[0]):
         raise BundleError(f"{file}: format_version {version} is not supported; this reader supports "
                           f"{FORMAT_VERSION.split('.')[0]}.x (any minor version)")
@@ -60,7 +61,7 @@ def check_meta(meta: dict[str, Any], file: Path) -> None:
     check_version(meta, file)
     _require(meta, _REQUIRED, file, prefix="")
     if meta["format"] != "loopvq":
-        raise BundleError(f"{file}: field format is {meta['format']!r}, expected 'loopvq'")
+        raise BundleError(f"{file}: field format is {shown(meta['format'])}, expected 'loopvq'")
     for key, spec in (("producer", {"name": str, "version": str}), ("bits", {"key": _NUMBER, "value": _NUMBER}),
                       ("bits_detail", {"index": _NUMBER, "key_sigma": _NUMBER}), ("model", _REQUIRED_MODEL),
                       ("serving", {k: int for k in ("sink_tokens", "recent_window", "page_size")}),
@@ -73,7 +74,7 @@ def check_meta(meta: dict[str, Any], file: Path) -> None:
         for key in ("sites", "codebook_shape", "groups_shape"):
             if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in block[key]):
                 raise BundleError(f"{file}: field blocks[{i}].{key} must be a list of non-negative integers, "
-                                  f"got {block[key]!r}")
+                                  f"got {shown(block[key])}")
     _check_text(meta, file)
     _check_enums(meta, file)
     _check_sizes(meta, file)
@@ -96,7 +97,7 @@ def _require(obj: Any, spec: dict[str, Any], file: Path, *, prefix: str) -> None
 
 def _choice(value: Any, allowed: tuple[str, ...], field: str, file: Path) -> None:
     if value not in allowed:
-        raise BundleError(f"{file}: field {field} is {value!r}, not one of {', '.join(allowed)}")
+        raise BundleError(f"{file}: field {field} is {shown(value)}, not one of {', '.join(allowed)}")
 
 
 def _check_text(meta: dict[str, Any], file: Path) -> None:
@@ -112,7 +113,7 @@ def _check_text(meta: dict[str, Any], file: Path) -> None:
     except ValueError:
         valid = False
     if not valid:
-        raise BundleError(f"{file}: field created is {created!r}, not a UTC time like '2026-01-01T00:00:00Z'")
+        raise BundleError(f"{file}: field created is {shown(created)}, not a UTC time like '2026-01-01T00:00:00Z'")
 
 
 def _check_enums(meta: dict[str, Any], file: Path) -> None:
@@ -126,7 +127,7 @@ def _check_enums(meta: dict[str, Any], file: Path) -> None:
         _choice(block["kind"], KINDS, f"blocks[{i}].kind", file)
     want = "uint8" if meta["codebook_size"] <= 256 else "int32"
     if meta["index_dtype"] != want:
-        raise BundleError(f"{file}: field index_dtype is {meta['index_dtype']!r}; codebook_size "
+        raise BundleError(f"{file}: field index_dtype is {shown(meta['index_dtype'])}; codebook_size "
                           f"{meta['codebook_size']} needs {want!r}")
 
 
@@ -200,8 +201,8 @@ def _check_model(model: dict[str, Any], kv: dict[str, Any], file: Path) -> None:
     if model["weights_sha256"] != want:
         raise BundleError(f"{file}: field model.weights_sha256 is not the sha256 of model.weights ({want[:12]}...)")
     if model["model_type"] != kv["model_type"]:
-        raise BundleError(f"{file}: field model.model_type {model['model_type']!r} differs from "
-                          f"kv_layout.model_type {kv['model_type']!r}")
+        raise BundleError(f"{file}: field model.model_type {shown(model['model_type'])} differs from "
+                          f"kv_layout.model_type {shown(kv['model_type'])}")
 
 
 def _check_files(files: dict[str, Any], file: Path) -> None:
@@ -212,14 +213,14 @@ def _check_files(files: dict[str, Any], file: Path) -> None:
         problem = file_name_problem(name) or (f"is {META_FILE} itself, which lists the others" if name == META_FILE
                                               else None)
         if problem is not None:
-            raise BundleError(f"{file}: files entry {name!r} {problem}")
+            raise BundleError(f"{file}: files entry {shown(name)} {problem}")
         if not isinstance(entry, dict):
-            raise BundleError(f"{file}: files entry {name!r} must be an object with sha256 and bytes")
+            raise BundleError(f"{file}: files entry {shown(name)} must be an object with sha256 and bytes")
         if not (isinstance(entry.get("sha256"), str) and _HEX64.fullmatch(entry["sha256"])):
             raise BundleError(f"{file}: field files.{name}.sha256 is not 64 lowercase hex digits")
         size = entry.get("bytes")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise BundleError(f"{file}: field files.{name}.bytes must be a non-negative integer, got {size!r}")
+            raise BundleError(f"{file}: field files.{name}.bytes must be a non-negative integer, got {shown(size)}")
 
 
 def _check_bits(meta: dict[str, Any], file: Path) -> None:
@@ -248,22 +249,22 @@ def expected_tensors(meta: dict[str, Any], file: Path) -> dict[str, tuple[list[i
     covered: dict[str, list[int]] = {kind: [] for kind in KINDS}
     codebook_values = 0
     for b in meta["blocks"]:
-        key, where = b["key"], f"{file}: block {b['key']!r}"
+        key, where = b["key"], f"{file}: block {shown(b['key'])}"
         if key != f"{b['kind']}.{b['name']}":
-            raise BundleError(f"{where}: field key must be '<kind>.<name>' ({b['kind']}.{b['name']})")
+            raise BundleError(f"{where}: field key must be '<kind>.<name>' ({b['kind']}.{shown(b['name'])[1:-1]})")
         _check_block_sites(b, sites, meta["steps_per_block"], where)
         _check_block_tasq(b, meta["method"], where)
         _check_block_grouping(b, where)
         covered[b["kind"]] += b["sites"]
         steps, gs = len(b["sites"]), b["groups_shape"]
         if len(gs) != 3 or gs[0] not in (1, h) or gs[2] != meta["group_size"] or gs[1] * gs[2] != steps * d:
-            raise BundleError(f"{where}: field groups_shape {gs} is not [1 or {h}, n, {meta['group_size']}] with "
-                              f"n*G = {steps}*{d}")
+            raise BundleError(f"{where}: field groups_shape {shown(gs)} is not [1 or {h}, n, {meta['group_size']}] "
+                              f"with n*G = {steps}*{d}")
         groups = torch.zeros(1, dtype=torch.long).expand(gs)  # shape only, nothing allocated
         layout = BlockLayout(b["name"], b["kind"], tuple(b["sites"]), d, h, groups)
         want_cb = list(codebook_shape(layout, meta["codebook_size"], meta["codebook_sharing"]))
         if b["codebook_shape"] != want_cb:
-            raise BundleError(f"{where}: field codebook_shape {b['codebook_shape']} does not match sharing "
+            raise BundleError(f"{where}: field codebook_shape {shown(b['codebook_shape'])} does not match sharing "
                               f"{meta['codebook_sharing']!r} (expected {want_cb})")
         codebook_values += math.prod(want_cb)
         out[f"{key}.codebook"] = (want_cb, TORCH_DTYPES[meta["codebook_dtype"]], key)
@@ -274,7 +275,7 @@ def expected_tensors(meta: dict[str, Any], file: Path) -> dict[str, tuple[list[i
         if sorted(ids) != sorted(sites):
             repeated = sorted({s for s in ids if ids.count(s) > 1})
             raise BundleError(f"{file}: the {kind} blocks must cover every KV site exactly once "
-                              f"(missing {sorted(set(sites) - set(ids))}, repeated {repeated})")
+                              f"(missing {shown(sorted(set(sites) - set(ids)))}, repeated {shown(repeated)})")
     want_bytes = codebook_values * TORCH_DTYPES[meta["codebook_dtype"]].itemsize
     if meta["codebook_bytes"] != want_bytes:
         raise BundleError(f"{file}: field codebook_bytes is {meta['codebook_bytes']}, but the blocks' codebooks "
@@ -287,19 +288,19 @@ def _check_block_sites(b: dict[str, Any], sites: dict[int, dict[str, Any]], step
     T_c; any other site is a block of its own."""
     ids = b["sites"]
     if not ids or not set(ids) <= set(sites) or len(set(ids)) != len(ids):
-        raise BundleError(f"{where}: field sites {ids} are not distinct sites of kv_layout.sites")
+        raise BundleError(f"{where}: field sites {shown(ids)} are not distinct sites of kv_layout.sites")
     members = [sites[i] for i in ids]
     if len({(m["stage"], m["layer"]) for m in members}) > 1:
-        raise BundleError(f"{where}: field sites {ids} span more than one layer or stage")
+        raise BundleError(f"{where}: field sites {shown(ids)} span more than one layer or stage")
     if not members[0]["looped"]:
         if len(ids) != 1:
-            raise BundleError(f"{where}: field sites {ids}: a non-looped site is a block of its own")
+            raise BundleError(f"{where}: field sites {shown(ids)}: a non-looped site is a block of its own")
         return
     steps = [m["step"] for m in members]
     first = steps[0]
     if len(ids) != steps_per_block or first % steps_per_block or steps != list(range(first, first + len(ids))):
-        raise BundleError(f"{where}: field sites {ids} (steps {steps}) are not the {steps_per_block} consecutive "
-                          "loop steps of one block in step order")
+        raise BundleError(f"{where}: field sites {shown(ids)} (steps {shown(steps)}) are not the {steps_per_block} "
+                          "consecutive loop steps of one block in step order")
 
 
 def _check_block_grouping(b: dict[str, Any], where: str) -> None:
@@ -308,8 +309,8 @@ def _check_block_grouping(b: dict[str, Any], where: str) -> None:
     if "grouping" not in b:
         return
     if b["grouping"] != "channels":
-        raise BundleError(f"{where}: field grouping is {b['grouping']!r}, not 'channels' (the only value; leave the "
-                          "field out for any other layout)")
+        raise BundleError(f"{where}: field grouping is {shown(b['grouping'])}, not 'channels' (the only value; leave "
+                          "the field out for any other layout)")
     if b["kind"] != "key":
         raise BundleError(f"{where}: field grouping is set on a {b['kind']} block; it describes key layouts only")
 
@@ -319,11 +320,12 @@ def _check_block_tasq(b: dict[str, Any], method: str, where: str) -> None:
     sigma_min = b.get("sigma_min")
     if not b["tasq"]:
         if sigma_min is not None:
-            raise BundleError(f"{where}: field sigma_min must be null when tasq is false, got {sigma_min!r}")
+            raise BundleError(f"{where}: field sigma_min must be null when tasq is false, got {shown(sigma_min)}")
         return
     if b["kind"] != "key" or method not in TASQ_METHODS:
         raise BundleError(f"{where}: field tasq is true, but TaSQ applies to key blocks of methods "
                           f"{', '.join(TASQ_METHODS)} only (this is a {b['kind']} block of {method!r})")
     if not isinstance(sigma_min, _NUMBER) or isinstance(sigma_min, bool) or not math.isfinite(sigma_min) \
             or sigma_min <= 0:
-        raise BundleError(f"{where}: field sigma_min must be a finite number > 0 for a TaSQ block, got {sigma_min!r}")
+        raise BundleError(f"{where}: field sigma_min must be a finite number > 0 for a TaSQ block, got "
+                          f"{shown(sigma_min)}")
