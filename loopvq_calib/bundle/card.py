@@ -2,7 +2,7 @@
 attached (``loopvq-push --eval-report``), its results as model-index metadata (huggingface_hub's
 ``ModelCardData`` / ``EvalResult``) and a table. A report attaches only to the bundle it measured; the new card
 and loopvq.json are prepared without writing (:class:`EvalAttachment`) and written by the push once the hub
-has them."""
+has them, or by ``loopvq-push --write-card-only``."""
 
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
+from ..config.source import shown
 from ..runtime.files import temp_sibling, write_temp
+from .eval_report import EvalReportError, bundle_row, check_report, read_eval_report, report_file
 from .format import CARD_FILE, META_FILE, TENSOR_FILE, meta_bytes, read_bundle_file
 from .reader import load_bundle
 
-
-class EvalReportError(ValueError):
-    """The evaluation report cannot be attached to the bundle (missing, unreadable, other bundle)."""
+__all__ = ["EvalAttachment", "EvalReportError", "attach_eval_report", "evaluation_for", "model_card",
+           "prepare_eval_report", "read_eval_report", "write_eval_report"]
 
 
 def model_card(meta: dict[str, Any], evaluation: dict[str, Any] | None = None) -> str:
@@ -106,18 +107,17 @@ def _num(value: Any) -> str:
 
 
 # -- evaluation results --------------------------------------------------------------------------------
-def evaluation_for(report: dict[str, Any], name: str) -> dict[str, Any]:
-    """EvalResults and markdown lines of the bundle called ``name`` in a ``loopvq-eval`` report.json."""
-    rows = {r["name"]: r for r in report.get("bundles") or [] if not r.get("baseline")}
-    if name not in rows:
-        raise EvalReportError(f"the evaluation report has no bundle named {name!r} (it has: "
-                              f"{', '.join(sorted(rows)) or 'none'})")
-    row = rows[name]
+def evaluation_for(report: dict[str, Any], name: str, *, source: str = "the evaluation report") -> dict[str, Any]:
+    """EvalResults and markdown lines of the bundle called ``name`` in a ``loopvq-eval`` report.json (its shape
+    checked: :func:`eval_report.check_report`; its one row: :func:`eval_report.bundle_row`)."""
+    check_report(report, source)
+    _, row = bundle_row(report, name, source)
     kl = row.get("eval_kl", row.get("heldout_kl"))
     data = (report.get("data") or {}).get("dataset") or "held-out text"
     served = report.get("served") or {}
     entry = next((e for e in served.get("entries") or [] if e["name"] == name), None)
-    where = "" if entry is None else " (sinks {sink_tokens}, recent window {recent_window})".format(**entry["serving"])
+    serving = (entry or {}).get("serving")
+    where = "" if serving is None else " (sinks {sink_tokens}, recent window {recent_window})".format(**serving)
     results = [
         EvalResult(task_type="text-generation", dataset_type="loopvq-eval", dataset_name=str(data), metric_type="kl",
                    metric_name="evaluation KL to full precision", metric_value=round(float(kl), 6)),
@@ -136,13 +136,13 @@ def evaluation_for(report: dict[str, Any], name: str) -> dict[str, Any]:
                                       metric_value=round(value, 6)))
             fp = (scores.get(ref) or {}).get(task, {}).get(metric)
             table.append((metric, task, _num(value), _num(fp) if fp is not None else "n/a"))
-    passkey = served.get("passkey")
-    if passkey and name in passkey["accuracy"]:
-        for n, acc in passkey["accuracy"][name].items():
-            results.append(EvalResult(task_type="text-generation", dataset_type="passkey",
-                                      dataset_name=f"passkey {n} tokens", metric_type="accuracy",
-                                      metric_name=f"passkey retrieval{where}", metric_value=acc))
-            table.append(("passkey accuracy", f"{n} tokens", _num(acc), _num(passkey["accuracy"][ref][n])))
+    accuracy = (served.get("passkey") or {}).get("accuracy") or {}
+    for n, acc in (accuracy.get(name) or {}).items():
+        results.append(EvalResult(task_type="text-generation", dataset_type="passkey",
+                                  dataset_name=f"passkey {n} tokens", metric_type="accuracy",
+                                  metric_name=f"passkey retrieval{where}", metric_value=acc))
+        fp = (accuracy.get(ref) or {}).get(n)
+        table.append(("passkey accuracy", f"{n} tokens", _num(acc), _num(fp) if fp is not None else "n/a"))
     lines = ["## Evaluation", "",
              f"Measured by `loopvq-eval` on `{report.get('model')}` ({report.get('dtype')}){where}; the "
              f"evaluation KL is on text the calibration never saw.", "",
@@ -162,22 +162,9 @@ class EvalAttachment:
     replaces: bytes
 
 
-def read_eval_report(report_path: str | Path) -> dict[str, Any]:
-    """A ``loopvq-eval`` report.json (or its folder), as a dict."""
-    report_file = Path(report_path)
-    report_file = report_file / "report.json" if report_file.is_dir() else report_file
-    try:
-        report = json.loads(report_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise EvalReportError(f"--eval-report {report_path}: cannot read an evaluation report ({err})") from err
-    if not isinstance(report, dict) or not isinstance(report.get("bundles"), list):
-        raise EvalReportError(f"--eval-report {report_path}: not a loopvq-eval report (no list of bundles)")
-    return report
-
-
 def report_identity(meta: dict[str, Any]) -> dict[str, Any]:
     """What a ``loopvq-eval`` report row records of the bundle it measured, as this bundle's ``loopvq.json``
-    says: its settings, serving defaults and calibration metrics (``codebooks_sha256`` where the report has it)."""
+    says: the sha256 of its codebooks, its settings, serving defaults and calibration metrics."""
     metrics = meta["metrics"]
     return {"codebooks_sha256": meta["files"][TENSOR_FILE]["sha256"], "method": meta["method"],
             "codebook_size": meta["codebook_size"], "group_size": meta["group_size"],
@@ -187,21 +174,19 @@ def report_identity(meta: dict[str, Any]) -> dict[str, Any]:
             "finetune_curve": metrics.get("finetune_curve")}
 
 
-def check_report_row(row: dict[str, Any], meta: dict[str, Any], report_path: str | Path) -> None:
+def check_report_row(row: dict[str, Any], meta: dict[str, Any], source: str) -> None:
     """Refuse a report row that is not this bundle's: every field of :func:`report_identity` must be in the
-    row (``codebooks_sha256`` only where the report records it) and equal this bundle's."""
+    row and equal this bundle's (``source`` names the report in messages)."""
     aliases = {"selection_kl": ("selection_kl", "calibration_heldout_kl")}
     for field, want in report_identity(meta).items():
         names = [n for n in aliases.get(field, (field,)) if n in row]
         if not names:
-            if field == "codebooks_sha256":
-                continue
-            raise EvalReportError(f"--eval-report {report_path}: the row of bundle {meta['name']!r} records no "
-                                  f"{field}, so it cannot be matched to this bundle; run loopvq-eval on it again")
+            raise EvalReportError(f"{source}: the row of bundle {shown(meta['name'])} records no {field}, so it "
+                                  "cannot be matched to this bundle; run loopvq-eval on it again")
         got = row[names[0]]
         if not _same(got, want):
-            raise EvalReportError(f"--eval-report {report_path}: the report measured another bundle named "
-                                  f"{meta['name']!r}: its {names[0]} is {_short(got)}, this bundle's is {_short(want)}")
+            raise EvalReportError(f"{source}: the report measured another bundle named {shown(meta['name'])}: its "
+                                  f"{names[0]} is {_short(got)}, this bundle's is {_short(want)}")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -217,22 +202,23 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _short(value: Any) -> str:
-    text = json.dumps(value)
+    """``value`` as JSON for a message, at most 80 characters (a long value is never serialised whole)."""
+    text = json.dumps(value) if len(shown(value)) < 80 else shown(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
 def prepare_eval_report(bundle_path: str | Path, report_path: str | Path) -> EvalAttachment:
     """The bundle's new README.md (with the results of the report at ``report_path``) and loopvq.json (its new
-    checksum), computed and checked, nothing written. Raises EvalReportError for an unreadable report or one
-    of another bundle (:func:`check_report_row`), BundleError for an invalid bundle."""
+    checksum), computed and checked, nothing written. Raises EvalReportError for an unreadable or malformed
+    report, one without exactly one row of this bundle's name, or one of another bundle (:func:`check_report_row`),
+    BundleError for an invalid bundle."""
     report = read_eval_report(report_path)
+    source = f"--eval-report {report_file(report_path)}"
     bundle = load_bundle(Path(bundle_path))
     name = bundle.meta["name"]
-    row = next((r for r in report["bundles"] if isinstance(r, dict) and r.get("name") == name
-                and not r.get("baseline")), None)
-    if row is not None:
-        check_report_row(row, bundle.meta, report_path)
-    evaluation = evaluation_for(report, name)  # no row: names the bundles the report has
+    _, row = bundle_row(report, name, source)
+    check_report_row(row, bundle.meta, source)
+    evaluation = evaluation_for(report, name, source=source)  # from that row, the report's only one of ``name``
     card = model_card(bundle.meta, evaluation).encode("utf-8")
     meta = {**bundle.meta, "files": {**bundle.meta["files"], CARD_FILE: _entry(card)}}
     replaces = read_bundle_file(bundle.path, META_FILE)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -258,3 +259,74 @@ def test_what_the_row_must_record_and_the_names_older_reports_use(bundle_dir, tm
     attachment = prepare_eval_report(bundle_dir, write_report(report, tmp_path / "report.json"))
     assert len(attachment.results) == 4 and attachment.replaces == (bundle_dir / "loopvq.json").read_bytes()
     assert _bundle_files(bundle_dir)["README.md"] != attachment.card  # prepared, not written
+
+
+# -- a report's shape and its one row of the bundle ------------------------------------------------------------
+def _report_file(bundle_dir: Path, tmp_path: Path, edit) -> Path:
+    """report.json of the golden bundle's report (support/eval_reports.py), ``edit``ed."""
+    report = eval_report(load_bundle(bundle_dir).meta)
+    edit(report)
+    return write_report(report, tmp_path / "report.json")
+
+
+def test_two_rows_of_the_bundles_name_are_refused_and_a_baseline_of_that_name_is_no_row(bundle_dir, tmp_path):
+    before = _bundle_files(bundle_dir)
+    file = _report_file(bundle_dir, tmp_path, lambda r: r["bundles"].append({**r["bundles"][0], "eval_kl": 0.5}))
+    message = f"--eval-report {file}: 2 rows (bundles[0], bundles[2]) measured a bundle named 'ouro_loopvq', so "
+    with pytest.raises(EvalReportError, match=re.escape(message)):
+        prepare_eval_report(bundle_dir, file)
+    with pytest.raises(EvalReportError, match=r"2 rows \(bundles\[0\], bundles\[2\]\) measured a bundle named"):
+        evaluation_for(json.loads(file.read_text()), "ouro_loopvq")
+    assert _bundle_files(bundle_dir) == before
+    baseline = {"name": "ouro_loopvq", "baseline": True, "eval_kl": 0.5, "ppl_fp": 10.0, "ppl_quantized": 99.0}
+    attachment = prepare_eval_report(bundle_dir, _report_file(bundle_dir, tmp_path,
+                                                              lambda r: r["bundles"].insert(0, baseline)))
+    values = {r.metric_type: r.metric_value for r in attachment.results}
+    assert values["kl"] == 0.0123 and values["perplexity"] == 10.5  # the bundle's row (support/eval_reports.py)
+
+
+@pytest.mark.parametrize("edit, field, problem", [
+    (lambda r: r["bundles"][0].pop("ppl_quantized"), "bundles[0].ppl_quantized", "is missing"),
+    (lambda r: r["bundles"][0].update(eval_kl="abc"), "bundles[0].eval_kl", "is 'abc', not a finite number"),
+    (lambda r: r["bundles"][0].update(ppl_fp=[1.0]), "bundles[0].ppl_fp", "is [1.0], not a finite number"),
+    (lambda r: r["bundles"].insert(0, 5), "bundles[0]", "is 5, not an object"),
+    (lambda r: r["bundles"][1].pop("name"), "bundles[1].name", "is missing"),
+    (lambda r: r.update(model=["org/x"]), "model", "is ['org/x'], not a string or null"),
+    (lambda r: r["served"]["entries"][1].update(serving=5), "served.entries[1].serving", "is 5, not an object or null"),
+    (lambda r: r["served"]["entries"][1]["serving"].update(recent_window="64"),
+     "served.entries[1].serving.recent_window", "is '64', not a non-negative integer"),
+    (lambda r: r["served"]["entries"].append(r["served"]["entries"][1]), "served.entries[2].name",
+     "repeats the entry 'ouro_loopvq'"),
+    (lambda r: r["served"]["tasks"]["scores"]["ouro_loopvq"]["loopvq_recall"].update({"exact_match,answer": "0.5"}),
+     "served.tasks.scores.ouro_loopvq.loopvq_recall.exact_match,answer", "is '0.5', not a finite number"),
+    (lambda r: r["served"]["passkey"].update(accuracy=[0.8]), "served.passkey.accuracy",
+     "is [0.8], not an object or null"),
+])
+def test_a_malformed_report_names_the_file_and_the_field(bundle_dir, tmp_path, edit, field, problem):
+    file = _report_file(bundle_dir, tmp_path, edit)
+    with pytest.raises(EvalReportError, match=re.escape(f"--eval-report {file}: field {field} {problem}; ")):
+        prepare_eval_report(bundle_dir, file)
+    with pytest.raises(EvalReportError, match=re.escape(f"the evaluation report: field {field} {problem}; ")):
+        evaluation_for(json.loads(file.read_text()), "ouro_loopvq")
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply to read"),
+    ('{"bundles": [], "bundles": []}', "field bundles appears more than once (duplicate JSON key)"),
+    ('{"bundles": [{"name": "x", "eval_kl": NaN}]}', "field bundles[0].eval_kl is a bare NaN"),
+    ("{not json", "not valid JSON"),
+])
+def test_a_report_that_is_not_strict_json_names_the_file(bundle_dir, tmp_path, text, problem):
+    file = tmp_path / "report.json"
+    file.write_text(text)
+    with pytest.raises(EvalReportError, match=re.escape(f"--eval-report: cannot read an evaluation report: {file}: "
+                                                        f"{problem}")):
+        prepare_eval_report(bundle_dir, file)
+
+
+def test_a_row_without_the_codebooks_sha256_is_refused(bundle_dir, tmp_path):
+    file = _report_file(bundle_dir, tmp_path, lambda r: r["bundles"][0].pop("codebooks_sha256"))
+    with pytest.raises(EvalReportError, match=re.escape(
+            f"--eval-report {file}: the row of bundle 'ouro_loopvq' records no codebooks_sha256, so it cannot be "
+            "matched to this bundle; run loopvq-eval on it again")):
+        prepare_eval_report(bundle_dir, file)

@@ -9,10 +9,11 @@ from typing import Any
 
 
 def measured_row(meta: dict[str, Any], **measured: Any) -> dict[str, Any]:
-    """A bundle's row of a report: what evaluate.py copies from the bundle's ``loopvq.json`` (settings, serving
-    defaults, calibration metrics) and the measured numbers (``measured`` overrides the defaults)."""
+    """A bundle's row of a report: what evaluate.py copies from the bundle's ``loopvq.json`` (codebooks sha256,
+    settings, serving defaults, calibration metrics) and the measured numbers (``measured`` overrides the defaults)."""
     metrics = meta["metrics"]
-    return {"name": meta["name"], "method": meta["method"], "bits": meta["bits"],
+    return {"name": meta["name"], "codebooks_sha256": meta["files"]["codebooks.safetensors"]["sha256"],
+            "method": meta["method"], "bits": meta["bits"],
             "codebook_size": meta["codebook_size"], "group_size": meta["group_size"],
             "steps_per_block": meta["steps_per_block"], "sink_tokens": meta["serving"]["sink_tokens"],
             "serving": meta["serving"], "bundle": "runs/x/bundle",
