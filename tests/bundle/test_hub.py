@@ -1,5 +1,6 @@
 """loopvq-push: the files a push sends (exactly the dry run's list, checked at the HTTP layer of huggingface_hub
-against a fake hub, never the network), the refused file entries, offline mode and hub errors."""
+against a fake hub, never the network), the refused file entries, offline mode and hub errors, and the card of an
+evaluation report written after the push or instead of it (--write-card-only)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import hashlib
 import importlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -321,3 +323,58 @@ def test_loopvq_push_writes_the_card_only_after_the_push(bundle_dir, fake_hub, t
     other = write_report(eval_report({**load_bundle(bundle_dir).meta, "method": "cq"}), tmp_path / "other.json")
     assert push_main([str(bundle_dir), "--repo-id", "org/x", "--eval-report", str(other)]) == 2
     assert "measured another bundle" in capsys.readouterr().err and len(fake_hub.commits) == 1
+
+
+def test_write_card_only_writes_what_a_push_would_and_sends_nothing(bundle_dir, fake_hub, tmp_path, capsys):
+    report = write_report(eval_report(load_bundle(bundle_dir).meta), tmp_path / "report.json")
+    attachment = prepare_eval_report(bundle_dir, report)
+    before = _bundle_bytes(bundle_dir)
+    argv = [str(bundle_dir), "--eval-report", str(report), "--write-card-only"]
+    assert push_main(argv + ["--dry-run"]) == 0 and _bundle_bytes(bundle_dir) == before
+    card = bundle_dir / "README.md"
+    assert capsys.readouterr().out == f"would write 4 evaluation results into {card} (nothing pushed)\n"
+    assert push_main(argv) == 0
+    assert capsys.readouterr().out == (f"wrote 4 evaluation results into {card} and its checksum into loopvq.json "
+                                       "(nothing pushed)\n")
+    assert _bundle_bytes(bundle_dir) == {**before, "README.md": attachment.card, "loopvq.json": attachment.meta}
+    assert "## Evaluation" in (bundle_dir / "README.md").read_text() and load_bundle(bundle_dir)
+    assert fake_hub.requests == []
+    assert push_main([str(bundle_dir), "--write-card-only"]) == 2
+    assert "--write-card-only writes the card of an evaluation report" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # a push still needs its repo
+        push_main([str(bundle_dir), "--dry-run"])
+    assert stop.value.code == 2 and "the following arguments are required: --repo-id" in capsys.readouterr().err
+
+
+def test_write_card_only_failing_keeps_the_old_pair_and_exits_3(bundle_dir, tmp_path, monkeypatch, capsys):
+    report = write_report(eval_report(load_bundle(bundle_dir).meta), tmp_path / "report.json")
+    before = _bundle_bytes(bundle_dir)
+    real_replace = os.replace
+
+    def replace(src, dst):  # the new loopvq.json cannot be renamed into place
+        if Path(dst).name == "loopvq.json":
+            raise OSError(errno.EIO, "Input/output error")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    assert push_main([str(bundle_dir), "--eval-report", str(report), "--write-card-only"]) == 3
+    assert capsys.readouterr().err == (f"error: writing the new README.md and loopvq.json into {bundle_dir} failed "
+                                       "(Input/output error); the folder keeps its old pair\n")
+    monkeypatch.undo()
+    assert _bundle_bytes(bundle_dir) == before
+
+
+def test_an_entry_the_file_system_cannot_look_up_is_named(bundle_dir, fake_hub, monkeypatch, capsys):
+    real_lstat = Path.lstat
+
+    def lstat(self):
+        if self.name == "README.md":
+            raise OSError(errno.ENAMETOOLONG, "File name too long")
+        return real_lstat(self)
+
+    monkeypatch.setattr(Path, "lstat", lstat)
+    message = f"{bundle_dir / 'loopvq.json'}: files entry 'README.md' cannot be looked up (File name too long)"
+    with pytest.raises(BundleError, match=re.escape(message)):
+        upload_plan(bundle_dir)
+    assert push_main([str(bundle_dir), "--repo-id", "org/x", "--dry-run"]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n" and fake_hub.requests == []
