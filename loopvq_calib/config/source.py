@@ -1,8 +1,9 @@
 """Where a config's raw values come from: the YAML file (UTF-8 checked), ``--set`` overrides, and which
 values are local paths (resolved to absolute ones; docs/config.md, "Paths").
 
-Both are read by one strict YAML loader (:func:`parse_yaml`): anchors and aliases, duplicate mapping keys and
-nesting deeper than :data:`MAX_DEPTH` are refused with a :class:`ConfigError` naming the key path and the line.
+Both are read by one strict YAML loader (:func:`parse_yaml`): anchors and aliases, merge keys (``<<``), duplicate
+mapping keys and nesting deeper than :data:`MAX_DEPTH` are refused with a :class:`ConfigError` naming the key path
+and the line.
 Every message that shows a value shows it through :func:`shown`, cut to a few dozen characters.
 
 A value is local when it exists, looks like a path (absolute, ``./``, ``~``, glob, a data suffix, not exactly
@@ -26,6 +27,7 @@ LOCAL_TYPES = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json
 LOCAL_DATA_SUFFIXES = tuple(LOCAL_TYPES)
 MAX_DEPTH = 32  # nesting levels of a YAML document (the config tree needs 3, a list value one or two more)
 SHOWN_CHARS = 80  # the longest value an error message shows
+MERGE_TAG = "tag:yaml.org,2002:merge"  # what YAML resolves a plain ``<<`` key to
 
 
 class ConfigError(ValueError):
@@ -59,9 +61,10 @@ _REPR = _bounded_repr()
 
 class StrictLoader(yaml.SafeLoader):
     """PyYAML's SafeLoader that tracks the key path of the node it composes and refuses anchors and aliases
-    (an alias can expand a few lines into billions of values), duplicate mapping keys (one would silently win)
-    and nesting deeper than :data:`MAX_DEPTH`: each a :class:`ConfigError` naming the key path and the line of
-    ``source`` (a config file, or ``--set KEY`` whose key path ``prefix`` starts every path)."""
+    (an alias can expand a few lines into billions of values), merge keys ``<<`` and duplicate mapping keys (one
+    would silently win over the other) and nesting deeper than :data:`MAX_DEPTH`: each a :class:`ConfigError`
+    naming the key path and the line of ``source`` (a config file, or ``--set KEY`` whose key path ``prefix``
+    starts every path)."""
 
     def __init__(self, text: str, source: str, prefix: str = "") -> None:
         super().__init__(text)
@@ -104,9 +107,12 @@ class StrictLoader(yaml.SafeLoader):
                 self.keys.pop()
 
     def _check_unique(self, node: MappingNode) -> None:
-        """Every key of a mapping appears once."""
+        """Every key of a mapping appears once, and none is a merge key (whose keys could repeat others)."""
         first: dict[str, Node] = {}
         for key, _ in node.value:
+            if key.tag == MERGE_TAG:
+                raise ConfigError(self.path(), f"YAML merge keys (<<) are not allowed (<< at {self.where(key)}); "
+                                               "write the keys out")
             name = key.value if isinstance(key, ScalarNode) else None
             if name is None:
                 continue
@@ -160,7 +166,15 @@ def read_yaml(path: Path) -> Any:
     try:
         return parse_yaml(text, str(path)) or {}
     except yaml.YAMLError as err:
-        raise ConfigError("", f"{path} is not valid YAML: {err}") from err
+        raise ConfigError("", f"{path} is not valid YAML: {_yaml_problem(err)}") from err
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's complaint on one line: the problem and where (``line N, column M``)."""
+    problem, mark = getattr(err, "problem", None), getattr(err, "problem_mark", None)
+    if problem is None:
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
 
 
 def copy_sections(raw: dict) -> dict:
@@ -198,12 +212,22 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 def looks_local(spec: str, base: Path, suffixes: tuple[str, ...] = ()) -> bool:
     """Whether ``spec`` names a local path rather than a hub id ``org/name``: it exists under ``base``, is
     absolute or starts with ``.``/``~``, has no ``/`` or more than one, ends in one of ``suffixes``, holds
-    glob characters, or its first component is a folder under ``base`` (``artifacts/nope``)."""
+    glob characters, or its first component is a folder under ``base`` (``artifacts/nope``). A name the file
+    system refuses (too long) counts as local: using it says why."""
     if spec.startswith(("/", ".", "~")) or "\\" in spec or any(ch in spec for ch in "*?["):
         return True
-    if spec.count("/") != 1 or spec.endswith(suffixes) or (base / spec).exists():
+    if spec.count("/") != 1 or spec.endswith(suffixes) or _local_entry(base / spec):
         return True
     return (base / spec.split("/")[0]).is_dir()
+
+
+def _local_entry(path: Path) -> bool:
+    """Whether ``path`` exists, or is a name the file system refuses (too long): local either way, and using it
+    says what is wrong."""
+    try:
+        return path.exists()
+    except OSError:
+        return True
 
 
 def resolve_paths(raw: dict, base: Path, keys: tuple[str, ...] = PATH_KEYS) -> dict:
@@ -223,7 +247,7 @@ def resolve_paths(raw: dict, base: Path, keys: tuple[str, ...] = PATH_KEYS) -> d
 def _local_dataset(spec: str, base: Path) -> bool:
     """A bare name (``wikitext``) that is no file here is a hub dataset; otherwise as :func:`looks_local`."""
     bare = "/" not in spec and not spec.startswith((".", "~")) and not any(ch in spec for ch in "*?[")
-    if bare and not spec.endswith(LOCAL_DATA_SUFFIXES) and not (base / spec).exists():
+    if bare and not spec.endswith(LOCAL_DATA_SUFFIXES) and not _local_entry(base / spec):
         return False
     return looks_local(spec, base, LOCAL_DATA_SUFFIXES)
 

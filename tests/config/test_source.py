@@ -1,5 +1,5 @@
-"""The strict YAML loader of config files and --set values: anchors and aliases, duplicate keys and too-deep
-documents refused with the key path and the line; every value an error shows is cut short."""
+"""The strict YAML loader of config files and --set values: anchors and aliases, merge keys, duplicate keys and
+too-deep documents refused with the key path and the line; every value an error shows is cut short."""
 
 from __future__ import annotations
 
@@ -10,7 +10,15 @@ import pytest
 from loopvq_calib.cli import calibrate_main
 from loopvq_calib.config import source
 from loopvq_calib.config.load import load_config
-from loopvq_calib.config.source import MAX_DEPTH, SHOWN_CHARS, ConfigError, parse_yaml, shown
+from loopvq_calib.config.source import (
+    MAX_DEPTH,
+    SHOWN_CHARS,
+    ConfigError,
+    looks_local,
+    parse_yaml,
+    resolve_paths,
+    shown,
+)
 
 
 def alias_bomb(levels: int = 9) -> str:
@@ -60,6 +68,39 @@ def test_duplicate_keys_name_the_key_path_and_both_lines(tmp_path):
     assert err.path == "quant" and f"({file} line 1 and line 5)" in str(err)
     file.write_text("quant:\n  method: cq\n")
     assert load_config(file).quant.method == "cq"  # the same keys once each load
+
+
+@pytest.mark.parametrize("text, path, line", [
+    ("quant:\n  <<: {method: cq}\n  method: loopvq\n", "quant", " line 2"),  # the merge hides a duplicate method
+    ("quant: {<<: {method: cq}, bits: 0.5}\n", "quant", ""),  # merged keys nothing repeats; one line: no number
+    ("<<: {quant: {method: cq}}\nquant: {method: loopvq}\n", "", " line 1"),  # at the top level
+])
+def test_merge_keys_are_refused_naming_the_key_path_and_the_line(tmp_path, text, path, line):
+    file = tmp_path / "c.yaml"
+    file.write_text(text)
+    err = config_error(file)
+    assert err.path == path
+    assert str(err) == (f"{path + ': ' if path else ''}YAML merge keys (<<) are not allowed (<< at {file}{line}); "
+                        "write the keys out")
+    file.write_text('quant:\n  "<<": {method: cq}\n')  # a quoted << is a plain key: unknown, not merged
+    assert "quant.<<: unknown key" in str(config_error(file))
+
+
+def test_invalid_yaml_is_one_line_naming_the_file_and_where(tmp_path):
+    file = tmp_path / "bad.yaml"
+    file.write_text("quant:\n  bits: [0.5,\n")
+    assert str(config_error(file)) == (f"{file} is not valid YAML: expected the node content, but found "
+                                       "'<stream end>' (line 3, column 1)")
+
+
+def test_a_path_the_file_system_refuses_is_local_and_kept_as_a_path(tmp_path):
+    """org/<2 MB> looks like a hub id but no hub id is that long; its existence check raises ENAMETOOLONG."""
+    name = "org/" + "a" * 2_000_000
+    assert looks_local(name, tmp_path) and looks_local("a" * 2_000_000 + ".jsonl", tmp_path, (".jsonl",))
+    raw = resolve_paths({"model": {"name_or_path": name}, "data": {"dataset": "d" * 300_000}}, tmp_path)
+    assert raw["model"]["name_or_path"] == str(tmp_path / name)
+    assert raw["data"]["dataset"] == str(tmp_path / ("d" * 300_000))
+    assert looks_local("org/name", tmp_path) is False  # a hub id stays one
 
 
 def test_set_values_go_through_the_same_loader():
