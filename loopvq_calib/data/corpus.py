@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from ..config.schema import DataConfig
-from ..config.source import LOCAL_TYPES
+from ..config.source import LOCAL_TYPES, shown
 from ..models.loading import hub_offline
 from ..runtime.files import sha256_file
 from .files import DataError, file_documents
@@ -43,14 +43,18 @@ class CalibrationSet:
         return hashlib.sha256(ids + split).hexdigest()
 
 
-def local_files(spec: str) -> list[str]:
-    """The local files ``spec`` (file, folder or glob) names, sorted; empty when it names none."""
+def local_files(spec: str, key: str = "data.dataset") -> list[str]:
+    """The local files ``spec`` (file, folder or glob) names, sorted; empty when it names none. A name the file
+    system refuses (too long) or a folder it may not read is a DataError naming ``key``."""
     path = Path(spec)
-    if path.is_dir():
-        return sorted(str(p) for p in path.iterdir() if p.suffix in LOCAL_TYPES)
-    if any(ch in spec for ch in "*?["):
-        return sorted(glob.glob(spec))
-    return [spec] if path.is_file() else []
+    try:
+        if path.is_dir():
+            return sorted(str(p) for p in path.iterdir() if p.suffix in LOCAL_TYPES)
+        if any(ch in spec for ch in "*?["):
+            return sorted(glob.glob(spec))
+        return [spec] if path.is_file() else []
+    except OSError as err:
+        raise DataError(f"{key}: cannot use {shown(spec)} ({err.strerror or type(err).__name__})") from None
 
 
 def source_fingerprint(cfg: DataConfig) -> list[tuple[str, int, str]]:
@@ -70,15 +74,15 @@ def load_documents(cfg: DataConfig, names: dict[str, str | None] | None = None) 
     json / jsonl / parquet, read directly: no cache outside the run directory, so an edited file is always read
     afresh) or a hub dataset (``datasets``, through the hub cache). ``names`` renames fields in error messages
     (see :func:`_option`)."""
-    files = local_files(cfg.dataset)
+    files = local_files(cfg.dataset, _option(names, "dataset"))
     kind = "json" if cfg.type == "jsonl" else cfg.type
     if files and kind in ("auto", "text", "json", "parquet"):
         if kind == "auto":
             kinds = {LOCAL_TYPES.get(Path(f).suffix) for f in files}
             if len(kinds) != 1 or None in kinds:
                 how = f"; set {_option(names, 'type')}" if _option(names, "type") else ""
-                raise DataError(f"{_option(names, 'dataset')}: cannot infer the file type of {files} (known suffixes: "
-                                f"{', '.join(LOCAL_TYPES)}){how}")
+                raise DataError(f"{_option(names, 'dataset')}: cannot infer the file type of {shown(files)} (known "
+                                f"suffixes: {', '.join(LOCAL_TYPES)}){how}")
             kind = kinds.pop()
 
         field_key = _option(names, "text_field") or _option(names, "dataset")
@@ -90,7 +94,7 @@ def load_documents(cfg: DataConfig, names: dict[str, str | None] | None = None) 
         return
     if Path(cfg.dataset).is_dir():
         raise DataError(f"{_option(names, 'dataset')}: folder {cfg.dataset} holds no {', '.join(LOCAL_TYPES)} file")
-    raise DataError(f"{_option(names, 'dataset')}: no local file matches {cfg.dataset!r} (type {cfg.type})")
+    raise DataError(f"{_option(names, 'dataset')}: no local file matches {shown(cfg.dataset)} (type {cfg.type})")
 
 
 def _looks_like_a_path(spec: str) -> bool:
@@ -107,16 +111,23 @@ def _hub_documents(cfg: DataConfig, names: dict[str, str | None] | None) -> Iter
         offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or hub_offline()
         hint = " (offline mode is on: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)" if offline else ""
         raise DataError(
-            f"{_option(names, 'dataset')}: could not load {cfg.dataset!r} (config {cfg.config_name!r}, split "
-            f"{cfg.split!r}) from the hub{hint}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            f"{_option(names, 'dataset')}: could not load {shown(cfg.dataset)} (config {shown(cfg.config_name)}, split "
+            f"{shown(cfg.split)}) from the hub{hint}: {type(err).__name__}: {_first_line(err)}"
         ) from err
     if cfg.text_field not in ds.column_names:
         key = _option(names, "text_field") or _option(names, "dataset")
-        raise DataError(f"{key}: column {cfg.text_field!r} not in {cfg.dataset} (columns: {ds.column_names})")
+        raise DataError(f"{key}: column {shown(cfg.text_field)} not in {shown(cfg.dataset)} (columns: "
+                        f"{shown(ds.column_names)})")
     for row in ds:
         text = row[cfg.text_field]
         if cfg.chat_template or (isinstance(text, str) and text.strip()):
             yield text
+
+
+def _first_line(err: BaseException, limit: int = 200) -> str:
+    """The first line of an error's message, at most ``limit`` characters."""
+    lines = str(err).strip().splitlines()
+    return lines[0][:limit] if lines else ""
 
 
 def checked_conversations(rows: Iterator[Any], field_key: str) -> Iterator[list[dict[str, Any]]]:
@@ -126,7 +137,7 @@ def checked_conversations(rows: Iterator[Any], field_key: str) -> Iterator[list[
                 and all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)):
             raise DataError(f"{field_key}: with data.chat_template every row must be a non-empty list of "
                             f"{{role, content}} messages; document {n} is {type(messages).__name__} "
-                            f"{str(messages)[:60]!r}")
+                            f"{shown(messages, 60)}")
         yield messages
 
 
@@ -168,12 +179,13 @@ def build_calibration_set(cfg: DataConfig, tokenizer: Any,
         source = checked_conversations(source, _option(names, "text_field") or "data.text_field")
         texts = render_conversations(source, tokenizer)
     ids, docs = _token_stream(texts, tokenizer, POOL_FACTOR * n * length)
-    if local_files(cfg.dataset):  # read (not tokenize or render) the rest: a bad row anywhere fails before the run
+    # read (not tokenize or render) the rest: a bad row anywhere fails before the run
+    if local_files(cfg.dataset, _option(names, "dataset")):
         for _ in source:
             pass
     if docs == 0:
         raise DataError(f"{_option(names, 'dataset')}: {cfg.dataset} holds no text (no non-empty "
-                        f"{cfg.text_field!r} in any document)")
+                        f"{shown(cfg.text_field)} in any document)")
     windows = len(ids) // length
     if windows < n:
         raise DataError(

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..config.schema import DataConfig
+from ..config.source import shown
 
 
 class DataError(ValueError):
     """The calibration data cannot be loaded or is too small; names the config key."""
-
 
 
 def file_documents(file: Path, kind: str, cfg: DataConfig, *, dataset_key: str, field_key: str) -> Iterator[Any]:
@@ -118,14 +118,14 @@ def _json_column(file: Path, column: str, dataset_key: str, *, field_key: str) -
     found, columns = False, None
     for where, row in numbered:
         if not isinstance(row, dict):
-            raise DataError(f"{dataset_key}: {file} {where}: expected a JSON object with a {column!r} field")
+            raise DataError(f"{dataset_key}: {file} {where}: expected a JSON object with a {shown(column)} field")
         if column in row:
             found = True
             yield row[column]
         elif columns is None:
             columns = sorted(row)
     if not found and columns is not None:
-        raise DataError(f"{field_key}: column {column!r} not in {file} (columns: {columns})")
+        raise DataError(f"{field_key}: column {shown(column)} not in {file} (columns: {shown(columns)})")
 
 
 def _chain(first: tuple[int, str], rest: Iterator[tuple[int, str]]) -> Iterator[tuple[int, str]]:
@@ -149,9 +149,10 @@ def _parquet_column(file: Path, column: str, dataset_key: str, *, field_key: str
     try:
         schema = pq.read_schema(file)
     except Exception as err:  # pyarrow raises its own types for truncated or foreign files
-        raise DataError(f"{dataset_key}: {file} is not a readable parquet file ({type(err).__name__}: {err})") from err
+        raise DataError(f"{dataset_key}: {file} is not a readable parquet file ({type(err).__name__}: "
+                        f"{str(err)[:200]})") from err
     if column not in schema.names:
-        raise DataError(f"{field_key}: column {column!r} not in {file} (columns: {schema.names})")
+        raise DataError(f"{field_key}: column {shown(column)} not in {file} (columns: {shown(schema.names)})")
     try:
         return pq.read_table(file, columns=[column]).column(column).to_pylist()
     except Exception as err:

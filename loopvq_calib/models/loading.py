@@ -39,11 +39,17 @@ class ModelLoadError(RuntimeError):
 def resolve_model_dir(name_or_path: str, revision: str | None = None, key: str = "model.name_or_path") -> Path:
     """A local folder as is; a hub id through the hub cache (snapshot_download; read from the cache only
     under HF_HUB_OFFLINE=1). A local-looking path that does not exist is reported as such, never as a
-    network error (see :func:`loopvq_calib.config.source.looks_local`)."""
+    network error (see :func:`loopvq_calib.config.source.looks_local`), and one the file system refuses (too
+    long) names ``key``."""
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
+    try:
+        if path.is_dir():
+            return path
+        exists = path.exists()
+    except OSError as err:
+        raise ModelLoadError(f"{key}: cannot use {shown(name_or_path)} as a model folder "
+                             f"({err.strerror or type(err).__name__})") from None
+    if exists:
         raise ModelLoadError(f"{key}: {name_or_path} is a file, not a model folder")
     if looks_local(name_or_path, Path.cwd()):
         raise ModelLoadError(f"{key}: no such folder: {name_or_path}"
@@ -64,10 +70,10 @@ def hub_snapshot(repo_id: str, revision: str | None, key: str, *, what: str, pat
     try:
         return snapshot_download(repo_id, revision=revision, local_files_only=offline, allow_patterns=patterns)
     except Exception as err:
-        hint = (f" (offline mode: HF_HUB_OFFLINE is set and {repo_id} is not in the local hub cache)" if offline
-                else f" ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
-        raise ModelLoadError(f"{key}: could not get the {what} {repo_id!r} (revision {revision!r}) from the "
-                             f"Hugging Face Hub{hint}") from err
+        hint = (f" (offline mode: HF_HUB_OFFLINE is set and {shown(repo_id)} is not in the local hub cache)"
+                if offline else f" ({type(err).__name__}: {_first_line(err)})")
+        raise ModelLoadError(f"{key}: could not get the {what} {shown(repo_id)} (revision {shown(revision)}) from "
+                             f"the Hugging Face Hub{hint}") from err
 
 
 SAMPLE_CHUNKS = 64
@@ -193,9 +199,15 @@ def read_model_config(folder: Path, key: str = "model.name_or_path") -> Any:
 
 def model_window(config: Any) -> tuple[int, str]:
     """The longest sequence the model takes (its RoPE and position range) and the config.json field it comes
-    from: Ouro ``max_position_embeddings``, Huginn ``block_size``."""
+    from: Ouro ``max_position_embeddings``, Huginn ``block_size``; anything but a positive integer there is a
+    ModelLoadError naming the field and the file."""
     name = WINDOW_FIELDS[config.model_type]
-    return int(getattr(config, name)), name
+    window = getattr(config, name, None)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        where = Path(getattr(config, "name_or_path", "") or ".") / "config.json"
+        raise ModelLoadError(f"{where}: field {name} (the model's window) must be a positive integer, got "
+                             f"{shown(window)}")
+    return window, name
 
 
 def check_model_folder(folder: Path, key: str = "model.name_or_path") -> Any:

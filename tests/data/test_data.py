@@ -14,9 +14,9 @@ from conftest import REFERENCE_MODEL
 from transformers import AutoTokenizer
 
 from loopvq_calib.config.schema import Config, DataConfig
-from loopvq_calib.config.source import ConfigError
+from loopvq_calib.config.source import ConfigError, shown
 from loopvq_calib.config.validate import validate
-from loopvq_calib.data.corpus import build_calibration_set, load_documents
+from loopvq_calib.data.corpus import build_calibration_set, load_documents, local_files
 from loopvq_calib.data.files import DataError
 
 DOCS = [f"Document number {i}. " + "To be, or not to be, that is the question. " * (5 + i) for i in range(6)]
@@ -95,6 +95,30 @@ def test_missing_text_field_and_missing_file(tmp_path, tokenizer):
         list(load_documents(DataConfig(dataset=str(path), text_field="body")))
     with pytest.raises(DataError, match=r"data\.dataset: no local file matches"):
         list(load_documents(DataConfig(dataset=str(tmp_path / "none.jsonl"))))
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_huge_text_field_or_column_list_is_shown_cut_short(tmp_path, kind):
+    path = write_corpus(tmp_path, kind)
+    field = "t" * 2_000_000
+    with pytest.raises(DataError) as err:
+        list(load_documents(DataConfig(dataset=str(path), text_field=field)))
+    assert str(err.value) == f"data.text_field: column {shown(field)} not in {path} (columns: {shown(['text'])})"
+    wide = tmp_path / "wide.jsonl"
+    wide.write_text(json.dumps({f"c{i}": i for i in range(100_000)}) + "\n")
+    with pytest.raises(DataError, match=r"column 'text' not in .*wide\.jsonl \(columns: \['c0', 'c1', .*\.\.\.\]\)$"
+                       ) as err:
+        list(load_documents(DataConfig(dataset=str(wide))))
+    assert len(str(err.value)) < 300
+
+
+def test_a_dataset_path_the_file_system_refuses_names_its_key(tmp_path):
+    spec = str(tmp_path / ("d" * 2_000_000)) + ".jsonl"
+    with pytest.raises(DataError) as err:
+        local_files(spec, "--data")
+    assert str(err.value) == f"--data: cannot use {shown(spec)} (File name too long)"
+    with pytest.raises(DataError, match=r"^data\.dataset: cannot use .* \(File name too long\)$"):
+        list(load_documents(DataConfig(dataset=spec)))
 
 
 def test_offline_hub_dataset_gives_a_clear_message(monkeypatch):

@@ -4,6 +4,7 @@ failure a ModelLoadError naming the file; the model's window."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from loopvq_calib.models.loading import (
     load_tokenizer,
     model_identity,
     model_window,
+    resolve_model_dir,
     weight_files,
 )
 
@@ -177,3 +179,21 @@ def test_unsharded_folder_is_checked_too(tmp_path):
 def test_the_window_is_max_position_embeddings_for_ouro_and_block_size_for_huginn():
     assert model_window(tiny_ouro_config(max_position_embeddings=300)) == (300, "max_position_embeddings")
     assert model_window(tiny_huginn_config(block_size=200)) == (200, "block_size")
+
+
+@pytest.mark.parametrize("value", ["abc", -1, 0, 512.0, True, None])
+def test_a_window_that_is_not_a_positive_integer_names_the_field_and_config_json(model_dir, value):
+    config = tiny_ouro_config(max_position_embeddings=512)
+    config.max_position_embeddings, config._name_or_path = value, str(model_dir)
+    with pytest.raises(ModelLoadError, match=rf"^{model_dir}/config\.json: field max_position_embeddings \(the model's "
+                                             rf"window\) must be a positive integer, got {re.escape(repr(value))}$"):
+        model_window(config)
+
+
+def test_a_model_path_the_file_system_refuses_names_the_key_and_stays_short(tmp_path):
+    name = str(tmp_path / "org" / ("a" * 2_000_000))
+    with pytest.raises(ModelLoadError) as err:
+        resolve_model_dir(name, key="--model")
+    message = str(err.value)
+    assert message.startswith("--model: cannot use '") and message.endswith("as a model folder (File name too long)")
+    assert len(message) < 200
