@@ -6,14 +6,13 @@ manifest (itself replaced atomically) records its fingerprint and the size and s
 new one and every recorded file is still there with its size and sha256 (a deleted, truncated or corrupted file
 makes the stage run again); a stage killed midway leaves only a temporary folder, which the next run deletes.
 The toolkit deletes only what it created: files the manifest records and ``.loopvq-tmp.*`` entries; every path
-the manifest names must stay inside its stage's folder (:func:`contained`); a non-empty folder without a
-manifest is never used as a run directory, and one run at a time holds the directory's lock
+the manifest names must be a regular file inside its stage's folder, or absent (:mod:`.manifest`); a non-empty
+folder without a manifest is never used as a run directory, and one run at a time holds the directory's lock
 (docs/reliability.md).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import resource
@@ -23,11 +22,12 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..runtime.device_memory import PEAKS
 from ..runtime.files import TMP_PREFIX, recording_digests, sha256_file, take_digests, write_json_atomic
+from .manifest import RunDirError, check_recorded_files, contained, read_manifest
 from .run_lock import LOCK_FILE, RunLock, RunLockError
 
 MANIFEST = "manifest.json"  # also the marker of a run directory
@@ -81,11 +81,6 @@ class StageRecord:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-class RunDirError(ValueError):
-    """The run directory cannot be used (not a folder, not a run directory, unreadable manifest, user files
-    where a stage's output goes, locked by another run); the message names the path."""
-
-
 class RunDir:
     """A run directory on disk and its manifest (the marker that a folder is a run directory).
 
@@ -102,7 +97,7 @@ class RunDir:
         self.lock: RunLock | None = None
         check_output_folder(self.root)
         _check_own_files(self.root)
-        self.manifest: dict[str, Any] = _read_manifest(self.root / MANIFEST)
+        self.manifest: dict[str, Any] = read_manifest(self.root / MANIFEST)
         self._reusable: dict[tuple[str, str], bool] = {}  # (stage, fingerprint) -> checked since the manifest's read
         for name in stage_names:
             foreign = self.foreign_files(name)
@@ -124,8 +119,7 @@ class RunDir:
                 raise RunDirError(str(err)) from None
             except OSError as err:
                 raise RunDirError(f"output.dir: cannot use {self.root}: {err.strerror or err}") from err
-            self.manifest = _read_manifest(self.root / MANIFEST)  # as the lock holder, read it again
-            self._reusable.clear()
+            self._reload()  # as the lock holder, read it again
             self.manifest["tool"] = TOOL
             self.save()
             for stale in self.root.glob(f"{TMP_PREFIX}*"):
@@ -136,7 +130,15 @@ class RunDir:
                     stale.unlink(missing_ok=True)
         self.barrier()
         if not self.is_main:
-            self.manifest = _read_manifest(self.root / MANIFEST)
+            self._reload()
+
+    def _reload(self) -> None:
+        """Read the manifest again; a stage's reuse check (:meth:`reusable`) is kept while its record is unchanged,
+        so a reused stage's files are hashed once per run."""
+        before = self.manifest["stages"]
+        self.manifest = read_manifest(self.root / MANIFEST)
+        after = self.manifest["stages"]
+        self._reusable = {key: ok for key, ok in self._reusable.items() if before.get(key[0]) == after.get(key[0])}
 
     def close(self) -> None:
         """Wait for the files :func:`discard` deletes, then release the lock (the lock file stays: removing it
@@ -171,7 +173,8 @@ class RunDir:
     def reusable(self, stage: str, fp: str) -> bool:
         """Whether the stage's published result is reusable: done with fingerprint ``fp``, every recorded file
         there with its recorded size (all checked first) and sha256 (a record without hashes, from an older
-        toolkit: sizes only); a changed file is named in a warning. Checked once per reading of the manifest."""
+        toolkit: sizes only); a changed file is named in a warning. Checked once while the stage's record stays
+        the same."""
         if (stage, fp) not in self._reusable:
             self._reusable[stage, fp] = self._check_reusable(stage, fp)
         return self._reusable[stage, fp]
@@ -264,9 +267,9 @@ class RunDir:
         log.info("stage %s: done in %.1f s", name, rec.wall_s)
 
     def _remove_published(self, name: str) -> None:
-        """Delete the stage's earlier output: only the files the manifest records (every entry checked to lie
-        inside the folder before the first is deleted), then the emptied folders; anything else found there stops
-        the run (never deleted)."""
+        """Delete the stage's earlier output: only the files the manifest records (every entry checked to be a
+        regular file inside the folder, or absent, before the first is deleted), then the emptied folders; anything
+        else found there stops the run (never deleted)."""
         final = self.path(name)
         if not final.exists() and not final.is_symlink():
             return
@@ -275,7 +278,7 @@ class RunDir:
             raise RunDirError(f"{final} holds files this toolkit did not write ({', '.join(foreign[:3])}); "
                               "move them out and run again")
         recorded = self.manifest["stages"].get(name, {}).get("files", {})
-        for doomed in [contained(self.root, name, rel, source=self.root / MANIFEST) for rel in recorded]:
+        for doomed in check_recorded_files(self.root, name, recorded, source=self.root / MANIFEST):
             doomed.unlink(missing_ok=True)
         for folder in sorted((p for p in final.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
             folder.rmdir()
@@ -306,29 +309,6 @@ def check_output_folder(root: Path) -> None:
                 f"holds {', '.join(entries[:3])}{' ...' if len(entries) > 3 else ''}); choose a new or empty folder")
 
 
-def contained(root: Path, stage: str, entry: str, *, source: Path) -> Path:
-    """The file ``entry`` (read from ``source``, a file the toolkit wrote) of stage ``stage``'s folder in the run
-    directory ``root``: a relative path that stays inside that folder, also once symbolic links are followed
-    (neither the folder nor a folder on the way may lead out), or :class:`RunDirError` naming ``source`` and
-    the entry."""
-    folder, rel = root.resolve() / stage, PurePosixPath(entry)
-    if rel.is_absolute():
-        why = f"an absolute path, not a file of {root / stage}"
-    elif ".." in rel.parts or not rel.parts or "\0" in entry:
-        why = f"not the name of a file inside {root / stage}"
-    else:
-        try:
-            (folder / rel).resolve().relative_to(folder)
-            return root / stage / rel
-        except ValueError:
-            why = f"a path that leads out of {root / stage} through a symbolic link"
-        except (OSError, RuntimeError):  # a loop of links
-            why = "a path through a loop of symbolic links"
-    raise RunDirError(f"{source}: stage {stage!r} lists {entry!r}, {why}; the toolkit reads and deletes only files "
-                      "inside its run directory: restore the manifest, or delete it (and the stage folders) to start "
-                      "the run over")
-
-
 def _file_table(final: Path, written: dict[str, tuple[str, int]]) -> dict[str, dict[str, Any]]:
     """The manifest's ``files`` (sizes) and ``sha256`` of a published stage folder: each file's digest as logged
     when it was written; read from the file only where the log has none of its size (a file not written through
@@ -351,37 +331,6 @@ def _check_own_files(root: Path) -> None:
             what = "a symbolic link" if path.is_symlink() else "not a file"
             raise RunDirError(f"output.dir: {path} is {what}; the run writes this file itself, never through a link: "
                               "move it away and run again")
-
-
-def _read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest at ``path`` (an empty one when there is none), its stage records checked (:func:`_check_stages`)."""
-    if not path.is_file():
-        return {"stages": {}}
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RunDirError(f"{path} is not valid JSON ({err}); delete it (and the stage folders) to start the run "
-                          "over") from err
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("stages"), dict):
-        raise RunDirError(f"{path} has no 'stages' mapping; delete it (and the stage folders) to start the run over")
-    _check_stages(path, manifest["stages"])
-    return manifest
-
-
-def _check_stages(path: Path, stages: dict[str, Any]) -> None:
-    """Every stage record of the manifest at ``path``: a mapping, named by one plain folder name, whose ``files``
-    (sizes) and ``sha256`` are mappings of file names, each :func:`contained` in the stage's folder."""
-    for name, rec in stages.items():
-        if not isinstance(rec, dict) or name in ("", ".", "..") or "/" in name:
-            raise RunDirError(f"{path}: stage entry {name!r} is not a stage record (a folder name mapped to its "
-                              "record); delete the manifest (and the stage folders) to start the run over")
-        sizes, hashes = rec.get("files", {}), rec.get("sha256", {})
-        if not (isinstance(sizes, dict) and all(type(v) is int for v in sizes.values())
-                and isinstance(hashes, dict) and all(isinstance(v, str) for v in hashes.values())):
-            raise RunDirError(f"{path}: stage {name!r} has a 'files' or 'sha256' entry that is not a mapping of file "
-                              "names to sizes or hashes; delete the manifest (and the stage folders) to start over")
-        for entry in [*sizes, *hashes]:
-            contained(path.parent, name, entry, source=path)
 
 
 def _peak_rss() -> int:

@@ -79,6 +79,34 @@ def test_entries_are_checked_again_before_the_stage_is_replaced_and_before_its_f
     assert not list(run.root.glob(".loopvq-tmp.*"))
 
 
+def test_an_entry_that_is_a_folder_is_refused_when_read_and_before_the_first_deletion(tmp_path):
+    """A recorded name that is a folder (or a link) stops the run: when the manifest is read, and, when it becomes one
+    after that, before any of the stage's files is deleted (deletion goes in the record's order)."""
+    run = RunDir(tmp_path / "run")
+    run.open()
+    with run.stage("data", "fp1") as (folder, _):
+        for name in ("a.txt", "b.txt", "c.txt"):
+            (folder / name).write_text(name)
+    (run.root / "data" / "b.txt").unlink()
+    (run.root / "data" / "b.txt").mkdir()
+    with pytest.raises(RunDirError, match=re.escape(f"{run.root / MANIFEST}: stage 'data' lists 'b.txt', which is a "
+                                                    f"folder in {run.root / 'data'}, not a file the toolkit wrote")):
+        RunDir(run.root)
+    with pytest.raises(RunDirError, match=r"stage 'data' lists 'b\.txt', which is a folder .*; nothing was deleted"):
+        with run.stage("data", "fp2") as (folder, _):
+            (folder / "a.txt").write_text("again")
+    run.close()
+    assert [(p.name, p.is_file()) for p in sorted((run.root / "data").iterdir())] == [
+        ("a.txt", True), ("b.txt", False), ("c.txt", True)]
+    assert (run.root / "data" / "a.txt").read_text() == "a.txt" and not list(run.root.glob(".loopvq-tmp.*"))
+
+
+def test_a_manifest_nested_too_deeply_names_the_file(tmp_path):
+    (tmp_path / MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(RunDirError, match=re.escape(f"{tmp_path / MANIFEST} is nested too deeply to read")):
+        RunDir(tmp_path)
+
+
 def test_a_subfolder_linked_out_of_a_stage_is_never_entered(tmp_path):
     run = RunDir(tmp_path / "run")
     run.open()

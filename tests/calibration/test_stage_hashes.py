@@ -77,6 +77,28 @@ def test_a_file_corrupted_in_place_at_its_size_reruns_its_stage_with_a_warning(t
     assert "WARNING" not in new_log_lines(run, seen)
 
 
+def test_a_reused_data_stage_is_hashed_once_per_run_and_warned_about_once(tiny_ouro_dir, calib_corpus, tmp_path,
+                                                                          monkeypatch):
+    """The run's checks (before the directory is opened) and the stage itself share one reuse check while the
+    manifest's record stays the same: each file is read once, and a changed one is named once."""
+    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")
+    run = calibrate(cfg, stages=["data"]).run_dir
+    files = sorted(records(run)["data"]["sha256"])
+    hashed = []
+    real = rundir_module.sha256_file
+    monkeypatch.setattr(rundir_module, "sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
+    assert reused(calibrate(cfg, stages=["data"])) == {"data": True}
+    assert sorted(hashed) == files  # each once
+    seen: list[str] = []
+    new_log_lines(run, seen)
+    flip_last_byte(run / "data" / files[0])
+    hashed.clear()
+    assert reused(calibrate(cfg, stages=["data"])) == {"data": False}
+    assert hashed.count(files[0]) == 1
+    warnings = [line for line in new_log_lines(run, seen).splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and f"stage data: {run / 'data' / files[0]} changed since the stage finished" in warnings[0]
+
+
 def test_a_manifest_without_hashes_is_checked_by_size(tiny_ouro_dir, calib_corpus, tmp_path):
     """A manifest of an older toolkit records sizes only: its stages are reused while their sizes match (a same-size
     change goes unnoticed until the stage runs again, which records the hashes), and rerun when a size differs."""
