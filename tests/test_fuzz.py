@@ -1,207 +1,69 @@
-"""A table of bad inputs: each must exit 2 with a message naming the key or file, write nothing and delete
-nothing (docs/reliability.md). The CLI functions run in-process; a real second process is used only where
-it is the point (a run holding the lock)."""
+"""A table of bad inputs: each must exit 2 (3 where the push itself fails) with a short message naming the key,
+file, field or site, write nothing and delete nothing (docs/reliability.md). The CLI functions run in-process; a
+real second process is used only where it is the point (a run holding the lock). The inputs are built by
+tests/support/fuzz.py.
+
+Cases that do not exit 2, covered elsewhere:
+- SIGINT (130) or SIGTERM (143) during the capture, one line on the console and the traceback in run.log:
+  tests/test_cli_interrupts.py::test_a_signal_during_the_capture_exits_with_its_status_one_line_and_the_traceback_in_run_log
+- a stage file corrupted in place at the same size reruns its stage with one warning naming it:
+  tests/calibration/test_stage_hashes.py::test_a_file_corrupted_in_place_at_its_size_reruns_its_stage_with_a_warning
+- a failed stage (3) is the one that raised, never one an older record names:
+  tests/calibration/test_pipeline_failures.py::test_the_console_names_the_stage_that_raised_not_a_stale_record
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
-import yaml
-from conftest import ROOT, write_tiny_bundle
-from support.builders import tiny_config
-from support.eval_reports import eval_report, write_report
+from conftest import ROOT
+from support.fuzz import (
+    DEEP,
+    JSONL,
+    Setup,
+    Workspace,
+    cut_shard,
+    edit_meta,
+    eval_with_window,
+    header_version,
+    hold_lock,
+    linked_lock,
+    listed,
+    manifest_entry,
+    manifest_folder_entry,
+    mistyped_model_path,
+    model_copy,
+    offline_push,
+    output_holding_a_link,
+    parquet_bytes,
+    report_push,
+    reseal,
+    shards_without_the_second,
+    symlinked_card,
+    through_linked_folder,
+    tiny_eval,
+    truncate,
+    window,
+)
 
-from loopvq_calib.bundle.format import meta_bytes
+from loopvq_calib import cli
+from loopvq_calib.bundle import hub, reader
 from loopvq_calib.calibration.rundir import LOCK_FILE, RunDir
 from loopvq_calib.cli import calibrate_main, eval_main, inspect_main, push_main
 
-GOLDEN = ROOT / "tests" / "golden" / "ouro_loopvq"
-JSONL = "\n".join(json.dumps({"text": "To be, or not to be, that is the question. " * 8}) for _ in range(40)) + "\n"
-
-
-@dataclass
-class Workspace:
-    """A folder holding the inputs of one case; everything under it is compared before and after."""
-
-    root: Path
-    model: Path
-    corpus: Path
-    huginn: Path  # a tiny Huginn folder (another architecture's weights)
-    cleanups: list[Callable[[], None]] = field(default_factory=list)
-
-    def config(self, *overrides: str, **sections) -> str:
-        """A valid tiny config (output ``run/`` here), then ``key.path=value`` edits applied to the YAML."""
-        cfg = tiny_config(self.model, self.corpus, self.root / "run", **sections)
-        path = self.root / "c.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        return str(path)
-
-    def file(self, name: str, data: bytes | str) -> str:
-        path = self.root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data.encode() if isinstance(data, str) else data)
-        return str(path)
-
-    def run_with(self, *args: str, config: str | None = None) -> tuple[Callable, list[str]]:
-        return calibrate_main, ["--config", config or self.config(), *args]
-
-    def data(self, name: str, data: bytes | str) -> tuple[Callable, list[str]]:
-        return self.run_with("--set", f"data.dataset={self.file(name, data)}")
-
-    def bundle(self, edit: Callable[[Path], None] | None = None) -> str:
-        path = self.root / "bundle"
-        shutil.copytree(GOLDEN, path)
-        if edit is not None:
-            edit(path)
-        return str(path)
-
-    def run_dir(self, user_files: dict[str, str] | None = None) -> Path:
-        """A real run directory (data stage done), plus user files put into it."""
-        run = self.root / "run"
-        assert calibrate_main(["--config", self.config(), "--stages", "data"]) == 0
-        for name, text in (user_files or {}).items():
-            self.file(f"run/{name}", text)
-        return run
-
-
-def edit_meta(field_path: tuple, value) -> Callable[[Path], None]:
-    def edit(path: Path) -> None:
-        meta = json.loads((path / "loopvq.json").read_text())
-        node = meta
-        for key in field_path[:-1]:
-            node = node[key]
-        node[field_path[-1]] = value
-        (path / "loopvq.json").write_text(json.dumps(meta, indent=1))
-    return edit
-
-
-def truncate(name: str) -> Callable[[Path], None]:
-    def edit(path: Path) -> None:
-        data = (path / name).read_bytes()
-        (path / name).write_bytes(data[: len(data) // 2])
-    return edit
-
-
-def hold_lock(ws: Workspace) -> tuple[Callable, list[str]]:
-    """The run directory opened (and locked) by another RunDir of this process: flock locks are per open file."""
-    ws.run_dir()
-    other = RunDir(ws.root / "run")
-    other.open()
-    ws.cleanups.append(other.close)
-    return ws.run_with("--stages", "data")
-
-
-def mistyped_model_path(ws: Workspace) -> tuple[Callable, list[str]]:
-    """``models/nope`` in a config beside a ``models/`` folder: a typo of a local path, not a hub id."""
-    (ws.root / "models").mkdir()
-    cfg = {**tiny_config(ws.model, ws.corpus, ws.root / "run"), "model": {"name_or_path": "models/nope"}}
-    return ws.run_with(config=ws.file("m.yaml", yaml.safe_dump(cfg)))
-
-
-def parquet_bytes() -> bytes:
-    sink = pa.BufferOutputStream()
-    pq.write_table(pa.table({"body": ["no text column here"]}), sink)
-    return sink.getvalue().to_pybytes()
-
-
-def reseal(edit: Callable[[dict], None]) -> Callable[[Path], None]:
-    """Edit loopvq.json and recompute its own checksum (a writer with that bug), so the rule under test refuses it."""
-    def apply(path: Path) -> None:
-        meta = json.loads((path / "loopvq.json").read_text())
-        edit(meta)
-        (path / "loopvq.json").write_bytes(meta_bytes(meta))
-    return apply
-
-
-def list_file(name: str, data: bytes) -> Callable[[dict], None]:
-    def edit(meta: dict) -> None:
-        meta["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    return edit
-
-
-def listed(ws: Workspace, name: str) -> tuple[Callable, list[str]]:
-    """A bundle listing ``name`` (checksums right), the folder holding a .env and every look-alike beside it."""
-    def edit(path: Path) -> None:
-        for extra in (".env", "card1.md", "README.md.bak"):
-            (path / extra).write_text("SECRET=1")
-        reseal(list_file(name, b"SECRET=1"))(path)
-    return push_main, [ws.bundle(edit), "--repo-id", "org/x", "--dry-run"]
-
-
-def symlinked_card(ws: Workspace) -> tuple[Callable, list[str]]:
-    secret = Path(ws.file("secret.txt", "password"))
-    def edit(path: Path) -> None:
-        (path / "README.md").unlink()
-        (path / "README.md").symlink_to(secret)
-        reseal(list_file("README.md", b"password"))(path)
-    return push_main, [ws.bundle(edit), "--repo-id", "org/x", "--dry-run"]
-
-
-def manifest_entry(ws: Workspace, entry: str) -> tuple[Callable, list[str]]:
-    """A run directory whose data record lists ``entry`` (a file outside the run), then a rerun of that stage."""
-    run = ws.run_dir()
-    ws.file("notes.txt", "my notes")
-    manifest = json.loads((run / "manifest.json").read_text())
-    manifest["stages"]["data"]["files"][entry.format(ws.root)] = 8
-    (run / "manifest.json").write_text(json.dumps(manifest))
-    return ws.run_with("--set", "data.seed=1", "--stages", "data")
-
-
-def linked_lock(ws: Workspace) -> tuple[Callable, list[str]]:
-    run = ws.run_dir()
-    (run / LOCK_FILE).unlink(missing_ok=True)
-    (run / LOCK_FILE).symlink_to(ws.file("thesis.txt", "chapter 1"))
-    return ws.run_with("--stages", "data")
-
-
-def output_holding_a_link(ws: Workspace) -> tuple[Callable, list[str]]:
-    out = ws.root / "out"
-    out.mkdir()
-    (out / "link").symlink_to(ws.file("mine.txt", "mine"))
-    return ws.run_with("--output", str(out))
-
-
-def model_copy(ws: Workspace, edit: Callable[[Path], None]) -> tuple[Callable, list[str]]:
-    """A copy of the tiny model with ``edit`` applied, named by the config."""
-    folder = Path(shutil.copytree(ws.model, ws.root / "model"))
-    edit(folder)
-    return ws.run_with("--set", f"model.name_or_path={folder}")
-
-
-def cut_shard(folder: Path) -> None:
-    shard = sorted(folder.glob("*.safetensors"))[0]
-    shard.write_bytes(shard.read_bytes()[:100])
-
-
-def tiny_eval(ws: Workspace, *args: str) -> tuple[Callable, list[str]]:
-    bundle = write_tiny_bundle(ws.root / "tb", ws.model)
-    return eval_main, ["--bundle", str(bundle), "--model", str(ws.model), "--device", "cpu", *args]
-
-
-def other_report(ws: Workspace) -> tuple[Callable, list[str]]:
-    bundle = ws.bundle()
-    report = eval_report(json.loads((Path(bundle) / "loopvq.json").read_text()))
-    report["bundles"][0]["codebooks_sha256"] = "0" * 64  # the report of another bundle of that name
-    path = write_report(report, ws.root / "report.json")
-    return push_main, [bundle, "--repo-id", "org/x", "--dry-run", "--eval-report", str(path)]
-
+MAX_MESSAGE = 2_000  # characters on stderr: no message shows an unbounded value
 
 NO_CUDA = not torch.cuda.is_available()
 
 # (id, setup(ws) -> (main, argv), exit status, fragment of stderr)
-CASES: list[tuple[str, Callable[[Workspace], tuple[Callable, list[str]]], int, str]] = [
+CASES: list[tuple[str, Setup, int, str]] = [
     # -- configs and --set -------------------------------------------------------------------------
     ("set-unparsable-yaml", lambda ws: ws.run_with("--set", "quant.bits=[0.5"), 2, "quant.bits: --set value '[0.5' is not valid YAML"),
     ("set-no-equals", lambda ws: ws.run_with("--set", "quant.bits"), 2, "--set 'quant.bits': expected key.path=value"),
@@ -291,7 +153,7 @@ CASES: list[tuple[str, Callable[[Workspace], tuple[Callable, list[str]]], int, s
     ("push-dotdot-name", lambda ws: listed(ws, "../secret.txt"), 2, "files entry '../secret.txt' has an empty, '.' or '..' component"),
     ("push-absolute-name", lambda ws: listed(ws, "/etc/passwd"), 2, "files entry '/etc/passwd' is an absolute path"),
     ("push-symlinked-card", symlinked_card, 2, "files entry 'README.md' is or passes through a symbolic link"),
-    ("push-report-of-another-bundle", other_report, 2, "the report measured another bundle named"),
+    ("push-report-of-another-bundle", lambda ws: report_push(ws, lambda r: r["bundles"][0].update(codebooks_sha256="0" * 64)), 2, "the report measured another bundle named"),
     ("manifest-entry-dotdot", lambda ws: manifest_entry(ws, "../../notes.txt"), 2, "lists '../../notes.txt', not the name of a file inside {}/run/data"),
     ("manifest-entry-absolute", lambda ws: manifest_entry(ws, "{}/notes.txt"), 2, "notes.txt', an absolute path, not a file of {}/run/data"),
     ("lock-is-a-symlink", linked_lock, 2, f"run/{LOCK_FILE} is a symbolic link"),
@@ -315,6 +177,40 @@ CASES: list[tuple[str, Callable[[Workspace], tuple[Callable, list[str]]], int, s
     ("bundle-theta-bare-nan", lambda ws: (inspect_main, [ws.bundle(lambda p: (p / "loopvq.json").write_text((p / "loopvq.json").read_text().replace('"theta": 10000.0', '"theta": NaN')))]), 2, "field rope.theta is a bare NaN, which is not JSON"),
     ("bundle-duplicate-key", lambda ws: (inspect_main, [ws.bundle(lambda p: (p / "loopvq.json").write_text((p / "loopvq.json").read_text().replace('"theta": 10000.0', '"theta": 10000.0, "theta": 5.0')))]), 2, "field rope.theta appears more than once (duplicate JSON key)"),
     ("bundle-card-links-out", lambda ws: (inspect_main, [ws.bundle(lambda p: ((p / "README.md").unlink(), (p / "README.md").symlink_to(ws.file("outside.md", "x"))))]), 2, "{}/bundle/README.md: files entry 'README.md' is or passes through a symbolic link"),
+    # -- what a file can say: evaluation reports -------------------------------------------------------------
+    ("report-two-rows-of-the-bundle", lambda ws: report_push(ws, lambda r: r["bundles"].append({**r["bundles"][0], "ppl_quantized": 99.0})), 2, "--eval-report {}/report.json: 2 rows (bundles[0], bundles[2]) measured a bundle named 'ouro_loopvq'"),
+    ("report-row-without-ppl", lambda ws: report_push(ws, lambda r: r["bundles"][0].pop("ppl_quantized")), 2, "--eval-report {}/report.json: field bundles[0].ppl_quantized is missing"),
+    ("report-eval-kl-not-a-number", lambda ws: report_push(ws, lambda r: r["bundles"][0].update(eval_kl="abc")), 2, "{}/report.json: field bundles[0].eval_kl is 'abc', not a finite number"),
+    ("report-row-not-an-object", lambda ws: report_push(ws, lambda r: r["bundles"].insert(0, 5)), 2, "{}/report.json: field bundles[0] is 5, not an object"),
+    ("report-serving-not-an-object", lambda ws: report_push(ws, lambda r: r["served"]["entries"][1].update(serving=5)), 2, "{}/report.json: field served.entries[1].serving is 5, not an object or null"),
+    ("report-too-deep", lambda ws: report_push(ws, text=DEEP), 2, "--eval-report: cannot read an evaluation report: {}/report.json: nested too deeply to read"),
+    ("report-duplicate-key", lambda ws: report_push(ws, text='{"bundles": [], "bundles": []}'), 2, "{}/report.json: field bundles appears more than once"),
+    ("report-row-without-codebooks-sha", lambda ws: report_push(ws, lambda r: r["bundles"][0].pop("codebooks_sha256")), 2, "the row of bundle 'ouro_loopvq' records no codebooks_sha256, so it cannot be matched to this bundle; run loopvq-eval on it again"),
+    ("push-write-card-only-without-report", lambda ws: (push_main, [ws.bundle(), "--write-card-only"]), 2, "--write-card-only writes the card of an evaluation report: give --eval-report"),
+    ("push-offline-writes-no-card", offline_push, 3, "offline mode is on (HF_HUB_OFFLINE=1)"),
+    # -- what a file can say: bundles ------------------------------------------------------------------------
+    ("inspect-meta-too-deep", lambda ws: (inspect_main, [ws.bundle(lambda p: (p / "loopvq.json").write_text(DEEP))]), 2, "{}/bundle/loopvq.json: nested too deeply to read"),
+    ("push-meta-too-deep", lambda ws: (push_main, [ws.bundle(lambda p: (p / "loopvq.json").write_text(DEEP)), "--repo-id", "org/x", "--dry-run"]), 2, "{}/bundle/loopvq.json: nested too deeply to read"),
+    ("eval-meta-too-deep", lambda ws: (eval_main, ["--bundle", ws.bundle(lambda p: (p / "loopvq.json").write_text(DEEP))]), 2, "{}/bundle/loopvq.json: nested too deeply to read"),
+    ("bundle-integer-too-long", lambda ws: (inspect_main, [ws.bundle(lambda p: (p / "loopvq.json").write_text((p / "loopvq.json").read_text().replace('"theta": 10000.0', '"theta": ' + "9" * 5000)))]), 2, "{}/bundle/loopvq.json: not valid JSON (Exceeds the limit (4300 digits)"),
+    ("push-overlong-name", lambda ws: listed(ws, "a" * 300), 2, "files entry 'aaaaaaaa"),
+    ("inspect-overlong-name", lambda ws: (inspect_main, [ws.bundle(reseal(lambda m: m["files"].update({"a/" * 600 + "x": m["files"]["README.md"]})))]), 2, "is longer than a file name may be (1024 bytes, 255 a component)"),
+    ("bundle-rope-style-huge", lambda ws: (inspect_main, [ws.bundle(reseal(lambda m: m["rope"].update(style="s" * 5_000_000)))]), 2, "field rope.style is 'sssss"),
+    ("bundle-block-sites-huge", lambda ws: (inspect_main, [ws.bundle(reseal(lambda m: m["blocks"][0].update(sites=list(range(1_000_000)))))]), 2, "field sites [0, 1, 2, 3, 4, 5, 6, 7, ...] are not distinct sites"),
+    ("bundle-model-type-huge", lambda ws: (inspect_main, [ws.bundle(reseal(lambda m: m["model"].update(model_type="m" * 1_000_000)))]), 2, "field model.model_type 'mmmmm"),
+    ("push-through-a-linked-folder", through_linked_folder, 2, "{}/bundle/docs: files entry 'docs/card.md' is or passes through a symbolic link"),
+    ("bundle-codebook-bytes-inconsistent", lambda ws: (inspect_main, [ws.bundle(reseal(lambda m: m.update(codebook_bytes=m["codebook_bytes"] + 2)))]), 2, "field codebook_bytes is 8194, but the blocks' codebooks hold"),
+    ("bundle-header-version-differs", lambda ws: (inspect_main, [ws.bundle(header_version("1.0"))]), 2, "codebooks.safetensors: safetensors metadata format_version '1.0' differs from field format_version '1.1'"),
+    # -- what a file or a value can say: configs, models, corpora, run directories ---------------------------------
+    ("yaml-merge-key", lambda ws: (calibrate_main, ["--config", ws.file("m.yaml", "quant:\n  <<: {method: cq}\n  method: loopvq\n")]), 2, "quant: YAML merge keys (<<) are not allowed (<< at {}/m.yaml line 2)"),
+    ("model-path-huge", lambda ws: ws.run_with("--set", "model.name_or_path=org/" + "a" * 2_000_000), 2, "model.name_or_path: cannot use '/"),
+    ("corpus-path-huge", lambda ws: ws.run_with("--set", "data.dataset=" + "d" * 2_000_000 + ".jsonl"), 2, "data.dataset: cannot use '/"),
+    ("corpus-text-field-huge", lambda ws: ws.run_with("--set", "data.text_field=" + "t" * 2_000_000), 2, "data.text_field: column 'tttt"),
+    ("model-window-not-an-integer", lambda ws: model_copy(ws, window("abc")), 2, "{}/model/config.json: field max_position_embeddings (the model's window) must be a positive integer, got 'abc'"),
+    ("eval-model-window-negative", lambda ws: eval_with_window(ws, -1), 2, "{}/model/config.json: field max_position_embeddings (the model's window) must be a positive integer, got -1"),
+    ("model-missing-shard-of-the-index", lambda ws: model_copy(ws, shards_without_the_second), 2, "{}/model/model-00002-of-00002.safetensors is missing (model.safetensors.index.json names it)"),
+    ("rundir-manifest-too-deep", lambda ws: (ws.run_dir({"manifest.json": DEEP}), ws.run_with())[1], 2, "{}/run/manifest.json is nested too deeply to read"),
+    ("manifest-entry-is-a-folder", manifest_folder_entry, 2, "stage 'data' lists 'sub', which is a folder in {}/run/data, not a file the toolkit wrote; nothing was deleted"),
 ]
 
 
@@ -353,9 +249,24 @@ def test_bad_input_exits_2_names_it_and_changes_nothing(ws, capsys, name, setup,
     before = snapshot(ws.root)
     assert main(argv) == status
     err = capsys.readouterr().err
-    assert fragment.format(ws.root) in err, err
-    assert "Traceback" not in err
+    assert fragment.format(ws.root) in err, err[:MAX_MESSAGE]
+    assert "Traceback" not in err and len(err) < MAX_MESSAGE and err.count("\n") == 1, err[:MAX_MESSAGE]
     assert snapshot(ws.root) == before  # nothing written, nothing deleted
+
+
+@pytest.mark.parametrize("main,module,name,argv", [
+    (cli.inspect_main, reader, "inspect_bundle", ["b"]),
+    (cli.push_main, hub, "push_bundle", ["b", "--repo-id", "org/x", "--dry-run"]),
+])
+def test_input_nested_deeper_than_python_recurses_is_one_line_and_exit_2(monkeypatch, capsys, main, module, name,
+                                                                          argv):
+    """Whatever reader meets it, a RecursionError that reaches a console script is bad input: exit 2, one line."""
+    def too_deep(*args, **kwargs):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(module, name, too_deep)
+    assert main(argv) == 2
+    assert capsys.readouterr().err == "error: an input is nested too deeply to read (maximum recursion depth exceeded)\n"
 
 
 def test_a_second_process_holding_the_lock_is_named_and_a_killed_ones_lock_is_taken_over(ws, capsys, caplog):
