@@ -8,6 +8,7 @@ line on stderr, never a traceback (a run's goes to its run.log). Each command im
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import logging
 import os
@@ -63,7 +64,7 @@ def _interrupt_name(err: KeyboardInterrupt) -> str:
 def _command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
     """A console script's ``main(argv) -> status`` that also maps Ctrl-C and SIGTERM to one line and exit 130 /
     143 (where ``main`` did not already say more, as a calibration run does), and input nested too deeply for
-    Python to read to one line and exit 2."""
+    Python to read or a path too long for any file system to one line and exit 2."""
     @functools.wraps(main)
     def run(argv: list[str] | None = None) -> int:
         try:
@@ -73,6 +74,11 @@ def _command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | N
             return _fail(f"interrupted ({_interrupt_name(err)})", _interrupt_status(err))
         except RecursionError:  # only input nested deeper than Python recurses (a JSON file, say) gets here
             return _fail("an input is nested too deeply to read (maximum recursion depth exceeded)", 2)
+        except OSError as err:  # a path given or read that no file system takes is bad input; any other is not
+            if err.errno != errno.ENAMETOOLONG:
+                raise
+            return _fail(f"{shown(err.filename) if err.filename else 'a path'}: {err.strerror} (no file system takes a "
+                         "name that long)", 2)
 
     return run
 

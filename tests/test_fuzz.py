@@ -205,6 +205,8 @@ CASES: list[tuple[str, Setup, int, str]] = [
     ("yaml-merge-key", lambda ws: (calibrate_main, ["--config", ws.file("m.yaml", "quant:\n  <<: {method: cq}\n  method: loopvq\n")]), 2, "quant: YAML merge keys (<<) are not allowed (<< at {}/m.yaml line 2)"),
     ("model-path-huge", lambda ws: ws.run_with("--set", "model.name_or_path=org/" + "a" * 2_000_000), 2, "model.name_or_path: cannot use '/"),
     ("corpus-path-huge", lambda ws: ws.run_with("--set", "data.dataset=" + "d" * 2_000_000 + ".jsonl"), 2, "data.dataset: cannot use '/"),
+    ("eval-data-path-huge", lambda ws: (eval_main, ["--bundle", ws.bundle(), "--data", "x" * 2_000_000 + ".jsonl"]), 2, ".jsonl': File name too long (no file system takes a name that long)"),
+    ("inspect-bundle-path-huge", lambda ws: (inspect_main, ["org/" + "x" * 2_000_000]), 2, "'org/xxxx"),
     ("corpus-text-field-huge", lambda ws: ws.run_with("--set", "data.text_field=" + "t" * 2_000_000), 2, "data.text_field: column 'tttt"),
     ("model-window-not-an-integer", lambda ws: model_copy(ws, window("abc")), 2, "{}/model/config.json: field max_position_embeddings (the model's window) must be a positive integer, got 'abc'"),
     ("eval-model-window-negative", lambda ws: eval_with_window(ws, -1), 2, "{}/model/config.json: field max_position_embeddings (the model's window) must be a positive integer, got -1"),
