@@ -3,8 +3,9 @@
 
 The page: one KV site's decode attention from the coded cache against bf16 SDPA over an uncompressed cache, per
 method over the (context, batch) grid of ``--kernel``; whole-model decode tokens/s through the served cache against
-the model's own bf16 cache, from ``--model``; the per-site and logits checks of ``--checks``. Each with the machine,
-the command that reproduces it and the commit measured.
+the model's own bf16 cache, from ``--model``; where ``--graph`` exists, the same steps replayed from CUDA graphs
+against eager ones and the kernel-modelled figure, with what its profile says limits them; the per-site and logits
+checks of ``--checks``. Each with the machine, the command that reproduces it and the commit measured.
 
     python benchmarks/decode_speed_table.py                           # print the page
     python benchmarks/decode_speed_table.py --write docs/decode-speed.md
@@ -23,6 +24,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 KERNEL = RESULTS / "bench-decode-cuda-h200-run7.json"  # the decode kernel as it ships (run 7)
 MODEL = RESULTS / "bench-decode-model-h200.json"
 CHECKS = RESULTS / "bench-decode-model-checks-h200.json"
+GRAPH = RESULTS / "bench-decode-graph-h200.json"  # bench_decode_model.py's -graph cases, when measured
 METHODS = {"loopvq": "LoopVQ", "tasq+loopvq": "TaSQ+LoopVQ", "tasq+loopvq-channels": "TaSQ+LoopVQ channels"}
 GB = 1e9
 
@@ -105,6 +107,66 @@ def _tokens(case: dict[str, Any] | None) -> str:
     return f"{case['tokens_per_s']:.1f}"
 
 
+def graph_table(result: dict[str, Any]) -> list[str]:
+    """(context, batch) -> per cache (bf16 and each method) eager and graph tokens/s, and for each method the
+    kernel-modelled figure and the graph's share of it, from bench_decode_model.py's -graph cases."""
+    cases = {(r["context"], r["batch"], r["cache"]): r for r in result["cases"]}
+    grid = sorted({(context, batch) for context, batch, _ in cases})
+    names = {"bf16": "bf16", **METHODS}
+    kinds = [k for k in names if any(c.removesuffix("-graph") == k for _, _, c in cases)]
+    head = ["context", "batch"]
+    for k in kinds:
+        head += [f"{names[k]} eager", f"{names[k]} graph"] + ([] if k == "bf16" else ["modelled", "graph / modelled"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for context, batch in grid:
+        cells = [f"{context:,}", str(batch)]
+        for k in kinds:
+            eager, graph = cases.get((context, batch, k)), cases.get((context, batch, f"{k}-graph"))
+            cells += [_tokens(eager), _tokens(graph)]
+            if k != "bf16":
+                figure = (graph or eager or {}).get("modelled_tokens_per_s")
+                ok = figure and graph is not None and graph["status"] == "ok"
+                cells += [f"{figure:.1f}" if figure else "-", f"{graph['tokens_per_s'] / figure:.0%}" if ok else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def graph_limits(result: dict[str, Any]) -> list[str]:
+    """What the profiled graph cases' steps spend: kernel time by kind against the replayed step's wall time."""
+    lines = []
+    for r in result["cases"]:
+        if "profile" not in r:
+            continue
+        replayed, eager = r["profile"]["replayed"], r["profile"]["eager"]
+        spent = eager if replayed["kernel_ms"] < 0.5 * replayed["wall_ms"] else replayed  # graph kernels unseen
+        kinds = ", ".join(f"{kind} {ms:.2f}" for kind, ms in spent["by_kind_ms"].items())
+        lines.append(wrap(f"- **The graph step** ({r['cache']}, {r['context']:,} x {r['batch']}) takes "
+                          f"{replayed['wall_ms']:.2f} ms replayed ({r['mean_ms']:.2f} ms timed); its kernels "
+                          f"({'replayed' if spent is replayed else 'profiled eagerly'}) take {spent['kernel_ms']:.2f} "
+                          f"ms: {kinds} ms. The modelled figure counts the weight matmuls and the decode attention "
+                          "only.").replace("\n", "\n  "))
+    return lines
+
+
+def graph_section(path: Path) -> list[str]:
+    """The page's CUDA-graph section, from ``path`` (none when it does not exist)."""
+    if not path.is_file():
+        return []
+    result = json.loads(path.read_text())
+    model = result.get("kernel_model", {})
+    return [
+        "## Whole-model decode, CUDA graphs", "",
+        wrap("The same greedy decode steps replayed from CUDA graphs (`GraphDecoder`): the coded cache made static "
+             "(`StaticQuantizedLoopKVCache.from_cache`: fixed-capacity buffers, the window a ring, the coded count "
+             "read on the device; pages encoded inside the second graph), the bf16 baseline a static cache of the "
+             "same capacity with SDPA under a mask (what transformers' static cache does under `torch.compile`). "
+             "\"modelled\": batch / (the weight matmuls' graph + 96 x one site's decode attention), from "
+             f"`{model.get('file', '-')}` ({model.get('device', '-')}, commit `{model.get('commit', '-')}`); "
+             "the graph's share of it is the measured tokens/s over that figure."), "",
+        *graph_table(result), "", *graph_limits(result), "", provenance(result, path), "",
+    ]
+
+
 def checks_lines(result: dict[str, Any]) -> list[str]:
     """Per method: the served attention's error at every site, and the whole-model logits' error."""
     lines = []
@@ -147,7 +209,7 @@ def limits(attention: dict[str, Any], whole: dict[str, Any]) -> list[str]:
     return [wrap(line).replace("\n", "\n  ") for line in lines]
 
 
-def page(kernel: Path = KERNEL, model: Path = MODEL, checks: Path = CHECKS) -> str:
+def page(kernel: Path = KERNEL, model: Path = MODEL, checks: Path = CHECKS, graph: Path = GRAPH) -> str:
     """The whole of docs/decode-speed.md."""
     attention, whole, check = (json.loads(path.read_text()) for path in (kernel, model, checks))
     shapes = whole["kv"]
@@ -176,6 +238,7 @@ def page(kernel: Path = KERNEL, model: Path = MODEL, checks: Path = CHECKS) -> s
              f"{whole['warmup']} warm-up steps; peak = allocated bytes over the weights. \"does not fit\": the bf16 "
              "cache needs more than the card's free memory."), "",
         *model_table(whole), "", provenance(whole, model), "",
+        *graph_section(graph),
         "## What limits it", "", *limits(attention, whole), "",
         "## Checks", "", *checks_lines(check), "", provenance(check, checks), "",
     ]
@@ -187,9 +250,10 @@ def main() -> None:
     ap.add_argument("--kernel", type=Path, default=KERNEL, help="a bench_decode.py JSON")
     ap.add_argument("--model", type=Path, default=MODEL, help="a bench_decode_model.py JSON")
     ap.add_argument("--checks", type=Path, default=CHECKS, help="a bench_decode_model.py --checks-only JSON")
+    ap.add_argument("--graph", type=Path, default=GRAPH, help="a bench_decode_model.py JSON of -graph cases")
     ap.add_argument("--write", type=Path, help="write the page here instead of printing it")
     args = ap.parse_args()
-    text = page(args.kernel, args.model, args.checks)
+    text = page(args.kernel, args.model, args.checks, args.graph)
     if args.write:
         args.write.write_text(text)
     else:

@@ -102,3 +102,36 @@ def test_graph_cases_profile_their_kernels(tmp_path, monkeypatch):
         prof = case["profile"][way]
         assert prof["steps"] == 2 and prof["wall_ms"] > 0 and prof["kernel_ms"] > 0
         assert any(k.startswith("decode attention") for k in prof["by_kind_ms"]) and len(prof["top_kernels"]) <= 12
+
+
+def test_speed_page_sets_graph_cases_against_eager_ones_and_the_model(tmp_path):
+    """decode_speed_table's graph section: per (context, batch) eager and graph tokens/s of bf16 and each method, the
+    method's kernel-modelled figure and the graph's share of it ("-" where a case is missing or did not fit); the
+    profile's kernel time by kind; absent without the file."""
+    ds = load_script("decode_speed_table")
+
+    def case(context, batch, cache, tokens=None, **extra):
+        return {"context": context, "batch": batch, "cache": cache, "status": "ok" if tokens else "does not fit",
+                "tokens_per_s": tokens, "mean_ms": 20.0, **extra}
+
+    profile = {"wall_ms": 21.0, "kernel_ms": 20.5, "by_kind_ms": {"decode attention (CUDA)": 14.5, "matmul": 6.0}}
+    result = {"cases": [case(32768, 8, "bf16", bf16_bytes=207e9), case(32768, 8, "bf16-graph", bf16_bytes=207e9),
+                        case(32768, 8, "loopvq", 120.0, modelled_tokens_per_s=419.0),
+                        case(32768, 8, "loopvq-graph", 335.2, modelled_tokens_per_s=419.0,
+                             profile={"replayed": profile, "eager": profile})],
+              "kernel_model": {"file": "k.json", "device": "H", "commit": "c"}, "device": "H", "torch": "t",
+              "commit": "abc", "command": "python benchmarks/bench_decode_model.py --caches loopvq-graph --out x.json"}
+    lines = ds.graph_table(result)
+    assert lines[0] == ("| context | batch | bf16 eager | bf16 graph | LoopVQ eager | LoopVQ graph | modelled | "
+                        "graph / modelled |")
+    assert lines[2:] == ["| 32,768 | 8 | does not fit (needs 207 GB) | does not fit (needs 207 GB) | 120.0 | 335.2 | "
+                         "419.0 | 80% |"]
+    limit, = ds.graph_limits(result)
+    assert "(loopvq-graph, 32,768 x 8) takes 21.00 ms replayed (20.00 ms timed)" in limit
+    assert "take 20.50 ms: decode attention (CUDA) 14.50, matmul 6.00 ms" in limit.replace("\n  ", " ")
+    path = tmp_path / "bench-decode-graph-h200.json"
+    assert ds.graph_section(path) == []
+    path.write_text(json.dumps(result))
+    section = "\n".join(ds.graph_section(path))
+    assert section.startswith("## Whole-model decode, CUDA graphs") and lines[2] in section
+    assert "--out benchmarks/results/bench-decode-graph-h200.json" in section.replace("\n", " ")
