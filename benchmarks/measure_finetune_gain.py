@@ -1,22 +1,33 @@
-"""benchmarks/measure_finetune_gain.py: what fine-tuning buys on unseen text, measured the way a user would, through
-the command-line tools.
+"""benchmarks/measure_finetune_gain.py: what the shipped fine-tuning recipe buys on unseen text, per reference model,
+measured the way a user would, through the command-line tools.
 
-For each cell (loopvq / tasq+loopvq at 0.5 / 0.25 bit) of one config: ``loopvq-calibrate`` with
-fine-tuning on, ``loopvq-calibrate`` again in the same run directory with ``--set finetune.enabled=false``
-(capture, TaSQ and k-means are reused, so both bundles hold the same run's k-means codebooks, the second
-unchanged), then ``loopvq-eval`` on the two bundles side by side (same windows of the evaluation text, the
-shipped held-out plays by default). Writes one JSON file; ``--report`` prints its markdown table.
+For each model (``--model``, benchmarks/reference_models.py) and cell (loopvq / tasq+loopvq at 0.5 / 0.25 bit):
+``loopvq-calibrate`` on the model's config set to the reference setup (every calibration window, 16 of them for
+selection, k-means 100 Lloyd updates, 6 epochs with 4 selection points per epoch, fp32:
+``reference_overrides``) with fine-tuning on, ``loopvq-calibrate`` again in the same run directory with
+``--set finetune.enabled=false`` (capture, TaSQ and k-means are reused, so both bundles hold the same run's
+k-means codebooks, the second unchanged), then ``loopvq-eval`` on the two bundles side by side (the same 8 windows
+of 512 tokens of the model's evaluation text). Writes benchmarks/results/finetune-gain-<model>.json, cell by cell;
+``--report`` prints each model's table.
 
-    python benchmarks/measure_finetune_gain.py --config configs/tiny-ouro-reference.yaml --device cuda --jobs 4 \\
-        --out benchmarks/results/finetune-gain.json
-    python benchmarks/measure_finetune_gain.py --report benchmarks/results/finetune-gain.json
+Time (``--device cuda``, one GPU, ``--jobs 4``): the Ouro reference's four cells (188 windows) took 187 s on an
+H200; a model with fewer windows takes about that in proportion (the Huginn reference's 134: about 2.5 min). Two
+models at once (``--jobs 8``) fit an H100's memory (each cell keeps at most its sequences' teacher outputs, about
+6 GiB). On the CPU (2 shared cores) a model takes days: GPU only.
+
+    python benchmarks/measure_finetune_gain.py --model ouro huginn --device cuda --jobs 8
+    python benchmarks/measure_finetune_gain.py --model huginn --device cpu --out-dir /tmp/g --cell 2 \\
+        --set data.num_sequences=8 --set data.heldout_sequences=2 --set data.sequence_length=64 \\
+        --set finetune.epochs=1 --set finetune.select_every=2 --set kmeans.iterations=2 \\
+        --eval-args "--num-sequences 1 --sequence-length 64"  # a CPU check, about 3 min
+    python benchmarks/measure_finetune_gain.py --report
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -24,10 +35,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-import torch
+import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-CELLS = [("loopvq", 0.5), ("loopvq", 0.25), ("tasq+loopvq", 0.5), ("tasq+loopvq", 0.25)]
+from reference_models import MODELS, ROOT, SHIPPED_MODELS, calibration_windows, reference_overrides
+from study_finetune import CELLS, device_name, git_commit
+
 # the console scripts' entry points, run with this interpreter (``loopvq-calibrate`` / ``loopvq-eval``)
 ENTRY = {"loopvq-calibrate": "calibrate_main", "loopvq-eval": "eval_main"}
 
@@ -53,17 +65,27 @@ def stage_seconds(run_dir: Path) -> dict[str, float]:
     return {name: s["wall_s"] for name, s in stages.items() if not s.get("reused") and s.get("wall_s") is not None}
 
 
-def measure_cell(config: Path, method: str, bits: float, *, device: str, runs: Path, extra: list[str],
+def cell_overrides(model: str, method: str, bits: float, *, device: str, overrides: list[str]) -> list[str]:
+    """``--set`` arguments of one cell: the model's folder and calibration text, the cell's quant keys, the device,
+    then ``overrides`` (the reference setup and any extra ones; later ones win)."""
+    ref = MODELS[model]
+    keys = [f"model.name_or_path={ref.folder}", f"data.dataset={ref.calibration}", f"model.device={device}",
+            *(f"quant.{k}={v:g}" if isinstance(v, float) else f"quant.{k}={v}"
+              for k, v in ref.quant(method, bits).items()),
+            *overrides]
+    return [a for kv in keys for a in ("--set", kv)]
+
+
+def measure_cell(model: str, method: str, bits: float, *, device: str, runs: Path, overrides: list[str],
                  eval_args: list[str]) -> dict:
     """Both calibrations of one cell and the evaluation of their bundles; returns the cell's record."""
     name = f"{method.replace('+', '-')}-{bits:g}bit"
-    cell_dir = runs / name
+    cell_dir = runs / model / name
     shutil.rmtree(cell_dir, ignore_errors=True)
     cell_dir.mkdir(parents=True)
     run_dir = cell_dir / "run"
-    common = ["--config", str(config), "--output", str(run_dir), "--set", f"quant.method={method}",
-              "--set", f"quant.bits={bits:g}", "--set", f"quant.group_size={round(8 / bits)}",
-              "--set", f"model.device={device}", *[a for kv in extra for a in ("--set", kv)]]
+    common = ["--config", MODELS[model].config, "--output", str(run_dir),
+              *cell_overrides(model, method, bits, device=device, overrides=overrides)]
     out: dict = {"method": method, "bits": bits, "commands": [], "seconds": {}}
     bundles = {}
     for label, flags in (("finetuned", []), ("kmeans", ["--set", "finetune.enabled=false"])):
@@ -73,11 +95,14 @@ def measure_cell(config: Path, method: str, bits: float, *, device: str, runs: P
         out["seconds"][f"stages_{label}"] = stage_seconds(run_dir)
         bundles[label] = cell_dir / f"bundle-{label}"
         shutil.copytree(run_dir / "bundle", bundles[label])
-        if label == "finetuned":  # the curve of the selection points (the second run replaces the stage)
+        if label == "finetuned":  # the curve of the selection points and the setup (the second run replaces both)
             out["finetune_curve"] = json.loads((run_dir / "finetune" / "curve.json").read_text())
-        print(f"{name}: calibrate ({label}) {out['seconds'][f'calibrate_{label}']:.1f} s", flush=True)
-    args = ["--bundle", str(bundles["finetuned"]), "--bundle", str(bundles["kmeans"]), "--device", device,
-            "--out", str(cell_dir / "eval"), *eval_args]
+            cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+            out["setup"] = {"sequences": cfg["data"]["num_sequences"], "selection": cfg["data"]["heldout_sequences"],
+                            "sequence_length": cfg["data"]["sequence_length"], "finetune": cfg["finetune"]}
+        print(f"{model} {name}: calibrate ({label}) {out['seconds'][f'calibrate_{label}']:.1f} s", flush=True)
+    args = ["--bundle", str(bundles["finetuned"]), "--bundle", str(bundles["kmeans"]), "--data", MODELS[model].heldout,
+            "--device", device, "--out", str(cell_dir / "eval"), *eval_args]
     out["commands"].append("loopvq-eval " + " ".join(args))
     out["seconds"]["eval"] = tool("loopvq-eval", args, cell_dir / "eval.log")
     report = json.loads((cell_dir / "eval" / "report.json").read_text())
@@ -86,7 +111,7 @@ def measure_cell(config: Path, method: str, bits: float, *, device: str, runs: P
                                             "sequences", "kl_positions")}
     out["eval_data"] = report.get("data")
     out["change"] = out["finetuned"]["eval_kl"] / out["kmeans"]["eval_kl"] - 1
-    print(f"{name}: evaluation KL {out['kmeans']['eval_kl']:.5f} -> {out['finetuned']['eval_kl']:.5f} "
+    print(f"{model} {name}: evaluation KL {out['kmeans']['eval_kl']:.5f} -> {out['finetuned']['eval_kl']:.5f} "
           f"({out['change']:+.1%})", flush=True)
     return out
 
@@ -106,7 +131,8 @@ def report(path: Path) -> str:
         lines.append(
             f"| {c['method']} {c['bits']:g} bit | {c['kmeans']['eval_kl']:.5f} | {c['finetuned']['eval_kl']:.5f} | "
             f"**{c['change']:+.1%}** | {_num(sel0)} -> {_num(c['finetuned']['selection_kl'])} | {best} | "
-            f"{c['kmeans']['ppl_quantized']:.2f} -> {c['finetuned']['ppl_quantized']:.2f} ({c['kmeans']['ppl_fp']:.2f}) | "
+            f"{c['kmeans']['ppl_quantized']:.2f} -> {c['finetuned']['ppl_quantized']:.2f} "
+            f"({c['kmeans']['ppl_fp']:.2f}) | "
             f"{stages.get('finetune', float('nan')):.1f} | {fit:.1f} |")
     return "\n".join(lines)
 
@@ -115,45 +141,59 @@ def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.5f}"
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", default=str(ROOT / "configs/tiny-ouro-reference.yaml"))
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/finetune-gain.json"))
+    p.add_argument("--model", nargs="+", choices=list(MODELS), default=list(SHIPPED_MODELS))
+    p.add_argument("--out-dir", default=str(ROOT / "benchmarks/results"))
     p.add_argument("--device", default="auto")
     p.add_argument("--runs", default=str(ROOT / "runs/finetune-gain"))
     p.add_argument("--jobs", type=int, default=1, help="cells calibrated side by side (one GPU holds several)")
     p.add_argument("--cell", type=int, action="append", help="only these cells (0-3), default all four")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                   help="passed to both loopvq-calibrate runs of every cell (a CPU check at a toy size)")
+                   help="after the reference setup, to both loopvq-calibrate runs of every cell (a CPU check)")
     p.add_argument("--eval-args", default="", help="extra loopvq-eval arguments, e.g. '--num-sequences 2'")
-    p.add_argument("--report", help="print the table of this measurement file instead of running")
-    args = p.parse_args()
+    p.add_argument("--report", action="store_true", help="print the tables of the stored files of --model")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    out_dir = Path(args.out_dir)
     if args.report:
-        print(report(Path(args.report)))
+        for model in args.model:
+            path = out_dir / f"finetune-gain-{model}.json"
+            print(f"{model}:\n" + (report(path) if path.is_file() else "not measured") + "\n")
         return
-    cells = [CELLS[i] for i in args.cell] if args.cell else CELLS
-    commit = os.environ.get("STUDY_COMMIT") or subprocess.run(  # STUDY_COMMIT: a copy without its own .git
-        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    config = Path(args.config).resolve()
-    results = {"command": "python benchmarks/measure_finetune_gain.py " + " ".join(sys.argv[1:]),
-               "commit": commit or None, "config": str(config.relative_to(ROOT)) if config.is_relative_to(ROOT)
-               else str(config), "overrides": args.overrides, "cells": []}
-    t0 = time.perf_counter()
+    cells = [CELLS[i] for i in args.cell] if args.cell else list(CELLS)
+    t0, results = time.perf_counter(), {}
+    for model in args.model:
+        windows = calibration_windows(MODELS[model])
+        results[model] = {"command": "python benchmarks/measure_finetune_gain.py " + shlex.join(sys.argv[1:]),
+                          "commit": git_commit(), "model": model, "config": MODELS[model].config, "windows": windows,
+                          "overrides": [*reference_overrides(windows), *args.overrides], "cells": []}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jobs = [(m, c) for m in args.model for c in cells]
+    done: dict[tuple[str, int], dict] = {}
+    failures: list[str] = []
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(measure_cell, config, m, b, device=args.device, runs=Path(args.runs),
-                               extra=args.overrides, eval_args=args.eval_args.split()): n
-                   for n, (m, b) in enumerate(cells)}
-        done: dict[int, dict] = {}
-        for fut in as_completed(futures):  # each cell is saved as soon as it is done, in the order of CELLS
-            done[futures[fut]] = fut.result()
-            results["cells"] = [done[n] for n in sorted(done)]
-            results["total_s"] = time.perf_counter() - t0
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(results, indent=1))
-    results["device"] = (torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu"
-                         else "cpu")
-    Path(args.out).write_text(json.dumps(results, indent=1))
-    print(report(Path(args.out)))
+        futures = {pool.submit(measure_cell, m, meth, bits, device=args.device, runs=Path(args.runs),
+                               overrides=results[m]["overrides"], eval_args=args.eval_args.split()): (m, n)
+                   for n, (m, (meth, bits)) in enumerate(jobs)}
+        for fut in as_completed(futures):  # each model's file is rewritten as each of its cells ends, in cell order
+            model, n = futures[fut]
+            if fut.exception() is not None:  # the other cells go on
+                failures.append(f"{model} {jobs[n][1]}: {fut.exception()}")
+                continue
+            done[model, n] = cell = fut.result()
+            data = results[model]
+            data["cells"] = [done[k] for k in sorted(done) if k[0] == model]
+            data.update(sequences=cell["setup"]["sequences"], device=device_name(args.device),
+                        total_s=time.perf_counter() - t0)
+            (out_dir / f"finetune-gain-{model}.json").write_text(json.dumps(data, indent=1))
+    for model in {m for m, _ in done}:
+        print(f"{model}:\n" + report(out_dir / f"finetune-gain-{model}.json"))
+    if failures:
+        sys.exit("\n".join(failures))
 
 
 if __name__ == "__main__":
