@@ -231,9 +231,9 @@ class RunDir:
         self.barrier()
         rec = StageRecord(name, fp)
         start = time.time()
-        log.info("stage %s: running (fingerprint %s)", name, fp)
         with PEAKS.stage() as peak, recording_digests(tmp):
-            try:
+            try:  # logged inside: once "running" is in run.log, an interrupt is recorded as the stage's failure
+                log.info("stage %s: running (fingerprint %s)", name, fp)
                 yield tmp, rec
             except BaseException:
                 rec.status = "failed"
