@@ -55,7 +55,7 @@ from support.fuzz import (
 
 from loopvq_calib import cli
 from loopvq_calib.bundle import hub, reader
-from loopvq_calib.calibration.rundir import LOCK_FILE, RunDir
+from loopvq_calib.calibration.rundir import LOCK_FILE
 from loopvq_calib.cli import calibrate_main, eval_main, inspect_main, push_main
 
 MAX_MESSAGE = 2_000  # characters on stderr: no message shows an unbounded value
