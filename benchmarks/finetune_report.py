@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -146,9 +147,9 @@ def page_block(results: Path) -> str:
               for m, s in group.items()} | {f"{rel}/finetune-gain-{m}.json": s for m, s in gains.items()}
     return "\n\n".join([
         BEGIN,
-        f"Gain: 1 - fine-tuned evaluation KL / the same cell's k-means evaluation KL, on each model's evaluation "
-        f"text; per model the mean over loopvq and tasq+loopvq at 0.5 and 0.25 bit. Models: {', '.join(MODELS)} "
-        f"(benchmarks/reference_models.py).",
+        textwrap.fill(f"Gain: 1 - fine-tuned evaluation KL / the same cell's k-means evaluation KL, on each model's "
+                      f"evaluation text; per model the mean over loopvq and tasq+loopvq at 0.5 and 0.25 bit. Models: "
+                      f"{', '.join(MODELS)} (benchmarks/reference_models.py).", 115),
         f"### Variants, {GRIDS['levers'].sequences} calibration sequences", variant_table(levers, "levers"),
         f"### Variants, {GRIDS['data'].sequences} calibration sequences", variant_table(data, "data"),
         "### The shipped recipe per model, every calibration window", gain_table(gains),
