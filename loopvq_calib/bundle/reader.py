@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from ..codes.layouts import BlockLayout, channel_sets
 from ..codes.quantizer import KVQuantizer
-from ..config.source import looks_local
+from ..config.source import looks_local, shown
 from ..models.loading import (
     ModelIdentity,
     ModelLoadError,
@@ -142,11 +142,11 @@ def _read_tensors(file: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
     except Exception as err:  # safetensors raises its own error types for truncated/garbled files
         raise BundleError(f"{file}: not a readable safetensors file ({type(err).__name__}: {err})") from err
     if header.get("format") != "loopvq":
-        raise BundleError(f"{file}: safetensors metadata format is {header.get('format')!r}, expected 'loopvq'")
+        raise BundleError(f"{file}: safetensors metadata format is {shown(header.get('format'))}, expected 'loopvq'")
     version = header.get("format_version")
     if version is not None and version != meta["format_version"]:
-        raise BundleError(f"{file}: safetensors metadata format_version {version!r} differs from field "
-                          f"format_version {meta['format_version']!r} of {META_FILE} (one bundle, one version)")
+        raise BundleError(f"{file}: safetensors metadata format_version {shown(version)} differs from field "
+                          f"format_version {shown(meta['format_version'])} of {META_FILE} (one bundle, one version)")
     return tensors
 
 
