@@ -43,7 +43,7 @@ class StaticBf16Cache:
         self.keys, self.values = {}, {}
         for s in kv.sites:
             for store in (self.keys, self.values):
-                store[s.site] = torch.empty(shape, dtype=torch.bfloat16, device=device)
+                store[s.site] = torch.zeros(shape, dtype=torch.bfloat16, device=device)  # masked, but finite
                 store[s.site][:, :length].normal_(generator=gen)
         self.first_site, self.last_site = min(self.keys), max(self.keys)
         self.tokens = torch.full((1,), length, dtype=torch.long, device=device)

@@ -38,7 +38,7 @@ def test_bf16_static_baseline_is_the_models_own_cache(tiny_model):
     own = LoopKVCache()
     for site in static.keys:
         own.keys[site], own.values[site] = static.keys[site][:, :90].clone(), static.values[site][:, :90].clone()
-        static.keys[site][:, 90:] = 1e3  # garbage past the tokens held
+        static.keys[site][:, 90:], static.values[site][:, 90:] = 1e3, -1e3  # garbage past the tokens held
     decoder = GraphDecoder(tiny_model, static, graphs=False)
     ids = torch.tensor([[5], [7]], device=DEVICE)
     with torch.inference_mode():
