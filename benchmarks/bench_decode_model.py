@@ -180,7 +180,7 @@ def build_cache(model: torch.nn.Module, kind: str, quantizer: KVQuantizer | None
     return cache
 
 
-def time_case(model: torch.nn.Module, kind: str, cache: Any, ids: torch.Tensor, *, args: argparse.Namespace,
+def time_case(model: torch.nn.Module, kind: str, cache: Any, *, ids: torch.Tensor, args: argparse.Namespace,
               profiled: bool) -> tuple[list[float], dict[str, Any]]:
     """Step times of the case and what else it records: the path that served, the profile."""
     extra: dict[str, Any] = {}
@@ -229,7 +229,7 @@ def run_case(model: torch.nn.Module, cache_kind: str, quantizer: KVQuantizer | N
             torch.cuda.reset_peak_memory_stats(device)
         ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=device, generator=gen)
         profiled = graph and cuda and args.profile_steps > 0 and [context, batch] == args.profile_at
-        ms, extra = time_case(model, cache_kind, cache, ids, args=args, profiled=profiled)
+        ms, extra = time_case(model, cache_kind, cache, ids=ids, args=args, profiled=profiled)
         out.update(cache_bytes=cache.nbytes(), **extra)
     except torch.cuda.OutOfMemoryError as err:
         out.update(status="out of memory", error=str(err).splitlines()[0])
@@ -242,7 +242,7 @@ def run_case(model: torch.nn.Module, cache_kind: str, quantizer: KVQuantizer | N
             torch.cuda.empty_cache()
     mean = statistics.fmean(ms)
     out.update(status="ok", step_ms=ms, median_ms=statistics.median(ms), mean_ms=mean, tokens_per_s=batch / mean * 1e3)
-    figure = modelled(args.model_figures, context, batch, cache_kind)
+    figure = modelled(args.model_figures, context, batch, cache=cache_kind)
     if figure is not None:
         out["modelled_tokens_per_s"] = figure
     return out

@@ -133,7 +133,7 @@ def kernel_model(path: Path | None) -> dict[str, Any]:
     return {"file": str(path.name), "device": stored["device"], "commit": stored["commit"], "tokens_per_s": cases}
 
 
-def modelled(model: dict[str, Any], context: int, batch: int, cache: str) -> float | None:
+def modelled(model: dict[str, Any], context: int, batch: int, *, cache: str) -> float | None:
     """The kernel-modelled tokens/s of ``cache`` (a --caches name; its -graph variant the same) at (context, batch)."""
     return model.get("tokens_per_s", {}).get(f"{context},{batch},{cache.removesuffix('-graph')}")
 

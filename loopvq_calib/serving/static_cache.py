@@ -46,7 +46,7 @@ class CodeSlots:
     sigma: torch.Tensor | None
 
     @classmethod
-    def empty(cls, codec: BlockCodec, batch: int, capacity: int, device: torch.device) -> "CodeSlots":
+    def empty(cls, codec: BlockCodec, batch: int, *, capacity: int, device: torch.device) -> "CodeSlots":
         lay = codec.layout
         dtype = index_dtype(codec.codebook.shape[2])
         indices = torch.zeros(batch, lay.kv_heads, capacity, lay.num_groups, dtype=dtype, device=device).transpose(1, 2)
@@ -84,7 +84,8 @@ class StaticQuantizedLoopKVCache:
         self.fp_positions = torch.zeros(shape[:2], dtype=torch.int32, **on)
         self.fp_mask = torch.zeros(shape[:2], dtype=torch.int8, **on)  # 1: attend
         self.first_position = torch.zeros(batch, dtype=torch.int32, **on)  # of each row's first coded token
-        self.codes = {name: CodeSlots.empty(c, batch, self.capacity, self.device) for name, c in quantizer.codecs.items()}
+        self.codes = {name: CodeSlots.empty(codec, batch, capacity=self.capacity, device=self.device)
+                      for name, codec in quantizer.codecs.items()}
         self.coded = torch.zeros(1, dtype=torch.int32, **on)  # coded tokens, on the device
         self.tokens = torch.zeros(1, dtype=torch.long, **on)  # tokens held, on the device
         self._column = torch.zeros(1, dtype=torch.long, **on)  # this forward's column

@@ -57,11 +57,11 @@ def test_kernel_model_reads_bench_decode_results():
     stored = json.loads(bdm.KERNEL_MODEL.read_text())
     case = next(c for c in stored["cases"] if (c["context"], c["batch"], c["method"]) == (32768, 8, "loopvq"))
     want = 8 / (stored["body_ms"]["8"] + 96 * case["coded_ms"]) * 1e3
-    assert dg.modelled(model, 32768, 8, "loopvq-graph") == dg.modelled(model, 32768, 8, "loopvq") == \
+    assert dg.modelled(model, 32768, 8, cache="loopvq-graph") == dg.modelled(model, 32768, 8, cache="loopvq") == \
         pytest.approx(want) == pytest.approx(419, abs=1)
     first = next(c for c in stored["cases"] if (c["context"], c["batch"]) == (32768, 8))
-    assert dg.modelled(model, 32768, 8, "bf16-graph") == first["bf16_tokens_per_s"]
-    assert dg.modelled(model, 90, 2, "loopvq") is None and dg.kernel_model(None) == {}
+    assert dg.modelled(model, 32768, 8, cache="bf16-graph") == first["bf16_tokens_per_s"]
+    assert dg.modelled(model, 90, 2, cache="loopvq") is None and dg.kernel_model(None) == {}
 
 
 def test_graph_cases_run_and_are_set_against_the_model(tmp_path, monkeypatch, capsys):

@@ -49,7 +49,8 @@ for style, tasq in (("half", True), ("interleaved", False)):
                                                  fp_positions=fpos, fp_mask=mask, rope_style=style, rope_theta=1e4)
         want = reference(da.CodedTokens(ki, vi, sigma, live, first))
         count = torch.tensor([live], dtype=torch.int32)
-        out[f"reference-{style}-{live}"] = torch.equal(reference(da.CodedTokens(ki, vi, sigma, cap, first, count)), want)
+        counted = reference(da.CodedTokens(ki, vi, sigma, cap, first, count))
+        out[f"reference-{style}-{live}"] = torch.equal(counted, want)
         full = reference(da.CodedTokens(ki, vi, sigma, cap, first))
         out[f"full-{style}-{live}"] = ((full - want).norm() / want.norm()).item()
         coded = da.CodedTokens(ki.to(device), vi.to(device), None if sigma is None else sigma.to(device), cap,

@@ -44,7 +44,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def decoder(model, prompt, mask, q, *, graphs: bool) -> GraphDecoder:
+def decoder(model, prompt, q, *, mask, graphs: bool) -> GraphDecoder:
     start, _ = prefill(model, prompt, q, mask=mask, backend="auto", **SERVING)
     static = StaticQuantizedLoopKVCache.from_cache(start, max_length=prompt.shape[1] + STEPS)
     return GraphDecoder(model, static, graphs=graphs)
@@ -59,8 +59,9 @@ def test_graph_replays_equal_eager_steps_across_pages(name, dtype, tol):
     cache's."""
     model, prompt, mask, q = case(name, dtype)
     (eager, ids), (twin, _) = (prefill(model, prompt, q, mask=mask, backend="auto", **SERVING) for _ in range(2))
-    graphed, plain = (decoder(model, prompt, mask, q, graphs=g) for g in (True, False))
-    runs = zip(lockstep(model, eager, graphed, ids, STEPS, mask=mask), lockstep(model, twin, plain, ids, STEPS, mask=mask))
+    graphed, plain = (decoder(model, prompt, q, mask=mask, graphs=g) for g in (True, False))
+    runs = zip(lockstep(model, eager, graphed, ids=ids, steps=STEPS, mask=mask),
+               lockstep(model, twin, plain, ids=ids, steps=STEPS, mask=mask))
     for (want, got, eager_regions, regions), (_, same, _, _) in runs:
         assert relative(got, same) < 1e-3 and relative(got, want) < tol
         assert regions == eager_regions
@@ -84,6 +85,6 @@ def test_greedy_generation_gives_the_eager_caches_tokens(name):
                 kw["attention_mask"] = grown
             next_ids = model(next_ids, cache=eager, use_cache=True, **kw).logits[:, -1:].argmax(-1)
             want.append(next_ids)
-    graphed = decoder(model, prompt, mask, q, graphs=True)
+    graphed = decoder(model, prompt, q, mask=mask, graphs=True)
     assert torch.equal(graphed.greedy(ids, 20), torch.cat(want, 1))
     assert set(graphed.graphs) == {False, True}

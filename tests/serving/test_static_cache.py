@@ -45,7 +45,7 @@ def run_both(case, steps: int, *, backend: str = "torch", **serving):
     start, _ = prefill(model, prompt, q, mask=mask, backend=backend, **serving)
     static = StaticQuantizedLoopKVCache.from_cache(start, max_length=prompt.shape[1] + steps)
     decoder = GraphDecoder(model, static)
-    return list(lockstep(model, eager, decoder, ids, steps, mask=mask)), static
+    return list(lockstep(model, eager, decoder, ids=ids, steps=steps, mask=mask)), static
 
 
 @pytest.mark.parametrize("case", [ouro_case, huginn_case], ids=["ouro-padded-tasq", "huginn-loopvq"])

@@ -194,7 +194,7 @@ def prefill(model, prompt: torch.Tensor, quantizer, *, mask: torch.Tensor | None
     return cache, out.logits[:, -1:].argmax(-1)
 
 
-def lockstep(model, eager, decoder, ids: torch.Tensor, steps: int, *, mask: torch.Tensor | None = None):
+def lockstep(model, eager, decoder, *, ids: torch.Tensor, steps: int, mask: torch.Tensor | None = None):
     """``steps`` decode steps of an eager cache (explicit forwards, the padding mask extended each step) and of a
     GraphDecoder, both fed the eager path's greedy tokens: yields (eager logits, decoder logits, eager regions,
     decoder's cache regions) per step."""
