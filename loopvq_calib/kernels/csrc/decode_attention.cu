@@ -5,7 +5,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
     const int* __restrict__ vch, const int* __restrict__ kpair, const int* __restrict__ p0,
     const float* __restrict__ cos_t, const float* __restrict__ sin_t, const void* __restrict__ fk, const void* __restrict__ fv,
     const int* __restrict__ fpos, const signed char* __restrict__ fmask, float* __restrict__ acc_out,
-    float* __restrict__ ml_out, int* __restrict__ count, void* __restrict__ out, const int* __restrict__ live,
+    float* __restrict__ ml_out, int* __restrict__ count, void* __restrict__ out, const int* __restrict__ n_live,
     int n_batch, int n_coded, int n_fp, int split_len, int qk_scale_bits,
     int s_kib, int s_kih, int s_vib, int s_vih, int s_sb, int s_st,
     int s_fkb, int s_fkt, int s_fkh, int s_fvb, int s_fvt, int s_fvh, int s_fpb) {
@@ -62,7 +62,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
     for (int j = 0; j < PPL; ++j) cg2[j] *= 2.0f;
 
 #if LIVE
-    n_coded = min(n_coded, *live);  // the valid count read on the device (a static cache under a CUDA graph)
+    n_coded = min(n_coded, *n_live);  // the valid count read on the device (a static cache under a CUDA graph)
 #endif
     const int start = s * split_len, end = min(start + split_len, n_coded);
     const int per_warp = ((max(end - start, 0) + WPR - 1) / WPR + TOK - 1) / TOK * TOK;
