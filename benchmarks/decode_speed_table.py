@@ -160,9 +160,9 @@ def graph_section(path: Path) -> list[str]:
              "(`StaticQuantizedLoopKVCache.from_cache`: fixed-capacity buffers, the window a ring, the coded count "
              "read on the device; pages encoded inside the second graph), the bf16 baseline a static cache of the "
              "same capacity with SDPA under a mask (what transformers' static cache does under `torch.compile`). "
-             "\"modelled\": batch / (the weight matmuls' graph + 96 x one site's decode attention), from "
-             f"`{model.get('file', '-')}` ({model.get('device', '-')}, commit `{model.get('commit', '-')}`); "
-             "the graph's share of it is the measured tokens/s over that figure."), "",
+             f"\"modelled\": batch / (the weight matmuls' graph + {result['kv']['sites']} x one site's decode "
+             f"attention), from `{model.get('file', '-')}` ({model.get('device', '-')}, commit "
+             f"`{model.get('commit', '-')}`); the graph's share of it is the measured tokens/s over that figure."), "",
         *graph_table(result), "", *graph_limits(result), "", provenance(result, path), "",
     ]
 

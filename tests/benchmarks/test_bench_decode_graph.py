@@ -118,7 +118,8 @@ def test_speed_page_sets_graph_cases_against_eager_ones_and_the_model(tmp_path):
                         case(32768, 8, "loopvq", 120.0, modelled_tokens_per_s=419.0),
                         case(32768, 8, "loopvq-graph", 335.2, modelled_tokens_per_s=419.0,
                              profile={"replayed": profile, "eager": profile})],
-              "kernel_model": {"file": "k.json", "device": "H", "commit": "c"}, "device": "H", "torch": "t",
+              "kernel_model": {"file": "k.json", "device": "H", "commit": "c"}, "kv": {"sites": 96}, "device": "H",
+              "torch": "t",
               "commit": "abc", "command": "python benchmarks/bench_decode_model.py --caches loopvq-graph --out x.json"}
     lines = ds.graph_table(result)
     assert lines[0] == ("| context | batch | bf16 eager | bf16 graph | LoopVQ eager | LoopVQ graph | modelled | "
@@ -133,4 +134,5 @@ def test_speed_page_sets_graph_cases_against_eager_ones_and_the_model(tmp_path):
     path.write_text(json.dumps(result))
     section = "\n".join(ds.graph_section(path))
     assert section.startswith("## Whole-model decode, CUDA graphs") and lines[2] in section
+    assert "graph + 96 x one site's decode attention), from `k.json` (H, commit `c`)" in section.replace("\n", " ")
     assert "--out benchmarks/results/bench-decode-graph-h200.json" in section.replace("\n", " ")
