@@ -10,12 +10,14 @@ k-means codebooks, the second unchanged), then ``loopvq-eval`` on the two bundle
 of 512 tokens of the model's evaluation text). Writes benchmarks/results/finetune-gain-<model>.json, cell by cell;
 ``--report`` prints each model's table.
 
-Time (``--device cuda``, one GPU, ``--jobs 4``): the Ouro reference's four cells (188 windows) took 187 s on an
-H200; a model with fewer windows takes about that in proportion (the Huginn reference's 134: about 2.5 min). Two
-models at once (``--jobs 8``) fit an H100's memory (each cell keeps at most its sequences' teacher outputs, about
-6 GiB). On the CPU (2 shared cores) a model takes days: GPU only.
+Time on one GPU (``--device cuda``): the Ouro reference's four cells (188 windows, ``--jobs 4``) took 187 s on an
+H200; a model with fewer windows takes about that in proportion (the Huginn reference's 134: about 2.5 min). Three
+models (``--jobs 8``: two models' cells side by side, then the third's) should take about 6-8 min (not measured).
+A cell holds up to about 11 GiB of the card at 188 windows (capture 4.7 GiB, then teacher outputs 6.3 GiB; both
+sized to what is free, the rest in host memory): ``--jobs 12`` only on an H200. On the CPU (2 shared cores, 12 s
+per step) a model takes about 16 h: GPU only.
 
-    python benchmarks/measure_finetune_gain.py --model ouro huginn --device cuda --jobs 8
+    python benchmarks/measure_finetune_gain.py --model ouro huginn ouro-python --device cuda --jobs 8
     python benchmarks/measure_finetune_gain.py --model huginn --device cpu --out-dir /tmp/g --cell 2 \\
         --set data.num_sequences=8 --set data.heldout_sequences=2 --set data.sequence_length=64 \\
         --set finetune.epochs=1 --set finetune.select_every=2 --set kmeans.iterations=2 \\

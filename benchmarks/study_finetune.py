@@ -13,14 +13,16 @@ Grids: ``levers`` (16 calibration sequences, 12 variants: the shipped and the pa
 weight, epochs, sequences per step, affine parameterisation, min_usage, codebook sharing across heads),
 ``data`` (64 sequences: 4 variants; selection points kept per epoch), ``smoke`` (one cell, toy shapes).
 
-Time, estimated from the stored H200 runs of the same steps on the Ouro reference (``--device cuda``, one GPU,
-``--jobs 4``: a model's four cells side by side): ``levers`` about 1.5 min per model, ``data`` about 2.5 min.
-Several models at once (``--jobs 8`` / ``12``) share the GPU: a step of this size is launch-bound. On the CPU
-(2 shared cores, ``--device cpu --jobs 1``) a fine-tuning step at 512 tokens takes about 8 s: ``levers`` would
-take about 6 h per model, so the study runs on a GPU.
+Time on one GPU (``--device cuda``), estimated from the stored H200 study of the Ouro reference (a variant at 16
+sequences took 3-4 s with the four cells side by side, one at 64 sequences about 30 s): with ``--jobs 4`` (a
+model's four cells side by side) ``levers`` takes about 1.5 min per model (12 variants, two k-means, start-up) and
+``data`` about 2.5 min. Steps of this size are launch-bound, so three models side by side (``--jobs 12``, 16 CPU
+cores) should take well under three times that: about 3-5 min for ``levers`` (not measured). On the CPU (2 shared
+cores) a fine-tuning step at 512 tokens took 12 s on the Huginn reference: ``levers`` would take about half a day
+per model (``smoke``: 4-10 min), so the study runs on a GPU.
 
-    python benchmarks/study_finetune.py --model ouro huginn --device cuda --jobs 8             # the levers grid
-    python benchmarks/study_finetune.py --model ouro huginn --device cuda --jobs 8 --grid data
+    python benchmarks/study_finetune.py --model ouro huginn ouro-python --device cuda --jobs 12     # the levers grid
+    python benchmarks/study_finetune.py --model ouro huginn ouro-python --device cuda --jobs 12 --grid data
     python benchmarks/study_finetune.py --model huginn --grid smoke --device cpu --out-dir /tmp/s  # a CPU check
     python benchmarks/study_finetune.py --report [--write docs/finetune.md]   # the cross-model tables
 """
@@ -232,8 +234,13 @@ def start_file(path: Path, header: dict, *, resume: bool) -> dict:
 
 def git_commit() -> str | None:
     """The checkout's commit (``STUDY_COMMIT`` for a copy without its own .git)."""
-    return os.environ.get("STUDY_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or None
+    if os.environ.get("STUDY_COMMIT"):
+        return os.environ["STUDY_COMMIT"]
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    except OSError:  # no git there
+        return None
+    return done.stdout.strip() or None
 
 
 def run_cells(args: argparse.Namespace, model: str, grid: Grid, cells: list[int]) -> None:
