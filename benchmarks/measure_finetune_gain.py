@@ -155,7 +155,9 @@ def parse_args() -> argparse.Namespace:
                    help="after the reference setup, to both loopvq-calibrate runs of every cell (a CPU check)")
     p.add_argument("--eval-args", default="", help="extra loopvq-eval arguments, e.g. '--num-sequences 2'")
     p.add_argument("--report", action="store_true", help="print the tables of the stored files of --model")
-    return p.parse_args()
+    args = p.parse_args()
+    args.runs = str(Path(args.runs).resolve())  # the tools run in the checkout
+    return args
 
 
 def main() -> None:

@@ -243,7 +243,7 @@ def git_commit() -> str | None:
     return done.stdout.strip() or None
 
 
-def run_cells(args: argparse.Namespace, model: str, grid: Grid, cells: list[int]) -> None:
+def run_cells(args: argparse.Namespace, model: str, grid: Grid, *, cells: list[int]) -> None:
     """The ``cells`` (indices into the grid's) of ``model`` in this process, skipping finished ones."""
     path, lock = Path(args.out_dir) / results_name(model, args.grid), Path(args.runs) / f"{model}-{args.grid}.lock"
     stored = {(c["method"], c["bits"]): c for c in json.loads(path.read_text())["cells"]}
@@ -300,7 +300,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--write", help="with --report: replace the generated block of this page (docs/finetune.md)")
     p.add_argument("--merge", nargs="+", help="merge these per-cell study files into --out")
     p.add_argument("--out", help="with --merge: the merged file")
-    return p.parse_args()
+    args = p.parse_args()
+    args.out_dir, args.runs = str(Path(args.out_dir).resolve()), str(Path(args.runs).resolve())  # --jobs: cwd ROOT
+    return args
 
 
 def main() -> None:
@@ -327,7 +329,7 @@ def main() -> None:
             start_file(path, {**header, "model": model}, resume=args.resume)
     failures = run_jobs(args, grid) if args.jobs else []
     for model in [] if args.jobs else args.model:
-        run_cells(args, model, grid, cells)
+        run_cells(args, model, grid, cells=cells)
     if not (args.child or args.cell):  # the whole grid's time
         for path in paths.values():
             data = json.loads(path.read_text())
