@@ -7,8 +7,8 @@ selection, k-means 100 Lloyd updates, 6 epochs with 4 selection points per epoch
 ``reference_overrides``) with fine-tuning on, ``loopvq-calibrate`` again in the same run directory with
 ``--set finetune.enabled=false`` (capture, TaSQ and k-means are reused, so both bundles hold the same run's
 k-means codebooks, the second unchanged), then ``loopvq-eval`` on the two bundles side by side (the same 8 windows
-of 512 tokens of the model's evaluation text). Writes benchmarks/results/finetune-gain-<model>.json, cell by cell;
-``--report`` prints each model's table.
+of 512 tokens of the model's evaluation text). Writes benchmarks/results/finetune-gain-<model>.json, cell by cell
+(``--resume`` runs only the cells a stored file lacks); ``--report`` prints each model's table.
 
 Time on one GPU (``--device cuda``): the Ouro reference's four cells (188 windows, ``--jobs 4``) took 187 s on an
 H200; a model with fewer windows takes about that in proportion (the Huginn reference's 134: about 2.5 min). Three
@@ -154,10 +154,25 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="after the reference setup, to both loopvq-calibrate runs of every cell (a CPU check)")
     p.add_argument("--eval-args", default="", help="extra loopvq-eval arguments, e.g. '--num-sequences 2'")
+    p.add_argument("--resume", action="store_true", help="keep the stored files' cells, run the others")
     p.add_argument("--report", action="store_true", help="print the tables of the stored files of --model")
     args = p.parse_args()
     args.runs = str(Path(args.runs).resolve())  # the tools run in the checkout
     return args
+
+
+def start(model: str, args: argparse.Namespace) -> dict:
+    """The record of ``model`` at the start: the stored file's (``--resume``: its cells kept, this command added
+    under ``resumed``) or a new one of the reference setup on the model's calibration windows."""
+    path = Path(args.out_dir) / f"finetune-gain-{model}.json"
+    command = "python benchmarks/measure_finetune_gain.py " + shlex.join(sys.argv[1:])
+    if args.resume and path.is_file():
+        data = json.loads(path.read_text())
+        data.setdefault("resumed", []).append({"command": command, "commit": git_commit()})
+        return data
+    windows = calibration_windows(MODELS[model])
+    return {"command": command, "commit": git_commit(), "model": model, "config": MODELS[model].config,
+            "windows": windows, "overrides": [*reference_overrides(windows), *args.overrides], "cells": []}
 
 
 def main() -> None:
@@ -168,34 +183,30 @@ def main() -> None:
             path = out_dir / f"finetune-gain-{model}.json"
             print(f"{model}:\n" + (report(path) if path.is_file() else "not measured") + "\n")
         return
-    cells = [CELLS[i] for i in args.cell] if args.cell else list(CELLS)
-    t0, results = time.perf_counter(), {}
-    for model in args.model:
-        windows = calibration_windows(MODELS[model])
-        results[model] = {"command": "python benchmarks/measure_finetune_gain.py " + shlex.join(sys.argv[1:]),
-                          "commit": git_commit(), "model": model, "config": MODELS[model].config, "windows": windows,
-                          "overrides": [*reference_overrides(windows), *args.overrides], "cells": []}
+    t0, results = time.perf_counter(), {m: start(m, args) for m in args.model}
+    stored = {(m, c["method"], c["bits"]) for m, data in results.items() for c in data["cells"]}
+    jobs = [(m, c) for m in args.model for c in ([CELLS[i] for i in args.cell] if args.cell else CELLS)
+            if (m, *c) not in stored]
     out_dir.mkdir(parents=True, exist_ok=True)
-    jobs = [(m, c) for m in args.model for c in cells]
-    done: dict[tuple[str, int], dict] = {}
     failures: list[str] = []
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         futures = {pool.submit(measure_cell, m, meth, bits, device=args.device, runs=Path(args.runs),
-                               overrides=results[m]["overrides"], eval_args=args.eval_args.split()): (m, n)
-                   for n, (m, (meth, bits)) in enumerate(jobs)}
+                               overrides=results[m]["overrides"], eval_args=args.eval_args.split()): (m, (meth, bits))
+                   for m, (meth, bits) in jobs}
         for fut in as_completed(futures):  # each model's file is rewritten as each of its cells ends, in cell order
-            model, n = futures[fut]
+            model, key = futures[fut]
             if fut.exception() is not None:  # the other cells go on
-                failures.append(f"{model} {jobs[n][1]}: {fut.exception()}")
+                failures.append(f"{model} {key}: {fut.exception()}")
                 continue
-            done[model, n] = cell = fut.result()
-            data = results[model]
-            data["cells"] = [done[k] for k in sorted(done) if k[0] == model]
+            data, cell = results[model], fut.result()
+            cells = {(c["method"], c["bits"]): c for c in data["cells"]} | {key: cell}
+            data["cells"] = [cells[k] for k in CELLS if k in cells]
             data.update(sequences=cell["setup"]["sequences"], device=device_name(args.device),
                         total_s=time.perf_counter() - t0)
             (out_dir / f"finetune-gain-{model}.json").write_text(json.dumps(data, indent=1))
-    for model in {m for m, _ in done}:
-        print(f"{model}:\n" + report(out_dir / f"finetune-gain-{model}.json"))
+    for model in args.model:
+        if (out_dir / f"finetune-gain-{model}.json").is_file():
+            print(f"{model}:\n" + report(out_dir / f"finetune-gain-{model}.json"))
     if failures:
         sys.exit("\n".join(failures))
 

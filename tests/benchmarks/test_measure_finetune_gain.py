@@ -62,6 +62,29 @@ def test_each_model_gets_its_own_file_and_a_failed_cell_leaves_the_others(tmp_pa
     assert "table of finetune-gain-ouro.json" in capsys.readouterr().out
 
 
+def test_resume_runs_only_the_cells_a_stored_file_lacks_and_keeps_its_setup(tmp_path, monkeypatch):
+    ran = []
+
+    def fake_cell(model, method, bits, **kwargs):
+        ran.append((model, method, bits))
+        return {**_cell(method, bits), "overrides": kwargs["overrides"]}
+
+    stored = {"command": "first", "commit": "a", "model": "ouro", "overrides": ["data.num_sequences=100"],
+              "cells": [_cell("tasq+loopvq", 0.5), _cell("loopvq", 0.5)]}
+    (tmp_path / "finetune-gain-ouro.json").write_text(json.dumps(stored))
+    monkeypatch.setattr(gain, "measure_cell", fake_cell)
+    monkeypatch.setattr(gain, "calibration_windows", lambda ref: 1 / 0)  # a resumed file keeps its own setup
+    monkeypatch.setattr(gain, "report", lambda path: "")
+    monkeypatch.setattr(sys, "argv", ["measure_finetune_gain.py", "--model", "ouro", "--resume", "--out-dir",
+                                      str(tmp_path), "--device", "cpu"])
+    gain.main()
+    data = json.loads((tmp_path / "finetune-gain-ouro.json").read_text())
+    assert ran == [("ouro", "loopvq", 0.25), ("ouro", "tasq+loopvq", 0.25)]
+    assert [(c["method"], c["bits"]) for c in data["cells"]] == list(gain.CELLS)
+    assert data["cells"][1]["overrides"] == ["data.num_sequences=100"] and data["command"] == "first"
+    assert data["resumed"][0]["command"].endswith("--resume --out-dir " + str(tmp_path) + " --device cpu")
+
+
 def test_report_says_which_models_are_not_measured(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["measure_finetune_gain.py", "--report", "--model", "huginn",
                                       "--out-dir", str(tmp_path)])
