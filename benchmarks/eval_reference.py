@@ -1,17 +1,30 @@
-"""benchmarks/eval_reference.py: served-cache results on the shipped reference model, every method and width plus
-the baselines.
+"""benchmarks/eval_reference.py: served-cache quality of one shipped reference model (``--model ouro|huginn``):
+every method at 0.5 and 0.25 bit, fine-tuned and k-means only, beside the baselines and full precision.
 
-Calibrates one bundle per method (cq, tasq, loopvq, tasq+loopvq) and width (0.5 / 0.25 bit) with the setup
-of benchmarks/reproduce.py (16 x 192 tokens of Hamlet + Macbeth, k-means 10 iterations) but 2 fine-tuning epochs
-(bundles under runs/eval-reference/, reused when present), then runs ``loopvq-eval`` once on all of them with
-the baselines, the shipped local task and passkey retrieval. The report goes to benchmarks/results/eval-reference/,
-with ``setup.json`` (the command, the commit, the calibration settings) beside it; benchmarks/reproduce_report.py puts
-its served-cache table in docs/quality.md.
+Calibrates one bundle per method (cq, tasq, loopvq, tasq+loopvq), width (0.5 bit = G 16, 0.25 bit = G 32; K 256,
+T_c 4) and fine-tuning (the shipped recipe, or none: ``finetune.enabled false``) on the model's calibration text
+(``MODELS``). The k-means-only run starts from the fine-tuned run's data, TaSQ and k-means stages (hard links and
+their manifest records: the fingerprints match, so the pipeline reuses them). Run folders: runs/eval-reference-<model>/
+(reused when present). Then one ``loopvq-eval`` over the 16 bundles, the baselines (last-step KV, KIVI 2/4, fp8)
+and the bf16 model: evaluation KL and perplexity on the model's held-out text, the shipped task ``loopvq_recall``
+(rounds of 12 items: one per kind and length), passkey retrieval and bytes per token. The report goes to
+benchmarks/results/eval-reference-<model>/ with ``setup.json`` (the command, the commit, the settings, each
+bundle's method / width / fine-tuning, each part's seconds); benchmarks/quality_table.py turns the stored reports
+into docs/quality-models.md.
 
-    python benchmarks/eval_reference.py                   # about 40 minutes on 2 shared CPU cores
-    python benchmarks/eval_reference.py --limit 8 --passkey-lengths 128 --out /tmp/quick   # a smoke run
-    python benchmarks/eval_reference.py --recent-window 0 --passkey-lengths "" --kl-sequences 1 \
-        --out benchmarks/results/eval-reference-window0       # every token after the sinks read from codes
+Time on the 2-core CPU development machine (Huginn, bf16, other work sharing the cores; Ouro's per-token costs
+are the same within 10 %): a fine-tuned calibration takes about 3.5 min (8 of them on 2 workers: about 15 min), a
+k-means-only one about 7 s; in loopvq-eval a coded entry decodes at about 0.55 s per new token at 1,400 tokens of
+context (full precision: 0.04 s), so a recall item takes about 8 s while the model writes all 40 new tokens
+(today's weights) and 2 to 3 s when it stops at the line's end, and the passkey lengths 256 + 1,024 + 2,040 about
+16 s per trial. With the defaults (20 coded entries, 24 items, 2 passkey trials) that is about 90 min with today's
+weights and about 50 min once the models stop after their answer. ``--device cuda`` runs both parts on a GPU,
+where ``--limit 0`` (all 240 items) is the setting to use.
+
+    python benchmarks/eval_reference.py --model ouro
+    python benchmarks/eval_reference.py --model huginn
+    python benchmarks/eval_reference.py --model huginn --methods loopvq --widths 0.5 --limit 12 \
+        --passkey-lengths 256 --passkey-trials 1 --kl-sequences 1 --out /tmp/quick     # a smoke run
 """
 
 from __future__ import annotations
@@ -20,11 +33,12 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: local models and data only
@@ -37,86 +51,180 @@ from loopvq_calib.cli import eval_main
 from loopvq_calib.config.schema import FinetuneConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = ROOT / "runs" / "eval-reference"
+RESULTS = ROOT / "benchmarks" / "results"
 METHODS = ("cq", "tasq", "loopvq", "tasq+loopvq")
-WIDTHS = {0.5: 16, 0.25: 32}
+WIDTHS = {0.5: 16, 0.25: 32}  # bits -> group size G
+CODEBOOK_SIZE, STEPS_PER_BLOCK = 256, 4
 BASELINES = "last-step-kv,kivi2,kivi4,fp8"
+TASK = "loopvq_recall"
+DATA = {"num_sequences": 16, "sequence_length": 512, "heldout_sequences": 4, "sink_tokens": 8}
+KMEANS = {"iterations": 10}
+FINETUNE: dict = {}  # the shipped recipe (FinetuneConfig's defaults)
+SERVING = {"recent_window": 64, "page_size": 8}
+SHARED_STAGES = ("data", "capture", "tasq", "kmeans")  # what a k-means-only run takes from its fine-tuned twin
 
 
-def run_config(method: str, bits: float) -> dict:
+@dataclass(frozen=True)
+class Reference:
+    """A shipped reference model: its folder, calibration and held-out text, loop steps (T_c 4 blocks)."""
+
+    folder: str
+    calibration: str
+    heldout: str
+    loop_steps: int
+
+
+MODELS = {
+    "ouro": Reference("artifacts/tiny-ouro", "artifacts/data/shakespeare-calib.jsonl",
+                      "artifacts/data/shakespeare-heldout.jsonl", 4),
+    "huginn": Reference("artifacts/tiny-huginn", "artifacts/data/python-calib.jsonl",
+                        "artifacts/data/python-heldout.jsonl", 8),  # 8 recurrences = 2 blocks of 4
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One calibration: method, width (bits) and whether it fine-tunes."""
+
+    method: str
+    bits: float
+    finetuned: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.method}-{self.bits:g}" + ("" if self.finetuned else "-kmeans")
+
+    def bundle_name(self, model: str) -> str:
+        """The bundle's (and report entry's) name, e.g. tiny-ouro-loopvq-0.5bit-kmeans."""
+        folder = Path(MODELS[model].folder).name
+        return f"{folder}-{self.method}-{self.bits:g}bit" + ("" if self.finetuned else "-kmeans")
+
+
+def plan(methods: tuple[str, ...] = METHODS, widths: tuple[float, ...] = tuple(WIDTHS)) -> list[Run]:
+    """Every run, width-major: the fine-tuned run of each method, then its k-means-only twin."""
+    return [Run(m, b, tuned) for b in widths for m in methods for tuned in (True, False)]
+
+
+def run_config(model: str, run: Run, *, device: str = "cpu") -> dict:
+    """The calibration config of ``run`` on ``model``."""
+    ref = MODELS[model]
     return {
-        "model": {"name_or_path": str(ROOT / "artifacts/tiny-ouro")},
-        "data": {"dataset": str(ROOT / "artifacts/data/shakespeare-calib.jsonl"), "num_sequences": 16,
-                 "sequence_length": 192, "heldout_sequences": 4, "sink_tokens": 8},
-        "quant": {"method": method, "bits": bits, "group_size": WIDTHS[bits], "codebook_size": 256,
-                  "steps_per_block": 4},
-        "kmeans": {"iterations": 10},
-        "finetune": {"epochs": 2, "lr": 1e-3},
-        "output": {"serving": {"recent_window": 64, "page_size": 8}},
+        "model": {"name_or_path": str(ROOT / ref.folder), "device": device},
+        "data": {"dataset": str(ROOT / ref.calibration), **DATA},
+        "quant": {"method": run.method, "bits": run.bits, "group_size": WIDTHS[run.bits],
+                  "codebook_size": CODEBOOK_SIZE, "steps_per_block": STEPS_PER_BLOCK},
+        "kmeans": dict(KMEANS),
+        "finetune": dict(FINETUNE) if run.finetuned else {"enabled": False},
+        "output": {"bundle_name": run.bundle_name(model), "serving": dict(SERVING)},
     }
 
 
-def _calibrate(name: str, cfg: dict) -> tuple[str, float]:
+def share_codebooks(src: Path, dst: Path) -> None:
+    """Give ``dst`` the finished data, capture, TaSQ and k-means stages of ``src`` (hard links and their manifest
+    records), unless ``dst`` has a manifest already."""
+    if (dst / "manifest.json").is_file():
+        return
+    manifest = json.loads((src / "manifest.json").read_text())
+    stages = {k: v for k, v in manifest["stages"].items() if k in SHARED_STAGES and v.get("status") == "done"}
+    dst.mkdir(parents=True, exist_ok=True)
+    for stage in stages:
+        shutil.copytree(src / stage, dst / stage, copy_function=os.link)
+    (dst / "manifest.json").write_text(json.dumps({**manifest, "stages": stages}))
+
+
+def _calibrate(cfg: dict, folder: Path) -> tuple[str, float]:
     torch.set_num_threads(1)
     start = time.time()
-    calibrate(cfg, output=RUNS / name)
-    return name, time.time() - start
+    calibrate(cfg, output=folder)
+    return folder.name, time.time() - start
 
 
-def bundles(workers: int) -> list[Path]:
-    """One bundle per method and width (calibrated unless already there)."""
-    todo = {f"{m}-{b}": run_config(m, b) for b in WIDTHS for m in METHODS}
-    missing = [(n, c) for n, c in todo.items() if not (RUNS / n / "bundle" / "loopvq.json").is_file()]
-    if missing:
-        with ProcessPoolExecutor(workers) as pool:
-            for name, seconds in pool.map(_calibrate, *zip(*missing)):
-                print(f"calibrated {name} in {seconds:.0f} s", flush=True)
-    return [RUNS / n / "bundle" for n in todo]
+def bundles(model: str, runs: list[Run], *, folder: Path, workers: int,
+            device: str = "cpu") -> tuple[list[Path], dict[str, float]]:
+    """Each run's bundle (calibrated unless already there: fine-tuned runs first, then the k-means-only runs from
+    their twins' stages) and the seconds of those calibrated now."""
+    seconds: dict[str, float] = {}
+    for finetuned in (True, False):
+        todo = [r for r in runs if r.finetuned == finetuned and not (folder / r.name / "bundle" / "loopvq.json").is_file()]
+        for r in todo:
+            twin = folder / Run(r.method, r.bits, True).name
+            if not finetuned and (twin / "manifest.json").is_file():
+                share_codebooks(twin, folder / r.name)
+        if todo:
+            with ProcessPoolExecutor(workers) as pool:
+                jobs = [(run_config(model, r, device=device), folder / r.name) for r in todo]
+                for name, took in pool.map(_calibrate, *zip(*jobs)):
+                    seconds[name] = round(took, 1)
+                    print(f"calibrated {model} {name} in {took:.0f} s", flush=True)
+    return [folder / r.name / "bundle" for r in runs], seconds
 
 
-def setup(argv: list[str]) -> dict:
-    """What setup.json records: the command, the commit, the machine's cores and the calibration settings."""
-    cfg = run_config("loopvq", 0.5)
-    data, quant = cfg["data"], cfg["quant"]
+def eval_argv(model: str, paths: list[Path], args: argparse.Namespace) -> list[str]:
+    """``loopvq-eval``'s arguments: every bundle, the baselines, the task, passkey and bytes per token."""
+    ref = MODELS[model]
+    argv = [arg for b in paths for arg in ("--bundle", str(b))]
+    argv += ["--model", str(ROOT / ref.folder), "--data", str(ROOT / ref.heldout), "--dtype", "bfloat16",
+             "--device", args.device, "--num-sequences", str(args.kl_sequences), "--sequence-length", "512",
+             "--tasks", TASK, "--baseline", BASELINES, "--out", str(args.out)]
+    if args.passkey_lengths:
+        argv += ["--passkey-lengths", args.passkey_lengths, "--passkey-trials", str(args.passkey_trials)]
+    if args.recent_window is not None:
+        argv += ["--recent-window", str(args.recent_window)]
+    if args.limit:
+        argv += ["--limit", f"{args.limit:g}"]
+    return argv
+
+
+def setup(model: str, runs: list[Run], argv: list[str], *, seconds: dict[str, float], device: str = "cpu") -> dict:
+    """What setup.json records: the command, the commit, the device and the machine's cores, the model, the
+    calibration settings, each bundle's method / width / fine-tuning and the seconds of each part."""
+    ref = MODELS[model]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    calibration = {"dataset": str(Path(data["dataset"]).relative_to(ROOT)), "sequences": data["num_sequences"],
-                   "sequence_length": data["sequence_length"], "selection_sequences": data["heldout_sequences"],
-                   "sink_tokens": data["sink_tokens"], "codebook_size": quant["codebook_size"],
+    calibration = {"dataset": ref.calibration, "sequences": DATA["num_sequences"],
+                   "sequence_length": DATA["sequence_length"], "selection_sequences": DATA["heldout_sequences"],
+                   "sink_tokens": DATA["sink_tokens"], "codebook_size": CODEBOOK_SIZE,
                    "group_size": {f"{bits:g}": group for bits, group in WIDTHS.items()},
-                   "steps_per_block": quant["steps_per_block"], "kmeans_iterations": cfg["kmeans"]["iterations"],
-                   "finetune": asdict(FinetuneConfig(**cfg["finetune"])), "serving": cfg["output"]["serving"]}
+                   "steps_per_block": STEPS_PER_BLOCK, "kmeans_iterations": KMEANS["iterations"],
+                   "finetune": asdict(FinetuneConfig(**FINETUNE)), "serving": SERVING}
     return {"command": shlex.join(["python", "benchmarks/eval_reference.py", *argv]),
-            "commit": commit.stdout.strip() or None, "cpu_count": os.cpu_count(), "calibration": calibration}
+            "commit": commit.stdout.strip() or None, "device": device, "cpu_count": os.cpu_count(), "model": model,
+            "folder": ref.folder, "loop_steps": ref.loop_steps, "heldout": ref.heldout, "calibration": calibration,
+            "bundles": [{"name": r.bundle_name(model), "method": r.method, "width": r.bits, "finetuned": r.finetuned}
+                        for r in runs], "seconds": seconds}
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "eval-reference"))
-    p.add_argument("--limit", type=float, help="items of the local task (default: all 44)")
-    p.add_argument("--passkey-lengths", default="256,1024,2000")
+    p.add_argument("--model", choices=sorted(MODELS), default="ouro")
+    p.add_argument("--out", help="report folder (default: benchmarks/results/eval-reference-<model>)")
+    p.add_argument("--limit", type=float, default=24, help=f"items of {TASK} (24 = 2 rounds of 12; 0: all 240)")
+    p.add_argument("--passkey-lengths", default="256,1024,2040", help="comma-separated; empty: no passkey")
     p.add_argument("--passkey-trials", type=int, default=2)
     p.add_argument("--recent-window", type=int, help="override the bundles' 64-token window (every entry)")
     p.add_argument("--kl-sequences", type=int, default=8, help="held-out windows of 512 tokens for the KL")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of the methods")
+    p.add_argument("--widths", default=",".join(f"{b:g}" for b in WIDTHS), help="comma-separated subset of 0.5,0.25")
+    p.add_argument("--runs", help="run folders (default: runs/eval-reference-<model>)")
     p.add_argument("--workers", type=int, default=2)
-    args = p.parse_args()
-    paths = bundles(args.workers)
-    argv = [arg for b in paths for arg in ("--bundle", str(b))]
-    argv += ["--model", str(ROOT / "artifacts/tiny-ouro"), "--dtype", "bfloat16", "--device", "cpu",
-             "--num-sequences", str(args.kl_sequences), "--sequence-length", "512", "--tasks", "loopvq_kjv_phrases",
-             "--baseline", BASELINES, "--passkey-lengths", args.passkey_lengths,
-             "--passkey-trials", str(args.passkey_trials), "--out", args.out]
-    if args.recent_window is not None:
-        argv += ["--recent-window", str(args.recent_window)]
-    if args.passkey_lengths == "":
-        cut = argv.index("--passkey-lengths")
-        del argv[cut:cut + 4]
-    if args.limit:
-        argv += ["--limit", f"{args.limit:g}"]
+    p.add_argument("--device", default="cpu", help="calibration and loopvq-eval device (cpu, cuda, cuda:N)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    args.out = Path(args.out or RESULTS / f"eval-reference-{args.model}")
+    runs = plan(tuple(args.methods.split(",")), tuple(float(b) for b in args.widths.split(",")))
     start = time.time()
-    status = eval_main(argv)
-    print(f"loopvq-eval took {time.time() - start:.0f} s (status {status})")
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "setup.json").write_text(json.dumps(setup(sys.argv[1:]), indent=1) + "\n")
+    paths, seconds = bundles(args.model, runs, folder=Path(args.runs or ROOT / "runs" / f"eval-reference-{args.model}"),
+                             workers=args.workers, device=args.device)
+    seconds["calibration"] = round(time.time() - start, 1)
+    start = time.time()
+    status = eval_main(eval_argv(args.model, paths, args))
+    seconds["loopvq-eval"] = round(time.time() - start, 1)
+    print(f"loopvq-eval took {seconds['loopvq-eval']:.0f} s (status {status})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = setup(args.model, runs, sys.argv[1:] if argv is None else argv, seconds=seconds, device=args.device)
+    (args.out / "setup.json").write_text(json.dumps(record, indent=1) + "\n")
     return status
 
 

@@ -90,8 +90,9 @@ def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
 
 
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
-    """kl_by_method.png, kl_per_step.png, nmse_per_step.png, finetune_curve.png when any bundle has a curve and
-    served_accuracy.png when the report has task or passkey results; returns the written paths."""
+    """kl_by_method.png, kl_per_step.png, nmse_per_step.png, finetune_curve.png when any bundle has a curve,
+    served_accuracy.png when the report has task or passkey results and accuracy_vs_bytes.png when it has task
+    results; returns the written paths."""
     plt = _pyplot()
     rows, steps = report["bundles"], report["loop_steps"]
     figures = {"kl_by_method.png": lambda: _kl_by_method(plt, rows),
@@ -103,6 +104,9 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     served = report.get("served") or {}
     if served.get("tasks") or served.get("passkey"):
         figures["served_accuracy.png"] = lambda: _served_accuracy(plt, served)
+    points = accuracy_points(served) if served.get("tasks") else []
+    if points:
+        figures["accuracy_vs_bytes.png"] = lambda: _accuracy_vs_bytes(plt, points)
     out = []
     for name, draw in figures.items():  # each figure drawn, saved and closed before the next
         fig = draw()
@@ -237,7 +241,9 @@ def served_markdown(report: dict[str, Any]) -> list[str]:
         limit = served["tasks"].get("limit")
         samples = ", ".join(f"{t}: {n}" for t, n in (served["tasks"].get("samples") or {}).items())
         lines += ["", f"Samples per task: {samples or 'n/a'}" + (f" (--limit {limit:g})" if limit else "")
-                  + "; in brackets: the change against " + served["reference"] + "."]
+                  + "; in brackets: the change against " + served["reference"] + ".", "",
+                  "Mean task accuracy against encoded bytes per token (full precision: its cache's bytes per token), "
+                  "one point per entry: `accuracy_vs_bytes.png`."]
     pk = served.get("passkey")
     if pk:
         lens = [str(n) for n in pk["lengths"]]
@@ -266,4 +272,35 @@ def _served_accuracy(plt: Any, served: dict[str, Any]) -> Any:
     ax.set_ylim(0, 1.05)
     ax.set_title("Accuracy through the served cache")
     ax.legend(fontsize=6, ncol=2)
+    return fig
+
+
+def accuracy_points(served: dict[str, Any]) -> list[tuple[float, float, str]]:
+    """(bytes per token, mean task accuracy, entry) per entry with task scores: encoded bytes per token (full
+    precision: its cache's bytes per token) and the mean over the report's tasks of their primary metrics."""
+    tasks = task_table(served)
+    points = []
+    for e in served["entries"]:
+        scores = [values[e["name"]] for _, _, values in tasks if e["name"] in values]
+        size = e["bytes"]["encoded_bytes_per_token"]
+        if scores:
+            points.append((e["bytes"]["bytes_per_token"] if size is None else size, sum(scores) / len(scores),
+                           e["name"]))
+    return points
+
+
+def _accuracy_vs_bytes(plt: Any, points: list[tuple[float, float, str]]) -> Any:
+    """The front a user chooses from: one labelled point per entry, bytes per token on a log axis; the labels of
+    points at the same place are stacked."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.scatter([p[0] for p in points], [p[1] for p in points], s=18)
+    seen: dict[tuple[float, float], int] = {}
+    for x, y, name in points:
+        k = seen[x, y] = seen.get((x, y), -1) + 1
+        ax.annotate(name, (x, y), fontsize=6, xytext=(3, 3 + 7 * k), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("encoded bytes per token (full precision: its cache)")
+    ax.set_ylabel("task accuracy (mean over tasks)")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title("Task accuracy against bytes per token")
     return fig

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 from loopvq_calib.evaluation.report import (
+    _accuracy_vs_bytes,
+    _pyplot,
+    accuracy_points,
     eval_kl,
     markdown_report,
     selection_kl,
@@ -73,7 +78,30 @@ def test_old_report_keys_are_read():
 def test_write_report_adds_the_served_plot(tmp_path):
     paths = write_report(report(served=served()), tmp_path)
     assert {p.name for p in paths} == {"report.json", "report.md", "kl_by_method.png", "kl_per_step.png",
-                                       "nmse_per_step.png", "served_accuracy.png"}
-    assert (tmp_path / "served_accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+                                       "nmse_per_step.png", "served_accuracy.png", "accuracy_vs_bytes.png"}
+    for name in ("served_accuracy.png", "accuracy_vs_bytes.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "`accuracy_vs_bytes.png`" in (tmp_path / "report.md").read_text()
     plain = write_report(report(), tmp_path / "plain")
-    assert "served_accuracy.png" not in {p.name for p in plain}
+    assert not {"served_accuracy.png", "accuracy_vs_bytes.png"} & {p.name for p in plain}
+    passkey_only = served()
+    del passkey_only["tasks"], passkey_only["accuracy_drop"]
+    names = {p.name for p in write_report(report(served=passkey_only), tmp_path / "passkey")}
+    assert "served_accuracy.png" in names and "accuracy_vs_bytes.png" not in names
+
+
+def test_the_front_plots_mean_task_accuracy_against_encoded_bytes_per_entry():
+    two_tasks = copy.deepcopy(served())
+    scores = two_tasks["tasks"]["scores"]
+    for name, value in (("bfloat16", 0.5), ("b1", 0.2), ("kivi2", 0.3)):  # a second task, its metric first
+        scores[name]["u"] = {"acc": value, "acc_norm": 0.0}
+    del scores["kivi2"]["t"]  # an entry scored on one task only: its mean is over that task
+    expected = [(24576, (0.7 + 0.5) / 2, "bfloat16"), (768, (0.6 + 0.2) / 2, "b1"), (4608, 0.3, "kivi2")]
+    points = accuracy_points(two_tasks)
+    assert [(x, round(y, 12), n) for x, y, n in points] == [(x, round(y, 12), n) for x, y, n in expected]
+    plt = _pyplot()
+    fig = _accuracy_vs_bytes(plt, points)
+    ax = fig.axes[0]
+    assert ax.collections[0].get_offsets().tolist() == [[x, y] for x, y, _ in points]
+    assert [t.get_text() for t in ax.texts] == ["bfloat16", "b1", "kivi2"] and ax.get_xscale() == "log"
+    plt.close(fig)
