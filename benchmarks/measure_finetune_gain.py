@@ -14,8 +14,8 @@ Time on one GPU (``--device cuda``): the Ouro reference's four cells (188 window
 H200; a model with fewer windows takes about that in proportion (the Huginn reference's 134: about 2.5 min). Three
 models (``--jobs 8``: two models' cells side by side, then the third's) should take about 6-8 min (not measured).
 A cell holds up to about 11 GiB of the card at 188 windows (capture 4.7 GiB, then teacher outputs 6.3 GiB; both
-sized to what is free, the rest in host memory): ``--jobs 12`` only on an H200. On the CPU (2 shared cores, 12 s
-per step) a model takes about 16 h: GPU only.
+sized to what is free, the rest in host memory): ``--jobs 12`` only on an H200. On the CPU (2 idle cores, 2 s per
+step at 512 tokens) a model takes about 3 h, far more on shared cores: GPU only.
 
     python benchmarks/measure_finetune_gain.py --model ouro huginn ouro-python --device cuda --jobs 8
     python benchmarks/measure_finetune_gain.py --model huginn --device cpu --out-dir /tmp/g --cell 2 \\

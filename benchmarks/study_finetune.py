@@ -17,9 +17,10 @@ Time on one GPU (``--device cuda``), estimated from the stored H200 study of the
 sequences took 3-4 s with the four cells side by side, one at 64 sequences about 30 s): with ``--jobs 4`` (a
 model's four cells side by side) ``levers`` takes about 1.5 min per model (12 variants, two k-means, start-up) and
 ``data`` about 2.5 min. Steps of this size are launch-bound, so three models side by side (``--jobs 12``, 16 CPU
-cores) should take well under three times that: about 3-5 min for ``levers`` (not measured). On the CPU (2 shared
-cores) a fine-tuning step at 512 tokens took 12 s on the Huginn reference: ``levers`` would take about half a day
-per model (``smoke``: 4-10 min), so the study runs on a GPU.
+cores) should take well under three times that: about 3-5 min for ``levers`` (not measured). On the CPU a
+fine-tuning step at 512 tokens took 2 s on the Huginn reference with 2 idle cores (12 s while they were shared):
+``levers`` takes about 2 h per model there, 1 h for two cells (``--cell 0 --cell 3``), several times that on
+shared cores; ``smoke`` 2-10 min.
 
     python benchmarks/study_finetune.py --model ouro huginn ouro-python --device cuda --jobs 12     # the levers grid
     python benchmarks/study_finetune.py --model ouro huginn ouro-python --device cuda --jobs 12 --grid data
