@@ -217,7 +217,8 @@ def _head(data: dict) -> str:
 **One model**: the shipped 10 M-parameter reference model (`artifacts/tiny-ouro`, a 4-layer x 4-loop Ouro, head_dim
 64, 6 KV heads: docs/reference-model.md), not a real Ouro or Huginn checkpoint. Its absolute numbers do not transfer
 to real models, and the tables below differ in setup (each says its own), so compare numbers within a table.
-The paper's numbers stand beside ours where the paper has the same measurement.
+The paper's numbers stand beside ours where the paper has the same measurement. Every method, width and baseline
+on both reference models, by task accuracy, passkey and bytes per token: [quality-models.md](quality-models.md).
 
 All but the last table: `python benchmarks/reproduce.py` at commit `{data.get('commit') or 'unknown'}` on the 2-core
 CPU development machine ({data['total_s'] / 60:.1f} min), raw numbers in `benchmarks/results/results.json`. Its
