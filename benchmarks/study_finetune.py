@@ -9,13 +9,14 @@ position after the sinks quantized). A variant's gain is 1 - its evaluation KL /
 codebooks (no sharing). Writes benchmarks/results/finetune-study-<model>[-<grid>].json, cell by cell as each
 variant ends (a time limit keeps what finished; ``--resume`` runs only the cells not finished).
 
-Grids: ``levers`` (16 calibration sequences, 12 variants: the shipped and the paper's recipe, lr, proximal
-weight, epochs, sequences per step, affine parameterisation, min_usage, codebook sharing across heads),
+Grids: ``levers`` (16 calibration sequences, 13 variants: the shipped recipe, once more in another sequence order
+(the noise), the paper's recipe, lr, proximal weight, epochs, sequences per step, affine parameterisation,
+min_usage, codebook sharing across heads),
 ``data`` (64 sequences: 4 variants; selection points kept per epoch), ``smoke`` (one cell, toy shapes).
 
 Time on one GPU (``--device cuda``), estimated from the stored H200 study of the Ouro reference (a variant at 16
 sequences took 3-4 s with the four cells side by side, one at 64 sequences about 30 s): with ``--jobs 4`` (a
-model's four cells side by side) ``levers`` takes about 1.5 min per model (12 variants, two k-means, start-up) and
+model's four cells side by side) ``levers`` takes about 1.5 min per model (13 variants, two k-means, start-up) and
 ``data`` about 2.5 min. Steps of this size are launch-bound, so three models side by side (``--jobs 12``, 16 CPU
 cores) should take well under three times that: about 3-5 min for ``levers`` (not measured). On the CPU a
 fine-tuning step at 512 tokens took 2 s on the Huginn reference with 2 idle cores (12 s while they were shared):
@@ -50,12 +51,13 @@ from reference_models import MODELS, ROOT, SHIPPED_MODELS
 
 CELLS = (("loopvq", 0.5), ("loopvq", 0.25), ("tasq+loopvq", 0.5), ("tasq+loopvq", 0.25))
 RECIPE_KEYS = ("epochs", "lr", "lr_schedule", "warmup_steps", "batch_size", "select_every", "proximal",
-               "parameterization", "min_usage")
+               "parameterization", "min_usage", "seed")
 SHIPPED = {"epochs": 4, "lr": 1e-2, "lr_schedule": "cosine", "warmup_steps": 4, "batch_size": 1, "select_every": 4,
-           "proximal": 1.0, "parameterization": "codewords", "min_usage": 0}  # FinetuneConfig's defaults
+           "proximal": 1.0, "parameterization": "codewords", "min_usage": 0, "seed": 0}  # FinetuneConfig's defaults
 PAPER = {**SHIPPED, "lr": 1e-3, "lr_schedule": "constant", "warmup_steps": 0, "select_every": 0, "proximal": 0.0}
 VARIANTS = {  # every key of RECIPE_KEYS; select_every at 12 training sequences (scaled to keep the points per epoch)
     "shipped": SHIPPED,
+    "shipped-seed1": {**SHIPPED, "seed": 1},  # another sequence order: the noise between two runs of one recipe
     "paper": PAPER,
     "lr3e-3": {**SHIPPED, "lr": 3e-3},
     "lr3e-2": {**SHIPPED, "lr": 3e-2},
