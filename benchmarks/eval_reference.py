@@ -145,7 +145,8 @@ def bundles(model: str, runs: list[Run], *, folder: Path, workers: int,
     their twins' stages) and the seconds of those calibrated now."""
     seconds: dict[str, float] = {}
     for finetuned in (True, False):
-        todo = [r for r in runs if r.finetuned == finetuned and not (folder / r.name / "bundle" / "loopvq.json").is_file()]
+        todo = [r for r in runs
+                if r.finetuned == finetuned and not (folder / r.name / "bundle" / "loopvq.json").is_file()]
         for r in todo:
             twin = folder / Run(r.method, r.bits, True).name
             if not finetuned and (twin / "manifest.json").is_file():
@@ -194,6 +195,7 @@ def setup(model: str, runs: list[Run], argv: list[str], *, seconds: dict[str, fl
 
 
 def parser() -> argparse.ArgumentParser:
+    """The script's options."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(MODELS), default="ouro")
     p.add_argument("--out", help="report folder (default: benchmarks/results/eval-reference-<model>)")
@@ -211,9 +213,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    """Calibrate (or reuse) the bundles, run loopvq-eval, write setup.json; returns loopvq-eval's exit status."""
+    p = parser()
+    args = p.parse_args(argv)
+    methods, widths = args.methods.split(","), args.widths.split(",")
+    unknown = sorted(set(methods) - set(METHODS)) + sorted(set(widths) - {f"{b:g}" for b in WIDTHS})
+    if unknown:
+        p.error(f"unknown method or width {', '.join(unknown)} (methods {','.join(METHODS)}; widths 0.5,0.25)")
     args.out = Path(args.out or RESULTS / f"eval-reference-{args.model}")
-    runs = plan(tuple(args.methods.split(",")), tuple(float(b) for b in args.widths.split(",")))
+    runs = plan(tuple(methods), tuple(float(b) for b in widths))
     start = time.time()
     paths, seconds = bundles(args.model, runs, folder=Path(args.runs or ROOT / "runs" / f"eval-reference-{args.model}"),
                              workers=args.workers, device=args.device)

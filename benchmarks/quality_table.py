@@ -136,15 +136,15 @@ def setup_line(result: dict[str, Any]) -> str:
     trials = pk["trials_per_length"] if pk else 0
     keys = f"passkey: {trials} trial{'' if trials == 1 else 's'} per length" if pk else "no passkey"
     limit = served["tasks"]["limit"]
-    items = f"the first {limit:g} items" if limit else "all items"
+    items = f"items 1 to {limit:g}" if limit else "all items"
     secs = setup.get("seconds", {})
     where = f"{setup['cpu_count']} CPU cores" if setup.get("device", "cpu") == "cpu" else setup["device"]
-    took = (f" (calibration {secs['calibration'] / 60:.0f} min, loopvq-eval {secs['loopvq-eval'] / 60:.0f} min)"
+    took = (f" (calibration {secs['calibration'] / 60:.1f} min, loopvq-eval {secs['loopvq-eval'] / 60:.1f} min)"
             if {"calibration", "loopvq-eval"} <= set(secs) else "")
     return wrap(f"*Setup: calibration {cal['sequences']} x {cal['sequence_length']} tokens of `{cal['dataset']}` "
                 f"(K {cal['codebook_size']}, {widths}, T_c {cal['steps_per_block']}), k-means "
-                f"{cal['kmeans_iterations']} iterations, then fine-tuning {recipe(cal['finetune'])} or none (k-means "
-                f"only); served with {cal['sink_tokens']} sinks, a {cal['serving']['recent_window']}-token "
+                f"{cal['kmeans_iterations']} iterations, then either fine-tuning ({recipe(cal['finetune'])}) or none "
+                f"(k-means only); served with {cal['sink_tokens']} sinks, a {cal['serving']['recent_window']}-token "
                 f"{report['dtype']} window and pages of {cal['serving']['page_size']}; evaluation KL and perplexity "
                 f"on {data['num_sequences']} x {data['sequence_length']} tokens of `{setup['heldout']}`; task "
                 f"accuracy: {items} of `{', '.join(served['tasks']['tasks'])}` (mean of each task's first metric); "

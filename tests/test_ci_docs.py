@@ -25,7 +25,8 @@ WORKFLOW = ROOT / ".github" / "workflows" / "calibrate.yml"
 SHELL_OPERATORS = {"&&", "||", ";", "|", ">", ">>"}
 MAX_LINES = 300
 LONG_PAGES = {"bundle-format.md"}  # the format specification: exact, whole, on one page
-RESULTS_PAGES = {"performance.md", "quality.md", "quality-models.md", "decode-speed.md", "reference-model.md"}  # measured numbers live here
+# measured numbers live here
+RESULTS_PAGES = {"performance.md", "quality.md", "quality-models.md", "decode-speed.md", "reference-model.md"}
 REPO_DIRS = {"loopvq_calib", "docs", "tests", "scripts", "benchmarks", "configs", "artifacts", ".github", ".ci"}
 # run-by-run history belongs in git and the issue notes, not in the guide pages
 HISTORY = [re.compile(p) for p in (r"\b[Rr]un \d+\b", r"\b[Ii]ssue \d+\b", r"before this work", r"measured in session",

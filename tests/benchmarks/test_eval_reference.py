@@ -90,6 +90,14 @@ def test_the_loopvq_eval_command_parses_and_names_every_part(tmp_path):
     assert parsed.data == str(ROOT / "artifacts/data/shakespeare-heldout.jsonl")
 
 
+def test_an_unknown_method_or_width_is_refused_before_any_work(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        er.main(["--methods", "loopvq,vq", "--widths", "0.5,1", "--runs", str(tmp_path / "runs")])
+    assert exit_.value.code == 2 and not (tmp_path / "runs").exists()
+    err = capsys.readouterr().err
+    assert "unknown method or width vq, 1 (methods cq,tasq,loopvq,tasq+loopvq; widths 0.5,0.25)" in err
+
+
 def test_setup_records_the_command_the_settings_and_each_bundle():
     runs = er.plan(("loopvq",), (0.25,))
     record = er.setup("huginn", runs, ["--model", "huginn", "--limit", "12"], seconds={"calibration": 1.0})
@@ -104,7 +112,7 @@ def test_setup_records_the_command_the_settings_and_each_bundle():
     assert record["commit"] and record["seconds"] == {"calibration": 1.0} and record["device"] == "cpu"
 
 
-@pytest.mark.slow  # several minutes on 2 CPU cores: two calibrations and a served evaluation of 4 entries
+@pytest.mark.slow  # about 80 s on 2 CPU cores: two calibrations and a served evaluation of 4 entries
 def test_a_tiny_huginn_run_writes_what_the_quality_table_reads(tmp_path, monkeypatch):
     monkeypatch.setattr(er, "DATA", {"num_sequences": 8, "sequence_length": 256, "heldout_sequences": 2,
                                      "sink_tokens": 8})
