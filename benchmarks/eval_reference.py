@@ -1,11 +1,12 @@
 """benchmarks/eval_reference.py: served-cache quality of one shipped reference model (``--model ouro|huginn``):
 every method at 0.5 and 0.25 bit, fine-tuned and k-means only, beside the baselines and full precision.
 
-Calibrates one bundle per method (cq, tasq, loopvq, tasq+loopvq), width (0.5 bit = G 16, 0.25 bit = G 32; K 256,
+Calibrates one bundle per method (cq, tasq, loopvq, tasq+loopvq with TaSQ's free grouping and with its
+``channels`` grouping), width (0.5 bit = G 16, 0.25 bit = G 32; K 256,
 T_c 4) and fine-tuning (the shipped recipe, or none: ``finetune.enabled false``) on the model's calibration text
-(``MODELS``). The k-means-only run starts from the fine-tuned run's data, TaSQ and k-means stages (hard links and
+(benchmarks/reference_models.py). The k-means-only run starts from the fine-tuned run's data, TaSQ and k-means stages (hard links and
 their manifest records: the fingerprints match, so the pipeline reuses them). Run folders: runs/eval-reference-<model>/
-(reused when present). Then one ``loopvq-eval`` over the 16 bundles, the baselines (last-step KV, KIVI 2/4, fp8)
+(reused when present). Then one ``loopvq-eval`` over the 20 bundles, the baselines (last-step KV, KIVI 2/4, fp8)
 and the bf16 model: evaluation KL and perplexity on the model's held-out text, the shipped task ``loopvq_recall``
 (rounds of 12 items: one per kind and length), passkey retrieval and bytes per token. The report goes to
 benchmarks/results/eval-reference-<model>/ with ``setup.json`` (the command, the commit, the settings, each
@@ -17,8 +18,8 @@ are the same within 10 %): a fine-tuned calibration takes about 3.5 min (8 of th
 k-means-only one about 7 s; in loopvq-eval a coded entry decodes at about 0.55 s per new token at 1,400 tokens of
 context (full precision: 0.04 s), so a recall item takes about 8 s while the model writes all 40 new tokens
 (today's weights) and 2 to 3 s when it stops at the line's end, and the passkey lengths 256 + 1,024 + 2,040 about
-16 s per trial. With the defaults (20 coded entries, 24 items, 2 passkey trials) that is about 90 min with today's
-weights and about 50 min once the models stop after their answer. ``--device cuda`` runs both parts on a GPU,
+16 s per trial. With the defaults (24 coded entries, 24 items, 2 passkey trials) that is about 110 min with today's
+weights and about 60 min once the models stop after their answer. ``--device cuda`` runs both parts on a GPU,
 where ``--limit 0`` (all 240 items) is the setting to use.
 
     python benchmarks/eval_reference.py --model ouro
@@ -46,15 +47,19 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch
 
+from reference_models import CODEBOOK_SIZE, MODELS, SHIPPED_MODELS
+
 from loopvq_calib import calibrate
 from loopvq_calib.cli import eval_main
 from loopvq_calib.config.schema import FinetuneConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-METHODS = ("cq", "tasq", "loopvq", "tasq+loopvq")
+METHODS = ("cq", "tasq", "loopvq", "tasq+loopvq", "tasq+loopvq-channels")
+# a method name of this table -> (quant.method, other config keys): TaSQ+LoopVQ with the paper's channel grouping
+VARIANTS: dict[str, tuple[str, dict]] = {"tasq+loopvq-channels": ("tasq+loopvq", {"tasq": {"grouping": "channels"}})}
 WIDTHS = {0.5: 16, 0.25: 32}  # bits -> group size G
-CODEBOOK_SIZE, STEPS_PER_BLOCK = 256, 4
+STEPS_PER_BLOCK = 4
 BASELINES = "last-step-kv,kivi2,kivi4,fp8"
 TASK = "loopvq_recall"
 DATA = {"num_sequences": 16, "sequence_length": 512, "heldout_sequences": 4, "sink_tokens": 8}
@@ -62,24 +67,6 @@ KMEANS = {"iterations": 10}
 FINETUNE: dict = {}  # the shipped recipe (FinetuneConfig's defaults)
 SERVING = {"recent_window": 64, "page_size": 8}
 SHARED_STAGES = ("data", "capture", "tasq", "kmeans")  # what a k-means-only run takes from its fine-tuned twin
-
-
-@dataclass(frozen=True)
-class Reference:
-    """A shipped reference model: its folder, calibration and held-out text, loop steps (T_c 4 blocks)."""
-
-    folder: str
-    calibration: str
-    heldout: str
-    loop_steps: int
-
-
-MODELS = {
-    "ouro": Reference("artifacts/tiny-ouro", "artifacts/data/shakespeare-calib.jsonl",
-                      "artifacts/data/shakespeare-heldout.jsonl", 4),
-    "huginn": Reference("artifacts/tiny-huginn", "artifacts/data/python-calib.jsonl",
-                        "artifacts/data/python-heldout.jsonl", 8),  # 8 recurrences = 2 blocks of 4
-}
 
 
 @dataclass(frozen=True)
@@ -108,14 +95,15 @@ def plan(methods: tuple[str, ...] = METHODS, widths: tuple[float, ...] = tuple(W
 def run_config(model: str, run: Run, *, device: str = "cpu") -> dict:
     """The calibration config of ``run`` on ``model``."""
     ref = MODELS[model]
+    method, extra = VARIANTS.get(run.method, (run.method, {}))
     return {
         "model": {"name_or_path": str(ROOT / ref.folder), "device": device},
         "data": {"dataset": str(ROOT / ref.calibration), **DATA},
-        "quant": {"method": run.method, "bits": run.bits, "group_size": WIDTHS[run.bits],
-                  "codebook_size": CODEBOOK_SIZE, "steps_per_block": STEPS_PER_BLOCK},
+        "quant": ref.quant(method, run.bits),
         "kmeans": dict(KMEANS),
         "finetune": dict(FINETUNE) if run.finetuned else {"enabled": False},
         "output": {"bundle_name": run.bundle_name(model), "serving": dict(SERVING)},
+        **extra,
     }
 
 
@@ -189,7 +177,7 @@ def setup(model: str, runs: list[Run], argv: list[str], *, seconds: dict[str, fl
                    "finetune": asdict(FinetuneConfig(**FINETUNE)), "serving": SERVING}
     return {"command": shlex.join(["python", "benchmarks/eval_reference.py", *argv]),
             "commit": commit.stdout.strip() or None, "device": device, "cpu_count": os.cpu_count(), "model": model,
-            "folder": ref.folder, "loop_steps": ref.loop_steps, "heldout": ref.heldout, "calibration": calibration,
+            "folder": ref.folder, "heldout": ref.heldout, "calibration": calibration,
             "bundles": [{"name": r.bundle_name(model), "method": r.method, "width": r.bits, "finetuned": r.finetuned}
                         for r in runs], "seconds": seconds}
 
@@ -197,7 +185,7 @@ def setup(model: str, runs: list[Run], argv: list[str], *, seconds: dict[str, fl
 def parser() -> argparse.ArgumentParser:
     """The script's options."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=sorted(MODELS), default="ouro")
+    p.add_argument("--model", choices=SHIPPED_MODELS, default="ouro")
     p.add_argument("--out", help="report folder (default: benchmarks/results/eval-reference-<model>)")
     p.add_argument("--limit", type=float, default=24, help=f"items of {TASK} (24 = 2 rounds of 12; 0: all 240)")
     p.add_argument("--passkey-lengths", default="256,1024,2040", help="comma-separated; empty: no passkey")

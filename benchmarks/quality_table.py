@@ -14,16 +14,20 @@ from pathlib import Path
 from typing import Any
 
 from quality_served import md_table, recipe, wrap
+from reference_models import MODELS as MODELS_TABLE
+from reference_models import SHIPPED_MODELS
 
 from loopvq_calib.evaluation.report import accuracy_points
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "quality-models.md"
-MODELS = ("ouro", "huginn")  # benchmarks/eval_reference.py's MODELS
-FOLDERS = {"ouro": "artifacts/tiny-ouro", "huginn": "artifacts/tiny-huginn"}
+MODELS = SHIPPED_MODELS
+FOLDERS = {name: MODELS_TABLE[name].folder for name in MODELS}
 ORDER = ("cq", "tasq", "loopvq", "tasq+loopvq")  # the paper's ordering in accuracy, lowest first
-NAMES = {"cq": "CQ", "tasq": "TaSQ", "loopvq": "LoopVQ", "tasq+loopvq": "TaSQ+LoopVQ", "last-step-kv": "last-step KV",
+ROWS = (*ORDER, "tasq+loopvq-channels")  # the table's order of eval_reference.py's methods
+NAMES = {"cq": "CQ", "tasq": "TaSQ", "loopvq": "LoopVQ", "tasq+loopvq": "TaSQ+LoopVQ",
+         "tasq+loopvq-channels": "TaSQ+LoopVQ (channels)", "last-step-kv": "last-step KV",
          "kivi2": "KIVI 2-bit", "kivi4": "KIVI 4-bit", "fp8": "fp8"}
 WIDTHS = (0.5, 0.25)
 # arXiv:2611.05304 Table 2 (docs/method.md): average accuracy (%) of GSM8K, MATH500, HumanEval and MBPP
@@ -55,7 +59,7 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
     passkey = served.get("passkey") or {"lengths": [], "accuracy": {}}
     entries = {e["name"]: e for e in served["entries"]}
     order = [served["reference"]] + [b["name"] for b in sorted(
-        setup["bundles"], key=lambda b: (-b["width"], ORDER.index(b["method"]), not b["finetuned"]))]
+        setup["bundles"], key=lambda b: (-b["width"], ROWS.index(b["method"]), not b["finetuned"]))]
     order += [e["name"] for e in served["entries"] if e["kind"] == "baseline"]
     about = {b["name"]: b for b in setup["bundles"]}
     out = []
@@ -63,7 +67,7 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
         e, q = entries[name], quality.get(name)
         bits = e["bits"]
         tuned = about.get(name, {}).get("finetuned")
-        method = NAMES.get(e["method"], name) if e["kind"] != "full-precision" else name
+        method = NAMES.get(about.get(name, e)["method"], name) if e["kind"] != "full-precision" else name
         ppl = next(iter(quality.values()))["ppl_fp"] if q is None else q["ppl_quantized"]
         size, acc = front.get(name, (None, None))
         out.append([method, "16 / 16" if bits is None else f"{bits['key']:.3g} / {bits['value']:.3g}",
@@ -113,7 +117,7 @@ def ordering_line(result: dict[str, Any]) -> str:
         for width in WIDTHS:
             acc = {b["method"]: front[b["name"]][1] for b in result["setup"]["bundles"]
                    if b["width"] == width and b["finetuned"] == finetuned and b["name"] in front}
-            if set(acc) == set(ORDER):
+            if set(ORDER) <= set(acc):
                 parts.append(f"{width:g} bit {'fine-tuned' if finetuned else 'k-means only'}: {ordering(acc)}")
     return ("The paper's ordering in task accuracy, CQ < TaSQ < LoopVQ < TaSQ+LoopVQ: "
             + ("; ".join(parts) if parts else "not measured (a method or width is missing)") + ".")

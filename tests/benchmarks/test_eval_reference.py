@@ -21,22 +21,26 @@ qt = load_script("quality_table")
 
 
 def test_the_settings_table_matches_the_shipped_models():
-    assert set(er.MODELS) == set(qt.MODELS) == {"ouro", "huginn"}
-    for name, ref in er.MODELS.items():
+    assert tuple(qt.MODELS) == ("ouro", "huginn")
+    blocks = {}
+    for name in qt.MODELS:
+        ref = er.MODELS[name]
         config = json.loads((ROOT / ref.folder / "config.json").read_text())
         loops = config.get("total_ut_steps", config.get("mean_recurrence"))
         window = config.get("max_position_embeddings", config.get("block_size"))
-        assert ref.loop_steps == loops and loops % er.STEPS_PER_BLOCK == 0, name
+        assert loops % er.STEPS_PER_BLOCK == 0 and ref.steps_per_block == er.STEPS_PER_BLOCK, name
+        blocks[name] = loops // er.STEPS_PER_BLOCK
         assert (ROOT / ref.calibration).is_file() and (ROOT / ref.heldout).is_file(), name
         assert ref.calibration != ref.heldout and qt.FOLDERS[name] == ref.folder
         lengths = [int(n) for n in er.parser().parse_args([]).passkey_lengths.split(",")]
         assert max(lengths) + 8 <= window, name  # the passkey's answer tokens fit the model's window
-    assert er.MODELS["huginn"].loop_steps // er.STEPS_PER_BLOCK == 2 and er.WIDTHS == {0.5: 16, 0.25: 32}
+        assert {b: ref.group_size(b) for b in er.WIDTHS} == er.WIDTHS == {0.5: 16, 0.25: 32}
+    assert blocks == {"ouro": 1, "huginn": 2}
 
 
 def test_every_method_width_and_fine_tuning_once_with_its_twin():
     runs = er.plan()
-    assert len(runs) == 16 and len({r.name for r in runs}) == 16
+    assert len(runs) == 20 and len({r.name for r in runs}) == 20
     assert {(r.method, r.bits, r.finetuned) for r in runs} == {
         (m, b, t) for m in er.METHODS for b in (0.5, 0.25) for t in (True, False)}
     names = {r.bundle_name("huginn") for r in runs}
@@ -53,6 +57,14 @@ def test_a_k_means_only_run_reuses_its_twins_codebooks_and_only_those():
     assert (tuned.quant.group_size, tuned.quant.codebook_size, tuned.quant.steps_per_block) == (32, 256, 4)
     a, b = (stage_fingerprints(c, "data", {"model": "m"}, loop_steps=8) for c in (tuned, kmeans))
     assert [s for s in a if a[s] == b[s]] == ["data", "capture", "tasq", "kmeans"]
+
+
+def test_the_channels_variant_is_tasq_loopvq_with_the_channel_grouping():
+    free, channels = (load_config(er.run_config("ouro", er.Run(m, 0.5, True)))
+                      for m in ("tasq+loopvq", "tasq+loopvq-channels"))
+    assert free.quant == channels.quant and free.quant.method == "tasq+loopvq"
+    assert (free.tasq.grouping, channels.tasq.grouping) == ("free", "channels")
+    assert channels.output.bundle_name == "tiny-ouro-tasq+loopvq-channels-0.5bit"
 
 
 def test_share_codebooks_links_the_finished_shared_stages(tmp_path):
@@ -95,7 +107,7 @@ def test_an_unknown_method_or_width_is_refused_before_any_work(tmp_path, capsys)
         er.main(["--methods", "loopvq,vq", "--widths", "0.5,1", "--runs", str(tmp_path / "runs")])
     assert exit_.value.code == 2 and not (tmp_path / "runs").exists()
     err = capsys.readouterr().err
-    assert "unknown method or width vq, 1 (methods cq,tasq,loopvq,tasq+loopvq; widths 0.5,0.25)" in err
+    assert "unknown method or width vq, 1 (methods cq,tasq,loopvq,tasq+loopvq,tasq+loopvq-channels; widths 0.5,0.25)" in err
 
 
 def test_setup_records_the_command_the_settings_and_each_bundle():

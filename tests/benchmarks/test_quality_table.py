@@ -131,3 +131,21 @@ def test_a_page_with_one_model_measured_and_one_not(tmp_path):
 def test_the_committed_page_is_the_one_the_stored_results_give():
     page = qt.render({m: qt.load(m) for m in qt.MODELS}, page_dir=ROOT / "docs")
     assert page == (ROOT / "docs" / "quality-models.md").read_text()
+
+
+def test_a_channels_row_follows_tasq_loopvq_under_its_own_name_and_the_ordering_still_reads(tmp_path):
+    out = store(tmp_path)
+    report, setup = (json.loads((out / f).read_text()) for f in ("report.json", "setup.json"))
+    name = "tiny-ouro-tasq+loopvq-channels-0.5bit"
+    report["served"]["entries"].append(_entry(name, "bundle", "tasq+loopvq", {"key": 0.542, "value": 0.5}, 768.0))
+    report["bundles"].append({"name": name, "eval_kl": 0.07, "ppl_fp": 66.0, "ppl_quantized": 70.9})
+    report["served"]["tasks"]["scores"][name] = {"loopvq_recall": {"exact_match,answer": 0.9}}
+    report["served"]["passkey"]["accuracy"][name] = {"256": 1.0, "2040": 0.5}
+    setup["bundles"].append({"name": name, "method": "tasq+loopvq-channels", "width": 0.5, "finetuned": True})
+    (out / "report.json").write_text(json.dumps(report))
+    (out / "setup.json").write_text(json.dumps(setup))
+    result = qt.load("ouro", tmp_path)
+    table = qt.rows(result)
+    assert [r[0] for r in table[7:10]] == ["TaSQ+LoopVQ", "TaSQ+LoopVQ", "TaSQ+LoopVQ (channels)"]
+    assert table[9][2:6] == ["yes", "0.0700", "70.90", "0.900"]
+    assert "0.5 bit fine-tuned: holds (CQ 0.250 < TaSQ 0.500 < LoopVQ 0.625 < TaSQ+LoopVQ 0.750)" in qt.ordering_line(result)
