@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..bundle.format import json_safe
 from .served import primary_metric
 
 
@@ -84,7 +85,8 @@ def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
     """Write report.json, report.md and the plots into ``out_dir``; returns the written paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / "report.json", out_dir / "report.md"]
-    written[0].write_text(json.dumps(report, indent=1, allow_nan=True) + "\n", encoding="utf-8")
+    # strict JSON, as loopvq-push reads it: non-finite numbers as the strings "nan", "inf", "-inf"
+    written[0].write_text(json.dumps(json_safe(report), indent=1, allow_nan=False) + "\n", encoding="utf-8")
     written[1].write_text(markdown_report(report), encoding="utf-8")
     return written + write_plots(report, out_dir)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+from loopvq_calib.bundle.eval_report import read_eval_report
 from loopvq_calib.evaluation.report import (
     _accuracy_vs_bytes,
     _pyplot,
@@ -105,3 +106,15 @@ def test_the_front_plots_mean_task_accuracy_against_encoded_bytes_per_entry():
     assert ax.collections[0].get_offsets().tolist() == [[x, y] for x, y, _ in points]
     assert [t.get_text() for t in ax.texts] == ["bfloat16", "b1", "kivi2"] and ax.get_xscale() == "log"
     plt.close(fig)
+
+
+def test_report_json_is_strict_json_that_loopvq_push_reads(tmp_path):
+    """A non-finite number (here a baseline's perplexity) is written as a string, as bundles do, so the strict
+    reader of loopvq-push takes the report; the bundle's own row reads back unchanged."""
+    broken = report()
+    broken["bundles"][1]["ppl_quantized"] = float("inf")
+    write_report(broken, tmp_path)
+    text = (tmp_path / "report.json").read_text()
+    assert "Infinity" not in text and '"ppl_quantized": "inf"' in text
+    read = read_eval_report(tmp_path)
+    assert read["bundles"][0] == broken["bundles"][0] and read["bundles"][1]["ppl_quantized"] == "inf"
