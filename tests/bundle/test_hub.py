@@ -286,19 +286,24 @@ def test_the_new_card_is_written_only_after_the_hub_took_it(bundle_dir, fake_hub
     assert len(fake_hub.requests) == requests
 
 
-def test_a_failed_local_write_after_the_push_is_a_push_error_and_keeps_the_old_pair(bundle_dir, fake_hub, tmp_path,
-                                                                                    monkeypatch):
-    attachment = prepare_eval_report(bundle_dir, write_report(eval_report(load_bundle(bundle_dir).meta),
-                                                              tmp_path / "report.json"))
-    before = _bundle_bytes(bundle_dir)
+def fail_meta_rename(monkeypatch) -> None:
+    """Make the rename of a new loopvq.json into place fail (EIO); every other rename works."""
     real_replace = os.replace
 
-    def replace(src, dst):  # the new loopvq.json cannot be renamed into place
+    def replace(src, dst):
         if Path(dst).name == "loopvq.json":
             raise OSError(errno.EIO, "Input/output error")
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", replace)
+
+
+def test_a_failed_local_write_after_the_push_is_a_push_error_and_keeps_the_old_pair(bundle_dir, fake_hub, tmp_path,
+                                                                                    monkeypatch):
+    attachment = prepare_eval_report(bundle_dir, write_report(eval_report(load_bundle(bundle_dir).meta),
+                                                              tmp_path / "report.json"))
+    before = _bundle_bytes(bundle_dir)
+    fail_meta_rename(monkeypatch)
     with pytest.raises(PushError, match=r"pushed .* to org/x, but writing the new README\.md and loopvq\.json into "
                                         r"the folder failed \(\[Errno 5\] Input/output error\)"):
         push_bundle(bundle_dir, "org/x", attachment=attachment)
@@ -349,14 +354,7 @@ def test_write_card_only_writes_what_a_push_would_and_sends_nothing(bundle_dir, 
 def test_write_card_only_failing_keeps_the_old_pair_and_exits_3(bundle_dir, tmp_path, monkeypatch, capsys):
     report = write_report(eval_report(load_bundle(bundle_dir).meta), tmp_path / "report.json")
     before = _bundle_bytes(bundle_dir)
-    real_replace = os.replace
-
-    def replace(src, dst):  # the new loopvq.json cannot be renamed into place
-        if Path(dst).name == "loopvq.json":
-            raise OSError(errno.EIO, "Input/output error")
-        real_replace(src, dst)
-
-    monkeypatch.setattr(os, "replace", replace)
+    fail_meta_rename(monkeypatch)
     assert push_main([str(bundle_dir), "--eval-report", str(report), "--write-card-only"]) == 3
     assert capsys.readouterr().err == (f"error: writing the new README.md and loopvq.json into {bundle_dir} failed "
                                        "(Input/output error); the folder keeps its old pair\n")
