@@ -49,13 +49,14 @@ def items() -> list[dict]:
     sized with the first tokenizer and redrawn until they keep the bounds under every tokenizer."""
     rng = random.Random(SEED)
     toks = tokenizers()
-    return [row(kind, rng, toks, tokens=tokens) for _ in range(PER_LENGTH) for tokens in LENGTHS for kind in KINDS]
+    sizers = {kind: max(toks, key=lambda t: unit_tokens(t)[kind]) for kind in KINDS}  # this kind's longest filler
+    return [row(kind, rng, toks, sizer=sizers[kind], tokens=tokens)
+            for _ in range(PER_LENGTH) for tokens in LENGTHS for kind in KINDS]
 
 
-def row(kind: str, rng: random.Random, toks: list, *, tokens: int) -> dict:
-    """One task row of ``kind`` within ``tokens`` under every tokenizer: sized with the one that makes this kind's
-    filler longest, the evidence's distances from both ends widened until every tokenizer keeps them."""
-    sizer = max(toks, key=lambda t: unit_tokens(t)[kind])
+def row(kind: str, rng: random.Random, toks: list, *, sizer, tokens: int) -> dict:
+    """One task row of ``kind`` within ``tokens`` under every tokenizer: sized with ``sizer``, the evidence's
+    distances from both ends widened until every tokenizer keeps them."""
     for margin in range(0, TAIL, 8):
         item = task_item(kind, rng, sizer, tokens=tokens, lead=LEAD + margin // 2, tail=TAIL + margin)
         if all(fits(item, t, tokens=tokens) for t in toks):

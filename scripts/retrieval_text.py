@@ -102,6 +102,14 @@ def training_item(kind: str, rng: random.Random, *, max_tokens: int, per_unit: d
     return make_item(kind, rng, before=before, after=units - before)
 
 
+def tokenizer_sample(rng: random.Random, *, count: int, max_tokens: int) -> list[str]:
+    """``count`` recall documents of every kind in turn, for a tokenizer's training text (before any tokenizer
+    exists, filler units are sized by a rough English BPE count)."""
+    per_unit = {"passkey": 30.0, "registry": 8.0, "copy": 8.0}
+    items = (training_item(KINDS[i % len(KINDS)], rng, max_tokens=max_tokens, per_unit=per_unit) for i in range(count))
+    return [item.prompt + item.answer for item in items]
+
+
 def recall_rows(tokenize: Tokenize, rng: random.Random, *, seq: int, eos: int) -> Iterator[np.ndarray]:
     """Endless training rows of ``seq`` token ids, each packed from fresh documents of every kind in turn
     (``prompt + answer + "\\n"``, then ``eos``), starting with a document; the last one is cut at the row's end."""

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from retrieval_text import KINDS, recall_accuracy, recall_rows, training_item
+from retrieval_text import KINDS, recall_accuracy, recall_rows, tokenizer_sample
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from train_reference_model import SPECIALS, batches, kv_structure, tokenize_with, write_jsonl
 from transformers import PreTrainedTokenizerFast
@@ -90,12 +90,10 @@ def prepare(args: argparse.Namespace) -> None:
     held_names = set(rng.sample([n for n, _ in sources], max(1, round(len(sources) * args.heldout_fraction))))
     train_code = [t for n, t in sources if n not in held_names]
     held = [(n, t) for n, t in sources if n in held_names]
-    per_unit = {"passkey": 30.0, "registry": 8.0, "copy": 8.0}  # sizes only the tokenizer's sample
-    recall = [training_item(KINDS[i % len(KINDS)], rng, max_tokens=ARCH["block_size"], per_unit=per_unit)
-              for i in range(300)]
+    recall = tokenizer_sample(rng, count=300, max_tokens=ARCH["block_size"])
     train_docs = list(train_code)
     rng.shuffle(train_docs)
-    tokenizer = train_tokenizer(train_docs + [r.prompt + r.answer for r in recall], ARCH["vocab_size"],
+    tokenizer = train_tokenizer(train_docs + recall, ARCH["vocab_size"],
                                 ARCH["block_size"])
     out = Path(args.out)
     tokenizer.save_pretrained(out / "tokenizer")

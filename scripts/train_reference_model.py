@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from retrieval_text import KINDS, recall_accuracy, recall_rows, training_item
+from retrieval_text import KINDS, recall_accuracy, recall_rows, tokenizer_sample
 
 from loopvq_calib.evaluation.kv_structure import average_structure, correlation_structure
 from loopvq_calib.models import KVRecorder, OuroConfig, OuroForCausalLM, kv_hook
@@ -110,10 +110,8 @@ def prepare(args: argparse.Namespace) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     rng = random.Random(args.seed)
-    per_unit = {"passkey": 30.0, "registry": 8.0, "copy": 8.0}  # about right for English BPE; sizes only the sample
-    recall = [training_item(KINDS[i % len(KINDS)], rng, max_tokens=ARCH["max_position_embeddings"],
-                            per_unit=per_unit) for i in range(300)]
-    tok.train_from_iterator(train_docs + [r.prompt + r.answer for r in recall], trainer)
+    recall = tokenizer_sample(rng, count=300, max_tokens=ARCH["max_position_embeddings"])
+    tok.train_from_iterator(train_docs + recall, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=SPECIALS[0], eos_token=SPECIALS[0], pad_token=SPECIALS[0],
         unk_token=None, model_max_length=ARCH["max_position_embeddings"],
