@@ -136,10 +136,10 @@ def file_name_problem(name: Any) -> str | None:
     if not isinstance(name, str) or not name:
         return "is not a non-empty string"
     try:
-        longest = max(len(part.encode("utf-8")) for part in name.split("/"))
+        raw = name.encode("utf-8")
     except UnicodeEncodeError:
         return "is not valid Unicode text (a lone surrogate)"
-    if len(name.encode("utf-8")) > MAX_NAME_BYTES or longest > MAX_PART_BYTES:
+    if len(raw) > MAX_NAME_BYTES or max(map(len, raw.split(b"/"))) > MAX_PART_BYTES:
         return f"is longer than a file name may be ({MAX_NAME_BYTES} bytes, {MAX_PART_BYTES} a component)"
     if name.startswith("/"):
         return "is an absolute path"

@@ -179,7 +179,7 @@ def _check_tensors(file: Path, meta: dict[str, Any], tensors: dict[str, torch.Te
         except ValueError as err:
             raise BundleError(f"{file}: tensor '{b['key']}.groups': {err}") from err
         if "grouping" in b and channel_sets(layout, style) is None:
-            raise BundleError(f"{file}: block {b['key']!r}: field grouping is 'channels', but tensor "
+            raise BundleError(f"{file}: block {shown(b['key'])}: field grouping is 'channels', but tensor "
                               f"'{b['key']}.groups' does not hold the same channels, whole RoPE pairs ({style}), at "
                               "every step of the block")
 

@@ -251,7 +251,8 @@ def expected_tensors(meta: dict[str, Any], file: Path) -> dict[str, tuple[list[i
     for b in meta["blocks"]:
         key, where = b["key"], f"{file}: block {shown(b['key'])}"
         if key != f"{b['kind']}.{b['name']}":
-            raise BundleError(f"{where}: field key must be '<kind>.<name>' ({b['kind']}.{shown(b['name'])[1:-1]})")
+            expected = shown(f"{b['kind']}.{b['name']}")
+            raise BundleError(f"{where}: field key must be '<kind>.<name>' ({expected})")
         _check_block_sites(b, sites, meta["steps_per_block"], where)
         _check_block_tasq(b, meta["method"], where)
         _check_block_grouping(b, where)

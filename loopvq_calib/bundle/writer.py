@@ -134,7 +134,6 @@ def _bundle_meta(q: KVQuantizer, name: str, identity: ModelIdentity, *, calibrat
     }
 
 
-
 def _flagged(block: dict[str, Any], q: KVQuantizer, rope_style: str) -> dict[str, Any]:
     """``block`` with ``"grouping": "channels"`` (format 1.2) when it is a TaSQ key block of several steps whose
     groups hold the same channels, whole RoPE pairs, at every step

@@ -149,8 +149,7 @@ class QuantizedLoopKVCache:
 
     def _append(self, site: int, key: torch.Tensor, value: torch.Tensor, *, positions: torch.Tensor) -> None:
         if self.sink_columns is None:
-            padding = ((positions == 0).sum(-1) - 1).clamp_min(0)  # left padding takes position 0 (build_context)
-            self.sink_columns = self.sink_tokens + int(padding.max())
+            self.sink_columns = self.sink_tokens + int(left_padding(positions).max())
         if site in self.keys:
             key = torch.cat([self.keys[site], key], dim=1)  # sinks + window only: a few pages
             value = torch.cat([self.values[site], value], dim=1)
@@ -302,6 +301,12 @@ def _codec_device(codec: Any, default: torch.device) -> torch.device:
     """Where a codec encodes: its codebook's device (LoopVQ), else the tokens' own (baselines)."""
     codebook = getattr(codec, "codebook", None)
     return codebook.device if codebook is not None else default
+
+
+def left_padding(positions: torch.Tensor) -> torch.Tensor:
+    """Left-padding tokens of each row of ``positions`` [B, N]: padding takes position 0, as the real first token
+    does (the models' build_context), so a row's padding is its count of zeros less one."""
+    return ((positions == 0).sum(-1) - 1).clamp_min(0)
 
 
 def _codes_nbytes(c: Any) -> int:

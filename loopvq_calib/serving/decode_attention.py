@@ -49,7 +49,7 @@ from ..models.common import apply_rope, pair_channels, rope_angles
 
 __all__ = ["CodedTokens", "CudaDecodeLaunch", "FullPrecisionTokens", "KernelInputs", "RopeTable", "StepTables",
            "TritonDecodeLaunch", "channel_codes", "channel_table", "decode_attention", "decode_attention_reference",
-           "kernel_inputs", "pair_order", "step_tables", "table_dtype"]
+           "kernel_inputs", "pair_order", "site_tables", "step_tables", "table_dtype"]
 VALUE_TERMS = 16  # tokens the CUDA kernel sums per lane in one packed half (tokens per lane group and step, <= 16)
 KEY_TERMS = 8  # products per packed half of the CUDA kernel's key dot product (8 lanes per token: 16 channels)
 QUERY_BOUND = 32.0  # assumed bound of a scaled query channel |q| log2(e) / sqrt(D): |q| up to ~250 at D = 128
@@ -129,6 +129,15 @@ def step_tables(key_codec: BlockCodec, value_codec: BlockCodec, step: int, *, ro
     return StepTables(put(key(a), key_dtype), put(key(b), key_dtype), put(kc.gather(1, a), i32),
                       put(kc.gather(1, b), i32), put(vt, value_dtype), put(vc, i32), step,
                       key_codec.transform is not None, rope_style, None if order is None else put(order, i32))
+
+
+def site_tables(codecs: dict[str, BlockCodec], names: dict[str, str], site: int, q: torch.Tensor, *,
+                rope_style: str) -> StepTables:
+    """:func:`step_tables` of ``site`` (its block's key and value codecs ``codecs[names[kind]]``, the site's step in
+    the block) on ``q``'s device: float32 tables for float32 queries, else float16."""
+    kc, vc = (codecs[names[kind]] for kind in ("key", "value"))
+    dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
+    return step_tables(kc, vc, kc.layout.sites.index(site), rope_style=rope_style, device=q.device, dtype=dtype)
 
 
 def table_dtype(largest: float, dtype: torch.dtype, kind: str) -> torch.dtype:

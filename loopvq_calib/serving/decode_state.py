@@ -12,7 +12,7 @@ import torch
 from ..codes.codec import Codes
 from ..kernels.backends import Backend
 from ..kernels.decode_inputs import CodedTokens, FullPrecisionTokens, StepTables
-from .decode_attention import RopeTable, decode_attention, step_tables
+from .decode_attention import RopeTable, decode_attention, site_tables
 
 
 class CodeBuffer:
@@ -123,11 +123,8 @@ class KernelState:
         if self.rope is None:
             self.rope = RopeTable(self.head_dim, self.rope_theta)
         names = cache.codec_of[site]
-        kc, vc = (cache.quantizer.codecs[names[kind]] for kind in ("key", "value"))
-        step = kc.layout.sites.index(site)
         if site not in self.tables:
-            dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
-            self.tables[site] = step_tables(kc, vc, step, rope_style=ctx.rope_style, device=q.device, dtype=dtype)
+            self.tables[site] = site_tables(cache.quantizer.codecs, names, site, q, rope_style=ctx.rope_style)
         n, bsz = cache.encoded, q.shape[0]
         first, fp_pos, fp_mask = self._token_positions(cache, site, ctx)
         if n:

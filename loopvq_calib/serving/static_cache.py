@@ -33,8 +33,8 @@ from ..kernels.backends import Backend
 from ..kernels.decode_inputs import CodedTokens, FullPrecisionTokens, StepTables
 from ..models.common import sdpa
 from ..runtime.devices import indexed_device
-from .cache import QuantizedLoopKVCache
-from .decode_attention import RopeTable, decode_attention, step_tables
+from .cache import QuantizedLoopKVCache, left_padding
+from .decode_attention import RopeTable, decode_attention, site_tables
 
 
 @dataclass
@@ -90,6 +90,8 @@ class StaticQuantizedLoopKVCache:
         self.tokens = torch.zeros(1, dtype=torch.long, **on)  # tokens held, on the device
         self._column = torch.zeros(1, dtype=torch.long, **on)  # this forward's column
         self._page = torch.arange(page_size, **on)
+        self._slots = torch.arange(self.capacity, **on)
+        self._route: tuple[Backend | None] | None = None  # the decode kernel's backend (None: reference), chosen once
         self.length = 0  # the host's mirrors of ``tokens`` and ``coded``
         self.encoded = 0
         self.first_site = min(s.site for s in kv.sites)
@@ -126,15 +128,16 @@ class StaticQuantizedLoopKVCache:
         pos = cache.positions[min(cache.positions)]
         tokens = torch.tensor(held, device=self.device)
         self.fp_positions.index_copy_(1, columns, pos.index_select(1, tokens).to(torch.int32))
-        padding = ((pos == 0).sum(-1) - 1).clamp_min(0)
+        padding = left_padding(pos)
         self.fp_mask.index_copy_(1, columns, (tokens[None] >= padding[:, None]).to(torch.int8))
         self.first_position.copy_(pos[:, -1] - (length - 1 - s))  # real tokens' positions are consecutive
         for name, pages in cache.codes.items():
             slots = self.codes[name]
-            if pages:
-                slots.indices[:, :encoded] = torch.cat([c.indices.view(b, self.page_size, *c.indices.shape[1:])
-                                                        for c in pages], 1)
-            if pages and slots.sigma is not None:
+            if not pages:
+                continue
+            slots.indices[:, :encoded] = torch.cat([c.indices.view(b, self.page_size, *c.indices.shape[1:])
+                                                    for c in pages], 1)
+            if slots.sigma is not None:
                 slots.sigma[:, :encoded] = torch.cat([c.sigma.view(b, self.page_size, -1) for c in pages], 1)
         self.coded.fill_(encoded)
         self.tokens.fill_(length)
@@ -152,7 +155,9 @@ class StaticQuantizedLoopKVCache:
             self._begin(ctx.positions)
         self.keys[site].index_copy_(1, self._column, key)
         self.values[site].index_copy_(1, self._column, value)
-        backend = self.rules.decode_backend(q)
+        if self._route is None:  # the device and the query's shape are the cache's for its whole life
+            self._route = (self.rules.decode_backend(q),)
+        backend = self._route[0]
         if backend is None:
             out = self.reference_attention(site, q, rope=ctx.rope)
         else:
@@ -255,10 +260,7 @@ class StaticQuantizedLoopKVCache:
         coded count read on the device, every full-precision column under the mask."""
         names = self.rules.codec_of[site]
         if site not in self.tables:
-            kc, vc = (self.quantizer.codecs[names[kind]] for kind in ("key", "value"))
-            dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
-            self.tables[site] = step_tables(kc, vc, kc.layout.sites.index(site), rope_style=ctx.rope_style,
-                                            device=q.device, dtype=dtype)
+            self.tables[site] = site_tables(self.quantizer.codecs, names, site, q, rope_style=ctx.rope_style)
         if self.rope is None:
             self.rope = RopeTable(self.quantizer.kv.head_dim, ctx.rope_theta)
         ks, vs = self.codes[names["key"]], self.codes[names["value"]]
@@ -281,7 +283,7 @@ class StaticQuantizedLoopKVCache:
                           None if slots.sigma is None else slots.sigma.reshape(b * cap, -1))
             x = codec.decode(codes)[:, codec.layout.sites.index(site)]
             decoded.append(x.reshape(b, cap, *x.shape[1:]).to(self.dtype))
-        slot = torch.arange(cap, device=self.device)
+        slot = self._slots
         keys = torch.cat([rope(decoded[0], self.first_position[:, None].long() + slot),
                           rope(self.keys[site], self.fp_positions.long())], 1)
         values = torch.cat([decoded[1], self.values[site]], 1)

@@ -28,8 +28,8 @@
 // (codebook size), NKC / NVC (index bytes per token: key / value codes), RK / RV (run lengths), KMIX (key runs
 // hold both channels of their pairs), KG / VG (runs whose index bytes are read together: 1, 2 or 4), KT32 /
 // VT32 (key / value tables in fp32, else fp16), CHEB, TASQ, PAIRS (read the pair map kpair), HAS_MASK, LIVE (the
-// coded count is min(n_coded, *n_live): read on the device), ACT (0
-// bf16, 1 fp16, 2 fp32: q and the full-precision keys/values, and the output), IDXVEC (bytes per cp.async: 4 or 16).
+// coded count is min(n_coded, *n_live): read on the device), ACT (0 bf16, 1 fp16, 2 fp32: q and the full-precision
+// keys/values, and the output), IDXVEC (bytes per cp.async: 4 or 16).
 
 #ifndef RPB
 #define RPB 1  // batch rows per pass (decode_cuda defines it; 1 for other builders)
