@@ -19,9 +19,12 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .config.source import ConfigError, shown
+
+if TYPE_CHECKING:
+    from .bundle.card import EvalAttachment
 
 INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
 TERMINATED = 143  # 128 + SIGTERM: what a shell reports for a command killed by SIGTERM
@@ -72,8 +75,8 @@ def _command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | N
                 return main(argv)
         except KeyboardInterrupt as err:
             return _fail(f"interrupted ({_interrupt_name(err)})", _interrupt_status(err))
-        except RecursionError:  # only input nested deeper than Python recurses (a JSON file, say) gets here
-            return _fail("an input is nested too deeply to read (maximum recursion depth exceeded)", 2)
+        except RecursionError as err:  # only input nested deeper than Python recurses (a JSON file, say) gets here
+            return _fail(f"an input is nested too deeply to read ({err})", 2)
         except OSError as err:  # a path given or read that no file system takes is bad input; any other is not
             if err.errno != errno.ENAMETOOLONG:
                 raise
@@ -143,8 +146,6 @@ def calibrate_main(argv: list[str] | None = None) -> int:
         return _fail(str(err), 2)
     except OSError as err:
         return _fail(f"{shown(err.filename) if err.filename else 'input'}: {err.strerror or err}", 2)
-    except RecursionError as err:  # only input nested deeper than Python recurses (a JSON line, say) gets here
-        return _fail(f"an input is nested too deeply to read ({err})", 2)
     try:
         result = pipeline.run_all()
     except (ConfigError, DataError, ModelLoadError, RunDirError) as err:
@@ -372,12 +373,13 @@ def push_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _write_card(args: argparse.Namespace, attachment: Any) -> int:
+def _write_card(args: argparse.Namespace, attachment: EvalAttachment) -> int:
     """``--write-card-only``: write the prepared README.md and loopvq.json into the bundle folder (``--dry-run``:
     say so, write nothing); 3 when the write failed (the old pair stays)."""
     from .bundle.card import write_eval_report
+    from .bundle.format import CARD_FILE
 
-    card = Path(args.bundle) / "README.md"
+    card = Path(args.bundle) / CARD_FILE
     if args.dry_run:
         print(f"would write {len(attachment.results)} evaluation results into {card} (nothing pushed)")
         return 0

@@ -20,12 +20,12 @@ from huggingface_hub.utils import validate_repo_id
 
 from ..config.source import shown
 from ..runtime.files import temp_sibling, write_temp
-from .eval_report import EvalReportError, bundle_row, check_report, read_eval_report, report_file
+from .eval_report import EvalReportError, bundle_row, check_report, kl_key, read_eval_report, report_file
 from .format import CARD_FILE, META_FILE, TENSOR_FILE, meta_bytes, read_bundle_file
 from .reader import load_bundle
 
 __all__ = ["EvalAttachment", "EvalReportError", "attach_eval_report", "evaluation_for", "model_card",
-           "prepare_eval_report", "read_eval_report", "write_eval_report"]
+           "prepare_eval_report", "write_eval_report"]
 
 
 def model_card(meta: dict[str, Any], evaluation: dict[str, Any] | None = None) -> str:
@@ -111,8 +111,12 @@ def evaluation_for(report: dict[str, Any], name: str, *, source: str = "the eval
     """EvalResults and markdown lines of the bundle called ``name`` in a ``loopvq-eval`` report.json (its shape
     checked: :func:`eval_report.check_report`; its one row: :func:`eval_report.bundle_row`)."""
     check_report(report, source)
-    _, row = bundle_row(report, name, source)
-    kl = row.get("eval_kl", row.get("heldout_kl"))
+    return _evaluation(report, bundle_row(report, name, source), name)
+
+
+def _evaluation(report: dict[str, Any], row: dict[str, Any], name: str) -> dict[str, Any]:
+    """:func:`evaluation_for` of a checked report and its row of the bundle ``name``."""
+    kl = row[kl_key(row)]
     data = (report.get("data") or {}).get("dataset") or "held-out text"
     served = report.get("served") or {}
     entry = next((e for e in served.get("entries") or [] if e["name"] == name), None)
@@ -203,7 +207,8 @@ def _same(a: Any, b: Any) -> bool:
 
 def _short(value: Any) -> str:
     """``value`` as JSON for a message, at most 80 characters (a long value is never serialised whole)."""
-    text = json.dumps(value) if len(shown(value)) < 80 else shown(value)
+    short = shown(value)
+    text = json.dumps(value) if len(short) < 80 else short
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -216,9 +221,9 @@ def prepare_eval_report(bundle_path: str | Path, report_path: str | Path) -> Eva
     source = f"--eval-report {report_file(report_path)}"
     bundle = load_bundle(Path(bundle_path))
     name = bundle.meta["name"]
-    _, row = bundle_row(report, name, source)
+    row = bundle_row(report, name, source)
     check_report_row(row, bundle.meta, source)
-    evaluation = evaluation_for(report, name, source=source)  # from that row, the report's only one of ``name``
+    evaluation = _evaluation(report, row, name)
     card = model_card(bundle.meta, evaluation).encode("utf-8")
     meta = {**bundle.meta, "files": {**bundle.meta["files"], CARD_FILE: _entry(card)}}
     replaces = read_bundle_file(bundle.path, META_FILE)

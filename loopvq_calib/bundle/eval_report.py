@@ -8,11 +8,10 @@ import math
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ..config.source import shown
-from .format import BundleError, strict_json
+from ..config.source import cut, shown
+from .format import FIELD_CHARS, BundleError, strict_json
 
 REPORT_FILE = "report.json"
-FIELD_CHARS = 120  # the longest field path a message shows (paths hold names read from the report)
 _KINDS = {str: "a string", dict: "an object", list: "a list", bool: "true or false", type(None): "null"}
 _NONE = type(None)
 
@@ -92,25 +91,29 @@ def _check_served(served: dict[str, Any], source: str) -> None:
              "served.passkey.accuracy", source, levels=2)
 
 
-def bundle_row(report: dict[str, Any], name: str, source: str) -> tuple[int, dict[str, Any]]:
-    """(index, row) of the one non-baseline row named ``name`` in a checked report, its evaluation KL and
+def kl_key(row: dict[str, Any]) -> str:
+    """The evaluation KL's key in a report row: ``eval_kl``, or ``heldout_kl`` in reports written before the rename."""
+    return "eval_kl" if "eval_kl" in row or "heldout_kl" not in row else "heldout_kl"
+
+
+def bundle_row(report: dict[str, Any], name: str, source: str) -> dict[str, Any]:
+    """The one non-baseline row named ``name`` in a checked report, its evaluation KL and
     perplexities finite numbers; no such row, or more than one, is an EvalReportError."""
     found = [(i, r) for i, r in enumerate(report["bundles"]) if not r.get("baseline") and r["name"] == name]
     if not found:
         names = ", ".join(sorted({r["name"] for r in report["bundles"] if not r.get("baseline")}))
         raise EvalReportError(f"{source}: no bundle named {shown(name)} (the report has: "
-                              f"{_cut(names, 200) or 'none'})")
+                              f"{cut(names, 200) or 'none'})")
     if len(found) > 1:
         raise EvalReportError(f"{source}: {len(found)} rows (bundles[{found[0][0]}], bundles[{found[1][0]}]) measured "
                               f"a bundle named {shown(name)}, so which one measured this bundle is unknown; evaluate "
                               "the bundle on its own and attach that report")
     index, row = found[0]
-    kl = "eval_kl" if "eval_kl" in row or "heldout_kl" not in row else "heldout_kl"  # the older name
-    for key in (kl, "ppl_quantized", "ppl_fp"):
+    for key in (kl_key(row), "ppl_quantized", "ppl_fp"):
         if key not in row:
             _refuse(source, f"bundles[{index}].{key}", "is missing")
         _finite(row[key], f"bundles[{index}].{key}", source)
-    return index, row
+    return row
 
 
 def _get(obj: dict[str, Any], key: str, kinds: tuple[type, ...], field: str, source: str, *,
@@ -143,9 +146,5 @@ def _finite(value: Any, field: str, source: str) -> None:
 
 
 def _refuse(source: str, field: str, problem: str) -> NoReturn:
-    raise EvalReportError(f"{source}: field {_cut(field, FIELD_CHARS)} {problem}; a report loopvq-eval wrote has "
+    raise EvalReportError(f"{source}: field {cut(field, FIELD_CHARS)} {problem}; a report loopvq-eval wrote has "
                           "it (run loopvq-eval again)")
-
-
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -14,9 +14,10 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from ..config.source import shown
+from ..config.source import cut, shown
 from ..runtime.files import sha256_file
 
+FIELD_CHARS = 120  # the longest field path a message shows (paths hold names read from a file)
 FORMAT_VERSION = "1.2"  # the newest format version this toolkit reads and writes
 BASE_VERSION = "1.1"  # what a bundle that uses no 1.2 field is written as (every bundle carries 1.1's meta_sha256)
 META_FILE = "loopvq.json"
@@ -97,12 +98,12 @@ def _pairs(items: list[tuple[str, Any]]) -> _Object:
 def _plain(value: Any, field: str, file: Path) -> Any:
     """``value`` as plain dicts and lists; a duplicate key or a non-finite number is a BundleError naming it."""
     if isinstance(value, _NonFinite):
-        raise BundleError(f"{file}: field {_cut(field) or '(top level)'} is a bare {value}, which is not JSON (a "
-                          "writer stores non-finite numbers as the strings \"nan\", \"inf\", \"-inf\")")
+        raise BundleError(f"{file}: field {cut(field, FIELD_CHARS) or '(top level)'} is a bare {value}, which is not "
+                          "JSON (a writer stores non-finite numbers as the strings \"nan\", \"inf\", \"-inf\")")
     if isinstance(value, _Object):
         if value.duplicates:
             name = f"{field}.{value.duplicates[0]}" if field else value.duplicates[0]
-            raise BundleError(f"{file}: field {_cut(name)} appears more than once (duplicate JSON key)")
+            raise BundleError(f"{file}: field {cut(name, FIELD_CHARS)} appears more than once (duplicate JSON key)")
         return {k: _plain(v, f"{field}.{k}" if field else k, file) for k, v in value.items()}
     if isinstance(value, list):
         return [_plain(v, f"{field}[{i}]", file) for i, v in enumerate(value)]
@@ -121,11 +122,6 @@ def strict_json(data: bytes, file: Path) -> Any:
         raise
     except ValueError as err:  # malformed text, bad UTF-8, an integer of more digits than Python converts
         raise BundleError(f"{file}: not valid JSON ({err})") from err
-
-
-def _cut(field: str, limit: int = 120) -> str:
-    """A field path for a message (its keys come from the file), at most ``limit`` characters."""
-    return field if len(field) <= limit else field[: limit - 3] + "..."
 
 
 # -- the files a bundle lists ----------------------------------------------------------------------------

@@ -28,8 +28,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RunDirError(f"{path} is not valid JSON ({err}); delete it (and the stage folders) to start the run "
-                          "over") from err
+        raise RunDirError(f"{path} is not valid JSON ({err}); {_START_OVER}") from err
     except RecursionError:
         raise RunDirError(f"{path} is nested too deeply to read (no manifest the toolkit writes is); {_START_OVER}"
                           ) from None
@@ -54,7 +53,7 @@ def _check_stages(path: Path, stages: dict[str, Any]) -> None:
                 and isinstance(hashes, dict) and all(isinstance(v, str) for v in hashes.values())):
             raise RunDirError(f"{path}: stage {shown(name)} has a 'files' or 'sha256' entry that is not a mapping of "
                               f"file names to sizes or hashes; {_START_OVER}")
-        check_recorded_files(path.parent, name, [*sizes, *hashes], source=path)
+        check_recorded_files(path.parent, name, {**sizes, **hashes}, source=path)  # each name once
 
 
 def check_recorded_files(root: Path, stage: str, entries: Iterable[str], *, source: Path) -> list[Path]:

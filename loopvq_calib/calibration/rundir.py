@@ -98,7 +98,7 @@ class RunDir:
         check_output_folder(self.root)
         _check_own_files(self.root)
         self.manifest: dict[str, Any] = read_manifest(self.root / MANIFEST)
-        self._reusable: dict[tuple[str, str], bool] = {}  # (stage, fingerprint) -> checked since the manifest's read
+        self._reusable: dict[tuple[str, str], bool] = {}  # (stage, fingerprint) -> checked while its record stands
         for name in stage_names:
             foreign = self.foreign_files(name)
             if foreign:

@@ -45,7 +45,18 @@ def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
         text = f"<an integer of {value.bit_length()} bits>"
     else:
         text = _REPR.repr(value)
+    return cut(text, limit)
+
+
+def cut(text: str, limit: int) -> str:
+    """``text`` at most ``limit`` characters, ``...`` marking a cut."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def first_line(err: BaseException, limit: int = 200) -> str:
+    """The first line of an error's message, at most ``limit`` characters (:func:`cut`)."""
+    lines = str(err).strip().splitlines()
+    return cut(lines[0], limit) if lines else ""
 
 
 def _bounded_repr() -> reprlib.Repr:

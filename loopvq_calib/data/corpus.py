@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from ..config.schema import DataConfig
-from ..config.source import LOCAL_TYPES, shown
+from ..config.source import LOCAL_TYPES, first_line, shown
 from ..models.loading import hub_offline
 from ..runtime.files import sha256_file
 from .files import DataError, file_documents
@@ -112,7 +112,7 @@ def _hub_documents(cfg: DataConfig, names: dict[str, str | None] | None) -> Iter
         hint = " (offline mode is on: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)" if offline else ""
         raise DataError(
             f"{_option(names, 'dataset')}: could not load {shown(cfg.dataset)} (config {shown(cfg.config_name)}, split "
-            f"{shown(cfg.split)}) from the hub{hint}: {type(err).__name__}: {_first_line(err)}"
+            f"{shown(cfg.split)}) from the hub{hint}: {type(err).__name__}: {first_line(err)}"
         ) from err
     if cfg.text_field not in ds.column_names:
         key = _option(names, "text_field") or _option(names, "dataset")
@@ -122,12 +122,6 @@ def _hub_documents(cfg: DataConfig, names: dict[str, str | None] | None) -> Iter
         text = row[cfg.text_field]
         if cfg.chat_template or (isinstance(text, str) and text.strip()):
             yield text
-
-
-def _first_line(err: BaseException, limit: int = 200) -> str:
-    """The first line of an error's message, at most ``limit`` characters."""
-    lines = str(err).strip().splitlines()
-    return lines[0][:limit] if lines else ""
 
 
 def checked_conversations(rows: Iterator[Any], field_key: str) -> Iterator[list[dict[str, Any]]]:

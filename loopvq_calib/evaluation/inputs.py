@@ -115,7 +115,8 @@ def data_source(data: str | None, num_sequences: int, sequence_length: int) -> s
         raise EvalInputError(f"--data {data}: no such file or folder")
     data = str(Path(data).expanduser()) if looks_local else data
     # a local source is read now (UTF-8, parseable, some text)
-    empty = local_files(data) and next(load_documents(DataConfig(dataset=data), EVAL_DATA_NAMES), None) is None
+    empty = (local_files(data, EVAL_DATA_NAMES["dataset"])
+             and next(load_documents(DataConfig(dataset=data), EVAL_DATA_NAMES), None) is None)
     if empty:
         raise EvalInputError(f"--data {data}: holds no text (no non-empty 'text' field or line)")
     return data

@@ -21,7 +21,7 @@ from huggingface_hub import snapshot_download
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..config.schema import DTYPE_NAMES
-from ..config.source import looks_local, shown
+from ..config.source import first_line, looks_local, shown
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the config's dtype names as torch dtypes
 NATIVE_TYPES = ("ouro", "huginn_raven")
@@ -71,7 +71,7 @@ def hub_snapshot(repo_id: str, revision: str | None, key: str, *, what: str, pat
         return snapshot_download(repo_id, revision=revision, local_files_only=offline, allow_patterns=patterns)
     except Exception as err:
         hint = (f" (offline mode: HF_HUB_OFFLINE is set and {shown(repo_id)} is not in the local hub cache)"
-                if offline else f" ({type(err).__name__}: {_first_line(err)})")
+                if offline else f" ({type(err).__name__}: {first_line(err)})")
         raise ModelLoadError(f"{key}: could not get the {what} {shown(repo_id)} (revision {shown(revision)}) from "
                              f"the Hugging Face Hub{hint}") from err
 
@@ -194,7 +194,7 @@ def read_model_config(folder: Path, key: str = "model.name_or_path") -> Any:
     try:
         return AutoConfig.from_pretrained(folder)
     except (ValueError, TypeError, KeyError, OSError) as err:
-        raise ModelLoadError(f"{key}: {folder}/config.json: {_first_line(err)}") from err
+        raise ModelLoadError(f"{key}: {folder}/config.json: {first_line(err)}") from err
 
 
 def model_window(config: Any) -> tuple[int, str]:
@@ -284,14 +284,7 @@ def load_tokenizer(folder: Path, key: str = "model.name_or_path") -> Any:
         return AutoTokenizer.from_pretrained(folder)
     except Exception as err:  # transformers raises many kinds here (ValueError, OSError, ImportError, ...)
         raise ModelLoadError(f"{key}: the tokenizer in {folder} does not load: {type(err).__name__}: "
-                             f"{_first_line(err)}") from err
-
-
-def _first_line(err: BaseException, limit: int = 200) -> str:
-    """The first line of an error's message, at most ``limit`` characters."""
-    lines = str(err).strip().splitlines()
-    first = lines[0] if lines else ""
-    return first if len(first) <= limit else first[: limit - 3] + "..."
+                             f"{first_line(err)}") from err
 
 
 def set_loop_steps(model: torch.nn.Module, steps: int | None) -> None:

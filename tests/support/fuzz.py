@@ -273,5 +273,3 @@ def manifest_folder_entry(ws: Workspace) -> tuple[Callable, list[str]]:
     record["files"] = {"sub": 8, **record["files"]}
     (run / "manifest.json").write_text(json.dumps(manifest))
     return ws.run_with("--set", "data.seed=1", "--stages", "data")
-
-
