@@ -47,7 +47,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch
 
-from reference_models import CODEBOOK_SIZE, MODELS, SHIPPED_MODELS
+from reference_models import CODEBOOK_SIZE, GROUP_SIZES, MODELS, SHIPPED_MODELS
 
 from loopvq_calib import calibrate
 from loopvq_calib.cli import eval_main
@@ -58,8 +58,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 METHODS = ("cq", "tasq", "loopvq", "tasq+loopvq", "tasq+loopvq-channels")
 # a method name of this table -> (quant.method, other config keys): TaSQ+LoopVQ with the paper's channel grouping
 VARIANTS: dict[str, tuple[str, dict]] = {"tasq+loopvq-channels": ("tasq+loopvq", {"tasq": {"grouping": "channels"}})}
-WIDTHS = {0.5: 16, 0.25: 32}  # bits -> group size G
-STEPS_PER_BLOCK = 4
+WIDTHS = GROUP_SIZES  # bits -> group size G
 BASELINES = "last-step-kv,kivi2,kivi4,fp8"
 TASK = "loopvq_recall"
 DATA = {"num_sequences": 16, "sequence_length": 512, "heldout_sequences": 4, "sink_tokens": 8}
@@ -172,8 +171,8 @@ def setup(model: str, runs: list[Run], argv: list[str], *, seconds: dict[str, fl
     calibration = {"dataset": ref.calibration, "sequences": DATA["num_sequences"],
                    "sequence_length": DATA["sequence_length"], "selection_sequences": DATA["heldout_sequences"],
                    "sink_tokens": DATA["sink_tokens"], "codebook_size": CODEBOOK_SIZE,
-                   "group_size": {f"{bits:g}": group for bits, group in WIDTHS.items()},
-                   "steps_per_block": STEPS_PER_BLOCK, "kmeans_iterations": KMEANS["iterations"],
+                   "group_size": {f"{bits:g}": group for bits, group in ref.group_sizes},
+                   "steps_per_block": ref.steps_per_block, "kmeans_iterations": KMEANS["iterations"],
                    "finetune": asdict(FinetuneConfig(**FINETUNE)), "serving": SERVING}
     return {"command": shlex.join(["python", "benchmarks/eval_reference.py", *argv]),
             "commit": commit.stdout.strip() or None, "device": device, "cpu_count": os.cpu_count(), "model": model,

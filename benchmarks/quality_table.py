@@ -15,7 +15,7 @@ from typing import Any
 
 from quality_served import md_table, recipe, wrap
 from reference_models import MODELS as MODELS_TABLE
-from reference_models import SHIPPED_MODELS
+from reference_models import GROUP_SIZES, SHIPPED_MODELS
 
 from loopvq_calib.evaluation.report import accuracy_points
 
@@ -29,7 +29,7 @@ ROWS = (*ORDER, "tasq+loopvq-channels")  # the table's order of eval_reference.p
 NAMES = {"cq": "CQ", "tasq": "TaSQ", "loopvq": "LoopVQ", "tasq+loopvq": "TaSQ+LoopVQ",
          "tasq+loopvq-channels": "TaSQ+LoopVQ (channels)", "last-step-kv": "last-step KV",
          "kivi2": "KIVI 2-bit", "kivi4": "KIVI 4-bit", "fp8": "fp8"}
-WIDTHS = (0.5, 0.25)
+WIDTHS = tuple(GROUP_SIZES)
 # arXiv:2611.05304 Table 2 (docs/method.md): average accuracy (%) of GSM8K, MATH500, HumanEval and MBPP
 PAPER = {"ouro": ("Ouro-1.4B", 75.7, {0.5: (32.3, 43.6, 68.3, 73.6), 0.25: (28.2, 29.6, 45.1, 62.3)}),
          "huginn": ("Huginn-3.5B", 25.0, {0.5: (13.7, 14.8, 22.4, 23.5), 0.25: (12.9, 13.0, 18.6, 21.0)})}

@@ -3,8 +3,8 @@
 Per model: its folder, the config its runs start from, calibration and evaluation (held-out) text, loop steps,
 T_c and the group size of each width (K 256). ``ouro`` and ``huginn`` ship under artifacts/; ``ouro-python`` is a
 check model kept out of artifacts/: the Ouro architecture trained on the Huginn reference's Python text (built by
-the commands in docs/finetune.md), calibrated and evaluated on the same Python files as ``huginn``. Imported by
-benchmarks/study_finetune.py and benchmarks/measure_finetune_gain.py.
+the commands in docs/finetune.md), calibrated and evaluated on the same Python files as ``huginn``. Every benchmark
+that runs on the reference models reads this table (fine-tuning study and gain, eval_reference, quality_table).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CODEBOOK_SIZE = 256
+GROUP_SIZES = {0.5: 16, 0.25: 32}  # bits -> G at K 256
+STEPS_PER_BLOCK = 4  # T_c
 REFERENCE_SELECTION = 16  # selection sequences of the reference setup (configs/tiny-ouro-reference.yaml)
 
 
@@ -26,8 +28,8 @@ class ReferenceModel:
     config: str  # the config every run starts from (its model, data and quant keys are set from this table)
     calibration: str
     heldout: str  # evaluation text: never calibrates, never selects
-    steps_per_block: int = 4  # T_c
-    group_sizes: tuple[tuple[float, int], ...] = ((0.5, 16), (0.25, 32))  # bits -> G at K 256
+    steps_per_block: int = STEPS_PER_BLOCK
+    group_sizes: tuple[tuple[float, int], ...] = tuple(GROUP_SIZES.items())
     shipped: bool = True  # False: a check model built outside artifacts/
 
     def group_size(self, bits: float) -> int:

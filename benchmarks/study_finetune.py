@@ -162,13 +162,14 @@ def study_cell(model: str, method: str, bits: float, *, grid: Grid, device: str,
 
     ref = MODELS[model]
     base = runs / model / f"{method.replace('+', '-')}-{bits:g}-n{grid.sequences}"
-    t0, inits = time.perf_counter(), {}
+    t0, inits, raws = time.perf_counter(), {}, {}
     for sharing in dict.fromkeys(["none", *map(sharing_of, grid.variants)]):
-        raw = run_config(model, method, bits, grid=grid, sharing=sharing, device=device, run_dir=base / sharing)
-        calibrate(raw, stages=["kmeans"])
+        raws[sharing] = run_config(model, method, bits, grid=grid, sharing=sharing, device=device,
+                                   run_dir=base / sharing)
+        calibrate(raws[sharing], stages=["kmeans"])
         inits[sharing] = load_quantizer(base / sharing / "kmeans")
     calibrate_s = time.perf_counter() - t0
-    cfg = load_config(raw)
+    cfg = load_config(raws["none"])  # the calibration and selection text every variant shares
     calib = Pipeline(cfg).stage_data()
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     lm, tokenizer = load_model(ROOT / ref.folder, "float32", dev)

@@ -24,11 +24,12 @@ import torch
 
 from loopvq_calib import __version__
 from loopvq_calib.bundle.writer import safetensors_bytes, write_bundle
+from loopvq_calib.calibration.tasq.grouping import channel_units
 from loopvq_calib.codes.codec import BlockCodec, TasqTransform, gather_groups
 from loopvq_calib.codes.layouts import BlockLayout, codebook_shape, plan_layouts
 from loopvq_calib.codes.quantizer import KVQuantizer
 from loopvq_calib.config.schema import QuantConfig, ServingConfig
-from loopvq_calib.models.common import apply_rope, pair_channels, rope_angles
+from loopvq_calib.models.common import apply_rope, rope_angles
 from loopvq_calib.models.loading import TORCH_DTYPES, ModelIdentity
 from loopvq_calib.models.sites import KVLayout, KVSite
 
@@ -78,16 +79,14 @@ def pair_groups(steps: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def channels_groups(steps: int, group_size: int, style: str, gen: torch.Generator) -> torch.Tensor:
-    """A TaSQ channels layout [H, n, G] (``tasq.grouping: channels``): random RoPE pairs of ``style``,
-    G / steps / 2 per code, each at every step; coordinates ascending, codes by their first coordinate (as the
-    TaSQ stage writes them)."""
-    a, b = pair_channels(HEAD_DIM, style)
+    """A TaSQ channels layout [H, n, G] (``tasq.grouping: channels``): the TaSQ stage's units (one RoPE pair of
+    ``style`` at every step) merged at random, G / (2 steps) units per code; coordinates ascending, codes by their
+    first coordinate (as the TaSQ stage writes them)."""
+    units = channel_units(HEAD_DIM, steps, style)
     out = []
     for _ in range(HEADS):
-        perm = torch.randperm(HEAD_DIM // 2, generator=gen).view(-1, group_size // steps // 2)  # each code's pairs
-        channels = torch.cat([a[perm], b[perm]], 1)
-        coords = (torch.arange(steps)[None, :, None] * HEAD_DIM + channels[:, None, :]).flatten(1).sort(-1).values
-        out.append(coords[coords[:, 0].argsort()])
+        groups = units[torch.randperm(len(units), generator=gen)].reshape(-1, group_size).sort(-1).values
+        out.append(groups[groups[:, 0].argsort()])
     return torch.stack(out)
 
 

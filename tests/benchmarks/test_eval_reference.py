@@ -28,8 +28,8 @@ def test_the_settings_table_matches_the_shipped_models():
         config = json.loads((ROOT / ref.folder / "config.json").read_text())
         loops = config.get("total_ut_steps", config.get("mean_recurrence"))
         window = config.get("max_position_embeddings", config.get("block_size"))
-        assert loops % er.STEPS_PER_BLOCK == 0 and ref.steps_per_block == er.STEPS_PER_BLOCK, name
-        blocks[name] = loops // er.STEPS_PER_BLOCK
+        assert loops % ref.steps_per_block == 0 and ref.steps_per_block == 4, name
+        blocks[name] = loops // ref.steps_per_block
         assert (ROOT / ref.calibration).is_file() and (ROOT / ref.heldout).is_file(), name
         assert ref.calibration != ref.heldout and qt.FOLDERS[name] == ref.folder
         lengths = [int(n) for n in er.parser().parse_args([]).passkey_lengths.split(",")]
