@@ -18,6 +18,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from quality_served import md_table
 from reference_models import MODELS, ROOT
 from study_finetune import GRIDS, results_name
 
@@ -70,19 +71,16 @@ def variant_table(studies: dict[str, dict[str, Any] | None], grid: str) -> str:
     g = GRIDS[grid]
     rows = variant_rows(studies, list(g.variants), len(g.cells))
     best = best_variant(rows)
-    lines = ["| variant | " + " | ".join(studies) + " | mean over models | worst cell |",
-             "|---|" + "---|" * (len(studies) + 2)]
+    table = []
     for r in rows:
         cells = [NOT_MEASURED if studies[m] is None else _pct(v[0] if v else None) for m, v in r["per_model"].items()]
         mean = _pct(r["mean"])
         name = f"**{r['variant']}** (best)" if r["variant"] == best else r["variant"]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {f'**{mean}**' if r['variant'] == best else mean} | "
-                     f"{_pct(r['worst'])} |")
+        table.append([name, *cells, f"**{mean}**" if r["variant"] == best else mean, _pct(r["worst"])])
     measured = sum(s is not None for s in studies.values())
-    lines.append("")
-    lines.append(f"Mean over the {measured} measured of {len(studies)} models; best mean: "
-                 + (f"**{best}**." if best else "none yet (no variant measured on every cell of a model)."))
-    return "\n".join(lines)
+    return "\n".join([md_table(["variant", *studies, "mean over models", "worst cell"], table), "",
+                      f"Mean over the {measured} measured of {len(studies)} models; best mean: "
+                      + (f"**{best}**." if best else "none yet (no variant measured on every cell of a model).")])
 
 
 def negative_cells(gain: dict[str, Any]) -> list[str]:
@@ -116,15 +114,15 @@ def gain_table(gains: dict[str, dict[str, Any] | None]) -> str:
 def data_table(levers: dict[str, Any], data: dict[str, Any], gains: dict[str, Any]) -> str:
     """Per model the shipped recipe's mean gain at 16 and 64 calibration sequences (study) and at every
     calibration window (gain measurement)."""
-    lines = ["| model | 16 sequences | 64 sequences | every window (reference setup) |", "|---|---|---|---|"]
+    rows = []
     for model in levers:
         at = [model_gain(s, "shipped", len(GRIDS[g].cells)) for s, g in ((levers[model], "levers"),
                                                                           (data[model], "data"))]
         gain = gains[model]
         ref = (f"{_pct(statistics.fmean(-c['change'] for c in gain['cells']))} ({gain.get('sequences', '-')})"
                if gain else NOT_MEASURED)
-        lines.append(f"| {model} | " + " | ".join(_pct(a[0]) if a else NOT_MEASURED for a in at) + f" | {ref} |")
-    return "\n".join(lines)
+        rows.append([model, *(_pct(a[0]) if a else NOT_MEASURED for a in at), ref])
+    return md_table(["model", "16 sequences", "64 sequences", "every window (reference setup)"], rows)
 
 
 def sources(files: dict[str, dict[str, Any] | None]) -> str:
