@@ -29,7 +29,7 @@ from ...data.corpus import CalibrationSet
 from ...models.loading import TORCH_DTYPES
 from ...models.sites import KVLayout, KVRecorder, kv_hook, query_observer
 from ...runtime.clock import DeviceClock
-from ...runtime.files import TMP_PREFIX, write_bytes_atomic, write_tensors_atomic
+from ...runtime.files import remove_temp_siblings, write_bytes_atomic, write_tensors_atomic
 from ...runtime.host_memory import HostCopier, let_go
 from ...runtime.processes import SINGLE, DistContext
 from ..tasq.stats import (
@@ -211,10 +211,11 @@ def shard_path(folder: Path, seq: int) -> Path:
 
 def _missing_shards(out: Path, mine: list[int], progress: Callable[[int], Any] | None) -> list[int]:
     """The sequences of ``mine`` with no shard in ``out`` yet (shards are renamed into place when whole; a killed
-    run's unfinished ones are removed); those already there count as progress."""
+    run's unfinished ones of ``mine`` are removed, never another process's, which may be writing them now);
+    those already there count as progress."""
     out.mkdir(parents=True, exist_ok=True)
-    for partial in out.glob(f"{TMP_PREFIX}seq*"):
-        partial.unlink(missing_ok=True)
+    for i in mine:
+        remove_temp_siblings(shard_path(out, i))
     todo = [i for i in mine if not shard_path(out, i).is_file()]
     if progress and len(todo) < len(mine):
         progress(len(mine) - len(todo))
