@@ -64,10 +64,16 @@ def temp_sibling(final: Path) -> Path:
     return final.with_name(f"{TMP_PREFIX}{final.name}.{os.getpid()}")
 
 
-def remove_temp_siblings(final: Path) -> None:
-    """Delete the temporary files beside ``final`` that writes of it left (any process's: a killed run's)."""
-    for orphan in final.parent.glob(f"{glob.escape(TMP_PREFIX + final.name)}.*"):
-        orphan.unlink(missing_ok=True)
+def remove_temp_siblings(*finals: Path) -> None:
+    """Delete the temporary files beside each of ``finals`` that writes of it left (any process's: a killed
+    run's); each folder is listed once, however many of its files are named."""
+    by_folder: dict[Path, set[str]] = {}
+    for final in finals:
+        by_folder.setdefault(final.parent, set()).add(final.name)
+    for folder, names in by_folder.items():
+        for orphan in folder.glob(f"{glob.escape(TMP_PREFIX)}*.*"):
+            if orphan.name[len(TMP_PREFIX):].rpartition(".")[0] in names:  # temp_sibling: PREFIX + name + .pid
+                orphan.unlink(missing_ok=True)
 
 
 def write_temp_with(final: Path, write: Callable[[Path], None], durable: bool = False) -> Path:

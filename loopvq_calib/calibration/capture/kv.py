@@ -214,8 +214,7 @@ def _missing_shards(out: Path, mine: list[int], progress: Callable[[int], Any] |
     run's unfinished ones of ``mine`` are removed, never another process's, which may be writing them now);
     those already there count as progress."""
     out.mkdir(parents=True, exist_ok=True)
-    for i in mine:
-        remove_temp_siblings(shard_path(out, i))
+    remove_temp_siblings(*(shard_path(out, i) for i in mine))
     todo = [i for i in mine if not shard_path(out, i).is_file()]
     if progress and len(todo) < len(mine):
         progress(len(mine) - len(todo))
