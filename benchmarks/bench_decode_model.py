@@ -73,7 +73,7 @@ from loopvq_calib.serving.cache import QuantizedLoopKVCache  # noqa: E402
 from loopvq_calib.serving.graph_decode import GraphDecoder  # noqa: E402
 from loopvq_calib.serving.static_cache import StaticQuantizedLoopKVCache  # noqa: E402
 
-METHODS = ("loopvq", "tasq+loopvq")
+METHODS = ("loopvq", "tasq+loopvq", "tasq+loopvq-channels")
 CACHES = ("bf16", *METHODS, *(f"{c}-graph" for c in ("bf16", *METHODS)))
 KERNEL_MODEL = ROOT / "benchmarks" / "results" / "bench-decode-cuda-h200-run7.json"
 GiB = 2**30
@@ -331,10 +331,11 @@ def main() -> None:
 def run_checks(model: torch.nn.Module, quantizers: dict[str, KVQuantizer], serving: Serving, *,
                result: dict[str, Any], args: argparse.Namespace, device: torch.device) -> None:
     """:func:`check_fill` per method into ``result["checks"]``, printed and saved as they come."""
-    for q in quantizers.values():
+    for name, q in quantizers.items():
         result["checks"].append(check_fill(model, q, serving, context=args.check_context, batch=args.check_batch,
                                            device=device, seed=args.seed, backend=args.check_kernel))
         c = result["checks"][-1]
+        c["method"] = name  # the cache's name: tasq+loopvq-channels is a tasq+loopvq quantizer
         print(json.dumps(c), flush=True)
         print(f"{c['method']}: per-site relative error (served by {c['site_served_path']}) max "
               f"{c['site_relative_error_max']:.3g}, median {c['site_relative_error_median']:.3g}", flush=True)

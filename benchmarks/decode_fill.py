@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from loopvq_calib.calibration.tasq.grouping import channel_units
 from loopvq_calib.codes.codec import BlockCodec, Codes, TasqTransform, index_dtype
 from loopvq_calib.codes.layouts import plan_layouts
 from loopvq_calib.codes.quantizer import KVQuantizer
@@ -28,10 +29,23 @@ class Serving:
     page_size: int = 8
 
 
+def channels_groups(kv: Any, steps: int, group_size: int, gen: torch.Generator) -> torch.Tensor:
+    """A ``tasq.grouping: channels`` key layout [H, n, G]: the TaSQ stage's units (one RoPE pair at every step)
+    merged at random, coordinates ascending, codes by their first coordinate, as the stage writes them."""
+    units = channel_units(kv.head_dim, steps, kv.rope_style)
+    heads = []
+    for _ in range(kv.kv_heads):
+        groups = units[torch.randperm(len(units), generator=gen)].reshape(-1, group_size).sort(-1).values
+        heads.append(groups[groups[:, 0].argsort()])
+    return torch.stack(heads)
+
+
 def synthetic_quantizer(kv: Any, method: str, *, codebook_size: int, group_size: int, steps_per_block: int,
                         device: torch.device, seed: int = 0) -> KVQuantizer:
     """A bundle-shaped quantizer: the method's layouts, random float32 codebooks; TaSQ keys grouped by a random
-    per-head permutation with random channel weights."""
+    per-head permutation (``free``; a ``-channels`` suffix: :func:`channels_groups`) with random channel
+    weights."""
+    method, channels = method.removesuffix("-channels"), method.endswith("-channels")
     quant = QuantConfig(method=method, bits=None, codebook_size=codebook_size, group_size=group_size,
                         steps_per_block=steps_per_block)
     gen, on_device = torch.Generator().manual_seed(seed), torch.Generator(device).manual_seed(seed)
@@ -40,8 +54,11 @@ def synthetic_quantizer(kv: Any, method: str, *, codebook_size: int, group_size:
         transform = None
         if quant.uses_tasq and layout.kind == "key":
             coords = layout.steps * kv.head_dim
-            perm = torch.stack([torch.randperm(coords, generator=gen) for _ in range(kv.kv_heads)])
-            layout = dataclasses.replace(layout, groups=perm.view(kv.kv_heads, -1, group_size))
+            if channels:
+                groups = channels_groups(kv, layout.steps, group_size, gen)
+            else:
+                groups = torch.stack([torch.randperm(coords, generator=gen) for _ in range(kv.kv_heads)])
+            layout = dataclasses.replace(layout, groups=groups.view(kv.kv_heads, -1, group_size))
             weight = torch.rand(layout.steps, kv.kv_heads, kv.head_dim, generator=gen) + 0.5
             transform = TasqTransform(weight.to(device))
         book = torch.randn(kv.kv_heads, layout.num_groups, codebook_size, group_size, generator=on_device,
