@@ -17,6 +17,7 @@ from conftest import ROOT, load_script, make_tiny_ouro
 from support.quantizers import sampled_quantizer
 
 from loopvq_calib.codes.codec import Codes
+from loopvq_calib.codes.layouts import channel_sets
 from loopvq_calib.serving.cache import QuantizedLoopKVCache
 
 SCRIPT = ROOT / "benchmarks" / "bench_decode_model.py"
@@ -99,6 +100,22 @@ def test_random_fill_is_what_the_cache_serves_and_the_check_sees_a_wrong_one(tin
     assert (other.float() - want.float()).abs().max() > 10 * (got.float() - want.float()).abs().max()
     page = contents["codes"]["value.b0.l0"][0]
     assert isinstance(page, Codes) and page.indices.shape == (2 * 8, 1, 32) and page.sigma is None
+
+
+@pytest.mark.parametrize("method, channels", [("tasq+loopvq", False), ("tasq+loopvq-channels", True)])
+def test_synthetic_quantizer_keys_follow_the_grouping(tiny_model, method, channels):
+    """``tasq+loopvq-channels`` gives key layouts of the ``channels`` grouping (the test serving and the bundle
+    writer use), each a permutation of the block's coordinates; plain ``tasq+loopvq`` gives a free one."""
+    kv = tiny_model.kv_layout()
+    q = bdm.synthetic_quantizer(kv, method, codebook_size=256, group_size=16, steps_per_block=4, device=DEVICE)
+    assert q.method == "tasq+loopvq"
+    layout = q.codecs["key.b0.l0"].layout
+    assert sorted(layout.groups.flatten().tolist()) == list(range(4 * kv.head_dim))
+    sets = channel_sets(layout, kv.rope_style)
+    assert (sets is not None) == channels
+    if channels:  # 4 channels per code (two RoPE pairs), the same at every step
+        assert sets.shape == (1, 32, 4)
+        assert sorted(sets.flatten().tolist()) == list(range(kv.head_dim))
 
 
 class DoubledValues(QuantizedLoopKVCache):
