@@ -50,7 +50,7 @@ def test_script_writes_every_case_and_the_fill_check(tmp_path, monkeypatch, caps
     assert result["command"].startswith("python benchmarks/bench_decode_model.py --scale-down 16")
     assert "commit" in result and result["kv"] == {"sites": 4, "kv_heads": 1, "head_dim": 128, "loop_steps": 4}
     assert [(r["context"], r["batch"], r["cache"]) for r in result["cases"]] == [
-        (90, b, c) for b in (1, 2) for c in ("bf16", "loopvq", "tasq+loopvq")]
+        (90, b, c) for b in (1, 2) for c in ("bf16", "loopvq", "tasq+loopvq", "tasq+loopvq-channels")]
     for r in result["cases"]:
         assert r["status"] == "ok" and len(r["step_ms"]) == 8 and min(r["step_ms"]) > 0
         assert r["tokens_per_s"] == pytest.approx(r["batch"] / (sum(r["step_ms"]) / 8) * 1e3)
@@ -58,7 +58,7 @@ def test_script_writes_every_case_and_the_fill_check(tmp_path, monkeypatch, caps
         if r["cache"] != "bf16":
             assert r["served_path"] == ("kernel" if DEVICE.type == "cuda" else "reference")
             assert r["cache_bytes"] < r["batch"] * 99 * 4 * 2 * 128 * 2  # codes: below a bf16 cache of 90 + 9 tokens
-    assert [c["method"] for c in result["checks"]] == ["loopvq", "tasq+loopvq"]
+    assert [c["method"] for c in result["checks"]] == ["loopvq", "tasq+loopvq", "tasq+loopvq-channels"]
     for c in result["checks"]:
         assert c["served_same_argmax"] and c["reference_same_argmax"] and c["site_logits_are_reference"]
         errors = c["site_relative_errors"]
@@ -71,7 +71,7 @@ def test_script_writes_every_case_and_the_fill_check(tmp_path, monkeypatch, caps
             assert c["served_relative_error"] < 2e-2 and c["reference_relative_error"] < 2e-2
             assert c["site_served_path"] == "kernel" and 0 < max(errors) < 2e-2
     table = bdm.table(result)
-    assert table in printed and table.count("\n") == 7 and "| 90 | 2 | tasq+loopvq |" in table
+    assert table in printed and table.count("\n") == 9 and "| 90 | 2 | tasq+loopvq |" in table
     monkeypatch.setattr(sys, "argv", ["bench_decode_model.py", "--table-from", str(tmp_path / "r.json")])
     bdm.main()
     assert capsys.readouterr().out.strip() == table
@@ -170,7 +170,7 @@ def test_site_check_through_the_triton_kernel(tmp_path):
     assert code.returncode == 0, code.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["cases"] == [] and result["check_kernel"] == "triton"
-    assert [c["method"] for c in result["checks"]] == ["loopvq", "tasq+loopvq"]
+    assert [c["method"] for c in result["checks"]] == ["loopvq", "tasq+loopvq", "tasq+loopvq-channels"]
     for c in result["checks"]:
         assert c["site_served_path"] == c["served_path"] == "kernel" and c["site_logits_are_reference"]
         assert len(c["site_relative_errors"]) == 4 and 1e-4 < min(c["site_relative_errors"])
