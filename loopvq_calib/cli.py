@@ -264,8 +264,9 @@ def eval_main(argv: list[str] | None = None) -> int:
     from .bundle.reader import BundleError
     from .data.files import DataError
     from .evaluation.evaluate import evaluate
-    from .evaluation.inputs import EvalInputError, check_out_folder
+    from .evaluation.inputs import EvalInputError
     from .evaluation.options import Gates, ServedOptions
+    from .evaluation.out_folder import OutFolderError, check_out_folder
     from .evaluation.report import markdown_report, write_report
     from .models.loading import ModelLoadError
 
@@ -279,12 +280,15 @@ def eval_main(argv: list[str] | None = None) -> int:
         result = evaluate(args.bundle, model=args.model, data=args.data, num_sequences=args.num_sequences,
                           sequence_length=args.sequence_length, device=args.device, dtype=args.dtype, served=served,
                           gates=gates)
-    except (EvalInputError, BundleError, ModelLoadError, DataError) as err:
+    except (EvalInputError, OutFolderError, BundleError, ModelLoadError, DataError) as err:
         return _fail(str(err), 2)
     print(markdown_report(result.report))
     if args.out is not None:
-        for path in write_report(result.report, Path(args.out)):
-            print(f"wrote {path}")
+        try:
+            for path in write_report(result.report, Path(args.out)):
+                print(f"wrote {path}")
+        except OutFolderError as err:  # a report file put there while the evaluation ran
+            return _fail(str(err), 2)
     for failure in result.gate_failures:
         print(f"gate failed: {failure}")
     return 0 if result.passed else 1
