@@ -53,7 +53,7 @@ def _lines(file: Path, dataset_key: str, *, cut_long: bool = True) -> Iterator[t
     offset = 0
     try:
         with _open(file, dataset_key) as f:
-            for number, (raw, length) in enumerate(capped_lines(f), 1):
+            for number, (raw, length) in enumerate(capped_lines(f, DOCUMENT_BYTES), 1):
                 if length > len(raw) and not cut_long:
                     raise DataError(f"{dataset_key}: {file} line {number} holds {length:,} bytes, more than one row "
                                     f"may hold ({DOCUMENT_BYTES:,}); split it into several rows")

@@ -105,7 +105,7 @@ def chunks_capped(path: Path | str, kind: str, *, error: ErrorFactory) -> Iterat
             yield chunk
 
 
-def capped_lines(file: BinaryIO, limit: int = DOCUMENT_BYTES) -> Iterator[tuple[bytes, int]]:
+def capped_lines(file: BinaryIO, limit: int) -> Iterator[tuple[bytes, int]]:
     """The lines of a binary file (newline kept) as (at most ``limit`` bytes of the line, the line's whole length):
     a longer line's rest is read past in chunks, never held."""
     while True:
