@@ -155,3 +155,43 @@ def test_markup_in_a_report_stays_text_in_the_card(ws):
     table = html.split("<h2>Evaluation</h2>")[1]
     rows = re.findall(r"<tr>(.*?)</tr>", table, re.S)
     assert rows and all(len(re.findall(r"<t[dh]", row)) == 4 for row in rows), rows
+
+
+# -- one line each: offline hub, an unreachable hub, a GPU-sized config on the CPU, --device ---------------------
+def test_a_hub_model_missing_offline_says_how_to_give_a_local_folder(ws, capsys):
+    assert calibrate_main(ws.run_with("--set", "model.name_or_path=someorg/not-cached")[1]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: model.name_or_path: could not get the model 'someorg/not-cached' from the Hugging Face Hub "
+                   "(offline mode: HF_HUB_OFFLINE is set and 'someorg/not-cached' is not in the local hub cache); "
+                   "--set model.name_or_path=<local folder>, or unset HF_HUB_OFFLINE to download it\n")
+
+
+def test_a_hub_dataset_that_cannot_be_reached_is_one_line_at_once(ws, capsys, monkeypatch):
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens, refused at once
+    start = time.monotonic()
+    assert calibrate_main(ws.run_with("--set", "data.dataset=someorg/somedata", "--stages", "data")[1]) == 2
+    err = capsys.readouterr().err
+    assert time.monotonic() - start < 10 and err.count("\n") == 1, err
+    assert err.startswith("error: data.dataset: cannot load 'someorg/somedata' from the hub, which cannot be reached "
+                          "(http://127.0.0.1:9: Connection refused); give a local file or folder (--set "
+                          "data.dataset=<file>), or set HF_DATASETS_OFFLINE=1"), err
+
+
+def test_a_gpu_sized_config_on_the_cpu_warns_once_at_the_start(ws, capsys):
+    """Windows of 1,024 tokens (a copy of the tiny model given a 2,048-token window) on the CPU: one warning line."""
+    main, argv = model_copy(ws, config_field("max_position_embeddings", 2048))
+    assert main([*argv, "--set", "data.sequence_length=1024", "--set", "data.num_sequences=3", "--set",
+                 "data.heldout_sequences=1", "--set",
+                 "model.device=cpu", "--stages", "data"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and warnings[0].endswith(
+        "this config's 1,024-token windows (data.sequence_length) are sized for a GPU and this run is on the CPU: "
+        "expect a long run (the progress bars estimate it); for a first try on the CPU use configs/tiny-ouro.yaml, "
+        "or --set data.sequence_length=256"), warnings
+
+
+def test_a_bad_eval_device_names_the_flag(ws, capsys):
+    assert eval_main(["--bundle", ws.bundle(), "--device", "cuda:abc"]) == 2
+    assert capsys.readouterr().err == "error: --device 'cuda:abc' is not allowed; use auto, cpu, cuda or cuda:N\n"

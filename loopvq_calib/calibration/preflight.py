@@ -46,6 +46,7 @@ from .kmeans.select import resolve_backend
 from .rundir import RunDir
 
 STAGES = ("data", "capture", "tasq", "kmeans", "finetune", "bundle")
+GPU_WINDOW = 1024  # windows this long (the shipped configs of real models use 2,048) are meant for a GPU
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,15 @@ def model_shape(model_config: Any, loop_steps: int | None, dtype: str, *, folder
         check_loop_sites(looped_layers(model_config), loop_steps, key="model.loop_steps")
     set_loop_steps(model, loop_steps)
     return model.kv_layout(), sum(p.numel() for p in model.parameters()) * TORCH_DTYPES[dtype].itemsize
+
+
+def gpu_sized(cfg: Config, device: torch.device) -> str | None:
+    """The warning for a config sized for a GPU (windows of GPU_WINDOW tokens or more) run on the CPU, else None."""
+    if device.type != "cpu" or cfg.data.sequence_length < GPU_WINDOW:
+        return None
+    return (f"this config's {cfg.data.sequence_length:,}-token windows (data.sequence_length) are sized for a GPU and "
+            "this run is on the CPU: expect a long run (the progress bars estimate it); for a first try on the CPU "
+            "use configs/tiny-ouro.yaml, or --set data.sequence_length=256")
 
 
 def recorded_model_name(name_or_path: str) -> str:

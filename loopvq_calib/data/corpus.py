@@ -11,9 +11,11 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import urlparse
 
 import torch
 
@@ -110,13 +112,32 @@ def _looks_like_a_path(spec: str) -> bool:
         ch in spec for ch in "*?[")
 
 
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the Hugging Face Hub cannot be reached (its name does not resolve, no connection within ``timeout``
+    seconds), or None when it answers a connection. Asked before a hub dataset is loaded online, so that an offline
+    machine gets one line at once rather than datasets' retries."""
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname or "", url.port or 443), timeout=timeout).close()
+    except OSError as err:
+        return f"{url.scheme}://{url.netloc}: {err.strerror or type(err).__name__}"
+    return None
+
+
 def _hub_documents(cfg: DataConfig, names: dict[str, str | None] | None) -> Iterator[str]:
     import datasets
 
+    offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or hub_offline()
+    unreachable = None if offline else hub_unreachable()
+    if unreachable:
+        key = _option(names, "dataset") or "data.dataset"
+        local = f"{key} <file>" if key.startswith("-") else f"--set {key}=<file>"
+        raise DataError(f"{key}: cannot load {shown(cfg.dataset)} from the hub, which cannot be reached "
+                        f"({unreachable}); give a local file or folder ({local}), or set HF_DATASETS_OFFLINE=1 to "
+                        "read it from the local cache")
     try:
         ds = datasets.load_dataset(cfg.dataset, cfg.config_name, split=cfg.split)
     except Exception as err:  # offline, unknown name, missing split: all surface here
-        offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or hub_offline()
         hint = " (offline mode is on: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)" if offline else ""
         raise DataError(
             f"{_option(names, 'dataset')}: could not load {shown(cfg.dataset)} (config {shown(cfg.config_name)}, split "
