@@ -98,9 +98,8 @@ def _fail(message: str, status: int) -> int:
 
 
 def _quiet_libraries() -> None:
-    """Turn off the libraries' own progress bars (datasets' "Generating train split", transformers' "Loading
-    weights", which nests under ours) for the console scripts; called before they are imported, and an
-    explicit HF_DATASETS_DISABLE_PROGRESS_BARS=0 still wins. Hub download bars stay."""
+    """Turn off the libraries' own progress bars (datasets' "Generating train split", transformers' "Loading weights",
+    which nests under ours) before they are imported; HF_DATASETS_DISABLE_PROGRESS_BARS=0 still wins, hub bars stay."""
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     from transformers.utils import logging as transformers_logging
 
@@ -283,12 +282,11 @@ def eval_main(argv: list[str] | None = None) -> int:
     except (EvalInputError, OutFolderError, BundleError, ModelLoadError, DataError) as err:
         return _fail(str(err), 2)
     print(markdown_report(result.report))
-    if args.out is not None:
-        try:
-            for path in write_report(result.report, Path(args.out)):
-                print(f"wrote {path}")
-        except OutFolderError as err:  # a report file put there while the evaluation ran
-            return _fail(str(err), 2)
+    try:  # --out is checked again as it is written (a report file may have been put there meanwhile)
+        written = write_report(result.report, Path(args.out)) if args.out is not None else []
+    except OutFolderError as err:
+        return _fail(str(err), 2)
+    print("".join(f"wrote {path}\n" for path in written), end="")
     for failure in result.gate_failures:
         print(f"gate failed: {failure}")
     return 0 if result.passed else 1
