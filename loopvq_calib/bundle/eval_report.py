@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ..config.source import cut, shown
-from ..runtime.inputs import read_capped
+from ..runtime.input_files import read_capped
 from .format import FIELD_CHARS, BundleError, strict_json
 
 REPORT_FILE = "report.json"

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..config.source import cut, shown
 from ..runtime.files import sha256_file
-from ..runtime.inputs import LongNumber, parse_json
+from ..runtime.input_files import LongNumber, parse_json
 
 FIELD_CHARS = 120  # the longest field path a message shows (paths hold names read from a file)
 FORMAT_VERSION = "1.2"  # the newest format version this toolkit reads and writes
@@ -98,7 +98,7 @@ def _pairs(items: list[tuple[str, Any]]) -> _Object:
 
 def _plain(value: Any, field: str, file: Path) -> Any:
     """``value`` as plain dicts and lists; a duplicate key, a non-finite number or one too long to convert
-    (:class:`~loopvq_calib.runtime.inputs.LongNumber`) is a BundleError naming it."""
+    (:class:`~loopvq_calib.runtime.input_files.LongNumber`) is a BundleError naming it."""
     if isinstance(value, LongNumber):
         raise BundleError(f"{file}: field {cut(field, FIELD_CHARS) or '(top level)'} is {value.describe()}")
     if isinstance(value, _NonFinite):
@@ -116,7 +116,7 @@ def _plain(value: Any, field: str, file: Path) -> Any:
 
 def strict_json(data: bytes, file: Path) -> Any:
     """Parse UTF-8 JSON strictly: a duplicate key, a bare ``NaN`` or ``Infinity``, a number too long to convert
-    (:func:`~loopvq_calib.runtime.inputs.parse_json`) or malformed text is a BundleError naming ``file`` and the
+    (:func:`~loopvq_calib.runtime.input_files.parse_json`) or malformed text is a BundleError naming ``file`` and the
     field."""
     try:
         parsed = parse_json(data.decode("utf-8"), object_pairs_hook=_pairs, parse_constant=_NonFinite)

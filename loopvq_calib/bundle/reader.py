@@ -23,7 +23,7 @@ from ..models.loading import (
     model_identity,
     resolve_model_dir,
 )
-from ..runtime.inputs import read_capped
+from ..runtime.input_files import read_capped
 from .format import (
     META_FILE,
     TENSOR_FILE,
@@ -122,7 +122,7 @@ def _read_meta(path: Path, blobs: Path | None) -> dict[str, Any]:
 
 
 def _meta_bytes(file: Path) -> bytes:
-    """The bytes of a ``loopvq.json``: a regular file of at most 64 MiB (runtime/inputs.py), else a BundleError."""
+    """The bytes of a ``loopvq.json``: a regular file of at most 64 MiB (runtime/input_files.py), else a BundleError."""
     return read_capped(file, "bundle metadata file", error=BundleError)
 
 

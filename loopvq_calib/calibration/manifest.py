@@ -12,7 +12,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Iterable
 
 from ..config.source import shown
-from ..runtime.inputs import read_capped
+from ..runtime.input_files import read_capped
 
 _START_OVER = "delete the manifest (and the stage folders) to start the run over"
 

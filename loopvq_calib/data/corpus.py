@@ -23,7 +23,7 @@ from ..config.schema import DataConfig
 from ..config.source import LOCAL_TYPES, first_line, shown
 from ..models.loading import hub_offline
 from ..runtime.files import sha256_file
-from ..runtime.inputs import check_regular
+from ..runtime.input_files import check_regular
 from .files import DataError, file_documents
 
 POOL_FACTOR = 16
@@ -51,7 +51,7 @@ class CalibrationSet:
 def local_files(spec: str, key: str = "data.dataset") -> list[str]:
     """The local files ``spec`` (file, folder or glob) names, sorted; empty when it names none. A name the file
     system refuses (too long), a folder it may not read, or a folder's or glob's entry that is not a regular file
-    (a FIFO, a link to a device: runtime/inputs.py) is a DataError naming ``key``."""
+    (a FIFO, a link to a device: runtime/input_files.py) is a DataError naming ``key``."""
     path = Path(spec)
     try:
         if path.is_dir():

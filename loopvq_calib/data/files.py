@@ -1,5 +1,5 @@
 """Reading local corpus files (text, JSON lines, JSON arrays, parquet) directly, never through a cache, each a
-regular file opened through runtime/inputs.py (a FIFO or a device is refused, never waited on).
+regular file opened through runtime/input_files.py (a FIFO or a device is refused, never waited on).
 
 Text and JSON lines are streamed line by line (a large file is read only as far as the calibration pool
 needs); every line is decoded as strict UTF-8, so a bad byte is reported with its file, byte offset and line.
@@ -17,7 +17,7 @@ from typing import Any, BinaryIO, Iterator
 
 from ..config.schema import DataConfig
 from ..config.source import shown
-from ..runtime.inputs import DOCUMENT_BYTES, LIMITS, capped_lines, open_regular
+from ..runtime.input_files import DOCUMENT_BYTES, LIMITS, capped_lines, open_regular
 
 
 class DataError(ValueError):

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from ..runtime.files import sha256_file, write_bytes_atomic
-from ..runtime.inputs import long_number, parse_json, read_capped
+from ..runtime.input_files import long_number, parse_json, read_capped
 
 OUT_RECORD = ".loopvq-eval.json"  # name -> sha256 of each report file loopvq-eval wrote into the folder
 REPORT_FILES = ("report.json", "report.md", "kl_by_method.png", "kl_per_step.png", "nmse_per_step.png",

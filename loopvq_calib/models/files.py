@@ -1,4 +1,4 @@
-"""A model folder's files, checked and read with a bound (runtime/inputs.py) without loading weights: every entry a
+"""A model folder's files, checked and read with a bound (runtime/input_files.py) without loading weights: every entry a
 regular file (or a link to one), config.json (UTF-8, JSON, numbers bounded), the weight files (every shard the
 index names present, each safetensors header whole, its tensors inside the file, their shapes), the tokenizer's
 files, and the hashes the model identity takes of them. Each failure is a
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config.source import cut, shown
-from ..runtime.inputs import (
+from ..runtime.input_files import (
     LIMITS,
     check_regular,
     long_number,
@@ -37,7 +37,7 @@ class ModelLoadError(RuntimeError):
 
 
 def keyed(key: str) -> Callable[[str], ModelLoadError]:
-    """The error factory of runtime/inputs.py for a file named by ``key`` (no key: the message as is)."""
+    """The error factory of runtime/input_files.py for a file named by ``key`` (no key: the message as is)."""
     return lambda problem: ModelLoadError(f"{key}: {problem}" if key else problem)
 
 

@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from loopvq_calib.runtime import inputs
-from loopvq_calib.runtime.inputs import (
+from loopvq_calib.runtime import input_files as inputs
+from loopvq_calib.runtime.input_files import (
     LongNumber,
     capped_lines,
     check_regular,
