@@ -92,7 +92,8 @@ def test_a_hostile_input_exits_2_at_once_in_one_line_and_changes_nothing(ws, cap
     err = capsys.readouterr().err
     assert status == 2 and seconds < 10, (status, seconds, err[:MAX_MESSAGE])
     assert fragment.format(ws.root, ws.root) in err, err[:MAX_MESSAGE]
-    assert "Traceback" not in err and len(err) < SHORT + len(str(ws.root)) * 2 and err.count("\n") == 1, err[:MAX_MESSAGE]
+    assert "Traceback" not in err and err.count("\n") == 1, err[:MAX_MESSAGE]
+    assert len(err) < SHORT + 2 * len(str(ws.root)), err[:MAX_MESSAGE]  # at most two paths and a short line
     assert snapshot(ws.root) == before  # nothing written through a link, nothing replaced, nothing deleted
 
 
@@ -101,6 +102,7 @@ def test_load_bundle_refuses_a_number_past_a_float_with_a_bundle_error(ws):
         load_bundle(bundle_with(ws, "rope", "theta", value=HUGE))
 
 
+@pytest.mark.slow  # a child process (about 6 s on the 2-core machine): these would hang or fill memory in this one
 def test_sizes_that_would_run_away_and_endless_files_are_refused_in_a_child_within_the_bounds(ws):
     """D4 (10**9 layers), D5 (2*10**9 loop steps, from --set or config.json) and /dev/zero where a corpus, a model
     folder's file or a report is read (D8, D9, D10): each exit 2 at once, the child under 1 GB resident."""
@@ -112,9 +114,11 @@ def test_sizes_that_would_run_away_and_endless_files_are_refused_in_a_child_with
         (ws.run_with("--set", "model.loop_steps=2000000000"),
          "model.loop_steps: 2,000,000,000 is more loop steps than this toolkit takes (at most 1,024)"),
         (model_at(ws, "steps", config_field("total_ut_steps", 1e9)),
-         f"{ws.root}/steps/config.json: field total_ut_steps (loop steps) must be a positive integer, got 1000000000.0"),
+         f"{ws.root}/steps/config.json: field total_ut_steps (loop steps) must be a positive integer, got "
+         "1000000000.0"),
         (ws.run_with("--set", f"data.dataset={zero.parent}"), f"data.dataset: {zero} is a character device"),
-        (model_at(ws, "notes", lambda f: zero_link(f / "notes.txt")), f"{ws.root}/notes/notes.txt is a character device"),
+        (model_at(ws, "notes", lambda f: zero_link(f / "notes.txt")),
+         f"{ws.root}/notes/notes.txt is a character device"),
         (report_through(ws, zero_link), f"--eval-report: cannot read an evaluation report: {ws.root}/report.json is a "
                                         "character device"),
     ]
@@ -131,9 +135,10 @@ def test_a_model_name_that_is_python_stays_a_string_in_the_cards_load_snippet(ws
     name = '");import os;os.system("touch pwned") #\n```\n# Injected'
     card = model_card({**meta, "model": {**meta["model"], "name": name}})
     code = card.split("```python\n", 1)[1].split("\n```", 1)[0]
-    calls = [n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "load_bundle"]
+    nodes = list(ast.walk(ast.parse(code)))
+    calls = [n for n in nodes if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "load_bundle"]
     assert [k.value.value for k in calls[0].keywords if k.arg == "model"] == [name]  # one argument: the name, whole
-    assert not any(isinstance(n, (ast.Import, ast.ImportFrom)) and "os" in ast.unparse(n) for n in ast.walk(ast.parse(code)))
+    assert not any(isinstance(n, (ast.Import, ast.ImportFrom)) and "os" in ast.unparse(n) for n in nodes)
     assert "\n# Injected" not in card
 
 
@@ -141,7 +146,8 @@ def test_markup_in_a_report_stays_text_in_the_card(ws):
     """HTML and markdown in the report's model, dataset and task names render as text: no tag, no heading, no
     extra table cell (rendered by markdown-it, a CommonMark parser with GFM tables)."""
     markdown_it = pytest.importorskip("markdown_it")
-    hostile = {"model": '<img src=x onerror="alert(1)">', "data": {"dataset": "x\n## Fake section\n| a | b | c | d | e |"}}
+    hostile = {"model": '<img src=x onerror="alert(1)">',
+               "data": {"dataset": "x\n## Fake section\n| a | b | c | d | e |"}}
 
     def edit(report: dict) -> None:
         report.update(hostile)

@@ -78,7 +78,8 @@ def hub_snapshot(repo_id: str, revision: str | None, key: str, *, what: str, pat
     try:
         return snapshot_download(repo_id, revision=revision, local_files_only=offline, allow_patterns=patterns)
     except Exception as err:
-        local = f"pass a local folder to {key}" if key.startswith("-") else f"--set {key}=<local folder>"
+        local = ("--set model.name_or_path=<local folder>" if key == "model.name_or_path" else
+                 f"pass a local folder to {key}" if key.startswith("--") else "give a local folder instead")
         hint = (f" (offline mode: HF_HUB_OFFLINE is set and {shown(repo_id)} is not in the local hub cache); "
                 f"{local}, or unset HF_HUB_OFFLINE to download it" if offline
                 else f" ({type(err).__name__}: {first_line(err)}); {local}, or check the network")
@@ -112,7 +113,8 @@ class ModelIdentity:
 
 def model_identity(folder: Path, name: str, revision: str | None = None) -> ModelIdentity:
     """Hash config.json and describe each safetensors file by name, size, header hash (tensor names,
-    dtypes, shapes, offsets) and a content hash (:func:`_content_hash`): cheap even for 15 GB checkpoints."""
+    dtypes, shapes, offsets) and a content hash (:func:`~loopvq_calib.models.files.content_hash`): cheap even for
+    15 GB checkpoints."""
     weights = [
         {"file": p.name, "bytes": p.stat().st_size, "header_sha256": hashlib.sha256(safetensors_header(p)).hexdigest(),
          **content_hash(p)}

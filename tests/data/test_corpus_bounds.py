@@ -82,7 +82,7 @@ def test_a_json_array_past_its_bound_is_refused_and_a_text_document_cut(tmp_path
     monkeypatch.setattr(files, "DOCUMENT_BYTES", (1 << 10) + 1)
     array = tmp_path / "rows.json"
     array.write_text(json.dumps([{"text": "x" * 2000}]))
-    with pytest.raises(DataError, match=r"holds more than 1,024 bytes, the most a JSON array file may hold .* \(\.jsonl\)"):
+    with pytest.raises(DataError, match=r"holds more than 1,024 bytes, the most a JSON array file may hold .*\.jsonl"):
         list(corpus.load_documents(DataConfig(dataset=str(array))))
     text = tmp_path / "doc.txt"
     text.write_text("é" * 2000)  # two bytes a character: the bound falls inside the 513th, which is dropped
