@@ -43,14 +43,20 @@ def keyed(key: str) -> Callable[[str], ModelLoadError]:
 
 def check_folder_entries(folder: Path, key: str = "model.name_or_path") -> None:
     """Every file directly in the model folder (hidden ones aside) is a regular file, or a link to one (the hub
-    cache's layout): a FIFO or a device that transformers or a hash would read is refused before it is opened."""
+    cache's layout), and all but the weights hold at most the tokenizer-file bound (what transformers reads whole):
+    a FIFO, a device or a huge file that transformers or a hash would read is refused before it is opened."""
     try:
         entries = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
     except OSError as err:
         raise ModelLoadError(f"{key}: cannot list {folder} ({err.strerror or type(err).__name__})") from None
+    limit = LIMITS["tokenizer file"]
     for entry in entries:
-        if not entry.is_dir():
-            check_regular(entry, error=keyed(key))
+        if entry.is_dir():
+            continue
+        size = check_regular(entry, error=keyed(key)).st_size
+        if entry.suffix != ".safetensors" and size > limit:
+            raise ModelLoadError(f"{key}: {entry} holds {size:,} bytes, more than a model folder's file other than "
+                                 f"its weights may hold ({limit:,})")
 
 
 def read_config_json(folder: Path, key: str = "") -> dict[str, Any]:
