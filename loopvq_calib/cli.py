@@ -98,9 +98,8 @@ def _fail(message: str, status: int) -> int:
 
 
 def _quiet_libraries() -> None:
-    """Turn off the libraries' own progress bars (datasets' "Generating train split", transformers' "Loading
-    weights", which nests under ours) for the console scripts; called before they are imported, and an
-    explicit HF_DATASETS_DISABLE_PROGRESS_BARS=0 still wins. Hub download bars stay."""
+    """Turn off the libraries' own progress bars (datasets' "Generating train split", transformers' "Loading weights",
+    which nests under ours) before they are imported; HF_DATASETS_DISABLE_PROGRESS_BARS=0 still wins, hub bars stay."""
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     from transformers.utils import logging as transformers_logging
 
@@ -264,8 +263,9 @@ def eval_main(argv: list[str] | None = None) -> int:
     from .bundle.reader import BundleError
     from .data.files import DataError
     from .evaluation.evaluate import evaluate
-    from .evaluation.inputs import EvalInputError, check_out_folder
+    from .evaluation.inputs import EvalInputError
     from .evaluation.options import Gates, ServedOptions
+    from .evaluation.out_folder import OutFolderError, check_out_folder
     from .evaluation.report import markdown_report, write_report
     from .models.loading import ModelLoadError
 
@@ -279,12 +279,14 @@ def eval_main(argv: list[str] | None = None) -> int:
         result = evaluate(args.bundle, model=args.model, data=args.data, num_sequences=args.num_sequences,
                           sequence_length=args.sequence_length, device=args.device, dtype=args.dtype, served=served,
                           gates=gates)
-    except (EvalInputError, BundleError, ModelLoadError, DataError) as err:
+    except (EvalInputError, OutFolderError, BundleError, ModelLoadError, DataError) as err:
         return _fail(str(err), 2)
     print(markdown_report(result.report))
-    if args.out is not None:
-        for path in write_report(result.report, Path(args.out)):
-            print(f"wrote {path}")
+    try:  # --out is checked again as it is written (a report file may have been put there meanwhile)
+        written = write_report(result.report, Path(args.out)) if args.out is not None else []
+    except OutFolderError as err:
+        return _fail(str(err), 2)
+    print("".join(f"wrote {path}\n" for path in written), end="")
     for failure in result.gate_failures:
         print(f"gate failed: {failure}")
     return 0 if result.passed else 1

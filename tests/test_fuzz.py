@@ -192,7 +192,7 @@ CASES: list[tuple[str, Setup, int, str]] = [
     ("inspect-meta-too-deep", lambda ws: (inspect_main, [ws.bundle(lambda p: (p / "loopvq.json").write_text(DEEP))]), 2, "{}/bundle/loopvq.json: nested too deeply to read"),
     ("push-meta-too-deep", lambda ws: (push_main, [ws.bundle(lambda p: (p / "loopvq.json").write_text(DEEP)), "--repo-id", "org/x", "--dry-run"]), 2, "{}/bundle/loopvq.json: nested too deeply to read"),
     ("eval-meta-too-deep", lambda ws: (eval_main, ["--bundle", ws.bundle(lambda p: (p / "loopvq.json").write_text(DEEP))]), 2, "{}/bundle/loopvq.json: nested too deeply to read"),
-    ("bundle-integer-too-long", lambda ws: (inspect_main, [ws.bundle(lambda p: (p / "loopvq.json").write_text((p / "loopvq.json").read_text().replace('"theta": 10000.0', '"theta": ' + "9" * 5000)))]), 2, "{}/bundle/loopvq.json: not valid JSON (Exceeds the limit (4300 digits)"),
+    ("bundle-integer-too-long", lambda ws: (inspect_main, [ws.bundle(lambda p: (p / "loopvq.json").write_text((p / "loopvq.json").read_text().replace('"theta": 10000.0', '"theta": ' + "9" * 5000)))]), 2, "{}/bundle/loopvq.json: field rope.theta is an integer of 5,000 digits (999999999999...999999); at most 30 digits are read"),
     ("push-overlong-name", lambda ws: listed(ws, "a" * 300), 2, "files entry 'aaaaaaaa"),
     ("inspect-overlong-name", lambda ws: (inspect_main, [ws.bundle(reseal(lambda m: m["files"].update({"a/" * 600 + "x": m["files"]["README.md"]})))]), 2, "is longer than a file name may be (1024 bytes, 255 a component)"),
     ("bundle-rope-style-huge", lambda ws: (inspect_main, [ws.bundle(reseal(lambda m: m["rope"].update(style="s" * 5_000_000)))]), 2, "field rope.style is 'sssss"),

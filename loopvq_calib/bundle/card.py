@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,12 +19,13 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from ..config.source import shown
+from ..config.source import cut, shown
 from ..runtime.files import temp_sibling, write_temp
 from .eval_report import EvalReportError, bundle_row, check_report, kl_key, read_eval_report, report_file
 from .format import CARD_FILE, META_FILE, TENSOR_FILE, meta_bytes, read_bundle_file
 from .reader import load_bundle
 
+_MARKUP = re.compile(r"([\\`<>\[\]|&!])")  # characters markdown text escapes (links, images, HTML, code, cells)
 __all__ = ["EvalAttachment", "EvalReportError", "attach_eval_report", "evaluation_for", "model_card",
            "prepare_eval_report", "write_eval_report"]
 
@@ -45,11 +47,11 @@ def model_card(meta: dict[str, Any], evaluation: dict[str, Any] | None = None) -
     n_key = sum(b["kind"] == "key" for b in meta["blocks"])
     lines = [
         "---", data.to_yaml().rstrip(), "---", "",
-        f"# {meta['name']}", "",
-        f"LoopVQ KV-cache codebooks for `{ident['name']}`"
-        + (f" (revision `{ident['revision']}`)" if ident.get("revision") else "")
-        + f", model type `{ident['model_type']}`, produced by loopvq-calib {meta['producer']['version']} "
-        f"(bundle format {meta['format_version']}). The codes replace the pre-RoPE keys and values of the KV "
+        f"# {_text(meta['name'])}", "",
+        f"LoopVQ KV-cache codebooks for {_code(ident['name'])}"
+        + (f" (revision {_code(ident['revision'])})" if ident.get("revision") else "")
+        + f", model type {_code(ident['model_type'])}, produced by loopvq-calib {_text(meta['producer']['version'])} "
+        f"(bundle format {_text(meta['format_version'])}). The codes replace the pre-RoPE keys and values of the KV "
         "cache; the model weights are unchanged.", "",
         "| | |", "|---|---|",
         f"| method | {meta['method']} |",
@@ -74,8 +76,8 @@ def model_card(meta: dict[str, Any], evaluation: dict[str, Any] | None = None) -
         "from huggingface_hub import snapshot_download",
         "from loopvq_calib import load_bundle", "",
         "path = snapshot_download(\"<this repo id>\")  # or a local bundle folder",
-        f"bundle = load_bundle(path, model=\"{ident['name']}\")  # checks checksums and the model identity",
-        "codec = bundle.quantizer.codecs[\"" + meta["blocks"][0]["key"] + "\"]  # one (kind, block)",
+        f"bundle = load_bundle(path, model={_python(ident['name'])})  # checks checksums and the model identity",
+        f"codec = bundle.quantizer.codecs[{_python(meta['blocks'][0]['key'])}]  # one (kind, block)",
         "codes = codec.encode(x)        # x [N, block steps, H, D] pre-RoPE, fp32",
         "x_hat = codec.decode(codes)    # apply RoPE afterwards for keys", "```", "",
         "## Serving defaults", "",
@@ -103,7 +105,35 @@ def is_hub_id(name: str) -> bool:
 
 
 def _num(value: Any) -> str:
-    return f"{value:.5g}" if isinstance(value, float) else str(value)
+    return f"{value:.5g}" if isinstance(value, float) else _text(value)
+
+
+def _plain(value: Any, limit: int) -> str:
+    """``value`` as one line of at most ``limit`` characters (control characters as spaces)."""
+    return cut("".join(" " if ord(c) < 32 or c == "\x7f" else c for c in str(value)), limit)
+
+
+def _text(value: Any, limit: int = 200) -> str:
+    """``value`` as markdown text that stays text: one line, the characters that open HTML, links, images, code
+    or table cells backslash-escaped."""
+    return _MARKUP.sub(r"\\\1", _plain(value, limit))
+
+
+def _code(value: Any, *, cell: bool = False, limit: int = 200) -> str:
+    """``value`` as an inline code span nothing inside can end (HTML and markdown in it stay literal): one line,
+    fenced by more backticks than it holds in a row; in a table ``cell``, ``|`` escaped (GFM splits cells on it
+    even inside code)."""
+    text = _plain(value, limit)
+    text = text.replace("|", "\\|") if cell else text
+    fence = "`" * (max((len(run) for run in re.findall("`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def _python(value: str) -> str:
+    """``value`` as a Python string literal (JSON's escaping, which Python reads: quotes, backslashes, control and
+    non-ASCII characters escaped), so a name can never end the literal in the card's snippet."""
+    return json.dumps(value)
 
 
 # -- evaluation results --------------------------------------------------------------------------------
@@ -148,10 +178,11 @@ def _evaluation(report: dict[str, Any], row: dict[str, Any], name: str) -> dict[
         fp = (accuracy.get(ref) or {}).get(n)
         table.append(("passkey accuracy", f"{n} tokens", _num(acc), _num(fp) if fp is not None else "n/a"))
     lines = ["## Evaluation", "",
-             f"Measured by `loopvq-eval` on `{report.get('model')}` ({report.get('dtype')}){where}; the "
+             f"Measured by `loopvq-eval` on {_code(report.get('model'))} ({_code(report.get('dtype'))}){where}; the "
              f"evaluation KL is on text the calibration never saw.", "",
-             f"| metric | data / task | this bundle | {ref or 'full precision'} |", "|---|---|---|---|"]
-    lines += [f"| {m} | {d} | {v} | {f} |" for m, d, v, f in table] + [""]
+             f"| metric | data / task | this bundle | {_code(ref, cell=True) if ref else 'full precision'} |",
+             "|---|---|---|---|"]
+    lines += [f"| {_text(m)} | {_code(d, cell=True)} | {v} | {f} |" for m, d, v, f in table] + [""]
     return {"results": results, "markdown": lines}
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ..config.source import cut, shown
+from ..runtime.input_files import read_capped
 from .format import FIELD_CHARS, BundleError, strict_json
 
 REPORT_FILE = "report.json"
@@ -23,11 +24,9 @@ class EvalReportError(ValueError):
 def read_eval_report(report_path: str | Path) -> dict[str, Any]:
     """A ``loopvq-eval`` report.json (or its folder) as a dict, parsed strictly and its shape checked."""
     file = report_file(report_path)
-    try:
-        data = file.read_bytes()
-    except OSError as err:
-        raise EvalReportError(f"--eval-report {shown(str(file))}: cannot read an evaluation report "
-                              f"({err.strerror or type(err).__name__})") from None
+    data = read_capped(file, "evaluation report",
+                       error=lambda problem: EvalReportError(f"--eval-report: cannot read an evaluation report: "
+                                                             f"{cut(problem, 300)}"))
     try:
         report = strict_json(data, file)
     except BundleError as err:

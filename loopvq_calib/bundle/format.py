@@ -16,6 +16,7 @@ from typing import Any
 
 from ..config.source import cut, shown
 from ..runtime.files import sha256_file
+from ..runtime.input_files import LongNumber, parse_json
 
 FIELD_CHARS = 120  # the longest field path a message shows (paths hold names read from a file)
 FORMAT_VERSION = "1.2"  # the newest format version this toolkit reads and writes
@@ -96,7 +97,10 @@ def _pairs(items: list[tuple[str, Any]]) -> _Object:
 
 
 def _plain(value: Any, field: str, file: Path) -> Any:
-    """``value`` as plain dicts and lists; a duplicate key or a non-finite number is a BundleError naming it."""
+    """``value`` as plain dicts and lists; a duplicate key, a non-finite number or one too long to convert
+    (:class:`~loopvq_calib.runtime.input_files.LongNumber`) is a BundleError naming it."""
+    if isinstance(value, LongNumber):
+        raise BundleError(f"{file}: field {cut(field, FIELD_CHARS) or '(top level)'} is {value.describe()}")
     if isinstance(value, _NonFinite):
         raise BundleError(f"{file}: field {cut(field, FIELD_CHARS) or '(top level)'} is a bare {value}, which is not "
                           "JSON (a writer stores non-finite numbers as the strings \"nan\", \"inf\", \"-inf\")")
@@ -111,17 +115,18 @@ def _plain(value: Any, field: str, file: Path) -> Any:
 
 
 def strict_json(data: bytes, file: Path) -> Any:
-    """Parse UTF-8 JSON strictly: a duplicate key, a bare ``NaN`` or ``Infinity`` or malformed text is a
-    BundleError naming ``file`` and the field."""
+    """Parse UTF-8 JSON strictly: a duplicate key, a bare ``NaN`` or ``Infinity``, a number too long to convert
+    (:func:`~loopvq_calib.runtime.input_files.parse_json`) or malformed text is a BundleError naming ``file`` and the
+    field."""
     try:
-        parsed = json.loads(data.decode("utf-8"), object_pairs_hook=_pairs, parse_constant=_NonFinite)
+        parsed = parse_json(data.decode("utf-8"), object_pairs_hook=_pairs, parse_constant=_NonFinite)
         return _plain(parsed, "", file)
     except RecursionError:
         raise BundleError(f"{file}: nested too deeply to read (not valid JSON of this format)") from None
     except BundleError:
         raise
-    except ValueError as err:  # malformed text, bad UTF-8, an integer of more digits than Python converts
-        raise BundleError(f"{file}: not valid JSON ({err})") from err
+    except ValueError as err:  # malformed text, bad UTF-8
+        raise BundleError(f"{file}: not valid JSON ({cut(str(err), 200)})") from err
 
 
 # -- the files a bundle lists ----------------------------------------------------------------------------
@@ -198,7 +203,7 @@ def read_bundle_file(root: Path, name: str) -> bytes:
     following a symlink put there since the check."""
     path = bundle_file(root, name)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError as err:  # replaced by a symlink since the check (ELOOP), or removed
         raise BundleError(f"{path}: files entry {shown(name)} cannot be opened as a regular file "
                           f"({err.strerror or err})") from err

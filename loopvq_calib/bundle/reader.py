@@ -23,6 +23,7 @@ from ..models.loading import (
     model_identity,
     resolve_model_dir,
 )
+from ..runtime.input_files import read_capped
 from .format import (
     META_FILE,
     TENSOR_FILE,
@@ -93,7 +94,7 @@ def resolve_bundle_dir(spec: str | Path, key: str = "bundle") -> Path:
     try:  # loopvq.json first, then exactly the files it lists (names that are not plain paths never fetched)
         meta_file = Path(hub_snapshot(str(spec), None, key, what="bundle", patterns=[META_FILE])) / META_FILE
         try:
-            files = strict_json(meta_file.read_bytes(), meta_file).get("files", {})
+            files = strict_json(_meta_bytes(meta_file), meta_file).get("files", {})
             listed = [str(name) for name in files if file_name_problem(name) is None]
         except (OSError, BundleError, AttributeError):
             listed = []  # load_bundle then names what is wrong with loopvq.json
@@ -107,7 +108,7 @@ def _read_meta(path: Path, blobs: Path | None) -> dict[str, Any]:
     file = path / META_FILE
     if not os.path.lexists(file):
         raise BundleError(f"{file}: missing (not a LoopVQ bundle)")
-    data = bundle_file(path, META_FILE, blobs=blobs).read_bytes()
+    data = _meta_bytes(bundle_file(path, META_FILE, blobs=blobs))
     meta = strict_json(data, file)
     if not isinstance(meta, dict):
         raise BundleError(f"{file}: expected a JSON object")
@@ -118,6 +119,11 @@ def _read_meta(path: Path, blobs: Path | None) -> dict[str, Any]:
                               "it was written; restore the original or calibrate again")
     check_meta(meta, file)
     return meta
+
+
+def _meta_bytes(file: Path) -> bytes:
+    """The bytes of a ``loopvq.json``: a regular file of at most 64 MiB (runtime/input_files.py), else a BundleError."""
+    return read_capped(file, "bundle metadata file", error=BundleError)
 
 
 def _check_files(path: Path, meta: dict[str, Any], blobs: Path | None) -> None:

@@ -19,6 +19,7 @@ from ..codes.codec import code_bits, sigma_bits
 from ..codes.layouts import KINDS, BlockLayout, codebook_shape
 from ..config.schema import DTYPE_NAMES, METHODS, SHARING
 from ..config.source import shown
+from ..config.validate import MAX_LOOP_STEPS
 from ..models.loading import TORCH_DTYPES
 from .format import FORMAT_VERSION, META_FILE, TENSOR_FILE, BundleError, file_name_problem
 
@@ -135,14 +136,17 @@ def _check_sizes(meta: dict[str, Any], file: Path) -> None:
     """K a power of two, positive G, T_c, heads and an even head dim; RoPE theta finite and positive."""
     k, kv = meta["codebook_size"], meta["kv_layout"]
     if k < 2 or k & (k - 1):
-        raise BundleError(f"{file}: field codebook_size must be a power of two >= 2, got {k}")
+        raise BundleError(f"{file}: field codebook_size must be a power of two >= 2, got {shown(k)}")
     for field, value in (("group_size", meta["group_size"]), ("steps_per_block", meta["steps_per_block"]),
                          ("kv_layout.loop_steps", kv["loop_steps"]), ("kv_layout.kv_heads", kv["kv_heads"])):
         if value < 1:
-            raise BundleError(f"{file}: field {field} must be >= 1, got {value}")
+            raise BundleError(f"{file}: field {field} must be >= 1, got {shown(value)}")
+    if kv["loop_steps"] > MAX_LOOP_STEPS:
+        raise BundleError(f"{file}: field kv_layout.loop_steps is {shown(kv['loop_steps'])}, more loop steps than "
+                          f"this toolkit takes ({MAX_LOOP_STEPS:,})")
     if kv["head_dim"] < 2 or kv["head_dim"] % 2:
         raise BundleError(f"{file}: field kv_layout.head_dim must be a positive even number (RoPE pairs "
-                          f"channels), got {kv['head_dim']}")
+                          f"channels), got {shown(kv['head_dim'])}")
     if kv["loop_steps"] % meta["steps_per_block"]:
         raise BundleError(f"{file}: field steps_per_block {meta['steps_per_block']} does not divide "
                           f"kv_layout.loop_steps {kv['loop_steps']}")
@@ -151,9 +155,9 @@ def _check_sizes(meta: dict[str, Any], file: Path) -> None:
                           f"{meta['steps_per_block']}")
     theta = meta["rope"]["theta"]
     if not math.isfinite(theta) or theta <= 0:
-        raise BundleError(f"{file}: field rope.theta must be a finite number > 0, got {theta!r}")
+        raise BundleError(f"{file}: field rope.theta must be a finite number > 0, got {shown(theta)}")
     if meta["codebook_bytes"] < 0:
-        raise BundleError(f"{file}: field codebook_bytes must be >= 0, got {meta['codebook_bytes']}")
+        raise BundleError(f"{file}: field codebook_bytes must be >= 0, got {shown(meta['codebook_bytes'])}")
 
 
 def _check_serving(serving: dict[str, int], file: Path) -> None:
@@ -234,7 +238,7 @@ def _check_bits(meta: dict[str, Any], file: Path) -> None:
         group, key = field.split(".")
         got = meta[group][key]
         if not math.isclose(got, value, rel_tol=1e-6, abs_tol=1e-12):
-            raise BundleError(f"{file}: field {field} is {got!r}, but K={k}, G={g}" + (
+            raise BundleError(f"{file}: field {field} is {shown(got)}, but K={k}, G={g}" + (
                 f", TaSQ sigma over H*D={kv['kv_heads'] * kv['head_dim']}" if tasq else "") + f" give {value:.6g}")
 
 
@@ -279,7 +283,7 @@ def expected_tensors(meta: dict[str, Any], file: Path) -> dict[str, tuple[list[i
                               f"(missing {shown(sorted(set(sites) - set(ids)))}, repeated {shown(repeated)})")
     want_bytes = codebook_values * TORCH_DTYPES[meta["codebook_dtype"]].itemsize
     if meta["codebook_bytes"] != want_bytes:
-        raise BundleError(f"{file}: field codebook_bytes is {meta['codebook_bytes']}, but the blocks' codebooks "
+        raise BundleError(f"{file}: field codebook_bytes is {shown(meta['codebook_bytes'])}, but the blocks' codebooks "
                           f"hold {codebook_values} {meta['codebook_dtype']} values = {want_bytes} bytes")
     return out
 

@@ -24,6 +24,7 @@ from ..codes.quantizer import KVQuantizer
 from ..config.schema import ServingConfig
 from ..models.loading import TORCH_DTYPES, ModelIdentity
 from ..runtime.files import temp_sibling
+from ..runtime.input_files import read_capped
 from .card import model_card
 from .format import (
     CARD_FILE,
@@ -98,7 +99,8 @@ def _check_replaceable(out_dir: Path) -> None:
     if not (out_dir / META_FILE).is_file():
         raise BundleError(f"{out_dir} exists and is not a bundle (no {META_FILE}); refusing to replace it")
     try:
-        listed = set(json.loads((out_dir / META_FILE).read_text(encoding="utf-8")).get("files", {}))
+        listed = set(json.loads(read_capped(out_dir / META_FILE, "bundle metadata file", error=BundleError)).get(
+            "files", {}))
     except (ValueError, AttributeError):
         listed = set()
     extra = sorted(present - listed - {META_FILE})

@@ -11,6 +11,8 @@ from typing import Any
 
 from ..config.schema import Config
 from ..data.corpus import source_fingerprint
+from ..models.files import keyed
+from ..runtime.input_files import chunks_capped
 from ..version import __version__
 
 
@@ -20,10 +22,13 @@ def fingerprint(*parts: Any) -> str:
 
 
 def tokenizer_hash(folder: Path) -> str:
-    """sha256 over the names and bytes of the model folder's tokenizer files (``tokenizer*``, ``*.txt``)."""
+    """sha256 over the names and bytes of the model folder's tokenizer files (``tokenizer*``, ``*.txt``), each a
+    regular file read in chunks within the tokenizer-file bound (runtime/input_files.py; else a ModelLoadError)."""
     h = hashlib.sha256()
     for name in sorted(p.name for p in folder.glob("tokenizer*")) + sorted(p.name for p in folder.glob("*.txt")):
-        h.update(name.encode() + (folder / name).read_bytes())
+        h.update(name.encode())
+        for chunk in chunks_capped(folder / name, "tokenizer file", error=keyed("model.name_or_path")):
+            h.update(chunk)
     return h.hexdigest()
 
 

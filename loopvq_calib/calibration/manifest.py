@@ -12,6 +12,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Iterable
 
 from ..config.source import shown
+from ..runtime.input_files import read_capped
 
 _START_OVER = "delete the manifest (and the stage folders) to start the run over"
 
@@ -26,7 +27,8 @@ def read_manifest(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {"stages": {}}
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(read_capped(path, "run record", error=lambda problem: RunDirError(
+            f"{problem}; {_START_OVER}")).decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise RunDirError(f"{path} is not valid JSON ({err}); {_START_OVER}") from err
     except RecursionError:

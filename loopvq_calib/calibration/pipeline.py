@@ -35,7 +35,7 @@ from ..version import __version__
 from .capture.kv import CaptureData, CaptureReader, MemoryReader
 from .finetune.train import FinetuneResult, training_steps
 from .fingerprints import fingerprint
-from .preflight import plan_run
+from .preflight import gpu_sized, plan_run
 from .rundir import CONFIG_FILE, LOG_FILE
 from .stages import (
     as_saved_finetune,
@@ -271,6 +271,8 @@ class Pipeline:
             if self.run.lock is not None and self.run.lock.previous:
                 log.warning("%s: took over the lock of a run that is no longer running (%s)", self.run.root,
                             self.run.lock.previous)
+            if (sized := gpu_sized(self.cfg, self.plan.device)) is not None:
+                log.warning(sized)
             write_bytes_atomic(self.run.root / CONFIG_FILE, dump_config(self.cfg).encode())
             self.run.update(toolkit_version=__version__, config=self.cfg.to_dict(),
                             model_identity=self.plan.identity.to_dict(), processes=self.dist.world,

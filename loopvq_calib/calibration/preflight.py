@@ -15,8 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
-
 from ..codes.layouts import plan_layouts
 from ..config.load import resolve_derived
 from ..config.schema import Config
@@ -27,16 +25,17 @@ from ..kernels.prepare import prepare_codec_kernels
 from ..models.loading import (
     TORCH_DTYPES,
     ModelIdentity,
-    ModelLoadError,
     check_model_folder,
     check_weights_match,
     load_tokenizer,
     model_identity,
+    model_skeleton,
     model_window,
     pick_device,
     resolve_model_dir,
     set_loop_steps,
 )
+from ..models.limits import check_loop_sites, looped_layers
 from ..models.sites import KVLayout
 from ..runtime.processes import DistContext, start_processes
 from ..runtime.warmup import Warmup, warm_linalg
@@ -47,6 +46,7 @@ from .kmeans.select import resolve_backend
 from .rundir import RunDir
 
 STAGES = ("data", "capture", "tasq", "kmeans", "finetune", "bundle")
+GPU_WINDOW = 1024  # windows this long (the shipped configs of real models use 2,048) are meant for a GPU
 
 
 @dataclass(frozen=True)
@@ -144,18 +144,24 @@ def check_sequence_length(cfg: Config, model_config: Any, folder: Path) -> None:
 def model_shape(model_config: Any, loop_steps: int | None, dtype: str, *, folder: Path | None = None
                 ) -> tuple[KVLayout, int]:
     """The KV sites and the weights' bytes in ``dtype`` of a model built on the meta device (no weights read);
-    a config.json that builds no model, or whose model the weights in ``folder`` are not, is a ModelLoadError."""
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(model_config)
-    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as err:
-        where = Path(model_config.name_or_path) / "config.json"
-        raise ModelLoadError(f"model.name_or_path: {where} describes no model that can be built: "
-                             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from err
+    a config.json that builds no model, or whose model the weights in ``folder`` are not (names or shapes), or a
+    loop count giving more KV sites than the toolkit takes, is a ModelLoadError."""
+    model = model_skeleton(model_config)
     if folder is not None:
         check_weights_match(model, folder)
+    if loop_steps is not None:
+        check_loop_sites(looped_layers(model_config), loop_steps, key="model.loop_steps")
     set_loop_steps(model, loop_steps)
     return model.kv_layout(), sum(p.numel() for p in model.parameters()) * TORCH_DTYPES[dtype].itemsize
+
+
+def gpu_sized(cfg: Config, device: torch.device) -> str | None:
+    """The warning for a config sized for a GPU (windows of GPU_WINDOW tokens or more) run on the CPU, else None."""
+    if device.type != "cpu" or cfg.data.sequence_length < GPU_WINDOW:
+        return None
+    return (f"this config's {cfg.data.sequence_length:,}-token windows (data.sequence_length) are sized for a GPU and "
+            "this run is on the CPU: expect a long run (the progress bars estimate it); for a first try on the CPU "
+            "use configs/tiny-ouro.yaml, or --set data.sequence_length=256")
 
 
 def recorded_model_name(name_or_path: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 from .schema import (
@@ -36,6 +37,8 @@ from .source import ConfigError, shown
 
 SEED_LIMIT = 2**32  # seeds any generator accepts (numpy needs < 2**32)
 INT_LIMIT = 2**31 - 1
+DEVICE_NAME = re.compile(r"auto|cpu|cuda(:[0-9]+)?")  # the devices a config or --device may name
+MAX_LOOP_STEPS = 1024  # loop steps a run or a bundle may have (released looped models use 4 to 64)
 
 
 def exact_fisher_channels(quant: QuantConfig) -> int:
@@ -92,12 +95,15 @@ def _validate_model(m: ModelConfig) -> None:
     _device("model.device", m.device)
     if m.loop_steps is not None:
         _positive("model.loop_steps", m.loop_steps)
+        if m.loop_steps > MAX_LOOP_STEPS:
+            raise ConfigError("model.loop_steps", f"{m.loop_steps:,} is more loop steps than this toolkit takes "
+                                                  f"(at most {MAX_LOOP_STEPS:,})")
     if not m.name_or_path.strip():
         raise ConfigError("model.name_or_path", "must not be empty")
 
 
 def _device(key: str, device: str) -> None:
-    if device != "auto" and device != "cpu" and not device.startswith("cuda"):
+    if not DEVICE_NAME.fullmatch(device):
         raise ConfigError(key, f"{shown(device)} is not allowed; use auto, cpu, cuda or cuda:N")
 
 

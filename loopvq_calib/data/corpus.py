@@ -2,7 +2,8 @@
 
 Windows are non-overlapping ``sequence_length``-token slices of the concatenated stream (documents in
 order, each followed by the separator), drawn from its first ``POOL_FACTOR * num_sequences *
-sequence_length`` tokens; ``seed`` picks which windows and which of them are held out.
+sequence_length`` tokens; ``seed`` picks which windows and which of them are held out. A document longer than
+PIECE_CHARS characters is tokenized a piece at a time, and only as far as that pool needs.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import urlparse
 
 import torch
 
@@ -20,9 +23,11 @@ from ..config.schema import DataConfig
 from ..config.source import LOCAL_TYPES, first_line, shown
 from ..models.loading import hub_offline
 from ..runtime.files import sha256_file
+from ..runtime.input_files import check_regular
 from .files import DataError, file_documents
 
 POOL_FACTOR = 16
+PIECE_CHARS = 1 << 20  # a longer document is tokenized a piece of about this many characters at a time
 
 
 @dataclass
@@ -45,16 +50,21 @@ class CalibrationSet:
 
 def local_files(spec: str, key: str = "data.dataset") -> list[str]:
     """The local files ``spec`` (file, folder or glob) names, sorted; empty when it names none. A name the file
-    system refuses (too long) or a folder it may not read is a DataError naming ``key``."""
+    system refuses (too long), a folder it may not read, or a folder's or glob's entry that is not a regular file
+    (a FIFO, a link to a device: runtime/input_files.py) is a DataError naming ``key``."""
     path = Path(spec)
     try:
         if path.is_dir():
-            return sorted(str(p) for p in path.iterdir() if p.suffix in LOCAL_TYPES)
-        if any(ch in spec for ch in "*?["):
-            return sorted(glob.glob(spec))
-        return [spec] if path.is_file() else []
+            found = sorted(str(p) for p in path.iterdir() if p.suffix in LOCAL_TYPES)
+        elif any(ch in spec for ch in "*?["):
+            found = sorted(glob.glob(spec))
+        else:
+            return [spec] if path.is_file() else []
     except OSError as err:
         raise DataError(f"{key}: cannot use {shown(spec)} ({err.strerror or type(err).__name__})") from None
+    for file in found:
+        check_regular(file, error=lambda problem: DataError(f"{key}: {problem}"))
+    return found
 
 
 def source_fingerprint(cfg: DataConfig) -> list[tuple[str, int, str]]:
@@ -102,13 +112,32 @@ def _looks_like_a_path(spec: str) -> bool:
         ch in spec for ch in "*?[")
 
 
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the Hugging Face Hub cannot be reached (its name does not resolve, no connection within ``timeout``
+    seconds), or None when it answers a connection. Asked before a hub dataset is loaded online, so that an offline
+    machine gets one line at once rather than datasets' retries."""
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname or "", url.port or 443), timeout=timeout).close()
+    except OSError as err:
+        return f"{url.scheme}://{url.netloc}: {err.strerror or type(err).__name__}"
+    return None
+
+
 def _hub_documents(cfg: DataConfig, names: dict[str, str | None] | None) -> Iterator[str]:
     import datasets
 
+    offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or hub_offline()
+    unreachable = None if offline else hub_unreachable()
+    if unreachable:
+        key = _option(names, "dataset") or "data.dataset"
+        local = f"{key} <file>" if key.startswith("-") else f"--set {key}=<file>"
+        raise DataError(f"{key}: cannot load {shown(cfg.dataset)} from the hub, which cannot be reached "
+                        f"({unreachable}); give a local file or folder ({local}), or set HF_DATASETS_OFFLINE=1 to "
+                        "read it from the local cache")
     try:
         ds = datasets.load_dataset(cfg.dataset, cfg.config_name, split=cfg.split)
     except Exception as err:  # offline, unknown name, missing split: all surface here
-        offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or hub_offline()
         hint = " (offline mode is on: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)" if offline else ""
         raise DataError(
             f"{_option(names, 'dataset')}: could not load {shown(cfg.dataset)} (config {shown(cfg.config_name)}, split "
@@ -147,15 +176,32 @@ def render_conversations(conversations: Iterator[list[dict[str, Any]]], tokenize
             yield text
 
 
+def _pieces(doc: str) -> Iterator[str]:
+    """``doc`` whole when it has at most PIECE_CHARS characters; else pieces of about that many, each cut before
+    a space or newline in its second half (where one is), so that words stay whole."""
+    start = 0
+    while len(doc) - start > PIECE_CHARS:
+        end = start + PIECE_CHARS
+        space = max(doc.rfind(" ", start + PIECE_CHARS // 2, end), doc.rfind("\n", start + PIECE_CHARS // 2, end))
+        end = space if space > start else end
+        yield doc[start:end]
+        start = end
+    yield doc[start:]
+
+
 def _token_stream(docs: Iterator[str], tokenizer: Any, limit: int) -> tuple[list[int], int]:
-    """Token ids of the documents (each followed by the separator) until ``limit``."""
+    """Token ids of the documents (each followed by the separator) until ``limit``; a long document is tokenized
+    a piece at a time (:func:`_pieces`), only as far as ``limit`` needs."""
     sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
     if sep is None:
         raise DataError("model.name_or_path: the tokenizer has no eos or bos token to separate documents")
     ids: list[int] = []
     count = 0
     for doc in docs:
-        ids.extend(tokenizer(doc, add_special_tokens=False, verbose=False)["input_ids"])
+        for piece in _pieces(doc):
+            ids.extend(tokenizer(piece, add_special_tokens=False, verbose=False)["input_ids"])
+            if len(ids) >= limit:
+                break
         ids.append(sep)
         count += 1
         if len(ids) >= limit:

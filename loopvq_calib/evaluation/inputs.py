@@ -15,7 +15,8 @@ import torch
 from ..bundle.reader import Bundle, BundleError, load_bundle, resolve_bundle_dir
 from ..codes.baselines import BASELINES
 from ..config.schema import DataConfig
-from ..config.source import LOCAL_TYPES
+from ..config.source import LOCAL_TYPES, shown
+from ..config.validate import DEVICE_NAME
 from ..data.corpus import build_calibration_set, load_documents, local_files
 from ..models.loading import (
     ModelLoadError,
@@ -88,14 +89,8 @@ def check_gate_thresholds(gates: Gates) -> None:
 
 def check_device(device: str) -> None:
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
-    if device != "auto" and device != "cpu" and not device.startswith("cuda"):
-        raise EvalInputError(f"--device {device!r} is not allowed; use auto, cpu, cuda or cuda:N")
-
-
-def check_out_folder(out_dir: str | Path | None) -> None:
-    """The report folder must be a folder or not exist yet."""
-    if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
-        raise EvalInputError(f"--out {out_dir}: exists and is not a folder")
+    if not DEVICE_NAME.fullmatch(device):
+        raise EvalInputError(f"--device {shown(device)} is not allowed; use auto, cpu, cuda or cuda:N")
 
 
 def data_source(data: str | None, num_sequences: int, sequence_length: int) -> str:
@@ -154,7 +149,7 @@ def load_inputs(paths: Sequence[str | Path], model: str | None, device: str, *, 
     if len({json.dumps(b.meta["kv_layout"], sort_keys=True) for b in loaded}) > 1:
         raise EvalInputError("the bundles have different KV layouts (loop counts); evaluate them separately")
     steps = loaded[0].quantizer.kv.loop_steps
-    model_obj, tokenizer = load_model(folder, dtype, pick_device(device), loop_steps=steps, key=key)
+    model_obj, tokenizer = load_model(folder, dtype, pick_device(device, "--device"), loop_steps=steps, key=key)
     if model_obj.kv_layout() != loaded[0].quantizer.kv:
         raise EvalInputError(f"{loaded[0].path}: its KV layout does not match model {model} at {steps} loop steps")
     return EvalInputs(loaded, model_obj, tokenizer, model)

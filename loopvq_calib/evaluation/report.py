@@ -11,12 +11,14 @@ plots, like the paper's tables.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
 from typing import Any
 
 from ..bundle.format import json_safe
+from .out_folder import write_out_files
 from .served import primary_metric
 
 
@@ -82,19 +84,19 @@ def markdown_report(report: dict[str, Any]) -> str:
 
 
 def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
-    """Write report.json, report.md and the plots into ``out_dir``; returns the written paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = [out_dir / "report.json", out_dir / "report.md"]
+    """Write report.json, report.md and the plots into ``out_dir`` under ``--out``'s rules
+    (:mod:`loopvq_calib.evaluation.out_folder`: never through a link, never over a file loopvq-eval did not write);
+    returns the written paths."""
     # strict JSON, as loopvq-push reads it: non-finite numbers as the strings "nan", "inf", "-inf"
-    written[0].write_text(json.dumps(json_safe(report), indent=1, allow_nan=False) + "\n", encoding="utf-8")
-    written[1].write_text(markdown_report(report), encoding="utf-8")
-    return written + write_plots(report, out_dir)
+    files = {"report.json": (json.dumps(json_safe(report), indent=1, allow_nan=False) + "\n").encode("utf-8"),
+             "report.md": markdown_report(report).encode("utf-8")}
+    return write_out_files(out_dir, {**files, **plots(report)})
 
 
-def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
+def plots(report: dict[str, Any]) -> dict[str, bytes]:
     """kl_by_method.png, kl_per_step.png, nmse_per_step.png, finetune_curve.png when any bundle has a curve,
     served_accuracy.png when the report has task or passkey results and accuracy_vs_bytes.png when it has task
-    results; returns the written paths."""
+    results: name -> PNG bytes."""
     plt = _pyplot()
     rows, steps = report["bundles"], report["loop_steps"]
     figures = {"kl_by_method.png": lambda: _kl_by_method(plt, rows),
@@ -109,13 +111,14 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     points = accuracy_points(served) if served.get("tasks") else []
     if points:
         figures["accuracy_vs_bytes.png"] = lambda: _accuracy_vs_bytes(plt, points)
-    out = []
+    out = {}
     for name, draw in figures.items():  # each figure drawn, saved and closed before the next
         fig = draw()
         fig.tight_layout()
-        fig.savefig(out_dir / name, dpi=110)
+        image = io.BytesIO()
+        fig.savefig(image, format="png", dpi=110)
         plt.close(fig)
-        out.append(out_dir / name)
+        out[name] = image.getvalue()
     return out
 
 

@@ -1,17 +1,17 @@
 """Load a looped model by hub id or folder, check a model folder's files before any work, and compute the
 identity a bundle is tied to.
 
-:func:`check_model_folder` reads what a run needs without loading weights: config.json (UTF-8, JSON, a supported
-``model_type``, a config transformers accepts), the weight files (every shard the index names present, each
-safetensors header whole and its tensors inside the file) and the tokenizer's files. Each failure is a
-:class:`ModelLoadError` naming the config key or flag and the file."""
+:func:`check_model_folder` reads what a run needs without loading weights (models/files.py): every entry a regular
+file, config.json (UTF-8, JSON, a supported ``model_type``, sizes within the caps of models/limits.py, a config
+transformers accepts), the weight files (every shard the index names present, each safetensors header whole and
+its tensors inside the file) and the tokenizer's files. Each failure is a :class:`ModelLoadError` naming the
+config key or flag and the file."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,18 +22,26 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..config.schema import DTYPE_NAMES
 from ..config.source import first_line, looks_local, shown
+from .files import (
+    WEIGHTS_INDEX,
+    ModelLoadError,
+    check_folder_entries,
+    check_tokenizer_files,
+    config_sha256,
+    content_hash,
+    read_config_json,
+    safetensors_header,
+    weight_files,
+    weight_shapes,
+)
+from .limits import check_config_sizes
 
+__all__ = ["WEIGHTS_INDEX", "ModelIdentity", "ModelLoadError", "check_model_folder", "check_weights_match",
+           "hub_snapshot", "load_model", "load_tokenizer", "model_identity", "model_skeleton", "model_window",
+           "pick_device", "read_model_config", "resolve_model_dir", "weight_files"]
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the config's dtype names as torch dtypes
 NATIVE_TYPES = ("ouro", "huginn_raven")
-WEIGHTS_INDEX = "model.safetensors.index.json"
-# any one of these makes a tokenizer (fast tokenizer.json, sentencepiece, BPE vocab + merges, WordPiece vocab)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
 WINDOW_FIELDS = {"ouro": "max_position_embeddings", "huginn_raven": "block_size"}  # config.json's window
-
-
-class ModelLoadError(RuntimeError):
-    """The model cannot be found, a file of its folder is missing or broken, or it is not a supported looped
-    architecture; names the config key (or flag) and the file."""
 
 
 def resolve_model_dir(name_or_path: str, revision: str | None = None, key: str = "model.name_or_path") -> Path:
@@ -70,60 +78,14 @@ def hub_snapshot(repo_id: str, revision: str | None, key: str, *, what: str, pat
     try:
         return snapshot_download(repo_id, revision=revision, local_files_only=offline, allow_patterns=patterns)
     except Exception as err:
-        hint = (f" (offline mode: HF_HUB_OFFLINE is set and {shown(repo_id)} is not in the local hub cache)"
-                if offline else f" ({type(err).__name__}: {first_line(err)})")
-        raise ModelLoadError(f"{key}: could not get the {what} {shown(repo_id)} (revision {shown(revision)}) from "
-                             f"the Hugging Face Hub{hint}") from err
-
-
-SAMPLE_CHUNKS = 64
-SAMPLE_BYTES = 1 << 16
-
-
-def _safetensors_header_hash(path: Path) -> str:
-    return hashlib.sha256(safetensors_header(path)).hexdigest()
-
-
-def safetensors_header(path: Path, key: str = "") -> bytes:
-    """The JSON header of a safetensors file, checked: whole, valid JSON, every tensor's bytes inside the file
-    (a truncated or cut download fails here, naming the file, instead of deep inside the loader)."""
-    where = f"{key}: {path}" if key else str(path)
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        if size < 8:
-            raise ModelLoadError(f"{where}: not a safetensors file ({size} bytes; truncated?)")
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > size - 8:
-            raise ModelLoadError(f"{where}: truncated: its header says {n:,} bytes, the file holds {size - 8:,} after "
-                                 "the length")
-        header = f.read(n)
-    try:
-        entries = json.loads(header.decode("utf-8"))
-        ends = [int(e["data_offsets"][1]) for name, e in entries.items() if name != "__metadata__"]
-    except (UnicodeDecodeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
-        raise ModelLoadError(f"{where}: not a safetensors file (its header is no valid tensor table: "
-                             f"{type(err).__name__})") from err
-    if 8 + n + max(ends, default=0) > size:
-        raise ModelLoadError(f"{where}: truncated: its tensors need {8 + n + max(ends):,} bytes, the file has "
-                             f"{size:,}")
-    return header
-
-
-def _content_hash(path: Path) -> dict[str, str]:
-    """``sample_sha256``: a sha256 over 64 evenly spaced 64 KiB chunks, which any change of the weight
-    values (a fine-tune) alters; plus ``sha256``, the whole file's, when the hub cache names the blob by it
-    (free). The sampled hash is always there, so a hub-cache copy and a plain copy of the same files compare."""
-    size = path.stat().st_size
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for i in range(SAMPLE_CHUNKS):
-            f.seek(max(0, (size - SAMPLE_BYTES) * i // max(SAMPLE_CHUNKS - 1, 1)))
-            h.update(f.read(SAMPLE_BYTES))
-    out = {"sample_sha256": h.hexdigest()}
-    target = path.resolve()
-    if target != path.absolute() and len(target.name) == 64 and all(c in "0123456789abcdef" for c in target.name):
-        out["sha256"] = target.name
-    return out
+        local = ("--set model.name_or_path=<local folder>" if key == "model.name_or_path" else
+                 f"pass a local folder to {key}" if key.startswith("--") else "give a local folder instead")
+        hint = (f" (offline mode: HF_HUB_OFFLINE is set and {shown(repo_id)} is not in the local hub cache); "
+                f"{local}, or unset HF_HUB_OFFLINE to download it" if offline
+                else f" ({type(err).__name__}: {first_line(err)}); {local}, or check the network")
+        at = f" at revision {shown(revision)}" if revision is not None else ""
+        raise ModelLoadError(f"{key}: could not get the {what} {shown(repo_id)}{at} from the Hugging Face "
+                             f"Hub{hint}") from err
 
 
 @dataclass
@@ -151,35 +113,15 @@ class ModelIdentity:
 
 def model_identity(folder: Path, name: str, revision: str | None = None) -> ModelIdentity:
     """Hash config.json and describe each safetensors file by name, size, header hash (tensor names,
-    dtypes, shapes, offsets) and a content hash (:func:`_content_hash`): cheap even for 15 GB checkpoints."""
-    config_bytes = (folder / "config.json").read_bytes()
+    dtypes, shapes, offsets) and a content hash (:func:`~loopvq_calib.models.files.content_hash`): cheap even for
+    15 GB checkpoints."""
     weights = [
-        {"file": p.name, "bytes": p.stat().st_size, "header_sha256": _safetensors_header_hash(p), **_content_hash(p)}
+        {"file": p.name, "bytes": p.stat().st_size, "header_sha256": hashlib.sha256(safetensors_header(p)).hexdigest(),
+         **content_hash(p)}
         for p in sorted(folder.glob("*.safetensors"))
     ]
     model_type = read_config_json(folder).get("model_type", "")
-    return ModelIdentity(name, revision, model_type, hashlib.sha256(config_bytes).hexdigest(), weights)
-
-
-def read_config_json(folder: Path, key: str = "") -> dict[str, Any]:
-    """config.json's mapping; a missing, non-UTF-8, invalid or non-object file is a ModelLoadError naming the
-    file and where in it."""
-    path = folder / "config.json"
-    where = f"{key}: {path}" if key else str(path)
-    if not path.is_file():
-        raise ModelLoadError(f"{key + ': ' if key else ''}{folder} has no config.json")
-    try:
-        raw = json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as err:
-        raise ModelLoadError(f"{where} is not UTF-8 text (byte {err.start}: {err.object[err.start:err.start + 1]!r})"
-                             ) from err
-    except json.JSONDecodeError as err:
-        raise ModelLoadError(f"{where} is not valid JSON: {err.msg} (line {err.lineno}, column {err.colno})") from err
-    except RecursionError as err:
-        raise ModelLoadError(f"{where} is nested too deeply to read") from err
-    if not isinstance(raw, dict):
-        raise ModelLoadError(f"{where} must hold a JSON object, not {type(raw).__name__}")
-    return raw
+    return ModelIdentity(name, revision, model_type, config_sha256(folder), weights)
 
 
 def read_model_config(folder: Path, key: str = "model.name_or_path") -> Any:
@@ -191,6 +133,7 @@ def read_model_config(folder: Path, key: str = "model.name_or_path") -> Any:
             f"{key}: model_type {shown(raw.get('model_type'))} in {folder}/config.json is not a supported looped "
             f"model; supported: {', '.join(NATIVE_TYPES)}"
         )
+    check_config_sizes(raw, folder / "config.json", key)
     try:
         return AutoConfig.from_pretrained(folder)
     except (ValueError, TypeError, KeyError, OSError) as err:
@@ -213,68 +156,45 @@ def model_window(config: Any) -> tuple[int, str]:
 def check_model_folder(folder: Path, key: str = "model.name_or_path") -> Any:
     """Every file a run reads from a model folder, checked without loading weights (module docstring);
     returns the transformers config."""
+    check_folder_entries(folder, key)
     config = read_model_config(folder, key)
-    check_weight_files(folder, key)
+    for path in weight_files(folder, key):
+        safetensors_header(path, key)
     check_tokenizer_files(folder, key)
     return config
 
 
-def weight_files(folder: Path, key: str = "model.name_or_path") -> list[Path]:
-    """The safetensors files of a model folder: the shards ``model.safetensors.index.json`` names (each must be
-    there, a plain file name in the folder), else every ``*.safetensors``; none is an error."""
-    index = folder / WEIGHTS_INDEX
-    if not index.is_file():
-        found = sorted(folder.glob("*.safetensors"))
-        if not found:
-            raise ModelLoadError(f"{key}: {folder} has no weights (model.safetensors, or {WEIGHTS_INDEX} and the "
-                                 "shards it names)")
-        return found
+def model_skeleton(model_config: Any, key: str = "model.name_or_path") -> torch.nn.Module:
+    """The model ``model_config`` describes, built on the meta device (no memory, no weights read); a config.json
+    that builds no model is a ModelLoadError naming it."""
     try:
-        weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
-        shards = sorted(set(weight_map.values()))
-    except (UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as err:
-        raise ModelLoadError(f"{key}: {index} is not a valid weight index (JSON with a weight_map of tensor -> "
-                             f"file): {type(err).__name__}") from err
-    for shard in shards:
-        if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
-            raise ModelLoadError(f"{key}: {index} names {shown(shard)}, not a file name in {folder}")
-        if not (folder / shard).is_file():
-            raise ModelLoadError(f"{key}: {folder / shard} is missing ({WEIGHTS_INDEX} names it)")
-    return [folder / shard for shard in shards]
-
-
-def check_weight_files(folder: Path, key: str = "model.name_or_path") -> None:
-    """Every weight file there (:func:`weight_files`) and whole (:func:`safetensors_header`)."""
-    for path in weight_files(folder, key):
-        safetensors_header(path, key)
-
-
-def weight_names(folder: Path, key: str = "model.name_or_path") -> set[str]:
-    """The names of every tensor the folder's weight files hold (read from their checked headers)."""
-    names: set[str] = set()
-    for path in weight_files(folder, key):
-        names.update(name for name in json.loads(safetensors_header(path, key)) if name != "__metadata__")
-    return names
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(model_config)
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as err:
+        where = Path(model_config.name_or_path) / "config.json"
+        raise ModelLoadError(f"{key}: {where} describes no model that can be built: "
+                             f"{type(err).__name__}: {first_line(err)}") from err
 
 
 def check_weights_match(model: torch.nn.Module, folder: Path, key: str = "model.name_or_path") -> None:
-    """The folder's weights are this model's: a config.json whose ``model_type`` builds a model most of whose
-    parameters have no tensor of that name in the shards (another architecture's weights) is a ModelLoadError.
-    Half is the bar, so tied or renamed tensors that transformers maps on loading never trip it."""
-    expected = [name for name, _ in model.named_parameters()]
-    present = weight_names(folder, key)
+    """The folder's weights are this model's (read from the safetensors headers: no weights loaded): a config.json
+    whose ``model_type`` builds a model most of whose parameters have no tensor of that name in the shards
+    (another architecture's weights) is a ModelLoadError, and so is a tensor whose shape in the shards is not the
+    one config.json gives it. Half is the bar for names, so tied or renamed tensors that transformers maps on
+    loading never trip it."""
+    expected = dict(model.named_parameters())
+    present = weight_shapes(folder, key)
     missing = [name for name in expected if name not in present]
     if expected and len(missing) * 2 > len(expected):
         raise ModelLoadError(f"{key}: the weights in {folder} are not those of its config.json's model_type "
                              f"{shown(model.config.model_type)}: {len(missing)} of the {len(expected)} tensors it "
                              f"needs are not in the weight files (e.g. {', '.join(missing[:3])})")
-
-
-def check_tokenizer_files(folder: Path, key: str = "model.name_or_path") -> None:
-    """The folder holds a tokenizer's files (one of TOKENIZER_FILES, or a ``*.tiktoken``)."""
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES) and not any(folder.glob("*.tiktoken")):
-        raise ModelLoadError(f"{key}: {folder} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} or *.tiktoken "
-                             "is there (copy the tokenizer's files from the model's hub repo)")
+    for name, param in expected.items():
+        if name in present and present[name][1] != list(param.shape):
+            file, shape = present[name]
+            raise ModelLoadError(f"{key}: {file}: tensor {shown(name)} has shape {shape}, but {folder}/config.json "
+                                 f"describes a model whose {name} is {list(param.shape)} (config.json and the "
+                                 "weights disagree)")
 
 
 def load_tokenizer(folder: Path, key: str = "model.name_or_path") -> Any:
@@ -308,10 +228,9 @@ def load_model(folder: Path, dtype: str, device: torch.device, *, loop_steps: in
                key: str = "model.name_or_path") -> tuple[Any, Any]:
     """(model in eval mode with frozen weights, tokenizer) from a hub-layout folder, checked first
     (:func:`check_model_folder`)."""
-    check_model_folder(folder, key)
+    check_weights_match(model_skeleton(check_model_folder(folder, key), key), folder, key)
     # read straight onto the device (the same tensors as loading on the CPU and moving the model there)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=TORCH_DTYPES[dtype], device_map={"": str(device)}).eval()
-    check_weights_match(model, folder, key)
     for p in model.parameters():
         p.requires_grad_(False)
     set_loop_steps(model, loop_steps)

@@ -57,7 +57,7 @@ def test_evaluation_results_become_model_index(bundle_dir):
     task = results[("loopvq_recall", "exact_match")]
     assert task.metric_value == 0.5 and "sinks 8, recent window 64" in task.metric_name
     assert results[("passkey 256 tokens", "accuracy")].metric_value == 0.8
-    assert "| exact_match,answer | loopvq_recall | 0.5 | 0.75 |" in card.content
+    assert "| exact_match,answer | `loopvq_recall` | 0.5 | 0.75 |" in card.content
     with pytest.raises(EvalReportError, match="no bundle named 'other' .*has: " + meta["name"]):
         evaluation_for(eval_report(meta), "other")  # a baseline row is never a bundle
 
