@@ -52,11 +52,11 @@ class DataConfig:
 
 @dataclass
 class QuantConfig:
-    method: str = DEFAULT_METHOD  # a registered method (config/methods/): cq | tasq | loopvq | tasq+loopvq
+    method: str = DEFAULT_METHOD  # a method registered in config/methods.py
     bits: float | None = 0.5  # per element; must equal log2(codebook_size) / group_size
     codebook_size: int = 256  # K
     group_size: int = 16  # G coordinates per code
-    steps_per_block: int = 4  # T_c (loop-axis methods); cq/tasq use 1
+    steps_per_block: int = 4  # T_c (loop-axis methods); channel-only methods use 1
     codebook_sharing: str = "none"  # none | heads | groups | all
 
     @property
