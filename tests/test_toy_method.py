@@ -1,6 +1,7 @@
 """A quantization method registered here alone runs through the whole toolkit: calibrate -> bundle -> load_bundle ->
 served decode. The toy is a loop-axis method with a layout rule of its own (strided channels), declared with
-``register_method`` and a ``LOOP_LAYOUTS`` entry, both undone after the test; no module of the package changes."""
+``register_method`` and a ``LOOP_LAYOUTS`` entry, both undone after the test; no module of the package changes. A
+method that declares no fused decode is served by the cache's reference path."""
 
 from __future__ import annotations
 
