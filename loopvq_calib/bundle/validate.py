@@ -17,7 +17,8 @@ import torch
 
 from ..codes.codec import code_bits, sigma_bits
 from ..codes.layouts import KINDS, BlockLayout, codebook_shape
-from ..config.schema import DTYPE_NAMES, METHODS, SHARING
+from ..config.methods import get_method, method_names, methods
+from ..config.schema import DTYPE_NAMES, SHARING
 from ..config.source import shown
 from ..config.validate import MAX_LOOP_STEPS
 from ..models.loading import TORCH_DTYPES
@@ -25,8 +26,6 @@ from .format import FORMAT_VERSION, META_FILE, TENSOR_FILE, BundleError, file_na
 
 ROPE_STYLES = ("half", "interleaved")
 STAGES = ("loop", "prelude", "coda")
-TASQ_METHODS = ("tasq", "tasq+loopvq")
-CHANNEL_METHODS = ("cq", "tasq")
 _NUMBER = (int, float)
 _REQUIRED: dict[str, type | tuple[type, ...]] = {  # section 2: all present in 1.0
     "format": str, "producer": dict, "created": str, "name": str, "method": str, "bits": dict, "bits_detail": dict,
@@ -118,7 +117,7 @@ def _check_text(meta: dict[str, Any], file: Path) -> None:
 
 
 def _check_enums(meta: dict[str, Any], file: Path) -> None:
-    _choice(meta["method"], METHODS, "method", file)
+    _choice(meta["method"], method_names(), "method", file)
     _choice(meta["codebook_sharing"], SHARING, "codebook_sharing", file)
     _choice(meta["codebook_dtype"], DTYPE_NAMES, "codebook_dtype", file)
     _choice(meta["rope"]["style"], ROPE_STYLES, "rope.style", file)
@@ -150,8 +149,9 @@ def _check_sizes(meta: dict[str, Any], file: Path) -> None:
     if kv["loop_steps"] % meta["steps_per_block"]:
         raise BundleError(f"{file}: field steps_per_block {meta['steps_per_block']} does not divide "
                           f"kv_layout.loop_steps {kv['loop_steps']}")
-    if meta["method"] in CHANNEL_METHODS and meta["steps_per_block"] != 1:
-        raise BundleError(f"{file}: field steps_per_block must be 1 for method {meta['method']!r}, got "
+    want = get_method(meta["method"]).block_steps(meta["steps_per_block"])
+    if meta["steps_per_block"] != want:
+        raise BundleError(f"{file}: field steps_per_block must be {want} for method {meta['method']!r}, got "
                           f"{meta['steps_per_block']}")
     theta = meta["rope"]["theta"]
     if not math.isfinite(theta) or theta <= 0:
@@ -327,9 +327,10 @@ def _check_block_tasq(b: dict[str, Any], method: str, where: str) -> None:
         if sigma_min is not None:
             raise BundleError(f"{where}: field sigma_min must be null when tasq is false, got {shown(sigma_min)}")
         return
-    if b["kind"] != "key" or method not in TASQ_METHODS:
+    if not get_method(method).tasq_on(b["kind"]):
+        tasq_methods = ", ".join(m.name for m in methods() if m.uses_tasq)
         raise BundleError(f"{where}: field tasq is true, but TaSQ applies to key blocks of methods "
-                          f"{', '.join(TASQ_METHODS)} only (this is a {b['kind']} block of {method!r})")
+                          f"{tasq_methods} only (this is a {b['kind']} block of {method!r})")
     if not isinstance(sigma_min, _NUMBER) or isinstance(sigma_min, bool) or not math.isfinite(sigma_min) \
             or sigma_min <= 0:
         raise BundleError(f"{where}: field sigma_min must be a finite number > 0 for a TaSQ block, got "

@@ -17,7 +17,7 @@ the cache's byte count is their actual storage.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -58,7 +58,7 @@ class StoredCodes:
         """The stored tensors (the fields that are set)."""
         return [getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None]
 
-    def select(self, beam_idx: torch.Tensor) -> "StoredCodes":
+    def select(self, beam_idx: torch.Tensor) -> StoredCodes:
         """Reorder the batch: each tensor's rows are split evenly over the batch elements."""
         def pick(t: torch.Tensor) -> torch.Tensor:
             idx = beam_idx.to(t.device)
@@ -176,6 +176,7 @@ class BaselineQuantizer:
     group_size: int | None = None
     steps_per_block: int = 1
     sharing: str = "none"
+    fused_decode: ClassVar[bool] = False  # the fused decode kernels read calibrated codes only
 
     def quantize_sites(self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor],
                        dtype: torch.dtype | None = None) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
@@ -205,7 +206,7 @@ class BaselineQuantizer:
         """0: a baseline has no codebooks."""
         return 0
 
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "BaselineQuantizer":
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> BaselineQuantizer:
         """Nothing to move (no tensors); returns self."""
         return self
 

@@ -9,6 +9,7 @@ in code order. The groups of one head partition its T_c * D coordinates.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,7 @@ class BlockLayout:
                 "kv_heads": self.kv_heads}
 
     @classmethod
-    def from_dict(cls, d: dict, groups: torch.Tensor) -> "BlockLayout":
+    def from_dict(cls, d: dict, groups: torch.Tensor) -> BlockLayout:
         """The layout :meth:`to_dict` described, with its ``groups`` tensor."""
         return cls(d["name"], d["kind"], tuple(d["sites"]), d["head_dim"], d["kv_heads"], groups)
 
@@ -98,17 +99,24 @@ def loop_axis_groups(head_dim: int, steps: int, group_size: int) -> torch.Tensor
     return (m * head_dim + g * c + i).reshape(head_dim // c, group_size)
 
 
+# the default groups of a block of several loop steps, by the name a method's ``loop_layout`` gives:
+# (head_dim, steps, group_size) -> [n_groups, G] flat coordinates
+LOOP_LAYOUTS: dict[str, Callable[[int, int, int], torch.Tensor]] = {"loop-axis": loop_axis_groups}
+
+
 def plan_layouts(kv: KVLayout, quant: QuantConfig) -> list[BlockLayout]:
     """The default layouts of a method, for keys and values of every block.
 
-    Loop-axis methods group looped sites in blocks of T_c steps; non-looped sites (Huginn prelude and
-    coda) and channel-only methods use CQ groups. TaSQ methods later replace the key groups with the
-    permutation fitted by the TaSQ stage (:mod:`loopvq_calib.calibration.tasq.grouping`).
+    Loop-axis methods group looped sites in blocks of T_c steps by their ``loop_layout`` rule
+    (:data:`LOOP_LAYOUTS`); non-looped sites (Huginn prelude and coda) and channel-only methods use CQ groups. TaSQ
+    methods later replace the key groups with the permutation fitted by the TaSQ stage
+    (:mod:`loopvq_calib.calibration.tasq.grouping`).
     """
+    loop_groups = LOOP_LAYOUTS[quant.declaration.loop_layout] if quant.loop_axis else None
     out = []
     for block in kv.blocks(quant.block_steps):
         if block.steps > 1:
-            groups = loop_axis_groups(kv.head_dim, block.steps, quant.group_size)
+            groups = loop_groups(kv.head_dim, block.steps, quant.group_size)
         else:
             groups = channel_groups(kv.head_dim, quant.group_size)
         sites = tuple(s.site for s in block.sites)

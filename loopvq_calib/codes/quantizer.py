@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..config.methods import get_method
 from ..models.sites import KVLayout
 from .codec import BlockCodec, TasqTransform, code_bits, sigma_bits
 from .layouts import BlockLayout
@@ -48,6 +49,11 @@ class KVQuantizer:
             for site, part in zip(lay.sites, y.unbind(1)):  # one backward copy per block, not one per site
                 out[lay.kind][site] = part.reshape(first.shape)
         return out["key"], out["value"]
+
+    @property
+    def fused_decode(self) -> bool:
+        """Whether decode steps may attend from these codes in the fused kernels (the method's declaration says)."""
+        return get_method(self.method).fused_decode
 
     def parameters(self) -> list[torch.Tensor]:
         """Every codec's codebook."""
@@ -95,7 +101,7 @@ class KVQuantizer:
 
     @classmethod
     def from_tensors(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
-                     dtype: torch.dtype = torch.float32) -> "KVQuantizer":
+                     dtype: torch.dtype = torch.float32) -> KVQuantizer:
         """The quantizer :meth:`meta` and :meth:`tensors` describe, codebooks in ``dtype``."""
         kv = KVLayout.from_dict(meta["kv_layout"])
         codecs = {}
@@ -108,7 +114,7 @@ class KVQuantizer:
         return cls(codecs, meta["method"], meta["codebook_size"], meta["group_size"], meta["steps_per_block"],
                    meta["codebook_sharing"], kv)
 
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "KVQuantizer":
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> KVQuantizer:
         """Move codebooks (and TaSQ weights) in place; returns self."""
         for c in self.codecs.values():
             c.codebook = c.codebook.detach().to(device=device, dtype=dtype or c.codebook.dtype)

@@ -1,3 +1,4 @@
 """Configuration: the one config tree of ``loopvq-calibrate`` (``schema``), read from YAML and ``--set``
-overrides (``source``, ``load``) and checked in one place (``validate``). Imports nothing else of the toolkit.
+overrides (``source``, ``load``) and checked in one place (``validate``), and the registry of quantization methods
+that the config names (``methods``). Imports nothing else of the toolkit.
 """

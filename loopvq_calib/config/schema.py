@@ -10,7 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-METHODS = ("cq", "tasq", "loopvq", "tasq+loopvq")
+from .methods import DEFAULT_METHOD, QuantMethod, get_method, method_names
+
 SHARING = ("none", "heads", "groups", "all")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CAPTURE_STORES = ("auto", "device", "memory", "disk")
@@ -20,7 +21,6 @@ DATA_TYPES = ("auto", "hub", "text", "json", "jsonl", "parquet")
 TEXT_SAMPLE_BY = ("line", "paragraph", "document")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 PARAMETERIZATIONS = ("codewords", "affine")
-TASQ_GROUPINGS = ("free", "channels")
 AUTOCAST_MODES = ("auto", "bfloat16", "none")
 CACHE_TEACHER = ("auto", "true", "false")
 
@@ -52,22 +52,28 @@ class DataConfig:
 
 @dataclass
 class QuantConfig:
-    method: str = "loopvq"  # cq | tasq | loopvq | tasq+loopvq
+    method: str = DEFAULT_METHOD  # a method registered in config/methods.py
     bits: float | None = 0.5  # per element; must equal log2(codebook_size) / group_size
     codebook_size: int = 256  # K
     group_size: int = 16  # G coordinates per code
-    steps_per_block: int = 4  # T_c (loop-axis methods); cq/tasq use 1
+    steps_per_block: int = 4  # T_c (loop-axis methods); channel-only methods use 1
     codebook_sharing: str = "none"  # none | heads | groups | all
 
     @property
+    def declaration(self) -> QuantMethod | None:
+        """The method's declaration (:mod:`loopvq_calib.config.methods`); None while ``method`` names none (a config
+        not validated yet)."""
+        return get_method(self.method) if self.method in method_names() else None
+
+    @property
     def loop_axis(self) -> bool:
-        """Whether codes span loop steps (``loopvq``, ``tasq+loopvq``)."""
-        return self.method in ("loopvq", "tasq+loopvq")
+        """Whether codes span loop steps (the method's declaration says)."""
+        return self.declaration is not None and self.declaration.loop_axis
 
     @property
     def uses_tasq(self) -> bool:
-        """Whether the method has a TaSQ stage (``tasq``, ``tasq+loopvq``)."""
-        return self.method in ("tasq", "tasq+loopvq")
+        """Whether the method has a TaSQ stage (the method's declaration says)."""
+        return self.declaration is not None and self.declaration.uses_tasq
 
     @property
     def block_steps(self) -> int:

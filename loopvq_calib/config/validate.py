@@ -9,6 +9,7 @@ import math
 import re
 from typing import Any
 
+from .methods import TASQ_GROUPINGS, method_names
 from .schema import (
     AUTOCAST_MODES,
     CACHE_TEACHER,
@@ -18,10 +19,8 @@ from .schema import (
     KMEANS_BACKENDS,
     KMEANS_INITS,
     LR_SCHEDULES,
-    METHODS,
     PARAMETERIZATIONS,
     SHARING,
-    TASQ_GROUPINGS,
     TEXT_SAMPLE_BY,
     CaptureConfig,
     Config,
@@ -131,7 +130,7 @@ def _validate_data(d: DataConfig, finetune_enabled: bool) -> None:
 
 
 def _validate_quant(q: QuantConfig) -> None:
-    _choice("quant.method", q.method, METHODS)
+    _choice("quant.method", q.method, method_names())
     _choice("quant.codebook_sharing", q.codebook_sharing, SHARING)
     if q.codebook_size < 2 or q.codebook_size & (q.codebook_size - 1) or q.codebook_size > 65536:
         raise ConfigError("quant.codebook_size", f"must be a power of two in [2, 65536], got {q.codebook_size}")
@@ -170,8 +169,10 @@ def _validate_kmeans(k: KMeansConfig) -> None:
             _positive(f"kmeans.{name}", getattr(k, name))
 
 
-def _validate_tasq(t: TasqConfig) -> None:
+def _validate_tasq(t: TasqConfig, q: QuantConfig) -> None:
     _choice("tasq.grouping", t.grouping, TASQ_GROUPINGS)
+    if q.uses_tasq:
+        _choice("tasq.grouping", t.grouping, q.declaration.tasq_groupings)
     for name in ("det_eps", "sigma_min", "weight_floor"):
         _positive(f"tasq.{name}", getattr(t, name))
     if t.weight_floor >= 1:
@@ -227,7 +228,7 @@ def validate(cfg: Config) -> Config:
     _validate_quant(cfg.quant)
     validate_capture(cfg.capture, cfg.quant)
     _validate_kmeans(cfg.kmeans)
-    _validate_tasq(cfg.tasq)
+    _validate_tasq(cfg.tasq, cfg.quant)
     validate_finetune(cfg.finetune)
     _validate_output(cfg.output, cfg.data)
     return cfg

@@ -135,7 +135,7 @@ class QuantizedLoopKVCache:
         that cannot run here is refused before the cache changes."""
         if self.backend is Backend.TORCH or self.store != "indices" or q.shape[1] != 1:
             return None
-        if not isinstance(self.quantizer, KVQuantizer):  # a baseline's codes: the kernels read LoopVQ codes only
+        if not self.quantizer.fused_decode:  # a baseline's codes (or a method's that declares so): the reference path
             if self.backend is not Backend.AUTO:
                 raise BackendUnavailable(f"backend={self.backend.value!r} reads LoopVQ codes; "
                                  f"{type(self.quantizer).__name__} has none")

@@ -15,6 +15,7 @@ from conftest import write_tiny_bundle
 from loopvq_calib.bundle.format import meta_bytes
 from loopvq_calib.bundle.reader import BundleError, inspect_bundle, load_bundle
 from loopvq_calib.cli import inspect_main
+from loopvq_calib.config.methods import QuantMethod, register_method, unregister_method
 
 Edit = Callable[[dict[str, Any]], None]
 
@@ -116,3 +117,22 @@ def test_unknown_fields_are_ignored_and_known_ones_pass(bundle_dir):
     bundle = load_bundle(bundle_dir)
     assert bundle.meta["a_future_field"] == {"x": 1} and bundle.meta["kv_layout"]["sites"][0]["note"] == "new"
     assert bundle.quantizer.kv.sites[0].site == 0 and bundle.meta["rope"]["theta"] == before["rope"]["theta"] > 0
+
+
+@pytest.mark.parametrize("method,edit,message", [
+    (QuantMethod("toytasq", loop_layout="loop-axis", tasq_groupings=("free",)), setting("blocks", 1, "tasq", value=True),
+     r"TaSQ applies to key blocks of methods tasq, tasq\+loopvq, toytasq only \(this is a value block of 'toytasq'\)"),
+    (QuantMethod("toycq"), setting("blocks", 0, "tasq", value=False),
+     r"field steps_per_block must be 1 for method 'toycq', got 4"),
+])
+def test_the_method_rules_are_the_registered_declarations(bundle_dir, method, edit, message):
+    register_method(method)
+    try:
+        reseal(bundle_dir, setting("method", value=method.name))
+        if method.uses_tasq:
+            assert load_bundle(bundle_dir).quantizer.method == method.name  # a TaSQ loop-axis method, as tasq+loopvq
+        reseal(bundle_dir, edit)
+        with pytest.raises(BundleError, match=message):
+            load_bundle(bundle_dir)
+    finally:
+        unregister_method(method.name)
