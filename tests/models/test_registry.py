@@ -5,6 +5,7 @@ through the served cache; it is unregistered afterwards. Also the registry's own
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterator
@@ -221,10 +222,10 @@ def test_huginn_details_say_how_its_initial_state_is_drawn():
 
 
 def test_the_registry_refuses_a_second_architecture_for_a_type_and_mismatched_classes():
-    other = Architecture(**{**TOY.__dict__, "config_class": OuroConfig, "model_class": ToyLoopForCausalLM})
+    other = dataclasses.replace(TOY, config_class=OuroConfig)
     with pytest.raises(ValueError, match="ToyLoopForCausalLM.config_class is not OuroConfig"):
         register_architecture(other)
-    again = Architecture(**{**TOY.__dict__, "config_class": OuroConfig, "model_class": OuroForCausalLM})
+    again = dataclasses.replace(TOY, config_class=OuroConfig, model_class=OuroForCausalLM)
     with pytest.raises(ValueError, match="model_type 'ouro' is already registered \\(OuroForCausalLM\\)"):
         register_architecture(again)
     assert find_architecture(["ouro"]) is None  # any JSON value, even one that cannot be a key
