@@ -60,8 +60,7 @@ class ServedLM(LM):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model, self.tokenizer, self.make_cache = model, tokenizer, make_cache
         self.batch_size, self.seed = batch_size, seed
-        cfg = model.config
-        self.max_length = max_length or getattr(cfg, "max_position_embeddings", None) or cfg.block_size
+        self.max_length = max_length or model.window
         self.forward_kwargs = forward_kwargs or {}
         self.eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         self._device = next(model.parameters()).device

@@ -74,7 +74,7 @@ def run_passkey(model: torch.nn.Module, tokenizer: Any, entries: list[Any], *, l
                 seed: int = 0) -> dict[str, Any]:
     """Accuracy per prompt length for each entry (:class:`~loopvq_calib.evaluation.served.Entry`), on the same
     trials; lengths whose prompts and answers exceed the model's window raise ValueError."""
-    window = getattr(model.config, "max_position_embeddings", None) or model.config.block_size
+    window = model.window
     too_long = [n for n in lengths if n + NEW_TOKENS > window]
     if too_long:
         raise ValueError(f"--passkey-lengths {too_long}: prompts plus {NEW_TOKENS} new tokens exceed the model's "

@@ -82,16 +82,9 @@ def baseline_entries(model: torch.nn.Module, bundles: list[Any],
 
 
 def model_details(model: torch.nn.Module) -> dict[str, Any]:
-    """Loop count, and for Huginn the recurrence count and how the initial state is drawn."""
-    cfg = model.config
-    kv = model.kv_layout()
-    out: dict[str, Any] = {"model_type": cfg.model_type, "loop_steps": kv.loop_steps}
-    if cfg.model_type == "huginn_raven":
-        out["recurrences"] = cfg.mean_recurrence
-        out["initial_state"] = ("zero" if cfg.state_init == "zero" else
-                                f"{cfg.state_init}: truncated normal, std {cfg.init_values['std']}, times "
-                                f"{cfg.init_values['embed_scale']}, torch seed reset per request")
-    return out
+    """Loop count, and what the architecture adds (its ``loop_details`` hook: Huginn's recurrence count and how
+    the initial state is drawn)."""
+    return {"model_type": model.config.model_type, "loop_steps": model.kv_layout().loop_steps, **model.loop_details()}
 
 
 # -- task accuracy ----------------------------------------------------------------------------------------

@@ -1,15 +1,13 @@
-"""Native looped architectures (Ouro, Huginn) and the loop-site interface.
+"""Native looped architectures (Ouro, Huginn), their registry and the loop-site interface.
 
-Importing this package registers both model types with transformers' Auto classes, so
+Each architecture is one module that registers itself by ``model_type`` (``registry.py``); importing this package
+imports them all, which also registers each with transformers' Auto classes, so
 ``AutoModelForCausalLM.from_pretrained(folder)`` loads hub-layout checkpoints without trust_remote_code.
 """
 
-from transformers import AutoConfig, AutoModelForCausalLM
-
-from .base import CheckpointMismatchError, LoopCausalLMOutput
+from .base import CheckpointMismatchError, LoopCausalLMOutput, LoopedPreTrainedModel
 from .cache import LoopKVCache
-from .huginn import HuginnConfig, HuginnForCausalLM
-from .ouro import OuroConfig, OuroForCausalLM
+from .registry import Architecture, model_types, register_architecture, unregister_architecture
 from .sites import (
     KVLayout,
     KVRecorder,
@@ -20,11 +18,14 @@ from .sites import (
     kv_layout,
 )
 
-for _config, _model in ((OuroConfig, OuroForCausalLM), (HuginnConfig, HuginnForCausalLM)):
-    AutoConfig.register(_config.model_type, _config, exist_ok=True)
-    AutoModelForCausalLM.register(_config, _model, exist_ok=True)
+# the architectures, one module each, registered on import in this order (the order messages list them in)
+# isort: off
+from .ouro import OuroConfig, OuroForCausalLM
+from .huginn import HuginnConfig, HuginnForCausalLM
+# isort: on
 
 __all__ = [
+    "Architecture",
     "CheckpointMismatchError",
     "HuginnConfig",
     "HuginnForCausalLM",
@@ -34,9 +35,13 @@ __all__ = [
     "KVSubstituter",
     "LoopCausalLMOutput",
     "LoopKVCache",
+    "LoopedPreTrainedModel",
     "OuroConfig",
     "OuroForCausalLM",
     "SiteBlock",
     "kv_hook",
     "kv_layout",
+    "model_types",
+    "register_architecture",
+    "unregister_architecture",
 ]

@@ -1,9 +1,12 @@
-"""What the native looped models share: strict hub-layout loading, generation glue, the KV hook slot."""
+"""What the native looped models share: strict hub-layout loading, generation glue, the KV hook slot, and the hooks
+callers ask instead of comparing ``model_type`` (loop count, window, KV layout, initial state)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import field, make_dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,6 +17,8 @@ from transformers.utils import ModelOutput
 
 from .cache import LoopKVCache
 from .common import ForwardContext, RMSNorm, build_context, pick
+from .registry import Architecture, architecture_of
+from .sites import KVLayout
 
 
 class CheckpointMismatchError(ValueError):
@@ -45,7 +50,8 @@ def make_output(cache: LoopKVCache | None, **fields: Any) -> ModelOutput:
 
 
 class LoopedPreTrainedModel(PreTrainedModel):
-    """Base of the native Ouro and Huginn models."""
+    """Base of the native looped models; its hooks answer what callers would otherwise branch on ``model_type`` for
+    (the facts come from the model's registered :class:`~loopvq_calib.models.registry.Architecture`)."""
 
     supports_gradient_checkpointing = False
     _supports_sdpa = True
@@ -57,6 +63,39 @@ class LoopedPreTrainedModel(PreTrainedModel):
         self.kv_hook = None
         self.query_observer = None  # called with (site, pre-RoPE query [B,S,Hq,D], positions)
         self.loop_checkpointing = False  # activation checkpointing per loop step (training only)
+
+    @property
+    def architecture(self) -> Architecture:
+        """The registered architecture of this model's ``model_type``."""
+        return architecture_of(self.config)
+
+    @property
+    def loop_steps(self) -> int:
+        """The loop count the forward runs by default (the architecture's loop field of the config)."""
+        return getattr(self.config, self.architecture.loop_field)
+
+    def set_loop_steps(self, steps: int) -> None:
+        """Run ``steps`` loops from now on (Ouro ``total_ut_steps``, Huginn recurrences ``mean_recurrence``)."""
+        setattr(self.config, self.architecture.loop_field, steps)
+
+    @property
+    def window(self) -> int:
+        """The longest sequence the model takes (Ouro ``max_position_embeddings``, Huginn ``block_size``)."""
+        return self.architecture.window(self.config)[0]
+
+    def kv_layout(self, num_steps: int | None = None) -> KVLayout:
+        """The KV sites at ``num_steps`` loops (default: :attr:`loop_steps`): docs/loop-sites.md."""
+        raise NotImplementedError(f"{type(self).__name__} declares no kv_layout")
+
+    def seeded_initial_state(self, seed: int = 0) -> AbstractContextManager[None]:
+        """Within the block every forward of one sequence starts from the same initial state, drawn from ``seed``
+        and its tokens; a model whose initial state is not random (Ouro) has nothing to seed."""
+        return nullcontext()
+
+    def loop_details(self) -> dict[str, Any]:
+        """What an evaluation report records about the loop beyond its count (Huginn: recurrences and how the
+        initial state is drawn); nothing by default."""
+        return {}
 
     def _loop_step(self, step: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
         """One loop step, recomputed in the backward pass when ``loop_checkpointing`` is on and gradients flow."""

@@ -1,4 +1,5 @@
-"""Native Huginn-0125 (``model_type: "huginn_raven"``), as described in docs/architectures.md.
+"""Native Huginn-0125 (``model_type: "huginn_raven"``), as described in docs/architectures.md, registered as
+:data:`HUGINN`.
 
 Prelude blocks -> recurrent core iterated ``num_steps`` times with a linear adapter over
 [state, embedded input] -> coda blocks. Sandwich blocks normalise the residual sum. Weight names are
@@ -10,8 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +21,11 @@ from torch import nn
 from transformers import GenerationMixin, PretrainedConfig
 from transformers.utils import ModelOutput
 
+from ..config.validate import MAX_LOOP_STEPS
 from .base import LoopedPreTrainedModel, make_output
 from .common import ForwardContext, RMSNorm, attend
+from .limits import MAX_HEADS, MAX_INTERMEDIATE, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, MAX_WINDOW
+from .registry import Architecture, register_architecture
 from .sites import KVLayout, KVSite
 
 
@@ -207,7 +212,7 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         sites = [KVSite(i, 0, i, False, "prelude") for i in range(p)]
         sites += [KVSite(p + core * t + j, t, j, True, "loop") for t in range(r) for j in range(core)]
         sites += [KVSite(p + core * r + k, 0, k, False, "coda") for k in range(c.n_layers_in_coda)]
-        return KVLayout("huginn_raven", tuple(sites), r, c.n_heads, c.head_dim, "interleaved", c.rope_base)
+        return KVLayout(c.model_type, tuple(sites), r, c.n_heads, c.head_dim, "interleaved", c.rope_base)
 
     def initial_state(self, like: torch.Tensor, init_scale: float = 1.0,
                       input_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -248,6 +253,14 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
             yield
         finally:
             self._state_seed = previous
+
+    def loop_details(self) -> dict[str, Any]:
+        """The recurrence count and how the initial state is drawn (evaluation reports record both)."""
+        c = self.config
+        state = ("zero" if c.state_init == "zero" else
+                 f"{c.state_init}: truncated normal, std {c.init_values['std']}, times "
+                 f"{c.init_values['embed_scale']}, torch seed reset per request")
+        return {"recurrences": c.mean_recurrence, "initial_state": state}
 
     def _core_step(self, s: torch.Tensor, e: torch.Tensor, ctx: ForwardContext, t: int) -> torch.Tensor:
         """Recurrence ``t``: the adapter over [state, embedded input], then the core blocks (a checkpointed step:
@@ -303,3 +316,18 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
             logits=logits,
             loop_hidden_states=tuple(hidden) if output_loop_hidden_states else None,
         )
+
+
+HUGINN = register_architecture(Architecture(
+    config_class=HuginnConfig,
+    model_class=HuginnForCausalLM,
+    loop_field="mean_recurrence",
+    looped_layers_field="n_layers_in_recurrent_block",
+    window_field="block_size",
+    rope_base_field="rope_base",
+    size_caps={"n_layers": (1, MAX_LAYERS), "n_layers_in_prelude": (0, MAX_LAYERS),
+               "n_layers_in_recurrent_block": (1, MAX_LAYERS), "n_layers_in_coda": (0, MAX_LAYERS),
+               "mean_recurrence": (1, MAX_LOOP_STEPS), "n_heads": (1, MAX_HEADS), "n_embd": (1, MAX_WIDTH),
+               "intermediate_size": (1, MAX_INTERMEDIATE), "vocab_size": (1, MAX_VOCAB),
+               "padded_vocab_size": (1, MAX_VOCAB), "block_size": (1, MAX_WINDOW)},
+))

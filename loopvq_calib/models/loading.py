@@ -2,8 +2,8 @@
 identity a bundle is tied to.
 
 :func:`check_model_folder` reads what a run needs without loading weights (models/files.py): every entry a regular
-file, config.json (UTF-8, JSON, a supported ``model_type``, sizes within the caps of models/limits.py, a config
-transformers accepts), the weight files (every shard the index names present, each safetensors header whole and
+file, config.json (UTF-8, JSON, a ``model_type`` of models/registry.py, sizes within the caps of models/limits.py, a
+config transformers accepts), the weight files (every shard the index names present, each safetensors header whole and
 its tensors inside the file) and the tokenizer's files. Each failure is a :class:`ModelLoadError` naming the
 config key or flag and the file."""
 
@@ -35,13 +35,12 @@ from .files import (
     weight_shapes,
 )
 from .limits import check_config_sizes
+from .registry import architecture_of, find_architecture, model_types
 
 __all__ = ["WEIGHTS_INDEX", "ModelIdentity", "ModelLoadError", "check_model_folder", "check_weights_match",
            "hub_snapshot", "load_model", "load_tokenizer", "model_identity", "model_skeleton", "model_window",
            "pick_device", "read_model_config", "resolve_model_dir", "weight_files"]
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the config's dtype names as torch dtypes
-NATIVE_TYPES = ("ouro", "huginn_raven")
-WINDOW_FIELDS = {"ouro": "max_position_embeddings", "huginn_raven": "block_size"}  # config.json's window
 
 
 def resolve_model_dir(name_or_path: str, revision: str | None = None, key: str = "model.name_or_path") -> Path:
@@ -125,13 +124,13 @@ def model_identity(folder: Path, name: str, revision: str | None = None) -> Mode
 
 
 def read_model_config(folder: Path, key: str = "model.name_or_path") -> Any:
-    """config.json as a transformers config (no weights read; the models package registered ouro and
-    huginn_raven with AutoConfig when this module was imported); errors name the file."""
+    """config.json as a transformers config (no weights read; its architecture registered itself with AutoConfig:
+    models/registry.py); errors name the file."""
     raw = read_config_json(folder, key)
-    if raw.get("model_type") not in NATIVE_TYPES:
+    if find_architecture(raw.get("model_type")) is None:
         raise ModelLoadError(
             f"{key}: model_type {shown(raw.get('model_type'))} in {folder}/config.json is not a supported looped "
-            f"model; supported: {', '.join(NATIVE_TYPES)}"
+            f"model; supported: {', '.join(model_types())}"
         )
     check_config_sizes(raw, folder / "config.json", key)
     try:
@@ -144,13 +143,7 @@ def model_window(config: Any) -> tuple[int, str]:
     """The longest sequence the model takes (its RoPE and position range) and the config.json field it comes
     from: Ouro ``max_position_embeddings``, Huginn ``block_size``; anything but a positive integer there is a
     ModelLoadError naming the field and the file."""
-    name = WINDOW_FIELDS[config.model_type]
-    window = getattr(config, name, None)
-    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        where = Path(getattr(config, "name_or_path", "") or ".") / "config.json"
-        raise ModelLoadError(f"{where}: field {name} (the model's window) must be a positive integer, got "
-                             f"{shown(window)}")
-    return window, name
+    return architecture_of(config).window(config)
 
 
 def check_model_folder(folder: Path, key: str = "model.name_or_path") -> Any:
@@ -208,11 +201,9 @@ def load_tokenizer(folder: Path, key: str = "model.name_or_path") -> Any:
 
 
 def set_loop_steps(model: torch.nn.Module, steps: int | None) -> None:
-    """Override the loop count (Ouro ``total_ut_steps``, Huginn recurrences ``mean_recurrence``)."""
-    if steps is None:
-        return
-    attr = "total_ut_steps" if model.config.model_type == "ouro" else "mean_recurrence"
-    setattr(model.config, attr, steps)
+    """Override the loop count (the model's ``set_loop_steps`` hook) unless ``steps`` is None."""
+    if steps is not None:
+        model.set_loop_steps(steps)
 
 
 def pick_device(device: str, key: str = "model.device") -> torch.device:

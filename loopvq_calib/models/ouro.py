@@ -1,4 +1,4 @@
-"""Native Ouro (``model_type: "ouro"``), as described in docs/architectures.md.
+"""Native Ouro (``model_type: "ouro"``), as described in docs/architectures.md, registered as :data:`OURO`.
 
 The whole stack of ``num_hidden_layers`` layers runs ``total_ut_steps`` times with shared weights; the
 final norm is applied after every loop and fed forward. Weight names are the hub's.
@@ -14,8 +14,11 @@ from torch import nn
 from transformers import GenerationMixin, PretrainedConfig
 from transformers.utils import ModelOutput
 
+from ..config.validate import MAX_LOOP_STEPS
 from .base import LoopedPreTrainedModel, make_output
 from .common import ForwardContext, RMSNorm, SwiGLU, attend
+from .limits import MAX_HEADS, MAX_INTERMEDIATE, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, MAX_WINDOW
+from .registry import Architecture, register_architecture
 from .sites import KVLayout, KVSite
 
 
@@ -176,7 +179,7 @@ class OuroForCausalLM(LoopedPreTrainedModel, GenerationMixin):
             for t in range(steps)
             for l in range(c.num_hidden_layers)
         )
-        return KVLayout("ouro", sites, steps, c.num_key_value_heads, c.head_dim, "half", c.rope_theta)
+        return KVLayout(c.model_type, sites, steps, c.num_key_value_heads, c.head_dim, "half", c.rope_theta)
 
     def forward(
         self,
@@ -240,3 +243,17 @@ class OuroForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         step = reached.float().argmax(-1)  # first step reaching the threshold, [B, S]
         stacked = torch.stack(hidden, 0)  # [T, B, S, d]
         return stacked.gather(0, step[None, ..., None].expand(1, *stacked.shape[1:]))[0]
+
+
+OURO = register_architecture(Architecture(
+    config_class=OuroConfig,
+    model_class=OuroForCausalLM,
+    loop_field="total_ut_steps",
+    looped_layers_field="num_hidden_layers",
+    window_field="max_position_embeddings",
+    rope_base_field="rope_theta",
+    size_caps={"num_hidden_layers": (1, MAX_LAYERS), "total_ut_steps": (1, MAX_LOOP_STEPS),
+               "num_attention_heads": (1, MAX_HEADS), "num_key_value_heads": (1, MAX_HEADS),
+               "hidden_size": (1, MAX_WIDTH), "head_dim": (1, MAX_WIDTH), "intermediate_size": (1, MAX_INTERMEDIATE),
+               "vocab_size": (1, MAX_VOCAB), "max_position_embeddings": (1, MAX_WINDOW)},
+))
