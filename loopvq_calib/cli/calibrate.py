@@ -6,11 +6,14 @@ import argparse
 import logging
 import sys
 import traceback
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from ..config.source import ConfigError, shown
 from .console import fail, quiet_libraries
 from .exits import BAD_INPUT, OK, RUN_FAILED, console_command, exit_process, interrupt_name, interrupt_status
+
+if TYPE_CHECKING:
+    from ..calibration.pipeline import Pipeline
 
 
 def parser() -> argparse.ArgumentParser:
@@ -95,7 +98,7 @@ def _leave_processes() -> None:
         end_processes()
 
 
-def _run_failure(pipeline: Any, err: BaseException) -> str:
+def _run_failure(pipeline: Pipeline, err: BaseException) -> str:
     """One line for a failed or interrupted run; the traceback goes to run.log (a failed stage's temporary output
     is gone, a resumable stage's kept for the rerun)."""
     where = f"stage {pipeline.failed_stage}" if pipeline.failed_stage else "the run"

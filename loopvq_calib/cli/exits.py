@@ -15,7 +15,8 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from types import FrameType
+from typing import NoReturn
 
 from ..config.source import shown
 from .console import fail
@@ -33,7 +34,7 @@ class Terminated(KeyboardInterrupt):
     (stage records, temporary folders, the run lock) and a rerun resumes as after Ctrl-C."""
 
 
-def _raise_terminated(signum: int, frame: Any) -> None:
+def _raise_terminated(signum: int, frame: FrameType | None) -> NoReturn:
     """The SIGTERM handler of a running command."""
     raise Terminated()
 

@@ -33,12 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     """``loopvq-push``: upload a bundle (with the evaluation report it measured added to its card); returns 0, 2 for
     bad input, 3 when the upload (or the card's write) failed. The card and ``loopvq.json`` are written into the
     folder only after the hub took them, or (``--write-card-only``) instead of a push."""
-    options = parser()
-    args = options.parse_args(argv)
+    argument_parser = parser()
+    args = argument_parser.parse_args(argv)
     if args.write_card_only and not args.eval_report:
         return fail("--write-card-only writes the card of an evaluation report: give --eval-report REPORT", BAD_INPUT)
     if not args.write_card_only and args.repo_id is None:
-        options.error("the following arguments are required: --repo-id")
+        argument_parser.error("the following arguments are required: --repo-id")
     from ..bundle.card import EvalReportError, prepare_eval_report
     from ..bundle.hub import PushError, RepoIdError, push_bundle
     from ..bundle.reader import BundleError
