@@ -5,7 +5,7 @@ tests/support/fuzz.py.
 
 Cases that do not exit 2, covered elsewhere:
 - SIGINT (130) or SIGTERM (143) during the capture, one line on the console and the traceback in run.log:
-  tests/test_cli_interrupts.py::test_a_signal_during_the_capture_exits_with_its_status_one_line_and_the_traceback_in_run_log
+  tests/cli/test_exits.py::test_a_signal_during_the_capture_exits_with_its_status_one_line_and_the_traceback_in_run_log
 - a stage file corrupted in place at the same size reruns its stage with one warning naming it:
   tests/calibration/test_stage_hashes.py::test_a_file_corrupted_in_place_at_its_size_reruns_its_stage_with_a_warning
 - a failed stage (3) is the one that raised, never one an older record names:

@@ -2,11 +2,12 @@
 search and codeword lookup, decode attention and the quantized cache.
 
 :class:`Backend` names every backend; each user accepts its own choices (:data:`KMEANS_CHOICES`,
-:data:`CODEC_CHOICES`, :data:`DECODE_CHOICES`, :data:`CACHE_CHOICES`). The optional triton package is imported
-here and nowhere else (``triton`` and ``tl`` are None without it). :func:`unavailable` is the one availability
-check per backend: Triton needs triton and a CUDA device of compute capability 8.0 or newer (the kernels' TF32
-dots), or any device under ``TRITON_INTERPRET=1``; the CUDA kernels what :mod:`~loopvq_calib.kernels.cuda_build`
-needs; torch and faiss run anywhere.
+:data:`CODEC_CHOICES`, :data:`DECODE_CHOICES`, :data:`CACHE_CHOICES`). Decode attention's kernels are listed
+once, in :data:`DECODE_CANDIDATES`, in the order ``auto`` tries them at both serving call sites. The optional
+triton package is imported here and nowhere else (``triton`` and ``tl`` are None without it). :func:`unavailable`
+is the one availability check per backend: Triton needs triton and a CUDA device of compute capability 8.0 or
+newer (the kernels' TF32 dots), or any device under ``TRITON_INTERPRET=1``; the CUDA kernels what
+:mod:`~loopvq_calib.kernels.cuda_build` needs; torch and faiss run anywhere.
 
 :meth:`Dispatcher.choose` is the dispatch rule. An explicit request is honoured or refused with its reason
 (:class:`BackendUnavailable`). ``auto`` takes the first candidate it considers for the call that is available,
@@ -63,8 +64,6 @@ class Backend(str, Enum):
 
 KMEANS_CHOICES = (Backend.AUTO, Backend.FAISS, Backend.TORCH, Backend.TRITON)  # kmeans.backend
 CODEC_CHOICES = (Backend.AUTO, Backend.TRITON, Backend.TORCH)  # nearest codeword, codeword lookup
-DECODE_CHOICES = (Backend.AUTO, Backend.CUDA, Backend.TRITON)  # decode attention from coded pages
-CACHE_CHOICES = (Backend.AUTO, Backend.CUDA, Backend.TRITON, Backend.TORCH)  # the quantized cache's decode steps
 REQUIREMENTS = {
     Backend.TRITON: "the triton package and a CUDA device of compute capability 8.0 or newer",
     Backend.CUDA: cuda_build.REQUIREMENT,
@@ -126,6 +125,14 @@ class Candidate(Generic[T]):
     probe_key: tuple = ()
     run: Callable[[], T] | None = None
     fails_with: tuple[type[BaseException], ...] = ()
+
+
+# decode attention's kernels, in the order ``auto`` tries them; the last takes every call (the fallback). Both
+# serving call sites read this list: decode attention fills in each one's call, the cache checks a backend with it.
+DECODE_CANDIDATES: tuple[Candidate, ...] = (Candidate(Backend.CUDA, "the CUDA decode kernel"),
+                                            Candidate(Backend.TRITON, "the Triton decode kernel"))
+DECODE_CHOICES = (Backend.AUTO, *(c.backend for c in DECODE_CANDIDATES))  # decode attention from coded pages
+CACHE_CHOICES = (*DECODE_CHOICES, Backend.TORCH)  # the quantized cache's decode steps (torch: no kernel)
 
 
 class Dispatcher:

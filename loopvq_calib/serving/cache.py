@@ -43,7 +43,8 @@ import torch
 
 from ..codes.codec import BlockCodec, Codes
 from ..codes.quantizer import KVQuantizer
-from ..kernels.backends import CACHE_CHOICES, DISPATCH, Backend, BackendUnavailable, Candidate, available
+from ..kernels import backends
+from ..kernels.backends import CACHE_CHOICES, DISPATCH, Backend, BackendUnavailable, available
 from .decode_state import KernelState
 
 STORES = ("indices", "fake")
@@ -140,11 +141,11 @@ class QuantizedLoopKVCache:
                 raise BackendUnavailable(f"backend={self.backend.value!r} reads LoopVQ codes; "
                                  f"{type(self.quantizer).__name__} has none")
             return None
-        if self.backend is Backend.AUTO:
-            return Backend.AUTO if q.device.type == "cuda" and available(Backend.TRITON, q.device) else None
-        DISPATCH.choose(self.backend, [Candidate(Backend.CUDA, "the CUDA decode kernel"),
-                                       Candidate(Backend.TRITON, "the Triton decode kernel")],
-                        what="QuantizedLoopKVCache backend", choices=CACHE_CHOICES, device=q.device)
+        kernels = list(backends.DECODE_CANDIDATES)
+        if self.backend is Backend.AUTO:  # the last kernel is the one that takes every call
+            return Backend.AUTO if q.device.type == "cuda" and available(kernels[-1].backend, q.device) else None
+        DISPATCH.choose(self.backend, kernels, what="QuantizedLoopKVCache backend", choices=CACHE_CHOICES,
+                        device=q.device)
         return self.backend
 
     def _append(self, site: int, key: torch.Tensor, value: torch.Tensor, *, positions: torch.Tensor) -> None:

@@ -34,12 +34,13 @@ compute capability 8.0+ or Triton's interpreter (``TRITON_INTERPRET=1``, CPU ten
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
 from ..codes.codec import BlockCodec, Codes
 from ..codes.layouts import BlockLayout, channel_sets
-from ..kernels import decode_cuda
+from ..kernels import backends, decode_cuda
 from ..kernels.backends import DECODE_CHOICES, DISPATCH, Backend, Candidate, pow2
 from ..kernels.cuda_build import BuildError
 from ..kernels.decode_cuda import CudaDecodeLaunch
@@ -235,8 +236,9 @@ def decode_attention(q: torch.Tensor, tables: StepTables, coded: CodedTokens, *,
         inputs = kernel_inputs(q, tables, coded, fp=fp, rope=rope, rows=max_position + 1 + triton.block_n)
         return decode_attention_triton(inputs, tables, coded, fp=fp, launch=triton)
 
-    candidates = [_CudaCall(q, tables, coded, fp=fp, rope=rope, max_position=max_position, settings=cuda).candidate(),
-                  Candidate(Backend.TRITON, "the Triton decode kernel", run=run_triton)]
+    cuda_call = _CudaCall(q, tables, coded, fp=fp, rope=rope, max_position=max_position, settings=cuda)
+    serve = {Backend.CUDA: cuda_call.candidate, Backend.TRITON: lambda listed: replace(listed, run=run_triton)}
+    candidates = [serve[listed.backend](listed) for listed in backends.DECODE_CANDIDATES]  # in the kernels' order
     return DISPATCH.run(backend, candidates, what="decode attention", choices=DECODE_CHOICES, device=q.device)
 
 
@@ -256,9 +258,9 @@ class _CudaCall:
         self.max_position, self.settings = max_position, settings
         self.lanes = self.plan = None
 
-    def candidate(self) -> Candidate:
-        return Candidate(Backend.CUDA, "the CUDA decode kernel", auto=_on_cuda(self.q),
-                         unfit=self.unfit, run=self.run, fails_with=(BuildError,))
+    def candidate(self, listed: Candidate) -> Candidate:
+        """``listed``, the CUDA kernel's entry of the decode candidates, serving this call."""
+        return replace(listed, auto=_on_cuda(self.q), unfit=self.unfit, run=self.run, fails_with=(BuildError,))
 
     def unfit(self) -> str:
         """Why the kernel does not take this call ('' when it does: the plan is kept for :meth:`run`)."""

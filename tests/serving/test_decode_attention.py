@@ -9,18 +9,21 @@ and output (codeword values to fp16, the output to bf16: about 4e-3 measured).""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import KERNEL_DEVICE as DEVICE, needs_triton_kernels as needs_kernels
+from conftest import KERNEL_DEVICE as DEVICE, make_tiny_ouro, needs_triton_kernels as needs_kernels
 from safetensors.torch import load_file
 from support.decode import check, dispatch_case, gen, make_codecs, make_inputs
 from support.golden import GOLDEN, GOLDEN_ATTENTION, attention_golden_case
+from support.quantizers import sampled_quantizer
 
 from loopvq_calib.codes.codec import Codes
 from loopvq_calib.codes.packing import read_indices
 from loopvq_calib.kernels import backends, cuda_build, decode_cuda, decode_triton
-from loopvq_calib.serving import decode_attention as da
+from loopvq_calib.kernels.backends import Backend
+from loopvq_calib.serving import cache as cache_module, decode_attention as da
 
 
 @needs_kernels
@@ -255,6 +258,31 @@ def test_a_failed_build_falls_back_to_triton_and_later_calls_do_not_build(stand_
     assert text.count(f"not the CUDA decode kernel: {decode_cuda.KERNEL} with {{'D': 64,") == 1
     assert "broken on purpose" in text
     assert text.count("not the CUDA decode kernel: an earlier build failed: ") == 1
+
+
+def test_decode_attention_and_the_cache_take_the_kernels_in_the_listed_order(monkeypatch):
+    """Both serving call sites read kernels/backends.py's DECODE_CANDIDATES: with the list reversed, decode
+    attention's dispatch gets its candidates (each with its call filled in) and the cache's check of an explicit
+    backend gets the kernels in that order, and the cache's ``auto`` asks whether the last one, the fallback,
+    runs on the query's CUDA device."""
+    tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
+    quantizer = sampled_quantizer(make_tiny_ouro(), torch.randint(0, 4096, (1, 16)), "loopvq", codebook_size=16,
+                                  group_size=8)
+    query = SimpleNamespace(shape=(1, 1, 4, 16), device=torch.device("cuda"))  # only its shape and device are read
+    listed = tuple(reversed(backends.DECODE_CANDIDATES))
+    monkeypatch.setattr(backends, "DECODE_CANDIDATES", listed)
+    given: dict[str, list] = {}
+    monkeypatch.setattr(backends.DISPATCH, "run", lambda requested, candidates, **kw: given.setdefault("run", candidates))
+    monkeypatch.setattr(backends.DISPATCH, "choose",
+                        lambda requested, candidates, **kw: given.setdefault("choose", candidates))
+    asked = []
+    monkeypatch.setattr(cache_module, "available", lambda backend, device: asked.append(backend) or True)
+    da.decode_attention(q, tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos, mask), rope=da.RopeTable(64, 1e4))
+    assert cache_module.QuantizedLoopKVCache(quantizer, 4, 8, backend="cuda").decode_backend(query) is Backend.CUDA
+    assert cache_module.QuantizedLoopKVCache(quantizer, 4, 8).decode_backend(query) is Backend.AUTO
+    order = [(c.backend, c.label) for c in listed]
+    assert [(c.backend, c.label) for c in given["run"]] == order == [(c.backend, c.label) for c in given["choose"]]
+    assert all(c.run is not None for c in given["run"]) and asked == [Backend.CUDA]
 
 
 # -- attention-level golden vectors (tests/golden_attention) --------------------------------------------------

@@ -1,6 +1,6 @@
-"""Ctrl-C and SIGTERM: every console script exits 130 (SIGINT) or 143 (SIGTERM) with one line on stderr and no
-traceback; a calibration run stopped inside a stage records it, keeps what a rerun resumes from and writes the
-traceback to run.log."""
+"""How a command ends: the exit statuses the docs list; Ctrl-C and SIGTERM, where every console script exits 130
+(SIGINT) or 143 (SIGTERM) with one line on stderr and no traceback, and a calibration run stopped inside a stage
+records it, keeps what a rerun resumes from and writes the traceback to run.log; the process's short exit."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import yaml
 from conftest import ROOT
 from support.builders import tiny_config
 
-from loopvq_calib import cli
 from loopvq_calib.bundle import hub, reader
+from loopvq_calib.cli import calibrate_main, eval_main, exits, inspect_main, push_main
 from loopvq_calib.config import load
 from loopvq_calib.evaluation import evaluate
 from loopvq_calib.runtime.files import TMP_PREFIX
@@ -26,11 +26,22 @@ from loopvq_calib.runtime.files import TMP_PREFIX
 SIGNALS = {"SIGINT": (signal.SIGINT, 130, "KeyboardInterrupt"), "SIGTERM": (signal.SIGTERM, 143, "Terminated")}
 # each console script's main, the function it calls first that a test can make block, and arguments that reach it
 COMMANDS = {
-    "calibrate": (cli.calibrate_main, load, "load_config", ["--config", "c.yaml"]),
-    "eval": (cli.eval_main, evaluate, "evaluate", ["--bundle", "b"]),
-    "inspect": (cli.inspect_main, reader, "inspect_bundle", ["b"]),
-    "push": (cli.push_main, hub, "push_bundle", ["b", "--repo-id", "org/name", "--dry-run"]),
+    "calibrate": (calibrate_main, load, "load_config", ["--config", "c.yaml"]),
+    "eval": (eval_main, evaluate, "evaluate", ["--bundle", "b"]),
+    "inspect": (inspect_main, reader, "inspect_bundle", ["b"]),
+    "push": (push_main, hub, "push_bundle", ["b", "--repo-id", "org/name", "--dry-run"]),
 }
+
+
+@pytest.mark.parametrize("page", ["reliability.md", "ci.md"])
+def test_the_docs_list_every_exit_status_and_no_other(page):
+    """Each page's table of exit statuses has one row per status declared in cli/exits.py; a signal's status is
+    what a shell reports for a process it killed (128 + the signal)."""
+    assert (exits.INTERRUPTED, exits.TERMINATED) == (128 + signal.SIGINT, 128 + signal.SIGTERM)
+    declared = sorted(value for name, value in vars(exits).items() if name.isupper() and isinstance(value, int))
+    text = (ROOT / "docs" / page).read_text()
+    table = text[text.index("| status | meaning |"):].split("\n\n")[0]
+    assert [int(row.split("|")[1]) for row in table.splitlines()[2:]] == declared == [0, 1, 2, 3, 130, 143]
 
 
 # quick equivalent of SIGTERM's: SIGINT's, with test_every_console_script_maps_sigterm_to_143_and_restores_the_handler
@@ -55,8 +66,8 @@ def test_a_signal_during_the_capture_exits_with_its_status_one_line_and_the_trac
         assert proc.wait(timeout=120) == status
     stderr = (tmp_path / "stderr").read_text()
     errors = [line for line in stderr.replace("\r", "\n").splitlines() if line.startswith("error:")]
-    assert errors == [f"error: interrupted ({name}) in stage capture; the same command resumes it (traceback in "
-                      f"{run / 'run.log'})"]
+    assert errors == [(f"error: interrupted ({name}) in stage capture; the same command resumes it (traceback in "
+                       f"{run / 'run.log'})")]
     assert "Traceback" not in stderr and stderr.replace("\r", "\n").rstrip().splitlines()[-1] == errors[0]  # last
     log = (run / "run.log").read_text()
     assert "Traceback (most recent call last)" in log and exception in log
@@ -101,3 +112,14 @@ def test_every_console_script_maps_sigterm_to_143_and_restores_the_handler(comma
     assert time.monotonic() - start < 10 and reached and reached[0] is not before
     assert capsys.readouterr().err == "error: interrupted (SIGTERM)\n"
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_exit_process_flushes_the_streams_and_skips_the_teardown():
+    """exits.exit_process: buffered output on both streams arrives, the status is the process's, and the
+    interpreter's teardown (here an atexit handler that would print) does not run."""
+    code = ("import atexit, sys\nfrom loopvq_calib.cli.exits import exit_process\n"
+            "atexit.register(lambda: print('teardown ran'))\n"
+            "print('out', end=''); print('err', end='', file=sys.stderr)\nexit_process(7)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={"PYTHONPATH": str(ROOT), "PATH": ""}, check=False)
+    assert (done.returncode, done.stdout, done.stderr) == (7, "out", "err")

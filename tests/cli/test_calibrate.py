@@ -1,5 +1,6 @@
-"""Console scripts: --help without heavy imports, calibrate with --stages for every method, inspect, push --dry-run,
-eval gates."""
+"""loopvq-calibrate: --stages for every method, ``python -m loopvq_calib`` and the console script's exit, a process
+group left on every way out, byte-identical bundles, and a calibrated bundle through loopvq-eval: its gates, and
+its model named by absolute path."""
 
 from __future__ import annotations
 
@@ -14,75 +15,22 @@ from conftest import ROOT
 from support.builders import tiny_config
 
 from loopvq_calib.calibration.pipeline import calibrate
-from loopvq_calib.cli import calibrate_main, eval_main, inspect_main, push_main
+from loopvq_calib.cli.calibrate import command, main
+from loopvq_calib.cli.eval import main as eval_main
 
 
 @pytest.mark.parametrize("method", ["cq", "tasq", "loopvq", "tasq+loopvq"])
 def test_capture_and_kmeans_stages_for_every_method(tiny_ouro_dir, calib_corpus, tmp_path, method):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", quant={"method": method})))
-    assert calibrate_main(["--config", str(cfg), "--stages", "capture,kmeans"]) == 0
+    assert main(["--config", str(cfg), "--stages", "capture,kmeans"]) == 0
     assert (tmp_path / "run" / "kmeans" / "quantizer.safetensors").is_file()
     assert (tmp_path / "run" / "tasq").is_dir() == ("tasq" in method)
     assert not (tmp_path / "run" / "finetune").exists()
 
 
-@pytest.fixture(scope="module")
-def bundle(tiny_ouro_dir, calib_corpus, tmp_path_factory):
-    out = tmp_path_factory.mktemp("cli-run")
-    return calibrate(tiny_config(tiny_ouro_dir, calib_corpus, out, finetune={"epochs": 1})).bundle
-
-
-def test_inspect_prints_the_summary(bundle, capsys):
-    assert inspect_main([str(bundle)]) == 0
-    out = capsys.readouterr().out
-    assert "loopvq" in out and "K=16" in out
-    assert inspect_main([str(bundle.parent / "missing")]) == 2
-
-
-def test_push_dry_run_lists_the_files(bundle, capsys):
-    assert push_main([str(bundle), "--repo-id", "org/tiny", "--dry-run"]) == 0
-    out = capsys.readouterr().out
-    assert "would upload 3 files to org/tiny" in out
-    for name in ("codebooks.safetensors", "loopvq.json", "README.md"):
-        assert name in out
-
-
-@pytest.mark.slow  # quick equivalent: test_evaluate's test_eval_main_prints_writes_and_picks_the_exit_status
-def test_eval_gates_exit_status(bundle, tiny_ouro_dir, heldout_corpus, tmp_path):
-    common = ["--bundle", str(bundle), "--model", str(tiny_ouro_dir), "--data", str(heldout_corpus),
-              "--num-sequences", "2", "--sequence-length", "32", "--out", str(tmp_path / "rep")]
-    assert eval_main(common + ["--max-kl", "100"]) == 0
-    assert (tmp_path / "rep" / "report.json").is_file() and (tmp_path / "rep" / "report.md").is_file()
-    assert eval_main(common + ["--max-kl", "0"]) == 1
-    assert eval_main(["--bundle", str(tmp_path / "nope")]) == 2
-
-
-HELP_PROBE = """
-import sys
-import loopvq_calib.cli as cli
-try:
-    getattr(cli, sys.argv[1])(["--help"])
-except SystemExit as exit:
-    assert exit.code == 0, exit.code
-print("heavy:", *(m for m in ("torch", "transformers", "datasets", "safetensors", "numpy") if m in sys.modules))
-"""
-
-
-@pytest.mark.parametrize("main", ["calibrate_main", "eval_main", "inspect_main", "push_main"])
-def test_help_imports_nothing_heavy(main):
-    """--help parses and prints before torch, transformers, datasets or numpy are imported (it then takes
-    well under a second; with torch loaded it took 4-5 s)."""
-    root = ROOT
-    done = subprocess.run([sys.executable, "-c", HELP_PROBE, main], capture_output=True, text=True, cwd=root,
-                          env={"PYTHONPATH": str(root), "PATH": ""}, check=True)
-    lines = done.stdout.splitlines()
-    assert lines[0].startswith("usage: loopvq-")
-    assert lines[-1] == "heavy:"
-
-
 def test_python_m_exits_with_the_status_after_flushing_output_and_log(tiny_ouro_dir, calib_corpus, tmp_path):
-    """``python -m loopvq_calib`` (cli.calibrate_process, which ends the process without the interpreter's
+    """``python -m loopvq_calib`` (cli.calibrate.process, which ends the process without the interpreter's
     teardown) exits with the command's status: the printed error, the printed bundle and the run log's last
     lines (the stage summary, logged just before the command returns) all arrive."""
     root = ROOT
@@ -90,46 +38,33 @@ def test_python_m_exits_with_the_status_after_flushing_output_and_log(tiny_ouro_
     bad = tmp_path / "bad.yaml"
     bad.write_text("quant:\n  bits: [1\n")
     done = subprocess.run([sys.executable, "-m", "loopvq_calib", "--config", str(bad)], capture_output=True, text=True,
-                          cwd=root, env=env)
+                          cwd=root, env=env, check=False)
     assert done.returncode == 2 and "error: config error" in done.stderr and "Traceback" not in done.stderr
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", finetune={"epochs": 1})))
     done = subprocess.run([sys.executable, "-m", "loopvq_calib", "--config", str(cfg)],
-                          capture_output=True, text=True, cwd=root, env=env)
+                          capture_output=True, text=True, cwd=root, env=env, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"bundle: {tmp_path / 'run' / 'bundle'}" in done.stdout and "selection KL" in done.stdout
     log = (tmp_path / "run" / "run.log").read_text()
     assert "stage bundle: done" in log and log.rstrip().splitlines()[-1].startswith("| bundle | done |")  # the summary
 
 
-def test_exit_process_flushes_the_streams_and_skips_the_teardown():
-    """cli.exit_process: buffered output on both streams arrives, the status is the process's, and the
-    interpreter's teardown (here an atexit handler that would print) does not run."""
-    code = ("import atexit, sys\nfrom loopvq_calib.cli import exit_process\n"
-            "atexit.register(lambda: print('teardown ran'))\n"
-            "print('out', end=''); print('err', end='', file=sys.stderr)\nexit_process(7)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          env={"PYTHONPATH": str(ROOT), "PATH": ""})
-    assert (done.returncode, done.stdout, done.stderr) == (7, "out", "err")
-
-
 def test_the_console_script_returns_the_status_and_closes_the_run_log(tiny_ouro_dir, calib_corpus, tmp_path,
                                                                       monkeypatch):
-    """cli.calibrate_command (what the ``loopvq-calibrate`` process runs) returns calibrate_main's status, with
+    """cli.calibrate.command (what the ``loopvq-calibrate`` process runs) returns main's status, with
     run.log's handler flushed and closed."""
     import logging
-
-    from loopvq_calib.cli import calibrate_command
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")))
     monkeypatch.setattr(sys, "argv", ["loopvq-calibrate", "--config", str(cfg), "--stages", "data"])
-    assert calibrate_command() == 0
+    assert command() == 0
     handlers = [h for h in logging.getLogger("loopvq_calib").handlers if isinstance(h, logging.FileHandler)]
     assert handlers and all(h.stream is None for h in handlers)  # closed: nothing left unwritten
     assert "stage data: done" in (tmp_path / "run" / "run.log").read_text()
     monkeypatch.setattr(sys, "argv", ["loopvq-calibrate", "--config", str(tmp_path / "none.yaml")])
-    assert calibrate_command() == 2
+    assert command() == 2
 
 
 def test_the_console_script_leaves_its_process_group_on_a_failed_run_too(tiny_ouro_dir, tmp_path, monkeypatch,
@@ -138,15 +73,13 @@ def test_the_console_script_leaves_its_process_group_on_a_failed_run_too(tiny_ou
     bad data found after the processes started."""
     import torch.distributed as dist
 
-    from loopvq_calib.cli import calibrate_command
-
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     corpus = tmp_path / "short.jsonl"
     corpus.write_text(json.dumps({"text": "Too short."}) + "\n")  # fewer tokens than the calibration needs
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, corpus, tmp_path / "run")))
     monkeypatch.setattr(sys, "argv", ["loopvq-calibrate", "--config", str(cfg), "--stages", "data"])
-    assert calibrate_command() == 2
+    assert command() == 2
     assert "data.num_sequences" in capsys.readouterr().err  # found by the checks, after the processes started
     assert not dist.is_initialized() and not (tmp_path / "run").exists()
 
@@ -159,7 +92,7 @@ def test_identical_runs_write_byte_identical_bundles(tiny_ouro_dir, calib_corpus
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "unused", finetune={"epochs": 1})))
     for run in ("a", "b"):
-        assert calibrate_main(["--config", str(cfg), "--output", str(tmp_path / run)]) == 0
+        assert main(["--config", str(cfg), "--output", str(tmp_path / run)]) == 0
     files = sorted(p.name for p in (tmp_path / "a" / "bundle").iterdir())
     assert files == ["README.md", "codebooks.safetensors", "loopvq.json"]
     for name in files:
@@ -168,29 +101,31 @@ def test_identical_runs_write_byte_identical_bundles(tiny_ouro_dir, calib_corpus
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1767225600")
     shutil.copytree(tmp_path / "b", tmp_path / "c")
     shutil.rmtree(tmp_path / "c" / "bundle")  # only the bundle stage reruns
-    assert calibrate_main(["--config", str(cfg), "--output", str(tmp_path / "c")]) == 0
+    assert main(["--config", str(cfg), "--output", str(tmp_path / "c")]) == 0
     assert json.loads((tmp_path / "c" / "bundle" / "loopvq.json").read_text())["created"] == "2026-01-01T00:00:00Z"
 
 
-def test_an_error_gets_its_own_line_below_a_live_progress_bar(capsys):
-    from tqdm import tqdm
+@pytest.fixture(scope="module")
+def bundle(tiny_ouro_dir, calib_corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli-run")
+    return calibrate(tiny_config(tiny_ouro_dir, calib_corpus, out, finetune={"epochs": 1})).bundle
 
-    from loopvq_calib.cli import _fail
 
-    bar = tqdm(total=4, desc="capture", file=sys.stderr)
-    bar.update(1)
-    assert _fail("stage capture failed: boom", 3) == 3
-    bar.close()
-    lines = capsys.readouterr().err.replace("\r", "\n").split("\n")
-    assert "error: stage capture failed: boom" in lines  # not glued to the end of the bar's line
+@pytest.mark.slow  # quick equivalent: test_evaluate's test_eval_main_prints_writes_and_picks_the_exit_status
+def test_eval_gates_exit_status(bundle, tiny_ouro_dir, heldout_corpus, tmp_path):
+    """loopvq-eval on a calibrated bundle: 0 when the gates pass, 1 when one fails, 2 for bad input."""
+    common = ["--bundle", str(bundle), "--model", str(tiny_ouro_dir), "--data", str(heldout_corpus),
+              "--num-sequences", "2", "--sequence-length", "32", "--out", str(tmp_path / "rep")]
+    assert eval_main(common + ["--max-kl", "100"]) == 0
+    assert (tmp_path / "rep" / "report.json").is_file() and (tmp_path / "rep" / "report.md").is_file()
+    assert eval_main(common + ["--max-kl", "0"]) == 1
+    assert eval_main(["--bundle", str(tmp_path / "nope")]) == 2
 
 
 def test_bundle_names_its_model_by_absolute_path_and_evaluates_from_anywhere(bundle, tiny_ouro_dir, heldout_corpus,
                                                                               tmp_path, monkeypatch, capsys):
     """A local model is recorded by its absolute path (the card then has no base_model), so loopvq-eval
     finds it from any working directory without --model."""
-    import json
-
     meta = json.loads((bundle / "loopvq.json").read_text())
     assert meta["model"]["name"] == str(tiny_ouro_dir.absolute())
     assert "base_model:" not in (bundle / "README.md").read_text()
