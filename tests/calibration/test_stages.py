@@ -13,7 +13,7 @@ from support.quantizers import sampled_quantizer
 
 from loopvq_calib.calibration.capture.store import StoreChoice
 from loopvq_calib.calibration.finetune.train import FinetuneResult
-from loopvq_calib.calibration.fingerprints import stage_fingerprints
+from loopvq_calib.calibration.fingerprints import RunFacts, stage_fingerprints
 from loopvq_calib.calibration.stages import (
     KMeansReport,
     as_saved_finetune,
@@ -104,15 +104,14 @@ def test_calibration_round_trip_and_parts(tmp_path):
 
 def test_fingerprints_chain_from_the_changed_section():
     cfg = tiny_run_config()
-    base = stage_fingerprints(cfg, "data", {"name": "m"}, loop_steps=4)
+    facts = RunFacts({"name": "m"}, 4, "tokenizer", [("corpus.jsonl", 10, "sha")])
+    base = stage_fingerprints(cfg, facts)
     assert base["tasq"] is None  # loopvq has no TaSQ stage
-    more = stage_fingerprints(dataclasses.replace(cfg, kmeans=dataclasses.replace(cfg.kmeans, iterations=6)),
-                              "data", {"name": "m"}, loop_steps=4)
+    more = stage_fingerprints(dataclasses.replace(cfg, kmeans=dataclasses.replace(cfg.kmeans, iterations=6)), facts)
     assert [s for s in base if base[s] != more[s]] == ["kmeans", "finetune", "bundle"]
-    stored = stage_fingerprints(dataclasses.replace(cfg, capture=dataclasses.replace(cfg.capture, store="disk")),
-                                "data", {"name": "m"}, loop_steps=4)
+    stored = stage_fingerprints(dataclasses.replace(cfg, capture=dataclasses.replace(cfg.capture, store="disk")), facts)
     assert stored == base  # where the capture lives is not what it holds
-    other_data = stage_fingerprints(cfg, "data2", {"name": "m"}, loop_steps=4)
+    other_data = stage_fingerprints(cfg, dataclasses.replace(facts, data_sources=[("corpus.jsonl", 11, "other")]))
     assert all(other_data[s] != base[s] for s in ("data", "capture", "kmeans", "finetune", "bundle"))
 
 
