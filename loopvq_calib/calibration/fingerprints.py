@@ -73,7 +73,7 @@ def stage_fingerprints(cfg: Config, facts: RunFacts, table: Sequence[Stage] = ST
     """Every stage's fingerprint (module docstring), in table order; None for a stage ``cfg`` has not."""
     fingerprints: dict[str, str | None] = {}
     for stage in table:
-        if not stage.exists.holds(cfg):
+        if not stage.applies(cfg):
             fingerprints[stage.name] = None
             continue
         parts = [fingerprints[name] for name in stage.after] + [covered(name, cfg, facts) for name in stage.covers]

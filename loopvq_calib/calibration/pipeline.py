@@ -142,8 +142,8 @@ class Pipeline:
         with self.run.stage(stage.name, fp, stage.resumable and kept) as (tmp, rec):
             done: StageDone = StageDone({})
             if stage.every_process or self.dist.is_main:
-                done = stage.run(StageRun(self.plan, tmp, self.model, self.warmup),
-                                 **{name: outputs.get(name) for name in stage.inputs})
+                done = stage.function(StageRun(self.plan, tmp, self.model, self.warmup),
+                                      **{name: outputs.get(name) for name in stage.inputs})
                 rec.details = done.details
         output = done.output if done.output is not None else stage.load(self.run.path(stage.name))
         return self._checked(stage, output)
@@ -159,7 +159,7 @@ class Pipeline:
 
     def _readers_reused(self, stage: Stage) -> bool:
         """Whether the stages that read ``stage``'s output (one at least) are all wanted and would be reused."""
-        readers = [s for s in self.table if stage.name in s.inputs and s.exists.holds(self.cfg)]
+        readers = [s for s in self.table if stage.name in s.inputs and s.applies(self.cfg)]
         return bool(readers) and all(self._reused(reader) for reader in readers)
 
     def _reused(self, stage: Stage) -> bool:

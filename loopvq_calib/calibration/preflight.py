@@ -82,7 +82,7 @@ def plan_run(cfg: Config, output: str | Path | None = None, stages: list[str] | 
 def wanted_stages(cfg: Config, stages: list[str] | None, table: Sequence[Stage] = STAGES) -> list[str]:
     """The stages of ``table`` to run or reuse: all that ``cfg`` has, or those up to the last one of ``stages``
     (``--stages``)."""
-    existing = [s.name for s in table if s.exists.holds(cfg)]
+    existing = [s.name for s in table if s.applies(cfg)]
     if not stages:
         return existing
     names = [s.name for s in table]
@@ -90,7 +90,7 @@ def wanted_stages(cfg: Config, stages: list[str] | None, table: Sequence[Stage] 
     if unknown:
         raise ValueError(f"--stages: unknown stage(s) {', '.join(map(repr, unknown))}; stages are {', '.join(names)}")
     for stage in table:
-        if stage.name in stages and not stage.exists.holds(cfg):
+        if stage.name in stages and not stage.applies(cfg):
             raise ValueError(f"--stages: the {stage.name} stage exists only for {stage.exists.only_for(cfg)}")
     return existing[: max(existing.index(s) for s in stages) + 1]
 

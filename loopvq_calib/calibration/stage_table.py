@@ -51,7 +51,6 @@ class Condition:
     only_for: Callable[[Config], str]
 
 
-ALWAYS = Condition(lambda cfg: True, lambda cfg: "every config")
 WITH_TASQ = Condition(lambda cfg: cfg.quant.uses_tasq,
                       lambda cfg: f"quant.method tasq or tasq+loopvq, not {cfg.quant.method}")
 
@@ -85,20 +84,24 @@ class Stage:
     function, what it takes and gives, what its fingerprint covers and where it runs."""
 
     name: str
-    run: Callable[..., StageDone]  # run(StageRun, **inputs): writes into StageRun.folder
+    function: Callable[..., StageDone]  # function(StageRun, **inputs): writes into StageRun.folder
     output: type  # what later stages get from it (checked when the stage is run or reused)
     load: Callable[[Path], Any]  # its output read back from its published folder (a reused stage, other processes)
     inputs: tuple[str, ...] = ()  # earlier stages whose outputs it takes, as keyword arguments of those names
     after: tuple[str, ...] = ()  # earlier stages whose fingerprints its own covers, in this order
     covers: tuple[str, ...] = ()  # config sections and run facts its fingerprint covers (fingerprints.covered)
     every_process: bool = True  # False: the main process runs it, the others read its folder
-    exists: Condition = ALWAYS  # the configs that have this stage (its fingerprint is None elsewhere)
+    exists: Condition | None = None  # the configs that have this stage (None: all; its fingerprint is None elsewhere)
     resumable: bool = False  # an interrupted run's temporary folder is kept for the rerun
     # where its output is held when that may be memory: such an output is never reused nor resumed, is made only
     # when a stage reading it runs, and its record's fingerprint adds the place
     held: Callable[[RunPlan], StoreChoice] | None = None
     release: Callable[[Any], None] | None = None  # let go of its output once the last stage reading it is done
     manifest: Callable[[Any], dict[str, Any]] | None = None  # manifest entries of its output (None: not wanted)
+
+    def applies(self, cfg: Config) -> bool:
+        """Whether ``cfg``'s runs have this stage."""
+        return self.exists is None or self.exists.holds(cfg)
 
 
 # -- the stage functions ---------------------------------------------------------------------------
