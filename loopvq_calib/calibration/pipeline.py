@@ -130,7 +130,7 @@ class Pipeline:
         process, or on the main one) with its record written; None for an output held in memory that no stage
         needs (every stage reading it is reused)."""
         fp, held = self._record_fingerprint(stage)
-        kept = held is None or held.store == "disk"
+        kept = on_disk(held)
         if not kept and self._readers_reused(stage):
             log.info("stage %s: not needed (the stages after it are reused)", stage.name)
             return None
@@ -164,9 +164,10 @@ class Pipeline:
 
     def _reused(self, stage: Stage) -> bool:
         """Whether ``stage`` is wanted and would be reused from the run directory."""
+        if stage.name not in self.plan.wanted:
+            return False
         fp, held = self._record_fingerprint(stage)
-        kept = held is None or held.store == "disk"
-        return stage.name in self.plan.wanted and kept and self.run.reusable(stage.name, fp)
+        return on_disk(held) and self.run.reusable(stage.name, fp)
 
     @staticmethod
     def _checked(stage: Stage, output: Any) -> Any:
@@ -185,6 +186,11 @@ class Pipeline:
             self.run.update(stages_done_at=time.time(), warmup=self.warmup.report())
             log.info("stage summary\n%s", self.run.summary_table())
         return result
+
+
+def on_disk(held: StoreChoice | None) -> bool:
+    """Whether an output held there (None: a stage whose row says nothing, always on disk) is kept in its folder."""
+    return held is None or held.store == "disk"
 
 
 def setup_logging(root: Path, verbose: bool = True) -> None:
