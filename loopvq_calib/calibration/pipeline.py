@@ -4,8 +4,8 @@ caches them in the run directory (``rundir.py``).
 
 Each stage's fingerprint covers what its row says (``fingerprints.py``), so a change invalidates that stage and
 every later one; an unchanged stage is reused from the run directory. Under ``accelerate launch`` a row runs on
-every process or on the main one (``Stage.every_process``; one
-:class:`~loopvq_calib.runtime.processes.DistContext` per run).
+every process or on the main one alone (``Stage.every_process``), with one
+:class:`~loopvq_calib.runtime.processes.DistContext` per run.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class Pipeline:
         with self.run.stage(stage.name, fp, stage.resumable and kept) as (tmp, rec):
             done: StageDone = StageDone({})
             if stage.every_process or self.dist.is_main:
-                done = stage.function(StageRun(self.plan, tmp, self.model, self.warmup),
+                done = stage.function(StageRun(plan=self.plan, folder=tmp, model=self.model, warmup=self.warmup),
                                       **{name: outputs.get(name) for name in stage.inputs})
                 rec.details = done.details
         output = done.output if done.output is not None else stage.load(self.run.path(stage.name))

@@ -19,7 +19,7 @@ from .capture.store import StoreChoice
 from .rundir import RunDir
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelFacts:
     """The model as the checks found it, built on the meta device: its files, its KV sites at the run's loop count,
     its weights' bytes in the run's dtype and what the bundle records of it."""
@@ -31,7 +31,7 @@ class ModelFacts:
     identity: ModelIdentity
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunPlan:
     """A checked run: what the stages need to know before the first one starts."""
 

@@ -66,7 +66,7 @@ def plan_run(cfg: Config, output: str | Path | None = None, stages: list[str] | 
     model = describe_model(cfg, timings)
     device = pick_device(cfg.model.device) if cfg.model.device != "auto" else dist.device
     kmeans_device = pick_device(cfg.kmeans.device, "kmeans.device") if cfg.kmeans.device != "auto" else device
-    prepare_stages(cfg, wanted, model.kv, (device, kmeans_device), warmup=warmup, timings=timings)
+    prepare_stages(cfg, wanted, (device, kmeans_device), kv=model.kv, warmup=warmup, timings=timings)
     run = RunDir(Path(output or cfg.output.dir), dist.is_main, dist.barrier, stage_names=tuple(s.name for s in table))
     store = capture_store(cfg, model, device, run=run, dist=dist) if "capture" in wanted else None
     with timed(timings, "data_fingerprint_s"):  # the tokenizer's and the data's files
@@ -75,8 +75,9 @@ def plan_run(cfg: Config, output: str | Path | None = None, stages: list[str] | 
     with timed(timings, "calibration_set_s"):  # tokenizer, text, tokens: checked before any work
         tokenizer = load_tokenizer(model.folder) if building else None
         calibration = build_calibration_set(cfg.data, tokenizer) if building else None
-    return RunPlan(cfg, dist, tuple(wanted), model, device, kmeans_device, run, store, fingerprints, calibration,
-                   tokenizer, timings)
+    return RunPlan(cfg=cfg, dist=dist, wanted=tuple(wanted), model=model, device=device, kmeans_device=kmeans_device,
+                   run=run, store=store, fingerprints=fingerprints, calibration=calibration, tokenizer=tokenizer,
+                   timings=timings)
 
 
 def wanted_stages(cfg: Config, stages: list[str] | None, table: Sequence[Stage] = STAGES) -> list[str]:
@@ -108,10 +109,10 @@ def describe_model(cfg: Config, timings: dict[str, float]) -> ModelFacts:
                        has_prelude=any(not s.looped for s in kv.sites))
     with timed(timings, "model_identity_s"):
         identity = model_identity(folder, recorded_model_name(cfg.model.name_or_path), cfg.model.revision)
-    return ModelFacts(folder, model_config, kv, weight_bytes, identity)
+    return ModelFacts(folder=folder, config=model_config, kv=kv, weight_bytes=weight_bytes, identity=identity)
 
 
-def prepare_stages(cfg: Config, wanted: list[str], kv: KVLayout, devices: tuple[torch.device, torch.device], *,
+def prepare_stages(cfg: Config, wanted: list[str], devices: tuple[torch.device, torch.device], *, kv: KVLayout,
                    warmup: Warmup, timings: dict[str, float]) -> None:
     """The wanted stages' background jobs, submitted in stage order (TaSQ's first linear algebra on CUDA, the kernels
     of fine-tuning's first encode and decode on CUDA), and the k-means backend's check (``kmeans_backend_s``);

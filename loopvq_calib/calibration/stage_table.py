@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -55,7 +55,7 @@ WITH_TASQ = Condition(lambda cfg: cfg.quant.uses_tasq,
                       lambda cfg: f"quant.method tasq or tasq+loopvq, not {cfg.quant.method}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StageRun:
     """What a stage function gets besides its inputs."""
 
@@ -86,6 +86,7 @@ class Stage:
     name: str
     function: Callable[..., StageDone]  # function(StageRun, **inputs): writes into StageRun.folder
     output: type  # what later stages get from it (checked when the stage is run or reused)
+    _: KW_ONLY
     load: Callable[[Path], Any]  # its output read back from its published folder (a reused stage, other processes)
     inputs: tuple[str, ...] = ()  # earlier stages whose outputs it takes, as keyword arguments of those names
     after: tuple[str, ...] = ()  # earlier stages whose fingerprints its own covers, in this order
@@ -188,19 +189,19 @@ def finetune_entries(tuned: FinetuneResult | None) -> dict[str, Any]:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("data", stage_data, CalibrationSet, load_calibration, covers=("data", "tokenizer_files", "data_sources"),
+    Stage("data", stage_data, CalibrationSet, load=load_calibration, covers=("data", "tokenizer_files", "data_sources"),
           every_process=False, manifest=calibration_entries),
-    Stage("capture", stage_capture, CaptureData, CaptureReader, inputs=("data",), after=("data",),
+    Stage("capture", stage_capture, CaptureData, load=CaptureReader, inputs=("data",), after=("data",),
           covers=("model_identity", "model.dtype", "loop_steps", "capture", "tasq.weight_floor"), resumable=True,
           held=capture_store, release=release_capture),
-    Stage("tasq", stage_tasq, TasqResult, TasqResult.load, inputs=("capture",), after=("capture",),
+    Stage("tasq", stage_tasq, TasqResult, load=TasqResult.load, inputs=("capture",), after=("capture",),
           covers=("quant", "tasq"), exists=WITH_TASQ),
-    Stage("kmeans", stage_kmeans, KVQuantizer, load_quantizer, inputs=("capture", "tasq"), after=("capture", "tasq"),
-          covers=("quant", "kmeans")),
-    Stage("finetune", stage_finetune, FinetuneResult, load_finetune, inputs=("data", "kmeans"),
+    Stage("kmeans", stage_kmeans, KVQuantizer, load=load_quantizer, inputs=("capture", "tasq"),
+          after=("capture", "tasq"), covers=("quant", "kmeans")),
+    Stage("finetune", stage_finetune, FinetuneResult, load=load_finetune, inputs=("data", "kmeans"),
           after=("kmeans", "data"), covers=("model_identity", "model.dtype", "finetune"), resumable=True,
           manifest=finetune_entries),
-    Stage("bundle", stage_bundle, Path, Path, inputs=("data", "finetune"), after=("finetune",), covers=("output",),
-          every_process=False),
+    Stage("bundle", stage_bundle, Path, load=Path, inputs=("data", "finetune"), after=("finetune",),
+          covers=("output",), every_process=False),
 )
 STAGE_NAMES: tuple[str, ...] = tuple(stage.name for stage in STAGES)  # in run order; ``--stages`` takes these

@@ -55,7 +55,8 @@ def test_a_k_means_only_run_reuses_its_twins_codebooks_and_only_those():
     assert (tuned.model.name_or_path, tuned.data.dataset) == (str(ROOT / "artifacts/tiny-huginn"),
                                                               str(ROOT / "artifacts/data/python-calib.jsonl"))
     assert (tuned.quant.group_size, tuned.quant.codebook_size, tuned.quant.steps_per_block) == (32, 256, 4)
-    a, b = (stage_fingerprints(c, RunFacts({"model": "m"}, 8, "tokenizer", [])) for c in (tuned, kmeans))
+    facts = RunFacts(model_identity={"model": "m"}, loop_steps=8, tokenizer_files="tokenizer", data_sources=[])
+    a, b = (stage_fingerprints(c, facts) for c in (tuned, kmeans))
     assert [s for s in a if a[s] == b[s]] == ["data", "capture", "tasq", "kmeans"]
 
 

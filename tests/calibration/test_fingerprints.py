@@ -13,7 +13,8 @@ from loopvq_calib.calibration.fingerprints import RunFacts, covered, stage_finge
 from loopvq_calib.calibration.stage_table import STAGES
 from loopvq_calib.config.schema import TasqConfig
 
-FACTS = RunFacts({"name": "m"}, 4, "tokenizer", [["corpus.jsonl", 10, "sha"]])
+FACTS = RunFacts(model_identity={"name": "m"}, loop_steps=4, tokenizer_files="tokenizer",
+                 data_sources=[["corpus.jsonl", 10, "sha"]])
 
 
 # computed by the toolkit before the stage table (its stage_fingerprints and data_fingerprint), at version 0.0.0

@@ -24,6 +24,7 @@ from loopvq_calib.runtime.files import write_bytes_atomic
 from loopvq_calib.version import __version__
 
 ROWS = {stage.name: stage for stage in STAGES}
+FACTS = RunFacts(model_identity={"name": "m"}, loop_steps=4, tokenizer_files="tokenizer", data_sources=[])
 
 
 def test_preflight_and_the_fingerprints_take_the_tables_names():
@@ -32,8 +33,7 @@ def test_preflight_and_the_fingerprints_take_the_tables_names():
     assert wanted_stages(tasq, None) == list(STAGE_NAMES)
     assert wanted_stages(loopvq, None) == [name for name in STAGE_NAMES if name != "tasq"]
     assert wanted_stages(tasq, ["kmeans", "capture"]) == list(STAGE_NAMES[:4])
-    facts = RunFacts({"name": "m"}, 4, "tokenizer", [])
-    assert list(stage_fingerprints(loopvq, facts)) == list(STAGE_NAMES)
+    assert list(stage_fingerprints(loopvq, FACTS)) == list(STAGE_NAMES)
     with pytest.raises(ValueError) as err:
         wanted_stages(loopvq, ["bundle", "bogus"])
     assert str(err.value) == f"--stages: unknown stage(s) 'bogus'; stages are {', '.join(STAGE_NAMES)}"
@@ -64,7 +64,7 @@ def test_each_rows_function_takes_and_gives_what_its_row_says(stage):
     params = list(inspect.signature(stage.function).parameters.values())[1:]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params)
     upto = STAGES[: STAGE_NAMES.index(stage.name) + 1]  # every name it covers resolves (else this raises)
-    assert len(stage_fingerprints(tiny_run_config("tasq+loopvq"), RunFacts({}, 4, "t", []), upto)[stage.name]) == 16
+    assert len(stage_fingerprints(tiny_run_config("tasq+loopvq"), FACTS, upto)[stage.name]) == 16
 
 
 def digest_stage(run: StageRun, *, bundle: Path) -> StageDone[Path]:
@@ -74,7 +74,7 @@ def digest_stage(run: StageRun, *, bundle: Path) -> StageDone[Path]:
     return StageDone({"files": len(lines)})
 
 
-DIGEST = Stage("digest", digest_stage, Path, Path, inputs=("bundle",), after=("bundle",),
+DIGEST = Stage("digest", digest_stage, Path, load=Path, inputs=("bundle",), after=("bundle",),
                covers=("output.bundle_name",), every_process=False)
 WITH_DIGEST = (*STAGES, DIGEST)
 

@@ -92,7 +92,7 @@ def test_channels_group_size_must_be_reachable_and_the_choice_known(tiny_capture
 
 def test_the_free_grouping_keeps_the_fingerprints_of_earlier_runs(tiny_ouro_dir, calib_corpus, tmp_path):
     cfg = load_config(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", quant={"method": "tasq+loopvq"}))
-    facts = RunFacts({"model": "m"}, 4, "tokenizer", [])
+    facts = RunFacts(model_identity={"model": "m"}, loop_steps=4, tokenizer_files="tokenizer", data_sources=[])
     free = stage_fingerprints(cfg, facts)
     t = cfg.tasq  # the settings a run made before the option fingerprinted
     before = fingerprint("tasq", __version__, free["capture"], dataclasses.asdict(cfg.quant),
