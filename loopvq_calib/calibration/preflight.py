@@ -68,7 +68,7 @@ def plan_run(cfg: Config, output: str | Path | None = None, stages: list[str] | 
     kmeans_device = pick_device(cfg.kmeans.device, "kmeans.device") if cfg.kmeans.device != "auto" else device
     prepare_stages(cfg, wanted, (device, kmeans_device), kv=model.kv, warmup=warmup, timings=timings)
     run = RunDir(Path(output or cfg.output.dir), dist.is_main, dist.barrier, stage_names=tuple(s.name for s in table))
-    store = capture_store(cfg, model, device, run=run, dist=dist) if "capture" in wanted else None
+    store = choose_capture_store(cfg, model, device, run=run, dist=dist) if "capture" in wanted else None
     with timed(timings, "data_fingerprint_s"):  # the tokenizer's and the data's files
         fingerprints = stage_fingerprints(cfg, run_facts(cfg, model), table)
     building = dist.is_main and not run.reusable("data", fingerprints["data"])
@@ -128,8 +128,8 @@ def prepare_stages(cfg: Config, wanted: list[str], devices: tuple[torch.device, 
                       g=cfg.quant.group_size)
 
 
-def capture_store(cfg: Config, model: ModelFacts, device: torch.device, *, run: RunDir, dist: DistContext
-                  ) -> StoreChoice:
+def choose_capture_store(cfg: Config, model: ModelFacts, device: torch.device, *, run: RunDir,
+                         dist: DistContext) -> StoreChoice:
     """Where the capture goes (:func:`~loopvq_calib.calibration.capture.store.choose_store`)."""
     step = capture_step_bytes(model.kv, model.config.hidden_size, cfg.data.sequence_length,
                               batch_size=cfg.capture.batch_size)
