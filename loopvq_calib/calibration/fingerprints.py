@@ -53,13 +53,13 @@ VIEWS: dict[str, Callable[[Config], Any]] = {
     # TaSQ keys' Fisher is stored weighted; other methods' captures do not depend on it
     "tasq.weight_floor": lambda cfg: cfg.tasq.weight_floor if cfg.quant.uses_tasq else None,
 }
-FACTS = frozenset(f.name for f in fields(RunFacts))
+RUN_FACT_NAMES = frozenset(f.name for f in fields(RunFacts))
 
 
 def covered(name: str, cfg: Config, facts: RunFacts) -> Any:
     """The value a fingerprint hashes for a covered ``name``: a run fact (a field of :class:`RunFacts`), a view
     (:data:`VIEWS`), else the config's section or setting at that dotted path (a section as a dict)."""
-    if name in FACTS:
+    if name in RUN_FACT_NAMES:
         return getattr(facts, name)
     if name in VIEWS:
         return VIEWS[name](cfg)
