@@ -152,8 +152,8 @@ def study_cell(model: str, method: str, bits: float, *, grid: Grid, device: str,
     sees the cell's record after each variant."""
     import torch
 
-    from loopvq_calib.calibration.pipeline import Pipeline, calibrate
-    from loopvq_calib.calibration.stages import load_quantizer
+    from loopvq_calib.calibration.pipeline import calibrate
+    from loopvq_calib.calibration.stages import load_calibration, load_quantizer
     from loopvq_calib.config.load import load_config
     from loopvq_calib.config.schema import DataConfig
     from loopvq_calib.data.corpus import build_calibration_set
@@ -170,7 +170,7 @@ def study_cell(model: str, method: str, bits: float, *, grid: Grid, device: str,
         inits[sharing] = load_quantizer(base / sharing / "kmeans")
     calibrate_s = time.perf_counter() - t0
     cfg = load_config(raws["none"])  # the calibration and selection text every variant shares
-    calib = Pipeline(cfg).stage_data()
+    calib = load_calibration(base / "none" / "data")
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     lm, tokenizer = load_model(ROOT / ref.folder, "float32", dev)
     windows, length = SMOKE_SHAPES["eval"] if grid.smoke else (8, 512)

@@ -1,3 +1,4 @@
-"""Calibration: the stages (data, capture, TaSQ, k-means, fine-tuning, bundle) as plain functions, the
-pipeline that wires, fingerprints and reuses them, and the run directory they write into.
+"""Calibration: the stage table (data, capture, TaSQ, k-means, fine-tuning, bundle: one row each), the stages'
+work as plain functions, the checks before a run, the pipeline that runs the table's rows, fingerprinting and
+reusing them, and the run directory they write into.
 """

@@ -1,7 +1,6 @@
-"""The calibration stages as plain functions: typed inputs -> typed results, each writing its outputs into
-the folder it is given. :class:`~loopvq_calib.calibration.pipeline.Pipeline` only decides which to run or reuse (by
-fingerprint) and gives them their run-directory folders; anything else (a benchmark, a test) can call
-them the same way.
+"""The calibration stages' work as plain functions: typed inputs -> typed results, each writing its outputs into
+the folder it is given. The rows of the stage table (``stage_table.py``) call them with what the run's plan holds;
+anything else (a benchmark, a test) can call them the same way.
 
 Stages shared by several processes (capture, TaSQ, k-means, fine-tuning) take the run's
 :class:`~loopvq_calib.runtime.processes.DistContext`; TaSQ and k-means join the processes' parts on the main

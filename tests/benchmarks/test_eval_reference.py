@@ -11,7 +11,7 @@ from dataclasses import asdict
 import pytest
 from conftest import ROOT, load_script
 
-from loopvq_calib.calibration.fingerprints import stage_fingerprints
+from loopvq_calib.calibration.fingerprints import RunFacts, stage_fingerprints
 from loopvq_calib.cli import eval_parser
 from loopvq_calib.config.load import load_config
 from loopvq_calib.config.schema import FinetuneConfig
@@ -55,7 +55,8 @@ def test_a_k_means_only_run_reuses_its_twins_codebooks_and_only_those():
     assert (tuned.model.name_or_path, tuned.data.dataset) == (str(ROOT / "artifacts/tiny-huginn"),
                                                               str(ROOT / "artifacts/data/python-calib.jsonl"))
     assert (tuned.quant.group_size, tuned.quant.codebook_size, tuned.quant.steps_per_block) == (32, 256, 4)
-    a, b = (stage_fingerprints(c, "data", {"model": "m"}, loop_steps=8) for c in (tuned, kmeans))
+    facts = RunFacts(model_identity={"model": "m"}, loop_steps=8, tokenizer_files="tokenizer", data_sources=[])
+    a, b = (stage_fingerprints(c, facts) for c in (tuned, kmeans))
     assert [s for s in a if a[s] == b[s]] == ["data", "capture", "tasq", "kmeans"]
 
 

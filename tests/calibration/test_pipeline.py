@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -14,8 +15,10 @@ import torch
 from safetensors.torch import load_file
 from support.builders import tiny_config
 
+import loopvq_calib.calibration.stage_table as stage_table
 import loopvq_calib.calibration.stages as stages_module
-from loopvq_calib.calibration.pipeline import calibrate
+from loopvq_calib.calibration.pipeline import Pipeline, calibrate
+from loopvq_calib.calibration.stage_table import STAGES
 from loopvq_calib.cli import calibrate_main
 from loopvq_calib.config.load import load_config
 
@@ -92,18 +95,15 @@ def test_crash_leaves_nothing_a_rerun_mistakes_for_a_result(tiny_ouro_dir, calib
 def test_two_runs_with_the_same_seed_are_byte_identical(tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch):
     """Run a keeps the k-means and fine-tuning results it saved (no file read back); run b reads them back from
     its files, as a reused stage does: the same bytes everywhere, so the kept values are the reread ones."""
-    import loopvq_calib.calibration.pipeline as pipeline_module
-
     reads = []
-    for name in ("load_quantizer", "load_finetune"):
-        real = getattr(pipeline_module, name)
-        monkeypatch.setattr(pipeline_module, name, lambda folder, real=real, name=name: reads.append(name) or real(folder))
-    a = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "a")).run_dir
+    table = tuple(dataclasses.replace(s, load=lambda folder, s=s: reads.append(s.name) or s.load(folder))
+                  if s.name in ("kmeans", "finetune") else s for s in STAGES)
+    a = Pipeline(load_config(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "a")), table=table).run_all().run_dir
     assert reads == []
     for name in ("as_saved_quantizer", "as_saved_finetune"):
-        monkeypatch.setattr(pipeline_module, name, lambda result: None)
-    b = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "b")).run_dir
-    assert reads == ["load_quantizer", "load_finetune"]
+        monkeypatch.setattr(stage_table, name, lambda result: None)
+    b = Pipeline(load_config(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "b")), table=table).run_all().run_dir
+    assert reads == ["kmeans", "finetune"]
     for stage in ("data", "capture", "kmeans", "finetune"):
         for path in sorted((a / stage).iterdir()):
             if path.name == "report.json":  # holds wall times; everything else in it must match
@@ -357,7 +357,6 @@ def test_the_manifest_records_the_start_up_steps(tiny_ouro_dir, calib_corpus, tm
 def test_a_config_built_in_code_gets_its_derived_values_on_a_copy(tiny_ouro_dir, calib_corpus, tmp_path):
     """``Pipeline`` fills what a Config built in code leaves null (here ``capture.fisher_channels``: the largest
     exact value, as the loader does) on a copy, so validation and capture agree and the caller's object is kept."""
-    from loopvq_calib.calibration.pipeline import Pipeline
     from loopvq_calib.config.validate import exact_fisher_channels
 
     cfg = load_config(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from support.builders import tiny_config
 import loopvq_calib.calibration.pipeline as pipeline_module
 import loopvq_calib.calibration.stages as stages_module
 from loopvq_calib.calibration.pipeline import Pipeline
+from loopvq_calib.calibration.stage_table import STAGES
 from loopvq_calib.cli import calibrate_main
 from loopvq_calib.config.load import load_config
 
@@ -40,12 +42,12 @@ def test_the_stage_that_raised_is_named_even_when_an_older_record_says_another_f
     assert stale == ["finetune", "bundle"]  # the last of them is not the one that failed
 
 
-def test_a_failure_in_a_stages_use_of_a_reused_result_names_that_stage(tiny_ouro_dir, calib_corpus, tmp_path,
-                                                                        monkeypatch):
+def test_a_failure_in_a_stages_use_of_a_reused_result_names_that_stage(tiny_ouro_dir, calib_corpus, tmp_path):
     cfg = load_config(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run"))
     Pipeline(cfg, None, ["kmeans"]).run_all()
-    monkeypatch.setattr(pipeline_module, "load_quantizer", failing("unreadable codebooks"))
-    again = Pipeline(cfg, None, ["kmeans"])
+    table = tuple(dataclasses.replace(s, load=failing("unreadable codebooks")) if s.name == "kmeans" else s
+                  for s in STAGES)
+    again = Pipeline(cfg, None, ["kmeans"], table=table)
     with pytest.raises(RuntimeError, match="unreadable codebooks"):
         again.run_all()
     assert again.failed_stage == "kmeans"

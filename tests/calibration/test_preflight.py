@@ -12,7 +12,7 @@ import yaml
 from conftest import TOKENIZER_FILES, make_tiny_huginn, make_tiny_ouro, save_with_tokenizer
 from support.builders import tiny_config
 
-from loopvq_calib.calibration.preflight import plan_run
+from loopvq_calib.calibration.preflight import describe_model, plan_run
 from loopvq_calib.cli import calibrate_main
 from loopvq_calib.config.load import load_config
 from loopvq_calib.config.source import ConfigError
@@ -123,3 +123,18 @@ def test_a_data_row_nested_too_deeply_exits_2_before_the_run_directory(tiny_ouro
     err = capsys.readouterr().err
     assert err == f"error: data.dataset: {corpus} line 3 is nested too deeply to read\n"
     assert err.count("\n") == 1 and not (tmp_path / "run").exists()
+
+
+def test_the_model_is_described_once_without_its_weights(tiny_ouro_dir, calib_corpus, tmp_path):
+    """describe_model: the folder, the KV sites at the run's loop count, the weights' bytes in the run's dtype and
+    the identity the bundle records (a local folder by its absolute path), each check timed."""
+    cfg = load_config(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", model={"loop_steps": 2},
+                                  quant={"steps_per_block": 2}))
+    timings = {}
+    facts = describe_model(cfg, timings)
+    model = make_tiny_ouro()
+    model.config.total_ut_steps = 2
+    assert facts.folder == tiny_ouro_dir and facts.kv == model.kv_layout() and facts.kv.loop_steps == 2
+    assert facts.weight_bytes == sum(p.numel() for p in model.parameters()) * 4  # float32
+    assert facts.identity.name == str(tiny_ouro_dir.resolve()) and facts.config.model_type == "ouro"
+    assert set(timings) == {"model_shape_s", "model_identity_s"}

@@ -1,19 +1,18 @@
 """The stages as plain functions, called without a Pipeline: the capture returns its reader (memory and disk
-read alike), k-means returns and saves its report, parts are joined, and the fingerprints chain."""
+read alike), k-means returns and saves its report, parts are joined."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 import torch
 from conftest import make_tiny_ouro
+from support.builders import tiny_run_config
 from support.quantizers import sampled_quantizer
 
 from loopvq_calib.calibration.capture.store import StoreChoice
 from loopvq_calib.calibration.finetune.train import FinetuneResult
-from loopvq_calib.calibration.fingerprints import stage_fingerprints
 from loopvq_calib.calibration.stages import (
     KMeansReport,
     as_saved_finetune,
@@ -27,18 +26,8 @@ from loopvq_calib.calibration.stages import (
     save_calibration,
     save_finetune,
 )
-from loopvq_calib.config.schema import Config
-from loopvq_calib.config.validate import validate
 from loopvq_calib.data.corpus import CalibrationSet
 from loopvq_calib.runtime.processes import SINGLE
-
-
-def tiny_run_config() -> Config:
-    cfg = Config()
-    cfg.quant.codebook_size, cfg.quant.group_size, cfg.quant.bits = 16, 8, 0.5
-    cfg.capture.dtype, cfg.capture.fisher_channels = "float32", 2
-    cfg.kmeans.iterations, cfg.kmeans.backend = 5, "torch"
-    return validate(cfg)
 
 
 def test_capture_returns_its_reader_and_kmeans_its_report(tmp_path):
@@ -100,20 +89,6 @@ def test_calibration_round_trip_and_parts(tmp_path):
     assert details["content_sha256"] == back.content_hash == calib.content_hash and details["tokens"] == 12
     parts = join_parts(SINGLE, tmp_path, lambda d: (d / "x.txt").write_text("part"), load=lambda d: (d / "x.txt").read_text())
     assert parts == ["part"] and not (tmp_path / "part0").exists()
-
-
-def test_fingerprints_chain_from_the_changed_section():
-    cfg = tiny_run_config()
-    base = stage_fingerprints(cfg, "data", {"name": "m"}, loop_steps=4)
-    assert base["tasq"] is None  # loopvq has no TaSQ stage
-    more = stage_fingerprints(dataclasses.replace(cfg, kmeans=dataclasses.replace(cfg.kmeans, iterations=6)),
-                              "data", {"name": "m"}, loop_steps=4)
-    assert [s for s in base if base[s] != more[s]] == ["kmeans", "finetune", "bundle"]
-    stored = stage_fingerprints(dataclasses.replace(cfg, capture=dataclasses.replace(cfg.capture, store="disk")),
-                                "data", {"name": "m"}, loop_steps=4)
-    assert stored == base  # where the capture lives is not what it holds
-    other_data = stage_fingerprints(cfg, "data2", {"name": "m"}, loop_steps=4)
-    assert all(other_data[s] != base[s] for s in ("data", "capture", "kmeans", "finetune", "bundle"))
 
 
 def test_same_quantizer_check_sees_each_codecs_own_tensors():

@@ -13,6 +13,7 @@ import yaml
 from support.builders import tiny_config
 
 import loopvq_calib.calibration.pipeline as pipeline_module
+import loopvq_calib.calibration.stage_table as stage_table
 from loopvq_calib.calibration.pipeline import calibrate
 from loopvq_calib.cli import calibrate_main
 from loopvq_calib.kernels import kmeans as kmeans_triton
@@ -86,8 +87,8 @@ def test_each_stage_waits_for_its_job_first(tiny_ouro_dir, calib_corpus, tmp_pat
     events = []
     monkeypatch.setattr(Warmup, "wait", lambda self, name: events.append(f"wait {name}"))
     for name in ("run_tasq", "run_kmeans", "run_finetune"):
-        real = getattr(pipeline_module, name)
-        monkeypatch.setattr(pipeline_module, name,
+        real = getattr(stage_table, name)
+        monkeypatch.setattr(stage_table, name,
                             lambda *a, _real=real, _name=name, **k: events.append(_name) or _real(*a, **k))
     cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", quant={"method": "tasq+loopvq"},
                       model={"device": "cpu"}, finetune={"epochs": 1})

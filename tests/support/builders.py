@@ -11,7 +11,8 @@ import torch
 from loopvq_calib.codes.codec import BlockCodec
 from loopvq_calib.codes.layouts import codebook_shape, plan_layouts
 from loopvq_calib.codes.quantizer import KVQuantizer
-from loopvq_calib.config.schema import QuantConfig
+from loopvq_calib.config.schema import Config, QuantConfig
+from loopvq_calib.config.validate import validate
 
 CPU = torch.device("cpu")
 
@@ -52,3 +53,14 @@ def tiny_config(model_dir: Path, corpus: Path, out: Path, **sections) -> dict:
     for name, values in sections.items():
         cfg.setdefault(name, {}).update(values)
     return cfg
+
+
+def tiny_run_config(method: str = "loopvq") -> Config:
+    """A validated Config of ``method`` with small stage settings (16 codewords of 8 coordinates, 5 torch k-means
+    updates)."""
+    cfg = Config()
+    cfg.quant.method = method
+    cfg.quant.codebook_size, cfg.quant.group_size, cfg.quant.bits = 16, 8, 0.5
+    cfg.capture.dtype, cfg.capture.fisher_channels = "float32", 2
+    cfg.kmeans.iterations, cfg.kmeans.backend = 5, "torch"
+    return validate(cfg)

@@ -20,11 +20,10 @@ from loopvq_calib.calibration.finetune.train import (
     selection_kl,
     sequence_kl,
 )
-from loopvq_calib.calibration.pipeline import Pipeline, calibrate
-from loopvq_calib.calibration.stages import load_quantizer
+from loopvq_calib.calibration.pipeline import calibrate
+from loopvq_calib.calibration.stages import load_calibration, load_quantizer
 from loopvq_calib.codes.codec import scatter_groups
 from loopvq_calib.codes.objective import kl_per_position, sink_mask, teacher
-from loopvq_calib.config.load import load_config
 from loopvq_calib.config.schema import FinetuneConfig
 from loopvq_calib.data.corpus import CalibrationSet
 from loopvq_calib.models import KVRecorder, KVSubstituter, kv_hook
@@ -45,7 +44,7 @@ def reference_setup(tmp_path_factory, reference_model_dir, calib_corpus):
     calibrate(cfg, stages=["kmeans"])
     model, _ = load_model(reference_model_dir, "float32", torch.device("cpu"))
 
-    calib = Pipeline(load_config(cfg)).stage_data()
+    calib = load_calibration(out / "data")
     return model, calib, load_quantizer(out / "kmeans")
 
 

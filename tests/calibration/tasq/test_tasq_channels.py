@@ -12,7 +12,7 @@ import yaml
 from support.builders import tiny_config
 
 from loopvq_calib.bundle.reader import load_bundle
-from loopvq_calib.calibration.fingerprints import fingerprint, stage_fingerprints
+from loopvq_calib.calibration.fingerprints import RunFacts, fingerprint, stage_fingerprints
 from loopvq_calib.calibration.tasq.grouping import channel_units, fit_groups, fit_tasq, rope_pair_units
 from loopvq_calib.codes.layouts import plan_layouts
 from loopvq_calib.config.load import load_config
@@ -92,12 +92,12 @@ def test_channels_group_size_must_be_reachable_and_the_choice_known(tiny_capture
 
 def test_the_free_grouping_keeps_the_fingerprints_of_earlier_runs(tiny_ouro_dir, calib_corpus, tmp_path):
     cfg = load_config(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", quant={"method": "tasq+loopvq"}))
-    free = stage_fingerprints(cfg, "data", {"model": "m"}, loop_steps=4)
+    facts = RunFacts(model_identity={"model": "m"}, loop_steps=4, tokenizer_files="tokenizer", data_sources=[])
+    free = stage_fingerprints(cfg, facts)
     t = cfg.tasq  # the settings a run made before the option fingerprinted
     before = fingerprint("tasq", __version__, free["capture"], dataclasses.asdict(cfg.quant),
                          {"det_eps": t.det_eps, "sigma_min": t.sigma_min, "weight_floor": t.weight_floor})
-    channels = stage_fingerprints(dataclasses.replace(cfg, tasq=TasqConfig(grouping="channels")), "data",
-                                  {"model": "m"}, loop_steps=4)
+    channels = stage_fingerprints(dataclasses.replace(cfg, tasq=TasqConfig(grouping="channels")), facts)
     assert free["tasq"] == before and channels["tasq"] != before and channels["capture"] == free["capture"]
 
 
