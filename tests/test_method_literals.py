@@ -25,14 +25,11 @@ OTHER_MEANINGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("bundle/", "the block field tasq (docs/bundle-format.md section 2)"),
         ("codes/quantizer.py", "the block field tasq, written by KVQuantizer.meta"),
         ("calibration/fingerprints.py", "the tasq stage"),
-        ("calibration/pipeline.py", "the tasq stage"),
         ("calibration/preflight.py", "the tasq stage"),
-        ("cli", "the tasq stage, in --stages' help"),
+        ("calibration/stage_table.py", "the tasq stage"),
     ),
     "loopvq": (("bundle/", "the bundle format's name (field format, the safetensors header, the hub tag)"),),
 }
-# literals that do name methods, in modules of other parts of issue 42, to be switched to the registry when merged
-PENDING = {("calibration/preflight.py", "tasq+loopvq"): "--stages' message names the TaSQ methods"}
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -86,8 +83,6 @@ def method_literals(package: Path, names: tuple[str, ...]) -> tuple[list[str], s
                 other = _other_meaning(module, name)
                 if id(node) not in compared and other is not None:
                     used.add((name, other))
-                elif (module, name) in PENDING:
-                    used.add((module, name))
                 else:
                     findings.append((module, node.lineno, f"{module}:{node.lineno} {name} in {text!r}"))
     return [f for _, _, f in sorted(findings)], used
@@ -96,7 +91,7 @@ def method_literals(package: Path, names: tuple[str, ...]) -> tuple[list[str], s
 def test_no_method_name_outside_the_registry():
     findings, used = method_literals(PACKAGE, method_names())
     assert findings == [], "ask loopvq_calib.config.methods (get_method, method_names) instead"
-    declared = {(name, e) for name, entries in OTHER_MEANINGS.items() for e in entries} | set(PENDING)
+    declared = {(name, e) for name, entries in OTHER_MEANINGS.items() for e in entries}
     assert declared - used == set(), "exemptions no literal needs any more: remove them"
 
 

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from ..codes.layouts import plan_layouts
 from ..codes.quantizer import KVQuantizer
+from ..config.methods import methods
 from ..config.schema import Config
 from ..data.corpus import CalibrationSet, build_calibration_set
 from ..runtime.warmup import Warmup
@@ -51,8 +52,13 @@ class Condition:
     only_for: Callable[[Config], str]
 
 
-WITH_TASQ = Condition(lambda cfg: cfg.quant.uses_tasq,
-                      lambda cfg: f"quant.method tasq or tasq+loopvq, not {cfg.quant.method}")
+def _tasq_methods(cfg: Config) -> str:
+    """``--stages``' words for the configs with a TaSQ stage: the registered methods that have one."""
+    names = [m.name for m in methods() if m.uses_tasq]
+    return f"quant.method {' or '.join(names)}, not {cfg.quant.method}"
+
+
+WITH_TASQ = Condition(lambda cfg: cfg.quant.uses_tasq, _tasq_methods)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,8 +21,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loopvq-calibrate", description="Calibrate LoopVQ KV-cache codebooks.")
     p.add_argument("--config", required=True, help="YAML config (see docs/config.md)")
     p.add_argument("--output", help="run directory (default: output.dir of the config)")
-    p.add_argument("--stages", help="comma-separated stages to produce (data,capture,tasq,kmeans,finetune,bundle); "
-                   "earlier stages run or are reused as needed, later ones are skipped")
+    p.add_argument("--stages", help="comma-separated stages to produce (the run's stages: docs/architecture.md; an "
+                   "unknown name is refused with the list); earlier stages run or are reused as needed, later ones "
+                   "are skipped")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a config value (YAML syntax), repeatable")
     return p
