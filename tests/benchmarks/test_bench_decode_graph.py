@@ -1,4 +1,4 @@
-"""The CUDA-graph cases of benchmarks/bench_decode_model.py (benchmarks/decode_graph.py) at a tiny scale: the bf16
+"""The CUDA-graph cases of benchmarks/decode/bench_decode_model.py (benchmarks/decode/decode_graph.py) at a tiny scale: the bf16
 static baseline against the model's own cache, the kernel-modelled figures read from bench_decode.py's results,
 graph cases run end to end (off CUDA their steps run eagerly through the same decoder), the profile on the GPU."""
 
@@ -120,7 +120,7 @@ def test_speed_page_sets_graph_cases_against_eager_ones_and_the_model(tmp_path):
                              profile={"replayed": profile, "eager": profile})],
               "kernel_model": {"file": "k.json", "device": "H", "commit": "c"}, "kv": {"sites": 96}, "device": "H",
               "torch": "t",
-              "commit": "abc", "command": "python benchmarks/bench_decode_model.py --caches loopvq-graph --out x.json"}
+              "commit": "abc", "command": "python benchmarks/decode/bench_decode_model.py --caches loopvq-graph --out x.json"}
     lines = ds.graph_table(result)
     assert lines[0] == ("| context | batch | bf16 eager | bf16 graph | LoopVQ eager | LoopVQ graph | modelled | "
                         "graph / modelled |")

@@ -1,4 +1,4 @@
-"""benchmarks/bench_decode_model.py at a tiny scale (Ouro-1.4B scaled down 16x: 1 layer x 4 loops, one KV head of 128):
+"""benchmarks/decode/bench_decode_model.py at a tiny scale (Ouro-1.4B scaled down 16x: 1 layer x 4 loops, one KV head of 128):
 the JSON it writes, its table, that the synthetic fill is what the coded cache serves, and fill_cache against a
 prefill."""
 
@@ -47,7 +47,7 @@ def test_script_writes_every_case_and_the_fill_check(tmp_path, monkeypatch, caps
     on CPU, where the served path is the reference one); --table-from prints the same table."""
     result = run_script(monkeypatch, tmp_path / "r.json")
     printed = capsys.readouterr().out
-    assert result["command"].startswith("python benchmarks/bench_decode_model.py --scale-down 16")
+    assert result["command"].startswith("python benchmarks/decode/bench_decode_model.py --scale-down 16")
     assert "commit" in result and result["kv"] == {"sites": 4, "kv_heads": 1, "head_dim": 128, "loop_steps": 4}
     assert [(r["context"], r["batch"], r["cache"]) for r in result["cases"]] == [
         (90, b, c) for b in (1, 2) for c in ("bf16", "loopvq", "tasq+loopvq", "tasq+loopvq-channels")]

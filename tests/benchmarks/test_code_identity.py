@@ -1,4 +1,4 @@
-"""benchmarks/code_identity.py: the identity measure_real_command.sh records, from a tree on disk and from git."""
+"""benchmarks/calibration/code_identity.py: the identity measure_real_command.sh records, from a tree on disk and from git."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""benchmarks/compare_trees.sh scaled down on the CPU: one line per run, the other tree first, each with its exit
+"""benchmarks/calibration/compare_trees.sh scaled down on the CPU: one line per run, the other tree first, each with its exit
 status, command seconds and its stages from the run's manifest; nothing left in its work folder."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def test_both_trees_run_in_turn_and_each_run_records_its_stages(tmp_path):
     env = {**os.environ, "WORK": str(work), "PYTHON": sys.executable, "SCALE": "8"}
     small = ["--set", "data.num_sequences=4", "--set", "data.heldout_sequences=1", "--set", "data.sequence_length=128",
              "--set", "finetune.epochs=1", "--set", "model.device=cpu", "--set", "kmeans.iterations=2"]
-    done = subprocess.run(["bash", "benchmarks/compare_trees.sh", str(out), str(ROOT), "1", "configs/ouro-1.4b.yaml",
+    done = subprocess.run(["bash", "benchmarks/calibration/compare_trees.sh", str(out), str(ROOT), "1", "configs/ouro-1.4b.yaml",
                            "ouro-1.4b", *small], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in (out / "compare.jsonl").read_text().splitlines()]

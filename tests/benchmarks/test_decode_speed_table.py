@@ -1,4 +1,4 @@
-"""benchmarks/decode_speed_table.py: docs/decode-speed.md generated from the stored decode benchmark files."""
+"""benchmarks/decode/decode_speed_table.py: docs/decode-speed.md generated from the stored decode benchmark files."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ def test_the_committed_page_is_the_one_the_stored_results_give(tmp_path, monkeyp
 def test_the_stored_command_is_rewritten_to_run_from_this_tree(tmp_path):
     path = tmp_path / "bench-decode-cuda-h200-run9.json"
     stored = {"command": "python scripts/bench_decode.py --commit 7862989 --out /root/out/bench.json --batches 1 8"}
-    assert ds.reproduce(stored, path) == ("python benchmarks/bench_decode.py --out "
+    assert ds.reproduce(stored, path) == ("python benchmarks/decode/bench_decode.py --out "
                                           "benchmarks/results/bench-decode-cuda-h200-run9.json --batches 1 8")
-    checks = {"command": "python benchmarks/bench_decode_model.py --checks-only --out x.json --commit abc"}
+    checks = {"command": "python benchmarks/decode/bench_decode_model.py --checks-only --out x.json --commit abc"}
     assert ds.reproduce(checks, path).endswith(f"--checks-only --out benchmarks/results/{path.name}")
 
 

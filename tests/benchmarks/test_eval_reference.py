@@ -1,6 +1,6 @@
-"""benchmarks/eval_reference.py: the per-model settings table against the shipped models, the runs it plans (a
+"""benchmarks/quality/eval_reference.py: the per-model settings table against the shipped models, the runs it plans (a
 k-means-only twin per fine-tuned run, reusing its k-means stage), the loopvq-eval command it builds, setup.json,
-and (slow) a whole tiny run on the Huginn reference model read back by benchmarks/quality_table.py."""
+and (slow) a whole tiny run on the Huginn reference model read back by benchmarks/quality/quality_table.py."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def test_an_unknown_method_or_width_is_refused_before_any_work(tmp_path, capsys)
 def test_setup_records_the_command_the_settings_and_each_bundle():
     runs = er.plan(("loopvq",), (0.25,))
     record = er.setup("huginn", runs, ["--model", "huginn", "--limit", "12"], seconds={"calibration": 1.0})
-    assert record["command"] == "python benchmarks/eval_reference.py --model huginn --limit 12"
+    assert record["command"] == "python benchmarks/quality/eval_reference.py --model huginn --limit 12"
     assert record["bundles"] == [
         {"name": "tiny-huginn-loopvq-0.25bit", "method": "loopvq", "width": 0.25, "finetuned": True},
         {"name": "tiny-huginn-loopvq-0.25bit-kmeans", "method": "loopvq", "width": 0.25, "finetuned": False}]

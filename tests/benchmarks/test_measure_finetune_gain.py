@@ -1,4 +1,4 @@
-"""benchmarks/measure_finetune_gain.py: each cell's loopvq-calibrate arguments on each model, and one results file
+"""benchmarks/quality/measure_finetune_gain.py: each cell's loopvq-calibrate arguments on each model, and one results file
 per model written as cells end."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmarks/measure_real_command.sh, scaled down on the CPU: the real command timed end to end, one JSON line per step
+"""benchmarks/calibration/measure_real_command.sh, scaled down on the CPU: the real command timed end to end, one JSON line per step
 with the code's identity and the run's stages."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def test_a_scaled_down_run_records_the_command_its_code_and_its_stages(tmp_path)
     env = {**os.environ, "STEPS": "ouro-1.4b", "WORK": str(work), "PYTHON": sys.executable, "DEADLINE": "600"}
     small = ["--set", "data.num_sequences=4", "--set", "data.heldout_sequences=1", "--set", "data.sequence_length=128",
              "--set", "finetune.epochs=1", "--set", "model.device=cpu"]
-    done = subprocess.run(["bash", "benchmarks/measure_real_command.sh", str(out), "8", *small], cwd=ROOT, env=env,
+    done = subprocess.run(["bash", "benchmarks/calibration/measure_real_command.sh", str(out), "8", *small], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]

@@ -1,4 +1,4 @@
-"""benchmarks/performance_table.py: docs/performance.md generated from the stored measurement files."""
+"""benchmarks/calibration/performance_table.py: docs/performance.md generated from the stored measurement files."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_commits_come_from_the_code_identity_or_the_files_record(tmp_path):
     assert pt.commit_of(runs["ouro-1.4b"], {"files": {with_code.name: "x"}}) is None  # an identity wins over files
     table = "\n".join(pt.source_table(runs, {"files": {}}, {"h200": "1 x NVIDIA H200"}))
     assert table.count("not recorded (--resolve)") == 3 and "| 1 x NVIDIA H200 |" in table
-    assert "`STEPS=\"ouro-1.4b-48gb\" benchmarks/measure_real_command.sh OUT`" in table
+    assert "`STEPS=\"ouro-1.4b-48gb\" benchmarks/calibration/measure_real_command.sh OUT`" in table
 
 
 def test_two_gpu_speedup_pairs_the_runs_of_one_call(tmp_path):

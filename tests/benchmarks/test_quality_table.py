@@ -1,4 +1,4 @@
-"""benchmarks/quality_table.py: docs/quality-models.md from eval_reference.py's stored results: the rows of a
+"""benchmarks/quality/quality_table.py: docs/quality-models.md from eval_reference.py's stored results: the rows of a
 hand-made report, the paper's ordering checked against an independent rule, a model without results, and the
 committed page as the stored results give it."""
 
@@ -47,7 +47,7 @@ def results(model: str = "ouro") -> tuple[dict, dict]:
               "passkey": {"lengths": [256, 2040], "trials_per_length": 2, "accuracy": keys}}
     report = {"dtype": "bfloat16", "data": {"num_sequences": 8, "sequence_length": 512}, "bundles": quality,
               "served": served}
-    setup = {"command": f"python benchmarks/eval_reference.py --model {model}", "commit": "abc1234", "device": "cpu",
+    setup = {"command": f"python benchmarks/quality/eval_reference.py --model {model}", "commit": "abc1234", "device": "cpu",
              "cpu_count": 2, "heldout": "artifacts/data/shakespeare-heldout.jsonl", "bundles": about,
              "seconds": {"calibration": 900.0, "loopvq-eval": 2400.0},
              "calibration": {"dataset": "artifacts/data/shakespeare-calib.jsonl", "sequences": 16,
@@ -118,10 +118,10 @@ def test_a_page_with_one_model_measured_and_one_not(tmp_path):
     text = page.read_text()
     ouro, huginn = text.split("## `artifacts/tiny-huginn`")
     assert "10 M-parameter reference models" in text and "Not measured yet" not in ouro
-    assert "python benchmarks/eval_reference.py --model ouro\n```" in ouro and "`abc1234`" in ouro
+    assert "python benchmarks/quality/eval_reference.py --model ouro\n```" in ouro and "`abc1234`" in ouro
     assert "| TaSQ+LoopVQ | 0.292 / 0.25 | no |" in ouro and "The paper on Ouro-1.4B" in ouro
     assert "(../results/eval-reference-ouro/accuracy_vs_bytes.png)" in ouro
-    assert "Not measured yet" in huginn and "python benchmarks/eval_reference.py --model huginn" in huginn
+    assert "Not measured yet" in huginn and "python benchmarks/quality/eval_reference.py --model huginn" in huginn
     assert "The paper on Huginn-3.5B" in huginn and "0.25 bit CQ 12.9 / TaSQ 13.0 / LoopVQ 18.6" in huginn
     store(tmp_path / "results", "huginn")
     qt.write_page(page, results=tmp_path / "results")

@@ -1,4 +1,4 @@
-"""benchmarks/reproduce_report.py, quality_served.py and reproduce_figures.py: docs/quality.md and its figures
+"""benchmarks/reproduction/reproduce_report.py, quality_served.py and reproduce_figures.py: docs/quality.md and its figures
 from the stored results."""
 
 from __future__ import annotations

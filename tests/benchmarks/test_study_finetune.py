@@ -1,4 +1,4 @@
-"""benchmarks/study_finetune.py and benchmarks/reference_models.py: the grid's recipes, the per-model settings and
+"""benchmarks/quality/study_finetune.py and benchmarks/quality/reference_models.py: the grid's recipes, the per-model settings and
 the study file written cell by cell."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmarks/finetune_report.py: the cross-model tables on small hand-made results files (the mean across
+"""benchmarks/quality/finetune_report.py: the cross-model tables on small hand-made results files (the mean across
 models, the best variant, the never-negative check, a model not measured) and docs/finetune.md's generated block."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ report = load_script("finetune_report")
 def _study(gains: dict[str, list[float]]) -> dict:
     """A study file whose cell i holds gain gains[variant][i] of each variant (k-means KL 0.1, fine-tuned below)."""
     cells = len(next(iter(gains.values())))
-    return {"command": "python benchmarks/study_finetune.py --model x", "commit": "0123456789", "device": "NVIDIA H200",
+    return {"command": "python benchmarks/quality/study_finetune.py --model x", "commit": "0123456789", "device": "NVIDIA H200",
             "cells": [{"method": m, "bits": b, "kmeans_evaluation_kl": 0.1,
                        "variants": {n: {"reduction": g[i], "evaluation_kl": 0.1 * (1 - g[i])}
                                     for n, g in gains.items() if g[i] is not None}}
@@ -25,7 +25,7 @@ def _study(gains: dict[str, list[float]]) -> dict:
 
 def _gain(changes: list[float]) -> dict:
     """A gain file whose cell i changes the evaluation KL by changes[i] (relative) from k-means' 0.2."""
-    return {"command": "python benchmarks/measure_finetune_gain.py --model x", "commit": "abcdef0123", "device": "cpu",
+    return {"command": "python benchmarks/quality/measure_finetune_gain.py --model x", "commit": "abcdef0123", "device": "cpu",
             "sequences": 134,
             "cells": [{"method": m, "bits": b, "change": ch, "kmeans": {"eval_kl": 0.2},
                        "finetuned": {"eval_kl": 0.2 * (1 + ch), "selection_kl": 0.01},
@@ -84,7 +84,7 @@ def test_the_block_marks_the_best_variant_and_shows_models_not_measured(tmp_path
     assert "| ouro | +25.0% | not measured | not measured |" in block  # 64 sequences and the gain: no files
     assert "| huginn | +0.0% | not measured | +15.0% (134) |" in block
     assert "| ouro | not measured | | | | | |" in block
-    assert f"`{tmp_path}/finetune-gain-huginn.json`: `python benchmarks/measure_finetune_gain.py --model x`, " \
+    assert f"`{tmp_path}/finetune-gain-huginn.json`: `python benchmarks/quality/measure_finetune_gain.py --model x`, " \
            "commit abcdef0, cpu" in block
 
 
