@@ -74,10 +74,7 @@ def run_kernel_script(script: str) -> dict:
 
 def load_script(name: str) -> types.ModuleType:
     """scripts/<name>.py as a module, scripts/ on ``sys.path`` (as when it runs, so that it imports its sibling
-    modules); a benchmark module, benchmarks/<topic>/<name>.py, as ``benchmarks.<topic>.<name>``."""
-    found = sorted((ROOT / "benchmarks").glob(f"*/{name}.py"))
-    if found:
-        return importlib.import_module(f"benchmarks.{found[0].parent.name}.{name}")
+    modules). The benchmarks are a package: tests import ``benchmarks.<topic>.<module>``."""
     path = ROOT / "scripts" / f"{name}.py"
     if str(path.parent) not in sys.path:
         sys.path.append(str(path.parent))

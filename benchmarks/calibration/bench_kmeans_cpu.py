@@ -21,7 +21,7 @@ from loopvq_calib.calibration.capture.kv import CaptureReader
 from loopvq_calib.calibration.kmeans import solvers as kmeans_backends
 from loopvq_calib.calibration.kmeans.fit import layout_problems, layout_seed
 from loopvq_calib.calibration.kmeans.solvers import kmeans_pp_init, weighted_kmeans
-from loopvq_calib.calibration.pipeline import model_shape
+from loopvq_calib.calibration.preflight import model_shape
 from loopvq_calib.codes.layouts import plan_layouts
 from loopvq_calib.config.load import load_config
 from loopvq_calib.config.schema import KMeansConfig

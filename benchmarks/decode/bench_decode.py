@@ -24,6 +24,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks.* and an uninstalled loopvq_calib
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common.provenance import short_commit
-from loopvq_calib.calibration.tasq.grouping import channel_units
+from benchmarks.decode.decode_fill import channels_groups
 from loopvq_calib.codes.codec import BlockCodec, TasqTransform
 from loopvq_calib.codes.layouts import BlockLayout, loop_axis_groups
 from loopvq_calib.serving import decode_attention as da
@@ -46,28 +47,16 @@ WEIGHT_BYTES = 2 * (LAYERS * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTER) + 2 * VO
 METHODS = ("loopvq", "tasq+loopvq", "tasq+loopvq-channels")
 
 
-def channels_keys(gen: torch.Generator) -> torch.Tensor:
-    """A ``tasq.grouping: channels`` key layout [H, n, G]: the TaSQ stage's units (one RoPE pair at every step)
-    merged at random, G / (2 T_c) units per code; coordinates ascending, codes by their first coordinate, as the
-    stage writes them."""
-    units = channel_units(D, T_C, "half")  # [D/2, 2 T_c]
-    heads = []
-    for _ in range(KV_HEADS):
-        groups = units[torch.randperm(len(units), generator=gen)].reshape(-1, G).sort(-1).values
-        heads.append(groups[groups[:, 0].argsort()])
-    return torch.stack(heads)
-
-
 def codecs(method: str) -> tuple[BlockCodec, BlockCodec]:
     """One block's random codebooks with the method's layouts (TaSQ free: a random per-head permutation; TaSQ
-    channels: :func:`channels_keys`)."""
+    channels: :func:`~benchmarks.decode.decode_fill.channels_groups`)."""
     gen = torch.Generator().manual_seed(0)
     plain = loop_axis_groups(D, T_C, G)[None]
     keys = plain
     if method == "tasq+loopvq":
         keys = torch.stack([torch.randperm(T_C * D, generator=gen) for _ in range(KV_HEADS)]).view(KV_HEADS, -1, G)
     elif method == "tasq+loopvq-channels":
-        keys = channels_keys(gen)
+        keys = channels_groups(SimpleNamespace(head_dim=D, kv_heads=KV_HEADS, rope_style="half"), T_C, G, gen)
 
     def make(kind: str, groups: torch.Tensor, tasq: bool) -> BlockCodec:
         lay = BlockLayout("b0.l0", kind, tuple(range(T_C)), D, KV_HEADS, groups)

@@ -64,6 +64,7 @@ DATA = {"num_sequences": 16, "sequence_length": 512, "heldout_sequences": 4, "si
 KMEANS = {"iterations": 10}
 FINETUNE: dict = {}  # the shipped recipe (FinetuneConfig's defaults)
 SERVING = {"recent_window": 64, "page_size": 8}
+EVAL_LENGTH = 512  # loopvq-eval --sequence-length: each KL window, and the prefill before bytes per token
 SHARED_STAGES = ("data", "capture", "tasq", "kmeans")  # what a k-means-only run takes from its fine-tuned twin
 
 
@@ -151,7 +152,7 @@ def eval_argv(model: str, paths: list[Path], args: argparse.Namespace) -> list[s
     ref = MODELS[model]
     argv = [arg for b in paths for arg in ("--bundle", str(b))]
     argv += ["--model", str(ROOT / ref.folder), "--data", str(ROOT / ref.heldout), "--dtype", "bfloat16",
-             "--device", args.device, "--num-sequences", str(args.kl_sequences), "--sequence-length", "512",
+             "--device", args.device, "--num-sequences", str(args.kl_sequences), "--sequence-length", str(EVAL_LENGTH),
              "--tasks", TASK, "--baseline", BASELINES, "--out", str(args.out)]
     if args.passkey_lengths:
         argv += ["--passkey-lengths", args.passkey_lengths, "--passkey-trials", str(args.passkey_trials)]

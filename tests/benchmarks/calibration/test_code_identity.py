@@ -1,4 +1,5 @@
-"""benchmarks/calibration/code_identity.py: the identity measure_real_command.sh records, from a tree on disk and from git."""
+"""benchmarks/calibration/code_identity.py: the identity measure_real_command.sh records, from a tree on disk and from
+git."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import load_script
 
-ci = load_script("code_identity")
+from benchmarks.calibration import code_identity as ci
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 

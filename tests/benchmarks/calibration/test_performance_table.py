@@ -8,10 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, load_script
+from conftest import ROOT
 
-ci = load_script("code_identity")  # performance_table imports it by name (benchmarks/ is its folder)
-pt = load_script("performance_table")
+from benchmarks.calibration import code_identity as ci, performance_table as pt
 
 
 def _run(step: str, command_s: float, stages: dict[str, float], peak: float = 50.0, rc: int = 0, **extra) -> dict:
@@ -137,7 +136,7 @@ def test_the_stored_commit_record_agrees_with_the_history():
 
 
 def test_the_steps_are_those_of_the_measurement_script():
-    script = (ROOT / "benchmarks" / "measure_real_command.sh").read_text()
+    script = (ROOT / "benchmarks" / "calibration" / "measure_real_command.sh").read_text()
     for step, spec in pt.STEPS.items():
         assert f"calibrate {step} " in script and spec.config in script
         assert all(f"--set {override}" in script for override in spec.overrides)

@@ -7,30 +7,31 @@ import json
 import sys
 
 import pytest
-from conftest import ROOT, load_script
+from conftest import ROOT
 
-study = load_script("study_finetune")
-report = load_script("finetune_report")
+from benchmarks.quality import finetune_grids as grids, finetune_report as report, study_finetune as study
 
 
 def _study(gains: dict[str, list[float]]) -> dict:
     """A study file whose cell i holds gain gains[variant][i] of each variant (k-means KL 0.1, fine-tuned below)."""
     cells = len(next(iter(gains.values())))
-    return {"command": "python benchmarks/quality/study_finetune.py --model x", "commit": "0123456789", "device": "NVIDIA H200",
+    return {"command": "python benchmarks/quality/study_finetune.py --model x", "commit": "0123456789",
+            "device": "NVIDIA H200",
             "cells": [{"method": m, "bits": b, "kmeans_evaluation_kl": 0.1,
                        "variants": {n: {"reduction": g[i], "evaluation_kl": 0.1 * (1 - g[i])}
                                     for n, g in gains.items() if g[i] is not None}}
-                      for i, (m, b) in enumerate(study.CELLS[:cells])]}
+                      for i, (m, b) in enumerate(grids.CELLS[:cells])]}
 
 
 def _gain(changes: list[float]) -> dict:
     """A gain file whose cell i changes the evaluation KL by changes[i] (relative) from k-means' 0.2."""
-    return {"command": "python benchmarks/quality/measure_finetune_gain.py --model x", "commit": "abcdef0123", "device": "cpu",
+    return {"command": "python benchmarks/quality/measure_finetune_gain.py --model x", "commit": "abcdef0123",
+            "device": "cpu",
             "sequences": 134,
             "cells": [{"method": m, "bits": b, "change": ch, "kmeans": {"eval_kl": 0.2},
                        "finetuned": {"eval_kl": 0.2 * (1 + ch), "selection_kl": 0.01},
                        "finetune_curve": {"curve": [{"selection_kl": 0.02}]}}
-                      for (m, b), ch in zip(study.CELLS, changes)]}
+                      for (m, b), ch in zip(grids.CELLS, changes)]}
 
 
 def test_the_mean_is_over_measured_models_and_the_best_variant_has_the_highest():
@@ -47,11 +48,8 @@ def test_the_mean_is_over_measured_models_and_the_best_variant_has_the_highest()
     assert rows["affine"]["per_model"]["ouro"] is None and rows["affine"]["mean"] is None
     assert report.best_variant(list(rows.values())) == "paper"
     assert report.best_variant([rows["affine"]]) is None
-
-
-def test_no_measured_model_gives_no_mean():
-    rows = report.variant_rows({"ouro": None, "huginn": None}, ["shipped"], 4)
-    assert rows[0]["mean"] is None and report.best_variant(rows) is None
+    nothing = report.variant_rows({"ouro": None, "huginn": None}, ["shipped"], 4)  # no measured model: no mean
+    assert nothing[0]["mean"] is None and report.best_variant(nothing) is None
 
 
 def test_never_negative_names_each_cell_worse_than_kmeans():

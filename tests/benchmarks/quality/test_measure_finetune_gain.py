@@ -1,5 +1,5 @@
-"""benchmarks/quality/measure_finetune_gain.py: each cell's loopvq-calibrate arguments on each model, and one results file
-per model written as cells end."""
+"""benchmarks/quality/measure_finetune_gain.py: each cell's loopvq-calibrate arguments on each model, and one results
+file per model written as cells end (a failed cell leaves the others; --resume runs only the missing ones)."""
 
 from __future__ import annotations
 
@@ -7,29 +7,27 @@ import json
 import sys
 
 import pytest
-from conftest import ROOT, load_script
+from conftest import ROOT
 
+from benchmarks.quality import measure_finetune_gain as gain, reference_models as refs
 from loopvq_calib.cli import PARSERS
 from loopvq_calib.config.load import load_config
 
-refs = load_script("reference_models")
-gain = load_script("measure_finetune_gain")
 
-
-@pytest.mark.parametrize("model,method,bits,group", [("ouro", "loopvq", 0.5, 16), ("huginn", "tasq+loopvq", 0.25, 32)])
-def test_a_cells_arguments_set_the_models_text_the_cells_quant_and_the_reference_setup(model, method, bits, group,
-                                                                                        monkeypatch):
+def test_a_cells_arguments_set_the_models_text_the_cells_quant_and_the_reference_setup(monkeypatch):
     monkeypatch.chdir(ROOT)  # the tool runs in the checkout: the table's relative paths resolve there
-    ref = refs.MODELS[model]
-    args = gain.cell_overrides(model, method, bits, device="cpu", overrides=[*refs.reference_overrides(134),
-                                                                            "finetune.epochs=2"])
-    parsed = PARSERS["loopvq-calibrate"]().parse_args(["--config", ref.config, *args])
-    cfg = load_config(parsed.config, parsed.overrides)
-    assert cfg.model.name_or_path == str(ROOT / ref.folder) and cfg.data.dataset == str(ROOT / ref.calibration)
-    assert (cfg.quant.method, cfg.quant.bits, cfg.quant.group_size, cfg.quant.steps_per_block) == (method, bits,
-                                                                                                    group, 4)
-    assert (cfg.data.num_sequences, cfg.data.heldout_sequences, cfg.finetune.select_every) == (134, 16, (134 - 16) // 4)
-    assert cfg.finetune.epochs == 2 and cfg.finetune.autocast == "none"  # an extra override wins over the setup
+    for model, method, bits, group in (("ouro", "loopvq", 0.5, 16), ("huginn", "tasq+loopvq", 0.25, 32)):
+        ref = refs.MODELS[model]
+        args = gain.cell_overrides(model, method, bits, device="cpu", overrides=[*refs.reference_overrides(134),
+                                                                                "finetune.epochs=2"])
+        parsed = PARSERS["loopvq-calibrate"]().parse_args(["--config", ref.config, *args])
+        cfg = load_config(parsed.config, parsed.overrides)
+        assert cfg.model.name_or_path == str(ROOT / ref.folder) and cfg.data.dataset == str(ROOT / ref.calibration)
+        assert (cfg.quant.method, cfg.quant.bits, cfg.quant.group_size, cfg.quant.steps_per_block) == (method, bits,
+                                                                                                        group, 4)
+        assert (cfg.data.num_sequences, cfg.data.heldout_sequences, cfg.finetune.select_every) == (134, 16,
+                                                                                                   (134 - 16) // 4)
+        assert cfg.finetune.epochs == 2 and cfg.finetune.autocast == "none"  # an extra override wins over the setup
 
 
 def _cell(method: str, bits: float) -> dict:
@@ -83,10 +81,3 @@ def test_resume_runs_only_the_cells_a_stored_file_lacks_and_keeps_its_setup(tmp_
     assert [(c["method"], c["bits"]) for c in data["cells"]] == list(gain.CELLS)
     assert data["cells"][1]["overrides"] == ["data.num_sequences=100"] and data["command"] == "first"
     assert data["resumed"][0]["command"].endswith("--resume --out-dir " + str(tmp_path) + " --device cpu")
-
-
-def test_report_says_which_models_are_not_measured(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["measure_finetune_gain.py", "--report", "--model", "huginn",
-                                      "--out-dir", str(tmp_path)])
-    gain.main()
-    assert capsys.readouterr().out.strip() == "huginn:\nnot measured"

@@ -1,32 +1,12 @@
-"""benchmarks/reproduction/reproduce_report.py, quality_served.py and reproduce_figures.py: docs/quality.md and its figures
-from the stored results."""
+"""benchmarks/reproduction/quality_served.py: the served-cache table of docs/quality.md joins the two stored
+loopvq-eval reports per entry, and its ranking sentence follows the stored numbers."""
 
 from __future__ import annotations
 
 import copy
 import json
 
-from conftest import ROOT, load_script
-
-qs = load_script("quality_served")  # reproduce_report imports it by name (benchmarks/ is its folder)
-rr = load_script("reproduce_report")
-figures = load_script("reproduce_figures")  # imports reproduce_report by name (benchmarks/ is its folder)
-
-
-def test_the_committed_page_is_the_one_the_stored_results_give(tmp_path):
-    out = tmp_path / "quality.md"
-    rr.write_page(out)
-    text = out.read_text()
-    assert text == (ROOT / "docs" / "quality.md").read_text()
-    assert len(text.splitlines()) <= 300 and text.count("*Setup: ") == 8  # every table says its setup
-
-
-def test_a_recipe_reads_keys_its_commits_config_lacked_as_that_commits_behaviour():
-    assert qs.recipe({"epochs": 2, "lr": 1e-3}) == ("2 epochs, Adam lr 0.001, constant schedule, selection after each "
-                                                    "epoch")
-    assert qs.recipe({"epochs": 4, "lr": 0.01, "lr_schedule": "cosine", "warmup_steps": 4, "select_every": 4,
-                      "proximal": 1.0}) == ("4 epochs, Adam lr 0.01, cosine schedule, 4 warm-up steps, selection every "
-                                            "4 steps, proximal 1")
+from benchmarks.reproduction import quality_served as qs, reproduce_report as rr
 
 
 def _served() -> dict:
@@ -67,12 +47,3 @@ def test_the_ranking_sentence_follows_the_stored_numbers():
         if b["name"] == "tiny-ouro-tasq+loopvq-0.5bit":
             b["eval_kl"] = 1.0
     assert " ".join(qs.ranking(swapped, study).split()).startswith("At 0.5 bit TaSQ+LoopVQ is behind LoopVQ here")
-
-
-def test_the_figures_are_drawn_from_the_stored_study(tmp_path):
-    figures.draw(json.loads(rr.STUDY.read_text()), tmp_path / "figs")
-    drawn = sorted(p.name for p in (tmp_path / "figs").iterdir())
-    assert drawn == ["finetune_curves.png", "nmse.png", "per_step_kl.png", "structure.png"]
-    assert all((tmp_path / "figs" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for name in drawn)
-    page = (ROOT / "docs" / "quality.md").read_text()
-    assert all(f"(figures/{name})" in page and (ROOT / "docs" / "figures" / name).is_file() for name in drawn)

@@ -8,9 +8,9 @@ import itertools
 import json
 from pathlib import Path
 
-from conftest import ROOT, load_script
+from conftest import ROOT
 
-qt = load_script("quality_table")
+from benchmarks.quality import quality_table as qt
 
 METHODS = ("cq", "tasq", "loopvq", "tasq+loopvq")
 # accuracy per (width, fine-tuned): the paper's order, a tie, a break, all equal
@@ -47,7 +47,8 @@ def results(model: str = "ouro") -> tuple[dict, dict]:
               "passkey": {"lengths": [256, 2040], "trials_per_length": 2, "accuracy": keys}}
     report = {"dtype": "bfloat16", "data": {"num_sequences": 8, "sequence_length": 512}, "bundles": quality,
               "served": served}
-    setup = {"command": f"python benchmarks/quality/eval_reference.py --model {model}", "commit": "abc1234", "device": "cpu",
+    setup = {"command": f"python benchmarks/quality/eval_reference.py --model {model}", "commit": "abc1234",
+             "device": "cpu",
              "cpu_count": 2, "heldout": "artifacts/data/shakespeare-heldout.jsonl", "bundles": about,
              "seconds": {"calibration": 900.0, "loopvq-eval": 2400.0},
              "calibration": {"dataset": "artifacts/data/shakespeare-calib.jsonl", "sequences": 16,
@@ -148,4 +149,5 @@ def test_a_channels_row_follows_tasq_loopvq_under_its_own_name_and_the_ordering_
     table = qt.rows(result)
     assert [r[0] for r in table[7:10]] == ["TaSQ+LoopVQ", "TaSQ+LoopVQ", "TaSQ+LoopVQ (channels)"]
     assert table[9][2:6] == ["yes", "0.0700", "70.90", "0.900"]
-    assert "0.5 bit fine-tuned: holds (CQ 0.250 < TaSQ 0.500 < LoopVQ 0.625 < TaSQ+LoopVQ 0.750)" in qt.ordering_line(result)
+    line = qt.ordering_line(result)
+    assert "0.5 bit fine-tuned: holds (CQ 0.250 < TaSQ 0.500 < LoopVQ 0.625 < TaSQ+LoopVQ 0.750)" in line
