@@ -51,6 +51,8 @@ from loopvq_calib.models.loading import model_identity
 from loopvq_calib.models.sites import kv_layout
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the benchmarks package (benchmarks/README.md), as its scripts import it
+    sys.path.append(str(ROOT))
 REFERENCE_MODEL = ROOT / "artifacts" / "tiny-ouro"
 DATA = ROOT / "artifacts" / "data"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -71,9 +73,9 @@ def run_kernel_script(script: str) -> dict:
 
 
 def load_script(name: str) -> types.ModuleType:
-    """scripts/<name>.py or benchmarks/<name>.py as a module, its folder on ``sys.path`` (as when it runs, so that it
-    imports its sibling modules)."""
-    path = next(p for p in (ROOT / "scripts" / f"{name}.py", ROOT / "benchmarks" / f"{name}.py") if p.is_file())
+    """scripts/<name>.py as a module, scripts/ on ``sys.path`` (as when it runs, so that it imports its sibling
+    modules). The benchmarks are a package: tests import ``benchmarks.<topic>.<module>``."""
+    path = ROOT / "scripts" / f"{name}.py"
     if str(path.parent) not in sys.path:
         sys.path.append(str(path.parent))
     spec = importlib.util.spec_from_file_location(name, path)
