@@ -39,9 +39,23 @@ _LAZY: dict[str, str | None] = {
 }
 
 __all__ = [
-    "Bundle", "BundleError", "Config", "ConfigError", "EvalInputError", "EvalReport", "Gates", "KVQuantizer",
-    "QuantizedLoopKVCache", "RunResult", "ServedOptions", "__version__", "calibrate", "evaluate", "load_bundle",
-    "load_config", "models",
+    "Bundle",
+    "BundleError",
+    "Config",
+    "ConfigError",
+    "EvalInputError",
+    "EvalReport",
+    "Gates",
+    "KVQuantizer",
+    "QuantizedLoopKVCache",
+    "RunResult",
+    "ServedOptions",
+    "__version__",
+    "calibrate",
+    "evaluate",
+    "load_bundle",
+    "load_config",
+    "models",
 ]
 
 if TYPE_CHECKING:

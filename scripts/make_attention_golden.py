@@ -30,8 +30,11 @@ from loopvq_calib.serving.decode_attention import (  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "golden"
 OUT = Path(__file__).resolve().parents[1] / "tests" / "golden_attention"
-BLOCKS = {"ouro_loopvq": "b0.l1", "huginn_tasq_loopvq": "b0.l0",  # Huginn's: TaSQ keys, per-head permuted groups
-          "ouro_tasq_loopvq_channels": "b0.l1"}  # TaSQ keys in a channels layout, its pairs permuted in head 1
+BLOCKS = {
+    "ouro_loopvq": "b0.l1",
+    "huginn_tasq_loopvq": "b0.l0",  # Huginn's: TaSQ keys, per-head permuted groups
+    "ouro_tasq_loopvq_channels": "b0.l1",
+}  # TaSQ keys in a channels layout, its pairs permuted in head 1
 SINKS, WINDOW, QUERY_GROUP = 8, 5, 2
 
 
@@ -49,23 +52,46 @@ def build(golden: Path = GOLDEN) -> dict[str, torch.Tensor]:
         n = coded_pos.numel()
         fp_pos = torch.cat([torch.arange(SINKS), torch.arange(WINDOW) + int(coded_pos[-1]) + 1])
         sigma = expected.get(f"{case}/key.{block}.sigma")
-        coded = CodedTokens(expected[f"{case}/key.{block}.indices"][None],
-                            expected[f"{case}/value.{block}.indices"][None],
-                            None if sigma is None else sigma[None], n, coded_pos[:1])
+        coded = CodedTokens(
+            expected[f"{case}/key.{block}.indices"][None],
+            expected[f"{case}/value.{block}.indices"][None],
+            None if sigma is None else sigma[None],
+            n,
+            coded_pos[:1],
+        )
         gen = torch.Generator().manual_seed(7)
         query = torch.randn(steps, heads * QUERY_GROUP, d, generator=gen)
         fp_keys = torch.randn(steps, SINKS + WINDOW, heads, d, generator=gen)
         fp_values = torch.randn(steps, SINKS + WINDOW, heads, d, generator=gen)
-        outputs = [decode_attention_reference(query[m][None], kc, vc, step=m, coded=coded, fp_keys=fp_keys[m][None],
-                                              fp_values=fp_values[m][None], fp_positions=fp_pos[None], fp_mask=None,
-                                              rope_style=rope["style"], rope_theta=rope["theta"])[0]
-                   for m in range(steps)]
+        outputs = [
+            decode_attention_reference(
+                query[m][None],
+                kc,
+                vc,
+                step=m,
+                coded=coded,
+                fp_keys=fp_keys[m][None],
+                fp_values=fp_values[m][None],
+                fp_positions=fp_pos[None],
+                fp_mask=None,
+                rope_style=rope["style"],
+                rope_theta=rope["theta"],
+            )[0]
+            for m in range(steps)
+        ]
         for kind in ("key", "value"):  # the coded tokens' indices bit-packed (format 1.1, bundle-format section 8)
             idx = expected[f"{case}/{kind}.{block}.indices"]
             out.update(indices_entries(f"{case}/{kind}", idx, bundle.meta["codebook_size"], form="packed"))
-        out.update({f"{case}/query": query, f"{case}/fp_keys": fp_keys, f"{case}/fp_values": fp_values,
-                    f"{case}/fp_positions": fp_pos, f"{case}/coded_positions": coded_pos.clone(),
-                    f"{case}/output": torch.stack(outputs).float()})
+        out.update(
+            {
+                f"{case}/query": query,
+                f"{case}/fp_keys": fp_keys,
+                f"{case}/fp_values": fp_values,
+                f"{case}/fp_positions": fp_pos,
+                f"{case}/coded_positions": coded_pos.clone(),
+                f"{case}/output": torch.stack(outputs).float(),
+            }
+        )
     return out
 
 

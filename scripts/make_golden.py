@@ -71,11 +71,13 @@ def huginn_layout() -> KVLayout:
 
 def pair_groups(steps: int, gen: torch.Generator) -> torch.Tensor:
     """TaSQ-style permuted groups [H, n, G]: interleaved RoPE pairs (2i, 2i+1) of each step stay together."""
-    units = torch.tensor([[m * HEAD_DIM + 2 * i, m * HEAD_DIM + 2 * i + 1] for m in range(steps)
-                          for i in range(HEAD_DIM // 2)])
+    units = torch.tensor(
+        [[m * HEAD_DIM + 2 * i, m * HEAD_DIM + 2 * i + 1] for m in range(steps) for i in range(HEAD_DIM // 2)]
+    )
     per_group = G // 2
-    return torch.stack([units[torch.randperm(len(units), generator=gen)].reshape(-1, per_group * 2)
-                        for _ in range(HEADS)])
+    return torch.stack(
+        [units[torch.randperm(len(units), generator=gen)].reshape(-1, per_group * 2) for _ in range(HEADS)]
+    )
 
 
 def channels_groups(steps: int, group_size: int, style: str, gen: torch.Generator) -> torch.Tensor:
@@ -99,18 +101,30 @@ def tasq_weight(steps: int, gen: torch.Generator, style: str = "interleaved") ->
     return (w / w.pow(2).mean(-1, keepdim=True).sqrt()).float()
 
 
-def build_quantizer(kv: KVLayout, method: str, sharing: str, *, dtype: str, gen: torch.Generator, group_size: int = G,
-                    grouping: str = "free") -> KVQuantizer:
+def build_quantizer(
+    kv: KVLayout,
+    method: str,
+    sharing: str,
+    *,
+    dtype: str,
+    gen: torch.Generator,
+    group_size: int = G,
+    grouping: str = "free",
+) -> KVQuantizer:
     """Random codebooks (rounded to ``dtype``) for every layout of ``method``; TaSQ keys get pair-preserving
     permuted groups (``grouping`` free) or a channels layout, and random weights."""
-    quant = QuantConfig(method=method, bits=None, codebook_size=K, group_size=group_size, steps_per_block=T_C,
-                        codebook_sharing=sharing)
+    quant = QuantConfig(
+        method=method, bits=None, codebook_size=K, group_size=group_size, steps_per_block=T_C, codebook_sharing=sharing
+    )
     codecs = {}
     for lay in plan_layouts(kv, quant):
         transform = None
         if quant.uses_tasq and lay.kind == "key":
-            groups = (channels_groups(lay.steps, group_size, kv.rope_style, gen) if grouping == "channels"
-                      else pair_groups(lay.steps, gen))
+            groups = (
+                channels_groups(lay.steps, group_size, kv.rope_style, gen)
+                if grouping == "channels"
+                else pair_groups(lay.steps, gen)
+            )
             lay = BlockLayout(lay.name, lay.kind, lay.sites, HEAD_DIM, HEADS, groups)
             transform = TasqTransform(tasq_weight(lay.steps, gen, kv.rope_style), sigma_min=1e-4)
         lay.check()
@@ -158,8 +172,17 @@ def block_inputs(codec: BlockCodec, gen: torch.Generator) -> torch.Tensor:
     raise RuntimeError(f"{codec.layout.key}: could not draw unambiguous inputs")
 
 
-def build_case(name: str, kv: KVLayout, method: str, *, sharing: str, dtype: str, seed: int, group_size: int = G,
-               grouping: str = "free") -> GoldenCase:
+def build_case(
+    name: str,
+    kv: KVLayout,
+    method: str,
+    *,
+    sharing: str,
+    dtype: str,
+    seed: int,
+    group_size: int = G,
+    grouping: str = "free",
+) -> GoldenCase:
     """The golden case ``name``: its quantizer, unambiguous inputs and their codes, decoded values and (keys) the
     decoded values after RoPE."""
     gen = torch.Generator().manual_seed(seed)
@@ -189,8 +212,16 @@ def build_cases() -> list[GoldenCase]:
     return [
         build_case("ouro_loopvq", ouro_layout(), "loopvq", sharing="none", dtype="float16", seed=1),
         build_case("huginn_tasq_loopvq", huginn_layout(), "tasq+loopvq", sharing="heads", dtype="bfloat16", seed=2),
-        build_case("ouro_tasq_loopvq_channels", ouro_layout(), "tasq+loopvq", sharing="groups", dtype="float32",
-                   seed=3, group_size=16, grouping="channels"),
+        build_case(
+            "ouro_tasq_loopvq_channels",
+            ouro_layout(),
+            "tasq+loopvq",
+            sharing="groups",
+            dtype="float32",
+            seed=3,
+            group_size=16,
+            grouping="channels",
+        ),
     ]
 
 
@@ -247,8 +278,10 @@ the flag and reads the same groups).
 
 def golden_readme(inputs: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> str:
     """README.md: the fixed text and a table of every tensor."""
-    rows = [f"| `{k}` | {list(t.shape)} | {str(t.dtype).replace('torch.', '')} |"
-            for k, t in sorted({**inputs, **expected}.items())]
+    rows = [
+        f"| `{k}` | {list(t.shape)} | {str(t.dtype).replace('torch.', '')} |"
+        for k, t in sorted({**inputs, **expected}.items())
+    ]
     return README + "\n".join(rows) + "\n"
 
 
@@ -260,11 +293,18 @@ def write_golden(out: Path = OUT) -> None:
     inputs, expected = {}, {}
     try:
         for case in build_cases():
-            write_bundle(out / case.name, case.quantizer, name=case.name, identity=case.identity,
-                         calibration={"dataset": "none: random codebooks and inputs for test vectors"},
-                         metrics={}, serving=SERVING, codebook_dtype=case.codebook_dtype,
-                         config={"golden": {"tokens": TOKENS, "position_offset": POSITION_OFFSET, "margin": MARGIN}},
-                         producer_version=__version__)
+            write_bundle(
+                out / case.name,
+                case.quantizer,
+                name=case.name,
+                identity=case.identity,
+                calibration={"dataset": "none: random codebooks and inputs for test vectors"},
+                metrics={},
+                serving=SERVING,
+                codebook_dtype=case.codebook_dtype,
+                config={"golden": {"tokens": TOKENS, "position_offset": POSITION_OFFSET, "margin": MARGIN}},
+                producer_version=__version__,
+            )
             inputs.update(case.inputs)
             expected.update(case.expected)
     finally:

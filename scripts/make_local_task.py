@@ -36,8 +36,12 @@ def tokenizers() -> list:
 def fits(item, tokenize, *, tokens: int) -> bool:
     """Whether ``item`` keeps the task's bounds under ``tokenize``."""
     size = len(tokenize(item.prompt))
-    return (size <= tokens and len(tokenize(item.prompt[:item.evidence_start])) >= LEAD
-            and size - len(tokenize(item.prompt[:item.evidence_end])) >= TAIL and len(tokenize(item.answer)) > 1)
+    return (
+        size <= tokens
+        and len(tokenize(item.prompt[: item.evidence_start])) >= LEAD
+        and size - len(tokenize(item.prompt[: item.evidence_end])) >= TAIL
+        and len(tokenize(item.answer)) > 1
+    )
 
 
 def items() -> list[dict]:
@@ -48,8 +52,12 @@ def items() -> list[dict]:
     toks = tokenizers()
     units = [unit_tokens(t) for t in toks]
     sizers = {kind: max(zip(toks, units), key=lambda tu: tu[1][kind]) for kind in KINDS}  # its longest filler
-    return [row(kind, rng, toks, sizer=sizers[kind], tokens=tokens)
-            for _ in range(PER_LENGTH) for tokens in LENGTHS for kind in KINDS]
+    return [
+        row(kind, rng, toks, sizer=sizers[kind], tokens=tokens)
+        for _ in range(PER_LENGTH)
+        for tokens in LENGTHS
+        for kind in KINDS
+    ]
 
 
 def row(kind: str, rng: random.Random, toks: list, *, sizer: tuple, tokens: int) -> dict:
@@ -57,8 +65,9 @@ def row(kind: str, rng: random.Random, toks: list, *, sizer: tuple, tokens: int)
     :func:`unit_tokens`), the evidence's distances from both ends widened until every tokenizer keeps them."""
     tokenize, per_unit = sizer
     for margin in range(0, TAIL, 8):
-        item = task_item(kind, rng, tokenize, tokens=tokens, lead=LEAD + margin // 2, tail=TAIL + margin,
-                         per_unit=per_unit)
+        item = task_item(
+            kind, rng, tokenize, tokens=tokens, lead=LEAD + margin // 2, tail=TAIL + margin, per_unit=per_unit
+        )
         if all(fits(item, t, tokens=tokens) for t in toks):
             return {"prompt": item.prompt, "answer": item.answer[1:], "kind": kind, "max_tokens": tokens}
     raise ValueError(f"no {kind} item of {tokens} tokens keeps the task's bounds under every tokenizer")

@@ -21,25 +21,48 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from loopvq_calib.models import (
-    HuginnConfig,
-    HuginnForCausalLM,
-    OuroConfig,
-    OuroForCausalLM,
-)
+from loopvq_calib.models import HuginnConfig, HuginnForCausalLM, OuroConfig, OuroForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "artifacts" / "tiny-ouro"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-OURO = dict(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=16,
-            head_dim=128, rope_theta=1e6, total_ut_steps=4, max_position_embeddings=65536, rms_norm_eps=1e-6,
-            tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-HUGINN = dict(n_embd=5280, n_heads=55, n_layers=8, n_layers_in_prelude=2, n_layers_in_recurrent_block=4,
-              n_layers_in_coda=2, intermediate_size=17920, vocab_size=65536, block_size=4096, rope_base=50000.0,
-              mean_recurrence=32, bos_token_id=65504, eos_token_id=65505, pad_token_id=65509)
-MODELS = {"ouro-1.4b": (OuroForCausalLM, OuroConfig, {**OURO, "num_hidden_layers": 24}),
-          "ouro-2.6b": (OuroForCausalLM, OuroConfig, {**OURO, "num_hidden_layers": 48}),
-          "huginn-3.5b": (HuginnForCausalLM, HuginnConfig, HUGINN)}
+OURO = dict(
+    vocab_size=49152,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    head_dim=128,
+    rope_theta=1e6,
+    total_ut_steps=4,
+    max_position_embeddings=65536,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+HUGINN = dict(
+    n_embd=5280,
+    n_heads=55,
+    n_layers=8,
+    n_layers_in_prelude=2,
+    n_layers_in_recurrent_block=4,
+    n_layers_in_coda=2,
+    intermediate_size=17920,
+    vocab_size=65536,
+    block_size=4096,
+    rope_base=50000.0,
+    mean_recurrence=32,
+    bos_token_id=65504,
+    eos_token_id=65505,
+    pad_token_id=65509,
+)
+MODELS = {
+    "ouro-1.4b": (OuroForCausalLM, OuroConfig, {**OURO, "num_hidden_layers": 24}),
+    "ouro-2.6b": (OuroForCausalLM, OuroConfig, {**OURO, "num_hidden_layers": 48}),
+    "huginn-3.5b": (HuginnForCausalLM, HuginnConfig, HUGINN),
+}
 
 
 def model_config(name: str, scale_down: int = 1) -> PretrainedConfig:

@@ -32,10 +32,20 @@ from loopvq_calib.evaluation.passkey import needle
 
 KINDS = ("passkey", "registry", "copy")
 SENTENCES = (
-    "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.",
-    "The river runs to the sea.", "A quiet wind moves the trees.", "Nothing happens for a while.",
-    "The road goes on and on.", "Birds sing in the morning.", "The night is long and still.",
-    "A door opens and shuts.", "The hills are far away.", "Rain falls on the old roof.",
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+    "The river runs to the sea.",
+    "A quiet wind moves the trees.",
+    "Nothing happens for a while.",
+    "The road goes on and on.",
+    "Birds sing in the morning.",
+    "The night is long and still.",
+    "A door opens and shuts.",
+    "The hills are far away.",
+    "Rain falls on the old roof.",
 )
 SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "zi", "pa", "se", "do", "fu", "gi", "ha", "ju", "be")
 Tokenize = Callable[[str], list[int]]
@@ -66,7 +76,7 @@ def word(rng: random.Random, syllables: int) -> str:
 def filler_lines(rng: random.Random, sentences: int) -> str:
     """``sentences`` random filler sentences, four to a line, each line ending in a newline."""
     picked = [rng.choice(SENTENCES) for _ in range(sentences)]
-    return "".join(" ".join(picked[i:i + 4]) + "\n" for i in range(0, sentences, 4))
+    return "".join(" ".join(picked[i : i + 4]) + "\n" for i in range(0, sentences, 4))
 
 
 def make_item(kind: str, rng: random.Random, *, before: int, after: int) -> RecallItem:
@@ -83,14 +93,14 @@ def make_item(kind: str, rng: random.Random, *, before: int, after: int) -> Reca
         lead = filler_lines(rng, before)
         head = lead + "Registry:\n" + "".join(f"{n} = {v}\n" for n, v in table.items())
         query = rng.choice(names)
-        return RecallItem(kind, head + filler_lines(rng, after) + f"Look up {query} =", f" {table[query]}",
-                          len(lead), len(head))
+        return RecallItem(
+            kind, head + filler_lines(rng, after) + f"Look up {query} =", f" {table[query]}", len(lead), len(head)
+        )
     if kind == "copy":
         line = " ".join(word(rng, rng.randint(1, 3)) for _ in range(rng.randint(4, 8)))
         lead = filler_lines(rng, before)
         head = lead + f"Remember this line: {line}\n"
-        return RecallItem(kind, head + filler_lines(rng, after) + "Repeat the line:", f" {line}", len(lead),
-                          len(head))
+        return RecallItem(kind, head + filler_lines(rng, after) + "Repeat the line:", f" {line}", len(lead), len(head))
     raise ValueError(f"unknown kind {kind!r}; choose from {KINDS}")
 
 
@@ -129,8 +139,16 @@ def recall_rows(tokenize: Tokenize, rng: random.Random, *, seq: int, eos: int) -
         yield np.asarray(row[:seq], dtype=np.int64)
 
 
-def task_item(kind: str, rng: random.Random, tokenize: Tokenize, *, tokens: int, lead: int = 0, tail: int = 0,
-              per_unit: dict[str, float] | None = None) -> RecallItem:
+def task_item(
+    kind: str,
+    rng: random.Random,
+    tokenize: Tokenize,
+    *,
+    tokens: int,
+    lead: int = 0,
+    tail: int = 0,
+    per_unit: dict[str, float] | None = None,
+) -> RecallItem:
     """An item of at most ``tokens`` prompt tokens under ``tokenize`` whose evidence starts after at least ``lead``
     tokens and ends at least ``tail`` tokens before the question's end (so it lies outside sink tokens and a recent
     window of fewer tokens), at a uniform depth of what is left. ``per_unit``: :func:`unit_tokens` of
@@ -142,21 +160,30 @@ def task_item(kind: str, rng: random.Random, tokenize: Tokenize, *, tokens: int,
         before = rng.randint(min_before, max(min_before, units - min_after))
         item = make_item(kind, rng, before=before, after=max(min_after, units - before))
         size = len(tokenize(item.prompt))
-        ahead = len(tokenize(item.prompt[:item.evidence_start]))
-        after = size - len(tokenize(item.prompt[:item.evidence_end]))
+        ahead = len(tokenize(item.prompt[: item.evidence_start]))
+        after = size - len(tokenize(item.prompt[: item.evidence_end]))
         if size <= tokens and ahead >= lead and after >= tail:
             return item
         min_before += ahead < lead
         min_after += after < tail
         units -= max(1, int((size - tokens) / per_unit) + 1) if size > tokens else 0
-    raise ValueError(f"no {kind} item of at most {tokens} tokens with {lead} tokens before and {tail} after its "
-                     "evidence")
+    raise ValueError(
+        f"no {kind} item of at most {tokens} tokens with {lead} tokens before and {tail} after its evidence"
+    )
 
 
 @torch.no_grad()
-def recall_accuracy(model: torch.nn.Module, tokenize: Tokenize, *, kind: str, tokens: int, items: int,
-                    tail: int = 128, answer_room: int = 24,
-                    context: Callable[[], Any] = contextlib.nullcontext) -> dict[str, Any]:
+def recall_accuracy(
+    model: torch.nn.Module,
+    tokenize: Tokenize,
+    *,
+    kind: str,
+    tokens: int,
+    items: int,
+    tail: int = 128,
+    answer_room: int = 24,
+    context: Callable[[], Any] = contextlib.nullcontext,
+) -> dict[str, Any]:
     """Exact-answer rate on ``items`` fresh items of ``kind`` of at most ``tokens`` tokens, answer included: every
     answer token must be the model's top prediction given the document so far (the tokens greedy decoding emits).
     ``context``: entered around the forwards (e.g. a Huginn model's seeded initial state)."""
@@ -164,12 +191,18 @@ def recall_accuracy(model: torch.nn.Module, tokenize: Tokenize, *, kind: str, to
     per_unit, correct, sizes = unit_tokens(tokenize), 0, []
     with context():
         for _ in range(items):
-            item = task_item(kind, rng, tokenize, tokens=tokens - answer_room, tail=min(tail, tokens // 4),
-                             per_unit=per_unit)
+            item = task_item(
+                kind, rng, tokenize, tokens=tokens - answer_room, tail=min(tail, tokens // 4), per_unit=per_unit
+            )
             ids = torch.tensor([tokenize(item.prompt + item.answer)])
             start = len(tokenize(item.prompt))
             logits = model(ids.to(model.device)).logits[0]
-            correct += bool(torch.equal(logits[start - 1:ids.shape[1] - 1].argmax(-1).cpu(), ids[0, start:]))
+            correct += bool(torch.equal(logits[start - 1 : ids.shape[1] - 1].argmax(-1).cpu(), ids[0, start:]))
             sizes.append(ids.shape[1])
-    return {"kind": kind, "max_tokens": tokens, "mean_tokens": round(sum(sizes) / items, 1), "items": items,
-            "exact": correct / items}
+    return {
+        "kind": kind,
+        "max_tokens": tokens,
+        "mean_tokens": round(sum(sizes) / items, 1),
+        "items": items,
+        "exact": correct / items,
+    }

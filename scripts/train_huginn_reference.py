@@ -36,10 +36,25 @@ from loopvq_calib.models import HuginnConfig, HuginnForCausalLM
 from loopvq_calib.models.loading import load_model
 
 ARCH = dict(
-    n_embd=384, n_heads=6, n_layers=4, n_layers_in_prelude=1, n_layers_in_recurrent_block=2, n_layers_in_coda=1,
-    intermediate_size=1024, vocab_size=4096, block_size=2048, rope_base=10000.0, norm_eps=1e-6, qk_bias=True,
-    tie_embeddings=True, state_init="like-init", mean_recurrence=8, mean_backprop_depth=4,
-    bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    n_embd=384,
+    n_heads=6,
+    n_layers=4,
+    n_layers_in_prelude=1,
+    n_layers_in_recurrent_block=2,
+    n_layers_in_coda=1,
+    intermediate_size=1024,
+    vocab_size=4096,
+    block_size=2048,
+    rope_base=10000.0,
+    norm_eps=1e-6,
+    qk_bias=True,
+    tie_embeddings=True,
+    state_init="like-init",
+    mean_recurrence=8,
+    mean_backprop_depth=4,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -67,11 +82,23 @@ def train_tokenizer(docs: list[str], vocab_size: int, window: int) -> PreTrained
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                      show_progress=False))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIALS[0], eos_token=SPECIALS[0],
-                                   pad_token=SPECIALS[0], unk_token=None, model_max_length=window)
+    tok.train_from_iterator(
+        docs,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=SPECIALS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=SPECIALS[0],
+        eos_token=SPECIALS[0],
+        pad_token=SPECIALS[0],
+        unk_token=None,
+        model_max_length=window,
+    )
 
 
 def token_ids(tokenizer: PreTrainedTokenizerFast, docs: list[str]) -> np.ndarray:
@@ -93,8 +120,7 @@ def prepare(args: argparse.Namespace) -> None:
     recall = tokenizer_sample(rng, count=300, max_tokens=ARCH["block_size"])
     train_docs = list(train_code)
     rng.shuffle(train_docs)
-    tokenizer = train_tokenizer(train_docs + recall, ARCH["vocab_size"],
-                                ARCH["block_size"])
+    tokenizer = train_tokenizer(train_docs + recall, ARCH["vocab_size"], ARCH["block_size"])
     out = Path(args.out)
     tokenizer.save_pretrained(out / "tokenizer")
     train_ids, held_ids = token_ids(tokenizer, train_docs), token_ids(tokenizer, [t for _, t in held])
@@ -104,12 +130,20 @@ def prepare(args: argparse.Namespace) -> None:
     if args.shipped_data is not None:  # the held-out files in turn: calibration text and evaluation text
         write_jsonl(args.shipped_data / "python-calib.jsonl", held[0::2])
         write_jsonl(args.shipped_data / "python-heldout.jsonl", held[1::2])
-    meta = {"stdlib": str(root), "files": len(sources), "heldout_files": sorted(held_names), "seed": args.seed,
-            "train_tokens": len(train_ids), "heldout_tokens": len(held_ids)}
+    meta = {
+        "stdlib": str(root),
+        "files": len(sources),
+        "heldout_files": sorted(held_names),
+        "seed": args.seed,
+        "train_tokens": len(train_ids),
+        "heldout_tokens": len(held_ids),
+    }
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    print(f"{len(sources)} files ({len(held)} held out), {len(train_ids):,} train / {len(held_ids):,} held-out tokens; "
-          f"{out} holds {size / 1e6:.1f} MB")
+    print(
+        f"{len(sources)} files ({len(held)} held out), {len(train_ids):,} train / {len(held_ids):,} held-out tokens; "
+        f"{out} holds {size / 1e6:.1f} MB"
+    )
 
 
 def sample_recurrence(rng: random.Random, mean: int, backprop: int, *, cap: int) -> tuple[int, int]:
@@ -131,8 +165,9 @@ def truncated_loss(model: HuginnForCausalLM, ids: torch.Tensor, free: int, *, gr
 
 
 @torch.no_grad()
-def heldout_loss(model: HuginnForCausalLM, tokens: np.ndarray, *, seq: int, steps: int, windows: int,
-                 autocast: bool = False) -> float:
+def heldout_loss(
+    model: HuginnForCausalLM, tokens: np.ndarray, *, seq: int, steps: int, windows: int, autocast: bool = False
+) -> float:
     """Mean next-token loss at ``steps`` recurrences over the first ``windows`` windows of ``tokens`` (each
     sequence's like-init state seeded by its tokens); ``autocast``: under bf16 autocast (CUDA training)."""
     device = model.device
@@ -159,8 +194,14 @@ def train_loop(model: HuginnForCausalLM, args: argparse.Namespace, data: Path) -
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     tokenize = tokenize_with(PreTrainedTokenizerFast.from_pretrained(data / "tokenizer"))
     recall = recall_rows(tokenize, random.Random(args.seed), seq=args.seq_len, eos=ARCH["eos_token_id"])
-    stream = batches(train_tokens, args.seq_len, args.batch, gen=torch.Generator().manual_seed(args.seed),
-                     recall=recall, recall_rows_per_batch=round(args.batch * args.recall_share))
+    stream = batches(
+        train_tokens,
+        args.seq_len,
+        args.batch,
+        gen=torch.Generator().manual_seed(args.seed),
+        recall=recall,
+        recall_rows_per_batch=round(args.batch * args.recall_share),
+    )
     rng, cfg = random.Random(args.seed), model.config
     best, best_state, log, t0 = math.inf, None, [], time.time()
     for step in range(1, args.steps + 1):
@@ -176,11 +217,24 @@ def train_loop(model: HuginnForCausalLM, args: argparse.Namespace, data: Path) -
         out_of_time = time.time() - t0 > args.max_seconds
         if step % args.eval_every == 0 or step == args.steps or out_of_time or best_state is None:
             model.eval()
-            held = heldout_loss(model, held_tokens, seq=args.seq_len, steps=cfg.mean_recurrence, windows=args.windows,
-                                autocast=device.type == "cuda")
+            held = heldout_loss(
+                model,
+                held_tokens,
+                seq=args.seq_len,
+                steps=cfg.mean_recurrence,
+                windows=args.windows,
+                autocast=device.type == "cuda",
+            )
             model.train()
-            log.append({"step": step, "recurrences": free + grad, "train_loss": round(loss.item(), 4),
-                        "heldout_loss": round(held, 4), "s": round(time.time() - t0, 1)})
+            log.append(
+                {
+                    "step": step,
+                    "recurrences": free + grad,
+                    "train_loss": round(loss.item(), 4),
+                    "heldout_loss": round(held, 4),
+                    "s": round(time.time() - t0, 1),
+                }
+            )
             print(json.dumps(log[-1]), flush=True)
             if held < best:
                 best, best_state = held, {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
@@ -205,12 +259,18 @@ def train(args: argparse.Namespace) -> HuginnForCausalLM:
     model.save_pretrained(out, max_shard_size="8MB")  # shards under 8 MB, as the Ouro reference ships
     for name in TOKENIZER_FILES:
         shutil.copy(data / "tokenizer" / name, out / name)
-    record = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "parameters": params,
-              "log": log}
+    record = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "parameters": params,
+        "log": log,
+    }
     (out / "train_log.json").write_text(json.dumps(record, indent=1))
     best = min(e["heldout_loss"] for e in log)
-    print(f"saved {out} (best held-out loss {best:.4f} at {model.config.mean_recurrence} recurrences) "
-          f"in {log[-1]['s']:.0f} s", flush=True)
+    print(
+        f"saved {out} (best held-out loss {best:.4f} at {model.config.mean_recurrence} recurrences) "
+        f"in {log[-1]['s']:.0f} s",
+        flush=True,
+    )
     return model
 
 
@@ -222,16 +282,31 @@ def report(args: argparse.Namespace) -> None:
     result: dict = {"model": str(args.model), "seq_len": args.seq_len, "windows": args.windows}
     for dtype in ("float32", "bfloat16"):
         model, tokenizer = load_model(Path(args.model), dtype, device)
-        losses = {r: round(heldout_loss(model, held, seq=args.seq_len, steps=r, windows=args.windows), 4)
-                  for r in args.recurrences}
+        losses = {
+            r: round(heldout_loss(model, held, seq=args.seq_len, steps=r, windows=args.windows), 4)
+            for r in args.recurrences
+        }
         print(dtype, "held-out loss per recurrence count", losses, flush=True)
         model.config.mean_recurrence = args.retrieval_recurrences
-        rows = [recall_accuracy(model, tokenize_with(tokenizer), kind=k, tokens=n, items=args.items,
-                                context=lambda: model.seeded_initial_state(0)) for k in KINDS for n in args.lengths]
+        rows = [
+            recall_accuracy(
+                model,
+                tokenize_with(tokenizer),
+                kind=k,
+                tokens=n,
+                items=args.items,
+                context=lambda: model.seeded_initial_state(0),
+            )
+            for k in KINDS
+            for n in args.lengths
+        ]
         for row in rows:
             print(dtype, json.dumps(row), flush=True)
-        result[dtype] = {"heldout_loss_per_recurrence": losses, "retrieval_recurrences": args.retrieval_recurrences,
-                         "retrieval": rows}
+        result[dtype] = {
+            "heldout_loss_per_recurrence": losses,
+            "retrieval_recurrences": args.retrieval_recurrences,
+            "retrieval": rows,
+        }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
@@ -244,8 +319,13 @@ def structure(args: argparse.Namespace) -> None:
     held = np.load(Path(args.data) / "heldout.npy")[: 16 * args.seq_len].astype(np.int64)
     windows = torch.from_numpy(held).view(16, args.seq_len).to(args.device)
     torch.manual_seed(0)  # the like-init state is drawn at random: a fixed draw
-    result = {"model": str(args.model), "seq_len": args.seq_len, "recurrences": model.config.mean_recurrence,
-              "tokens_for_correlation": 16 * (args.seq_len - 8), "correlation": kv_structure(model, windows, sinks=8)}
+    result = {
+        "model": str(args.model),
+        "seq_len": args.seq_len,
+        "recurrences": model.config.mean_recurrence,
+        "tokens_for_correlation": 16 * (args.seq_len - 8),
+        "correlation": kv_structure(model, windows, sinks=8),
+    }
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 
@@ -258,9 +338,13 @@ def parser() -> argparse.ArgumentParser:
     prep.add_argument("--out", type=Path, required=True)
     prep.add_argument("--max-files", type=int, default=None, help="only the first N stdlib files (tests)")
     prep.add_argument("--heldout-fraction", type=float, default=0.02)
-    prep.add_argument("--shipped-data", type=Path, default=None,
-                      help="also write the held-out files, in turn, as python-calib.jsonl / python-heldout.jsonl here "
-                           "(artifacts/data: the Huginn reference's calibration and evaluation text)")
+    prep.add_argument(
+        "--shipped-data",
+        type=Path,
+        default=None,
+        help="also write the held-out files, in turn, as python-calib.jsonl / python-heldout.jsonl here "
+        "(artifacts/data: the Huginn reference's calibration and evaluation text)",
+    )
     prep.add_argument("--seed", type=int, default=0)
     tr = sub.add_parser("train")
     tr.add_argument("--data", type=Path, required=True)

@@ -53,10 +53,23 @@ KJV_CALIB_BOOKS = ("Proverbs", "Acts")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in Ouro's tokenizer
 
 ARCH = dict(
-    vocab_size=4096, hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=6,
-    num_key_value_heads=6, head_dim=64, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
-    total_ut_steps=4, early_exit_threshold=1.0, tie_word_embeddings=False, initializer_range=0.02,
-    bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    vocab_size=4096,
+    hidden_size=384,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=6,
+    num_key_value_heads=6,
+    head_dim=64,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    total_ut_steps=4,
+    early_exit_threshold=1.0,
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
 )
 
 
@@ -110,15 +123,21 @@ def prepare(args: argparse.Namespace) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=ARCH["vocab_size"], special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=ARCH["vocab_size"],
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     rng = random.Random(args.seed)
     recall = tokenizer_sample(rng, count=300, max_tokens=ARCH["max_position_embeddings"])
     tok.train_from_iterator(train_docs + recall, trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=SPECIALS[0], eos_token=SPECIALS[0], pad_token=SPECIALS[0],
-        unk_token=None, model_max_length=ARCH["max_position_embeddings"],
+        tokenizer_object=tok,
+        bos_token=SPECIALS[0],
+        eos_token=SPECIALS[0],
+        pad_token=SPECIALS[0],
+        unk_token=None,
+        model_max_length=ARCH["max_position_embeddings"],
     )
     args.model_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(args.model_dir)
@@ -133,8 +152,15 @@ def prepare(args: argparse.Namespace) -> None:
         print(f"{name}: {len(docs)} documents, {len(ids):,} tokens")
 
 
-def batches(tokens: np.ndarray, seq: int, batch: int, *, gen: torch.Generator,
-            recall: Iterator[np.ndarray] | None = None, recall_rows_per_batch: int = 0) -> Iterator[torch.Tensor]:
+def batches(
+    tokens: np.ndarray,
+    seq: int,
+    batch: int,
+    *,
+    gen: torch.Generator,
+    recall: Iterator[np.ndarray] | None = None,
+    recall_rows_per_batch: int = 0,
+) -> Iterator[torch.Tensor]:
     """Endless training batches [batch, seq] of windows at random starts (drawn from ``gen``), of which the last
     ``recall_rows_per_batch`` rows come from ``recall`` (rows of recall documents) when it is given."""
     data = torch.from_numpy(tokens.astype(np.int64))
@@ -156,8 +182,9 @@ def loop_losses(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[torch.T
     return ces, [g[:, :-1, 0].float() for g in out.gate_logits]
 
 
-def training_loss(ces: list[torch.Tensor], gates: list[torch.Tensor], gate_weight: float, *,
-                  delta: float) -> torch.Tensor:
+def training_loss(
+    ces: list[torch.Tensor], gates: list[torch.Tensor], gate_weight: float, *, delta: float
+) -> torch.Tensor:
     """Per-loop CE weighted 1:2:4:8 (every loop is a readout; the weight on later loops lets them refine
     the earlier ones) plus an exit-gate loss: the gate at step t learns whether step t+1 still lowers the
     token's loss by more than ``delta``."""
@@ -172,8 +199,9 @@ def training_loss(ces: list[torch.Tensor], gates: list[torch.Tensor], gate_weigh
 
 
 @torch.no_grad()
-def heldout_per_loop(model: torch.nn.Module, tokens: np.ndarray, seq: int, *, device: str,
-                     max_windows: int = 64) -> list[float]:
+def heldout_per_loop(
+    model: torch.nn.Module, tokens: np.ndarray, seq: int, *, device: str, max_windows: int = 64
+) -> list[float]:
     """Mean next-token loss per loop on the first ``max_windows`` non-overlapping windows of ``tokens``."""
     data = torch.from_numpy(tokens.astype(np.int64))
     n = min(max_windows, (len(data) - 1) // seq)
@@ -207,8 +235,14 @@ def train(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(args.seed)
     tokenize = tokenize_with(PreTrainedTokenizerFast.from_pretrained(args.model_dir))
     recall = recall_rows(tokenize, random.Random(args.seed), seq=args.seq_len, eos=ARCH["eos_token_id"])
-    stream = batches(train_tokens, args.seq_len, args.batch, gen=gen, recall=recall,
-                     recall_rows_per_batch=round(args.batch * args.recall_share))
+    stream = batches(
+        train_tokens,
+        args.seq_len,
+        args.batch,
+        gen=gen,
+        recall=recall,
+        recall_rows_per_batch=round(args.batch * args.recall_share),
+    )
     best, best_state, log = math.inf, None, []
     t0 = time.time()
     for step in range(1, args.steps + 1):
@@ -256,10 +290,14 @@ def report(args: argparse.Namespace) -> None:
     windows = torch.stack([data[i * args.seq_len : (i + 1) * args.seq_len] for i in range(16)]).to(device)
     structure = kv_structure(model, windows, sinks=8)
     tokenize = tokenize_with(PreTrainedTokenizerFast.from_pretrained(args.model_dir))
-    recall = [recall_accuracy(model, tokenize, kind=k, tokens=n, items=args.items) for k in KINDS
-              for n in args.lengths]
-    result = {"heldout_loss_per_loop": held, "seq_len": args.seq_len, "correlation": structure,
-              "tokens_for_correlation": int(16 * (args.seq_len - 8)), "recall": recall}
+    recall = [recall_accuracy(model, tokenize, kind=k, tokens=n, items=args.items) for k in KINDS for n in args.lengths]
+    result = {
+        "heldout_loss_per_loop": held,
+        "seq_len": args.seq_len,
+        "correlation": structure,
+        "tokens_for_correlation": int(16 * (args.seq_len - 8)),
+        "recall": recall,
+    }
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -32,21 +32,11 @@ from loopvq_calib.calibration.finetune.train import FinetuneResult, finetune_cod
 from loopvq_calib.codes.codec import BlockCodec, TasqTransform
 from loopvq_calib.codes.layouts import codebook_shape, plan_layouts
 from loopvq_calib.codes.quantizer import KVQuantizer
-from loopvq_calib.config.schema import (
-    CaptureConfig,
-    FinetuneConfig,
-    QuantConfig,
-    ServingConfig,
-)
+from loopvq_calib.config.schema import CaptureConfig, FinetuneConfig, QuantConfig, ServingConfig
 from loopvq_calib.data.corpus import CalibrationSet
 from loopvq_calib.kernels import cuda_build
 from loopvq_calib.kernels.backends import Backend, available
-from loopvq_calib.models import (
-    HuginnConfig,
-    HuginnForCausalLM,
-    OuroConfig,
-    OuroForCausalLM,
-)
+from loopvq_calib.models import HuginnConfig, HuginnForCausalLM, OuroConfig, OuroForCausalLM
 from loopvq_calib.models.loading import model_identity
 from loopvq_calib.models.sites import kv_layout
 
@@ -96,14 +86,16 @@ def importable(name: str) -> bool:
 
 # lm-evaluation-harness comes with the ``eval`` and ``dev`` extras (CI installs ``dev``); without it the tests
 # of task accuracy and passkey retrieval skip, like GPU tests without a GPU
-needs_lm_eval = pytest.mark.skipif(not importable("lm_eval"),
-                                   reason="needs lm-evaluation-harness: pip install 'loopvq-calib[eval]'")
+needs_lm_eval = pytest.mark.skipif(
+    not importable("lm_eval"), reason="needs lm-evaluation-harness: pip install 'loopvq-calib[eval]'"
+)
 
 
 # the fused Triton kernels run on a CUDA GPU, or in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1)
 KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-needs_triton_kernels = pytest.mark.skipif(not available(Backend.TRITON, KERNEL_DEVICE),
-                                          reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1")
+needs_triton_kernels = pytest.mark.skipif(
+    not available(Backend.TRITON, KERNEL_DEVICE), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1"
+)
 
 
 @pytest.fixture
@@ -126,8 +118,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def tiny_ouro_config(**overrides) -> OuroConfig:
     """A tiny Ouro: 2 layers x 4 loops, hidden 64, 4 heads of 16 (MHA unless overridden), vocab 4096."""
     kw = dict(
-        vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, head_dim=16, rope_theta=10000.0, total_ut_steps=4, max_position_embeddings=512,
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        rope_theta=10000.0,
+        total_ut_steps=4,
+        max_position_embeddings=512,
     )
     kw.update(overrides)
     return OuroConfig(**kw)
@@ -136,9 +136,21 @@ def tiny_ouro_config(**overrides) -> OuroConfig:
 def tiny_huginn_config(**overrides) -> HuginnConfig:
     """A tiny Huginn: prelude 1 / core 2 / coda 1, hidden 64, 4 heads, r = 4, zero initial state."""
     kw = dict(
-        n_embd=64, n_heads=4, n_layers=4, n_layers_in_prelude=1, n_layers_in_recurrent_block=2,
-        n_layers_in_coda=1, intermediate_size=96, vocab_size=4096, block_size=512, mean_recurrence=4,
-        state_init="zero", rope_base=10000.0, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        n_embd=64,
+        n_heads=4,
+        n_layers=4,
+        n_layers_in_prelude=1,
+        n_layers_in_recurrent_block=2,
+        n_layers_in_coda=1,
+        intermediate_size=96,
+        vocab_size=4096,
+        block_size=512,
+        mean_recurrence=4,
+        state_init="zero",
+        rope_base=10000.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
     )
     kw.update(overrides)
     return HuginnConfig(**kw)
@@ -269,16 +281,28 @@ def run_finetune(setup: tuple, **cfg) -> tuple[FinetuneResult, list[tuple[dict, 
     -> the result and (curve entry, quantizer) at every selection point."""
     model, calib, init = setup
     seen = []
-    result = finetune_codebooks(model, calib, init, cfg=FinetuneConfig(**cfg), device=torch.device("cpu"),
-                                on_select=lambda e, q: seen.append((dict(e), copy.deepcopy(q))))
+    result = finetune_codebooks(
+        model,
+        calib,
+        init,
+        cfg=FinetuneConfig(**cfg),
+        device=torch.device("cpu"),
+        on_select=lambda e, q: seen.append((dict(e), copy.deepcopy(q))),
+    )
     return result, seen
 
 
 def tiny_quantizer(model_dir: Path, method: str = "tasq+loopvq", sharing: str = "none") -> KVQuantizer:
     """Random codebooks (K 16, G 8, T_c 4) on the tiny Ouro's layout (2 layers x 4 steps, 4 heads of 16)."""
     kv = AutoModelForCausalLM.from_pretrained(model_dir).kv_layout()
-    quant = QuantConfig(method=method, bits=None, codebook_size=TINY_K, group_size=TINY_G, steps_per_block=TINY_T_C,
-                        codebook_sharing=sharing)
+    quant = QuantConfig(
+        method=method,
+        bits=None,
+        codebook_size=TINY_K,
+        group_size=TINY_G,
+        steps_per_block=TINY_T_C,
+        codebook_sharing=sharing,
+    )
     gen = torch.Generator().manual_seed(0)
     codecs = {}
     for lay in plan_layouts(kv, quant):
@@ -289,15 +313,26 @@ def tiny_quantizer(model_dir: Path, method: str = "tasq+loopvq", sharing: str = 
     return KVQuantizer(codecs, method, TINY_K, TINY_G, TINY_T_C, sharing, kv)
 
 
-def write_tiny_bundle(out: Path, model_dir: Path, name: str = "tiny", *, config: dict | None = None,
-                      quantizer: KVQuantizer | None = None, codebook_dtype: str = "float16") -> Path:
+def write_tiny_bundle(
+    out: Path,
+    model_dir: Path,
+    name: str = "tiny",
+    *,
+    config: dict | None = None,
+    quantizer: KVQuantizer | None = None,
+    codebook_dtype: str = "float16",
+) -> Path:
     """A bundle of ``quantizer`` (default :func:`tiny_quantizer`) for ``model_dir`` named org/tiny-ouro, with a
     few metrics."""
     return write_bundle(
-        out, quantizer or tiny_quantizer(model_dir), name=name,
+        out,
+        quantizer or tiny_quantizer(model_dir),
+        name=name,
         identity=model_identity(model_dir, "org/tiny-ouro", "main"),
-        calibration={"dataset": "shakespeare", "num_sequences": 4}, serving=ServingConfig(8, 64, 8),
+        calibration={"dataset": "shakespeare", "num_sequences": 4},
+        serving=ServingConfig(8, 64, 8),
         metrics={"heldout_kl": 0.0123, "heldout_kl_init": 0.0456, "ppl_increase": 0.021, "finetune_curve": [{}, {}]},
-        codebook_dtype=codebook_dtype, config=config or {"quant": {"method": "tasq+loopvq"}},
+        codebook_dtype=codebook_dtype,
+        config=config or {"quant": {"method": "tasq+loopvq"}},
         producer_version="0.1.0",
     )

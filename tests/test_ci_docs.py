@@ -29,8 +29,16 @@ LONG_PAGES = {"bundle-format.md"}  # the format specification: exact, whole, on 
 RESULTS_PAGES = {"performance.md", "quality.md", "quality-models.md", "decode-speed.md", "reference-model.md"}
 REPO_DIRS = {"loopvq_calib", "docs", "tests", "scripts", "benchmarks", "configs", "artifacts", ".github", ".ci"}
 # run-by-run history belongs in git and the issue notes, not in the guide pages
-HISTORY = [re.compile(p) for p in (r"\b[Rr]un \d+\b", r"\b[Ii]ssue \d+\b", r"before this work", r"measured in session",
-                                   r"`(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}`")]
+HISTORY = [
+    re.compile(p)
+    for p in (
+        r"\b[Rr]un \d+\b",
+        r"\b[Ii]ssue \d+\b",
+        r"before this work",
+        r"measured in session",
+        r"`(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}`",
+    )
+]
 
 
 def _steps(job: str | None = None) -> list[dict]:
@@ -64,7 +72,7 @@ def _commands(script: str) -> list[tuple[str, list[str]]]:
             name = tok.rsplit("/", 1)[-1]
             if name in PARSERS:
                 args = []
-                for arg in tokens[i + 1:]:
+                for arg in tokens[i + 1 :]:
                     if arg in SHELL_OPERATORS:
                         break
                     args.append(arg)
@@ -109,7 +117,9 @@ def test_workflow_commands_parse_with_the_real_parsers():
     assert gate.bundle == ["runs/tiny-ouro/bundle"] and gate.out == "runs/tiny-ouro/eval"
     assert gate.max_kl == float(env["MAX_KL"]) and gate.max_ppl_increase == float(env["MAX_PPL_INCREASE"])
     assert [(p.bundle, p.repo_id, p.dry_run) for p in parsed["loopvq-push"]] == [
-        ("runs/tiny-ouro/bundle", "loopvq/tiny-ouro", True), ("runs/tiny-ouro/bundle", "loopvq/tiny-ouro", False)]
+        ("runs/tiny-ouro/bundle", "loopvq/tiny-ouro", True),
+        ("runs/tiny-ouro/bundle", "loopvq/tiny-ouro", False),
+    ]
 
 
 def test_eval_gates_and_push_only_from_main():
@@ -150,7 +160,11 @@ def test_ci_runs_the_readme_test_command():
     quick = re.search(r"## Quick start.*?```bash\n(.*?)```", readme, flags=re.S).group(1)
     commands = [line.split("#", 1)[0].strip() for line in quick.splitlines() if line.strip()]
     assert commands == ["scripts/demo.sh", "scripts/test.sh"]
-    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
+    ci = [
+        line
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line and not line.startswith(("#", "set ", "cd "))
+    ]
     assert ci == ["scripts/test.sh"]
     runs = [step.get("run", "").strip() for step in _steps("tests")]
     assert "scripts/test.sh" in runs
@@ -268,7 +282,9 @@ def test_the_docs_checker_reports_each_kind_of_broken_rule(tmp_path):
     pkg.mkdir(parents=True)
     (tmp_path / "loopvq_calib" / "__init__.py").write_text('_LAZY = {"load_bundle": "bundle.reader"}\n')
     (pkg / "__init__.py").write_text("")
-    (pkg / "codec.py").write_text("class BlockCodec:\n    def encode(self):\n        pass\n\n\ndef nearest():\n    pass\n")
+    (pkg / "codec.py").write_text(
+        "class BlockCodec:\n    def encode(self):\n        pass\n\n\ndef nearest():\n    pass\n"
+    )
     (tmp_path / "README.md").write_text("[guide](docs/guide.md), [spec](docs/bundle-format.md)\n")
     (tmp_path / "docs" / "bundle-format.md").write_text("spec line\n" * (MAX_LINES + 1))
     (tmp_path / "docs" / "guide.md").write_text(
@@ -276,7 +292,8 @@ def test_the_docs_checker_reports_each_kind_of_broken_rule(tmp_path):
         "`loopvq_calib/codes/old.py` `tests/golden*/` `runs/x/bundle` `loopvq_calib.codes.codec.nearest`\n"
         "`loopvq_calib.codes.codec.BlockCodec.encode` `loopvq_calib.load_bundle(path)` `loopvq_calib.qcache`\n"
         "`loopvq_calib.codes.codec.farthest` `loopvq_calib.codes.codec.BlockCodec.fit` see ../shared/notes\n"
-        "in run 36 (issue 16), at `0f03392`\n" + "line\n" * MAX_LINES)
+        "in run 36 (issue 16), at `0f03392`\n" + "line\n" * MAX_LINES
+    )
     (tmp_path / "docs" / "performance.md").write_text("run 36 at `0f03392`: 51 s\n")
     found = doc_problems(tmp_path)
     assert found == [

@@ -45,9 +45,10 @@ def test_files_and_functions_stay_small():
 
 def test_the_checker_reports_a_long_file_and_a_long_function_but_not_a_kernel(tmp_path):
     body = "".join(f"    x{i} = {i}\n" for i in range(85))
-    source = (f"import triton\n\n\ndef long_function():\n{body}\n\n@triton.jit\ndef kernel():\n{body}\n"
-              + "\n" * 300)
+    source = f"import triton\n\n\ndef long_function():\n{body}\n\n@triton.jit\ndef kernel():\n{body}\n" + "\n" * 300
     path = tmp_path / "big.py"
     path.write_text(source)
-    assert oversized(path, "big.py") == [f"big.py: {len(source.splitlines())} lines (at most 400)",
-                                         "big.py:4 long_function: 86 lines (at most 80)"]
+    assert oversized(path, "big.py") == [
+        f"big.py: {len(source.splitlines())} lines (at most 400)",
+        "big.py:4 long_function: 86 lines (at most 80)",
+    ]

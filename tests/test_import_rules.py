@@ -199,8 +199,10 @@ def test_the_checker_reports_each_kind_of_broken_rule(tmp_path):
     found = violations(tmp_path)
     assert "loopvq_calib.helpers: a module at the top of the package (put it in the folder of its concern)" in found
     assert "loopvq_calib.kernels.fast:1: kernels must not import calibration (loopvq_calib.calibration.stage)" in found
-    assert ("import circle: loopvq_calib.calibration.plan <-> loopvq_calib.calibration.stage <-> "
-            "loopvq_calib.codes.codec <-> loopvq_calib.kernels.fast") in found
+    assert (
+        "import circle: loopvq_calib.calibration.plan <-> loopvq_calib.calibration.stage <-> "
+        "loopvq_calib.codes.codec <-> loopvq_calib.kernels.fast"
+    ) in found
     assert "loopvq_calib.calibration.plan:4: imports json inside a function" in found
     assert "loopvq_calib.calibration.plan:5: imports loopvq_calib.codes.codec inside a function" in found
     assert "loopvq_calib.serving.cache:1: serving must not import cli (loopvq_calib.cli.run)" in found

@@ -30,7 +30,7 @@ def test_items_keep_the_bounds_under_every_tokenizer():
     assert {k for k, _ in counts} == {"passkey", "registry", "copy"} and {n for _, n in counts} == set(task.LENGTHS)
     rounds = len(task.LENGTHS) * 3
     for start in range(0, len(rows), rounds):  # every round holds one item of each kind and length
-        assert len({(r["kind"], r["max_tokens"]) for r in rows[start:start + rounds]}) == rounds
+        assert len({(r["kind"], r["max_tokens"]) for r in rows[start : start + rounds]}) == rounds
     for tokenize in task.tokenizers():
         for r in rows:
             prompt, answer = r["prompt"], r["answer"]

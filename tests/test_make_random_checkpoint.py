@@ -37,7 +37,9 @@ def test_scaled_down_checkpoint_loads_strictly(tmp_path, name):
     out = mrc.write_checkpoint(name, tmp_path / name, scale_down=11)
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
-    model, tokenizer = load_model(out, "bfloat16", torch.device("cpu"), loop_steps=None)  # strict: any tensor mismatch raises
+    model, tokenizer = load_model(
+        out, "bfloat16", torch.device("cpu"), loop_steps=None
+    )  # strict: any tensor mismatch raises
     real = mrc.model_config(name)
     assert model.kv_layout().loop_steps == {"ouro-1.4b": 4, "huginn-3.5b": 32}[name]
     assert model.config.vocab_size == real.vocab_size and len(tokenizer) <= real.vocab_size

@@ -102,15 +102,16 @@ def test_the_checker_finds_each_kind_of_literal(tmp_path):
     (package / "config" / "methods.py").write_text('NAMES = ("cq", "tasq")\n')
     (package / "codes.py").write_text(
         '"""Docstrings may name tasq and cq."""\n'
-        'def f(q, name):\n'
+        "def f(q, name):\n"
         '    """So may this one: cq."""\n'
         '    a = q.method in ("cq", "other")\n'
         '    b = f"{name} is not cq."\n'
         '    c = ("tasq.grouping", "tasq_weight", "cq-like", "+tasq", "the tasq stage")\n'
-        '    return a, b, c\n')
+        "    return a, b, c\n"
+    )
     (package / "bundle" / "fields.py").write_text(
-        'def g(meta, b):\n'
-        '    return b["tasq"], meta["method"] == "tasq", "cq"\n')
+        'def g(meta, b):\n    return b["tasq"], meta["method"] == "tasq", "cq"\n'
+    )
     findings, _ = method_literals(package, ("cq", "tasq"))
     assert findings == [
         "bundle/fields.py:2 cq in 'cq'",

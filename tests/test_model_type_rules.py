@@ -33,8 +33,11 @@ class Known:
 def registered() -> Known:
     """The architectures registered with the toolkit."""
     archs = [find_architecture(t) for t in model_types()]
-    return Known(frozenset(model_types()), frozenset(a.model_class.__module__.rsplit(".", 1)[-1] for a in archs),
-                 frozenset(n for a in archs for n in (a.config_class.__name__, a.model_class.__name__)))
+    return Known(
+        frozenset(model_types()),
+        frozenset(a.model_class.__module__.rsplit(".", 1)[-1] for a in archs),
+        frozenset(n for a in archs for n in (a.config_class.__name__, a.model_class.__name__)),
+    )
 
 
 def reads_model_type(node: ast.AST) -> bool:
@@ -53,8 +56,11 @@ def reads_model_type(node: ast.AST) -> bool:
 
 
 def _is_text(node: ast.AST, text: str | set[str]) -> bool:
-    return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in (
-        {text} if isinstance(text, str) else text)
+    return (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and node.value in ({text} if isinstance(text, str) else text)
+    )
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -95,8 +101,12 @@ def _looks_up_by_model_type(node: ast.AST) -> bool:
     """``table[x.model_type]`` or ``table.get(x.model_type)``."""
     if isinstance(node, ast.Subscript):
         return reads_model_type(node.slice)
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
-            and any(reads_model_type(a) for a in node.args))
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "get"
+        and any(reads_model_type(a) for a in node.args)
+    )
 
 
 def _imported(node: ast.Import | ast.ImportFrom) -> list[str]:
@@ -125,20 +135,28 @@ def test_the_checker_reports_each_kind_of_branch(tmp_path):
     left alone."""
     files = {
         "models/loading.py": 'def steps(m):\n    return "t" if m.config.model_type == "ouro" else "r"\n',
-        "evaluation/served.py": ('def details(model):\n    """For Huginn (huginn_raven) the recurrences."""\n'
-                                 '    cfg = model.config\n    if cfg.model_type == "huginn_raven":\n        pass\n'),
-        "data/window.py": ('WINDOW = {"ouro": "max_position_embeddings"}\n\n\ndef window(cfg):\n'
-                           '    return WINDOW[cfg.model_type], WINDOW.get(cfg.model_type)\n'),
-        "serving/kinds.py": ('from ..models.huginn import HuginnForCausalLM\n\n\ndef looped(model, raw, model_type):\n'
-                             '    match raw["model_type"]:\n        case _:\n            pass\n'
-                             '    return isinstance(model, HuginnForCausalLM) or model_type in KNOWN\n'),
+        "evaluation/served.py": (
+            'def details(model):\n    """For Huginn (huginn_raven) the recurrences."""\n'
+            '    cfg = model.config\n    if cfg.model_type == "huginn_raven":\n        pass\n'
+        ),
+        "data/window.py": (
+            'WINDOW = {"ouro": "max_position_embeddings"}\n\n\ndef window(cfg):\n'
+            "    return WINDOW[cfg.model_type], WINDOW.get(cfg.model_type)\n"
+        ),
+        "serving/kinds.py": (
+            "from ..models.huginn import HuginnForCausalLM\n\n\ndef looped(model, raw, model_type):\n"
+            '    match raw["model_type"]:\n        case _:\n            pass\n'
+            "    return isinstance(model, HuginnForCausalLM) or model_type in KNOWN\n"
+        ),
         "bundle/validate.py": 'def same(model, kv):\n    return model["model_type"] != kv["model_type"]\n',
     }
     for rel, text in files.items():
         (tmp_path / PACKAGE / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / PACKAGE / rel).write_text(text)
-    found = violations(tmp_path, Known(frozenset({"ouro", "huginn_raven"}), frozenset({"ouro", "huginn"}),
-                                       frozenset({"HuginnForCausalLM"})))
+    found = violations(
+        tmp_path,
+        Known(frozenset({"ouro", "huginn_raven"}), frozenset({"ouro", "huginn"}), frozenset({"HuginnForCausalLM"})),
+    )
     assert found == [
         "data/window.py:1: writes the model type 'ouro'",
         "data/window.py:5: looks a table up by model_type",

@@ -27,10 +27,10 @@ def test_the_answer_stands_in_the_evidence_and_nowhere_after_it(kind, tokenize):
     for _ in range(30):
         item = rt.make_item(kind, rng, before=rng.randint(0, 12), after=rng.randint(0, 12))
         answer = item.answer.strip()
-        assert item.answer == " " + answer and answer in item.prompt[item.evidence_start:item.evidence_end]
-        assert answer not in item.prompt[item.evidence_end:] and "\n" not in answer
+        assert item.answer == " " + answer and answer in item.prompt[item.evidence_start : item.evidence_end]
+        assert answer not in item.prompt[item.evidence_end :] and "\n" not in answer
         head = tokenize(item.prompt)
-        assert tokenize(item.prompt + item.answer)[:len(head)] == head  # the prompt's tokens are a prefix
+        assert tokenize(item.prompt + item.answer)[: len(head)] == head  # the prompt's tokens are a prefix
 
 
 @pytest.mark.parametrize("kind", rt.KINDS)
@@ -39,8 +39,8 @@ def test_task_items_keep_their_bounds_under_the_tokenizer(kind, tokenize):
     for tokens in (256, 700):
         item = rt.task_item(kind, rng, tokenize, tokens=tokens, lead=16, tail=128)
         assert len(tokenize(item.prompt)) <= tokens
-        assert len(tokenize(item.prompt[:item.evidence_start])) >= 16
-        assert len(tokenize(item.prompt)) - len(tokenize(item.prompt[:item.evidence_end])) >= 128
+        assert len(tokenize(item.prompt[: item.evidence_start])) >= 16
+        assert len(tokenize(item.prompt)) - len(tokenize(item.prompt[: item.evidence_end])) >= 128
     with pytest.raises(ValueError, match=f"no {kind} item of at most 64 tokens"):
         rt.task_item(kind, rng, tokenize, tokens=64, tail=128)
 
@@ -68,7 +68,7 @@ class Oracle(torch.nn.Module):
         self.shift, self.device = shift, torch.device("cpu")
 
     def forward(self, ids: torch.Tensor):
-        target = torch.cat([ids[:, self.shift:], ids[:, -1:].expand(-1, self.shift)], 1)
+        target = torch.cat([ids[:, self.shift :], ids[:, -1:].expand(-1, self.shift)], 1)
         return type("Out", (), {"logits": torch.nn.functional.one_hot(target, 5000).float()})()
 
 

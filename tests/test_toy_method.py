@@ -50,8 +50,9 @@ def by_hand(x: torch.Tensor, groups: torch.Tensor, codebook: torch.Tensor) -> to
 
 
 def test_a_toy_method_runs_from_calibration_to_served_decode(toy_method, tiny_ouro_dir, calib_corpus, tmp_path):
-    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", quant={"method": toy_method.name},
-                      finetune={"epochs": 1})
+    cfg = tiny_config(
+        tiny_ouro_dir, calib_corpus, tmp_path / "run", quant={"method": toy_method.name}, finetune={"epochs": 1}
+    )
     result = calibrate(cfg)
     bundle = load_bundle(result.bundle)
     q = bundle.quantizer
@@ -63,8 +64,10 @@ def test_a_toy_method_runs_from_calibration_to_served_decode(toy_method, tiny_ou
 
     model, _ = load_model(tiny_ouro_dir, "float32", torch.device("cpu"))
     prompt = torch.randint(0, 4096, (1, 40), generator=torch.Generator().manual_seed(5))
-    caches = {store: QuantizedLoopKVCache(q, sink_tokens=8, recent_window=16, page_size=8, store=store)
-              for store in ("indices", "fake")}
+    caches = {
+        store: QuantizedLoopKVCache(q, sink_tokens=8, recent_window=16, page_size=8, store=store)
+        for store in ("indices", "fake")
+    }
     prefill = {store: model(prompt, cache=cache, use_cache=True).logits for store, cache in caches.items()}
     cache = caches["indices"]
     assert cache.regions() == {"sink": 8, "encoded": 16, "window": 16}
@@ -94,7 +97,8 @@ def test_a_method_without_fused_decode_is_served_by_the_reference_path(tiny_ouro
         for backend in ("cuda", "triton"):  # refused before any device or kernel is looked at
             with pytest.raises(BackendUnavailable, match=f"backend='{backend}' reads LoopVQ codes; KVQuantizer has"):
                 QuantizedLoopKVCache(q, 8, 16, backend=backend).decode_backend(query)
-        assert QuantizedLoopKVCache(q, 8, 16).decode_backend(query.cuda() if torch.cuda.is_available() else query) \
-            is None
+        assert (
+            QuantizedLoopKVCache(q, 8, 16).decode_backend(query.cuda() if torch.cuda.is_available() else query) is None
+        )
     finally:
         unregister_method(slow.name)

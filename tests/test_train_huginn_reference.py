@@ -24,11 +24,36 @@ def trained(tmp_path_factory):
     """(data folder, model folder, in-memory trained model) of a tiny prepare + 3-step train."""
     root = tmp_path_factory.mktemp("huginn")
     data, out = root / "data", root / "model"
-    thr.prepare(thr.parser().parse_args(["prepare", "--out", str(data), "--max-files", "8",
-                                         "--heldout-fraction", "0.3"]))
-    model = thr.train(thr.parser().parse_args([
-        "train", "--data", str(data), "--out", str(out), "--steps", "3", "--batch", "2", "--seq-len", "32",
-        "--windows", "2", "--eval-every", "1", "--warmup", "1", "--device", "cpu", "--max-recurrence", "6"]))
+    thr.prepare(
+        thr.parser().parse_args(["prepare", "--out", str(data), "--max-files", "8", "--heldout-fraction", "0.3"])
+    )
+    model = thr.train(
+        thr.parser().parse_args(
+            [
+                "train",
+                "--data",
+                str(data),
+                "--out",
+                str(out),
+                "--steps",
+                "3",
+                "--batch",
+                "2",
+                "--seq-len",
+                "32",
+                "--windows",
+                "2",
+                "--eval-every",
+                "1",
+                "--warmup",
+                "1",
+                "--device",
+                "cpu",
+                "--max-recurrence",
+                "6",
+            ]
+        )
+    )
     return data, out, model
 
 
@@ -85,9 +110,32 @@ def test_truncated_loss_equals_the_full_forward_loss_and_draws_recurrences_aroun
 def test_report_writes_losses_per_recurrence_and_retrieval_rates(trained, tmp_path):
     data, out, _ = trained
     path = tmp_path / "report.json"
-    thr.report(thr.parser().parse_args(["report", "--data", str(data), "--model", str(out), "--out", str(path),
-                                        "--device", "cpu", "--recurrences", "1", "8", "--lengths", "96",
-                                        "--items", "2", "--seq-len", "32", "--windows", "2"]))
+    thr.report(
+        thr.parser().parse_args(
+            [
+                "report",
+                "--data",
+                str(data),
+                "--model",
+                str(out),
+                "--out",
+                str(path),
+                "--device",
+                "cpu",
+                "--recurrences",
+                "1",
+                "8",
+                "--lengths",
+                "96",
+                "--items",
+                "2",
+                "--seq-len",
+                "32",
+                "--windows",
+                "2",
+            ]
+        )
+    )
     result = json.loads(path.read_text())
     for dtype in ("float32", "bfloat16"):
         assert set(result[dtype]["heldout_loss_per_recurrence"]) == {"1", "8"}
@@ -99,9 +147,29 @@ def test_report_writes_losses_per_recurrence_and_retrieval_rates(trained, tmp_pa
 def test_train_stops_at_max_seconds_and_still_saves(trained, tmp_path):
     data, _, _ = trained
     out = tmp_path / "stopped"
-    thr.train(thr.parser().parse_args(["train", "--data", str(data), "--out", str(out), "--steps", "1000", "--batch",
-                                       "1", "--seq-len", "16", "--windows", "1", "--device", "cpu",
-                                       "--max-seconds", "0"]))
+    thr.train(
+        thr.parser().parse_args(
+            [
+                "train",
+                "--data",
+                str(data),
+                "--out",
+                str(out),
+                "--steps",
+                "1000",
+                "--batch",
+                "1",
+                "--seq-len",
+                "16",
+                "--windows",
+                "1",
+                "--device",
+                "cpu",
+                "--max-seconds",
+                "0",
+            ]
+        )
+    )
     log = json.loads((out / "train_log.json").read_text())["log"]
     assert [e["step"] for e in log] == [1]
     load_model(out, "float32", torch.device("cpu"))  # a whole, loadable folder
@@ -110,8 +178,11 @@ def test_train_stops_at_max_seconds_and_still_saves(trained, tmp_path):
 def test_structure_correlates_each_core_layer_across_its_recurrences(trained, tmp_path):
     data, out, _ = trained
     file = tmp_path / "structure.json"
-    thr.structure(thr.parser().parse_args(["structure", "--data", str(data), "--model", str(out), "--out", str(file),
-                                           "--seq-len", "24"]))
+    thr.structure(
+        thr.parser().parse_args(
+            ["structure", "--data", str(data), "--model", str(out), "--out", str(file), "--seq-len", "24"]
+        )
+    )
     result = json.loads(file.read_text())
     assert result["recurrences"] == 8 and result["tokens_for_correlation"] == 16 * 16
     model, _ = load_model(out, "float32", torch.device("cpu"))

@@ -23,8 +23,9 @@ from loopvq_calib.config.schema import KMeansConfig
 from loopvq_calib.kernels.backends import Backend, available
 
 
-def problems(p: int, n: int, g: int, *, k: int, seed: int = 0,
-             gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def problems(
+    p: int, n: int, g: int, *, k: int, seed: int = 0, gen: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``p`` Gaussian-mixture problems of ``n`` points in ``g`` dims around ``k`` centres, with log-normal
     weights scaled to at most 1; drawn from ``gen`` (on its device) or a CPU generator seeded ``seed``."""
     gen = gen if gen is not None else torch.Generator().manual_seed(seed)
@@ -59,32 +60,58 @@ def main() -> None:
         init = kmeans_pp_init(xd, wd, args.k, generator=torch.Generator().manual_seed(1), fused=fused)
         if cuda:
             torch.cuda.synchronize()
-        print(json.dumps({"what": "kmeans++ init", "fused": fused, "device": str(dev), "problems": args.problems,
-                          "seconds": round(time.time() - t, 3)}))
+        print(
+            json.dumps(
+                {
+                    "what": "kmeans++ init",
+                    "fused": fused,
+                    "device": str(dev),
+                    "problems": args.problems,
+                    "seconds": round(time.time() - t, 3),
+                }
+            )
+        )
     cfg = KMeansConfig(iterations=args.iterations, tolerance=0.0)  # device-dependent batch sizes
     for backend in args.backends:
         device = torch.device("cpu") if backend == "faiss" else dev
         try:
             if backend == "triton":  # warm-up: Triton compilation
-                weighted_kmeans(x[:2].to(device), w[:2].to(device), init[:2].to(device), cfg=cfg, backend=backend,
-                                device=device, seed=0)
+                weighted_kmeans(
+                    x[:2].to(device),
+                    w[:2].to(device),
+                    init[:2].to(device),
+                    cfg=cfg,
+                    backend=backend,
+                    device=device,
+                    seed=0,
+                )
             t = time.time()
-            res = weighted_kmeans(x.to(device), w.to(device), init.to(device), cfg=cfg, backend=backend, device=device,
-                                  seed=0)
+            res = weighted_kmeans(
+                x.to(device), w.to(device), init.to(device), cfg=cfg, backend=backend, device=device, seed=0
+            )
             if cuda:
                 torch.cuda.synchronize()
             seconds = time.time() - t
         except (ImportError, ValueError) as err:
             print(json.dumps({"backend": backend, "error": str(err)}))
             continue
-        print(json.dumps({
-            "backend": backend, "device": str(device), "problems": args.problems, "points": args.points,
-            "dims": args.dims,
-            "k": args.k, "iterations": args.iterations, "seconds": round(seconds, 3),
-            "ms_per_problem": round(1000 * seconds / args.problems, 2),
-            "objective_final_mean": round(res.objective_final.mean().item(), 6),
-            "threads": torch.get_num_threads(),
-        }))
+        print(
+            json.dumps(
+                {
+                    "backend": backend,
+                    "device": str(device),
+                    "problems": args.problems,
+                    "points": args.points,
+                    "dims": args.dims,
+                    "k": args.k,
+                    "iterations": args.iterations,
+                    "seconds": round(seconds, 3),
+                    "ms_per_problem": round(1000 * seconds / args.problems, 2),
+                    "objective_final_mean": round(res.objective_final.mean().item(), 6),
+                    "threads": torch.get_num_threads(),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

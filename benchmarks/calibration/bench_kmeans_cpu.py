@@ -51,12 +51,15 @@ def main() -> None:
     layout = plan_layouts(kv, cfg.quant)[args.layout]
     reader = CaptureReader(args.capture)
     x, fisher = reader.load(layout.kind, layout.sites), reader.load("fisher_" + layout.kind, layout.sites)
-    points, weights = layout_problems(x, fisher, layout, transform=None, codebook_size=cfg.quant.codebook_size,
-                                      sharing=cfg.quant.codebook_sharing)
+    points, weights = layout_problems(
+        x, fisher, layout, transform=None, codebook_size=cfg.quant.codebook_size, sharing=cfg.quant.codebook_sharing
+    )
     p = args.problems or points.shape[0]
     points, weights = points[:p].contiguous(), weights[:p].contiguous()
-    print(f"{layout.key}: {p} problems x {points.shape[1]} points x G {points.shape[2]}, K {cfg.quant.codebook_size}, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"{layout.key}: {p} problems x {points.shape[1]} points x G {points.shape[2]}, K {cfg.quant.codebook_size}, "
+        f"{torch.get_num_threads()} threads"
+    )
     t = clock()
     gen = torch.Generator().manual_seed(layout_seed(0, layout))
     init = kmeans_pp_init(points, weights, cfg.quant.codebook_size, generator=gen)
@@ -64,15 +67,20 @@ def main() -> None:
     print(f"kmeans++ seeding: wall {e[0] - t[0]:.2f} s, cpu {e[1] - t[1]:.2f} s")
     kc = KMeansConfig(iterations=args.iterations, tolerance=0.0)
     search = kmeans_backends._faiss_search
-    variants = [("torch, faiss search", "torch", True), ("torch, baddbmm search", "torch", False),
-                ("faiss backend", "faiss", True)]
+    variants = [
+        ("torch, faiss search", "torch", True),
+        ("torch, baddbmm search", "torch", False),
+        ("faiss backend", "faiss", True),
+    ]
     for name, backend, use_faiss_search in variants:
         kmeans_backends._faiss_search = search if use_faiss_search else (lambda: None)
         t = clock()
         res = weighted_kmeans(points, weights, init, cfg=kc, backend=backend, device="cpu", seed=1)
         e = clock()
-        print(f"{name}: {args.iterations} updates, wall {e[0] - t[0]:.2f} s, cpu {e[1] - t[1]:.2f} s, "
-              f"objective {res.objective_init.mean():.5f} -> {res.objective_final.mean():.5f}")
+        print(
+            f"{name}: {args.iterations} updates, wall {e[0] - t[0]:.2f} s, cpu {e[1] - t[1]:.2f} s, "
+            f"objective {res.objective_init.mean():.5f} -> {res.objective_final.mean():.5f}"
+        )
     kmeans_backends._faiss_search = search
 
 

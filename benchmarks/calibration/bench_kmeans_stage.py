@@ -49,14 +49,23 @@ def main() -> None:
     _, report = fit_codebooks(reader, layouts, {}, quant=cfg.quant, cfg=cfg.kmeans, kv=kv, device=torch.device("cpu"))
     totals = report["totals"]
     checkout = Path(loopvq_calib.__file__).resolve().parent  # the code measured (PYTHONPATH may name another tree)
-    print(json.dumps({
-        "code": short_commit(checkout) or "", "overrides": args.overrides, "threads": torch.get_num_threads(),
-        "wall_s": round(time.perf_counter() - wall, 2), "cpu_s": round(_cpu_s() - cpu, 2),
-        "seeding_wall_s": round(totals["seconds_init"], 2), "layouts": totals["layouts"],
-        "codebooks": totals["codebooks"], "objective_init_mean": round(totals["objective_init_mean"], 6),
-        "objective_final_mean": round(totals["objective_final_mean"], 6),
-        "load_average": [round(v, 2) for v in os.getloadavg()],
-    }))
+    print(
+        json.dumps(
+            {
+                "code": short_commit(checkout) or "",
+                "overrides": args.overrides,
+                "threads": torch.get_num_threads(),
+                "wall_s": round(time.perf_counter() - wall, 2),
+                "cpu_s": round(_cpu_s() - cpu, 2),
+                "seeding_wall_s": round(totals["seconds_init"], 2),
+                "layouts": totals["layouts"],
+                "codebooks": totals["codebooks"],
+                "objective_init_mean": round(totals["objective_init_mean"], 6),
+                "objective_final_mean": round(totals["objective_final_mean"], 6),
+                "load_average": [round(v, 2) for v in os.getloadavg()],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -43,16 +43,24 @@ def summarize(run_dir: Path, wall_s: float | None = None, records: list[dict] | 
     stages = {}
     for rec in records if records is not None else [{"name": k, **v} for k, v in manifest["stages"].items()]:
         peak = rec.get("peak_gpu_bytes")
-        stages[rec["name"]] = {"wall_s": round(rec.get("wall_s", 0.0), 2),
-                               "peak_gpu_gib": round(peak / GIB, 2) if peak else None,
-                               "status": "reused" if rec.get("reused") else rec.get("status")}
+        stages[rec["name"]] = {
+            "wall_s": round(rec.get("wall_s", 0.0), 2),
+            "peak_gpu_gib": round(peak / GIB, 2) if peak else None,
+            "status": "reused" if rec.get("reused") else rec.get("status"),
+        }
     capture = manifest["stages"].get("capture", {}).get("details", {})
     out = {
-        "model": cfg["model"]["name_or_path"], "method": cfg["quant"]["method"], "bits": cfg["quant"]["bits"],
-        "sequences": cfg["data"]["num_sequences"], "seq_len": cfg["data"]["sequence_length"],
-        "processes": manifest.get("processes"), "store": capture.get("store"),
-        "fisher_channels": cfg["capture"]["fisher_channels"], "model_load_s": capture.get("model_load_s"),
-        "stages": stages, "stages_s": round(sum(s["wall_s"] for s in stages.values()), 2),
+        "model": cfg["model"]["name_or_path"],
+        "method": cfg["quant"]["method"],
+        "bits": cfg["quant"]["bits"],
+        "sequences": cfg["data"]["num_sequences"],
+        "seq_len": cfg["data"]["sequence_length"],
+        "processes": manifest.get("processes"),
+        "store": capture.get("store"),
+        "fisher_channels": cfg["capture"]["fisher_channels"],
+        "model_load_s": capture.get("model_load_s"),
+        "stages": stages,
+        "stages_s": round(sum(s["wall_s"] for s in stages.values()), 2),
         "peak_gpu_gib": max((s["peak_gpu_gib"] or 0 for s in stages.values()), default=0),
     }
     if wall_s is not None:
@@ -61,9 +69,12 @@ def summarize(run_dir: Path, wall_s: float | None = None, records: list[dict] | 
     if report.is_file():
         totals = json.loads(report.read_text())["totals"]
         totals = totals if isinstance(totals, list) else [totals]
-        out.update(kmeans_backend=totals[0]["backend"], kmeans_init_s=round(sum(t["seconds_init"] for t in totals), 2),
-                   kmeans_iterations_max=max(t["iterations_max"] for t in totals),
-                   kmeans_probe_s=round(max(t.get("seconds_backend", 0.0) for t in totals), 2))
+        out.update(
+            kmeans_backend=totals[0]["backend"],
+            kmeans_init_s=round(sum(t["seconds_init"] for t in totals), 2),
+            kmeans_iterations_max=max(t["iterations_max"] for t in totals),
+            kmeans_probe_s=round(max(t.get("seconds_backend", 0.0) for t in totals), 2),
+        )
     tasq = run_dir / "tasq" / "tasq.json"
     if tasq.is_file():  # the TaSQ fit's phases (main process)
         out["tasq_seconds"] = json.loads(tasq.read_text())["report"].get("seconds")

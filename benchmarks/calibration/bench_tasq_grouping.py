@@ -34,8 +34,10 @@ def main() -> None:
     seconds = []
     for seed in range(args.repeats):
         gen = torch.Generator().manual_seed(seed)
-        mix = torch.eye(coords, dtype=torch.float64) + 0.3 * torch.randn(args.heads, coords, coords, generator=gen,
-                                                                         dtype=torch.float64) / coords**0.5
+        mix = (
+            torch.eye(coords, dtype=torch.float64)
+            + 0.3 * torch.randn(args.heads, coords, coords, generator=gen, dtype=torch.float64) / coords**0.5
+        )
         y = torch.randn(args.heads, args.tokens, coords, generator=gen, dtype=torch.float64) @ mix
         cov = y.transpose(1, 2) @ y / args.tokens
         start = time.perf_counter()

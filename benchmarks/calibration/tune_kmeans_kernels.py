@@ -52,8 +52,9 @@ def main() -> None:
     torch_ms = ms_per_call(lambda: _assign(x, x_sq, w, c=c, chunk=16384, accumulate=True))
     print(json.dumps({"torch_assign_ms": round(torch_ms, 2)}), flush=True)
 
-    def step(block: int, warps: int, precision: str, *,
-             accumulate: bool) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def step(
+        block: int, warps: int, precision: str, *, accumulate: bool
+    ) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
         nb = triton.cdiv(N, block)
         err = torch.empty(P, nb, device="cuda")
         sums, mass = torch.zeros(P, K, G, device="cuda"), torch.zeros(P, K, device="cuda")
@@ -62,21 +63,47 @@ def main() -> None:
             sums.zero_()
             mass.zero_()
             kmeans_triton._lloyd_kernel[(P * nb,)](
-                x, w, c, rows, err, sums, mass, N, P, nb, K=K, G=G, KP=K, GP=G, BLOCK=block,
-                ACCUMULATE=accumulate, PRECISION=precision, num_warps=warps,
+                x,
+                w,
+                c,
+                rows,
+                err,
+                sums,
+                mass,
+                N,
+                P,
+                nb,
+                K=K,
+                G=G,
+                KP=K,
+                GP=G,
+                BLOCK=block,
+                ACCUMULATE=accumulate,
+                PRECISION=precision,
+                num_warps=warps,
             )
+
         return ms_per_call(run), err.sum(1), sums, mass
 
     for precision in ("tf32x3", "ieee", "tf32"):
         for block in (32, 64, 128):
             for warps in (4, 8):
                 ms, err, sums, mass = step(block, warps, precision, accumulate=True)
-                print(json.dumps({
-                    "prec": precision, "block": block, "warps": warps, "ms": round(ms, 2),
-                    "ms_no_accumulate": round(step(block, warps, precision, accumulate=False)[0], 2),
-                    "err_rel": ((err - err0).abs() / err0).max().item(), "mass_diff": (mass - mass0).abs().max().item(),
-                    "sums_diff": (sums - sums0).abs().max().item(),
-                }), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "prec": precision,
+                            "block": block,
+                            "warps": warps,
+                            "ms": round(ms, 2),
+                            "ms_no_accumulate": round(step(block, warps, precision, accumulate=False)[0], 2),
+                            "err_rel": ((err - err0).abs() / err0).max().item(),
+                            "mass_diff": (mass - mass0).abs().max().item(),
+                            "sums_diff": (sums - sums0).abs().max().item(),
+                        }
+                    ),
+                    flush=True,
+                )
 
     def gen() -> torch.Generator:
         return torch.Generator().manual_seed(1)

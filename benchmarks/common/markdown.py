@@ -22,5 +22,7 @@ def recipe(f: dict[str, Any]) -> str:
     every = f"every {f['select_every']} steps" if f.get("select_every") else "after each epoch"
     warmup = f", {f['warmup_steps']} warm-up steps" if f.get("warmup_steps") else ""
     proximal = f", proximal {f['proximal']:g}" if f.get("proximal") else ""
-    return (f"{f['epochs']} epochs, Adam lr {f['lr']:g}, {f.get('lr_schedule', 'constant')} schedule{warmup}, "
-            f"selection {every}{proximal}")
+    return (
+        f"{f['epochs']} epochs, Adam lr {f['lr']:g}, {f.get('lr_schedule', 'constant')} schedule{warmup}, "
+        f"selection {every}{proximal}"
+    )

@@ -13,16 +13,25 @@ from loopvq_calib.config.schema import QuantConfig
 
 
 @torch.no_grad()
-def sampled_quantizer(model: torch.nn.Module, ids: torch.Tensor, method: str = "loopvq", *, codebook_size: int = 16,
-                      group_size: int = 16, steps_per_block: int = 4, seed: int = 0) -> KVQuantizer:
+def sampled_quantizer(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    method: str = "loopvq",
+    *,
+    codebook_size: int = 16,
+    group_size: int = 16,
+    steps_per_block: int = 4,
+    seed: int = 0,
+) -> KVQuantizer:
     """Each codebook's entries are random group vectors of one full-precision forward over ``ids``.
 
     Layouts are :func:`~loopvq_calib.codes.layouts.plan_layouts`' (no codebook sharing); TaSQ methods get unit
     channel weights. With ``codebook_size`` >= the number of tokens every group vector of ``ids`` is a
     codeword, so keys and values are reproduced exactly (non-TaSQ methods).
     """
-    quant = QuantConfig(method=method, bits=None, codebook_size=codebook_size, group_size=group_size,
-                        steps_per_block=steps_per_block)
+    quant = QuantConfig(
+        method=method, bits=None, codebook_size=codebook_size, group_size=group_size, steps_per_block=steps_per_block
+    )
     kv = model.kv_layout()
     fp = teacher(model, ids)
     gen = torch.Generator().manual_seed(seed)

@@ -84,8 +84,13 @@ def copy_bandwidth(device: torch.device) -> float:
 
 def body_ms(batch: int, device: torch.device) -> float:
     """One decode step's weight matmuls (distinct weights per layer; each layer runs 4 steps) from a graph."""
-    w = [[torch.randn(o, i, device=device, dtype=torch.bfloat16) * 0.02 for o, i in
-          ((3 * HIDDEN, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))] for _ in range(LAYERS)]
+    w = [
+        [
+            torch.randn(o, i, device=device, dtype=torch.bfloat16) * 0.02
+            for o, i in ((3 * HIDDEN, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))
+        ]
+        for _ in range(LAYERS)
+    ]
     head = torch.randn(VOCAB, HIDDEN, device=device, dtype=torch.bfloat16) * 0.02
     x = torch.randn(batch, HIDDEN, device=device, dtype=torch.bfloat16)
 
@@ -117,10 +122,21 @@ def parse_variant(spec: str) -> dict:
     backend, shape = spec.split("-")
     nums = [int(x) for x in shape.rstrip("f").split("x")]
     if backend == "cuda":
-        return {"backend": "cuda", "warps": nums[0], "tokens_per_iteration": nums[1], "lanes_per_token": nums[2],
-                "rows_per_pass": nums[3] if len(nums) > 3 else 1, "key_float32": shape.endswith("f") or None}
-    return {"backend": "triton", "block_n": nums[0], "num_warps": nums[1], "programs_per_sm": nums[2],
-            "batch_per_program": nums[3]}
+        return {
+            "backend": "cuda",
+            "warps": nums[0],
+            "tokens_per_iteration": nums[1],
+            "lanes_per_token": nums[2],
+            "rows_per_pass": nums[3] if len(nums) > 3 else 1,
+            "key_float32": shape.endswith("f") or None,
+        }
+    return {
+        "backend": "triton",
+        "block_n": nums[0],
+        "num_warps": nums[1],
+        "programs_per_sm": nums[2],
+        "batch_per_program": nums[3],
+    }
 
 
 def attention_arguments(launch: dict) -> dict:
@@ -133,8 +149,9 @@ def attention_arguments(launch: dict) -> dict:
     return {"backend": launch["backend"]}
 
 
-def bench_case(context: int, batch: int, method: str, *, tables: da.StepTables, device: torch.device,
-               launch: dict) -> dict:
+def bench_case(
+    context: int, batch: int, method: str, *, tables: da.StepTables, device: torch.device, launch: dict
+) -> dict:
     gen = torch.Generator(device=device).manual_seed(context + batch)
     n = context - SINKS - WINDOW
     n_groups = D * T_C // G
@@ -143,7 +160,9 @@ def bench_case(context: int, batch: int, method: str, *, tables: da.StepTables, 
         random_indices(batch, n, n_groups, device=device, gen=gen),
         random_indices(batch, n, n_groups, device=device, gen=gen),
         (torch.rand(batch, n, T_C, device=device, generator=gen) + 0.5).half() if tables.tasq else None,
-        n, torch.full((batch,), SINKS, device=device, dtype=torch.int32))
+        n,
+        torch.full((batch,), SINKS, device=device, dtype=torch.int32),
+    )
     fp = torch.randn(2, batch, SINKS + WINDOW, KV_HEADS, D, device=device, dtype=torch.bfloat16, generator=gen)
     fpos = torch.cat([torch.arange(SINKS), torch.arange(SINKS + n, context)]).to(device, torch.int32)
     fpos = fpos[None].repeat(batch, 1)
@@ -151,16 +170,34 @@ def bench_case(context: int, batch: int, method: str, *, tables: da.StepTables, 
 
     def coded_call() -> torch.Tensor:
         full = da.FullPrecisionTokens(fp[0], fp[1], fpos)  # noqa: F821
-        return da.decode_attention(q, tables, coded, fp=full, rope=rope, max_position=context,  # noqa: F821
-                                   **attention_arguments(launch))
+        return da.decode_attention(
+            q,
+            tables,
+            coded,
+            fp=full,
+            rope=rope,
+            max_position=context,  # noqa: F821
+            **attention_arguments(launch),
+        )
 
     coded_call()
     coded_ms = graph_ms(coded_call)
     sigma = 2 * batch * n if tables.tasq else 0
-    coded_bytes = (batch * n * KV_HEADS * 2 * n_groups + sigma + 2 * fp[0].numel() * 2
-                   + sum(t.numel() * t.element_size() for t in (tables.key_a, tables.key_b, tables.value)))
-    out = {"context": context, "batch": batch, "method": method, "coded_ms": coded_ms, "coded_bytes": coded_bytes,
-           "coded_GBps": coded_bytes / coded_ms / 1e6, **launch}
+    coded_bytes = (
+        batch * n * KV_HEADS * 2 * n_groups
+        + sigma
+        + 2 * fp[0].numel() * 2
+        + sum(t.numel() * t.element_size() for t in (tables.key_a, tables.key_b, tables.value))
+    )
+    out = {
+        "context": context,
+        "batch": batch,
+        "method": method,
+        "coded_ms": coded_ms,
+        "coded_bytes": coded_bytes,
+        "coded_GBps": coded_bytes / coded_ms / 1e6,
+        **launch,
+    }
     del coded, fp
     bf16_bytes = 2 * batch * KV_HEADS * context * D * 2
     kv = torch.randn(2, batch, KV_HEADS, context, D, device=device, dtype=torch.bfloat16, generator=gen)
@@ -176,19 +213,38 @@ def check_accuracy(tables: da.StepTables, kc: BlockCodec, vc: BlockCodec, *, dev
     """Relative error against the float64 reference at these shapes (batch 2, 3000 coded tokens)."""
     gen = torch.Generator().manual_seed(1)
     n, s = 3000, SINKS + WINDOW
-    coded = da.CodedTokens(random_indices(2, n, 32, device=torch.device("cpu"), gen=gen),
-                           random_indices(2, n, 32, device=torch.device("cpu"), gen=gen),
-                           (torch.rand(2, n, T_C, generator=gen) + 0.5).half() if tables.tasq else None, n,
-                           torch.tensor([SINKS, SINKS]))
+    coded = da.CodedTokens(
+        random_indices(2, n, 32, device=torch.device("cpu"), gen=gen),
+        random_indices(2, n, 32, device=torch.device("cpu"), gen=gen),
+        (torch.rand(2, n, T_C, generator=gen) + 0.5).half() if tables.tasq else None,
+        n,
+        torch.tensor([SINKS, SINKS]),
+    )
     q = torch.randn(2, HEADS, D, generator=gen).bfloat16()
     fk, fv = (torch.randn(2, s, KV_HEADS, D, generator=gen).bfloat16() for _ in range(2))
     fpos = torch.cat([torch.arange(SINKS), torch.arange(SINKS + n, SINKS + n + WINDOW)])[None].repeat(2, 1)
-    moved = da.CodedTokens(coded.key_indices.to(device), coded.value_indices.to(device),
-                           None if coded.key_sigma is None else coded.key_sigma.to(device), n, coded.first_position)
+    moved = da.CodedTokens(
+        coded.key_indices.to(device),
+        coded.value_indices.to(device),
+        None if coded.key_sigma is None else coded.key_sigma.to(device),
+        n,
+        coded.first_position,
+    )
     full = da.FullPrecisionTokens(fk.to(device), fv.to(device), fpos.to(device))
     out = da.decode_attention(q.to(device), tables, moved, fp=full, rope=da.RopeTable(D, THETA))
-    ref = da.decode_attention_reference(q.float(), kc, vc, step=tables.step, coded=coded, fp_keys=fk, fp_values=fv,
-                                        fp_positions=fpos, fp_mask=None, rope_style="half", rope_theta=THETA)
+    ref = da.decode_attention_reference(
+        q.float(),
+        kc,
+        vc,
+        step=tables.step,
+        coded=coded,
+        fp_keys=fk,
+        fp_values=fv,
+        fp_positions=fpos,
+        fp_mask=None,
+        rope_style="half",
+        rope_theta=THETA,
+    )
     return float((out.cpu().double() - ref).norm() / ref.norm())
 
 
@@ -198,13 +254,25 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    ap.add_argument("--variants", default="cuda-16x8x16x8,cuda-16x16x16x8,cuda-16x8x16x2f,cuda-16x16x16x2",
-                    help="kernel variants tried at 32k, batch 8 (see parse_variant); the table runs the defaults")
-    ap.add_argument("--codebook-size", type=int, default=K, help="K (256 is the 0.5-bit bundle; smaller K shrinks the "
-                    "step tables, to see what a cache-resident codebook slice gives)")
+    ap.add_argument(
+        "--variants",
+        default="cuda-16x8x16x8,cuda-16x16x16x8,cuda-16x8x16x2f,cuda-16x16x16x2",
+        help="kernel variants tried at 32k, batch 8 (see parse_variant); the table runs the defaults",
+    )
+    ap.add_argument(
+        "--codebook-size",
+        type=int,
+        default=K,
+        help="K (256 is the 0.5-bit bundle; smaller K shrinks the "
+        "step tables, to see what a cache-resident codebook slice gives)",
+    )
     ap.add_argument("--variants-only", action="store_true", help="only the kernel variants at 32k, batch 8")
-    ap.add_argument("--table-variant", default="auto", help="launch of the table: 'auto' (decode_attention's "
-                    "defaults), 'best' (per method, the fastest of --variants at 32k, batch 8) or a variant")
+    ap.add_argument(
+        "--table-variant",
+        default="auto",
+        help="launch of the table: 'auto' (decode_attention's "
+        "defaults), 'best' (per method, the fastest of --variants at 32k, batch 8) or a variant",
+    )
     ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     ap.add_argument("--table-from", type=Path, help="print the markdown tables of a saved result and exit (no GPU)")
     ap.add_argument("--out", type=Path)
@@ -219,10 +287,16 @@ def main() -> None:
         ap.error("--out is required")
     K = args.codebook_size
     device = torch.device("cuda")
-    result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-              "codebook_size": K, "commit": args.commit or short_commit(),
-              "command": " ".join(["python", "benchmarks/decode/bench_decode.py", *sys.argv[1:]]),
-              "copy_GBps": copy_bandwidth(device), "cases": [], "launches": []}
+    result = {
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "codebook_size": K,
+        "commit": args.commit or short_commit(),
+        "command": " ".join(["python", "benchmarks/decode/bench_decode.py", *sys.argv[1:]]),
+        "copy_GBps": copy_bandwidth(device),
+        "cases": [],
+        "launches": [],
+    }
     print(f"copy bandwidth {result['copy_GBps']:.0f} GB/s", flush=True)
     tables, accuracy = {}, {}
     for method in args.methods:
@@ -261,8 +335,9 @@ def main() -> None:
     print(against_loopvq(result))
 
 
-def run_variants(variants: str, methods: list[str], tables: dict[str, da.StepTables], *,
-                 device: torch.device) -> list[dict]:
+def run_variants(
+    variants: str, methods: list[str], tables: dict[str, da.StepTables], *, device: torch.device
+) -> list[dict]:
     """Every kernel variant of the comma-separated ``variants`` (see :func:`parse_variant`) at 32k, batch 8, per
     method; a variant the kernel refuses here (shared memory) is printed and left out."""
     out = []
@@ -288,10 +363,12 @@ def fits_batch1(device: torch.device) -> dict:
     codebooks = SITES * 2 * KV_HEADS * K * D * 2  # fp16 step tables
     spare = total - WEIGHT_BYTES - 2 * 2**30
     return {
-        "total_bytes": total, "weight_bytes": WEIGHT_BYTES,
+        "total_bytes": total,
+        "weight_bytes": WEIGHT_BYTES,
         "bf16_tokens": spare // (SITES * 2 * KV_HEADS * D * 2),
         "coded_tokens": (spare - codebooks - (SINKS + WINDOW) * SITES * 2 * KV_HEADS * D * 2) // code_bytes
-        + SINKS + WINDOW,
+        + SINKS
+        + WINDOW,
     }
 
 
@@ -299,16 +376,26 @@ def table(result: dict) -> str:
     """Markdown tables of the launch variants and the cases (what docs/decode-speed.md shows)."""
     rows = ["| variant | method | coded ms | bf16 SDPA ms | speedup |", "|---|---|---|---|---|"]
     for r in result["launches"]:
-        rows.append(f"| {r['variant']} | {r['method']} | {r['coded_ms']:.4f} | {r['bf16_ms']:.4f} | "
-                    f"{r['bf16_ms'] / r['coded_ms']:.2f} |")
+        rows.append(
+            f"| {r['variant']} | {r['method']} | {r['coded_ms']:.4f} | {r['bf16_ms']:.4f} | "
+            f"{r['bf16_ms'] / r['coded_ms']:.2f} |"
+        )
     if not result["cases"]:
         return "\n".join(rows)
-    rows += ["", ("| context | batch | method | bf16 SDPA ms | coded ms | speedup | bf16 GB/s | coded GB/s | "
-                  "tokens/s bf16 | tokens/s coded |"), "|---|---|---|---|---|---|---|---|---|---|"]
+    rows += [
+        "",
+        (
+            "| context | batch | method | bf16 SDPA ms | coded ms | speedup | bf16 GB/s | coded GB/s | "
+            "tokens/s bf16 | tokens/s coded |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["cases"]:
-        rows.append(f"| {r['context']} | {r['batch']} | {r['method']} | {r['bf16_ms']:.4f} | {r['coded_ms']:.4f} | "
-                    f"{r['speedup']:.2f} | {r['bf16_GBps']:.0f} | {r['coded_GBps']:.0f} | "
-                    f"{r['bf16_tokens_per_s']:.1f} | {r['coded_tokens_per_s']:.1f} |")
+        rows.append(
+            f"| {r['context']} | {r['batch']} | {r['method']} | {r['bf16_ms']:.4f} | {r['coded_ms']:.4f} | "
+            f"{r['speedup']:.2f} | {r['bf16_GBps']:.0f} | {r['coded_GBps']:.0f} | "
+            f"{r['bf16_tokens_per_s']:.1f} | {r['coded_tokens_per_s']:.1f} |"
+        )
     return "\n".join(rows)
 
 
@@ -319,22 +406,27 @@ def against_loopvq(result: dict) -> str:
     for (context, batch, method), r in sorted(cases.items()):
         loopvq = cases.get((context, batch, "loopvq"))
         if method != "loopvq" and loopvq is not None:
-            lines.append(f"{context} x {batch} {method}: {r['speedup']:.2f}x bf16 SDPA (LoopVQ "
-                         f"{loopvq['speedup']:.2f}x), time {r['coded_ms'] / loopvq['coded_ms'] - 1:+.1%} over LoopVQ's")
+            lines.append(
+                f"{context} x {batch} {method}: {r['speedup']:.2f}x bf16 SDPA (LoopVQ "
+                f"{loopvq['speedup']:.2f}x), time {r['coded_ms'] / loopvq['coded_ms'] - 1:+.1%} over LoopVQ's"
+            )
     return "\n".join(lines)
 
 
 def fixed_cost(result: dict, batch: int = 8, method: str = "loopvq") -> str:
     """Straight lines time = intercept + slope x context through each pair of successive contexts (and a least-
     squares line through all) of one (batch, method): how much of the time does not grow with the context."""
-    pts = sorted((r["context"], r["coded_ms"] * 1e3) for r in result["cases"]
-                 if r["batch"] == batch and r["method"] == method)
+    pts = sorted(
+        (r["context"], r["coded_ms"] * 1e3) for r in result["cases"] if r["batch"] == batch and r["method"] == method
+    )
     lines = [f"{method}, batch {batch}: coded us at contexts " + ", ".join(f"{c}: {t:.1f}" for c, t in pts)]
     for (c0, t0), (c1, t1) in itertools.pairwise(pts):
         slope = (t1 - t0) / (c1 - c0)
         pred = ", ".join(f"{c}: {t0 + slope * (c - c0):.1f}" for c, _ in pts if c not in (c0, c1))
-        lines.append(f"  line through {c0} and {c1}: {t0 - slope * c0:.1f} us + {slope * 1e3:.2f} us per 1,000 tokens;"
-                     f" predicts {pred}")
+        lines.append(
+            f"  line through {c0} and {c1}: {t0 - slope * c0:.1f} us + {slope * 1e3:.2f} us per 1,000 tokens;"
+            f" predicts {pred}"
+        )
     n = len(pts)
     mc, mt = sum(c for c, _ in pts) / n, sum(t for _, t in pts) / n
     slope = sum((c - mc) * (t - mt) for c, t in pts) / sum((c - mc) ** 2 for c, _ in pts)
@@ -356,16 +448,22 @@ def sequences_that_fit(result: dict, context: int = 65536) -> str:
     tables = SITES * 2 * KV_HEADS * K * D * 2
     fp_tokens = SINKS + WINDOW
     coded = context - fp_tokens
-    lines = [(f"at {context} tokens: bf16 cache {spare // (context * bf16_token)} sequences; "
-              f"one sequence's bf16 sinks/window {fp_tokens * bf16_token / 1e6:.1f} MB, "
-              f"codes {coded * code_token / 1e9:.3f} GB")]
+    lines = [
+        (
+            f"at {context} tokens: bf16 cache {spare // (context * bf16_token)} sequences; "
+            f"one sequence's bf16 sinks/window {fp_tokens * bf16_token / 1e6:.1f} MB, "
+            f"codes {coded * code_token / 1e9:.3f} GB"
+        )
+    ]
     once = coded * code_token + fp_tokens * bf16_token
     lines.append(f"  codes once, tables once ({tables / 1e6:.0f} MB): {(spare - tables) // once} sequences")
     for name, copies in (("loopvq", 2), ("tasq+loopvq", 3), ("tasq+loopvq-channels", 2)):
         for slack in (1, 2):  # code buffer and position storage exactly full, or just doubled
             per_seq = coded * code_token * (1 + slack) + context * SITES * 8 * slack + fp_tokens * bf16_token
-            lines.append(f"  shipped cache, {name}: tables {copies * tables / 1e6:.0f} MB, buffers {slack}x: "
-                         f"{(spare - copies * tables) // per_seq} sequences")
+            lines.append(
+                f"  shipped cache, {name}: tables {copies * tables / 1e6:.0f} MB, buffers {slack}x: "
+                f"{(spare - copies * tables) // per_seq} sequences"
+            )
     return "\n".join(lines)
 
 

@@ -118,8 +118,17 @@ def time_steps(model: torch.nn.Module, cache: Any, ids: torch.Tensor, *, warmup:
 
 
 @torch.inference_mode()
-def check_fill(model: torch.nn.Module, quantizer: KVQuantizer, serving: Serving, *, context: int, batch: int,
-               device: torch.device, seed: int = 0, backend: str = "auto") -> dict[str, Any]:
+def check_fill(
+    model: torch.nn.Module,
+    quantizer: KVQuantizer,
+    serving: Serving,
+    *,
+    context: int,
+    batch: int,
+    device: torch.device,
+    seed: int = 0,
+    backend: str = "auto",
+) -> dict[str, Any]:
     """One decode step on one random fill: logits through the coded cache as served (``backend``) and its
     reference path (``"torch"``), each against the model's own cache holding the decoded contents; then the
     per-site check (:class:`SiteCheckCache`: served against reference at every site, teacher-forced), whose
@@ -137,7 +146,7 @@ def check_fill(model: torch.nn.Module, quantizer: KVQuantizer, serving: Serving,
     for path, name in ((backend, "served"), ("torch", "reference")):
         cache = filled(path)
         _, logits[name] = decode_step(model, cache, ids)
-        diff = (logits[name].float() - want.float())
+        diff = logits[name].float() - want.float()
         out[f"{name}_max_abs_diff"] = float(diff.abs().max())
         out[f"{name}_relative_error"] = float(diff.norm() / want.float().norm())
         out[f"{name}_same_argmax"] = bool(torch.equal(logits[name].argmax(-1), want.argmax(-1)))
@@ -161,26 +170,44 @@ def held_tokens(context: int, args: argparse.Namespace, *, graph: bool) -> int:
     return context + warmup_bound(args.warmup, args.page_size) + args.steps + 2 * args.profile_steps + 1
 
 
-def build_cache(model: torch.nn.Module, kind: str, quantizer: KVQuantizer | None, *, serving: Serving, context: int,
-                batch: int, args: argparse.Namespace, gen: torch.Generator) -> Any:
+def build_cache(
+    model: torch.nn.Module,
+    kind: str,
+    quantizer: KVQuantizer | None,
+    *,
+    serving: Serving,
+    context: int,
+    batch: int,
+    args: argparse.Namespace,
+    gen: torch.Generator,
+) -> Any:
     """The case's cache filled with ``context`` random tokens: eager (the model's own or the coded cache) or
     static (``-graph``: the coded cache made static, or :class:`StaticBf16Cache`), room for the case's steps."""
     kv, device = model.kv_layout(), gen.device
     method, graph = kind.removesuffix("-graph"), kind.endswith("-graph")
     if method == "bf16":
         if graph:
-            return StaticBf16Cache(kv, batch=batch, length=context, max_length=held_tokens(context, args, graph=True),
-                                   device=device, gen=gen)
+            return StaticBf16Cache(
+                kv,
+                batch=batch,
+                length=context,
+                max_length=held_tokens(context, args, graph=True),
+                device=device,
+                gen=gen,
+            )
         return bf16_cache(kv, context, batch, device=device, gen=gen)
-    cache = fill_cache(QuantizedLoopKVCache(quantizer, **dataclasses.asdict(serving)),
-                       **random_contents(quantizer, serving, context, batch=batch, device=device, gen=gen))
+    cache = fill_cache(
+        QuantizedLoopKVCache(quantizer, **dataclasses.asdict(serving)),
+        **random_contents(quantizer, serving, context, batch=batch, device=device, gen=gen),
+    )
     if graph:
         return StaticQuantizedLoopKVCache.from_cache(cache, max_length=held_tokens(context, args, graph=True))
     return cache
 
 
-def time_case(model: torch.nn.Module, kind: str, cache: Any, *, ids: torch.Tensor, args: argparse.Namespace,
-              profiled: bool) -> tuple[list[float], dict[str, Any]]:
+def time_case(
+    model: torch.nn.Module, kind: str, cache: Any, *, ids: torch.Tensor, args: argparse.Namespace, profiled: bool
+) -> tuple[list[float], dict[str, Any]]:
     """Step times of the case and what else it records: the path that served, the profile."""
     extra: dict[str, Any] = {}
     if not kind.endswith("-graph"):
@@ -199,8 +226,17 @@ def time_case(model: torch.nn.Module, kind: str, cache: Any, *, ids: torch.Tenso
     return ms, extra
 
 
-def run_case(model: torch.nn.Module, cache_kind: str, quantizer: KVQuantizer | None, *, serving: Serving, context: int,
-             batch: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def run_case(
+    model: torch.nn.Module,
+    cache_kind: str,
+    quantizer: KVQuantizer | None,
+    *,
+    serving: Serving,
+    context: int,
+    batch: int,
+    args: argparse.Namespace,
+    device: torch.device,
+) -> dict[str, Any]:
     """Fill one cache at (context, batch), time its decode steps; "does not fit" / "out of memory" with the bytes."""
     kv = model.kv_layout()
     out: dict[str, Any] = {"context": context, "batch": batch, "cache": cache_kind}
@@ -221,8 +257,9 @@ def run_case(model: torch.nn.Module, cache_kind: str, quantizer: KVQuantizer | N
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     try:
-        cache = build_cache(model, cache_kind, quantizer, serving=serving, context=context, batch=batch, args=args,
-                            gen=gen)
+        cache = build_cache(
+            model, cache_kind, quantizer, serving=serving, context=context, batch=batch, args=args, gen=gen
+        )
         if cuda and graph:  # the static cache's peak, not its conversion's
             gc.collect()
             torch.cuda.reset_peak_memory_stats(device)
@@ -254,11 +291,20 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--scale-down", type=int, default=1, help="divide --model's widths and layers (CPU tests)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--caches", nargs="+", default=["bf16", *METHODS], choices=CACHES,
-                    help="-graph: the static cache's steps replayed from CUDA graphs")
+    ap.add_argument(
+        "--caches",
+        nargs="+",
+        default=["bf16", *METHODS],
+        choices=CACHES,
+        help="-graph: the static cache's steps replayed from CUDA graphs",
+    )
     ap.add_argument("--warmup", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=32, help="timed steps (a multiple of --page-size counts the "
-                    "page encodes in proportion)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=32,
+        help="timed steps (a multiple of --page-size counts the page encodes in proportion)",
+    )
     ap.add_argument("--codebook-size", type=int, default=256)
     ap.add_argument("--group-size", type=int, default=16)
     ap.add_argument("--steps-per-block", type=int, default=4)
@@ -267,13 +313,22 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=8)
     ap.add_argument("--check-context", type=int, default=1024, help="context of the logits check (0: none)")
     ap.add_argument("--check-batch", type=int, default=2)
-    ap.add_argument("--check-kernel", default="auto", choices=[b.value for b in CACHE_CHOICES],
-                    help="the served cache's backend in the checks (triton: also on CPU under TRITON_INTERPRET=1)")
+    ap.add_argument(
+        "--check-kernel",
+        default="auto",
+        choices=[b.value for b in CACHE_CHOICES],
+        help="the served cache's backend in the checks (triton: also on CPU under TRITON_INTERPRET=1)",
+    )
     ap.add_argument("--checks-only", action="store_true", help="run the checks, no timed cases")
-    ap.add_argument("--kernel-model", type=Path, default=KERNEL_MODEL,
-                    help="a bench_decode.py JSON whose modelled whole-model tokens/s each case is compared with")
-    ap.add_argument("--profile-steps", type=int, default=0, help="profile this many steps of each graph case at "
-                    "--profile-at (CUDA)")
+    ap.add_argument(
+        "--kernel-model",
+        type=Path,
+        default=KERNEL_MODEL,
+        help="a bench_decode.py JSON whose modelled whole-model tokens/s each case is compared with",
+    )
+    ap.add_argument(
+        "--profile-steps", type=int, default=0, help="profile this many steps of each graph case at --profile-at (CUDA)"
+    )
     ap.add_argument("--profile-at", type=int, nargs=2, default=[32768, 8], metavar=("CONTEXT", "BATCH"))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
@@ -298,27 +353,57 @@ def main() -> None:
     commit = args.commit or short_commit()
     args.model_figures = kernel_model(args.kernel_model)
     result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
-        "commit": commit, "command": " ".join(["python", "benchmarks/decode/bench_decode_model.py", *sys.argv[1:]]),
-        "model": str(args.checkpoint or args.model), "scale_down": args.scale_down,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "commit": commit,
+        "command": " ".join(["python", "benchmarks/decode/bench_decode_model.py", *sys.argv[1:]]),
+        "model": str(args.checkpoint or args.model),
+        "scale_down": args.scale_down,
         "kv": {"sites": kv.num_sites, "kv_heads": kv.kv_heads, "head_dim": kv.head_dim, "loop_steps": kv.loop_steps},
-        "quantizer": {"codebook_size": args.codebook_size, "group_size": args.group_size,
-                      "steps_per_block": args.steps_per_block}, "serving": dataclasses.asdict(serving),
-        "warmup": args.warmup, "steps": args.steps, "check_kernel": args.check_kernel, "checks": [], "cases": []}
+        "quantizer": {
+            "codebook_size": args.codebook_size,
+            "group_size": args.group_size,
+            "steps_per_block": args.steps_per_block,
+        },
+        "serving": dataclasses.asdict(serving),
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "check_kernel": args.check_kernel,
+        "checks": [],
+        "cases": [],
+    }
     if args.model_figures:
         result["kernel_model"] = {k: v for k, v in args.model_figures.items() if k != "tokens_per_s"}
     methods = {c.removesuffix("-graph") for c in args.caches} & set(METHODS)
-    quantizers = {m: synthetic_quantizer(kv, m, codebook_size=args.codebook_size, group_size=args.group_size,
-                                         steps_per_block=args.steps_per_block, device=device, seed=args.seed)
-                  for m in METHODS if m in methods}
+    quantizers = {
+        m: synthetic_quantizer(
+            kv,
+            m,
+            codebook_size=args.codebook_size,
+            group_size=args.group_size,
+            steps_per_block=args.steps_per_block,
+            device=device,
+            seed=args.seed,
+        )
+        for m in METHODS
+        if m in methods
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.check_context:
         run_checks(model, quantizers, serving, result=result, args=args, device=device)
     for context in [] if args.checks_only else args.contexts:
         for batch in args.batches:
             for kind in args.caches:
-                r = run_case(model, kind, quantizers.get(kind.removesuffix("-graph")), serving=serving, context=context,
-                             batch=batch, args=args, device=device)
+                r = run_case(
+                    model,
+                    kind,
+                    quantizers.get(kind.removesuffix("-graph")),
+                    serving=serving,
+                    context=context,
+                    batch=batch,
+                    args=args,
+                    device=device,
+                )
                 result["cases"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if k not in ("step_ms", "profile")}), flush=True)
                 args.out.write_text(json.dumps(result, indent=1))  # after every case: a cut-off run keeps its cases
@@ -326,17 +411,37 @@ def main() -> None:
     print("\n".join(against_model(result)))
 
 
-def run_checks(model: torch.nn.Module, quantizers: dict[str, KVQuantizer], serving: Serving, *,
-               result: dict[str, Any], args: argparse.Namespace, device: torch.device) -> None:
+def run_checks(
+    model: torch.nn.Module,
+    quantizers: dict[str, KVQuantizer],
+    serving: Serving,
+    *,
+    result: dict[str, Any],
+    args: argparse.Namespace,
+    device: torch.device,
+) -> None:
     """:func:`check_fill` per method into ``result["checks"]``, printed and saved as they come."""
     for name, q in quantizers.items():
-        result["checks"].append(check_fill(model, q, serving, context=args.check_context, batch=args.check_batch,
-                                           device=device, seed=args.seed, backend=args.check_kernel))
+        result["checks"].append(
+            check_fill(
+                model,
+                q,
+                serving,
+                context=args.check_context,
+                batch=args.check_batch,
+                device=device,
+                seed=args.seed,
+                backend=args.check_kernel,
+            )
+        )
         c = result["checks"][-1]
         c["method"] = name  # the cache's name: tasq+loopvq-channels is a tasq+loopvq quantizer
         print(json.dumps(c), flush=True)
-        print(f"{c['method']}: per-site relative error (served by {c['site_served_path']}) max "
-              f"{c['site_relative_error_max']:.3g}, median {c['site_relative_error_median']:.3g}", flush=True)
+        print(
+            f"{c['method']}: per-site relative error (served by {c['site_served_path']}) max "
+            f"{c['site_relative_error_max']:.3g}, median {c['site_relative_error_median']:.3g}",
+            flush=True,
+        )
         args.out.write_text(json.dumps(result, indent=1))
 
 
@@ -346,16 +451,20 @@ def against_model(result: dict[str, Any]) -> list[str]:
     for r in result["cases"]:
         if r["status"] == "ok" and "modelled_tokens_per_s" in r:
             ratio = r["tokens_per_s"] / r["modelled_tokens_per_s"]
-            lines.append(f"{r['context']} x {r['batch']} {r['cache']}: {r['tokens_per_s']:.1f} tokens/s, "
-                         f"{ratio:.0%} of the kernel-modelled {r['modelled_tokens_per_s']:.1f}")
+            lines.append(
+                f"{r['context']} x {r['batch']} {r['cache']}: {r['tokens_per_s']:.1f} tokens/s, "
+                f"{ratio:.0%} of the kernel-modelled {r['modelled_tokens_per_s']:.1f}"
+            )
     return lines
 
 
 def table(result: dict[str, Any]) -> str:
     """Markdown table of the cases: ms per step, tokens/s and speedup over bf16 at the same (context, batch)."""
     bf16 = {(r["context"], r["batch"]): r for r in result["cases"] if r["cache"] == "bf16" and r["status"] == "ok"}
-    rows = ["| context | batch | cache | median ms/step | mean ms/step | tokens/s | speedup vs bf16 | peak GB |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| context | batch | cache | median ms/step | mean ms/step | tokens/s | speedup vs bf16 | peak GB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["cases"]:
         head = f"| {r['context']} | {r['batch']} | {r['cache']} |"
         if r["status"] != "ok":
@@ -366,8 +475,9 @@ def table(result: dict[str, Any]) -> str:
         ref = bf16.get((r["context"], r["batch"]))
         speedup = f"{ref['mean_ms'] / r['mean_ms']:.2f}" if ref is not None and r["cache"] != "bf16" else ""
         peak = f"{r['peak_bytes'] / 1e9:.1f}" if "peak_bytes" in r else ""
-        rows.append(f"{head} {r['median_ms']:.3f} | {r['mean_ms']:.3f} | {r['tokens_per_s']:.1f} | {speedup} | "
-                    f"{peak} |")
+        rows.append(
+            f"{head} {r['median_ms']:.3f} | {r['mean_ms']:.3f} | {r['tokens_per_s']:.1f} | {speedup} | {peak} |"
+        )
     return "\n".join(rows)
 
 

@@ -40,14 +40,23 @@ def channels_groups(kv: Any, steps: int, group_size: int, gen: torch.Generator) 
     return torch.stack(heads)
 
 
-def synthetic_quantizer(kv: Any, method: str, *, codebook_size: int, group_size: int, steps_per_block: int,
-                        device: torch.device, seed: int = 0) -> KVQuantizer:
+def synthetic_quantizer(
+    kv: Any,
+    method: str,
+    *,
+    codebook_size: int,
+    group_size: int,
+    steps_per_block: int,
+    device: torch.device,
+    seed: int = 0,
+) -> KVQuantizer:
     """A bundle-shaped quantizer: the method's layouts, random float32 codebooks; TaSQ keys grouped by a random
     per-head permutation (``free``; a ``-channels`` suffix: :func:`channels_groups`) with random channel
     weights."""
     method, channels = method.removesuffix("-channels"), method.endswith("-channels")
-    quant = QuantConfig(method=method, bits=None, codebook_size=codebook_size, group_size=group_size,
-                        steps_per_block=steps_per_block)
+    quant = QuantConfig(
+        method=method, bits=None, codebook_size=codebook_size, group_size=group_size, steps_per_block=steps_per_block
+    )
     gen, on_device = torch.Generator().manual_seed(seed), torch.Generator(device).manual_seed(seed)
     codecs = {}
     for layout in plan_layouts(kv, quant):
@@ -61,8 +70,9 @@ def synthetic_quantizer(kv: Any, method: str, *, codebook_size: int, group_size:
             layout = dataclasses.replace(layout, groups=groups.view(kv.kv_heads, -1, group_size))
             weight = torch.rand(layout.steps, kv.kv_heads, kv.head_dim, generator=gen) + 0.5
             transform = TasqTransform(weight.to(device))
-        book = torch.randn(kv.kv_heads, layout.num_groups, codebook_size, group_size, generator=on_device,
-                           device=device)
+        book = torch.randn(
+            kv.kv_heads, layout.num_groups, codebook_size, group_size, generator=on_device, device=device
+        )
         codecs[layout.key] = BlockCodec(layout, book, transform)
     return KVQuantizer(codecs, method, codebook_size, group_size, quant.block_steps, "none", kv)
 
@@ -72,8 +82,14 @@ def coded_pages(context: int, serving: Serving) -> int:
     return max(context - serving.sink_tokens - serving.recent_window, 0) // serving.page_size
 
 
-def fill_cache(cache: QuantizedLoopKVCache, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], *,
-               positions: torch.Tensor, codes: dict[str, list[Codes]]) -> QuantizedLoopKVCache:
+def fill_cache(
+    cache: QuantizedLoopKVCache,
+    keys: dict[int, torch.Tensor],
+    values: dict[int, torch.Tensor],
+    *,
+    positions: torch.Tensor,
+    codes: dict[str, list[Codes]],
+) -> QuantizedLoopKVCache:
     """Give an empty ``store="indices"`` cache the contents a prefill leaves, without a forward: per KV site the
     pre-RoPE sink and window tokens ``keys`` / ``values`` [B, S_fp, H, D] (the first ``sink_tokens`` are the
     sinks); ``positions`` [B, S], every token's position (an unpadded batch, shared by the sites); per codec the
@@ -87,12 +103,16 @@ def fill_cache(cache: QuantizedLoopKVCache, keys: dict[int, torch.Tensor], value
     pages = {len(p) for p in codes.values()}
     fp = {t.shape[1] for t in (*keys.values(), *values.values())}
     if len(pages) != 1 or len(fp) != 1:
-        raise ValueError(f"every codec needs the same number of pages (got {sorted(pages)}) and every site the "
-                         f"same full-precision tokens (got {sorted(fp)})")
+        raise ValueError(
+            f"every codec needs the same number of pages (got {sorted(pages)}) and every site the "
+            f"same full-precision tokens (got {sorted(fp)})"
+        )
     encoded, n_fp = pages.pop() * cache.page_size, fp.pop()
     if (encoded and n_fp < cache.sink_tokens) or n_fp + encoded != positions.shape[1]:
-        raise ValueError(f"{n_fp} full-precision and {encoded} coded tokens with {cache.sink_tokens} sinks do not "
-                         f"make the {positions.shape[1]} positions given")
+        raise ValueError(
+            f"{n_fp} full-precision and {encoded} coded tokens with {cache.sink_tokens} sinks do not "
+            f"make the {positions.shape[1]} positions given"
+        )
     cache.keys, cache.values = dict(keys), dict(values)
     cache.positions = dict.fromkeys(sites, positions)
     cache.codes = {name: list(p) for name, p in codes.items()}
@@ -100,8 +120,9 @@ def fill_cache(cache: QuantizedLoopKVCache, keys: dict[int, torch.Tensor], value
     return cache
 
 
-def random_contents(quantizer: KVQuantizer, serving: Serving, context: int, *, batch: int, device: torch.device,
-                    gen: torch.Generator) -> dict[str, Any]:
+def random_contents(
+    quantizer: KVQuantizer, serving: Serving, context: int, *, batch: int, device: torch.device, gen: torch.Generator
+) -> dict[str, Any]:
     """Arguments of :func:`fill_cache`: random bf16 sinks/window and random codes of every page (each
     codec's pages views of one tensor)."""
     kv, page = quantizer.kv, serving.page_size
@@ -113,8 +134,14 @@ def random_contents(quantizer: KVQuantizer, serving: Serving, context: int, *, b
     codes = {}
     for name, codec in quantizer.codecs.items():
         rows = (pages, batch * page)
-        idx = torch.randint(0, codec.codebook.shape[2], (*rows, kv.kv_heads, codec.layout.num_groups), device=device,
-                            generator=gen, dtype=index_dtype(codec.codebook.shape[2]))
+        idx = torch.randint(
+            0,
+            codec.codebook.shape[2],
+            (*rows, kv.kv_heads, codec.layout.num_groups),
+            device=device,
+            generator=gen,
+            dtype=index_dtype(codec.codebook.shape[2]),
+        )
         sigma = None
         if codec.transform is not None:
             sigma = (torch.rand(*rows, codec.layout.steps, device=device, generator=gen) + 0.5).half()
@@ -134,8 +161,10 @@ def decoded_cache(quantizer: KVQuantizer, contents: dict[str, Any], serving: Ser
         pages = contents["codes"][name]
         full = keys if codec.layout.kind == "key" else values
         if pages:
-            codes = Codes(torch.cat([c.indices for c in pages]),
-                          None if pages[0].sigma is None else torch.cat([c.sigma for c in pages]))
+            codes = Codes(
+                torch.cat([c.indices for c in pages]),
+                None if pages[0].sigma is None else torch.cat([c.sigma for c in pages]),
+            )
             x = codec.decode(codes).view(len(pages), batch, page, codec.layout.steps, kv.kv_heads, kv.head_dim)
             x = x.transpose(0, 1).flatten(1, 2)  # [B, pages * page, T, H, D]
         for m, site in enumerate(codec.layout.sites):

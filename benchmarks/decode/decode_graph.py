@@ -25,10 +25,19 @@ from loopvq_calib.models.common import sdpa
 from loopvq_calib.serving.graph_decode import GraphDecoder
 
 KINDS = (  # kernel name fragments -> what the profile calls them, first match wins
-    ("loopvq_decode_split", "decode attention (CUDA)"), ("_split_kernel", "decode attention (Triton)"),
-    ("_merge_kernel", "decode attention (Triton)"), ("fmha", "SDPA"), ("flash", "SDPA"), ("attention", "SDPA"),
-    ("_nearest_kernel", "page encode"), ("gemm", "matmul"), ("nvjet", "matmul"), ("cutlass", "matmul"),
-    ("xmma", "matmul"), ("norm", "norms"), ("index", "cache writes"),
+    ("loopvq_decode_split", "decode attention (CUDA)"),
+    ("_split_kernel", "decode attention (Triton)"),
+    ("_merge_kernel", "decode attention (Triton)"),
+    ("fmha", "SDPA"),
+    ("flash", "SDPA"),
+    ("attention", "SDPA"),
+    ("_nearest_kernel", "page encode"),
+    ("gemm", "matmul"),
+    ("nvjet", "matmul"),
+    ("cutlass", "matmul"),
+    ("xmma", "matmul"),
+    ("norm", "norms"),
+    ("index", "cache writes"),
 )
 
 
@@ -36,8 +45,9 @@ class StaticBf16Cache:
     """The bf16 baseline (module docstring): ``keys`` / ``values`` [B, capacity, H, D] per site, post-RoPE, the first
     ``length`` filled; the static-cache protocol of :class:`~loopvq_calib.serving.graph_decode.GraphDecoder`."""
 
-    def __init__(self, kv: Any, *, batch: int, length: int, max_length: int, device: torch.device,
-                 gen: torch.Generator) -> None:
+    def __init__(
+        self, kv: Any, *, batch: int, length: int, max_length: int, device: torch.device, gen: torch.Generator
+    ) -> None:
         self.batch, self.device, self.length, self.max_length = batch, device, length, max_length
         capacity = -(-max_length // 16) * 16  # SDPA's masked kernels want an aligned mask row
         shape = (batch, capacity, kv.kv_heads, kv.head_dim)
@@ -160,6 +170,10 @@ def profile_steps(step: Callable[[], Any], steps: int) -> dict[str, Any]:
         by_kind[kind] += us / 1e3 / steps
         kernels.append((us / 1e3 / steps, e.count / steps, e.key[:90]))
     kernels.sort(reverse=True)
-    return {"steps": steps, "wall_ms": statistics.fmean(s.elapsed_time(e) for s, e in events),
-            "kernel_ms": sum(by_kind.values()), "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-            "top_kernels": [{"ms": ms, "calls": calls, "name": name} for ms, calls, name in kernels[:12]]}
+    return {
+        "steps": steps,
+        "wall_ms": statistics.fmean(s.elapsed_time(e) for s, e in events),
+        "kernel_ms": sum(by_kind.values()),
+        "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        "top_kernels": [{"ms": ms, "calls": calls, "name": name} for ms, calls, name in kernels[:12]],
+    }

@@ -50,8 +50,10 @@ def reproduce(result: dict[str, Any], path: Path) -> str:
 
 
 def provenance(result: dict[str, Any], path: Path) -> str:
-    return wrap(f"Measured on one {result['device']} (torch {result['torch']}) at commit `{result['commit']}`: "
-                f"`{reproduce(result, path)}`.")
+    return wrap(
+        f"Measured on one {result['device']} (torch {result['torch']}) at commit `{result['commit']}`: "
+        f"`{reproduce(result, path)}`."
+    )
 
 
 def attention_table(result: dict[str, Any]) -> list[str]:
@@ -78,8 +80,14 @@ def model_table(result: dict[str, Any]) -> list[str]:
     cases = {(r["context"], r["batch"], r["cache"]): r for r in result["cases"]}
     grid = sorted({(context, batch) for context, batch, _ in cases})
     methods = [m for m in METHODS if any(key[2] == m for key in cases)]
-    head = ["context", "batch", "bf16 cache tokens/s", *(p for m in methods for p in (f"{METHODS[m]} tokens/s",
-            "speedup")), "peak GB: bf16", *(METHODS[m] for m in methods)]
+    head = [
+        "context",
+        "batch",
+        "bf16 cache tokens/s",
+        *(p for m in methods for p in (f"{METHODS[m]} tokens/s", "speedup")),
+        "peak GB: bf16",
+        *(METHODS[m] for m in methods),
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for context, batch in grid:
         ref = cases.get((context, batch, "bf16"))
@@ -139,11 +147,15 @@ def graph_limits(result: dict[str, Any]) -> list[str]:
         replayed, eager = r["profile"]["replayed"], r["profile"]["eager"]
         spent = eager if replayed["kernel_ms"] < 0.5 * replayed["wall_ms"] else replayed  # graph kernels unseen
         kinds = ", ".join(f"{kind} {ms:.2f}" for kind, ms in spent["by_kind_ms"].items())
-        lines.append(wrap(f"- **The graph step** ({r['cache']}, {r['context']:,} x {r['batch']}) takes "
-                          f"{replayed['wall_ms']:.2f} ms replayed ({r['mean_ms']:.2f} ms timed); its kernels "
-                          f"({'replayed' if spent is replayed else 'profiled eagerly'}) take {spent['kernel_ms']:.2f} "
-                          f"ms: {kinds} ms. The modelled figure counts the weight matmuls and the decode attention "
-                          "only.").replace("\n", "\n  "))
+        lines.append(
+            wrap(
+                f"- **The graph step** ({r['cache']}, {r['context']:,} x {r['batch']}) takes "
+                f"{replayed['wall_ms']:.2f} ms replayed ({r['mean_ms']:.2f} ms timed); its kernels "
+                f"({'replayed' if spent is replayed else 'profiled eagerly'}) take {spent['kernel_ms']:.2f} "
+                f"ms: {kinds} ms. The modelled figure counts the weight matmuls and the decode attention "
+                "only."
+            ).replace("\n", "\n  ")
+        )
     return lines
 
 
@@ -154,15 +166,24 @@ def graph_section(path: Path) -> list[str]:
     result = json.loads(path.read_text())
     model = result.get("kernel_model", {})
     return [
-        "## Whole-model decode, CUDA graphs", "",
-        wrap("The same greedy decode steps replayed from CUDA graphs (`GraphDecoder`): the coded cache made static "
-             "(`StaticQuantizedLoopKVCache.from_cache`: fixed-capacity buffers, the window a ring, the coded count "
-             "read on the device; pages encoded inside the second graph), the bf16 baseline a static cache of the "
-             "same capacity with SDPA under a mask (what transformers' static cache does under `torch.compile`). "
-             f"\"modelled\": batch / (the weight matmuls' graph + {result['kv']['sites']} x one site's decode "
-             f"attention), from `{model.get('file', '-')}` ({model.get('device', '-')}, commit "
-             f"`{model.get('commit', '-')}`); the graph's share of it is the measured tokens/s over that figure."), "",
-        *graph_table(result), "", *graph_limits(result), "", provenance(result, path), "",
+        "## Whole-model decode, CUDA graphs",
+        "",
+        wrap(
+            "The same greedy decode steps replayed from CUDA graphs (`GraphDecoder`): the coded cache made static "
+            "(`StaticQuantizedLoopKVCache.from_cache`: fixed-capacity buffers, the window a ring, the coded count "
+            "read on the device; pages encoded inside the second graph), the bf16 baseline a static cache of the "
+            "same capacity with SDPA under a mask (what transformers' static cache does under `torch.compile`). "
+            f"\"modelled\": batch / (the weight matmuls' graph + {result['kv']['sites']} x one site's decode "
+            f"attention), from `{model.get('file', '-')}` ({model.get('device', '-')}, commit "
+            f"`{model.get('commit', '-')}`); the graph's share of it is the measured tokens/s over that figure."
+        ),
+        "",
+        *graph_table(result),
+        "",
+        *graph_limits(result),
+        "",
+        provenance(result, path),
+        "",
     ]
 
 
@@ -171,17 +192,29 @@ def checks_lines(result: dict[str, Any]) -> list[str]:
     lines = []
     for check in result["checks"]:
         name = METHODS.get(check["method"], check["method"])
-        site = (f"per-site relative error of the served attention {check['site_relative_error_median']:.2e} median, "
-                f"{check['site_relative_error_max']:.2e} max over the {result['kv']['sites']} sites"
-                if "site_relative_error_max" in check else "no per-site check")
-        lines.append(wrap(f"- **{name}** ({check['context']:,} tokens x {check['batch']}, through the "
-                          f"{check.get('site_served_path', check['served_path'])}): {site}; one decode step's logits "
-                          f"against the model's own cache holding the decoded contents: relative error "
-                          f"{check['served_relative_error']:.3f} as served, {check['reference_relative_error']:.3f} "
-                          f"through the cache's PyTorch reference path.").replace("\n", "\n  "))
-    return lines + ["", wrap("Each site's error is the kernel's own fp16 rounding (its tests bound one call at 1e-2); "
-                             "the logits' larger error is a random-weight network amplifying those errors over "
-                             "every site, as the reference path's own rounding differences are amplified.")]
+        site = (
+            f"per-site relative error of the served attention {check['site_relative_error_median']:.2e} median, "
+            f"{check['site_relative_error_max']:.2e} max over the {result['kv']['sites']} sites"
+            if "site_relative_error_max" in check
+            else "no per-site check"
+        )
+        lines.append(
+            wrap(
+                f"- **{name}** ({check['context']:,} tokens x {check['batch']}, through the "
+                f"{check.get('site_served_path', check['served_path'])}): {site}; one decode step's logits "
+                f"against the model's own cache holding the decoded contents: relative error "
+                f"{check['served_relative_error']:.3f} as served, {check['reference_relative_error']:.3f} "
+                f"through the cache's PyTorch reference path."
+            ).replace("\n", "\n  ")
+        )
+    return lines + [
+        "",
+        wrap(
+            "Each site's error is the kernel's own fp16 rounding (its tests bound one call at 1e-2); "
+            "the logits' larger error is a random-weight network amplifying those errors over "
+            "every site, as the reference path's own rounding differences are amplified."
+        ),
+    ]
 
 
 def limits(attention: dict[str, Any], whole: dict[str, Any]) -> list[str]:
@@ -193,18 +226,22 @@ def limits(attention: dict[str, Any], whole: dict[str, Any]) -> list[str]:
     r = kernel.get((32768, 8, "loopvq"))
     if r:
         fewer = r["bf16_bytes"] / r["coded_bytes"]
-        lines.append(f"- **The kernel** reads {fewer:.1f}x fewer bytes than SDPA at 32k x 8 but at "
-                     f"{r['coded_GBps']:.0f} GB/s against SDPA's {r['bf16_GBps']:.0f} GB/s (the card copies "
-                     f"at {attention['copy_GBps']:.0f} GB/s, read + written): its token loop's instruction issue and "
-                     "shared memory bound it, not the memory bandwidth.")
+        lines.append(
+            f"- **The kernel** reads {fewer:.1f}x fewer bytes than SDPA at 32k x 8 but at "
+            f"{r['coded_GBps']:.0f} GB/s against SDPA's {r['bf16_GBps']:.0f} GB/s (the card copies "
+            f"at {attention['copy_GBps']:.0f} GB/s, read + written): its token loop's instruction issue and "
+            "shared memory bound it, not the memory bandwidth."
+        )
     flat = [(c, b) for c, b, m in model if m == "loopvq" and b <= 8 and c <= 32768 and (c, b, m) in kernel]
     if flat:
         steps = [model[(c, b, "loopvq")]["mean_ms"] for c, b in flat]
         att = [sites * kernel[(c, b, "loopvq")]["coded_ms"] for c, b in flat]
-        lines.append(f"- **The eager decode step** stays at {min(steps):.0f} to {max(steps):.0f} ms (LoopVQ, "
-                     f"batch 1 and 8, up to 32k tokens) while its {sites} sites of attention take {min(att):.1f} to "
-                     f"{max(att):.1f} ms: it is bound by the host issuing the forward's kernels (a CUDA graph of "
-                     "the step would need a static, preallocated serving cache).")
+        lines.append(
+            f"- **The eager decode step** stays at {min(steps):.0f} to {max(steps):.0f} ms (LoopVQ, "
+            f"batch 1 and 8, up to 32k tokens) while its {sites} sites of attention take {min(att):.1f} to "
+            f"{max(att):.1f} ms: it is bound by the host issuing the forward's kernels (a CUDA graph of "
+            "the step would need a static, preallocated serving cache)."
+        )
     return [wrap(line).replace("\n", "\n  ") for line in lines]
 
 
@@ -216,30 +253,58 @@ def page(kernel: Path = KERNEL, model: Path = MODEL, checks: Path = CHECKS, grap
     errors = ", ".join(f"{METHODS.get(m, m)} {e:.1e}" for m, e in attention["relative_error"].items())
     command = "python benchmarks/decode/decode_speed_table.py --write docs/decode-speed.md"
     lines = [
-        "# Decode speed", "", f"<!-- Generated by `{command}`; do not edit. -->", "",
-        wrap(f"Ouro-1.4B's shapes ({shapes['sites']} KV sites = 24 layers x {shapes['loop_steps']} loop steps, "
-             f"{shapes['kv_heads']} KV heads, head dim {shapes['head_dim']}), codes of K {quant['codebook_size']}, "
-             f"G {quant['group_size']}, T_c {quant['steps_per_block']} (0.5 bit), random codebooks, codes and "
-             "weights (speed does not depend on the values). The coded cache keeps its sink and recent-window "
-             "tokens in bf16."), "",
-        "## Attention of one KV site", "",
-        wrap("Decode attention read from the codes (the CUDA kernel, which `QuantizedLoopKVCache` runs by default "
-             "on CUDA) against PyTorch SDPA over an uncompressed bf16 cache `[batch, 16, context, 128]`: median "
-             "microseconds of CUDA-graph replays (launch gaps do not count), 8 sinks + 68 window tokens in bf16. "
-             f"Relative error against the float64 reference at these shapes: {errors}."), "",
-        *attention_table(attention), "", provenance(attention, kernel), "",
-        "## Whole-model decode", "",
-        wrap("Greedy decode steps of the native Ouro-1.4B forward (random bf16 weights, eager PyTorch: no CUDA graph, "
-             "no `torch.compile`), one new token per sequence and step, through the served cache "
-             f"(`QuantizedLoopKVCache`: {serving['sink_tokens']} sinks, a {serving['recent_window']}-token window, "
-             f"pages of {serving['page_size']} encoded as they fill) against the model's own bf16 cache "
-             f"(`LoopKVCache`). tokens/s = batch / the mean step of {whole['steps']} timed steps after "
-             f"{whole['warmup']} warm-up steps; peak = allocated bytes over the weights. \"does not fit\": the bf16 "
-             "cache needs more than the card's free memory."), "",
-        *model_table(whole), "", provenance(whole, model), "",
+        "# Decode speed",
+        "",
+        f"<!-- Generated by `{command}`; do not edit. -->",
+        "",
+        wrap(
+            f"Ouro-1.4B's shapes ({shapes['sites']} KV sites = 24 layers x {shapes['loop_steps']} loop steps, "
+            f"{shapes['kv_heads']} KV heads, head dim {shapes['head_dim']}), codes of K {quant['codebook_size']}, "
+            f"G {quant['group_size']}, T_c {quant['steps_per_block']} (0.5 bit), random codebooks, codes and "
+            "weights (speed does not depend on the values). The coded cache keeps its sink and recent-window "
+            "tokens in bf16."
+        ),
+        "",
+        "## Attention of one KV site",
+        "",
+        wrap(
+            "Decode attention read from the codes (the CUDA kernel, which `QuantizedLoopKVCache` runs by default "
+            "on CUDA) against PyTorch SDPA over an uncompressed bf16 cache `[batch, 16, context, 128]`: median "
+            "microseconds of CUDA-graph replays (launch gaps do not count), 8 sinks + 68 window tokens in bf16. "
+            f"Relative error against the float64 reference at these shapes: {errors}."
+        ),
+        "",
+        *attention_table(attention),
+        "",
+        provenance(attention, kernel),
+        "",
+        "## Whole-model decode",
+        "",
+        wrap(
+            "Greedy decode steps of the native Ouro-1.4B forward (random bf16 weights, eager PyTorch: no CUDA graph, "
+            "no `torch.compile`), one new token per sequence and step, through the served cache "
+            f"(`QuantizedLoopKVCache`: {serving['sink_tokens']} sinks, a {serving['recent_window']}-token window, "
+            f"pages of {serving['page_size']} encoded as they fill) against the model's own bf16 cache "
+            f"(`LoopKVCache`). tokens/s = batch / the mean step of {whole['steps']} timed steps after "
+            f'{whole["warmup"]} warm-up steps; peak = allocated bytes over the weights. "does not fit": the bf16 '
+            "cache needs more than the card's free memory."
+        ),
+        "",
+        *model_table(whole),
+        "",
+        provenance(whole, model),
+        "",
         *graph_section(graph),
-        "## What limits it", "", *limits(attention, whole), "",
-        "## Checks", "", *checks_lines(check), "", provenance(check, checks), "",
+        "## What limits it",
+        "",
+        *limits(attention, whole),
+        "",
+        "## Checks",
+        "",
+        *checks_lines(check),
+        "",
+        provenance(check, checks),
+        "",
     ]
     return "\n".join(lines)
 

@@ -51,15 +51,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.bundle:
         quantizer = load_bundle(args.bundle).quantizer
     else:
-        quantizer = sampled_quantizer(model, stream[:, :512], args.method, codebook_size=args.codebook_size,
-                                      group_size=args.group_size, steps_per_block=args.steps_per_block)
+        quantizer = sampled_quantizer(
+            model,
+            stream[:, :512],
+            args.method,
+            codebook_size=args.codebook_size,
+            group_size=args.group_size,
+            steps_per_block=args.steps_per_block,
+        )
     kv = quantizer.kv
-    print(f"model {args.model} ({args.dtype}); quantizer {quantizer.method}, K={quantizer.codebook_size}, "
-          f"G={quantizer.group_size}, T_c={quantizer.steps_per_block}, bits {quantizer.bits()}; "
-          f"{kv.num_sites} KV sites x {kv.kv_heads} heads x {kv.head_dim}; sinks {args.sink_tokens}, "
-          f"window {args.recent_window}, page {args.page_size}\n")
-    print("| tokens | sink / encoded / window | cache bytes | bytes per token | encoded bytes per token | "
-          "bf16 bytes per token | ratio to bf16 |")
+    print(
+        f"model {args.model} ({args.dtype}); quantizer {quantizer.method}, K={quantizer.codebook_size}, "
+        f"G={quantizer.group_size}, T_c={quantizer.steps_per_block}, bits {quantizer.bits()}; "
+        f"{kv.num_sites} KV sites x {kv.kv_heads} heads x {kv.head_dim}; sinks {args.sink_tokens}, "
+        f"window {args.recent_window}, page {args.page_size}\n"
+    )
+    print(
+        "| tokens | sink / encoded / window | cache bytes | bytes per token | encoded bytes per token | "
+        "bf16 bytes per token | ratio to bf16 |"
+    )
     print("|---|---|---|---|---|---|---|")
     for length in args.lengths:
         cache = QuantizedLoopKVCache(quantizer, args.sink_tokens, args.recent_window, page_size=args.page_size)
@@ -69,9 +79,11 @@ def main(argv: list[str] | None = None) -> int:
                 out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
         r = cache.bytes_per_token()
         enc = r["encoded_bytes_per_token"]
-        print(f"| {r['tokens']} | {r['sink']} / {r['encoded']} / {r['window']} | {r['cache_bytes']:,} | "
-              f"{r['bytes_per_token']:.1f} | {enc if enc is None else f'{enc:.0f}'} | {r['bf16_bytes_per_token']} | "
-              f"{r['ratio_to_bf16']:.4f} |")
+        print(
+            f"| {r['tokens']} | {r['sink']} / {r['encoded']} / {r['window']} | {r['cache_bytes']:,} | "
+            f"{r['bytes_per_token']:.1f} | {enc if enc is None else f'{enc:.0f}'} | {r['bf16_bytes_per_token']} | "
+            f"{r['ratio_to_bf16']:.4f} |"
+        )
     return 0
 
 

@@ -45,6 +45,9 @@ class SiteCheckCache:
     def summary(self) -> dict[str, Any]:
         """max / median / per-call list of the relative errors and the path that served (kernel or reference)."""
         errors = self.relative_errors()
-        return {"site_served_path": "kernel" if self.served.served_by_kernel else "reference",
-                "site_relative_error_max": max(errors), "site_relative_error_median": statistics.median(errors),
-                "site_relative_errors": errors}
+        return {
+            "site_served_path": "kernel" if self.served.served_by_kernel else "reference",
+            "site_relative_error_max": max(errors),
+            "site_relative_error_median": statistics.median(errors),
+            "site_relative_errors": errors,
+        }

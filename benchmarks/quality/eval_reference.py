@@ -126,14 +126,16 @@ def _calibrate(cfg: dict, folder: Path) -> tuple[str, float]:
     return folder.name, time.time() - start
 
 
-def bundles(model: str, runs: list[Run], *, folder: Path, workers: int,
-            device: str = "cpu") -> tuple[list[Path], dict[str, float]]:
+def bundles(
+    model: str, runs: list[Run], *, folder: Path, workers: int, device: str = "cpu"
+) -> tuple[list[Path], dict[str, float]]:
     """Each run's bundle (calibrated unless already there: fine-tuned runs first, then the k-means-only runs from
     their twins' stages) and the seconds of those calibrated now."""
     seconds: dict[str, float] = {}
     for finetuned in (True, False):
-        todo = [r for r in runs
-                if r.finetuned == finetuned and not (folder / r.name / "bundle" / "loopvq.json").is_file()]
+        todo = [
+            r for r in runs if r.finetuned == finetuned and not (folder / r.name / "bundle" / "loopvq.json").is_file()
+        ]
         for r in todo:
             twin = folder / Run(r.method, r.bits, True).name
             if not finetuned and (twin / "manifest.json").is_file():
@@ -151,9 +153,26 @@ def eval_argv(model: str, paths: list[Path], args: argparse.Namespace) -> list[s
     """``loopvq-eval``'s arguments: every bundle, the baselines, the task, passkey and bytes per token."""
     ref = MODELS[model]
     argv = [arg for b in paths for arg in ("--bundle", str(b))]
-    argv += ["--model", str(ROOT / ref.folder), "--data", str(ROOT / ref.heldout), "--dtype", "bfloat16",
-             "--device", args.device, "--num-sequences", str(args.kl_sequences), "--sequence-length", str(EVAL_LENGTH),
-             "--tasks", TASK, "--baseline", BASELINES, "--out", str(args.out)]
+    argv += [
+        "--model",
+        str(ROOT / ref.folder),
+        "--data",
+        str(ROOT / ref.heldout),
+        "--dtype",
+        "bfloat16",
+        "--device",
+        args.device,
+        "--num-sequences",
+        str(args.kl_sequences),
+        "--sequence-length",
+        str(EVAL_LENGTH),
+        "--tasks",
+        TASK,
+        "--baseline",
+        BASELINES,
+        "--out",
+        str(args.out),
+    ]
     if args.passkey_lengths:
         argv += ["--passkey-lengths", args.passkey_lengths, "--passkey-trials", str(args.passkey_trials)]
     if args.recent_window is not None:
@@ -167,17 +186,33 @@ def setup(model: str, runs: list[Run], argv: list[str], *, seconds: dict[str, fl
     """What setup.json records: the command, the commit, the device and the machine's cores, the model, the
     calibration settings, each bundle's method / width / fine-tuning and the seconds of each part."""
     ref = MODELS[model]
-    calibration = {"dataset": ref.calibration, "sequences": DATA["num_sequences"],
-                   "sequence_length": DATA["sequence_length"], "selection_sequences": DATA["heldout_sequences"],
-                   "sink_tokens": DATA["sink_tokens"], "codebook_size": CODEBOOK_SIZE,
-                   "group_size": {f"{bits:g}": group for bits, group in ref.group_sizes},
-                   "steps_per_block": ref.steps_per_block, "kmeans_iterations": KMEANS["iterations"],
-                   "finetune": asdict(FinetuneConfig(**FINETUNE)), "serving": SERVING}
-    return {"command": shlex.join(["python", "benchmarks/quality/eval_reference.py", *argv]),
-            "commit": short_commit(), "device": device, "cpu_count": os.cpu_count(), "model": model,
-            "folder": ref.folder, "heldout": ref.heldout, "calibration": calibration,
-            "bundles": [{"name": r.bundle_name(model), "method": r.method, "width": r.bits, "finetuned": r.finetuned}
-                        for r in runs], "seconds": seconds}
+    calibration = {
+        "dataset": ref.calibration,
+        "sequences": DATA["num_sequences"],
+        "sequence_length": DATA["sequence_length"],
+        "selection_sequences": DATA["heldout_sequences"],
+        "sink_tokens": DATA["sink_tokens"],
+        "codebook_size": CODEBOOK_SIZE,
+        "group_size": {f"{bits:g}": group for bits, group in ref.group_sizes},
+        "steps_per_block": ref.steps_per_block,
+        "kmeans_iterations": KMEANS["iterations"],
+        "finetune": asdict(FinetuneConfig(**FINETUNE)),
+        "serving": SERVING,
+    }
+    return {
+        "command": shlex.join(["python", "benchmarks/quality/eval_reference.py", *argv]),
+        "commit": short_commit(),
+        "device": device,
+        "cpu_count": os.cpu_count(),
+        "model": model,
+        "folder": ref.folder,
+        "heldout": ref.heldout,
+        "calibration": calibration,
+        "bundles": [
+            {"name": r.bundle_name(model), "method": r.method, "width": r.bits, "finetuned": r.finetuned} for r in runs
+        ],
+        "seconds": seconds,
+    }
 
 
 def parser() -> argparse.ArgumentParser:
@@ -209,8 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out = Path(args.out or RESULTS / f"eval-reference-{args.model}")
     runs = plan(tuple(methods), tuple(float(b) for b in widths))
     start = time.time()
-    paths, seconds = bundles(args.model, runs, folder=Path(args.runs or ROOT / "runs" / f"eval-reference-{args.model}"),
-                             workers=args.workers, device=args.device)
+    paths, seconds = bundles(
+        args.model,
+        runs,
+        folder=Path(args.runs or ROOT / "runs" / f"eval-reference-{args.model}"),
+        workers=args.workers,
+        device=args.device,
+    )
     seconds["calibration"] = round(time.time() - start, 1)
     start = time.time()
     status = eval_main(eval_argv(args.model, paths, args))

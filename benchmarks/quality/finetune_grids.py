@@ -8,10 +8,30 @@ from dataclasses import dataclass
 from typing import Any
 
 CELLS = (("loopvq", 0.5), ("loopvq", 0.25), ("tasq+loopvq", 0.5), ("tasq+loopvq", 0.25))
-RECIPE_KEYS = ("epochs", "lr", "lr_schedule", "warmup_steps", "batch_size", "select_every", "proximal",
-               "parameterization", "min_usage", "seed")
-SHIPPED = {"epochs": 4, "lr": 1e-2, "lr_schedule": "cosine", "warmup_steps": 4, "batch_size": 1, "select_every": 4,
-           "proximal": 1.0, "parameterization": "codewords", "min_usage": 0, "seed": 0}  # FinetuneConfig's defaults
+RECIPE_KEYS = (
+    "epochs",
+    "lr",
+    "lr_schedule",
+    "warmup_steps",
+    "batch_size",
+    "select_every",
+    "proximal",
+    "parameterization",
+    "min_usage",
+    "seed",
+)
+SHIPPED = {
+    "epochs": 4,
+    "lr": 1e-2,
+    "lr_schedule": "cosine",
+    "warmup_steps": 4,
+    "batch_size": 1,
+    "select_every": 4,
+    "proximal": 1.0,
+    "parameterization": "codewords",
+    "min_usage": 0,
+    "seed": 0,
+}  # FinetuneConfig's defaults
 PAPER = {**SHIPPED, "lr": 1e-3, "lr_schedule": "constant", "warmup_steps": 0, "select_every": 0, "proximal": 0.0}
 VARIANTS = {  # every key of RECIPE_KEYS; select_every at 12 training sequences (scaled to keep the points per epoch)
     "shipped": SHIPPED,
@@ -42,8 +62,11 @@ class Grid:
     smoke: bool = False
 
 
-GRIDS = {"levers": Grid(16, tuple(VARIANTS)), "data": Grid(64, ("shipped", "paper", "proximal10", "affine")),
-         "smoke": Grid(8, ("shipped", "sharing-heads"), CELLS[2:3], smoke=True)}
+GRIDS = {
+    "levers": Grid(16, tuple(VARIANTS)),
+    "data": Grid(64, ("shipped", "paper", "proximal10", "affine")),
+    "smoke": Grid(8, ("shipped", "sharing-heads"), CELLS[2:3], smoke=True),
+}
 
 
 def results_name(model: str, grid: str) -> str:

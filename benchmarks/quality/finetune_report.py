@@ -50,9 +50,14 @@ def variant_rows(studies: dict[str, dict[str, Any] | None], variants: list[str],
     for name in variants:
         per = {m: model_gain(s, name, cells) for m, s in studies.items()}
         complete = bool(measured) and all(per[m] is not None for m in measured)
-        rows.append({"variant": name, "per_model": per,
-                     "mean": statistics.fmean(per[m][0] for m in measured) if complete else None,
-                     "worst": min(per[m][1] for m in measured) if complete else None})
+        rows.append(
+            {
+                "variant": name,
+                "per_model": per,
+                "mean": statistics.fmean(per[m][0] for m in measured) if complete else None,
+                "worst": min(per[m][1] for m in measured) if complete else None,
+            }
+        )
     return rows
 
 
@@ -79,22 +84,33 @@ def variant_table(studies: dict[str, dict[str, Any] | None], grid: str) -> str:
         name = f"**{r['variant']}** (best)" if r["variant"] == best else r["variant"]
         table.append([name, *cells, f"**{mean}**" if r["variant"] == best else mean, _pct(r["worst"])])
     measured = sum(s is not None for s in studies.values())
-    return "\n".join([md_table(["variant", *studies, "mean over models", "worst cell"], table), "",
-                      f"Mean over the {measured} measured of {len(studies)} models; best mean: "
-                      + (f"**{best}**." if best else "none yet (no variant measured on every cell of a model).")])
+    return "\n".join(
+        [
+            md_table(["variant", *studies, "mean over models", "worst cell"], table),
+            "",
+            f"Mean over the {measured} measured of {len(studies)} models; best mean: "
+            + (f"**{best}**." if best else "none yet (no variant measured on every cell of a model)."),
+        ]
+    )
 
 
 def negative_cells(gain: dict[str, Any]) -> list[str]:
     """The cells of a gain file whose fine-tuned evaluation KL is above the k-means codebooks'."""
-    return [f"{c['method']} {c['bits']:g} bit" for c in gain["cells"]
-            if c["finetuned"]["eval_kl"] > c["kmeans"]["eval_kl"]]
+    return [
+        f"{c['method']} {c['bits']:g} bit" for c in gain["cells"] if c["finetuned"]["eval_kl"] > c["kmeans"]["eval_kl"]
+    ]
 
 
 def gain_table(gains: dict[str, dict[str, Any] | None]) -> str:
     """Per model and cell the shipped recipe's evaluation KL, k-means -> fine-tuned, and its gain; then per model
     whether no cell got worse on its evaluation text."""
-    lines = [("| model | cell | calibration sequences | evaluation KL, k-means | fine-tuned | gain | "
-              "selection KL, k-means -> kept |"), "|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| model | cell | calibration sequences | evaluation KL, k-means | fine-tuned | gain | "
+            "selection KL, k-means -> kept |"
+        ),
+        "|---|---|---|---|---|---|---|",
+    ]
     verdicts = []
     for model, gain in gains.items():
         if gain is None:
@@ -103,13 +119,16 @@ def gain_table(gains: dict[str, dict[str, Any] | None]) -> str:
         for c in gain["cells"]:
             curve = c["finetune_curve"]["curve"]
             km, ft = c["kmeans"]["eval_kl"], c["finetuned"]["eval_kl"]
-            lines.append(f"| {model} | {c['method']} {c['bits']:g} bit | {gain.get('sequences', '-')} | {km:.5f} | "
-                         f"{ft:.5f} | {_pct(1 - ft / km)} | {curve[0]['selection_kl']:.5f} -> "
-                         f"{c['finetuned']['selection_kl']:.5f} |")
+            lines.append(
+                f"| {model} | {c['method']} {c['bits']:g} bit | {gain.get('sequences', '-')} | {km:.5f} | "
+                f"{ft:.5f} | {_pct(1 - ft / km)} | {curve[0]['selection_kl']:.5f} -> "
+                f"{c['finetuned']['selection_kl']:.5f} |"
+            )
         bad = negative_cells(gain)
         verdicts.append(f"{model}: " + ("no cell worse than k-means" if not bad else "worse on " + ", ".join(bad)))
-    return "\n".join(lines + ["", "Never negative on the evaluation text: " + ("; ".join(verdicts) or
-                                                                              NOT_MEASURED) + "."])
+    return "\n".join(
+        lines + ["", "Never negative on the evaluation text: " + ("; ".join(verdicts) or NOT_MEASURED) + "."]
+    )
 
 
 def data_table(levers: dict[str, Any], data: dict[str, Any], gains: dict[str, Any]) -> str:
@@ -119,21 +138,28 @@ def data_table(levers: dict[str, Any], data: dict[str, Any], gains: dict[str, An
     for model, study in levers.items():
         at = [model_gain(s, "shipped", len(GRIDS[g].cells)) for s, g in ((study, "levers"), (data[model], "data"))]
         gain = gains[model]
-        ref = (f"{_pct(statistics.fmean(-c['change'] for c in gain['cells']))} ({gain.get('sequences', '-')})"
-               if gain else NOT_MEASURED)
+        ref = (
+            f"{_pct(statistics.fmean(-c['change'] for c in gain['cells']))} ({gain.get('sequences', '-')})"
+            if gain
+            else NOT_MEASURED
+        )
         rows.append([model, *(_pct(a[0]) if a else NOT_MEASURED for a in at), ref])
     return md_table(["model", "16 sequences", "64 sequences", "every window (reference setup)"], rows)
 
 
 def sources(files: dict[str, dict[str, Any] | None]) -> str:
     """One line per stored results file: its path, command, commit and device."""
-    lines = [f"- `{name}`: `{d['command']}`, commit {(d.get('commit') or '-')[:7]}, {d.get('device', '-')}"
-             for name, d in files.items() if d is not None]
+    lines = [
+        f"- `{name}`: `{d['command']}`, commit {(d.get('commit') or '-')[:7]}, {d.get('device', '-')}"
+        for name, d in files.items()
+        if d is not None
+    ]
     return "\n".join(lines) or "- none stored yet"
 
 
 def page_block(results: Path) -> str:
     """docs/finetune.md's generated block from the results stored in ``results``, markers included."""
+
     def files(pattern: str) -> dict[str, dict[str, Any] | None]:
         return {m: load(results / pattern.format(m)) for m in MODELS}
 
@@ -141,18 +167,31 @@ def page_block(results: Path) -> str:
     data = files(results_name("{}", "data"))
     gains = files("finetune-gain-{}.json")
     rel = results.relative_to(ROOT) if results.is_relative_to(ROOT) else results
-    stored = {f"{rel}/{results_name(m, g)}": s for g, group in (("levers", levers), ("data", data))
-              for m, s in group.items()} | {f"{rel}/finetune-gain-{m}.json": s for m, s in gains.items()}
-    return "\n\n".join([
-        BEGIN,
-        textwrap.fill(f"Gain: 1 - fine-tuned evaluation KL / the same cell's k-means evaluation KL, on each model's "
-                      f"evaluation text; per model the mean over loopvq and tasq+loopvq at 0.5 and 0.25 bit. Models: "
-                      f"{', '.join(MODELS)} (benchmarks/quality/reference_models.py).", 115),
-        f"### Variants, {GRIDS['levers'].sequences} calibration sequences", variant_table(levers, "levers"),
-        f"### Variants, {GRIDS['data'].sequences} calibration sequences", variant_table(data, "data"),
-        "### The shipped recipe per model, every calibration window", gain_table(gains),
-        "### The shipped recipe's gain against the amount of calibration text", data_table(levers, data, gains),
-        "### Sources", sources(stored), END])
+    stored = {
+        f"{rel}/{results_name(m, g)}": s for g, group in (("levers", levers), ("data", data)) for m, s in group.items()
+    } | {f"{rel}/finetune-gain-{m}.json": s for m, s in gains.items()}
+    return "\n\n".join(
+        [
+            BEGIN,
+            textwrap.fill(
+                f"Gain: 1 - fine-tuned evaluation KL / the same cell's k-means evaluation KL, on each model's "
+                f"evaluation text; per model the mean over loopvq and tasq+loopvq at 0.5 and 0.25 bit. Models: "
+                f"{', '.join(MODELS)} (benchmarks/quality/reference_models.py).",
+                115,
+            ),
+            f"### Variants, {GRIDS['levers'].sequences} calibration sequences",
+            variant_table(levers, "levers"),
+            f"### Variants, {GRIDS['data'].sequences} calibration sequences",
+            variant_table(data, "data"),
+            "### The shipped recipe per model, every calibration window",
+            gain_table(gains),
+            "### The shipped recipe's gain against the amount of calibration text",
+            data_table(levers, data, gains),
+            "### Sources",
+            sources(stored),
+            END,
+        ]
+    )
 
 
 def write_block(page: Path, block: str) -> None:

@@ -44,12 +44,7 @@ import yaml
 from benchmarks.common.paths import ROOT
 from benchmarks.common.provenance import device_name, git_commit
 from benchmarks.quality.finetune_grids import CELLS
-from benchmarks.quality.reference_models import (
-    MODELS,
-    SHIPPED_MODELS,
-    calibration_windows,
-    reference_overrides,
-)
+from benchmarks.quality.reference_models import MODELS, SHIPPED_MODELS, calibration_windows, reference_overrides
 
 # the console scripts' entry points, run with this interpreter (``loopvq-calibrate`` / ``loopvq-eval``)
 ENTRY = {"loopvq-calibrate": "calibrate_main", "loopvq-eval": "eval_main"}
@@ -63,8 +58,9 @@ def tool(name: str, args: list[str], log: Path) -> float:
     with log.open("w") as f:
         f.write(" ".join([name, *args]) + "\n")
         f.flush()
-        done = subprocess.run([sys.executable, "-c", code, *args], check=False, stdout=f, stderr=subprocess.STDOUT,
-                              cwd=ROOT)
+        done = subprocess.run(
+            [sys.executable, "-c", code, *args], check=False, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT
+        )
     wall = time.perf_counter() - t0
     if done.returncode != 0:
         raise RuntimeError(f"{name} exited {done.returncode}; the end of {log}:\n" + log.read_text()[-3000:])
@@ -81,23 +77,32 @@ def cell_overrides(model: str, method: str, bits: float, *, device: str, overrid
     """``--set`` arguments of one cell: the model's folder and calibration text, the cell's quant keys, the device,
     then ``overrides`` (the reference setup and any extra ones; later ones win)."""
     ref = MODELS[model]
-    keys = [f"model.name_or_path={ref.folder}", f"data.dataset={ref.calibration}", f"model.device={device}",
-            *(f"quant.{k}={v:g}" if isinstance(v, float) else f"quant.{k}={v}"
-              for k, v in ref.quant(method, bits).items()),
-            *overrides]
+    keys = [
+        f"model.name_or_path={ref.folder}",
+        f"data.dataset={ref.calibration}",
+        f"model.device={device}",
+        *(f"quant.{k}={v:g}" if isinstance(v, float) else f"quant.{k}={v}" for k, v in ref.quant(method, bits).items()),
+        *overrides,
+    ]
     return [a for kv in keys for a in ("--set", kv)]
 
 
-def measure_cell(model: str, method: str, bits: float, *, device: str, runs: Path, overrides: list[str],
-                 eval_args: list[str]) -> dict:
+def measure_cell(
+    model: str, method: str, bits: float, *, device: str, runs: Path, overrides: list[str], eval_args: list[str]
+) -> dict:
     """Both calibrations of one cell and the evaluation of their bundles; returns the cell's record."""
     name = f"{method.replace('+', '-')}-{bits:g}bit"
     cell_dir = runs / model / name
     shutil.rmtree(cell_dir, ignore_errors=True)
     cell_dir.mkdir(parents=True)
     run_dir = cell_dir / "run"
-    common = ["--config", MODELS[model].config, "--output", str(run_dir),
-              *cell_overrides(model, method, bits, device=device, overrides=overrides)]
+    common = [
+        "--config",
+        MODELS[model].config,
+        "--output",
+        str(run_dir),
+        *cell_overrides(model, method, bits, device=device, overrides=overrides),
+    ]
     out: dict = {"method": method, "bits": bits, "commands": [], "seconds": {}}
     bundles = {}
     for label, flags in (("finetuned", []), ("kmeans", ["--set", "finetune.enabled=false"])):
@@ -110,30 +115,54 @@ def measure_cell(model: str, method: str, bits: float, *, device: str, runs: Pat
         if label == "finetuned":  # the curve of the selection points and the setup (the second run replaces both)
             out["finetune_curve"] = json.loads((run_dir / "finetune" / "curve.json").read_text())
             cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-            out["setup"] = {"sequences": cfg["data"]["num_sequences"], "selection": cfg["data"]["heldout_sequences"],
-                            "sequence_length": cfg["data"]["sequence_length"], "finetune": cfg["finetune"]}
+            out["setup"] = {
+                "sequences": cfg["data"]["num_sequences"],
+                "selection": cfg["data"]["heldout_sequences"],
+                "sequence_length": cfg["data"]["sequence_length"],
+                "finetune": cfg["finetune"],
+            }
         print(f"{model} {name}: calibrate ({label}) {out['seconds'][f'calibrate_{label}']:.1f} s", flush=True)
-    args = ["--bundle", str(bundles["finetuned"]), "--bundle", str(bundles["kmeans"]), "--data", MODELS[model].heldout,
-            "--device", device, "--out", str(cell_dir / "eval"), *eval_args]
+    args = [
+        "--bundle",
+        str(bundles["finetuned"]),
+        "--bundle",
+        str(bundles["kmeans"]),
+        "--data",
+        MODELS[model].heldout,
+        "--device",
+        device,
+        "--out",
+        str(cell_dir / "eval"),
+        *eval_args,
+    ]
     out["commands"].append("loopvq-eval " + " ".join(args))
     out["seconds"]["eval"] = tool("loopvq-eval", args, cell_dir / "eval.log")
     report = json.loads((cell_dir / "eval" / "report.json").read_text())
     for label, r in zip(("finetuned", "kmeans"), report["bundles"]):
-        out[label] = {k: r.get(k) for k in ("name", "eval_kl", "ppl_fp", "ppl_quantized", "selection_kl",
-                                            "sequences", "kl_positions")}
+        out[label] = {
+            k: r.get(k)
+            for k in ("name", "eval_kl", "ppl_fp", "ppl_quantized", "selection_kl", "sequences", "kl_positions")
+        }
     out["eval_data"] = report.get("data")
     out["change"] = out["finetuned"]["eval_kl"] / out["kmeans"]["eval_kl"] - 1
-    print(f"{model} {name}: evaluation KL {out['kmeans']['eval_kl']:.5f} -> {out['finetuned']['eval_kl']:.5f} "
-          f"({out['change']:+.1%})", flush=True)
+    print(
+        f"{model} {name}: evaluation KL {out['kmeans']['eval_kl']:.5f} -> {out['finetuned']['eval_kl']:.5f} "
+        f"({out['change']:+.1%})",
+        flush=True,
+    )
     return out
 
 
 def report(path: Path) -> str:
     """The markdown table of a measurement file."""
     data = json.loads(path.read_text())
-    lines = [("| cell | k-means (`finetune.enabled=false`) | fine-tuned | change | selection KL k-means -> kept | "
-              "kept step | perplexity k-means -> fine-tuned (fp) | fine-tuning stage s | capture + k-means s |"),
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| cell | k-means (`finetune.enabled=false`) | fine-tuned | change | selection KL k-means -> kept | "
+            "kept step | perplexity k-means -> fine-tuned (fp) | fine-tuning stage s | capture + k-means s |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in data["cells"]:
         curve = c["finetune_curve"]
         best = curve["best_step"]
@@ -145,7 +174,8 @@ def report(path: Path) -> str:
             f"**{c['change']:+.1%}** | {_num(sel0)} -> {_num(c['finetuned']['selection_kl'])} | {best} | "
             f"{c['kmeans']['ppl_quantized']:.2f} -> {c['finetuned']['ppl_quantized']:.2f} "
             f"({c['kmeans']['ppl_fp']:.2f}) | "
-            f"{stages.get('finetune', float('nan')):.1f} | {fit:.1f} |")
+            f"{stages.get('finetune', float('nan')):.1f} | {fit:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -161,8 +191,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--runs", default=str(ROOT / "runs/finetune-gain"))
     p.add_argument("--jobs", type=int, default=1, help="cells calibrated side by side (one GPU holds several)")
     p.add_argument("--cell", type=int, action="append", help="only these cells (0-3), default all four")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                   help="after the reference setup, to both loopvq-calibrate runs of every cell (a CPU check)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="after the reference setup, to both loopvq-calibrate runs of every cell (a CPU check)",
+    )
     p.add_argument("--eval-args", default="", help="extra loopvq-eval arguments, e.g. '--num-sequences 2'")
     p.add_argument("--resume", action="store_true", help="keep the stored files' cells, run the others")
     p.add_argument("--report", action="store_true", help="print the tables of the stored files of --model")
@@ -181,8 +217,15 @@ def start(model: str, args: argparse.Namespace) -> dict:
         data.setdefault("resumed", []).append({"command": command, "commit": git_commit()})
         return data
     windows = calibration_windows(MODELS[model])
-    return {"command": command, "commit": git_commit(), "model": model, "config": MODELS[model].config,
-            "windows": windows, "overrides": [*reference_overrides(windows), *args.overrides], "cells": []}
+    return {
+        "command": command,
+        "commit": git_commit(),
+        "model": model,
+        "config": MODELS[model].config,
+        "windows": windows,
+        "overrides": [*reference_overrides(windows), *args.overrides],
+        "cells": [],
+    }
 
 
 def main() -> None:
@@ -195,14 +238,28 @@ def main() -> None:
         return
     t0, results = time.perf_counter(), {m: start(m, args) for m in args.model}
     stored = {(m, c["method"], c["bits"]) for m, data in results.items() for c in data["cells"]}
-    jobs = [(m, c) for m in args.model for c in ([CELLS[i] for i in args.cell] if args.cell else CELLS)
-            if (m, *c) not in stored]
+    jobs = [
+        (m, c)
+        for m in args.model
+        for c in ([CELLS[i] for i in args.cell] if args.cell else CELLS)
+        if (m, *c) not in stored
+    ]
     out_dir.mkdir(parents=True, exist_ok=True)
     failures: list[str] = []
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(measure_cell, m, meth, bits, device=args.device, runs=Path(args.runs),
-                               overrides=results[m]["overrides"], eval_args=args.eval_args.split()): (m, (meth, bits))
-                   for m, (meth, bits) in jobs}
+        futures = {
+            pool.submit(
+                measure_cell,
+                m,
+                meth,
+                bits,
+                device=args.device,
+                runs=Path(args.runs),
+                overrides=results[m]["overrides"],
+                eval_args=args.eval_args.split(),
+            ): (m, (meth, bits))
+            for m, (meth, bits) in jobs
+        }
         for fut in as_completed(futures):  # each model's file is rewritten as each of its cells ends, in cell order
             model, key = futures[fut]
             if fut.exception() is not None:  # the other cells go on
@@ -211,8 +268,9 @@ def main() -> None:
             data, cell = results[model], fut.result()
             cells = {(c["method"], c["bits"]): c for c in data["cells"]} | {key: cell}
             data["cells"] = [cells[k] for k in CELLS if k in cells]
-            data.update(sequences=cell["setup"]["sequences"], device=device_name(args.device),
-                        total_s=time.perf_counter() - t0)
+            data.update(
+                sequences=cell["setup"]["sequences"], device=device_name(args.device), total_s=time.perf_counter() - t0
+            )
             (out_dir / f"finetune-gain-{model}.json").write_text(json.dumps(data, indent=1))
     for model in args.model:
         if (out_dir / f"finetune-gain-{model}.json").is_file():

@@ -38,18 +38,35 @@ class ReferenceModel:
 
     def quant(self, method: str, bits: float) -> dict[str, object]:
         """The ``quant`` keys of ``method`` at ``bits`` on this model."""
-        return {"method": method, "bits": bits, "codebook_size": CODEBOOK_SIZE, "group_size": self.group_size(bits),
-                "steps_per_block": self.steps_per_block}
+        return {
+            "method": method,
+            "bits": bits,
+            "codebook_size": CODEBOOK_SIZE,
+            "group_size": self.group_size(bits),
+            "steps_per_block": self.steps_per_block,
+        }
 
 
 MODELS = {
-    "ouro": ReferenceModel("artifacts/tiny-ouro", "configs/tiny-ouro.yaml", "artifacts/data/shakespeare-calib.jsonl",
-                           "artifacts/data/shakespeare-heldout.jsonl"),
-    "huginn": ReferenceModel("artifacts/tiny-huginn", "configs/tiny-huginn.yaml", "artifacts/data/python-calib.jsonl",
-                             "artifacts/data/python-heldout.jsonl"),  # 8 recurrences: 2 blocks of T_c 4
-    "ouro-python": ReferenceModel("build/tiny-ouro-python", "configs/tiny-ouro.yaml",
-                                  "artifacts/data/python-calib.jsonl", "artifacts/data/python-heldout.jsonl",
-                                  shipped=False),
+    "ouro": ReferenceModel(
+        "artifacts/tiny-ouro",
+        "configs/tiny-ouro.yaml",
+        "artifacts/data/shakespeare-calib.jsonl",
+        "artifacts/data/shakespeare-heldout.jsonl",
+    ),
+    "huginn": ReferenceModel(
+        "artifacts/tiny-huginn",
+        "configs/tiny-huginn.yaml",
+        "artifacts/data/python-calib.jsonl",
+        "artifacts/data/python-heldout.jsonl",
+    ),  # 8 recurrences: 2 blocks of T_c 4
+    "ouro-python": ReferenceModel(
+        "build/tiny-ouro-python",
+        "configs/tiny-ouro.yaml",
+        "artifacts/data/python-calib.jsonl",
+        "artifacts/data/python-heldout.jsonl",
+        shipped=False,
+    ),
 }
 SHIPPED_MODELS = tuple(name for name, m in MODELS.items() if m.shipped)
 
@@ -71,6 +88,13 @@ def reference_overrides(windows: int) -> list[str]:
     its config: every window, 16 of them for selection, k-means 100 Lloyd updates, the shipped recipe for 6 epochs
     with 4 selection points per epoch, in fp32 (configs/tiny-ouro-reference.yaml is this on 188 windows)."""
     train = windows - REFERENCE_SELECTION
-    return [f"data.num_sequences={windows}", f"data.heldout_sequences={REFERENCE_SELECTION}",
-            "kmeans.iterations=100", "kmeans.tolerance=1.0e-5", "finetune.epochs=6", "finetune.warmup_steps=4",
-            f"finetune.select_every={train // 4}", "finetune.autocast=none"]
+    return [
+        f"data.num_sequences={windows}",
+        f"data.heldout_sequences={REFERENCE_SELECTION}",
+        "kmeans.iterations=100",
+        "kmeans.tolerance=1.0e-5",
+        "finetune.epochs=6",
+        "finetune.warmup_steps=4",
+        f"finetune.select_every={train // 4}",
+        "finetune.autocast=none",
+    ]

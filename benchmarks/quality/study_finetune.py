@@ -64,15 +64,15 @@ from benchmarks.quality.finetune_report import page_block, write_block
 from benchmarks.quality.reference_models import MODELS, SHIPPED_MODELS
 
 
-def run_config(model: str, method: str, bits: float, *, grid: Grid, sharing: str, device: str,
-               run_dir: Path) -> dict:
+def run_config(model: str, method: str, bits: float, *, grid: Grid, sharing: str, device: str, run_dir: Path) -> dict:
     """The calibration config of one cell: the model's config with its text, the cell's quant keys, k-means 100
     Lloyd updates."""
     ref = MODELS[model]
     cfg = yaml.safe_load((ROOT / ref.config).read_text())
     cfg["model"].update(name_or_path=str(ROOT / ref.folder), device=device)
-    cfg["data"].update(dataset=str(ROOT / ref.calibration), num_sequences=grid.sequences,
-                       heldout_sequences=grid.sequences // 4)
+    cfg["data"].update(
+        dataset=str(ROOT / ref.calibration), num_sequences=grid.sequences, heldout_sequences=grid.sequences // 4
+    )
     cfg["quant"].update(ref.quant(method, bits), codebook_sharing=sharing)
     cfg["kmeans"].update(iterations=100, tolerance=1e-5, problems_per_batch=96)  # 96: cells share one GPU
     cfg["output"]["dir"] = str(run_dir)
@@ -82,8 +82,16 @@ def run_config(model: str, method: str, bits: float, *, grid: Grid, sharing: str
     return cfg
 
 
-def fine_tune(model: Any, calib: Any, init: Any, *, recipe: dict[str, Any], smoke: bool, device: Any,
-              evaluation_kl: Callable[[Any], float]) -> dict[str, Any]:
+def fine_tune(
+    model: Any,
+    calib: Any,
+    init: Any,
+    *,
+    recipe: dict[str, Any],
+    smoke: bool,
+    device: Any,
+    evaluation_kl: Callable[[Any], float],
+) -> dict[str, Any]:
     """One variant from ``init``: its kept point, the selection and evaluation KL there, its seconds and curve."""
     import torch
 
@@ -99,14 +107,21 @@ def fine_tune(model: Any, calib: Any, init: Any, *, recipe: dict[str, Any], smok
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     kept = next(p for p in result.curve if p["step"] == result.best_step)
-    return {"settings": {k: settings[k] for k in RECIPE_KEYS}, "best_step": result.best_step,
-            "best_epoch": result.best_epoch,
-            "selection_kl_kmeans": result.curve[0]["selection_kl"], "selection_kl": kept["selection_kl"],
-            "evaluation_kl": evaluation_kl(result.quantizer), "finetune_s": wall, "curve": result.curve}
+    return {
+        "settings": {k: settings[k] for k in RECIPE_KEYS},
+        "best_step": result.best_step,
+        "best_epoch": result.best_epoch,
+        "selection_kl_kmeans": result.curve[0]["selection_kl"],
+        "selection_kl": kept["selection_kl"],
+        "evaluation_kl": evaluation_kl(result.quantizer),
+        "finetune_s": wall,
+        "curve": result.curve,
+    }
 
 
-def study_cell(model: str, method: str, bits: float, *, grid: Grid, device: str, runs: Path,
-               save: Callable[[dict], Any]) -> dict:
+def study_cell(
+    model: str, method: str, bits: float, *, grid: Grid, device: str, runs: Path, save: Callable[[dict], Any]
+) -> dict:
     """The k-means codebooks of one cell (each sharing its variants need), then every variant; ``save(cell)``
     sees the cell's record after each variant."""
     import torch
@@ -123,8 +138,9 @@ def study_cell(model: str, method: str, bits: float, *, grid: Grid, device: str,
     base = runs / model / f"{method.replace('+', '-')}-{bits:g}-n{grid.sequences}"
     t0, inits, raws = time.perf_counter(), {}, {}
     for sharing in dict.fromkeys(["none", *map(sharing_of, grid.variants)]):
-        raws[sharing] = run_config(model, method, bits, grid=grid, sharing=sharing, device=device,
-                                   run_dir=base / sharing)
+        raws[sharing] = run_config(
+            model, method, bits, grid=grid, sharing=sharing, device=device, run_dir=base / sharing
+        )
         calibrate(raws[sharing], stages=["kmeans"])
         inits[sharing] = load_quantizer(base / sharing / "kmeans")
     calibrate_s = time.perf_counter() - t0
@@ -133,23 +149,43 @@ def study_cell(model: str, method: str, bits: float, *, grid: Grid, device: str,
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     lm, tokenizer = load_model(ROOT / ref.folder, "float32", dev)
     windows, length = SMOKE_SHAPES["eval"] if grid.smoke else (8, 512)
-    eval_ids = build_calibration_set(DataConfig(dataset=str(ROOT / ref.heldout), num_sequences=windows,
-                                                sequence_length=length, heldout_sequences=0), tokenizer).input_ids
+    eval_ids = build_calibration_set(
+        DataConfig(dataset=str(ROOT / ref.heldout), num_sequences=windows, sequence_length=length, heldout_sequences=0),
+        tokenizer,
+    ).input_ids
 
     def evaluation_kl(q: Any) -> float:
         return evaluate_quantizers(lm, eval_ids, [(q.to(dev), cfg.data.sink_tokens)], per_step=False)[0]["eval_kl"]
 
     kmeans = {sharing: evaluation_kl(q) for sharing, q in inits.items()}
-    out = {"method": method, "bits": bits, "sequences": grid.sequences, "train": len(calib.train),
-           "selection": len(calib.heldout), "calibrate_s": calibrate_s, "kmeans_evaluation_kl": kmeans["none"],
-           "kmeans_evaluation_kl_by_sharing": kmeans, "variants": {}}
+    out = {
+        "method": method,
+        "bits": bits,
+        "sequences": grid.sequences,
+        "train": len(calib.train),
+        "selection": len(calib.heldout),
+        "calibrate_s": calibrate_s,
+        "kmeans_evaluation_kl": kmeans["none"],
+        "kmeans_evaluation_kl_by_sharing": kmeans,
+        "variants": {},
+    }
     for name in grid.variants:
-        v = fine_tune(lm, calib, inits[sharing_of(name)], recipe=scaled(VARIANTS[name], len(calib.train)),
-                      smoke=grid.smoke, device=dev, evaluation_kl=evaluation_kl)
+        v = fine_tune(
+            lm,
+            calib,
+            inits[sharing_of(name)],
+            recipe=scaled(VARIANTS[name], len(calib.train)),
+            smoke=grid.smoke,
+            device=dev,
+            evaluation_kl=evaluation_kl,
+        )
         out["variants"][name] = {**v, "reduction": 1 - v["evaluation_kl"] / kmeans["none"]}
-        print(f"{model} {method} {bits:g} n{grid.sequences} {name}: evaluation KL {kmeans['none']:.5f} -> "
-              f"{v['evaluation_kl']:.5f} ({-out['variants'][name]['reduction']:+.1%}), step {v['best_step']}, "
-              f"{v['finetune_s']:.1f} s", flush=True)
+        print(
+            f"{model} {method} {bits:g} n{grid.sequences} {name}: evaluation KL {kmeans['none']:.5f} -> "
+            f"{v['evaluation_kl']:.5f} ({-out['variants'][name]['reduction']:+.1%}), step {v['best_step']}, "
+            f"{v['finetune_s']:.1f} s",
+            flush=True,
+        )
         save(out)
     return out
 
@@ -197,8 +233,15 @@ def run_cells(args: argparse.Namespace, model: str, grid: Grid, *, cells: list[i
         if (method, bits) in stored and cell_done(stored[(method, bits)], grid):
             print(f"{model} {method} {bits:g}: stored, skipped", flush=True)
             continue
-        study_cell(model, method, bits, grid=grid, device=args.device, runs=Path(args.runs),
-                   save=lambda cell: save_cell(path, {**cell, "device": args.device}, grid=grid, lock=lock))
+        study_cell(
+            model,
+            method,
+            bits,
+            grid=grid,
+            device=args.device,
+            runs=Path(args.runs),
+            save=lambda cell: save_cell(path, {**cell, "device": args.device}, grid=grid, lock=lock),
+        )
 
 
 def run_jobs(args: argparse.Namespace, grid: Grid) -> list[str]:
@@ -209,8 +252,23 @@ def run_jobs(args: argparse.Namespace, grid: Grid) -> list[str]:
         model, i = job
         log = Path(args.runs) / model / f"{args.grid}-cell{i}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, __file__, "--model", model, "--cell", str(i), "--grid", args.grid, "--device",
-               args.device, "--out-dir", args.out_dir, "--runs", args.runs, "--child"]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--model",
+            model,
+            "--cell",
+            str(i),
+            "--grid",
+            args.grid,
+            "--device",
+            args.device,
+            "--out-dir",
+            args.out_dir,
+            "--runs",
+            args.runs,
+            "--child",
+        ]
         with log.open("w") as f:
             rc = subprocess.run(cmd, check=False, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode
         print(f"{model} cell {i}: exit {rc} ({log})", flush=True)
@@ -224,9 +282,13 @@ def merge(files: list[str], out: str) -> dict[str, Any]:
     """One study file from per-cell ones (written by separate calls): their cells in order, the longest part's
     time, the merge as its ``command`` and each part's own command under ``parts``."""
     parts = [json.loads(Path(f).read_text()) for f in files]
-    return {**parts[0], "command": f"python benchmarks/quality/study_finetune.py --merge {' '.join(files)} --out {out}",
-            "parts": [part["command"] for part in parts], "cells": [c for part in parts for c in part["cells"]],
-            "total_s": max(part.get("total_s", 0.0) for part in parts)}
+    return {
+        **parts[0],
+        "command": f"python benchmarks/quality/study_finetune.py --merge {' '.join(files)} --out {out}",
+        "parts": [part["command"] for part in parts],
+        "cells": [c for part in parts for c in part["cells"]],
+        "total_s": max(part.get("total_s", 0.0) for part in parts),
+    }
 
 
 def parse_args() -> argparse.Namespace:
@@ -234,8 +296,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", nargs="+", choices=list(MODELS), default=list(SHIPPED_MODELS))
     p.add_argument("--grid", choices=list(GRIDS), default="levers")
     p.add_argument("--device", default="auto")
-    p.add_argument("--cell", type=int, action="append", help="only these cells of the grid (0-3: loopvq 0.5, "
-                   "loopvq 0.25, tasq+loopvq 0.5, tasq+loopvq 0.25)")
+    p.add_argument(
+        "--cell",
+        type=int,
+        action="append",
+        help="only these cells of the grid (0-3: loopvq 0.5, loopvq 0.25, tasq+loopvq 0.5, tasq+loopvq 0.25)",
+    )
     p.add_argument("--jobs", type=int, default=0, help="one process per (model, cell), this many at a time")
     p.add_argument("--resume", action="store_true", help="keep the stored file's finished cells, run the others")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a process of --jobs
@@ -265,10 +331,14 @@ def main() -> None:
     cells = args.cell or list(range(len(grid.cells)))
     paths = {m: Path(args.out_dir) / results_name(m, args.grid) for m in args.model}
     if not args.child:  # a --jobs process writes into the file its parent started
-        header = {"command": "python benchmarks/quality/study_finetune.py " + shlex.join(sys.argv[1:]),
-                  "commit": git_commit(),
-                  "grid": args.grid, "sequences": grid.sequences, "variants": {n: VARIANTS[n] for n in grid.variants},
-                  "quant": {n: QUANT[n] for n in grid.variants if n in QUANT}}
+        header = {
+            "command": "python benchmarks/quality/study_finetune.py " + shlex.join(sys.argv[1:]),
+            "commit": git_commit(),
+            "grid": args.grid,
+            "sequences": grid.sequences,
+            "variants": {n: VARIANTS[n] for n in grid.variants},
+            "quant": {n: QUANT[n] for n in grid.variants if n in QUANT},
+        }
         for model, path in paths.items():
             start_file(path, {**header, "model": model}, resume=args.resume)
     failures = run_jobs(args, grid) if args.jobs else []

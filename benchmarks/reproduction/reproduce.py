@@ -54,10 +54,20 @@ SEQ_LEN, KMEANS_ITERS, HELDOUT_SEQS, HELDOUT_LEN = 192, 10, 8, 512
 def run_config(method: str, bits: float, corpus: str = "shakespeare", sequences: int = 16, fisher: bool = True) -> dict:
     return {
         "model": {"name_or_path": str(ROOT / "artifacts/tiny-ouro")},
-        "data": {"dataset": str(ROOT / CORPORA[corpus]), "num_sequences": sequences, "sequence_length": SEQ_LEN,
-                 "heldout_sequences": sequences // 4, "sink_tokens": 8},
-        "quant": {"method": method, "bits": bits, "group_size": WIDTHS[bits], "codebook_size": 256,
-                  "steps_per_block": 4},
+        "data": {
+            "dataset": str(ROOT / CORPORA[corpus]),
+            "num_sequences": sequences,
+            "sequence_length": SEQ_LEN,
+            "heldout_sequences": sequences // 4,
+            "sink_tokens": 8,
+        },
+        "quant": {
+            "method": method,
+            "bits": bits,
+            "group_size": WIDTHS[bits],
+            "codebook_size": 256,
+            "steps_per_block": 4,
+        },
         # on disk and per coordinate, so runs of one corpus share their capture (TaSQ methods share theirs)
         "capture": {"store": "disk", "fisher_channels": 1},
         "kmeans": {"iterations": KMEANS_ITERS, "fisher_weighted": fisher},
@@ -122,12 +132,18 @@ def calibrate_all(workers: int) -> dict[str, float]:
 def evaluate_all() -> dict:
     """Held-out metrics of every fine-tuned quantizer (with per-step sensitivity) and k-means quantizer."""
     model, tok = load_model(ROOT / "artifacts/tiny-ouro", "float32", torch.device("cpu"))
-    held = build_calibration_set(DataConfig(dataset=str(ROOT / "artifacts/data/shakespeare-heldout.jsonl"),
-                                            num_sequences=HELDOUT_SEQS, sequence_length=HELDOUT_LEN,
-                                            heldout_sequences=0), tok)
+    held = build_calibration_set(
+        DataConfig(
+            dataset=str(ROOT / "artifacts/data/shakespeare-heldout.jsonl"),
+            num_sequences=HELDOUT_SEQS,
+            sequence_length=HELDOUT_LEN,
+            heldout_sequences=0,
+        ),
+        tok,
+    )
     entries, names = [], []
     for name, _, stages, _ in plan():
-        for stage in (["kmeans"] if stages else ["kmeans", "finetune"]):
+        for stage in ["kmeans"] if stages else ["kmeans", "finetune"]:
             entries.append((load_quantizer(RUNS / name / stage), 8))
             names.append((name, stage))
     results = {}
@@ -140,27 +156,39 @@ def evaluate_all() -> dict:
     kv = load_quantizer(RUNS / "cq-0.5" / "kmeans").kv
     structure = {}
     for kind in ("key", "value"):
-        per_layer = [correlation_structure(reader.load(kind, tuple(s.site for s in kv.sites if s.layer == layer)))
-                     for layer in range(4)]
+        per_layer = [
+            correlation_structure(reader.load(kind, tuple(s.site for s in kv.sites if s.layer == layer)))
+            for layer in range(4)
+        ]
         structure[kind] = average_structure(per_layer)
-    curves = {name: json.loads((RUNS / name / "finetune" / "curve.json").read_text())
-              for name, _, stages, _ in plan() if not stages}
+    curves = {
+        name: json.loads((RUNS / name / "finetune" / "curve.json").read_text())
+        for name, _, stages, _ in plan()
+        if not stages
+    }
     return {"metrics": results, "structure": structure, "curves": curves, "heldout": held.description}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--report-only", action="store_true",
-                    help="rewrite docs/quality.md and its figures from the stored benchmarks/results/results.json")
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rewrite docs/quality.md and its figures from the stored benchmarks/results/results.json",
+    )
     args = ap.parse_args()
     if not args.report_only:
         start = time.time()
         times = calibrate_all(args.workers)
         data = evaluate_all()
         data["times"], data["total_s"] = times, time.time() - start
-        data["settings"] = {"sequence_length": SEQ_LEN, "kmeans_iterations": KMEANS_ITERS, "workers": args.workers,
-                            "finetune": asdict(FinetuneConfig())}
+        data["settings"] = {
+            "sequence_length": SEQ_LEN,
+            "kmeans_iterations": KMEANS_ITERS,
+            "workers": args.workers,
+            "finetune": asdict(FinetuneConfig()),
+        }
         data["commit"] = short_commit()
         STUDY.write_text(json.dumps(data, indent=1, default=float))
     write_page(PAGE)

@@ -21,8 +21,12 @@ def draw(data: dict, figs: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for kind in ("key", "value"):
         ax.plot([1, 2, 3], s[kind]["adjacent_steps"], marker="o", label=f"{kind}s: same channel, adjacent steps")
-        ax.axhline(s[kind]["within_group"], ls="--", color="C0" if kind == "key" else "C1",
-                   label=f"{kind}s: other channels, one group")
+        ax.axhline(
+            s[kind]["within_group"],
+            ls="--",
+            color="C0" if kind == "key" else "C1",
+            label=f"{kind}s: other channels, one group",
+        )
     ax.set_xticks([1, 2, 3], ["1-2", "2-3", "3-4"])
     ax.set(xlabel="loop steps", ylabel="mean |r|", ylim=(0, 1), title="Inter-step structure (reference model)")
     ax.legend(fontsize=7)
@@ -43,8 +47,13 @@ def draw(data: dict, figs: Path) -> None:
     for ax, bits in zip(axes, WIDTHS):
         for method in METHODS:
             ax.plot([1, 2, 3, 4], m[f"{method}-{bits}/finetune"]["per_step_kl"], marker="o", label=NAMES[method])
-        ax.set(title=f"KL, one loop step quantized, {bits:g} bit", xlabel="quantized step", ylabel="held-out KL",
-               yscale="log", xticks=[1, 2, 3, 4])
+        ax.set(
+            title=f"KL, one loop step quantized, {bits:g} bit",
+            xlabel="quantized step",
+            ylabel="held-out KL",
+            yscale="log",
+            xticks=[1, 2, 3, 4],
+        )
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(figs / "per_step_kl.png", dpi=120)
@@ -53,8 +62,12 @@ def draw(data: dict, figs: Path) -> None:
         for method in METHODS:
             c = data["curves"][f"{method}-{bits}"]["curve"]
             ax.plot([e["step"] for e in c], [e["selection_kl"] for e in c], marker="o", label=NAMES[method])
-        ax.set(title=f"Fine-tuning, {bits:g} bit", xlabel="optimizer step (0 = k-means)", ylabel="selection KL",
-               yscale="log")
+        ax.set(
+            title=f"Fine-tuning, {bits:g} bit",
+            xlabel="optimizer step (0 = k-means)",
+            ylabel="selection KL",
+            yscale="log",
+        )
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(figs / "finetune_curves.png", dpi=120)

@@ -38,8 +38,18 @@ def rewrap(text: str) -> str:
             blocks[-1].append(line)
         else:
             blocks.append([line] if line else [])
-    out = [textwrap.fill(" ".join(b), 115, subsequent_indent="  " if b[0].startswith("- ") else "",
-                         break_long_words=False, break_on_hyphens=False) if b else "" for b in blocks]
+    out = [
+        textwrap.fill(
+            " ".join(b),
+            115,
+            subsequent_indent="  " if b[0].startswith("- ") else "",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+        if b
+        else ""
+        for b in blocks
+    ]
     return "\n".join(out) + "\n"
 
 
@@ -47,14 +57,20 @@ def study_setup(data: dict, *, sequences: str = "16", finetuned: bool = True) ->
     """The setup line of a reproduce.py table."""
     s = data["settings"]
     tuned = f"; fine-tuning {recipe(s['finetune'])}" if finetuned else "; no fine-tuning"
-    return wrap(f"*Setup: calibration {sequences} x {s['sequence_length']} tokens of Hamlet + Macbeth, k-means "
-                f"{s['kmeans_iterations']} iterations{tuned}; evaluation {data['heldout']['num_sequences']} x "
-                f"{data['heldout']['sequence_length']} tokens of the held-out plays.*")
+    return wrap(
+        f"*Setup: calibration {sequences} x {s['sequence_length']} tokens of Hamlet + Macbeth, k-means "
+        f"{s['kmeans_iterations']} iterations{tuned}; evaluation {data['heldout']['num_sequences']} x "
+        f"{data['heldout']['sequence_length']} tokens of the held-out plays.*"
+    )
 
 
 def structure_section(s: dict) -> str:
-    rows = [[kind + "s"] + [_f(v, ".3f") for v in s[kind]["adjacent_steps"]]
-            + [_f(s[kind]["adjacent_mean"], ".3f"), _f(s[kind]["within_group"], ".3f")] for kind in ("key", "value")]
+    rows = [
+        [kind + "s"]
+        + [_f(v, ".3f") for v in s[kind]["adjacent_steps"]]
+        + [_f(s[kind]["adjacent_mean"], ".3f"), _f(s[kind]["within_group"], ".3f")]
+        for kind in ("key", "value")
+    ]
     rows.append(["paper, Ouro-1.4B keys", "0.69", "", "0.94", "0.85", "0.16"])
     head = ["", "steps 1-2", "steps 2-3", "steps 3-4", "adjacent mean", "other channels, one 16-channel group"]
     return md_table(head, rows)
@@ -66,11 +82,19 @@ def nmse_section(m: dict) -> str:
         for weighted in (False, True):
             for method in ("cq", "loopvq"):
                 r = m[f"{method}-{bits}{'' if weighted else '-plain'}/kmeans"]
-                rows.append([f"{bits:g}", "Fisher" if weighted else "plain",
-                             "per-step (CQ)" if method == "cq" else "loop-axis",
-                             *(_f(v) for v in r["nmse_per_step"]["key"]), _f(r["nmse"]["key"]), _f(r["nmse"]["value"])])
-    return md_table(["bits", "k-means", "groups", "key NMSE step 1", "step 2", "step 3", "step 4", "key NMSE",
-                     "value NMSE"], rows)
+                rows.append(
+                    [
+                        f"{bits:g}",
+                        "Fisher" if weighted else "plain",
+                        "per-step (CQ)" if method == "cq" else "loop-axis",
+                        *(_f(v) for v in r["nmse_per_step"]["key"]),
+                        _f(r["nmse"]["key"]),
+                        _f(r["nmse"]["value"]),
+                    ]
+                )
+    return md_table(
+        ["bits", "k-means", "groups", "key NMSE step 1", "step 2", "step 3", "step 4", "key NMSE", "value NMSE"], rows
+    )
 
 
 def method_section(m: dict) -> str:
@@ -78,22 +102,35 @@ def method_section(m: dict) -> str:
     for bits in WIDTHS:
         for method in METHODS:
             r = m[f"{method}-{bits}/finetune"]
-            rows.append([NAMES[method], f"{bits:g}", f"{r['bits']['key']:.3f} / {r['bits']['value']:.3f}",
-                         _f(m[f"{method}-{bits}/kmeans"]["eval_kl"]), _f(r["eval_kl"]),
-                         _f(r["ppl_fp"], ".2f"), _f(r["ppl_quantized"], ".2f"), f"{100 * r['ppl_increase']:+.1f}%"])
-    return md_table(["method", "width", "bits key / value", "KL k-means", "KL fine-tuned", "ppl fp", "ppl quantized",
-                     "ppl change"], rows)
+            rows.append(
+                [
+                    NAMES[method],
+                    f"{bits:g}",
+                    f"{r['bits']['key']:.3f} / {r['bits']['value']:.3f}",
+                    _f(m[f"{method}-{bits}/kmeans"]["eval_kl"]),
+                    _f(r["eval_kl"]),
+                    _f(r["ppl_fp"], ".2f"),
+                    _f(r["ppl_quantized"], ".2f"),
+                    f"{100 * r['ppl_increase']:+.1f}%",
+                ]
+            )
+    return md_table(
+        ["method", "width", "bits key / value", "KL k-means", "KL fine-tuned", "ppl fp", "ppl quantized", "ppl change"],
+        rows,
+    )
 
 
 def ablation_section(m: dict) -> str:
     rows = []
     for bits in WIDTHS:
         for base, coupled in (("cq", "loopvq"), ("tasq", "tasq+loopvq")):
-            cells = [m[f"{name}-{bits}/{stage}"]["eval_kl"] for name in (base, coupled)
-                     for stage in ("kmeans", "finetune")]
+            cells = [
+                m[f"{name}-{bits}/{stage}"]["eval_kl"] for name in (base, coupled) for stage in ("kmeans", "finetune")
+            ]
             rows.append([NAMES[base], f"{bits:g}", *(_f(v) for v in cells)])
-    return md_table(["base", "width", "plain", "+ fine-tuning", "+ coupling (loop axis)", "+ coupling + fine-tuning"],
-                    rows)
+    return md_table(
+        ["base", "width", "plain", "+ fine-tuning", "+ coupling (loop axis)", "+ coupling + fine-tuning"], rows
+    )
 
 
 def step_section(m: dict) -> str:
@@ -109,12 +146,19 @@ def step_section(m: dict) -> str:
 
 
 def size_corpus_section(m: dict) -> str:
-    rows = [[f"LoopVQ 0.25, {n} sequences", _f(m[f'{name}/kmeans']["eval_kl"]), _f(m[f'{name}/finetune']["eval_kl"])]
-            for n, name in ((8, "loopvq-0.25-n8"), (16, "loopvq-0.25"), (32, "loopvq-0.25-n32"))]
+    rows = [
+        [f"LoopVQ 0.25, {n} sequences", _f(m[f"{name}/kmeans"]["eval_kl"]), _f(m[f"{name}/finetune"]["eval_kl"])]
+        for n, name in ((8, "loopvq-0.25-n8"), (16, "loopvq-0.25"), (32, "loopvq-0.25-n32"))
+    ]
     for method in ("cq", "tasq+loopvq"):
         for corpus, name in (("Shakespeare", f"{method}-0.25"), ("KJV", f"{method}-0.25-kjv")):
-            rows.append([f"{NAMES[method]} 0.25, calibrated on {corpus}", _f(m[f"{name}/kmeans"]["eval_kl"]),
-                         _f(m[f"{name}/finetune"]["eval_kl"])])
+            rows.append(
+                [
+                    f"{NAMES[method]} 0.25, calibrated on {corpus}",
+                    _f(m[f"{name}/kmeans"]["eval_kl"]),
+                    _f(m[f"{name}/finetune"]["eval_kl"]),
+                ]
+            )
     return md_table(["run", "held-out KL k-means", "held-out KL fine-tuned"], rows)
 
 
@@ -130,20 +174,45 @@ def curve_section(curves: dict, m: dict) -> str:
             name, c = f"{method}-{bits}", curves[f"{method}-{bits}"]
             sel0, sel = c["curve"][0]["selection_kl"], kept(c)["selection_kl"]
             ev0, ev = m[f"{name}/kmeans"]["eval_kl"], m[f"{name}/finetune"]["eval_kl"]
-            rows.append([NAMES[method], f"{bits:g}", _f(sel0), f"{c['best_step']} of {c['curve'][-1]['step']}", _f(sel),
-                         f"{100 * (sel / sel0 - 1):+.1f}%", _f(ev0), _f(ev), f"{100 * (ev / ev0 - 1):+.1f}%"])
-    return md_table(["method", "width", "selection KL, k-means", "kept step", "selection KL, kept", "change",
-                     "evaluation KL, k-means", "evaluation KL, fine-tuned", "change"], rows)
+            rows.append(
+                [
+                    NAMES[method],
+                    f"{bits:g}",
+                    _f(sel0),
+                    f"{c['best_step']} of {c['curve'][-1]['step']}",
+                    _f(sel),
+                    f"{100 * (sel / sel0 - 1):+.1f}%",
+                    _f(ev0),
+                    _f(ev),
+                    f"{100 * (ev / ev0 - 1):+.1f}%",
+                ]
+            )
+    return md_table(
+        [
+            "method",
+            "width",
+            "selection KL, k-means",
+            "kept step",
+            "selection KL, kept",
+            "change",
+            "evaluation KL, k-means",
+            "evaluation KL, fine-tuned",
+            "change",
+        ],
+        rows,
+    )
 
 
 def gain_sentence(gain: dict) -> str:
     """One sentence on the fine-tuning gain measured with more calibration text (``finetune-gain.json``)."""
     cells = gain["cells"]
     changes = [-100 * c["change"] for c in cells]
-    return (f"With more text the paper's gain appears: `{gain['config']}` (all calibration windows) lowers the "
-            f"evaluation KL by {min(changes):.1f}% to {max(changes):.1f}% in all {len(cells)} method/width cells, "
-            f"measured through `loopvq-calibrate` and `loopvq-eval` at commit `{gain['commit'][:7]}` on "
-            f"{gain['device']} (docs/finetune.md).")
+    return (
+        f"With more text the paper's gain appears: `{gain['config']}` (all calibration windows) lowers the "
+        f"evaluation KL by {min(changes):.1f}% to {max(changes):.1f}% in all {len(cells)} method/width cells, "
+        f"measured through `loopvq-calibrate` and `loopvq-eval` at commit `{gain['commit'][:7]}` on "
+        f"{gain['device']} (docs/finetune.md)."
+    )
 
 
 def discussion(data: dict, gain: dict | None) -> str:
@@ -165,8 +234,11 @@ def discussion(data: dict, gain: dict | None) -> str:
     adjacent = data["structure"]["key"]["adjacent_steps"]
     more_text = gain_sentence(gain) if gain else ""
     shipped = recipe(data["settings"]["finetune"])
-    tasq_verdict = "TaSQ helps this model a little" if max(tasq.values()) < 1 else (
-        "TaSQ does not help this model" if min(tasq.values()) >= 1 else "TaSQ helps this model at one width only")
+    tasq_verdict = (
+        "TaSQ helps this model a little"
+        if max(tasq.values()) < 1
+        else ("TaSQ does not help this model" if min(tasq.values()) >= 1 else "TaSQ helps this model at one width only")
+    )
     loop_gain = "behind" if kl("tasq+loopvq-0.5") > kl("loopvq-0.5") else "ahead of"
     return rewrap(f"""## Agreement and disagreement with the paper
 
@@ -179,21 +251,21 @@ Agrees:
   gives most of the gain, as in Table 4.
 - **Calibration size** (Table 5): more sequences help monotonically (8 -> 16 -> 32 in the table above).
 - **Calibration corpus** (Fig. 9): calibrating on the King James Bible instead of Shakespeare raises the
-  held-out KL on Shakespeare by x{corpus['cq']:.2f} for CQ but only x{corpus['tasq+loopvq']:.2f} for TaSQ+LoopVQ:
+  held-out KL on Shakespeare by x{corpus["cq"]:.2f} for CQ but only x{corpus["tasq+loopvq"]:.2f} for TaSQ+LoopVQ:
   the loop-coupled method is less sensitive to the corpus.
 - **Per-step sensitivity** (Table 1) differs strongly between steps, and the first step is the most sensitive.
 
 Disagrees, and why we think so:
 - **Fine-tuning gains are small in this page's setting**: {100 * min(ft):.1f}% to {100 * max(ft):.1f}% lower
   evaluation KL ({100 * min(ft_cal):.1f}% to {100 * max(ft_cal):.1f}% lower selection KL), against about half in
-  Fig. 4, with the shipped recipe ({shipped}). Each epoch sees only 12 x {data['settings']['sequence_length']}
+  Fig. 4, with the shipped recipe ({shipped}). Each epoch sees only 12 x {data["settings"]["sequence_length"]}
   tokens here (the paper: 12 x 2,048) for ~0.8 M codebook entries, and the evaluation KL is x{calib_gap:.1f} the
   selection KL for LoopVQ at 0.5 bit: the codebooks fit the calibration text. {more_text}
 - **{tasq_verdict}**: TaSQ / CQ evaluation KL x{tasq[0.5]:.2f} at 0.5 bit and x{tasq[0.25]:.2f} at
   0.25 bit, and TaSQ+LoopVQ is {loop_gain} LoopVQ at 0.5 bit in the Methods table (the served-cache table says
   why another setup can order them otherwise). Its fp16 sigma costs 16 / (6 x 64) = 0.042 bit per
   key element here (0.008 on Ouro-1.4B) on top of the same codebooks; with head_dim 64 the consecutive
-  channels of a group are already correlated (|r| {data['structure']['key']['within_group']:.2f} here, 0.16 on
+  channels of a group are already correlated (|r| {data["structure"]["key"]["within_group"]:.2f} here, 0.16 on
   Ouro-1.4B in the paper), so the permutation has less to gain.
 - **Step 1 dominates more than in Table 1**: quantizing only step 1 costs {steps[0]:.4f} KL (LoopVQ, 0.5 bit),
   {steps[0] / max(steps[1:]):.0f}x any later step (the paper: about 2-5x). On this small model later loops change
@@ -210,15 +282,17 @@ def study_source(data: dict) -> str:
     """Where the tables but the last come from: the command, its commit and time, and the evaluation and calibration
     text."""
     held = data["heldout"]
-    return wrap(f"All but the last table: `python benchmarks/reproduction/reproduce.py` at commit "
-                f"`{data.get('commit') or 'unknown'}` on the 2-core CPU development machine "
-                f"({data['total_s'] / 60:.1f} min), raw numbers in `benchmarks/results/results.json`. Its evaluation: "
-                f"{held['num_sequences']} windows of {held['sequence_length']} tokens of the held-out plays *The "
-                "Tempest* + *Twelfth Night* (`artifacts/data/shakespeare-heldout.jsonl`, never used for calibration), "
-                "every position after the 8 sinks quantized at every KV site (no bf16 recent window), KL to the "
-                "full-precision output averaged over those positions. Calibration: "
-                "`artifacts/data/shakespeare-calib.jsonl` (*Hamlet* + *Macbeth*), 8 sink tokens, a quarter of the "
-                "sequences for selection; K = 256 everywhere, 0.5 bit = G 16, 0.25 bit = G 32, T_c = 4.")
+    return wrap(
+        f"All but the last table: `python benchmarks/reproduction/reproduce.py` at commit "
+        f"`{data.get('commit') or 'unknown'}` on the 2-core CPU development machine "
+        f"({data['total_s'] / 60:.1f} min), raw numbers in `benchmarks/results/results.json`. Its evaluation: "
+        f"{held['num_sequences']} windows of {held['sequence_length']} tokens of the held-out plays *The "
+        "Tempest* + *Twelfth Night* (`artifacts/data/shakespeare-heldout.jsonl`, never used for calibration), "
+        "every position after the 8 sinks quantized at every KV site (no bf16 recent window), KL to the "
+        "full-precision output averaged over those positions. Calibration: "
+        "`artifacts/data/shakespeare-calib.jsonl` (*Hamlet* + *Macbeth*), 8 sink tokens, a quarter of the "
+        "sequences for selection; K = 256 everywhere, 0.5 bit = G 16, 0.25 bit = G 32, T_c = 4."
+    )
 
 
 def _head(data: dict) -> str:
@@ -243,7 +317,7 @@ Mean |Pearson r| of pre-RoPE keys and values over the calibration tokens, averag
 
 {study_setup(data, finetuned=False)}
 
-{structure_section(data['structure'])}
+{structure_section(data["structure"])}
 
 ![structure](figures/structure.png)
 
@@ -264,7 +338,9 @@ def render(data: dict, served: dict[str, Any], gain: dict | None) -> str:
     """The whole of docs/quality.md from reproduce.py's ``data``, eval_reference's ``served`` reports and the
     fine-tuning gain measurement ``gain``."""
     m = data["metrics"]
-    return _head(data) + f"""
+    return (
+        _head(data)
+        + f"""
 ## Methods (paper Table 2 in spirit)
 
 Bits include TaSQ's fp16 sigma (16 / (H x D) = 16/384 = 0.042 bit per key element for this model's 6 heads x 64).
@@ -298,7 +374,7 @@ the kept step, and the evaluation KL of both (held-out plays).
 
 {study_setup(data)}
 
-{curve_section(data['curves'], m)}
+{curve_section(data["curves"], m)}
 
 ![curves](figures/finetune_curves.png)
 
@@ -316,6 +392,7 @@ Held-out KL on the Shakespeare evaluation text. The KJV rows calibrate on `artif
 {served_section(served, data)}
 
 {discussion(data, gain)}"""
+    )
 
 
 def write_page(path: Path, *, study: Path = STUDY, served: dict[str, Any] | None = None, gain: Path = GAIN) -> None:

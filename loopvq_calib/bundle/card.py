@@ -26,8 +26,15 @@ from .format import CARD_FILE, META_FILE, TENSOR_FILE, meta_bytes, read_bundle_f
 from .reader import load_bundle
 
 _MARKUP = re.compile(r"([\\`<>\[\]|&!])")  # characters markdown text escapes (links, images, HTML, code, cells)
-__all__ = ["EvalAttachment", "EvalReportError", "attach_eval_report", "evaluation_for", "model_card",
-           "prepare_eval_report", "write_eval_report"]
+__all__ = [
+    "EvalAttachment",
+    "EvalReportError",
+    "attach_eval_report",
+    "evaluation_for",
+    "model_card",
+    "prepare_eval_report",
+    "write_eval_report",
+]
 
 
 def model_card(meta: dict[str, Any], evaluation: dict[str, Any] | None = None) -> str:
@@ -38,7 +45,8 @@ def model_card(meta: dict[str, Any], evaluation: dict[str, Any] | None = None) -
     license_ = cfg.get("license") or (cfg.get("output") or {}).get("license")
     data = ModelCardData(
         base_model=ident["name"] if is_hub_id(ident["name"]) else None,  # a local model: no base_model
-        library_name="loopvq-calib", license=license_ or None,
+        library_name="loopvq-calib",
+        license=license_ or None,
         tags=["loopvq", "kv-cache", "quantization", "vector-quantization", "looped-transformer", ident["model_type"]],
         model_name=meta["name"] if evaluation else None,
         eval_results=evaluation["results"] if evaluation else None,
@@ -46,14 +54,20 @@ def model_card(meta: dict[str, Any], evaluation: dict[str, Any] | None = None) -
     kv = meta["kv_layout"]
     n_key = sum(b["kind"] == "key" for b in meta["blocks"])
     lines = [
-        "---", data.to_yaml().rstrip(), "---", "",
-        f"# {_text(meta['name'])}", "",
+        "---",
+        data.to_yaml().rstrip(),
+        "---",
+        "",
+        f"# {_text(meta['name'])}",
+        "",
         f"LoopVQ KV-cache codebooks for {_code(ident['name'])}"
         + (f" (revision {_code(ident['revision'])})" if ident.get("revision") else "")
         + f", model type {_code(ident['model_type'])}, produced by loopvq-calib {_text(meta['producer']['version'])} "
         f"(bundle format {_text(meta['format_version'])}). The codes replace the pre-RoPE keys and values of the KV "
-        "cache; the model weights are unchanged.", "",
-        "| | |", "|---|---|",
+        "cache; the model weights are unchanged.",
+        "",
+        "| | |",
+        "|---|---|",
         f"| method | {meta['method']} |",
         f"| bits per element | key {bits['key']:.4f}, value {bits['value']:.4f} |",
         f"| codebook size K / group size G / loop steps per block T_c | {meta['codebook_size']} / "
@@ -69,23 +83,33 @@ def model_card(meta: dict[str, Any], evaluation: dict[str, Any] | None = None) -
     if selection is not None:
         init = metrics.get("selection_kl_init", metrics.get("heldout_kl_init"))
         init_text = f" (after k-means: {_num(init)})" if init is not None else ""
-        lines.append("| selection KL to full precision (calibration selection sequences) | "
-                     f"{_num(selection)}{init_text} |")
+        lines.append(
+            f"| selection KL to full precision (calibration selection sequences) | {_num(selection)}{init_text} |"
+        )
     lines += [
-        "", "## Load", "", "```python",
+        "",
+        "## Load",
+        "",
+        "```python",
         "from huggingface_hub import snapshot_download",
-        "from loopvq_calib import load_bundle", "",
-        "path = snapshot_download(\"<this repo id>\")  # or a local bundle folder",
+        "from loopvq_calib import load_bundle",
+        "",
+        'path = snapshot_download("<this repo id>")  # or a local bundle folder',
         f"bundle = load_bundle(path, model={_python(ident['name'])})  # checks checksums and the model identity",
         f"codec = bundle.quantizer.codecs[{_python(meta['blocks'][0]['key'])}]  # one (kind, block)",
         "codes = codec.encode(x)        # x [N, block steps, H, D] pre-RoPE, fp32",
-        "x_hat = codec.decode(codes)    # apply RoPE afterwards for keys", "```", "",
-        "## Serving defaults", "",
+        "x_hat = codec.decode(codes)    # apply RoPE afterwards for keys",
+        "```",
+        "",
+        "## Serving defaults",
+        "",
         f"- sink tokens kept in full precision: {serving['sink_tokens']}",
         f"- recent window kept in full precision: {serving['recent_window']} tokens",
-        f"- page size (tokens encoded together once they leave the window): {serving['page_size']}", "",
+        f"- page size (tokens encoded together once they leave the window): {serving['page_size']}",
+        "",
         "The file format (tensor names, group layout, encoder/decoder rules) is specified in loopvq-calib's "
-        "docs/bundle-format.md.", "",
+        "docs/bundle-format.md.",
+        "",
     ]
     if evaluation:
         lines += evaluation["markdown"]
@@ -153,35 +177,66 @@ def _evaluation(report: dict[str, Any], row: dict[str, Any], name: str) -> dict[
     serving = (entry or {}).get("serving")
     where = "" if serving is None else " (sinks {sink_tokens}, recent window {recent_window})".format(**serving)
     results = [
-        EvalResult(task_type="text-generation", dataset_type="loopvq-eval", dataset_name=str(data), metric_type="kl",
-                   metric_name="evaluation KL to full precision", metric_value=round(float(kl), 6)),
-        EvalResult(task_type="text-generation", dataset_type="loopvq-eval", dataset_name=str(data),
-                   metric_type="perplexity", metric_name="perplexity (quantized cache)",
-                   metric_value=round(float(row["ppl_quantized"]), 4)),
+        EvalResult(
+            task_type="text-generation",
+            dataset_type="loopvq-eval",
+            dataset_name=str(data),
+            metric_type="kl",
+            metric_name="evaluation KL to full precision",
+            metric_value=round(float(kl), 6),
+        ),
+        EvalResult(
+            task_type="text-generation",
+            dataset_type="loopvq-eval",
+            dataset_name=str(data),
+            metric_type="perplexity",
+            metric_name="perplexity (quantized cache)",
+            metric_value=round(float(row["ppl_quantized"]), 4),
+        ),
     ]
-    table = [("evaluation KL", str(data), _num(float(kl)), "0"),
-             ("perplexity", str(data), _num(float(row["ppl_quantized"])), _num(float(row["ppl_fp"])))]
+    table = [
+        ("evaluation KL", str(data), _num(float(kl)), "0"),
+        ("perplexity", str(data), _num(float(row["ppl_quantized"])), _num(float(row["ppl_fp"]))),
+    ]
     ref = served.get("reference")
     scores = (served.get("tasks") or {}).get("scores") or {}
     for task, metrics in sorted((scores.get(name) or {}).items()):
         for metric, value in metrics.items():
-            results.append(EvalResult(task_type="text-generation", dataset_type=task, dataset_name=task,
-                                      metric_type=metric.split(",")[0], metric_name=f"{metric}{where}",
-                                      metric_value=round(value, 6)))
+            results.append(
+                EvalResult(
+                    task_type="text-generation",
+                    dataset_type=task,
+                    dataset_name=task,
+                    metric_type=metric.split(",")[0],
+                    metric_name=f"{metric}{where}",
+                    metric_value=round(value, 6),
+                )
+            )
             fp = (scores.get(ref) or {}).get(task, {}).get(metric)
             table.append((metric, task, _num(value), _num(fp) if fp is not None else "n/a"))
     accuracy = (served.get("passkey") or {}).get("accuracy") or {}
     for n, acc in (accuracy.get(name) or {}).items():
-        results.append(EvalResult(task_type="text-generation", dataset_type="passkey",
-                                  dataset_name=f"passkey {n} tokens", metric_type="accuracy",
-                                  metric_name=f"passkey retrieval{where}", metric_value=acc))
+        results.append(
+            EvalResult(
+                task_type="text-generation",
+                dataset_type="passkey",
+                dataset_name=f"passkey {n} tokens",
+                metric_type="accuracy",
+                metric_name=f"passkey retrieval{where}",
+                metric_value=acc,
+            )
+        )
         fp = (accuracy.get(ref) or {}).get(n)
         table.append(("passkey accuracy", f"{n} tokens", _num(acc), _num(fp) if fp is not None else "n/a"))
-    lines = ["## Evaluation", "",
-             f"Measured by `loopvq-eval` on {_code(report.get('model'))} ({_code(report.get('dtype'))}){where}; the "
-             f"evaluation KL is on text the calibration never saw.", "",
-             f"| metric | data / task | this bundle | {_code(ref, cell=True) if ref else 'full precision'} |",
-             "|---|---|---|---|"]
+    lines = [
+        "## Evaluation",
+        "",
+        f"Measured by `loopvq-eval` on {_code(report.get('model'))} ({_code(report.get('dtype'))}){where}; the "
+        f"evaluation KL is on text the calibration never saw.",
+        "",
+        f"| metric | data / task | this bundle | {_code(ref, cell=True) if ref else 'full precision'} |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {_text(m)} | {_code(d, cell=True)} | {v} | {f} |" for m, d, v, f in table] + [""]
     return {"results": results, "markdown": lines}
 
@@ -201,12 +256,18 @@ def report_identity(meta: dict[str, Any]) -> dict[str, Any]:
     """What a ``loopvq-eval`` report row records of the bundle it measured, as this bundle's ``loopvq.json``
     says: the sha256 of its codebooks, its settings, serving defaults and calibration metrics."""
     metrics = meta["metrics"]
-    return {"codebooks_sha256": meta["files"][TENSOR_FILE]["sha256"], "method": meta["method"],
-            "codebook_size": meta["codebook_size"], "group_size": meta["group_size"],
-            "steps_per_block": meta["steps_per_block"], "bits": meta["bits"], "serving": meta["serving"],
-            "sink_tokens": meta["serving"]["sink_tokens"],
-            "selection_kl": metrics.get("selection_kl", metrics.get("heldout_kl")),
-            "finetune_curve": metrics.get("finetune_curve")}
+    return {
+        "codebooks_sha256": meta["files"][TENSOR_FILE]["sha256"],
+        "method": meta["method"],
+        "codebook_size": meta["codebook_size"],
+        "group_size": meta["group_size"],
+        "steps_per_block": meta["steps_per_block"],
+        "bits": meta["bits"],
+        "serving": meta["serving"],
+        "sink_tokens": meta["serving"]["sink_tokens"],
+        "selection_kl": metrics.get("selection_kl", metrics.get("heldout_kl")),
+        "finetune_curve": metrics.get("finetune_curve"),
+    }
 
 
 def check_report_row(row: dict[str, Any], meta: dict[str, Any], source: str) -> None:
@@ -216,12 +277,16 @@ def check_report_row(row: dict[str, Any], meta: dict[str, Any], source: str) -> 
     for field, want in report_identity(meta).items():
         names = [n for n in aliases.get(field, (field,)) if n in row]
         if not names:
-            raise EvalReportError(f"{source}: the row of bundle {shown(meta['name'])} records no {field}, so it "
-                                  "cannot be matched to this bundle; run loopvq-eval on it again")
+            raise EvalReportError(
+                f"{source}: the row of bundle {shown(meta['name'])} records no {field}, so it "
+                "cannot be matched to this bundle; run loopvq-eval on it again"
+            )
         got = row[names[0]]
         if not _same(got, want):
-            raise EvalReportError(f"{source}: the report measured another bundle named {shown(meta['name'])}: its "
-                                  f"{names[0]} is {_short(got)}, this bundle's is {_short(want)}")
+            raise EvalReportError(
+                f"{source}: the report measured another bundle named {shown(meta['name'])}: its "
+                f"{names[0]} is {_short(got)}, this bundle's is {_short(want)}"
+            )
 
 
 def _same(a: Any, b: Any) -> bool:

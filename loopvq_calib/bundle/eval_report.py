@@ -24,9 +24,11 @@ class EvalReportError(ValueError):
 def read_eval_report(report_path: str | Path) -> dict[str, Any]:
     """A ``loopvq-eval`` report.json (or its folder) as a dict, parsed strictly and its shape checked."""
     file = report_file(report_path)
-    data = read_capped(file, "evaluation report",
-                       error=lambda problem: EvalReportError(f"--eval-report: cannot read an evaluation report: "
-                                                             f"{cut(problem, 300)}"))
+    data = read_capped(
+        file,
+        "evaluation report",
+        error=lambda problem: EvalReportError(f"--eval-report: cannot read an evaluation report: {cut(problem, 300)}"),
+    )
     try:
         report = strict_json(data, file)
     except BundleError as err:
@@ -83,11 +85,19 @@ def _check_served(served: dict[str, Any], source: str) -> None:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 _refuse(source, f"{where}.serving.{key}", f"is {shown(value)}, not a non-negative integer")
     tasks = _get(served, "tasks", (dict, _NONE), "served.tasks", source) or {}
-    _numbers(_get(tasks, "scores", (dict, _NONE), "served.tasks.scores", source) or {}, "served.tasks.scores",
-             source, levels=3)
+    _numbers(
+        _get(tasks, "scores", (dict, _NONE), "served.tasks.scores", source) or {},
+        "served.tasks.scores",
+        source,
+        levels=3,
+    )
     passkey = _get(served, "passkey", (dict, _NONE), "served.passkey", source) or {}
-    _numbers(_get(passkey, "accuracy", (dict, _NONE), "served.passkey.accuracy", source) or {},
-             "served.passkey.accuracy", source, levels=2)
+    _numbers(
+        _get(passkey, "accuracy", (dict, _NONE), "served.passkey.accuracy", source) or {},
+        "served.passkey.accuracy",
+        source,
+        levels=2,
+    )
 
 
 def kl_key(row: dict[str, Any]) -> str:
@@ -101,12 +111,13 @@ def bundle_row(report: dict[str, Any], name: str, source: str) -> dict[str, Any]
     found = [(i, r) for i, r in enumerate(report["bundles"]) if not r.get("baseline") and r["name"] == name]
     if not found:
         names = ", ".join(sorted({r["name"] for r in report["bundles"] if not r.get("baseline")}))
-        raise EvalReportError(f"{source}: no bundle named {shown(name)} (the report has: "
-                              f"{cut(names, 200) or 'none'})")
+        raise EvalReportError(f"{source}: no bundle named {shown(name)} (the report has: {cut(names, 200) or 'none'})")
     if len(found) > 1:
-        raise EvalReportError(f"{source}: {len(found)} rows (bundles[{found[0][0]}], bundles[{found[1][0]}]) measured "
-                              f"a bundle named {shown(name)}, so which one measured this bundle is unknown; evaluate "
-                              "the bundle on its own and attach that report")
+        raise EvalReportError(
+            f"{source}: {len(found)} rows (bundles[{found[0][0]}], bundles[{found[1][0]}]) measured "
+            f"a bundle named {shown(name)}, so which one measured this bundle is unknown; evaluate "
+            "the bundle on its own and attach that report"
+        )
     index, row = found[0]
     for key in (kl_key(row), "ppl_quantized", "ppl_fp"):
         if key not in row:
@@ -115,8 +126,9 @@ def bundle_row(report: dict[str, Any], name: str, source: str) -> dict[str, Any]
     return row
 
 
-def _get(obj: dict[str, Any], key: str, kinds: tuple[type, ...], field: str, source: str, *,
-         required: bool = False) -> Any:
+def _get(
+    obj: dict[str, Any], key: str, kinds: tuple[type, ...], field: str, source: str, *, required: bool = False
+) -> Any:
     """``obj[key]`` when it is one of ``kinds`` (absent: None, or refused when ``required``)."""
     if key not in obj:
         if required:
@@ -145,5 +157,7 @@ def _finite(value: Any, field: str, source: str) -> None:
 
 
 def _refuse(source: str, field: str, problem: str) -> NoReturn:
-    raise EvalReportError(f"{source}: field {cut(field, FIELD_CHARS)} {problem}; a report loopvq-eval wrote has "
-                          "it (run loopvq-eval again)")
+    raise EvalReportError(
+        f"{source}: field {cut(field, FIELD_CHARS)} {problem}; a report loopvq-eval wrote has "
+        "it (run loopvq-eval again)"
+    )

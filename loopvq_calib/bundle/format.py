@@ -49,7 +49,7 @@ def meta_checksum(data: bytes) -> str | None:
     found = list(_META_SUM.finditer(data))
     if len(found) != 1:
         return None
-    return hashlib.sha256(data[:found[0].start(1)] + b"0" * 64 + data[found[0].end(1):]).hexdigest()
+    return hashlib.sha256(data[: found[0].start(1)] + b"0" * 64 + data[found[0].end(1) :]).hexdigest()
 
 
 def meta_bytes(meta: dict[str, Any]) -> bytes:
@@ -102,8 +102,10 @@ def _plain(value: Any, field: str, file: Path) -> Any:
     if isinstance(value, LongNumber):
         raise BundleError(f"{file}: field {cut(field, FIELD_CHARS) or '(top level)'} is {value.describe()}")
     if isinstance(value, _NonFinite):
-        raise BundleError(f"{file}: field {cut(field, FIELD_CHARS) or '(top level)'} is a bare {value}, which is not "
-                          "JSON (a writer stores non-finite numbers as the strings \"nan\", \"inf\", \"-inf\")")
+        raise BundleError(
+            f"{file}: field {cut(field, FIELD_CHARS) or '(top level)'} is a bare {value}, which is not "
+            'JSON (a writer stores non-finite numbers as the strings "nan", "inf", "-inf")'
+        )
     if isinstance(value, _Object):
         if value.duplicates:
             name = f"{field}.{value.duplicates[0]}" if field else value.duplicates[0]
@@ -182,14 +184,18 @@ def bundle_file(root: Path, name: str, *, blobs: Path | None = None) -> Path:
         except FileNotFoundError:
             raise BundleError(f"{path}: missing (listed in {META_FILE})") from None
         except OSError as err:  # a name the file system refuses, a folder it may not read
-            raise BundleError(f"{root / META_FILE}: files entry {shown(name)} cannot be looked up "
-                              f"({err.strerror or type(err).__name__})") from None
+            raise BundleError(
+                f"{root / META_FILE}: files entry {shown(name)} cannot be looked up "
+                f"({err.strerror or type(err).__name__})"
+            ) from None
         last = i == len(parts) - 1
         if stat.S_ISLNK(mode):
             target = path.resolve()
             if not last or blobs is None or target.parent != blobs.resolve():
-                raise BundleError(f"{path}: files entry {shown(name)} is or passes through a symbolic link (a bundle's "
-                                  "files are regular files inside its folder)")
+                raise BundleError(
+                    f"{path}: files entry {shown(name)} is or passes through a symbolic link (a bundle's "
+                    "files are regular files inside its folder)"
+                )
             mode = target.stat().st_mode
         if not last and not stat.S_ISDIR(mode):
             raise BundleError(f"{path}: files entry {shown(name)} passes through something that is not a folder")
@@ -205,8 +211,9 @@ def read_bundle_file(root: Path, name: str) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError as err:  # replaced by a symlink since the check (ELOOP), or removed
-        raise BundleError(f"{path}: files entry {shown(name)} cannot be opened as a regular file "
-                          f"({err.strerror or err})") from err
+        raise BundleError(
+            f"{path}: files entry {shown(name)} cannot be opened as a regular file ({err.strerror or err})"
+        ) from err
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise BundleError(f"{path}: files entry {shown(name)} is not a regular file")

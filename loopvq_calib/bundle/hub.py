@@ -9,11 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, HfApi
-from huggingface_hub.errors import (
-    HfHubHTTPError,
-    HFValidationError,
-    OfflineModeIsEnabled,
-)
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 from huggingface_hub.utils import validate_repo_id
 
 from ..models.loading import hub_offline
@@ -54,23 +50,32 @@ def upload_plan(path: str | Path, attachment: EvalAttachment | None = None) -> l
     replaced: dict[str, bytes] = {}
     if attachment is not None:
         if meta_data != attachment.replaces:
-            raise EvalReportError(f"{path / META_FILE}: changed since the evaluation report was prepared; attach "
-                                  "it again")
+            raise EvalReportError(
+                f"{path / META_FILE}: changed since the evaluation report was prepared; attach it again"
+            )
         meta_data, replaced = attachment.meta, {CARD_FILE: attachment.card}
     files = strict_json(meta_data, path / META_FILE)["files"]
     uploads = [Upload(META_FILE, meta_data)]
     for name in sorted(files):
         data = replaced[name] if name in replaced else read_bundle_file(path, name)
         if len(data) != files[name]["bytes"] or hashlib.sha256(data).hexdigest() != files[name]["sha256"]:
-            raise BundleError(f"{path / name}: changed while the push read it (size or sha256 differs from "
-                              f"{META_FILE})")
+            raise BundleError(
+                f"{path / name}: changed while the push read it (size or sha256 differs from {META_FILE})"
+            )
         uploads.append(Upload(name, data))
     return sorted(uploads, key=lambda u: u.name)
 
 
-def push_bundle(path: str | Path, repo_id: str, private: bool = False, *, dry_run: bool = False,
-                token: str | None = None, revision: str | None = None,
-                attachment: EvalAttachment | None = None) -> list[str]:
+def push_bundle(
+    path: str | Path,
+    repo_id: str,
+    private: bool = False,
+    *,
+    dry_run: bool = False,
+    token: str | None = None,
+    revision: str | None = None,
+    attachment: EvalAttachment | None = None,
+) -> list[str]:
     """Validate the bundle, then send exactly :func:`upload_plan`'s files to the model repo ``repo_id``
     (created if needed) as one commit (``HfApi.create_commit``, one ``CommitOperationAdd`` per file).
 
@@ -93,23 +98,31 @@ def push_bundle(path: str | Path, repo_id: str, private: bool = False, *, dry_ru
     if dry_run:
         return files
     if hub_offline():
-        raise PushError(f"cannot push {path} to {repo_id}: offline mode is on (HF_HUB_OFFLINE="
-                        f"{os.environ['HF_HUB_OFFLINE']}); unset it on a machine with network access")
+        raise PushError(
+            f"cannot push {path} to {repo_id}: offline mode is on (HF_HUB_OFFLINE="
+            f"{os.environ['HF_HUB_OFFLINE']}); unset it on a machine with network access"
+        )
     api = HfApi(token=token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
         if revision is not None:
             api.create_branch(repo_id, branch=revision, exist_ok=True)
-        api.create_commit(repo_id, [CommitOperationAdd(path_in_repo=u.name, path_or_fileobj=u.data) for u in uploads],
-                          commit_message=f"Upload LoopVQ bundle {path.name}", revision=revision)
+        api.create_commit(
+            repo_id,
+            [CommitOperationAdd(path_in_repo=u.name, path_or_fileobj=u.data) for u in uploads],
+            commit_message=f"Upload LoopVQ bundle {path.name}",
+            revision=revision,
+        )
     except Exception as err:  # hub, HTTP and connection errors all end the push the same way
         raise PushError(_explain(err, path, repo_id)) from err
     if attachment is not None:
         try:
             write_eval_report(path, attachment)
         except (OSError, BundleError, EvalReportError) as err:
-            raise PushError(f"pushed {path} to {repo_id}, but writing the new {CARD_FILE} and {META_FILE} into the "
-                            f"folder failed ({err})") from err
+            raise PushError(
+                f"pushed {path} to {repo_id}, but writing the new {CARD_FILE} and {META_FILE} into the "
+                f"folder failed ({err})"
+            ) from err
     return files
 
 
@@ -119,8 +132,10 @@ def _explain(err: Exception, path: Path, repo_id: str) -> str:
         return f"{base}: huggingface_hub is in offline mode (HF_HUB_OFFLINE); unset it on a machine with network access"
     status = getattr(getattr(err, "response", None), "status_code", None)
     if isinstance(err, HfHubHTTPError) and status in (401, 403):
-        return (f"{base}: not authorised (HTTP {status}); set HF_TOKEN or run `hf auth login` with a token that "
-                f"can write to {repo_id.split('/')[0]}")
+        return (
+            f"{base}: not authorised (HTTP {status}); set HF_TOKEN or run `hf auth login` with a token that "
+            f"can write to {repo_id.split('/')[0]}"
+        )
     if isinstance(err, HfHubHTTPError) and status is not None:
         return f"{base}: the hub answered HTTP {status}: {err}"
     return f"{base}: could not reach the Hugging Face Hub ({type(err).__name__}: {err})"

@@ -16,13 +16,7 @@ from safetensors import safe_open
 from ..codes.layouts import BlockLayout, channel_sets
 from ..codes.quantizer import KVQuantizer
 from ..config.source import looks_local, shown
-from ..models.loading import (
-    ModelIdentity,
-    ModelLoadError,
-    hub_snapshot,
-    model_identity,
-    resolve_model_dir,
-)
+from ..models.loading import ModelIdentity, ModelLoadError, hub_snapshot, model_identity, resolve_model_dir
 from ..runtime.input_files import read_capped
 from .format import (
     META_FILE,
@@ -76,8 +70,12 @@ def load_bundle(path: str | Path, model: str | Path | None = None, identity: Mod
         _check_identity(path, meta, _folder_identity(meta, model), what=f"model {model}")
     if identity is not None:
         _check_identity(path, meta, identity.to_dict(), what=f"model identity {identity.name}")
-    kv = {**meta["kv_layout"], "rope_style": meta["rope"]["style"], "rope_theta": meta["rope"]["theta"],
-          "sites": [{k: s[k] for k in SITE_FIELDS} for s in meta["kv_layout"]["sites"]]}  # unknown fields ignored
+    kv = {
+        **meta["kv_layout"],
+        "rope_style": meta["rope"]["style"],
+        "rope_theta": meta["rope"]["theta"],
+        "sites": [{k: s[k] for k in SITE_FIELDS} for s in meta["kv_layout"]["sites"]],
+    }  # unknown fields ignored
     return Bundle(path, meta, KVQuantizer.from_tensors({**meta, "kv_layout": kv}, tensors, torch.float32))
 
 
@@ -115,8 +113,10 @@ def _read_meta(path: Path, blobs: Path | None) -> dict[str, Any]:
     if "meta_sha256" in meta:  # since format 1.1; older bundles have no metadata checksum
         got = meta_checksum(data)
         if got is None or got != meta["meta_sha256"]:
-            raise BundleError(f"{file}: metadata checksum mismatch (field meta_sha256): the file was edited after "
-                              "it was written; restore the original or calibrate again")
+            raise BundleError(
+                f"{file}: metadata checksum mismatch (field meta_sha256): the file was edited after "
+                "it was written; restore the original or calibrate again"
+            )
     check_meta(meta, file)
     return meta
 
@@ -131,11 +131,15 @@ def _check_files(path: Path, meta: dict[str, Any], blobs: Path | None) -> None:
         file = bundle_file(path, name, blobs=blobs)
         actual = file_entry(file)
         if actual["bytes"] != entry["bytes"]:
-            raise BundleError(f"{file}: size mismatch: {actual['bytes']} bytes, {META_FILE} says {entry['bytes']} "
-                              "(truncated or modified)")
+            raise BundleError(
+                f"{file}: size mismatch: {actual['bytes']} bytes, {META_FILE} says {entry['bytes']} "
+                "(truncated or modified)"
+            )
         if actual["sha256"] != entry["sha256"]:
-            raise BundleError(f"{file}: checksum mismatch: sha256 {actual['sha256']}, {META_FILE} says "
-                              f"{entry['sha256']} (corrupted or modified)")
+            raise BundleError(
+                f"{file}: checksum mismatch: sha256 {actual['sha256']}, {META_FILE} says "
+                f"{entry['sha256']} (corrupted or modified)"
+            )
 
 
 def _read_tensors(file: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -151,17 +155,25 @@ def _read_tensors(file: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
         raise BundleError(f"{file}: safetensors metadata format is {shown(header.get('format'))}, expected 'loopvq'")
     version = header.get("format_version")
     if version is not None and version != meta["format_version"]:
-        raise BundleError(f"{file}: safetensors metadata format_version {shown(version)} differs from field "
-                          f"format_version {shown(meta['format_version'])} of {META_FILE} (one bundle, one version)")
+        raise BundleError(
+            f"{file}: safetensors metadata format_version {shown(version)} differs from field "
+            f"format_version {shown(meta['format_version'])} of {META_FILE} (one bundle, one version)"
+        )
     return tensors
 
 
-def _check_tensors(file: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
-                   expected: dict[str, tuple[list[int], torch.dtype, str]]) -> None:
+def _check_tensors(
+    file: Path,
+    meta: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    expected: dict[str, tuple[list[int], torch.dtype, str]],
+) -> None:
     missing = sorted(set(expected) - set(tensors))
     if missing:
-        raise BundleError(f"{file}: tensor {missing[0]!r} (block {expected[missing[0]][2]!r}) is missing"
-                          + (f", and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        raise BundleError(
+            f"{file}: tensor {missing[0]!r} (block {expected[missing[0]][2]!r}) is missing"
+            + (f", and {len(missing) - 1} more" if len(missing) > 1 else "")
+        )
     extra = sorted(set(tensors) - set(expected))
     if extra:
         raise BundleError(f"{file}: tensors not described by {META_FILE} blocks: {', '.join(extra)}")
@@ -178,16 +190,24 @@ def _check_tensors(file: Path, meta: dict[str, Any], tensors: dict[str, torch.Te
     style = meta["rope"]["style"]
     for b in meta["blocks"]:
         groups = tensors[f"{b['key']}.groups"].long()
-        layout = BlockLayout(b["name"], b["kind"], tuple(b["sites"]), meta["kv_layout"]["head_dim"],
-                             meta["kv_layout"]["kv_heads"], groups)
+        layout = BlockLayout(
+            b["name"],
+            b["kind"],
+            tuple(b["sites"]),
+            meta["kv_layout"]["head_dim"],
+            meta["kv_layout"]["kv_heads"],
+            groups,
+        )
         try:
             layout.check()
         except ValueError as err:
             raise BundleError(f"{file}: tensor '{b['key']}.groups': {err}") from err
         if "grouping" in b and channel_sets(layout, style) is None:
-            raise BundleError(f"{file}: block {shown(b['key'])}: field grouping is 'channels', but tensor "
-                              f"'{b['key']}.groups' does not hold the same channels, whole RoPE pairs ({style}), at "
-                              "every step of the block")
+            raise BundleError(
+                f"{file}: block {shown(b['key'])}: field grouping is 'channels', but tensor "
+                f"'{b['key']}.groups' does not hold the same channels, whole RoPE pairs ({style}), at "
+                "every step of the block"
+            )
 
 
 def _folder_identity(meta: dict[str, Any], model: str | Path) -> dict[str, Any]:
@@ -205,8 +225,10 @@ def _check_identity(path: Path, meta: dict[str, Any], actual: dict[str, Any], *,
     if stored.get("model_type") != actual.get("model_type"):
         diffs.append(f"model_type {stored.get('model_type')!r} vs {actual.get('model_type')!r}")
     if stored.get("config_sha256") != actual.get("config_sha256"):
-        diffs.append(f"config.json sha256 {str(stored.get('config_sha256'))[:12]}... vs "
-                     f"{str(actual.get('config_sha256'))[:12]}...")
+        diffs.append(
+            f"config.json sha256 {str(stored.get('config_sha256'))[:12]}... vs "
+            f"{str(actual.get('config_sha256'))[:12]}..."
+        )
     want = {w["file"]: w for w in stored.get("weights", [])}
     have = {w["file"]: w for w in actual.get("weights", [])}
     for name in sorted(set(want) | set(have)):
@@ -219,8 +241,10 @@ def _check_identity(path: Path, meta: dict[str, Any], actual: dict[str, Any], *,
             if fields or not {"bytes", "header_sha256"} <= set(want[name]) & set(have[name]):
                 diffs.append(f"weight file {name} differs in {', '.join(fields) or 'its description'}")
     if diffs:
-        raise BundleError(f"{path}: calibrated for {stored.get('name')!r} (revision {stored.get('revision')!r}); "
-                          f"{what} differs: " + "; ".join(diffs))
+        raise BundleError(
+            f"{path}: calibrated for {stored.get('name')!r} (revision {stored.get('revision')!r}); "
+            f"{what} differs: " + "; ".join(diffs)
+        )
 
 
 # -- summary -----------------------------------------------------------------------------------------
@@ -233,8 +257,14 @@ def inspect_bundle(path: str | Path) -> str:
     n_codebooks = sum(c.codebook.shape[0] * c.codebook.shape[1] for c in q.codecs.values())
     shapes: dict[tuple, list[str]] = {}
     for blk in m["blocks"]:
-        sig = (blk["kind"], tuple(blk["codebook_shape"]), tuple(blk["groups_shape"]), len(blk["sites"]),
-               blk["tasq"], blk.get("grouping"))
+        sig = (
+            blk["kind"],
+            tuple(blk["codebook_shape"]),
+            tuple(blk["groups_shape"]),
+            len(blk["sites"]),
+            blk["tasq"],
+            blk.get("grouping"),
+        )
         shapes.setdefault(sig, []).append(blk["name"])
     lines = [
         f"bundle      {m['name']}  ({b.path})",
@@ -252,8 +282,10 @@ def inspect_bundle(path: str | Path) -> str:
     ]
     for (kind, cb, gs, steps, tasq, grouping), names in shapes.items():
         extra = (" +tasq" if tasq else "") + (f" grouping={grouping}" if grouping else "")
-        lines.append(f"  {kind:<5} x{len(names):<3} steps {steps}  codebook {list(cb)}  groups {list(gs)}{extra}"
-                     f"  ({names[0]}{', ...' if len(names) > 1 else ''})")
+        lines.append(
+            f"  {kind:<5} x{len(names):<3} steps {steps}  codebook {list(cb)}  groups {list(gs)}{extra}"
+            f"  ({names[0]}{', ...' if len(names) > 1 else ''})"
+        )
     lines += [
         f"model       {ident['name']}  revision {ident['revision']}  type {ident['model_type']}",
         f"            config sha256 {ident['config_sha256'][:16]}  weights sha256 {ident['weights_sha256'][:16]} "

@@ -28,18 +28,50 @@ ROPE_STYLES = ("half", "interleaved")
 STAGES = ("loop", "prelude", "coda")
 _NUMBER = (int, float)
 _REQUIRED: dict[str, type | tuple[type, ...]] = {  # section 2: all present in 1.0
-    "format": str, "producer": dict, "created": str, "name": str, "method": str, "bits": dict, "bits_detail": dict,
-    "codebook_size": int, "group_size": int, "steps_per_block": int, "codebook_sharing": str,
-    "codebook_dtype": str, "index_dtype": str, "codebook_bytes": int, "model": dict, "kv_layout": dict,
-    "rope": dict, "serving": dict, "sigma_rule": str, "blocks": list, "calibration": dict, "metrics": dict,
-    "config": dict, "files": dict,
+    "format": str,
+    "producer": dict,
+    "created": str,
+    "name": str,
+    "method": str,
+    "bits": dict,
+    "bits_detail": dict,
+    "codebook_size": int,
+    "group_size": int,
+    "steps_per_block": int,
+    "codebook_sharing": str,
+    "codebook_dtype": str,
+    "index_dtype": str,
+    "codebook_bytes": int,
+    "model": dict,
+    "kv_layout": dict,
+    "rope": dict,
+    "serving": dict,
+    "sigma_rule": str,
+    "blocks": list,
+    "calibration": dict,
+    "metrics": dict,
+    "config": dict,
+    "files": dict,
 }
-_REQUIRED_MODEL = {"name": str, "revision": (str, type(None)), "model_type": str, "config_sha256": str,
-                   "weights_sha256": str, "weights": list}
+_REQUIRED_MODEL = {
+    "name": str,
+    "revision": (str, type(None)),
+    "model_type": str,
+    "config_sha256": str,
+    "weights_sha256": str,
+    "weights": list,
+}
 _REQUIRED_KV = {"model_type": str, "loop_steps": int, "kv_heads": int, "head_dim": int, "sites": list}
 SITE_FIELDS = {"site": int, "step": int, "layer": int, "looped": bool, "stage": str}
-_REQUIRED_BLOCK = {"key": str, "kind": str, "name": str, "sites": list, "codebook_shape": list,
-                   "groups_shape": list, "tasq": bool}
+_REQUIRED_BLOCK = {
+    "key": str,
+    "kind": str,
+    "name": str,
+    "sites": list,
+    "codebook_shape": list,
+    "groups_shape": list,
+    "tasq": bool,
+}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _VERSION = re.compile(r"([0-9]{1,9})\.([0-9]{1,9})")
 _CREATED = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?Z")
@@ -52,8 +84,10 @@ def check_version(meta: dict[str, Any], file: Path) -> None:
     if found is None:
         raise BundleError(f"{file}: field format_version is missing or not 'major.minor' (got {shown(version)})")
     if int(found.group(1)) != int(FORMAT_VERSION.split(".")[0]):
-        raise BundleError(f"{file}: format_version {version} is not supported; this reader supports "
-                          f"{FORMAT_VERSION.split('.')[0]}.x (any minor version)")
+        raise BundleError(
+            f"{file}: format_version {version} is not supported; this reader supports "
+            f"{FORMAT_VERSION.split('.')[0]}.x (any minor version)"
+        )
 
 
 def check_meta(meta: dict[str, Any], file: Path) -> None:
@@ -62,10 +96,15 @@ def check_meta(meta: dict[str, Any], file: Path) -> None:
     _require(meta, _REQUIRED, file, prefix="")
     if meta["format"] != "loopvq":
         raise BundleError(f"{file}: field format is {shown(meta['format'])}, expected 'loopvq'")
-    for key, spec in (("producer", {"name": str, "version": str}), ("bits", {"key": _NUMBER, "value": _NUMBER}),
-                      ("bits_detail", {"index": _NUMBER, "key_sigma": _NUMBER}), ("model", _REQUIRED_MODEL),
-                      ("serving", {k: int for k in ("sink_tokens", "recent_window", "page_size")}),
-                      ("rope", {"style": str, "theta": _NUMBER}), ("kv_layout", _REQUIRED_KV)):
+    for key, spec in (
+        ("producer", {"name": str, "version": str}),
+        ("bits", {"key": _NUMBER, "value": _NUMBER}),
+        ("bits_detail", {"index": _NUMBER, "key_sigma": _NUMBER}),
+        ("model", _REQUIRED_MODEL),
+        ("serving", {k: int for k in ("sink_tokens", "recent_window", "page_size")}),
+        ("rope", {"style": str, "theta": _NUMBER}),
+        ("kv_layout", _REQUIRED_KV),
+    ):
         _require(meta[key], spec, file, prefix=f"{key}.")
     for i, site in enumerate(meta["kv_layout"]["sites"]):
         _require(site, SITE_FIELDS, file, prefix=f"kv_layout.sites[{i}].")
@@ -73,8 +112,9 @@ def check_meta(meta: dict[str, Any], file: Path) -> None:
         _require(block, _REQUIRED_BLOCK, file, prefix=f"blocks[{i}].")
         for key in ("sites", "codebook_shape", "groups_shape"):
             if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in block[key]):
-                raise BundleError(f"{file}: field blocks[{i}].{key} must be a list of non-negative integers, "
-                                  f"got {shown(block[key])}")
+                raise BundleError(
+                    f"{file}: field blocks[{i}].{key} must be a list of non-negative integers, got {shown(block[key])}"
+                )
     _check_text(meta, file)
     _check_enums(meta, file)
     _check_sizes(meta, file)
@@ -102,8 +142,11 @@ def _choice(value: Any, allowed: tuple[str, ...], field: str, file: Path) -> Non
 
 def _check_text(meta: dict[str, Any], file: Path) -> None:
     """Names are non-empty; ``created`` is a UTC ISO 8601 time (section 2)."""
-    for field, value in (("name", meta["name"]), ("producer.name", meta["producer"]["name"]),
-                         ("producer.version", meta["producer"]["version"])):
+    for field, value in (
+        ("name", meta["name"]),
+        ("producer.name", meta["producer"]["name"]),
+        ("producer.version", meta["producer"]["version"]),
+    ):
         if not value.strip():
             raise BundleError(f"{file}: field {field} is empty")
     created = meta["created"]
@@ -127,8 +170,10 @@ def _check_enums(meta: dict[str, Any], file: Path) -> None:
         _choice(block["kind"], KINDS, f"blocks[{i}].kind", file)
     want = "uint8" if meta["codebook_size"] <= 256 else "int32"
     if meta["index_dtype"] != want:
-        raise BundleError(f"{file}: field index_dtype is {shown(meta['index_dtype'])}; codebook_size "
-                          f"{meta['codebook_size']} needs {want!r}")
+        raise BundleError(
+            f"{file}: field index_dtype is {shown(meta['index_dtype'])}; codebook_size "
+            f"{meta['codebook_size']} needs {want!r}"
+        )
 
 
 def _check_sizes(meta: dict[str, Any], file: Path) -> None:
@@ -136,23 +181,34 @@ def _check_sizes(meta: dict[str, Any], file: Path) -> None:
     k, kv = meta["codebook_size"], meta["kv_layout"]
     if k < 2 or k & (k - 1):
         raise BundleError(f"{file}: field codebook_size must be a power of two >= 2, got {shown(k)}")
-    for field, value in (("group_size", meta["group_size"]), ("steps_per_block", meta["steps_per_block"]),
-                         ("kv_layout.loop_steps", kv["loop_steps"]), ("kv_layout.kv_heads", kv["kv_heads"])):
+    for field, value in (
+        ("group_size", meta["group_size"]),
+        ("steps_per_block", meta["steps_per_block"]),
+        ("kv_layout.loop_steps", kv["loop_steps"]),
+        ("kv_layout.kv_heads", kv["kv_heads"]),
+    ):
         if value < 1:
             raise BundleError(f"{file}: field {field} must be >= 1, got {shown(value)}")
     if kv["loop_steps"] > MAX_LOOP_STEPS:
-        raise BundleError(f"{file}: field kv_layout.loop_steps is {shown(kv['loop_steps'])}, more loop steps than "
-                          f"this toolkit takes ({MAX_LOOP_STEPS:,})")
+        raise BundleError(
+            f"{file}: field kv_layout.loop_steps is {shown(kv['loop_steps'])}, more loop steps than "
+            f"this toolkit takes ({MAX_LOOP_STEPS:,})"
+        )
     if kv["head_dim"] < 2 or kv["head_dim"] % 2:
-        raise BundleError(f"{file}: field kv_layout.head_dim must be a positive even number (RoPE pairs "
-                          f"channels), got {shown(kv['head_dim'])}")
+        raise BundleError(
+            f"{file}: field kv_layout.head_dim must be a positive even number (RoPE pairs "
+            f"channels), got {shown(kv['head_dim'])}"
+        )
     if kv["loop_steps"] % meta["steps_per_block"]:
-        raise BundleError(f"{file}: field steps_per_block {meta['steps_per_block']} does not divide "
-                          f"kv_layout.loop_steps {kv['loop_steps']}")
+        raise BundleError(
+            f"{file}: field steps_per_block {meta['steps_per_block']} does not divide "
+            f"kv_layout.loop_steps {kv['loop_steps']}"
+        )
     want = get_method(meta["method"]).block_steps(meta["steps_per_block"])
     if meta["steps_per_block"] != want:
-        raise BundleError(f"{file}: field steps_per_block must be {want} for method {meta['method']!r}, got "
-                          f"{meta['steps_per_block']}")
+        raise BundleError(
+            f"{file}: field steps_per_block must be {want} for method {meta['method']!r}, got {meta['steps_per_block']}"
+        )
     theta = meta["rope"]["theta"]
     if not math.isfinite(theta) or theta <= 0:
         raise BundleError(f"{file}: field rope.theta must be a finite number > 0, got {shown(theta)}")
@@ -167,8 +223,9 @@ def _check_serving(serving: dict[str, int], file: Path) -> None:
         raise BundleError(f"{file}: field serving.page_size must be > 0, got {page}")
     for key in ("sink_tokens", "recent_window"):
         if serving[key] < 0 or serving[key] % page:
-            raise BundleError(f"{file}: field serving.{key} must be a non-negative multiple of page_size {page}, "
-                              f"got {serving[key]}")
+            raise BundleError(
+                f"{file}: field serving.{key} must be a non-negative multiple of page_size {page}, got {serving[key]}"
+            )
 
 
 def _check_sites(kv: dict[str, Any], file: Path) -> None:
@@ -182,8 +239,10 @@ def _check_sites(kv: dict[str, Any], file: Path) -> None:
         if s["layer"] < 0:
             raise BundleError(f"{file}: field {field}.layer must be >= 0, got {s['layer']}")
         if s["looped"] != (s["stage"] == "loop"):
-            raise BundleError(f"{file}: field {field}.looped is {s['looped']} but stage is {s['stage']!r} (only "
-                              "loop sites are looped)")
+            raise BundleError(
+                f"{file}: field {field}.looped is {s['looped']} but stage is {s['stage']!r} (only "
+                "loop sites are looped)"
+            )
         top = kv["loop_steps"] if s["looped"] else 1
         if not 0 <= s["step"] < top:
             raise BundleError(f"{file}: field {field}.step {s['step']} is outside 0..{top - 1}")
@@ -205,8 +264,10 @@ def _check_model(model: dict[str, Any], kv: dict[str, Any], file: Path) -> None:
     if model["weights_sha256"] != want:
         raise BundleError(f"{file}: field model.weights_sha256 is not the sha256 of model.weights ({want[:12]}...)")
     if model["model_type"] != kv["model_type"]:
-        raise BundleError(f"{file}: field model.model_type {shown(model['model_type'])} differs from "
-                          f"kv_layout.model_type {shown(kv['model_type'])}")
+        raise BundleError(
+            f"{file}: field model.model_type {shown(model['model_type'])} differs from "
+            f"kv_layout.model_type {shown(kv['model_type'])}"
+        )
 
 
 def _check_files(files: dict[str, Any], file: Path) -> None:
@@ -214,8 +275,9 @@ def _check_files(files: dict[str, Any], file: Path) -> None:
     if TENSOR_FILE not in files:
         raise BundleError(f"{file}: field files does not list {TENSOR_FILE}")
     for name, entry in files.items():
-        problem = file_name_problem(name) or (f"is {META_FILE} itself, which lists the others" if name == META_FILE
-                                              else None)
+        problem = file_name_problem(name) or (
+            f"is {META_FILE} itself, which lists the others" if name == META_FILE else None
+        )
         if problem is not None:
             raise BundleError(f"{file}: files entry {shown(name)} {problem}")
         if not isinstance(entry, dict):
@@ -238,8 +300,11 @@ def _check_bits(meta: dict[str, Any], file: Path) -> None:
         group, key = field.split(".")
         got = meta[group][key]
         if not math.isclose(got, value, rel_tol=1e-6, abs_tol=1e-12):
-            raise BundleError(f"{file}: field {field} is {shown(got)}, but K={k}, G={g}" + (
-                f", TaSQ sigma over H*D={kv['kv_heads'] * kv['head_dim']}" if tasq else "") + f" give {value:.6g}")
+            raise BundleError(
+                f"{file}: field {field} is {shown(got)}, but K={k}, G={g}"
+                + (f", TaSQ sigma over H*D={kv['kv_heads'] * kv['head_dim']}" if tasq else "")
+                + f" give {value:.6g}"
+            )
 
 
 def expected_tensors(meta: dict[str, Any], file: Path) -> dict[str, tuple[list[int], torch.dtype, str]]:
@@ -263,14 +328,18 @@ def expected_tensors(meta: dict[str, Any], file: Path) -> dict[str, tuple[list[i
         covered[b["kind"]] += b["sites"]
         steps, gs = len(b["sites"]), b["groups_shape"]
         if len(gs) != 3 or gs[0] not in (1, h) or gs[2] != meta["group_size"] or gs[1] * gs[2] != steps * d:
-            raise BundleError(f"{where}: field groups_shape {shown(gs)} is not [1 or {h}, n, {meta['group_size']}] "
-                              f"with n*G = {steps}*{d}")
+            raise BundleError(
+                f"{where}: field groups_shape {shown(gs)} is not [1 or {h}, n, {meta['group_size']}] "
+                f"with n*G = {steps}*{d}"
+            )
         groups = torch.zeros(1, dtype=torch.long).expand(gs)  # shape only, nothing allocated
         layout = BlockLayout(b["name"], b["kind"], tuple(b["sites"]), d, h, groups)
         want_cb = list(codebook_shape(layout, meta["codebook_size"], meta["codebook_sharing"]))
         if b["codebook_shape"] != want_cb:
-            raise BundleError(f"{where}: field codebook_shape {shown(b['codebook_shape'])} does not match sharing "
-                              f"{meta['codebook_sharing']!r} (expected {want_cb})")
+            raise BundleError(
+                f"{where}: field codebook_shape {shown(b['codebook_shape'])} does not match sharing "
+                f"{meta['codebook_sharing']!r} (expected {want_cb})"
+            )
         codebook_values += math.prod(want_cb)
         out[f"{key}.codebook"] = (want_cb, TORCH_DTYPES[meta["codebook_dtype"]], key)
         out[f"{key}.groups"] = (gs, torch.int32, key)
@@ -279,12 +348,16 @@ def expected_tensors(meta: dict[str, Any], file: Path) -> dict[str, tuple[list[i
     for kind, ids in covered.items():
         if sorted(ids) != sorted(sites):
             repeated = sorted({s for s in ids if ids.count(s) > 1})
-            raise BundleError(f"{file}: the {kind} blocks must cover every KV site exactly once "
-                              f"(missing {shown(sorted(set(sites) - set(ids)))}, repeated {shown(repeated)})")
+            raise BundleError(
+                f"{file}: the {kind} blocks must cover every KV site exactly once "
+                f"(missing {shown(sorted(set(sites) - set(ids)))}, repeated {shown(repeated)})"
+            )
     want_bytes = codebook_values * TORCH_DTYPES[meta["codebook_dtype"]].itemsize
     if meta["codebook_bytes"] != want_bytes:
-        raise BundleError(f"{file}: field codebook_bytes is {shown(meta['codebook_bytes'])}, but the blocks' codebooks "
-                          f"hold {codebook_values} {meta['codebook_dtype']} values = {want_bytes} bytes")
+        raise BundleError(
+            f"{file}: field codebook_bytes is {shown(meta['codebook_bytes'])}, but the blocks' codebooks "
+            f"hold {codebook_values} {meta['codebook_dtype']} values = {want_bytes} bytes"
+        )
     return out
 
 
@@ -304,8 +377,10 @@ def _check_block_sites(b: dict[str, Any], sites: dict[int, dict[str, Any]], step
     steps = [m["step"] for m in members]
     first = steps[0]
     if len(ids) != steps_per_block or first % steps_per_block or steps != list(range(first, first + len(ids))):
-        raise BundleError(f"{where}: field sites {shown(ids)} (steps {shown(steps)}) are not the {steps_per_block} "
-                          "consecutive loop steps of one block in step order")
+        raise BundleError(
+            f"{where}: field sites {shown(ids)} (steps {shown(steps)}) are not the {steps_per_block} "
+            "consecutive loop steps of one block in step order"
+        )
 
 
 def _check_block_grouping(b: dict[str, Any], where: str) -> None:
@@ -314,8 +389,10 @@ def _check_block_grouping(b: dict[str, Any], where: str) -> None:
     if "grouping" not in b:
         return
     if b["grouping"] != "channels":
-        raise BundleError(f"{where}: field grouping is {shown(b['grouping'])}, not 'channels' (the only value; leave "
-                          "the field out for any other layout)")
+        raise BundleError(
+            f"{where}: field grouping is {shown(b['grouping'])}, not 'channels' (the only value; leave "
+            "the field out for any other layout)"
+        )
     if b["kind"] != "key":
         raise BundleError(f"{where}: field grouping is set on a {b['kind']} block; it describes key layouts only")
 
@@ -329,9 +406,16 @@ def _check_block_tasq(b: dict[str, Any], method: str, where: str) -> None:
         return
     if not get_method(method).tasq_on(b["kind"]):
         tasq_methods = ", ".join(m.name for m in methods() if m.uses_tasq)
-        raise BundleError(f"{where}: field tasq is true, but TaSQ applies to key blocks of methods "
-                          f"{tasq_methods} only (this is a {b['kind']} block of {method!r})")
-    if not isinstance(sigma_min, _NUMBER) or isinstance(sigma_min, bool) or not math.isfinite(sigma_min) \
-            or sigma_min <= 0:
-        raise BundleError(f"{where}: field sigma_min must be a finite number > 0 for a TaSQ block, got "
-                          f"{shown(sigma_min)}")
+        raise BundleError(
+            f"{where}: field tasq is true, but TaSQ applies to key blocks of methods "
+            f"{tasq_methods} only (this is a {b['kind']} block of {method!r})"
+        )
+    if (
+        not isinstance(sigma_min, _NUMBER)
+        or isinstance(sigma_min, bool)
+        or not math.isfinite(sigma_min)
+        or sigma_min <= 0
+    ):
+        raise BundleError(
+            f"{where}: field sigma_min must be a finite number > 0 for a TaSQ block, got {shown(sigma_min)}"
+        )

@@ -26,21 +26,23 @@ from ..models.loading import TORCH_DTYPES, ModelIdentity
 from ..runtime.files import temp_sibling
 from ..runtime.input_files import read_capped
 from .card import model_card
-from .format import (
-    CARD_FILE,
-    FORMAT_VERSION,
-    META_FILE,
-    TENSOR_FILE,
-    file_entry,
-    meta_bytes,
-    written_version,
-)
+from .format import CARD_FILE, FORMAT_VERSION, META_FILE, TENSOR_FILE, file_entry, meta_bytes, written_version
 from .reader import Bundle, BundleError, inspect_bundle, load_bundle
 
 __all__ = [
-    "FORMAT_VERSION", "META_FILE", "TENSOR_FILE", "CARD_FILE", "SIGMA_RULE", "Bundle", "BundleError",
-    "write_bundle", "load_bundle", "inspect_bundle", "safetensors_bytes",
-    "indices_entries", "read_indices",  # stored codes beside a bundle, plain or bit-packed (format 1.1, section 8)
+    "FORMAT_VERSION",
+    "META_FILE",
+    "TENSOR_FILE",
+    "CARD_FILE",
+    "SIGMA_RULE",
+    "Bundle",
+    "BundleError",
+    "write_bundle",
+    "load_bundle",
+    "inspect_bundle",
+    "safetensors_bytes",
+    "indices_entries",
+    "read_indices",  # stored codes beside a bundle, plain or bit-packed (format 1.1, section 8)
 ]
 
 SIGMA_RULE = (
@@ -53,14 +55,24 @@ _TORCH_INDEX = {torch.uint8: "uint8", torch.int32: "int32"}
 
 
 # -- writing -----------------------------------------------------------------------------------------
-def write_bundle(out_dir: Path, quantizer: KVQuantizer, *, name: str, identity: ModelIdentity,
-                 calibration: dict, metrics: dict, serving: ServingConfig, codebook_dtype: str,
-                 config: dict, producer_version: str) -> Path:
+def write_bundle(
+    out_dir: Path,
+    quantizer: KVQuantizer,
+    *,
+    name: str,
+    identity: ModelIdentity,
+    calibration: dict,
+    metrics: dict,
+    serving: ServingConfig,
+    codebook_dtype: str,
+    config: dict,
+    producer_version: str,
+) -> Path:
     """Write a bundle to ``out_dir`` atomically (built in a temporary sibling folder, then renamed).
 
-    An existing bundle (or empty folder) at ``out_dir`` is replaced only once the new one is complete;
-    any other existing folder is refused. ``created`` is SOURCE_DATE_EPOCH when set, else the Unix epoch
-(1970-01-01T00:00:00Z, "not recorded"), so identical runs write byte-identical bundles.
+        An existing bundle (or empty folder) at ``out_dir`` is replaced only once the new one is complete;
+        any other existing folder is refused. ``created`` is SOURCE_DATE_EPOCH when set, else the Unix epoch
+    (1970-01-01T00:00:00Z, "not recorded"), so identical runs write byte-identical bundles.
     """
     out_dir = Path(out_dir)
     if codebook_dtype not in TORCH_DTYPES:
@@ -73,8 +85,17 @@ def write_bundle(out_dir: Path, quantizer: KVQuantizer, *, name: str, identity: 
     tmp = _cleared(temp_sibling(out_dir))
     tmp.mkdir()
     try:
-        meta = _bundle_meta(quantizer, name, identity, calibration=calibration, metrics=metrics, serving=serving,
-                            codebook_dtype=codebook_dtype, config=config, producer_version=producer_version)
+        meta = _bundle_meta(
+            quantizer,
+            name,
+            identity,
+            calibration=calibration,
+            metrics=metrics,
+            serving=serving,
+            codebook_dtype=codebook_dtype,
+            config=config,
+            producer_version=producer_version,
+        )
         _save_tensors(tmp / TENSOR_FILE, quantizer.tensors(TORCH_DTYPES[codebook_dtype]), meta["format_version"])
         (tmp / CARD_FILE).write_text(model_card(meta), encoding="utf-8")
         meta["files"] = {f: file_entry(tmp / f) for f in (TENSOR_FILE, CARD_FILE)}
@@ -99,19 +120,31 @@ def _check_replaceable(out_dir: Path) -> None:
     if not (out_dir / META_FILE).is_file():
         raise BundleError(f"{out_dir} exists and is not a bundle (no {META_FILE}); refusing to replace it")
     try:
-        listed = set(json.loads(read_capped(out_dir / META_FILE, "bundle metadata file", error=BundleError)).get(
-            "files", {}))
+        listed = set(
+            json.loads(read_capped(out_dir / META_FILE, "bundle metadata file", error=BundleError)).get("files", {})
+        )
     except (ValueError, AttributeError):
         listed = set()
     extra = sorted(present - listed - {META_FILE})
     if extra:
-        raise BundleError(f"{out_dir} holds files that are not part of the bundle ({', '.join(extra[:3])}); "
-                          "refusing to replace it (move them out first)")
+        raise BundleError(
+            f"{out_dir} holds files that are not part of the bundle ({', '.join(extra[:3])}); "
+            "refusing to replace it (move them out first)"
+        )
 
 
-
-def _bundle_meta(q: KVQuantizer, name: str, identity: ModelIdentity, *, calibration: dict, metrics: dict,
-                 serving: ServingConfig, codebook_dtype: str, config: dict, producer_version: str) -> dict[str, Any]:
+def _bundle_meta(
+    q: KVQuantizer,
+    name: str,
+    identity: ModelIdentity,
+    *,
+    calibration: dict,
+    metrics: dict,
+    serving: ServingConfig,
+    codebook_dtype: str,
+    config: dict,
+    producer_version: str,
+) -> dict[str, Any]:
     qm = q.meta()
     kv = q.kv.to_dict()
     rope = {"style": kv.pop("rope_style"), "theta": kv.pop("rope_theta")}
@@ -119,19 +152,33 @@ def _bundle_meta(q: KVQuantizer, name: str, identity: ModelIdentity, *, calibrat
     created = datetime.fromtimestamp(int(os.environ.get("SOURCE_DATE_EPOCH") or 0), timezone.utc)
     blocks = [_flagged(block, q, rope["style"]) for block in qm["blocks"]]
     return {
-        "format": "loopvq", "format_version": written_version(blocks),
+        "format": "loopvq",
+        "format_version": written_version(blocks),
         "producer": {"name": "loopvq-calib", "version": producer_version},
-        "created": created.strftime("%Y-%m-%dT%H:%M:%SZ"), "name": name, "method": q.method,
+        "created": created.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "name": name,
+        "method": q.method,
         "bits": q.bits(),
         "bits_detail": {"index": code_bits(q.codebook_size, q.group_size), "key_sigma": key_sigma},
-        "codebook_size": q.codebook_size, "group_size": q.group_size, "steps_per_block": q.steps_per_block,
-        "codebook_sharing": q.sharing, "codebook_dtype": codebook_dtype,
+        "codebook_size": q.codebook_size,
+        "group_size": q.group_size,
+        "steps_per_block": q.steps_per_block,
+        "codebook_sharing": q.sharing,
+        "codebook_dtype": codebook_dtype,
         "index_dtype": _TORCH_INDEX[index_dtype(q.codebook_size)],
         "codebook_bytes": q.codebook_bytes(TORCH_DTYPES[codebook_dtype].itemsize),
-        "model": identity.to_dict(), "kv_layout": kv, "rope": rope,
-        "serving": {"sink_tokens": serving.sink_tokens, "recent_window": serving.recent_window,
-                    "page_size": serving.page_size},
-        "sigma_rule": SIGMA_RULE, "blocks": blocks, "calibration": calibration, "metrics": metrics,
+        "model": identity.to_dict(),
+        "kv_layout": kv,
+        "rope": rope,
+        "serving": {
+            "sink_tokens": serving.sink_tokens,
+            "recent_window": serving.recent_window,
+            "page_size": serving.page_size,
+        },
+        "sigma_rule": SIGMA_RULE,
+        "blocks": blocks,
+        "calibration": calibration,
+        "metrics": metrics,
         "config": config,
     }
 
@@ -154,8 +201,8 @@ def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
         seen.add(t.data_ptr())
     data = save(tensors, metadata=metadata)
     n = struct.unpack("<Q", data[:8])[0]
-    header = json.dumps(json.loads(data[8:8 + n]), separators=(",", ":"), sort_keys=True).encode()
-    return data[:8] + header.ljust(n) + data[8 + n:] if len(header) <= n else data
+    header = json.dumps(json.loads(data[8 : 8 + n]), separators=(",", ":"), sort_keys=True).encode()
+    return data[:8] + header.ljust(n) + data[8 + n :] if len(header) <= n else data
 
 
 def _save_tensors(path: Path, tensors: dict[str, torch.Tensor], version: str) -> None:

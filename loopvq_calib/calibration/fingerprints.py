@@ -33,8 +33,12 @@ class RunFacts:
 
 def run_facts(cfg: Config, model: ModelFacts) -> RunFacts:
     """The run facts of ``cfg``'s run of ``model`` (reads the tokenizer and data files)."""
-    return RunFacts(model_identity=model.identity.to_dict(), loop_steps=model.kv.loop_steps,
-                    tokenizer_files=tokenizer_hash(model.folder), data_sources=source_fingerprint(cfg.data))
+    return RunFacts(
+        model_identity=model.identity.to_dict(),
+        loop_steps=model.kv.loop_steps,
+        tokenizer_files=tokenizer_hash(model.folder),
+        data_sources=source_fingerprint(cfg.data),
+    )
 
 
 def _tasq_settings(cfg: Config) -> dict[str, Any]:

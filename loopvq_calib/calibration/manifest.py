@@ -27,13 +27,17 @@ def read_manifest(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {"stages": {}}
     try:
-        manifest = json.loads(read_capped(path, "run record", error=lambda problem: RunDirError(
-            f"{problem}; {_START_OVER}")).decode("utf-8"))
+        manifest = json.loads(
+            read_capped(path, "run record", error=lambda problem: RunDirError(f"{problem}; {_START_OVER}")).decode(
+                "utf-8"
+            )
+        )
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise RunDirError(f"{path} is not valid JSON ({err}); {_START_OVER}") from err
     except RecursionError:
-        raise RunDirError(f"{path} is nested too deeply to read (no manifest the toolkit writes is); {_START_OVER}"
-                          ) from None
+        raise RunDirError(
+            f"{path} is nested too deeply to read (no manifest the toolkit writes is); {_START_OVER}"
+        ) from None
     except ValueError as err:  # an integer of more digits than Python converts
         raise RunDirError(f"{path} cannot be read ({str(err)[:120]}); {_START_OVER}") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("stages"), dict):
@@ -48,13 +52,21 @@ def _check_stages(path: Path, stages: dict[str, Any]) -> None:
     file there or absent (:func:`check_recorded_files`)."""
     for name, rec in stages.items():
         if not isinstance(rec, dict) or name in ("", ".", "..") or "/" in name:
-            raise RunDirError(f"{path}: stage entry {shown(name)} is not a stage record (a folder name mapped to its "
-                              f"record); {_START_OVER}")
+            raise RunDirError(
+                f"{path}: stage entry {shown(name)} is not a stage record (a folder name mapped to its "
+                f"record); {_START_OVER}"
+            )
         sizes, hashes = rec.get("files", {}), rec.get("sha256", {})
-        if not (isinstance(sizes, dict) and all(type(v) is int for v in sizes.values())
-                and isinstance(hashes, dict) and all(isinstance(v, str) for v in hashes.values())):
-            raise RunDirError(f"{path}: stage {shown(name)} has a 'files' or 'sha256' entry that is not a mapping of "
-                              f"file names to sizes or hashes; {_START_OVER}")
+        if not (
+            isinstance(sizes, dict)
+            and all(type(v) is int for v in sizes.values())
+            and isinstance(hashes, dict)
+            and all(isinstance(v, str) for v in hashes.values())
+        ):
+            raise RunDirError(
+                f"{path}: stage {shown(name)} has a 'files' or 'sha256' entry that is not a mapping of "
+                f"file names to sizes or hashes; {_START_OVER}"
+            )
         check_recorded_files(path.parent, name, {**sizes, **hashes}, source=path)  # each name once
 
 
@@ -69,13 +81,17 @@ def check_recorded_files(root: Path, stage: str, entries: Iterable[str], *, sour
         except FileNotFoundError:
             continue
         except OSError as err:
-            raise RunDirError(f"{source}: stage {shown(stage)} lists {shown(entry)}, which cannot be looked up "
-                              f"({err.strerror}); {_START_OVER}") from None
+            raise RunDirError(
+                f"{source}: stage {shown(stage)} lists {shown(entry)}, which cannot be looked up "
+                f"({err.strerror}); {_START_OVER}"
+            ) from None
         if not stat.S_ISREG(mode):
             what = "a folder" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode) else "not a file"
-            raise RunDirError(f"{source}: stage {shown(stage)} lists {shown(entry)}, which is {what} in "
-                              f"{root / stage}, not a file the toolkit wrote; nothing was deleted: move it out, or "
-                              f"{_START_OVER}")
+            raise RunDirError(
+                f"{source}: stage {shown(stage)} lists {shown(entry)}, which is {what} in "
+                f"{root / stage}, not a file the toolkit wrote; nothing was deleted: move it out, or "
+                f"{_START_OVER}"
+            )
     return [file for _, file in files]
 
 
@@ -97,6 +113,8 @@ def contained(root: Path, stage: str, entry: str, *, source: Path) -> Path:
             why = f"a path that leads out of {root / stage} through a symbolic link"
         except (OSError, RuntimeError):  # a loop of links, a name too long
             why = "a path through a loop of symbolic links, or one the file system refuses"
-    raise RunDirError(f"{source}: stage {shown(stage)} lists {shown(entry)}, {why}; the toolkit reads and deletes only "
-                      "files inside its run directory: restore the manifest, or delete it (and the stage folders) to "
-                      "start the run over")
+    raise RunDirError(
+        f"{source}: stage {shown(stage)} lists {shown(entry)}, {why}; the toolkit reads and deletes only "
+        "files inside its run directory: restore the manifest, or delete it (and the stage folders) to "
+        "start the run over"
+    )

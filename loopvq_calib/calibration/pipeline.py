@@ -54,9 +54,16 @@ class Pipeline:
 
     failed_stage: str | None = None
 
-    def __init__(self, cfg: Config, output: str | Path | None = None, stages: list[str] | None = None,
-                 *, dist: DistContext | None = None, warmup: Warmup | None = None,
-                 table: Sequence[Stage] = STAGES) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        output: str | Path | None = None,
+        stages: list[str] | None = None,
+        *,
+        dist: DistContext | None = None,
+        warmup: Warmup | None = None,
+        table: Sequence[Stage] = STAGES,
+    ) -> None:
         """Check the run (:func:`~loopvq_calib.calibration.preflight.plan_run`: every check that can fail on bad
         input, before anything is written). ``dist``: the run's processes (default: this process under
         ``accelerate launch``). ``warmup``: the background warm-up to add the stages' jobs to (``loopvq-calibrate``
@@ -88,14 +95,19 @@ class Pipeline:
         """The run's log, warnings, config file and the manifest's description of the run."""
         setup_logging(self.run.root)
         if self.run.lock is not None and self.run.lock.previous:
-            log.warning("%s: took over the lock of a run that is no longer running (%s)", self.run.root,
-                        self.run.lock.previous)
+            log.warning(
+                "%s: took over the lock of a run that is no longer running (%s)", self.run.root, self.run.lock.previous
+            )
         if (sized := gpu_sized(self.cfg, self.plan.device)) is not None:
             log.warning(sized)
         write_bytes_atomic(self.run.root / CONFIG_FILE, dump_config(self.cfg).encode())
-        self.run.update(toolkit_version=__version__, config=self.cfg.to_dict(),
-                        model_identity=self.plan.model.identity.to_dict(), processes=self.dist.world,
-                        startup=self.startup)
+        self.run.update(
+            toolkit_version=__version__,
+            config=self.cfg.to_dict(),
+            model_identity=self.plan.model.identity.to_dict(),
+            processes=self.dist.world,
+            startup=self.startup,
+        )
 
     def _run_stages(self) -> dict[str, Any]:
         """Every row in order: a wanted one run or reused (its output for the later ones), then its manifest
@@ -142,8 +154,10 @@ class Pipeline:
         with self.run.stage(stage.name, fp, stage.resumable and kept) as (tmp, rec):
             done: StageDone = StageDone({})
             if stage.every_process or self.dist.is_main:
-                done = stage.function(StageRun(plan=self.plan, folder=tmp, model=self.model, warmup=self.warmup),
-                                      **{name: outputs.get(name) for name in stage.inputs})
+                done = stage.function(
+                    StageRun(plan=self.plan, folder=tmp, model=self.model, warmup=self.warmup),
+                    **{name: outputs.get(name) for name in stage.inputs},
+                )
                 rec.details = done.details
         output = done.output if done.output is not None else stage.load(self.run.path(stage.name))
         return self._checked(stage, output)
@@ -173,15 +187,22 @@ class Pipeline:
     def _checked(stage: Stage, output: Any) -> Any:
         """``output``, which must be of the type ``stage``'s row declares."""
         if not isinstance(output, stage.output):
-            raise TypeError(f"stage {stage.name} gave a {type(output).__name__}, not the {stage.output.__name__} "
-                            "its row in the stage table declares")
+            raise TypeError(
+                f"stage {stage.name} gave a {type(output).__name__}, not the {stage.output.__name__} "
+                "its row in the stage table declares"
+            )
         return output
 
     def _finish(self, outputs: dict[str, Any]) -> RunResult:
         """The run's result; the main process completes the manifest and logs the stage summary."""
         tuned = outputs.get("finetune")
-        result = RunResult(self.run.root, outputs.get("bundle"), [asdict(r) for r in self.run.records],
-                           selection_metrics(tuned) if tuned is not None else {}, is_main=self.dist.is_main)
+        result = RunResult(
+            self.run.root,
+            outputs.get("bundle"),
+            [asdict(r) for r in self.run.records],
+            selection_metrics(tuned) if tuned is not None else {},
+            is_main=self.dist.is_main,
+        )
         if self.dist.is_main:
             self.run.update(stages_done_at=time.time(), warmup=self.warmup.report())
             log.info("stage summary\n%s", self.run.summary_table())
@@ -209,8 +230,13 @@ def setup_logging(root: Path, verbose: bool = True) -> None:
     log.propagate = False
 
 
-def calibrate(config: Config | str | Path | dict, output: str | Path | None = None,
-              stages: list[str] | None = None, *, overrides: list[str] | None = None) -> RunResult:
+def calibrate(
+    config: Config | str | Path | dict,
+    output: str | Path | None = None,
+    stages: list[str] | None = None,
+    *,
+    overrides: list[str] | None = None,
+) -> RunResult:
     """Python API of ``loopvq-calibrate``: run (or resume) a calibration and return the run's result; bad input
     raises before anything is written (:func:`~loopvq_calib.calibration.preflight.plan_run`)."""
     cfg = config if isinstance(config, Config) else load_config(config, overrides)  # Pipeline resolves and checks it

@@ -64,8 +64,9 @@ class RunModel:
         """The model (with its tokenizer), loaded on the first call."""
         if self._model is None:
             model_cfg = self.plan.cfg.model
-            self._model, self._tokenizer = load_model(self.plan.model.folder, model_cfg.dtype, self.plan.device,
-                                                      loop_steps=model_cfg.loop_steps)
+            self._model, self._tokenizer = load_model(
+                self.plan.model.folder, model_cfg.dtype, self.plan.device, loop_steps=model_cfg.loop_steps
+            )
         return self._model
 
     def tokenizer(self) -> Any:

@@ -50,8 +50,15 @@ from .stage_table import STAGES, Stage
 GPU_WINDOW = 1024  # windows this long (the shipped configs of real models use 2,048) are meant for a GPU
 
 
-def plan_run(cfg: Config, output: str | Path | None = None, stages: list[str] | None = None, *,
-             dist: DistContext | None = None, warmup: Warmup, table: Sequence[Stage] = STAGES) -> RunPlan:
+def plan_run(
+    cfg: Config,
+    output: str | Path | None = None,
+    stages: list[str] | None = None,
+    *,
+    dist: DistContext | None = None,
+    warmup: Warmup,
+    table: Sequence[Stage] = STAGES,
+) -> RunPlan:
     """Check a run (module docstring) and return its plan; raises on bad input (ConfigError, ModelLoadError,
     DataError, RunDirError, ValueError for ``stages``). ``output``: the run directory (default
     ``output.dir``); ``stages``: as ``--stages``; ``dist``: the run's processes (default: started here, joining
@@ -75,9 +82,20 @@ def plan_run(cfg: Config, output: str | Path | None = None, stages: list[str] | 
     with timed(timings, "calibration_set_s"):  # tokenizer, text, tokens: checked before any work
         tokenizer = load_tokenizer(model.folder) if building else None
         calibration = build_calibration_set(cfg.data, tokenizer) if building else None
-    return RunPlan(cfg=cfg, dist=dist, wanted=tuple(wanted), model=model, device=device, kmeans_device=kmeans_device,
-                   run=run, store=store, fingerprints=fingerprints, calibration=calibration, tokenizer=tokenizer,
-                   timings=timings)
+    return RunPlan(
+        cfg=cfg,
+        dist=dist,
+        wanted=tuple(wanted),
+        model=model,
+        device=device,
+        kmeans_device=kmeans_device,
+        run=run,
+        store=store,
+        fingerprints=fingerprints,
+        calibration=calibration,
+        tokenizer=tokenizer,
+        timings=timings,
+    )
 
 
 def wanted_stages(cfg: Config, stages: list[str] | None, table: Sequence[Stage] = STAGES) -> list[str]:
@@ -105,15 +123,23 @@ def describe_model(cfg: Config, timings: dict[str, float]) -> ModelFacts:
         model_config = check_model_folder(folder)
         check_sequence_length(cfg, model_config, folder)
         kv, weight_bytes = model_shape(model_config, cfg.model.loop_steps, cfg.model.dtype, folder=folder)
-    validate_for_model(cfg, kv.head_dim, kv.kv_heads, loop_steps=kv.loop_steps,
-                       has_prelude=any(not s.looped for s in kv.sites))
+    validate_for_model(
+        cfg, kv.head_dim, kv.kv_heads, loop_steps=kv.loop_steps, has_prelude=any(not s.looped for s in kv.sites)
+    )
     with timed(timings, "model_identity_s"):
         identity = model_identity(folder, recorded_model_name(cfg.model.name_or_path), cfg.model.revision)
     return ModelFacts(folder=folder, config=model_config, kv=kv, weight_bytes=weight_bytes, identity=identity)
 
 
-def prepare_stages(cfg: Config, wanted: list[str], devices: tuple[torch.device, torch.device], *, kv: KVLayout,
-                   warmup: Warmup, timings: dict[str, float]) -> None:
+def prepare_stages(
+    cfg: Config,
+    wanted: list[str],
+    devices: tuple[torch.device, torch.device],
+    *,
+    kv: KVLayout,
+    warmup: Warmup,
+    timings: dict[str, float],
+) -> None:
     """The wanted stages' background jobs, submitted in stage order (TaSQ's first linear algebra on CUDA, the kernels
     of fine-tuning's first encode and decode on CUDA), and the k-means backend's check (``kmeans_backend_s``);
     ``devices``: the model's and k-means'."""
@@ -124,30 +150,46 @@ def prepare_stages(cfg: Config, wanted: list[str], devices: tuple[torch.device, 
         if "kmeans" in wanted:
             check_kmeans_backend(cfg, kv, kmeans_device, warmup=warmup)
     if "finetune" in wanted and device.type == "cuda":
-        warmup.submit("codec_kernels", device, prepare_codec_kernels, device, k=cfg.quant.codebook_size,
-                      g=cfg.quant.group_size)
+        warmup.submit(
+            "codec_kernels", device, prepare_codec_kernels, device, k=cfg.quant.codebook_size, g=cfg.quant.group_size
+        )
 
 
-def choose_capture_store(cfg: Config, model: ModelFacts, device: torch.device, *, run: RunDir,
-                         dist: DistContext) -> StoreChoice:
+def choose_capture_store(
+    cfg: Config, model: ModelFacts, device: torch.device, *, run: RunDir, dist: DistContext
+) -> StoreChoice:
     """Where the capture goes (:func:`~loopvq_calib.calibration.capture.store.choose_store`)."""
-    step = capture_step_bytes(model.kv, model.config.hidden_size, cfg.data.sequence_length,
-                              batch_size=cfg.capture.batch_size)
-    return choose_store(cfg.capture, model.kv, cfg.data.num_sequences, sequence_length=cfg.data.sequence_length,
-                        device=device, model_bytes=model.weight_bytes, step_bytes=step, capture_dir=run.root,
-                        processes=dist.world, tasq_keys=cfg.quant.uses_tasq)
+    step = capture_step_bytes(
+        model.kv, model.config.hidden_size, cfg.data.sequence_length, batch_size=cfg.capture.batch_size
+    )
+    return choose_store(
+        cfg.capture,
+        model.kv,
+        cfg.data.num_sequences,
+        sequence_length=cfg.data.sequence_length,
+        device=device,
+        model_bytes=model.weight_bytes,
+        step_bytes=step,
+        capture_dir=run.root,
+        processes=dist.world,
+        tasq_keys=cfg.quant.uses_tasq,
+    )
 
 
 def check_sequence_length(cfg: Config, model_config: Any, folder: Path) -> None:
     """``data.sequence_length`` fits the model's window (:func:`~loopvq_calib.models.loading.model_window`)."""
     window, field = model_window(model_config)
     if cfg.data.sequence_length > window:
-        raise ConfigError("data.sequence_length", f"{cfg.data.sequence_length:,} tokens exceed the model's window of "
-                                                  f"{window:,} tokens ({field} in {folder / 'config.json'})")
+        raise ConfigError(
+            "data.sequence_length",
+            f"{cfg.data.sequence_length:,} tokens exceed the model's window of "
+            f"{window:,} tokens ({field} in {folder / 'config.json'})",
+        )
 
 
-def model_shape(model_config: Any, loop_steps: int | None, dtype: str, *, folder: Path | None = None
-                ) -> tuple[KVLayout, int]:
+def model_shape(
+    model_config: Any, loop_steps: int | None, dtype: str, *, folder: Path | None = None
+) -> tuple[KVLayout, int]:
     """The KV sites and the weights' bytes in ``dtype`` of a model built on the meta device (no weights read);
     a config.json that builds no model, or whose model the weights in ``folder`` are not (names or shapes), or a
     loop count giving more KV sites than the toolkit takes, is a ModelLoadError."""
@@ -164,9 +206,11 @@ def gpu_sized(cfg: Config, device: torch.device) -> str | None:
     """The warning for a config sized for a GPU (windows of GPU_WINDOW tokens or more) run on the CPU, else None."""
     if device.type != "cpu" or cfg.data.sequence_length < GPU_WINDOW:
         return None
-    return (f"this config's {cfg.data.sequence_length:,}-token windows (data.sequence_length) are sized for a GPU and "
-            "this run is on the CPU: expect a long run (the progress bars estimate it); for a first try on the CPU "
-            "use configs/tiny-ouro.yaml, or --set data.sequence_length=256")
+    return (
+        f"this config's {cfg.data.sequence_length:,}-token windows (data.sequence_length) are sized for a GPU and "
+        "this run is on the CPU: expect a long run (the progress bars estimate it); for a first try on the CPU "
+        "use configs/tiny-ouro.yaml, or --set data.sequence_length=256"
+    )
 
 
 def recorded_model_name(name_or_path: str) -> str:
@@ -178,8 +222,13 @@ def recorded_model_name(name_or_path: str) -> str:
 def check_kmeans_backend(cfg: Config, kv: KVLayout, device: torch.device, *, warmup: Warmup) -> None:
     """An unusable ``kmeans.backend`` fails here, before any work. ``auto`` on CUDA probes instead, on ``warmup``:
     the probe compiles the kernels for the run's problems (kept for the stage) and a failed probe falls back."""
-    points = run_points_per_codebook(plan_layouts(kv, cfg.quant), cfg.data.num_sequences, cfg.data.sequence_length,
-                                     sink_tokens=cfg.data.sink_tokens, sharing=cfg.quant.codebook_sharing)
+    points = run_points_per_codebook(
+        plan_layouts(kv, cfg.quant),
+        cfg.data.num_sequences,
+        cfg.data.sequence_length,
+        sink_tokens=cfg.data.sink_tokens,
+        sharing=cfg.quant.codebook_sharing,
+    )
     backend = (cfg.kmeans.backend, device, (cfg.quant.codebook_size, cfg.quant.group_size))
     if cfg.kmeans.backend == "auto" and device.type == "cuda":
         warmup.submit("kmeans_backend", device, resolve_backend, *backend, points=points)

@@ -43,14 +43,17 @@ class RunLock:
         except OSError as err:
             if err.errno != errno.ELOOP:
                 raise
-            raise RunLockError(f"{path} is a symbolic link; the run's lock must be a plain file: remove the link (its "
-                               "target is left alone) and run again") from None
+            raise RunLockError(
+                f"{path} is a symbolic link; the run's lock must be a plain file: remove the link (its "
+                "target is left alone) and run again"
+            ) from None
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
             os.close(fd)
             what = "not a regular file" if not stat.S_ISREG(info.st_mode) else "a hard link to another file"
-            raise RunLockError(f"{path} is {what}; the run's lock must be a plain file of its own: remove it and run "
-                               "again")
+            raise RunLockError(
+                f"{path} is {what}; the run's lock must be a plain file of its own: remove it and run again"
+            )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -58,11 +61,17 @@ class RunLock:
             os.close(fd)
             raise RunLockedError(
                 f"{root} is in use by another loopvq-calibrate run ({holder}); wait for it to finish or choose "
-                "another --output") from None
+                "another --output"
+            ) from None
         previous = _lock_holder(fd)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode(), 0)
+        os.pwrite(
+            fd,
+            json.dumps(
+                {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            ).encode(),
+            0,
+        )
         return cls(path, fd, previous if previous != "holder unknown" else None)
 
     def release(self) -> None:

@@ -50,12 +50,14 @@ def discard(path: Path, run_root: Path) -> None:
         os.replace(path, doomed)
     except FileNotFoundError:
         return
+
     def unlink() -> None:
         try:
             doomed.unlink(missing_ok=True)
         except OSError as err:  # the next run's open() removes it
-            log.warning("could not delete %s (%s); the next run in %s removes it", doomed, err.strerror or err,
-                        run_root)
+            log.warning(
+                "could not delete %s (%s); the next run in %s removes it", doomed, err.strerror or err, run_root
+            )
 
     thread = threading.Thread(target=unlink, name="loopvq-discard")
     thread.start()
@@ -87,8 +89,14 @@ class RunDir:
     Constructing one reads and checks, and changes nothing on disk; :meth:`open` creates the folder, takes
     the lock, writes the manifest and removes the toolkit's own leftover temporary folders."""
 
-    def __init__(self, root: Path, is_main: bool = True, barrier: Callable[[], None] | None = None,
-                 *, stage_names: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        root: Path,
+        is_main: bool = True,
+        barrier: Callable[[], None] | None = None,
+        *,
+        stage_names: tuple[str, ...] = (),
+    ) -> None:
         """``barrier`` synchronises processes of a distributed run (all share one temporary folder);
         ``stage_names``: the stage folders checked for files the toolkit did not write."""
         self.root = Path(root)
@@ -105,7 +113,8 @@ class RunDir:
                 raise RunDirError(
                     f"{self.path(name)} holds files this toolkit did not write ({', '.join(foreign[:3])}"
                     f"{' ...' if len(foreign) > 3 else ''}); move them out: the folder is replaced when stage "
-                    f"{name} runs")
+                    f"{name} runs"
+                )
         self.records: list[StageRecord] = []
 
     def open(self) -> None:
@@ -158,8 +167,11 @@ class RunDir:
         if not folder.is_dir() or folder.is_symlink():
             return [stage] if folder.exists() or folder.is_symlink() else []
         recorded = self.manifest["stages"].get(stage, {}).get("files", {})
-        return sorted(str(f.relative_to(folder)) for f in folder.rglob("*")
-                      if (f.is_file() or f.is_symlink()) and str(f.relative_to(folder)) not in recorded)
+        return sorted(
+            str(f.relative_to(folder))
+            for f in folder.rglob("*")
+            if (f.is_file() or f.is_symlink()) and str(f.relative_to(folder)) not in recorded
+        )
 
     def update(self, **entries: Any) -> None:
         """Set top-level manifest entries (config, model identity, ...) and save."""
@@ -187,13 +199,20 @@ class RunDir:
         files = {name: contained(self.root, stage, name, source=self.root / MANIFEST) for name in sizes}
         changed = [name for name, f in files.items() if not f.is_file() or f.stat().st_size != sizes[name]]
         if changed:
-            log.warning("stage %s: %s missing or changed size since the stage finished; running it again",
-                        stage, ", ".join(sorted(changed)[:5]) + (" ..." if len(changed) > 5 else ""))
+            log.warning(
+                "stage %s: %s missing or changed size since the stage finished; running it again",
+                stage,
+                ", ".join(sorted(changed)[:5]) + (" ..." if len(changed) > 5 else ""),
+            )
             return False
         corrupted = next((name for name, f in files.items() if name in hashes and sha256_file(f) != hashes[name]), None)
         if corrupted is not None:
-            log.warning("stage %s: %s changed since the stage finished (its sha256 differs from the manifest's); "
-                        "running it again", stage, files[corrupted])
+            log.warning(
+                "stage %s: %s changed since the stage finished (its sha256 differs from the manifest's); "
+                "running it again",
+                stage,
+                files[corrupted],
+            )
         return corrupted is None
 
     def record(self, stage: str) -> dict[str, Any]:
@@ -275,8 +294,10 @@ class RunDir:
             return
         foreign = self.foreign_files(name)
         if foreign:
-            raise RunDirError(f"{final} holds files this toolkit did not write ({', '.join(foreign[:3])}); "
-                              "move them out and run again")
+            raise RunDirError(
+                f"{final} holds files this toolkit did not write ({', '.join(foreign[:3])}); "
+                "move them out and run again"
+            )
         recorded = self.manifest["stages"].get(name, {}).get("files", {})
         for doomed in check_recorded_files(self.root, name, recorded, source=self.root / MANIFEST):
             doomed.unlink(missing_ok=True)
@@ -301,12 +322,16 @@ def check_output_folder(root: Path) -> None:
     if root.exists() and not root.is_dir():
         raise RunDirError(f"output.dir: {root} exists and is not a directory")
     if root.is_dir() and not (root / MANIFEST).is_file():
-        entries = sorted(p.name for p in root.iterdir()
-                         if p.is_symlink() or (p.name != LOCK_FILE and not p.name.startswith(TMP_PREFIX)))
+        entries = sorted(
+            p.name
+            for p in root.iterdir()
+            if p.is_symlink() or (p.name != LOCK_FILE and not p.name.startswith(TMP_PREFIX))
+        )
         if entries:
             raise RunDirError(
                 f"output.dir: {root} is not empty and is not a loopvq-calibrate run directory (no {MANIFEST}; it "
-                f"holds {', '.join(entries[:3])}{' ...' if len(entries) > 3 else ''}); choose a new or empty folder")
+                f"holds {', '.join(entries[:3])}{' ...' if len(entries) > 3 else ''}); choose a new or empty folder"
+            )
 
 
 def _file_table(final: Path, written: dict[str, tuple[str, int]]) -> dict[str, dict[str, Any]]:
@@ -329,8 +354,10 @@ def _check_own_files(root: Path) -> None:
         path = root / name
         if path.is_symlink() or (path.exists() and not path.is_file()):
             what = "a symbolic link" if path.is_symlink() else "not a file"
-            raise RunDirError(f"output.dir: {path} is {what}; the run writes this file itself, never through a link: "
-                              "move it away and run again")
+            raise RunDirError(
+                f"output.dir: {path} is {what}; the run writes this file itself, never through a link: "
+                "move it away and run again"
+            )
 
 
 def _peak_rss() -> int:

@@ -124,11 +124,24 @@ def stage_capture(run: StageRun, *, data: CalibrationSet) -> StageDone[CaptureDa
     model = run.model.get()  # loaded here, on first use: its time is reported apart
     loading = time.time() - loading
     bar = run.progress(data.input_ids.shape[0], "capture")
-    reader = run_capture(model, data, plan.model.kv, cfg=plan.cfg, store=plan.store, folder=run.folder,
-                         dist=plan.dist, progress=lambda n: bar.update(n * plan.dist.world))
+    reader = run_capture(
+        model,
+        data,
+        plan.model.kv,
+        cfg=plan.cfg,
+        store=plan.store,
+        folder=run.folder,
+        dist=plan.dist,
+        progress=lambda n: bar.update(n * plan.dist.world),
+    )
     bar.close()
-    details = {"sequences": int(data.input_ids.shape[0]), "sites": plan.model.kv.num_sites, "store": plan.store.store,
-               "store_reason": plan.store.reason, "model_load_s": round(loading, 2)}
+    details = {
+        "sequences": int(data.input_ids.shape[0]),
+        "sites": plan.model.kv.num_sites,
+        "store": plan.store.store,
+        "store_reason": plan.store.reason,
+        "model_load_s": round(loading, 2),
+    }
     return StageDone(details, reader if isinstance(reader, MemoryReader) else None)
 
 
@@ -146,8 +159,16 @@ def stage_kmeans(run: StageRun, *, capture: CaptureData, tasq: TasqResult | None
     layouts = len(tasq.layouts if tasq is not None else plan_layouts(plan.model.kv, plan.cfg.quant))
     run.warmup.wait("kmeans_backend")
     bar = run.progress(layouts, "kmeans")
-    report = run_kmeans(capture, tasq, plan.model.kv, cfg=plan.cfg, folder=run.folder, dist=plan.dist,
-                        device=plan.kmeans_device, progress=lambda n: bar.update(n * plan.dist.world))
+    report = run_kmeans(
+        capture,
+        tasq,
+        plan.model.kv,
+        cfg=plan.cfg,
+        folder=run.folder,
+        dist=plan.dist,
+        device=plan.kmeans_device,
+        progress=lambda n: bar.update(n * plan.dist.world),
+    )
     bar.close()
     kept = as_saved_quantizer(report.quantizer) if report is not None else None  # main process only
     return StageDone({"codebooks": layouts, "processes": plan.dist.world}, kept)
@@ -158,8 +179,16 @@ def stage_finetune(run: StageRun, *, data: CalibrationSet, kmeans: KVQuantizer) 
     plan = run.plan
     run.warmup.wait("codec_kernels")
     bar = run.progress(training_steps(plan.cfg.finetune, len(data.train)), "finetune")
-    result = run_finetune(run.model.get(), data, kmeans, cfg=plan.cfg, folder=run.folder, dist=plan.dist,
-                          device=plan.device, progress=bar.update)
+    result = run_finetune(
+        run.model.get(),
+        data,
+        kmeans,
+        cfg=plan.cfg,
+        folder=run.folder,
+        dist=plan.dist,
+        device=plan.device,
+        progress=bar.update,
+    )
     bar.close()
     kept = as_saved_finetune(result) if plan.dist.is_main else None  # the process that saved it
     return StageDone({"best_epoch": result.best_epoch, "best_step": result.best_step}, kept)
@@ -168,8 +197,9 @@ def stage_finetune(run: StageRun, *, data: CalibrationSet, kmeans: KVQuantizer) 
 def stage_bundle(run: StageRun, *, data: CalibrationSet, finetune: FinetuneResult) -> StageDone[Path]:
     """The bundle (its folder is the output)."""
     plan = run.plan
-    return StageDone(run_bundle(run.folder, finetune, data, identity=plan.model.identity, cfg=plan.cfg,
-                                version=__version__))
+    return StageDone(
+        run_bundle(run.folder, finetune, data, identity=plan.model.identity, cfg=plan.cfg, version=__version__)
+    )
 
 
 # -- what the rows say besides their functions -----------------------------------------------------
@@ -195,19 +225,66 @@ def finetune_entries(tuned: FinetuneResult | None) -> dict[str, Any]:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("data", stage_data, CalibrationSet, load=load_calibration, covers=("data", "tokenizer_files", "data_sources"),
-          every_process=False, manifest=calibration_entries),
-    Stage("capture", stage_capture, CaptureData, load=CaptureReader, inputs=("data",), after=("data",),
-          covers=("model_identity", "model.dtype", "loop_steps", "capture", "tasq.weight_floor"), resumable=True,
-          held=capture_store, release=release_capture),
-    Stage("tasq", stage_tasq, TasqResult, load=TasqResult.load, inputs=("capture",), after=("capture",),
-          covers=("quant", "tasq"), exists=WITH_TASQ),
-    Stage("kmeans", stage_kmeans, KVQuantizer, load=load_quantizer, inputs=("capture", "tasq"),
-          after=("capture", "tasq"), covers=("quant", "kmeans")),
-    Stage("finetune", stage_finetune, FinetuneResult, load=load_finetune, inputs=("data", "kmeans"),
-          after=("kmeans", "data"), covers=("model_identity", "model.dtype", "finetune"), resumable=True,
-          manifest=finetune_entries),
-    Stage("bundle", stage_bundle, Path, load=Path, inputs=("data", "finetune"), after=("finetune",),
-          covers=("output",), every_process=False),
+    Stage(
+        "data",
+        stage_data,
+        CalibrationSet,
+        load=load_calibration,
+        covers=("data", "tokenizer_files", "data_sources"),
+        every_process=False,
+        manifest=calibration_entries,
+    ),
+    Stage(
+        "capture",
+        stage_capture,
+        CaptureData,
+        load=CaptureReader,
+        inputs=("data",),
+        after=("data",),
+        covers=("model_identity", "model.dtype", "loop_steps", "capture", "tasq.weight_floor"),
+        resumable=True,
+        held=capture_store,
+        release=release_capture,
+    ),
+    Stage(
+        "tasq",
+        stage_tasq,
+        TasqResult,
+        load=TasqResult.load,
+        inputs=("capture",),
+        after=("capture",),
+        covers=("quant", "tasq"),
+        exists=WITH_TASQ,
+    ),
+    Stage(
+        "kmeans",
+        stage_kmeans,
+        KVQuantizer,
+        load=load_quantizer,
+        inputs=("capture", "tasq"),
+        after=("capture", "tasq"),
+        covers=("quant", "kmeans"),
+    ),
+    Stage(
+        "finetune",
+        stage_finetune,
+        FinetuneResult,
+        load=load_finetune,
+        inputs=("data", "kmeans"),
+        after=("kmeans", "data"),
+        covers=("model_identity", "model.dtype", "finetune"),
+        resumable=True,
+        manifest=finetune_entries,
+    ),
+    Stage(
+        "bundle",
+        stage_bundle,
+        Path,
+        load=Path,
+        inputs=("data", "finetune"),
+        after=("finetune",),
+        covers=("output",),
+        every_process=False,
+    ),
 )
 STAGE_NAMES: tuple[str, ...] = tuple(stage.name for stage in STAGES)  # in run order; ``--stages`` takes these

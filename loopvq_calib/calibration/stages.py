@@ -64,8 +64,13 @@ def save_calibration(calib: CalibrationSet, folder: Path) -> dict[str, Any]:
     """``sequences.safetensors`` (token ids) and ``split.json`` (train / selection split, description,
     content hash); returns the stage's record details."""
     write_tensors_atomic(folder / "sequences.safetensors", {"input_ids": calib.input_ids})
-    split = {"train": calib.train, "heldout": calib.heldout, "sink_tokens": calib.sink_tokens,
-             "description": calib.description, "content_sha256": calib.content_hash}
+    split = {
+        "train": calib.train,
+        "heldout": calib.heldout,
+        "sink_tokens": calib.sink_tokens,
+        "description": calib.description,
+        "content_sha256": calib.content_hash,
+    }
     write_bytes_atomic(folder / "split.json", json.dumps(split, indent=1).encode())
     return {"content_sha256": calib.content_hash, "tokens": calib.input_ids.numel()}
 
@@ -78,17 +83,35 @@ def load_calibration(folder: Path) -> CalibrationSet:
 
 
 # -- capture ---------------------------------------------------------------------------------------
-def run_capture(model: torch.nn.Module, calib: CalibrationSet, kv: KVLayout, *, cfg: Config, store: StoreChoice,
-                folder: Path, dist: DistContext, progress: Progress | None = None) -> CaptureData:
+def run_capture(
+    model: torch.nn.Module,
+    calib: CalibrationSet,
+    kv: KVLayout,
+    *,
+    cfg: Config,
+    store: StoreChoice,
+    folder: Path,
+    dist: DistContext,
+    progress: Progress | None = None,
+) -> CaptureData:
     """Capture every sequence (each process its own, ``dist.owns``) into ``store``: files under ``folder``
     (``disk``) or memory; returns the reader later stages use. An in-memory capture under several processes
     then gives each process its TaSQ and k-means layouts of every sequence (``share_sequences``)."""
     memory = MemoryCapture() if store.store != "disk" else None
     tasq = cfg.quant.uses_tasq
     capture = replace(cfg.capture, store=store.store)
-    capture_kv(model, calib, kv, cfg=capture, out=memory or folder, dist=dist, progress=progress,
-               tasq_floor=cfg.tasq.weight_floor if tasq else None, device_sequences=store.device_sequences,
-               query_stats=tasq)
+    capture_kv(
+        model,
+        calib,
+        kv,
+        cfg=capture,
+        out=memory or folder,
+        dist=dist,
+        progress=progress,
+        tasq_floor=cfg.tasq.weight_floor if tasq else None,
+        device_sequences=store.device_sequences,
+        query_stats=tasq,
+    )
     dist.barrier()
     if memory is not None and dist.world > 1:
         names = shard_tensor_names(plan_layouts(kv, cfg.quant), dist.world, tasq)
@@ -102,8 +125,9 @@ def run_capture(model: torch.nn.Module, calib: CalibrationSet, kv: KVLayout, *, 
 
 
 # -- joining the processes' parts ------------------------------------------------------------------
-def join_parts(dist: DistContext, folder: Path, save: Callable[[Path], Any], *,
-               load: Callable[[Path], Any]) -> list | None:
+def join_parts(
+    dist: DistContext, folder: Path, save: Callable[[Path], Any], *, load: Callable[[Path], Any]
+) -> list | None:
     """Each process saves its share of a stage under ``folder/part{rank}``; the main process gets every
     part, in rank order (their folders are then removed), the others None."""
     mine = folder / f"part{dist.rank}"
@@ -119,8 +143,9 @@ def join_parts(dist: DistContext, folder: Path, save: Callable[[Path], Any], *,
 
 
 # -- TaSQ ------------------------------------------------------------------------------------------
-def run_tasq(reader: CaptureData, kv: KVLayout, cfg: Config, *, folder: Path, dist: DistContext,
-             device: torch.device) -> TasqResult | None:
+def run_tasq(
+    reader: CaptureData, kv: KVLayout, cfg: Config, *, folder: Path, dist: DistContext, device: torch.device
+) -> TasqResult | None:
     """TaSQ transforms and groups of every key layout (processes share the layouts as k-means does), saved
     in ``folder``; the main process returns the joined :class:`~loopvq_calib.calibration.tasq.grouping.TasqResult`."""
     part = fit_tasq(reader, plan_layouts(kv, cfg.quant), kv, quant=cfg.quant, cfg=cfg.tasq, dist=dist, device=device)
@@ -155,37 +180,62 @@ class KMeansReport:
         return cls(load_quantizer(folder), report["layouts"], report["totals"])
 
 
-def run_kmeans(reader: CaptureData, tasq: Any, kv: KVLayout, *, cfg: Config, folder: Path, dist: DistContext,
-               device: torch.device, progress: Progress | None = None) -> KMeansReport | None:
+def run_kmeans(
+    reader: CaptureData,
+    tasq: Any,
+    kv: KVLayout,
+    *,
+    cfg: Config,
+    folder: Path,
+    dist: DistContext,
+    device: torch.device,
+    progress: Progress | None = None,
+) -> KMeansReport | None:
     """Codebooks of every layout (TaSQ's layouts and transforms when ``tasq`` is given), processes sharing the
     layouts (disk capture: every process reads every sequence; in-memory: each holds its layouts of every
     sequence); the main process joins the parts, saves them in ``folder`` and returns the report."""
     layouts = tasq.layouts if tasq is not None else plan_layouts(kv, cfg.quant)
     transforms = tasq.transforms if tasq is not None else {}
-    part, report = fit_codebooks(reader, layouts, transforms, quant=cfg.quant, cfg=cfg.kmeans, kv=kv, device=device,
-                                 progress=progress, dist=dist)
+    part, report = fit_codebooks(
+        reader, layouts, transforms, quant=cfg.quant, cfg=cfg.kmeans, kv=kv, device=device, progress=progress, dist=dist
+    )
     parts = join_parts(
-        dist, folder, lambda d: save_quantizer(part, d, {"report": report}),
+        dist,
+        folder,
+        lambda d: save_quantizer(part, d, {"report": report}),
         load=lambda d: (load_quantizer(d), json.loads((d / "quantizer.json").read_text())["report"]),
     )
     if parts is None:
         return None
-    merged = KMeansReport(merge_quantizers([q for q, _ in parts], [lay.key for lay in layouts]),
-                          {k: v for _, r in parts for k, v in r["layouts"].items()}, [r["totals"] for _, r in parts])
+    merged = KMeansReport(
+        merge_quantizers([q for q, _ in parts], [lay.key for lay in layouts]),
+        {k: v for _, r in parts for k, v in r["layouts"].items()},
+        [r["totals"] for _, r in parts],
+    )
     merged.save(folder)
     return merged
 
 
 # -- fine-tuning -----------------------------------------------------------------------------------
-def run_finetune(model: torch.nn.Module, calib: CalibrationSet, init: KVQuantizer, *, cfg: Config, folder: Path,
-                 dist: DistContext, device: torch.device, progress: Progress | None = None) -> FinetuneResult:
+def run_finetune(
+    model: torch.nn.Module,
+    calib: CalibrationSet,
+    init: KVQuantizer,
+    *,
+    cfg: Config,
+    folder: Path,
+    dist: DistContext,
+    device: torch.device,
+    progress: Progress | None = None,
+) -> FinetuneResult:
     """KL fine-tuning of the k-means codebooks (processes share each batch); the state after every epoch but the
     last is kept in ``folder/resume.pt`` so an interrupted run resumes; the main process saves the kept codebooks
     and the selection curve (``curve.json``) in ``folder`` and returns the result with its quantizer as saved
     (:func:`as_saved_quantizer`: on the CPU, copied from the device once), the other processes as fine-tuned."""
     resume = folder / "resume.pt"
-    result = finetune_codebooks(model, calib, init, cfg=cfg.finetune, device=device, progress=progress,
-                                checkpoint=resume, dist=dist)
+    result = finetune_codebooks(
+        model, calib, init, cfg=cfg.finetune, device=device, progress=progress, checkpoint=resume, dist=dist
+    )
     if dist.is_main:
         discard(resume, folder.parent)
         result = replace(result, quantizer=as_saved_quantizer(result.quantizer))  # one copy from the device
@@ -215,16 +265,24 @@ def as_saved_quantizer(q: KVQuantizer) -> KVQuantizer:
 
 def as_saved_finetune(result: FinetuneResult) -> FinetuneResult:
     """``result`` as :func:`load_finetune` reads it back after :func:`save_finetune`, without the disk."""
-    return FinetuneResult(as_saved_quantizer(result.quantizer), result.best_epoch,
-                          json.loads(json.dumps(result.curve)), best_step=result.best_step)
+    return FinetuneResult(
+        as_saved_quantizer(result.quantizer),
+        result.best_epoch,
+        json.loads(json.dumps(result.curve)),
+        best_step=result.best_step,
+    )
 
 
 def selection_metrics(result: FinetuneResult) -> dict[str, Any]:
     """The selection KL (KL on the calibration set's selection sequences, which pick the fine-tuning step;
     not the evaluation KL of ``loopvq-eval``) of the kept codebooks and of the k-means codebooks."""
     best = next(e for e in result.curve if e["step"] == result.best_step)
-    return {"selection_kl": best["selection_kl"], "selection_kl_init": result.curve[0]["selection_kl"],
-            "best_epoch": result.best_epoch, "best_step": result.best_step}
+    return {
+        "selection_kl": best["selection_kl"],
+        "selection_kl_init": result.curve[0]["selection_kl"],
+        "best_epoch": result.best_epoch,
+        "best_step": result.best_step,
+    }
 
 
 # -- bundle ----------------------------------------------------------------------------------------
@@ -233,13 +291,27 @@ def bundle_name(cfg: Config) -> str:
     return cfg.output.bundle_name or f"{Path(cfg.model.name_or_path).name}-{cfg.quant.method}-{cfg.quant.bits:g}bit"
 
 
-def run_bundle(folder: Path, tuned: FinetuneResult, calib: CalibrationSet, *, identity: ModelIdentity, cfg: Config,
-               version: str) -> dict[str, Any]:
+def run_bundle(
+    folder: Path, tuned: FinetuneResult, calib: CalibrationSet, *, identity: ModelIdentity, cfg: Config, version: str
+) -> dict[str, Any]:
     """Write the versioned bundle of the kept codebooks into ``folder``; returns the stage's record details."""
-    metrics = {**selection_metrics(tuned), "finetune_curve": tuned.curve,
-               "selection_sequences": len(calib.heldout), "bits": tuned.quantizer.bits()}
+    metrics = {
+        **selection_metrics(tuned),
+        "finetune_curve": tuned.curve,
+        "selection_sequences": len(calib.heldout),
+        "bits": tuned.quantizer.bits(),
+    }
     name = bundle_name(cfg)
-    write_bundle(folder, tuned.quantizer, name=name, identity=identity, calibration=calib.description,
-                 metrics=metrics, serving=cfg.output.serving, codebook_dtype=cfg.output.codebook_dtype,
-                 config=cfg.to_dict(), producer_version=version)
+    write_bundle(
+        folder,
+        tuned.quantizer,
+        name=name,
+        identity=identity,
+        calibration=calib.description,
+        metrics=metrics,
+        serving=cfg.output.serving,
+        codebook_dtype=cfg.output.codebook_dtype,
+        config=cfg.to_dict(),
+        producer_version=version,
+    )
     return {"name": name}

@@ -14,9 +14,22 @@ from .eval import main as eval_main, parser as eval_parser
 from .inspect import main as inspect_main, parser as inspect_parser
 from .push import main as push_main, parser as push_parser
 
-__all__ = ["PARSERS", "calibrate_main", "calibrate_parser", "eval_main", "eval_parser", "inspect_main",
-           "inspect_parser", "push_main", "push_parser"]
+__all__ = [
+    "PARSERS",
+    "calibrate_main",
+    "calibrate_parser",
+    "eval_main",
+    "eval_parser",
+    "inspect_main",
+    "inspect_parser",
+    "push_main",
+    "push_parser",
+]
 
 # console script name -> its argument parser (tests check docs and CI against them)
-PARSERS = {"loopvq-calibrate": calibrate_parser, "loopvq-eval": eval_parser, "loopvq-inspect": inspect_parser,
-           "loopvq-push": push_parser}
+PARSERS = {
+    "loopvq-calibrate": calibrate_parser,
+    "loopvq-eval": eval_parser,
+    "loopvq-inspect": inspect_parser,
+    "loopvq-push": push_parser,
+}

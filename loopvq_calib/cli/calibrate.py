@@ -21,11 +21,20 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loopvq-calibrate", description="Calibrate LoopVQ KV-cache codebooks.")
     p.add_argument("--config", required=True, help="YAML config (see docs/config.md)")
     p.add_argument("--output", help="run directory (default: output.dir of the config)")
-    p.add_argument("--stages", help="comma-separated stages to produce (the run's stages: docs/architecture.md; an "
-                   "unknown name is refused with the list); earlier stages run or are reused as needed, later ones "
-                   "are skipped")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                   help="override a config value (YAML syntax), repeatable")
+    p.add_argument(
+        "--stages",
+        help="comma-separated stages to produce (the run's stages: docs/architecture.md; an "
+        "unknown name is refused with the list); earlier stages run or are reused as needed, later ones "
+        "are skipped",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override a config value (YAML syntax), repeatable",
+    )
     return p
 
 
@@ -68,9 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         if result.bundle:
             print(f"bundle: {result.bundle}")
         if result.metrics:
-            print("selection KL (calibration selection sequences): k-means {selection_kl_init:.5f} -> fine-tuned "
-                  "{selection_kl:.5f} (step {best_step}, epoch {best_epoch}); the evaluation KL on unseen text "
-                  "comes from loopvq-eval".format(**result.metrics))
+            print(
+                "selection KL (calibration selection sequences): k-means {selection_kl_init:.5f} -> fine-tuned "
+                "{selection_kl:.5f} (step {best_step}, epoch {best_epoch}); the evaluation KL on unseen text "
+                "comes from loopvq-eval".format(**result.metrics)
+            )
     return OK
 
 

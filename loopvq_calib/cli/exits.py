@@ -67,6 +67,7 @@ def console_command(main: Callable[[list[str] | None], int]) -> Callable[[list[s
     """A console script's ``main(argv) -> status`` that also maps Ctrl-C and SIGTERM to one line and exit 130 /
     143 (where ``main`` did not already say more, as a calibration run does), and input nested too deeply for
     Python to read or a path too long for any file system to one line and exit 2."""
+
     @functools.wraps(main)
     def run(argv: list[str] | None = None) -> int:
         try:
@@ -79,8 +80,11 @@ def console_command(main: Callable[[list[str] | None], int]) -> Callable[[list[s
         except OSError as err:  # a path given or read that no file system takes is bad input; any other is not
             if err.errno != errno.ENAMETOOLONG:
                 raise
-            return fail(f"{shown(err.filename) if err.filename else 'a path'}: {err.strerror} (no file system takes a "
-                        "name that long)", BAD_INPUT)
+            return fail(
+                f"{shown(err.filename) if err.filename else 'a path'}: {err.strerror} (no file system takes a "
+                "name that long)",
+                BAD_INPUT,
+            )
 
     return run
 

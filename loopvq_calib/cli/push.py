@@ -21,10 +21,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="list what would be uploaded, upload nothing")
     p.add_argument("--revision", help="branch to push to")
-    p.add_argument("--eval-report", help="loopvq-eval report.json (or its folder): the results it measured on this "
-                   "bundle go into the model card (README.md) as model-index metadata, written only after the push")
-    p.add_argument("--write-card-only", action="store_true", help="with --eval-report: write the new README.md and "
-                   "loopvq.json into the bundle folder, push nothing")
+    p.add_argument(
+        "--eval-report",
+        help="loopvq-eval report.json (or its folder): the results it measured on this "
+        "bundle go into the model card (README.md) as model-index metadata, written only after the push",
+    )
+    p.add_argument(
+        "--write-card-only",
+        action="store_true",
+        help="with --eval-report: write the new README.md and loopvq.json into the bundle folder, push nothing",
+    )
     return p
 
 
@@ -47,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         attachment = prepare_eval_report(args.bundle, args.eval_report) if args.eval_report else None
         if args.write_card_only:
             return _write_card(args, attachment)
-        files = push_bundle(args.bundle, args.repo_id, args.private, dry_run=args.dry_run, revision=args.revision,
-                            attachment=attachment)
+        files = push_bundle(
+            args.bundle, args.repo_id, args.private, dry_run=args.dry_run, revision=args.revision, attachment=attachment
+        )
     except (BundleError, RepoIdError, EvalReportError) as err:
         return fail(str(err), BAD_INPUT)
     except PushError as err:
@@ -76,8 +83,13 @@ def _write_card(args: argparse.Namespace, attachment: EvalAttachment) -> int:
     try:
         write_eval_report(args.bundle, attachment)
     except OSError as err:
-        return fail(f"writing the new README.md and loopvq.json into {args.bundle} failed ({err.strerror or err}); "
-                    "the folder keeps its old pair", RUN_FAILED)
-    print(f"wrote {len(attachment.results)} evaluation results into {card} and its checksum into loopvq.json "
-          "(nothing pushed)")
+        return fail(
+            f"writing the new README.md and loopvq.json into {args.bundle} failed ({err.strerror or err}); "
+            "the folder keeps its old pair",
+            RUN_FAILED,
+        )
+    print(
+        f"wrote {len(attachment.results)} evaluation results into {card} and its checksum into loopvq.json "
+        "(nothing pushed)"
+    )
     return OK

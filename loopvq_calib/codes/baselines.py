@@ -60,6 +60,7 @@ class StoredCodes:
 
     def select(self, beam_idx: torch.Tensor) -> StoredCodes:
         """Reorder the batch: each tensor's rows are split evenly over the batch elements."""
+
         def pick(t: torch.Tensor) -> torch.Tensor:
             idx = beam_idx.to(t.device)
             return t.view(len(idx), -1, *t.shape[1:]).index_select(0, idx).flatten(0, 1)
@@ -178,8 +179,9 @@ class BaselineQuantizer:
     sharing: str = "none"
     fused_decode: ClassVar[bool] = False  # the fused decode kernels read calibrated codes only
 
-    def quantize_sites(self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor],
-                       dtype: torch.dtype | None = None) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    def quantize_sites(
+        self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], dtype: torch.dtype | None = None
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """decode(encode(.)) of every site's keys/values [B, S, H, D] (batch rows one after another).
         ``dtype``: cast each block's result to it once, as ``KVQuantizer.quantize_sites`` does."""
         out: dict[str, dict[int, torch.Tensor]] = {"key": {}, "value": {}}

@@ -91,8 +91,9 @@ def scatter_groups(z: torch.Tensor, groups: torch.Tensor, steps: int) -> torch.T
     return unflatten_block(zf, steps)
 
 
-def block_permutation(groups: torch.Tensor, steps: int, heads: int, *, head_dim: int,
-                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def block_permutation(
+    groups: torch.Tensor, steps: int, heads: int, *, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The group coordinates of a block as flat positions in one token's contiguous [T, H, D] slice:
     ``to_groups`` [H * n * G], position of each group element in :func:`gather_groups` order, and its
     inverse ``to_block`` [T * H * D], the group element each position is read from in
@@ -112,8 +113,16 @@ def flat_codebook_index(indices: torch.Tensor, codebook: torch.Tensor) -> torch.
     """Row of each code in ``codebook.view(-1, G)``; shared heads/groups broadcast."""
     hc, gc, k, _ = codebook.shape
     _, h, n = indices.shape
-    head = torch.arange(h, device=indices.device)[:, None] if hc > 1 else torch.zeros(h, 1, dtype=torch.long, device=indices.device)
-    grp = torch.arange(n, device=indices.device)[None, :] if gc > 1 else torch.zeros(1, n, dtype=torch.long, device=indices.device)
+    head = (
+        torch.arange(h, device=indices.device)[:, None]
+        if hc > 1
+        else torch.zeros(h, 1, dtype=torch.long, device=indices.device)
+    )
+    grp = (
+        torch.arange(n, device=indices.device)[None, :]
+        if gc > 1
+        else torch.zeros(1, n, dtype=torch.long, device=indices.device)
+    )
     return (head * gc + grp) * k + indices.long()
 
 
@@ -127,10 +136,16 @@ def nearest(z: torch.Tensor, codebook: torch.Tensor, chunk: int = 4096) -> torch
     """
     k, g = codebook.shape[-2:]
     fused = nearest_kernel.candidate(z.device, k, g)
-    return DISPATCH.run(Backend.AUTO, [
-        replace(fused, run=lambda: nearest_kernel.nearest(z, codebook)),
-        Candidate(Backend.TORCH, "torch", run=lambda: _nearest_torch(z, codebook, chunk)),
-    ], what="nearest codeword", choices=CODEC_CHOICES, device=z.device)
+    return DISPATCH.run(
+        Backend.AUTO,
+        [
+            replace(fused, run=lambda: nearest_kernel.nearest(z, codebook)),
+            Candidate(Backend.TORCH, "torch", run=lambda: _nearest_torch(z, codebook, chunk)),
+        ],
+        what="nearest codeword",
+        choices=CODEC_CHOICES,
+        device=z.device,
+    )
 
 
 def _nearest_torch(z: torch.Tensor, codebook: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -161,8 +176,15 @@ class _FusedLookup(torch.autograd.Function):
     gathered into group order (``to_groups``) and added into the codebook rows of the codes."""
 
     @staticmethod
-    def forward(ctx: Any, codebook: torch.Tensor, indices: torch.Tensor, to_block: torch.Tensor,  # type: ignore[override]
-                to_groups: torch.Tensor, steps: int, head_dim: int) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        codebook: torch.Tensor,
+        indices: torch.Tensor,
+        to_block: torch.Tensor,  # type: ignore[override]
+        to_groups: torch.Tensor,
+        steps: int,
+        head_dim: int,
+    ) -> torch.Tensor:
         ctx.save_for_backward(indices, to_groups)
         ctx.book_shape = codebook.shape
         return lookup_kernel.lookup_block(indices, codebook, to_block, steps=steps, head_dim=head_dim)
@@ -177,8 +199,15 @@ class _FusedLookup(torch.autograd.Function):
         return flat.view(ctx.book_shape), None, None, None, None, None
 
 
-def fused_lookup(codebook: torch.Tensor, indices: torch.Tensor, to_block: torch.Tensor, *, to_groups: torch.Tensor,
-                 steps: int, head_dim: int) -> torch.Tensor:
+def fused_lookup(
+    codebook: torch.Tensor,
+    indices: torch.Tensor,
+    to_block: torch.Tensor,
+    *,
+    to_groups: torch.Tensor,
+    steps: int,
+    head_dim: int,
+) -> torch.Tensor:
     """Codewords of ``indices`` [N, H, n] from ``codebook`` [Hc, nc, K, G] (fp32) placed in block order [N, steps,
     H, head_dim] by the fused kernel (:func:`~loopvq_calib.kernels.lookup.lookup_block`; ``to_block`` /
     ``to_groups``: :func:`block_permutation`), differentiable w.r.t. the codebook."""
@@ -229,18 +258,35 @@ class BlockCodec:
             return z.reshape(n, -1).gather(-1, to_block.expand(n, -1)).view(n, steps, h, d)
 
         fused = lookup_kernel.candidate(codebook.device, codebook.dtype)
-        y = DISPATCH.run(Backend.AUTO, [  # CUDA: one fused kernel, the same values
-            replace(fused, run=lambda: fused_lookup(codebook, codes.indices.to(codebook.device), to_block,
-                                                    to_groups=to_groups, steps=steps, head_dim=d)),
-            Candidate(Backend.TORCH, "torch", run=in_torch),
-        ], what="codeword lookup", choices=CODEC_CHOICES, device=codebook.device)
+        y = DISPATCH.run(
+            Backend.AUTO,
+            [  # CUDA: one fused kernel, the same values
+                replace(
+                    fused,
+                    run=lambda: fused_lookup(
+                        codebook,
+                        codes.indices.to(codebook.device),
+                        to_block,
+                        to_groups=to_groups,
+                        steps=steps,
+                        head_dim=d,
+                    ),
+                ),
+                Candidate(Backend.TORCH, "torch", run=in_torch),
+            ],
+            what="codeword lookup",
+            choices=CODEC_CHOICES,
+            device=codebook.device,
+        )
         if self.transform is not None:
             y = self.transform.inverse(y, codes.sigma)
         return y
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
         """decode(encode(x)); the assignment has no gradient, the lookup is exact."""
-        return self.decode(self.encode(x), dtype=self.codebook.dtype if self.codebook.is_floating_point() else torch.float32)
+        return self.decode(
+            self.encode(x), dtype=self.codebook.dtype if self.codebook.is_floating_point() else torch.float32
+        )
 
 
 def code_bits(codebook_size: int, group_size: int) -> float:

@@ -60,8 +60,13 @@ class BlockLayout:
 
     def to_dict(self) -> dict:
         """Every field but the groups tensor (stored apart, under ``{key}.groups``); :meth:`from_dict` inverts it."""
-        return {"name": self.name, "kind": self.kind, "sites": list(self.sites), "head_dim": self.head_dim,
-                "kv_heads": self.kv_heads}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "sites": list(self.sites),
+            "head_dim": self.head_dim,
+            "kv_heads": self.kv_heads,
+        }
 
     @classmethod
     def from_dict(cls, d: dict, groups: torch.Tensor) -> BlockLayout:
@@ -74,8 +79,9 @@ class BlockLayout:
         for h in range(self.groups.shape[0]):
             flat = self.groups[h].flatten().sort().values
             if flat.numel() != total or not torch.equal(flat, torch.arange(total)):
-                raise ValueError(f"layout {self.key} head {h}: groups do not cover the {total} coordinates "
-                                 "exactly once")
+                raise ValueError(
+                    f"layout {self.key} head {h}: groups do not cover the {total} coordinates exactly once"
+                )
 
 
 def channel_groups(head_dim: int, group_size: int) -> torch.Tensor:

@@ -55,7 +55,8 @@ def quantized_logits(
     model: torch.nn.Module,
     ids: torch.Tensor,
     quantizer: KVQuantizer,
-    *, fp: Teacher,
+    *,
+    fp: Teacher,
     sink_tokens: int,
     only_steps: set[int] | None = None,
     quantized: tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None = None,
@@ -93,6 +94,6 @@ def mean_kl(p_logits: torch.Tensor, q_logits: torch.Tensor, sink_tokens: int, *,
 
 def next_token_nll(logits: torch.Tensor, ids: torch.Tensor, sink_tokens: int) -> torch.Tensor:
     """Summed next-token negative log-likelihood over the targets after the sinks (at least position 1)."""
-    tgt = ids[:, max(sink_tokens, 1):]
+    tgt = ids[:, max(sink_tokens, 1) :]
     lg = logits[:, max(sink_tokens, 1) - 1 : -1]
     return F.cross_entropy(lg.flatten(0, 1).float(), tgt.flatten(), reduction="sum")

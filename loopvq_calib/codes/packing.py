@@ -43,8 +43,9 @@ def unpack_indices(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 PACKED = "indices_packed"  # tensor-name suffix of bit-packed indices (format 1.1, docs/bundle-format.md section 8)
 
 
-def indices_entries(name: str, indices: torch.Tensor, codebook_size: int, *,
-                    form: str = "both") -> dict[str, torch.Tensor]:
+def indices_entries(
+    name: str, indices: torch.Tensor, codebook_size: int, *, form: str = "both"
+) -> dict[str, torch.Tensor]:
     """The tensors that store ``indices`` [..., n] under ``name`` in a format file: ``{name}.indices`` (uint8 for
     K <= 256, else int32; the 1.0 form) and/or ``{name}.indices_packed`` (uint8 [..., ceil(n * b / 8)], b =
     log2(K) bits, :func:`pack_indices`; 1.1, only for K < 256). ``form``: ``"both"``, ``"plain"`` or
@@ -68,8 +69,10 @@ def read_indices(tensors: dict[str, torch.Tensor], name: str, codebook_size: int
     if packed is not None:
         bits = index_bits(codebook_size)
         if packed.dtype != torch.uint8 or packed.shape[-1] != -(-count * bits // 8):
-            raise ValueError(f"{name}.{PACKED}: expected uint8 with {-(-count * bits // 8)} bytes per row "
-                             f"({count} indices of {bits} bits), got {packed.dtype} {list(packed.shape)}")
+            raise ValueError(
+                f"{name}.{PACKED}: expected uint8 with {-(-count * bits // 8)} bytes per row "
+                f"({count} indices of {bits} bits), got {packed.dtype} {list(packed.shape)}"
+            )
         unpacked = unpack_indices(packed, bits, count)
         if plain is not None and not torch.equal(plain.long(), unpacked):
             raise ValueError(f"{name}.indices and {name}.{PACKED} disagree")

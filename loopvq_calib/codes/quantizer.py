@@ -63,10 +63,7 @@ class KVQuantizer:
         """Bits per element of keys and values, TaSQ's fp16 sigma included."""
         base = code_bits(self.codebook_size, self.group_size)
         has_sigma = any(c.transform is not None for c in self.codecs.values())
-        return {
-            "key": base + (sigma_bits(self.kv.kv_heads, self.kv.head_dim) if has_sigma else 0.0),
-            "value": base,
-        }
+        return {"key": base + (sigma_bits(self.kv.kv_heads, self.kv.head_dim) if has_sigma else 0.0), "value": base}
 
     def codebook_bytes(self, bytes_per_value: int = 2) -> int:
         """Codebook memory (weights-like) at the stored precision."""
@@ -87,32 +84,51 @@ class KVQuantizer:
         """The JSON that describes :meth:`tensors` (method, sizes, KV layout, one entry per block)."""
         blocks = []
         for key, c in self.codecs.items():
-            blocks.append({
-                "key": key, "kind": c.layout.kind, "name": c.layout.name, "sites": list(c.layout.sites),
-                "codebook_shape": list(c.codebook.shape), "groups_shape": list(c.layout.groups.shape),
-                "tasq": c.transform is not None,
-                "sigma_min": c.transform.sigma_min if c.transform is not None else None,
-            })
+            blocks.append(
+                {
+                    "key": key,
+                    "kind": c.layout.kind,
+                    "name": c.layout.name,
+                    "sites": list(c.layout.sites),
+                    "codebook_shape": list(c.codebook.shape),
+                    "groups_shape": list(c.layout.groups.shape),
+                    "tasq": c.transform is not None,
+                    "sigma_min": c.transform.sigma_min if c.transform is not None else None,
+                }
+            )
         return {
-            "method": self.method, "codebook_size": self.codebook_size, "group_size": self.group_size,
-            "steps_per_block": self.steps_per_block, "codebook_sharing": self.sharing,
-            "kv_layout": self.kv.to_dict(), "blocks": blocks,
+            "method": self.method,
+            "codebook_size": self.codebook_size,
+            "group_size": self.group_size,
+            "steps_per_block": self.steps_per_block,
+            "codebook_sharing": self.sharing,
+            "kv_layout": self.kv.to_dict(),
+            "blocks": blocks,
         }
 
     @classmethod
-    def from_tensors(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
-                     dtype: torch.dtype = torch.float32) -> KVQuantizer:
+    def from_tensors(
+        cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+    ) -> KVQuantizer:
         """The quantizer :meth:`meta` and :meth:`tensors` describe, codebooks in ``dtype``."""
         kv = KVLayout.from_dict(meta["kv_layout"])
         codecs = {}
         for b in meta["blocks"]:
             key = b["key"]
-            layout = BlockLayout(b["name"], b["kind"], tuple(b["sites"]), kv.head_dim, kv.kv_heads,
-                                 tensors[f"{key}.groups"].long())
+            layout = BlockLayout(
+                b["name"], b["kind"], tuple(b["sites"]), kv.head_dim, kv.kv_heads, tensors[f"{key}.groups"].long()
+            )
             transform = TasqTransform(tensors[f"{key}.tasq_weight"].float(), b["sigma_min"]) if b["tasq"] else None
             codecs[key] = BlockCodec(layout, tensors[f"{key}.codebook"].to(dtype), transform)
-        return cls(codecs, meta["method"], meta["codebook_size"], meta["group_size"], meta["steps_per_block"],
-                   meta["codebook_sharing"], kv)
+        return cls(
+            codecs,
+            meta["method"],
+            meta["codebook_size"],
+            meta["group_size"],
+            meta["steps_per_block"],
+            meta["codebook_sharing"],
+            kv,
+        )
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> KVQuantizer:
         """Move codebooks (and TaSQ weights) in place; returns self."""
@@ -131,5 +147,12 @@ def merge_quantizers(parts: list[KVQuantizer], order: list[str]) -> KVQuantizer:
     if missing:
         raise ValueError(f"no process fitted the codebooks of {missing}")
     first = parts[0]
-    return KVQuantizer({key: codecs[key] for key in order}, first.method, first.codebook_size, first.group_size,
-                       first.steps_per_block, first.sharing, first.kv)
+    return KVQuantizer(
+        {key: codecs[key] for key in order},
+        first.method,
+        first.codebook_size,
+        first.group_size,
+        first.steps_per_block,
+        first.sharing,
+        first.kv,
+    )

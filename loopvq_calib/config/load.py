@@ -14,16 +14,7 @@ from typing import Any
 import yaml
 
 from .schema import Config
-from .source import (
-    PATH_KEYS,
-    SHOWN_CHARS,
-    ConfigError,
-    apply_overrides,
-    copy_sections,
-    read_yaml,
-    resolve_paths,
-    shown,
-)
+from .source import PATH_KEYS, SHOWN_CHARS, ConfigError, apply_overrides, copy_sections, read_yaml, resolve_paths, shown
 from .validate import derived_bits, exact_fisher_channels, validate
 
 

@@ -52,7 +52,9 @@ def register_method(method: QuantMethod) -> QuantMethod:
         raise ValueError(f"quantization method {method.name!r} is already registered")
     unknown = sorted(set(method.tasq_groupings) - set(TASQ_GROUPINGS))
     if unknown:
-        raise ValueError(f"method {method.name!r}: unknown TaSQ groupings {unknown}; known: {', '.join(TASQ_GROUPINGS)}")
+        raise ValueError(
+            f"method {method.name!r}: unknown TaSQ groupings {unknown}; known: {', '.join(TASQ_GROUPINGS)}"
+        )
     _REGISTRY[method.name] = method
     return method
 

@@ -102,12 +102,17 @@ class StrictLoader(yaml.SafeLoader):
             event = self.peek_event()
             if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
                 mark = "*" if isinstance(event, yaml.AliasEvent) else "&"
-                raise ConfigError(self.path(), f"YAML anchors and aliases are not allowed ({mark}{event.anchor} at "
-                                               f"{self.where(event)}); write the value out")
+                raise ConfigError(
+                    self.path(),
+                    f"YAML anchors and aliases are not allowed ({mark}{event.anchor} at "
+                    f"{self.where(event)}); write the value out",
+                )
             if self.depth > MAX_DEPTH:
                 path = self.path()
-                raise ConfigError(path if len(path) <= SHOWN_CHARS else path[:SHOWN_CHARS - 3] + "...",
-                                  f"nested deeper than {MAX_DEPTH} levels ({self.where(event)})")
+                raise ConfigError(
+                    path if len(path) <= SHOWN_CHARS else path[: SHOWN_CHARS - 3] + "...",
+                    f"nested deeper than {MAX_DEPTH} levels ({self.where(event)})",
+                )
             node = super().compose_node(parent, index)
             if isinstance(node, MappingNode):
                 self._check_unique(node)
@@ -122,8 +127,9 @@ class StrictLoader(yaml.SafeLoader):
         first: dict[str, Node] = {}
         for key, _ in node.value:
             if key.tag == MERGE_TAG:
-                raise ConfigError(self.path(), f"YAML merge keys (<<) are not allowed (<< at {self.where(key)}); "
-                                               "write the keys out")
+                raise ConfigError(
+                    self.path(), f"YAML merge keys (<<) are not allowed (<< at {self.where(key)}); write the keys out"
+                )
             name = key.value if isinstance(key, ScalarNode) else None
             if name is None:
                 continue
@@ -170,7 +176,7 @@ def read_yaml(path: Path) -> Any:
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:
-        bad = err.object[err.start:err.start + 1]
+        bad = err.object[err.start : err.start + 1]
         raise ConfigError("", f"config file {path} is not UTF-8 text (byte {err.start}: {bad!r})") from err
     except OSError as err:
         raise ConfigError("", f"config file {path} cannot be read: {err.strerror}") from err
@@ -207,8 +213,11 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             parsed = parse_yaml(value, f"--set {key.strip()[:SHOWN_CHARS]}", key.strip())
         except yaml.YAMLError as err:
             problem = str(err).splitlines()[0]
-            raise ConfigError(key.strip(), f"--set value {shown(value)} is not valid YAML ({problem}); quote strings, "
-                                           "e.g. --set 'data.dataset=\"my file.txt\"'") from err
+            raise ConfigError(
+                key.strip(),
+                f"--set value {shown(value)} is not valid YAML ({problem}); quote strings, "
+                "e.g. --set 'data.dataset=\"my file.txt\"'",
+            ) from err
         node = raw
         for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
@@ -249,8 +258,11 @@ def resolve_paths(raw: dict, base: Path, keys: tuple[str, ...] = PATH_KEYS) -> d
         value = node.get(name) if isinstance(node, dict) else None
         if not isinstance(value, str) or not value.strip():
             continue
-        if key == "output.dir" or (key == "model.name_or_path" and looks_local(value, base)) or (
-                key == "data.dataset" and node.get("type") != "hub" and _local_dataset(value, base)):
+        if (
+            key == "output.dir"
+            or (key == "model.name_or_path" and looks_local(value, base))
+            or (key == "data.dataset" and node.get("type") != "hub" and _local_dataset(value, base))
+        ):
             node[name] = _absolute(value, base)
     return raw
 

@@ -95,8 +95,10 @@ def _validate_model(m: ModelConfig) -> None:
     if m.loop_steps is not None:
         _positive("model.loop_steps", m.loop_steps)
         if m.loop_steps > MAX_LOOP_STEPS:
-            raise ConfigError("model.loop_steps", f"{m.loop_steps:,} is more loop steps than this toolkit takes "
-                                                  f"(at most {MAX_LOOP_STEPS:,})")
+            raise ConfigError(
+                "model.loop_steps",
+                f"{m.loop_steps:,} is more loop steps than this toolkit takes (at most {MAX_LOOP_STEPS:,})",
+            )
     if not m.name_or_path.strip():
         raise ConfigError("model.name_or_path", "must not be empty")
 
@@ -117,11 +119,15 @@ def _validate_data(d: DataConfig, finetune_enabled: bool) -> None:
     _positive("data.heldout_sequences", d.heldout_sequences, zero_ok=True)
     _seed("data.seed", d.seed)
     if d.chat_template and d.type == "text":
-        raise ConfigError("data.chat_template", "needs rows of messages (json, jsonl, parquet or a hub dataset), "
-                          "not plain text files (data.type text)")
+        raise ConfigError(
+            "data.chat_template",
+            "needs rows of messages (json, jsonl, parquet or a hub dataset), not plain text files (data.type text)",
+        )
     if d.sink_tokens >= d.sequence_length:
-        raise ConfigError("data.sink_tokens", f"{d.sink_tokens} sinks leave no token of a {d.sequence_length}-token "
-                          "sequence to quantize")
+        raise ConfigError(
+            "data.sink_tokens",
+            f"{d.sink_tokens} sinks leave no token of a {d.sequence_length}-token sequence to quantize",
+        )
     if finetune_enabled and not 0 < d.heldout_sequences < d.num_sequences:
         raise ConfigError(
             "data.heldout_sequences",
@@ -176,8 +182,9 @@ def _validate_tasq(t: TasqConfig, q: QuantConfig) -> None:
     for name in ("det_eps", "sigma_min", "weight_floor"):
         _positive(f"tasq.{name}", getattr(t, name))
     if t.weight_floor >= 1:
-        raise ConfigError("tasq.weight_floor",
-                          f"is a fraction of the largest weight and must be < 1, got {t.weight_floor}")
+        raise ConfigError(
+            "tasq.weight_floor", f"is a fraction of the largest weight and must be < 1, got {t.weight_floor}"
+        )
 
 
 def validate_finetune(f: FinetuneConfig) -> None:
@@ -192,16 +199,20 @@ def validate_finetune(f: FinetuneConfig) -> None:
     _choice("finetune.parameterization", f.parameterization, PARAMETERIZATIONS)
     _positive("finetune.min_usage", f.min_usage, zero_ok=True)
     if f.min_usage and f.parameterization != "codewords":
-        raise ConfigError("finetune.min_usage", f"{f.min_usage} restricts codewords; it needs parameterization "
-                          f"codewords, not {f.parameterization}")
+        raise ConfigError(
+            "finetune.min_usage",
+            f"{f.min_usage} restricts codewords; it needs parameterization codewords, not {f.parameterization}",
+        )
     _positive("finetune.proximal", f.proximal, zero_ok=True)
     _positive("finetune.kl_chunk", f.kl_chunk)
     _seed("finetune.seed", f.seed)
     _choice("finetune.autocast", f.autocast, AUTOCAST_MODES)
     _choice("finetune.cache_teacher", f.cache_teacher, CACHE_TEACHER)
     if f.loop_checkpointing not in (True, False, "auto") or type(f.loop_checkpointing) not in (bool, str):
-        raise ConfigError("finetune.loop_checkpointing",
-                          f"{shown(f.loop_checkpointing)} is not allowed; choose one of true, false, auto")
+        raise ConfigError(
+            "finetune.loop_checkpointing",
+            f"{shown(f.loop_checkpointing)} is not allowed; choose one of true, false, auto",
+        )
 
 
 def _validate_output(o: OutputConfig, d: DataConfig) -> None:
@@ -211,8 +222,11 @@ def _validate_output(o: OutputConfig, d: DataConfig) -> None:
         raise ConfigError("output.bundle_name", f"{shown(o.bundle_name)} must be a non-empty name without / or \\")
     _choice("output.codebook_dtype", o.codebook_dtype, DTYPE_NAMES)
     s = o.serving
-    values = {"sink_tokens": d.sink_tokens if s.sink_tokens is None else s.sink_tokens,
-              "recent_window": s.recent_window, "page_size": s.page_size}
+    values = {
+        "sink_tokens": d.sink_tokens if s.sink_tokens is None else s.sink_tokens,
+        "recent_window": s.recent_window,
+        "page_size": s.page_size,
+    }
     for name, value in values.items():
         _positive(f"output.serving.{name}", value, zero_ok=name != "page_size")
     for name in ("sink_tokens", "recent_window"):
@@ -256,5 +270,3 @@ def validate_for_model(cfg: Config, head_dim: int, kv_heads: int, *, loop_steps:
             f"non-looped layers are coded per layer like CQ: head_dim {head_dim} is not divisible by G = "
             f"{q.group_size}",
         )
-
-

@@ -91,8 +91,10 @@ def load_documents(cfg: DataConfig, names: dict[str, str | None] | None = None) 
             kinds = {LOCAL_TYPES.get(Path(f).suffix) for f in files}
             if len(kinds) != 1 or None in kinds:
                 how = f"; set {_option(names, 'type')}" if _option(names, "type") else ""
-                raise DataError(f"{_option(names, 'dataset')}: cannot infer the file type of {shown(files)} (known "
-                                f"suffixes: {', '.join(LOCAL_TYPES)}){how}")
+                raise DataError(
+                    f"{_option(names, 'dataset')}: cannot infer the file type of {shown(files)} (known "
+                    f"suffixes: {', '.join(LOCAL_TYPES)}){how}"
+                )
             kind = kinds.pop()
 
         field_key = _option(names, "text_field") or _option(names, "dataset")
@@ -108,8 +110,12 @@ def load_documents(cfg: DataConfig, names: dict[str, str | None] | None = None) 
 
 
 def _looks_like_a_path(spec: str) -> bool:
-    return os.path.isabs(spec) or spec.startswith((".", "~")) or spec.endswith(tuple(LOCAL_TYPES)) or any(
-        ch in spec for ch in "*?[")
+    return (
+        os.path.isabs(spec)
+        or spec.startswith((".", "~"))
+        or spec.endswith(tuple(LOCAL_TYPES))
+        or any(ch in spec for ch in "*?[")
+    )
 
 
 def hub_unreachable(timeout: float = 3.0) -> str | None:
@@ -132,9 +138,11 @@ def _hub_documents(cfg: DataConfig, names: dict[str, str | None] | None) -> Iter
     if unreachable:
         key = _option(names, "dataset") or "data.dataset"
         local = f"{key} <file>" if key.startswith("-") else f"--set {key}=<file>"
-        raise DataError(f"{key}: cannot load {shown(cfg.dataset)} from the hub, which cannot be reached "
-                        f"({unreachable}); give a local file or folder ({local}), or set HF_DATASETS_OFFLINE=1 to "
-                        "read it from the local cache")
+        raise DataError(
+            f"{key}: cannot load {shown(cfg.dataset)} from the hub, which cannot be reached "
+            f"({unreachable}); give a local file or folder ({local}), or set HF_DATASETS_OFFLINE=1 to "
+            "read it from the local cache"
+        )
     try:
         ds = datasets.load_dataset(cfg.dataset, cfg.config_name, split=cfg.split)
     except Exception as err:  # offline, unknown name, missing split: all surface here
@@ -145,8 +153,9 @@ def _hub_documents(cfg: DataConfig, names: dict[str, str | None] | None) -> Iter
         ) from err
     if cfg.text_field not in ds.column_names:
         key = _option(names, "text_field") or _option(names, "dataset")
-        raise DataError(f"{key}: column {shown(cfg.text_field)} not in {shown(cfg.dataset)} (columns: "
-                        f"{shown(ds.column_names)})")
+        raise DataError(
+            f"{key}: column {shown(cfg.text_field)} not in {shown(cfg.dataset)} (columns: {shown(ds.column_names)})"
+        )
     for row in ds:
         text = row[cfg.text_field]
         if cfg.chat_template or (isinstance(text, str) and text.strip()):
@@ -156,11 +165,16 @@ def _hub_documents(cfg: DataConfig, names: dict[str, str | None] | None) -> Iter
 def checked_conversations(rows: Iterator[Any], field_key: str) -> Iterator[list[dict[str, Any]]]:
     """The rows, each checked to be a conversation (a non-empty list of ``{"role", "content"}`` messages)."""
     for n, messages in enumerate(rows):
-        if not (isinstance(messages, list) and messages
-                and all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)):
-            raise DataError(f"{field_key}: with data.chat_template every row must be a non-empty list of "
-                            f"{{role, content}} messages; document {n} is {type(messages).__name__} "
-                            f"{shown(messages, 60)}")
+        if not (
+            isinstance(messages, list)
+            and messages
+            and all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)
+        ):
+            raise DataError(
+                f"{field_key}: with data.chat_template every row must be a non-empty list of "
+                f"{{role, content}} messages; document {n} is {type(messages).__name__} "
+                f"{shown(messages, 60)}"
+            )
         yield messages
 
 
@@ -168,8 +182,10 @@ def render_conversations(conversations: Iterator[list[dict[str, Any]]], tokenize
     """Each conversation as the text the model sees in chat use: the tokenizer's chat template, without a
     generation prompt (``data.chat_template``). Rendered one at a time, as they are consumed."""
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError("data.chat_template: the tokenizer of model.name_or_path has no chat template "
-                        "(tokenizer_config.json has no chat_template)")
+        raise DataError(
+            "data.chat_template: the tokenizer of model.name_or_path has no chat template "
+            "(tokenizer_config.json has no chat_template)"
+        )
     for messages in conversations:
         text = tokenizer.apply_chat_template(messages, tokenize=False)
         if text.strip():
@@ -209,8 +225,9 @@ def _token_stream(docs: Iterator[str], tokenizer: Any, limit: int) -> tuple[list
     return ids, count
 
 
-def build_calibration_set(cfg: DataConfig, tokenizer: Any,
-                          names: dict[str, str | None] | None = None) -> CalibrationSet:
+def build_calibration_set(
+    cfg: DataConfig, tokenizer: Any, names: dict[str, str | None] | None = None
+) -> CalibrationSet:
     """Deterministic (given ``cfg.seed``) calibration sequences and their train / held-out split."""
     n, length = cfg.num_sequences, cfg.sequence_length
     source = load_documents(cfg, names)
@@ -224,8 +241,10 @@ def build_calibration_set(cfg: DataConfig, tokenizer: Any,
         for _ in source:
             pass
     if docs == 0:
-        raise DataError(f"{_option(names, 'dataset')}: {cfg.dataset} holds no text (no non-empty "
-                        f"{shown(cfg.text_field)} in any document)")
+        raise DataError(
+            f"{_option(names, 'dataset')}: {cfg.dataset} holds no text (no non-empty "
+            f"{shown(cfg.text_field)} in any document)"
+        )
     windows = len(ids) // length
     if windows < n:
         raise DataError(

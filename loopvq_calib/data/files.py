@@ -29,8 +29,9 @@ def file_documents(file: Path, kind: str, cfg: DataConfig, *, dataset_key: str, 
     (or ``field_key`` for a missing column) and the file. With ``cfg.chat_template`` the column's values are
     yielded as they are (conversations, rendered by :func:`loopvq_calib.data.corpus.render_conversations`)."""
     if kind == "text" and cfg.chat_template:
-        raise DataError(f"data.chat_template: {file} is a plain text file; conversations need json, jsonl or "
-                        "parquet rows")
+        raise DataError(
+            f"data.chat_template: {file} is a plain text file; conversations need json, jsonl or parquet rows"
+        )
     if kind == "text":
         yield from _text_documents(file, cfg.text_sample_by, dataset_key)
         return
@@ -55,8 +56,10 @@ def _lines(file: Path, dataset_key: str, *, cut_long: bool = True) -> Iterator[t
         with _open(file, dataset_key) as f:
             for number, (raw, length) in enumerate(capped_lines(f, DOCUMENT_BYTES), 1):
                 if length > len(raw) and not cut_long:
-                    raise DataError(f"{dataset_key}: {file} line {number} holds {length:,} bytes, more than one row "
-                                    f"may hold ({DOCUMENT_BYTES:,}); split it into several rows")
+                    raise DataError(
+                        f"{dataset_key}: {file} line {number} holds {length:,} bytes, more than one row "
+                        f"may hold ({DOCUMENT_BYTES:,}); split it into several rows"
+                    )
                 line = _decoded(raw, file, dataset_key, offset=offset, row=f"line {number}", cut=length > len(raw))
                 offset += length
                 yield number, (line.lstrip("\ufeff") if number == 1 else line).rstrip("\r\n")
@@ -70,9 +73,11 @@ def _decoded(raw: bytes, file: Path, dataset_key: str, *, offset: int, row: str,
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
         if cut and err.reason == "unexpected end of data" and err.start >= len(raw) - 3:
-            return raw[:err.start].decode("utf-8")
-        raise DataError(f"{dataset_key}: {file} is not UTF-8 text: byte offset {offset + err.start} ({row}: "
-                        f"{raw[err.start:err.start + 4]!r}...); convert it, e.g. iconv -f latin1 -t utf-8") from err
+            return raw[: err.start].decode("utf-8")
+        raise DataError(
+            f"{dataset_key}: {file} is not UTF-8 text: byte offset {offset + err.start} ({row}: "
+            f"{raw[err.start : err.start + 4]!r}...); convert it, e.g. iconv -f latin1 -t utf-8"
+        ) from err
 
 
 def _read_text(file: Path, dataset_key: str, *, whole: bool) -> str:
@@ -85,8 +90,10 @@ def _read_text(file: Path, dataset_key: str, *, whole: bool) -> str:
     except OSError as err:
         raise DataError(f"{dataset_key}: cannot read {file}: {err.strerror}") from err
     if whole and len(data) > limit:
-        raise DataError(f"{dataset_key}: {file} holds more than {limit:,} bytes, the most a JSON array file may "
-                        "hold (it is parsed whole); write it as JSON lines (.jsonl), which are read row by row")
+        raise DataError(
+            f"{dataset_key}: {file} holds more than {limit:,} bytes, the most a JSON array file may "
+            "hold (it is parsed whole); write it as JSON lines (.jsonl), which are read row by row"
+        )
     text = _decoded(data[:limit], file, dataset_key, offset=0, row="in the file", cut=len(data) > limit)
     return text.lstrip("\ufeff")
 
@@ -143,15 +150,19 @@ def _json_column(file: Path, column: str, dataset_key: str, *, field_key: str) -
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as err:
-            raise DataError(f"{dataset_key}: {file} is not valid JSON: {err.msg} at line {err.lineno} column "
-                            f"{err.colno}") from err
+            raise DataError(
+                f"{dataset_key}: {file} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
+            ) from err
         except RecursionError:
             raise DataError(f"{dataset_key}: {file} is nested too deeply to read") from None
         items = rows if isinstance(rows, list) else [rows]
         numbered: Iterator[tuple[str, Any]] = ((f"item {i}", row) for i, row in enumerate(items))
     else:
-        numbered = ((f"line {n}", _json_line(file, n, line, dataset_key=dataset_key))
-                    for n, line in _lines(file, dataset_key, cut_long=False) if line.strip())
+        numbered = (
+            (f"line {n}", _json_line(file, n, line, dataset_key=dataset_key))
+            for n, line in _lines(file, dataset_key, cut_long=False)
+            if line.strip()
+        )
     found, columns = False, None
     for where, row in numbered:
         if not isinstance(row, dict):
@@ -159,8 +170,10 @@ def _json_column(file: Path, column: str, dataset_key: str, *, field_key: str) -
         if column in row:
             found = True
             if _unicode_problem(row[column]):
-                raise DataError(f"{dataset_key}: {file} {where}: field {shown(column)} holds a lone surrogate (a "
-                                "\\ud800-\\udfff escape not part of a pair), which is not Unicode text; fix that row")
+                raise DataError(
+                    f"{dataset_key}: {file} {where}: field {shown(column)} holds a lone surrogate (a "
+                    "\\ud800-\\udfff escape not part of a pair), which is not Unicode text; fix that row"
+                )
             yield row[column]
         elif columns is None:
             columns = sorted(row)
@@ -185,8 +198,9 @@ def _json_line(file: Path, number: int, line: str, *, dataset_key: str) -> Any:
     try:
         return json.loads(line)
     except json.JSONDecodeError as err:
-        raise DataError(f"{dataset_key}: {file} line {number} is not a JSON object ({err.msg}, column "
-                        f"{err.colno})") from err
+        raise DataError(
+            f"{dataset_key}: {file} line {number} is not a JSON object ({err.msg}, column {err.colno})"
+        ) from err
     except RecursionError:
         raise DataError(f"{dataset_key}: {file} line {number} is nested too deeply to read") from None
 
@@ -197,8 +211,9 @@ def _parquet_column(file: Path, column: str, dataset_key: str, *, field_key: str
     try:
         schema = pq.read_schema(file)
     except Exception as err:  # pyarrow raises its own types for truncated or foreign files
-        raise DataError(f"{dataset_key}: {file} is not a readable parquet file ({type(err).__name__}: "
-                        f"{str(err)[:200]})") from err
+        raise DataError(
+            f"{dataset_key}: {file} is not a readable parquet file ({type(err).__name__}: {str(err)[:200]})"
+        ) from err
     if column not in schema.names:
         raise DataError(f"{field_key}: column {shown(column)} not in {file} (columns: {shown(schema.names)})")
     try:

@@ -77,28 +77,45 @@ class _Sums:
         kv = self.q.kv
         nmse = {kind: _ratio(sum(self.err[kind].values()), sum(self.ref[kind].values())) for kind in KINDS}
         per_site = [
-            {"site": s.site, "step": s.step, "layer": s.layer, "stage": s.stage,
-             **{kind: _ratio(self.err[kind][s.site], self.ref[kind][s.site]) for kind in KINDS}}
+            {
+                "site": s.site,
+                "step": s.step,
+                "layer": s.layer,
+                "stage": s.stage,
+                **{kind: _ratio(self.err[kind][s.site], self.ref[kind][s.site]) for kind in KINDS},
+            }
             for s in kv.sites
         ]
         per_step_nmse = {}
         for kind in KINDS:
             per_step_nmse[kind] = [
-                _ratio(sum(self.err[kind][s.site] for s in kv.sites if s.looped and s.step == t),
-                       sum(self.ref[kind][s.site] for s in kv.sites if s.looped and s.step == t))
+                _ratio(
+                    sum(self.err[kind][s.site] for s in kv.sites if s.looped and s.step == t),
+                    sum(self.ref[kind][s.site] for s in kv.sites if s.looped and s.step == t),
+                )
                 for t in range(kv.loop_steps)
             ]
         ppl_fp = math.exp(self.nll_fp / self.targets)
         ppl_q = math.exp(self.nll_q / self.targets)
         return {
-            "method": self.q.method, "bits": self.q.bits(), "codebook_bytes": self.q.codebook_bytes(),
-            "codebook_size": self.q.codebook_size, "group_size": self.q.group_size,
-            "steps_per_block": self.q.steps_per_block, "sink_tokens": self.sink, "sequences": self.sequences,
-            "kl_positions": int(self.positions), "nll_targets": int(self.targets),
+            "method": self.q.method,
+            "bits": self.q.bits(),
+            "codebook_bytes": self.q.codebook_bytes(),
+            "codebook_size": self.q.codebook_size,
+            "group_size": self.q.group_size,
+            "steps_per_block": self.q.steps_per_block,
+            "sink_tokens": self.sink,
+            "sequences": self.sequences,
+            "kl_positions": int(self.positions),
+            "nll_targets": int(self.targets),
             "eval_kl": self.kl / self.positions,
-            "ppl_fp": ppl_fp, "ppl_quantized": ppl_q, "ppl_increase": ppl_q / ppl_fp - 1.0,
+            "ppl_fp": ppl_fp,
+            "ppl_quantized": ppl_q,
+            "ppl_increase": ppl_q / ppl_fp - 1.0,
             "per_step_kl": [v / self.positions for v in self.step_kl] if per_step else None,
-            "nmse": nmse, "nmse_per_step": per_step_nmse, "nmse_per_site": per_site,
+            "nmse": nmse,
+            "nmse_per_step": per_step_nmse,
+            "nmse_per_site": per_site,
         }
 
 
@@ -106,8 +123,14 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den > 0 else 0.0
 
 
-def evaluate_quantizers(model: torch.nn.Module, sequences: torch.Tensor, entries: list[tuple[KVQuantizer, int]],
-                        *, per_step: bool = True, kl_chunk: int = 1024) -> list[dict[str, Any]]:
+def evaluate_quantizers(
+    model: torch.nn.Module,
+    sequences: torch.Tensor,
+    entries: list[tuple[KVQuantizer, int]],
+    *,
+    per_step: bool = True,
+    kl_chunk: int = 1024,
+) -> list[dict[str, Any]]:
     """Metrics of several (quantizer, sink_tokens) pairs on the same sequences [n, L], one sequence at a
     time; each sequence's teacher forward is computed once and reused by every quantizer."""
     device = next(model.parameters()).device
@@ -120,8 +143,15 @@ def evaluate_quantizers(model: torch.nn.Module, sequences: torch.Tensor, entries
     return [acc.result(per_step) for acc in sums]
 
 
-def evaluate_quantizer(model: torch.nn.Module, sequences: torch.Tensor, quantizer: KVQuantizer, *, sink_tokens: int,
-                       per_step: bool = True, kl_chunk: int = 1024) -> dict[str, Any]:
+def evaluate_quantizer(
+    model: torch.nn.Module,
+    sequences: torch.Tensor,
+    quantizer: KVQuantizer,
+    *,
+    sink_tokens: int,
+    per_step: bool = True,
+    kl_chunk: int = 1024,
+) -> dict[str, Any]:
     """Held-out KL, perplexities, NMSE per site and loop step, per-step KL table, bits and codebook bytes
     of ``quantizer`` on ``sequences`` [n, L] (docs/evaluation.md). The quantizer must be on the model's device."""
     return evaluate_quantizers(model, sequences, [(quantizer, sink_tokens)], per_step=per_step, kl_chunk=kl_chunk)[0]
@@ -135,9 +165,11 @@ def check_gates(results: list[dict[str, Any]], max_kl: float | None, max_ppl_inc
         if max_kl is not None and not r["eval_kl"] <= max_kl:
             failures.append(f"{r['name']}: evaluation KL {r['eval_kl']:.6g} exceeds --max-kl {max_kl:g}")
         if max_ppl_increase is not None and not r["ppl_increase"] <= max_ppl_increase:
-            failures.append(f"{r['name']}: perplexity increase {r['ppl_increase']:.4%} "
-                            f"({r['ppl_fp']:.4f} -> {r['ppl_quantized']:.4f}) exceeds --max-ppl-increase "
-                            f"{max_ppl_increase:g}")
+            failures.append(
+                f"{r['name']}: perplexity increase {r['ppl_increase']:.4%} "
+                f"({r['ppl_fp']:.4f} -> {r['ppl_quantized']:.4f}) exceeds --max-ppl-increase "
+                f"{max_ppl_increase:g}"
+            )
     return failures
 
 
@@ -156,9 +188,18 @@ class EvalReport:
         return not self.gate_failures
 
 
-def evaluate(bundles: Sequence[str | Path], *, model: str | None = None, data: str | None = None,
-             num_sequences: int = 8, sequence_length: int = 512, device: str = "auto", dtype: str = "float32",
-             served: ServedOptions | None = None, gates: Gates | None = None) -> EvalReport:
+def evaluate(
+    bundles: Sequence[str | Path],
+    *,
+    model: str | None = None,
+    data: str | None = None,
+    num_sequences: int = 8,
+    sequence_length: int = 512,
+    device: str = "auto",
+    dtype: str = "float32",
+    served: ServedOptions | None = None,
+    gates: Gates | None = None,
+) -> EvalReport:
     """Evaluate bundles (folders or hub ids) side by side on the same held-out sequences and apply the gates.
 
     ``model``: folder or hub id (default: the bundles' model); ``data``: held-out text (default: the shipped
@@ -172,18 +213,30 @@ def evaluate(bundles: Sequence[str | Path], *, model: str | None = None, data: s
     source = data_source(data, num_sequences, sequence_length)
     check_gate_thresholds(gates)
     check_device(device)
-    inputs = load_inputs(bundles, model, device, dtype=dtype, sequence_length=sequence_length,
-                         passkey_lengths=served.passkey_lengths if served is not None else ())
+    inputs = load_inputs(
+        bundles,
+        model,
+        device,
+        dtype=dtype,
+        sequence_length=sequence_length,
+        passkey_lengths=served.passkey_lengths if served is not None else (),
+    )
     check_sink_room(inputs.bundles, sequence_length)
     sequences, description = heldout_sequences(source, inputs.tokenizer, num_sequences, sequence_length=sequence_length)
-    report = {"model": inputs.model_name, "dtype": dtype, "device": str(next(inputs.model.parameters()).device),
-              "data": description, "loop_steps": inputs.bundles[0].quantizer.kv.loop_steps,
-              "bundles": _result_rows(inputs, sequences, served)}
+    report = {
+        "model": inputs.model_name,
+        "dtype": dtype,
+        "device": str(next(inputs.model.parameters()).device),
+        "data": description,
+        "loop_steps": inputs.bundles[0].quantizer.kv.loop_steps,
+        "bundles": _result_rows(inputs, sequences, served),
+    }
     failures = check_gates(report["bundles"], gates.max_kl, gates.max_ppl_increase)
     if served is not None and served.any_served:
         sample = sequences[:1].to(next(inputs.model.parameters()).device)
-        report["served"] = served_evaluation(inputs.model, inputs.tokenizer, inputs.bundles, options=served,
-                                             dtype=dtype, sample=sample)
+        report["served"] = served_evaluation(
+            inputs.model, inputs.tokenizer, inputs.bundles, options=served, dtype=dtype, sample=sample
+        )
         failures += check_accuracy_gate(report["served"].get("accuracy_drop") or {}, gates.max_accuracy_drop)
     return EvalReport(report, failures)
 
@@ -197,10 +250,22 @@ def _result_rows(inputs: EvalInputs, sequences: torch.Tensor, served: ServedOpti
     results = evaluate_quantizers(inputs.model, sequences, entries + baselines)
     for b, r in zip(loaded, results):
         metrics = b.meta.get("metrics") or {}
-        r.update(name=b.meta.get("name", b.path.name), bundle=str(b.path), serving=b.serving,
-                 codebooks_sha256=b.meta["files"]["codebooks.safetensors"]["sha256"],
-                 selection_kl=metrics.get("selection_kl", metrics.get("heldout_kl")),
-                 finetune_curve=metrics.get("finetune_curve"))
-    for (q, _), r in zip(baselines, results[len(loaded):]):
-        r.update(name=q.method, bundle=None, serving=None, codebooks_sha256=None, selection_kl=None, finetune_curve=None, baseline=True)
+        r.update(
+            name=b.meta.get("name", b.path.name),
+            bundle=str(b.path),
+            serving=b.serving,
+            codebooks_sha256=b.meta["files"]["codebooks.safetensors"]["sha256"],
+            selection_kl=metrics.get("selection_kl", metrics.get("heldout_kl")),
+            finetune_curve=metrics.get("finetune_curve"),
+        )
+    for (q, _), r in zip(baselines, results[len(loaded) :]):
+        r.update(
+            name=q.method,
+            bundle=None,
+            serving=None,
+            codebooks_sha256=None,
+            selection_kl=None,
+            finetune_curve=None,
+            baseline=True,
+        )
     return results

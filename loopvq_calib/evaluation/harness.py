@@ -52,9 +52,17 @@ def lm_eval_available() -> bool:
 class ServedLM(LM):
     """An lm-eval ``LM`` over a loaded looped model and a cache factory (``None``: full precision)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, make_cache: Callable[[], Any] | None,
-                 *, batch_size: int = 1, max_length: int | None = None, seed: int = 0,
-                 forward_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        make_cache: Callable[[], Any] | None,
+        *,
+        batch_size: int = 1,
+        max_length: int | None = None,
+        seed: int = 0,
+        forward_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -82,7 +90,7 @@ class ServedLM(LM):
         out: list[str] = []
         args = [r.args for r in requests]
         for start in range(0, len(args), self.batch_size):
-            batch = args[start:start + self.batch_size]
+            batch = args[start : start + self.batch_size]
             kwargs = batch[0][1] or {}
             max_new = int(kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
             out += self.greedy([c for c, _ in batch], _until(kwargs), max_new)
@@ -92,7 +100,7 @@ class ServedLM(LM):
     def greedy(self, contexts: list[str], until: list[str], max_new: int) -> list[str]:
         """Greedy continuations of ``contexts`` (one left-padded batch, one cache), cut at ``until``."""
         torch.manual_seed(self.seed)  # Huginn's random initial state: the same for every entry
-        rows = [self._encode(c)[-(self.max_length - max_new):] or [self.eos_id] for c in contexts]
+        rows = [self._encode(c)[-(self.max_length - max_new) :] or [self.eos_id] for c in contexts]
         width = max(len(r) for r in rows)
         ids = torch.tensor([[self.eos_id] * (width - len(r)) + r for r in rows], device=self._device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self._device)
@@ -121,15 +129,18 @@ class ServedLM(LM):
             context, continuation = req.args
             whole = self._encode(context + continuation)
             ctx = self._encode(context)
-            n_ctx = len(ctx) if whole[:len(ctx)] == ctx else len(self._encode(context.rstrip()))
+            n_ctx = len(ctx) if whole[: len(ctx)] == ctx else len(self._encode(context.rstrip()))
             ctx_ids, cont_ids = ([self.eos_id] + whole[:n_ctx]), whole[n_ctx:]
             keep = self.max_length - len(cont_ids)
             ctx_ids = ctx_ids[-keep:]
             torch.manual_seed(self.seed)
             cache = self._cache()
             first = self._forward(torch.tensor([ctx_ids], device=self._device), cache)[:, -1:]
-            rest = (self._forward(torch.tensor([cont_ids[:-1]], device=self._device), cache) if len(cont_ids) > 1
-                    else first[:, :0])
+            rest = (
+                self._forward(torch.tensor([cont_ids[:-1]], device=self._device), cache)
+                if len(cont_ids) > 1
+                else first[:, :0]
+            )
             logp = torch.log_softmax(torch.cat([first, rest], 1)[0].float(), -1)
             target = torch.tensor(cont_ids, device=self._device)
             out.append((logp.gather(-1, target[:, None]).sum().item(), bool((logp.argmax(-1) == target).all())))
@@ -137,8 +148,10 @@ class ServedLM(LM):
 
     def loglikelihood_rolling(self, requests: list[Any]) -> list[float]:
         """Not served: perplexity comes from the evaluation on held-out text instead."""
-        raise NotImplementedError("perplexity tasks are not served through the cache; loopvq-eval reports "
-                                  "perplexity and the evaluation KL on held-out text (--data) instead")
+        raise NotImplementedError(
+            "perplexity tasks are not served through the cache; loopvq-eval reports "
+            "perplexity and the evaluation KL on held-out text (--data) instead"
+        )
 
 
 # -- lm-eval tasks ----------------------------------------------------------------------------------------
@@ -171,20 +184,29 @@ def run_tasks(model: torch.nn.Module, tokenizer: Any, entries: list[Any], *, opt
     seed = options.seed
     for e in entries:
         lm = ServedLM(model, tokenizer, e.make_cache(), batch_size=options.batch_size, seed=seed)
-        out = lm_eval.simple_evaluate(model=lm, tasks=list(options.tasks), limit=options.limit, task_manager=manager,
-                                      log_samples=False, random_seed=seed, numpy_random_seed=seed,
-                                      torch_random_seed=seed, fewshot_random_seed=seed,
-                                      confirm_run_unsafe_code=options.confirm_run_unsafe_code)
+        out = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(options.tasks),
+            limit=options.limit,
+            task_manager=manager,
+            log_samples=False,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+            confirm_run_unsafe_code=options.confirm_run_unsafe_code,
+        )
         scores[e.name] = {task: _metrics(res) for task, res in out["results"].items()}
-        samples = {task: int(n.get("effective", n.get("original", 0))) if isinstance(n, dict) else int(n)
-                   for task, n in (out.get("n-samples") or {}).items()}
+        samples = {
+            task: int(n.get("effective", n.get("original", 0))) if isinstance(n, dict) else int(n)
+            for task, n in (out.get("n-samples") or {}).items()
+        }
     return {"tasks": list(options.tasks), "limit": options.limit, "scores": scores, "samples": samples}
 
 
 def _metrics(result: dict[str, Any]) -> dict[str, float]:
     """``{"exact_match,first_word": 0.5, ...}``: the "metric,filter" entries, without stderr."""
-    return {k: float(v) for k, v in result.items()
-            if isinstance(v, (int, float)) and "," in k and "_stderr" not in k}
+    return {k: float(v) for k, v in result.items() if isinstance(v, (int, float)) and "," in k and "_stderr" not in k}
 
 
 def _until(kwargs: dict[str, Any]) -> list[str]:
@@ -199,5 +221,5 @@ def _hit(text: str, until: list[str]) -> bool:
 def _cut(text: str, until: list[str]) -> str:
     for u in until:
         if u in text:
-            text = text[:text.index(u)]
+            text = text[: text.index(u)]
     return text

@@ -31,8 +31,13 @@ from .options import Gates, ServedOptions
 from .passkey import NEW_TOKENS
 
 DEFAULT_DATA = Path("artifacts/data/shakespeare-heldout.jsonl")  # relative to the working folder or the checkout
-EVAL_DATA_NAMES = {"dataset": "--data", "num_sequences": "--num-sequences", "sequence_length": "--sequence-length",
-                   "type": None, "text_field": None}  # how the data errors name the setting
+EVAL_DATA_NAMES = {
+    "dataset": "--data",
+    "num_sequences": "--num-sequences",
+    "sequence_length": "--sequence-length",
+    "type": None,
+    "text_field": None,
+}  # how the data errors name the setting
 
 
 class EvalInputError(ValueError):
@@ -63,8 +68,9 @@ def check_served_options(served: ServedOptions | None) -> None:
     if served.limit is not None and not served.limit > 0:
         raise EvalInputError(f"--limit must be > 0, got {served.limit:g}")
     if served.batch_size < 1 or served.passkey_trials < 1:
-        raise EvalInputError(f"--batch-size and --passkey-trials must be >= 1, got {served.batch_size}, "
-                             f"{served.passkey_trials}")
+        raise EvalInputError(
+            f"--batch-size and --passkey-trials must be >= 1, got {served.batch_size}, {served.passkey_trials}"
+        )
     if any(n < 16 for n in served.passkey_lengths):
         raise EvalInputError(f"--passkey-lengths {served.passkey_lengths}: each length must be >= 16 tokens")
     for path in served.include_path:
@@ -76,8 +82,10 @@ def check_served_options(served: ServedOptions | None) -> None:
         known = set(task_manager(served.include_path, served.tasks).all_tasks)
         missing = [t for t in served.tasks if t not in known]
         if missing:
-            raise EvalInputError(f"--tasks {','.join(missing)}: not an lm-eval task or group here (the shipped "
-                                 "local task is loopvq_recall; add task folders with --include-path)")
+            raise EvalInputError(
+                f"--tasks {','.join(missing)}: not an lm-eval task or group here (the shipped "
+                "local task is loopvq_recall; add task folders with --include-path)"
+            )
 
 
 def check_gate_thresholds(gates: Gates) -> None:
@@ -97,8 +105,9 @@ def data_source(data: str | None, num_sequences: int, sequence_length: int) -> s
     """The held-out data argument, checked (a local file read through) before anything is loaded; ``None`` ->
     the shipped default file."""
     if num_sequences < 1 or sequence_length < 2:
-        raise EvalInputError(f"need --num-sequences >= 1 and --sequence-length >= 2, got {num_sequences}, "
-                             f"{sequence_length}")
+        raise EvalInputError(
+            f"need --num-sequences >= 1 and --sequence-length >= 2, got {num_sequences}, {sequence_length}"
+        )
     if data is None:
         candidates = [DEFAULT_DATA, Path(__file__).resolve().parents[2] / DEFAULT_DATA]
         found = next((p for p in candidates if p.is_file()), None)
@@ -110,15 +119,24 @@ def data_source(data: str | None, num_sequences: int, sequence_length: int) -> s
         raise EvalInputError(f"--data {data}: no such file or folder")
     data = str(Path(data).expanduser()) if looks_local else data
     # a local source is read now (UTF-8, parseable, some text)
-    empty = (local_files(data, EVAL_DATA_NAMES["dataset"])
-             and next(load_documents(DataConfig(dataset=data), EVAL_DATA_NAMES), None) is None)
+    empty = (
+        local_files(data, EVAL_DATA_NAMES["dataset"])
+        and next(load_documents(DataConfig(dataset=data), EVAL_DATA_NAMES), None) is None
+    )
     if empty:
         raise EvalInputError(f"--data {data}: holds no text (no non-empty 'text' field or line)")
     return data
 
 
-def load_inputs(paths: Sequence[str | Path], model: str | None, device: str, *, dtype: str,
-                sequence_length: int | None = None, passkey_lengths: Sequence[int] = ()) -> EvalInputs:
+def load_inputs(
+    paths: Sequence[str | Path],
+    model: str | None,
+    device: str,
+    *,
+    dtype: str,
+    sequence_length: int | None = None,
+    passkey_lengths: Sequence[int] = (),
+) -> EvalInputs:
     """Bundles (each checked against the model's identity), the model (default: the bundles') and its tokenizer.
     The model folder's files, and ``sequence_length`` and ``passkey_lengths`` against the model's window, are
     checked before any weight is read."""
@@ -135,8 +153,10 @@ def load_inputs(paths: Sequence[str | Path], model: str | None, device: str, *, 
     if model is None:
         names = {i["name"] for i in idents}
         if len(names) > 1:
-            raise EvalInputError(f"the bundles were calibrated for different models ({', '.join(sorted(names))}); "
-                                 "evaluate them separately or name one with --model")
+            raise EvalInputError(
+                f"the bundles were calibrated for different models ({', '.join(sorted(names))}); "
+                "evaluate them separately or name one with --model"
+            )
         model, revision, key = idents[0]["name"], idents[0].get("revision"), f"{dirs[0]}: the bundle's model"
         try:
             folder = resolve_model_dir(model, revision, key=key)
@@ -155,31 +175,38 @@ def load_inputs(paths: Sequence[str | Path], model: str | None, device: str, *, 
     return EvalInputs(loaded, model_obj, tokenizer, model)
 
 
-def check_window(model_config: Any, folder: Path, sequence_length: int | None,
-                 passkey_lengths: Sequence[int] = ()) -> None:
+def check_window(
+    model_config: Any, folder: Path, sequence_length: int | None, passkey_lengths: Sequence[int] = ()
+) -> None:
     """``--sequence-length`` and each passkey prompt with its answer fit the model's window (config.json's
     ``max_position_embeddings``, Huginn ``block_size``)."""
     window, field = model_window(model_config)
     source = f"{field} in {folder / 'config.json'}"
     if sequence_length is not None and sequence_length > window:
-        raise EvalInputError(f"--sequence-length {sequence_length:,} exceeds the model's window of {window:,} tokens "
-                             f"({source})")
+        raise EvalInputError(
+            f"--sequence-length {sequence_length:,} exceeds the model's window of {window:,} tokens ({source})"
+        )
     too_long = [n for n in passkey_lengths if n + NEW_TOKENS > window]
     if too_long:
-        raise EvalInputError(f"--passkey-lengths {too_long}: prompts plus {NEW_TOKENS} new tokens exceed the model's "
-                             f"window of {window:,} tokens ({source})")
+        raise EvalInputError(
+            f"--passkey-lengths {too_long}: prompts plus {NEW_TOKENS} new tokens exceed the model's "
+            f"window of {window:,} tokens ({source})"
+        )
 
 
 def check_sink_room(bundles: list[Bundle], sequence_length: int) -> None:
     """Every bundle's sink tokens leave positions to measure in a sequence."""
     for b in bundles:
         if sequence_length <= max(b.serving["sink_tokens"], 1):
-            raise EvalInputError(f"--sequence-length {sequence_length} leaves no position after the "
-                                 f"{b.serving['sink_tokens']} sink tokens of {b.path}")
+            raise EvalInputError(
+                f"--sequence-length {sequence_length} leaves no position after the "
+                f"{b.serving['sink_tokens']} sink tokens of {b.path}"
+            )
 
 
-def heldout_sequences(data: str, tokenizer: Any, num_sequences: int, *,
-                      sequence_length: int) -> tuple[torch.Tensor, dict[str, Any]]:
+def heldout_sequences(
+    data: str, tokenizer: Any, num_sequences: int, *, sequence_length: int
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """Held-out token windows [n, L] of ``data`` (local file/folder/glob or hub dataset) and their description."""
     cfg = DataConfig(dataset=data, num_sequences=num_sequences, sequence_length=sequence_length, heldout_sequences=0)
     calib = build_calibration_set(cfg, tokenizer, EVAL_DATA_NAMES)

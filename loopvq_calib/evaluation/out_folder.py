@@ -14,8 +14,16 @@ from ..runtime.files import sha256_file, write_bytes_atomic
 from ..runtime.input_files import long_number, parse_json, read_capped
 
 OUT_RECORD = ".loopvq-eval.json"  # name -> sha256 of each report file loopvq-eval wrote into the folder
-REPORT_FILES = ("report.json", "report.md", "kl_by_method.png", "kl_per_step.png", "nmse_per_step.png",
-                "finetune_curve.png", "served_accuracy.png", "accuracy_vs_bytes.png")
+REPORT_FILES = (
+    "report.json",
+    "report.md",
+    "kl_by_method.png",
+    "kl_per_step.png",
+    "nmse_per_step.png",
+    "finetune_curve.png",
+    "served_accuracy.png",
+    "accuracy_vs_bytes.png",
+)
 
 
 class OutFolderError(ValueError):
@@ -42,15 +50,21 @@ def _check_replaceable(folder: Path, name: str, record: dict[str, str]) -> None:
     if not os.path.lexists(file):
         return
     if file.is_symlink():
-        raise OutFolderError(f"--out {folder}: {name} is a symbolic link; loopvq-eval never writes through a link "
-                             "(remove it or choose another --out)")
+        raise OutFolderError(
+            f"--out {folder}: {name} is a symbolic link; loopvq-eval never writes through a link "
+            "(remove it or choose another --out)"
+        )
     if not file.is_file():
-        raise OutFolderError(f"--out {folder}: {name} is not a regular file; loopvq-eval replaces only the report "
-                             "files it wrote (move it or choose another --out)")
+        raise OutFolderError(
+            f"--out {folder}: {name} is not a regular file; loopvq-eval replaces only the report "
+            "files it wrote (move it or choose another --out)"
+        )
     if record.get(name) != sha256_file(file):
-        raise OutFolderError(f"--out {folder}: {name} was not written by loopvq-eval, or was edited since (not as "
-                             f"{OUT_RECORD} records it); loopvq-eval replaces only the report files it wrote (move it "
-                             "or choose another --out)")
+        raise OutFolderError(
+            f"--out {folder}: {name} was not written by loopvq-eval, or was edited since (not as "
+            f"{OUT_RECORD} records it); loopvq-eval replaces only the report files it wrote (move it "
+            "or choose another --out)"
+        )
 
 
 def write_out_files(folder: Path, files: dict[str, bytes]) -> list[Path]:

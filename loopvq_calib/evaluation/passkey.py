@@ -70,15 +70,18 @@ def answered(continuation: str, key: str) -> bool:
 
 
 @torch.no_grad()
-def run_passkey(model: torch.nn.Module, tokenizer: Any, entries: list[Any], *, lengths: list[int], trials: int,
-                seed: int = 0) -> dict[str, Any]:
+def run_passkey(
+    model: torch.nn.Module, tokenizer: Any, entries: list[Any], *, lengths: list[int], trials: int, seed: int = 0
+) -> dict[str, Any]:
     """Accuracy per prompt length for each entry (:class:`~loopvq_calib.evaluation.served.Entry`), on the same
     trials; lengths whose prompts and answers exceed the model's window raise ValueError."""
     window = model.window
     too_long = [n for n in lengths if n + NEW_TOKENS > window]
     if too_long:
-        raise ValueError(f"--passkey-lengths {too_long}: prompts plus {NEW_TOKENS} new tokens exceed the model's "
-                         f"window of {window} tokens")
+        raise ValueError(
+            f"--passkey-lengths {too_long}: prompts plus {NEW_TOKENS} new tokens exceed the model's "
+            f"window of {window} tokens"
+        )
     cases = make_trials(tokenizer, lengths, trials, seed=seed)
     acc: dict[str, dict[str, float]] = {}
     for e in entries:

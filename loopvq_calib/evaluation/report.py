@@ -47,19 +47,29 @@ def markdown_report(report: dict[str, Any]) -> str:
     steps = report["loop_steps"]
     d = report.get("data") or {}
     lines = [
-        "# LoopVQ evaluation", "",
+        "# LoopVQ evaluation",
+        "",
         f"Model `{report['model']}` ({report['dtype']}, {report['device']}); held-out data `{d.get('dataset')}`: "
         f"{d.get('num_sequences')} sequences of {d.get('sequence_length')} tokens. The evaluation KL (text "
         "calibration never saw) and perplexity count the "
         "positions after each bundle's sink tokens; every other position's keys and values are quantized at "
-        "every site (no recent window).", "",
+        "every site (no recent window).",
+        "",
     ]
     head = ["bundle", "method", "bits K / V", "sinks", "evaluation KL", "ppl fp", "ppl quantized", "ppl increase"]
     head += [f"KL step {t + 1} only" for t in range(steps)]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["name"], r["method"], _bits(r), str(r["sink_tokens"]), _fmt(eval_kl(r), ".5f"),
-                 _fmt(r["ppl_fp"], ".3f"), _fmt(r["ppl_quantized"], ".3f"), f"{r['ppl_increase']:+.2%}"]
+        cells = [
+            r["name"],
+            r["method"],
+            _bits(r),
+            str(r["sink_tokens"]),
+            _fmt(eval_kl(r), ".5f"),
+            _fmt(r["ppl_fp"], ".3f"),
+            _fmt(r["ppl_quantized"], ".3f"),
+            f"{r['ppl_increase']:+.2%}",
+        ]
         per = r.get("per_step_kl") or [None] * steps
         cells += [_fmt(v, ".5f") for v in per]
         lines.append("| " + " | ".join(cells) + " |")
@@ -71,13 +81,20 @@ def markdown_report(report: dict[str, Any]) -> str:
         cells = [r["name"], _fmt(n["key"]), _fmt(n["value"])]
         cells += [f"{_fmt(k)} / {_fmt(v)}" for k, v in zip(r["nmse_per_step"]["key"], r["nmse_per_step"]["value"])]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "## Bundles", "", "| bundle | path | K | G | T_c | codebook bytes | selection KL (calibration) |",
-              "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Bundles",
+        "",
+        "| bundle | path | K | G | T_c | codebook bytes | selection KL (calibration) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r.get("baseline"):
             continue
-        lines.append(f"| {r['name']} | `{r['bundle']}` | {r['codebook_size']} | {r['group_size']} | "
-                     f"{r['steps_per_block']} | {r['codebook_bytes']:,} | {_fmt(selection_kl(r), '.5f')} |")
+        lines.append(
+            f"| {r['name']} | `{r['bundle']}` | {r['codebook_size']} | {r['group_size']} | "
+            f"{r['steps_per_block']} | {r['codebook_bytes']:,} | {_fmt(selection_kl(r), '.5f')} |"
+        )
     if report.get("served"):
         lines += served_markdown(report)
     return "\n".join(lines) + "\n"
@@ -88,8 +105,10 @@ def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
     (:mod:`loopvq_calib.evaluation.out_folder`: never through a link, never over a file loopvq-eval did not write);
     returns the written paths."""
     # strict JSON, as loopvq-push reads it: non-finite numbers as the strings "nan", "inf", "-inf"
-    files = {"report.json": (json.dumps(json_safe(report), indent=1, allow_nan=False) + "\n").encode("utf-8"),
-             "report.md": markdown_report(report).encode("utf-8")}
+    files = {
+        "report.json": (json.dumps(json_safe(report), indent=1, allow_nan=False) + "\n").encode("utf-8"),
+        "report.md": markdown_report(report).encode("utf-8"),
+    }
     return write_out_files(out_dir, {**files, **plots(report)})
 
 
@@ -99,9 +118,11 @@ def plots(report: dict[str, Any]) -> dict[str, bytes]:
     results: name -> PNG bytes."""
     plt = _pyplot()
     rows, steps = report["bundles"], report["loop_steps"]
-    figures = {"kl_by_method.png": lambda: _kl_by_method(plt, rows),
-               "kl_per_step.png": lambda: _kl_per_step(plt, rows, steps),
-               "nmse_per_step.png": lambda: _nmse_per_step(plt, rows, steps)}
+    figures = {
+        "kl_by_method.png": lambda: _kl_by_method(plt, rows),
+        "kl_per_step.png": lambda: _kl_per_step(plt, rows, steps),
+        "nmse_per_step.png": lambda: _nmse_per_step(plt, rows, steps),
+    }
     curves = [r for r in rows if r.get("finetune_curve")]
     if curves:
         figures["finetune_curve.png"] = lambda: _finetune_curves(plt, curves)
@@ -177,11 +198,13 @@ def _finetune_curves(plt: Any, curves: list[dict[str, Any]]) -> Any:
     for r in curves:
         c = r["finetune_curve"]
         epochs = [e["epoch"] for e in c]
-        line = ax.plot(epochs, [e.get("selection_kl", e.get("heldout_kl")) for e in c], marker="o",
-                       label=f"{r['name']} selection")
+        line = ax.plot(
+            epochs, [e.get("selection_kl", e.get("heldout_kl")) for e in c], marker="o", label=f"{r['name']} selection"
+        )
         if any(e.get("train_kl") is not None for e in c):
-            ax.plot(epochs, [e.get("train_kl") for e in c], ls="--", color=line[0].get_color(),
-                    label=f"{r['name']} train")
+            ax.plot(
+                epochs, [e.get("train_kl") for e in c], ls="--", color=line[0].get_color(), label=f"{r['name']} train"
+            )
     ax.set_xlabel("epoch (0 = k-means init)")
     ax.set_ylabel("KL to full precision")
     ax.set_title("Codebook fine-tuning")
@@ -222,21 +245,34 @@ def served_markdown(report: dict[str, Any]) -> list[str]:
     note = f"Loop steps {model.get('loop_steps')}"
     if "recurrences" in model:
         note += f"; Huginn recurrences {model['recurrences']}, initial state {model['initial_state']}"
-    lines += [note + ". Bytes per token: the cache's stored tensors after prefilling "
-              f"{entries[0]['bytes']['tokens']} held-out tokens, divided by the tokens.", ""]
-    lines += ["| entry | kind | bits K / V | sinks / window / page | bytes per token | encoded bytes per token "
-              "| ratio to bf16 | evaluation KL |", "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        note + ". Bytes per token: the cache's stored tensors after prefilling "
+        f"{entries[0]['bytes']['tokens']} held-out tokens, divided by the tokens.",
+        "",
+    ]
+    lines += [
+        "| entry | kind | bits K / V | sinks / window / page | bytes per token | encoded bytes per token "
+        "| ratio to bf16 | evaluation KL |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for e in entries:
         b = e["bytes"]
-        lines.append(f"| {e['name']} | {e['kind']} | {_entry_bits(e)} | {_serving(e)} | {b['bytes_per_token']:.1f} | "
-                     f"{_fmt(b['encoded_bytes_per_token'], '.1f')} | {b['ratio_to_bf16']:.4f} | "
-                     f"{_fmt(kl.get(e['name']), '.5f') if e['kind'] != 'full-precision' else '0'} |")
+        lines.append(
+            f"| {e['name']} | {e['kind']} | {_entry_bits(e)} | {_serving(e)} | {b['bytes_per_token']:.1f} | "
+            f"{_fmt(b['encoded_bytes_per_token'], '.1f')} | {b['ratio_to_bf16']:.4f} | "
+            f"{_fmt(kl.get(e['name']), '.5f') if e['kind'] != 'full-precision' else '0'} |"
+        )
     names = [e["name"] for e in entries]
     tasks = task_table(served)
     if tasks:
         drops = served.get("accuracy_drop") or {}
-        lines += ["", "### Task accuracy (lm-eval, greedy)", "",
-                  "| task | metric | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        lines += [
+            "",
+            "### Task accuracy (lm-eval, greedy)",
+            "",
+            "| task | metric | " + " | ".join(names) + " |",
+            "|---|---|" + "---|" * len(names),
+        ]
         for task, key, values in tasks:
             cells = []
             for n in names:
@@ -245,15 +281,27 @@ def served_markdown(report: dict[str, Any]) -> list[str]:
             lines.append(f"| {task} | {key} | " + " | ".join(cells) + " |")
         limit = served["tasks"].get("limit")
         samples = ", ".join(f"{t}: {n}" for t, n in (served["tasks"].get("samples") or {}).items())
-        lines += ["", f"Samples per task: {samples or 'n/a'}" + (f" (--limit {limit:g})" if limit else "")
-                  + "; in brackets: the change against " + served["reference"] + ".", "",
-                  "Mean task accuracy against encoded bytes per token (full precision: its cache's bytes per token), "
-                  "one point per entry: `accuracy_vs_bytes.png`."]
+        lines += [
+            "",
+            f"Samples per task: {samples or 'n/a'}"
+            + (f" (--limit {limit:g})" if limit else "")
+            + "; in brackets: the change against "
+            + served["reference"]
+            + ".",
+            "",
+            "Mean task accuracy against encoded bytes per token (full precision: its cache's bytes per token), "
+            "one point per entry: `accuracy_vs_bytes.png`.",
+        ]
     pk = served.get("passkey")
     if pk:
         lens = [str(n) for n in pk["lengths"]]
-        lines += ["", f"### Passkey retrieval ({pk['trials_per_length']} trials per length, accuracy)", "",
-                  "| entry | " + " | ".join(f"{n} tokens" for n in lens) + " |", "|---|" + "---|" * len(lens)]
+        lines += [
+            "",
+            f"### Passkey retrieval ({pk['trials_per_length']} trials per length, accuracy)",
+            "",
+            "| entry | " + " | ".join(f"{n} tokens" for n in lens) + " |",
+            "|---|" + "---|" * len(lens),
+        ]
         for n in names:
             lines.append(f"| {n} | " + " | ".join(_fmt(pk["accuracy"][n][k], ".2f") for k in lens) + " |")
     return lines
@@ -289,8 +337,9 @@ def accuracy_points(served: dict[str, Any]) -> list[tuple[float, float, str]]:
         scores = [values[e["name"]] for _, _, values in tasks if e["name"] in values]
         size = e["bytes"]["encoded_bytes_per_token"]
         if scores:
-            points.append((e["bytes"]["bytes_per_token"] if size is None else size, sum(scores) / len(scores),
-                           e["name"]))
+            points.append(
+                (e["bytes"]["bytes_per_token"] if size is None else size, sum(scores) / len(scores), e["name"])
+            )
     return points
 
 

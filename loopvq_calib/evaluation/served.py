@@ -46,10 +46,15 @@ class Entry:
     def describe(self) -> dict[str, Any]:
         """The entry as the report lists it: name, kind, method, bits and serving settings."""
         q = self.quantizer
-        return {"name": self.name, "kind": self.kind, "method": q.method if q is not None else "full-precision",
-                "bits": q.bits() if q is not None else None,
-                "serving": None if q is None else {"sink_tokens": self.sink_tokens, "recent_window": self.recent_window,
-                                                   "page_size": self.page_size}}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "method": q.method if q is not None else "full-precision",
+            "bits": q.bits() if q is not None else None,
+            "serving": None
+            if q is None
+            else {"sink_tokens": self.sink_tokens, "recent_window": self.recent_window, "page_size": self.page_size},
+        }
 
 
 def _serving(options: ServedOptions, base: dict[str, Any]) -> tuple[int, int]:
@@ -72,8 +77,9 @@ def build_entries(model: torch.nn.Module, bundles: list[Any], options: ServedOpt
     return entries
 
 
-def baseline_entries(model: torch.nn.Module, bundles: list[Any],
-                     options: ServedOptions | None) -> list[tuple[Any, int]]:
+def baseline_entries(
+    model: torch.nn.Module, bundles: list[Any], options: ServedOptions | None
+) -> list[tuple[Any, int]]:
     """(baseline quantizer, sink tokens) pairs for the evaluation KL, with the entries' sink count."""
     if options is None:
         return []
@@ -112,8 +118,12 @@ def check_accuracy_gate(drops: dict[str, dict[str, float]], max_drop: float | No
     """One message per (entry, task) whose accuracy drop exceeds ``max_drop`` (NaN fails)."""
     if max_drop is None:
         return []
-    return [f"{name}: {task} accuracy drop {d:.4g} exceeds --max-accuracy-drop {max_drop:g}"
-            for name, per_task in drops.items() for task, d in per_task.items() if not d <= max_drop]
+    return [
+        f"{name}: {task} accuracy drop {d:.4g} exceeds --max-accuracy-drop {max_drop:g}"
+        for name, per_task in drops.items()
+        for task, d in per_task.items()
+        if not d <= max_drop
+    ]
 
 
 # -- bytes per token ------------------------------------------------------------------------------------
@@ -128,27 +138,53 @@ def measured_bytes(model: torch.nn.Module, entry: Entry, ids: torch.Tensor) -> d
     bf16 = kv.num_sites * 2 * kv.kv_heads * kv.head_dim * 2
     if factory is None:
         per = cache.nbytes() / ids.numel()
-        return {"tokens": ids.shape[1], "cache_bytes": cache.nbytes(), "bytes_per_token": per,
-                "encoded_bytes_per_token": None, "bf16_bytes_per_token": bf16, "ratio_to_bf16": per / bf16}
+        return {
+            "tokens": ids.shape[1],
+            "cache_bytes": cache.nbytes(),
+            "bytes_per_token": per,
+            "encoded_bytes_per_token": None,
+            "bf16_bytes_per_token": bf16,
+            "ratio_to_bf16": per / bf16,
+        }
     m = cache.bytes_per_token()
-    return {k: m[k] for k in ("tokens", "cache_bytes", "bytes_per_token", "encoded_bytes_per_token",
-                              "bf16_bytes_per_token", "ratio_to_bf16")}
+    return {
+        k: m[k]
+        for k in (
+            "tokens",
+            "cache_bytes",
+            "bytes_per_token",
+            "encoded_bytes_per_token",
+            "bf16_bytes_per_token",
+            "ratio_to_bf16",
+        )
+    }
 
 
 # -- the served part of the report -----------------------------------------------------------------------
-def served_evaluation(model: torch.nn.Module, tokenizer: Any, bundles: list[Any], *, options: ServedOptions,
-                      dtype: str, sample: torch.Tensor) -> dict[str, Any]:
+def served_evaluation(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    bundles: list[Any],
+    *,
+    options: ServedOptions,
+    dtype: str,
+    sample: torch.Tensor,
+) -> dict[str, Any]:
     """Entries, measured bytes per token (after prefilling ``sample`` [1, L]), task scores with accuracy
     drops against full precision, and passkey accuracy per length."""
     entries = build_entries(model, bundles, options, dtype=dtype)
-    out: dict[str, Any] = {"model": model_details(model), "reference": entries[0].name,
-                           "entries": [e.describe() for e in entries]}
+    out: dict[str, Any] = {
+        "model": model_details(model),
+        "reference": entries[0].name,
+        "entries": [e.describe() for e in entries],
+    }
     for row, e in zip(out["entries"], entries):
         row["bytes"] = measured_bytes(model, e, sample)
     if options.tasks:
         out["tasks"] = run_tasks(model, tokenizer, entries, options=options)
         out["accuracy_drop"] = accuracy_drops(out["tasks"], entries[0].name)
     if options.passkey_lengths:
-        out["passkey"] = run_passkey(model, tokenizer, entries, lengths=options.passkey_lengths,
-                                     trials=options.passkey_trials, seed=options.seed)
+        out["passkey"] = run_passkey(
+            model, tokenizer, entries, lengths=options.passkey_lengths, trials=options.passkey_trials, seed=options.seed
+        )
     return out

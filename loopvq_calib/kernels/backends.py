@@ -129,8 +129,10 @@ class Candidate(Generic[T]):
 
 # decode attention's kernels, in the order ``auto`` tries them; the last takes every call (the fallback). Both
 # serving call sites read this list: decode attention fills in each one's call, the cache checks a backend with it.
-DECODE_CANDIDATES: tuple[Candidate, ...] = (Candidate(Backend.CUDA, "the CUDA decode kernel"),
-                                            Candidate(Backend.TRITON, "the Triton decode kernel"))
+DECODE_CANDIDATES: tuple[Candidate, ...] = (
+    Candidate(Backend.CUDA, "the CUDA decode kernel"),
+    Candidate(Backend.TRITON, "the Triton decode kernel"),
+)
 DECODE_CHOICES = (Backend.AUTO, *(c.backend for c in DECODE_CANDIDATES))  # decode attention from coded pages
 CACHE_CHOICES = (*DECODE_CHOICES, Backend.TORCH)  # the quantized cache's decode steps (torch: no kernel)
 
@@ -144,8 +146,15 @@ class Dispatcher:
         self._probing: dict[tuple, threading.Lock] = {}
         self._warned: set[str] = set()
 
-    def choose(self, requested: Backend | str, candidates: list[Candidate[T]], *, what: str,
-               choices: tuple[Backend, ...], device: torch.device | str) -> Candidate[T]:
+    def choose(
+        self,
+        requested: Backend | str,
+        candidates: list[Candidate[T]],
+        *,
+        what: str,
+        choices: tuple[Backend, ...],
+        device: torch.device | str,
+    ) -> Candidate[T]:
         """The candidate that serves: the one ``requested`` (refused with its reason when it is unavailable or
         does not take the call; it is not probed), or under ``auto`` the first that runs (module docstring).
         ``what`` names the choice in messages; every choice but ``auto`` has a candidate."""
@@ -156,15 +165,23 @@ class Dispatcher:
         others = " or ".join(repr(c.value) for c in choices if c is not wanted)
         reason = unavailable(wanted, device)
         if reason:
-            raise BackendUnavailable(f"{what}: {wanted.value!r} needs {REQUIREMENTS[wanted]}, not {device} "
-                                     f"({reason}); use {others}")
+            raise BackendUnavailable(
+                f"{what}: {wanted.value!r} needs {REQUIREMENTS[wanted]}, not {device} ({reason}); use {others}"
+            )
         reason = candidate.unfit() if candidate.unfit else ""
         if reason:
             raise BackendUnavailable(f"{what}: {wanted.value!r} does not take this call: {reason}; use {others}")
         return candidate
 
-    def run(self, requested: Backend | str, candidates: list[Candidate[T]], *, what: str,
-            choices: tuple[Backend, ...], device: torch.device | str) -> T:
+    def run(
+        self,
+        requested: Backend | str,
+        candidates: list[Candidate[T]],
+        *,
+        what: str,
+        choices: tuple[Backend, ...],
+        device: torch.device | str,
+    ) -> T:
         """:meth:`choose`, then the candidate's ``run``; under ``auto`` a ``fails_with`` error warns once and the
         next candidate that runs serves (an explicit request's errors propagate)."""
         explicit = Backend.parse(requested, choices, what=what) is not Backend.AUTO
@@ -175,14 +192,17 @@ class Dispatcher:
             except candidate.fails_with as err:
                 if explicit:
                     raise
-                later = candidates[candidates.index(candidate) + 1:]
+                later = candidates[candidates.index(candidate) + 1 :]
                 candidate = self._first(later, what=what, device=device, skipped=[(candidate, str(err))])
 
     def why_not(self, candidate: Candidate, device: torch.device | str) -> str:
         """Why ``auto`` would skip ``candidate`` on ``device`` ('' when it would take it): unavailable there,
         not fitting the call, or failing its probe (probed here once per key)."""
-        return unavailable(candidate.backend, device) or (candidate.unfit() if candidate.unfit else "") \
+        return (
+            unavailable(candidate.backend, device)
+            or (candidate.unfit() if candidate.unfit else "")
             or self.probe(candidate)
+        )
 
     def probe(self, candidate: Candidate) -> str:
         """Why ``candidate``'s probe fails ('' when it passes or it has none), probing once per ``probe_key``."""
@@ -224,8 +244,14 @@ class Dispatcher:
             self._probing.clear()
             self._warned.clear()
 
-    def _first(self, candidates: list[Candidate[T]], *, what: str, device: torch.device | str,
-               skipped: list[tuple[Candidate, str]]) -> Candidate[T]:
+    def _first(
+        self,
+        candidates: list[Candidate[T]],
+        *,
+        what: str,
+        device: torch.device | str,
+        skipped: list[tuple[Candidate, str]],
+    ) -> Candidate[T]:
         """The first candidate ``auto`` considers that is available, fits and passes its probe; a warning (once
         per reason) for each one skipped before it."""
         for candidate in candidates:

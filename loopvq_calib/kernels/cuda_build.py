@@ -73,8 +73,7 @@ class CudaBuilds:
             return "this torch has no torch.cuda._compile_kernel (NVRTC)"
         return ""
 
-    def kernel(self, source: str, name: str, *, defines: tuple[tuple[str, int], ...], shared: int,
-               device: int) -> Any:
+    def kernel(self, source: str, name: str, *, defines: tuple[tuple[str, int], ...], shared: int, device: int) -> Any:
         """``name`` built from ``source`` with ``defines`` prepended as ``#define``s (:func:`build_kernel`),
         once per (defines, shared, device); the first failure is kept (:meth:`unavailable`) and raised."""
         key = (name, defines, shared, device)
@@ -104,8 +103,10 @@ class CudaBuilds:
             kept = self._counters.setdefault(str(device), [])
             if not kept or kept[-1].numel() < count:
                 if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                    raise LaunchError(f"no arrival counters for {count} launches yet during CUDA-graph capture; "
-                                      "run the call once before capturing")
+                    raise LaunchError(
+                        f"no arrival counters for {count} launches yet during CUDA-graph capture; "
+                        "run the call once before capturing"
+                    )
                 kept.append(torch.zeros(max(4096, 1 << (count - 1).bit_length()), dtype=torch.int32, device=device))
             return kept[-1]
 

@@ -30,7 +30,9 @@ from .cuda_build import LaunchError
 from .decode_inputs import CodedTokens, KernelInputs, StepTables
 from .decode_lanes import LaneTables, lane_tables
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("decode_attention_device.cuh", "decode_attention.cu"))
+SOURCES = tuple(
+    Path(__file__).with_name("csrc") / name for name in ("decode_attention_device.cuh", "decode_attention.cu")
+)
 KERNEL = "loopvq_decode_split"
 ACT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 INT32_MAX = 2**31 - 1
@@ -95,14 +97,31 @@ def _align16(x: int) -> int:
     return (x + 15) // 16 * 16
 
 
-def shared_layout(d: int, k: int, key_bytes: int, *, value_bytes: int, key_codes: int, value_codes: int, warps: int,
-                  query_groups: int, step_tokens: int, rows: int = 1) -> int:
+def shared_layout(
+    d: int,
+    k: int,
+    key_bytes: int,
+    *,
+    value_bytes: int,
+    key_codes: int,
+    value_codes: int,
+    warps: int,
+    query_groups: int,
+    step_tokens: int,
+    rows: int = 1,
+) -> int:
     """Bytes of dynamic shared memory (the kernel source's KT_BYTES + VT_BYTES + STAGE_BYTES + the queries qs
     + pbuf + the channel maps); ``step_tokens`` tokens per warp step (TOK), ``rows`` batch rows per pass (RPB)."""
     stage = warps * 2 * step_tokens * (key_codes + value_codes)
     merge = warps * query_groups * (d + 2) * 4
-    return (d * k * key_bytes + d * k * value_bytes + _align16(max(stage, merge)) + rows * query_groups * d * 4
-            + warps * query_groups * step_tokens * 4 + 2 * d * 4)
+    return (
+        d * k * key_bytes
+        + d * k * value_bytes
+        + _align16(max(stage, merge))
+        + rows * query_groups * d * 4
+        + warps * query_groups * step_tokens * 4
+        + 2 * d * 4
+    )
 
 
 @dataclass(frozen=True)
@@ -120,8 +139,15 @@ class LaunchPlan:
     shared: int
 
 
-def launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, *, fp_values: torch.Tensor,
-           coded: CodedTokens, settings: CudaDecodeLaunch) -> LaunchPlan | str:
+def launch(
+    lanes: LaneTables | None,
+    q: torch.Tensor,
+    fp_keys: torch.Tensor,
+    *,
+    fp_values: torch.Tensor,
+    coded: CodedTokens,
+    settings: CudaDecodeLaunch,
+) -> LaunchPlan | str:
     """The call's :class:`LaunchPlan`, or why it cannot run the CUDA kernel: no NVRTC kernel on q's device
     (:meth:`~loopvq_calib.kernels.cuda_build.CudaBuilds.unavailable`: an earlier failed build, not a CUDA
     device, a torch that cannot build) or :func:`plan_launch`'s reason with the device's shared memory and
@@ -130,12 +156,29 @@ def launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, *, 
     if reason:
         return reason
     props = torch.cuda.get_device_properties(q.device)
-    return plan_launch(lanes, q, fp_keys, fp_values=fp_values, coded=coded, settings=settings,
-                       shared_limit=props.shared_memory_per_block_optin, sms=props.multi_processor_count)
+    return plan_launch(
+        lanes,
+        q,
+        fp_keys,
+        fp_values=fp_values,
+        coded=coded,
+        settings=settings,
+        shared_limit=props.shared_memory_per_block_optin,
+        sms=props.multi_processor_count,
+    )
 
 
-def plan_launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor, *, fp_values: torch.Tensor,
-                coded: CodedTokens, settings: CudaDecodeLaunch, shared_limit: int, sms: int) -> LaunchPlan | str:
+def plan_launch(
+    lanes: LaneTables | None,
+    q: torch.Tensor,
+    fp_keys: torch.Tensor,
+    *,
+    fp_values: torch.Tensor,
+    coded: CodedTokens,
+    settings: CudaDecodeLaunch,
+    shared_limit: int,
+    sms: int,
+) -> LaunchPlan | str:
     """The launch (defaults from :func:`default_launch`, rows per pass by :func:`rows_per_pass`, splits per KV
     head = ``sms`` over the heads; the key table in float32 by default only where its runs cannot be read as
     packed halves (odd runs) and it fits at one row per pass (at the rows given, if any; the default tokens per
@@ -172,8 +215,9 @@ def plan_launch(lanes: LaneTables | None, q: torch.Tensor, fp_keys: torch.Tensor
     return plan
 
 
-def _sized(lanes: LaneTables, q: torch.Tensor, coded: CodedTokens, *, settings: CudaDecodeLaunch, shared_limit: int,
-           sms: int) -> LaunchPlan | str:
+def _sized(
+    lanes: LaneTables, q: torch.Tensor, coded: CodedTokens, *, settings: CudaDecodeLaunch, shared_limit: int, sms: int
+) -> LaunchPlan | str:
     """:func:`plan_launch`'s warps, tokens, rows, key table and splits for a call whose tensors the kernel reads."""
     bsz, hq = q.shape[0], q.shape[1]
     heads = lanes.key.shape[0]
@@ -183,8 +227,10 @@ def _sized(lanes: LaneTables, q: torch.Tensor, coded: CodedTokens, *, settings: 
     default_tokens = tokens is None
     warps, tokens = (warps if warps is not None else w), (min(u, lanes.lanes) if default_tokens else tokens)
     if tokens not in (1, 2, 4, 8, 16) or tokens > lanes.lanes or not 1 <= warps <= 32:
-        raise ValueError(f"tokens_per_iteration must be a power of two up to the lanes per token ({lanes.lanes}) and "
-                         f"warps 1..32, got {tokens} and {warps}")
+        raise ValueError(
+            f"tokens_per_iteration must be a power of two up to the lanes per token ({lanes.lanes}) and "
+            f"warps 1..32, got {tokens} and {warps}"
+        )
     wanted = lanes.run_key % 2 == 1 if settings.key_float32 is None else settings.key_float32
     given = rows is not None
     rows = rows_per_pass(rows if given else r, bsz, warps)
@@ -194,6 +240,7 @@ def _sized(lanes: LaneTables, q: torch.Tensor, coded: CodedTokens, *, settings: 
 
     def need32(t: int) -> int:
         return need(t, torch.float32, rows if given else 1)
+
     if wanted and default_tokens:  # default tokens above 8 give way to a float32 key table that fits at 8
         tokens = next((t for t in (tokens, 8) if t <= tokens and need32(t) <= shared_limit), tokens)
     wide = wanted and need32(tokens) <= shared_limit  # float32 wanted and fits
@@ -223,14 +270,32 @@ def _index_vector(idx: torch.Tensor) -> int:
     return 0
 
 
-def launch_shared(lanes: LaneTables, coded: CodedTokens, warps: int, *, query_groups: int, tokens: int,
-                  key_dtype: torch.dtype | None = None, rows: int = 1) -> int:
+def launch_shared(
+    lanes: LaneTables,
+    coded: CodedTokens,
+    warps: int,
+    *,
+    query_groups: int,
+    tokens: int,
+    key_dtype: torch.dtype | None = None,
+    rows: int = 1,
+) -> int:
     """Shared memory of a launch with the key table in ``key_dtype`` (default: the tables' own)."""
     heads, _, k, _, _ = lanes.key.shape
     d = lanes.key_channel.shape[1]
     kb = torch.finfo(key_dtype or lanes.key.dtype).bits // 8
-    return shared_layout(d, k, kb, value_bytes=lanes.value.element_size(), key_codes=coded.key_indices.shape[3],
-                         value_codes=coded.value_indices.shape[3], warps=warps, query_groups=query_groups, step_tokens=32 // lanes.lanes * tokens, rows=rows)
+    return shared_layout(
+        d,
+        k,
+        kb,
+        value_bytes=lanes.value.element_size(),
+        key_codes=coded.key_indices.shape[3],
+        value_codes=coded.value_indices.shape[3],
+        warps=warps,
+        query_groups=query_groups,
+        step_tokens=32 // lanes.lanes * tokens,
+        rows=rows,
+    )
 
 
 def _float_bits(x: float) -> int:
@@ -244,8 +309,16 @@ def kernel_source() -> str:
     return "".join(path.read_text() for path in SOURCES)
 
 
-def checked_plan(lanes: LaneTables, inputs: KernelInputs, *, coded: CodedTokens, fp_keys: torch.Tensor,
-                 fp_values: torch.Tensor, settings: CudaDecodeLaunch, plan: LaunchPlan | None) -> LaunchPlan:
+def checked_plan(
+    lanes: LaneTables,
+    inputs: KernelInputs,
+    *,
+    coded: CodedTokens,
+    fp_keys: torch.Tensor,
+    fp_values: torch.Tensor,
+    settings: CudaDecodeLaunch,
+    plan: LaunchPlan | None,
+) -> LaunchPlan:
     """``plan`` checked (its rows per pass divide its warps; no launch settings next to it, which it would
     override), or when None :func:`launch`'s plan from ``settings``, whose refusal raises LaunchError."""
     if plan is None:
@@ -253,8 +326,11 @@ def checked_plan(lanes: LaneTables, inputs: KernelInputs, *, coded: CodedTokens,
         if isinstance(planned, str):
             raise LaunchError(f"{KERNEL} refuses this call: {planned}")
         return planned
-    asked = [f.name for f in dataclasses.fields(settings) if f.name != "lanes_per_token"
-             and getattr(settings, f.name) is not None]
+    asked = [
+        f.name
+        for f in dataclasses.fields(settings)
+        if f.name != "lanes_per_token" and getattr(settings, f.name) is not None
+    ]
     if asked:
         raise ValueError(f"a launch plan and {', '.join(asked)} given: pass one or the other")
     if not 1 <= plan.rows <= plan.warps or plan.warps % plan.rows:
@@ -262,9 +338,17 @@ def checked_plan(lanes: LaneTables, inputs: KernelInputs, *, coded: CodedTokens,
     return plan
 
 
-def decode_attention_cuda(inputs: KernelInputs, tables: StepTables, lanes: LaneTables, *, coded: CodedTokens,
-                          fp_keys: torch.Tensor, fp_values: torch.Tensor,
-                          settings: CudaDecodeLaunch = CudaDecodeLaunch(), plan: LaunchPlan | None = None) -> torch.Tensor:
+def decode_attention_cuda(
+    inputs: KernelInputs,
+    tables: StepTables,
+    lanes: LaneTables,
+    *,
+    coded: CodedTokens,
+    fp_keys: torch.Tensor,
+    fp_values: torch.Tensor,
+    settings: CudaDecodeLaunch = CudaDecodeLaunch(),
+    plan: LaunchPlan | None = None,
+) -> torch.Tensor:
     """Run the kernel; returns the attention [B, Hq, D] in q's dtype (the splits merged by the last to arrive).
 
     ``inputs``: the call's kernel inputs (the RoPE table of at least :func:`rope_rows` rows); ``lanes`` the
@@ -282,33 +366,88 @@ def decode_attention_cuda(inputs: KernelInputs, tables: StepTables, lanes: LaneT
     if tables.tasq and n:
         sig = sig[:, :, tables.step]  # the kernel reads the step's column (one build serves every step)
     vec = min(_index_vector(kidx), _index_vector(vidx))
-    defines = (("D", d), ("LPT", lanes.lanes), ("RPB", plan.rows), ("QG", hq // heads), ("U", plan.tokens),
-               ("WARPS", plan.warps), ("KCB", k),
-               ("NKC", kidx.shape[3]), ("NVC", vidx.shape[3]), ("RK", lanes.run_key), ("KMIX", int(lanes.key_mixed)),
-               ("RV", lanes.run_value), ("KG", lanes.key_group), ("VG", lanes.value_group),
-               ("KT32", int(key.dtype == torch.float32)), ("VT32", int(lanes.value.dtype == torch.float32)),
-               ("CHEB", int(lanes.value.dtype != torch.float32)), ("TASQ", int(tables.tasq)),
-               ("PAIRS", int(lanes.key_pair is not None)),
-               ("HAS_MASK", int(inputs.masked)), ("ACT", ACT_CODES[q.dtype]), ("IDXVEC", vec),
-               ("LIVE", int(coded.live is not None)))
+    defines = (
+        ("D", d),
+        ("LPT", lanes.lanes),
+        ("RPB", plan.rows),
+        ("QG", hq // heads),
+        ("U", plan.tokens),
+        ("WARPS", plan.warps),
+        ("KCB", k),
+        ("NKC", kidx.shape[3]),
+        ("NVC", vidx.shape[3]),
+        ("RK", lanes.run_key),
+        ("KMIX", int(lanes.key_mixed)),
+        ("RV", lanes.run_value),
+        ("KG", lanes.key_group),
+        ("VG", lanes.value_group),
+        ("KT32", int(key.dtype == torch.float32)),
+        ("VT32", int(lanes.value.dtype == torch.float32)),
+        ("CHEB", int(lanes.value.dtype != torch.float32)),
+        ("TASQ", int(tables.tasq)),
+        ("PAIRS", int(lanes.key_pair is not None)),
+        ("HAS_MASK", int(inputs.masked)),
+        ("ACT", ACT_CODES[q.dtype]),
+        ("IDXVEC", vec),
+        ("LIVE", int(coded.live is not None)),
+    )
     device = indexed_device(q.device)
     builds = cuda_build.BUILDS
     kernel = builds.kernel(kernel_source(), KERNEL, defines=defines, shared=plan.shared, device=device.index)
     acc = torch.empty(bsz, hq, plan.splits, d, device=q.device, dtype=torch.float32)  # every split's partial
     ml = torch.empty(bsz, hq, plan.splits, 2, device=q.device, dtype=torch.float32)  # result: (acc, max, sum)
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype)
-    strides = [kidx.stride(0), kidx.stride(2), vidx.stride(0), vidx.stride(2), *sig.stride()[:2],
-               *fp_keys.stride()[:3], *fp_values.stride()[:3], fpos.stride(0)]  # within int32: launch checked
+    strides = [
+        kidx.stride(0),
+        kidx.stride(2),
+        vidx.stride(0),
+        vidx.stride(2),
+        *sig.stride()[:2],
+        *fp_keys.stride()[:3],
+        *fp_values.stride()[:3],
+        fpos.stride(0),
+    ]  # within int32: launch checked
     pairs = lanes.key_column if lanes.key_pair is None else lanes.key_pair  # unread without PAIRS
-    args = [q, kidx, vidx, sig, key, lanes.value, lanes.key_column, lanes.value_column, lanes.key_channel,
-            lanes.value_channel, pairs, inputs.first, inputs.cos, inputs.sin, fp_keys, fp_values, fpos, inputs.fp_mask,
-            acc, ml, builds.counters(device, bsz * heads), out, inputs.first if coded.live is None else coded.live,
-            bsz, n, fp_keys.shape[1], plan.split_len,
-            _float_bits(1.4426950408889634 / math.sqrt(d)), *strides]
+    args = [
+        q,
+        kidx,
+        vidx,
+        sig,
+        key,
+        lanes.value,
+        lanes.key_column,
+        lanes.value_column,
+        lanes.key_channel,
+        lanes.value_channel,
+        pairs,
+        inputs.first,
+        inputs.cos,
+        inputs.sin,
+        fp_keys,
+        fp_values,
+        fpos,
+        inputs.fp_mask,
+        acc,
+        ml,
+        builds.counters(device, bsz * heads),
+        out,
+        inputs.first if coded.live is None else coded.live,
+        bsz,
+        n,
+        fp_keys.shape[1],
+        plan.split_len,
+        _float_bits(1.4426950408889634 / math.sqrt(d)),
+        *strides,
+    ]
     try:
         with torch.cuda.device(q.device):  # q's device and its current stream, whichever device is current
-            kernel(grid=(heads, plan.splits, 1), block=(32 * plan.warps, 1, 1), shared_mem=plan.shared, args=args,
-                   stream=torch.cuda.current_stream(q.device))
+            kernel(
+                grid=(heads, plan.splits, 1),
+                block=(32 * plan.warps, 1, 1),
+                shared_mem=plan.shared,
+                args=args,
+                stream=torch.cuda.current_stream(q.device),
+            )
     except RuntimeError as err:
         raise LaunchError(f"{KERNEL} launch with {dict(defines)}: {err}") from err
     return out

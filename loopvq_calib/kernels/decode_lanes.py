@@ -84,8 +84,11 @@ def key_registers(per_lane: int, run: int, mixed: bool) -> list[int]:
     pairs = per_lane // 2
     if not mixed:
         return list(range(per_lane))
-    return [r * (run // 2) + i if i < run // 2 else pairs + r * (run // 2) + i - run // 2
-            for r in range(per_lane // run) for i in range(run)]
+    return [
+        r * (run // 2) + i if i < run // 2 else pairs + r * (run // 2) + i - run // 2
+        for r in range(per_lane // run)
+        for i in range(run)
+    ]
 
 
 def _key_runs(code_a: torch.Tensor, code_b: torch.Tensor, per_lane: int) -> tuple[int, bool]:
@@ -149,6 +152,17 @@ def lane_tables(tables: StepTables, lanes: int = 16) -> LaneTables | None:
     key_column = reg_codes[..., 0].to(i32).contiguous()
     value_column = vcode.view(heads, lanes, per_lane // rv, rv)[..., 0].to(i32).contiguous()
     return LaneTables(
-        key.contiguous(), value.contiguous(), key_column, value_column,
-        reg_channel.reshape(heads, d).to(i32).contiguous(), vorder.to(i32).contiguous(), rk, mixed, rv,
-        lanes, _group(key_column.cpu()), _group(value_column.cpu()), tables.key_pairs)
+        key.contiguous(),
+        value.contiguous(),
+        key_column,
+        value_column,
+        reg_channel.reshape(heads, d).to(i32).contiguous(),
+        vorder.to(i32).contiguous(),
+        rk,
+        mixed,
+        rv,
+        lanes,
+        _group(key_column.cpu()),
+        _group(value_column.cpu()),
+        tables.key_pairs,
+    )

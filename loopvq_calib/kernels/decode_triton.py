@@ -47,14 +47,62 @@ if triton is not None:
     # counts that change between calls are not specialised on: no recompilation as the cache grows
     @triton.jit(do_not_specialize=["n_batch", "batch_per_program", "n_coded", "n_fp", "split_len"])
     def _split_kernel(
-        q_ptr, kidx_ptr, vidx_ptr, sig_ptr, ka_ptr, kb_ptr, kca_ptr, kcb_ptr, kp_ptr, tv_ptr, vc_ptr,
-        p0_ptr, live_ptr, cos_ptr, sin_ptr, fk_ptr, fv_ptr, fpos_ptr, fmask_ptr, acc_ptr, ml_ptr,
-        n_batch, batch_per_program, n_coded, n_fp, split_len, qk_scale,
-        s_kib, s_kit, s_kih, s_vib, s_vit, s_vih, s_sb, s_st,
-        s_fkb, s_fkt, s_fkh, s_fvb, s_fvt, s_fvh, s_fpb,
-        H: tl.constexpr, QG: tl.constexpr, QGP: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
-        HALF: tl.constexpr, PAIRS: tl.constexpr, TASQ: tl.constexpr, STEP: tl.constexpr, HAS_MASK: tl.constexpr,
-        BLOCK_N: tl.constexpr, DP: tl.constexpr, TABLE_EVICT: tl.constexpr = "", STREAM_EVICT: tl.constexpr = "",
+        q_ptr,
+        kidx_ptr,
+        vidx_ptr,
+        sig_ptr,
+        ka_ptr,
+        kb_ptr,
+        kca_ptr,
+        kcb_ptr,
+        kp_ptr,
+        tv_ptr,
+        vc_ptr,
+        p0_ptr,
+        live_ptr,
+        cos_ptr,
+        sin_ptr,
+        fk_ptr,
+        fv_ptr,
+        fpos_ptr,
+        fmask_ptr,
+        acc_ptr,
+        ml_ptr,
+        n_batch,
+        batch_per_program,
+        n_coded,
+        n_fp,
+        split_len,
+        qk_scale,
+        s_kib,
+        s_kit,
+        s_kih,
+        s_vib,
+        s_vit,
+        s_vih,
+        s_sb,
+        s_st,
+        s_fkb,
+        s_fkt,
+        s_fkh,
+        s_fvb,
+        s_fvt,
+        s_fvh,
+        s_fpb,
+        H: tl.constexpr,
+        QG: tl.constexpr,
+        QGP: tl.constexpr,
+        D: tl.constexpr,
+        K: tl.constexpr,
+        HALF: tl.constexpr,
+        PAIRS: tl.constexpr,
+        TASQ: tl.constexpr,
+        STEP: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DP: tl.constexpr,
+        TABLE_EVICT: tl.constexpr = "",
+        STREAM_EVICT: tl.constexpr = "",
         LIVE: tl.constexpr = False,
     ):
         # one program per (KV head, split, batch slice), looping over its sequences: the head's step tables
@@ -131,8 +179,9 @@ if triton is not None:
                 sc = tl.sum(ka[None] * u + kb[None] * w, axis=2)  # [QGP, N], base-2 logits
                 sc = tl.where(ok[None, :], sc, float("-inf"))
                 vrow = vidx_ptr + b * s_vib + tok.to(tl.int64)[:, None] * s_vit + h * s_vih
-                iv = tl.load(vrow + code_v[None, :], mask=ok[:, None] & d_ok[None, :], other=0,
-                             eviction_policy=STREAM_EVICT).to(tl.int32)
+                iv = tl.load(
+                    vrow + code_v[None, :], mask=ok[:, None] & d_ok[None, :], other=0, eviction_policy=STREAM_EVICT
+                ).to(tl.int32)
                 v = tl.load(tab_v + iv * D + d[None, :], mask=d_ok[None, :], other=0.0, eviction_policy=TABLE_EVICT)
                 m_i, l_i, acc = _online_softmax(sc, v.to(tl.float32), m_i, l_i, acc)
 
@@ -171,7 +220,9 @@ if triton is not None:
         m = tl.load(ml_ptr + (row * S + sp) * 2, mask=ok, other=-1.0e30)
         l_s = tl.load(ml_ptr + (row * S + sp) * 2 + 1, mask=ok, other=0.0)
         scale = tl.exp2(m - tl.max(m, axis=0))
-        acc = tl.load(acc_ptr + (row * S + sp[:, None]) * D + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
+        acc = tl.load(
+            acc_ptr + (row * S + sp[:, None]) * D + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0
+        )
         out = tl.sum(acc * scale[:, None], axis=0) / tl.sum(l_s * scale, axis=0)
         tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
@@ -194,8 +245,9 @@ def _multiprocessors(device: torch.device) -> int:
     return 0
 
 
-def decode_attention_triton(inputs: KernelInputs, tables: StepTables, coded: CodedTokens, *, fp: FullPrecisionTokens,
-                            launch: TritonDecodeLaunch) -> torch.Tensor:
+def decode_attention_triton(
+    inputs: KernelInputs, tables: StepTables, coded: CodedTokens, *, fp: FullPrecisionTokens, launch: TritonDecodeLaunch
+) -> torch.Tensor:
     """Attention [B, Hq, D] in q's dtype of ``inputs.q`` over the coded and full-precision tokens (the RoPE table
     in ``inputs`` covers every position plus ``launch.block_n`` rows): the split kernel, then the merge."""
     q = inputs.q
@@ -203,8 +255,11 @@ def decode_attention_triton(inputs: KernelInputs, tables: StepTables, coded: Cod
     heads, k = tables.value.shape[0], tables.value.shape[1]
     n, qg = coded.count, hq // heads
     slices = -(-bsz // launch.batch_per_program)
-    programs = launch.num_splits * heads if launch.num_splits else \
-        _multiprocessors(q.device) * launch.programs_per_sm // slices
+    programs = (
+        launch.num_splits * heads
+        if launch.num_splits
+        else _multiprocessors(q.device) * launch.programs_per_sm // slices
+    )
     splits, per_split = plan_splits(n, heads, launch.block_n, programs=programs)
     kidx, vidx, sig, fk, fv = coded.key_indices, coded.value_indices, inputs.sigma, fp.keys, fp.values
     acc = torch.empty(bsz, hq, splits + 1, d, device=q.device, dtype=torch.float32)
@@ -212,18 +267,64 @@ def decode_attention_triton(inputs: KernelInputs, tables: StepTables, coded: Cod
     hints = launch.cache_hints
     pairs = tables.key_pairs
     _split_kernel[(heads, splits + 1, slices)](
-        q, kidx, vidx, sig, tables.key_a, tables.key_b, tables.key_code_a, tables.key_code_b,
-        tables.key_code_a if pairs is None else pairs, tables.value,
-        tables.value_code, inputs.first, inputs.first if coded.live is None else coded.live, inputs.cos, inputs.sin,
-        fk, fv, inputs.fp_positions, inputs.fp_mask, acc, ml,
-        bsz, launch.batch_per_program, n, fk.shape[1], per_split, LOG2E / math.sqrt(d),
-        kidx.stride(0), kidx.stride(1), kidx.stride(2), vidx.stride(0), vidx.stride(1), vidx.stride(2),
-        sig.stride(0), sig.stride(1), fk.stride(0), fk.stride(1), fk.stride(2), fv.stride(0), fv.stride(1),
-        fv.stride(2), inputs.fp_positions.stride(0),
-        H=heads, QG=qg, QGP=pow2(qg), D=d, K=k, HALF=tables.rope_style == "half", PAIRS=pairs is not None,
-        TASQ=tables.tasq, STEP=tables.step,
-        HAS_MASK=inputs.masked, BLOCK_N=launch.block_n, DP=pow2(d), TABLE_EVICT="evict_last" if hints else "",
-        STREAM_EVICT="evict_first" if hints else "", LIVE=coded.live is not None, num_warps=launch.num_warps,
+        q,
+        kidx,
+        vidx,
+        sig,
+        tables.key_a,
+        tables.key_b,
+        tables.key_code_a,
+        tables.key_code_b,
+        tables.key_code_a if pairs is None else pairs,
+        tables.value,
+        tables.value_code,
+        inputs.first,
+        inputs.first if coded.live is None else coded.live,
+        inputs.cos,
+        inputs.sin,
+        fk,
+        fv,
+        inputs.fp_positions,
+        inputs.fp_mask,
+        acc,
+        ml,
+        bsz,
+        launch.batch_per_program,
+        n,
+        fk.shape[1],
+        per_split,
+        LOG2E / math.sqrt(d),
+        kidx.stride(0),
+        kidx.stride(1),
+        kidx.stride(2),
+        vidx.stride(0),
+        vidx.stride(1),
+        vidx.stride(2),
+        sig.stride(0),
+        sig.stride(1),
+        fk.stride(0),
+        fk.stride(1),
+        fk.stride(2),
+        fv.stride(0),
+        fv.stride(1),
+        fv.stride(2),
+        inputs.fp_positions.stride(0),
+        H=heads,
+        QG=qg,
+        QGP=pow2(qg),
+        D=d,
+        K=k,
+        HALF=tables.rope_style == "half",
+        PAIRS=pairs is not None,
+        TASQ=tables.tasq,
+        STEP=tables.step,
+        HAS_MASK=inputs.masked,
+        BLOCK_N=launch.block_n,
+        DP=pow2(d),
+        TABLE_EVICT="evict_last" if hints else "",
+        STREAM_EVICT="evict_first" if hints else "",
+        LIVE=coded.live is not None,
+        num_warps=launch.num_warps,
     )
     return merged(acc, ml, q.dtype)
 

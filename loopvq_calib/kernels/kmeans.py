@@ -42,9 +42,14 @@ def candidate(device: torch.device | str, shape: tuple[int, int] | None, *, poin
     where = torch.device(device)
     if where.type == "cuda" and torch.cuda.is_available():  # named with its index (no CUDA: never probed)
         where = indexed_device(where)
-    return Candidate(Backend.TRITON, LABEL, auto=where.type == "cuda", unfit=lambda: "" if shape is None else unfit(k, g),
-                     probe=lambda: probe(where, k, g, n=points),
-                     probe_key=("kmeans", str(where), k, g, points))
+    return Candidate(
+        Backend.TRITON,
+        LABEL,
+        auto=where.type == "cuda",
+        unfit=lambda: "" if shape is None else unfit(k, g),
+        probe=lambda: probe(where, k, g, n=points),
+        probe_key=("kmeans", str(where), k, g, points),
+    )
 
 
 def probe(device: torch.device, k: int, g: int, *, n: int = 0) -> None:
@@ -102,8 +107,10 @@ def unfit(k: int, g: int) -> str:
     """Why the kernels do not take codebooks of ``k`` x ``g`` ('' when :func:`supports` them)."""
     if supports(k, g):
         return ""
-    return (f"quant.codebook_size {k} x group size {g} exceeds the kernels' codebook tile of {CODEBOOK_TILE} "
-            "entries x dimensions (each rounded up to a power of two >= 16)")
+    return (
+        f"quant.codebook_size {k} x group size {g} exceeds the kernels' codebook tile of {CODEBOOK_TILE} "
+        "entries x dimensions (each rounded up to a power of two >= 16)"
+    )
 
 
 def _lloyd_block(k: int, g: int) -> int:
@@ -113,13 +120,26 @@ def _lloyd_block(k: int, g: int) -> int:
 
 
 if triton is not None:
-
     # counts that change between calls (active problems, blocks) are not specialised on: no recompilation
     @triton.jit(do_not_specialize=["n_rows", "nb"])
     def _lloyd_kernel(
-        x_ptr, w_ptr, c_ptr, rows_ptr, err_ptr, sums_ptr, mass_ptr, n, n_rows, nb,
-        K: tl.constexpr, G: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr,
-        ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+        x_ptr,
+        w_ptr,
+        c_ptr,
+        rows_ptr,
+        err_ptr,
+        sums_ptr,
+        mass_ptr,
+        n,
+        n_rows,
+        nb,
+        K: tl.constexpr,
+        G: tl.constexpr,
+        KP: tl.constexpr,
+        GP: tl.constexpr,
+        BLOCK: tl.constexpr,
+        ACCUMULATE: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         # one flat grid axis (2^31 programs; the second axis would cap blocks at 65,535), problems fastest
         a = tl.program_id(0) % n_rows
@@ -129,9 +149,15 @@ if triton is not None:
         valid = pts < n
         gg = tl.arange(0, GP)
         kk = tl.arange(0, KP)
-        x = tl.load(x_ptr + (p * n + pts[:, None]) * G + gg[None, :], mask=valid[:, None] & (gg[None, :] < G), other=0.0)
+        x = tl.load(
+            x_ptr + (p * n + pts[:, None]) * G + gg[None, :], mask=valid[:, None] & (gg[None, :] < G), other=0.0
+        )
         w = tl.load(w_ptr + p * n + pts, mask=valid, other=0.0)
-        c = tl.load(c_ptr + (a.to(tl.int64) * K + kk[:, None]) * G + gg[None, :], mask=(kk[:, None] < K) & (gg[None, :] < G), other=0.0)
+        c = tl.load(
+            c_ptr + (a.to(tl.int64) * K + kk[:, None]) * G + gg[None, :],
+            mask=(kk[:, None] < K) & (gg[None, :] < G),
+            other=0.0,
+        )
         c_sq = tl.where(kk < K, tl.sum(c * c, axis=1), float("inf"))
         d = c_sq[None, :] - 2.0 * tl.dot(x, tl.trans(c), input_precision=PRECISION)
         dmin, idx = tl.min(d, axis=1, return_indices=True, return_indices_tie_break_left=True)
@@ -139,13 +165,32 @@ if triton is not None:
         tl.store(err_ptr + a.to(tl.int64) * nb + b, tl.sum(err, axis=0))
         if ACCUMULATE:
             slot = a.to(tl.int64) * K + idx
-            tl.atomic_add(sums_ptr + slot[:, None] * G + gg[None, :], x * w[:, None], mask=valid[:, None] & (gg[None, :] < G), sem="relaxed")
+            tl.atomic_add(
+                sums_ptr + slot[:, None] * G + gg[None, :],
+                x * w[:, None],
+                mask=valid[:, None] & (gg[None, :] < G),
+                sem="relaxed",
+            )
             tl.atomic_add(mass_ptr + slot, w, mask=valid, sem="relaxed")
 
     @triton.jit(do_not_specialize=["j", "n_problems", "nb"])
     def _pp_distance_kernel(
-        x_ptr, xb_ptr, w_ptr, d2_ptr, chosen_ptr, out_ptr, bsum_ptr, n, j, n_problems, nb,
-        K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+        x_ptr,
+        xb_ptr,
+        w_ptr,
+        d2_ptr,
+        chosen_ptr,
+        out_ptr,
+        bsum_ptr,
+        n,
+        j,
+        n_problems,
+        nb,
+        K: tl.constexpr,
+        G: tl.constexpr,
+        GP: tl.constexpr,
+        BLOCK: tl.constexpr,
+        SUB: tl.constexpr,
     ):
         p = (tl.program_id(0) % n_problems).to(tl.int64)  # flat grid, problems fastest (as in the Lloyd kernel)
         b = tl.program_id(0) // n_problems
@@ -182,8 +227,7 @@ if triton is not None:
     # u_ptr is a row of the [K, P] uniforms: its alignment changes with the draw when P is odd (a scalar load)
     @triton.jit(do_not_specialize=["nb"], do_not_specialize_on_alignment=["u_ptr"])
     def _pp_draw_kernel(
-        w_ptr, d2_ptr, bsum_ptr, wsum_ptr, u_ptr, chosen_ptr, n, nb,
-        BLOCK: tl.constexpr, NBP: tl.constexpr,
+        w_ptr, d2_ptr, bsum_ptr, wsum_ptr, u_ptr, chosen_ptr, n, nb, BLOCK: tl.constexpr, NBP: tl.constexpr
     ):
         p = tl.program_id(0).to(tl.int64)
         blocks = tl.arange(0, NBP)
@@ -206,7 +250,13 @@ if triton is not None:
 
 
 def lloyd_step(
-    x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, *, rows: torch.Tensor, accumulate: bool, precision: str = "tf32x3"
+    x: torch.Tensor,
+    w: torch.Tensor,
+    c: torch.Tensor,
+    *,
+    rows: torch.Tensor,
+    accumulate: bool,
+    precision: str = "tf32x3",
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Assign the points of problems ``rows`` [A] to their nearest centroid in ``c`` [A, K, G] (row a of c
     belongs to problem rows[a]); x [P, N, G], w [P, N] fp32 contiguous. Returns the weighted squared
@@ -219,8 +269,24 @@ def lloyd_step(
     sums = torch.zeros(a, k, g, device=x.device, dtype=torch.float32) if accumulate else err
     mass = torch.zeros(a, k, device=x.device, dtype=torch.float32) if accumulate else err
     _lloyd_kernel[(a * nb,)](
-        x, w, c.contiguous(), rows, err, sums, mass, n, a, nb, K=k, G=g, KP=pow2(k, 16), GP=pow2(g, 16),
-        BLOCK=block, ACCUMULATE=accumulate, PRECISION=precision, num_warps=4,
+        x,
+        w,
+        c.contiguous(),
+        rows,
+        err,
+        sums,
+        mass,
+        n,
+        a,
+        nb,
+        K=k,
+        G=g,
+        KP=pow2(k, 16),
+        GP=pow2(g, 16),
+        BLOCK=block,
+        ACCUMULATE=accumulate,
+        PRECISION=precision,
+        num_warps=4,
     )
     return (err.sum(1), sums, mass) if accumulate else (err.sum(1), None, None)
 
@@ -245,6 +311,23 @@ def _kmeans_pp(x: torch.Tensor, w: torch.Tensor, k: int, *, uniforms: torch.Tens
     chosen = torch.empty(p, device=x.device, dtype=torch.int64)
     for j in range(k):
         _pp_draw_kernel[(p,)](w, d2, bsum, wsum, uniforms[j], chosen, n, nb, BLOCK=DRAW_BLOCK, NBP=tile, num_warps=4)
-        _pp_distance_kernel[(p * nb,)](x, xb, w, d2, chosen, out, bsum, n, j, p, nb, K=k, G=g, GP=pow2(g), BLOCK=DRAW_BLOCK,
-                                       SUB=DRAW_SUB, num_warps=DRAW_WARPS)
+        _pp_distance_kernel[(p * nb,)](
+            x,
+            xb,
+            w,
+            d2,
+            chosen,
+            out,
+            bsum,
+            n,
+            j,
+            p,
+            nb,
+            K=k,
+            G=g,
+            GP=pow2(g),
+            BLOCK=DRAW_BLOCK,
+            SUB=DRAW_SUB,
+            num_warps=DRAW_WARPS,
+        )
     return out

@@ -24,11 +24,24 @@ LABEL = "the fused codeword-lookup kernel"
 
 
 if triton is not None:
-
     # no integer argument is specialised on: the probe compiles the kernel every later call runs
     @triton.jit(do_not_specialize=["n_tok", "n_groups", "head_stride", "group_stride", "hn", "coords", "k", "g"])
-    def _lookup_kernel(idx_ptr, cb_ptr, src_ptr, out_ptr, n_tok, n_groups, head_stride, group_stride, hn, coords, k, g,
-                       TOKENS: tl.constexpr, COORDS: tl.constexpr):
+    def _lookup_kernel(
+        idx_ptr,
+        cb_ptr,
+        src_ptr,
+        out_ptr,
+        n_tok,
+        n_groups,
+        head_stride,
+        group_stride,
+        hn,
+        coords,
+        k,
+        g,
+        TOKENS: tl.constexpr,
+        COORDS: tl.constexpr,
+    ):
         f = tl.program_id(1) * COORDS + tl.arange(0, COORDS)
         f_in = f < coords
         e = tl.load(src_ptr + f, mask=f_in, other=0)  # group element (problem * G + j) of block coordinate f
@@ -41,8 +54,9 @@ if triton is not None:
         tl.store(out_ptr + t[:, None] * coords + f[None, :], value, mask=inside)
 
 
-def lookup_block(indices: torch.Tensor, codebook: torch.Tensor, to_block: torch.Tensor, *, steps: int,
-                 head_dim: int) -> torch.Tensor:
+def lookup_block(
+    indices: torch.Tensor, codebook: torch.Tensor, to_block: torch.Tensor, *, steps: int, head_dim: int
+) -> torch.Tensor:
     """Codewords of ``indices`` [N, H, n] from ``codebook`` [Hc, nc, K, G] (shared heads or groups broadcast)
     placed in block order [N, steps, H, head_dim]: block coordinate f of a token is group element
     ``to_block[f]`` (head-major group order, G per group). No gradient."""
@@ -52,14 +66,29 @@ def lookup_block(indices: torch.Tensor, codebook: torch.Tensor, to_block: torch.
     f = steps * h * head_dim
     if n_tok:
         grid = (triton.cdiv(n_tok, TOKENS), triton.cdiv(f, COORDS))
-        _lookup_kernel[grid](indices.contiguous(), codebook.detach().contiguous(), to_block, out, n_tok, n,
-                             0 if hc == 1 else nc, 0 if nc == 1 else 1, h * n, f, k, g, TOKENS=TOKENS, COORDS=COORDS,
-                             num_warps=4)
+        _lookup_kernel[grid](
+            indices.contiguous(),
+            codebook.detach().contiguous(),
+            to_block,
+            out,
+            n_tok,
+            n,
+            0 if hc == 1 else nc,
+            0 if nc == 1 else 1,
+            h * n,
+            f,
+            k,
+            g,
+            TOKENS=TOKENS,
+            COORDS=COORDS,
+            num_warps=4,
+        )
     return out
 
 
-def reference(indices: torch.Tensor, codebook: torch.Tensor, to_block: torch.Tensor, *, steps: int,
-              head_dim: int) -> torch.Tensor:
+def reference(
+    indices: torch.Tensor, codebook: torch.Tensor, to_block: torch.Tensor, *, steps: int, head_dim: int
+) -> torch.Tensor:
     """:func:`lookup_block` in plain torch (the probe's check)."""
     n_tok, h, n = indices.shape
     books = codebook.expand(h, n, -1, -1)  # [H, n, K, G]
@@ -84,6 +113,11 @@ def candidate(device: torch.device, dtype: torch.dtype) -> Candidate:
     """The kernel's candidate in the codec's dispatch for codebooks of ``dtype`` on ``device`` (float32 only:
     what it was checked for)."""
     where = indexed_device(device)
-    return Candidate(Backend.TRITON, LABEL, auto=where.type == "cuda" and dtype == torch.float32,  # else torch, silently
-                     unfit=lambda: "" if dtype == torch.float32 else f"a {dtype} codebook (it reads float32)",
-                     probe=lambda: probe(where), probe_key=("lookup", str(where)))
+    return Candidate(
+        Backend.TRITON,
+        LABEL,
+        auto=where.type == "cuda" and dtype == torch.float32,  # else torch, silently
+        unfit=lambda: "" if dtype == torch.float32 else f"a {dtype} codebook (it reads float32)",
+        probe=lambda: probe(where),
+        probe_key=("lookup", str(where)),
+    )

@@ -33,19 +33,32 @@ def supports(k: int, g: int) -> bool:
 
 
 if triton is not None:
-
     # no integer argument is specialised on: the probe compiles the kernel every later call runs
     @triton.jit(do_not_specialize=["n_tok", "n_groups", "head_stride", "group_stride", "hn"])
-    def _nearest_kernel(z_ptr, cb_ptr, out_ptr, n_tok, n_groups, head_stride, group_stride, hn,
-                        K: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
+    def _nearest_kernel(
+        z_ptr,
+        cb_ptr,
+        out_ptr,
+        n_tok,
+        n_groups,
+        head_stride,
+        group_stride,
+        hn,
+        K: tl.constexpr,
+        G: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         blk = tl.program_id(0)
-        p = tl.program_id(1)  # problem: head * n_groups + group; its codebook: head * head_stride + group * group_stride
+        p = tl.program_id(
+            1
+        )  # problem: head * n_groups + group; its codebook: head * head_stride + group * group_stride
         book = (p // n_groups) * head_stride + (p % n_groups) * group_stride
         rows = blk * BLOCK + tl.arange(0, BLOCK)
         g = tl.arange(0, G)
         k = tl.arange(0, K)
-        z = tl.load(z_ptr + rows.to(tl.int64)[:, None] * (hn * G) + p * G + g[None, :],
-                    mask=rows[:, None] < n_tok, other=0.0)
+        z = tl.load(
+            z_ptr + rows.to(tl.int64)[:, None] * (hn * G) + p * G + g[None, :], mask=rows[:, None] < n_tok, other=0.0
+        )
         cb = tl.load(cb_ptr + book.to(tl.int64) * (K * G) + k[:, None] * G + g[None, :])
         sq = tl.sum(cb * cb, axis=1)
         dist = sq[None, :] - 2.0 * tl.dot(z, tl.trans(cb), input_precision="ieee")
@@ -61,8 +74,20 @@ def nearest(z: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     out = torch.empty(n_tok, h, n, dtype=torch.long, device=z.device)
     if n_tok:
         grid = (triton.cdiv(n_tok, BLOCK), h * n)
-        _nearest_kernel[grid](z.detach().float().contiguous(), codebook.detach().float().contiguous(), out, n_tok, n,
-                              0 if hc == 1 else nc, 0 if nc == 1 else 1, h * n, K=k, G=g, BLOCK=BLOCK, num_warps=4)
+        _nearest_kernel[grid](
+            z.detach().float().contiguous(),
+            codebook.detach().float().contiguous(),
+            out,
+            n_tok,
+            n,
+            0 if hc == 1 else nc,
+            0 if nc == 1 else 1,
+            h * n,
+            K=k,
+            G=g,
+            BLOCK=BLOCK,
+            num_warps=4,
+        )
     return out
 
 
@@ -90,7 +115,15 @@ def probe(device: torch.device, k: int, g: int) -> None:
 def candidate(device: torch.device, k: int, g: int) -> Candidate:
     """The kernel's candidate in the codec's dispatch for codebooks of ``k`` x ``g`` on ``device``."""
     where = indexed_device(device)
-    return Candidate(Backend.TRITON, LABEL, auto=where.type == "cuda" and supports(k, g),  # else torch, silently
-                     unfit=lambda: "" if supports(k, g) else f"codebooks of {k} x {g} (it takes powers of two, "
-                                                              f"16 <= K <= {MAX_K}, G >= 16, K x G <= {MAX_TILE})",
-                     probe=lambda: probe(where, k, g), probe_key=("nearest", str(where), k, g))
+    return Candidate(
+        Backend.TRITON,
+        LABEL,
+        auto=where.type == "cuda" and supports(k, g),  # else torch, silently
+        unfit=lambda: (
+            ""
+            if supports(k, g)
+            else f"codebooks of {k} x {g} (it takes powers of two, 16 <= K <= {MAX_K}, G >= 16, K x G <= {MAX_TILE})"
+        ),
+        probe=lambda: probe(where, k, g),
+        probe_key=("nearest", str(where), k, g),
+    )

@@ -8,15 +8,7 @@ imports them all, which also registers each with transformers' Auto classes, so
 from .base import CheckpointMismatchError, LoopCausalLMOutput, LoopedPreTrainedModel
 from .cache import LoopKVCache
 from .registry import Architecture, model_types, register_architecture, unregister_architecture
-from .sites import (
-    KVLayout,
-    KVRecorder,
-    KVSite,
-    KVSubstituter,
-    SiteBlock,
-    kv_hook,
-    kv_layout,
-)
+from .sites import KVLayout, KVRecorder, KVSite, KVSubstituter, SiteBlock, kv_hook, kv_layout
 
 # the architectures, one module each, registered on import in this order (the order messages list them in)
 # isort: off

@@ -145,8 +145,14 @@ class LoopedPreTrainedModel(PreTrainedModel):
         return self.lm_head
 
     def _forward_context(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-        *, use_cache: bool | None, steps: int, kwargs: dict[str, Any],
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        *,
+        use_cache: bool | None,
+        steps: int,
+        kwargs: dict[str, Any],
     ) -> tuple[Any, ForwardContext]:
         """The cache (given as ``cache`` / ``past_key_values``, or a new :class:`LoopKVCache` when
         ``use_cache``) and the per-forward context (positions, mask, RoPE, hooks) shared by both models."""
@@ -157,9 +163,18 @@ class LoopedPreTrainedModel(PreTrainedModel):
             cache.check_steps(steps)
         kv = self.kv_layout(steps)
         b, s = input_ids.shape
-        ctx = build_context(s, b, input_ids.device, rope_style=kv.rope_style, rope_theta=kv.rope_theta, cache=cache,
-                            attention_mask=attention_mask, position_ids=position_ids,
-                            hook=kwargs.get("kv_hook", self.kv_hook), query_observer=self.query_observer)
+        ctx = build_context(
+            s,
+            b,
+            input_ids.device,
+            rope_style=kv.rope_style,
+            rope_theta=kv.rope_theta,
+            cache=cache,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            hook=kwargs.get("kv_hook", self.kv_hook),
+            query_observer=self.query_observer,
+        )
         return cache, ctx
 
     def prepare_inputs_for_generation(
@@ -169,7 +184,7 @@ class LoopedPreTrainedModel(PreTrainedModel):
         ``past_key_values`` -> ``cache`` rename (declaring both lets generate() accept a user cache)."""
         cache = cache if cache is not None else past_key_values
         if cache is not None:
-            input_ids = input_ids[:, cache.get_seq_length():]
+            input_ids = input_ids[:, cache.get_seq_length() :]
         return {
             "input_ids": input_ids,
             "cache": cache,

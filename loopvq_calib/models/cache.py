@@ -29,7 +29,8 @@ class LoopKVCache:
         site: int,
         key: torch.Tensor,
         value: torch.Tensor,
-        *, positions: torch.Tensor,
+        *,
+        positions: torch.Tensor,
         rope: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this call's pre-RoPE ``key`` (rotated here) and ``value``; return the whole site."""

@@ -59,8 +59,9 @@ def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[t
     return ang.cos(), ang.sin()
 
 
-def rope_factors(cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle, *,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_factors(
+    cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle, *, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """What :func:`rotate` multiplies by, from ``cos``/``sin`` [B, S, D/2]: [B, S, 1, D], in ``dtype`` for
     ``half`` (cos twice, and -sin then sin: the sign of rotate_half folded in), fp32 for ``interleaved``
     (each cos twice, and -sin, sin per pair)."""
@@ -121,7 +122,8 @@ class KVStore(Protocol):
         site: int,
         key: torch.Tensor,
         value: torch.Tensor,
-        *, positions: torch.Tensor,
+        *,
+        positions: torch.Tensor,
         rope: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -192,7 +194,8 @@ def build_context(
     input_len: int,
     batch: int,
     device: torch.device,
-    *, rope_style: RopeStyle,
+    *,
+    rope_style: RopeStyle,
     rope_theta: float,
     cache: KVStore | None,
     attention_mask: torch.Tensor | None,

@@ -15,14 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config.source import cut, shown
-from ..runtime.input_files import (
-    LIMITS,
-    check_regular,
-    long_number,
-    open_regular,
-    parse_json,
-    read_capped,
-)
+from ..runtime.input_files import LIMITS, check_regular, long_number, open_regular, parse_json, read_capped
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
 # any one of these makes a tokenizer (fast tokenizer.json, sentencepiece, BPE vocab + merges, WordPiece vocab)
@@ -55,8 +48,10 @@ def check_folder_entries(folder: Path, key: str = "model.name_or_path") -> None:
             continue
         size = check_regular(entry, error=keyed(key)).st_size
         if entry.suffix != ".safetensors" and size > limit:
-            raise ModelLoadError(f"{key}: {entry} holds {size:,} bytes, more than a model folder's file other than "
-                                 f"its weights may hold ({limit:,})")
+            raise ModelLoadError(
+                f"{key}: {entry} holds {size:,} bytes, more than a model folder's file other than "
+                f"its weights may hold ({limit:,})"
+            )
 
 
 def read_config_json(folder: Path, key: str = "") -> dict[str, Any]:
@@ -70,8 +65,9 @@ def read_config_json(folder: Path, key: str = "") -> dict[str, Any]:
     try:
         raw = parse_json(data.decode("utf-8"))
     except UnicodeDecodeError as err:
-        raise ModelLoadError(f"{where} is not UTF-8 text (byte {err.start}: {err.object[err.start:err.start + 1]!r})"
-                             ) from err
+        raise ModelLoadError(
+            f"{where} is not UTF-8 text (byte {err.start}: {err.object[err.start : err.start + 1]!r})"
+        ) from err
     except json.JSONDecodeError as err:
         raise ModelLoadError(f"{where} is not valid JSON: {err.msg} (line {err.lineno}, column {err.colno})") from err
     except RecursionError as err:
@@ -111,11 +107,14 @@ def _header(path: Path, key: str) -> tuple[bytes, dict[str, list[int]]]:
             raise ModelLoadError(f"{where}: not a safetensors file ({size} bytes; truncated?)")
         (n,) = struct.unpack("<Q", f.read(8))
         if n > size - 8:
-            raise ModelLoadError(f"{where}: truncated: its header says {n:,} bytes, the file holds {size - 8:,} after "
-                                 "the length")
+            raise ModelLoadError(
+                f"{where}: truncated: its header says {n:,} bytes, the file holds {size - 8:,} after the length"
+            )
         if n > LIMITS["safetensors header"]:
-            raise ModelLoadError(f"{where}: its header says {n:,} bytes, more than a safetensors header may hold "
-                                 f"({LIMITS['safetensors header']:,})")
+            raise ModelLoadError(
+                f"{where}: its header says {n:,} bytes, more than a safetensors header may hold "
+                f"({LIMITS['safetensors header']:,})"
+            )
         header = f.read(n)
     try:
         entries = parse_json(header.decode("utf-8"))
@@ -125,11 +124,11 @@ def _header(path: Path, key: str) -> tuple[bytes, dict[str, list[int]]]:
         if long_number(tensors) is not None:
             raise ValueError("a number too long")
     except (UnicodeDecodeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
-        raise ModelLoadError(f"{where}: not a safetensors file (its header is no valid tensor table: "
-                             f"{type(err).__name__})") from err
+        raise ModelLoadError(
+            f"{where}: not a safetensors file (its header is no valid tensor table: {type(err).__name__})"
+        ) from err
     if 8 + n + max(ends, default=0) > size:
-        raise ModelLoadError(f"{where}: truncated: its tensors need {8 + n + max(ends):,} bytes, the file has "
-                             f"{size:,}")
+        raise ModelLoadError(f"{where}: truncated: its tensors need {8 + n + max(ends):,} bytes, the file has {size:,}")
     return header, shapes
 
 
@@ -157,15 +156,18 @@ def weight_files(folder: Path, key: str = "model.name_or_path") -> list[Path]:
     if not index.exists():
         found = sorted(folder.glob("*.safetensors"))
         if not found:
-            raise ModelLoadError(f"{key}: {folder} has no weights (model.safetensors, or {WEIGHTS_INDEX} and the "
-                                 "shards it names)")
+            raise ModelLoadError(
+                f"{key}: {folder} has no weights (model.safetensors, or {WEIGHTS_INDEX} and the shards it names)"
+            )
         return found
     try:
         weight_map = parse_json(read_capped(index, "model JSON file", error=keyed(key)).decode("utf-8"))["weight_map"]
         shards = sorted(set(weight_map.values()))
     except (UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as err:
-        raise ModelLoadError(f"{key}: {index} is not a valid weight index (JSON with a weight_map of tensor -> "
-                             f"file): {type(err).__name__}") from err
+        raise ModelLoadError(
+            f"{key}: {index} is not a valid weight index (JSON with a weight_map of tensor -> "
+            f"file): {type(err).__name__}"
+        ) from err
     for shard in shards:
         if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
             raise ModelLoadError(f"{key}: {index} names {shown(shard)}, not a file name in {folder}")
@@ -186,5 +188,7 @@ def weight_shapes(folder: Path, key: str = "model.name_or_path") -> dict[str, tu
 def check_tokenizer_files(folder: Path, key: str = "model.name_or_path") -> None:
     """The folder holds a tokenizer's files (one of TOKENIZER_FILES, or a ``*.tiktoken``)."""
     if not any((folder / name).is_file() for name in TOKENIZER_FILES) and not any(folder.glob("*.tiktoken")):
-        raise ModelLoadError(f"{key}: {folder} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} or *.tiktoken "
-                             "is there (copy the tokenizer's files from the model's hub repo)")
+        raise ModelLoadError(
+            f"{key}: {folder} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} or *.tiktoken "
+            "is there (copy the tokenizer's files from the model's hub repo)"
+        )

@@ -33,18 +33,15 @@ class HuginnConfig(PretrainedConfig):
     """Huginn's config.json fields (``n_embd``, ``n_heads``, ...) with transformers' standard aliases."""
 
     model_type = "huginn_raven"
-    attribute_map = {
-        "hidden_size": "n_embd",
-        "num_attention_heads": "n_heads",
-        "num_hidden_layers": "n_layers",
-    }
+    attribute_map = {"hidden_size": "n_embd", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers"}
 
     def __init__(
         self,
         n_embd: int = 5280,
         n_heads: int = 55,
         n_layers: int = 8,
-        *, n_layers_in_prelude: int = 2,
+        *,
+        n_layers_in_prelude: int = 2,
         n_layers_in_recurrent_block: int = 4,
         n_layers_in_coda: int = 2,
         intermediate_size: int = 17920,
@@ -96,8 +93,8 @@ class HuginnConfig(PretrainedConfig):
         std = math.sqrt(2 / (5 * n_embd))
         self.init_values = init_values or {
             "std": std,
-            "out_proj": std / math.sqrt(2 * (n_layers_in_prelude + n_layers_in_coda
-                                             + n_layers_in_recurrent_block * mean_recurrence)),
+            "out_proj": std
+            / math.sqrt(2 * (n_layers_in_prelude + n_layers_in_coda + n_layers_in_recurrent_block * mean_recurrence)),
             "embedding": std,
             "embed_scale": math.sqrt(n_embd),
         }
@@ -181,9 +178,7 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
                 "wte": nn.Embedding(config.padded_vocab_size, d),
                 "prelude": nn.ModuleList(SandwichBlock(config) for _ in range(config.n_layers_in_prelude)),
                 "adapter": nn.Linear(2 * d, d, bias=False),
-                "core_block": nn.ModuleList(
-                    SandwichBlock(config) for _ in range(config.n_layers_in_recurrent_block)
-                ),
+                "core_block": nn.ModuleList(SandwichBlock(config) for _ in range(config.n_layers_in_recurrent_block)),
                 "coda": nn.ModuleList(SandwichBlock(config) for _ in range(config.n_layers_in_coda)),
                 "ln_f": RMSNorm(d, config.norm_eps),
             }
@@ -214,8 +209,9 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         sites += [KVSite(p + core * r + k, 0, k, False, "coda") for k in range(c.n_layers_in_coda)]
         return KVLayout(c.model_type, tuple(sites), r, c.n_heads, c.head_dim, "interleaved", c.rope_base)
 
-    def initial_state(self, like: torch.Tensor, init_scale: float = 1.0,
-                      input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def initial_state(
+        self, like: torch.Tensor, init_scale: float = 1.0, input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Random like-init state (truncated normal, +-3 std, times the embedding scale), or zeros.
 
         Inside :meth:`seeded_initial_state` (and when ``input_ids`` [B, S] are given) each row is drawn
@@ -257,9 +253,12 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
     def loop_details(self) -> dict[str, Any]:
         """The recurrence count and how the initial state is drawn (evaluation reports record both)."""
         c = self.config
-        state = ("zero" if c.state_init == "zero" else
-                 f"{c.state_init}: truncated normal, std {c.init_values['std']}, times "
-                 f"{c.init_values['embed_scale']}, torch seed reset per request")
+        state = (
+            "zero"
+            if c.state_init == "zero"
+            else f"{c.state_init}: truncated normal, std {c.init_values['std']}, times "
+            f"{c.init_values['embed_scale']}, torch seed reset per request"
+        )
         return {"recurrences": c.mean_recurrence, "initial_state": state}
 
     def _core_step(self, s: torch.Tensor, e: torch.Tensor, ctx: ForwardContext, t: int) -> torch.Tensor:
@@ -277,7 +276,8 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        *, labels: torch.Tensor | None = None,
+        *,
+        labels: torch.Tensor | None = None,
         use_cache: bool | None = None,
         num_steps: int | None = None,
         input_states: torch.Tensor | None = None,
@@ -289,8 +289,9 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         """``num_steps`` recurrences (default ``mean_recurrence``); ``input_states`` fixes the initial state."""
         c, tf = self.config, self.transformer
         r = num_steps or c.mean_recurrence
-        cache, ctx = self._forward_context(input_ids, attention_mask, position_ids, use_cache=use_cache, steps=r,
-                                           kwargs=kwargs)
+        cache, ctx = self._forward_context(
+            input_ids, attention_mask, position_ids, use_cache=use_cache, steps=r, kwargs=kwargs
+        )
         e = tf.wte(input_ids) * torch.tensor(c.init_values["embed_scale"], dtype=tf.wte.weight.dtype)
         for i, block in enumerate(tf.prelude):
             e = block(e, ctx, i)
@@ -311,23 +312,30 @@ class HuginnForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
         return make_output(
-            cache,
-            loss=loss,
-            logits=logits,
-            loop_hidden_states=tuple(hidden) if output_loop_hidden_states else None,
+            cache, loss=loss, logits=logits, loop_hidden_states=tuple(hidden) if output_loop_hidden_states else None
         )
 
 
-HUGINN = register_architecture(Architecture(
-    config_class=HuginnConfig,
-    model_class=HuginnForCausalLM,
-    loop_field="mean_recurrence",
-    looped_layers_field="n_layers_in_recurrent_block",
-    window_field="block_size",
-    rope_base_field="rope_base",
-    size_caps={"n_layers": (1, MAX_LAYERS), "n_layers_in_prelude": (0, MAX_LAYERS),
-               "n_layers_in_recurrent_block": (1, MAX_LAYERS), "n_layers_in_coda": (0, MAX_LAYERS),
-               "mean_recurrence": (1, MAX_LOOP_STEPS), "n_heads": (1, MAX_HEADS), "n_embd": (1, MAX_WIDTH),
-               "intermediate_size": (1, MAX_INTERMEDIATE), "vocab_size": (1, MAX_VOCAB),
-               "padded_vocab_size": (1, MAX_VOCAB), "block_size": (1, MAX_WINDOW)},
-))
+HUGINN = register_architecture(
+    Architecture(
+        config_class=HuginnConfig,
+        model_class=HuginnForCausalLM,
+        loop_field="mean_recurrence",
+        looped_layers_field="n_layers_in_recurrent_block",
+        window_field="block_size",
+        rope_base_field="rope_base",
+        size_caps={
+            "n_layers": (1, MAX_LAYERS),
+            "n_layers_in_prelude": (0, MAX_LAYERS),
+            "n_layers_in_recurrent_block": (1, MAX_LAYERS),
+            "n_layers_in_coda": (0, MAX_LAYERS),
+            "mean_recurrence": (1, MAX_LOOP_STEPS),
+            "n_heads": (1, MAX_HEADS),
+            "n_embd": (1, MAX_WIDTH),
+            "intermediate_size": (1, MAX_INTERMEDIATE),
+            "vocab_size": (1, MAX_VOCAB),
+            "padded_vocab_size": (1, MAX_VOCAB),
+            "block_size": (1, MAX_WINDOW),
+        },
+    )
+)

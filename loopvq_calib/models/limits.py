@@ -35,20 +35,27 @@ def check_config_sizes(raw: dict[str, Any], path: Path, key: str = "model.name_o
             continue
         name = f"{field} ({roles[field]})" if field in roles else field
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ModelLoadError(f"{where}: field {name} must be a {'positive' if least else 'non-negative'} integer, "
-                                 f"got {shown(value)}")
+            raise ModelLoadError(
+                f"{where}: field {name} must be a {'positive' if least else 'non-negative'} integer, got {shown(value)}"
+            )
         if value > cap:
-            raise ModelLoadError(f"{where}: field {name} is {value:,}, more than this toolkit takes ({cap:,}: "
-                                 "docs/reliability.md, \"Bounds\")")
+            raise ModelLoadError(
+                f"{where}: field {name} is {value:,}, more than this toolkit takes ({cap:,}: "
+                'docs/reliability.md, "Bounds")'
+            )
     base = raw.get(arch.rope_base_field)
-    if base is not None and (not isinstance(base, (int, float)) or isinstance(base, bool) or not math.isfinite(base)
-                             or base <= 0):
-        raise ModelLoadError(f"{where}: field {arch.rope_base_field} (the RoPE base) must be a finite number > 0, "
-                             f"got {shown(base)}")
+    if base is not None and (
+        not isinstance(base, (int, float)) or isinstance(base, bool) or not math.isfinite(base) or base <= 0
+    ):
+        raise ModelLoadError(
+            f"{where}: field {arch.rope_base_field} (the RoPE base) must be a finite number > 0, got {shown(base)}"
+        )
     layers, steps = raw.get(arch.looped_layers_field), raw.get(arch.loop_field)
     if isinstance(layers, int) and isinstance(steps, int) and layers * steps > MAX_SITES:
-        raise ModelLoadError(f"{where}: fields {arch.looped_layers_field} {layers:,} times {arch.loop_field} "
-                             f"{steps:,} give {layers * steps:,} KV sites; this toolkit takes at most {MAX_SITES:,}")
+        raise ModelLoadError(
+            f"{where}: fields {arch.looped_layers_field} {layers:,} times {arch.loop_field} "
+            f"{steps:,} give {layers * steps:,} KV sites; this toolkit takes at most {MAX_SITES:,}"
+        )
 
 
 def looped_layers(model_config: Any) -> int:
@@ -60,5 +67,7 @@ def check_loop_sites(layers: int, steps: int, *, key: str) -> None:
     """``steps`` loop steps over ``layers`` looped layers stay within MAX_SITES (a loop count set by ``key``,
     e.g. model.loop_steps, over a model's config.json)."""
     if layers * steps > MAX_SITES:
-        raise ModelLoadError(f"{key}: {steps:,} loop steps over {layers:,} looped layers give {layers * steps:,} KV "
-                             f"sites; this toolkit takes at most {MAX_SITES:,}")
+        raise ModelLoadError(
+            f"{key}: {steps:,} loop steps over {layers:,} looped layers give {layers * steps:,} KV "
+            f"sites; this toolkit takes at most {MAX_SITES:,}"
+        )

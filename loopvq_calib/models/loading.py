@@ -37,9 +37,23 @@ from .files import (
 from .limits import check_config_sizes
 from .registry import architecture_of, find_architecture, model_types
 
-__all__ = ["WEIGHTS_INDEX", "ModelIdentity", "ModelLoadError", "check_model_folder", "check_weights_match",
-           "hub_snapshot", "load_model", "load_tokenizer", "model_identity", "model_skeleton", "model_window",
-           "pick_device", "read_model_config", "resolve_model_dir", "weight_files"]
+__all__ = [
+    "WEIGHTS_INDEX",
+    "ModelIdentity",
+    "ModelLoadError",
+    "check_model_folder",
+    "check_weights_match",
+    "hub_snapshot",
+    "load_model",
+    "load_tokenizer",
+    "model_identity",
+    "model_skeleton",
+    "model_window",
+    "pick_device",
+    "read_model_config",
+    "resolve_model_dir",
+    "weight_files",
+]
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the config's dtype names as torch dtypes
 
 
@@ -54,15 +68,24 @@ def resolve_model_dir(name_or_path: str, revision: str | None = None, key: str =
             return path
         exists = path.exists()
     except OSError as err:
-        raise ModelLoadError(f"{key}: cannot use {shown(name_or_path)} as a model folder "
-                             f"({err.strerror or type(err).__name__})") from None
+        raise ModelLoadError(
+            f"{key}: cannot use {shown(name_or_path)} as a model folder ({err.strerror or type(err).__name__})"
+        ) from None
     if exists:
         raise ModelLoadError(f"{key}: {name_or_path} is a file, not a model folder")
     if looks_local(name_or_path, Path.cwd()):
-        raise ModelLoadError(f"{key}: no such folder: {name_or_path}"
-                             + ("" if path.is_absolute() else f" (relative to {Path.cwd()})"))
-    return Path(hub_snapshot(name_or_path, revision, key, what="model",
-                             patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]))
+        raise ModelLoadError(
+            f"{key}: no such folder: {name_or_path}" + ("" if path.is_absolute() else f" (relative to {Path.cwd()})")
+        )
+    return Path(
+        hub_snapshot(
+            name_or_path,
+            revision,
+            key,
+            what="model",
+            patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"],
+        )
+    )
 
 
 def hub_offline() -> bool:
@@ -77,14 +100,23 @@ def hub_snapshot(repo_id: str, revision: str | None, key: str, *, what: str, pat
     try:
         return snapshot_download(repo_id, revision=revision, local_files_only=offline, allow_patterns=patterns)
     except Exception as err:
-        local = ("--set model.name_or_path=<local folder>" if key == "model.name_or_path" else
-                 f"pass a local folder to {key}" if key.startswith("--") else "give a local folder instead")
-        hint = (f" (offline mode: HF_HUB_OFFLINE is set and {shown(repo_id)} is not in the local hub cache); "
-                f"{local}, or unset HF_HUB_OFFLINE to download it" if offline
-                else f" ({type(err).__name__}: {first_line(err)}); {local}, or check the network")
+        local = (
+            "--set model.name_or_path=<local folder>"
+            if key == "model.name_or_path"
+            else f"pass a local folder to {key}"
+            if key.startswith("--")
+            else "give a local folder instead"
+        )
+        hint = (
+            f" (offline mode: HF_HUB_OFFLINE is set and {shown(repo_id)} is not in the local hub cache); "
+            f"{local}, or unset HF_HUB_OFFLINE to download it"
+            if offline
+            else f" ({type(err).__name__}: {first_line(err)}); {local}, or check the network"
+        )
         at = f" at revision {shown(revision)}" if revision is not None else ""
-        raise ModelLoadError(f"{key}: could not get the {what} {shown(repo_id)}{at} from the Hugging Face "
-                             f"Hub{hint}") from err
+        raise ModelLoadError(
+            f"{key}: could not get the {what} {shown(repo_id)}{at} from the Hugging Face Hub{hint}"
+        ) from err
 
 
 @dataclass
@@ -105,8 +137,12 @@ class ModelIdentity:
     def to_dict(self) -> dict[str, Any]:
         """The ``model`` entry of a bundle's ``loopvq.json``."""
         return {
-            "name": self.name, "revision": self.revision, "model_type": self.model_type,
-            "config_sha256": self.config_sha256, "weights_sha256": self.weights_sha256, "weights": self.weights,
+            "name": self.name,
+            "revision": self.revision,
+            "model_type": self.model_type,
+            "config_sha256": self.config_sha256,
+            "weights_sha256": self.weights_sha256,
+            "weights": self.weights,
         }
 
 
@@ -115,8 +151,12 @@ def model_identity(folder: Path, name: str, revision: str | None = None) -> Mode
     dtypes, shapes, offsets) and a content hash (:func:`~loopvq_calib.models.files.content_hash`): cheap even for
     15 GB checkpoints."""
     weights = [
-        {"file": p.name, "bytes": p.stat().st_size, "header_sha256": hashlib.sha256(safetensors_header(p)).hexdigest(),
-         **content_hash(p)}
+        {
+            "file": p.name,
+            "bytes": p.stat().st_size,
+            "header_sha256": hashlib.sha256(safetensors_header(p)).hexdigest(),
+            **content_hash(p),
+        }
         for p in sorted(folder.glob("*.safetensors"))
     ]
     model_type = read_config_json(folder).get("model_type", "")
@@ -165,8 +205,9 @@ def model_skeleton(model_config: Any, key: str = "model.name_or_path") -> torch.
             return AutoModelForCausalLM.from_config(model_config)
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as err:
         where = Path(model_config.name_or_path) / "config.json"
-        raise ModelLoadError(f"{key}: {where} describes no model that can be built: "
-                             f"{type(err).__name__}: {first_line(err)}") from err
+        raise ModelLoadError(
+            f"{key}: {where} describes no model that can be built: {type(err).__name__}: {first_line(err)}"
+        ) from err
 
 
 def check_weights_match(model: torch.nn.Module, folder: Path, key: str = "model.name_or_path") -> None:
@@ -179,15 +220,19 @@ def check_weights_match(model: torch.nn.Module, folder: Path, key: str = "model.
     present = weight_shapes(folder, key)
     missing = [name for name in expected if name not in present]
     if expected and len(missing) * 2 > len(expected):
-        raise ModelLoadError(f"{key}: the weights in {folder} are not those of its config.json's model_type "
-                             f"{shown(model.config.model_type)}: {len(missing)} of the {len(expected)} tensors it "
-                             f"needs are not in the weight files (e.g. {', '.join(missing[:3])})")
+        raise ModelLoadError(
+            f"{key}: the weights in {folder} are not those of its config.json's model_type "
+            f"{shown(model.config.model_type)}: {len(missing)} of the {len(expected)} tensors it "
+            f"needs are not in the weight files (e.g. {', '.join(missing[:3])})"
+        )
     for name, param in expected.items():
         if name in present and present[name][1] != list(param.shape):
             file, shape = present[name]
-            raise ModelLoadError(f"{key}: {file}: tensor {shown(name)} has shape {shape}, but {folder}/config.json "
-                                 f"describes a model whose {name} is {list(param.shape)} (config.json and the "
-                                 "weights disagree)")
+            raise ModelLoadError(
+                f"{key}: {file}: tensor {shown(name)} has shape {shape}, but {folder}/config.json "
+                f"describes a model whose {name} is {list(param.shape)} (config.json and the "
+                "weights disagree)"
+            )
 
 
 def load_tokenizer(folder: Path, key: str = "model.name_or_path") -> Any:
@@ -196,8 +241,9 @@ def load_tokenizer(folder: Path, key: str = "model.name_or_path") -> Any:
     try:
         return AutoTokenizer.from_pretrained(folder)
     except Exception as err:  # transformers raises many kinds here (ValueError, OSError, ImportError, ...)
-        raise ModelLoadError(f"{key}: the tokenizer in {folder} does not load: {type(err).__name__}: "
-                             f"{first_line(err)}") from err
+        raise ModelLoadError(
+            f"{key}: the tokenizer in {folder} does not load: {type(err).__name__}: {first_line(err)}"
+        ) from err
 
 
 def set_loop_steps(model: torch.nn.Module, steps: int | None) -> None:
@@ -215,8 +261,9 @@ def pick_device(device: str, key: str = "model.device") -> torch.device:
     return torch.device(device)
 
 
-def load_model(folder: Path, dtype: str, device: torch.device, *, loop_steps: int | None = None,
-               key: str = "model.name_or_path") -> tuple[Any, Any]:
+def load_model(
+    folder: Path, dtype: str, device: torch.device, *, loop_steps: int | None = None, key: str = "model.name_or_path"
+) -> tuple[Any, Any]:
     """(model in eval mode with frozen weights, tokenizer) from a hub-layout folder, checked first
     (:func:`check_model_folder`)."""
     check_weights_match(model_skeleton(check_model_folder(folder, key), key), folder, key)

@@ -33,7 +33,8 @@ class OuroConfig(PretrainedConfig):
         vocab_size: int = 151936,
         hidden_size: int = 4096,
         intermediate_size: int = 22016,
-        *, num_hidden_layers: int = 32,
+        *,
+        num_hidden_layers: int = 32,
         num_attention_heads: int = 32,
         num_key_value_heads: int | None = 32,
         head_dim: int | None = None,
@@ -186,7 +187,8 @@ class OuroForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        *, labels: torch.Tensor | None = None,
+        *,
+        labels: torch.Tensor | None = None,
         use_cache: bool | None = None,
         exit_at_step: int | None = None,
         early_exit_threshold: float | None = None,
@@ -196,8 +198,9 @@ class OuroForCausalLM(LoopedPreTrainedModel, GenerationMixin):
     ) -> ModelOutput:
         """``use_cache`` creates a :class:`LoopKVCache` unless one is passed as ``cache`` / ``past_key_values``."""
         steps = self.config.total_ut_steps
-        cache, ctx = self._forward_context(input_ids, attention_mask, position_ids, use_cache=use_cache, steps=steps,
-                                           kwargs=kwargs)
+        cache, ctx = self._forward_context(
+            input_ids, attention_mask, position_ids, use_cache=use_cache, steps=steps, kwargs=kwargs
+        )
         h = self.model.embed_tokens(input_ids)
         hidden, gates = [], []
         for t in range(steps):
@@ -225,7 +228,8 @@ class OuroForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         hidden: list[torch.Tensor],
         gates: list[torch.Tensor],
         exit_at_step: int | None,
-        *, threshold: float | None,
+        *,
+        threshold: float | None,
     ) -> torch.Tensor:
         """The reference readout: a fixed exit step, else the first step whose exit CDF reaches the threshold."""
         steps = len(hidden)
@@ -245,15 +249,24 @@ class OuroForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         return stacked.gather(0, step[None, ..., None].expand(1, *stacked.shape[1:]))[0]
 
 
-OURO = register_architecture(Architecture(
-    config_class=OuroConfig,
-    model_class=OuroForCausalLM,
-    loop_field="total_ut_steps",
-    looped_layers_field="num_hidden_layers",
-    window_field="max_position_embeddings",
-    rope_base_field="rope_theta",
-    size_caps={"num_hidden_layers": (1, MAX_LAYERS), "total_ut_steps": (1, MAX_LOOP_STEPS),
-               "num_attention_heads": (1, MAX_HEADS), "num_key_value_heads": (1, MAX_HEADS),
-               "hidden_size": (1, MAX_WIDTH), "head_dim": (1, MAX_WIDTH), "intermediate_size": (1, MAX_INTERMEDIATE),
-               "vocab_size": (1, MAX_VOCAB), "max_position_embeddings": (1, MAX_WINDOW)},
-))
+OURO = register_architecture(
+    Architecture(
+        config_class=OuroConfig,
+        model_class=OuroForCausalLM,
+        loop_field="total_ut_steps",
+        looped_layers_field="num_hidden_layers",
+        window_field="max_position_embeddings",
+        rope_base_field="rope_theta",
+        size_caps={
+            "num_hidden_layers": (1, MAX_LAYERS),
+            "total_ut_steps": (1, MAX_LOOP_STEPS),
+            "num_attention_heads": (1, MAX_HEADS),
+            "num_key_value_heads": (1, MAX_HEADS),
+            "hidden_size": (1, MAX_WIDTH),
+            "head_dim": (1, MAX_WIDTH),
+            "intermediate_size": (1, MAX_INTERMEDIATE),
+            "vocab_size": (1, MAX_VOCAB),
+            "max_position_embeddings": (1, MAX_WINDOW),
+        },
+    )
+)

@@ -41,8 +41,10 @@ class Architecture:
         window = getattr(config, self.window_field, None)
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             where = Path(getattr(config, "name_or_path", "") or ".") / "config.json"
-            raise ModelLoadError(f"{where}: field {self.window_field} (the model's window) must be a positive "
-                                 f"integer, got {shown(window)}")
+            raise ModelLoadError(
+                f"{where}: field {self.window_field} (the model's window) must be a positive "
+                f"integer, got {shown(window)}"
+            )
         return window, self.window_field
 
     def looped_layers(self, config: Any) -> int:
@@ -88,6 +90,8 @@ def architecture_of(config: Any) -> Architecture:
     model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
     arch = find_architecture(model_type)
     if arch is None:
-        raise ValueError(f"model_type {shown(model_type)} is not a registered looped architecture; registered: "
-                         f"{', '.join(model_types())}")
+        raise ValueError(
+            f"model_type {shown(model_type)} is not a registered looped architecture; registered: "
+            f"{', '.join(model_types())}"
+        )
     return arch

@@ -66,8 +66,12 @@ class KVLayout:
     def to_dict(self) -> dict[str, Any]:
         """The one serialised form (capture meta, stage outputs, bundles); :meth:`from_dict` inverts it."""
         return {
-            "model_type": self.model_type, "loop_steps": self.loop_steps, "kv_heads": self.kv_heads,
-            "head_dim": self.head_dim, "rope_style": self.rope_style, "rope_theta": self.rope_theta,
+            "model_type": self.model_type,
+            "loop_steps": self.loop_steps,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "rope_style": self.rope_style,
+            "rope_theta": self.rope_theta,
             "sites": [dataclasses.asdict(s) for s in self.sites],
         }
 
@@ -75,8 +79,9 @@ class KVLayout:
     def from_dict(cls, d: dict[str, Any]) -> "KVLayout":
         """The layout :meth:`to_dict` wrote."""
         sites = tuple(KVSite(**s) for s in d["sites"])
-        return cls(d["model_type"], sites, d["loop_steps"], d["kv_heads"], d["head_dim"], d["rope_style"],
-                   d["rope_theta"])
+        return cls(
+            d["model_type"], sites, d["loop_steps"], d["kv_heads"], d["head_dim"], d["rope_style"], d["rope_theta"]
+        )
 
     def blocks(self, steps_per_block: int) -> list[SiteBlock]:
         """Group looped sites into blocks of ``steps_per_block`` steps per layer; others stay alone.
@@ -84,9 +89,7 @@ class KVLayout:
         ``steps_per_block = 1`` gives one block per site (channel-only layouts such as CQ).
         """
         if self.loop_steps % steps_per_block:
-            raise ValueError(
-                f"{self.loop_steps} loop steps cannot be split into blocks of {steps_per_block} steps"
-            )
+            raise ValueError(f"{self.loop_steps} loop steps cannot be split into blocks of {steps_per_block} steps")
         groups: dict[tuple, list[KVSite]] = {}
         for s in self.sites:
             key = ("loop", s.block(steps_per_block), s.layer) if s.looped else (s.stage, s.layer, s.site)

@@ -9,7 +9,6 @@ import psutil
 import torch
 
 
-
 def seconds_since_process_start() -> float:
     """Seconds since this process started (interpreter start-up, imports, config), from the operating system's
     record of the process."""

@@ -25,12 +25,38 @@ import torch
 
 TMP_PREFIX = ".loopvq-tmp."  # temporary entries: no other program uses such names
 DIGEST_LOG = ".loopvq-digests"  # in a folder recording digests: one JSON line per file written under it
-SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-                      torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
 # safetensors lays tensors out by dtype in this order (its dtype enum, largest first), then by name
-_SAFETENSORS_ORDER = ("U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "F8_E4M3", "F8_E5M2",
-                      "I8", "U8", "BOOL")
+_SAFETENSORS_ORDER = (
+    "U64",
+    "I64",
+    "F64",
+    "F32",
+    "U32",
+    "I32",
+    "BF16",
+    "F16",
+    "U16",
+    "I16",
+    "F8_E4M3",
+    "F8_E5M2",
+    "I8",
+    "U8",
+    "BOOL",
+)
 _RECORDING: dict[str, int] = {}  # absolute folder -> how many open recording_digests blocks name it
 _RECORDING_LOCK = threading.Lock()
 
@@ -72,7 +98,7 @@ def remove_temp_siblings(*finals: Path) -> None:
         by_folder.setdefault(final.parent, set()).add(final.name)
     for folder, names in by_folder.items():
         for orphan in folder.glob(f"{glob.escape(TMP_PREFIX)}*.*"):
-            if orphan.name[len(TMP_PREFIX):].rpartition(".")[0] in names:  # temp_sibling: PREFIX + name + .pid
+            if orphan.name[len(TMP_PREFIX) :].rpartition(".")[0] in names:  # temp_sibling: PREFIX + name + .pid
                 orphan.unlink(missing_ok=True)
 
 
@@ -139,8 +165,9 @@ def write_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata:
     return write_stream_atomic(path, lambda out: write_safetensors(out, tensors, metadata))
 
 
-def write_safetensors(out: HashingWriter | BinaryIO, tensors: dict[str, torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> None:
+def write_safetensors(
+    out: HashingWriter | BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
     """``tensors`` in the safetensors format, laid out as ``safetensors.torch.save`` lays them out (by dtype, then
     name; the header padded to 8 bytes), each written from its own memory (no copy of a contiguous CPU tensor)."""
     unknown = sorted(k for k, t in tensors.items() if t.dtype not in SAFETENSORS_DTYPES)

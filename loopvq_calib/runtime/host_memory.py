@@ -42,8 +42,9 @@ def host_available() -> int:
     return memory.available - memory.total // 10
 
 
-def host_buffer(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, *, device: torch.device,
-                what: str = "host copies") -> torch.Tensor:
+def host_buffer(
+    shape: torch.Size | tuple[int, ...], dtype: torch.dtype, *, device: torch.device, what: str = "host copies"
+) -> torch.Tensor:
     """An empty host tensor for copies from and to ``device``: on CUDA pinned by torch's caching host allocator
     (in ``device``'s context), so that copies through it are queued without the host waiting; pageable for
     another device, or where pinning fails (logged, naming ``what``; the copies then wait)."""
@@ -162,8 +163,14 @@ class HostCopier:
     finds no tensor of their sequence left in them, :meth:`release`, or until the copier is collected. On a CPU
     ``device`` (tests) the worker copies host tensors with no stream and locks nothing unless given a pinner."""
 
-    def __init__(self, device: torch.device, depth: int = COPY_DEPTH, slab_per_tensor: bool = False, *,
-                 pinner: HostPinner | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        depth: int = COPY_DEPTH,
+        slab_per_tensor: bool = False,
+        *,
+        pinner: HostPinner | None = None,
+    ) -> None:
         self.device, self.depth, self.slab_per_tensor = device, depth, slab_per_tensor
         self.pinner = pinner if pinner is not None else HOST_PINNER if device.type == "cuda" else None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -205,8 +212,9 @@ class HostCopier:
         try:
             return self._copy_to_slabs(stored, seq, ready)
         except Exception as err:
-            raise HostCopyError(f"copying calibration sequence {seq} to host memory failed: "
-                                f"{type(err).__name__}: {err}") from err
+            raise HostCopyError(
+                f"copying calibration sequence {seq} to host memory failed: {type(err).__name__}: {err}"
+            ) from err
 
     def _copy_to_slabs(self, stored: Tensors, seq: int, ready: torch.cuda.Event | None) -> Tensors:
         moving = {k: v for k, v in stored.items() if v.device.type == self.device.type}
@@ -283,6 +291,7 @@ def let_go(what: str, held: list) -> threading.Thread:
     keeps none but the list), they are freed there. Unlocking and unmapping host memory takes seconds per
     hundred GB, which work on the accelerator need not wait for; the seconds are logged as ``what`` released.
     The interpreter waits for the thread at exit."""
+
     def release() -> None:
         start = time.perf_counter()
         held.clear()

@@ -38,8 +38,13 @@ MAX_FLOAT_CHARS = 40  # characters of a JSON float's text
 CHUNK = 1 << 20
 
 ErrorFactory = Callable[[str], Exception]
-_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def _what(mode: int) -> str:
@@ -131,8 +136,10 @@ class LongNumber(str):
         """The number, shortened, and why it is refused."""
         head = self if len(self) <= 24 else f"{self[:12]}...{self[-6:]}"
         if any(c in self for c in ".eE"):
-            return (f"the number {head}, which is no finite float of at most {MAX_FLOAT_CHARS} characters (too long "
-                    "or too large to read)")
+            return (
+                f"the number {head}, which is no finite float of at most {MAX_FLOAT_CHARS} characters (too long "
+                "or too large to read)"
+            )
         return f"an integer of {len(self.lstrip('-')):,} digits ({head}); at most {MAX_INT_DIGITS} digits are read"
 
 

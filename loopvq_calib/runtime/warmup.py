@@ -31,8 +31,9 @@ class Warmup:
         self._ran: dict[str, float] = {}
         self.waited: dict[str, float] = {}
 
-    def submit(self, name: str, device: torch.device | str | None, fn: Callable[..., Any], *args: Any,
-               **kwargs: Any) -> None:
+    def submit(
+        self, name: str, device: torch.device | str | None, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> None:
         """Run ``fn(*args, **kwargs)`` in the background with ``device`` as the thread's current CUDA device (None:
         as it is; a CUDA device without an index: the submitting thread's current one)."""
         if self._pool is None:

@@ -56,14 +56,24 @@ class QuantizedLoopKVCache:
     is_compileable = False  # generate() asks (transformers 5.17 and 5.24)
     is_linear = (False,)  # generate() asks (5.24): attention layers, not a recurrent state
 
-    def __init__(self, quantizer: KVQuantizer, sink_tokens: int, recent_window: int, *, page_size: int = 8,
-                 store: str = "indices", backend: Backend | str = Backend.AUTO) -> None:
+    def __init__(
+        self,
+        quantizer: KVQuantizer,
+        sink_tokens: int,
+        recent_window: int,
+        *,
+        page_size: int = 8,
+        store: str = "indices",
+        backend: Backend | str = Backend.AUTO,
+    ) -> None:
         if store not in STORES:
             raise ValueError(f"store {store!r}; expected one of {', '.join(STORES)}")
         self.backend = Backend.parse(backend, CACHE_CHOICES, what="QuantizedLoopKVCache backend")
         if sink_tokens < 0 or recent_window < 0 or page_size < 1:
-            raise ValueError(f"need sink_tokens >= 0, recent_window >= 0, page_size >= 1; got "
-                             f"{sink_tokens}, {recent_window}, {page_size}")
+            raise ValueError(
+                f"need sink_tokens >= 0, recent_window >= 0, page_size >= 1; got "
+                f"{sink_tokens}, {recent_window}, {page_size}"
+            )
         required = getattr(quantizer, "page_size", None)  # a baseline whose token groups are pages (KIVI keys)
         if required is not None and page_size != required:
             raise ValueError(f"{quantizer.method} encodes pages of {required} tokens; got page_size {page_size}")
@@ -98,7 +108,8 @@ class QuantizedLoopKVCache:
         site: int,
         key: torch.Tensor,
         value: torch.Tensor,
-        *, positions: torch.Tensor,
+        *,
+        positions: torch.Tensor,
         rope: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this call's pre-RoPE ``key`` and ``value``; return the site's post-RoPE keys and values."""
@@ -109,7 +120,9 @@ class QuantizedLoopKVCache:
             self._encode_ready_pages()
         return out
 
-    def attend(self, site: int, q: torch.Tensor, *, key: torch.Tensor, value: torch.Tensor, ctx: Any) -> torch.Tensor | None:
+    def attend(
+        self, site: int, q: torch.Tensor, *, key: torch.Tensor, value: torch.Tensor, ctx: Any
+    ) -> torch.Tensor | None:
         """A decode step's attention from the codes (the CUDA or Triton kernel), or None when no kernel serves
         this call (more than one query token, ``store="fake"``, ``backend="torch"``, a baseline quantizer, no
         CUDA under ``auto``): the reference path does.
@@ -138,14 +151,16 @@ class QuantizedLoopKVCache:
             return None
         if not self.quantizer.fused_decode:  # a baseline's codes (or a method's that declares so): the reference path
             if self.backend is not Backend.AUTO:
-                raise BackendUnavailable(f"backend={self.backend.value!r} reads LoopVQ codes; "
-                                 f"{type(self.quantizer).__name__} has none")
+                raise BackendUnavailable(
+                    f"backend={self.backend.value!r} reads LoopVQ codes; {type(self.quantizer).__name__} has none"
+                )
             return None
         kernels = list(backends.DECODE_CANDIDATES)
         if self.backend is Backend.AUTO:  # the last kernel is the one that takes every call
             return Backend.AUTO if q.device.type == "cuda" and available(kernels[-1].backend, q.device) else None
-        DISPATCH.choose(self.backend, kernels, what="QuantizedLoopKVCache backend", choices=CACHE_CHOICES,
-                        device=q.device)
+        DISPATCH.choose(
+            self.backend, kernels, what="QuantizedLoopKVCache backend", choices=CACHE_CHOICES, device=q.device
+        )
         return self.backend
 
     def _append(self, site: int, key: torch.Tensor, value: torch.Tensor, *, positions: torch.Tensor) -> None:
@@ -170,8 +185,8 @@ class QuantizedLoopKVCache:
             store = new.new_empty(new.shape[0], max(2 * (n + k), 64))
             store[:, :n] = old
             self._position_storage[site] = store
-        store[:, n:n + k] = new
-        return store[:, :n + k]
+        store[:, n : n + k] = new
+        return store[:, : n + k]
 
     def site_kv(self, site: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The site's pre-RoPE keys and values over all its tokens (decoded where stored as codes)."""
@@ -190,8 +205,10 @@ class QuantizedLoopKVCache:
     def check_steps(self, num_steps: int) -> None:
         """The loop count must be the quantizer's (site ids and blocks depend on it), and fixed per cache."""
         if num_steps != self.quantizer.kv.loop_steps:
-            raise ValueError(f"the quantizer was calibrated for {self.quantizer.kv.loop_steps} loop steps; "
-                             f"this forward runs {num_steps}")
+            raise ValueError(
+                f"the quantizer was calibrated for {self.quantizer.kv.loop_steps} loop steps; "
+                f"this forward runs {num_steps}"
+            )
         if self.num_steps is None:
             self.num_steps = num_steps
         elif self.num_steps != num_steps:
@@ -247,13 +264,13 @@ class QuantizedLoopKVCache:
             if self.store == "fake":
                 y = codec.decode(codes).to(device=x.device, dtype=x.dtype).reshape(x.shape)
                 for m, site in enumerate(codec.layout.sites):
-                    store[site] = torch.cat([store[site][:, :page.start], y[:, :, m], store[site][:, page.stop:]], 1)
+                    store[site] = torch.cat([store[site][:, : page.start], y[:, :, m], store[site][:, page.stop :]], 1)
             else:
                 self.codes[name].append(codes)
         if self.store == "indices":
             for store in (self.keys, self.values):
                 for site, t in store.items():
-                    store[site] = torch.cat([t[:, :page.start], t[:, page.stop:]], 1)
+                    store[site] = torch.cat([t[:, : page.start], t[:, page.stop :]], 1)
         self.encoded += self.page_size
 
     def _decode(self, name: str, site: int, dtype: torch.dtype) -> torch.Tensor:
@@ -291,10 +308,16 @@ class QuantizedLoopKVCache:
         per_token = total / (batch * tokens) if tokens and batch else 0.0
         encoded = self.code_bytes() / (batch * self.encoded) if self.encoded and self.store == "indices" else None
         return {
-            "tokens": tokens, "batch": batch, **self.regions(), "store": self.store, "cache_bytes": total,
-            "bytes_per_token": per_token, "encoded_bytes_per_token": encoded,
+            "tokens": tokens,
+            "batch": batch,
+            **self.regions(),
+            "store": self.store,
+            "cache_bytes": total,
+            "bytes_per_token": per_token,
+            "encoded_bytes_per_token": encoded,
             "full_precision_bytes_per_token": kv.num_sites * 2 * kv.kv_heads * kv.head_dim * fp_elem,
-            "bf16_bytes_per_token": bf16, "ratio_to_bf16": per_token / bf16,
+            "bf16_bytes_per_token": bf16,
+            "ratio_to_bf16": per_token / bf16,
         }
 
 
@@ -314,8 +337,9 @@ def _codes_nbytes(c: Any) -> int:
     """Stored bytes of one page's codes: indices and sigma (LoopVQ), or a baseline's own tensors."""
     if hasattr(c, "nbytes"):
         return c.nbytes()
-    return c.indices.numel() * c.indices.element_size() + (c.sigma.numel() * c.sigma.element_size()
-                                                            if c.sigma is not None else 0)
+    return c.indices.numel() * c.indices.element_size() + (
+        c.sigma.numel() * c.sigma.element_size() if c.sigma is not None else 0
+    )
 
 
 def _select_codes(c: Any, beam_idx: torch.Tensor, page: int) -> Any:

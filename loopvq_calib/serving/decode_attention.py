@@ -48,9 +48,24 @@ from ..kernels.decode_inputs import CodedTokens, FullPrecisionTokens, KernelInpu
 from ..kernels.decode_triton import TritonDecodeLaunch, decode_attention_triton
 from ..models.common import apply_rope, pair_channels, rope_angles
 
-__all__ = ["CodedTokens", "CudaDecodeLaunch", "FullPrecisionTokens", "KernelInputs", "RopeTable", "StepTables",
-           "TritonDecodeLaunch", "channel_codes", "channel_table", "decode_attention", "decode_attention_reference",
-           "kernel_inputs", "pair_order", "site_tables", "step_tables", "table_dtype"]
+__all__ = [
+    "CodedTokens",
+    "CudaDecodeLaunch",
+    "FullPrecisionTokens",
+    "KernelInputs",
+    "RopeTable",
+    "StepTables",
+    "TritonDecodeLaunch",
+    "channel_codes",
+    "channel_table",
+    "decode_attention",
+    "decode_attention_reference",
+    "kernel_inputs",
+    "pair_order",
+    "site_tables",
+    "step_tables",
+    "table_dtype",
+]
 VALUE_TERMS = 16  # tokens the CUDA kernel sums per lane in one packed half (tokens per lane group and step, <= 16)
 KEY_TERMS = 8  # products per packed half of the CUDA kernel's key dot product (8 lanes per token: 16 channels)
 QUERY_BOUND = 32.0  # assumed bound of a scaled query channel |q| log2(e) / sqrt(D): |q| up to ~250 at D = 128
@@ -105,8 +120,15 @@ def pair_order(layout: BlockLayout, rope_style: str) -> torch.Tensor | None:
     return order.expand(layout.kv_heads, -1)
 
 
-def step_tables(key_codec: BlockCodec, value_codec: BlockCodec, step: int, *, rope_style: str,
-                device: torch.device | str, dtype: torch.dtype = torch.float16) -> StepTables:
+def step_tables(
+    key_codec: BlockCodec,
+    value_codec: BlockCodec,
+    step: int,
+    *,
+    rope_style: str,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float16,
+) -> StepTables:
     """Build a site's :class:`StepTables` on ``device``; codeword values in ``dtype``, the key or the value
     tables in float32 where the CUDA kernel's half sums could overflow (:func:`table_dtype`). A channels layout's
     key tables hold the pairs in :func:`pair_order` (``key_pairs``: the kernels rotate the query by each slot's
@@ -127,13 +149,23 @@ def step_tables(key_codec: BlockCodec, value_codec: BlockCodec, step: int, *, ro
         return kt.gather(2, channels[:, None, :].expand(-1, kt.shape[1], -1))
 
     i32 = torch.int32
-    return StepTables(put(key(a), key_dtype), put(key(b), key_dtype), put(kc.gather(1, a), i32),
-                      put(kc.gather(1, b), i32), put(vt, value_dtype), put(vc, i32), step,
-                      key_codec.transform is not None, rope_style, None if order is None else put(order, i32))
+    return StepTables(
+        put(key(a), key_dtype),
+        put(key(b), key_dtype),
+        put(kc.gather(1, a), i32),
+        put(kc.gather(1, b), i32),
+        put(vt, value_dtype),
+        put(vc, i32),
+        step,
+        key_codec.transform is not None,
+        rope_style,
+        None if order is None else put(order, i32),
+    )
 
 
-def site_tables(codecs: dict[str, BlockCodec], names: dict[str, str], site: int, q: torch.Tensor, *,
-                rope_style: str) -> StepTables:
+def site_tables(
+    codecs: dict[str, BlockCodec], names: dict[str, str], site: int, q: torch.Tensor, *, rope_style: str
+) -> StepTables:
     """:func:`step_tables` of ``site`` (its block's key and value codecs ``codecs[names[kind]]``, the site's step in
     the block) on ``q``'s device: float32 tables for float32 queries, else float16."""
     kc, vc = (codecs[names[kind]] for kind in ("key", "value"))
@@ -171,9 +203,18 @@ class RopeTable:
 
 
 def decode_attention_reference(
-    q: torch.Tensor, key_codec: BlockCodec, value_codec: BlockCodec, *, step: int, coded: CodedTokens,
-    fp_keys: torch.Tensor, fp_values: torch.Tensor, fp_positions: torch.Tensor, fp_mask: torch.Tensor | None,
-    rope_style: str, rope_theta: float,
+    q: torch.Tensor,
+    key_codec: BlockCodec,
+    value_codec: BlockCodec,
+    *,
+    step: int,
+    coded: CodedTokens,
+    fp_keys: torch.Tensor,
+    fp_values: torch.Tensor,
+    fp_positions: torch.Tensor,
+    fp_mask: torch.Tensor | None,
+    rope_style: str,
+    rope_theta: float,
 ) -> torch.Tensor:
     """The same attention in plain PyTorch (float64 after decoding): codecs decode the coded tokens, RoPE
     rotates keys at their positions, softmax over coded then full-precision tokens (``coded.live`` read here: a
@@ -183,6 +224,7 @@ def decode_attention_reference(
     b, n = q.shape[0], coded.count if coded.live is None else min(coded.count, int(coded.live))
     keys, values = [], []
     if n:
+
         def decode(codec: BlockCodec, idx: torch.Tensor, sigma: torch.Tensor | None) -> torch.Tensor:
             codes = Codes(idx[:, :n].flatten(0, 1), None if sigma is None else sigma[:, :n].flatten(0, 1))
             return codec.decode(codes)[:, step].reshape(b, n, *idx.shape[2:3], -1)
@@ -205,10 +247,18 @@ def decode_attention_reference(
     return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), v)
 
 
-def decode_attention(q: torch.Tensor, tables: StepTables, coded: CodedTokens, *, fp: FullPrecisionTokens,
-                     rope: RopeTable, max_position: int | None = None, backend: Backend | str = Backend.AUTO,
-                     triton: TritonDecodeLaunch = TritonDecodeLaunch(),
-                     cuda: CudaDecodeLaunch = CudaDecodeLaunch()) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    tables: StepTables,
+    coded: CodedTokens,
+    *,
+    fp: FullPrecisionTokens,
+    rope: RopeTable,
+    max_position: int | None = None,
+    backend: Backend | str = Backend.AUTO,
+    triton: TritonDecodeLaunch = TritonDecodeLaunch(),
+    cuda: CudaDecodeLaunch = CudaDecodeLaunch(),
+) -> torch.Tensor:
     """Attention of one query token per sequence over coded and full-precision tokens.
 
     q [B, Hq, D] post-RoPE; ``tables`` from :func:`step_tables` for this site; ``coded`` the block's coded
@@ -252,8 +302,17 @@ class _CudaCall:
     ``unfit``), then the launch (its ``run``; a failed build or launch is a BuildError, and a failed launch
     keeps the site off the CUDA kernel)."""
 
-    def __init__(self, q: torch.Tensor, tables: StepTables, coded: CodedTokens, *, fp: FullPrecisionTokens,
-                 rope: RopeTable, max_position: int, settings: CudaDecodeLaunch) -> None:
+    def __init__(
+        self,
+        q: torch.Tensor,
+        tables: StepTables,
+        coded: CodedTokens,
+        *,
+        fp: FullPrecisionTokens,
+        rope: RopeTable,
+        max_position: int,
+        settings: CudaDecodeLaunch,
+    ) -> None:
         self.q, self.tables, self.coded, self.fp, self.rope = q, tables, coded, fp, rope
         self.max_position, self.settings = max_position, settings
         self.lanes = self.plan = None
@@ -266,30 +325,51 @@ class _CudaCall:
         """Why the kernel does not take this call ('' when it does: the plan is kept for :meth:`run`)."""
         query_groups = self.q.shape[1] // self.tables.value.shape[0]
         self.lanes = decode_cuda.site_lanes(self.tables, query_groups, self.settings.lanes_per_token)
-        plan = decode_cuda.launch(self.lanes, self.q, self.fp.keys, fp_values=self.fp.values, coded=self.coded,
-                                  settings=self.settings)
+        plan = decode_cuda.launch(
+            self.lanes, self.q, self.fp.keys, fp_values=self.fp.values, coded=self.coded, settings=self.settings
+        )
         if isinstance(plan, str):
             return plan
         self.plan = plan
         return ""
 
     def run(self) -> torch.Tensor:
-        inputs = kernel_inputs(self.q, self.tables, self.coded, fp=self.fp, rope=self.rope,
-                               rows=decode_cuda.rope_rows(self.max_position, self.lanes.lanes))
+        inputs = kernel_inputs(
+            self.q,
+            self.tables,
+            self.coded,
+            fp=self.fp,
+            rope=self.rope,
+            rows=decode_cuda.rope_rows(self.max_position, self.lanes.lanes),
+        )
         try:
-            return decode_cuda.decode_attention_cuda(inputs, self.tables, self.lanes, coded=self.coded,
-                                                     fp_keys=self.fp.keys, fp_values=self.fp.values, plan=self.plan)
+            return decode_cuda.decode_attention_cuda(
+                inputs,
+                self.tables,
+                self.lanes,
+                coded=self.coded,
+                fp_keys=self.fp.keys,
+                fp_values=self.fp.values,
+                plan=self.plan,
+            )
         except decode_cuda.LaunchError:
             self.tables.lanes[self.lanes.lanes] = None  # this site does not try the kernel again
             raise
 
 
-def kernel_inputs(q: torch.Tensor, tables: StepTables, coded: CodedTokens, *, fp: FullPrecisionTokens,
-                  rope: RopeTable, rows: int) -> KernelInputs:
+def kernel_inputs(
+    q: torch.Tensor, tables: StepTables, coded: CodedTokens, *, fp: FullPrecisionTokens, rope: RopeTable, rows: int
+) -> KernelInputs:
     """The :class:`KernelInputs` of one call; the RoPE table covers at least ``rows`` positions."""
     cos, sin = rope.covering(rows, q.device)
     fpos = fp.positions.to(torch.int32).contiguous()
     return KernelInputs(
-        q.contiguous(), coded.first_position.to(device=q.device, dtype=torch.int32).contiguous(), fpos,
+        q.contiguous(),
+        coded.first_position.to(device=q.device, dtype=torch.int32).contiguous(),
+        fpos,
         fp.mask.to(torch.int8).contiguous() if fp.mask is not None else fpos,
-        coded.key_sigma if tables.tasq and coded.count else cos, cos, sin, fp.mask is not None)
+        coded.key_sigma if tables.tasq and coded.count else cos,
+        cos,
+        sin,
+        fp.mask is not None,
+    )

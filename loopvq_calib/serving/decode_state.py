@@ -30,7 +30,7 @@ class CodeBuffer:
     def sync(self, pages: list[Codes], batch: int, page_size: int, *, chunk: int = 256) -> "CodeBuffer":
         """Copy in the pages added since the last call (pages' rows are batch-major: b * page + token), up to
         ``chunk`` pages per copy; the capacity is the one page-by-page calls reach (grown once)."""
-        new = pages[self.pages:]
+        new = pages[self.pages :]
         if new:
             first = new[0]
             cap = self.indices.shape[1] if self.indices is not None else 0
@@ -41,13 +41,15 @@ class CodeBuffer:
                 if first.sigma is not None:
                     self.sigma = _grown(self.sigma, first.sigma.view(batch, page_size, -1), grown, count=self.count)
             for i in range(0, len(new), chunk):
-                part = new[i:i + chunk]
+                part = new[i : i + chunk]
                 n = page_size * len(part)
-                self.indices[:, self.count:self.count + n] = _joined(
-                    [c.indices.view(batch, page_size, *c.indices.shape[1:]) for c in part])
+                self.indices[:, self.count : self.count + n] = _joined(
+                    [c.indices.view(batch, page_size, *c.indices.shape[1:]) for c in part]
+                )
                 if first.sigma is not None:
-                    self.sigma[:, self.count:self.count + n] = _joined(
-                        [c.sigma.view(batch, page_size, -1) for c in part])
+                    self.sigma[:, self.count : self.count + n] = _joined(
+                        [c.sigma.view(batch, page_size, -1) for c in part]
+                    )
                 self.count += n
         self.pages = len(pages)
         return self
@@ -68,8 +70,9 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
-def _grown(old: torch.Tensor | None, like: torch.Tensor, capacity: int, *, count: int,
-           head_major: bool = False) -> torch.Tensor:
+def _grown(
+    old: torch.Tensor | None, like: torch.Tensor, capacity: int, *, count: int, head_major: bool = False
+) -> torch.Tensor:
     """A [B, capacity, ...] tensor holding ``old``'s first ``count`` tokens; ``head_major``: [B, H, capacity, n]
     storage behind a [B, capacity, H, n] view."""
     if head_major:
@@ -102,17 +105,19 @@ class KernelState:
             self._largest = max(self._largest, int(ctx.positions.max()))
         return self._largest
 
-    def _token_positions(self, cache: Any, site: int, ctx: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _token_positions(
+        self, cache: Any, site: int, ctx: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The first coded position, the full-precision tokens' positions and their mask column, in the
         kernels' dtypes (int32, int32, int8): the same at every site of one forward (every site holds the same
         tokens), so built and converted once per forward."""
         if self._tokens is None or self._tokens[0] is not ctx or self._tokens[1] != cache.encoded:
             sinks, n, pos = cache._sinks, cache.encoded, cache.positions[site]
-            fp_pos = torch.cat([pos[:, :sinks], pos[:, sinks + n:]], 1).to(torch.int32)
+            fp_pos = torch.cat([pos[:, :sinks], pos[:, sinks + n :]], 1).to(torch.int32)
             fp_mask = None
             if ctx.mask is not None:
                 m = ctx.mask[:, 0, -1]
-                fp_mask = torch.cat([m[:, :sinks], m[:, sinks + n:]], 1).to(torch.int8)
+                fp_mask = torch.cat([m[:, :sinks], m[:, sinks + n :]], 1).to(torch.int8)
             first = (pos[:, sinks] if n else pos[:, 0]).to(torch.int32)
             self._tokens = (ctx, n, first, fp_pos, fp_mask)
         return self._tokens[2:]
@@ -136,5 +141,6 @@ class KernelState:
             empty = torch.zeros(bsz, 1, 1, 1, dtype=torch.uint8, device=q.device)
             coded = CodedTokens(empty, empty, None, 0, first)
         fp = FullPrecisionTokens(cache.keys[site], cache.values[site], fp_pos, fp_mask)
-        return decode_attention(q, self.tables[site], coded, fp=fp, rope=self.rope, max_position=self._max_position(ctx),
-                                backend=backend)
+        return decode_attention(
+            q, self.tables[site], coded, fp=fp, rope=self.rope, max_position=self._max_position(ctx), backend=backend
+        )

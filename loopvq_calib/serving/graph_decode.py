@@ -26,8 +26,9 @@ class GraphDecoder:
     """Decode steps of ``model`` over ``cache`` (module docstring); ``forward`` holds extra keyword arguments of
     the model's forward (Huginn's ``num_steps``)."""
 
-    def __init__(self, model: torch.nn.Module, cache: Any, *, forward: dict[str, Any] | None = None,
-                 graphs: bool = True) -> None:
+    def __init__(
+        self, model: torch.nn.Module, cache: Any, *, forward: dict[str, Any] | None = None, graphs: bool = True
+    ) -> None:
         self.model, self.cache, self.forward = model, cache, dict(forward or {})
         self.graphs_on = graphs and cache.device.type == "cuda"
         with torch.inference_mode():

@@ -61,9 +61,20 @@ class StaticQuantizedLoopKVCache:
     :class:`~loopvq_calib.serving.cache.QuantizedLoopKVCache` by :meth:`from_cache`. ``backend`` as the eager
     cache's: on CUDA the decode kernels, elsewhere (or ``"torch"``) :meth:`reference_attention`."""
 
-    def __init__(self, quantizer: KVQuantizer, sink_tokens: int, recent_window: int, *, page_size: int = 8,
-                 backend: Backend | str = Backend.AUTO, batch: int, max_length: int, sink_columns: int | None = None,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        quantizer: KVQuantizer,
+        sink_tokens: int,
+        recent_window: int,
+        *,
+        page_size: int = 8,
+        backend: Backend | str = Backend.AUTO,
+        batch: int,
+        max_length: int,
+        sink_columns: int | None = None,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         if not isinstance(quantizer, KVQuantizer):
             raise ValueError(f"a static cache serves LoopVQ codes; {type(quantizer).__name__} has none")
         # the eager cache's checks, codec map, loop count and kernel choice; it holds no tokens
@@ -72,8 +83,10 @@ class StaticQuantizedLoopKVCache:
         _check_device(quantizer, self.device)
         self.sinks = sink_tokens if sink_columns is None else sink_columns
         if self.sinks < sink_tokens or max_length < 1 or batch < 1:
-            raise ValueError(f"need sink_columns >= sink_tokens, max_length >= 1, batch >= 1; got {self.sinks}, "
-                             f"{max_length}, {batch}")
+            raise ValueError(
+                f"need sink_columns >= sink_tokens, max_length >= 1, batch >= 1; got {self.sinks}, "
+                f"{max_length}, {batch}"
+            )
         self.batch, self.max_length, self.page_size, self.recent_window = batch, max_length, page_size, recent_window
         self.ring = recent_window + page_size
         self.capacity = max(-(-(max_length - self.sinks - recent_window) // page_size), 1) * page_size
@@ -84,8 +97,10 @@ class StaticQuantizedLoopKVCache:
         self.fp_positions = torch.zeros(shape[:2], dtype=torch.int32, **on)
         self.fp_mask = torch.zeros(shape[:2], dtype=torch.int8, **on)  # 1: attend
         self.first_position = torch.zeros(batch, dtype=torch.int32, **on)  # of each row's first coded token
-        self.codes = {name: CodeSlots.empty(codec, batch, capacity=self.capacity, device=self.device)
-                      for name, codec in quantizer.codecs.items()}
+        self.codes = {
+            name: CodeSlots.empty(codec, batch, capacity=self.capacity, device=self.device)
+            for name, codec in quantizer.codecs.items()
+        }
         self.coded = torch.zeros(1, dtype=torch.int32, **on)  # coded tokens, on the device
         self.tokens = torch.zeros(1, dtype=torch.long, **on)  # tokens held, on the device
         self._column = torch.zeros(1, dtype=torch.long, **on)  # this forward's column
@@ -110,9 +125,18 @@ class StaticQuantizedLoopKVCache:
         if cache.get_seq_length() > max_length:
             raise ValueError(f"the cache holds {cache.get_seq_length()} tokens, more than max_length {max_length}")
         ref = cache.keys[min(cache.keys)]
-        static = cls(cache.quantizer, cache.sink_tokens, cache.recent_window, page_size=cache.page_size,
-                     backend=cache.backend, batch=ref.shape[0], max_length=max_length, sink_columns=cache.sink_columns,
-                     dtype=ref.dtype, device=ref.device)
+        static = cls(
+            cache.quantizer,
+            cache.sink_tokens,
+            cache.recent_window,
+            page_size=cache.page_size,
+            backend=cache.backend,
+            batch=ref.shape[0],
+            max_length=max_length,
+            sink_columns=cache.sink_columns,
+            dtype=ref.dtype,
+            device=ref.device,
+        )
         static._load(cache)
         return static
 
@@ -135,8 +159,9 @@ class StaticQuantizedLoopKVCache:
             slots = self.codes[name]
             if not pages:
                 continue
-            slots.indices[:, :encoded] = torch.cat([c.indices.view(b, self.page_size, *c.indices.shape[1:])
-                                                    for c in pages], 1)
+            slots.indices[:, :encoded] = torch.cat(
+                [c.indices.view(b, self.page_size, *c.indices.shape[1:]) for c in pages], 1
+            )
             if slots.sigma is not None:
                 slots.sigma[:, :encoded] = torch.cat([c.sigma.view(b, self.page_size, -1) for c in pages], 1)
         self.coded.fill_(encoded)
@@ -166,11 +191,20 @@ class StaticQuantizedLoopKVCache:
             self._end()
         return out.reshape(q.shape[0], 1, -1)
 
-    def update(self, site: int, key: torch.Tensor, value: torch.Tensor, *, positions: torch.Tensor,
-               rope: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self,
+        site: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        positions: torch.Tensor,
+        rope: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill is not served here: prefill a :class:`QuantizedLoopKVCache`, then :meth:`from_cache`."""
-        raise ValueError("a static cache serves decode steps only: prefill a QuantizedLoopKVCache, then "
-                         "StaticQuantizedLoopKVCache.from_cache(cache, max_length=...)")
+        raise ValueError(
+            "a static cache serves decode steps only: prefill a QuantizedLoopKVCache, then "
+            "StaticQuantizedLoopKVCache.from_cache(cache, max_length=...)"
+        )
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -181,13 +215,19 @@ class StaticQuantizedLoopKVCache:
 
     def regions(self) -> dict[str, int]:
         """Token counts per region (sinks with left padding, encoded, window), from the host's mirrors."""
-        return {"sink": min(self.length, self.sinks), "encoded": self.encoded,
-                "window": max(self.length - self.sinks - self.encoded, 0)}
+        return {
+            "sink": min(self.length, self.sinks),
+            "encoded": self.encoded,
+            "window": max(self.length - self.sinks - self.encoded, 0),
+        }
 
     def nbytes(self) -> int:
         """Bytes of the K/V payload buffers: full-precision columns, coded slots (indices and sigma), at capacity."""
-        tensors = [*self.keys.values(), *self.values.values(), *(t for c in self.codes.values()
-                                                                  for t in (c.indices, c.sigma) if t is not None)]
+        tensors = [
+            *self.keys.values(),
+            *self.values.values(),
+            *(t for c in self.codes.values() for t in (c.indices, c.sigma) if t is not None),
+        ]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # -- steps ---------------------------------------------------------------------------------------
@@ -267,11 +307,13 @@ class StaticQuantizedLoopKVCache:
         coded = CodedTokens(ks.indices, vs.indices, ks.sigma, self.capacity, self.first_position, live=self.coded)
         fp = FullPrecisionTokens(self.keys[site], self.values[site], self.fp_positions, self.fp_mask)
         self.served_by_kernel = True
-        return decode_attention(q, self.tables[site], coded, fp=fp, rope=self.rope, max_position=self.max_length,
-                                backend=backend)
+        return decode_attention(
+            q, self.tables[site], coded, fp=fp, rope=self.rope, max_position=self.max_length, backend=backend
+        )
 
-    def reference_attention(self, site: int, q: torch.Tensor, *,
-                            rope: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def reference_attention(
+        self, site: int, q: torch.Tensor, *, rope: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
         """The same attention in PyTorch, at the same fixed shapes: every coded slot decoded (the eager cache's
         arithmetic), keys rotated by ``rope`` at their positions, SDPA under the mask of live slots and columns.
         q [B, 1, Hq, D] post-RoPE; returns [B, 1, Hq * D]."""
@@ -279,13 +321,20 @@ class StaticQuantizedLoopKVCache:
         decoded = []
         for kind in ("key", "value"):
             codec, slots = self.quantizer.codecs[names[kind]], self.codes[names[kind]]
-            codes = Codes(slots.indices.reshape(b * cap, *slots.indices.shape[2:]),
-                          None if slots.sigma is None else slots.sigma.reshape(b * cap, -1))
+            codes = Codes(
+                slots.indices.reshape(b * cap, *slots.indices.shape[2:]),
+                None if slots.sigma is None else slots.sigma.reshape(b * cap, -1),
+            )
             x = codec.decode(codes)[:, codec.layout.sites.index(site)]
             decoded.append(x.reshape(b, cap, *x.shape[1:]).to(self.dtype))
         slot = self._slots
-        keys = torch.cat([rope(decoded[0], self.first_position[:, None].long() + slot),
-                          rope(self.keys[site], self.fp_positions.long())], 1)
+        keys = torch.cat(
+            [
+                rope(decoded[0], self.first_position[:, None].long() + slot),
+                rope(self.keys[site], self.fp_positions.long()),
+            ],
+            1,
+        )
         values = torch.cat([decoded[1], self.values[site]], 1)
         mask = torch.cat([(slot < self.coded)[None].expand(b, -1), self.fp_mask.bool()], 1)
         return sdpa(q, keys, values, mask=mask[:, None, None, :])
@@ -296,5 +345,7 @@ def _check_device(quantizer: KVQuantizer, device: torch.device) -> None:
     for name, codec in quantizer.codecs.items():
         tensors = [codec.codebook] + ([codec.transform.weight] if codec.transform is not None else [])
         if any(indexed_device(t.device) != device for t in tensors):
-            raise ValueError(f"codec {name} is on {codec.codebook.device}, the cache on {device}: move the quantizer "
-                             "first (quantizer.to(device))")
+            raise ValueError(
+                f"codec {name} is on {codec.codebook.device}, the cache on {device}: move the quantizer "
+                "first (quantizer.to(device))"
+            )

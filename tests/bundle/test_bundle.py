@@ -80,9 +80,18 @@ def test_replaces_existing_bundle_and_refuses_other_folders(tmp_path, tiny_ouro_
 
 def test_non_finite_metrics_stay_strict_json(tmp_path, tiny_ouro_dir):
     q = tiny_quantizer(tiny_ouro_dir, method="loopvq", sharing="all")
-    path = write_bundle(tmp_path / "b", q, name="nan", identity=model_identity(tiny_ouro_dir, "m"), calibration={},
-                        metrics={"heldout_kl": float("nan"), "ppl": torch.tensor(2.5)}, serving=ServingConfig(0, 0, 8),
-                        codebook_dtype="bfloat16", config={}, producer_version="0")
+    path = write_bundle(
+        tmp_path / "b",
+        q,
+        name="nan",
+        identity=model_identity(tiny_ouro_dir, "m"),
+        calibration={},
+        metrics={"heldout_kl": float("nan"), "ppl": torch.tensor(2.5)},
+        serving=ServingConfig(0, 0, 8),
+        codebook_dtype="bfloat16",
+        config={},
+        producer_version="0",
+    )
     meta = json.loads((path / "loopvq.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
     assert meta["metrics"] == {"heldout_kl": "nan", "ppl": 2.5} and meta["bits_detail"]["key_sigma"] == 0.0
     assert load_bundle(path).quantizer.codecs["key.b0.l0"].codebook.shape == (1, 1, K, G)
@@ -112,8 +121,6 @@ def test_write_bundle_never_replaces_a_folder_with_other_files(tmp_path, tiny_ou
         write_tiny_bundle(path, tiny_ouro_dir, name="new")
     assert (path / ".env").read_text() == "HF_TOKEN=secret" and load_bundle(path).meta["name"] == "old"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".loopvq-tmp.")]
-
-
 
 
 def test_leftovers_of_a_dead_process_with_this_process_id_do_not_block_a_write(tmp_path, tiny_ouro_dir):

@@ -51,8 +51,10 @@ def _reseal(path: Path, meta: dict, tensors: dict[str, torch.Tensor] | None = No
     if tensors is not None:
         file = path / "codebooks.safetensors"
         save_file(tensors, str(file), metadata={"format": "loopvq", "format_version": meta["format_version"]})
-        meta["files"]["codebooks.safetensors"] = {"sha256": hashlib.sha256(file.read_bytes()).hexdigest(),
-                                                  "bytes": file.stat().st_size}
+        meta["files"]["codebooks.safetensors"] = {
+            "sha256": hashlib.sha256(file.read_bytes()).hexdigest(),
+            "bytes": file.stat().st_size,
+        }
     (path / "loopvq.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "meta_sha256"}))
 
 
@@ -68,8 +70,10 @@ def test_the_writer_flags_channels_key_blocks_and_writes_1_2(tmp_path, tiny_ouro
         assert flagged == (block["kind"] == "key"), block["key"]
         assert same_channels_every_step(tensors[f"{block['key']}.groups"], d, len(block["sites"])) == flagged
     assert "groups [4, 8, 8] +tasq grouping=channels" in inspect_bundle(path)
-    assert all(torch.equal(load_bundle(path).quantizer.codecs[k].layout.groups, tensors[f"{k}.groups"].long())
-               for k in ("key.b0.l0", "key.b0.l1"))
+    assert all(
+        torch.equal(load_bundle(path).quantizer.codecs[k].layout.groups, tensors[f"{k}.groups"].long())
+        for k in ("key.b0.l0", "key.b0.l1")
+    )
 
 
 def test_a_bundle_without_channels_layouts_stays_1_1(tmp_path, tiny_ouro_dir):
@@ -87,9 +91,12 @@ def test_a_flag_that_does_not_match_the_groups_is_refused(tmp_path, tiny_ouro_di
     tensors = load_file(str(path / "codebooks.safetensors"))
     meta["blocks"][0]["grouping"] = "channels"  # key.b0.l0: loop-axis groups of half pairs
     _reseal(path, meta, tensors)
-    with pytest.raises(BundleError, match=r"block 'key\.b0\.l0': field grouping is 'channels', but tensor "
-                                          r"'key\.b0\.l0\.groups' does not hold the same channels, whole RoPE pairs "
-                                          r"\(half\), at every step"):
+    with pytest.raises(
+        BundleError,
+        match=r"block 'key\.b0\.l0': field grouping is 'channels', but tensor "
+        r"'key\.b0\.l0\.groups' does not hold the same channels, whole RoPE pairs "
+        r"\(half\), at every step",
+    ):
         load_bundle(path)
     meta["blocks"][0]["grouping"] = "free"
     _reseal(path, meta)
@@ -111,8 +118,11 @@ def test_groups_edited_under_a_flag_are_refused(tmp_path, tiny_ouro_dir):
     groups = tensors["key.b0.l1.groups"].clone()
     groups[0, 0, 0], groups[0, 1, 0] = groups[0, 1, 0].item(), groups[0, 0, 0].item()
     _reseal(path, meta, {**tensors, "key.b0.l1.groups": groups})
-    with pytest.raises(BundleError, match=r"block 'key\.b0\.l1': field grouping is 'channels', but tensor "
-                                          r"'key\.b0\.l1\.groups' does not hold"):
+    with pytest.raises(
+        BundleError,
+        match=r"block 'key\.b0\.l1': field grouping is 'channels', but tensor "
+        r"'key\.b0\.l1\.groups' does not hold",
+    ):
         load_bundle(path)
     meta["blocks"] = [{k: v for k, v in b.items() if k != "grouping"} for b in meta["blocks"]]
     _reseal(path, meta)

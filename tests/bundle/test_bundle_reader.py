@@ -15,12 +15,7 @@ from huggingface_hub import constants
 from safetensors.torch import load_file, save_file
 
 from loopvq_calib.bundle.format import FORMAT_VERSION
-from loopvq_calib.bundle.reader import (
-    BundleError,
-    inspect_bundle,
-    load_bundle,
-    meta_checksum,
-)
+from loopvq_calib.bundle.reader import BundleError, inspect_bundle, load_bundle, meta_checksum
 from loopvq_calib.models.loading import model_identity
 
 
@@ -45,24 +40,35 @@ def _set_meta(path: Path, meta: dict) -> None:
     (path / "loopvq.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "meta_sha256"}))
 
 
-def _rewrite_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None,
-                     meta: dict | None = None) -> None:
+def _rewrite_tensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None, meta: dict | None = None
+) -> None:
     """Replace codebooks.safetensors (header ``metadata``) and record its checksum in ``meta`` (default: the
     bundle's loopvq.json), as a buggy writer would."""
     file = path / "codebooks.safetensors"
     meta = meta or _meta(path)
     save_file(tensors, str(file), metadata=metadata or {"format": "loopvq", "format_version": meta["format_version"]})
-    meta["files"]["codebooks.safetensors"] = {"sha256": hashlib.sha256(file.read_bytes()).hexdigest(),
-                                              "bytes": file.stat().st_size}
+    meta["files"]["codebooks.safetensors"] = {
+        "sha256": hashlib.sha256(file.read_bytes()).hexdigest(),
+        "bytes": file.stat().st_size,
+    }
     _set_meta(path, meta)
 
 
-@pytest.mark.parametrize("field,value,resealed_error", [
-    (("name",), "renamed", None), (("model", "config_sha256"), "0" * 64, None),
-    (("model", "model_type"), "llama", r"field model\.model_type 'llama' differs from kv_layout\.model_type 'ouro'"),
-    (("model", "weights", 0, "sample_sha256"), "f" * 64, r"field model\.weights_sha256 is not the sha256 of model"),
-    (("metrics", "heldout_kl"), 0.0001, None),
-])
+@pytest.mark.parametrize(
+    "field,value,resealed_error",
+    [
+        (("name",), "renamed", None),
+        (("model", "config_sha256"), "0" * 64, None),
+        (
+            ("model", "model_type"),
+            "llama",
+            r"field model\.model_type 'llama' differs from kv_layout\.model_type 'ouro'",
+        ),
+        (("model", "weights", 0, "sample_sha256"), "f" * 64, r"field model\.weights_sha256 is not the sha256 of model"),
+        (("metrics", "heldout_kl"), 0.0001, None),
+    ],
+)
 def test_edited_metadata_is_refused(bundle_dir, field, value, resealed_error):
     """loopvq.json carries meta_sha256 (its bytes with the value zeroed); any edit is refused by load_bundle
     and inspect, while the same edit with the checksum recomputed (a re-sealing writer) loads unless it breaks
@@ -81,7 +87,9 @@ def test_edited_metadata_is_refused(bundle_dir, field, value, resealed_error):
         with pytest.raises(BundleError, match=r"loopvq\.json: metadata checksum mismatch \(field meta_sha256\)"):
             read(bundle_dir)
     resealed = edited.replace(meta["meta_sha256"].encode(), b"0" * 64)
-    resealed = resealed.replace(b"0" * 64, meta_checksum(resealed).encode(), 1) if field[-1] != "config_sha256" else None
+    resealed = (
+        resealed.replace(b"0" * 64, meta_checksum(resealed).encode(), 1) if field[-1] != "config_sha256" else None
+    )
     if resealed is not None:
         (bundle_dir / "loopvq.json").write_bytes(resealed)
         if resealed_error is None:
@@ -107,8 +115,10 @@ def test_truncated_safetensors(bundle_dir):
     with pytest.raises(BundleError, match="size mismatch.*truncated"):
         load_bundle(bundle_dir)
     meta = _meta(bundle_dir)  # a writer that recorded the truncated file's checksum
-    meta["files"]["codebooks.safetensors"] = {"sha256": hashlib.sha256(file.read_bytes()).hexdigest(),
-                                              "bytes": file.stat().st_size}
+    meta["files"]["codebooks.safetensors"] = {
+        "sha256": hashlib.sha256(file.read_bytes()).hexdigest(),
+        "bytes": file.stat().st_size,
+    }
     _set_meta(bundle_dir, meta)
     with pytest.raises(BundleError, match=r"codebooks\.safetensors: not a readable safetensors file"):
         load_bundle(bundle_dir)
@@ -135,8 +145,11 @@ def test_format_versions(bundle_dir):
     _rewrite_tensors(bundle_dir, tensors, {"format": "loopvq", "format_version": "1.7"}, meta=future)
     assert load_bundle(bundle_dir).meta["format_version"] == "1.7"
     _rewrite_tensors(bundle_dir, tensors, {"format": "loopvq", "format_version": "1.1"}, meta=future)  # vs 1.7
-    with pytest.raises(BundleError, match=r"codebooks\.safetensors: safetensors metadata format_version '1\.1' "
-                                          r"differs from field format_version '1\.7' of loopvq\.json"):
+    with pytest.raises(
+        BundleError,
+        match=r"codebooks\.safetensors: safetensors metadata format_version '1\.1' "
+        r"differs from field format_version '1\.7' of loopvq\.json",
+    ):
         load_bundle(bundle_dir)
     _rewrite_tensors(bundle_dir, tensors, {"format": "loopvq"}, meta=future)  # a header without a version
     assert load_bundle(bundle_dir).meta["format_version"] == "1.7"
@@ -150,16 +163,19 @@ def test_format_versions(bundle_dir):
         load_bundle(bundle_dir)
 
 
-@pytest.mark.parametrize("path,value,message", [
-    (("name",), None, "required field name is missing"),
-    (("codebook_bytes",), None, "required field codebook_bytes is missing"),
-    (("model", "weights"), None, "required field model.weights is missing"),
-    (("bits", "key"), None, "required field bits.key is missing"),
-    (("producer", "version"), 3, "field producer.version has the wrong type"),
-    (("serving", "page_size"), 0, "serving.page_size must be > 0"),
-    (("serving", "sink_tokens"), -8, "serving.sink_tokens must be a non-negative multiple of page_size"),
-    (("serving", "recent_window"), 12, "serving.recent_window must be a non-negative multiple of page_size"),
-])
+@pytest.mark.parametrize(
+    "path,value,message",
+    [
+        (("name",), None, "required field name is missing"),
+        (("codebook_bytes",), None, "required field codebook_bytes is missing"),
+        (("model", "weights"), None, "required field model.weights is missing"),
+        (("bits", "key"), None, "required field bits.key is missing"),
+        (("producer", "version"), 3, "field producer.version has the wrong type"),
+        (("serving", "page_size"), 0, "serving.page_size must be > 0"),
+        (("serving", "sink_tokens"), -8, "serving.sink_tokens must be a non-negative multiple of page_size"),
+        (("serving", "recent_window"), 12, "serving.recent_window must be a non-negative multiple of page_size"),
+    ],
+)
 def test_required_fields_and_serving_values(bundle_dir, path, value, message):
     """Every field docs/bundle-format.md marks as present in 1.0 is checked (inspect never hits a KeyError)."""
     meta = _meta(bundle_dir)
@@ -179,13 +195,22 @@ def test_tensor_validation(bundle_dir):
     tensors = load_file(str(bundle_dir / "codebooks.safetensors"))
     cases = [
         ({k: v for k, v in tensors.items() if k != "value.b0.l1.codebook"}, r"'value\.b0\.l1\.codebook'.*is missing"),
-        ({**tensors, "key.b9.l0.codebook": tensors["key.b0.l0.codebook"].clone()}, r"not described.*key\.b9\.l0\.codebook"),
-        ({**tensors, "key.b0.l0.codebook": tensors["key.b0.l0.codebook"][:, :, :8].contiguous()},
-         r"'key\.b0\.l0\.codebook' has shape \[4, 8, 8, 8\].*needs \[4, 8, 16, 8\]"),
-        ({**tensors, "value.b0.l0.codebook": tensors["value.b0.l0.codebook"].float()},
-         r"'value\.b0\.l0\.codebook' has dtype torch\.float32, expected torch\.float16"),
-        ({**tensors, "key.b0.l0.groups": tensors["key.b0.l0.groups"].flip(-1) * 0},
-         r"'key\.b0\.l0\.groups'.*do not cover"),
+        (
+            {**tensors, "key.b9.l0.codebook": tensors["key.b0.l0.codebook"].clone()},
+            r"not described.*key\.b9\.l0\.codebook",
+        ),
+        (
+            {**tensors, "key.b0.l0.codebook": tensors["key.b0.l0.codebook"][:, :, :8].contiguous()},
+            r"'key\.b0\.l0\.codebook' has shape \[4, 8, 8, 8\].*needs \[4, 8, 16, 8\]",
+        ),
+        (
+            {**tensors, "value.b0.l0.codebook": tensors["value.b0.l0.codebook"].float()},
+            r"'value\.b0\.l0\.codebook' has dtype torch\.float32, expected torch\.float16",
+        ),
+        (
+            {**tensors, "key.b0.l0.groups": tensors["key.b0.l0.groups"].flip(-1) * 0},
+            r"'key\.b0\.l0\.groups'.*do not cover",
+        ),
         ({**tensors, "key.b0.l1.tasq_weight": tensors["key.b0.l1.tasq_weight"] * 0}, "zero weights"),
     ]
     for broken, message in cases:
@@ -242,10 +267,20 @@ def test_hub_cache_and_plain_copy_of_the_same_model_match(tmp_path, tiny_ouro_di
 
 def test_inspect(bundle_dir):
     text = inspect_bundle(bundle_dir)
-    for needle in ("tasq+loopvq", "key 0.7500  value 0.5000", "K=16  G=8  T_c=4  sharing=none", "float16",
-                   "blocks      4 (2 key), 128 codebooks", "codebooks 32,768 bytes", "org/tiny-ouro",
-                   "sink tokens 8, recent window 64, page size 8", "heldout_kl: 0.0123", "ppl_increase: 0.021",
-                   "codebook [4, 8, 16, 8]  groups [1, 8, 8] +tasq", "8 sites, 4 loop steps, 4 KV heads, head dim 16"):
+    for needle in (
+        "tasq+loopvq",
+        "key 0.7500  value 0.5000",
+        "K=16  G=8  T_c=4  sharing=none",
+        "float16",
+        "blocks      4 (2 key), 128 codebooks",
+        "codebooks 32,768 bytes",
+        "org/tiny-ouro",
+        "sink tokens 8, recent window 64, page size 8",
+        "heldout_kl: 0.0123",
+        "ppl_increase: 0.021",
+        "codebook [4, 8, 16, 8]  groups [1, 8, 8] +tasq",
+        "8 sites, 4 loop steps, 4 KV heads, head dim 16",
+    ):
         assert needle in text, needle
     (bundle_dir / "README.md").write_text("changed")
     with pytest.raises(BundleError, match="checksum|size"):

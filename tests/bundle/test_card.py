@@ -78,8 +78,10 @@ def test_push_with_eval_report_rewrites_the_card_and_its_checksum(bundle_dir, tm
     assert not [p for p in bundle_dir.iterdir() if p.name.startswith(".loopvq-tmp.")]  # the old card is gone too
     assert bundle.meta["files"]["README.md"]["bytes"] == (bundle_dir / "README.md").stat().st_size
     (tmp_path / "bad.json").write_text("{not json")
-    assert push_main([str(bundle_dir), "--repo-id", "org/name", "--dry-run", "--eval-report",
-                      str(tmp_path / "bad.json")]) == 2
+    assert (
+        push_main([str(bundle_dir), "--repo-id", "org/name", "--dry-run", "--eval-report", str(tmp_path / "bad.json")])
+        == 2
+    )
     assert "cannot read an evaluation report" in capsys.readouterr().err
 
 
@@ -109,8 +111,9 @@ def test_attach_eval_report_failing_mid_write_leaves_the_old_bundle(bundle_dir, 
 
 
 @pytest.mark.parametrize("failing", ["loopvq.json", "README.md"])  # the new manifest's rename, the new card's
-def test_attach_eval_report_failing_rename_of_the_manifest_restores_the_card(bundle_dir, tmp_path, monkeypatch,
-                                                                            failing):
+def test_attach_eval_report_failing_rename_of_the_manifest_restores_the_card(
+    bundle_dir, tmp_path, monkeypatch, failing
+):
     """The old card is moved aside and renamed back (the same file, not a rewritten copy); nothing is left over."""
     (tmp_path / "report.json").write_text(json.dumps(eval_report(load_bundle(bundle_dir).meta)))
     before, card_inode = _bundle_files(bundle_dir), (bundle_dir / "README.md").stat().st_ino
@@ -133,8 +136,13 @@ def test_attach_eval_report_failing_rename_of_the_manifest_restores_the_card(bun
 def test_failing_first_rename_never_restores_a_stale_aside_card(tmp_path, monkeypatch):
     """When moving the old card aside fails, a file a killed attempt left at the aside name stays where it is:
     README.md keeps the old card, not the stale one."""
-    for name, text in (("README.md", "old card"), ("loopvq.json", "old meta"), ("card.tmp", "new card"),
-                       ("meta.tmp", "new meta"), (f"{TMP_PREFIX}README.md.old.{os.getpid()}", "stale card")):
+    for name, text in (
+        ("README.md", "old card"),
+        ("loopvq.json", "old meta"),
+        ("card.tmp", "new card"),
+        ("meta.tmp", "new meta"),
+        (f"{TMP_PREFIX}README.md.old.{os.getpid()}", "stale card"),
+    ):
         (tmp_path / name).write_text(text)
     real_replace = os.replace
 
@@ -145,7 +153,9 @@ def test_failing_first_rename_never_restores_a_stale_aside_card(tmp_path, monkey
 
     monkeypatch.setattr(os, "replace", replace)
     with pytest.raises(OSError, match="Input/output error"):
-        _replace_pair(tmp_path / "README.md", tmp_path / "card.tmp", tmp_path / "loopvq.json", meta_tmp=tmp_path / "meta.tmp")
+        _replace_pair(
+            tmp_path / "README.md", tmp_path / "card.tmp", tmp_path / "loopvq.json", meta_tmp=tmp_path / "meta.tmp"
+        )
     monkeypatch.undo()
     assert (tmp_path / "README.md").read_text() == "old card" and (tmp_path / "loopvq.json").read_text() == "old meta"
     assert not (tmp_path / "card.tmp").exists() and not (tmp_path / "meta.tmp").exists()
@@ -178,13 +188,27 @@ def test_card_base_model_is_only_ever_a_hub_id(tmp_path, tiny_ouro_dir):
         return yaml.safe_load((path / "README.md").read_text().split("---")[1])
 
     assert front(write_tiny_bundle(tmp_path / "hub", tiny_ouro_dir))["base_model"] == "org/tiny-ouro"
-    local = write_bundle(tmp_path / "local", tiny_quantizer(tiny_ouro_dir), name="x",
-                         identity=model_identity(tiny_ouro_dir, str(tiny_ouro_dir.absolute())),
-                         calibration={}, metrics={}, serving=ServingConfig(8, 64, 8), codebook_dtype="float16",
-                         config={}, producer_version="0")
+    local = write_bundle(
+        tmp_path / "local",
+        tiny_quantizer(tiny_ouro_dir),
+        name="x",
+        identity=model_identity(tiny_ouro_dir, str(tiny_ouro_dir.absolute())),
+        calibration={},
+        metrics={},
+        serving=ServingConfig(8, 64, 8),
+        codebook_dtype="float16",
+        config={},
+        producer_version="0",
+    )
     assert "base_model" not in front(local)
     assert [is_hub_id(n) for n in ("org/name", "/abs/path", "./rel/x", "a/b/c", "name", "../m")] == [
-        True, False, False, False, False, False]
+        True,
+        False,
+        False,
+        False,
+        False,
+        False,
+    ]
 
 
 # -- which bundle a report measured -------------------------------------------------------------------------
@@ -205,22 +229,35 @@ def _other_bundle(folder: Path, model_dir: Path, **changes) -> Path:
     or a ``quantizer``)."""
     quantizer = changes.pop("quantizer", None) or tiny_quantizer(model_dir)
     metrics = {"heldout_kl": 0.0123, "heldout_kl_init": 0.0456, "ppl_increase": 0.021, "finetune_curve": [{}, {}]}
-    return write_bundle(folder, quantizer, name="tiny", identity=model_identity(model_dir, "org/tiny-ouro", "main"),
-                        calibration={"dataset": "other", "seed": 1}, metrics={**metrics, **changes},
-                        serving=ServingConfig(8, 64, 8), codebook_dtype="float16",
-                        config={"quant": {"method": quantizer.method}}, producer_version="0.1.0")
+    return write_bundle(
+        folder,
+        quantizer,
+        name="tiny",
+        identity=model_identity(model_dir, "org/tiny-ouro", "main"),
+        calibration={"dataset": "other", "seed": 1},
+        metrics={**metrics, **changes},
+        serving=ServingConfig(8, 64, 8),
+        codebook_dtype="float16",
+        config={"quant": {"method": quantizer.method}},
+        producer_version="0.1.0",
+    )
 
 
-def test_a_real_report_attaches_to_its_bundle_and_to_no_other_of_that_name(measured, tmp_path, tiny_ouro_dir,
-                                                                           capsys):
+def test_a_real_report_attaches_to_its_bundle_and_to_no_other_of_that_name(measured, tmp_path, tiny_ouro_dir, capsys):
     bundle, report = measured
     copy = Path(shutil.copytree(bundle, tmp_path / "copy"))  # the measured bundle, elsewhere
     assert len(attach_eval_report(copy, report)) == 2  # evaluation KL and perplexity
     assert "## Evaluation" in (copy / "README.md").read_text() and load_bundle(copy)
-    cases = [(_other_bundle(tmp_path / "seed", tiny_ouro_dir, heldout_kl=0.0311), "selection_kl is 0.0123, this "
-              "bundle's is 0.0311"),
-             (_other_bundle(tmp_path / "method", tiny_ouro_dir, quantizer=tiny_quantizer(tiny_ouro_dir, "loopvq")),
-              "codebooks_sha256 is \"[0-9a-f]{64}\", this bundle's is \"[0-9a-f]{64}\"")]  # other codebooks
+    cases = [
+        (
+            _other_bundle(tmp_path / "seed", tiny_ouro_dir, heldout_kl=0.0311),
+            "selection_kl is 0.0123, this bundle's is 0.0311",
+        ),
+        (
+            _other_bundle(tmp_path / "method", tiny_ouro_dir, quantizer=tiny_quantizer(tiny_ouro_dir, "loopvq")),
+            'codebooks_sha256 is "[0-9a-f]{64}", this bundle\'s is "[0-9a-f]{64}"',
+        ),
+    ]  # other codebooks
     for other, message in cases:
         before = _bundle_files(other)
         with pytest.raises(EvalReportError, match="the report measured another bundle named 'tiny': its " + message):
@@ -230,12 +267,21 @@ def test_a_real_report_attaches_to_its_bundle_and_to_no_other_of_that_name(measu
         assert _bundle_files(other) == before
 
 
-@pytest.mark.parametrize("field,value", [
-    ("codebook_size", 256), ("group_size", 16), ("steps_per_block", 1), ("method", "cq"),
-    ("bits", {"key": 1.0, "value": 0.5}), ("sink_tokens", 0), ("serving", {"sink_tokens": 0, "recent_window": 64,
-                                                                           "page_size": 8}),
-    ("selection_kl", 0.5), ("finetune_curve", []), ("codebooks_sha256", "0" * 64),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("codebook_size", 256),
+        ("group_size", 16),
+        ("steps_per_block", 1),
+        ("method", "cq"),
+        ("bits", {"key": 1.0, "value": 0.5}),
+        ("sink_tokens", 0),
+        ("serving", {"sink_tokens": 0, "recent_window": 64, "page_size": 8}),
+        ("selection_kl", 0.5),
+        ("finetune_curve", []),
+        ("codebooks_sha256", "0" * 64),
+    ],
+)
 def test_a_row_that_differs_from_the_bundle_in_any_recorded_field_is_refused(bundle_dir, tmp_path, field, value):
     report = eval_report(load_bundle(bundle_dir).meta)
     report["bundles"][0][field] = value
@@ -249,8 +295,9 @@ def test_what_the_row_must_record_and_the_names_older_reports_use(bundle_dir, tm
     meta = load_bundle(bundle_dir).meta
     report = eval_report(meta)
     del report["bundles"][0]["serving"]
-    with pytest.raises(EvalReportError, match="row of bundle 'ouro_loopvq' records no serving, so it cannot be "
-                                              "matched to this bundle"):
+    with pytest.raises(
+        EvalReportError, match="row of bundle 'ouro_loopvq' records no serving, so it cannot be matched to this bundle"
+    ):
         prepare_eval_report(bundle_dir, write_report(report, tmp_path / "report.json"))
     report = eval_report(meta)
     row = report["bundles"][0]
@@ -279,29 +326,51 @@ def test_two_rows_of_the_bundles_name_are_refused_and_a_baseline_of_that_name_is
         evaluation_for(json.loads(file.read_text()), "ouro_loopvq")
     assert _bundle_files(bundle_dir) == before
     baseline = {"name": "ouro_loopvq", "baseline": True, "eval_kl": 0.5, "ppl_fp": 10.0, "ppl_quantized": 99.0}
-    attachment = prepare_eval_report(bundle_dir, _report_file(bundle_dir, tmp_path,
-                                                              lambda r: r["bundles"].insert(0, baseline)))
+    attachment = prepare_eval_report(
+        bundle_dir, _report_file(bundle_dir, tmp_path, lambda r: r["bundles"].insert(0, baseline))
+    )
     values = {r.metric_type: r.metric_value for r in attachment.results}
     assert values["kl"] == 0.0123 and values["perplexity"] == 10.5  # the bundle's row (support/eval_reports.py)
 
 
-@pytest.mark.parametrize("edit, field, problem", [
-    (lambda r: r["bundles"][0].pop("ppl_quantized"), "bundles[0].ppl_quantized", "is missing"),
-    (lambda r: r["bundles"][0].update(eval_kl="abc"), "bundles[0].eval_kl", "is 'abc', not a finite number"),
-    (lambda r: r["bundles"][0].update(ppl_fp=[1.0]), "bundles[0].ppl_fp", "is [1.0], not a finite number"),
-    (lambda r: r["bundles"].insert(0, 5), "bundles[0]", "is 5, not an object"),
-    (lambda r: r["bundles"][1].pop("name"), "bundles[1].name", "is missing"),
-    (lambda r: r.update(model=["org/x"]), "model", "is ['org/x'], not a string or null"),
-    (lambda r: r["served"]["entries"][1].update(serving=5), "served.entries[1].serving", "is 5, not an object or null"),
-    (lambda r: r["served"]["entries"][1]["serving"].update(recent_window="64"),
-     "served.entries[1].serving.recent_window", "is '64', not a non-negative integer"),
-    (lambda r: r["served"]["entries"].append(r["served"]["entries"][1]), "served.entries[2].name",
-     "repeats the entry 'ouro_loopvq'"),
-    (lambda r: r["served"]["tasks"]["scores"]["ouro_loopvq"]["loopvq_recall"].update({"exact_match,answer": "0.5"}),
-     "served.tasks.scores.ouro_loopvq.loopvq_recall.exact_match,answer", "is '0.5', not a finite number"),
-    (lambda r: r["served"]["passkey"].update(accuracy=[0.8]), "served.passkey.accuracy",
-     "is [0.8], not an object or null"),
-])
+@pytest.mark.parametrize(
+    "edit, field, problem",
+    [
+        (lambda r: r["bundles"][0].pop("ppl_quantized"), "bundles[0].ppl_quantized", "is missing"),
+        (lambda r: r["bundles"][0].update(eval_kl="abc"), "bundles[0].eval_kl", "is 'abc', not a finite number"),
+        (lambda r: r["bundles"][0].update(ppl_fp=[1.0]), "bundles[0].ppl_fp", "is [1.0], not a finite number"),
+        (lambda r: r["bundles"].insert(0, 5), "bundles[0]", "is 5, not an object"),
+        (lambda r: r["bundles"][1].pop("name"), "bundles[1].name", "is missing"),
+        (lambda r: r.update(model=["org/x"]), "model", "is ['org/x'], not a string or null"),
+        (
+            lambda r: r["served"]["entries"][1].update(serving=5),
+            "served.entries[1].serving",
+            "is 5, not an object or null",
+        ),
+        (
+            lambda r: r["served"]["entries"][1]["serving"].update(recent_window="64"),
+            "served.entries[1].serving.recent_window",
+            "is '64', not a non-negative integer",
+        ),
+        (
+            lambda r: r["served"]["entries"].append(r["served"]["entries"][1]),
+            "served.entries[2].name",
+            "repeats the entry 'ouro_loopvq'",
+        ),
+        (
+            lambda r: r["served"]["tasks"]["scores"]["ouro_loopvq"]["loopvq_recall"].update(
+                {"exact_match,answer": "0.5"}
+            ),
+            "served.tasks.scores.ouro_loopvq.loopvq_recall.exact_match,answer",
+            "is '0.5', not a finite number",
+        ),
+        (
+            lambda r: r["served"]["passkey"].update(accuracy=[0.8]),
+            "served.passkey.accuracy",
+            "is [0.8], not an object or null",
+        ),
+    ],
+)
 def test_a_malformed_report_names_the_file_and_the_field(bundle_dir, tmp_path, edit, field, problem):
     file = _report_file(bundle_dir, tmp_path, edit)
     with pytest.raises(EvalReportError, match=re.escape(f"--eval-report {file}: field {field} {problem}; ")):
@@ -310,23 +379,31 @@ def test_a_malformed_report_names_the_file_and_the_field(bundle_dir, tmp_path, e
         evaluation_for(json.loads(file.read_text()), "ouro_loopvq")
 
 
-@pytest.mark.parametrize("text, problem", [
-    ("[" * 100_000 + "]" * 100_000, "nested too deeply to read"),
-    ('{"bundles": [], "bundles": []}', "field bundles appears more than once (duplicate JSON key)"),
-    ('{"bundles": [{"name": "x", "eval_kl": NaN}]}', "field bundles[0].eval_kl is a bare NaN"),
-    ("{not json", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply to read"),
+        ('{"bundles": [], "bundles": []}', "field bundles appears more than once (duplicate JSON key)"),
+        ('{"bundles": [{"name": "x", "eval_kl": NaN}]}', "field bundles[0].eval_kl is a bare NaN"),
+        ("{not json", "not valid JSON"),
+    ],
+)
 def test_a_report_that_is_not_strict_json_names_the_file(bundle_dir, tmp_path, text, problem):
     file = tmp_path / "report.json"
     file.write_text(text)
-    with pytest.raises(EvalReportError, match=re.escape(f"--eval-report: cannot read an evaluation report: {file}: "
-                                                        f"{problem}")):
+    with pytest.raises(
+        EvalReportError, match=re.escape(f"--eval-report: cannot read an evaluation report: {file}: {problem}")
+    ):
         prepare_eval_report(bundle_dir, file)
 
 
 def test_a_row_without_the_codebooks_sha256_is_refused(bundle_dir, tmp_path):
     file = _report_file(bundle_dir, tmp_path, lambda r: r["bundles"][0].pop("codebooks_sha256"))
-    with pytest.raises(EvalReportError, match=re.escape(
+    with pytest.raises(
+        EvalReportError,
+        match=re.escape(
             f"--eval-report {file}: the row of bundle 'ouro_loopvq' records no codebooks_sha256, so it cannot be "
-            "matched to this bundle; run loopvq-eval on it again")):
+            "matched to this bundle; run loopvq-eval on it again"
+        ),
+    ):
         prepare_eval_report(bundle_dir, file)

@@ -34,15 +34,18 @@ def bundle_dir(tmp_path, tiny_ouro_dir) -> Path:
     return write_tiny_bundle(tmp_path / "bundle", tiny_ouro_dir)
 
 
-@pytest.mark.parametrize("text,message", [
-    ('{"rope": {"style": "half", "theta": NaN}}', r"field rope\.theta is a bare NaN, which is not JSON"),
-    ('{"metrics": {"curve": [1.0, Infinity]}}', r"field metrics\.curve\[1\] is a bare Infinity"),
-    ('{"x": -Infinity}', r"field x is a bare -Infinity"),
-    ('{"rope": {"theta": 1.0, "theta": 2.0}}', r"field rope\.theta appears more than once \(duplicate JSON key\)"),
-    ('{"name": "a", "blocks": [{"key": "k", "key": "k"}], "name": "b"}', r"field name appears more than once"),
-    ('{"blocks": [{}, {"sites": [], "sites": [1]}]}', r"field blocks\[1\]\.sites appears more than once"),
-    ('{"a": 1', r"not valid JSON \(Expecting"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ('{"rope": {"style": "half", "theta": NaN}}', r"field rope\.theta is a bare NaN, which is not JSON"),
+        ('{"metrics": {"curve": [1.0, Infinity]}}', r"field metrics\.curve\[1\] is a bare Infinity"),
+        ('{"x": -Infinity}', r"field x is a bare -Infinity"),
+        ('{"rope": {"theta": 1.0, "theta": 2.0}}', r"field rope\.theta appears more than once \(duplicate JSON key\)"),
+        ('{"name": "a", "blocks": [{"key": "k", "key": "k"}], "name": "b"}', r"field name appears more than once"),
+        ('{"blocks": [{}, {"sites": [], "sites": [1]}]}', r"field blocks\[1\]\.sites appears more than once"),
+        ('{"a": 1', r"not valid JSON \(Expecting"),
+    ],
+)
 def test_strict_json_refuses_what_plain_json_loads_accepts(text, message):
     with pytest.raises(BundleError, match=f"^b/loopvq\\.json: {message}"):
         strict_json(text.encode(), FILE)
@@ -54,12 +57,15 @@ def test_strict_json_returns_plain_values():
     assert parsed == json.loads(text) and type(parsed) is dict and type(parsed["a"][2]) is dict
 
 
-@pytest.mark.parametrize("old,new,message", [
-    (b'"theta": 10000.0', b'"theta": NaN', r"field rope\.theta is a bare NaN"),
-    (b'"theta": 10000.0', b'"theta": Infinity', r"field rope\.theta is a bare Infinity"),
-    (b'"theta": 10000.0', b'"theta": -1.0, "theta": 10000.0', r"field rope\.theta appears more than once"),
-    (b'"codebook_size": 16', b'"codebook_size": 256, "codebook_size": 16', r"field codebook_size appears more"),
-])
+@pytest.mark.parametrize(
+    "old,new,message",
+    [
+        (b'"theta": 10000.0', b'"theta": NaN', r"field rope\.theta is a bare NaN"),
+        (b'"theta": 10000.0', b'"theta": Infinity', r"field rope\.theta is a bare Infinity"),
+        (b'"theta": 10000.0', b'"theta": -1.0, "theta": 10000.0', r"field rope\.theta appears more than once"),
+        (b'"codebook_size": 16', b'"codebook_size": 256, "codebook_size": 16', r"field codebook_size appears more"),
+    ],
+)
 def test_a_bundle_whose_metadata_is_not_strict_json_is_refused(bundle_dir, capsys, old, new, message):
     raw = (bundle_dir / "loopvq.json").read_bytes()
     assert raw.count(old) == 1
@@ -69,15 +75,27 @@ def test_a_bundle_whose_metadata_is_not_strict_json_is_refused(bundle_dir, capsy
     assert inspect_main([str(bundle_dir)]) == 2 and re.search(message, capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("name,problem", [
-    ("README.md", None), ("sub/dir/file.bin", None), (".gitattributes", None), ("a b-c_d.e", None),
-    ("", "is not a non-empty string"), ("/etc/passwd", "is an absolute path"),
-    ("..", "has an empty, '.' or '..' component"), ("../x", "has an empty, '.' or '..' component"),
-    ("./README.md", "has an empty, '.' or '..' component"), ("a//b", "has an empty, '.' or '..' component"),
-    ("a/", "has an empty, '.' or '..' component"), ("a\\b", "contains a backslash (paths use '/')"),
-    ("*", "contains a glob character (* ? [ ])"), ("card[1].md", "contains a glob character (* ? [ ])"),
-    ("?.md", "contains a glob character (* ? [ ])"), ("a\nb", "contains a control character"),
-])
+@pytest.mark.parametrize(
+    "name,problem",
+    [
+        ("README.md", None),
+        ("sub/dir/file.bin", None),
+        (".gitattributes", None),
+        ("a b-c_d.e", None),
+        ("", "is not a non-empty string"),
+        ("/etc/passwd", "is an absolute path"),
+        ("..", "has an empty, '.' or '..' component"),
+        ("../x", "has an empty, '.' or '..' component"),
+        ("./README.md", "has an empty, '.' or '..' component"),
+        ("a//b", "has an empty, '.' or '..' component"),
+        ("a/", "has an empty, '.' or '..' component"),
+        ("a\\b", "contains a backslash (paths use '/')"),
+        ("*", "contains a glob character (* ? [ ])"),
+        ("card[1].md", "contains a glob character (* ? [ ])"),
+        ("?.md", "contains a glob character (* ? [ ])"),
+        ("a\nb", "contains a control character"),
+    ],
+)
 def test_the_names_files_may_list(name, problem):
     assert file_name_problem(name) == problem
 
@@ -97,8 +115,11 @@ def test_the_reader_follows_no_symlink_out_of_the_bundle(bundle_dir, tmp_path):
     secret.write_text("outside the bundle")
     (bundle_dir / "notes.txt").symlink_to(secret)
     _relist(bundle_dir, "notes.txt", secret)
-    with pytest.raises(BundleError, match=r"bundle/notes\.txt: files entry 'notes\.txt' is or passes through a "
-                                          r"symbolic link"):
+    with pytest.raises(
+        BundleError,
+        match=r"bundle/notes\.txt: files entry 'notes\.txt' is or passes through a "
+        r"symbolic link",
+    ):
         load_bundle(bundle_dir)
     (bundle_dir / "notes.txt").unlink()
     (tmp_path / "outside").mkdir()
@@ -117,11 +138,17 @@ def test_the_reader_follows_no_symlink_out_of_the_bundle(bundle_dir, tmp_path):
 def test_a_listed_name_that_is_no_regular_file_is_refused(bundle_dir):
     (bundle_dir / "codebooks.safetensors").rename(bundle_dir / "moved")
     (bundle_dir / "codebooks.safetensors").mkdir()
-    with pytest.raises(BundleError, match=r"codebooks\.safetensors: files entry 'codebooks\.safetensors' is not a "
-                                          "regular file"):
+    with pytest.raises(
+        BundleError,
+        match=r"codebooks\.safetensors: files entry 'codebooks\.safetensors' is not a "
+        "regular file",
+    ):
         load_bundle(bundle_dir)
-    with pytest.raises(BundleError, match=r"bundle/README\.md: files entry 'README\.md/x' passes through something "
-                                          "that is not a folder"):
+    with pytest.raises(
+        BundleError,
+        match=r"bundle/README\.md: files entry 'README\.md/x' passes through something "
+        "that is not a folder",
+    ):
         bundle_file(bundle_dir, "README.md/x")
     with pytest.raises(BundleError, match=r"bundle/gone\.md: missing \(listed in loopvq\.json\)"):
         bundle_file(bundle_dir, "gone.md")
@@ -159,6 +186,9 @@ def test_a_hub_cache_snapshot_may_link_to_its_own_blobs_only(bundle_dir, tmp_pat
     shutil.copy(bundle_dir / "README.md", outside)
     (snapshot / "README.md").unlink()
     (snapshot / "README.md").symlink_to(outside)  # same bytes, outside the blobs
-    with pytest.raises(BundleError, match=r"snapshots/0123456789abcdef0123456789abcdef01234567/README\.md: files "
-                                          "entry 'README.md' is or passes through a symbolic link"):
+    with pytest.raises(
+        BundleError,
+        match=r"snapshots/0123456789abcdef0123456789abcdef01234567/README\.md: files "
+        "entry 'README.md' is or passes through a symbolic link",
+    ):
         load_bundle(snapshot)

@@ -23,8 +23,6 @@ from loopvq_calib.models.common import apply_rope, rope_angles
 CASES = ("ouro_loopvq", "huginn_tasq_loopvq", "ouro_tasq_loopvq_channels")
 
 
-
-
 @pytest.fixture(scope="module")
 def inputs() -> dict[str, torch.Tensor]:
     return load_file(str(GOLDEN / "inputs.safetensors"))
@@ -40,8 +38,10 @@ class SpecReader:
 
     def __init__(self, folder: Path) -> None:
         self.meta = json.loads((folder / "loopvq.json").read_text())
-        self.t = {k: v.float().numpy() if v.is_floating_point() else v.numpy().astype(np.int64)
-                  for k, v in load_file(str(folder / "codebooks.safetensors")).items()}
+        self.t = {
+            k: v.float().numpy() if v.is_floating_point() else v.numpy().astype(np.int64)
+            for k, v in load_file(str(folder / "codebooks.safetensors")).items()
+        }
         kv = self.meta["kv_layout"]
         self.h, self.d = kv["kv_heads"], kv["head_dim"]
 
@@ -86,7 +86,7 @@ class SpecReader:
         inv = 1.0 / (self.meta["rope"]["theta"] ** (np.arange(0, d, 2, dtype=np.float32) / d))
         ang = positions.astype(np.float32)[:, None, None, None] * inv.astype(np.float32)
         cos, sin = np.cos(ang), np.sin(ang)
-        a, b = (x[..., : d // 2], x[..., d // 2:]) if style == "half" else (x[..., 0::2], x[..., 1::2])
+        a, b = (x[..., : d // 2], x[..., d // 2 :]) if style == "half" else (x[..., 0::2], x[..., 1::2])
         ra, rb = a * cos - b * sin, b * cos + a * sin
         return np.concatenate([ra, rb], -1) if style == "half" else np.stack([ra, rb], -1).reshape(x.shape)
 
@@ -180,8 +180,10 @@ def test_reference_codec_matches_the_spec_reader(case, inputs):
         decoded = codec.decode(codes)
         _check(f"{key}.decoded", decoded.numpy(), spec[f"{key}.decoded"])
         if codec.layout.kind == "key":
-            roped = torch.stack([apply_rope(decoded[:, m][None], cos, sin, style=kv.rope_style)[0]
-                                 for m in range(codec.layout.steps)], 1)
+            roped = torch.stack(
+                [apply_rope(decoded[:, m][None], cos, sin, style=kv.rope_style)[0] for m in range(codec.layout.steps)],
+                1,
+            )
             _check(f"{key}.decoded_rope", roped.numpy(), spec[f"{key}.decoded_rope"])
 
 
@@ -195,7 +197,9 @@ def test_golden_covers_the_edge_cases(expected):
     tasq = huginn.quantizer.codecs["key.b0.l0"]
     assert tasq.layout.groups.shape[0] == 2 and not torch.equal(tasq.layout.groups[0], tasq.layout.groups[1])
     pairs = tasq.layout.groups // 2  # interleaved RoPE pair id (flat coordinate // 2)
-    assert all((pairs[h, g].view(-1, 2)[:, 0] == pairs[h, g].view(-1, 2)[:, 1]).all() for h in range(2) for g in range(4))
+    assert all(
+        (pairs[h, g].view(-1, 2)[:, 0] == pairs[h, g].view(-1, 2)[:, 1]).all() for h in range(2) for g in range(4)
+    )
     assert load_bundle(GOLDEN / "ouro_loopvq").meta["rope"]["style"] == "half"
     assert [load_bundle(GOLDEN / c).meta["format_version"] for c in CASES] == ["1.1", "1.1", "1.2"]
     channels = load_bundle(GOLDEN / "ouro_tasq_loopvq_channels")
@@ -249,6 +253,7 @@ def test_golden_files_are_small():
 
 
 # -- attention-level golden vectors (tests/golden_attention) --------------------------------------------------
+
 
 def test_attention_golden_vectors_are_rebuilt_identically():
     module, *_ = attention_golden_case("ouro_loopvq")

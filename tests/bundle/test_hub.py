@@ -57,16 +57,27 @@ class FakeHub:
             return HTTP.Response(200, json={})
         if "/preupload/" in route:
             files = json.loads(request.content)["files"]
-            return HTTP.Response(200, json={"files": [{"path": f["path"], "uploadMode": "regular",
-                                                       "shouldIgnore": False} for f in files]})
+            return HTTP.Response(
+                200,
+                json={"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]},
+            )
         if "/commit/" in route:
             lines = [json.loads(line) for line in request.content.decode().splitlines() if line.strip()]
-            files = {line["value"]["path"]: base64.b64decode(line["value"]["content"]) for line in lines
-                     if line["key"] == "file"}
+            files = {
+                line["value"]["path"]: base64.b64decode(line["value"]["content"])
+                for line in lines
+                if line["key"] == "file"
+            }
             other = [line["key"] for line in lines if line["key"] not in ("header", "file")]
             self.commits.append({"route": route, "files": files, "other": other})
-            return HTTP.Response(200, json={"commitUrl": "https://huggingface.co/org/x/commit/" + "a" * 40,
-                                            "commitOid": "a" * 40, "pullRequestUrl": None})
+            return HTTP.Response(
+                200,
+                json={
+                    "commitUrl": "https://huggingface.co/org/x/commit/" + "a" * 40,
+                    "commitOid": "a" * 40,
+                    "pullRequestUrl": None,
+                },
+            )
         return HTTP.Response(404, json={"error": f"no route {route}"})
 
     def writes(self) -> list[tuple[str, str]]:
@@ -127,9 +138,12 @@ def test_the_commit_sends_exactly_the_dry_run_list_and_nothing_beside_it(bundle_
 
 def test_push_creates_the_repo_and_the_branch_then_commits_once(bundle_dir, fake_hub):
     files = push_bundle(bundle_dir, "org/tiny-loopvq", private=True, token="hf_x", revision="v1")
-    assert fake_hub.writes() == [("POST", "/api/repos/create"), ("POST", "/api/models/org/tiny-loopvq/branch/v1"),
-                                 ("POST", "/api/models/org/tiny-loopvq/preupload/v1"),
-                                 ("POST", "/api/models/org/tiny-loopvq/commit/v1")]
+    assert fake_hub.writes() == [
+        ("POST", "/api/repos/create"),
+        ("POST", "/api/models/org/tiny-loopvq/branch/v1"),
+        ("POST", "/api/models/org/tiny-loopvq/preupload/v1"),
+        ("POST", "/api/models/org/tiny-loopvq/commit/v1"),
+    ]
     (created,) = fake_hub.created
     assert created["name"] == "tiny-loopvq" and created["auth"] == "Bearer hf_x"
     assert created.get("private") is True or created.get("visibility") == "private"  # hub 1.x / 2.x
@@ -168,6 +182,7 @@ def _listed(name: str, beside: str | None = None) -> Callable[[Path], str]:
         meta["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
         (folder / "loopvq.json").write_bytes(meta_bytes(meta))
         return name
+
     return edit
 
 
@@ -179,15 +194,18 @@ def _folder_entry(folder: Path) -> str:
     return "sub"
 
 
-@pytest.mark.parametrize("edit,message", [
-    (_listed("*"), r"files entry '\*' contains a glob character"),
-    (_listed("card[1].md", beside="card1.md"), r"files entry 'card\[1\]\.md' contains a glob character"),
-    (_listed("./notes.md"), r"files entry '\./notes\.md' has an empty, '\.' or '\.\.' component"),
-    (_listed("a\\b.md"), r"files entry 'a\\\\b\.md' contains a backslash"),
-    (_symlinked_card, r"README\.md: files entry 'README\.md' is or passes through a symbolic link"),
-    (_through_symlinked_folder, r"docs: files entry 'docs/card\.md' is or passes through a symbolic link"),
-    (_folder_entry, r"sub: files entry 'sub' is not a regular file"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (_listed("*"), r"files entry '\*' contains a glob character"),
+        (_listed("card[1].md", beside="card1.md"), r"files entry 'card\[1\]\.md' contains a glob character"),
+        (_listed("./notes.md"), r"files entry '\./notes\.md' has an empty, '\.' or '\.\.' component"),
+        (_listed("a\\b.md"), r"files entry 'a\\\\b\.md' contains a backslash"),
+        (_symlinked_card, r"README\.md: files entry 'README\.md' is or passes through a symbolic link"),
+        (_through_symlinked_folder, r"docs: files entry 'docs/card\.md' is or passes through a symbolic link"),
+        (_folder_entry, r"sub: files entry 'sub' is not a regular file"),
+    ],
+)
 def test_refused_entries_stop_the_push_before_anything_is_sent(bundle_dir, fake_hub, capsys, edit, message):
     name = edit(bundle_dir)
     for dry_run in (True, False):
@@ -198,8 +216,9 @@ def test_refused_entries_stop_the_push_before_anything_is_sent(bundle_dir, fake_
     assert repr(name) in capsys.readouterr().err and fake_hub.requests == []
 
 
-@pytest.mark.parametrize("name,message", [("../outside.md", "has an empty, '.' or '..' component"),
-                                          ("/etc/passwd", "is an absolute path")])
+@pytest.mark.parametrize(
+    "name,message", [("../outside.md", "has an empty, '.' or '..' component"), ("/etc/passwd", "is an absolute path")]
+)
 def test_entries_pointing_outside_the_folder_are_refused(bundle_dir, fake_hub, name, message):
     meta = json.loads((bundle_dir / "loopvq.json").read_text())
     meta["files"][name] = {"sha256": "0" * 64, "bytes": 1}
@@ -298,14 +317,19 @@ def fail_meta_rename(monkeypatch) -> None:
     monkeypatch.setattr(os, "replace", replace)
 
 
-def test_a_failed_local_write_after_the_push_is_a_push_error_and_keeps_the_old_pair(bundle_dir, fake_hub, tmp_path,
-                                                                                    monkeypatch):
-    attachment = prepare_eval_report(bundle_dir, write_report(eval_report(load_bundle(bundle_dir).meta),
-                                                              tmp_path / "report.json"))
+def test_a_failed_local_write_after_the_push_is_a_push_error_and_keeps_the_old_pair(
+    bundle_dir, fake_hub, tmp_path, monkeypatch
+):
+    attachment = prepare_eval_report(
+        bundle_dir, write_report(eval_report(load_bundle(bundle_dir).meta), tmp_path / "report.json")
+    )
     before = _bundle_bytes(bundle_dir)
     fail_meta_rename(monkeypatch)
-    with pytest.raises(PushError, match=r"pushed .* to org/x, but writing the new README\.md and loopvq\.json into "
-                                        r"the folder failed \(\[Errno 5\] Input/output error\)"):
+    with pytest.raises(
+        PushError,
+        match=r"pushed .* to org/x, but writing the new README\.md and loopvq\.json into "
+        r"the folder failed \(\[Errno 5\] Input/output error\)",
+    ):
         push_bundle(bundle_dir, "org/x", attachment=attachment)
     monkeypatch.undo()
     assert len(fake_hub.commits) == 1 and _bundle_bytes(bundle_dir) == before
@@ -339,8 +363,9 @@ def test_write_card_only_writes_what_a_push_would_and_sends_nothing(bundle_dir, 
     card = bundle_dir / "README.md"
     assert capsys.readouterr().out == f"would write 4 evaluation results into {card} (nothing pushed)\n"
     assert push_main(argv) == 0
-    assert capsys.readouterr().out == (f"wrote 4 evaluation results into {card} and its checksum into loopvq.json "
-                                       "(nothing pushed)\n")
+    assert capsys.readouterr().out == (
+        f"wrote 4 evaluation results into {card} and its checksum into loopvq.json (nothing pushed)\n"
+    )
     assert _bundle_bytes(bundle_dir) == {**before, "README.md": attachment.card, "loopvq.json": attachment.meta}
     assert "## Evaluation" in (bundle_dir / "README.md").read_text() and load_bundle(bundle_dir)
     assert fake_hub.requests == []
@@ -356,8 +381,10 @@ def test_write_card_only_failing_keeps_the_old_pair_and_exits_3(bundle_dir, tmp_
     before = _bundle_bytes(bundle_dir)
     fail_meta_rename(monkeypatch)
     assert push_main([str(bundle_dir), "--eval-report", str(report), "--write-card-only"]) == 3
-    assert capsys.readouterr().err == (f"error: writing the new README.md and loopvq.json into {bundle_dir} failed "
-                                       "(Input/output error); the folder keeps its old pair\n")
+    assert capsys.readouterr().err == (
+        f"error: writing the new README.md and loopvq.json into {bundle_dir} failed "
+        "(Input/output error); the folder keeps its old pair\n"
+    )
     monkeypatch.undo()
     assert _bundle_bytes(bundle_dir) == before
 

@@ -38,6 +38,7 @@ def setting(*path: Any, value: Any) -> Edit:
         for key in path[:-1]:
             node = node[key]
         node[path[-1]] = value
+
     return edit
 
 
@@ -45,6 +46,7 @@ def both(*edits: Edit) -> Edit:
     def edit(meta: dict[str, Any]) -> None:
         for e in edits:
             e(meta)
+
     return edit
 
 
@@ -66,8 +68,11 @@ CASES = [
     (setting("bits", "key", value=0.5), r"field bits\.key is 0\.5, but K=16, G=8, TaSQ sigma over H\*D=64 give 0\.75"),
     (setting("bits", "value", value=0.75), r"field bits\.value is 0\.75, but K=16, G=8, .* give 0\.5"),
     (setting("bits_detail", "key_sigma", value=0.0), r"field bits_detail\.key_sigma is 0\.0, .* give 0\.25"),
-    (setting("codebook_bytes", value=16384), r"field codebook_bytes is 16384, but the blocks' codebooks hold 16384 "
-                                             r"float16 values = 32768 bytes"),
+    (
+        setting("codebook_bytes", value=16384),
+        r"field codebook_bytes is 16384, but the blocks' codebooks hold 16384 "
+        r"float16 values = 32768 bytes",
+    ),
     (setting("codebook_dtype", value="float32"), r"field codebook_bytes is 32768, .* float32 values = 65536"),
     (setting("steps_per_block", value=3), r"field steps_per_block 3 does not divide kv_layout\.loop_steps 4"),
     (setting("kv_layout", "head_dim", value=15), r"field kv_layout\.head_dim must be a positive even number"),
@@ -83,17 +88,25 @@ CASES = [
     (setting("files", "README.md", "sha256", value="xyz"), r"field files\.README\.md\.sha256 is not 64 lowercase"),
     (setting("files", "README.md", "bytes", value=-1), r"field files\.README\.md\.bytes must be a non-negative"),
     (setting("serving", "page_size", value=True), r"field serving\.page_size has the wrong type \(bool\)"),
-    (setting("blocks", 1, "tasq", value=True), r"block 'value\.b0\.l0': field tasq is true, but TaSQ applies to key "
-                                               r"blocks of methods tasq, tasq\+loopvq only"),
+    (
+        setting("blocks", 1, "tasq", value=True),
+        r"block 'value\.b0\.l0': field tasq is true, but TaSQ applies to key "
+        r"blocks of methods tasq, tasq\+loopvq only",
+    ),
     (setting("method", value="loopvq"), r"block 'key\.b0\.l0': field tasq is true, .* key block of 'loopvq'"),
     (setting("blocks", 0, "sigma_min", value=0), r"block 'key\.b0\.l0': field sigma_min must be a finite number > 0"),
     (setting("blocks", 1, "sigma_min", value=0.1), r"block 'value\.b0\.l0': field sigma_min must be null when tasq"),
-    (setting("blocks", 0, "sites", value=[6, 4, 2, 0]), r"block 'key\.b0\.l0': field sites \[6, 4, 2, 0\] \(steps "
-                                                        r"\[3, 2, 1, 0\]\) are not the 4 consecutive loop steps"),
+    (
+        setting("blocks", 0, "sites", value=[6, 4, 2, 0]),
+        r"block 'key\.b0\.l0': field sites \[6, 4, 2, 0\] \(steps "
+        r"\[3, 2, 1, 0\]\) are not the 4 consecutive loop steps",
+    ),
     (setting("blocks", 0, "sites", value=[0, 3, 4, 6]), r"field sites \[0, 3, 4, 6\] span more than one layer"),
     (setting("blocks", 0, "sites", value=["0"]), r"field blocks\[0\]\.sites must be a list of non-negative integers"),
-    (both(setting("method", value="cq"), setting("blocks", 0, "tasq", value=False)),
-     r"field steps_per_block must be 1 for method 'cq', got 4"),
+    (
+        both(setting("method", value="cq"), setting("blocks", 0, "tasq", value=False)),
+        r"field steps_per_block must be 1 for method 'cq', got 4",
+    ),
 ]
 
 
@@ -111,20 +124,35 @@ def test_each_rule_of_the_spec_refuses_a_bundle_naming_the_file_and_the_field(bu
 def test_unknown_fields_are_ignored_and_known_ones_pass(bundle_dir):
     """Minor versions add optional fields: readers ignore them at every level."""
     before = load_bundle(bundle_dir).meta
-    reseal(bundle_dir, both(setting("a_future_field", value={"x": 1}), setting("rope", "scaling", value=None),
-                            setting("kv_layout", "sites", 0, "note", value="new"),
-                            setting("blocks", 0, "hint", value=[1, 2])))
+    reseal(
+        bundle_dir,
+        both(
+            setting("a_future_field", value={"x": 1}),
+            setting("rope", "scaling", value=None),
+            setting("kv_layout", "sites", 0, "note", value="new"),
+            setting("blocks", 0, "hint", value=[1, 2]),
+        ),
+    )
     bundle = load_bundle(bundle_dir)
     assert bundle.meta["a_future_field"] == {"x": 1} and bundle.meta["kv_layout"]["sites"][0]["note"] == "new"
     assert bundle.quantizer.kv.sites[0].site == 0 and bundle.meta["rope"]["theta"] == before["rope"]["theta"] > 0
 
 
-@pytest.mark.parametrize("method,edit,message", [
-    (QuantMethod("toytasq", loop_layout="loop-axis", tasq_groupings=("free",)), setting("blocks", 1, "tasq", value=True),
-     r"TaSQ applies to key blocks of methods tasq, tasq\+loopvq, toytasq only \(this is a value block of 'toytasq'\)"),
-    (QuantMethod("toycq"), setting("blocks", 0, "tasq", value=False),
-     r"field steps_per_block must be 1 for method 'toycq', got 4"),
-])
+@pytest.mark.parametrize(
+    "method,edit,message",
+    [
+        (
+            QuantMethod("toytasq", loop_layout="loop-axis", tasq_groupings=("free",)),
+            setting("blocks", 1, "tasq", value=True),
+            r"TaSQ applies to key blocks of methods tasq, tasq\+loopvq, toytasq only \(this is a value block of 'toytasq'\)",
+        ),
+        (
+            QuantMethod("toycq"),
+            setting("blocks", 0, "tasq", value=False),
+            r"field steps_per_block must be 1 for method 'toycq', got 4",
+        ),
+    ],
+)
 def test_the_method_rules_are_the_registered_declarations(bundle_dir, method, edit, message):
     register_method(method)
     try:

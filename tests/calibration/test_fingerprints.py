@@ -13,18 +13,37 @@ from loopvq_calib.calibration.fingerprints import RunFacts, covered, stage_finge
 from loopvq_calib.calibration.stage_table import STAGES
 from loopvq_calib.config.schema import TasqConfig
 
-FACTS = RunFacts(model_identity={"name": "m"}, loop_steps=4, tokenizer_files="tokenizer",
-                 data_sources=[["corpus.jsonl", 10, "sha"]])
+FACTS = RunFacts(
+    model_identity={"name": "m"}, loop_steps=4, tokenizer_files="tokenizer", data_sources=[["corpus.jsonl", 10, "sha"]]
+)
 
 
 # computed by the toolkit before the stage table (its stage_fingerprints and data_fingerprint), at version 0.0.0
 BEFORE = {
-    "loopvq": {"data": "5796fa16b1755133", "capture": "df66f90fed08a100", "tasq": None, "kmeans": "7ee076ebb39f534f",
-               "finetune": "0fab1822bf649500", "bundle": "dc85f3e307f8879c"},
-    "tasq+loopvq": {"data": "5796fa16b1755133", "capture": "5d38d1d74e29ecbd", "tasq": "6c0cc16f3e20b3e5",
-                    "kmeans": "e68fe99e0c480f09", "finetune": "db7e202c1ae95c67", "bundle": "48e2a37829f79f44"},
-    "channels": {"data": "5796fa16b1755133", "capture": "5d38d1d74e29ecbd", "tasq": "90c6b76d0acd45a9",
-                 "kmeans": "0b0cbfa63a433f50", "finetune": "1ec2547a77fb8110", "bundle": "4dd9a1cc536469a8"},
+    "loopvq": {
+        "data": "5796fa16b1755133",
+        "capture": "df66f90fed08a100",
+        "tasq": None,
+        "kmeans": "7ee076ebb39f534f",
+        "finetune": "0fab1822bf649500",
+        "bundle": "dc85f3e307f8879c",
+    },
+    "tasq+loopvq": {
+        "data": "5796fa16b1755133",
+        "capture": "5d38d1d74e29ecbd",
+        "tasq": "6c0cc16f3e20b3e5",
+        "kmeans": "e68fe99e0c480f09",
+        "finetune": "db7e202c1ae95c67",
+        "bundle": "48e2a37829f79f44",
+    },
+    "channels": {
+        "data": "5796fa16b1755133",
+        "capture": "5d38d1d74e29ecbd",
+        "tasq": "90c6b76d0acd45a9",
+        "kmeans": "0b0cbfa63a433f50",
+        "finetune": "1ec2547a77fb8110",
+        "bundle": "4dd9a1cc536469a8",
+    },
 }
 
 
@@ -32,8 +51,11 @@ BEFORE = {
 def test_the_fingerprints_are_those_of_earlier_runs(name, monkeypatch):
     """A changed value here means run folders made before no longer reuse their stages: change it deliberately."""
     monkeypatch.setattr(fingerprints_module, "__version__", "0.0.0")
-    cfg = {"loopvq": tiny_run_config(), "tasq+loopvq": tiny_run_config("tasq+loopvq"),
-           "channels": dataclasses.replace(tiny_run_config("tasq+loopvq"), tasq=TasqConfig(grouping="channels"))}[name]
+    cfg = {
+        "loopvq": tiny_run_config(),
+        "tasq+loopvq": tiny_run_config("tasq+loopvq"),
+        "channels": dataclasses.replace(tiny_run_config("tasq+loopvq"), tasq=TasqConfig(grouping="channels")),
+    }[name]
     assert stage_fingerprints(cfg, FACTS) == BEFORE[name]
 
 
@@ -57,8 +79,9 @@ def test_covered_names_are_run_facts_views_or_config_paths():
     assert covered("loop_steps", loopvq, FACTS) == 4 and covered("tokenizer_files", loopvq, FACTS) == "tokenizer"
     assert covered("model.dtype", loopvq, FACTS) == loopvq.model.dtype
     assert covered("kmeans", loopvq, FACTS) == dataclasses.asdict(loopvq.kmeans)
-    assert covered("capture", loopvq, FACTS) == {k: v for k, v in dataclasses.asdict(loopvq.capture).items()
-                                                 if k != "store"}
+    assert covered("capture", loopvq, FACTS) == {
+        k: v for k, v in dataclasses.asdict(loopvq.capture).items() if k != "store"
+    }
     assert "grouping" not in covered("tasq", loopvq, FACTS)  # "free": the settings of runs made before the option
     assert covered("tasq", tasq, FACTS)["grouping"] == "channels"
     assert covered("tasq.weight_floor", loopvq, FACTS) is None

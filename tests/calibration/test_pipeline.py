@@ -52,16 +52,28 @@ def test_full_run_then_reuse_then_partial_invalidation(tiny_ouro_dir, calib_corp
 
     changed = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, out, finetune={"epochs": 2, "lr": 5e-3}))
     assert {s["name"]: s["reused"] for s in changed.stages} == {
-        "data": True, "capture": True, "kmeans": True, "finetune": False, "bundle": False}
+        "data": True,
+        "capture": True,
+        "kmeans": True,
+        "finetune": False,
+        "bundle": False,
+    }
 
     requant = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, out, quant={"method": "cq"}))
     assert {s["name"]: s["reused"] for s in requant.stages} == {
-        "data": True, "capture": True, "kmeans": False, "finetune": False, "bundle": False}
+        "data": True,
+        "capture": True,
+        "kmeans": False,
+        "finetune": False,
+        "bundle": False,
+    }
 
 
 def test_stages_option_stops_early_and_tasq_only_for_tasq_methods(tiny_ouro_dir, calib_corpus, tmp_path):
     out = tmp_path / "run"
-    res = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, out, quant={"method": "tasq"}), stages=["capture", "kmeans"])
+    res = calibrate(
+        tiny_config(tiny_ouro_dir, calib_corpus, out, quant={"method": "tasq"}), stages=["capture", "kmeans"]
+    )
     assert [s["name"] for s in res.stages] == ["data", "capture", "tasq", "kmeans"]
     assert not (out / "finetune").exists() and res.bundle is None
     assert (out / "tasq" / "tasq.safetensors").is_file() and (out / "kmeans" / "quantizer.safetensors").is_file()
@@ -87,7 +99,12 @@ def test_crash_leaves_nothing_a_rerun_mistakes_for_a_result(tiny_ouro_dir, calib
     (out / ".loopvq-tmp.finetune" / "quantizer.json").write_text("{partial")
     resumed = calibrate(cfg)
     assert {s["name"]: s["reused"] for s in resumed.stages} == {
-        "data": True, "capture": True, "kmeans": True, "finetune": False, "bundle": False}
+        "data": True,
+        "capture": True,
+        "kmeans": True,
+        "finetune": False,
+        "bundle": False,
+    }
     assert statuses(out) == dict.fromkeys(["data", "capture", "kmeans", "finetune", "bundle"], "done")
     assert not (out / ".loopvq-tmp.finetune").exists()
 
@@ -96,8 +113,12 @@ def test_two_runs_with_the_same_seed_are_byte_identical(tiny_ouro_dir, calib_cor
     """Run a keeps the k-means and fine-tuning results it saved (no file read back); run b reads them back from
     its files, as a reused stage does: the same bytes everywhere, so the kept values are the reread ones."""
     reads = []
-    table = tuple(dataclasses.replace(s, load=lambda folder, s=s: reads.append(s.name) or s.load(folder))
-                  if s.name in ("kmeans", "finetune") else s for s in STAGES)
+    table = tuple(
+        dataclasses.replace(s, load=lambda folder, s=s: reads.append(s.name) or s.load(folder))
+        if s.name in ("kmeans", "finetune")
+        else s
+        for s in STAGES
+    )
     a = Pipeline(load_config(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "a")), table=table).run_all().run_dir
     assert reads == []
     for name in ("as_saved_quantizer", "as_saved_finetune"):
@@ -110,12 +131,15 @@ def test_two_runs_with_the_same_seed_are_byte_identical(tiny_ouro_dir, calib_cor
                 assert without_timings(path) == without_timings(b / stage / path.name)
             else:
                 assert path.read_bytes() == (b / stage / path.name).read_bytes(), f"{stage}/{path.name}"
-    assert (a / "bundle" / "codebooks.safetensors").read_bytes() == (b / "bundle" / "codebooks.safetensors").read_bytes()
+    assert (a / "bundle" / "codebooks.safetensors").read_bytes() == (
+        b / "bundle" / "codebooks.safetensors"
+    ).read_bytes()
 
 
 @pytest.mark.parametrize("store", ["memory"])  # "device" on a CPU is "memory"; its GPU case is in test_capture.py
-def test_in_memory_stores_give_the_disk_codebooks_and_later_stages_are_reused(tiny_ouro_dir, calib_corpus, tmp_path,
-                                                                              store):
+def test_in_memory_stores_give_the_disk_codebooks_and_later_stages_are_reused(
+    tiny_ouro_dir, calib_corpus, tmp_path, store
+):
     """An in-memory capture is never kept, but the stages after it are reused (their fingerprints do not
     depend on the store), so a rerun skips the capture; a changed k-means setting captures again."""
     disk = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "disk"), stages=["capture", "kmeans"]).run_dir
@@ -127,8 +151,13 @@ def test_in_memory_stores_give_the_disk_codebooks_and_later_stages_are_reused(ti
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     again = calibrate(cfg, stages=["capture", "kmeans"])
     assert {s["name"]: s["reused"] for s in again.stages} == {"data": True, "kmeans": True}
-    changed = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / store, capture={"store": store, "dtype": "bfloat16"},
-                          kmeans={"iterations": 3})
+    changed = tiny_config(
+        tiny_ouro_dir,
+        calib_corpus,
+        tmp_path / store,
+        capture={"store": store, "dtype": "bfloat16"},
+        kmeans={"iterations": 3},
+    )
     rerun = calibrate(changed, stages=["capture", "kmeans"])
     assert {s["name"]: s["reused"] for s in rerun.stages} == {"data": True, "capture": False, "kmeans": False}
 
@@ -154,16 +183,39 @@ def test_two_cpu_processes_equal_one(tiny_ouro_dir, calib_corpus, tmp_path, stor
     gradients. Everything up to k-means equals the single-process run exactly."""
     import yaml
 
-    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "x", finetune={"epochs": 1, "batch_size": 2, "lr": 1e-2},
-                      capture={"store": store}, quant={"method": method})
+    cfg = tiny_config(
+        tiny_ouro_dir,
+        calib_corpus,
+        tmp_path / "x",
+        finetune={"epochs": 1, "batch_size": 2, "lr": 1e-2},
+        capture={"store": store},
+        quant={"method": method},
+    )
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     single = calibrate(cfg, output=tmp_path / "one").run_dir
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     # accelerate's multi-process launcher (its flag says GPU; without CUDA our processes use gloo on CPU)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "loopvq_calib",
-           "--config", str(cfg_path), "--output", str(tmp_path / "two")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "loopvq_calib",
+        "--config",
+        str(cfg_path),
+        "--output",
+        str(tmp_path / "two"),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = tmp_path / "two"
@@ -221,7 +273,9 @@ def test_edited_corpus_reruns_the_data_stage(tiny_ouro_dir, calib_corpus, tmp_pa
     assert not torch.equal(load_file(first / "data" / "sequences.safetensors")["input_ids"], ids)
 
 
-def test_cli_exit_codes_for_a_failed_stage_and_a_bad_run_directory(tiny_ouro_dir, calib_corpus, tmp_path, capsys, monkeypatch):
+def test_cli_exit_codes_for_a_failed_stage_and_a_bad_run_directory(
+    tiny_ouro_dir, calib_corpus, tmp_path, capsys, monkeypatch
+):
     import yaml
 
     cfg_path = tmp_path / "c.yaml"
@@ -245,15 +299,20 @@ def test_cli_exit_codes_for_a_failed_stage_and_a_bad_run_directory(tiny_ouro_dir
     assert "afile exists and is not a directory" in capsys.readouterr().err
     assert calibrate_main(["--config", str(cfg_path), "--output", str(tmp_path / "r2"), "--stages", "tasq"]) == 2
     assert "tasq stage exists only for quant.method tasq or tasq+loopvq" in capsys.readouterr().err
-    cfg_path.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "r3", kmeans={"backend": "triton", "device": "cpu"})))
+    cfg_path.write_text(
+        yaml.safe_dump(
+            tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "r3", kmeans={"backend": "triton", "device": "cpu"})
+        )
+    )
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert calibrate_main(["--config", str(cfg_path)]) == 2  # k-means on the CPU: refused before the data stage
     assert "kmeans.backend: 'triton' needs the triton package and a CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "r3" / "data").exists()
 
 
-def test_auto_store_is_chosen_before_any_work_and_refused_with_the_numbers(tiny_ouro_dir, calib_corpus, tmp_path,
-                                                                           capsys, monkeypatch):
+def test_auto_store_is_chosen_before_any_work_and_refused_with_the_numbers(
+    tiny_ouro_dir, calib_corpus, tmp_path, capsys, monkeypatch
+):
     import yaml
 
     import loopvq_calib.calibration.capture.store as cs
@@ -268,15 +327,18 @@ def test_auto_store_is_chosen_before_any_work_and_refused_with_the_numbers(tiny_
     monkeypatch.setattr(cs, "host_available", lambda: 1000)
     monkeypatch.setattr(cs, "disk_available", lambda folder: 2000)
     cfg_path = tmp_path / "c.yaml"
-    cfg_path.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "refused", capture={"store": "auto"})))
+    cfg_path.write_text(
+        yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "refused", capture={"store": "auto"}))
+    )
     assert calibrate_main(["--config", str(cfg_path)]) == 2
     err = capsys.readouterr().err
     assert "capture.store: no store holds the capture" in err and "memory: 0.00 GB" in err
     assert not (tmp_path / "refused" / "data").exists()  # refused before the data stage
 
 
-def test_an_interrupted_disk_capture_resumes_after_the_sequences_it_wrote(tiny_ouro_dir, calib_corpus, tmp_path,
-                                                                          monkeypatch):
+def test_an_interrupted_disk_capture_resumes_after_the_sequences_it_wrote(
+    tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch
+):
     """Within-stage resume: a capture stopped in its 4th sequence keeps its 3 finished shards; the rerun (same
     fingerprint) captures only the other 3 and publishes shards byte-identical to an uninterrupted run's."""
     import loopvq_calib.calibration.capture.kv as capture
@@ -327,7 +389,9 @@ def test_an_interrupted_finetune_resumes_after_its_last_epoch(tiny_ouro_dir, cal
 
     monkeypatch.setattr(finetune, "sequence_kl", counted)
     cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")
-    stop_at = 1 + 4 + 1 + 2  # initial selection (2 sequences, one forward), epoch 1 (4 steps + selection), 2 steps of epoch 2
+    stop_at = (
+        1 + 4 + 1 + 2
+    )  # initial selection (2 sequences, one forward), epoch 1 (4 steps + selection), 2 steps of epoch 2
     with pytest.raises(KeyboardInterrupt):
         calibrate(cfg, stages=["finetune"])
     calls.clear()
@@ -347,8 +411,15 @@ def test_the_manifest_records_the_start_up_steps(tiny_ouro_dir, calib_corpus, tm
     before = time.time()
     result = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run"), stages=["data"])
     startup = json.loads((result.run_dir / "manifest.json").read_text())["startup"]
-    steps = ("processes_s", "model_shape_s", "model_identity_s", "kmeans_backend_s", "data_fingerprint_s",
-             "calibration_set_s", "pipeline_init_s")
+    steps = (
+        "processes_s",
+        "model_shape_s",
+        "model_identity_s",
+        "kmeans_backend_s",
+        "data_fingerprint_s",
+        "calibration_set_s",
+        "pipeline_init_s",
+    )
     assert set(steps) <= set(startup) and all(startup[k] >= 0 for k in steps) and result.is_main
     assert startup["pipeline_init_s"] >= sum(startup[k] for k in steps[:-1]) - 0.01  # the parts are inside the whole
     assert before <= startup["entered_at"] <= time.time() and startup["process_start_s"] > 0

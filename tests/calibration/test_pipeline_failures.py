@@ -24,8 +24,9 @@ def failing(message: str):
     return fail
 
 
-def test_the_stage_that_raised_is_named_even_when_an_older_record_says_another_failed(tiny_ouro_dir, calib_corpus,
-                                                                                     tmp_path, monkeypatch):
+def test_the_stage_that_raised_is_named_even_when_an_older_record_says_another_failed(
+    tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch
+):
     out = tmp_path / "run"
     monkeypatch.setattr(stages_module, "write_bundle", failing("disk full"))
     first = Pipeline(load_config(tiny_config(tiny_ouro_dir, calib_corpus, out)))
@@ -45,8 +46,9 @@ def test_the_stage_that_raised_is_named_even_when_an_older_record_says_another_f
 def test_a_failure_in_a_stages_use_of_a_reused_result_names_that_stage(tiny_ouro_dir, calib_corpus, tmp_path):
     cfg = load_config(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run"))
     Pipeline(cfg, None, ["kmeans"]).run_all()
-    table = tuple(dataclasses.replace(s, load=failing("unreadable codebooks")) if s.name == "kmeans" else s
-                  for s in STAGES)
+    table = tuple(
+        dataclasses.replace(s, load=failing("unreadable codebooks")) if s.name == "kmeans" else s for s in STAGES
+    )
     again = Pipeline(cfg, None, ["kmeans"], table=table)
     with pytest.raises(RuntimeError, match="unreadable codebooks"):
         again.run_all()
@@ -66,8 +68,9 @@ def test_no_stage_is_named_when_none_failed(tiny_ouro_dir, calib_corpus, tmp_pat
     assert later.failed_stage is None and later.run.records[-1].name == "finetune"
 
 
-def test_the_console_names_the_stage_that_raised_not_a_stale_record(tiny_ouro_dir, calib_corpus, tmp_path,
-                                                                    monkeypatch, capsys):
+def test_the_console_names_the_stage_that_raised_not_a_stale_record(
+    tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch, capsys
+):
     out = tmp_path / "run"
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, out)))

@@ -21,8 +21,10 @@ from loopvq_calib.runtime.warmup import Warmup
 
 def _bad_json(folder: Path) -> str:
     (folder / "config.json").write_text('{"model_type": "ouro", x}')
-    return f"{folder / 'config.json'} is not valid JSON: Expecting property name enclosed in double quotes " \
-           "(line 1, column 24)"
+    return (
+        f"{folder / 'config.json'} is not valid JSON: Expecting property name enclosed in double quotes "
+        "(line 1, column 24)"
+    )
 
 
 def _non_utf8(folder: Path) -> str:
@@ -43,8 +45,13 @@ def _truncated(folder: Path) -> str:
 
 
 def _missing_shard(folder: Path) -> str:
-    index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors",
-                                            "model.embed_tokens.weight": "model.safetensors"}}
+    index = {
+        "metadata": {},
+        "weight_map": {
+            "lm_head.weight": "model-00002-of-00002.safetensors",
+            "model.embed_tokens.weight": "model.safetensors",
+        },
+    }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     return f"{folder / 'model-00002-of-00002.safetensors'} is missing (model.safetensors.index.json names it)"
 
@@ -65,8 +72,9 @@ BREAKS = [_bad_json, _non_utf8, _no_tokenizer, _truncated, _missing_shard, _wron
 
 
 @pytest.mark.parametrize("breaks", BREAKS, ids=[b.__name__[1:] for b in BREAKS])
-def test_a_broken_model_folder_exits_2_naming_the_file_before_the_run_directory(tiny_ouro_dir, calib_corpus,
-                                                                               tmp_path, capsys, breaks):
+def test_a_broken_model_folder_exits_2_naming_the_file_before_the_run_directory(
+    tiny_ouro_dir, calib_corpus, tmp_path, capsys, breaks
+):
     folder = Path(shutil.copytree(tiny_ouro_dir, tmp_path / "model"))
     expected = breaks(folder)
     cfg = tmp_path / "c.yaml"
@@ -81,29 +89,34 @@ def test_a_broken_model_folder_exits_2_naming_the_file_before_the_run_directory(
 def short_window_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
     """A tiny Ouro and a tiny Huginn whose window is 64 tokens: name -> (folder, the config.json field)."""
     root = tmp_path_factory.mktemp("short-window")
-    return {"ouro": (save_with_tokenizer(make_tiny_ouro(max_position_embeddings=64), root / "ouro"),
-                     "max_position_embeddings"),
-            "huginn": (save_with_tokenizer(make_tiny_huginn(block_size=64), root / "huginn"), "block_size")}
+    return {
+        "ouro": (
+            save_with_tokenizer(make_tiny_ouro(max_position_embeddings=64), root / "ouro"),
+            "max_position_embeddings",
+        ),
+        "huginn": (save_with_tokenizer(make_tiny_huginn(block_size=64), root / "huginn"), "block_size"),
+    }
 
 
 @pytest.mark.parametrize("name", ["ouro", "huginn"])
-def test_a_sequence_length_beyond_the_window_is_refused_and_the_window_itself_accepted(short_window_models, name,
-                                                                                        calib_corpus, tmp_path):
+def test_a_sequence_length_beyond_the_window_is_refused_and_the_window_itself_accepted(
+    short_window_models, name, calib_corpus, tmp_path
+):
     folder, field = short_window_models[name]
     assert json.loads((folder / "config.json").read_text())[field] == 64
     raw = tiny_config(folder, calib_corpus, tmp_path / "run", data={"sequence_length": 65})
     with pytest.raises(ConfigError) as err:
         plan_run(load_config(raw), warmup=Warmup())
     assert err.value.path == "data.sequence_length"
-    assert str(err.value) == (f"data.sequence_length: 65 tokens exceed the model's window of 64 tokens ({field} in "
-                              f"{folder / 'config.json'})")
+    assert str(err.value) == (
+        f"data.sequence_length: 65 tokens exceed the model's window of 64 tokens ({field} in {folder / 'config.json'})"
+    )
     raw["data"]["sequence_length"] = 64
     assert plan_run(load_config(raw), warmup=Warmup()).cfg.data.sequence_length == 64
     assert not (tmp_path / "run").exists()
 
 
-def test_the_cli_exits_2_for_a_sequence_length_beyond_the_window(short_window_models, calib_corpus, tmp_path,
-                                                                 capsys):
+def test_the_cli_exits_2_for_a_sequence_length_beyond_the_window(short_window_models, calib_corpus, tmp_path, capsys):
     folder, _ = short_window_models["ouro"]
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(folder, calib_corpus, tmp_path / "run")))
@@ -113,8 +126,7 @@ def test_the_cli_exits_2_for_a_sequence_length_beyond_the_window(short_window_mo
     assert not (tmp_path / "run").exists()
 
 
-def test_a_data_row_nested_too_deeply_exits_2_before_the_run_directory(tiny_ouro_dir, calib_corpus, tmp_path,
-                                                                      capsys):
+def test_a_data_row_nested_too_deeply_exits_2_before_the_run_directory(tiny_ouro_dir, calib_corpus, tmp_path, capsys):
     corpus = tmp_path / "deep.jsonl"
     corpus.write_text(calib_corpus.read_text() + '{"text": "x", "deep": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
     cfg = tmp_path / "c.yaml"
@@ -128,8 +140,11 @@ def test_a_data_row_nested_too_deeply_exits_2_before_the_run_directory(tiny_ouro
 def test_the_model_is_described_once_without_its_weights(tiny_ouro_dir, calib_corpus, tmp_path):
     """describe_model: the folder, the KV sites at the run's loop count, the weights' bytes in the run's dtype and
     the identity the bundle records (a local folder by its absolute path), each check timed."""
-    cfg = load_config(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", model={"loop_steps": 2},
-                                  quant={"steps_per_block": 2}))
+    cfg = load_config(
+        tiny_config(
+            tiny_ouro_dir, calib_corpus, tmp_path / "run", model={"loop_steps": 2}, quant={"steps_per_block": 2}
+        )
+    )
     timings = {}
     facts = describe_model(cfg, timings)
     model = make_tiny_ouro()

@@ -34,8 +34,7 @@ def data_run(tiny_ouro_dir, calib_corpus, tmp_path) -> tuple[Path, list[str]]:
 
 
 @pytest.mark.parametrize("kind", ["parent", "absolute"])
-def test_a_manifest_entry_outside_its_folder_stops_the_run_before_anything_is_deleted(data_run, tmp_path, capsys,
-                                                                                     kind):
+def test_a_manifest_entry_outside_its_folder_stops_the_run_before_anything_is_deleted(data_run, tmp_path, capsys, kind):
     run, rerun = data_run
     precious = tmp_path / "notes.txt"  # beside the run directory, one level above the stage folder's parent
     precious.write_text("mine")
@@ -55,8 +54,11 @@ def test_an_entry_that_is_a_link_out_of_the_folder_is_refused(data_run, tmp_path
     precious.write_text("mine")
     (run / "data" / "link.txt").symlink_to(precious)
     add_entry(run, "data", "link.txt", size=4)
-    with pytest.raises(RunDirError, match=r"manifest\.json: stage 'data' lists 'link.txt', a path that leads out of "
-                                          r".*/run/data through a symbolic link"):
+    with pytest.raises(
+        RunDirError,
+        match=r"manifest\.json: stage 'data' lists 'link.txt', a path that leads out of "
+        r".*/run/data through a symbolic link",
+    ):
         RunDir(run, stage_names=("data",))
     assert precious.read_text() == "mine"
 
@@ -71,8 +73,11 @@ def test_entries_are_checked_again_before_the_stage_is_replaced_and_before_its_f
     precious = tmp_path / "notes.txt"
     precious.write_text("mine")
     run.manifest["stages"]["data"]["files"]["../../notes.txt"] = 4
-    with pytest.raises(RunDirError, match=r"stage 'data' lists '\.\./\.\./notes.txt', not the name of a file inside "
-                                          r".*/run/data"):
+    with pytest.raises(
+        RunDirError,
+        match=r"stage 'data' lists '\.\./\.\./notes.txt', not the name of a file inside "
+        r".*/run/data",
+    ):
         with run.stage("data", "fp2") as (folder, _):
             (folder / "a.txt").write_text("again")
     run.close()
@@ -90,15 +95,23 @@ def test_an_entry_that_is_a_folder_is_refused_when_read_and_before_the_first_del
             (folder / name).write_text(name)
     (run.root / "data" / "b.txt").unlink()
     (run.root / "data" / "b.txt").mkdir()
-    with pytest.raises(RunDirError, match=re.escape(f"{run.root / MANIFEST}: stage 'data' lists 'b.txt', which is a "
-                                                    f"folder in {run.root / 'data'}, not a file the toolkit wrote")):
+    with pytest.raises(
+        RunDirError,
+        match=re.escape(
+            f"{run.root / MANIFEST}: stage 'data' lists 'b.txt', which is a "
+            f"folder in {run.root / 'data'}, not a file the toolkit wrote"
+        ),
+    ):
         RunDir(run.root)
     with pytest.raises(RunDirError, match=r"stage 'data' lists 'b\.txt', which is a folder .*; nothing was deleted"):
         with run.stage("data", "fp2") as (folder, _):
             (folder / "a.txt").write_text("again")
     run.close()
     assert [(p.name, p.is_file()) for p in sorted((run.root / "data").iterdir())] == [
-        ("a.txt", True), ("b.txt", False), ("c.txt", True)]
+        ("a.txt", True),
+        ("b.txt", False),
+        ("c.txt", True),
+    ]
     assert (run.root / "data" / "a.txt").read_text() == "a.txt" and not list(run.root.glob(".loopvq-tmp.*"))
 
 
@@ -120,7 +133,9 @@ def test_a_subfolder_linked_out_of_a_stage_is_never_entered(tmp_path):
     (run.root / "data" / "sub" / "x.txt").unlink()
     (run.root / "data" / "sub").rmdir()
     (run.root / "data" / "sub").symlink_to(user, target_is_directory=True)
-    with pytest.raises(RunDirError, match=r"lists 'sub/x.txt', a path that leads out of .*/run/data through a symbolic"):
+    with pytest.raises(
+        RunDirError, match=r"lists 'sub/x.txt', a path that leads out of .*/run/data through a symbolic"
+    ):
         RunDir(run.root)
     with pytest.raises(RunDirError, match=r"data holds files this toolkit did not write \(sub\)"):
         with run.stage("data", "fp2"):
@@ -129,13 +144,16 @@ def test_a_subfolder_linked_out_of_a_stage_is_never_entered(tmp_path):
     assert (user / "x.txt").read_text() == "mine"
 
 
-@pytest.mark.parametrize("record, message", [
-    ({"../up": {"fingerprint": "f", "status": "done"}}, "stage entry '../up' is not a stage record"),
-    ({"data": {"status": "done", "files": ["a"]}}, "stage 'data' has a 'files' or 'sha256' entry that is not a"),
-    ({"data": {"status": "done", "files": {"a": "1"}}}, "stage 'data' has a 'files' or 'sha256' entry"),
-    ({"data": {"status": "done", "files": {}, "sha256": {"../a": "00"}}}, "stage 'data' lists '../a'"),
-    ({"data": {"status": "done", "files": {"": 1}}}, "stage 'data' lists '', not the name of a file inside"),
-])
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({"../up": {"fingerprint": "f", "status": "done"}}, "stage entry '../up' is not a stage record"),
+        ({"data": {"status": "done", "files": ["a"]}}, "stage 'data' has a 'files' or 'sha256' entry that is not a"),
+        ({"data": {"status": "done", "files": {"a": "1"}}}, "stage 'data' has a 'files' or 'sha256' entry"),
+        ({"data": {"status": "done", "files": {}, "sha256": {"../a": "00"}}}, "stage 'data' lists '../a'"),
+        ({"data": {"status": "done", "files": {"": 1}}}, "stage 'data' lists '', not the name of a file inside"),
+    ],
+)
 def test_a_manifest_whose_records_are_not_the_toolkits_is_refused(tmp_path, record, message):
     (tmp_path / MANIFEST).write_text(json.dumps({"stages": record}))
     with pytest.raises(RunDirError, match=re.escape(f"{tmp_path / MANIFEST}: {message}")):

@@ -54,7 +54,7 @@ def test_every_stage_file_is_recorded_with_the_sha256_of_its_bytes(tiny_ouro_dir
 def new_log_lines(run: Path, seen: list[str]) -> str:
     """The lines ``run.log`` gained since the last call (the run logs there, not to the root logger)."""
     lines = (run / "run.log").read_text().splitlines()
-    new, seen[:] = lines[len(seen):], lines
+    new, seen[:] = lines[len(seen) :], lines
     return "\n".join(new)
 
 
@@ -70,15 +70,17 @@ def test_a_file_corrupted_in_place_at_its_size_reruns_its_stage_with_a_warning(t
     warnings = [line for line in new_log_lines(run, seen).splitlines() if "WARNING" in line]
     assert len(warnings) == 1 and warnings[0].endswith(
         f"stage capture: {shard} changed since the stage finished (its sha256 differs from the manifest's); running it "
-        "again")
+        "again"
+    )
     assert shard.read_bytes() == good
     assert records(run)["capture"]["sha256"][shard.name] == hashlib.sha256(good).hexdigest()
     assert all(reused(calibrate(cfg, stages=["kmeans"])).values())
     assert "WARNING" not in new_log_lines(run, seen)
 
 
-def test_a_reused_data_stage_is_hashed_once_per_run_and_warned_about_once(tiny_ouro_dir, calib_corpus, tmp_path,
-                                                                          monkeypatch):
+def test_a_reused_data_stage_is_hashed_once_per_run_and_warned_about_once(
+    tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch
+):
     """The run's checks (before the directory is opened) and the stage itself share one reuse check while the
     manifest's record stays the same: each file is read once, and a changed one is named once."""
     cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")
@@ -96,7 +98,9 @@ def test_a_reused_data_stage_is_hashed_once_per_run_and_warned_about_once(tiny_o
     assert reused(calibrate(cfg, stages=["data"])) == {"data": False}
     assert hashed.count(files[0]) == 1
     warnings = [line for line in new_log_lines(run, seen).splitlines() if "WARNING" in line]
-    assert len(warnings) == 1 and f"stage data: {run / 'data' / files[0]} changed since the stage finished" in warnings[0]
+    assert (
+        len(warnings) == 1 and f"stage data: {run / 'data' / files[0]} changed since the stage finished" in warnings[0]
+    )
 
 
 def test_a_manifest_without_hashes_is_checked_by_size(tiny_ouro_dir, calib_corpus, tmp_path):
@@ -134,5 +138,7 @@ def test_a_resumed_stage_records_the_digests_its_earlier_run_logged(tmp_path):
         write_bytes_atomic(folder / "seq1.bin", b"second run")
     run.close()
     rec = records(run.root)["capture"]
-    assert rec["sha256"] == {name: hashlib.sha256(data).hexdigest()
-                             for name, data in (("seq0.bin", b"first run"), ("seq1.bin", b"second run"))}
+    assert rec["sha256"] == {
+        name: hashlib.sha256(data).hexdigest()
+        for name, data in (("seq0.bin", b"first run"), ("seq1.bin", b"second run"))
+    }

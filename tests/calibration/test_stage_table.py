@@ -44,8 +44,11 @@ def test_preflight_and_the_fingerprints_take_the_tables_names():
 
 def test_no_stage_writes_its_results_through_nonlocal():
     """The stages return their outputs; none hands them back through a closure's ``nonlocal``."""
-    found = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "loopvq_calib" / "calibration").rglob("*.py"))
-             if "nonlocal " in p.read_text()]
+    found = [
+        str(p.relative_to(ROOT))
+        for p in sorted((ROOT / "loopvq_calib" / "calibration").rglob("*.py"))
+        if "nonlocal " in p.read_text()
+    ]
     assert found == []
 
 
@@ -74,8 +77,16 @@ def digest_stage(run: StageRun, *, bundle: Path) -> StageDone[Path]:
     return StageDone({"files": len(lines)})
 
 
-DIGEST = Stage("digest", digest_stage, Path, load=Path, inputs=("bundle",), after=("bundle",),
-               covers=("output.bundle_name",), every_process=False)
+DIGEST = Stage(
+    "digest",
+    digest_stage,
+    Path,
+    load=Path,
+    inputs=("bundle",),
+    after=("bundle",),
+    covers=("output.bundle_name",),
+    every_process=False,
+)
 WITH_DIGEST = (*STAGES, DIGEST)
 
 
@@ -88,29 +99,39 @@ def test_a_row_added_in_a_test_is_run_fingerprinted_reused_and_asked_for(tiny_ou
 
     second = Pipeline(cfg, None, None, table=WITH_DIGEST).run_all()
     assert {s["name"]: s["reused"] for s in second.stages} == {
-        "data": True, "capture": True, "kmeans": True, "finetune": True, "bundle": True, "digest": False}
-    expected = "".join(f"{hashlib.sha256(f.read_bytes()).hexdigest()}  {f.name}\n"
-                       for f in sorted((out / "bundle").iterdir()))
+        "data": True,
+        "capture": True,
+        "kmeans": True,
+        "finetune": True,
+        "bundle": True,
+        "digest": False,
+    }
+    expected = "".join(
+        f"{hashlib.sha256(f.read_bytes()).hexdigest()}  {f.name}\n" for f in sorted((out / "bundle").iterdir())
+    )
     assert (out / "digest" / "digests.txt").read_text() == expected
     manifest = json.loads((out / "manifest.json").read_text())
     assert list(manifest["stages"]) == ["data", "capture", "kmeans", "finetune", "bundle", "digest"]
     record = manifest["stages"]["digest"]
-    assert record["fingerprint"] == fingerprint("digest", __version__, manifest["stages"]["bundle"]["fingerprint"],
-                                                cfg.output.bundle_name)
+    assert record["fingerprint"] == fingerprint(
+        "digest", __version__, manifest["stages"]["bundle"]["fingerprint"], cfg.output.bundle_name
+    )
     assert record["details"] == {"files": len(expected.splitlines())} and list(record["files"]) == ["digests.txt"]
 
     third = Pipeline(cfg, None, ["digest"], table=WITH_DIGEST).run_all()
     assert all(s["reused"] for s in third.stages) and len(third.stages) == 6
-    renamed = load_config(tiny_config(tiny_ouro_dir, calib_corpus, out, finetune={"epochs": 1},
-                                      output={"bundle_name": "renamed"}))
+    renamed = load_config(
+        tiny_config(tiny_ouro_dir, calib_corpus, out, finetune={"epochs": 1}, output={"bundle_name": "renamed"})
+    )
     fourth = Pipeline(renamed, None, ["digest"], table=WITH_DIGEST).run_all()
     assert [s["name"] for s in fourth.stages if not s["reused"]] == ["bundle", "digest"]
     assert (out / "digest" / "digests.txt").read_text() != expected  # the bundle's loopvq.json names it
 
     mistyped = (*STAGES, dataclasses.replace(DIGEST, output=int))
     pipeline = Pipeline(renamed, None, None, table=mistyped)
-    with pytest.raises(TypeError, match="^stage digest gave a PosixPath, not the int its row in the stage table "
-                                        "declares$"):
+    with pytest.raises(
+        TypeError, match="^stage digest gave a PosixPath, not the int its row in the stage table declares$"
+    ):
         pipeline.run_all()
     assert pipeline.failed_stage == "digest"
     with pytest.raises(ValueError, match="unknown stage.s. 'digest'"):  # the default table has no such row

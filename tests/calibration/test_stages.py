@@ -33,15 +33,21 @@ from loopvq_calib.runtime.processes import SINGLE
 def test_capture_returns_its_reader_and_kmeans_its_report(tmp_path):
     model, cfg = make_tiny_ouro(), tiny_run_config()
     kv = model.kv_layout()
-    calib = CalibrationSet(torch.randint(0, 4096, (4, 32), generator=torch.Generator().manual_seed(0)), [0, 1, 2], [3], 4)
+    calib = CalibrationSet(
+        torch.randint(0, 4096, (4, 32), generator=torch.Generator().manual_seed(0)), [0, 1, 2], [3], 4
+    )
     readers = {}
     for store in ("memory", "disk"):
         folder = tmp_path / store
         folder.mkdir()
-        readers[store] = run_capture(model, calib, kv, cfg=cfg, store=StoreChoice(store, "test"), folder=folder, dist=SINGLE)
+        readers[store] = run_capture(
+            model, calib, kv, cfg=cfg, store=StoreChoice(store, "test"), folder=folder, dist=SINGLE
+        )
     on_disk = json.loads((tmp_path / "disk" / "meta.json").read_text())
     assert readers["memory"].meta == {**on_disk, "store": "memory"} and readers["disk"].meta == on_disk
-    assert on_disk["store"] == "disk" and json.loads((tmp_path / "memory" / "meta.json").read_text())["store"] == "memory"
+    assert (
+        on_disk["store"] == "disk" and json.loads((tmp_path / "memory" / "meta.json").read_text())["store"] == "memory"
+    )
     for name in ("key", "fisher_value"):
         assert torch.equal(readers["memory"].load(name, (0, 1)), readers["disk"].load(name, (0, 1)))
     out = tmp_path / "kmeans"
@@ -54,14 +60,25 @@ def test_capture_returns_its_reader_and_kmeans_its_report(tmp_path):
     for key, codec in report.quantizer.codecs.items():
         assert torch.equal(again.quantizer.codecs[key].codebook, codec.codebook)
     assert_same_quantizer(as_saved_quantizer(report.quantizer), load_quantizer(out), report.quantizer)
-    tuned = FinetuneResult(report.quantizer, 1, [{"epoch": 0, "step": 0, "selection_kl": 1 / 3},
-                                                 {"epoch": 1, "step": 2, "selection_kl": 0.1, "train_kl": 2 / 7}],
-                           teacher_kept=3, best_step=2)
+    tuned = FinetuneResult(
+        report.quantizer,
+        1,
+        [
+            {"epoch": 0, "step": 0, "selection_kl": 1 / 3},
+            {"epoch": 1, "step": 2, "selection_kl": 0.1, "train_kl": 2 / 7},
+        ],
+        teacher_kept=3,
+        best_step=2,
+    )
     (tmp_path / "finetune").mkdir()
     save_finetune(tuned, tmp_path / "finetune")
     kept, read = as_saved_finetune(tuned), load_finetune(tmp_path / "finetune")
-    assert (kept.best_epoch, kept.best_step, kept.curve, kept.teacher_kept) == \
-        (read.best_epoch, read.best_step, read.curve, read.teacher_kept)
+    assert (kept.best_epoch, kept.best_step, kept.curve, kept.teacher_kept) == (
+        read.best_epoch,
+        read.best_step,
+        read.curve,
+        read.teacher_kept,
+    )
     assert_same_quantizer(kept.quantizer, read.quantizer, report.quantizer)
 
 
@@ -87,7 +104,9 @@ def test_calibration_round_trip_and_parts(tmp_path):
     back = load_calibration(tmp_path)
     assert torch.equal(back.input_ids, calib.input_ids) and (back.train, back.heldout) == ([0, 1], [2])
     assert details["content_sha256"] == back.content_hash == calib.content_hash and details["tokens"] == 12
-    parts = join_parts(SINGLE, tmp_path, lambda d: (d / "x.txt").write_text("part"), load=lambda d: (d / "x.txt").read_text())
+    parts = join_parts(
+        SINGLE, tmp_path, lambda d: (d / "x.txt").write_text("part"), load=lambda d: (d / "x.txt").read_text()
+    )
     assert parts == ["part"] and not (tmp_path / "part0").exists()
 
 
@@ -95,8 +114,12 @@ def test_same_quantizer_check_sees_each_codecs_own_tensors():
     """The round-trip check compares what the codecs hold, not their exported copies (which are always CPU with
     fixed dtypes): a group table in int32 instead of int64, or a TaSQ weight in float64, fails it."""
     model = make_tiny_ouro()
-    source = sampled_quantizer(model, torch.randint(0, 4096, (1, 16), generator=torch.Generator().manual_seed(0)),
-                               "tasq+loopvq", codebook_size=8)
+    source = sampled_quantizer(
+        model,
+        torch.randint(0, 4096, (1, 16), generator=torch.Generator().manual_seed(0)),
+        "tasq+loopvq",
+        codebook_size=8,
+    )
     kept, read = as_saved_quantizer(source), as_saved_quantizer(source)
     assert_same_quantizer(kept, read, source)
     groups = as_saved_quantizer(source)

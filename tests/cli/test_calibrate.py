@@ -37,21 +37,34 @@ def test_python_m_exits_with_the_status_after_flushing_output_and_log(tiny_ouro_
     env = {"PYTHONPATH": str(root), "PATH": "", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     bad = tmp_path / "bad.yaml"
     bad.write_text("quant:\n  bits: [1\n")
-    done = subprocess.run([sys.executable, "-m", "loopvq_calib", "--config", str(bad)], capture_output=True, text=True,
-                          cwd=root, env=env, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "loopvq_calib", "--config", str(bad)],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=env,
+        check=False,
+    )
     assert done.returncode == 2 and "error: config error" in done.stderr and "Traceback" not in done.stderr
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", finetune={"epochs": 1})))
-    done = subprocess.run([sys.executable, "-m", "loopvq_calib", "--config", str(cfg)],
-                          capture_output=True, text=True, cwd=root, env=env, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "loopvq_calib", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=env,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"bundle: {tmp_path / 'run' / 'bundle'}" in done.stdout and "selection KL" in done.stdout
     log = (tmp_path / "run" / "run.log").read_text()
     assert "stage bundle: done" in log and log.rstrip().splitlines()[-1].startswith("| bundle | done |")  # the summary
 
 
-def test_the_console_script_returns_the_status_and_closes_the_run_log(tiny_ouro_dir, calib_corpus, tmp_path,
-                                                                      monkeypatch):
+def test_the_console_script_returns_the_status_and_closes_the_run_log(
+    tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch
+):
     """cli.calibrate.command (what the ``loopvq-calibrate`` process runs) returns main's status, with
     run.log's handler flushed and closed."""
     import logging
@@ -67,8 +80,7 @@ def test_the_console_script_returns_the_status_and_closes_the_run_log(tiny_ouro_
     assert command() == 2
 
 
-def test_the_console_script_leaves_its_process_group_on_a_failed_run_too(tiny_ouro_dir, tmp_path, monkeypatch,
-                                                                          capsys):
+def test_the_console_script_leaves_its_process_group_on_a_failed_run_too(tiny_ouro_dir, tmp_path, monkeypatch, capsys):
     """A command that joined a process group (one gloo process here) leaves it however it ends: here with exit 2,
     bad data found after the processes started."""
     import torch.distributed as dist
@@ -90,7 +102,9 @@ def test_identical_runs_write_byte_identical_bundles(tiny_ouro_dir, calib_corpus
     with it, ``created`` is that time."""
     monkeypatch.delenv("SOURCE_DATE_EPOCH", raising=False)
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "unused", finetune={"epochs": 1})))
+    cfg.write_text(
+        yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "unused", finetune={"epochs": 1}))
+    )
     for run in ("a", "b"):
         assert main(["--config", str(cfg), "--output", str(tmp_path / run)]) == 0
     files = sorted(p.name for p in (tmp_path / "a" / "bundle").iterdir())
@@ -114,22 +128,39 @@ def bundle(tiny_ouro_dir, calib_corpus, tmp_path_factory):
 @pytest.mark.slow  # quick equivalent: test_evaluate's test_eval_main_prints_writes_and_picks_the_exit_status
 def test_eval_gates_exit_status(bundle, tiny_ouro_dir, heldout_corpus, tmp_path):
     """loopvq-eval on a calibrated bundle: 0 when the gates pass, 1 when one fails, 2 for bad input."""
-    common = ["--bundle", str(bundle), "--model", str(tiny_ouro_dir), "--data", str(heldout_corpus),
-              "--num-sequences", "2", "--sequence-length", "32", "--out", str(tmp_path / "rep")]
+    common = [
+        "--bundle",
+        str(bundle),
+        "--model",
+        str(tiny_ouro_dir),
+        "--data",
+        str(heldout_corpus),
+        "--num-sequences",
+        "2",
+        "--sequence-length",
+        "32",
+        "--out",
+        str(tmp_path / "rep"),
+    ]
     assert eval_main(common + ["--max-kl", "100"]) == 0
     assert (tmp_path / "rep" / "report.json").is_file() and (tmp_path / "rep" / "report.md").is_file()
     assert eval_main(common + ["--max-kl", "0"]) == 1
     assert eval_main(["--bundle", str(tmp_path / "nope")]) == 2
 
 
-def test_bundle_names_its_model_by_absolute_path_and_evaluates_from_anywhere(bundle, tiny_ouro_dir, heldout_corpus,
-                                                                              tmp_path, monkeypatch, capsys):
+def test_bundle_names_its_model_by_absolute_path_and_evaluates_from_anywhere(
+    bundle, tiny_ouro_dir, heldout_corpus, tmp_path, monkeypatch, capsys
+):
     """A local model is recorded by its absolute path (the card then has no base_model), so loopvq-eval
     finds it from any working directory without --model."""
     meta = json.loads((bundle / "loopvq.json").read_text())
     assert meta["model"]["name"] == str(tiny_ouro_dir.absolute())
     assert "base_model:" not in (bundle / "README.md").read_text()
     monkeypatch.chdir(tmp_path)
-    assert eval_main(["--bundle", str(bundle), "--data", str(heldout_corpus), "--num-sequences", "1",
-                      "--sequence-length", "32"]) == 0
+    assert (
+        eval_main(
+            ["--bundle", str(bundle), "--data", str(heldout_corpus), "--num-sequences", "1", "--sequence-length", "32"]
+        )
+        == 0
+    )
     assert "Traceback" not in capsys.readouterr().err

@@ -35,8 +35,14 @@ def test_every_console_script_has_its_parser():
 def test_help_imports_nothing_heavy(script):
     """The console script's entry point parses --help and prints its usage before torch, transformers, datasets
     or numpy are imported (it then takes well under a second; with torch loaded it took 4-5 s)."""
-    done = subprocess.run([sys.executable, "-c", HELP_PROBE, SCRIPTS[script], script], capture_output=True,
-                          text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""}, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", HELP_PROBE, SCRIPTS[script], script],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": ""},
+        check=True,
+    )
     lines = done.stdout.splitlines()
     assert lines[0].startswith(f"usage: {script} ")
     assert lines[-1] == "heavy:"

@@ -40,24 +40,34 @@ def test_the_docs_list_every_exit_status_and_no_other(page):
     assert (exits.INTERRUPTED, exits.TERMINATED) == (128 + signal.SIGINT, 128 + signal.SIGTERM)
     declared = sorted(value for name, value in vars(exits).items() if name.isupper() and isinstance(value, int))
     text = (ROOT / "docs" / page).read_text()
-    table = text[text.index("| status | meaning |"):].split("\n\n")[0]
+    table = text[text.index("| status | meaning |") :].split("\n\n")[0]
     assert [int(row.split("|")[1]) for row in table.splitlines()[2:]] == declared == [0, 1, 2, 3, 130, 143]
 
 
 # quick equivalent of SIGTERM's: SIGINT's, with test_every_console_script_maps_sigterm_to_143_and_restores_the_handler
 @pytest.mark.parametrize("name", ["SIGINT", pytest.param("SIGTERM", marks=pytest.mark.slow)])
 def test_a_signal_during_the_capture_exits_with_its_status_one_line_and_the_traceback_in_run_log(
-        tiny_ouro_dir, calib_corpus, tmp_path, name):
+    tiny_ouro_dir, calib_corpus, tmp_path, name
+):
     sig, status, exception = SIGNALS[name]
     run = tmp_path / "run"
     cfg = tmp_path / "c.yaml"  # a capture of many sequences: it is still running when the signal comes
-    cfg.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, run,
-                                              data={"num_sequences": 400, "sequence_length": 128})))
-    env = {"PYTHONPATH": str(ROOT), "PATH": "", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}
+    cfg.write_text(
+        yaml.safe_dump(
+            tiny_config(tiny_ouro_dir, calib_corpus, run, data={"num_sequences": 400, "sequence_length": 128})
+        )
+    )
+    env = {
+        "PYTHONPATH": str(ROOT),
+        "PATH": "",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "loopvq_calib", "--config", str(cfg)], stdout=out, stderr=err,
-                                cwd=ROOT, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "loopvq_calib", "--config", str(cfg)], stdout=out, stderr=err, cwd=ROOT, env=env
+        )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None and not _logged(run, "stage capture: running"):
             time.sleep(0.05)
@@ -66,8 +76,9 @@ def test_a_signal_during_the_capture_exits_with_its_status_one_line_and_the_trac
         assert proc.wait(timeout=120) == status
     stderr = (tmp_path / "stderr").read_text()
     errors = [line for line in stderr.replace("\r", "\n").splitlines() if line.startswith("error:")]
-    assert errors == [(f"error: interrupted ({name}) in stage capture; the same command resumes it (traceback in "
-                       f"{run / 'run.log'})")]
+    assert errors == [
+        (f"error: interrupted ({name}) in stage capture; the same command resumes it (traceback in {run / 'run.log'})")
+    ]
     assert "Traceback" not in stderr and stderr.replace("\r", "\n").rstrip().splitlines()[-1] == errors[0]  # last
     log = (run / "run.log").read_text()
     assert "Traceback (most recent call last)" in log and exception in log
@@ -117,9 +128,17 @@ def test_every_console_script_maps_sigterm_to_143_and_restores_the_handler(comma
 def test_exit_process_flushes_the_streams_and_skips_the_teardown():
     """exits.exit_process: buffered output on both streams arrives, the status is the process's, and the
     interpreter's teardown (here an atexit handler that would print) does not run."""
-    code = ("import atexit, sys\nfrom loopvq_calib.cli.exits import exit_process\n"
-            "atexit.register(lambda: print('teardown ran'))\n"
-            "print('out', end=''); print('err', end='', file=sys.stderr)\nexit_process(7)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          env={"PYTHONPATH": str(ROOT), "PATH": ""}, check=False)
+    code = (
+        "import atexit, sys\nfrom loopvq_calib.cli.exits import exit_process\n"
+        "atexit.register(lambda: print('teardown ran'))\n"
+        "print('out', end=''); print('err', end='', file=sys.stderr)\nexit_process(7)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": ""},
+        check=False,
+    )
     assert (done.returncode, done.stdout, done.stderr) == (7, "out", "err")

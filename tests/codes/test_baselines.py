@@ -6,12 +6,7 @@ import pytest
 import torch
 from conftest import make_tiny_huginn, make_tiny_ouro
 
-from loopvq_calib.codes.baselines import (
-    BASELINES,
-    make_baseline,
-    pack_bits,
-    unpack_bits,
-)
+from loopvq_calib.codes.baselines import BASELINES, make_baseline, pack_bits, unpack_bits
 from loopvq_calib.codes.objective import quantized_logits, teacher
 from loopvq_calib.serving.cache import QuantizedLoopKVCache
 
@@ -39,9 +34,9 @@ def test_kivi_keys_per_channel_values_per_token(bits):
     x = torch.randn(40, 1, 4, 32)  # 40 tokens: two whole token groups of 16 and a last one of 8
     keys = q.codecs["key.s0"].quantize(x)
     for start in (0, 16, 32):
-        chunk = x[start:start + 16]  # per channel: quantization over the tokens of the group
+        chunk = x[start : start + 16]  # per channel: quantization over the tokens of the group
         expected = _affine(chunk.movedim(0, -1), bits).movedim(-1, 0)
-        torch.testing.assert_close(keys[start:start + 16], expected)
+        torch.testing.assert_close(keys[start : start + 16], expected)
     values = q.codecs["value.s0"].quantize(x)
     expected = _affine(x.unflatten(-1, (2, 16)), bits).flatten(-2)  # per token: groups of 16 channels
     torch.testing.assert_close(values, expected)
@@ -85,9 +80,12 @@ def test_served_bytes_per_token_equal_the_stored_tensors(name):
         model(ids, cache=cache, use_cache=True)
     m = cache.bytes_per_token()
     h, d, sites = 4, 16, 8
-    per_site_kind = {"fp8": h * d, "last-step-kv": None,
-                     "kivi2": h * d * 2 // 8 + h * d * 2 * 2 // 16,  # packed codes + fp16 scale/min per group
-                     "kivi4": h * d * 4 // 8 + h * d * 2 * 2 // 16}[name]
+    per_site_kind = {
+        "fp8": h * d,
+        "last-step-kv": None,
+        "kivi2": h * d * 2 // 8 + h * d * 2 * 2 // 16,  # packed codes + fp16 scale/min per group
+        "kivi4": h * d * 4 // 8 + h * d * 2 * 2 // 16,
+    }[name]
     expected = 2 * 2 * h * d * 4 if name == "last-step-kv" else sites * 2 * per_site_kind  # 2 layers, fp32
     assert m["encoded"] == 2 * q.page_size and m["encoded_bytes_per_token"] == expected
     fp_tokens = m["sink"] + m["window"]

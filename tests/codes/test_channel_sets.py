@@ -36,8 +36,9 @@ def test_loop_axis_groups_are_whole_pairs_only_with_interleaved_rope():
     never the half-split pairs (i, i + D/2)."""
     groups = loop_axis_groups(16, 4, 16)[None]
     assert channel_sets(layout(groups, 4, 16), "half") is None
-    assert channel_sets(layout(groups, 4, 16), "interleaved")[0].tolist() == [[4 * g + i for i in range(4)]
-                                                                            for g in range(4)]
+    assert channel_sets(layout(groups, 4, 16), "interleaved")[0].tolist() == [
+        [4 * g + i for i in range(4)] for g in range(4)
+    ]
     assert channel_sets(layout(channel_groups(16, 8)[None], 1, 16), "interleaved") is not None  # one step
 
 

@@ -15,13 +15,7 @@ from loopvq_calib.codes.codec import (
     scatter_groups,
     sigma_bits,
 )
-from loopvq_calib.codes.layouts import (
-    BlockLayout,
-    channel_groups,
-    codebook_shape,
-    loop_axis_groups,
-    plan_layouts,
-)
+from loopvq_calib.codes.layouts import BlockLayout, channel_groups, codebook_shape, loop_axis_groups, plan_layouts
 from loopvq_calib.config.schema import QuantConfig
 from loopvq_calib.models.sites import KVLayout, KVSite
 
@@ -46,8 +40,12 @@ def test_plan_layouts_blocks_and_codebook_shapes():
     sites = tuple(KVSite(t * 2 + l, t, l, True, "loop") for t in range(4) for l in range(2))
     kv = KVLayout("ouro", sites, 4, 3, 8, "half", 1e4)
     loop = plan_layouts(kv, QuantConfig(method="loopvq", group_size=8, codebook_size=16, bits=None))
-    assert [(x.key, x.sites) for x in loop] == [("key.b0.l0", (0, 2, 4, 6)), ("value.b0.l0", (0, 2, 4, 6)),
-                                               ("key.b0.l1", (1, 3, 5, 7)), ("value.b0.l1", (1, 3, 5, 7))]
+    assert [(x.key, x.sites) for x in loop] == [
+        ("key.b0.l0", (0, 2, 4, 6)),
+        ("value.b0.l0", (0, 2, 4, 6)),
+        ("key.b0.l1", (1, 3, 5, 7)),
+        ("value.b0.l1", (1, 3, 5, 7)),
+    ]
     cq = plan_layouts(kv, QuantConfig(method="cq", group_size=8, codebook_size=16, bits=None))
     assert len(cq) == 16 and all(x.steps == 1 for x in cq)
     for lay in loop + cq:
@@ -186,7 +184,9 @@ def test_indices_entries_store_the_forms_of_format_1_1_and_read_back():
     assert both["key.b0.indices_packed"].tolist() == [[0x21, 0x0F], [0x70, 0x09]]
     packed = indices_entries("key.b0", x, 16, form="packed")
     assert list(packed) == ["key.b0.indices_packed"]
-    assert torch.equal(read_indices(packed, "key.b0", 16, count=3), x) and torch.equal(read_indices(both, "key.b0", 16, count=3), x)
+    assert torch.equal(read_indices(packed, "key.b0", 16, count=3), x) and torch.equal(
+        read_indices(both, "key.b0", 16, count=3), x
+    )
     assert list(indices_entries("v", x, 256, form="packed")) == ["v.indices"]
     wide = indices_entries("v", torch.tensor([[299, 0, 5]]), 300)
     assert list(wide) == ["v.indices"] and wide["v.indices"].dtype == torch.int32

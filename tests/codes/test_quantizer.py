@@ -20,7 +20,9 @@ def test_quantize_sites_equals_per_block_codec_on_huginn_layout():
     assert set(qk) == set(qv) == {s.site for s in kv.sites}
     codec = q.codecs["key.b0.l0"]  # core layer 0, loop steps 0-3 (sites 1, 3, 5, 7)
     x = torch.stack([keys[s].reshape(10, 4, 16) for s in codec.layout.sites], 1)
-    torch.testing.assert_close(torch.stack([qk[s].reshape(10, 4, 16) for s in codec.layout.sites], 1), codec.quantize(x))
+    torch.testing.assert_close(
+        torch.stack([qk[s].reshape(10, 4, 16) for s in codec.layout.sites], 1), codec.quantize(x)
+    )
     assert codec.layout.sites == (1, 3, 5, 7) and q.codecs["key.prelude.l0"].layout.sites == (0,)
     assert q.bits() == {"key": 0.5, "value": 0.5}
 

@@ -26,7 +26,11 @@ BAD = [
     ({"quant": {"group_size": 18, "bits": None}}, "quant.group_size", "not divisible by steps_per_block 4"),
     ({"quant": {"codebook_size": 100, "bits": None}}, "quant.codebook_size", "power of two"),
     ({"quant": {"method": "tasq+loopvq", "group_size": 4, "bits": None}}, "quant.group_size", "must be even"),
-    ({"data": {"num_sequences": 4, "heldout_sequences": 4}}, "data.heldout_sequences", "0 < heldout_sequences < num_sequences"),
+    (
+        {"data": {"num_sequences": 4, "heldout_sequences": 4}},
+        "data.heldout_sequences",
+        "0 < heldout_sequences < num_sequences",
+    ),
     ({"data": {"sink_tokens": 512}}, "data.sink_tokens", "leave no token"),
     ({"data": {"type": "csv"}}, "data.type", "choose one of auto, hub, text, json, jsonl, parquet"),
     ({"model": {"dtype": "fp8"}}, "model.dtype", "choose one of float32, bfloat16, float16"),
@@ -37,10 +41,18 @@ BAD = [
     ({"quant": []}, "quant", "expected a mapping, got list"),
     ({"capture": {"store": "ram"}}, "capture.store", "choose one of auto, device, memory, disk"),
     ({"capture": {"fisher_channels": 8}}, "capture.fisher_channels", "does not divide the 4 channels per step"),
-    ({"quant": {"method": "tasq"}, "capture": {"fisher_channels": 32}}, "capture.fisher_channels", "does not divide the 16 channels per step"),
+    (
+        {"quant": {"method": "tasq"}, "capture": {"fisher_channels": 32}},
+        "capture.fisher_channels",
+        "does not divide the 16 channels per step",
+    ),
     ({"kmeans": {"device": "gpu"}}, "kmeans.device", "use auto, cpu, cuda or cuda:N"),
     ({"finetune": {"cache_teacher": "maybe"}}, "finetune.cache_teacher", "choose one of auto, true, false"),
-    ({"finetune": {"loop_checkpointing": "sometimes"}}, "finetune.loop_checkpointing", "choose one of true, false, auto"),
+    (
+        {"finetune": {"loop_checkpointing": "sometimes"}},
+        "finetune.loop_checkpointing",
+        "choose one of true, false, auto",
+    ),
     ({"finetune": {"loop_checkpointing": 1}}, "finetune.loop_checkpointing", "expected bool, got int"),
 ]
 
@@ -80,7 +92,12 @@ def test_overrides_and_round_trip(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"quant": {"method": "cq"}}))
     cfg = load_config(path, ["quant.group_size=32", "quant.bits=0.25", "kmeans.tolerance=1e-4", "output.dir=x"])
-    assert (cfg.quant.group_size, cfg.quant.bits, cfg.kmeans.tolerance, cfg.output.dir) == (32, 0.25, 1e-4, str(Path.cwd() / "x"))
+    assert (cfg.quant.group_size, cfg.quant.bits, cfg.kmeans.tolerance, cfg.output.dir) == (
+        32,
+        0.25,
+        1e-4,
+        str(Path.cwd() / "x"),
+    )
     again = load_config(yaml.safe_load(dump_config(cfg)))
     assert again == cfg
     with pytest.raises(ConfigError, match="expected key.path=value"):
@@ -116,8 +133,12 @@ def test_every_config_key_is_documented():
             else:
                 yield prefix + f.name
 
-    missing = [f"{sec.name}.{k}" for sec in dataclasses.fields(Config)
-               for k in keys(sec.default_factory) if f"| `{k}` |" not in sections.get(sec.name, "")]
+    missing = [
+        f"{sec.name}.{k}"
+        for sec in dataclasses.fields(Config)
+        for k in keys(sec.default_factory)
+        if f"| `{k}` |" not in sections.get(sec.name, "")
+    ]
     assert not missing, f"undocumented config keys: {missing}"
 
 
@@ -149,16 +170,19 @@ def test_validate_never_changes_the_config():
     assert cfg.quant.bits == 0.25 and cfg.output.serving.sink_tokens == cfg.data.sink_tokens == 8
 
 
-@pytest.mark.parametrize("override,path,message", [
-    ("finetune.lr=.nan", "finetune.lr", "must be a finite number, got nan"),
-    ("kmeans.tolerance=.inf", "kmeans.tolerance", "must be a finite number, got inf"),
-    ("tasq.det_eps=-.inf", "tasq.det_eps", "must be a finite number, got -inf"),
-    ("kmeans.seed=-1", "kmeans.seed", "must be in [0, 2**32), got -1"),
-    ("data.seed=4294967296", "data.seed", "must be in [0, 2**32)"),
-    ("capture.batch_size=3000000000", "capture.batch_size", "out of range"),
-    ("quant.bits=[0.5", "quant.bits", "--set value '[0.5' is not valid YAML"),
-    ("output.dir=''", "output.dir", "must not be empty"),
-])
+@pytest.mark.parametrize(
+    "override,path,message",
+    [
+        ("finetune.lr=.nan", "finetune.lr", "must be a finite number, got nan"),
+        ("kmeans.tolerance=.inf", "kmeans.tolerance", "must be a finite number, got inf"),
+        ("tasq.det_eps=-.inf", "tasq.det_eps", "must be a finite number, got -inf"),
+        ("kmeans.seed=-1", "kmeans.seed", "must be in [0, 2**32), got -1"),
+        ("data.seed=4294967296", "data.seed", "must be in [0, 2**32)"),
+        ("capture.batch_size=3000000000", "capture.batch_size", "out of range"),
+        ("quant.bits=[0.5", "quant.bits", "--set value '[0.5' is not valid YAML"),
+        ("output.dir=''", "output.dir", "must not be empty"),
+    ],
+)
 def test_numbers_finite_and_in_range_and_set_values_parsed(override, path, message):
     with pytest.raises(ConfigError) as err:
         load_config({}, [override])
@@ -178,15 +202,24 @@ def test_relative_paths_resolve_against_the_config_folder(tmp_path, monkeypatch)
     (tmp_path / "models" / "m").mkdir(parents=True)
     sub = tmp_path / "configs"
     sub.mkdir()
-    (sub / "c.yaml").write_text(yaml.safe_dump({
-        "model": {"name_or_path": "../models/m"}, "data": {"dataset": "corpus/*.jsonl"}, "output": {"dir": "runs/a"}}))
+    (sub / "c.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "model": {"name_or_path": "../models/m"},
+                "data": {"dataset": "corpus/*.jsonl"},
+                "output": {"dir": "runs/a"},
+            }
+        )
+    )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     cfg = load_config(sub / "c.yaml")
     assert cfg.model.name_or_path == str(tmp_path / "models" / "m")
     assert cfg.data.dataset == str(sub / "corpus" / "*.jsonl") and cfg.output.dir == str(sub / "runs" / "a")
-    cfg = load_config(sub / "c.yaml", ["output.dir=mine", "data.dataset=Salesforce/wikitext", "model.name_or_path=org/model"])
+    cfg = load_config(
+        sub / "c.yaml", ["output.dir=mine", "data.dataset=Salesforce/wikitext", "model.name_or_path=org/model"]
+    )
     assert cfg.output.dir == str(elsewhere / "mine")
     assert (cfg.data.dataset, cfg.model.name_or_path) == ("Salesforce/wikitext", "org/model")
     cfg = load_config(ROOT / "configs" / "tiny-ouro.yaml")  # the shipped config, run from elsewhere
@@ -195,14 +228,17 @@ def test_relative_paths_resolve_against_the_config_folder(tmp_path, monkeypatch)
     assert load_config(sub / "c.yaml", ["data.dataset=wikitext"]).data.dataset == "wikitext"  # a bare hub name
 
 
-@pytest.mark.parametrize("override, path, message", [
-    ({"lr_schedule": "step"}, "finetune.lr_schedule", "choose one of constant, cosine, linear"),
-    ({"parameterization": "lora"}, "finetune.parameterization", "choose one of codewords, affine"),
-    ({"parameterization": "affine", "min_usage": 2}, "finetune.min_usage", "needs parameterization codewords"),
-    ({"proximal": -1.0}, "finetune.proximal", ">= 0"),
-    ({"select_every": -2}, "finetune.select_every", ">= 0"),
-    ({"warmup_steps": -1}, "finetune.warmup_steps", ">= 0"),
-])
+@pytest.mark.parametrize(
+    "override, path, message",
+    [
+        ({"lr_schedule": "step"}, "finetune.lr_schedule", "choose one of constant, cosine, linear"),
+        ({"parameterization": "lora"}, "finetune.parameterization", "choose one of codewords, affine"),
+        ({"parameterization": "affine", "min_usage": 2}, "finetune.min_usage", "needs parameterization codewords"),
+        ({"proximal": -1.0}, "finetune.proximal", ">= 0"),
+        ({"select_every": -2}, "finetune.select_every", ">= 0"),
+        ({"warmup_steps": -1}, "finetune.warmup_steps", ">= 0"),
+    ],
+)
 def test_recipe_options_are_validated(override, path, message):
     with pytest.raises(ConfigError, match=message) as err:
         load_config({"finetune": override})

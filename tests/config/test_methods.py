@@ -77,7 +77,7 @@ def test_config_validation_asks_the_registry(registered):
 
 def _docs_table() -> dict[str, list[str]]:
     text = (ROOT / "docs" / "method.md").read_text()
-    section = text[text.index("## 4. Methods"):text.index("## 5.")]
+    section = text[text.index("## 4. Methods") : text.index("## 5.")]
     rows = [line.strip("|").split("|") for line in section.splitlines() if line.startswith("| `")]
     return {cells[0].strip().strip("`"): [c.strip() for c in cells[1:]] for cells in rows}
 

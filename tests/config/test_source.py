@@ -41,15 +41,19 @@ def test_an_alias_bomb_is_refused_at_once_naming_the_key_and_line(tmp_path):
     err = config_error(path)
     assert time.perf_counter() - start < 5  # expanded, the value would take minutes and gigabytes
     assert err.path == "quant.bits[0]"
-    assert str(err) == (f"quant.bits[0]: YAML anchors and aliases are not allowed (&a0 at {path} line 2); "
-                        "write the value out")
+    assert str(err) == (
+        f"quant.bits[0]: YAML anchors and aliases are not allowed (&a0 at {path} line 2); write the value out"
+    )
 
 
-@pytest.mark.parametrize("text, path, mark", [
-    ("model:\n  dtype: &d float32\nkmeans:\n  device: cpu\n", "model.dtype", "&d at {} line 2"),  # an anchor alone
-    ("model:\n  dtype: float32\nkmeans:\n  device: *d\n", "kmeans.device", "*d at {} line 4"),  # an alias alone
-    ("base: &b {iterations: 3}\nkmeans:\n  <<: *b\n", "base", "&b at {} line 1"),  # a merge key needs one too
-])
+@pytest.mark.parametrize(
+    "text, path, mark",
+    [
+        ("model:\n  dtype: &d float32\nkmeans:\n  device: cpu\n", "model.dtype", "&d at {} line 2"),  # an anchor alone
+        ("model:\n  dtype: float32\nkmeans:\n  device: *d\n", "kmeans.device", "*d at {} line 4"),  # an alias alone
+        ("base: &b {iterations: 3}\nkmeans:\n  <<: *b\n", "base", "&b at {} line 1"),  # a merge key needs one too
+    ],
+)
 def test_anchors_and_aliases_are_refused_wherever_they_are(tmp_path, text, path, mark):
     file = tmp_path / "c.yaml"
     file.write_text(text)
@@ -70,18 +74,22 @@ def test_duplicate_keys_name_the_key_path_and_both_lines(tmp_path):
     assert load_config(file).quant.method == "cq"  # the same keys once each load
 
 
-@pytest.mark.parametrize("text, path, line", [
-    ("quant:\n  <<: {method: cq}\n  method: loopvq\n", "quant", " line 2"),  # the merge hides a duplicate method
-    ("quant: {<<: {method: cq}, bits: 0.5}\n", "quant", ""),  # merged keys nothing repeats; one line: no number
-    ("<<: {quant: {method: cq}}\nquant: {method: loopvq}\n", "", " line 1"),  # at the top level
-])
+@pytest.mark.parametrize(
+    "text, path, line",
+    [
+        ("quant:\n  <<: {method: cq}\n  method: loopvq\n", "quant", " line 2"),  # the merge hides a duplicate method
+        ("quant: {<<: {method: cq}, bits: 0.5}\n", "quant", ""),  # merged keys nothing repeats; one line: no number
+        ("<<: {quant: {method: cq}}\nquant: {method: loopvq}\n", "", " line 1"),  # at the top level
+    ],
+)
 def test_merge_keys_are_refused_naming_the_key_path_and_the_line(tmp_path, text, path, line):
     file = tmp_path / "c.yaml"
     file.write_text(text)
     err = config_error(file)
     assert err.path == path
-    assert str(err) == (f"{path + ': ' if path else ''}YAML merge keys (<<) are not allowed (<< at {file}{line}); "
-                        "write the keys out")
+    assert str(err) == (
+        f"{path + ': ' if path else ''}YAML merge keys (<<) are not allowed (<< at {file}{line}); write the keys out"
+    )
     file.write_text('quant:\n  "<<": {method: cq}\n')  # a quoted << is a plain key: unknown, not merged
     assert "quant.<<: unknown key" in str(config_error(file))
 
@@ -89,8 +97,9 @@ def test_merge_keys_are_refused_naming_the_key_path_and_the_line(tmp_path, text,
 def test_invalid_yaml_is_one_line_naming_the_file_and_where(tmp_path):
     file = tmp_path / "bad.yaml"
     file.write_text("quant:\n  bits: [0.5,\n")
-    assert str(config_error(file)) == (f"{file} is not valid YAML: expected the node content, but found "
-                                       "'<stream end>' (line 3, column 1)")
+    assert str(config_error(file)) == (
+        f"{file} is not valid YAML: expected the node content, but found '<stream end>' (line 3, column 1)"
+    )
 
 
 def test_a_path_the_file_system_refuses_is_local_and_kept_as_a_path(tmp_path):
@@ -138,7 +147,9 @@ def test_a_recursion_error_while_reading_is_a_config_error(monkeypatch):
 
 def test_an_error_shows_a_long_value_cut_short():
     err = config_error({"quant": {"method": "x" * 100_000}})
-    assert str(err) == f"quant.method: {shown('x' * 100_000)} is not allowed; choose one of cq, tasq, loopvq, tasq+loopvq"
+    assert (
+        str(err) == f"quant.method: {shown('x' * 100_000)} is not allowed; choose one of cq, tasq, loopvq, tasq+loopvq"
+    )
     assert len(shown("x" * 100_000)) == SHOWN_CHARS and "..." in shown("x" * 100_000)
     err = config_error({"quant": {"bits": list(range(100_000))}})
     assert str(err).startswith("quant.bits: expected float, got list [0, 1, 2,") and len(str(err)) < 150
@@ -162,14 +173,17 @@ def test_shown_is_bounded_for_values_that_would_be_huge_to_format():
         shared = [shared] * 9
     start = time.perf_counter()
     assert len(shown(shared)) <= SHOWN_CHARS and shown(shared).startswith("[[[")
-    assert shown(16 ** 20000) == f"<an integer of {(16 ** 20000).bit_length()} bits>"  # repr() itself would raise
+    assert shown(16**20000) == f"<an integer of {(16**20000).bit_length()} bits>"  # repr() itself would raise
     assert time.perf_counter() - start < 1
 
 
-@pytest.mark.parametrize("value, message", [
-    ("0x" + "f" * 20000, "is out of range for a float"),  # an int of 80,000 bits where a float goes
-    ("1" * 20000, "Exceeds the limit (4300 digits) for integer string conversion"),  # PyYAML's int() refuses it
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("0x" + "f" * 20000, "is out of range for a float"),  # an int of 80,000 bits where a float goes
+        ("1" * 20000, "Exceeds the limit (4300 digits) for integer string conversion"),  # PyYAML's int() refuses it
+    ],
+)
 def test_huge_numbers_are_config_errors(value, message):
     err = config_error({}, f"quant.bits={value}")
     assert err.path == "quant.bits" and message in str(err) and len(str(err)) < 300

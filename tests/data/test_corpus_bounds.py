@@ -53,9 +53,9 @@ def test_one_huge_line_is_read_and_tokenized_only_as_far_as_the_windows_need(tmp
         tracemalloc.stop()
     assert peak < LINE_BYTES // 2, peak  # the line was read to the bound, never whole (its bytes alone would pass)
     assert counting.lengths and max(counting.lengths) <= PIECE_CHARS and sum(counting.lengths) <= PIECE_CHARS
-    prefix = path.read_bytes()[:counting.lengths[0]].decode()  # what was tokenized: the line's start, independently
+    prefix = path.read_bytes()[: counting.lengths[0]].decode()  # what was tokenized: the line's start, independently
     ids = counting.inner(prefix, add_special_tokens=False)["input_ids"]
-    windows = [ids[i:i + 32] for i in range(0, len(ids) - 31, 32)]
+    windows = [ids[i : i + 32] for i in range(0, len(ids) - 31, 32)]
     assert all(row in windows for row in calib.input_ids.tolist())
 
 
@@ -72,8 +72,11 @@ def test_a_json_line_past_the_bound_is_refused_naming_it(tmp_path, monkeypatch):
     path = tmp_path / "rows.jsonl"
     long_row = json.dumps({"text": "x" * 4000})
     path.write_text(json.dumps({"text": "fine"}) + "\n" + long_row + "\n")
-    with pytest.raises(DataError, match=rf"data\.dataset: {path} line 2 holds {len(long_row) + 1:,} bytes, more than "
-                                        r"one row may hold \(1,024\); split it"):
+    with pytest.raises(
+        DataError,
+        match=rf"data\.dataset: {path} line 2 holds {len(long_row) + 1:,} bytes, more than "
+        r"one row may hold \(1,024\); split it",
+    ):
         list(corpus.load_documents(DataConfig(dataset=str(path))))
 
 

@@ -79,7 +79,10 @@ def test_same_seed_same_sequences_other_seed_differs(calib_corpus, tokenizer):
 
 def test_too_little_text_names_num_sequences(tmp_path, tokenizer):
     path = write_corpus(tmp_path, "jsonl")
-    with pytest.raises(DataError, match=r"data\.num_sequences: .* only \d+ windows of 512 tokens \(data\.sequence_length\); 16 were asked for"):
+    with pytest.raises(
+        DataError,
+        match=r"data\.num_sequences: .* only \d+ windows of 512 tokens \(data\.sequence_length\); 16 were asked for",
+    ):
         build_calibration_set(DataConfig(dataset=str(path), num_sequences=16, sequence_length=512), tokenizer)
 
 
@@ -107,8 +110,9 @@ def test_a_huge_text_field_or_column_list_is_shown_cut_short(tmp_path, kind):
     assert str(err.value) == f"data.text_field: column {shown(field)} not in {path} (columns: {shown(['text'])})"
     wide = tmp_path / "wide.jsonl"
     wide.write_text(json.dumps({f"c{i}": i for i in range(100_000)}) + "\n")
-    with pytest.raises(DataError, match=r"column 'text' not in .*wide\.jsonl \(columns: \['c0', 'c1', .*\.\.\.\]\)$"
-                       ) as err:
+    with pytest.raises(
+        DataError, match=r"column 'text' not in .*wide\.jsonl \(columns: \['c0', 'c1', .*\.\.\.\]\)$"
+    ) as err:
         list(load_documents(DataConfig(dataset=str(wide))))
     assert len(str(err.value)) < 300
 
@@ -147,14 +151,18 @@ def test_an_edited_file_is_read_afresh_and_no_shared_cache_is_written(tmp_path):
     assert (sorted(cache.rglob("*")) if cache.exists() else []) == before
 
 
-@pytest.mark.parametrize("name,data,offset", [
-    ("a.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', 28), ("b.txt", b"fine\n\xff", 5),
-    ("c.json", b'[{"text": "\xc3"}]', 11),
-])
+@pytest.mark.parametrize(
+    "name,data,offset",
+    [
+        ("a.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', 28),
+        ("b.txt", b"fine\n\xff", 5),
+        ("c.json", b'[{"text": "\xc3"}]', 11),
+    ],
+)
 def test_non_utf8_names_the_file_and_the_byte_offset(tmp_path, name, data, offset):
     path = tmp_path / name
     path.write_bytes(data)
-    assert data[offset:offset + 1] and data[:offset].decode("utf-8")  # all bytes before the offset decode
+    assert data[offset : offset + 1] and data[:offset].decode("utf-8")  # all bytes before the offset decode
     with pytest.raises(DataError, match=rf"data\.dataset: {path} is not UTF-8 text: byte offset {offset} "):
         list(load_documents(DataConfig(dataset=str(path))))
 
@@ -170,8 +178,14 @@ def test_json_lines_and_arrays_give_the_same_documents(tmp_path):
     lines, array = tmp_path / "a.jsonl", tmp_path / "b.json"
     lines.write_text("\n".join(json.dumps({"text": d}) for d in DOCS) + "\n\n")
     array.write_text(json.dumps([{"text": d} for d in DOCS], indent=2))
-    assert list(load_documents(DataConfig(dataset=str(lines)))) == list(load_documents(DataConfig(dataset=str(array)))) == DOCS
-    assert list(load_documents(DataConfig(dataset=str(tmp_path), type="json"))) == DOCS + DOCS  # a folder, in name order
+    assert (
+        list(load_documents(DataConfig(dataset=str(lines))))
+        == list(load_documents(DataConfig(dataset=str(array))))
+        == DOCS
+    )
+    assert (
+        list(load_documents(DataConfig(dataset=str(tmp_path), type="json"))) == DOCS + DOCS
+    )  # a folder, in name order
 
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
@@ -180,13 +194,24 @@ TEMPLATE = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endf
 def test_chat_template_renders_each_conversation_before_tokenizing(tmp_path, tokenizer):
     """data.chat_template: each row's messages go through the tokenizer's chat template; the stream equals the
     hand-rendered text tokenized the same way (documents separated by eos)."""
-    chats = [[{"role": "user", "content": f"question {i} about the plays"}, {"role": "assistant", "content": "an answer " * 9}]
-             for i in range(40)]
+    chats = [
+        [
+            {"role": "user", "content": f"question {i} about the plays"},
+            {"role": "assistant", "content": "an answer " * 9},
+        ]
+        for i in range(40)
+    ]
     (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps({"messages": c}) for c in chats) + "\n")
     original, tokenizer.chat_template = tokenizer.chat_template, TEMPLATE
     try:
-        cfg = DataConfig(dataset=str(tmp_path / "chat.jsonl"), text_field="messages", chat_template=True,
-                         num_sequences=2, sequence_length=32, heldout_sequences=1)
+        cfg = DataConfig(
+            dataset=str(tmp_path / "chat.jsonl"),
+            text_field="messages",
+            chat_template=True,
+            num_sequences=2,
+            sequence_length=32,
+            heldout_sequences=1,
+        )
         calib = build_calibration_set(cfg, tokenizer)
     finally:
         tokenizer.chat_template = original
@@ -201,16 +226,24 @@ def test_chat_template_renders_each_conversation_before_tokenizing(tmp_path, tok
 
 def test_chat_template_renders_only_the_pool_but_checks_every_row(tmp_path, tokenizer, monkeypatch):
     """Rows past the token pool are read and checked (a bad last row still fails) but not rendered."""
-    chats = [[{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "an answer " * 9}]
-             for i in range(400)]
+    chats = [
+        [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "an answer " * 9}]
+        for i in range(400)
+    ]
     path = tmp_path / "chat.jsonl"
     path.write_text("\n".join(json.dumps({"messages": c}) for c in chats) + "\n")
     rendered = []
     render = tokenizer.apply_chat_template
     monkeypatch.setattr(tokenizer, "chat_template", TEMPLATE)
     monkeypatch.setattr(tokenizer, "apply_chat_template", lambda m, **kw: rendered.append(m) or render(m, **kw))
-    cfg = DataConfig(dataset=str(path), text_field="messages", chat_template=True,
-                     num_sequences=2, sequence_length=32, heldout_sequences=1)
+    cfg = DataConfig(
+        dataset=str(path),
+        text_field="messages",
+        chat_template=True,
+        num_sequences=2,
+        sequence_length=32,
+        heldout_sequences=1,
+    )
     calib = build_calibration_set(cfg, tokenizer)
     assert len(rendered) == calib.description["documents_read"] < len(chats)
     assert rendered == chats[: len(rendered)]
@@ -221,14 +254,24 @@ def test_chat_template_renders_only_the_pool_but_checks_every_row(tmp_path, toke
 
 def test_chat_template_errors_name_the_key(tmp_path, tokenizer):
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": "not a conversation"}) + "\n")
-    cfg = DataConfig(dataset=str(tmp_path / "chat.jsonl"), text_field="messages", chat_template=True,
-                     num_sequences=1, sequence_length=8, heldout_sequences=0)
+    cfg = DataConfig(
+        dataset=str(tmp_path / "chat.jsonl"),
+        text_field="messages",
+        chat_template=True,
+        num_sequences=1,
+        sequence_length=8,
+        heldout_sequences=0,
+    )
     original, tokenizer.chat_template = tokenizer.chat_template, None
     try:
-        with pytest.raises(DataError, match="data.chat_template: the tokenizer of model.name_or_path has no chat template"):
+        with pytest.raises(
+            DataError, match="data.chat_template: the tokenizer of model.name_or_path has no chat template"
+        ):
             build_calibration_set(cfg, tokenizer)
         tokenizer.chat_template = TEMPLATE
-        with pytest.raises(DataError, match=r"data.text_field: with data.chat_template every row must be a non-empty list"):
+        with pytest.raises(
+            DataError, match=r"data.text_field: with data.chat_template every row must be a non-empty list"
+        ):
             build_calibration_set(cfg, tokenizer)
     finally:
         tokenizer.chat_template = original

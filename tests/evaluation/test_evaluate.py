@@ -8,13 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import (
-    DATA,
-    REFERENCE_MODEL,
-    make_tiny_huginn,
-    make_tiny_ouro,
-    needs_lm_eval,
-)
+from conftest import DATA, REFERENCE_MODEL, make_tiny_huginn, make_tiny_ouro, needs_lm_eval
 from support.quantizers import sampled_quantizer
 
 from loopvq_calib.bundle.reader import BundleError
@@ -71,7 +65,14 @@ def test_metrics_equal_independent_computation(make, method, steps):
     model = make()
     gen = torch.Generator().manual_seed(0)
     seqs = torch.randint(0, 4096, (2, 24), generator=gen)
-    q = sampled_quantizer(model, torch.randint(0, 4096, (1, 40), generator=gen), method, codebook_size=16, group_size=8, steps_per_block=steps)
+    q = sampled_quantizer(
+        model,
+        torch.randint(0, 4096, (1, 40), generator=gen),
+        method,
+        codebook_size=16,
+        group_size=8,
+        steps_per_block=steps,
+    )
     sink = 4
     r = evaluate_quantizer(model, seqs, q, sink_tokens=sink)
     parts = [explicit_metrics(model, seqs[i : i + 1], q, sink) for i in range(2)]
@@ -149,8 +150,10 @@ def test_per_step_table_on_the_reference_model(reference):
 
 
 def test_check_gates():
-    rows = [{"name": "a", "eval_kl": 0.02, "ppl_fp": 10.0, "ppl_quantized": 10.3, "ppl_increase": 0.03},
-            {"name": "b", "eval_kl": 0.08, "ppl_fp": 10.0, "ppl_quantized": 11.0, "ppl_increase": 0.1}]
+    rows = [
+        {"name": "a", "eval_kl": 0.02, "ppl_fp": 10.0, "ppl_quantized": 10.3, "ppl_increase": 0.03},
+        {"name": "b", "eval_kl": 0.08, "ppl_fp": 10.0, "ppl_quantized": 11.0, "ppl_increase": 0.1},
+    ]
     assert check_gates(rows, None, None) == []
     assert check_gates(rows, 0.08, 0.1) == []  # equality passes
     fails = check_gates(rows, 0.05, 0.05)
@@ -167,17 +170,30 @@ def bundle_dir(reference, tmp_path_factory):
     q = sampled_quantizer(model, calib, "loopvq", codebook_size=16, group_size=16, steps_per_block=4)
     out = tmp_path_factory.mktemp("bundles") / "crude"
     curve = [{"epoch": 0, "train_kl": None, "heldout_kl": 0.3}, {"epoch": 1, "train_kl": 0.2, "heldout_kl": 0.25}]
-    bundle.write_bundle(out, q, name="crude-0.25bit", identity=model_identity(REFERENCE_MODEL, str(REFERENCE_MODEL)),
-                        calibration={}, metrics={"heldout_kl": 0.25, "finetune_curve": curve},
-                        serving=ServingConfig(sink_tokens=8, recent_window=64, page_size=8), codebook_dtype="float32",
-                        config={}, producer_version="test")
+    bundle.write_bundle(
+        out,
+        q,
+        name="crude-0.25bit",
+        identity=model_identity(REFERENCE_MODEL, str(REFERENCE_MODEL)),
+        calibration={},
+        metrics={"heldout_kl": 0.25, "finetune_curve": curve},
+        serving=ServingConfig(sink_tokens=8, recent_window=64, page_size=8),
+        codebook_dtype="float32",
+        config={},
+        producer_version="test",
+    )
     return out
 
 
 def test_evaluate_returns_the_report_and_the_gate_failures(bundle_dir):
     """The library returns the report and the failed gates and prints nothing."""
-    passed = evaluate([bundle_dir], num_sequences=1, sequence_length=32, device="cpu",
-                      gates=Gates(max_kl=100.0, max_ppl_increase=100.0))
+    passed = evaluate(
+        [bundle_dir],
+        num_sequences=1,
+        sequence_length=32,
+        device="cpu",
+        gates=Gates(max_kl=100.0, max_ppl_increase=100.0),
+    )
     assert isinstance(passed, EvalReport) and passed.passed and passed.gate_failures == []
     (row,) = passed.report["bundles"]
     assert row["name"] == "crude-0.25bit" and row["method"] == "loopvq" and row["sink_tokens"] == 8
@@ -205,8 +221,11 @@ def test_evaluate_raises_on_bad_input(bundle_dir, tmp_path):
     assert "data.type" not in str(err.value)
     with pytest.raises(DataError, match="--num-sequences: "):
         evaluate([bundle_dir], num_sequences=10**5, sequence_length=2048)
-    with pytest.raises(EvalInputError, match=r"--sequence-length 2,049 exceeds the model's window of 2,048 tokens "
-                                             r"\(max_position_embeddings in .*config.json\)"):
+    with pytest.raises(
+        EvalInputError,
+        match=r"--sequence-length 2,049 exceeds the model's window of 2,048 tokens "
+        r"\(max_position_embeddings in .*config.json\)",
+    ):
         evaluate([bundle_dir], num_sequences=1, sequence_length=2049)
     with pytest.raises(EvalInputError, match=r"--max-ppl-increase must be a finite number >= 0, got -1"):
         evaluate([bundle_dir], gates=Gates(max_ppl_increase=-1.0))
@@ -218,8 +237,14 @@ def test_eval_main_prints_writes_and_picks_the_exit_status(bundle_dir, tmp_path,
     common = ["--bundle", str(bundle_dir), "--num-sequences", "1", "--sequence-length", "32", "--device", "cpu"]
     assert eval_main(common + ["--out", str(out), "--max-kl", "100", "--max-ppl-increase", "100"]) == 0
     names = {p.name for p in out.iterdir()} - {".loopvq-eval.json"}  # its record of them: test_out_folder.py
-    assert names == {"report.json", "report.md", "kl_by_method.png", "kl_per_step.png", "nmse_per_step.png",
-                     "finetune_curve.png"}
+    assert names == {
+        "report.json",
+        "report.md",
+        "kl_by_method.png",
+        "kl_per_step.png",
+        "nmse_per_step.png",
+        "finetune_curve.png",
+    }
     assert all((out / n).stat().st_size > 0 for n in names)
     printed = capsys.readouterr().out
     report = json.loads((out / "report.json").read_text())
@@ -246,9 +271,28 @@ def test_cli_served_tasks_and_baselines_on_the_reference_model(bundle_dir, tmp_p
     """``loopvq-eval --tasks <local task> --baseline ...``: the bundle, the baselines and full precision side
     by side in report.json / report.md / served_accuracy.png, and the accuracy gate."""
     out = tmp_path / "served"
-    argv = ["--bundle", str(bundle_dir), "--num-sequences", "1", "--sequence-length", "40", "--device", "cpu",
-            "--tasks", "loopvq_recall", "--limit", "2", "--baseline", "kivi2,last-step-kv",
-            "--recent-window", "16", "--out", str(out), "--max-accuracy-drop", "1.0"]
+    argv = [
+        "--bundle",
+        str(bundle_dir),
+        "--num-sequences",
+        "1",
+        "--sequence-length",
+        "40",
+        "--device",
+        "cpu",
+        "--tasks",
+        "loopvq_recall",
+        "--limit",
+        "2",
+        "--baseline",
+        "kivi2,last-step-kv",
+        "--recent-window",
+        "16",
+        "--out",
+        str(out),
+        "--max-accuracy-drop",
+        "1.0",
+    ]
     assert eval_main(argv) == 0
     report = json.loads((out / "report.json").read_text())
     served = report["served"]

@@ -39,8 +39,9 @@ def identity_quantizer(model, tokenizer, prompts: list[str]) -> KVQuantizer:
     parts = []
     for p in prompts:
         ids = torch.tensor([tokenizer(p, add_special_tokens=False)["input_ids"]])
-        parts.append(sampled_quantizer(model, ids, "loopvq", codebook_size=ids.shape[1], group_size=16,
-                                       steps_per_block=4))
+        parts.append(
+            sampled_quantizer(model, ids, "loopvq", codebook_size=ids.shape[1], group_size=16, steps_per_block=4)
+        )
     first = parts[0]
     for key, codec in first.codecs.items():
         codec.codebook = torch.cat([q.codecs[key].codebook for q in parts], dim=2)
@@ -67,7 +68,7 @@ def test_full_precision_accuracy_matches_an_independent_run(reference):
     for item in task_items(LIMIT):
         ids = torch.tensor([tok(item["prompt"], add_special_tokens=False)["input_ids"]])
         out = model.generate(ids, max_new_tokens=40, do_sample=False)
-        hits += tok.decode(out[0, ids.shape[1]:]).split("\n")[0].lstrip() == item["answer"]
+        hits += tok.decode(out[0, ids.shape[1] :]).split("\n")[0].lstrip() == item["answer"]
     assert scores["samples"] == {TASK: LIMIT}
     assert got == pytest.approx(hits / LIMIT)
 
@@ -82,17 +83,26 @@ def test_identity_quantizer_keeps_accuracy_and_answers(reference):
     prompts = [i["prompt"] for i in task_items(2)]
     q = identity_quantizer(model, tok, prompts)
     ident = Entry("identity", "bundle", q, sink_tokens=4, recent_window=16, page_size=8)
-    crude = Entry("crude", "bundle", sampled_quantizer(model, torch.tensor([tok(prompts[0])["input_ids"][:64]]),
-                                                       codebook_size=2), 4, 16, 8)
+    crude = Entry(
+        "crude",
+        "bundle",
+        sampled_quantizer(model, torch.tensor([tok(prompts[0])["input_ids"][:64]]), codebook_size=2),
+        4,
+        16,
+        8,
+    )
     fp = ServedLM(model, tok, None)
     served = ServedLM(model, tok, ident.make_cache())
     bad = ServedLM(model, tok, crude.make_cache())
-    outs = {name: [lm.greedy([p], [], 8)[0] for p in prompts] for name, lm in
-            (("fp", fp), ("identity", served), ("crude", bad))}
+    outs = {
+        name: [lm.greedy([p], [], 8)[0] for p in prompts]
+        for name, lm in (("fp", fp), ("identity", served), ("crude", bad))
+    }
     assert outs["identity"] == outs["fp"]
     assert outs["crude"] != outs["fp"]  # the same path with a lossy codebook does change answers
-    scores = run_tasks(model, tok, [Entry("fp", "full-precision"), ident],
-                       options=ServedOptions(tasks=[TASK], limit=2))["scores"]
+    scores = run_tasks(
+        model, tok, [Entry("fp", "full-precision"), ident], options=ServedOptions(tasks=[TASK], limit=2)
+    )["scores"]
     assert scores["identity"] == scores["fp"]
     cache = ident.make_cache()()
     with torch.no_grad():
@@ -104,7 +114,7 @@ def test_loglikelihood_reads_the_context_from_the_cache(reference):
     model, tok = reference
     ctx, cont = task_items(1)[0]["prompt"], " 12345 and more"
     lm = ServedLM(model, tok, None)
-    (logp, greedy), = lm.loglikelihood([type("R", (), {"args": (ctx, cont)})()])
+    ((logp, greedy),) = lm.loglikelihood([type("R", (), {"args": (ctx, cont)})()])
     ids = tok(ctx + cont, add_special_tokens=False)["input_ids"]
     n = len(tok(ctx, add_special_tokens=False)["input_ids"])
     full = torch.tensor([[0] + ids])
@@ -130,9 +140,18 @@ def test_huginn_served_through_a_bundle_and_a_baseline(tiny_huginn_dir):
     """Huginn end to end: a sampled quantizer and last-step KV served on the local task, side by side."""
     model, tok = load_model(tiny_huginn_dir, "float32", torch.device("cpu"))
     ids = torch.tensor([tok(task_items(1)[0]["prompt"], add_special_tokens=False)["input_ids"][:96]])
-    entries = [Entry("fp", "full-precision"),
-               Entry("b", "bundle", sampled_quantizer(model, ids, "loopvq", codebook_size=16, group_size=16, steps_per_block=2), 4, 16, 8),
-               Entry("last", "baseline", make_baseline("last-step-kv", model.kv_layout()), 4, 16, 8)]
+    entries = [
+        Entry("fp", "full-precision"),
+        Entry(
+            "b",
+            "bundle",
+            sampled_quantizer(model, ids, "loopvq", codebook_size=16, group_size=16, steps_per_block=2),
+            4,
+            16,
+            8,
+        ),
+        Entry("last", "baseline", make_baseline("last-step-kv", model.kv_layout()), 4, 16, 8),
+    ]
     result = run_tasks(model, tok, entries, options=ServedOptions(tasks=[TASK], limit=1))
     assert set(result["scores"]) == {"fp", "b", "last"}
     assert set(accuracy_drops(result, "fp")) == {"b", "last"}
@@ -158,8 +177,13 @@ print(harness.lm_eval_available(), [c.__name__ for c in type(lm).__mro__], repr(
 def test_without_lm_eval_the_evaluation_imports_and_served_lm_decodes(tiny_huginn_dir):
     """The eval extra is optional: without lm-eval every evaluation module imports and ServedLM (then a plain
     class) answers as it does with lm-eval's base class."""
-    done = subprocess.run([sys.executable, "-c", WITHOUT_LM_EVAL, str(tiny_huginn_dir)], capture_output=True,
-                          text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "", "HF_HUB_OFFLINE": "1"})
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_LM_EVAL, str(tiny_huginn_dir)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "", "HF_HUB_OFFLINE": "1"},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     model, tok = load_model(tiny_huginn_dir, "float32", torch.device("cpu"))
     expected = ServedLM(model, tok, None).greedy(["Thou art"], [], 4)[0]

@@ -34,8 +34,10 @@ def short_window(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pa
     the config.json field of the window)."""
     root = tmp_path_factory.mktemp("eval-window")
     out = {}
-    for name, model, field in (("ouro", make_tiny_ouro(max_position_embeddings=WINDOW), "max_position_embeddings"),
-                               ("huginn", make_tiny_huginn(block_size=WINDOW), "block_size")):
+    for name, model, field in (
+        ("ouro", make_tiny_ouro(max_position_embeddings=WINDOW), "max_position_embeddings"),
+        ("huginn", make_tiny_huginn(block_size=WINDOW), "block_size"),
+    ):
         folder = save_with_tokenizer(model, root / name)
         bundle = write_tiny_bundle(root / f"{name}-bundle", folder, quantizer=tiny_quantizer(folder))
         out[name] = (folder, bundle, field)
@@ -54,8 +56,10 @@ def test_a_sequence_length_beyond_the_window_is_refused_before_the_model_loads(s
         m.setattr(inputs, "load_model", no_loading)
         with pytest.raises(EvalInputError) as err:
             evaluate([bundle], model=str(folder), num_sequences=1, sequence_length=WINDOW + 1, device="cpu")
-    assert str(err.value) == (f"--sequence-length {WINDOW + 1} exceeds the model's window of {WINDOW} tokens ({field} "
-                              f"in {folder / 'config.json'})")
+    assert str(err.value) == (
+        f"--sequence-length {WINDOW + 1} exceeds the model's window of {WINDOW} tokens ({field} "
+        f"in {folder / 'config.json'})"
+    )
     report = evaluate([bundle], model=str(folder), num_sequences=1, sequence_length=WINDOW, device="cpu").report
     assert report["bundles"][0]["kl_positions"] == WINDOW - 8  # the window itself is measured, past the 8 sinks
 
@@ -65,31 +69,72 @@ def test_passkey_lengths_beyond_the_window_are_refused_before_the_model_loads(sh
     folder, bundle, _ = short_window["ouro"]
     monkeypatch.setattr(inputs, "load_model", no_loading)
     served = ServedOptions(passkey_lengths=[16, WINDOW - NEW_TOKENS + 1], passkey_trials=1)
-    with pytest.raises(EvalInputError, match=rf"--passkey-lengths \[{WINDOW - NEW_TOKENS + 1}\]: prompts plus "
-                                             rf"{NEW_TOKENS} new tokens exceed the model's window of {WINDOW} tokens"):
+    with pytest.raises(
+        EvalInputError,
+        match=rf"--passkey-lengths \[{WINDOW - NEW_TOKENS + 1}\]: prompts plus "
+        rf"{NEW_TOKENS} new tokens exceed the model's window of {WINDOW} tokens",
+    ):
         evaluate([bundle], model=str(folder), num_sequences=1, sequence_length=32, device="cpu", served=served)
 
 
 def test_the_cli_exits_2_naming_the_flag_and_the_window(short_window, capsys):
     folder, bundle, _ = short_window["huginn"]
-    assert eval_main(["--bundle", str(bundle), "--model", str(folder), "--sequence-length", "4096",
-                      "--num-sequences", "1", "--device", "cpu"]) == 2
-    assert capsys.readouterr().err == (f"error: --sequence-length 4,096 exceeds the model's window of {WINDOW} tokens "
-                                       f"(block_size in {folder / 'config.json'})\n")
+    assert (
+        eval_main(
+            [
+                "--bundle",
+                str(bundle),
+                "--model",
+                str(folder),
+                "--sequence-length",
+                "4096",
+                "--num-sequences",
+                "1",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 2
+    )
+    assert capsys.readouterr().err == (
+        f"error: --sequence-length 4,096 exceeds the model's window of {WINDOW} tokens "
+        f"(block_size in {folder / 'config.json'})\n"
+    )
 
 
-@pytest.mark.parametrize("breaks, message", [
-    (lambda f: (f / "config.json").write_text("{"), "config.json is not valid JSON: Expecting property name"),
-    (lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:-4]),
-     "model.safetensors: truncated: its tensors need"),
-    (lambda f: (f / "tokenizer.json").unlink(), "has no tokenizer: none of tokenizer.json"),
-], ids=["config", "shard", "tokenizer"])
+@pytest.mark.parametrize(
+    "breaks, message",
+    [
+        (lambda f: (f / "config.json").write_text("{"), "config.json is not valid JSON: Expecting property name"),
+        (
+            lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:-4]),
+            "model.safetensors: truncated: its tensors need",
+        ),
+        (lambda f: (f / "tokenizer.json").unlink(), "has no tokenizer: none of tokenizer.json"),
+    ],
+    ids=["config", "shard", "tokenizer"],
+)
 def test_a_broken_model_folder_exits_2_naming_the_file(short_window, tmp_path, capsys, breaks, message):
     folder, bundle, _ = short_window["ouro"]
     broken = Path(shutil.copytree(folder, tmp_path / "model"))
     breaks(broken)
-    assert eval_main(["--bundle", str(bundle), "--model", str(broken), "--num-sequences", "1",
-                      "--sequence-length", "32", "--device", "cpu"]) == 2
+    assert (
+        eval_main(
+            [
+                "--bundle",
+                str(bundle),
+                "--model",
+                str(broken),
+                "--num-sequences",
+                "1",
+                "--sequence-length",
+                "32",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith(f"error: --model: {broken}") and message in err and err.count("\n") == 1, err
 

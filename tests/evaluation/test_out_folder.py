@@ -16,8 +16,9 @@ def test_a_rerun_replaces_its_own_files_and_leaves_the_users(tmp_path):
     write_out_files(out, {"report.json": b"{}", "report.md": b"# one"})
     (out / "notes.txt").write_text("mine")
     record = json.loads((out / OUT_RECORD).read_text())
-    assert record == {name: hashlib.sha256((out / name).read_bytes()).hexdigest()
-                      for name in ("report.json", "report.md")}
+    assert record == {
+        name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in ("report.json", "report.md")
+    }
     check_out_folder(out)
     write_out_files(out, {"report.md": b"# two"})
     assert (out / "report.md").read_bytes() == b"# two" and (out / "notes.txt").read_text() == "mine"

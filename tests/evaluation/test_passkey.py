@@ -6,15 +6,7 @@ import pytest
 import torch
 from conftest import REFERENCE_MODEL, needs_lm_eval
 
-from loopvq_calib.evaluation.passkey import (
-    FILLER,
-    NEW_TOKENS,
-    QUESTION,
-    answered,
-    make_trials,
-    needle,
-    run_passkey,
-)
+from loopvq_calib.evaluation.passkey import FILLER, NEW_TOKENS, QUESTION, answered, make_trials, needle, run_passkey
 from loopvq_calib.evaluation.served import Entry
 from loopvq_calib.models.loading import load_model
 
@@ -49,7 +41,7 @@ def test_accuracy_per_length_equals_greedy_generate(reference):
     for t in make_trials(tok, [48, 96], 2, seed=3):
         ids = torch.tensor([tok(t.prompt, add_special_tokens=False)["input_ids"]])
         out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-        expected.setdefault(str(t.length), []).append(answered(tok.decode(out[0, ids.shape[1]:]), t.key))
+        expected.setdefault(str(t.length), []).append(answered(tok.decode(out[0, ids.shape[1] :]), t.key))
     assert result["accuracy"]["fp"] == {n: sum(v) / 2 for n, v in expected.items()}
     assert result["lengths"] == [48, 96] and result["trials_per_length"] == 2
 

@@ -17,43 +17,89 @@ from loopvq_calib.evaluation.report import (
 
 
 def row(name: str, kl: float, **extra) -> dict:
-    base = {"name": name, "method": "loopvq", "bits": {"key": 0.5, "value": 0.5}, "sink_tokens": 8,
-            "eval_kl": kl, "ppl_fp": 10.0, "ppl_quantized": 10.2, "ppl_increase": 0.02, "per_step_kl": [kl / 2] * 2,
-            "nmse": {"key": 0.1, "value": 0.2}, "nmse_per_step": {"key": [0.1, 0.1], "value": [0.2, 0.2]},
-            "bundle": f"runs/{name}", "codebook_size": 256, "group_size": 16, "steps_per_block": 2,
-            "codebook_bytes": 1000, "selection_kl": 0.03}
+    base = {
+        "name": name,
+        "method": "loopvq",
+        "bits": {"key": 0.5, "value": 0.5},
+        "sink_tokens": 8,
+        "eval_kl": kl,
+        "ppl_fp": 10.0,
+        "ppl_quantized": 10.2,
+        "ppl_increase": 0.02,
+        "per_step_kl": [kl / 2] * 2,
+        "nmse": {"key": 0.1, "value": 0.2},
+        "nmse_per_step": {"key": [0.1, 0.1], "value": [0.2, 0.2]},
+        "bundle": f"runs/{name}",
+        "codebook_size": 256,
+        "group_size": 16,
+        "steps_per_block": 2,
+        "codebook_bytes": 1000,
+        "selection_kl": 0.03,
+    }
     base.update(extra)
     return base
 
 
 def served() -> dict:
-    bytes_ = lambda per, enc: {"tokens": 512, "bytes_per_token": per, "encoded_bytes_per_token": enc,  # noqa: E731
-                               "ratio_to_bf16": per / 24576}
+    bytes_ = lambda per, enc: {
+        "tokens": 512,
+        "bytes_per_token": per,
+        "encoded_bytes_per_token": enc,  # noqa: E731
+        "ratio_to_bf16": per / 24576,
+    }
     return {
         "model": {"model_type": "huginn_raven", "loop_steps": 2, "recurrences": 2, "initial_state": "zero"},
         "reference": "bfloat16",
         "entries": [
             {"name": "bfloat16", "kind": "full-precision", "bits": None, "serving": None, "bytes": bytes_(24576, None)},
-            {"name": "b1", "kind": "bundle", "bits": {"key": 0.5, "value": 0.5},
-             "serving": {"sink_tokens": 8, "recent_window": 64, "page_size": 8}, "bytes": bytes_(4014.5, 768)},
-            {"name": "kivi2", "kind": "baseline", "bits": {"key": 3, "value": 3},
-             "serving": {"sink_tokens": 8, "recent_window": 64, "page_size": 32}, "bytes": bytes_(7000.0, 4608)},
+            {
+                "name": "b1",
+                "kind": "bundle",
+                "bits": {"key": 0.5, "value": 0.5},
+                "serving": {"sink_tokens": 8, "recent_window": 64, "page_size": 8},
+                "bytes": bytes_(4014.5, 768),
+            },
+            {
+                "name": "kivi2",
+                "kind": "baseline",
+                "bits": {"key": 3, "value": 3},
+                "serving": {"sink_tokens": 8, "recent_window": 64, "page_size": 32},
+                "bytes": bytes_(7000.0, 4608),
+            },
         ],
-        "tasks": {"tasks": ["t"], "limit": 10.0, "samples": {"t": 10},
-                  "scores": {"bfloat16": {"t": {"exact_match,first_word": 0.7}},
-                             "b1": {"t": {"exact_match,first_word": 0.6}},
-                             "kivi2": {"t": {"exact_match,first_word": 0.7}}}},
+        "tasks": {
+            "tasks": ["t"],
+            "limit": 10.0,
+            "samples": {"t": 10},
+            "scores": {
+                "bfloat16": {"t": {"exact_match,first_word": 0.7}},
+                "b1": {"t": {"exact_match,first_word": 0.6}},
+                "kivi2": {"t": {"exact_match,first_word": 0.7}},
+            },
+        },
         "accuracy_drop": {"b1": {"t": 0.1}, "kivi2": {"t": 0.0}},
-        "passkey": {"lengths": [128, 512], "trials_per_length": 5,
-                    "accuracy": {"bfloat16": {"128": 1.0, "512": 0.8}, "b1": {"128": 1.0, "512": 0.4},
-                                 "kivi2": {"128": 1.0, "512": 0.6}}},
+        "passkey": {
+            "lengths": [128, 512],
+            "trials_per_length": 5,
+            "accuracy": {
+                "bfloat16": {"128": 1.0, "512": 0.8},
+                "b1": {"128": 1.0, "512": 0.4},
+                "kivi2": {"128": 1.0, "512": 0.6},
+            },
+        },
     }
 
 
 def report(**extra) -> dict:
-    return {"model": "m", "dtype": "bfloat16", "device": "cpu", "loop_steps": 2,
-            "data": {"dataset": "d.jsonl", "num_sequences": 2, "sequence_length": 64},
-            "bundles": [row("b1", 0.02), row("kivi2", 0.05, baseline=True, bundle=None, selection_kl=None)], **extra}
+    return {
+        "model": "m",
+        "dtype": "bfloat16",
+        "device": "cpu",
+        "loop_steps": 2,
+        "data": {"dataset": "d.jsonl", "num_sequences": 2, "sequence_length": 64},
+        "bundles": [row("b1", 0.02), row("kivi2", 0.05, baseline=True, bundle=None, selection_kl=None)],
+        **extra,
+    }
 
 
 def test_served_tables_side_by_side():
@@ -78,8 +124,15 @@ def test_old_report_keys_are_read():
 
 def test_write_report_adds_the_served_plot(tmp_path):
     paths = write_report(report(served=served()), tmp_path)
-    assert {p.name for p in paths} == {"report.json", "report.md", "kl_by_method.png", "kl_per_step.png",
-                                       "nmse_per_step.png", "served_accuracy.png", "accuracy_vs_bytes.png"}
+    assert {p.name for p in paths} == {
+        "report.json",
+        "report.md",
+        "kl_by_method.png",
+        "kl_per_step.png",
+        "nmse_per_step.png",
+        "served_accuracy.png",
+        "accuracy_vs_bytes.png",
+    }
     for name in ("served_accuracy.png", "accuracy_vs_bytes.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "`accuracy_vs_bytes.png`" in (tmp_path / "report.md").read_text()

@@ -43,8 +43,11 @@ def test_an_explicit_request_is_honoured_or_refused_with_its_reason(triton_here,
     dispatch = Dispatcher()
     assert dispatch.choose("triton", fitting, what="demo", choices=CHOICES, device=CPU) is triton and probed == []
     assert dispatch.choose(Backend.TORCH, fitting, what="demo", choices=CHOICES, device=CPU).label == "torch"
-    with pytest.raises(BackendUnavailable, match=r"demo: 'cuda' needs a CUDA device and torch 2.9 or newer .*, not "
-                                                 r"cpu \(device cpu is not CUDA\); use 'auto' or 'triton' or 'torch'"):
+    with pytest.raises(
+        BackendUnavailable,
+        match=r"demo: 'cuda' needs a CUDA device and torch 2.9 or newer .*, not "
+        r"cpu \(device cpu is not CUDA\); use 'auto' or 'triton' or 'torch'",
+    ):
         dispatch.choose("cuda", fitting, what="demo", choices=CHOICES, device=CPU)
     narrow = Candidate(Backend.TRITON, "the Triton kernel", unfit=lambda: "K 512 is above 256")
     with pytest.raises(BackendUnavailable, match="demo: 'triton' does not take this call: K 512 is above 256; use"):
@@ -52,9 +55,12 @@ def test_an_explicit_request_is_honoured_or_refused_with_its_reason(triton_here,
     with pytest.raises(ValueError, match="demo: 'fast' is not one of auto, cuda, triton, torch"):
         dispatch.choose("fast", fitting, what="demo", choices=CHOICES, device=CPU)
     monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(BackendUnavailable, match=r"'triton' needs the triton package and a CUDA device of compute "
-                                                 r"capability 8.0 or newer, not cpu \(device cpu is not CUDA and "
-                                                 "TRITON_INTERPRET is not 1\\)"):
+    with pytest.raises(
+        BackendUnavailable,
+        match=r"'triton' needs the triton package and a CUDA device of compute "
+        r"capability 8.0 or newer, not cpu \(device cpu is not CUDA and "
+        "TRITON_INTERPRET is not 1\\)",
+    ):
         dispatch.choose("triton", fitting, what="demo", choices=CHOICES, device=CPU)
 
 
@@ -62,6 +68,7 @@ def test_auto_takes_the_first_that_runs_and_warns_once_per_reason(triton_here, l
     """Candidates ``auto`` does not consider are passed over silently; unavailable, unfitting and failing ones
     each give one warning per reason, naming what serves instead; nothing that runs is an error naming every
     reason."""
+
     def failing():
         raise RuntimeError("ptxas missing")
 
@@ -79,11 +86,16 @@ def test_auto_takes_the_first_that_runs_and_warns_once_per_reason(triton_here, l
     assert len(lines) == 3
     assert "demo auto: using torch on cpu, not the CUDA kernel: device cpu is not CUDA" in lines[0]
     assert "demo auto: using torch on cpu, not the narrow kernel: K 512 is above 256" in lines[1]
-    assert "demo auto: using torch on cpu, not the failing kernel: its probe failed (RuntimeError: ptxas missing)" \
+    assert (
+        "demo auto: using torch on cpu, not the failing kernel: its probe failed (RuntimeError: ptxas missing)"
         in lines[2]
+    )
     assert "GPU-only" not in logged.text
-    with pytest.raises(BackendUnavailable, match=r"demo: no backend runs this call on cpu \(the CUDA kernel: device "
-                                                 r"cpu is not CUDA; the narrow kernel: K 512 is above 256; "):
+    with pytest.raises(
+        BackendUnavailable,
+        match=r"demo: no backend runs this call on cpu \(the CUDA kernel: device "
+        r"cpu is not CUDA; the narrow kernel: K 512 is above 256; ",
+    ):
         dispatch.choose("auto", candidates[:4], what="demo", choices=CHOICES, device=CPU)
 
 
@@ -120,6 +132,7 @@ def test_probes_run_once_per_key_even_from_two_threads(triton_here):
 def test_a_run_that_fails_like_a_kernel_hands_the_call_on_under_auto(monkeypatch, logged):
     """Under ``auto`` a ``fails_with`` error warns (once per reason) and the next candidate that runs serves; an
     explicit request raises it; other errors always propagate. (Every backend available: a stand-in device.)"""
+
     class BuildFailed(RuntimeError):
         pass
 
@@ -127,13 +140,17 @@ def test_a_run_that_fails_like_a_kernel_hands_the_call_on_under_auto(monkeypatch
         raise BuildFailed("nvrtc: error on purpose")
 
     monkeypatch.setattr(backends, "unavailable", lambda backend, device: "")
-    candidates = [Candidate(Backend.CUDA, "the CUDA kernel", run=broken, fails_with=(BuildFailed,)),
-                  Candidate(Backend.TRITON, "the Triton kernel", run=lambda: "triton served")]
+    candidates = [
+        Candidate(Backend.CUDA, "the CUDA kernel", run=broken, fails_with=(BuildFailed,)),
+        Candidate(Backend.TRITON, "the Triton kernel", run=lambda: "triton served"),
+    ]
     dispatch = Dispatcher()
     for _ in range(2):
         assert dispatch.run("auto", candidates, what="demo", choices=CHOICES, device=CPU) == "triton served"
-    assert logged.text.count("demo auto: using the Triton kernel on cpu, not the CUDA kernel: nvrtc: error on "
-                             "purpose") == 1
+    assert (
+        logged.text.count("demo auto: using the Triton kernel on cpu, not the CUDA kernel: nvrtc: error on purpose")
+        == 1
+    )
     with pytest.raises(BuildFailed, match="on purpose"):
         dispatch.run("cuda", candidates, what="demo", choices=CHOICES, device=CPU)
     other = Candidate(Backend.CUDA, "the CUDA kernel", run=lambda: 1 / 0, fails_with=(BuildFailed,))

@@ -21,6 +21,7 @@ def test_a_failed_build_is_remembered_and_named(builds, monkeypatch):
     """A failed NVRTC build raises BuildError naming the kernel and its constants and is kept (so later calls go
     to Triton without compiling again: the availability check gives it as the reason), and backend='cuda' then
     says so."""
+
     def broken(*args, **kwargs):
         raise RuntimeError("nvrtc: error: broken on purpose")
 
@@ -34,8 +35,9 @@ def test_a_failed_build_is_remembered_and_named(builds, monkeypatch):
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
     tables = da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16)
     with pytest.raises(BackendUnavailable, match="an earlier build failed: .*broken on purpose"):
-        da.decode_attention(q, tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos), rope=da.RopeTable(64, 1e4),
-                            backend="cuda")
+        da.decode_attention(
+            q, tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos), rope=da.RopeTable(64, 1e4), backend="cuda"
+        )
 
 
 def test_a_build_raises_the_shared_memory_limit_it_launches_with(builds, monkeypatch):

@@ -31,8 +31,13 @@ def test_launch_checks_what_the_kernel_reads(builds, monkeypatch):
     limit = SimpleNamespace(shared_memory_per_block_optin=228 * 1024, multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: limit)
     cuda_q = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=fk.dtype, shape=q.shape)
-    u8 = SimpleNamespace(key_indices=head_major(coded.key_indices.to(torch.uint8)),
-                         value_indices=head_major(coded.value_indices.to(torch.uint8)), key_sigma=None, count=coded.count)
+    u8 = SimpleNamespace(
+        key_indices=head_major(coded.key_indices.to(torch.uint8)),
+        value_indices=head_major(coded.value_indices.to(torch.uint8)),
+        key_sigma=None,
+        count=coded.count,
+    )
+
     def fits(coded, fk=fk, tokens=None) -> bool:
         settings = dc.CudaDecodeLaunch(warps=8, tokens_per_iteration=tokens)
         return isinstance(dc.launch(lanes, cuda_q, fk, fp_values=fv, coded=coded, settings=settings), dc.LaunchPlan)
@@ -42,7 +47,9 @@ def test_launch_checks_what_the_kernel_reads(builds, monkeypatch):
     assert not fits(SimpleNamespace(**{**vars(u8), "key_indices": coded.key_indices.to(torch.uint8)}))  # token-major
     assert not fits(SimpleNamespace(**{**vars(u8), "key_sigma": torch.ones(1, 8, 4)}))
     assert not fits(u8, fk.transpose(-1, -2))
-    need = dc.launch_shared(lanes, u8, 8, query_groups=1, tokens=8)  # 8 lanes per token: 4 groups x 8 tokens per warp step
+    need = dc.launch_shared(
+        lanes, u8, 8, query_groups=1, tokens=8
+    )  # 8 lanes per token: 4 groups x 8 tokens per warp step
     assert need == 2 * 64 * 16 * 2 + 8 * 2 * 32 * 64 + 64 * 4 + 8 * 32 * 4 + 2 * 64 * 4  # tables, stages, query,
     # weights, channel maps
     limit.shared_memory_per_block_optin = need - 1
@@ -61,18 +68,33 @@ def test_large_batches_and_buffers_are_refused_only_where_32_bit_offsets_overflo
     lanes = dl.lane_tables(da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16), 16)
     fk = torch.empty(64, 76, 16, 128, dtype=torch.bfloat16, device="meta")
     q = torch.empty(64, 16, 128, dtype=torch.bfloat16, device="meta")
-    for batch, capacity, refused in ((64, 65536, False), (32, 131072, False), (256, 2**20, False),
-                                     (1, 2**22 - 1, False), (1, 2**22, True), (2, 2**23, True)):
+    for batch, capacity, refused in (
+        (64, 65536, False),
+        (32, 131072, False),
+        (256, 2**20, False),
+        (1, 2**22 - 1, False),
+        (1, 2**22, True),
+        (2, 2**23, True),
+    ):
         idx = torch.empty(batch, 16, capacity, 32, dtype=torch.uint8, device="meta").transpose(1, 2)  # CodeBuffer's
         coded = SimpleNamespace(key_indices=idx, value_indices=idx, key_sigma=None, count=capacity - 100)
-        reason = dc.plan_launch(lanes, q[:batch], fk[:batch], fp_values=fk[:batch], coded=coded, settings=dc.CudaDecodeLaunch(),
-                                shared_limit=227 * 1024, sms=1)
+        reason = dc.plan_launch(
+            lanes,
+            q[:batch],
+            fk[:batch],
+            fp_values=fk[:batch],
+            coded=coded,
+            settings=dc.CudaDecodeLaunch(),
+            shared_limit=227 * 1024,
+            sms=1,
+        )
         assert isinstance(reason, str) == refused, (batch, capacity, reason)
         assert idx.stride(0) == 16 * capacity * 32 and (idx.stride(0) > dc.INT32_MAX) == refused
         if refused:
             assert "stride beyond 2**31 - 1" in reason
-    assert dc.plan_launch(None, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=1).startswith(
-        "the site has no lane tables")
+    assert dc.plan_launch(
+        None, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=1
+    ).startswith("the site has no lane tables")
 
 
 def test_rope_rows_cover_every_anchor_read():
@@ -94,7 +116,9 @@ def test_the_launch_runs_on_the_query_device_and_its_stream(builds, monkeypatch)
     turns a launch's RuntimeError into LaunchError (stand-ins for the CUDA runtime, CPU tensors)."""
     tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
     lanes = dc.site_lanes(tables, 1, 16)
-    inputs = da.kernel_inputs(q, tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos, mask), rope=da.RopeTable(64, 1e4), rows=64)
+    inputs = da.kernel_inputs(
+        q, tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos, mask), rope=da.RopeTable(64, 1e4), rows=64
+    )
     entered, launches = [], []
 
     @contextlib.contextmanager
@@ -114,7 +138,9 @@ def test_the_launch_runs_on_the_query_device_and_its_stream(builds, monkeypatch)
     monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d: ("stream of", d))
     monkeypatch.setattr(cuda_build, "build_kernel", lambda source, name, *, shared, device: kernel)
-    monkeypatch.setattr(dc, "launch", lambda *args, **kwargs: dc.plan_launch(*args, **kwargs, shared_limit=227 * 1024, sms=4))  # CPU q: no CUDA check
+    monkeypatch.setattr(
+        dc, "launch", lambda *args, **kwargs: dc.plan_launch(*args, **kwargs, shared_limit=227 * 1024, sms=4)
+    )  # CPU q: no CUDA check
     dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv)
     assert launches == [([q.device], ("stream of", q.device))] and entered[-1] == "left"
     with pytest.raises(dc.LaunchError, match="invalid resource handle"):
@@ -122,8 +148,17 @@ def test_the_launch_runs_on_the_query_device_and_its_stream(builds, monkeypatch)
 
 
 def test_rows_per_pass_divide_the_warps_and_never_exceed_the_batch():
-    for most, batch, warps, rows in ((8, 8, 16, 8), (8, 32, 16, 8), (8, 3, 16, 2), (8, 1, 16, 1), (4, 32, 12, 4),
-                                     (8, 5, 12, 4), (8, 32, 12, 6), (1, 32, 16, 1), (16, 0, 16, 1)):
+    for most, batch, warps, rows in (
+        (8, 8, 16, 8),
+        (8, 32, 16, 8),
+        (8, 3, 16, 2),
+        (8, 1, 16, 1),
+        (4, 32, 12, 4),
+        (8, 5, 12, 4),
+        (8, 32, 12, 6),
+        (1, 32, 16, 1),
+        (16, 0, 16, 1),
+    ):
         assert dc.rows_per_pass(most, batch, warps) == rows, (most, batch, warps)
     with pytest.raises(ValueError, match="at least 1"):
         dc.rows_per_pass(0, 8, 16)
@@ -136,12 +171,27 @@ def test_launch_plan_at_ouro_shapes():
     kc, vc = make_codecs("loopvq", 16, 128, 256, 16, 4)
     lanes = dl.lane_tables(da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16), 16)
     fk = torch.empty(8, 76, 16, 128, dtype=torch.bfloat16, device="meta")
-    for batch, n, rows, splits in ((8, 32768, 8, 8), (8, 100, 8, 2), (8, 200, 8, 4), (1, 100, 1, 1), (3, 100, 2, 1),
-                                   (32, 500, 8, 8)):
+    for batch, n, rows, splits in (
+        (8, 32768, 8, 8),
+        (8, 100, 8, 2),
+        (8, 200, 8, 4),
+        (1, 100, 1, 1),
+        (3, 100, 2, 1),
+        (32, 500, 8, 8),
+    ):
         idx = torch.empty(batch, 16, n, 32, dtype=torch.uint8, device="meta").transpose(1, 2)
         coded = SimpleNamespace(key_indices=idx, value_indices=idx, key_sigma=None, count=n)
         q = torch.empty(batch, 16, 128, dtype=torch.bfloat16, device="meta")
-        plan = dc.plan_launch(lanes, q, fk[:batch], fp_values=fk[:batch], coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132)
+        plan = dc.plan_launch(
+            lanes,
+            q,
+            fk[:batch],
+            fp_values=fk[:batch],
+            coded=coded,
+            settings=dc.CudaDecodeLaunch(),
+            shared_limit=227 * 1024,
+            sms=132,
+        )
         assert (plan.warps, plan.tokens, plan.rows, plan.splits) == (16, 16, rows, splits), (batch, n, plan)
         assert plan.split_len == -(-n // splits) and not plan.key_float32
         # fp16 tables (2 x 64 KiB), 16 warps x 2 buffers x 32 tokens x 64 index bytes, queries, weights, channel maps
@@ -158,17 +208,44 @@ def test_default_rows_give_way_to_a_float32_key_table():
     assert lanes.run_key == 1
     fk = torch.empty(8, 76, 16, 128, dtype=torch.bfloat16, device="meta")
     idx = torch.empty(8, 16, 32768, 32, dtype=torch.uint8, device="meta").transpose(1, 2)
-    coded = SimpleNamespace(key_indices=idx, value_indices=idx, count=32000,
-                            key_sigma=torch.empty(8, 32768, 4, dtype=torch.float16, device="meta"))
+    coded = SimpleNamespace(
+        key_indices=idx,
+        value_indices=idx,
+        count=32000,
+        key_sigma=torch.empty(8, 32768, 4, dtype=torch.float16, device="meta"),
+    )
     q = torch.empty(8, 16, 128, dtype=torch.bfloat16, device="meta")
     tables = 128 * 256 * 4 + 128 * 256 * 2
-    assert dc.launch_shared(lanes, coded, 16, query_groups=1, tokens=16, key_dtype=torch.float32) == tables + 16 * 2 * 32 * 64 + 512 + 2048 + 1024
-    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132)
+    assert (
+        dc.launch_shared(lanes, coded, 16, query_groups=1, tokens=16, key_dtype=torch.float32)
+        == tables + 16 * 2 * 32 * 64 + 512 + 2048 + 1024
+    )
+    plan = dc.plan_launch(
+        lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132
+    )
     assert (plan.tokens, plan.rows, plan.key_float32) == (8, 2, True)
     assert plan.shared == tables + 16 * 2 * 16 * 64 + 2 * 128 * 4 + 16 * 16 * 4 + 2 * 128 * 4 <= 227 * 1024
-    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(rows_per_pass=8), shared_limit=227 * 1024, sms=132)
+    plan = dc.plan_launch(
+        lanes,
+        q,
+        fk,
+        fp_values=fk,
+        coded=coded,
+        settings=dc.CudaDecodeLaunch(rows_per_pass=8),
+        shared_limit=227 * 1024,
+        sms=132,
+    )
     assert (plan.tokens, plan.rows, plan.key_float32) == (16, 8, False)
-    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(tokens_per_iteration=16), shared_limit=227 * 1024, sms=132)
+    plan = dc.plan_launch(
+        lanes,
+        q,
+        fk,
+        fp_values=fk,
+        coded=coded,
+        settings=dc.CudaDecodeLaunch(tokens_per_iteration=16),
+        shared_limit=227 * 1024,
+        sms=132,
+    )
     assert (plan.tokens, plan.rows, plan.key_float32) == (16, 8, False)  # 16 tokens asked for: no fp32 table
 
 
@@ -192,11 +269,26 @@ def test_default_rows_are_lowered_until_a_gqa_call_fits():
 
     def need(rows):  # fp16 tables, merge area (larger than the stages), queries, weights, channel maps
         return 2 * 128 * 256 * 2 + 8 * 16 * 130 * 4 + rows * 16 * 128 * 4 + 8 * 16 * 8 * 4 + 2 * 128 * 4
+
     assert need(8) == 268288 and need(4) > limit >= need(2)
-    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=limit, sms=132)
+    plan = dc.plan_launch(
+        lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=limit, sms=132
+    )
     assert (plan.warps, plan.tokens, plan.rows, plan.key_float32, plan.shared) == (8, 4, 2, False, need(2))
     assert plan.splits == 132 // 4
-    assert isinstance(dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(rows_per_pass=4), shared_limit=limit, sms=132), str)
+    assert isinstance(
+        dc.plan_launch(
+            lanes,
+            q,
+            fk,
+            fp_values=fk,
+            coded=coded,
+            settings=dc.CudaDecodeLaunch(rows_per_pass=4),
+            shared_limit=limit,
+            sms=132,
+        ),
+        str,
+    )
 
 
 def test_rows_are_kept_when_a_float32_key_table_fits_at_no_rows():
@@ -208,8 +300,11 @@ def test_rows_are_kept_when_a_float32_key_table_fits_at_no_rows():
 
     def need(key_bytes, rows):  # tables, merge area, queries, weights, channel maps
         return 128 * 256 * (key_bytes + 2) + 8 * 8 * 130 * 4 + rows * 8 * 128 * 4 + 8 * 8 * 8 * 4 + 2 * 128 * 4
+
     assert need(4, 1) == 237056 > limit >= need(2, 8)
-    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=limit, sms=132)
+    plan = dc.plan_launch(
+        lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=limit, sms=132
+    )
     assert (plan.rows, plan.key_float32, plan.shared) == (8, False, need(2, 8))
 
 
@@ -220,22 +315,67 @@ def test_a_float32_key_table_asked_for_is_refused_where_it_does_not_fit():
     lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
     limit = 227 * 1024
     need = 128 * 256 * (4 + 2) + 16 * 2 * 16 * 64 + 2 * 128 * 4 + 16 * 16 * 4 + 2 * 128 * 4  # at 2 rows
-    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(rows_per_pass=2, key_float32=True), shared_limit=limit, sms=132)
+    plan = dc.plan_launch(
+        lanes,
+        q,
+        fk,
+        fp_values=fk,
+        coded=coded,
+        settings=dc.CudaDecodeLaunch(rows_per_pass=2, key_float32=True),
+        shared_limit=limit,
+        sms=132,
+    )
     assert (plan.tokens, plan.rows, plan.key_float32, plan.shared) == (8, 2, True, need) and need == limit
-    reason = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(rows_per_pass=8, key_float32=True), shared_limit=limit, sms=132)
+    reason = dc.plan_launch(
+        lanes,
+        q,
+        fk,
+        fp_values=fk,
+        coded=coded,
+        settings=dc.CudaDecodeLaunch(rows_per_pass=8, key_float32=True),
+        shared_limit=limit,
+        sms=132,
+    )
     at16 = need + 6 * 128 * 4 + 16 * 2 * 16 * 64 + 16 * 16 * 4  # 8 rows, 16 tokens: more stages and weights
     assert reason == f"a float32 key table needs {at16} bytes of shared memory, {limit} available"
-    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(key_float32=True), shared_limit=limit, sms=132)
+    plan = dc.plan_launch(
+        lanes,
+        q,
+        fk,
+        fp_values=fk,
+        coded=coded,
+        settings=dc.CudaDecodeLaunch(key_float32=True),
+        shared_limit=limit,
+        sms=132,
+    )
     assert (plan.tokens, plan.rows, plan.key_float32) == (8, 2, True)  # default tokens and rows give way
 
 
 def test_zero_rows_warps_or_tokens_are_refused_not_taken_for_the_default():
     lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
     with pytest.raises(ValueError, match="rows per pass must be at least 1, got 0"):
-        dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(rows_per_pass=0), shared_limit=227 * 1024, sms=132)
+        dc.plan_launch(
+            lanes,
+            q,
+            fk,
+            fp_values=fk,
+            coded=coded,
+            settings=dc.CudaDecodeLaunch(rows_per_pass=0),
+            shared_limit=227 * 1024,
+            sms=132,
+        )
     for warps, tokens in ((0, None), (None, 0)):
         with pytest.raises(ValueError, match="tokens_per_iteration must be"):
-            dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(warps=warps, tokens_per_iteration=tokens), shared_limit=227 * 1024, sms=132)
+            dc.plan_launch(
+                lanes,
+                q,
+                fk,
+                fp_values=fk,
+                coded=coded,
+                settings=dc.CudaDecodeLaunch(warps=warps, tokens_per_iteration=tokens),
+                shared_limit=227 * 1024,
+                sms=132,
+            )
 
 
 def test_a_given_plan_is_launched_as_is(builds, monkeypatch):
@@ -243,7 +383,9 @@ def test_a_given_plan_is_launched_as_is(builds, monkeypatch):
     no device query, the plan's grid, block, shared memory and rows per pass."""
     tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
     lanes = dc.site_lanes(tables, 1, 16)
-    inputs = da.kernel_inputs(q, tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos, mask), rope=da.RopeTable(64, 1e4), rows=64)
+    inputs = da.kernel_inputs(
+        q, tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos, mask), rope=da.RopeTable(64, 1e4), rows=64
+    )
     launches = []
 
     def no_query(device):
@@ -253,15 +395,16 @@ def test_a_given_plan_is_launched_as_is(builds, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+
     def build(source, name, *, shared, device):
-        constants = source[:source.index(dc.kernel_source())].splitlines()  # the #defines put before the source
+        constants = source[: source.index(dc.kernel_source())].splitlines()  # the #defines put before the source
         defines = dict(line.split()[1:] for line in constants)
         return lambda **kw: launches.append((defines, kw))
 
     monkeypatch.setattr(cuda_build, "build_kernel", build)
     plan = dc.LaunchPlan(warps=4, tokens=2, rows=2, splits=3, split_len=7, key_float32=False, shared=12345)
     out = dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv, plan=plan)
-    (defines, kw), = launches
+    ((defines, kw),) = launches
     assert kw["grid"] == (tables.value.shape[0], 3, 1) and kw["block"] == (128, 1, 1) and kw["shared_mem"] == 12345
     acc, ml, counters, written = kw["args"][18:22]
     assert defines["RPB"] == "2" and defines["U"] == "2" and acc.shape[2] == ml.shape[2] == 3
@@ -275,15 +418,25 @@ def test_a_hand_made_plan_is_checked_and_no_plan_goes_through_launch(builds, mon
     build) raise LaunchError."""
     tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
     lanes = dc.site_lanes(tables, 1, 16)
-    inputs = da.kernel_inputs(q, tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos, mask), rope=da.RopeTable(64, 1e4), rows=64)
+    inputs = da.kernel_inputs(
+        q, tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos, mask), rope=da.RopeTable(64, 1e4), rows=64
+    )
     monkeypatch.setattr(cuda_build, "build_kernel", lambda *args, **kwargs: pytest.fail("built despite a bad plan"))
     plan = dc.LaunchPlan(warps=16, tokens=8, rows=3, splits=2, split_len=11, key_float32=False, shared=0)
     with pytest.raises(ValueError, match=r"rows per pass \(3\) must divide its warps \(16\)"):
         dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv, plan=plan)
     plan = dc.LaunchPlan(warps=16, tokens=8, rows=4, splits=2, split_len=11, key_float32=False, shared=0)
     with pytest.raises(ValueError, match="a launch plan and warps, rows_per_pass given"):
-        dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv,
-                                 settings=dc.CudaDecodeLaunch(warps=8, rows_per_pass=2), plan=plan)
+        dc.decode_attention_cuda(
+            inputs,
+            tables,
+            lanes,
+            coded=coded,
+            fp_keys=fk,
+            fp_values=fv,
+            settings=dc.CudaDecodeLaunch(warps=8, rows_per_pass=2),
+            plan=plan,
+        )
     with pytest.raises(dc.LaunchError, match="refuses this call: device cpu is not CUDA"):
         dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv)
     builds.failure = cuda_build.BuildError("broken before")
@@ -298,8 +451,10 @@ def test_the_kernel_source_refuses_rows_that_do_not_divide_the_warps(tmp_path):
     source.write_text(dc.kernel_source())
 
     def preprocess(warps: int, rows: int) -> subprocess.CompletedProcess:
-        return subprocess.run(["cpp", "-x", "c++", "-P", f"-DWARPS={warps}", f"-DRPB={rows}", str(source)],
-                              capture_output=True, text=True)
+        return subprocess.run(
+            ["cpp", "-x", "c++", "-P", f"-DWARPS={warps}", f"-DRPB={rows}", str(source)], capture_output=True, text=True
+        )
+
     for warps, rows in ((16, 3), (12, 8), (8, 0)):
         done = preprocess(warps, rows)
         assert done.returncode != 0 and "RPB (batch rows per pass) must divide WARPS" in done.stderr, (warps, rows)
@@ -311,11 +466,17 @@ def test_cpu_tensors_never_take_the_cuda_kernel():
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
     lanes = dl.lane_tables(da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16))
-    assert dc.launch(lanes, q, fk, fp_values=fv, coded=coded, settings=dc.CudaDecodeLaunch(warps=8)) == "device cpu is not CUDA"
+    assert (
+        dc.launch(lanes, q, fk, fp_values=fv, coded=coded, settings=dc.CudaDecodeLaunch(warps=8))
+        == "device cpu is not CUDA"
+    )
     tables = da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16)
     fp = da.FullPrecisionTokens(fk, fv, fpos)
-    with pytest.raises(BackendUnavailable, match=r"decode attention: 'cuda' needs a CUDA device .*, not cpu \(device cpu "
-                                                 r"is not CUDA\)"):
+    with pytest.raises(
+        BackendUnavailable,
+        match=r"decode attention: 'cuda' needs a CUDA device .*, not cpu \(device cpu "
+        r"is not CUDA\)",
+    ):
         da.decode_attention(q, tables, coded, fp=fp, rope=da.RopeTable(64, 1e4), backend="cuda")
     with pytest.raises(ValueError, match="decode attention: 'fast' is not one of auto, cuda, triton"):
         da.decode_attention(q, tables, coded, fp=fp, rope=da.RopeTable(64, 1e4), backend="fast")
@@ -325,12 +486,33 @@ def test_default_tokens_per_step_follow_the_lanes():
     """16 tokens per lane group and step by default (one query head per KV head), at most the lanes per token (8
     at 8 lanes); GQA keeps 4; more tokens than lanes are refused."""
     lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
-    plan = dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132)
+    plan = dc.plan_launch(
+        lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132
+    )
     assert (plan.warps, plan.tokens, plan.rows) == (16, 16, 8)
     kc, vc = make_codecs("loopvq", 16, 128, 256, 16, 4)
     lanes8 = dl.lane_tables(da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16), 8)
-    assert dc.plan_launch(lanes8, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132).tokens == 8
+    assert (
+        dc.plan_launch(
+            lanes8, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132
+        ).tokens
+        == 8
+    )
     with pytest.raises(ValueError, match=r"up to the lanes per token \(8\).*got 16"):
-        dc.plan_launch(lanes8, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(tokens_per_iteration=16), shared_limit=227 * 1024, sms=132)
+        dc.plan_launch(
+            lanes8,
+            q,
+            fk,
+            fp_values=fk,
+            coded=coded,
+            settings=dc.CudaDecodeLaunch(tokens_per_iteration=16),
+            shared_limit=227 * 1024,
+            sms=132,
+        )
     lanes, q, fk, coded = ouro_like_call("loopvq", 4, 16, 8)
-    assert dc.plan_launch(lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132).tokens == 4
+    assert (
+        dc.plan_launch(
+            lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132
+        ).tokens
+        == 4
+    )

@@ -25,7 +25,19 @@ def test_lane_tables_give_the_reference_attention(method, style, q_heads, lanes)
     for step in range(kc.layout.steps):
         tables = da.step_tables(kc, vc, step, rope_style=style, device="cpu", dtype=torch.float32)
         got = emulate(q, tables, coded, fk, fv, fpos, mask, 1e4, lanes)
-        ref = da.decode_attention_reference(q, kc, vc, step=step, coded=coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=mask, rope_style=style, rope_theta=1e4)
+        ref = da.decode_attention_reference(
+            q,
+            kc,
+            vc,
+            step=step,
+            coded=coded,
+            fp_keys=fk,
+            fp_values=fv,
+            fp_positions=fpos,
+            fp_mask=mask,
+            rope_style=style,
+            rope_theta=1e4,
+        )
         assert ((got - ref).norm() / ref.norm()).item() < 1e-6, (method, style, step)  # float32 tables and angles
 
 
@@ -36,8 +48,13 @@ def test_run_lengths_of_known_layouts():
     of the whole lane counts as unmixed); values
     in runs of min(c, D/16). The lane table keeps every value."""
     for g, steps, style, run_key, mixed, run_value in (
-            (16, 4, "half", 4, False, 4), (8, 4, "half", 2, False, 2), (4, 4, "half", 1, False, 1),
-            (32, 4, "half", 4, False, 8), (16, 4, "interleaved", 4, True, 4), (32, 4, "interleaved", 8, False, 8)):
+        (16, 4, "half", 4, False, 4),
+        (8, 4, "half", 2, False, 2),
+        (4, 4, "half", 1, False, 1),
+        (32, 4, "half", 4, False, 8),
+        (16, 4, "interleaved", 4, True, 4),
+        (32, 4, "interleaved", 8, False, 8),
+    ):
         kc, vc = make_codecs("loopvq", 2, 128, 16, g, steps)
         tables = da.step_tables(kc, vc, 1, rope_style=style, device="cpu", dtype=torch.float32)
         lanes = dl.lane_tables(tables, 16)

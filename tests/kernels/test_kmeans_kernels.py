@@ -19,8 +19,7 @@ from loopvq_calib.calibration.kmeans.solvers import _draw_one, kmeans_pp_init
 from loopvq_calib.kernels import backends, kmeans as kmeans_triton
 
 needs_compiler = pytest.mark.skipif(
-    backends.triton is None or os.environ.get("TRITON_INTERPRET") == "1",
-    reason="needs triton, not in interpreter mode",
+    backends.triton is None or os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton, not in interpreter mode"
 )
 
 
@@ -29,7 +28,9 @@ def gen(seed: int) -> torch.Generator:
 
 
 @needs_kernels
-@pytest.mark.parametrize("k, g", [(32, 16), (20, 12), (6, 4), (300, 16), (256, 32)])  # padded K, G; tiles of 32 to 512 points
+@pytest.mark.parametrize(
+    "k, g", [(32, 16), (20, 12), (6, 4), (300, 16), (256, 32)]
+)  # padded K, G; tiles of 32 to 512 points
 def test_lloyd_step_on_a_subset_of_problems_matches_numpy(k, g):
     x = torch.randn(4, 300, g, generator=gen(0))
     w = torch.rand(4, 300, generator=gen(1))
@@ -81,8 +82,9 @@ def test_draw_update_skips_only_points_the_new_centroid_cannot_come_closer_to(of
     nb = -(-n // kmeans_triton.DRAW_BLOCK)
     out, bsum = torch.zeros(1, 1, g), torch.zeros(1, nb, dtype=torch.float64)
     dev = [t.to(DEVICE, copy=True) for t in (x, x.to(torch.bfloat16), w, d2, chosen, out, bsum)]
-    kmeans_triton._pp_distance_kernel[(nb,)](*dev, n, 0, 1, nb, K=1, G=g, GP=g, BLOCK=kmeans_triton.DRAW_BLOCK,
-                                             SUB=kmeans_triton.DRAW_SUB)
+    kmeans_triton._pp_distance_kernel[(nb,)](
+        *dev, n, 0, 1, nb, K=1, G=g, GP=g, BLOCK=kmeans_triton.DRAW_BLOCK, SUB=kmeans_triton.DRAW_SUB
+    )
     got = dev[3].cpu()[0]
     torch.testing.assert_close(got, torch.minimum(d2[0], exact), rtol=1e-5, atol=1e-4 * (1 + offset))
     assert bool((got[0::2] < d2[0, 0::2]).all())  # every point with D^2 above its distance moved closer
@@ -98,8 +100,21 @@ def _update_d2(x: torch.Tensor, xb: torch.Tensor, w: torch.Tensor, d2: torch.Ten
     nb = -(-n // kmeans_triton.DRAW_BLOCK)
     dev = [t[None].to(DEVICE, copy=True) for t in (x, xb, w, d2)]
     out, bsum = torch.zeros(1, 1, g, device=DEVICE), torch.zeros(1, nb, dtype=torch.float64, device=DEVICE)
-    kmeans_triton._pp_distance_kernel[(nb,)](*dev, torch.tensor([chosen], device=DEVICE), out, bsum, n, 0, 1, nb,
-                                             K=1, G=g, GP=g, BLOCK=kmeans_triton.DRAW_BLOCK, SUB=kmeans_triton.DRAW_SUB)
+    kmeans_triton._pp_distance_kernel[(nb,)](
+        *dev,
+        torch.tensor([chosen], device=DEVICE),
+        out,
+        bsum,
+        n,
+        0,
+        1,
+        nb,
+        K=1,
+        G=g,
+        GP=g,
+        BLOCK=kmeans_triton.DRAW_BLOCK,
+        SUB=kmeans_triton.DRAW_SUB,
+    )
     return dev[3].cpu()[0], bsum.cpu()[0]
 
 
@@ -133,8 +148,9 @@ def test_draw_update_skips_reading_the_points_its_bfloat16_test_puts_far_and_dra
         picked = torch.empty(1, dtype=torch.int64, device=DEVICE)
         wsum = torch.nn.functional.pad(w.double(), (0, nb * kmeans_triton.DRAW_BLOCK - n)).view(1, nb, -1).sum(-1)
         dev = [t.to(DEVICE) for t in (w[None], got[None].contiguous(), bsum[None].contiguous(), wsum)]
-        kmeans_triton._pp_draw_kernel[(1,)](*dev, uniform, picked, n, nb, BLOCK=kmeans_triton.DRAW_BLOCK,
-                                            NBP=kmeans_triton.draw_tile(n))
+        kmeans_triton._pp_draw_kernel[(1,)](
+            *dev, uniform, picked, n, nb, BLOCK=kmeans_triton.DRAW_BLOCK, NBP=kmeans_triton.draw_tile(n)
+        )
         assert picked.item() == _draw_one((w * full)[None], w[None], torch.tensor([u], dtype=torch.float64)).item()
 
 
@@ -154,13 +170,22 @@ def test_the_kernels_work_here():
     kmeans_triton.probe(DEVICE, 16, 4, n=1040)
 
 
-@pytest.mark.parametrize("n, k, points", [
-    (0, 256, 256), (0, 20, 64),  # no run size: a small problem of a multiple of 16
-    (1, 256, 1),  # Triton's n == 1 class: the run's own
-    (16_711_680, 256, 256), (1_044_480, 256, 256), (32_640, 16, 64),  # divisible by 16 (Ouro-1.4B sharing all, groups)
-    (522_241, 256, 257), (1041, 16, 65),  # neither
-    (200, 256, 200), (257, 256, 257), (65, 16, 65),  # no more than a small problem: the run's own
-])
+@pytest.mark.parametrize(
+    "n, k, points",
+    [
+        (0, 256, 256),
+        (0, 20, 64),  # no run size: a small problem of a multiple of 16
+        (1, 256, 1),  # Triton's n == 1 class: the run's own
+        (16_711_680, 256, 256),
+        (1_044_480, 256, 256),
+        (32_640, 16, 64),  # divisible by 16 (Ouro-1.4B sharing all, groups)
+        (522_241, 256, 257),
+        (1041, 16, 65),  # neither
+        (200, 256, 200),
+        (257, 256, 257),
+        (65, 16, 65),  # no more than a small problem: the run's own
+    ],
+)
 def test_probe_points_keep_the_runs_specialisation_class_on_a_few_points(n, k, points):
     got = kmeans_triton.probe_points(n, k)
     assert got == points
@@ -190,11 +215,17 @@ class _Recorder:
     def __getitem__(self, grid):
         def launch(*args, **constexprs):
             names = self.kernel.arg_names
-            self.sink["into"].add((self.kernel.__name__, tuple(sorted(constexprs.items())),
-                           tuple(_specialisation(self.kernel, a, names[i]) for i, a in enumerate(args))))
+            self.sink["into"].add(
+                (
+                    self.kernel.__name__,
+                    tuple(sorted(constexprs.items())),
+                    tuple(_specialisation(self.kernel, a, names[i]) for i, a in enumerate(args)),
+                )
+            )
             if "n" in names:
                 self.sink["into"].add(("n", args[names.index("n")]))
             return self.kernel[grid](*args, **constexprs)
+
         return launch
 
 
@@ -306,22 +337,64 @@ def test_kernels_compile_within_shared_memory_for_every_supported_tile(capabilit
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
         return backends.triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4})
 
-    lloyd = {"x_ptr": "*fp32", "w_ptr": "*fp32", "c_ptr": "*fp32", "rows_ptr": "*i64", "err_ptr": "*fp32",
-             "sums_ptr": "*fp32", "mass_ptr": "*fp32", "n": "i32", "n_rows": "i32", "nb": "i32"}
+    lloyd = {
+        "x_ptr": "*fp32",
+        "w_ptr": "*fp32",
+        "c_ptr": "*fp32",
+        "rows_ptr": "*i64",
+        "err_ptr": "*fp32",
+        "sums_ptr": "*fp32",
+        "mass_ptr": "*fp32",
+        "n": "i32",
+        "n_rows": "i32",
+        "nb": "i32",
+    }
     shapes = [(256, 16), (256, 32), (512, 16), (16, 128), (6, 4)]
     assert all(kmeans_triton.supports(k, g) for k, g in shapes) and not kmeans_triton.supports(512, 32)
     for k, g in shapes:
-        out = compile_(kmeans_triton._lloyd_kernel, lloyd, dict(
-            K=k, G=g, KP=backends.pow2(k, 16), GP=backends.pow2(g, 16), BLOCK=kmeans_triton._lloyd_block(k, g),
-            ACCUMULATE=True, PRECISION="tf32x3"))
+        out = compile_(
+            kmeans_triton._lloyd_kernel,
+            lloyd,
+            dict(
+                K=k,
+                G=g,
+                KP=backends.pow2(k, 16),
+                GP=backends.pow2(g, 16),
+                BLOCK=kmeans_triton._lloyd_block(k, g),
+                ACCUMULATE=True,
+                PRECISION="tf32x3",
+            ),
+        )
         assert out.asm["cubin"] and out.metadata.shared <= SHARED_MEMORY_LIMIT, (k, g, out.metadata.shared)
-    distance = {"x_ptr": "*fp32", "xb_ptr": "*bf16", "w_ptr": "*fp32", "d2_ptr": "*fp32", "chosen_ptr": "*i64", "out_ptr": "*fp32",
-                "bsum_ptr": "*fp64", "n": "i32", "j": "i32", "n_problems": "i32", "nb": "i32"}
-    draw = {"w_ptr": "*fp32", "d2_ptr": "*fp32", "bsum_ptr": "*fp64", "wsum_ptr": "*fp64", "u_ptr": "*fp64",
-            "chosen_ptr": "*i64", "n": "i32", "nb": "i32"}
+    distance = {
+        "x_ptr": "*fp32",
+        "xb_ptr": "*bf16",
+        "w_ptr": "*fp32",
+        "d2_ptr": "*fp32",
+        "chosen_ptr": "*i64",
+        "out_ptr": "*fp32",
+        "bsum_ptr": "*fp64",
+        "n": "i32",
+        "j": "i32",
+        "n_problems": "i32",
+        "nb": "i32",
+    }
+    draw = {
+        "w_ptr": "*fp32",
+        "d2_ptr": "*fp32",
+        "bsum_ptr": "*fp64",
+        "wsum_ptr": "*fp64",
+        "u_ptr": "*fp64",
+        "chosen_ptr": "*i64",
+        "n": "i32",
+        "nb": "i32",
+    }
     for g in (16, 32):
-        out = compile_(kmeans_triton._pp_distance_kernel, distance, dict(K=256, G=g, GP=g, BLOCK=kmeans_triton.DRAW_BLOCK,
-                                                                        SUB=kmeans_triton.DRAW_SUB))
+        out = compile_(
+            kmeans_triton._pp_distance_kernel,
+            distance,
+            dict(K=256, G=g, GP=g, BLOCK=kmeans_triton.DRAW_BLOCK, SUB=kmeans_triton.DRAW_SUB),
+        )
         assert out.metadata.shared <= SHARED_MEMORY_LIMIT
     out = compile_(kmeans_triton._pp_draw_kernel, draw, dict(BLOCK=kmeans_triton.DRAW_BLOCK, NBP=256))
     assert out.asm["cubin"] and out.metadata.shared <= SHARED_MEMORY_LIMIT

@@ -86,5 +86,7 @@ def test_the_probes_reference_places_codewords_in_block_order():
 def test_only_fp32_codebooks_on_cuda_are_candidates():
     cpu = lookup_kernel.candidate(torch.device("cpu"), torch.float32)
     assert not cpu.auto and cpu.unfit() == ""
-    assert lookup_kernel.candidate(torch.device("cpu"), torch.bfloat16).unfit() == \
-        "a torch.bfloat16 codebook (it reads float32)"
+    assert (
+        lookup_kernel.candidate(torch.device("cpu"), torch.bfloat16).unfit()
+        == "a torch.bfloat16 codebook (it reads float32)"
+    )

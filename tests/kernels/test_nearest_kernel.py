@@ -53,13 +53,20 @@ print(json.dumps(out))
 @needs_triton
 def test_kernel_picks_the_torch_paths_codes_lowest_index_on_ties_and_its_probe_checks_that():
     out = run_kernel_script(COMPARE)
-    for shape in ["(70, 2, 3, 2, 3, 256, 16)", "(64, 2, 4, 1, 4, 32, 16)", "(33, 3, 2, 3, 1, 16, 32)", "(1, 1, 1, 1, 1, 64, 16)"]:
+    for shape in [
+        "(70, 2, 3, 2, 3, 256, 16)",
+        "(64, 2, 4, 1, 4, 32, 16)",
+        "(33, 3, 2, 3, 1, 16, 32)",
+        "(1, 1, 1, 1, 1, 64, 16)",
+    ]:
         n, h, g = eval(shape)[:3]
         assert out[shape] == {"equal": True, "dtype": "torch.int64", "shape": [n, h, g]}, shape
     assert out["ties"] == [3] * 5
     assert out["empty"] == [0, 2, 3]
-    assert out["wrong_kernel"].startswith("it agrees with the torch reference on ") and "% of a probe's codes" in \
-        out["wrong_kernel"]
+    assert (
+        out["wrong_kernel"].startswith("it agrees with the torch reference on ")
+        and "% of a probe's codes" in out["wrong_kernel"]
+    )
 
 
 def test_the_probes_reference_is_the_brute_force_nearest_codeword():
@@ -81,6 +88,7 @@ def test_supported_shapes():
 
 def test_cpu_tensors_keep_the_torch_path(monkeypatch):
     """On the CPU the codec's dispatch never considers the kernel, even where Triton could run (the interpreter)."""
+
     def kernel(*args):
         raise AssertionError("the kernel was called for CPU tensors")
 

@@ -25,8 +25,9 @@ def test_the_prepared_probes_are_the_ones_the_codec_finds(monkeypatch):
     probes = []
     for module in (nearest, lookup):
         real = module.probe
-        monkeypatch.setattr(module, "probe", lambda *args, _real=real, _name=module.__name__: probes.append(_name)
-                            or _real(*args))
+        monkeypatch.setattr(
+            module, "probe", lambda *args, _real=real, _name=module.__name__: probes.append(_name) or _real(*args)
+        )
     try:
         assert prepare_codec_kernels(torch.device("cuda"), k=16, g=16) == {nearest.LABEL: "", lookup.LABEL: ""}
         assert sorted(probes) == ["loopvq_calib.kernels.lookup", "loopvq_calib.kernels.nearest"]

@@ -86,7 +86,9 @@ def test_cached_decode_equals_full_forward_with_zero_state():
     ids = torch.randint(0, 4096, (1, 12))
     full = model(ids).logits
     cache = LoopKVCache()
-    parts = [model(ids[:, :4], cache=cache).logits] + [model(ids[:, i : i + 1], cache=cache).logits for i in range(4, 12)]
+    parts = [model(ids[:, :4], cache=cache).logits] + [
+        model(ids[:, i : i + 1], cache=cache).logits for i in range(4, 12)
+    ]
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-4)
     assert len(cache) == 1 + 2 * 4 + 1 and cache.num_steps == 4
     with pytest.raises(ValueError, match="loop steps"):

@@ -67,8 +67,9 @@ def test_invalid_json_in_config_json_names_the_file_and_position(model_dir, cont
     with pytest.raises(json.JSONDecodeError) as expected:  # the position, found independently
         json.loads(content)
     e = expected.value
-    assert refused(model_dir) == (f"{KEY}: {model_dir / 'config.json'} is not valid JSON: {e.msg} "
-                                  f"(line {e.lineno}, column {e.colno})")
+    assert refused(model_dir) == (
+        f"{KEY}: {model_dir / 'config.json'} is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})"
+    )
 
 
 def test_non_utf8_and_non_object_config_json_name_the_file(model_dir):
@@ -85,8 +86,10 @@ def test_non_utf8_and_non_object_config_json_name_the_file(model_dir):
 def test_a_wrong_model_type_names_config_json_and_the_supported_ones(model_dir):
     raw = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**raw, "model_type": "llama"}))
-    assert refused(model_dir) == (f"{KEY}: model_type 'llama' in {model_dir}/config.json is not a supported looped "
-                                  "model; supported: ouro, huginn_raven")
+    assert refused(model_dir) == (
+        f"{KEY}: model_type 'llama' in {model_dir}/config.json is not a supported looped "
+        "model; supported: ouro, huginn_raven"
+    )
 
 
 def test_a_config_transformers_refuses_names_config_json(model_dir):
@@ -114,8 +117,10 @@ def test_a_shard_cut_inside_its_header_names_the_shard(model_dir):
     header_bytes = int.from_bytes(shard.read_bytes()[:8], "little")
     cut = 8 + header_bytes // 2
     shard.write_bytes(shard.read_bytes()[:cut])
-    assert refused(model_dir) == (f"{KEY}: {shard}: truncated: its header says {header_bytes:,} bytes, the file "
-                                  f"holds {cut - 8:,} after the length")
+    assert refused(model_dir) == (
+        f"{KEY}: {shard}: truncated: its header says {header_bytes:,} bytes, the file "
+        f"holds {cut - 8:,} after the length"
+    )
     shard.write_bytes(b"\x01")
     assert refused(model_dir) == f"{KEY}: {shard}: not a safetensors file (1 bytes; truncated?)"
 
@@ -124,7 +129,10 @@ def test_a_shard_cut_inside_its_tensors_names_the_shard(model_dir):
     shard = model_dir / shards(model_dir)[2]
     whole = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[:-100])
-    assert refused(model_dir) == f"{KEY}: {shard}: truncated: its tensors need {whole:,} bytes, the file has {whole - 100:,}"
+    assert (
+        refused(model_dir)
+        == f"{KEY}: {shard}: truncated: its tensors need {whole:,} bytes, the file has {whole - 100:,}"
+    )
     with pytest.raises(ModelLoadError, match="truncated"):  # also before the loader reads a tensor
         load_model(model_dir, "float32", torch.device("cpu"))
 
@@ -132,8 +140,9 @@ def test_a_shard_cut_inside_its_tensors_names_the_shard(model_dir):
 def test_a_shard_with_a_garbage_header_names_the_shard(model_dir):
     shard = model_dir / shards(model_dir)[0]
     shard.write_bytes((8).to_bytes(8, "little") + b"not json" + b"\0" * 64)
-    assert refused(model_dir) == (f"{KEY}: {shard}: not a safetensors file (its header is no valid tensor table: "
-                                  "JSONDecodeError)")
+    assert refused(model_dir) == (
+        f"{KEY}: {shard}: not a safetensors file (its header is no valid tensor table: JSONDecodeError)"
+    )
 
 
 def test_a_missing_shard_is_named_with_the_index(model_dir):
@@ -148,8 +157,9 @@ def test_an_index_naming_a_file_outside_the_folder_is_refused(model_dir):
     index = json.loads((model_dir / WEIGHTS_INDEX).read_text())
     index["weight_map"]["lm_head.weight"] = "../outside.safetensors"
     (model_dir / WEIGHTS_INDEX).write_text(json.dumps(index))
-    assert refused(model_dir) == (f"{KEY}: {model_dir / WEIGHTS_INDEX} names '../outside.safetensors', not a file "
-                                  f"name in {model_dir}")
+    assert refused(model_dir) == (
+        f"{KEY}: {model_dir / WEIGHTS_INDEX} names '../outside.safetensors', not a file name in {model_dir}"
+    )
     (model_dir / WEIGHTS_INDEX).write_text('{"weight_map": [')
     assert refused(model_dir).startswith(f"{KEY}: {model_dir / WEIGHTS_INDEX} is not a valid weight index")
 
@@ -158,8 +168,9 @@ def test_a_folder_without_weights_says_so(model_dir):
     (model_dir / WEIGHTS_INDEX).unlink()
     for shard in model_dir.glob("*.safetensors"):
         shard.unlink()
-    assert refused(model_dir) == (f"{KEY}: {model_dir} has no weights (model.safetensors, or {WEIGHTS_INDEX} and the "
-                                  "shards it names)")
+    assert refused(model_dir) == (
+        f"{KEY}: {model_dir} has no weights (model.safetensors, or {WEIGHTS_INDEX} and the shards it names)"
+    )
 
 
 def test_the_identity_of_a_folder_with_a_broken_config_names_the_file(model_dir):
@@ -185,8 +196,11 @@ def test_the_window_is_max_position_embeddings_for_ouro_and_block_size_for_hugin
 def test_a_window_that_is_not_a_positive_integer_names_the_field_and_config_json(model_dir, value):
     config = tiny_ouro_config(max_position_embeddings=512)
     config.max_position_embeddings, config._name_or_path = value, str(model_dir)
-    with pytest.raises(ModelLoadError, match=rf"^{model_dir}/config\.json: field max_position_embeddings \(the model's "
-                                             rf"window\) must be a positive integer, got {re.escape(repr(value))}$"):
+    with pytest.raises(
+        ModelLoadError,
+        match=rf"^{model_dir}/config\.json: field max_position_embeddings \(the model's "
+        rf"window\) must be a positive integer, got {re.escape(repr(value))}$",
+    ):
         model_window(config)
 
 

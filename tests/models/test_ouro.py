@@ -45,7 +45,9 @@ def reference_ouro_logits(sd: dict, cfg, ids: torch.Tensor) -> torch.Tensor:
             o = att.transpose(1, 2).reshape(b, s, h * hd) @ sd[p + "self_attn.o_proj.weight"].T
             x = x + rms(o, sd[p + "input_layernorm_2.weight"])
             m = rms(x, sd[p + "post_attention_layernorm.weight"])
-            m = (F.silu(m @ sd[p + "mlp.gate_proj.weight"].T) * (m @ sd[p + "mlp.up_proj.weight"].T)) @ sd[p + "mlp.down_proj.weight"].T
+            m = (F.silu(m @ sd[p + "mlp.gate_proj.weight"].T) * (m @ sd[p + "mlp.up_proj.weight"].T)) @ sd[
+                p + "mlp.down_proj.weight"
+            ].T
             x = x + rms(m, sd[p + "post_attention_layernorm_2.weight"])
         x = rms(x, sd["model.norm.weight"])
     return x @ sd["lm_head.weight"].T
@@ -131,7 +133,10 @@ def test_hub_layout_config_with_auto_map_loads_without_remote_code(tmp_path):
     model = make_tiny_ouro()
     save_with_tokenizer(model, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["auto_map"] = {"AutoConfig": "configuration_ouro.OuroConfig", "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM"}
+    cfg["auto_map"] = {
+        "AutoConfig": "configuration_ouro.OuroConfig",
+        "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM",
+    }
     cfg["torch_dtype"] = "bfloat16"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
@@ -162,7 +167,10 @@ def test_shipped_reference_model_is_sharded_bf16_ouro(reference_model_dir):
     "edit,expected",
     [
         (lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight"), "missing tensors: model.layers.1.mlp.up_proj.weight"),
-        (lambda sd: sd.__setitem__("model.layers.0.extra.weight", torch.zeros(2)), "unexpected tensors: model.layers.0.extra.weight"),
+        (
+            lambda sd: sd.__setitem__("model.layers.0.extra.weight", torch.zeros(2)),
+            "unexpected tensors: model.layers.0.extra.weight",
+        ),
         (lambda sd: sd.__setitem__("model.norm.weight", torch.ones(63)), "model.norm.weight"),
     ],
 )

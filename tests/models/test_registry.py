@@ -45,9 +45,18 @@ class ToyLoopConfig(PretrainedConfig):
 
     model_type = "toy_loop"
 
-    def __init__(self, vocab_size: int = 4096, hidden_size: int = 64, num_attention_heads: int = 4, *,
-                 layers_per_loop: int = 2, loops: int = 4, context: int = 256, rope_base: float = 10000.0,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        vocab_size: int = 4096,
+        hidden_size: int = 64,
+        num_attention_heads: int = 4,
+        *,
+        layers_per_loop: int = 2,
+        loops: int = 4,
+        context: int = 256,
+        rope_base: float = 10000.0,
+        **kwargs: Any,
+    ) -> None:
         self.vocab_size, self.hidden_size, self.num_attention_heads = vocab_size, hidden_size, num_attention_heads
         self.head_dim = hidden_size // num_attention_heads
         self.layers_per_loop, self.loops, self.context, self.rope_base = layers_per_loop, loops, context, rope_base
@@ -96,12 +105,20 @@ class ToyLoopForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         sites = tuple(KVSite(t * n + i, t, i, True, "loop") for t in range(steps) for i in range(n))
         return KVLayout(c.model_type, sites, steps, c.num_attention_heads, c.head_dim, "half", c.rope_base)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, *, use_cache: bool | None = None, logits_to_keep: int = 0,
-                **kwargs: Any) -> ModelOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        *,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        **kwargs: Any,
+    ) -> ModelOutput:
         steps = self.loop_steps
-        cache, ctx = self._forward_context(input_ids, attention_mask, position_ids, use_cache=use_cache, steps=steps,
-                                           kwargs=kwargs)
+        cache, ctx = self._forward_context(
+            input_ids, attention_mask, position_ids, use_cache=use_cache, steps=steps, kwargs=kwargs
+        )
         h = self.embed(input_ids)
         for t in range(steps):
             for i, layer in enumerate(self.layers):
@@ -110,9 +127,15 @@ class ToyLoopForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         return make_output(cache, logits=self.lm_head(h))
 
 
-TOY = Architecture(config_class=ToyLoopConfig, model_class=ToyLoopForCausalLM, loop_field="loops",
-                   looped_layers_field="layers_per_loop", window_field="context", rope_base_field="rope_base",
-                   size_caps={"loops": (1, 64), "layers_per_loop": (1, 8), "context": (1, 4096)})
+TOY = Architecture(
+    config_class=ToyLoopConfig,
+    model_class=ToyLoopForCausalLM,
+    loop_field="loops",
+    looped_layers_field="layers_per_loop",
+    window_field="context",
+    rope_base_field="rope_base",
+    size_caps={"loops": (1, 64), "layers_per_loop": (1, 8), "context": (1, 4096)},
+)
 
 
 @pytest.fixture
@@ -154,8 +177,10 @@ def test_the_toy_config_json_is_checked_against_its_declared_caps(toy, toy_dir, 
     (folder / "config.json").write_text(json.dumps({**raw, "loops": 65}))
     with pytest.raises(ModelLoadError) as err:
         check_model_folder(folder, KEY)
-    assert str(err.value) == (f"{KEY}: {folder}/config.json: field loops (loop steps) is 65, more than this toolkit "
-                              "takes (64: docs/reliability.md, \"Bounds\")")
+    assert str(err.value) == (
+        f"{KEY}: {folder}/config.json: field loops (loop steps) is 65, more than this toolkit "
+        'takes (64: docs/reliability.md, "Bounds")'
+    )
     (folder / "config.json").write_text(json.dumps({**raw, "loops": 64, "layers_per_loop": 8, "context": 0}))
     with pytest.raises(ModelLoadError, match=r"field context \(the model's window\) must be a positive integer"):
         check_model_folder(folder, KEY)
@@ -197,14 +222,19 @@ def test_after_unregistering_the_toolkit_refuses_the_toy(toy, tmp_path):
     assert find_architecture("toy_loop") is None and model_types() == ("ouro", "huginn_raven")
     with pytest.raises(ModelLoadError) as err:
         check_model_folder(folder, KEY)
-    assert str(err.value) == (f"{KEY}: model_type 'toy_loop' in {folder}/config.json is not a supported looped model; "
-                              "supported: ouro, huginn_raven")
+    assert str(err.value) == (
+        f"{KEY}: model_type 'toy_loop' in {folder}/config.json is not a supported looped model; "
+        "supported: ouro, huginn_raven"
+    )
 
 
-@pytest.mark.parametrize("make, fields", [
-    (make_tiny_ouro, ("total_ut_steps", "max_position_embeddings", "num_hidden_layers")),
-    (make_tiny_huginn, ("mean_recurrence", "block_size", "n_layers_in_recurrent_block")),
-])
+@pytest.mark.parametrize(
+    "make, fields",
+    [
+        (make_tiny_ouro, ("total_ut_steps", "max_position_embeddings", "num_hidden_layers")),
+        (make_tiny_huginn, ("mean_recurrence", "block_size", "n_layers_in_recurrent_block")),
+    ],
+)
 def test_the_shipped_architectures_hooks_read_and_set_their_own_fields(make, fields):
     model = make()
     loop, window, layers = (getattr(model.config, f) for f in fields)
@@ -217,7 +247,7 @@ def test_huginn_details_say_how_its_initial_state_is_drawn():
     assert make_tiny_huginn(state_init="like-init", mean_recurrence=3).loop_details() == {
         "recurrences": 3,
         "initial_state": f"like-init: truncated normal, std {math.sqrt(2 / (5 * 64))}, times {math.sqrt(64)}, torch "
-                         "seed reset per request",
+        "seed reset per request",
     }
 
 
@@ -229,6 +259,7 @@ def test_the_registry_refuses_a_second_architecture_for_a_type_and_mismatched_cl
     with pytest.raises(ValueError, match="model_type 'ouro' is already registered \\(OuroForCausalLM\\)"):
         register_architecture(again)
     assert find_architecture(["ouro"]) is None  # any JSON value, even one that cannot be a key
-    with pytest.raises(ValueError, match="model_type 'llama' is not a registered looped architecture; registered: "
-                                         "ouro, huginn_raven"):
+    with pytest.raises(
+        ValueError, match="model_type 'llama' is not a registered looped architecture; registered: ouro, huginn_raven"
+    ):
         architecture_of({"model_type": "llama"})

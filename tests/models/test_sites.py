@@ -8,17 +8,17 @@ import torch.nn.functional as F
 from conftest import make_tiny_huginn, make_tiny_ouro
 from transformers import AutoModelForCausalLM
 
-from loopvq_calib.models import (
-    HuginnConfig,
-    KVRecorder,
-    KVSubstituter,
-    OuroConfig,
-    kv_hook,
-    kv_layout,
-)
+from loopvq_calib.models import HuginnConfig, KVRecorder, KVSubstituter, OuroConfig, kv_hook, kv_layout
 
-OURO_REAL = dict(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_attention_heads=16,
-                 num_key_value_heads=16, rope_theta=1e6, total_ut_steps=4)
+OURO_REAL = dict(
+    vocab_size=49152,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    rope_theta=1e6,
+    total_ut_steps=4,
+)
 
 
 @pytest.mark.parametrize(

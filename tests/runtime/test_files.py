@@ -31,11 +31,18 @@ def sha(path: Path) -> str:
 
 def mixed_tensors() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"key.0": torch.randn(4, 2, 8, generator=g).bfloat16(),
-            "fisher_key.0": torch.rand(4, 2, 4, generator=g).half(),
-            "input_ids": torch.arange(4), "qstat.0": torch.randn(2, 8, generator=g), "scalar": torch.tensor(2.5),
-            "empty": torch.zeros(0, 3), "mask": torch.tensor([True, False, True]), "wide": torch.randn(3).double(),
-            "small": torch.arange(5, dtype=torch.int32), "bytes": torch.arange(7, dtype=torch.uint8)}
+    return {
+        "key.0": torch.randn(4, 2, 8, generator=g).bfloat16(),
+        "fisher_key.0": torch.rand(4, 2, 4, generator=g).half(),
+        "input_ids": torch.arange(4),
+        "qstat.0": torch.randn(2, 8, generator=g),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+        "mask": torch.tensor([True, False, True]),
+        "wide": torch.randn(3).double(),
+        "small": torch.arange(5, dtype=torch.int32),
+        "bytes": torch.arange(7, dtype=torch.uint8),
+    }
 
 
 @pytest.mark.parametrize("metadata", [None, {}, {"sequence": "3"}])
@@ -75,16 +82,18 @@ def test_a_recording_folder_logs_every_write_under_it_from_any_thread(tmp_path):
     elsewhere.mkdir()
     with recording_digests(folder):
         write_bytes_atomic(folder / "a.json", b'{"a": 1}')
-        worker = threading.Thread(target=write_tensors_atomic, args=(folder / "sub" / "t.safetensors",
-                                                                      {"x": torch.ones(3)}))
+        worker = threading.Thread(
+            target=write_tensors_atomic, args=(folder / "sub" / "t.safetensors", {"x": torch.ones(3)})
+        )
         worker.start()
         worker.join()
         write_bytes_atomic(elsewhere / "b.json", b"{}")  # not under the folder
         write_bytes_atomic(folder / "a.json", b'{"a": 22}')  # written again: the last digest counts
     write_bytes_atomic(folder / "late.json", b"{}")  # after the block: not recorded
     digests = take_digests(folder)
-    assert digests == {name: (sha(folder / name), (folder / name).stat().st_size)
-                       for name in ("a.json", "sub/t.safetensors")}
+    assert digests == {
+        name: (sha(folder / name), (folder / name).stat().st_size) for name in ("a.json", "sub/t.safetensors")
+    }
     assert not (folder / DIGEST_LOG).exists() and not (elsewhere / DIGEST_LOG).exists()
     assert take_digests(folder) == {}
 

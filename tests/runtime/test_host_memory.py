@@ -20,9 +20,11 @@ CPU = torch.device("cpu")
 
 def sequence(seq: int) -> dict[str, torch.Tensor]:
     """A captured sequence's tensors: distinct values per sequence and tensor, sizes not multiples of 64 bytes."""
-    return {"key.0": torch.arange(30, dtype=torch.float32).view(5, 6) + 100 * seq,
-            "fisher_key.0": torch.arange(21, dtype=torch.bfloat16).view(7, 3) + seq,
-            "input_ids": torch.arange(5) * (seq + 1)}
+    return {
+        "key.0": torch.arange(30, dtype=torch.float32).view(5, 6) + 100 * seq,
+        "fisher_key.0": torch.arange(21, dtype=torch.bfloat16).view(7, 3) + seq,
+        "input_ids": torch.arange(5) * (seq + 1),
+    }
 
 
 class Recorder:
@@ -99,7 +101,7 @@ def test_page_aligned_bytes_are_a_private_map_of_their_own_freed_with_the_last_t
         return None
 
     assert mapping(base) == "rw-p"
-    view = t[hm.PAGE:]
+    view = t[hm.PAGE :]
     del t
     gc.collect()
     view.fill_(7)  # a view keeps the map alive
@@ -235,8 +237,10 @@ def test_a_failed_copy_surfaces_in_the_caller_naming_its_sequence(monkeypatch):
     assert torch.equal(copier.submit(sequence(0), 0).result()["key.0"], sequence(0)["key.0"])
     fail.set()
     failing = copier.submit(sequence(1), 1)
-    with pytest.raises(hm.HostCopyError, match="copying calibration sequence 1 to host memory failed: MemoryError: "
-                                               "cannot allocate host memory"):
+    with pytest.raises(
+        hm.HostCopyError,
+        match="copying calibration sequence 1 to host memory failed: MemoryError: cannot allocate host memory",
+    ):
         copier.submit(sequence(2), 2)  # waits for sequence 1 (depth 1): its error comes out here
     with pytest.raises(hm.HostCopyError, match="sequence 1 "):
         failing.result()
@@ -261,8 +265,11 @@ def test_leaving_the_copier_after_an_error_cancels_the_copies_not_started(monkey
             futures += [copier.submit(sequence(seq), seq) for seq in range(3)]
             threading.Timer(1.0, gate.set).start()  # the worker stays on sequence 0 until after the cancelling
             raise KeyError("capture failed")
-    assert futures[0].done() and not futures[0].cancelled() and torch.equal(futures[0].result()["key.0"],
-                                                                            sequence(0)["key.0"])
+    assert (
+        futures[0].done()
+        and not futures[0].cancelled()
+        and torch.equal(futures[0].result()["key.0"], sequence(0)["key.0"])
+    )
     assert [f.cancelled() for f in futures[1:]] == [True, True] and len(copied) == 1
 
 
@@ -312,6 +319,7 @@ def test_a_collected_copier_unlocks_its_slabs():
 
 def test_let_go_frees_in_a_background_thread():
     """``let_go`` empties the list in its own thread, so the objects only it held are freed there."""
+
     class Held:
         pass
 
@@ -330,8 +338,7 @@ def test_slab_per_tensor_on_a_gpu_pins_each_tensor_and_unpins_the_dropped_ones()
     copier = hm.HostCopier(torch.device("cuda"), slab_per_tensor=True)
     with copier:
         host = copier.submit(gpu, 3).result()
-    assert all(host[n].is_pinned() and not host[n].is_cuda and torch.equal(host[n], t)
-               for n, t in sequence(3).items())
+    assert all(host[n].is_pinned() and not host[n].is_cuda and torch.equal(host[n], t) for n, t in sequence(3).items())
     assert len(copier.pinned) == 3
     del host["fisher_key.0"]
     assert copier.drop_unused(3, host) == hm.PAGE and len(copier.pinned) == 2 and host["key.0"].is_pinned()

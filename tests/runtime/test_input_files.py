@@ -58,12 +58,15 @@ def test_lines_past_the_bound_are_cut_and_their_rest_skipped():
     assert list(capped_lines(io.BytesIO(data), 10)) == [(b"short\n", 6), (b"x" * 10, 26), (b"last", 4)]
 
 
-@pytest.mark.parametrize("text,field,described", [
-    ('{"a": {"b": [1, ' + "9" * 31 + "]}}", "a.b[1]", "an integer of 31 digits (999999999999...999999)"),
-    ('{"t": -' + "1" * 400 + "}", "t", "an integer of 400 digits"),
-    ('{"x": 1e999}', "x", "the number 1e999, which is no finite float"),
-    ('{"x": 0.' + "5" * 60 + "}", "x", "the number 0.5555555555...555555, which is no finite float"),
-])
+@pytest.mark.parametrize(
+    "text,field,described",
+    [
+        ('{"a": {"b": [1, ' + "9" * 31 + "]}}", "a.b[1]", "an integer of 31 digits (999999999999...999999)"),
+        ('{"t": -' + "1" * 400 + "}", "t", "an integer of 400 digits"),
+        ('{"x": 1e999}', "x", "the number 1e999, which is no finite float"),
+        ('{"x": 0.' + "5" * 60 + "}", "x", "the number 0.5555555555...555555, which is no finite float"),
+    ],
+)
 def test_numbers_too_long_to_convert_are_kept_as_text_and_found_by_field(text, field, described):
     parsed = parse_json(text)
     where, number = long_number(parsed)

@@ -68,4 +68,3 @@ def test_end_processes_leaves_a_joined_group_and_is_a_no_op_without_one(tmp_path
     assert dist.is_initialized()
     end_processes()
     assert not dist.is_initialized()
-

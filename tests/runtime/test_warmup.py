@@ -88,13 +88,26 @@ def test_each_stage_waits_for_its_job_first(tiny_ouro_dir, calib_corpus, tmp_pat
     monkeypatch.setattr(Warmup, "wait", lambda self, name: events.append(f"wait {name}"))
     for name in ("run_tasq", "run_kmeans", "run_finetune"):
         real = getattr(stage_table, name)
-        monkeypatch.setattr(stage_table, name,
-                            lambda *a, _real=real, _name=name, **k: events.append(_name) or _real(*a, **k))
-    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", quant={"method": "tasq+loopvq"},
-                      model={"device": "cpu"}, finetune={"epochs": 1})
+        monkeypatch.setattr(
+            stage_table, name, lambda *a, _real=real, _name=name, **k: events.append(_name) or _real(*a, **k)
+        )
+    cfg = tiny_config(
+        tiny_ouro_dir,
+        calib_corpus,
+        tmp_path / "run",
+        quant={"method": "tasq+loopvq"},
+        model={"device": "cpu"},
+        finetune={"epochs": 1},
+    )
     result = calibrate(cfg, stages=["finetune"])
-    assert events == ["wait linalg", "run_tasq", "wait kmeans_backend", "run_kmeans", "wait codec_kernels",
-                      "run_finetune"]
+    assert events == [
+        "wait linalg",
+        "run_tasq",
+        "wait kmeans_backend",
+        "run_kmeans",
+        "wait codec_kernels",
+        "run_finetune",
+    ]
     assert json.loads((result.run_dir / "manifest.json").read_text())["warmup"] == {}
 
 
@@ -118,8 +131,14 @@ def test_on_cuda_the_probe_and_linalg_run_in_the_background(tiny_ouro_dir, calib
         return real(*args, **kwargs)
 
     monkeypatch.setattr(kmeans_triton, "probe", noted)
-    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", quant={"method": "tasq+loopvq"},
-                      kmeans={"backend": "auto"}, model={"device": "cuda"})
+    cfg = tiny_config(
+        tiny_ouro_dir,
+        calib_corpus,
+        tmp_path / "run",
+        quant={"method": "tasq+loopvq"},
+        kmeans={"backend": "auto"},
+        model={"device": "cuda"},
+    )
     result = calibrate(cfg, stages=["kmeans"])
     warmup = json.loads((result.run_dir / "manifest.json").read_text())["warmup"]
     assert list(warmup) == ["linalg", "kmeans_backend"]  # in stage order: TaSQ comes first
@@ -129,16 +148,23 @@ def test_on_cuda_the_probe_and_linalg_run_in_the_background(tiny_ouro_dir, calib
     assert all(name.startswith("loopvq-warmup") for name in probes)
 
 
-def test_the_command_starts_the_device_job_before_its_pipeline_and_the_pipeline_keeps_it(tiny_ouro_dir, calib_corpus,
-                                                                                       tmp_path, monkeypatch):
+def test_the_command_starts_the_device_job_before_its_pipeline_and_the_pipeline_keeps_it(
+    tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch
+):
     """``loopvq-calibrate`` submits ``warm_device`` (with ``model.device``) before it imports the pipeline, and the
     pipeline adds its jobs to that same warm-up: the manifest reports the job."""
     import sys
 
     seen = []
     real = Warmup.submit
-    monkeypatch.setattr(Warmup, "submit", lambda self, name, device, fn, *args: seen.append(
-        (name, fn, args, "loopvq_calib.calibration.pipeline" in sys.modules)) or real(self, name, device, fn, *args))
+    monkeypatch.setattr(
+        Warmup,
+        "submit",
+        lambda self, name, device, fn, *args: (
+            seen.append((name, fn, args, "loopvq_calib.calibration.pipeline" in sys.modules))
+            or real(self, name, device, fn, *args)
+        ),
+    )
     import loopvq_calib.calibration
 
     monkeypatch.setattr(loopvq_calib.calibration, "pipeline", pipeline_module)  # put back after the re-import below

@@ -29,8 +29,15 @@ def generate(model, ids, cache, new_tokens):
     """Greedy generate() with a user cache under the installed transformers' argument name (None: the
     model's own LoopKVCache)."""
     user = {CACHE_FIELD: cache} if cache is not None else {}
-    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                         return_dict_in_generate=True, output_logits=True, **user)
+    out = model.generate(
+        ids,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+        **user,
+    )
     return out.sequences, torch.stack(out.logits, 1)
 
 
@@ -77,8 +84,14 @@ def test_huge_window_equals_plain_cache(reference):
 @pytest.mark.parametrize("store", ["indices", "fake"])
 def test_regions_follow_page_rules_at_every_step(store):
     model = make_tiny_ouro()
-    q = sampled_quantizer(model, torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(1)),
-                          "loopvq", codebook_size=16, group_size=8, steps_per_block=4)
+    q = sampled_quantizer(
+        model,
+        torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(1)),
+        "loopvq",
+        codebook_size=16,
+        group_size=8,
+        steps_per_block=4,
+    )
     prompt = torch.randint(0, 4096, (2, 21), generator=torch.Generator().manual_seed(2))
     cache = QuantizedLoopKVCache(q, sink_tokens=4, recent_window=8, page_size=8, store=store)
     plain = LoopKVCache()
@@ -114,14 +127,22 @@ def test_prefill_pages_hold_decode_encode_of_full_precision_keys():
             torch.testing.assert_close(got[:, 4:20], rec[:, 4:20], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("make, method, steps", [(make_tiny_ouro, "loopvq", 4), (make_tiny_ouro, "tasq+loopvq", 4),
-                                                 (make_tiny_huginn, "tasq+loopvq", 2), (make_tiny_huginn, "cq", 1)])
+@pytest.mark.parametrize(
+    "make, method, steps",
+    [
+        (make_tiny_ouro, "loopvq", 4),
+        (make_tiny_ouro, "tasq+loopvq", 4),
+        (make_tiny_huginn, "tasq+loopvq", 2),
+        (make_tiny_huginn, "cq", 1),
+    ],
+)
 def test_bytes_per_token_match_hand_computation(make, method, steps):
     model = make()
     kv = model.kv_layout()
     g = 8
-    q = sampled_quantizer(model, torch.randint(0, 4096, (1, 24)), method, codebook_size=16, group_size=g,
-                          steps_per_block=steps)
+    q = sampled_quantizer(
+        model, torch.randint(0, 4096, (1, 24)), method, codebook_size=16, group_size=g, steps_per_block=steps
+    )
     cache = QuantizedLoopKVCache(q, sink_tokens=8, recent_window=16, page_size=8)
     prompt = torch.randint(0, 4096, (2, 50))
     for _ in greedy(model, prompt, cache, 5):
@@ -146,8 +167,9 @@ def test_bytes_per_token_match_hand_computation(make, method, steps):
 def test_huginn_generation_matches_fake_store():
     model = make_tiny_huginn()
     kv = model.kv_layout()
-    q = sampled_quantizer(model, torch.randint(0, 4096, (1, 48)), "loopvq", codebook_size=16, group_size=8,
-                          steps_per_block=2)
+    q = sampled_quantizer(
+        model, torch.randint(0, 4096, (1, 48)), "loopvq", codebook_size=16, group_size=8, steps_per_block=2
+    )
     assert {len(c.layout.sites) for c in q.codecs.values()} == {1, 2}  # prelude/coda alone, core in pairs
     assert len(q.codecs) == 2 * (2 + kv.loop_steps // 2 * 2)
     prompt = torch.randint(0, 4096, (1, 19))

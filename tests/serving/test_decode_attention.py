@@ -35,10 +35,18 @@ def test_every_method_and_rope_style_matches_the_reference(method, style):
 
 
 @needs_kernels
-@pytest.mark.parametrize("n, s_fp, block_n, splits", [
-    (0, 1, 8, None),  # nothing coded yet: the new token alone
-    (1, 3, 8, None), (8, 9, 8, 1), (15, 4, 8, 2), (16, 20, 8, 2), (17, 2, 16, 4), (40, 12, 16, 8),
-])
+@pytest.mark.parametrize(
+    "n, s_fp, block_n, splits",
+    [
+        (0, 1, 8, None),  # nothing coded yet: the new token alone
+        (1, 3, 8, None),
+        (8, 9, 8, 1),
+        (15, 4, 8, 2),
+        (16, 20, 8, 2),
+        (17, 2, 16, 4),
+        (40, 12, 16, 8),
+    ],
+)
 def test_page_and_tile_boundaries_and_region_sizes(n, s_fp, block_n, splits):
     check("loopvq", "half", heads=2, q_heads=2, n=n, s_fp=s_fp, block_n=block_n, splits=splits, seed=n)
 
@@ -52,8 +60,20 @@ def test_gqa_query_groups_share_their_kv_head(method, style):
 @needs_kernels
 @pytest.mark.parametrize("per_program", [2, 3])
 def test_programs_that_loop_over_several_sequences(per_program):
-    check("tasq+loopvq", "half", heads=2, q_heads=4, n=13, s_fp=5, splits=2, batch=5, per_program=per_program,
-          pad=1, seed=13, hints=per_program == 2)
+    check(
+        "tasq+loopvq",
+        "half",
+        heads=2,
+        q_heads=4,
+        n=13,
+        s_fp=5,
+        splits=2,
+        batch=5,
+        per_program=per_program,
+        pad=1,
+        seed=13,
+        hints=per_program == 2,
+    )
 
 
 @needs_kernels
@@ -75,8 +95,18 @@ def test_int32_indices_for_large_codebooks():
 
 @needs_kernels
 def test_float16_tables_and_bf16_inputs_within_bf16_tolerance():
-    check("tasq+loopvq", "half", heads=2, q_heads=2, n=30, s_fp=7, table_dtype=torch.float16,
-          dtype=torch.bfloat16, tol=1e-2, seed=11)
+    check(
+        "tasq+loopvq",
+        "half",
+        heads=2,
+        q_heads=2,
+        n=30,
+        s_fp=7,
+        table_dtype=torch.float16,
+        dtype=torch.bfloat16,
+        tol=1e-2,
+        seed=11,
+    )
 
 
 def test_step_tables_reproduce_the_codec_decode():
@@ -97,16 +127,43 @@ def test_float16_tables_with_large_biased_keys():
     """Keys with near-constant channels around 10 and queries of scale 5 (q . k of a few hundred), fp16 tables
     and bf16 inputs: the tables' rounding stays within the fp16 tolerance (the Triton kernel reads the tables
     in fp16 but sums in fp32; the CUDA kernel's packed-half sums are checked on the GPU)."""
-    check("loopvq", "half", heads=2, q_heads=2, n=37, s_fp=6, splits=3, pad=2, table_dtype=torch.float16,
-          dtype=torch.bfloat16, tol=1e-2, seed=12, key_bias=10.0, q_scale=5.0)
+    check(
+        "loopvq",
+        "half",
+        heads=2,
+        q_heads=2,
+        n=37,
+        s_fp=6,
+        splits=3,
+        pad=2,
+        table_dtype=torch.float16,
+        dtype=torch.bfloat16,
+        tol=1e-2,
+        seed=12,
+        key_bias=10.0,
+        q_scale=5.0,
+    )
 
 
 @needs_kernels
 def test_float16_keys_with_float32_values():
     """Values of a few thousand: the value table switches to fp32 while the keys stay fp16 (both dtypes in one
     call)."""
-    check("loopvq", "interleaved", heads=2, q_heads=4, n=29, s_fp=5, splits=2, pad=1, table_dtype=torch.float16,
-          dtype=torch.float32, tol=1e-2, seed=14, value_scale=2000.0)
+    check(
+        "loopvq",
+        "interleaved",
+        heads=2,
+        q_heads=4,
+        n=29,
+        s_fp=5,
+        splits=2,
+        pad=1,
+        table_dtype=torch.float16,
+        dtype=torch.float32,
+        tol=1e-2,
+        seed=14,
+        value_scale=2000.0,
+    )
 
 
 def test_tables_switch_to_float32_where_packed_half_sums_could_overflow():
@@ -115,19 +172,25 @@ def test_tables_switch_to_float32_where_packed_half_sums_could_overflow():
     fmax = torch.finfo(torch.float16).max
     value_limit, key_limit = fmax / da.VALUE_TERMS, fmax / (da.KEY_TERMS * da.QUERY_BOUND)
     for key_max, value_max, key_dtype, value_dtype in (
-            (3.0, 3.0, torch.float16, torch.float16),
-            (0.99 * key_limit, 0.99 * value_limit, torch.float16, torch.float16),
-            (3.0, 1.01 * value_limit, torch.float16, torch.float32),
-            (1.01 * key_limit, 3.0, torch.float32, torch.float16),
-            (1.01 * key_limit, 1.01 * value_limit, torch.float32, torch.float32)):
+        (3.0, 3.0, torch.float16, torch.float16),
+        (0.99 * key_limit, 0.99 * value_limit, torch.float16, torch.float16),
+        (3.0, 1.01 * value_limit, torch.float16, torch.float32),
+        (1.01 * key_limit, 3.0, torch.float32, torch.float16),
+        (1.01 * key_limit, 1.01 * value_limit, torch.float32, torch.float32),
+    ):
         kc, vc = make_codecs("loopvq", 2, 32, 16, 8, 4)
         for codec, largest in ((kc, key_max), (vc, value_max)):
             codec.codebook.data *= largest / da.channel_table(codec, 1)[0].abs().max()  # the step's largest
         tables = da.step_tables(kc, vc, 1, rope_style="half", device="cpu", dtype=torch.float16)
         assert (tables.key_a.dtype, tables.key_b.dtype, tables.value.dtype) == (key_dtype, key_dtype, value_dtype)
-        assert torch.allclose(tables.value.float(), da.step_tables(kc, vc, 1, rope_style="half", device="cpu", dtype=torch.float32).value,
-                              rtol=1e-3)
-        assert da.step_tables(kc, vc, 1, rope_style="half", device="cpu", dtype=torch.float32).key_a.dtype == torch.float32
+        assert torch.allclose(
+            tables.value.float(),
+            da.step_tables(kc, vc, 1, rope_style="half", device="cpu", dtype=torch.float32).value,
+            rtol=1e-3,
+        )
+        assert (
+            da.step_tables(kc, vc, 1, rope_style="half", device="cpu", dtype=torch.float32).key_a.dtype == torch.float32
+        )
     assert value_limit > 4000 and 200 < key_limit < 300  # 65504 / 16 and 65504 / 256
 
 
@@ -146,7 +209,10 @@ def test_plan_splits_covers_every_token_in_whole_tiles():
             assert per % 16 == 0 and splits >= 1
             assert (splits - 1) * per < max(n, 1) <= splits * per or n == 0
             assert splits * heads <= max(132, heads)
-    assert decode_triton.plan_splits(32768, 16, 16, programs=132) == (8, 4096)  # 16 heads x 8 splits on 132 multiprocessors
+    assert decode_triton.plan_splits(32768, 16, 16, programs=132) == (
+        8,
+        4096,
+    )  # 16 heads x 8 splits on 132 multiprocessors
 
 
 @needs_kernels
@@ -155,22 +221,44 @@ def test_bad_shapes_are_refused():
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 3, 4, 2, 0)
     tables = da.step_tables(kc, vc, 0, rope_style="half", device=DEVICE)
     with pytest.raises(ValueError, match="multiple of KV heads"):
-        da.decode_attention(q.to(DEVICE), tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos), rope=da.RopeTable(16, 1e4))
+        da.decode_attention(
+            q.to(DEVICE), tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos), rope=da.RopeTable(16, 1e4)
+        )
     coded.key_sigma = None
     with pytest.raises(ValueError, match="key_sigma"):
-        da.decode_attention(q[:, :2].to(DEVICE), tables, coded,
-                            fp=da.FullPrecisionTokens(fk.to(DEVICE), fv.to(DEVICE), fpos.to(DEVICE)), rope=da.RopeTable(16, 1e4))
+        da.decode_attention(
+            q[:, :2].to(DEVICE),
+            tables,
+            coded,
+            fp=da.FullPrecisionTokens(fk.to(DEVICE), fv.to(DEVICE), fpos.to(DEVICE)),
+            rope=da.RopeTable(16, 1e4),
+        )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["loopvq", "tasq+loopvq"])
 def test_ouro_shapes_on_the_gpu(method):
     """Ouro-1.4B's site shapes (16 KV heads, D 128, K 256, G 16, T_c 4), bf16 inputs, fp16 tables, default splits."""
-    check(method, "half", heads=16, q_heads=16, n=3000, s_fp=72, steps=4, d=128, k=256, g=16,
-          block_n=16, table_dtype=torch.float16, dtype=torch.bfloat16, tol=1e-2)
+    check(
+        method,
+        "half",
+        heads=16,
+        q_heads=16,
+        n=3000,
+        s_fp=72,
+        steps=4,
+        d=128,
+        k=256,
+        g=16,
+        block_n=16,
+        table_dtype=torch.float16,
+        dtype=torch.bfloat16,
+        tol=1e-2,
+    )
 
 
 # -- the dispatch between the CUDA and the Triton kernel -------------------------------------------------
+
 
 class CpuAsCuda(cuda_build.CudaBuilds):
     """NVRTC builds whose device check takes CPU tensors for CUDA ones (the rest of the check as it is)."""
@@ -208,10 +296,13 @@ def test_a_failed_launch_falls_back_to_triton_with_a_warning(stand_in_cuda, monk
     plan = decode_cuda.LaunchPlan(16, 8, 1, 2, 11, False, 0)
     monkeypatch.setattr(decode_cuda, "launch", lambda lanes, *args, **kwargs: plan if lanes else "no lane tables")
     monkeypatch.setattr(decode_cuda, "decode_attention_cuda", failing_launch)
-    out = da.decode_attention(q, tables, coded, fp=fp, rope=da.RopeTable(64, 1e4),
-                              triton=da.TritonDecodeLaunch(num_splits=2))
-    assert "decode attention auto: using the Triton decode kernel on cpu, not the CUDA decode kernel: cuLaunchKernel " \
-           "failed on purpose" in stand_in_cuda.text
+    out = da.decode_attention(
+        q, tables, coded, fp=fp, rope=da.RopeTable(64, 1e4), triton=da.TritonDecodeLaunch(num_splits=2)
+    )
+    assert (
+        "decode attention auto: using the Triton decode kernel on cpu, not the CUDA decode kernel: cuLaunchKernel "
+        "failed on purpose" in stand_in_cuda.text
+    )
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
     assert tables.lanes[16] is None and len(rows) == 1
     assert rows[0] >= decode_cuda.rope_rows(int(coded.first_position.max()) + coded.count, 16)
@@ -248,10 +339,13 @@ def test_a_failed_build_falls_back_to_triton_and_later_calls_do_not_build(stand_
         raise cuda_build.BuildError("nvrtc: error: broken on purpose")
 
     monkeypatch.setattr(cuda_build, "build_kernel", broken)
-    monkeypatch.setattr(decode_cuda, "launch", lambda *args, **kwargs: decode_cuda.LaunchPlan(16, 8, 1, 2, 11, False, 0))
+    monkeypatch.setattr(
+        decode_cuda, "launch", lambda *args, **kwargs: decode_cuda.LaunchPlan(16, 8, 1, 2, 11, False, 0)
+    )
     for _ in range(2):
-        out = da.decode_attention(q, tables, coded, fp=fp, rope=da.RopeTable(64, 1e4),
-                                  triton=da.TritonDecodeLaunch(num_splits=2))
+        out = da.decode_attention(
+            q, tables, coded, fp=fp, rope=da.RopeTable(64, 1e4), triton=da.TritonDecodeLaunch(num_splits=2)
+        )
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
     assert builds == [decode_cuda.KERNEL]
     text = stand_in_cuda.text
@@ -266,15 +360,19 @@ def test_decode_attention_and_the_cache_take_the_kernels_in_the_listed_order(mon
     backend gets the kernels in that order, and the cache's ``auto`` asks whether the last one, the fallback,
     runs on the query's CUDA device."""
     tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
-    quantizer = sampled_quantizer(make_tiny_ouro(), torch.randint(0, 4096, (1, 16)), "loopvq", codebook_size=16,
-                                  group_size=8)
+    quantizer = sampled_quantizer(
+        make_tiny_ouro(), torch.randint(0, 4096, (1, 16)), "loopvq", codebook_size=16, group_size=8
+    )
     query = SimpleNamespace(shape=(1, 1, 4, 16), device=torch.device("cuda"))  # only its shape and device are read
     listed = tuple(reversed(backends.DECODE_CANDIDATES))
     monkeypatch.setattr(backends, "DECODE_CANDIDATES", listed)
     given: dict[str, list] = {}
-    monkeypatch.setattr(backends.DISPATCH, "run", lambda requested, candidates, **kw: given.setdefault("run", candidates))
-    monkeypatch.setattr(backends.DISPATCH, "choose",
-                        lambda requested, candidates, **kw: given.setdefault("choose", candidates))
+    monkeypatch.setattr(
+        backends.DISPATCH, "run", lambda requested, candidates, **kw: given.setdefault("run", candidates)
+    )
+    monkeypatch.setattr(
+        backends.DISPATCH, "choose", lambda requested, candidates, **kw: given.setdefault("choose", candidates)
+    )
     asked = []
     monkeypatch.setattr(cache_module, "available", lambda backend, device: asked.append(backend) or True)
     da.decode_attention(q, tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos, mask), rope=da.RopeTable(64, 1e4))
@@ -287,6 +385,7 @@ def test_decode_attention_and_the_cache_take_the_kernels_in_the_listed_order(mon
 
 # -- attention-level golden vectors (tests/golden_attention) --------------------------------------------------
 
+
 @needs_kernels
 @pytest.mark.parametrize("case", ["ouro_loopvq", "huginn_tasq_loopvq", "ouro_tasq_loopvq_channels"])
 def test_kernel_reproduces_the_attention_golden_vectors(case):
@@ -295,17 +394,38 @@ def test_kernel_reproduces_the_attention_golden_vectors(case):
     gold = load_file(str(GOLDEN_ATTENTION / "attention.safetensors"))
     expected = load_file(str(GOLDEN / "expected.safetensors"))
     sigma = expected.get(f"{case}/key.{block}.sigma")
-    idx = {kind: read_indices(gold, f"{case}/{kind}", bundle.meta["codebook_size"],
-                              count=expected[f"{case}/{kind}.{block}.indices"].shape[-1]).to(torch.uint8)
-           for kind in ("key", "value")}
-    coded = da.CodedTokens(idx["key"][None].to(DEVICE), idx["value"][None].to(DEVICE),
-                           None if sigma is None else sigma[None].to(DEVICE), 16, gold[f"{case}/coded_positions"][:1])
+    idx = {
+        kind: read_indices(
+            gold,
+            f"{case}/{kind}",
+            bundle.meta["codebook_size"],
+            count=expected[f"{case}/{kind}.{block}.indices"].shape[-1],
+        ).to(torch.uint8)
+        for kind in ("key", "value")
+    }
+    coded = da.CodedTokens(
+        idx["key"][None].to(DEVICE),
+        idx["value"][None].to(DEVICE),
+        None if sigma is None else sigma[None].to(DEVICE),
+        16,
+        gold[f"{case}/coded_positions"][:1],
+    )
     rope = da.RopeTable(kc.layout.head_dim, bundle.meta["rope"]["theta"])
     for m in range(kc.layout.steps):
         tables = da.step_tables(kc, vc, m, rope_style=bundle.meta["rope"]["style"], device=DEVICE, dtype=torch.float32)
-        fp = da.FullPrecisionTokens(gold[f"{case}/fp_keys"][m][None].to(DEVICE), gold[f"{case}/fp_values"][m][None].to(DEVICE),
-                                    gold[f"{case}/fp_positions"][None].to(DEVICE))
-        out = da.decode_attention(gold[f"{case}/query"][m][None].to(DEVICE), tables, coded, fp=fp, rope=rope,
-                                  triton=da.TritonDecodeLaunch(block_n=8, num_splits=2), cuda=da.CudaDecodeLaunch(num_splits=2))
+        fp = da.FullPrecisionTokens(
+            gold[f"{case}/fp_keys"][m][None].to(DEVICE),
+            gold[f"{case}/fp_values"][m][None].to(DEVICE),
+            gold[f"{case}/fp_positions"][None].to(DEVICE),
+        )
+        out = da.decode_attention(
+            gold[f"{case}/query"][m][None].to(DEVICE),
+            tables,
+            coded,
+            fp=fp,
+            rope=rope,
+            triton=da.TritonDecodeLaunch(block_n=8, num_splits=2),
+            cuda=da.CudaDecodeLaunch(num_splits=2),
+        )
         ref = gold[f"{case}/output"][m]
         assert ((out[0].cpu() - ref).norm() / ref.norm()) < 1e-5

@@ -24,21 +24,57 @@ CUDA = torch.cuda.is_available()
 @pytest.mark.parametrize("q_heads, g", [(2, 16), (6, 16), (2, 32)])
 def test_triton_kernel_reads_channels_layouts_like_the_reference(style, q_heads, g):
     """Codes of 2 or 4 RoPE pairs at each of 4 steps, MHA and GQA, masked left padding, several splits."""
-    check("tasq+loopvq", style, heads=2, q_heads=q_heads, n=29, s_fp=6, d=32, g=g, splits=3, pad=2, seed=g + q_heads,
-          grouping="channels")
+    check(
+        "tasq+loopvq",
+        style,
+        heads=2,
+        q_heads=q_heads,
+        n=29,
+        s_fp=6,
+        d=32,
+        g=g,
+        splits=3,
+        pad=2,
+        seed=g + q_heads,
+        grouping="channels",
+    )
 
 
 @needs_kernels
 def test_triton_kernel_channels_layout_in_fp16_tables_and_bf16():
-    check("tasq+loopvq", "half", heads=2, q_heads=4, n=30, s_fp=7, d=32, g=16, table_dtype=torch.float16,
-          dtype=torch.bfloat16, tol=1e-2, seed=11, grouping="channels")
+    check(
+        "tasq+loopvq",
+        "half",
+        heads=2,
+        q_heads=4,
+        n=30,
+        s_fp=7,
+        d=32,
+        g=16,
+        table_dtype=torch.float16,
+        dtype=torch.bfloat16,
+        tol=1e-2,
+        seed=11,
+        grouping="channels",
+    )
 
 
 @needs_kernels
 def test_triton_kernel_channels_layout_with_a_padded_head_dim():
     """Huginn-like head dim 24 (padded to 32 inside the kernel), interleaved RoPE."""
-    check("tasq+loopvq", "interleaved", heads=2, q_heads=2, n=19, s_fp=5, d=24, g=16, splits=2, seed=9,
-          grouping="channels")
+    check(
+        "tasq+loopvq",
+        "interleaved",
+        heads=2,
+        q_heads=2,
+        n=19,
+        s_fp=5,
+        d=24,
+        g=16,
+        splits=2,
+        seed=9,
+        grouping="channels",
+    )
 
 
 @needs_kernels
@@ -48,11 +84,27 @@ def test_the_pair_map_is_what_makes_the_permuted_tables_right():
     kc, vc = make_codecs("tasq+loopvq", 2, 32, 16, 16, 4, grouping="channels", style="half", seed=2)
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 17, 5, seed=2)
     tables = da.step_tables(kc, vc, 1, rope_style="half", device=DEVICE, dtype=torch.float32)
-    ref = da.decode_attention_reference(q, kc, vc, step=1, coded=coded, fp_keys=fk, fp_values=fv, fp_positions=fpos,
-                                        fp_mask=None, rope_style="half", rope_theta=1e4)
+    ref = da.decode_attention_reference(
+        q,
+        kc,
+        vc,
+        step=1,
+        coded=coded,
+        fp_keys=fk,
+        fp_values=fv,
+        fp_positions=fpos,
+        fp_mask=None,
+        rope_style="half",
+        rope_theta=1e4,
+    )
     fp = da.FullPrecisionTokens(fk.to(DEVICE), fv.to(DEVICE), fpos.to(DEVICE))
-    moved = da.CodedTokens(coded.key_indices.to(DEVICE), coded.value_indices.to(DEVICE), coded.key_sigma.to(DEVICE),
-                           coded.count, coded.first_position)
+    moved = da.CodedTokens(
+        coded.key_indices.to(DEVICE),
+        coded.value_indices.to(DEVICE),
+        coded.key_sigma.to(DEVICE),
+        coded.count,
+        coded.first_position,
+    )
 
     def error() -> float:
         out = da.decode_attention(q.to(DEVICE), tables, moved, fp=fp, rope=da.RopeTable(32, 1e4), backend="triton")
@@ -144,8 +196,23 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("style", ["half", "interleaved"])
 @pytest.mark.parametrize("q_heads, lanes", [(2, 8), (2, 16), (6, 16)])
 def test_cuda_kernel_reads_channels_layouts_like_the_reference(style, q_heads, lanes):
-    check("tasq+loopvq", style, heads=2, q_heads=q_heads, n=777, s_fp=6, d=128, k=32, g=16, splits=3, pad=2,
-          seed=lanes + q_heads, backend="cuda", lanes_per_token=lanes, grouping="channels")
+    check(
+        "tasq+loopvq",
+        style,
+        heads=2,
+        q_heads=q_heads,
+        n=777,
+        s_fp=6,
+        d=128,
+        k=32,
+        g=16,
+        splits=3,
+        pad=2,
+        seed=lanes + q_heads,
+        backend="cuda",
+        lanes_per_token=lanes,
+        grouping="channels",
+    )
 
 
 @pytest.mark.gpu
@@ -156,8 +223,24 @@ def test_cuda_kernel_channels_at_ouro_shapes_takes_loopvqs_launch(style, monkeyp
     LoopVQ's (16 tokens per lane group and step, fp16 keys), not free TaSQ's (8 tokens, float32 keys)."""
     plans, plan_of = [], dc.launch
     monkeypatch.setattr(dc, "launch", lambda *args, **kwargs: plans.append(plan_of(*args, **kwargs)) or plans[-1])
-    check("tasq+loopvq", style, heads=16, q_heads=16, n=3000, s_fp=72, d=128, k=256, g=16, table_dtype=torch.float16,
-          dtype=torch.bfloat16, tol=1e-2, backend="cuda", batch=8, pad=2, grouping="channels")
+    check(
+        "tasq+loopvq",
+        style,
+        heads=16,
+        q_heads=16,
+        n=3000,
+        s_fp=72,
+        d=128,
+        k=256,
+        g=16,
+        table_dtype=torch.float16,
+        dtype=torch.bfloat16,
+        tol=1e-2,
+        backend="cuda",
+        batch=8,
+        pad=2,
+        grouping="channels",
+    )
     assert plans and all(isinstance(p, dc.LaunchPlan) and (p.tokens, p.key_float32) == (16, False) for p in plans)
 
 
@@ -166,6 +249,24 @@ def test_cuda_kernel_channels_at_ouro_shapes_takes_loopvqs_launch(style, monkeyp
 def test_cuda_kernel_channels_layout_fp16_over_many_anchors():
     """The Chebyshev recurrence re-anchored through the pair map far past a warp's first anchor (one split, 2
     warps), GQA, a partial last step."""
-    check("tasq+loopvq", "half", heads=2, q_heads=4, n=999, s_fp=9, d=128, k=64, g=16, splits=1, pad=2, seed=4,
-          table_dtype=torch.float16, dtype=torch.bfloat16, tol=1e-2, backend="cuda", warps=2, tokens_per_iteration=8,
-          grouping="channels")
+    check(
+        "tasq+loopvq",
+        "half",
+        heads=2,
+        q_heads=4,
+        n=999,
+        s_fp=9,
+        d=128,
+        k=64,
+        g=16,
+        splits=1,
+        pad=2,
+        seed=4,
+        table_dtype=torch.float16,
+        dtype=torch.bfloat16,
+        tol=1e-2,
+        backend="cuda",
+        warps=2,
+        tokens_per_iteration=8,
+        grouping="channels",
+    )

@@ -86,6 +86,7 @@ def test_live_above_the_count_reads_the_count():
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 2, 2, 5, 4, seed=3)
     args = dict(step=1, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=None, rope_style="half", rope_theta=1e4)
     want = da.decode_attention_reference(q, kc, vc, coded=coded, **args)
-    above = da.CodedTokens(coded.key_indices, coded.value_indices, None, 5, coded.first_position,
-                           torch.tensor([7], dtype=torch.int32))
+    above = da.CodedTokens(
+        coded.key_indices, coded.value_indices, None, 5, coded.first_position, torch.tensor([7], dtype=torch.int32)
+    )
     assert torch.equal(da.decode_attention_reference(q, kc, vc, coded=above, **args), want)

@@ -23,8 +23,13 @@ def test_code_buffer_holds_every_page_head_major_and_doubles():
     first), keeping the tokens written; sigmas follow the indices; a second sync copies only the new pages."""
     gen = torch.Generator().manual_seed(0)
     batch, page, heads, codes, steps = 2, 24, 3, 4, 2
-    pages = [Codes(torch.randint(0, 256, (batch * page, heads, codes), generator=gen).to(torch.uint8),
-                   torch.rand(batch * page, steps, generator=gen).half()) for _ in range(7)]
+    pages = [
+        Codes(
+            torch.randint(0, 256, (batch * page, heads, codes), generator=gen).to(torch.uint8),
+            torch.rand(batch * page, steps, generator=gen).half(),
+        )
+        for _ in range(7)
+    ]
     buf = CodeBuffer()
     capacities = []
     for i in range(1, len(pages) + 1):
@@ -33,8 +38,8 @@ def test_code_buffer_holds_every_page_head_major_and_doubles():
     assert capacities == [64, 64, 96, 96, 192, 192, 192]  # max(2 * count, count + page, 64) when a page overflows
     assert buf.count == 7 * page and buf.pages == 7
     expect = torch.cat([p.indices.view(batch, page, heads, codes) for p in pages], 1)
-    assert torch.equal(buf.indices[:, :buf.count], expect)
-    assert torch.equal(buf.sigma[:, :buf.count], torch.cat([p.sigma.view(batch, page, steps) for p in pages], 1))
+    assert torch.equal(buf.indices[:, : buf.count], expect)
+    assert torch.equal(buf.sigma[:, : buf.count], torch.cat([p.sigma.view(batch, page, steps) for p in pages], 1))
     cap = buf.indices.shape[1]
     assert buf.indices.stride() == (heads * cap * codes, codes, cap * codes, 1)  # head-major
     buf.sync(pages, batch, page)  # nothing new: nothing copied, nothing grown
@@ -46,8 +51,13 @@ def test_code_buffer_copies_many_new_pages_at_once_as_one_by_one():
     capacity that page-by-page syncs give; a later page grows it as before."""
     gen = torch.Generator().manual_seed(1)
     batch, page, heads, codes, steps = 3, 8, 2, 5, 4
-    pages = [Codes(torch.randint(0, 256, (batch * page, heads, codes), generator=gen).to(torch.uint8),
-                   torch.rand(batch * page, steps, generator=gen).half()) for _ in range(21)]
+    pages = [
+        Codes(
+            torch.randint(0, 256, (batch * page, heads, codes), generator=gen).to(torch.uint8),
+            torch.rand(batch * page, steps, generator=gen).half(),
+        )
+        for _ in range(21)
+    ]
     one = CodeBuffer()
     for i in range(1, 21):
         one.sync(pages[:i], batch, page)
@@ -64,6 +74,7 @@ def test_code_buffer_copies_many_new_pages_at_once_as_one_by_one():
 
 # -- the quantized cache through the kernel ---------------------------------------------------------------
 
+
 def run_cache(model, batch, mask, quantizer, backend, new_tokens, **serving):
     """Prefill, then ``new_tokens`` greedy decode forwards (explicit calls, so the padding mask travels);
     returns the stacked last-position logits and the cache."""
@@ -73,7 +84,9 @@ def run_cache(model, batch, mask, quantizer, backend, new_tokens, **serving):
     logits = [out.logits[:, -1]]
     for _ in range(new_tokens):
         if mask is not None:
-            kw["attention_mask"] = mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype, device=mask.device)], 1)
+            kw["attention_mask"] = mask = torch.cat(
+                [mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype, device=mask.device)], 1
+            )
         out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True, **kw)
         logits.append(out.logits[:, -1])
     return torch.stack(logits, 1), cache
@@ -118,7 +131,9 @@ def test_cache_backend_choice(monkeypatch):
     clearly at the first decode step; an unknown choice is refused at construction."""
     model = make_tiny_ouro()
     q = sampled_quantizer(model, torch.randint(0, 4096, (1, 16)), "cq", codebook_size=16, group_size=8)
-    with pytest.raises(ValueError, match="QuantizedLoopKVCache backend: 'faiss' is not one of auto, cuda, triton, torch"):
+    with pytest.raises(
+        ValueError, match="QuantizedLoopKVCache backend: 'faiss' is not one of auto, cuda, triton, torch"
+    ):
         QuantizedLoopKVCache(q, 4, 8, backend="faiss")
     cache = QuantizedLoopKVCache(q, 4, 8, backend="auto")
     model(torch.randint(0, 4096, (1, 12)), cache=cache, use_cache=True)

@@ -50,9 +50,10 @@ def decoder(model, prompt, q, *, mask, graphs: bool) -> GraphDecoder:
     return GraphDecoder(model, static, graphs=graphs)
 
 
-@pytest.mark.parametrize("name,dtype,same,tol", [("ouro", torch.float32, 1e-5, 1e-4),
-                                                  ("huginn", torch.float32, 1e-5, 1e-4),
-                                                  ("ouro", torch.bfloat16, 2e-2, 1e-1)])
+@pytest.mark.parametrize(
+    "name,dtype,same,tol",
+    [("ouro", torch.float32, 1e-5, 1e-4), ("huginn", torch.float32, 1e-5, 1e-4), ("ouro", torch.bfloat16, 2e-2, 1e-1)],
+)
 def test_graph_replays_equal_eager_steps_across_pages(name, dtype, same, tol):
     """Replayed steps equal the same steps run eagerly over an identical static cache (the same kernels and
     buffers; within ``same``, relative L2: the matmuls may pick other algorithms on the capture stream) and stay
@@ -61,8 +62,10 @@ def test_graph_replays_equal_eager_steps_across_pages(name, dtype, same, tol):
     model, prompt, mask, q = case(name, dtype)
     (eager, ids), (twin, _) = (prefill(model, prompt, q, mask=mask, backend="auto", **SERVING) for _ in range(2))
     graphed, plain = (decoder(model, prompt, q, mask=mask, graphs=g) for g in (True, False))
-    runs = zip(lockstep(model, eager, graphed, ids=ids, steps=STEPS, mask=mask),
-               lockstep(model, twin, plain, ids=ids, steps=STEPS, mask=mask))
+    runs = zip(
+        lockstep(model, eager, graphed, ids=ids, steps=STEPS, mask=mask),
+        lockstep(model, twin, plain, ids=ids, steps=STEPS, mask=mask),
+    )
     for (want, got, eager_regions, regions), (_, plain_logits, _, _) in runs:
         assert relative(got, plain_logits) < same and relative(got, want) < tol
         assert regions == eager_regions

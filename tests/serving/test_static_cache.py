@@ -134,8 +134,16 @@ def test_what_a_static_cache_refuses():
     with pytest.raises(ValueError, match="holds 21 tokens, more than max_length 20"):
         StaticQuantizedLoopKVCache.from_cache(eager, max_length=20)
     with pytest.raises(ValueError, match="LoopVQ codes; BaselineQuantizer has none"):
-        StaticQuantizedLoopKVCache(make_baseline("fp8", model.kv_layout()), 4, 8, page_size=8, batch=1,
-                                   max_length=64, dtype=torch.float32, device="cpu")
+        StaticQuantizedLoopKVCache(
+            make_baseline("fp8", model.kv_layout()),
+            4,
+            8,
+            page_size=8,
+            batch=1,
+            max_length=64,
+            dtype=torch.float32,
+            device="cpu",
+        )
     with pytest.raises(ValueError, match="codec .* is on cpu, the cache on meta"):
         StaticQuantizedLoopKVCache(q, 4, 8, page_size=4, batch=1, max_length=64, dtype=torch.float32, device="meta")
 

@@ -41,19 +41,23 @@ for name, argv in json.loads(sys.argv[1]):
 
 def bundle_with(ws: Workspace, *path: str, value: object) -> str:
     """The golden bundle with the field at ``path`` set to ``value``, its checksum resealed."""
+
     def edit(meta: dict) -> None:
         node = meta
         for key in path[:-1]:
             node = node[key]
         node[path[-1]] = value
+
     return ws.bundle(reseal(edit))
 
 
 def config_field(name: str, value: object) -> Callable[[Path], None]:
     """config.json of a model folder with ``name`` set to ``value``."""
+
     def edit(folder: Path) -> None:
         cfg = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**cfg, name: value}))
+
     return edit
 
 
@@ -111,12 +115,19 @@ def run_in_child(cases: list[tuple[str, list[str]]], timeout: float) -> list[dic
     """Each (console script function name, argv) run in one child process in turn, under MEMORY_CEILING -> per case
     its status, stderr, seconds and the child's peak resident bytes so far; raises TimeoutExpired past
     ``timeout``."""
+
     def ceiling() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CEILING, MEMORY_CEILING))
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cases)], capture_output=True, text=True,
-                          timeout=timeout, env=env, preexec_fn=ceiling)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        preexec_fn=ceiling,
+    )
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(results) == len(cases), done.stderr[-3000:]
     return results
@@ -168,9 +179,18 @@ def eval_out(ws: Workspace, make: Callable[[Path], None]) -> tuple[Callable, lis
 def tiny_eval_args(ws: Workspace) -> list[str]:
     """loopvq-eval's arguments for a tiny bundle of the tiny model, on two short windows."""
     bundle = write_tiny_bundle(ws.root / "tb", ws.model)
-    return ["--bundle", str(bundle), "--model", str(ws.model), "--device", "cpu", "--num-sequences", "2",
-            "--sequence-length", "32"]
+    return [
+        "--bundle",
+        str(bundle),
+        "--model",
+        str(ws.model),
+        "--device",
+        "cpu",
+        "--num-sequences",
+        "2",
+        "--sequence-length",
+        "32",
+    ]
 
 
-MAINS = {calibrate_main: "calibrate_main", eval_main: "eval_main", inspect_main: "inspect_main",
-         push_main: "push_main"}
+MAINS = {calibrate_main: "calibrate_main", eval_main: "eval_main", inspect_main: "inspect_main", push_main: "push_main"}

@@ -34,15 +34,23 @@ def blobs(p: int, n: int, g: int, k: int, seed: int, spread: float = 0.6) -> tup
 def random_quantizer(kv, method="loopvq", seed=0) -> KVQuantizer:
     quant = QuantConfig(method=method, group_size=8, codebook_size=16, bits=None)
     gen = torch.Generator().manual_seed(seed)
-    codecs = {lay.key: BlockCodec(lay, torch.randn(codebook_shape(lay, 16, "none"), generator=gen))
-              for lay in plan_layouts(kv, quant)}
+    codecs = {
+        lay.key: BlockCodec(lay, torch.randn(codebook_shape(lay, 16, "none"), generator=gen))
+        for lay in plan_layouts(kv, quant)
+    }
     return KVQuantizer(codecs, method, 16, 8, quant.block_steps, "none", kv)
 
 
 def tiny_config(model_dir: Path, corpus: Path, out: Path, **sections) -> dict:
     cfg = {
         "model": {"name_or_path": str(model_dir)},
-        "data": {"dataset": str(corpus), "num_sequences": 6, "sequence_length": 32, "heldout_sequences": 2, "sink_tokens": 4},
+        "data": {
+            "dataset": str(corpus),
+            "num_sequences": 6,
+            "sequence_length": 32,
+            "heldout_sequences": 2,
+            "sink_tokens": 4,
+        },
         "quant": {"method": "loopvq", "codebook_size": 16, "group_size": 8, "bits": 0.5},
         # reusable, and the same for every method (fisher_channels null would follow the method's G / T_c)
         "capture": {"store": "disk", "fisher_channels": 1},

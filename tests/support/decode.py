@@ -41,7 +41,9 @@ def lane_reads(idx: torch.Tensor, table: torch.Tensor, column: torch.Tensor) -> 
     heads, runs, k, lanes, run = table.shape
     b, n = idx.shape[:2]
     flat = table.double().reshape(heads, -1)
-    ix = idx.long().gather(3, column.long().reshape(1, 1, heads, -1).expand(b, n, -1, -1)).view(b, n, heads, lanes, runs)
+    ix = (
+        idx.long().gather(3, column.long().reshape(1, 1, heads, -1).expand(b, n, -1, -1)).view(b, n, heads, lanes, runs)
+    )
     r, lane, i = torch.arange(runs), torch.arange(lanes), torch.arange(run)
     offset = ((r[None, :, None] * k * lanes + lane[:, None, None]) * run + i) + ix[..., None] * lanes * run
     return flat[torch.arange(heads)[None, None, :, None], offset.reshape(b, n, heads, -1)].view(b, n, heads, lanes, -1)
@@ -51,8 +53,19 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def make_codecs(method: str, heads: int, d: int, k: int, g: int, steps: int, sharing: str = "none", seed: int = 0, *,
-                grouping: str = "free", style: str = "half"):
+def make_codecs(
+    method: str,
+    heads: int,
+    d: int,
+    k: int,
+    g: int,
+    steps: int,
+    sharing: str = "none",
+    seed: int = 0,
+    *,
+    grouping: str = "free",
+    style: str = "half",
+):
     """Key and value codecs of one block with the layouts of ``method`` (T_b = ``steps`` for loop-axis methods);
     TaSQ keys: any permutation (``grouping`` free) or :func:`channels_groups` of RoPE ``style``."""
     loop = method in ("loopvq", "tasq+loopvq")
@@ -73,8 +86,17 @@ def make_codecs(method: str, heads: int, d: int, k: int, g: int, steps: int, sha
     return codec("key", key_groups, method.startswith("tasq"), seed + 10), codec("value", plain, False, seed + 20)
 
 
-def make_inputs(kc: BlockCodec, vc: BlockCodec, batch: int, q_heads: int, n: int, s_fp: int, seed: int,
-                dtype: torch.dtype = torch.float32, pad: int = 0):
+def make_inputs(
+    kc: BlockCodec,
+    vc: BlockCodec,
+    batch: int,
+    q_heads: int,
+    n: int,
+    s_fp: int,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    pad: int = 0,
+):
     """Random coded tokens (with spare capacity past ``n``), query and full-precision tokens; row 0 has ``pad``
     masked (left-padding) tokens at position 0 in its full-precision part."""
     heads, d, k = kc.layout.kv_heads, kc.layout.head_dim, kc.codebook.shape[2]
@@ -82,18 +104,22 @@ def make_inputs(kc: BlockCodec, vc: BlockCodec, batch: int, q_heads: int, n: int
     cap = n + 3
     first = torch.randint(s_fp, 3 * s_fp + 2, (batch,), generator=gen(seed))
     sigma = (torch.rand(batch, cap, kc.layout.steps, generator=gen(seed + 1)) + 0.5).half() if kc.transform else None
-    coded = da.CodedTokens(torch.randint(0, k, (batch, cap, heads, kc.layout.num_groups), generator=gen(seed + 2)).to(idt),
-                           torch.randint(0, k, (batch, cap, heads, vc.layout.num_groups), generator=gen(seed + 3)).to(idt),
-                           sigma, n, first)
+    coded = da.CodedTokens(
+        torch.randint(0, k, (batch, cap, heads, kc.layout.num_groups), generator=gen(seed + 2)).to(idt),
+        torch.randint(0, k, (batch, cap, heads, vc.layout.num_groups), generator=gen(seed + 3)).to(idt),
+        sigma,
+        n,
+        first,
+    )
     q = torch.randn(batch, q_heads, d, generator=gen(seed + 4)).to(dtype)
     fk = torch.randn(batch, s_fp, heads, d, generator=gen(seed + 5)).to(dtype)
     fv = torch.randn(batch, s_fp, heads, d, generator=gen(seed + 6)).to(dtype)
     fpos = torch.arange(s_fp)[None].repeat(batch, 1)
-    fpos[:, s_fp // 2:] += (first + n - s_fp // 2)[:, None]  # window tokens after the coded ones
+    fpos[:, s_fp // 2 :] += (first + n - s_fp // 2)[:, None]  # window tokens after the coded ones
     mask = torch.ones(batch, s_fp, dtype=torch.bool)
     mask[0, :pad] = False
     fpos[0, :pad] = 0
-    fpos[0, pad:s_fp // 2] = torch.arange(s_fp // 2 - pad)
+    fpos[0, pad : s_fp // 2] = torch.arange(s_fp // 2 - pad)
     return coded, q, fk, fv, fpos, (mask if pad else None)
 
 
@@ -102,9 +128,36 @@ def head_major(idx: torch.Tensor) -> torch.Tensor:
     return idx.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def check(method, style, heads, q_heads, n, s_fp, *, steps=4, d=16, k=16, g=8, sharing="none", block_n=8,
-          splits=None, pad=0, seed=0, table_dtype=torch.float32, dtype=torch.float32, tol=1e-5, batch=2, per_program=1,
-          hints=False, key_bias=0.0, q_scale=1.0, value_scale=1.0, backend="auto", grouping="free", **cuda):
+def check(
+    method,
+    style,
+    heads,
+    q_heads,
+    n,
+    s_fp,
+    *,
+    steps=4,
+    d=16,
+    k=16,
+    g=8,
+    sharing="none",
+    block_n=8,
+    splits=None,
+    pad=0,
+    seed=0,
+    table_dtype=torch.float32,
+    dtype=torch.float32,
+    tol=1e-5,
+    batch=2,
+    per_program=1,
+    hints=False,
+    key_bias=0.0,
+    q_scale=1.0,
+    value_scale=1.0,
+    backend="auto",
+    grouping="free",
+    **cuda,
+):
     """Kernel output against the reference at every step; ``key_bias`` is added to every key (codewords and
     full-precision keys: near-constant channels of that magnitude), the query is multiplied by ``q_scale`` and
     every value (codewords and full-precision values) by ``value_scale``. ``block_n``, ``per_program`` and
@@ -122,13 +175,39 @@ def check(method, style, heads, q_heads, n, s_fp, *, steps=4, d=16, k=16, g=8, s
         tables = da.step_tables(kc, vc, step, rope_style=style, device=DEVICE, dtype=table_dtype)
         dev = [t.to(DEVICE) if t is not None else None for t in (q, fk, fv, fpos, mask)]
         store = head_major if backend == "cuda" else (lambda t: t)
-        moved = da.CodedTokens(store(coded.key_indices).to(DEVICE), store(coded.value_indices).to(DEVICE),
-                               coded.key_sigma.to(DEVICE) if coded.key_sigma is not None else None, n, coded.first_position)
-        triton = da.TritonDecodeLaunch(block_n=block_n, num_splits=splits, batch_per_program=per_program,
-                                       cache_hints=hints)
-        out = da.decode_attention(dev[0], tables, moved, fp=da.FullPrecisionTokens(*dev[1:]), rope=rope,
-                                  backend=backend, triton=triton, cuda=da.CudaDecodeLaunch(num_splits=splits, **cuda))
-        ref = da.decode_attention_reference(q.float(), kc, vc, step=step, coded=coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=mask, rope_style=style, rope_theta=10000.0)
+        moved = da.CodedTokens(
+            store(coded.key_indices).to(DEVICE),
+            store(coded.value_indices).to(DEVICE),
+            coded.key_sigma.to(DEVICE) if coded.key_sigma is not None else None,
+            n,
+            coded.first_position,
+        )
+        triton = da.TritonDecodeLaunch(
+            block_n=block_n, num_splits=splits, batch_per_program=per_program, cache_hints=hints
+        )
+        out = da.decode_attention(
+            dev[0],
+            tables,
+            moved,
+            fp=da.FullPrecisionTokens(*dev[1:]),
+            rope=rope,
+            backend=backend,
+            triton=triton,
+            cuda=da.CudaDecodeLaunch(num_splits=splits, **cuda),
+        )
+        ref = da.decode_attention_reference(
+            q.float(),
+            kc,
+            vc,
+            step=step,
+            coded=coded,
+            fp_keys=fk,
+            fp_values=fv,
+            fp_positions=fpos,
+            fp_mask=mask,
+            rope_style=style,
+            rope_theta=10000.0,
+        )
         assert out.dtype == dtype and out.shape == ref.shape and torch.isfinite(out).all()
         err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
         assert err < tol, (method, style, step, err)
@@ -138,15 +217,33 @@ def dispatch_case():
     """A small CUDA-kernel-shaped call (uint8 head-major indices, fp32 tables) and its reference output."""
     kc, vc = make_codecs("loopvq", 2, 64, 16, 8, 4)
     coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, 2, 2, 21, 5, seed=1, pad=1)
-    coded = da.CodedTokens(head_major(coded.key_indices.to(torch.uint8)),
-                           head_major(coded.value_indices.to(torch.uint8)), None, coded.count, coded.first_position)
+    coded = da.CodedTokens(
+        head_major(coded.key_indices.to(torch.uint8)),
+        head_major(coded.value_indices.to(torch.uint8)),
+        None,
+        coded.count,
+        coded.first_position,
+    )
     tables = da.step_tables(kc, vc, 2, rope_style="half", device="cpu", dtype=torch.float32)
-    ref = da.decode_attention_reference(q, kc, vc, step=2, coded=coded, fp_keys=fk, fp_values=fv, fp_positions=fpos, fp_mask=mask, rope_style="half", rope_theta=1e4)
+    ref = da.decode_attention_reference(
+        q,
+        kc,
+        vc,
+        step=2,
+        coded=coded,
+        fp_keys=fk,
+        fp_values=fv,
+        fp_positions=fpos,
+        fp_mask=mask,
+        rope_style="half",
+        rope_theta=1e4,
+    )
     return tables, coded, q, fk, fv, fpos, mask, ref
 
 
-def emulate(q: torch.Tensor, tables: da.StepTables, coded: da.CodedTokens, fk, fv, fpos, mask, theta: float,
-            lane_count: int):
+def emulate(
+    q: torch.Tensor, tables: da.StepTables, coded: da.CodedTokens, fk, fv, fpos, mask, theta: float, lane_count: int
+):
     """The kernel's reads and arithmetic in lane order, float64: keys gathered into each lane's registers
     (first channels of its pairs, then second ones), the query rotated per pair on the query side, values
     accumulated per lane and scattered to their channels."""
@@ -183,8 +280,9 @@ def emulate(q: torch.Tensor, tables: da.StepTables, coded: da.CodedTokens, fk, f
     return out.reshape(bsz, hq, d)
 
 
-def prefill(model, prompt: torch.Tensor, quantizer, *, mask: torch.Tensor | None = None, backend: str = "torch",
-            **serving):
+def prefill(
+    model, prompt: torch.Tensor, quantizer, *, mask: torch.Tensor | None = None, backend: str = "torch", **serving
+):
     """A QuantizedLoopKVCache after ``prompt``'s prefill (left padding in ``mask``) and the prefill's greedy token
     [B, 1]."""
     cache = QuantizedLoopKVCache(quantizer, backend=backend, **serving)

@@ -12,14 +12,21 @@ def measured_row(meta: dict[str, Any], **measured: Any) -> dict[str, Any]:
     """A bundle's row of a report: what evaluate.py copies from the bundle's ``loopvq.json`` (codebooks sha256,
     settings, serving defaults, calibration metrics) and the measured numbers (``measured`` overrides the defaults)."""
     metrics = meta["metrics"]
-    return {"name": meta["name"], "codebooks_sha256": meta["files"]["codebooks.safetensors"]["sha256"],
-            "method": meta["method"], "bits": meta["bits"],
-            "codebook_size": meta["codebook_size"], "group_size": meta["group_size"],
-            "steps_per_block": meta["steps_per_block"], "sink_tokens": meta["serving"]["sink_tokens"],
-            "serving": meta["serving"], "bundle": "runs/x/bundle",
-            "selection_kl": metrics.get("selection_kl", metrics.get("heldout_kl")),
-            "finetune_curve": metrics.get("finetune_curve"),
-            **({"eval_kl": 0.0123, "ppl_fp": 10.0, "ppl_quantized": 10.5} | measured)}
+    return {
+        "name": meta["name"],
+        "codebooks_sha256": meta["files"]["codebooks.safetensors"]["sha256"],
+        "method": meta["method"],
+        "bits": meta["bits"],
+        "codebook_size": meta["codebook_size"],
+        "group_size": meta["group_size"],
+        "steps_per_block": meta["steps_per_block"],
+        "sink_tokens": meta["serving"]["sink_tokens"],
+        "serving": meta["serving"],
+        "bundle": "runs/x/bundle",
+        "selection_kl": metrics.get("selection_kl", metrics.get("heldout_kl")),
+        "finetune_curve": metrics.get("finetune_curve"),
+        **({"eval_kl": 0.0123, "ppl_fp": 10.0, "ppl_quantized": 10.5} | measured),
+    }
 
 
 def eval_report(meta: dict[str, Any]) -> dict[str, Any]:
@@ -27,16 +34,28 @@ def eval_report(meta: dict[str, Any]) -> dict[str, Any]:
     name = meta["name"]
     task = {"exact_match,answer": 0.5}
     return {
-        "model": "org/tiny-ouro", "dtype": "bfloat16", "device": "cpu", "data": {"dataset": "heldout.jsonl"},
+        "model": "org/tiny-ouro",
+        "dtype": "bfloat16",
+        "device": "cpu",
+        "data": {"dataset": "heldout.jsonl"},
         "loop_steps": 4,
-        "bundles": [measured_row(meta),
-                    {"name": "kivi2", "baseline": True, "eval_kl": 0.05, "ppl_fp": 10.0, "ppl_quantized": 11.0}],
+        "bundles": [
+            measured_row(meta),
+            {"name": "kivi2", "baseline": True, "eval_kl": 0.05, "ppl_fp": 10.0, "ppl_quantized": 11.0},
+        ],
         "served": {
             "reference": "bfloat16",
-            "entries": [{"name": "bfloat16", "serving": None},
-                        {"name": name, "serving": {"sink_tokens": 8, "recent_window": 64, "page_size": 8}}],
-            "tasks": {"scores": {"bfloat16": {"loopvq_recall": {"exact_match,answer": 0.75}},
-                                 name: {"loopvq_recall": task}, "kivi2": {"loopvq_recall": task}}},
+            "entries": [
+                {"name": "bfloat16", "serving": None},
+                {"name": name, "serving": {"sink_tokens": 8, "recent_window": 64, "page_size": 8}},
+            ],
+            "tasks": {
+                "scores": {
+                    "bfloat16": {"loopvq_recall": {"exact_match,answer": 0.75}},
+                    name: {"loopvq_recall": task},
+                    "kivi2": {"loopvq_recall": task},
+                }
+            },
             "passkey": {"lengths": [256], "accuracy": {"bfloat16": {"256": 1.0}, name: {"256": 0.8}}},
         },
     }

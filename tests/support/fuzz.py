@@ -83,6 +83,7 @@ def edit_meta(field_path: tuple, value) -> Callable[[Path], None]:
             node = node[key]
         node[field_path[-1]] = value
         (path / "loopvq.json").write_text(json.dumps(meta, indent=1))
+
     return edit
 
 
@@ -90,6 +91,7 @@ def truncate(name: str) -> Callable[[Path], None]:
     def edit(path: Path) -> None:
         data = (path / name).read_bytes()
         (path / name).write_bytes(data[: len(data) // 2])
+
     return edit
 
 
@@ -117,34 +119,41 @@ def parquet_bytes() -> bytes:
 
 def reseal(edit: Callable[[dict], None]) -> Callable[[Path], None]:
     """Edit loopvq.json and recompute its own checksum (a writer with that bug), so the rule under test refuses it."""
+
     def apply(path: Path) -> None:
         meta = json.loads((path / "loopvq.json").read_text())
         edit(meta)
         (path / "loopvq.json").write_bytes(meta_bytes(meta))
+
     return apply
 
 
 def list_file(name: str, data: bytes) -> Callable[[dict], None]:
     def edit(meta: dict) -> None:
         meta["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
     return edit
 
 
 def listed(ws: Workspace, name: str) -> tuple[Callable, list[str]]:
     """A bundle listing ``name`` (checksums right), the folder holding a .env and every look-alike beside it."""
+
     def edit(path: Path) -> None:
         for extra in (".env", "card1.md", "README.md.bak"):
             (path / extra).write_text("SECRET=1")
         reseal(list_file(name, b"SECRET=1"))(path)
+
     return push_main, [ws.bundle(edit), "--repo-id", "org/x", "--dry-run"]
 
 
 def symlinked_card(ws: Workspace) -> tuple[Callable, list[str]]:
     secret = Path(ws.file("secret.txt", "password"))
+
     def edit(path: Path) -> None:
         (path / "README.md").unlink()
         (path / "README.md").symlink_to(secret)
         reseal(list_file("README.md", b"password"))(path)
+
     return push_main, [ws.bundle(edit), "--repo-id", "org/x", "--dry-run"]
 
 
@@ -192,8 +201,13 @@ def tiny_eval(ws: Workspace, *args: str) -> tuple[Callable, list[str]]:
 DEEP = "[" * 100_000 + "]" * 100_000  # JSON nested deeper than Python recurses
 
 
-def report_push(ws: Workspace, edit: Callable[[dict], object] | None = None, *, text: str | None = None,
-                args: tuple[str, ...] = ("--dry-run",)) -> tuple[Callable, list[str]]:
+def report_push(
+    ws: Workspace,
+    edit: Callable[[dict], object] | None = None,
+    *,
+    text: str | None = None,
+    args: tuple[str, ...] = ("--dry-run",),
+) -> tuple[Callable, list[str]]:
     """loopvq-push of the golden bundle with a report of it (support/eval_reports.py), ``edit``ed, or its text
     replaced by ``text``."""
     bundle = ws.bundle()
@@ -210,35 +224,42 @@ def offline_push(ws: Workspace) -> tuple[Callable, list[str]]:
     """A real push (no --dry-run) with a report, under HF_HUB_OFFLINE=1 (restored after the case)."""
     previous = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"
-    ws.cleanups.append(lambda: os.environ.pop("HF_HUB_OFFLINE") if previous is None
-                       else os.environ.update(HF_HUB_OFFLINE=previous))
+    ws.cleanups.append(
+        lambda: os.environ.pop("HF_HUB_OFFLINE") if previous is None else os.environ.update(HF_HUB_OFFLINE=previous)
+    )
     return report_push(ws, args=())
 
 
 def through_linked_folder(ws: Workspace) -> tuple[Callable, list[str]]:
     """A bundle listing docs/card.md, its docs/ a symbolic link to a folder outside."""
     outside = Path(ws.file("elsewhere/card.md", "outside")).parent
+
     def edit(path: Path) -> None:
         (path / "docs").symlink_to(outside, target_is_directory=True)
         reseal(list_file("docs/card.md", b"outside"))(path)
+
     return push_main, [ws.bundle(edit), "--repo-id", "org/x", "--dry-run"]
 
 
 def header_version(version: str) -> Callable[[Path], None]:
     """codebooks.safetensors rewritten with ``version`` in its header metadata, its checksum resealed."""
+
     def edit(path: Path) -> None:
         file = path / "codebooks.safetensors"
         save_file(load_file(file), str(file), metadata={"format": "loopvq", "format_version": version})
         reseal(list_file("codebooks.safetensors", file.read_bytes()))(path)
+
     return edit
 
 
 def window(value: object) -> Callable[[Path], None]:
     """config.json's max_position_embeddings (the tiny Ouro's window) set to ``value``."""
+
     def edit(folder: Path) -> None:
         cfg = json.loads((folder / "config.json").read_text())
         cfg["max_position_embeddings"] = value
         (folder / "config.json").write_text(json.dumps(cfg))
+
     return edit
 
 
@@ -254,8 +275,10 @@ def shards_without_the_second(folder: Path) -> None:
     """The weights split into two shards named by model.safetensors.index.json, then the second shard deleted."""
     tensors = load_file(folder / "model.safetensors")
     names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for shard, keys in shards.items():
         save_file({k: tensors[k] for k in keys}, str(folder / shard), metadata={"format": "pt"})
     weight_map = {k: shard for shard, keys in shards.items() for k in keys}

@@ -51,8 +51,13 @@ class CaptureError(RuntimeError):
 
 def _check_finite(tensors: dict[str, torch.Tensor], kv: KVLayout, seq: int) -> None:
     """Forward values first, in site order, so the first bad site (not its gradient echo) is named."""
-    order = [(k, s) for kinds in (("key", "value"), ("fisher_key", "fisher_value")) for s in kv.sites for k in kinds
-             if f"{k}.{s.site}" in tensors]
+    order = [
+        (k, s)
+        for kinds in (("key", "value"), ("fisher_key", "fisher_value"))
+        for s in kv.sites
+        for k in kinds
+        if f"{k}.{s.site}" in tensors
+    ]
     finite = torch.stack([torch.isfinite(tensors[f"{k}.{s.site}"]).all() for k, s in order]).tolist()  # one host sync
     for (kind, site), ok in zip(order, finite):
         if not ok:
@@ -63,8 +68,15 @@ def _check_finite(tensors: dict[str, torch.Tensor], kv: KVLayout, seq: int) -> N
 
 
 def capture_sequence(
-    model: torch.nn.Module, ids: torch.Tensor, kv: KVLayout, *, seqs: list[int], dtype: torch.dtype = torch.float32,
-    fisher_channels: int = 1, on_device: bool = False, tasq_weights: dict[int, torch.Tensor] | None = None,
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    kv: KVLayout,
+    *,
+    seqs: list[int],
+    dtype: torch.dtype = torch.float32,
+    fisher_channels: int = 1,
+    on_device: bool = False,
+    tasq_weights: dict[int, torch.Tensor] | None = None,
     query_stats: bool = True,
 ) -> tuple[dict[str, torch.Tensor], ...]:
     """One forward + backward over ``ids`` [B, S]; per sequence, the tensors to store in ``dtype``, on the
@@ -134,7 +146,8 @@ def capture_kv(
     model: torch.nn.Module,
     calib: CalibrationSet,
     kv: KVLayout,
-    *, cfg: CaptureConfig,
+    *,
+    cfg: CaptureConfig,
     out: Path | MemoryCapture,
     dist: DistContext = SINGLE,
     progress: Callable[[int], Any] | None = None,
@@ -176,10 +189,17 @@ def capture_kv(
         for start in range(0, len(todo), cfg.batch_size):
             batch = todo[start : start + cfg.batch_size]
             on_device = start + len(batch) <= keep
-            results = capture_sequence(model, calib.input_ids[batch].to(device), kv, seqs=batch,
-                                       dtype=TORCH_DTYPES[cfg.dtype], fisher_channels=cfg.channels_per_fisher,
-                                       on_device=on_device or copier is not None, tasq_weights=weights,
-                                       query_stats=query_stats)
+            results = capture_sequence(
+                model,
+                calib.input_ids[batch].to(device),
+                kv,
+                seqs=batch,
+                dtype=TORCH_DTYPES[cfg.dtype],
+                fisher_channels=cfg.channels_per_fisher,
+                on_device=on_device or copier is not None,
+                tasq_weights=weights,
+                query_stats=query_stats,
+            )
             seconds["forward_backward"] += clock.lap()
             for seq, stored in zip(batch, results):
                 if stats is not None:
@@ -197,10 +217,17 @@ def capture_kv(
             out.sequences.update({seq: future.result() for seq, future in copies.items()})
     if copier is not None:
         seconds["storing"] += clock.lap()
-    log.info("capture: %s", ", ".join(f"{k} {v:.2f} s" for k, v in seconds.items()) +
-             ("; host copies (worker): " + ", ".join(f"{k} {v:.2f} s" for k, v in copier.seconds.items()) +
-              (f"; {copier.pageable} slabs pageable (pinning failed)" if copier.pageable else "")
-              if copier is not None else ""))
+    log.info(
+        "capture: %s",
+        ", ".join(f"{k} {v:.2f} s" for k, v in seconds.items())
+        + (
+            "; host copies (worker): "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in copier.seconds.items())
+            + (f"; {copier.pageable} slabs pageable (pinning failed)" if copier.pageable else "")
+            if copier is not None
+            else ""
+        ),
+    )
     return mine
 
 
@@ -221,8 +248,14 @@ def _missing_shards(out: Path, mine: list[int], progress: Callable[[int], Any] |
     return todo
 
 
-def capture_meta(calib: CalibrationSet, kv: KVLayout, cfg: CaptureConfig, *, memory: MemoryCapture | None = None,
-                 tasq_keys: bool = False) -> dict[str, Any]:
+def capture_meta(
+    calib: CalibrationSet,
+    kv: KVLayout,
+    cfg: CaptureConfig,
+    *,
+    memory: MemoryCapture | None = None,
+    tasq_keys: bool = False,
+) -> dict[str, Any]:
     """What a reader needs to know about a capture (``meta.json``); also set as ``memory.meta``.
     ``tasq_keys``: the keys' Fisher was stored as TaSQ-weighted RoPE-pair sums (``capture_kv(tasq_floor=...)``)."""
     meta = {
@@ -241,8 +274,15 @@ def capture_meta(calib: CalibrationSet, kv: KVLayout, cfg: CaptureConfig, *, mem
     return meta
 
 
-def write_meta(out_dir: Path, calib: CalibrationSet, kv: KVLayout, *, cfg: CaptureConfig,
-               memory: MemoryCapture | None = None, tasq_keys: bool = False) -> dict[str, Any]:
+def write_meta(
+    out_dir: Path,
+    calib: CalibrationSet,
+    kv: KVLayout,
+    *,
+    cfg: CaptureConfig,
+    memory: MemoryCapture | None = None,
+    tasq_keys: bool = False,
+) -> dict[str, Any]:
     """Describe the capture in ``out_dir/meta.json`` (called once all sequences exist)."""
     meta = capture_meta(calib, kv, cfg, memory=memory, tasq_keys=tasq_keys)
     if memory is not None:
@@ -265,8 +305,9 @@ def share_sequences(capture: MemoryCapture, needs: list[list[str]], dist: DistCo
     more than its own sequences and what it received so far."""
     rank, world = dist.rank, dist.world
     if not capture.sequences:
-        raise CaptureError(f"process {rank} captured no sequence: data.num_sequences {num_sequences} is below the "
-                           f"{world} processes")
+        raise CaptureError(
+            f"process {rank} captured no sequence: data.num_sequences {num_sequences} is below the {world} processes"
+        )
     own = next(iter(capture.sequences.values()))  # every captured sequence holds every tensor
     others = {n for r in range(world) if r != rank for n in needs[r]} - set(needs[rank])
     via = dist.transfer_device()
@@ -275,8 +316,12 @@ def share_sequences(capture: MemoryCapture, needs: list[list[str]], dist: DistCo
         ops, received = [], []
         if owner == rank:
             stored = capture.sequences[seq]
-            ops = [torch_dist.P2POp(torch_dist.isend, stored[n].to(via).contiguous(), r)
-                   for r in range(world) if r != rank for n in needs[r]]
+            ops = [
+                torch_dist.P2POp(torch_dist.isend, stored[n].to(via).contiguous(), r)
+                for r in range(world)
+                if r != rank
+                for n in needs[r]
+            ]
         else:
             received = [(n, torch.empty_like(own[n], device=via)) for n in needs[rank]]
             ops = [torch_dist.P2POp(torch_dist.irecv, t, owner) for _, t in received]
@@ -313,8 +358,14 @@ class CaptureData:
         return self.meta["num_sequences"]
 
     def load(
-        self, name: str, sites: tuple[int, ...], sequences: list[int] | None = None, *, include_sinks: bool = False,
-        device: torch.device | str | None = None, non_blocking: bool = False,
+        self,
+        name: str,
+        sites: tuple[int, ...],
+        sequences: list[int] | None = None,
+        *,
+        include_sinks: bool = False,
+        device: torch.device | str | None = None,
+        non_blocking: bool = False,
     ) -> torch.Tensor:
         """Tensor ``name`` (key | value | fisher_key | fisher_value) of ``sites`` -> [N, T, H, D] fp32 on ``device``.
 
@@ -328,8 +379,13 @@ class CaptureData:
         names = [f"{name}.{s}" for s in sites]
         dev = torch.device(device or "cpu")
         parts = [  # each tensor goes to the device as read: no stacked or concatenated host copies
-            torch.stack([t[start:].to(dev, non_blocking=non_blocking and dev.type == "cuda" and t.is_pinned())
-                         for t in self._tensors(i, names)], dim=1)
+            torch.stack(
+                [
+                    t[start:].to(dev, non_blocking=non_blocking and dev.type == "cuda" and t.is_pinned())
+                    for t in self._tensors(i, names)
+                ],
+                dim=1,
+            )
             for i in (sequences if sequences is not None else range(self.num_sequences))
         ]
         out = torch.cat(parts)
@@ -373,8 +429,10 @@ class CaptureReader(CaptureData):
                 present = set(f.keys())
                 return [f.get_tensor(n) if n in present else None for n in names]
         except Exception as err:  # missing, truncated or corrupted shard
-            raise CaptureError(f"{self.files[seq]}: cannot be read ({type(err).__name__}: {err}); delete the "
-                               f"capture folder {self.dir} to capture again") from err
+            raise CaptureError(
+                f"{self.files[seq]}: cannot be read ({type(err).__name__}: {err}); delete the "
+                f"capture folder {self.dir} to capture again"
+            ) from err
 
 
 class MemoryReader(CaptureData):

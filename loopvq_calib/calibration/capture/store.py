@@ -25,8 +25,9 @@ from ...runtime.host_memory import COPY_DEPTH, host_available
 GB = 1e9
 
 
-def capture_bytes(kv: KVLayout, num_sequences: int, sequence_length: int, *, cfg: CaptureConfig,
-                  tasq_keys: bool = False) -> int:
+def capture_bytes(
+    kv: KVLayout, num_sequences: int, sequence_length: int, *, cfg: CaptureConfig, tasq_keys: bool = False
+) -> int:
     """Bytes of a whole capture: per sequence and site, keys and values [S, H, D] and their Fisher
     [S, H, D / fisher_channels] (TaSQ keys: [S, H, D / 2]) in ``capture.dtype``, the fp32 query statistic
     [H, D]; int64 token ids."""
@@ -63,8 +64,17 @@ class StoreChoice:
 
 
 def choose_store(
-    cfg: CaptureConfig, kv: KVLayout, num_sequences: int, *, sequence_length: int, device: torch.device,
-    model_bytes: int, step_bytes: int, capture_dir: Path, processes: int = 1, tasq_keys: bool = False,
+    cfg: CaptureConfig,
+    kv: KVLayout,
+    num_sequences: int,
+    *,
+    sequence_length: int,
+    device: torch.device,
+    model_bytes: int,
+    step_bytes: int,
+    capture_dir: Path,
+    processes: int = 1,
+    tasq_keys: bool = False,
 ) -> StoreChoice:
     """Resolve ``capture.store``. ``auto``: the first of device, memory, disk that holds the capture, or
     (one process) ``split``: as many sequences on the accelerator as it holds, the rest in host memory. On
@@ -75,14 +85,19 @@ def choose_store(
     total = capture_bytes(kv, num_sequences, sequence_length, cfg=cfg, tasq_keys=tasq_keys)
     per_sequence = capture_bytes(kv, 1, sequence_length, cfg=cfg, tasq_keys=tasq_keys)
     share = total // processes  # in-memory stores: each process keeps its layouts of every sequence
-    need = f"the capture takes {total / GB:.2f} GB ({num_sequences} sequences x {sequence_length} tokens x " \
-           f"{kv.num_sites} sites, fisher_channels {cfg.channels_per_fisher})"
+    need = (
+        f"the capture takes {total / GB:.2f} GB ({num_sequences} sequences x {sequence_length} tokens x "
+        f"{kv.num_sites} sites, fisher_channels {cfg.channels_per_fisher})"
+    )
     room: dict[str, tuple[int, int, str]] = {}  # store -> (bytes needed, bytes available, where)
     if device.type == "cuda":
         free, card = torch.cuda.mem_get_info(device)
-        room["device"] = (share, free - model_bytes - step_bytes - card // 20,
-                          f"{device}: {free / GB:.1f} GB free, less the weights {model_bytes / GB:.1f} GB, "
-                          f"{step_bytes / GB:.1f} GB for the capture step and 5 % of the card, per process")
+        room["device"] = (
+            share,
+            free - model_bytes - step_bytes - card // 20,
+            f"{device}: {free / GB:.1f} GB free, less the weights {model_bytes / GB:.1f} GB, "
+            f"{step_bytes / GB:.1f} GB for the capture step and 5 % of the card, per process",
+        )
     room["memory"] = (total, host_available(), "host memory available, less a tenth of the machine's")
     room["disk"] = (total, disk_available(capture_dir), f"free on the disk of {capture_dir}, less 5 %")
     fits = {s: n <= avail for s, (n, avail, _) in room.items()}
@@ -92,22 +107,35 @@ def choose_store(
     if device.type == "cuda":
         in_flight = min(COPY_DEPTH, mine) * per_sequence
         fits["memory"] = fits["memory"] and room["device"][1] >= in_flight
-        summary += (f"; copies to host memory keep up to {min(COPY_DEPTH, mine)} sequences ({in_flight / GB:.2f} GB)"
-                    f" on {device} while in flight")
+        summary += (
+            f"; copies to host memory keep up to {min(COPY_DEPTH, mine)} sequences ({in_flight / GB:.2f} GB)"
+            f" on {device} while in flight"
+        )
     if cfg.store == "auto":
         for store in ("device", "memory", "disk"):
             if fits.get(store):
-                return StoreChoice(store, f"capture.store auto -> {store}: {need}; {summary}",
-                                   mine if store == "device" else 0)
+                return StoreChoice(
+                    store, f"capture.store auto -> {store}: {need}; {summary}", mine if store == "device" else 0
+                )
         on_device = max(room.get("device", (0, 0, ""))[1] - in_flight, 0) // per_sequence
         if processes == 1 and on_device and (num_sequences - on_device) * per_sequence <= room["memory"][1]:
-            return StoreChoice("split", f"capture.store auto -> split: {on_device} sequences on {device}, "
-                                        f"{num_sequences - on_device} in host memory (with room on {device} for "
-                                        f"the sequences in flight to it): {need}; {summary}", on_device)
-        raise ConfigError("capture.store", f"no store holds the capture: {need}; {summary}. Lower data.num_sequences "
-                                           f"or data.sequence_length, or free memory or disk")
+            return StoreChoice(
+                "split",
+                f"capture.store auto -> split: {on_device} sequences on {device}, "
+                f"{num_sequences - on_device} in host memory (with room on {device} for "
+                f"the sequences in flight to it): {need}; {summary}",
+                on_device,
+            )
+        raise ConfigError(
+            "capture.store",
+            f"no store holds the capture: {need}; {summary}. Lower data.num_sequences "
+            f"or data.sequence_length, or free memory or disk",
+        )
     if cfg.store in ("memory", "disk") and not fits[cfg.store]:
         raise ConfigError("capture.store", f"{cfg.store} cannot hold the capture: {need}; {summary}")
     note = "" if fits.get(cfg.store, True) else " (the estimate says it does not fit)"
-    return StoreChoice(cfg.store, f"capture.store {cfg.store} as configured{note}: {need}; {summary}",
-                       mine if cfg.store == "device" else 0)
+    return StoreChoice(
+        cfg.store,
+        f"capture.store {cfg.store} as configured{note}: {need}; {summary}",
+        mine if cfg.store == "device" else 0,
+    )

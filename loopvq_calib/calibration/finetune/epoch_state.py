@@ -41,8 +41,9 @@ class EpochWriter:
     def __enter__(self) -> "EpochWriter":
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.close()
             return
@@ -73,8 +74,10 @@ class EpochWriter:
         vouches that they did not change since; their host copies are written again)."""
         self.close()
         devices: set[torch.device] = set()
-        host = {k: self._last[k] if k in unchanged and k in self._last else self._to_host(v, (k,), devices)
-                for k, v in state.items()}
+        host = {
+            k: self._last[k] if k in unchanged and k in self._last else self._to_host(v, (k,), devices)
+            for k, v in state.items()
+        }
         done = [(device, torch.cuda.Event()) for device in devices]
         for device, event in done:
             event.record(torch.cuda.current_stream(device))
@@ -133,4 +136,3 @@ def _cuda_tensors(obj: Any, place: tuple, found: dict[tuple, torch.Tensor]) -> N
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             _cuda_tensors(v, (*place, i), found)
-

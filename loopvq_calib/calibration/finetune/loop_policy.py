@@ -81,8 +81,10 @@ class LoopPolicy:
             peak = torch.cuda.max_memory_reserved(self.device)
             release_cached_memory(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
-            memory = (f"{peak / GIB:.1f} GiB reserved at the peak, {free / GIB:.1f} of {total / GIB:.1f} GiB free "
-                      "after releasing it; ")
+            memory = (
+                f"{peak / GIB:.1f} GiB reserved at the peak, {free / GIB:.1f} of {total / GIB:.1f} GiB free "
+                "after releasing it; "
+            )
         self.turn_on(f"a step without it ran out of GPU memory ({memory}{error}); the step is redone")
         step()
         return True
@@ -92,9 +94,15 @@ class LoopPolicy:
         would keep all ``asked`` sequences (``kept`` of them) beside the ``peak`` without checkpointing; else
         turn it on (the caller sizes the cache after more steps)."""
         if kept >= asked:
-            log.info("fine-tune: loop checkpointing auto -> off: the teacher cache keeps all %d sequences beside a "
-                     "%.1f GiB peak without it", asked, peak / GIB)
+            log.info(
+                "fine-tune: loop checkpointing auto -> off: the teacher cache keeps all %d sequences beside a "
+                "%.1f GiB peak without it",
+                asked,
+                peak / GIB,
+            )
             return True
-        self.turn_on(f"the teacher cache would keep only {kept} of {asked} sequences beside a {peak / GIB:.1f} GiB "
-                     "peak without it")
+        self.turn_on(
+            f"the teacher cache would keep only {kept} of {asked} sequences beside a {peak / GIB:.1f} GiB "
+            "peak without it"
+        )
         return False

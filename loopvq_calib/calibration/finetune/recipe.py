@@ -21,8 +21,14 @@ from ...codes.quantizer import KVQuantizer
 class CodebookParams:
     """The free parameters of a quantizer's codebooks and the map from them to the codewords."""
 
-    def __init__(self, quantizer: KVQuantizer, parameterization: str,
-                 usage: dict[str, torch.Tensor] | None = None, *, min_usage: int = 0) -> None:
+    def __init__(
+        self,
+        quantizer: KVQuantizer,
+        parameterization: str,
+        usage: dict[str, torch.Tensor] | None = None,
+        *,
+        min_usage: int = 0,
+    ) -> None:
         self.quantizer, self.mode = quantizer, parameterization
         self.init = {key: c.codebook.detach().clone() for key, c in quantizer.codecs.items()}
         self.init_sq = sum(c.pow(2).sum() for c in self.init.values()).clamp_min(1e-30)

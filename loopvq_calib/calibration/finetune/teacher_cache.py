@@ -27,8 +27,17 @@ TEACHER_CACHE_BYTES = 2 << 30  # host memory (CPU runs)
 TEACHER_CACHE_MARGIN = 0.10  # of a CUDA device's memory, left free beside the first two steps' peak
 
 
-def cache_capacity(per_sequence: int, sequences: int, total: int, *, peak_reserved: int, device_free: int,
-                   reserved: int, to_come: int = 0, margin: float = TEACHER_CACHE_MARGIN) -> int:
+def cache_capacity(
+    per_sequence: int,
+    sequences: int,
+    total: int,
+    *,
+    peak_reserved: int,
+    device_free: int,
+    reserved: int,
+    to_come: int = 0,
+    margin: float = TEACHER_CACHE_MARGIN,
+) -> int:
     """Sequences of ``per_sequence`` bytes (at most ``sequences``) that fit a device of ``total`` bytes beside
     the allocator's ``peak_reserved``, ``to_come`` bytes still to be allocated and a margin of ``margin`` x
     ``total``: the lesser of what the device's size leaves (``total`` - margin - peak - to come) and what it
@@ -81,13 +90,18 @@ def split_tiers(plan: Plan, device_room: int, host_room: int) -> tuple[set[int],
 
 
 def teacher_tensors(fp: Teacher) -> dict[str, torch.Tensor]:
-    return {"logits": fp.logits, **{f"key.{s}": t for s, t in fp.keys.items()},
-            **{f"value.{s}": t for s, t in fp.values.items()}}
+    return {
+        "logits": fp.logits,
+        **{f"key.{s}": t for s, t in fp.keys.items()},
+        **{f"value.{s}": t for s, t in fp.values.items()},
+    }
 
 
 def as_teacher(tensors: dict[str, torch.Tensor]) -> Teacher:
-    part = {kind: {int(k.split(".")[1]): t for k, t in tensors.items() if k.startswith(kind + ".")}
-            for kind in ("key", "value")}
+    part = {
+        kind: {int(k.split(".")[1]): t for k, t in tensors.items() if k.startswith(kind + ".")}
+        for kind in ("key", "value")
+    }
     return Teacher(tensors["logits"], part["key"], part["value"])
 
 
@@ -174,21 +188,33 @@ class TeacherCache:
         if tiers is None:
             return
         self.assign(*tiers, device)
-        log.info("teacher outputs: keeping %d of %d sequences on %s and %d in pinned host memory (%.1f GB each; "
-                 "%.1f GB of host memory available, less a tenth of the machine's)", len(self.tiers[0]),
-                 self.sequences, device, len(self.tiers[1]), self.per_sequence / 1e9, self.host_seen / 1e9)
+        log.info(
+            "teacher outputs: keeping %d of %d sequences on %s and %d in pinned host memory (%.1f GB each; "
+            "%.1f GB of host memory available, less a tenth of the machine's)",
+            len(self.tiers[0]),
+            self.sequences,
+            device,
+            len(self.tiers[1]),
+            self.per_sequence / 1e9,
+            self.host_seen / 1e9,
+        )
 
-    def tiers_now(self, device: torch.device, to_come: int = 0,
-                  peak_floor: int = 0) -> tuple[set[int], set[int]] | None:
+    def tiers_now(
+        self, device: torch.device, to_come: int = 0, peak_floor: int = 0
+    ) -> tuple[set[int], set[int]] | None:
         """The (accelerator, host) sequences :meth:`settle` would keep now (None: the capacity is decided or no
         output measured yet)."""
         if self.capacity is not None or self.per_sequence is None:
             return None
         room = cache_capacity(
-            self.per_sequence, self.sequences, torch.cuda.get_device_properties(device).total_memory,
+            self.per_sequence,
+            self.sequences,
+            torch.cuda.get_device_properties(device).total_memory,
             peak_reserved=max(torch.cuda.max_memory_reserved(device), peak_floor),
-            device_free=torch.cuda.mem_get_info(device)[0], reserved=torch.cuda.memory_reserved(device),
-            to_come=to_come)
+            device_free=torch.cuda.mem_get_info(device)[0],
+            reserved=torch.cuda.memory_reserved(device),
+            to_come=to_come,
+        )
         self.host_seen = max(host_available(), 0)
         return split_tiers(self.plan[self.group + 1 :], room, self.host_seen // self.per_sequence)
 
@@ -266,8 +292,10 @@ class TeacherCache:
         if self.host is not None:
             self.host.keep_only([])  # accelerator memory: now
             self.host.copier.finish()
-            log.info("teacher outputs: host copies (worker): %s", ", ".join(
-                f"{k} {v:.2f} s" for k, v in self.host.copier.seconds.items()))
+            log.info(
+                "teacher outputs: host copies (worker): %s",
+                ", ".join(f"{k} {v:.2f} s" for k, v in self.host.copier.seconds.items()),
+            )
             held = [self.host]
             self.host = None
             let_go("teacher outputs: host memory", held)

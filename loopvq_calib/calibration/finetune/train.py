@@ -43,8 +43,16 @@ class FinetuneResult:
     best_step: int = 0  # optimizer steps taken at that point
 
 
-def sequence_kl(model: torch.nn.Module, ids: torch.Tensor, quantizer: KVQuantizer, *, sink_tokens: int,
-                cfg: FinetuneConfig, device: torch.device, fp: Teacher | None = None) -> torch.Tensor:
+def sequence_kl(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    quantizer: KVQuantizer,
+    *,
+    sink_tokens: int,
+    cfg: FinetuneConfig,
+    device: torch.device,
+    fp: Teacher | None = None,
+) -> torch.Tensor:
     """KL objective of sequences [B, S] of one length, the mean over their positions after the sinks
     (differentiable w.r.t. the codebooks); ``fp`` their cached teacher outputs."""
     with autocast(cfg, device):
@@ -54,8 +62,16 @@ def sequence_kl(model: torch.nn.Module, ids: torch.Tensor, quantizer: KVQuantize
 
 
 @torch.no_grad()
-def selection_kl(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, *, cfg: FinetuneConfig,
-               device: torch.device, cache: TeacherCache | None = None, dist: DistContext = SINGLE) -> float:
+def selection_kl(
+    model: torch.nn.Module,
+    calib: CalibrationSet,
+    quantizer: KVQuantizer,
+    *,
+    cfg: FinetuneConfig,
+    device: torch.device,
+    cache: TeacherCache | None = None,
+    dist: DistContext = SINGLE,
+) -> float:
     """Selection KL: mean KL over the selection sequences of the calibration set (``calib.heldout``; each
     process of ``dist`` takes a share, summed across processes), ``cfg.selection_batch`` sequences per
     forward: their kept teacher outputs joined along the batch, or one teacher forward of the batch when
@@ -87,9 +103,11 @@ def batch_teachers(parts: list[Teacher]) -> Teacher:
     """The teacher outputs of several sequences of one length as one batch (a part itself when alone)."""
     if len(parts) == 1:
         return parts[0]
-    return Teacher(torch.cat([p.logits for p in parts]),
-                   {s: torch.cat([p.keys[s] for p in parts]) for s in parts[0].keys},
-                   {s: torch.cat([p.values[s] for p in parts]) for s in parts[0].values})
+    return Teacher(
+        torch.cat([p.logits for p in parts]),
+        {s: torch.cat([p.keys[s] for p in parts]) for s in parts[0].keys},
+        {s: torch.cat([p.values[s] for p in parts]) for s in parts[0].values},
+    )
 
 
 def epoch_batches(calib: CalibrationSet, cfg: FinetuneConfig, epoch: int) -> list[list[int]]:
@@ -100,8 +118,9 @@ def epoch_batches(calib: CalibrationSet, cfg: FinetuneConfig, epoch: int) -> lis
     return [order[start : start + cfg.batch_size] for start in range(0, len(order), cfg.batch_size)]
 
 
-def teacher_plan(calib: CalibrationSet, cfg: FinetuneConfig, dist: DistContext = SINGLE,
-                 *, first_epoch: int = 1) -> Plan:
+def teacher_plan(
+    calib: CalibrationSet, cfg: FinetuneConfig, dist: DistContext = SINGLE, *, first_epoch: int = 1
+) -> Plan:
     """The sequences whose teacher outputs this process of ``dist`` asks for in a run from epoch ``first_epoch``,
     in order, in the groups it asks for together: its share of the selection sequences in batches of
     ``selection_batch`` at every selection point (the first, step 0, only in a fresh run), of the usage count
@@ -130,7 +149,8 @@ def selects(cfg: FinetuneConfig, steps: int, total: int, *, last_of_epoch: bool)
     """Whether a selection point follows optimizer step ``steps`` of ``total``: every ``select_every`` steps
     and at the last step, else at every epoch's end."""
     return bool(cfg.select_every and steps % cfg.select_every == 0) or (
-        last_of_epoch and (not cfg.select_every or steps == total))
+        last_of_epoch and (not cfg.select_every or steps == total)
+    )
 
 
 def training_steps(cfg: FinetuneConfig, train_sequences: int) -> int:
@@ -138,21 +158,39 @@ def training_steps(cfg: FinetuneConfig, train_sequences: int) -> int:
     return cfg.epochs * -(-train_sequences // cfg.batch_size) if cfg.enabled else 0
 
 
-def usage_counts(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, *, cache: TeacherCache,
-                 device: torch.device, dist: DistContext = SINGLE) -> dict[str, torch.Tensor]:
+def usage_counts(
+    model: torch.nn.Module,
+    calib: CalibrationSet,
+    quantizer: KVQuantizer,
+    *,
+    cache: TeacherCache,
+    device: torch.device,
+    dist: DistContext = SINGLE,
+) -> dict[str, torch.Tensor]:
     """Per codebook [Hc, nc, K]: training vectors (this process's share, summed across processes)
     assigned to each codeword."""
-    counts: dict[str, torch.Tensor] = {key: torch.zeros(c.codebook.shape[:3], dtype=torch.long)
-                                       for key, c in quantizer.codecs.items()}  # every process reduces every key
+    counts: dict[str, torch.Tensor] = {
+        key: torch.zeros(c.codebook.shape[:3], dtype=torch.long) for key, c in quantizer.codecs.items()
+    }  # every process reduces every key
     for i in dist.share(calib.train):
         ids = calib.input_ids[i : i + 1].to(device)
         add_usage(quantizer, cache.get(i, ids, device), calib.sink_tokens, counts=counts)
     return {k: dist.all_reduce_sum(v.to(device)).cpu() for k, v in counts.items()}
 
 
-def train_step(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, *, free: CodebookParams,
-               cfg: FinetuneConfig, device: torch.device, cache: TeacherCache, dist: DistContext, batch: list[int],
-               train_sum: torch.Tensor) -> None:
+def train_step(
+    model: torch.nn.Module,
+    calib: CalibrationSet,
+    quantizer: KVQuantizer,
+    *,
+    free: CodebookParams,
+    cfg: FinetuneConfig,
+    device: torch.device,
+    cache: TeacherCache,
+    dist: DistContext,
+    batch: list[int],
+    train_sum: torch.Tensor,
+) -> None:
     """This process's share of one optimizer step's forward and backward passes: fresh zero gradients, the
     codebooks from the free parameters, the proximal penalty (main process) and each sequence's KL / batch
     size; adds (KL sum, sequences) to ``train_sum``. It leaves the parameters and the optimizer alone."""
@@ -163,8 +201,9 @@ def train_step(model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuant
         free.penalty(cfg.proximal).backward(retain_graph=True)
     for i in dist.share(batch):
         ids = calib.input_ids[i : i + 1].to(device)
-        kl = sequence_kl(model, ids, quantizer, sink_tokens=calib.sink_tokens, cfg=cfg, device=device,
-                         fp=cache.get(i, ids, device))
+        kl = sequence_kl(
+            model, ids, quantizer, sink_tokens=calib.sink_tokens, cfg=cfg, device=device, fp=cache.get(i, ids, device)
+        )
         (kl / len(batch)).backward(retain_graph=cfg.parameterization == "affine")
         train_sum += torch.stack([kl.detach().float(), torch.ones((), device=device)])
 
@@ -173,7 +212,8 @@ def finetune_codebooks(
     model: torch.nn.Module,
     calib: CalibrationSet,
     quantizer: KVQuantizer,
-    *, cfg: FinetuneConfig,
+    *,
+    cfg: FinetuneConfig,
     device: torch.device,
     progress: Callable[[int], Any] | None = None,
     on_select: Callable[[dict[str, Any], KVQuantizer], Any] | None = None,
@@ -198,8 +238,9 @@ def finetune_codebooks(
     cache = TeacherCache(model, cfg, teacher_plan(calib, cfg, dist, first_epoch=first_epoch))
     if device.type == "cuda":  # the first steps' peak decides how many teacher outputs fit (cache_teacher auto)
         release_cached_memory(device)
-    run = _Run(model, calib, quantizer, cfg=cfg, device=device, cache=cache, dist=dist, progress=progress,
-               on_select=on_select)
+    run = _Run(
+        model, calib, quantizer, cfg=cfg, device=device, cache=cache, dist=dist, progress=progress, on_select=on_select
+    )
     if resume is None:
         run.select(0, 0, None)
     if run.total == 0:
@@ -208,8 +249,10 @@ def finetune_codebooks(
     if resume is not None:
         log.info("fine-tune: resuming after epoch %d (step %d) from %s", resume["epoch"], run.steps, checkpoint)
     saving = checkpoint is not None and dist.is_main
-    with EpochWriter(checkpoint) if saving else nullcontext() as writer, \
-            LoopPolicy(model, cfg.loop_checkpointing, device) as loop:
+    with (
+        EpochWriter(checkpoint) if saving else nullcontext() as writer,
+        LoopPolicy(model, cfg.loop_checkpointing, device) as loop,
+    ):
         for epoch in range(first_epoch, cfg.epochs + 1):
             run.epoch(epoch, loop, writer=writer, first_epoch=first_epoch)
     return run.finish()
@@ -220,10 +263,19 @@ class _Run:
     summed since the last selection point; the steps of an epoch, the selection points, the teacher cache's
     sizing and the epoch state."""
 
-    def __init__(self, model: torch.nn.Module, calib: CalibrationSet, quantizer: KVQuantizer, *,
-                 cfg: FinetuneConfig, device: torch.device, cache: TeacherCache, dist: DistContext,
-                 progress: Callable[[int], Any] | None,
-                 on_select: Callable[[dict[str, Any], KVQuantizer], Any] | None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        calib: CalibrationSet,
+        quantizer: KVQuantizer,
+        *,
+        cfg: FinetuneConfig,
+        device: torch.device,
+        cache: TeacherCache,
+        dist: DistContext,
+        progress: Callable[[int], Any] | None,
+        on_select: Callable[[dict[str, Any], KVQuantizer], Any] | None,
+    ) -> None:
         self.model, self.calib, self.quantizer, self.cfg = model, calib, quantizer, cfg
         self.device, self.cache, self.dist = device, cache, dist
         self.progress, self.on_select = progress, on_select
@@ -236,8 +288,13 @@ class _Run:
         """A selection point: the selection KL of the current codebooks and the mean train KL of ``train``
         (KL sum, sequences) across processes; appended to the curve."""
         calib, dist = self.calib, self.dist
-        sel = selection_kl(self.model, calib, self.quantizer, cfg=self.cfg, device=self.device, cache=self.cache,
-                           dist=dist) if calib.heldout else float("nan")
+        sel = (
+            selection_kl(
+                self.model, calib, self.quantizer, cfg=self.cfg, device=self.device, cache=self.cache, dist=dist
+            )
+            if calib.heldout
+            else float("nan")
+        )
         mean = None if train is None else (dist.all_reduce_sum(train)[0] / train[1].clamp_min(1)).item()
         entry = {"epoch": epoch, "step": step, "train_kl": mean, "selection_kl": sel}
         self.curve.append(entry)
@@ -249,8 +306,11 @@ class _Run:
         """The free parameters (``min_usage``: from the k-means codebooks' usage), Adam and the best point so
         far, as saved in the epoch state ``resume`` when given."""
         cfg, device = self.cfg, self.device
-        usage = usage_counts(self.model, self.calib, self.quantizer, cache=self.cache, device=device,
-                             dist=self.dist) if cfg.min_usage > 0 else None
+        usage = (
+            usage_counts(self.model, self.calib, self.quantizer, cache=self.cache, device=device, dist=self.dist)
+            if cfg.min_usage > 0
+            else None
+        )
         self.free = CodebookParams(self.quantizer, cfg.parameterization, usage, min_usage=cfg.min_usage)
         self.opt = torch.optim.Adam(self.free.params, lr=cfg.lr)
         self.best, self.best_state = 0, self.free.snapshot()
@@ -271,9 +331,16 @@ class _Run:
 
     def state(self, epoch: int) -> dict[str, Any]:
         """The epoch state after ``epoch``, from which a rerun resumes."""
-        return {"epoch": epoch, "steps": self.steps, "curve": self.curve, "best": self.best,
-                "best_state": self.best_state, "params": [p.detach() for p in self.free.params],
-                "opt": self.opt.state_dict(), "train_sum": self.train_sum}
+        return {
+            "epoch": epoch,
+            "steps": self.steps,
+            "curve": self.curve,
+            "best": self.best,
+            "best_state": self.best_state,
+            "params": [p.detach() for p in self.free.params],
+            "opt": self.opt.state_dict(),
+            "train_sum": self.train_sum,
+        }
 
     def epoch(self, epoch: int, loop: LoopPolicy, *, writer: EpochWriter | None, first_epoch: int) -> None:
         """The optimizer steps of ``epoch`` with their selection points, then (``writer``, every epoch but the
@@ -306,14 +373,27 @@ class _Run:
             for p in free.params:
                 p.grad = None
 
-        switched = loop.run_step(lambda: train_step(self.model, self.calib, self.quantizer, free=free, cfg=self.cfg,
-                                                    device=self.device, cache=cache, dist=self.dist, batch=batch,
-                                                    train_sum=train_sum), undo)
+        switched = loop.run_step(
+            lambda: train_step(
+                self.model,
+                self.calib,
+                self.quantizer,
+                free=free,
+                cfg=self.cfg,
+                device=self.device,
+                cache=cache,
+                dist=self.dist,
+                batch=batch,
+                train_sum=train_sum,
+            ),
+            undo,
+        )
         for p in free.params:  # a no-op for one process
             self.dist.all_reduce_sum(p.grad)
         for group in self.opt.param_groups:
-            group["lr"] = self.cfg.lr * lr_factor(self.steps, self.total, self.cfg.warmup_steps,
-                                                  schedule=self.cfg.lr_schedule)
+            group["lr"] = self.cfg.lr * lr_factor(
+                self.steps, self.total, self.cfg.warmup_steps, schedule=self.cfg.lr_schedule
+            )
         self.opt.step()
         self.steps += 1
         return switched
@@ -327,8 +407,9 @@ class _Run:
         joined = selection_extra(cache, self.cfg, -(-len(self.calib.heldout) // self.dist.world)) if self.resumed else 0
         to_come = sum(c.numel() * c.element_size() for c in self.free.init.values()) + joined
         tiers = cache.tiers_now(device, to_come, self.floor) if loop.trying_off else None
-        if tiers is not None and not loop.keep_off(len(tiers[0]) + len(tiers[1]), cache.still_asked(),
-                                                   torch.cuda.max_memory_reserved(device)):
+        if tiers is not None and not loop.keep_off(
+            len(tiers[0]) + len(tiers[1]), cache.still_asked(), torch.cuda.max_memory_reserved(device)
+        ):
             if device.type == "cuda":  # the cache is sized from the next steps, with checkpointing
                 release_cached_memory(device)
             self.settle_after = self.steps + min(2, self.total - self.steps)
@@ -341,8 +422,13 @@ class _Run:
             self.free.apply()
         entry = self.select(epoch, self.steps, self.train_sum)
         self.train_sum = torch.zeros(2, device=self.device)
-        log.info("fine-tune epoch %d step %d: train KL %.5f, selection KL %.5f", epoch, self.steps,
-                 entry["train_kl"], entry["selection_kl"])
+        log.info(
+            "fine-tune epoch %d step %d: train KL %.5f, selection KL %.5f",
+            epoch,
+            self.steps,
+            entry["train_kl"],
+            entry["selection_kl"],
+        )
         if entry["selection_kl"] < self.curve[self.best]["selection_kl"]:
             self.best, self.best_state = len(self.curve) - 1, self.free.snapshot()
 

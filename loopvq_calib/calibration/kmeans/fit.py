@@ -17,12 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ...codes.codec import BlockCodec, TasqTransform, gather_groups
-from ...codes.layouts import (
-    BlockLayout,
-    codebook_shape,
-    layout_owner,
-    points_per_codebook,
-)
+from ...codes.layouts import BlockLayout, codebook_shape, layout_owner, points_per_codebook
 from ...codes.quantizer import KVQuantizer
 from ...config.schema import KMeansConfig, QuantConfig
 from ...models.sites import KVLayout
@@ -31,24 +26,31 @@ from ...runtime.processes import SINGLE, DistContext
 from ...runtime.streams import SideStream, to_device
 from ..capture.kv import CaptureData
 from .select import resolve_backend
-from .solvers import (
-    INITS,
-    KMeansResult,
-    kmeans_pp_init,
-    mix_seed,
-    random_init,
-    weighted_kmeans,
-)
+from .solvers import INITS, KMeansResult, kmeans_pp_init, mix_seed, random_init, weighted_kmeans
 
 __all__ = [
-    "KMeansResult", "kmeans_pp_init", "random_init", "weighted_kmeans", "resolve_backend",
-    "layout_problems", "layout_seed", "fit_codebooks", "shard_tensor_names",
+    "KMeansResult",
+    "kmeans_pp_init",
+    "random_init",
+    "weighted_kmeans",
+    "resolve_backend",
+    "layout_problems",
+    "layout_seed",
+    "fit_codebooks",
+    "shard_tensor_names",
 ]
 
 
 def layout_problems(
-    x: torch.Tensor, fisher: torch.Tensor, layout: BlockLayout, *, transform: TasqTransform | None,
-    codebook_size: int, sharing: str, fisher_weighted: bool = True, fisher_tasq_weighted: bool = False,
+    x: torch.Tensor,
+    fisher: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    transform: TasqTransform | None,
+    codebook_size: int,
+    sharing: str,
+    fisher_weighted: bool = True,
+    fisher_tasq_weighted: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K-means problems of one layout: x, fisher [N, T, H, D] -> points [P, M, G], weights [P, M].
 
@@ -66,8 +68,9 @@ def layout_problems(
         scale = sigma.float()[..., None, None]
         factor = fisher * (scale if fisher_tasq_weighted else scale / transform.weight).pow(2)
     elif fisher_tasq_weighted:
-        raise ValueError(f"{layout.key}: the capture holds TaSQ-weighted key Fisher but the layout has no TaSQ "
-                         "transform")
+        raise ValueError(
+            f"{layout.key}: the capture holds TaSQ-weighted key Fisher but the layout has no TaSQ transform"
+        )
     hc, nc, _, _ = codebook_shape(layout, codebook_size, sharing)
     n, h = x.shape[0], layout.kv_heads
     groups = layout.num_groups
@@ -155,8 +158,9 @@ def _join(pending: list[_Pending], name: str) -> torch.Tensor:
     return joined
 
 
-def run_points_per_codebook(layouts: list[BlockLayout], num_sequences: int, sequence_length: int, *, sink_tokens: int,
-                            sharing: str) -> int:
+def run_points_per_codebook(
+    layouts: list[BlockLayout], num_sequences: int, sequence_length: int, *, sink_tokens: int, sharing: str
+) -> int:
     """Group vectors each codebook of a run's ``layouts`` is fitted on (the first layout's: a run's layouts share
     their shape), from its calibration tokens less the sinks; 0 without layouts. The k-means backend's probe
     (:func:`~loopvq_calib.calibration.kmeans.select.resolve_backend`) is sized by it."""
@@ -165,9 +169,16 @@ def run_points_per_codebook(layouts: list[BlockLayout], num_sequences: int, sequ
 
 
 def fit_codebooks(
-    reader: CaptureData, layouts: list[BlockLayout], transforms: dict[str, TasqTransform],
-    *, quant: QuantConfig, cfg: KMeansConfig, kv: KVLayout, device: torch.device,
-    progress: Callable[[int], Any] | None = None, dist: DistContext = SINGLE,
+    reader: CaptureData,
+    layouts: list[BlockLayout],
+    transforms: dict[str, TasqTransform],
+    *,
+    quant: QuantConfig,
+    cfg: KMeansConfig,
+    kv: KVLayout,
+    device: torch.device,
+    progress: Callable[[int], Any] | None = None,
+    dist: DistContext = SINGLE,
 ) -> tuple[KVQuantizer, dict]:
     """Fit every layout's codebooks; codebooks are fp32 on the CPU. One layout is in memory at a time, except
     on the fused Triton path, where consecutive layouts of the same problem shape (up to
@@ -203,18 +214,29 @@ def fit_codebooks(
                 torch.cuda.synchronize(device)
         raise
     quantizer = KVQuantizer(
-        codecs=fits.codecs, method=quant.method, codebook_size=quant.codebook_size, group_size=quant.group_size,
-        steps_per_block=quant.block_steps, sharing=quant.codebook_sharing, kv=kv,
+        codecs=fits.codecs,
+        method=quant.method,
+        codebook_size=quant.codebook_size,
+        group_size=quant.group_size,
+        steps_per_block=quant.block_steps,
+        sharing=quant.codebook_sharing,
+        kv=kv,
     )
     totals = {**_totals(fits.per_layout, backend, device), "seconds_backend": probing}
     return quantizer, {"layouts": fits.per_layout, "totals": totals}
 
 
-def _pick_backend(meta: dict[str, Any], layouts: list[BlockLayout], *, quant: QuantConfig, cfg: KMeansConfig,
-                  device: torch.device) -> str:
+def _pick_backend(
+    meta: dict[str, Any], layouts: list[BlockLayout], *, quant: QuantConfig, cfg: KMeansConfig, device: torch.device
+) -> str:
     """``kmeans.backend`` resolved for this device and the run's problem size."""
-    points = run_points_per_codebook(layouts, meta["num_sequences"], meta["sequence_length"],
-                                     sink_tokens=meta["sink_tokens"], sharing=quant.codebook_sharing)
+    points = run_points_per_codebook(
+        layouts,
+        meta["num_sequences"],
+        meta["sequence_length"],
+        sink_tokens=meta["sink_tokens"],
+        sharing=quant.codebook_sharing,
+    )
     return resolve_backend(cfg.backend, device, (quant.codebook_size, quant.group_size), points=points)
 
 
@@ -231,8 +253,12 @@ class _LloydQueue:
     def add(self, item: _Pending) -> None:
         """Queue a seeded layout: into the last group when it joins it, else as a new group."""
         last = self.groups[-1] if self.groups else []
-        if self.fused and last and last[0].points.shape[1:] == item.points.shape[1:] and \
-                (sum(p.points.numel() for p in last) + item.points.numel()) * 4 <= LLOYD_GROUP_BYTES:
+        if (
+            self.fused
+            and last
+            and last[0].points.shape[1:] == item.points.shape[1:]
+            and (sum(p.points.numel() for p in last) + item.points.numel()) * 4 <= LLOYD_GROUP_BYTES
+        ):
             last.append(item)
         else:
             self.groups.append([item])
@@ -252,13 +278,25 @@ class _LayoutFits:
     """The two steps of one layout's fit, and their results: :meth:`seed` (load, k-means problems, seeding; on the
     fused path queued on the side stream) and :meth:`solve` (the Lloyd loop of a group of seeded layouts)."""
 
-    def __init__(self, reader: CaptureData, transforms: dict[str, TasqTransform], *, quant: QuantConfig,
-                 cfg: KMeansConfig, backend: str, device: torch.device, progress: Callable[[int], Any] | None) -> None:
+    def __init__(
+        self,
+        reader: CaptureData,
+        transforms: dict[str, TasqTransform],
+        *,
+        quant: QuantConfig,
+        cfg: KMeansConfig,
+        backend: str,
+        device: torch.device,
+        progress: Callable[[int], Any] | None,
+    ) -> None:
         self.reader, self.transforms, self.quant, self.cfg = reader, transforms, quant, cfg
         self.backend, self.device, self.progress = backend, device, progress
         # layout_problems' weights are >= 0 with a positive maximum per problem: no check that waits for the device
-        self.init_fn = partial(kmeans_pp_init, fused=backend == "triton", trusted_weights=True) \
-            if cfg.init == "kmeans++" else INITS[cfg.init]
+        self.init_fn = (
+            partial(kmeans_pp_init, fused=backend == "triton", trusted_weights=True)
+            if cfg.init == "kmeans++"
+            else INITS[cfg.init]
+        )
         self.side = SideStream(device, enabled=backend == "triton")
         self.codecs: dict[str, BlockCodec] = {}
         self.per_layout: dict[str, dict[str, Any]] = {}
@@ -272,8 +310,13 @@ class _LayoutFits:
             fisher = reader.load("fisher_" + layout.kind, layout.sites, device=device, non_blocking=True)
             transform = self.transforms.get(layout.key)
             points, weights = layout_problems(
-                x, fisher, layout, transform=transform, codebook_size=quant.codebook_size,
-                sharing=quant.codebook_sharing, fisher_weighted=self.cfg.fisher_weighted,
+                x,
+                fisher,
+                layout,
+                transform=transform,
+                codebook_size=quant.codebook_size,
+                sharing=quant.codebook_sharing,
+                fisher_weighted=self.cfg.fisher_weighted,
                 fisher_tasq_weighted=layout.kind == "key" and reader.tasq_keys,
             )
             tokens = x.shape[0]
@@ -283,8 +326,9 @@ class _LayoutFits:
             seeding = DeviceSpan(device)  # read in solve(): the next layout's work queues behind the draws
             init = self.init_fn(points, weights, quant.codebook_size, generator=torch.Generator().manual_seed(seed))
             seeding.stop()
-        return _Pending(layout, points, weights, init, seed, transform, time.perf_counter() - start, seeding,
-                        self.side.mark())
+        return _Pending(
+            layout, points, weights, init, seed, transform, time.perf_counter() - start, seeding, self.side.mark()
+        )
 
     def solve(self, pending: list[_Pending]) -> None:
         """One Lloyd loop over the joined problems of ``pending``; each layout's codec and report entry."""
@@ -294,16 +338,25 @@ class _LayoutFits:
             self.side.take(p.ready, p.points, p.weights, p.init)
         keys = [(p.seed, q) for p in pending for q in range(p.points.shape[0])]
         points, weights, init = (_join(pending, name) for name in ("points", "weights", "init"))
-        result = weighted_kmeans(points, weights, init, cfg=self.cfg, backend=self.backend, device=self.device,
-                                 seed=pending[0].seed, problem_keys=keys)  # faiss: one layout
+        result = weighted_kmeans(
+            points,
+            weights,
+            init,
+            cfg=self.cfg,
+            backend=self.backend,
+            device=self.device,
+            seed=pending[0].seed,
+            problem_keys=keys,
+        )  # faiss: one layout
         share = (time.perf_counter() - start) / len(pending)
         first = 0
         for p in pending:
             rows = slice(first, first + p.problems)
             first = rows.stop
             shape = codebook_shape(p.layout, quant.codebook_size, quant.codebook_sharing)
-            self.codecs[p.layout.key] = BlockCodec(p.layout, result.centroids[rows].reshape(shape).contiguous(),
-                                                   p.transform)
+            self.codecs[p.layout.key] = BlockCodec(
+                p.layout, result.centroids[rows].reshape(shape).contiguous(), p.transform
+            )
             self.per_layout[p.layout.key] = {
                 "objective_init": result.objective_init[rows].tolist(),
                 "objective_final": result.objective_final[rows].tolist(),

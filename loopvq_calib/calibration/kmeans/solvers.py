@@ -29,7 +29,6 @@ from .select import resolve_backend
 __all__ = ["resolve_backend", "weighted_kmeans", "kmeans_pp_init", "random_init", "KMeansResult"]
 
 
-
 @dataclass
 class KMeansResult:
     """Centroids [P, K, G]; weighted objectives [P] at the initial and the final centroids; Lloyd
@@ -100,7 +99,12 @@ def _draw_one(prob: torch.Tensor, fallback: torch.Tensor, u: torch.Tensor) -> to
 
 
 def kmeans_pp_init(
-    x: torch.Tensor, w: torch.Tensor, k: int, *, generator: torch.Generator, fused: bool = False,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    k: int,
+    *,
+    generator: torch.Generator,
+    fused: bool = False,
     trusted_weights: bool = False,
 ) -> torch.Tensor:
     """Weighted k-means++: the first centroid drawn with probability ~ w, each next one ~ w * D^2
@@ -235,7 +239,13 @@ def _faiss_search() -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor
 
 
 def _reseed(
-    c: torch.Tensor, empty: torch.Tensor, x: torch.Tensor, *, w: torch.Tensor, rows: list[int], keys: list[tuple[int, ...]]
+    c: torch.Tensor,
+    empty: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    w: torch.Tensor,
+    rows: list[int],
+    keys: list[tuple[int, ...]],
 ) -> None:
     """Move each empty centroid of row q of ``c`` (problem ``rows[q]`` of x, w) onto a distinct point of
     positive weight, drawn uniformly by a generator seeded from ``keys[q]`` (seed, problem, iteration)."""
@@ -258,8 +268,9 @@ def _lloyd(
     chunk = batch_sizes(cfg, x.device)[1]
     x_sq = None if fused else x.pow(2).sum(-1)
 
-    def step(active: torch.Tensor, ca: torch.Tensor,
-             accumulate: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def step(
+        active: torch.Tensor, ca: torch.Tensor, accumulate: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         if fused:
             return kmeans_kernels.lloyd_step(x, w, ca, rows=active, accumulate=accumulate)
         part = [t.index_select(0, active) for t in (x, x_sq, w)] if active.numel() < p else [x, x_sq, w]
@@ -311,7 +322,9 @@ def _faiss_kmeans(
     faiss = _import_faiss()
     gpu = device.type == "cuda" and faiss.get_num_gpus() > 0
     if device.type == "cuda" and not gpu:
-        DISPATCH.warn_once(f"kmeans.backend faiss: this faiss has no GPU support (faiss-cpu); k-means runs on the CPU, not {device}")
+        DISPATCH.warn_once(
+            f"kmeans.backend faiss: this faiss has no GPU support (faiss-cpu); k-means runs on the CPU, not {device}"
+        )
     p, n, g = x.shape
     k = init.shape[1]
     xs, ws, cs = (t.detach().cpu().float().numpy() for t in (x, w, init))
@@ -319,23 +332,41 @@ def _faiss_kmeans(
     empties = torch.zeros(p, dtype=torch.long)
     for q in range(p):
         km = faiss.Kmeans(
-            g, k, niter=cfg.iterations, seed=(seed + q) % 2**31, max_points_per_centroid=-(-n // k),
-            min_points_per_centroid=1, gpu=gpu, verbose=False,
+            g,
+            k,
+            niter=cfg.iterations,
+            seed=(seed + q) % 2**31,
+            max_points_per_centroid=-(-n // k),
+            min_points_per_centroid=1,
+            gpu=gpu,
+            verbose=False,
         )
-        km.train(np.ascontiguousarray(xs[q]), weights=np.ascontiguousarray(ws[q]), init_centroids=np.ascontiguousarray(cs[q]))
+        km.train(
+            np.ascontiguousarray(xs[q]), weights=np.ascontiguousarray(ws[q]), init_centroids=np.ascontiguousarray(cs[q])
+        )
         centroids[q] = km.centroids
         empties[q] = sum(int(s["nsplit"]) for s in km.iteration_stats)
     c = torch.from_numpy(centroids)
     xc, wc = x.detach().cpu().float(), w.detach().cpu().float()
     return KMeansResult(
-        c, weighted_objective(xc, wc, init.detach().cpu().float(), chunk=batch_sizes(cfg, "cpu")[1]),
-        weighted_objective(xc, wc, c, chunk=batch_sizes(cfg, "cpu")[1]), torch.full((p,), cfg.iterations), empties,
+        c,
+        weighted_objective(xc, wc, init.detach().cpu().float(), chunk=batch_sizes(cfg, "cpu")[1]),
+        weighted_objective(xc, wc, c, chunk=batch_sizes(cfg, "cpu")[1]),
+        torch.full((p,), cfg.iterations),
+        empties,
     )
 
 
 def weighted_kmeans(
-    x: torch.Tensor, w: torch.Tensor, init: torch.Tensor, *, cfg: KMeansConfig, backend: str,
-    device: torch.device | str, seed: int | None = None, problem_keys: list[tuple[int, int]] | None = None,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    init: torch.Tensor,
+    *,
+    cfg: KMeansConfig,
+    backend: str,
+    device: torch.device | str,
+    seed: int | None = None,
+    problem_keys: list[tuple[int, int]] | None = None,
 ) -> KMeansResult:
     """Weighted Lloyd from ``init`` [P, K, G] on points x [P, N, G] with weights w [P, N].
 

@@ -66,8 +66,9 @@ class TasqResult:
         meta = json.loads((folder / "tasq.json").read_text())
         tensors = load_file(str(folder / "tasq.safetensors"))
         layouts = [BlockLayout.from_dict(d, tensors[f"{d['kind']}.{d['name']}.groups"]) for d in meta["layouts"]]
-        transforms = {k: TasqTransform(tensors[f"{k}.tasq_weight"], v["sigma_min"])
-                      for k, v in meta["transforms"].items()}
+        transforms = {
+            k: TasqTransform(tensors[f"{k}.tasq_weight"], v["sigma_min"]) for k, v in meta["transforms"].items()
+        }
         return cls(layouts, transforms, meta["report"])
 
 
@@ -168,8 +169,14 @@ def min_weight_matching(cost: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _refresh_gains(
-    cost: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, cur: torch.Tensor, gains: torch.Tensor,
-    h: torch.Tensor, e: torch.Tensor,
+    cost: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    cur: torch.Tensor,
+    gains: torch.Tensor,
+    h: torch.Tensor,
+    e: torch.Tensor,
 ) -> None:
     """Row and column e[i] of matrix h[i]'s 2-opt gains, by the formulas of the full computation."""
     hc, ae, be, ce = h[:, None], a[h, e][:, None], b[h, e][:, None], cur[h, e][:, None]
@@ -254,8 +261,14 @@ def heads_per_batch(units: int, budget_bytes: int = GROUPING_BYTES, *, unit_size
 
 
 def fit_tasq(
-    reader: CaptureData, layouts: list[BlockLayout], kv: KVLayout, *, quant: QuantConfig, cfg: TasqConfig,
-    dist: DistContext = SINGLE, device: torch.device | str | None = None,
+    reader: CaptureData,
+    layouts: list[BlockLayout],
+    kv: KVLayout,
+    *,
+    quant: QuantConfig,
+    cfg: TasqConfig,
+    dist: DistContext = SINGLE,
+    device: torch.device | str | None = None,
 ) -> TasqResult:
     """Fit w, sigma_min and P for every key layout; value layouts are returned unchanged.
 
@@ -313,7 +326,12 @@ def fit_tasq(
 
 
 def _fit_all_groups(
-    layouts: list[BlockLayout], covs: dict[str, torch.Tensor], kv: KVLayout, *, group_size: int, eps: float,
+    layouts: list[BlockLayout],
+    covs: dict[str, torch.Tensor],
+    kv: KVLayout,
+    *,
+    group_size: int,
+    eps: float,
     grouping: str = "free",
 ) -> dict[str, torch.Tensor]:
     """:func:`fit_groups` over the heads of all ``layouts``: those with the same steps stacked and fitted in

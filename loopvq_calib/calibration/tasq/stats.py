@@ -79,7 +79,12 @@ def pairs_per_sequence(sequence_length: int) -> float:
 
 
 def query_statistics(
-    model: torch.nn.Module, input_ids: torch.Tensor, kv: KVLayout, *, mine: list[int], batch_size: int,
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    kv: KVLayout,
+    *,
+    mine: list[int],
+    batch_size: int,
     dist: DistContext = SINGLE,
 ) -> dict[int, dict[int, torch.Tensor]]:
     """Forward-only pass over the sequences ``mine`` -> per sequence (all of them when the processes
@@ -107,8 +112,9 @@ def mean_query_stat(per_sequence: list[torch.Tensor], pairs: int, sequences: int
     return sum(per_sequence) / (pairs * sequences)
 
 
-def key_weights(stats: dict[int, dict[int, torch.Tensor]], kv: KVLayout, sequence_length: int, *, floor: float,
-                device: torch.device) -> dict[int, torch.Tensor]:
+def key_weights(
+    stats: dict[int, dict[int, torch.Tensor]], kv: KVLayout, sequence_length: int, *, floor: float, device: torch.device
+) -> dict[int, torch.Tensor]:
     """w [H, D] of every site from the per-sequence statistics, averaged by :func:`mean_query_stat` as
     :meth:`~loopvq_calib.calibration.capture.kv.CaptureData.query_stats` does, so the TaSQ stage derives the same w."""
     n = len(stats)

@@ -20,9 +20,16 @@ def git(repo: Path, *args: str) -> str:
 
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
-    files = {"pyproject.toml": "[project]\n", "loopvq_calib/a.py": "A = 1\n", "configs/m.yaml": "x: 1\n",
-             "scripts/run.sh": "echo\n", "docs/page.md": "prose\n", "loopvq_calib/tasks/t.jsonl": "{}\n",
-             "benchmarks/bench.py": "B = 1\n", "benchmarks/results/r.jsonl": "{}\n"}
+    files = {
+        "pyproject.toml": "[project]\n",
+        "loopvq_calib/a.py": "A = 1\n",
+        "configs/m.yaml": "x: 1\n",
+        "scripts/run.sh": "echo\n",
+        "docs/page.md": "prose\n",
+        "loopvq_calib/tasks/t.jsonl": "{}\n",
+        "benchmarks/bench.py": "B = 1\n",
+        "benchmarks/results/r.jsonl": "{}\n",
+    }
     for path, text in files.items():
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(text)
@@ -35,9 +42,15 @@ def repo(tmp_path: Path) -> Path:
 def test_tree_and_commit_agree_and_only_code_and_settings_count(repo):
     first = ci.tree_identity(repo)
     assert first == ci.commit_identity("HEAD", repo)
-    expected = ci.identity([("pyproject.toml", b"[project]\n"), ("loopvq_calib/a.py", b"A = 1\n"),
-                            ("configs/m.yaml", b"x: 1\n"), ("scripts/run.sh", b"echo\n"),
-                            ("benchmarks/bench.py", b"B = 1\n")])
+    expected = ci.identity(
+        [
+            ("pyproject.toml", b"[project]\n"),
+            ("loopvq_calib/a.py", b"A = 1\n"),
+            ("configs/m.yaml", b"x: 1\n"),
+            ("scripts/run.sh", b"echo\n"),
+            ("benchmarks/bench.py", b"B = 1\n"),
+        ]
+    )
     assert first == expected  # an independent list of the counted files gives the same digest
     (repo / "docs/page.md").write_text("other prose\n")  # prose, data and compiled files do not count
     (repo / "loopvq_calib/tasks/t.jsonl").write_text("[]\n")

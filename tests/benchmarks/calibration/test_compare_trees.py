@@ -41,16 +41,29 @@ def test_the_other_tree_goes_first_and_each_line_holds_its_runs_manifest(tmp_pat
     python.write_text(STAND_IN)
     python.chmod(0o755)
     env = {**os.environ, "WORK": str(work), "PYTHON": str(python), "REAL": sys.executable, "ORDER": str(order)}
-    done = subprocess.run(["bash", "benchmarks/calibration/compare_trees.sh", str(out), str(other), "2"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        ["bash", "benchmarks/calibration/compare_trees.sh", str(out), str(other), "2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert order.read_text().split() == [str(other), str(ROOT)] * 2  # B A B A: the other tree first
     lines = [json.loads(line) for line in (out / "compare.jsonl").read_text().splitlines()]
     assert [(line["tree"], line["round"], line["rc"]) for line in lines] == [
-        ("other", 1, 0), ("this", 1, 0), ("other", 2, 0), ("this", 2, 0)]
+        ("other", 1, 0),
+        ("this", 1, 0),
+        ("other", 2, 0),
+        ("this", 2, 0),
+    ]
     for line in lines:
-        assert line["stages"] == {"capture": {"wall_s": 0.12, "peak_gpu_bytes": 3},  # rounded to 2 places
-                                  "kmeans": {"wall_s": 0.25, "peak_gpu_bytes": None}}
+        assert line["stages"] == {
+            "capture": {"wall_s": 0.12, "peak_gpu_bytes": 3},  # rounded to 2 places
+            "kmeans": {"wall_s": 0.25, "peak_gpu_bytes": None},
+        }
         assert line["before_pipeline_s"] >= 0.2 and line["after_stages_s"] >= 0.4  # and the interpreter's start
         between = line["command_s"] - line["before_pipeline_s"] - line["after_stages_s"]
         assert abs(between - 0.2) < 0.02  # from the pipeline's entry to its last stage, to the rounding

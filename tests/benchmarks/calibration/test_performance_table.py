@@ -14,10 +14,23 @@ from benchmarks.calibration import code_identity as ci, performance_table as pt
 
 
 def _run(step: str, command_s: float, stages: dict[str, float], peak: float = 50.0, rc: int = 0, **extra) -> dict:
-    return {"step": step, "rc": rc, "command_s": command_s, "peak_gpu_gib": peak, "stages_s": sum(stages.values()),
-            "stages": {k: {"wall_s": v, "peak_gpu_gib": peak / 2, "status": "done"} for k, v in stages.items()},
-            "before_pipeline_s": 10.0, "after_stages_s": 1.0, "startup": {"pipeline_init_s": 2.0},
-            "method": "tasq+loopvq", "bits": 0.5, "sequences": 16, "seq_len": 2048, "store": "device", **extra}
+    return {
+        "step": step,
+        "rc": rc,
+        "command_s": command_s,
+        "peak_gpu_gib": peak,
+        "stages_s": sum(stages.values()),
+        "stages": {k: {"wall_s": v, "peak_gpu_gib": peak / 2, "status": "done"} for k, v in stages.items()},
+        "before_pipeline_s": 10.0,
+        "after_stages_s": 1.0,
+        "startup": {"pipeline_init_s": 2.0},
+        "method": "tasq+loopvq",
+        "bits": 0.5,
+        "sequences": 16,
+        "seq_len": 2048,
+        "store": "device",
+        **extra,
+    }
 
 
 def _write(path, *rows) -> None:
@@ -34,9 +47,13 @@ def test_the_committed_page_is_the_one_the_stored_results_give(tmp_path, monkeyp
 
 def test_each_step_shows_its_latest_finished_run_in_run_number_order(tmp_path):
     run9, run10 = (tmp_path / f"measure-real-command-h200-run{n}-results.jsonl" for n in (9, 10))
-    _write(run9, {"step": "checkpoint-ouro-1.4b", "rc": 0, "command_s": 20.0},
-           _run("ouro-1.4b", 70.0, {"capture": 9.0}), _run("huginn-3.5b", 230.0, {"finetune": 120.0}),
-           {"profile": "a probe's line, no step"})
+    _write(
+        run9,
+        {"step": "checkpoint-ouro-1.4b", "rc": 0, "command_s": 20.0},
+        _run("ouro-1.4b", 70.0, {"capture": 9.0}),
+        _run("huginn-3.5b", 230.0, {"finetune": 120.0}),
+        {"profile": "a probe's line, no step"},
+    )
     _write(run10, _run("ouro-1.4b", 61.0, {"capture": 8.0}), _run("huginn-3.5b", 213.0, {"finetune": 99.0}, rc=124))
     runs = pt.latest_runs([run10, run9])  # file order does not matter; run 10 comes after run 9, not before it
     assert list(runs) == ["ouro-1.4b", "huginn-3.5b"]
@@ -59,14 +76,17 @@ def test_commits_come_from_the_code_identity_or_the_files_record(tmp_path):
     assert pt.commit_of(runs["ouro-1.4b"], {"files": {with_code.name: "x"}}) is None  # an identity wins over files
     table = "\n".join(pt.source_table(runs, {"files": {}}, {"h200": "1 x NVIDIA H200"}))
     assert table.count("not recorded (--resolve)") == 3 and "| 1 x NVIDIA H200 |" in table
-    assert "`STEPS=\"ouro-1.4b-48gb\" benchmarks/calibration/measure_real_command.sh OUT`" in table
+    assert '`STEPS="ouro-1.4b-48gb" benchmarks/calibration/measure_real_command.sh OUT`' in table
 
 
 def test_two_gpu_speedup_pairs_the_runs_of_one_call(tmp_path):
     pair, later = (tmp_path / f"measure-real-command-h200x2-run{n}-results.jsonl" for n in (20, 21))
     shared = {"capture": 10.0, "kmeans": 20.0}
-    _write(pair, _run("ouro-2.6b", 98.0, {**shared, "finetune": 50.0}), _run("ouro-2.6b-2gpu", 78.4,
-                                                                          {**shared, "finetune": 40.0}))
+    _write(
+        pair,
+        _run("ouro-2.6b", 98.0, {**shared, "finetune": 50.0}),
+        _run("ouro-2.6b-2gpu", 78.4, {**shared, "finetune": 40.0}),
+    )
     _write(later, _run("ouro-2.6b", 88.0, {"finetune": 42.0}))
     runs = pt.latest_runs([pair, later])
     assert runs["ouro-2.6b"].path == later and runs["ouro-2.6b-2gpu"].path == pair
@@ -80,18 +100,24 @@ def test_two_gpu_speedup_pairs_the_runs_of_one_call(tmp_path):
 def test_machine_files_describe_each_machine_label(tmp_path):
     (tmp_path / "measure-real-command-h200x2-run20-machine.txt").write_text(
         "GPU 0: NVIDIA H200 (UUID: GPU-1)\nGPU 1: NVIDIA H200 (UUID: GPU-2)\n32\n"
-        "               total        used        free\nMem:             251           0         250\n")
+        "               total        used        free\nMem:             251           0         250\n"
+    )
     (tmp_path / "measure-real-command-h200-run22-machine.txt").write_text("name, memory.total [MiB]\nNVIDIA H200\n")
     (tmp_path / "measure-real-command-h200-run25-machine.txt").write_text(
-        "GPU 0: NVIDIA H200 (UUID: GPU-3)\n16\nMem:             125           0         124\n")
-    assert pt.machines(tmp_path) == {"h200x2": "2 x NVIDIA H200, 32 CPU cores, 251 GiB host memory",
-                                     "h200": "1 x NVIDIA H200, 16 CPU cores, 125 GiB host memory"}
+        "GPU 0: NVIDIA H200 (UUID: GPU-3)\n16\nMem:             125           0         124\n"
+    )
+    assert pt.machines(tmp_path) == {
+        "h200x2": "2 x NVIDIA H200, 32 CPU cores, 251 GiB host memory",
+        "h200": "1 x NVIDIA H200, 16 CPU cores, 125 GiB host memory",
+    }
 
 
 def test_the_demo_section_reads_the_log_of_scripts_demo_sh(tmp_path):
     log = tmp_path / "demo-sh-cpu-0824725.log"
-    log.write_text("| data | done | 0.0 | - | 0.51 |\n| capture | done | 13.3 | - | 1.30 |\n"
-                   "| finetune | done | 27.6 | - | 2.38 |\nrun: runs/x (63 s; stage times in runs/x/manifest.json)\n")
+    log.write_text(
+        "| data | done | 0.0 | - | 0.51 |\n| capture | done | 13.3 | - | 1.30 |\n"
+        "| finetune | done | 27.6 | - | 2.38 |\nrun: runs/x (63 s; stage times in runs/x/manifest.json)\n"
+    )
     text = " ".join(" ".join(pt.demo_section(log)).split())
     assert "commit `0824725`" in text and "**63 s** (capture 13.3, fine-tuning 27.6 s)" in text
     assert pt.demo_section(tmp_path / "none.log") == []

@@ -26,8 +26,21 @@ from loopvq_calib.serving.cache import QuantizedLoopKVCache
 
 SCRIPT = ROOT / "benchmarks" / "decode" / "bench_decode_model.py"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-ARGS = ["bench_decode_model.py", "--scale-down", "16", "--contexts", "90", "--batches", "2", "--warmup", "1",
-        "--steps", "8", "--device", str(DEVICE)]
+ARGS = [
+    "bench_decode_model.py",
+    "--scale-down",
+    "16",
+    "--contexts",
+    "90",
+    "--batches",
+    "2",
+    "--warmup",
+    "1",
+    "--steps",
+    "8",
+    "--device",
+    str(DEVICE),
+]
 CACHES = ["bf16", "loopvq", "tasq+loopvq", "tasq+loopvq-channels", "bf16-graph", "loopvq-graph"]
 FIGURES = {"loopvq": 50.0, "bf16": 40.0}  # the kernel-modelled tokens/s given at (90, 2)
 
@@ -53,12 +66,33 @@ def run(tmp_path_factory) -> tuple[dict, str, str]:
     """One run of every kind of case at (90, 2), 8 timed steps, and the checks at 80 tokens: (the JSON written,
     what it printed, what --table-from prints)."""
     tmp = tmp_path_factory.mktemp("bench")
-    figures = {"device": "X", "commit": "c", "cases": [{"context": 90, "batch": 2, "method": "loopvq",
-                                                         "coded_tokens_per_s": FIGURES["loopvq"],
-                                                         "bf16_tokens_per_s": FIGURES["bf16"]}]}
+    figures = {
+        "device": "X",
+        "commit": "c",
+        "cases": [
+            {
+                "context": 90,
+                "batch": 2,
+                "method": "loopvq",
+                "coded_tokens_per_s": FIGURES["loopvq"],
+                "bf16_tokens_per_s": FIGURES["bf16"],
+            }
+        ],
+    }
     (tmp / "k.json").write_text(json.dumps(figures))
-    printed = main([*ARGS, "--check-context", "80", "--caches", *CACHES, "--kernel-model", str(tmp / "k.json"),
-                    "--out", str(tmp / "r.json")])
+    printed = main(
+        [
+            *ARGS,
+            "--check-context",
+            "80",
+            "--caches",
+            *CACHES,
+            "--kernel-model",
+            str(tmp / "k.json"),
+            "--out",
+            str(tmp / "r.json"),
+        ]
+    )
     table = main(["bench_decode_model.py", "--table-from", str(tmp / "r.json")])
     return json.loads((tmp / "r.json").read_text()), printed, table
 
@@ -83,8 +117,9 @@ def test_every_case_is_timed_and_set_against_bf16_and_the_modelled_figure(run):
             assert r["served_path"] == ("kernel" if DEVICE.type == "cuda" else "reference")
             assert r["cache_bytes"] < 2 * 99 * 4 * 2 * 128 * 2  # codes: below a bf16 cache of 90 + 9 tokens
     graphs = {r["cache"]: r.get("graphs") for r in result["cases"] if r["cache"].endswith("-graph")}
-    assert graphs == ({"bf16-graph": 1, "loopvq-graph": 2} if DEVICE.type == "cuda" else
-                      {"bf16-graph": 0, "loopvq-graph": 0})
+    assert graphs == (
+        {"bf16-graph": 1, "loopvq-graph": 2} if DEVICE.type == "cuda" else {"bf16-graph": 0, "loopvq-graph": 0}
+    )
     assert table.strip() in printed and table.strip().count("\n") == 1 + len(CACHES)  # a row per case
 
 
@@ -161,8 +196,9 @@ def test_site_check_follows_the_reference_and_measures_each_site(tiny_model):
     returns (teacher forcing); one error per KV site in site order: 0 when served is the reference path (both
     ``backend="torch"``), exactly 1 at every site when served doubles the values (not compounded over sites)."""
     serving = bdm.Serving(sink_tokens=8, recent_window=16, page_size=8)
-    q = bdm.synthetic_quantizer(tiny_model.kv_layout(), "loopvq", codebook_size=256, group_size=16, steps_per_block=4,
-                                device=DEVICE)
+    q = bdm.synthetic_quantizer(
+        tiny_model.kv_layout(), "loopvq", codebook_size=256, group_size=16, steps_per_block=4, device=DEVICE
+    )
     contents = bdm.random_contents(q, serving, 75, batch=2, device=DEVICE, gen=torch.Generator(DEVICE).manual_seed(1))
     ids = torch.randint(0, 4096, (2, 1), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(2))
 
@@ -193,8 +229,24 @@ def test_site_check_through_the_triton_kernel(tmp_path):
     if DEVICE.type == "cpu":
         env["TRITON_INTERPRET"] = "1"
     out = tmp_path / "c.json"
-    argv = [sys.executable, str(SCRIPT), "--scale-down", "16", "--check-context", "80", "--checks-only",
-            "--caches", "loopvq", "tasq+loopvq", "--check-kernel", "triton", "--device", str(DEVICE), "--out", str(out)]
+    argv = [
+        sys.executable,
+        str(SCRIPT),
+        "--scale-down",
+        "16",
+        "--check-context",
+        "80",
+        "--checks-only",
+        "--caches",
+        "loopvq",
+        "tasq+loopvq",
+        "--check-kernel",
+        "triton",
+        "--device",
+        str(DEVICE),
+        "--out",
+        str(out),
+    ]
     code = subprocess.run(argv, capture_output=True, text=True, env=env, cwd="/", check=False)
     assert code.returncode == 0, code.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -218,8 +270,12 @@ def test_fill_gives_the_state_a_prefill_leaves():
     prefilled = QuantizedLoopKVCache(q, **serving)
     out = model(prompt, cache=prefilled, use_cache=True)
     positions = prefilled.positions[min(prefilled.positions)]
-    state = {"keys": dict(prefilled.keys), "values": dict(prefilled.values), "positions": positions,
-             "codes": {name: list(pages) for name, pages in prefilled.codes.items()}}
+    state = {
+        "keys": dict(prefilled.keys),
+        "values": dict(prefilled.values),
+        "positions": positions,
+        "codes": {name: list(pages) for name, pages in prefilled.codes.items()},
+    }
     filled = bdm.fill_cache(QuantizedLoopKVCache(q, **serving), **state)
     assert filled.regions() == prefilled.regions() == {"sink": 4, "encoded": 24, "window": 9}
     ids = out.logits[:, -1:].argmax(-1)

@@ -15,8 +15,23 @@ from loopvq_calib.models import LoopKVCache
 from loopvq_calib.serving.graph_decode import GraphDecoder
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-ARGS = ["bench_decode_model.py", "--scale-down", "16", "--contexts", "90", "--batches", "2", "--warmup", "1",
-        "--steps", "8", "--check-context", "0", "--device", str(DEVICE)]
+ARGS = [
+    "bench_decode_model.py",
+    "--scale-down",
+    "16",
+    "--contexts",
+    "90",
+    "--batches",
+    "2",
+    "--warmup",
+    "1",
+    "--steps",
+    "8",
+    "--check-context",
+    "0",
+    "--device",
+    str(DEVICE),
+]
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +45,9 @@ def test_bf16_static_baseline_is_the_models_own_cache(tiny_model):
     """Three decode steps through StaticBf16Cache (a capacity of 112 for 90 tokens, SDPA under its mask) give the
     logits of the model's own cache holding the same 90 tokens; the unused capacity is never attended."""
     kv = tiny_model.kv_layout()
-    static = dg.StaticBf16Cache(kv, batch=2, length=90, max_length=100, device=DEVICE,
-                                gen=torch.Generator(DEVICE).manual_seed(0))
+    static = dg.StaticBf16Cache(
+        kv, batch=2, length=90, max_length=100, device=DEVICE, gen=torch.Generator(DEVICE).manual_seed(0)
+    )
     own = LoopKVCache()
     for site in static.keys:
         own.keys[site], own.values[site] = static.keys[site][:, :90].clone(), static.values[site][:, :90].clone()
@@ -54,8 +70,12 @@ def test_kernel_model_reads_bench_decode_results():
     stored = json.loads(bdm.KERNEL_MODEL.read_text())
     case = next(c for c in stored["cases"] if (c["context"], c["batch"], c["method"]) == (32768, 8, "loopvq"))
     want = 8 / (stored["body_ms"]["8"] + 96 * case["coded_ms"]) * 1e3
-    assert dg.modelled(model, 32768, 8, cache="loopvq-graph") == dg.modelled(model, 32768, 8, cache="loopvq") == \
-        pytest.approx(want) == pytest.approx(419, abs=1)
+    assert (
+        dg.modelled(model, 32768, 8, cache="loopvq-graph")
+        == dg.modelled(model, 32768, 8, cache="loopvq")
+        == pytest.approx(want)
+        == pytest.approx(419, abs=1)
+    )
     first = next(c for c in stored["cases"] if (c["context"], c["batch"]) == (32768, 8))
     assert dg.modelled(model, 32768, 8, cache="bf16-graph") == first["bf16_tokens_per_s"]
     assert dg.modelled(model, 90, 2, cache="loopvq") is None and dg.kernel_model(None) == {}
@@ -65,8 +85,18 @@ def test_kernel_model_reads_bench_decode_results():
 def test_graph_cases_profile_their_kernels(tmp_path, monkeypatch):
     """--profile-steps at the case's (context, batch): the eager steps' kernel time by kind, the decode attention
     kernel among them; the replayed steps' wall time (and their kernels where the profiler sees inside graphs)."""
-    argv = [*ARGS, "--caches", "loopvq-graph", "--profile-steps", "2", "--profile-at", "90", "2",
-            "--out", str(tmp_path / "r.json")]
+    argv = [
+        *ARGS,
+        "--caches",
+        "loopvq-graph",
+        "--profile-steps",
+        "2",
+        "--profile-at",
+        "90",
+        "2",
+        "--out",
+        str(tmp_path / "r.json"),
+    ]
     monkeypatch.setattr(sys, "argv", argv)
     bdm.main()
     case = json.loads((tmp_path / "r.json").read_text())["cases"][0]

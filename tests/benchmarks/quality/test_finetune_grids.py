@@ -16,8 +16,14 @@ def test_the_shipped_variant_is_the_default_recipe_and_every_variant_is_a_whole_
     for name, recipe in grids.VARIANTS.items():
         assert set(recipe) == set(grids.RECIPE_KEYS), name
         FinetuneConfig(**recipe)
-    assert grids.PAPER == {**grids.SHIPPED, "lr": 1e-3, "lr_schedule": "constant", "warmup_steps": 0,
-                           "select_every": 0, "proximal": 0.0}
+    assert grids.PAPER == {
+        **grids.SHIPPED,
+        "lr": 1e-3,
+        "lr_schedule": "constant",
+        "warmup_steps": 0,
+        "select_every": 0,
+        "proximal": 0.0,
+    }
     for grid in grids.GRIDS.values():
         assert set(grid.variants) <= set(grids.VARIANTS) and set(grids.QUANT) <= set(grids.VARIANTS)
     assert grids.results_name("huginn", "levers") == "finetune-study-huginn.json"
@@ -29,7 +35,8 @@ def test_scaled_recipes_keep_their_selection_points_per_epoch():
         for name, recipe in grids.VARIANTS.items():
             got = grids.scaled(recipe, train)
             assert {k: v for k, v in got.items() if k != "select_every"} == {
-                k: v for k, v in recipe.items() if k != "select_every"}
+                k: v for k, v in recipe.items() if k != "select_every"
+            }
             if recipe["select_every"] == 0:
                 assert got["select_every"] == 0
             else:  # optimizer steps per epoch / steps between points, as at 12 training sequences (within rounding)

@@ -18,15 +18,23 @@ def test_a_cells_arguments_set_the_models_text_the_cells_quant_and_the_reference
     monkeypatch.chdir(ROOT)  # the tool runs in the checkout: the table's relative paths resolve there
     for model, method, bits, group in (("ouro", "loopvq", 0.5, 16), ("huginn", "tasq+loopvq", 0.25, 32)):
         ref = refs.MODELS[model]
-        args = gain.cell_overrides(model, method, bits, device="cpu", overrides=[*refs.reference_overrides(134),
-                                                                                "finetune.epochs=2"])
+        args = gain.cell_overrides(
+            model, method, bits, device="cpu", overrides=[*refs.reference_overrides(134), "finetune.epochs=2"]
+        )
         parsed = PARSERS["loopvq-calibrate"]().parse_args(["--config", ref.config, *args])
         cfg = load_config(parsed.config, parsed.overrides)
         assert cfg.model.name_or_path == str(ROOT / ref.folder) and cfg.data.dataset == str(ROOT / ref.calibration)
-        assert (cfg.quant.method, cfg.quant.bits, cfg.quant.group_size, cfg.quant.steps_per_block) == (method, bits,
-                                                                                                        group, 4)
-        assert (cfg.data.num_sequences, cfg.data.heldout_sequences, cfg.finetune.select_every) == (134, 16,
-                                                                                                   (134 - 16) // 4)
+        assert (cfg.quant.method, cfg.quant.bits, cfg.quant.group_size, cfg.quant.steps_per_block) == (
+            method,
+            bits,
+            group,
+            4,
+        )
+        assert (cfg.data.num_sequences, cfg.data.heldout_sequences, cfg.finetune.select_every) == (
+            134,
+            16,
+            (134 - 16) // 4,
+        )
         assert cfg.finetune.epochs == 2 and cfg.finetune.autocast == "none"  # an extra override wins over the setup
 
 
@@ -44,9 +52,30 @@ def test_each_model_gets_its_own_file_and_a_failed_cell_leaves_the_others(tmp_pa
     windows = {"artifacts/tiny-ouro": 188, "artifacts/tiny-huginn": 134}
     monkeypatch.setattr(gain, "calibration_windows", lambda ref: windows[ref.folder])
     monkeypatch.setattr(gain, "report", lambda path: f"table of {path.name}")
-    monkeypatch.setattr(sys, "argv", ["measure_finetune_gain.py", "--model", "ouro", "huginn", "--cell", "0",
-                                      "--cell", "1", "--out-dir", str(tmp_path), "--device", "cpu", "--jobs", "2",
-                                      "--set", "finetune.epochs=1", "--eval-args", "--num-sequences 1"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "measure_finetune_gain.py",
+            "--model",
+            "ouro",
+            "huginn",
+            "--cell",
+            "0",
+            "--cell",
+            "1",
+            "--out-dir",
+            str(tmp_path),
+            "--device",
+            "cpu",
+            "--jobs",
+            "2",
+            "--set",
+            "finetune.epochs=1",
+            "--eval-args",
+            "--num-sequences 1",
+        ],
+    )
     with pytest.raises(SystemExit, match="huginn"):
         gain.main()
     ouro = json.loads((tmp_path / "finetune-gain-ouro.json").read_text())
@@ -67,14 +96,22 @@ def test_resume_runs_only_the_cells_a_stored_file_lacks_and_keeps_its_setup(tmp_
         ran.append((model, method, bits))
         return {**_cell(method, bits), "overrides": kwargs["overrides"]}
 
-    stored = {"command": "first", "commit": "a", "model": "ouro", "overrides": ["data.num_sequences=100"],
-              "cells": [_cell("tasq+loopvq", 0.5), _cell("loopvq", 0.5)]}
+    stored = {
+        "command": "first",
+        "commit": "a",
+        "model": "ouro",
+        "overrides": ["data.num_sequences=100"],
+        "cells": [_cell("tasq+loopvq", 0.5), _cell("loopvq", 0.5)],
+    }
     (tmp_path / "finetune-gain-ouro.json").write_text(json.dumps(stored))
     monkeypatch.setattr(gain, "measure_cell", fake_cell)
     monkeypatch.setattr(gain, "calibration_windows", lambda ref: 1 / 0)  # a resumed file keeps its own setup
     monkeypatch.setattr(gain, "report", lambda path: "")
-    monkeypatch.setattr(sys, "argv", ["measure_finetune_gain.py", "--model", "ouro", "--resume", "--out-dir",
-                                      str(tmp_path), "--device", "cpu"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["measure_finetune_gain.py", "--model", "ouro", "--resume", "--out-dir", str(tmp_path), "--device", "cpu"],
+    )
     gain.main()
     data = json.loads((tmp_path / "finetune-gain-ouro.json").read_text())
     assert ran == [("ouro", "loopvq", 0.25), ("ouro", "tasq+loopvq", 0.25)]

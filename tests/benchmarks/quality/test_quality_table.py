@@ -14,14 +14,25 @@ from benchmarks.quality import quality_table as qt
 
 METHODS = ("cq", "tasq", "loopvq", "tasq+loopvq")
 # accuracy per (width, fine-tuned): the paper's order, a tie, a break, all equal
-ACCURACY = {(0.5, True): (0.25, 0.5, 0.625, 0.75), (0.25, True): (0.25, 0.25, 0.5, 0.75),
-            (0.5, False): (0.5, 0.25, 0.5, 0.625), (0.25, False): (0.5, 0.5, 0.5, 0.5)}
+ACCURACY = {
+    (0.5, True): (0.25, 0.5, 0.625, 0.75),
+    (0.25, True): (0.25, 0.25, 0.5, 0.75),
+    (0.5, False): (0.5, 0.25, 0.5, 0.625),
+    (0.25, False): (0.5, 0.5, 0.5, 0.5),
+}
 
 
 def _entry(name: str, kind: str, method: str, bits: dict | None, encoded: float | None) -> dict:
-    return {"name": name, "kind": kind, "method": method, "bits": bits,
-            "bytes": {"bytes_per_token": 24576.0 if encoded is None else encoded + 3000,
-                      "encoded_bytes_per_token": encoded}}
+    return {
+        "name": name,
+        "kind": kind,
+        "method": method,
+        "bits": bits,
+        "bytes": {
+            "bytes_per_token": 24576.0 if encoded is None else encoded + 3000,
+            "encoded_bytes_per_token": encoded,
+        },
+    }
 
 
 def results(model: str = "ouro") -> tuple[dict, dict]:
@@ -41,20 +52,43 @@ def results(model: str = "ouro") -> tuple[dict, dict]:
         entries.append(_entry(name, "baseline", name, {"key": bits, "value": bits}, encoded))
         quality.append({"name": name, "eval_kl": 0.001, "ppl_fp": 66.0, "ppl_quantized": 66.5})
         scores[name], keys[name] = 0.75, {"256": 1.0, "2040": 1.0}
-    served = {"reference": "bfloat16", "entries": entries,
-              "tasks": {"tasks": ["loopvq_recall"], "limit": 24.0,
-                        "scores": {n: {"loopvq_recall": {"exact_match,answer": v}} for n, v in scores.items()}},
-              "passkey": {"lengths": [256, 2040], "trials_per_length": 2, "accuracy": keys}}
-    report = {"dtype": "bfloat16", "data": {"num_sequences": 8, "sequence_length": 512}, "bundles": quality,
-              "served": served}
-    setup = {"command": f"python benchmarks/quality/eval_reference.py --model {model}", "commit": "abc1234",
-             "device": "cpu",
-             "cpu_count": 2, "heldout": "artifacts/data/shakespeare-heldout.jsonl", "bundles": about,
-             "seconds": {"calibration": 900.0, "loopvq-eval": 2400.0},
-             "calibration": {"dataset": "artifacts/data/shakespeare-calib.jsonl", "sequences": 16,
-                             "sequence_length": 512, "sink_tokens": 8, "codebook_size": 256,
-                             "group_size": {"0.5": 16, "0.25": 32}, "steps_per_block": 4, "kmeans_iterations": 10,
-                             "finetune": {"epochs": 4, "lr": 0.01}, "serving": {"recent_window": 64, "page_size": 8}}}
+    served = {
+        "reference": "bfloat16",
+        "entries": entries,
+        "tasks": {
+            "tasks": ["loopvq_recall"],
+            "limit": 24.0,
+            "scores": {n: {"loopvq_recall": {"exact_match,answer": v}} for n, v in scores.items()},
+        },
+        "passkey": {"lengths": [256, 2040], "trials_per_length": 2, "accuracy": keys},
+    }
+    report = {
+        "dtype": "bfloat16",
+        "data": {"num_sequences": 8, "sequence_length": 512},
+        "bundles": quality,
+        "served": served,
+    }
+    setup = {
+        "command": f"python benchmarks/quality/eval_reference.py --model {model}",
+        "commit": "abc1234",
+        "device": "cpu",
+        "cpu_count": 2,
+        "heldout": "artifacts/data/shakespeare-heldout.jsonl",
+        "bundles": about,
+        "seconds": {"calibration": 900.0, "loopvq-eval": 2400.0},
+        "calibration": {
+            "dataset": "artifacts/data/shakespeare-calib.jsonl",
+            "sequences": 16,
+            "sequence_length": 512,
+            "sink_tokens": 8,
+            "codebook_size": 256,
+            "group_size": {"0.5": 16, "0.25": 32},
+            "steps_per_block": 4,
+            "kmeans_iterations": 10,
+            "finetune": {"epochs": 4, "lr": 0.01},
+            "serving": {"recent_window": 64, "page_size": 8},
+        },
+    }
     return report, setup
 
 
@@ -94,14 +128,18 @@ def test_the_ordering_verdict_agrees_with_an_independent_rule():
         verdict = qt.ordering(dict(zip(METHODS, values)))
         assert verdict.startswith(_independent_verdict(list(values)) + " ("), (values, verdict)
     assert qt.ordering(dict(zip(METHODS, (0.1, 0.2, 0.2, 0.15)))) == (
-        "does not hold (CQ 0.100 < TaSQ 0.200 = LoopVQ 0.200 > TaSQ+LoopVQ 0.150)")
+        "does not hold (CQ 0.100 < TaSQ 0.200 = LoopVQ 0.200 > TaSQ+LoopVQ 0.150)"
+    )
 
 
 def test_the_ordering_line_covers_each_width_fine_tuned_and_k_means_only(tmp_path):
     store(tmp_path)
     line = qt.ordering_line(qt.load("ouro", tmp_path))
-    expected = [f"{w:g} bit {'fine-tuned' if t else 'k-means only'}: {_independent_verdict(list(ACCURACY[w, t]))} ("
-                for t in (True, False) for w in (0.5, 0.25)]
+    expected = [
+        f"{w:g} bit {'fine-tuned' if t else 'k-means only'}: {_independent_verdict(list(ACCURACY[w, t]))} ("
+        for t in (True, False)
+        for w in (0.5, 0.25)
+    ]
     assert [line.index(e) for e in expected] == sorted(line.index(e) for e in expected)
     assert "0.5 bit fine-tuned: holds (CQ 0.250 < TaSQ 0.500 < LoopVQ 0.625 < TaSQ+LoopVQ 0.750)" in line
     report, setup = results()

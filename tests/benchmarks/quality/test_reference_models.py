@@ -53,8 +53,12 @@ def test_calibration_windows_are_what_the_data_stage_can_cut():
         tokenizer = AutoTokenizer.from_pretrained(ROOT / model.folder)
 
         def cut(n: int, model=model, tokenizer=tokenizer):
-            return build_calibration_set(DataConfig(dataset=str(ROOT / model.calibration), num_sequences=n,
-                                                    sequence_length=512, heldout_sequences=0), tokenizer)
+            return build_calibration_set(
+                DataConfig(
+                    dataset=str(ROOT / model.calibration), num_sequences=n, sequence_length=512, heldout_sequences=0
+                ),
+                tokenizer,
+            )
 
         assert cut(windows).input_ids.shape == (windows, 512), name
         with pytest.raises(DataError, match="windows"):

@@ -20,8 +20,12 @@ def test_a_cells_config_is_the_models_config_with_its_text_and_the_cells_quant_k
     assert cfg.model.name_or_path == str(ROOT / "artifacts" / "tiny-huginn")
     assert cfg.data.dataset == str(ROOT / "artifacts" / "data" / "python-calib.jsonl")
     assert (cfg.data.num_sequences, cfg.data.heldout_sequences) == (16, 4)
-    assert (cfg.quant.method, cfg.quant.bits, cfg.quant.group_size, cfg.quant.codebook_size) == ("tasq+loopvq", 0.25,
-                                                                                                  32, 256)
+    assert (cfg.quant.method, cfg.quant.bits, cfg.quant.group_size, cfg.quant.codebook_size) == (
+        "tasq+loopvq",
+        0.25,
+        32,
+        256,
+    )
     assert cfg.quant.steps_per_block == 4 and cfg.quant.codebook_sharing == "heads"
     assert (cfg.kmeans.iterations, cfg.kmeans.tolerance) == (100, 1e-5)
     assert cfg.data.sink_tokens == demo.data.sink_tokens and asdict(cfg.output.serving) == asdict(demo.output.serving)
@@ -55,14 +59,20 @@ def test_study_merge_records_the_merge_and_each_parts_command(tmp_path):
     """A merged study file names the merge as its command and keeps each per-cell file's command and cells."""
     files = []
     for n in range(2):
-        part = {"command": f"python benchmarks/quality/study_finetune.py --grid batch2 --cell {n}", "commit": "abc",
-                "cells": [{"method": "loopvq", "bits": 0.5 / (n + 1)}], "total_s": 10.0 + n}
+        part = {
+            "command": f"python benchmarks/quality/study_finetune.py --grid batch2 --cell {n}",
+            "commit": "abc",
+            "cells": [{"method": "loopvq", "bits": 0.5 / (n + 1)}],
+            "total_s": 10.0 + n,
+        }
         files.append(str(tmp_path / f"b{n}.json"))
         Path(files[-1]).write_text(json.dumps(part))
     merged = study.merge(files, "all.json")
     command = f"python benchmarks/quality/study_finetune.py --merge {files[0]} {files[1]} --out all.json"
     assert merged["command"] == command
-    assert merged["parts"] == ["python benchmarks/quality/study_finetune.py --grid batch2 --cell 0",
-                               "python benchmarks/quality/study_finetune.py --grid batch2 --cell 1"]
+    assert merged["parts"] == [
+        "python benchmarks/quality/study_finetune.py --grid batch2 --cell 0",
+        "python benchmarks/quality/study_finetune.py --grid batch2 --cell 1",
+    ]
     assert merged["cells"] == [{"method": "loopvq", "bits": 0.5}, {"method": "loopvq", "bits": 0.25}]
     assert merged["total_s"] == 11.0 and merged["commit"] == "abc"

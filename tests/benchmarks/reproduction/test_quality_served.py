@@ -11,28 +11,46 @@ from benchmarks.reproduction import quality_served as qs, reproduce_report as rr
 
 def _served() -> dict:
     def entry(name, bits, per_token, encoded, window):
-        return {"name": name, "bits": bits, "serving": None if window is None else {"recent_window": window},
-                "bytes": {"bytes_per_token": per_token, "encoded_bytes_per_token": encoded}}
+        return {
+            "name": name,
+            "bits": bits,
+            "serving": None if window is None else {"recent_window": window},
+            "bytes": {"bytes_per_token": per_token, "encoded_bytes_per_token": encoded},
+        }
 
     def report(window, per_token, scores, passkey=None):
-        served = {"entries": [entry("bfloat16", None, 24576.0, None, None),
-                              entry("b-loopvq", {"key": 0.5, "value": 0.5}, per_token, 768.0, window)],
-                  "tasks": {"tasks": ["t"], "limit": 12.0,
-                            "scores": {"bfloat16": {"t": {"acc": 0.75}}, "b-loopvq": {"t": {"acc": scores}}}}}
+        served = {
+            "entries": [
+                entry("bfloat16", None, 24576.0, None, None),
+                entry("b-loopvq", {"key": 0.5, "value": 0.5}, per_token, 768.0, window),
+            ],
+            "tasks": {
+                "tasks": ["t"],
+                "limit": 12.0,
+                "scores": {"bfloat16": {"t": {"acc": 0.75}}, "b-loopvq": {"t": {"acc": scores}}},
+            },
+        }
         if passkey:
             served["passkey"] = passkey
-        return {"bundles": [{"name": "b-loopvq", "eval_kl": 0.1066, "ppl_increase": 0.0743}],
-                "data": {"num_sequences": 2, "sequence_length": 512}, "served": served}
+        return {
+            "bundles": [{"name": "b-loopvq", "eval_kl": 0.1066, "ppl_increase": 0.0743}],
+            "data": {"num_sequences": 2, "sequence_length": 512},
+            "served": served,
+        }
 
-    keys = {"lengths": [256, 1024], "accuracy": {"bfloat16": {"256": 1.0, "1024": 0.0}, "b-loopvq": {"256": 0.0,
-                                                                                                  "1024": 1.0}}}
+    keys = {
+        "lengths": [256, 1024],
+        "accuracy": {"bfloat16": {"256": 1.0, "1024": 0.0}, "b-loopvq": {"256": 0.0, "1024": 1.0}},
+    }
     return {"report": report(64, 4116.0, 0.5, keys), "window0": report(0, 1140.0, 0.25)}
 
 
 def test_served_rows_join_the_two_reports_per_entry():
     rows = qs.served_rows(_served())
-    assert rows == [["bfloat16", "16 / 16 (bf16)", "n/a", "24576", "24576", "0", "0", "0.750", "0.750", "1 / 0"],
-                    ["b-loopvq", "0.5 / 0.5", "768", "4116", "1140", "0.10660", "+7.43%", "0.500", "0.250", "0 / 1"]]
+    assert rows == [
+        ["bfloat16", "16 / 16 (bf16)", "n/a", "24576", "24576", "0", "0", "0.750", "0.750", "1 / 0"],
+        ["b-loopvq", "0.5 / 0.5", "768", "4116", "1140", "0.10660", "+7.43%", "0.500", "0.250", "0 / 1"],
+    ]
 
 
 def test_the_ranking_sentence_follows_the_stored_numbers():

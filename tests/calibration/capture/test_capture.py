@@ -69,7 +69,11 @@ def test_stored_tensors_equal_direct_computations(tmp_path, make):
     ids = calib.input_ids[1:2]
     projections = []
     layer = model.model.layers[0] if hasattr(model, "model") else model.transformer.core_block[0]
-    handle = layer.self_attn.k_proj.register_forward_hook(lambda m, i, o: projections.append(o)) if hasattr(layer, "self_attn") else None
+    handle = (
+        layer.self_attn.k_proj.register_forward_hook(lambda m, i, o: projections.append(o))
+        if hasattr(layer, "self_attn")
+        else None
+    )
     model(ids)
     if handle:
         handle.remove()
@@ -133,8 +137,11 @@ def test_a_rerun_keeps_whole_shards_and_removes_a_killed_runs_partial_one(tmp_pa
     shard_path(run, 0).write_bytes(shard_path(clean.dir, 0).read_bytes())
     (run / f"{TMP_PREFIX}seq00001.safetensors.99999").write_bytes(b"half a shard")
     real, forwards, done = capture_module.capture_sequence, [], []
-    monkeypatch.setattr(capture_module, "capture_sequence",
-                        lambda *a, seqs, **k: forwards.append(list(seqs)) or real(*a, seqs=seqs, **k))
+    monkeypatch.setattr(
+        capture_module,
+        "capture_sequence",
+        lambda *a, seqs, **k: forwards.append(list(seqs)) or real(*a, seqs=seqs, **k),
+    )
     captured = capture_kv(model, calib, model.kv_layout(), cfg=CaptureConfig(), out=run, progress=done.append)
     assert captured == [0, 1, 2] and forwards == [[1], [2]] and done == [1, 1, 1]
     assert sorted(p.name for p in run.iterdir()) == [shard_path(run, i).name for i in range(3)]
@@ -154,7 +161,9 @@ def test_non_finite_values_stop_the_run_naming_site_and_sequence(tmp_path):
     model = make_tiny_ouro()
     with torch.no_grad():
         model.model.layers[1].self_attn.v_proj.weight[0, 0] = float("inf")
-    with pytest.raises(CaptureError, match=r"non-finite values in \w+ at site 1 \(loop step 0, layer 1, loop\), calibration sequence 0"):
+    with pytest.raises(
+        CaptureError, match=r"non-finite values in \w+ at site 1 \(loop step 0, layer 1, loop\), calibration sequence 0"
+    ):
         run_capture(model, calib_set(), tmp_path)
     assert not list(tmp_path.glob("seq*.safetensors"))
 
@@ -242,14 +251,20 @@ def test_memory_store_on_a_gpu_copies_into_pinned_host_memory(tmp_path):
     assert torch.equal(seq["input_ids"], calib_set().input_ids[1]) and len(mem.copier.pinned) == 3
 
     reader = MemoryReader(mem)
-    waited = reader.load("fisher_value", (2, 3), device="cuda")  # also the kernels' first launch (CUDA loads them lazily)
+    waited = reader.load(
+        "fisher_value", (2, 3), device="cuda"
+    )  # also the kernels' first launch (CUDA loads them lazily)
     torch.cuda.synchronize()
     torch.cuda._sleep(500_000_000)  # the pinned tensors' copies queue behind this without stopping the host
     queued = reader.load("fisher_value", (2, 3), device="cuda", non_blocking=True)
     assert not torch.cuda.current_stream().query()
     torch.testing.assert_close(queued, waited, rtol=0, atol=0)
     mem.copier.release()
-    assert not seq["key.0"].is_pinned() and not mem.copier.pinned and torch.equal(seq["input_ids"], calib_set().input_ids[1])
+    assert (
+        not seq["key.0"].is_pinned()
+        and not mem.copier.pinned
+        and torch.equal(seq["input_ids"], calib_set().input_ids[1])
+    )
 
 
 @pytest.mark.gpu
@@ -257,8 +272,14 @@ def test_memory_store_under_several_processes_gives_each_tensor_its_own_pinned_s
     """Process 0 of 2 (its sequences 0 and 2): one slab per tensor, so share_sequences can free what it drops."""
     model, calib = make_tiny_ouro().cuda(), calib_set()
     mem = MemoryCapture()
-    capture_kv(model, calib, model.kv_layout(), cfg=CaptureConfig(dtype="float32", store="memory"), out=mem,
-               dist=DistContext(0, 2))
+    capture_kv(
+        model,
+        calib,
+        model.kv_layout(),
+        cfg=CaptureConfig(dtype="float32", store="memory"),
+        out=mem,
+        dist=DistContext(0, 2),
+    )
     assert sorted(mem.sequences) == [0, 2] and mem.copier.slab_per_tensor
     moved = [t for stored in mem.sequences.values() for n, t in stored.items() if not n.startswith("qstat")]
     assert all(t.is_pinned() for t in moved)
@@ -288,8 +309,9 @@ def _share_worker(rank: int, world: int, init_file: str, queue) -> None:
     memory = MemoryCapture()
     memory.copier = hm.HostCopier(torch.device("cpu"), slab_per_tensor=True, pinner=pinner)  # as under 2 processes
     with memory.copier:  # this process's captured sequences, every tensor of each, copied into pinned slabs
-        captured = {seq: {n: torch.full((3, 2), 10.0 * seq + i) for i, n in enumerate(names)}
-                    for seq in range(rank, 5, world)}
+        captured = {
+            seq: {n: torch.full((3, 2), 10.0 * seq + i) for i, n in enumerate(names)} for seq in range(rank, 5, world)
+        }
         futures = {seq: memory.copier.submit(stored, seq) for seq, stored in captured.items()}
         memory.sequences.update({seq: f.result() for seq, f in futures.items()})
     dropped = {t.data_ptr() for stored in memory.sequences.values() for n, t in stored.items() if n not in needs[rank]}
@@ -304,9 +326,18 @@ def _share_worker(rank: int, world: int, init_file: str, queue) -> None:
     share_sequences(memory, needs, DistContext(rank, world), num_sequences=5)
     kept = {memory.sequences[seq][n].data_ptr() for seq in futures for n in needs[rank]}
     pinned = {slab.data_ptr() for slab in memory.copier.pinned}
-    queue.put((rank, ({seq: {n: t.tolist() for n, t in d.items()} for seq, d in memory.sequences.items()},
-                      pinned == kept and len(kept) == 2 * len(futures), set(unpinned) == dropped, len(unpinned),
-                      pinned_after)))
+    queue.put(
+        (
+            rank,
+            (
+                {seq: {n: t.tolist() for n, t in d.items()} for seq, d in memory.sequences.items()},
+                pinned == kept and len(kept) == 2 * len(futures),
+                set(unpinned) == dropped,
+                len(unpinned),
+                pinned_after,
+            ),
+        )
+    )
     torch_dist.destroy_process_group()
 
 
@@ -338,7 +369,9 @@ def test_share_sequences_gives_each_process_its_tensors_of_every_sequence(tmp_pa
 
 
 def test_share_sequences_needs_a_sequence_per_process():
-    with pytest.raises(CaptureError, match="process 1 captured no sequence: data.num_sequences 1 is below the 2 processes"):
+    with pytest.raises(
+        CaptureError, match="process 1 captured no sequence: data.num_sequences 1 is below the 2 processes"
+    ):
         share_sequences(MemoryCapture(), [[], []], DistContext(1, 2), num_sequences=1)
 
 
@@ -369,12 +402,29 @@ def test_tasq_key_fisher_keeps_every_group_weight(tmp_path, make):
     layout.check()
     x = full.load("key", sites)
     assert torch.equal(x, reduced.load("key", sites))
-    _, want = layout_problems(x, full.load("fisher_key", sites), layout, transform=transform, codebook_size=4, sharing="none")
-    _, got = layout_problems(x, reduced.load("fisher_key", sites), layout, transform=transform, codebook_size=4, sharing="none",
-                             fisher_tasq_weighted=True)
+    _, want = layout_problems(
+        x, full.load("fisher_key", sites), layout, transform=transform, codebook_size=4, sharing="none"
+    )
+    _, got = layout_problems(
+        x,
+        reduced.load("fisher_key", sites),
+        layout,
+        transform=transform,
+        codebook_size=4,
+        sharing="none",
+        fisher_tasq_weighted=True,
+    )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="TaSQ-weighted key Fisher"):
-        layout_problems(x, reduced.load("fisher_key", sites), layout, transform=None, codebook_size=4, sharing="none", fisher_tasq_weighted=True)
+        layout_problems(
+            x,
+            reduced.load("fisher_key", sites),
+            layout,
+            transform=None,
+            codebook_size=4,
+            sharing="none",
+            fisher_tasq_weighted=True,
+        )
 
 
 @pytest.mark.gpu

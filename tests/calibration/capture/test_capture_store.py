@@ -28,8 +28,16 @@ def test_store_choice_and_refusal(tmp_path, monkeypatch):
     size = cs.capture_bytes(kv, 4, 64, cfg=CaptureConfig(fisher_channels=4))
 
     def choose(store: str, device: str = "cpu") -> cs.StoreChoice:
-        return cs.choose_store(CaptureConfig(store=store, fisher_channels=4), kv, 4, sequence_length=64,
-                               device=torch.device(device), model_bytes=100, step_bytes=1000, capture_dir=tmp_path)
+        return cs.choose_store(
+            CaptureConfig(store=store, fisher_channels=4),
+            kv,
+            4,
+            sequence_length=64,
+            device=torch.device(device),
+            model_bytes=100,
+            step_bytes=1000,
+            capture_dir=tmp_path,
+        )
 
     monkeypatch.setattr(cs, "host_available", lambda: size)
     monkeypatch.setattr(cs, "disk_available", lambda folder: size - 1)
@@ -77,8 +85,17 @@ def test_host_memory_store_keeps_gpu_room_only_for_the_sequences_it_can_have_in_
     monkeypatch.setattr(cs, "host_available", lambda: 2 * per_sequence)
 
     def choose() -> cs.StoreChoice:
-        return cs.choose_store(cfg, kv, 2, sequence_length=64, device=torch.device("cuda"), model_bytes=100,
-                               step_bytes=1000, capture_dir=tmp_path, processes=2)
+        return cs.choose_store(
+            cfg,
+            kv,
+            2,
+            sequence_length=64,
+            device=torch.device("cuda"),
+            model_bytes=100,
+            step_bytes=1000,
+            capture_dir=tmp_path,
+            processes=2,
+        )
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1200 + per_sequence, 2000))
     assert choose().store == "memory" and "keep up to 1 sequences" in choose().reason

@@ -82,8 +82,10 @@ def test_cuda_state_goes_through_reused_pinned_buffers_without_waiting(tmp_path)
         assert all(b.is_pinned() for b in writer._buffers.values()) and len(buffers) == 2
         for epoch in (1, 2):
             expected = moments.cpu()
-            writer.save({"epoch": epoch, "opt": {"state": {0: {"exp_avg": moments, "step": step}}}, "best_state": best},
-                        unchanged=("best_state",) if epoch == 2 else ())
+            writer.save(
+                {"epoch": epoch, "opt": {"state": {0: {"exp_avg": moments, "step": step}}}, "best_state": best},
+                unchanged=("best_state",) if epoch == 2 else (),
+            )
             moments.mul_(2)  # queued after the copy on the same stream
             writer.close()
             saved = torch.load(path, weights_only=False)

@@ -14,12 +14,7 @@ from support.quantizers import sampled_quantizer
 
 from loopvq_calib.calibration.finetune import teacher_cache as teacher_cache_module, train as finetune_module
 from loopvq_calib.calibration.finetune.teacher_cache import ranked
-from loopvq_calib.calibration.finetune.train import (
-    TeacherCache,
-    finetune_codebooks,
-    selection_kl,
-    sequence_kl,
-)
+from loopvq_calib.calibration.finetune.train import TeacherCache, finetune_codebooks, selection_kl, sequence_kl
 from loopvq_calib.calibration.pipeline import calibrate
 from loopvq_calib.calibration.stages import load_calibration, load_quantizer
 from loopvq_calib.codes.codec import scatter_groups
@@ -121,7 +116,7 @@ def test_codebook_gradient_is_exact_through_the_lookup(reference_setup):
     sub = KVSubstituter(lambda s: (qk[s], qv[s]), sink_mask(ids, calib.sink_tokens))
     with kv_hook(model, sub):
         logits = model(ids).logits
-    kl_per_position(fp.logits[:, calib.sink_tokens:], logits[:, calib.sink_tokens:]).mean().backward()
+    kl_per_position(fp.logits[:, calib.sink_tokens :], logits[:, calib.sink_tokens :]).mean().backward()
     torch.testing.assert_close(grad, cb2.grad, rtol=1e-4, atol=1e-9)
     used = torch.zeros(cb.shape[:3], dtype=torch.bool)
     used.scatter_(2, idx.permute(1, 2, 0), True)
@@ -131,8 +126,12 @@ def test_codebook_gradient_is_exact_through_the_lookup(reference_setup):
 @pytest.mark.slow  # the shipped reference model
 def test_cached_teacher_gives_the_same_result(reference_setup):
     model, calib, init = reference_setup
-    a = finetune_codebooks(model, calib, init, cfg=FinetuneConfig(epochs=1, cache_teacher="true"), device=torch.device("cpu"))
-    b = finetune_codebooks(model, calib, init, cfg=FinetuneConfig(epochs=1, cache_teacher="false"), device=torch.device("cpu"))
+    a = finetune_codebooks(
+        model, calib, init, cfg=FinetuneConfig(epochs=1, cache_teacher="true"), device=torch.device("cpu")
+    )
+    b = finetune_codebooks(
+        model, calib, init, cfg=FinetuneConfig(epochs=1, cache_teacher="false"), device=torch.device("cpu")
+    )
     assert a.curve == b.curve
     for key in a.quantizer.codecs:
         assert torch.equal(a.quantizer.codecs[key].codebook, b.quantizer.codecs[key].codebook)
@@ -190,9 +189,14 @@ def test_teacher_cache_is_sized_after_the_second_step(reference_setup, monkeypat
     model, calib, init = reference_setup
     calls = []
     progress = []
-    monkeypatch.setattr(TeacherCache, "settle", lambda self, device, to_come=0, peak_floor=0:
-                        calls.append((len(progress), to_come, peak_floor)))
-    finetune_codebooks(model, calib, init, cfg=FinetuneConfig(epochs=1), device=torch.device("cpu"), progress=progress.append)
+    monkeypatch.setattr(
+        TeacherCache,
+        "settle",
+        lambda self, device, to_come=0, peak_floor=0: calls.append((len(progress), to_come, peak_floor)),
+    )
+    finetune_codebooks(
+        model, calib, init, cfg=FinetuneConfig(epochs=1), device=torch.device("cpu"), progress=progress.append
+    )
     codebook_bytes = sum(c.codebook.numel() * 4 for c in init.codecs.values())  # fp32 during fine-tuning
     assert calls == [(1, codebook_bytes, 0)] and len(progress) > 2  # no floor on CPU (no peak statistics)
     cache = TeacherCache(model, FinetuneConfig(), [[0], [1]])
@@ -291,7 +295,10 @@ def test_batched_selection_equals_one_sequence_at_a_time(make):
     calib = CalibrationSet(ids, [0], [1, 2, 3, 4, 5], 2)
     lossy = sampled_quantizer(model, ids[:2], "loopvq", codebook_size=4)
     cpu = torch.device("cpu")
-    each = [sequence_kl(model, ids[i : i + 1], lossy, sink_tokens=2, cfg=FinetuneConfig(), device=cpu).item() for i in calib.heldout]
+    each = [
+        sequence_kl(model, ids[i : i + 1], lossy, sink_tokens=2, cfg=FinetuneConfig(), device=cpu).item()
+        for i in calib.heldout
+    ]
     for batch in (1, 2, 5):
         cfg = FinetuneConfig(selection_batch=batch)
         for cache in (None, TeacherCache(model, cfg, [[i] for i in range(6)])):

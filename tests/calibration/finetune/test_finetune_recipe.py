@@ -37,7 +37,6 @@ def test_schedule_sets_the_step_size(tiny_setup):
         assert moved == pytest.approx(1e-2 * factor, rel=0.02)
 
 
-
 def test_proximal_penalty_value_and_gradient_by_hand():
     """weight x sum ||C - C0||^2 / sum ||C0||^2, gradient 2 weight (C - C0) / sum ||C0||^2."""
     q = random_quantizer(make_tiny_ouro().kv_layout())
@@ -90,7 +89,13 @@ def test_min_usage_trains_only_codewords_used_enough(tiny_setup):
     """Usage = nearest-codeword counts of the training sequences' group vectors (after the sinks) under
     the k-means codebooks; entries below min_usage stay exactly as they were, others move."""
     model, calib, init = tiny_setup
-    counts = usage_counts(model, calib, init, cache=TeacherCache(model, FinetuneConfig(), [[i] for i in range(4)]), device=torch.device("cpu"))
+    counts = usage_counts(
+        model,
+        calib,
+        init,
+        cache=TeacherCache(model, FinetuneConfig(), [[i] for i in range(4)]),
+        device=torch.device("cpu"),
+    )
     key = "key.b0.l0"
     codec = init.codecs[key]
     hand = torch.zeros(codec.codebook.shape[:3], dtype=torch.long)
@@ -108,5 +113,6 @@ def test_min_usage_trains_only_codewords_used_enough(tiny_setup):
         rare = counts[k] < threshold
         after = seen[-1][1].codecs[k].codebook
         assert torch.equal(after[rare], c0.codebook[rare])
-    assert not torch.equal(seen[-1][1].codecs[key].codebook[~(counts[key] < threshold)],
-                           codec.codebook[~(counts[key] < threshold)])
+    assert not torch.equal(
+        seen[-1][1].codecs[key].codebook[~(counts[key] < threshold)], codec.codebook[~(counts[key] < threshold)]
+    )

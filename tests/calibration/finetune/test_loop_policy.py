@@ -43,7 +43,8 @@ def out_of_memory_once(monkeypatch, model, asks: list[bool]) -> None:
 
 
 def test_a_step_out_of_memory_is_redone_with_checkpointing_and_gives_the_checkpointed_result(
-        tiny_setup, monkeypatch, caplog):
+    tiny_setup, monkeypatch, caplog
+):
     model = tiny_setup[0]
     on = run_finetune(tiny_setup, loop_checkpointing=True, **RECIPE)
     off = run_finetune(tiny_setup, loop_checkpointing=False, **RECIPE)
@@ -76,13 +77,24 @@ def test_auto_turns_checkpointing_on_when_the_teacher_cache_would_not_keep_every
     for keeps_all, expected in ((False, [False, False, True, True, True, True]), (True, [False] * 6)):
         asks, sizings, progress = [], [], []
         real = finetune_module.sequence_kl
-        monkeypatch.setattr(finetune_module, "sequence_kl",
-                            lambda *a, _r=real, **k: asks.append(model.loop_checkpointing) or _r(*a, **k))
-        monkeypatch.setattr(TeacherCache, "tiers_now", lambda self, device, to_come=0, peak_floor=0, _k=keeps_all:
-                            (set(range(self.still_asked())), set()) if _k else ({0}, set()))
-        monkeypatch.setattr(TeacherCache, "settle",
-                            lambda self, device, to_come=0, peak_floor=0: sizings.append(len(progress)))
-        finetune_codebooks(model, calib, init, cfg=FinetuneConfig(**cfg), device=torch.device("cpu"), progress=progress.append)
+        monkeypatch.setattr(
+            finetune_module,
+            "sequence_kl",
+            lambda *a, _r=real, **k: asks.append(model.loop_checkpointing) or _r(*a, **k),
+        )
+        monkeypatch.setattr(
+            TeacherCache,
+            "tiers_now",
+            lambda self, device, to_come=0, peak_floor=0, _k=keeps_all: (
+                (set(range(self.still_asked())), set()) if _k else ({0}, set())
+            ),
+        )
+        monkeypatch.setattr(
+            TeacherCache, "settle", lambda self, device, to_come=0, peak_floor=0: sizings.append(len(progress))
+        )
+        finetune_codebooks(
+            model, calib, init, cfg=FinetuneConfig(**cfg), device=torch.device("cpu"), progress=progress.append
+        )
         monkeypatch.undo()
         monkeypatch.setattr(loop_policy, "AUTO_DEVICES", ("cuda", "cpu"))
         steps = [on for on, grad in zip(asks, grad_calls(asks, calib, cfg)) if grad]
@@ -143,16 +155,24 @@ def test_a_real_cuda_out_of_memory_frees_the_step_and_redoes_it(tiny_setup, monk
     monkeypatch.setattr(LoopPolicy, "turn_on", noted)
     monkeypatch.setattr(finetune_module, "sequence_kl", flaky)
     with caplog.at_level(logging.INFO, logger="loopvq_calib"):
-        auto = finetune_codebooks(model, calib, init, cfg=FinetuneConfig(**RECIPE, loop_checkpointing="auto"), device=cuda)
+        auto = finetune_codebooks(
+            model, calib, init, cfg=FinetuneConfig(**RECIPE, loop_checkpointing="auto"), device=cuda
+        )
     assert seen["switch"] <= seen["entry"] and "ran out of GPU memory" in caplog.text
     assert [e["step"] for e in auto.curve] == [e["step"] for e in on.curve]
-    torch.testing.assert_close([e["selection_kl"] for e in auto.curve], [e["selection_kl"] for e in on.curve],
-                               rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(
+        [e["selection_kl"] for e in auto.curve], [e["selection_kl"] for e in on.curve], rtol=1e-4, atol=1e-7
+    )
     for key, codec in auto.quantizer.codecs.items():
         torch.testing.assert_close(codec.codebook, on.quantizer.codecs[key].codebook, rtol=1e-4, atol=1e-6)
     monkeypatch.undo()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="loopvq_calib"):
-        finetune_codebooks(model, calib, init, cfg=FinetuneConfig(**dict(RECIPE, cache_teacher="auto"),
-                                                              loop_checkpointing="auto"), device=cuda)
+        finetune_codebooks(
+            model,
+            calib,
+            init,
+            cfg=FinetuneConfig(**dict(RECIPE, cache_teacher="auto"), loop_checkpointing="auto"),
+            device=cuda,
+        )
     assert "loop checkpointing auto -> off" in caplog.text and "-> on" not in caplog.text

@@ -25,7 +25,9 @@ def test_cache_capacity_counts_memory_outside_the_allocator():
     never below 0 nor above the sequences asked for."""
     assert cache_capacity(1, 50, 100, peak_reserved=60, device_free=40, reserved=60, to_come=2) == 100 - 10 - 60 - 2
     assert cache_capacity(1, 50, 100, peak_reserved=60, device_free=37, reserved=60, to_come=2) == 100 - 10 - 60 - 2 - 3
-    assert cache_capacity(1, 50, 100, peak_reserved=60, device_free=30, reserved=50, to_come=2) == 100 - 10 - 60 - 2 - 20
+    assert (
+        cache_capacity(1, 50, 100, peak_reserved=60, device_free=30, reserved=50, to_come=2) == 100 - 10 - 60 - 2 - 20
+    )
     assert cache_capacity(1, 50, 100, peak_reserved=60, device_free=90, reserved=60, to_come=2) == 28
     assert cache_capacity(2, 50, 100, peak_reserved=60, device_free=37, reserved=60, to_come=2) == 12  # 25 units
     assert cache_capacity(1, 5, 100, peak_reserved=60, device_free=40, reserved=60) == 5
@@ -78,7 +80,9 @@ def test_host_tier_values_equal_recomputed_and_are_fetched_ahead():
     asked for in full; an ask further on in the plan drops what was fetched ahead for the group skipped."""
     model, ids = _tiny()
     cpu = torch.device("cpu")
-    reference = {s: {k: t.clone() for k, t in teacher_tensors(teacher(model, ids[s : s + 1])).items()} for s in range(4)}
+    reference = {
+        s: {k: t.clone() for k, t in teacher_tensors(teacher(model, ids[s : s + 1])).items()} for s in range(4)
+    }
     plan = [[0], [1], [0], [1, 2], [3], [0], [2]]
     cache = TeacherCache(model, FinetuneConfig(cache_teacher="auto"), plan)
     cache.assign({3}, {0, 1, 2}, cpu)

@@ -15,12 +15,7 @@ from support.builders import np_assign
 
 from loopvq_calib.calibration.capture.kv import CaptureReader, MemoryCapture, MemoryReader, capture_kv, write_meta
 from loopvq_calib.calibration.kmeans import fit as kmeans, solvers
-from loopvq_calib.calibration.kmeans.fit import (
-    fit_codebooks,
-    layout_problems,
-    layout_seed,
-    run_points_per_codebook,
-)
+from loopvq_calib.calibration.kmeans.fit import fit_codebooks, layout_problems, layout_seed, run_points_per_codebook
 from loopvq_calib.codes.codec import TasqTransform, gather_groups
 from loopvq_calib.codes.layouts import plan_layouts, points_per_codebook
 from loopvq_calib.config.schema import CaptureConfig, Config, KMeansConfig, QuantConfig
@@ -41,6 +36,7 @@ def gen(seed: int) -> torch.Generator:
 
 # ---------- the stage on a real tiny capture ----------
 
+
 @pytest.fixture(scope="module")
 def tiny_capture(tmp_path_factory):
     """4 sequences x 32 tokens of a tiny Ouro (2 layers x 4 loops, 4 KV heads of 16): 112 tokens after sinks."""
@@ -57,7 +53,9 @@ def tiny_capture(tmp_path_factory):
 
 def quant_config(method: str = "loopvq", sharing: str = "none", codebook_size: int = K) -> QuantConfig:
     cfg = Config()
-    cfg.quant = QuantConfig(method=method, bits=None, codebook_size=codebook_size, group_size=G, codebook_sharing=sharing)
+    cfg.quant = QuantConfig(
+        method=method, bits=None, codebook_size=codebook_size, group_size=G, codebook_sharing=sharing
+    )
     cfg.finetune.enabled = False
     return validate(cfg).quant
 
@@ -91,9 +89,12 @@ def test_fit_codebooks_shapes_objectives_and_encoding(tiny_capture, sharing):
         assert len(r["objective_init"]) == hc * nc and r["backend"] == "torch"
         # the points each codebook was fitted on: what the run's helper (the backend probe's size) says
         m = reader.meta
-        assert r["points_per_codebook"] == run_points_per_codebook(layouts, m["num_sequences"], m["sequence_length"],
-                                                                   sink_tokens=m["sink_tokens"], sharing=sharing)
-        assert r["points_per_codebook"] == reader.load(lay.kind, lay.sites).shape[0] * kv.kv_heads * lay.num_groups // (hc * nc)
+        assert r["points_per_codebook"] == run_points_per_codebook(
+            layouts, m["num_sequences"], m["sequence_length"], sink_tokens=m["sink_tokens"], sharing=sharing
+        )
+        assert r["points_per_codebook"] == reader.load(lay.kind, lay.sites).shape[0] * kv.kv_heads * lay.num_groups // (
+            hc * nc
+        )
         assert 0 < r["seconds_init"] < r["seconds"]
         assert all(f <= i + 1e-6 for i, f in zip(r["objective_init"], r["objective_final"]))
         # encoding the calibration data picks the nearest codeword of the codebook its (head, group) uses
@@ -153,7 +154,11 @@ def test_layout_problems_weights_match_numpy(tiny_capture, sharing):
     flat_y = y.transpose(0, 2, 1, 3).reshape(n, h, steps * d)
     flat_f = factor.transpose(0, 2, 1, 3).reshape(n, h, steps * d)
     groups = lay.groups[0].numpy()
-    pts = {(hh, g): (flat_y[:, hh, groups[g]], flat_f[:, hh, groups[g]].sum(-1)) for hh in range(h) for g in range(len(groups))}
+    pts = {
+        (hh, g): (flat_y[:, hh, groups[g]], flat_f[:, hh, groups[g]].sum(-1))
+        for hh in range(h)
+        for g in range(len(groups))
+    }
     if sharing == "none":
         problems = [[(hh, g)] for hh in range(h) for g in range(len(groups))]
     elif sharing == "heads":
@@ -210,8 +215,10 @@ def test_fit_is_deterministic_and_order_independent(tiny_capture):
     assert not torch.equal(c.codecs[layouts[0].key].codebook, a.codecs[layouts[0].key].codebook)
 
 
-@pytest.mark.skipif(not kernel_backends.available(kernel_backends.Backend.TRITON, TRITON_DEVICE),
-                    reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1")
+@pytest.mark.skipif(
+    not kernel_backends.available(kernel_backends.Backend.TRITON, TRITON_DEVICE),
+    reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1",
+)
 def test_fused_path_solves_layouts_together_as_one_at_a_time(tiny_capture, monkeypatch):
     """On the fused Triton path consecutive layouts share one Lloyd loop (here all 4 in one weighted_kmeans
     call); each layout gets the codebooks, objectives and Lloyd updates it gets when solved alone."""
@@ -237,7 +244,9 @@ def test_fused_path_solves_layouts_together_as_one_at_a_time(tiny_capture, monke
     assert list(together.codecs) == list(alone.codecs) == [lay.key for lay in layouts]
     for lay in layouts:
         a, b = joined["layouts"][lay.key], single["layouts"][lay.key]
-        assert a["iterations"] == b["iterations"] and a["objective_init"] == pytest.approx(b["objective_init"], rel=1e-6)
+        assert a["iterations"] == b["iterations"] and a["objective_init"] == pytest.approx(
+            b["objective_init"], rel=1e-6
+        )
         assert a["objective_final"] == pytest.approx(b["objective_final"], rel=1e-5)
         torch.testing.assert_close(together.codecs[lay.key].codebook, alone.codecs[lay.key].codebook)
 
@@ -251,7 +260,9 @@ def test_fused_schedule_seeds_the_next_group_before_a_lloyd_loop_and_keeps_the_r
     quant = quant_config(method="cq")  # one loop step per layout: 16 layouts
     layouts = plan_layouts(kv, quant)[:6]
     cfg = KMeansConfig(iterations=12)
-    reference, ref_report = fit_codebooks(reader, layouts, {}, quant=quant, cfg=KMeansConfig(iterations=12, backend="torch"), kv=kv, device=CPU)
+    reference, ref_report = fit_codebooks(
+        reader, layouts, {}, quant=quant, cfg=KMeansConfig(iterations=12, backend="torch"), kv=kv, device=CPU
+    )
 
     events = []
     real_problems, real_solve = kmeans.layout_problems, kmeans.weighted_kmeans
@@ -274,8 +285,14 @@ def test_fused_schedule_seeds_the_next_group_before_a_lloyd_loop_and_keeps_the_r
     monkeypatch.setattr(kmeans_triton, "lloyd_step", lloyd_step)
     monkeypatch.setattr(kmeans_triton, "kmeans_pp", solvers._kmeans_pp_rows)
     problems_per_layout = kv.kv_heads * layouts[0].num_groups
-    points = real_problems(reader.load(layouts[0].kind, layouts[0].sites), reader.load("fisher_" + layouts[0].kind,
-                           layouts[0].sites), layouts[0], transform=None, codebook_size=K, sharing="none")[0]
+    points = real_problems(
+        reader.load(layouts[0].kind, layouts[0].sites),
+        reader.load("fisher_" + layouts[0].kind, layouts[0].sites),
+        layouts[0],
+        transform=None,
+        codebook_size=K,
+        sharing="none",
+    )[0]
     monkeypatch.setattr(kmeans, "LLOYD_GROUP_BYTES", 2 * points.numel() * 4)  # two layouts per Lloyd loop
     fused, report = fit_codebooks(reader, layouts, {}, quant=quant, cfg=cfg, kv=kv, device=CPU)
 
@@ -296,9 +313,20 @@ def test_faiss_layouts_are_seeded_by_their_own_layout_seed(tiny_capture, monkeyp
     seeds = []
     monkeypatch.setattr(kmeans, "resolve_backend", lambda *a, **k: "faiss")
     monkeypatch.setattr(solvers, "resolve_backend", lambda *a, **k: "faiss")
-    monkeypatch.setattr(solvers, "_faiss_kmeans", lambda x, w, init, cfg, seed, device: seeds.append(seed) or
-                        solvers.KMeansResult(init.clone(), torch.zeros(x.shape[0]), torch.zeros(x.shape[0]),
-                                              torch.zeros(x.shape[0], dtype=torch.long), torch.zeros(x.shape[0], dtype=torch.long)))
+    monkeypatch.setattr(
+        solvers,
+        "_faiss_kmeans",
+        lambda x, w, init, cfg, seed, device: (
+            seeds.append(seed)
+            or solvers.KMeansResult(
+                init.clone(),
+                torch.zeros(x.shape[0]),
+                torch.zeros(x.shape[0]),
+                torch.zeros(x.shape[0], dtype=torch.long),
+                torch.zeros(x.shape[0], dtype=torch.long),
+            )
+        ),
+    )
     fit_codebooks(reader, layouts, {}, quant=quant, cfg=FAST, kv=kv, device=CPU)
     assert seeds == [layout_seed(FAST.seed, lay) for lay in layouts] and len(set(seeds)) == 2
 
@@ -309,14 +337,25 @@ def test_fit_codebooks_faiss_equals_torch(tiny_capture):
     reader, kv = tiny_capture
     quant = quant_config(sharing="groups")  # 4 codebooks per layout: faiss pays a fixed cost per problem
     layouts = plan_layouts(kv, quant)[:2]
-    fits = {b: fit_codebooks(reader, layouts, {}, quant=quant, cfg=KMeansConfig(iterations=6, tolerance=0.0, backend=b), kv=kv, device=CPU)
-            for b in ("torch", "faiss")}
+    fits = {
+        b: fit_codebooks(
+            reader,
+            layouts,
+            {},
+            quant=quant,
+            cfg=KMeansConfig(iterations=6, tolerance=0.0, backend=b),
+            kv=kv,
+            device=CPU,
+        )
+        for b in ("torch", "faiss")
+    }
     for lay in layouts:
         reports = [fits[b][1]["layouts"][lay.key] for b in fits]
         assert [r["backend"] for r in reports] == ["torch", "faiss"] and reports[0]["empty_clusters"] == 0
         assert reports[0]["objective_init"] == reports[1]["objective_init"]
-        torch.testing.assert_close(fits["torch"][0].codecs[lay.key].codebook, fits["faiss"][0].codecs[lay.key].codebook,
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            fits["torch"][0].codecs[lay.key].codebook, fits["faiss"][0].codecs[lay.key].codebook, atol=1e-4, rtol=1e-4
+        )
 
 
 @pytest.mark.gpu
@@ -326,10 +365,14 @@ def test_fit_codebooks_on_cuda_matches_cpu(tiny_capture):
     layouts = plan_layouts(kv, quant)[:2]
     transforms = tasq_transforms(layouts, kv)
     on_cpu, _ = fit_codebooks(reader, layouts, transforms, quant=quant, cfg=FAST, kv=kv, device=CPU)
-    on_gpu, report = fit_codebooks(reader, layouts, transforms, quant=quant, cfg=KMeansConfig(iterations=25), kv=kv, device=torch.device("cuda"))
+    on_gpu, report = fit_codebooks(
+        reader, layouts, transforms, quant=quant, cfg=KMeansConfig(iterations=25), kv=kv, device=torch.device("cuda")
+    )
     assert report["totals"]["backend"] == "triton" and report["totals"]["device"] == "cuda"  # auto on CUDA
     for lay in layouts:
-        torch.testing.assert_close(on_gpu.codecs[lay.key].codebook, on_cpu.codecs[lay.key].codebook, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            on_gpu.codecs[lay.key].codebook, on_cpu.codecs[lay.key].codebook, atol=1e-4, rtol=1e-4
+        )
 
 
 @pytest.mark.gpu
@@ -338,8 +381,9 @@ def test_fused_schedule_on_cuda_from_a_pinned_capture_matches_cpu(tmp_path, monk
     between streams), the layouts read from an in-memory capture in pinned host memory: the CPU backend's codebooks."""
     model = make_tiny_ouro().cuda()
     kv = model.kv_layout()
-    calib = CalibrationSet(input_ids=torch.randint(0, 4096, (4, 32), generator=gen(0)), train=[0, 1, 2], heldout=[3],
-                           sink_tokens=SINKS)
+    calib = CalibrationSet(
+        input_ids=torch.randint(0, 4096, (4, 32), generator=gen(0)), train=[0, 1, 2], heldout=[3], sink_tokens=SINKS
+    )
     mem, cap = MemoryCapture(), CaptureConfig(dtype="float32", store="memory")
     capture_kv(model, calib, kv, cfg=cap, out=mem)
     write_meta(tmp_path, calib, kv, cfg=cap, memory=mem)
@@ -349,10 +393,14 @@ def test_fused_schedule_on_cuda_from_a_pinned_capture_matches_cpu(tmp_path, monk
     layouts = plan_layouts(kv, quant)[:6]
     on_cpu, _ = fit_codebooks(reader, layouts, {}, quant=quant, cfg=FAST, kv=kv, device=CPU)
     monkeypatch.setattr(kmeans, "LLOYD_GROUP_BYTES", 1)  # no two layouts share a loop
-    on_gpu, report = fit_codebooks(reader, layouts, {}, quant=quant, cfg=KMeansConfig(iterations=25), kv=kv, device=torch.device("cuda"))
+    on_gpu, report = fit_codebooks(
+        reader, layouts, {}, quant=quant, cfg=KMeansConfig(iterations=25), kv=kv, device=torch.device("cuda")
+    )
     assert report["totals"]["backend"] == "triton" and list(on_gpu.codecs) == [lay.key for lay in layouts]
     for lay in layouts:
-        torch.testing.assert_close(on_gpu.codecs[lay.key].codebook, on_cpu.codecs[lay.key].codebook, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            on_gpu.codecs[lay.key].codebook, on_cpu.codecs[lay.key].codebook, atol=1e-4, rtol=1e-4
+        )
 
 
 def test_too_few_tokens_for_the_codebook(tiny_capture):

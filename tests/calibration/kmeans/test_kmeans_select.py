@@ -46,11 +46,13 @@ def test_backend_resolution_and_missing_faiss(fake_cuda, monkeypatch):
     # codebook tiles up to 8,192 entries x dimensions (powers of two >= 16): K 256 x G 32, K 512 x G 16
     assert resolve_backend("auto", "cuda", (512, 16)) == resolve_backend("auto", "cuda", (200, 30)) == "triton"
     assert resolve_backend("auto", "cuda", (4096, 12)) == resolve_backend("auto", "cuda", (256, 33)) == "torch"
-    with pytest.raises(ValueError, match="'triton' does not take this call: quant.codebook_size 4096 x group size 12 "
-                                         "exceeds"):
+    with pytest.raises(
+        ValueError, match="'triton' does not take this call: quant.codebook_size 4096 x group size 12 exceeds"
+    ):
         resolve_backend("triton", "cuda", (4096, 12))
     with pytest.raises(ValueError, match=r"kmeans.backend: 'triton' needs .* a CUDA device .*, not cpu"):
         resolve_backend("triton", CPU)
+
     def broken(device, k, g, n=0):  # e.g. no C compiler: auto falls back, an explicit request is taken as asked
         raise RuntimeError("Failed to find C compiler")
 
@@ -80,7 +82,10 @@ def test_auto_logs_why_it_does_not_use_triton(fake_cuda, monkeypatch, caplog):
         assert caplog.text.count("quant.codebook_size 4096 x group size 12 exceeds the kernels' codebook tile") == 1
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 5))
         assert resolve_backend("auto", "cuda:0", (256, 16)) == "torch"
-        assert "using the torch backend on cuda:0, not the fused Triton kernels: compute capability 7.5 is below 8.0" in caplog.text
+        assert (
+            "using the torch backend on cuda:0, not the fused Triton kernels: compute capability 7.5 is below 8.0"
+            in caplog.text
+        )
         monkeypatch.setattr(backends, "triton", None)
         assert resolve_backend("auto", "cuda", (256, 16)) == "torch"
         assert "the triton package is not installed" in caplog.text
@@ -106,8 +111,13 @@ def test_the_probe_runs_once_per_device_and_shape(fake_cuda, monkeypatch, caplog
     with caplog.at_level("WARNING", logger="loopvq_calib"):
         assert resolve_backend("auto", "cuda", (64, 16)) == resolve_backend("auto", "cuda:0", (64, 16)) == "torch"
     assert fake_cuda.count("broken") == 1
-    assert caplog.text.count("kmeans.backend auto: using the torch backend on cuda, not the fused Triton kernels: "
-                             "its probe failed (RuntimeError: Failed to find C compiler)") == 1
+    assert (
+        caplog.text.count(
+            "kmeans.backend auto: using the torch backend on cuda, not the fused Triton kernels: "
+            "its probe failed (RuntimeError: Failed to find C compiler)"
+        )
+        == 1
+    )
 
 
 def test_the_configs_backend_names_are_the_kernels_kmeans_choices():

@@ -14,24 +14,20 @@ from conftest import KERNEL_DEVICE as TRITON_DEVICE, needs_triton_kernels as nee
 from support.builders import CPU, blobs, np_assign
 
 from loopvq_calib.calibration.kmeans import solvers as kmeans_backends
-from loopvq_calib.calibration.kmeans.solvers import (
-    _draw_one,
-    _reseed,
-    kmeans_pp_init,
-    random_init,
-    weighted_kmeans,
-)
+from loopvq_calib.calibration.kmeans.solvers import _draw_one, _reseed, kmeans_pp_init, random_init, weighted_kmeans
 from loopvq_calib.config.schema import KMeansConfig
 from loopvq_calib.kernels.backends import DISPATCH
 
 K, G = 16, 8
 HAS_FAISS = importlib.util.find_spec("faiss") is not None
 needs_faiss = pytest.mark.skipif(not HAS_FAISS, reason="faiss is not installed")
-LLOYD = [pytest.param({"backend": "torch", "device": CPU}, id="torch"), pytest.param({"backend": "triton", "device": TRITON_DEVICE}, id="triton", marks=needs_triton)]
+LLOYD = [
+    pytest.param({"backend": "torch", "device": CPU}, id="torch"),
+    pytest.param({"backend": "triton", "device": TRITON_DEVICE}, id="triton", marks=needs_triton),
+]
 
 
 # ---------- independent references ----------
-
 
 
 def np_objective(x: np.ndarray, w: np.ndarray, c: np.ndarray) -> float:
@@ -56,8 +52,6 @@ def np_lloyd(x: np.ndarray, w: np.ndarray, c: np.ndarray, iterations: int, toler
     return c, iterations
 
 
-
-
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -71,6 +65,7 @@ PP_INITS = [kmeans_pp_init, pytest.param(fused_pp, marks=needs_triton)]
 
 
 # ---------- init ----------
+
 
 @pytest.mark.parametrize("init", INITS)
 def test_init_picks_only_positive_weight_points(init):
@@ -112,7 +107,9 @@ def test_draw_matches_the_distribution():
     prob = torch.zeros(1, 3 * 8)
     prob[0, [1, 7, 16, 23]] = torch.tensor([1.0, 3.0, 2.0, 2.0])  # entries 8..15 have no mass
     n = 200_000
-    u = torch.cat([torch.rand(n - 2, dtype=torch.float64, generator=gen(0)), torch.tensor([0.0, 1 - 1e-16], dtype=torch.float64)])
+    u = torch.cat(
+        [torch.rand(n - 2, dtype=torch.float64, generator=gen(0)), torch.tensor([0.0, 1 - 1e-16], dtype=torch.float64)]
+    )
     idx = _draw_one(prob.expand(n, -1).contiguous(), prob.expand(n, -1).contiguous(), u)
     freq = torch.bincount(idx, minlength=24).double() / n
     expect = (prob[0] / prob.sum()).double()
@@ -145,6 +142,7 @@ def test_kmeans_pp_never_seeds_on_zero_weight_points_when_positive_ones_run_out(
 
 
 # ---------- Lloyd ----------
+
 
 @pytest.mark.parametrize("backend", LLOYD)
 def test_lloyd_matches_numpy_reference(backend):
@@ -222,7 +220,9 @@ def test_cpu_problems_spread_over_threads_equal_one_sequential_batch(monkeypatch
     init = kmeans_pp_init(x, w, K, generator=gen(4))
     uniforms = torch.rand(K, 11, generator=gen(4), dtype=torch.float64)  # the draws kmeans_pp_init makes
     assert torch.equal(init, kmeans_backends._kmeans_pp_rows(x, w, K, uniforms=uniforms))
-    whole = weighted_kmeans(x, w, init, cfg=KMeansConfig(iterations=12, tolerance=1e-4, problems_per_batch=11), backend="torch", device=CPU)
+    whole = weighted_kmeans(
+        x, w, init, cfg=KMeansConfig(iterations=12, tolerance=1e-4, problems_per_batch=11), backend="torch", device=CPU
+    )
     seen = []
     real_lloyd = kmeans_backends._lloyd
 
@@ -234,7 +234,14 @@ def test_cpu_problems_spread_over_threads_equal_one_sequential_batch(monkeypatch
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        blocks = weighted_kmeans(x, w, init, cfg=KMeansConfig(iterations=12, tolerance=1e-4, problems_per_batch=3), backend="torch", device=CPU)
+        blocks = weighted_kmeans(
+            x,
+            w,
+            init,
+            cfg=KMeansConfig(iterations=12, tolerance=1e-4, problems_per_batch=3),
+            backend="torch",
+            device=CPU,
+        )
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
@@ -244,7 +251,9 @@ def test_cpu_problems_spread_over_threads_equal_one_sequential_batch(monkeypatch
     assert len(set(whole.iterations.tolist())) > 1  # problems stop at different updates
 
 
-@pytest.mark.parametrize("backend", LLOYD + [pytest.param({"backend": "faiss", "device": CPU}, id="faiss", marks=needs_faiss)])
+@pytest.mark.parametrize(
+    "backend", LLOYD + [pytest.param({"backend": "faiss", "device": CPU}, id="faiss", marks=needs_faiss)]
+)
 def test_zero_weight_points_do_not_move_centroids(backend):
     x, w = blobs(2, 400, 4, 6, seed=7)
     outliers = torch.randn(2, 50, 4, generator=gen(8)) * 5 + 20
@@ -269,7 +278,9 @@ def test_empty_clusters_are_reseeded_deterministically(backend):
     for p in range(3):
         positive = {tuple(v) for v in x[p, 10:].tolist()}
         assert tuple(res.centroids[p, 0].tolist()) in positive
-    again = weighted_kmeans(x, w, init, cfg=KMeansConfig(iterations=1, tolerance=0.0, seed=11, problems_per_batch=1), **backend)
+    again = weighted_kmeans(
+        x, w, init, cfg=KMeansConfig(iterations=1, tolerance=0.0, seed=11, problems_per_batch=1), **backend
+    )
     assert torch.equal(res.centroids[:, 0], again.centroids[:, 0])  # same seed, any batching: same reseeded point
     torch.testing.assert_close(res.centroids, again.centroids)  # (GPU atomic adds may differ in the last bits)
     other = weighted_kmeans(x, w, init, cfg=KMeansConfig(iterations=1, tolerance=0.0, seed=12), **backend)
@@ -293,11 +304,17 @@ def test_problems_of_two_layouts_solved_together_keep_their_own_reseeding(backen
     assert joined.empty_clusters.tolist() == [1, 1, 1, 1] and joined.iterations.tolist() == [3, 3, 3, 3]
     torch.testing.assert_close(joined.centroids, torch.cat([a.centroids, b.centroids]))  # (GPU atomic adds: last bits)
     first = KMeansConfig(iterations=1, tolerance=0.0)  # after the first update centroid 0 is the reseeded point itself
-    alone = [weighted_kmeans(x[s], w[s], init[s], cfg=first, **backend, seed=seed).centroids[:, 0]
-             for s, seed in ((slice(0, 2), 11), (slice(2, 4), 12))]
-    assert torch.equal(weighted_kmeans(x, w, init, cfg=first, **backend, problem_keys=keys).centroids[:, 0], torch.cat(alone))
+    alone = [
+        weighted_kmeans(x[s], w[s], init[s], cfg=first, **backend, seed=seed).centroids[:, 0]
+        for s, seed in ((slice(0, 2), 11), (slice(2, 4), 12))
+    ]
+    assert torch.equal(
+        weighted_kmeans(x, w, init, cfg=first, **backend, problem_keys=keys).centroids[:, 0], torch.cat(alone)
+    )
     torch.testing.assert_close(joined.objective_final, torch.cat([a.objective_final, b.objective_final]))
-    unkeyed = weighted_kmeans(x, w, init, cfg=cfg, **backend, seed=11)  # rows 2, 3 would draw as problems (11, 2), (11, 3)
+    unkeyed = weighted_kmeans(
+        x, w, init, cfg=cfg, **backend, seed=11
+    )  # rows 2, 3 would draw as problems (11, 2), (11, 3)
     assert not torch.equal(unkeyed.centroids[2:, 0], b.centroids[:, 0])
     with pytest.raises(ValueError, match="3 problem keys for 4 problems"):
         weighted_kmeans(x, w, init, cfg=cfg, **backend, problem_keys=keys[:3])
@@ -333,9 +350,13 @@ def test_faiss_runs_where_kmeans_device_says(monkeypatch, caplog):
     asked, real = [], faiss.Kmeans
     monkeypatch.setattr(faiss, "Kmeans", lambda *args, **kw: asked.append(kw["gpu"]) or real(*args, **kw))
     monkeypatch.setattr(faiss, "get_num_gpus", lambda: 1)  # faiss-gpu with a visible GPU
-    torch.testing.assert_close(weighted_kmeans(x, w, init, cfg=cfg, backend="faiss", device=CPU).centroids, reference.centroids)
+    torch.testing.assert_close(
+        weighted_kmeans(x, w, init, cfg=cfg, backend="faiss", device=CPU).centroids, reference.centroids
+    )
     assert asked == [False, False]
-    weighted_kmeans(x, w, init, cfg=cfg, backend="faiss", device=torch.device("cuda"))  # (this faiss-cpu then runs on the CPU)
+    weighted_kmeans(
+        x, w, init, cfg=cfg, backend="faiss", device=torch.device("cuda")
+    )  # (this faiss-cpu then runs on the CPU)
     assert asked[2:] == [True, True]
     monkeypatch.setattr(faiss, "get_num_gpus", lambda: 0)
     DISPATCH.clear()  # the note is given once per process
@@ -365,7 +386,9 @@ def test_trusted_weights_skip_only_the_check_that_waits_for_the_device():
     """``kmeans_pp_init(trusted_weights=True)`` draws the same centroids; only the weights' value check (a host
     sync on a GPU) is left out, the shape checks stay."""
     x, w = torch.randn(3, 40, 4, generator=gen(11)), torch.rand(3, 40, generator=gen(12))
-    assert torch.equal(kmeans_pp_init(x, w, 5, generator=gen(13)), kmeans_pp_init(x, w, 5, generator=gen(13), trusted_weights=True))
+    assert torch.equal(
+        kmeans_pp_init(x, w, 5, generator=gen(13)), kmeans_pp_init(x, w, 5, generator=gen(13), trusted_weights=True)
+    )
     with pytest.raises(ValueError, match="weights must be >= 0"):
         kmeans_pp_init(x, -w, 5, generator=gen(13))
     with pytest.raises(ValueError, match="cannot seed 50 distinct centroids"):

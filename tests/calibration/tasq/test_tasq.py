@@ -21,13 +21,7 @@ from loopvq_calib.calibration.tasq.grouping import (
     min_weight_matching,
     rope_pair_units,
 )
-from loopvq_calib.codes.codec import (
-    BlockCodec,
-    TasqTransform,
-    code_bits,
-    gather_groups,
-    sigma_bits,
-)
+from loopvq_calib.codes.codec import BlockCodec, TasqTransform, code_bits, gather_groups, sigma_bits
 from loopvq_calib.codes.layouts import BlockLayout, plan_layouts
 from loopvq_calib.codes.quantizer import KVQuantizer
 from loopvq_calib.config.schema import QuantConfig, TasqConfig
@@ -40,6 +34,7 @@ MODELS = ("ouro", "huginn")  # the tiny_captures
 
 
 # ---------- independent references ----------
+
 
 def partner(flat: int, d: int, style: str) -> int:
     m, c = divmod(flat, d)
@@ -69,11 +64,12 @@ def perfect_matchings(nodes: list[int]):
         return
     first, rest = nodes[0], nodes[1:]
     for i, other in enumerate(rest):
-        for m in perfect_matchings(rest[:i] + rest[i + 1:]):
+        for m in perfect_matchings(rest[:i] + rest[i + 1 :]):
             yield [(first, other)] + m
 
 
 # ---------- fits of the tiny captures, built once ----------
+
 
 def quant(method: str, group_size: int = 8) -> QuantConfig:
     return QuantConfig(method=method, group_size=group_size, codebook_size=16, bits=None, steps_per_block=4)
@@ -91,6 +87,7 @@ def fits(tiny_captures):
 
 # ---------- weights and sigma ----------
 
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_fitted_weights_and_sigma_rule(tiny_captures, fits, name):
     _, kv, _, reader = tiny_captures[name]
@@ -104,7 +101,9 @@ def test_fitted_weights_and_sigma_rule(tiny_captures, fits, name):
             d = reader.query_stats(site).double()
             d = torch.maximum(d, 1e-6 * d.amax(-1, keepdim=True))
             torch.testing.assert_close(t.weight[m].double(), (d / d.mean(-1, keepdim=True)).sqrt(), rtol=1e-6, atol=0)
-        torch.testing.assert_close(t.weight.double().pow(2).mean(-1), torch.ones(lay.steps, kv.kv_heads, dtype=torch.float64))
+        torch.testing.assert_close(
+            t.weight.double().pow(2).mean(-1), torch.ones(lay.steps, kv.kv_heads, dtype=torch.float64)
+        )
         x = reader.load("key", lay.sites)
         rms = (x.double() * t.weight.double()).pow(2).mean((-1, -2)).sqrt().clamp_min(1e-4)
         sigma = t.sigma(x)
@@ -126,6 +125,7 @@ def test_codec_round_trip_with_exact_codebook(tiny_captures, fits):
 
 
 # ---------- the permutation P ----------
+
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("name", list(MODELS))
@@ -160,7 +160,9 @@ def test_report_cost_equals_independent_covariance(tiny_captures, fits):
     y = x * t.weight.double() / t.sigma(x.float()).double()[..., None, None]
     for h in range(kv.kv_heads):
         cov = torch.cov(y[:, :, h].reshape(len(y), -1).T, correction=0)
-        assert math.isclose(res.report["blocks"][lay.key]["cost_after"][h], brute_cost(cov, lay.groups[h], 1e-6), rel_tol=1e-6)
+        assert math.isclose(
+            res.report["blocks"][lay.key]["cost_after"][h], brute_cost(cov, lay.groups[h], 1e-6), rel_tol=1e-6
+        )
 
 
 def planted(group_size: int, steps: int = 2, d: int = 8, n: int = 4000) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,8 +199,9 @@ def test_planted_correlated_units_are_grouped(group_size):
 
 def test_matching_two_opt_repairs_greedy_choice():
     inf = float("inf")
-    cost = torch.tensor([[inf, 0.0, 1.0, 5.0], [0.0, inf, 5.0, 1.0], [1.0, 5.0, inf, 10.0], [5.0, 1.0, 10.0, inf]],
-                        dtype=torch.float64)  # greedy takes (0,1) then (2,3): 10; optimum (0,2) (1,3): 2
+    cost = torch.tensor(
+        [[inf, 0.0, 1.0, 5.0], [0.0, inf, 5.0, 1.0], [1.0, 5.0, inf, 10.0], [5.0, 1.0, 10.0, inf]], dtype=torch.float64
+    )  # greedy takes (0,1) then (2,3): 10; optimum (0,2) (1,3): 2
     a, b = min_weight_matching(cost)
     assert sorted(tuple(sorted(e)) for e in zip(a.tolist(), b.tolist())) == [(0, 2), (1, 3)]
 
@@ -229,7 +232,9 @@ def test_a_batch_is_matched_and_fitted_as_one_matrix_at_a_time():
     a, b = min_weight_matching(c)
     singles = [min_weight_matching(m) for m in c]
     assert torch.equal(a, torch.stack([s[0] for s in singles])) and torch.equal(b, torch.stack([s[1] for s in singles]))
-    x = torch.randn(4, 300, 32, generator=gen, dtype=torch.float64) @ torch.randn(4, 32, 32, generator=gen, dtype=torch.float64)
+    x = torch.randn(4, 300, 32, generator=gen, dtype=torch.float64) @ torch.randn(
+        4, 32, 32, generator=gen, dtype=torch.float64
+    )
     cov = x.transpose(1, 2) @ x / 300
     units = rope_pair_units(8, 4, "half")
     fitted = fit_groups(cov, units, 8, eps=1e-6)
@@ -270,6 +275,7 @@ def test_unreachable_group_size_is_rejected(tiny_captures):
 
 # ---------- bits and storage ----------
 
+
 def test_bits_accounting(fits):
     assert 8 / 16 + sigma_bits(16, 128) == 8 / 16 + 16 / (16 * 128) == 0.5078125
     assert round(code_bits(256, 16) + sigma_bits(16, 128), 3) == 0.508
@@ -302,7 +308,10 @@ def test_sharded_fit_merges_into_the_single_fit(tiny_captures, fits):
     transform); merge_tasq of the two parts equals the fit in one process."""
     _, kv, _, reader = tiny_captures["ouro"]
     layouts, whole = fits["ouro", "tasq+loopvq"]
-    parts = [fit_tasq(reader, layouts, kv, quant=quant("tasq+loopvq"), cfg=TasqConfig(), dist=DistContext(r, 2)) for r in range(2)]
+    parts = [
+        fit_tasq(reader, layouts, kv, quant=quant("tasq+loopvq"), cfg=TasqConfig(), dist=DistContext(r, 2))
+        for r in range(2)
+    ]
     for r, part in enumerate(parts):
         mine = {lay.key for i, lay in enumerate(layouts) if lay.kind == "key" and i % 2 == r}
         assert set(part.transforms) == set(part.report["blocks"]) == mine

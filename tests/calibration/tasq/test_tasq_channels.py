@@ -79,11 +79,15 @@ def test_fit_tasq_with_channels_gives_a_fixed_per_step_slice(tiny_captures):
                 assert all(c == channels[0] and len(c) == 2 for c in channels)  # c = 8 / 4 at every step
 
 
-def test_channels_group_size_must_be_reachable_and_the_choice_known(tiny_captures, tiny_ouro_dir, calib_corpus,
-                                                                     tmp_path):
+def test_channels_group_size_must_be_reachable_and_the_choice_known(
+    tiny_captures, tiny_ouro_dir, calib_corpus, tmp_path
+):
     _, kv, _, reader = tiny_captures["ouro"]
-    with pytest.raises(ConfigError, match=r"quant.group_size: .*RoPE pairs taken at every step \(8 coordinates\).*"
-                                          r"group_size 4 is not reachable"):
+    with pytest.raises(
+        ConfigError,
+        match=r"quant.group_size: .*RoPE pairs taken at every step \(8 coordinates\).*"
+        r"group_size 4 is not reachable",
+    ):
         fit_tasq(reader, plan_layouts(kv, quant(4)), kv, quant=quant(4), cfg=TasqConfig(grouping="channels"))
     raw = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", tasq={"grouping": "rows"})
     with pytest.raises(ConfigError, match="tasq.grouping"):
@@ -95,16 +99,26 @@ def test_the_free_grouping_keeps_the_fingerprints_of_earlier_runs(tiny_ouro_dir,
     facts = RunFacts(model_identity={"model": "m"}, loop_steps=4, tokenizer_files="tokenizer", data_sources=[])
     free = stage_fingerprints(cfg, facts)
     t = cfg.tasq  # the settings a run made before the option fingerprinted
-    before = fingerprint("tasq", __version__, free["capture"], dataclasses.asdict(cfg.quant),
-                         {"det_eps": t.det_eps, "sigma_min": t.sigma_min, "weight_floor": t.weight_floor})
+    before = fingerprint(
+        "tasq",
+        __version__,
+        free["capture"],
+        dataclasses.asdict(cfg.quant),
+        {"det_eps": t.det_eps, "sigma_min": t.sigma_min, "weight_floor": t.weight_floor},
+    )
     channels = stage_fingerprints(dataclasses.replace(cfg, tasq=TasqConfig(grouping="channels")), facts)
     assert free["tasq"] == before and channels["tasq"] != before and channels["capture"] == free["capture"]
 
 
-def test_a_channels_bundle_is_calibrated_read_and_decoded_like_any_tasq_bundle(tiny_ouro_dir, calib_corpus,
-                                                                             tmp_path):
-    raw = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", quant={"method": "tasq+loopvq", "bits": None},
-                      tasq={"grouping": "channels"}, finetune={"enabled": False})
+def test_a_channels_bundle_is_calibrated_read_and_decoded_like_any_tasq_bundle(tiny_ouro_dir, calib_corpus, tmp_path):
+    raw = tiny_config(
+        tiny_ouro_dir,
+        calib_corpus,
+        tmp_path / "run",
+        quant={"method": "tasq+loopvq", "bits": None},
+        tasq={"grouping": "channels"},
+        finetune={"enabled": False},
+    )
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text(yaml.safe_dump(raw))
     assert calibrate_main(["--config", str(cfg_file)]) == 0

@@ -21,7 +21,9 @@ def rope_matrices(positions: torch.Tensor, d: int, theta: float, style: str) -> 
     return r
 
 
-def brute_query_stats(q: torch.Tensor, positions: torch.Tensor, kv_heads: int, theta: float, style: str) -> torch.Tensor:
+def brute_query_stats(
+    q: torch.Tensor, positions: torch.Tensor, kv_heads: int, theta: float, style: str
+) -> torch.Tensor:
     """Sum over causal pairs (i >= j) of diag(R_j^T q_i q_i^T R_j), post-RoPE q_i; GQA heads averaged -> [B, Hkv, D]."""
     b, s, hq, d = q.shape
     r = rope_matrices(positions, d, theta, style)
