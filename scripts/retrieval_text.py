@@ -26,9 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from loopvq_calib.evaluation.passkey import FILLER as PASSKEY_FILLER
-from loopvq_calib.evaluation.passkey import QUESTION as PASSKEY_QUESTION
-from loopvq_calib.evaluation.passkey import needle
+from loopvq_calib.evaluation.passkey import FILLER as PASSKEY_FILLER, QUESTION as PASSKEY_QUESTION, needle
 
 KINDS = ("passkey", "registry", "copy")
 SENTENCES = (

@@ -28,16 +28,15 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from retrieval_text import KINDS, recall_accuracy, recall_rows, tokenize_with, tokenizer_sample
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
-from retrieval_text import KINDS, recall_accuracy, recall_rows, tokenize_with, tokenizer_sample
 
 from loopvq_calib.evaluation.kv_structure import average_structure, correlation_structure
 from loopvq_calib.models import KVRecorder, OuroConfig, OuroForCausalLM, kv_hook

@@ -9,8 +9,9 @@ import importlib
 import subprocess
 import sys
 
-import loopvq_calib
 from conftest import ROOT
+
+import loopvq_calib
 
 
 def test_every_public_name_is_the_object_its_module_defines():

@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterable
+from typing import Any
 
 from ..config.source import shown
 from ..runtime.input_files import read_capped

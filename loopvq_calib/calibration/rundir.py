@@ -20,10 +20,11 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ..runtime.device_memory import PEAKS
 from ..runtime.files import TMP_PREFIX, recording_digests, sha256_file, take_digests, write_json_atomic

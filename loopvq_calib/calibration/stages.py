@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -174,7 +175,7 @@ class KMeansReport:
         write_bytes_atomic(folder / "report.json", json.dumps(report, indent=1, default=float).encode())
 
     @classmethod
-    def load(cls, folder: Path) -> "KMeansReport":
+    def load(cls, folder: Path) -> KMeansReport:
         """The report :meth:`save` wrote."""
         report = json.loads((folder / "report.json").read_text())
         return cls(load_quantizer(folder), report["layouts"], report["totals"])

@@ -33,7 +33,7 @@ class TasqTransform:
     weight: torch.Tensor
     sigma_min: float = 1e-4
 
-    def on(self, device: torch.device) -> "TasqTransform":
+    def on(self, device: torch.device) -> TasqTransform:
         """This transform with its weights on ``device`` (itself when they are there): a stage that applies it
         many times copies the weights once."""
         return self if self.weight.device == device else TasqTransform(to_device(self.weight, device), self.sigma_min)

@@ -12,8 +12,9 @@ its file and row.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
 from ..config.schema import DataConfig
 from ..config.source import shown

@@ -7,7 +7,7 @@ builds the mask from ``past_len + q_len`` itself (``common.build_context``).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

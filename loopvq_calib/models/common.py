@@ -8,8 +8,9 @@ physical attention module can be called once per loop step with a different site
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F

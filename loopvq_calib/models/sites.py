@@ -10,9 +10,10 @@ them at chosen sites and positions.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -76,7 +77,7 @@ class KVLayout:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "KVLayout":
+    def from_dict(cls, d: dict[str, Any]) -> KVLayout:
         """The layout :meth:`to_dict` wrote."""
         sites = tuple(KVSite(**s) for s in d["sites"])
         return cls(
@@ -199,7 +200,7 @@ class KVSubstituter:
     @classmethod
     def from_tensors(
         cls, tensors: dict[int, tuple[torch.Tensor, torch.Tensor]], positions_mask: torch.Tensor | None = None
-    ) -> "KVSubstituter":
+    ) -> KVSubstituter:
         """Substitute the given (key, value) of each site in ``tensors``; other sites stay as computed."""
         return cls(tensors.get, positions_mask)
 

@@ -11,9 +11,10 @@ reset inside a stage never lowers the stage's peak. :data:`PEAKS` is the process
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import torch
 

@@ -37,7 +37,8 @@ moments (the "quantize in place" comparison: identical outputs, no memory saving
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -27,7 +27,7 @@ class CodeBuffer:
         self.pages = 0
         self.count = 0
 
-    def sync(self, pages: list[Codes], batch: int, page_size: int, *, chunk: int = 256) -> "CodeBuffer":
+    def sync(self, pages: list[Codes], batch: int, page_size: int, *, chunk: int = 256) -> CodeBuffer:
         """Copy in the pages added since the last call (pages' rows are batch-major: b * page + token), up to
         ``chunk`` pages per copy; the capacity is the one page-by-page calls reach (grown once)."""
         new = pages[self.pages :]

@@ -17,7 +17,8 @@ The cache protocol it needs: ``batch``, ``device``, ``page_due()``, ``next_posit
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

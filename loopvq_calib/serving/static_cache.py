@@ -21,9 +21,10 @@ kind.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ class CodeSlots:
     sigma: torch.Tensor | None
 
     @classmethod
-    def empty(cls, codec: BlockCodec, batch: int, *, capacity: int, device: torch.device) -> "CodeSlots":
+    def empty(cls, codec: BlockCodec, batch: int, *, capacity: int, device: torch.device) -> CodeSlots:
         lay = codec.layout
         dtype = index_dtype(codec.codebook.shape[2])
         indices = torch.zeros(batch, lay.kv_heads, capacity, lay.num_groups, dtype=dtype, device=device).transpose(1, 2)
@@ -117,7 +118,7 @@ class StaticQuantizedLoopKVCache:
         self._due = False
 
     @classmethod
-    def from_cache(cls, cache: QuantizedLoopKVCache, *, max_length: int) -> "StaticQuantizedLoopKVCache":
+    def from_cache(cls, cache: QuantizedLoopKVCache, *, max_length: int) -> StaticQuantizedLoopKVCache:
         """A static cache holding the tokens of ``cache`` (prefilled, ``store="indices"``; left unchanged) with room
         for ``max_length`` tokens in all, on the device and in the dtype of its keys."""
         if cache.store != "indices" or not cache.keys:

@@ -14,7 +14,6 @@ from conftest import make_tiny_ouro, save_with_tokenizer, write_tiny_bundle
 from huggingface_hub import constants
 from safetensors.torch import load_file, save_file
 
-from loopvq_calib.bundle.format import FORMAT_VERSION
 from loopvq_calib.bundle.reader import BundleError, inspect_bundle, load_bundle, meta_checksum
 from loopvq_calib.models.loading import model_identity
 

@@ -17,8 +17,8 @@ from conftest import (
     write_tiny_bundle,
 )
 
-from loopvq_calib.data.files import DataError
 from loopvq_calib.cli import eval_main
+from loopvq_calib.data.files import DataError
 from loopvq_calib.evaluation import inputs
 from loopvq_calib.evaluation.evaluate import evaluate
 from loopvq_calib.evaluation.inputs import EvalInputError, data_source

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from conftest import ROOT, write_tiny_bundle
 from safetensors.torch import load_file, save_file
-from support.fuzz import Workspace, model_copy, report_push, reseal
 
 from loopvq_calib.cli import calibrate_main, eval_main, inspect_main, push_main
+from support.fuzz import Workspace, model_copy, report_push, reseal
 
 HUGE = 10**400  # 401 digits: past a float64 (about 1.8e308)
 # a hang guard, not a timing: a runaway input runs for minutes or forever; each case is refused within a few

@@ -8,21 +8,21 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 from conftest import ROOT, write_tiny_bundle
 from safetensors.torch import load_file, save_file
-from support.builders import tiny_config
-from support.eval_reports import eval_report, write_report
 
 from loopvq_calib.bundle.format import meta_bytes
 from loopvq_calib.calibration.rundir import LOCK_FILE, RunDir
 from loopvq_calib.cli import calibrate_main, eval_main, push_main
+from support.builders import tiny_config
+from support.eval_reports import eval_report, write_report
 
 Setup = Callable[["Workspace"], tuple[Callable, list[str]]]
 

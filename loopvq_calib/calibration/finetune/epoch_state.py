@@ -11,9 +11,10 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ class EpochWriter:
         self._preparing: threading.Thread | None = None
         remove_temp_siblings(path)
 
-    def __enter__(self) -> "EpochWriter":
+    def __enter__(self) -> EpochWriter:
         return self
 
     def __exit__(

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -48,7 +49,7 @@ class LoopPolicy:
         """``auto`` with checkpointing still off (steps may still switch it on)."""
         return self.auto and not self.on
 
-    def __enter__(self) -> "LoopPolicy":
+    def __enter__(self) -> LoopPolicy:
         self._previous, self.model.loop_checkpointing = self.model.loop_checkpointing, self.on
         return self
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import contextlib
 import time
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 

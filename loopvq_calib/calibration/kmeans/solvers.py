@@ -12,10 +12,11 @@ compute device, so a seed gives the same draws on any device and for any ``probl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch

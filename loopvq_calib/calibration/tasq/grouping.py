@@ -60,7 +60,7 @@ class TasqResult:
         write_bytes_atomic(folder / "tasq.json", json.dumps(meta, indent=1).encode())
 
     @classmethod
-    def load(cls, folder: Path) -> "TasqResult":
+    def load(cls, folder: Path) -> TasqResult:
         """Inverse of :meth:`save`."""
         folder = Path(folder)
         meta = json.loads((folder / "tasq.json").read_text())

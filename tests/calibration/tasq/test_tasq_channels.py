@@ -14,11 +14,11 @@ from support.builders import tiny_config
 from loopvq_calib.bundle.reader import load_bundle
 from loopvq_calib.calibration.fingerprints import RunFacts, fingerprint, stage_fingerprints
 from loopvq_calib.calibration.tasq.grouping import channel_units, fit_groups, fit_tasq, rope_pair_units
+from loopvq_calib.cli import calibrate_main
 from loopvq_calib.codes.layouts import plan_layouts
 from loopvq_calib.config.load import load_config
 from loopvq_calib.config.schema import QuantConfig, TasqConfig
 from loopvq_calib.config.source import ConfigError
-from loopvq_calib.cli import calibrate_main
 from loopvq_calib.version import __version__
 
 
