@@ -173,10 +173,10 @@ def bench_case(
         return da.decode_attention(
             q,
             tables,
-            coded,
+            coded,  # noqa: F821
             fp=full,
             rope=rope,
-            max_position=context,  # noqa: F821
+            max_position=context,
             **attention_arguments(launch),
         )
 

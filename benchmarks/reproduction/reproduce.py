@@ -122,7 +122,7 @@ def calibrate_all(workers: int) -> dict[str, float]:
     with ProcessPoolExecutor(workers, initializer=_worker_init) as pool:
         for name, t in pool.map(_calibrate, *zip(*[(n, c, ["capture"]) for n, c in capture_runs.values()])):
             times[f"{name} (capture)"] = t
-        for name, cfg, stages, key in runs:
+        for name, _, _, key in runs:
             share_capture(RUNS / capture_runs[key][0], RUNS / name)
         for name, t in pool.map(_calibrate, *zip(*[(n, c, s) for n, c, s, _ in runs])):
             times[name] = t
