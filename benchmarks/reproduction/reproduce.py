@@ -33,7 +33,8 @@ import torch
 from benchmarks.common.paths import ROOT
 from benchmarks.common.provenance import short_commit
 from benchmarks.reproduction.reproduce_figures import draw
-from benchmarks.reproduction.reproduce_report import METHODS, STUDY, write_page
+from benchmarks.reproduction.reproduce_report import STUDY, write_page
+from benchmarks.reproduction.reproduce_tables import METHODS
 from loopvq_calib import calibrate
 from loopvq_calib.calibration.capture.kv import CaptureReader
 from loopvq_calib.calibration.stages import load_quantizer
