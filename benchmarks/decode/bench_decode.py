@@ -19,7 +19,6 @@ that fits at batch 1 (free memory after the weights, over the cache bytes per to
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 from collections.abc import Callable
@@ -33,17 +32,31 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common.provenance import short_commit
+from benchmarks.decode.bench_decode_launches import attention_arguments, parse_variant, table_launch
+from benchmarks.decode.bench_decode_shapes import (
+    HEADS,
+    HIDDEN,
+    INTER,
+    KV_HEADS,
+    LAYERS,
+    SINKS,
+    SITES,
+    STEPS,
+    T_C,
+    THETA,
+    VOCAB,
+    WEIGHT_BYTES,
+    WINDOW,
+    D,
+    G,
+    K,
+)
+from benchmarks.decode.bench_decode_tables import against_loopvq, fixed_cost, sequences_that_fit, table
 from benchmarks.decode.decode_fill import channels_groups
 from loopvq_calib.codes.codec import BlockCodec, TasqTransform
 from loopvq_calib.codes.layouts import BlockLayout, loop_axis_groups
 from loopvq_calib.serving import decode_attention as da
 
-LAYERS, STEPS, HEADS, KV_HEADS, D = 24, 4, 16, 16, 128
-HIDDEN, INTER, VOCAB, THETA = 2048, 5632, 49152, 1_000_000.0
-K, G, T_C = 256, 16, 4
-SINKS, WINDOW = 8, 68
-SITES = LAYERS * STEPS
-WEIGHT_BYTES = 2 * (LAYERS * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTER) + 2 * VOCAB * HIDDEN)
 METHODS = ("loopvq", "tasq+loopvq", "tasq+loopvq-channels")
 
 
@@ -114,41 +127,6 @@ def random_indices(batch: int, n: int, n_groups: int, *, device: torch.device, g
     return idx.transpose(1, 2)
 
 
-def parse_variant(spec: str) -> dict:
-    """``cuda-WxUxL[xR]`` (warps per block x tokens per lane group and step x lanes per token x most batch rows per
-    pass, default 1; a trailing ``f``: the key table in float32) or ``triton-NxWxPxS`` (block_n x num_warps x
-    programs per multiprocessor x sequences per program) -> the launch's settings (:func:`attention_arguments` turns
-    them into decode_attention's keyword arguments)."""
-    backend, shape = spec.split("-")
-    nums = [int(x) for x in shape.rstrip("f").split("x")]
-    if backend == "cuda":
-        return {
-            "backend": "cuda",
-            "warps": nums[0],
-            "tokens_per_iteration": nums[1],
-            "lanes_per_token": nums[2],
-            "rows_per_pass": nums[3] if len(nums) > 3 else 1,
-            "key_float32": shape.endswith("f") or None,
-        }
-    return {
-        "backend": "triton",
-        "block_n": nums[0],
-        "num_warps": nums[1],
-        "programs_per_sm": nums[2],
-        "batch_per_program": nums[3],
-    }
-
-
-def attention_arguments(launch: dict) -> dict:
-    """decode_attention's keyword arguments for a launch of :func:`parse_variant` (or ``{"backend": "auto"}``)."""
-    settings = {k: v for k, v in launch.items() if k != "backend"}
-    if launch["backend"] == "cuda":
-        return {"backend": "cuda", "cuda": da.CudaDecodeLaunch(**settings)}
-    if launch["backend"] == "triton":
-        return {"backend": "triton", "triton": da.TritonDecodeLaunch(**settings)}
-    return {"backend": launch["backend"]}
-
-
 def bench_case(
     context: int, batch: int, method: str, *, tables: da.StepTables, device: torch.device, launch: dict
 ) -> dict:
@@ -173,10 +151,10 @@ def bench_case(
         return da.decode_attention(
             q,
             tables,
-            coded,
+            coded,  # noqa: F821
             fp=full,
             rope=rope,
-            max_position=context,  # noqa: F821
+            max_position=context,
             **attention_arguments(launch),
         )
 
@@ -248,8 +226,7 @@ def check_accuracy(tables: da.StepTables, kc: BlockCodec, vc: BlockCodec, *, dev
     return float((out.cpu().double() - ref).norm() / ref.norm())
 
 
-def main() -> None:
-    global K
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -277,14 +254,34 @@ def main() -> None:
     ap.add_argument("--table-from", type=Path, help="print the markdown tables of a saved result and exit (no GPU)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    if args.table_from:
-        saved = json.loads(args.table_from.read_text())
-        print(table(saved))
-        if saved["cases"]:
-            print("\n" + against_loopvq(saved) + "\n" + fixed_cost(saved) + "\n" + sequences_that_fit(saved))
-        return
-    if args.out is None:
+    if args.out is None and not args.table_from:
         ap.error("--out is required")
+    return args
+
+
+def print_saved(path: Path) -> None:
+    """``--table-from``: the markdown tables of a saved result, and when it has cases the lines on them."""
+    saved = json.loads(path.read_text())
+    print(table(saved))
+    if saved["cases"]:
+        print("\n" + against_loopvq(saved) + "\n" + fixed_cost(saved) + "\n" + sequences_that_fit(saved))
+
+
+def checked_tables(methods: list[str], *, device: torch.device) -> tuple[dict[str, da.StepTables], dict[str, float]]:
+    """Per method: the step tables of its random codecs, and their relative error against the float64 reference."""
+    tables, accuracy = {}, {}
+    for method in methods:
+        kc, vc = codecs(method)
+        tables[method] = da.step_tables(kc, vc, 2, rope_style="half", device=device, dtype=torch.float16)
+        accuracy[method] = check_accuracy(tables[method], kc, vc, device=device)
+        print(f"{method}: relative error vs float64 reference {accuracy[method]:.2e}", flush=True)
+    return tables, accuracy
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's result: the card's copy bandwidth, each method's accuracy, the kernel variants, and (unless
+    ``--variants-only``) every (context, batch, method) case, the bodies' times and what fits at batch 1."""
+    global K
     K = args.codebook_size
     device = torch.device("cuda")
     result = {
@@ -298,26 +295,12 @@ def main() -> None:
         "launches": [],
     }
     print(f"copy bandwidth {result['copy_GBps']:.0f} GB/s", flush=True)
-    tables, accuracy = {}, {}
-    for method in args.methods:
-        kc, vc = codecs(method)
-        tables[method] = da.step_tables(kc, vc, 2, rope_style="half", device=device, dtype=torch.float16)
-        accuracy[method] = check_accuracy(tables[method], kc, vc, device=device)
-        print(f"{method}: relative error vs float64 reference {accuracy[method]:.2e}", flush=True)
-    result["relative_error"] = accuracy
+    tables, result["relative_error"] = checked_tables(args.methods, device=device)
     result["launches"] = run_variants(args.variants, args.methods, tables, device=device)
-    launch = {m: {"backend": "auto"} for m in args.methods}  # the table: what a caller gets by default
-    if args.table_variant == "best" and result["launches"]:
-        for m in args.methods:
-            runs = [r for r in result["launches"] if r["method"] == m]
-            launch[m] = parse_variant(min(runs, key=lambda r: r["coded_ms"])["variant"]) if runs else launch[m]
-    elif args.table_variant != "auto":
-        launch = {m: parse_variant(args.table_variant) for m in args.methods}
+    launch = table_launch(args.table_variant, args.methods, result["launches"])
     result["table_launch"] = launch
     if args.variants_only:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-        return
+        return result
     bodies = {b: body_ms(b, device) for b in args.batches}
     result["body_ms"] = bodies
     for context in sorted(set(args.contexts) | {32768}):
@@ -329,10 +312,20 @@ def main() -> None:
                 result["cases"].append(r)
                 print(json.dumps(r), flush=True)
     result["fits_batch1"] = fits_batch1(device)
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    if args.table_from:
+        print_saved(args.table_from)
+        return
+    result = measure(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    print(table(result))
-    print(against_loopvq(result))
+    if not args.variants_only:
+        print(table(result))
+        print(against_loopvq(result))
 
 
 def run_variants(
@@ -370,101 +363,6 @@ def fits_batch1(device: torch.device) -> dict:
         + SINKS
         + WINDOW,
     }
-
-
-def table(result: dict) -> str:
-    """Markdown tables of the launch variants and the cases (what docs/decode-speed.md shows)."""
-    rows = ["| variant | method | coded ms | bf16 SDPA ms | speedup |", "|---|---|---|---|---|"]
-    for r in result["launches"]:
-        rows.append(
-            f"| {r['variant']} | {r['method']} | {r['coded_ms']:.4f} | {r['bf16_ms']:.4f} | "
-            f"{r['bf16_ms'] / r['coded_ms']:.2f} |"
-        )
-    if not result["cases"]:
-        return "\n".join(rows)
-    rows += [
-        "",
-        (
-            "| context | batch | method | bf16 SDPA ms | coded ms | speedup | bf16 GB/s | coded GB/s | "
-            "tokens/s bf16 | tokens/s coded |"
-        ),
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["cases"]:
-        rows.append(
-            f"| {r['context']} | {r['batch']} | {r['method']} | {r['bf16_ms']:.4f} | {r['coded_ms']:.4f} | "
-            f"{r['speedup']:.2f} | {r['bf16_GBps']:.0f} | {r['coded_GBps']:.0f} | "
-            f"{r['bf16_tokens_per_s']:.1f} | {r['coded_tokens_per_s']:.1f} |"
-        )
-    return "\n".join(rows)
-
-
-def against_loopvq(result: dict) -> str:
-    """Per (context, batch): each TaSQ method's speed-up over bf16 SDPA and its time over LoopVQ's."""
-    cases = {(r["context"], r["batch"], r["method"]): r for r in result["cases"]}
-    lines = []
-    for (context, batch, method), r in sorted(cases.items()):
-        loopvq = cases.get((context, batch, "loopvq"))
-        if method != "loopvq" and loopvq is not None:
-            lines.append(
-                f"{context} x {batch} {method}: {r['speedup']:.2f}x bf16 SDPA (LoopVQ "
-                f"{loopvq['speedup']:.2f}x), time {r['coded_ms'] / loopvq['coded_ms'] - 1:+.1%} over LoopVQ's"
-            )
-    return "\n".join(lines)
-
-
-def fixed_cost(result: dict, batch: int = 8, method: str = "loopvq") -> str:
-    """Straight lines time = intercept + slope x context through each pair of successive contexts (and a least-
-    squares line through all) of one (batch, method): how much of the time does not grow with the context."""
-    pts = sorted(
-        (r["context"], r["coded_ms"] * 1e3) for r in result["cases"] if r["batch"] == batch and r["method"] == method
-    )
-    lines = [f"{method}, batch {batch}: coded us at contexts " + ", ".join(f"{c}: {t:.1f}" for c, t in pts)]
-    for (c0, t0), (c1, t1) in itertools.pairwise(pts):
-        slope = (t1 - t0) / (c1 - c0)
-        pred = ", ".join(f"{c}: {t0 + slope * (c - c0):.1f}" for c, _ in pts if c not in (c0, c1))
-        lines.append(
-            f"  line through {c0} and {c1}: {t0 - slope * c0:.1f} us + {slope * 1e3:.2f} us per 1,000 tokens;"
-            f" predicts {pred}"
-        )
-    n = len(pts)
-    mc, mt = sum(c for c, _ in pts) / n, sum(t for _, t in pts) / n
-    slope = sum((c - mc) * (t - mt) for c, t in pts) / sum((c - mc) ** 2 for c, _ in pts)
-    lines.append(f"  least squares over all {n}: {mt - slope * mc:.1f} us + {slope * 1e3:.2f} us per 1,000 tokens")
-    return "\n".join(lines)
-
-
-def sequences_that_fit(result: dict, context: int = 65536) -> str:
-    """Sequences of ``context`` tokens one card holds at bench_decode's accounting (codes once, fp16 step tables
-    once, each sequence's sinks/window in bf16) and at the shipped cache's (``serving.cache``, LoopVQ / TaSQ+LoopVQ):
-    codes twice (the page list and the kernel's code buffer, which holds 1x to 2x the tokens it needs: it doubles
-    when full), int64 positions per site (1x to 2x: they double too), step tables twice (the step tables and the
-    kernel's lane-order copy) plus the fp32 key table for free TaSQ+LoopVQ's fp32-key launch (channels layouts
-    launch with fp16 keys, as LoopVQ does)."""
-    fit = result["fits_batch1"]
-    spare = fit["total_bytes"] - fit["weight_bytes"] - 2 * 2**30
-    bf16_token = SITES * 2 * KV_HEADS * D * 2
-    code_token = SITES // T_C * 2 * KV_HEADS * 32
-    tables = SITES * 2 * KV_HEADS * K * D * 2
-    fp_tokens = SINKS + WINDOW
-    coded = context - fp_tokens
-    lines = [
-        (
-            f"at {context} tokens: bf16 cache {spare // (context * bf16_token)} sequences; "
-            f"one sequence's bf16 sinks/window {fp_tokens * bf16_token / 1e6:.1f} MB, "
-            f"codes {coded * code_token / 1e9:.3f} GB"
-        )
-    ]
-    once = coded * code_token + fp_tokens * bf16_token
-    lines.append(f"  codes once, tables once ({tables / 1e6:.0f} MB): {(spare - tables) // once} sequences")
-    for name, copies in (("loopvq", 2), ("tasq+loopvq", 3), ("tasq+loopvq-channels", 2)):
-        for slack in (1, 2):  # code buffer and position storage exactly full, or just doubled
-            per_seq = coded * code_token * (1 + slack) + context * SITES * 8 * slack + fp_tokens * bf16_token
-            lines.append(
-                f"  shipped cache, {name}: tables {copies * tables / 1e6:.0f} MB, buffers {slack}x: "
-                f"{(spare - copies * tables) // per_seq} sequences"
-            )
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -47,14 +47,9 @@ import torch
 
 from benchmarks.common.paths import RESULTS, ROOT
 from benchmarks.common.provenance import short_commit
-from benchmarks.decode.decode_fill import (
-    Serving,
-    bf16_cache,
-    decoded_cache,
-    fill_cache,
-    random_contents,
-    synthetic_quantizer,
-)
+from benchmarks.decode.bench_decode_model_tables import against_model, table
+from benchmarks.decode.decode_checks import decode_step, run_checks
+from benchmarks.decode.decode_fill import Serving, bf16_cache, fill_cache, random_contents, synthetic_quantizer
 from benchmarks.decode.decode_graph import (
     StaticBf16Cache,
     kernel_model,
@@ -63,7 +58,6 @@ from benchmarks.decode.decode_graph import (
     time_graph_steps,
     warmup_bound,
 )
-from benchmarks.decode.site_check import SiteCheckCache
 from loopvq_calib.codes.quantizer import KVQuantizer
 from loopvq_calib.kernels.backends import CACHE_CHOICES
 from loopvq_calib.serving.cache import QuantizedLoopKVCache
@@ -90,12 +84,6 @@ def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Modu
     return random_model(args.model, str(device), seed=args.seed, scale_down=args.scale_down)
 
 
-def decode_step(model: torch.nn.Module, cache: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One greedy step: (next token ids [B, 1], logits [B, V])."""
-    logits = model(ids, cache=cache, use_cache=True).logits[:, -1]
-    return logits.argmax(-1, keepdim=True), logits
-
-
 @torch.inference_mode()
 def time_steps(model: torch.nn.Module, cache: Any, ids: torch.Tensor, *, warmup: int, steps: int) -> list[float]:
     """Milliseconds of each of ``steps`` greedy steps after ``warmup`` untimed ones (CUDA events on CUDA)."""
@@ -115,47 +103,6 @@ def time_steps(model: torch.nn.Module, cache: Any, ids: torch.Tensor, *, warmup:
         end.record()
     torch.cuda.synchronize()
     return [start.elapsed_time(end) for start, end in events]
-
-
-@torch.inference_mode()
-def check_fill(
-    model: torch.nn.Module,
-    quantizer: KVQuantizer,
-    serving: Serving,
-    *,
-    context: int,
-    batch: int,
-    device: torch.device,
-    seed: int = 0,
-    backend: str = "auto",
-) -> dict[str, Any]:
-    """One decode step on one random fill: logits through the coded cache as served (``backend``) and its
-    reference path (``"torch"``), each against the model's own cache holding the decoded contents; then the
-    per-site check (:class:`SiteCheckCache`: served against reference at every site, teacher-forced), whose
-    logits must be the reference path's exactly."""
-    gen = torch.Generator(device).manual_seed(seed)
-    contents = random_contents(quantizer, serving, context, batch=batch, device=device, gen=gen)
-    ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=device, generator=gen)
-    _, want = decode_step(model, decoded_cache(quantizer, contents, serving), ids)
-    out = {"context": context, "batch": batch, "method": quantizer.method}
-
-    def filled(path: str) -> QuantizedLoopKVCache:
-        return fill_cache(QuantizedLoopKVCache(quantizer, **dataclasses.asdict(serving), backend=path), **contents)
-
-    logits = {}
-    for path, name in ((backend, "served"), ("torch", "reference")):
-        cache = filled(path)
-        _, logits[name] = decode_step(model, cache, ids)
-        diff = logits[name].float() - want.float()
-        out[f"{name}_max_abs_diff"] = float(diff.abs().max())
-        out[f"{name}_relative_error"] = float(diff.norm() / want.float().norm())
-        out[f"{name}_same_argmax"] = bool(torch.equal(logits[name].argmax(-1), want.argmax(-1)))
-        if name == "served":
-            out["served_path"] = "kernel" if cache.served_by_kernel else "reference"
-    site = SiteCheckCache(filled(backend), filled("torch"))
-    _, got = decode_step(model, site, ids)
-    out.update(site.summary(), site_logits_are_reference=bool(torch.equal(got, logits["reference"])))
-    return out
 
 
 def bf16_bytes(kv: Any, context: int, batch: int) -> int:
@@ -409,76 +356,6 @@ def main() -> None:
                 args.out.write_text(json.dumps(result, indent=1))  # after every case: a cut-off run keeps its cases
     print(table(result))
     print("\n".join(against_model(result)))
-
-
-def run_checks(
-    model: torch.nn.Module,
-    quantizers: dict[str, KVQuantizer],
-    serving: Serving,
-    *,
-    result: dict[str, Any],
-    args: argparse.Namespace,
-    device: torch.device,
-) -> None:
-    """:func:`check_fill` per method into ``result["checks"]``, printed and saved as they come."""
-    for name, q in quantizers.items():
-        result["checks"].append(
-            check_fill(
-                model,
-                q,
-                serving,
-                context=args.check_context,
-                batch=args.check_batch,
-                device=device,
-                seed=args.seed,
-                backend=args.check_kernel,
-            )
-        )
-        c = result["checks"][-1]
-        c["method"] = name  # the cache's name: tasq+loopvq-channels is a tasq+loopvq quantizer
-        print(json.dumps(c), flush=True)
-        print(
-            f"{c['method']}: per-site relative error (served by {c['site_served_path']}) max "
-            f"{c['site_relative_error_max']:.3g}, median {c['site_relative_error_median']:.3g}",
-            flush=True,
-        )
-        args.out.write_text(json.dumps(result, indent=1))
-
-
-def against_model(result: dict[str, Any]) -> list[str]:
-    """One line per measured case with a kernel-modelled figure: tokens/s, the figure, their ratio."""
-    lines = []
-    for r in result["cases"]:
-        if r["status"] == "ok" and "modelled_tokens_per_s" in r:
-            ratio = r["tokens_per_s"] / r["modelled_tokens_per_s"]
-            lines.append(
-                f"{r['context']} x {r['batch']} {r['cache']}: {r['tokens_per_s']:.1f} tokens/s, "
-                f"{ratio:.0%} of the kernel-modelled {r['modelled_tokens_per_s']:.1f}"
-            )
-    return lines
-
-
-def table(result: dict[str, Any]) -> str:
-    """Markdown table of the cases: ms per step, tokens/s and speedup over bf16 at the same (context, batch)."""
-    bf16 = {(r["context"], r["batch"]): r for r in result["cases"] if r["cache"] == "bf16" and r["status"] == "ok"}
-    rows = [
-        "| context | batch | cache | median ms/step | mean ms/step | tokens/s | speedup vs bf16 | peak GB |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["cases"]:
-        head = f"| {r['context']} | {r['batch']} | {r['cache']} |"
-        if r["status"] != "ok":
-            need = f", needs {r['bf16_bytes'] / 1e9:.1f} GB" if "bf16_bytes" in r else ""
-            free = f", {r['free_bytes'] / 1e9:.1f} GB free" if "free_bytes" in r else ""
-            rows.append(f"{head} {r['status']}{need}{free} | | | | |")
-            continue
-        ref = bf16.get((r["context"], r["batch"]))
-        speedup = f"{ref['mean_ms'] / r['mean_ms']:.2f}" if ref is not None and r["cache"] != "bf16" else ""
-        peak = f"{r['peak_bytes'] / 1e9:.1f}" if "peak_bytes" in r else ""
-        rows.append(
-            f"{head} {r['median_ms']:.3f} | {r['mean_ms']:.3f} | {r['tokens_per_s']:.1f} | {speedup} | {peak} |"
-        )
-    return "\n".join(rows)
 
 
 if __name__ == "__main__":

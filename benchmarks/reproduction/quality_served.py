@@ -18,7 +18,10 @@ SERVED_WINDOW0 = RESULTS / "eval-reference-window0"  # the same bundles with no 
 
 def read_served(folder: Path = SERVED, window0: Path = SERVED_WINDOW0) -> dict[str, Any]:
     """The two stored loopvq-eval reports of eval_reference.py and their setup.json."""
-    load = lambda path: json.loads(path.read_text())
+
+    def load(path: Path) -> Any:
+        return json.loads(path.read_text())
+
     return {
         "report": load(folder / "report.json"),
         "window0": load(window0 / "report.json"),

@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from benchmarks.reproduction.reproduce_report import METHODS, NAMES, WIDTHS
+from benchmarks.reproduction.reproduce_tables import METHODS, NAMES, WIDTHS
 
 
 def draw(data: dict, figs: Path) -> None:

@@ -19,7 +19,7 @@ import torch
 from conftest import ROOT, make_tiny_ouro
 from support.quantizers import sampled_quantizer
 
-from benchmarks.decode import bench_decode_model as bdm
+from benchmarks.decode import bench_decode_model as bdm, decode_checks, decode_fill, site_check
 from loopvq_calib.codes.codec import Codes
 from loopvq_calib.codes.layouts import channel_sets
 from loopvq_calib.serving.cache import QuantizedLoopKVCache
@@ -156,10 +156,10 @@ def test_random_fill_is_what_the_cache_serves_and_the_check_sees_a_wrong_one(tin
     assert cache.regions() == {"sink": 8, "encoded": 48, "window": 19} and cache.get_seq_length() == 75
     ids = torch.randint(0, 4096, (2, 1), device=DEVICE, generator=gen)
     with torch.inference_mode():
-        _, got = bdm.decode_step(tiny_model, cache, ids)
-        _, want = bdm.decode_step(tiny_model, bdm.decoded_cache(q, contents, serving), ids)
+        _, got = decode_checks.decode_step(tiny_model, cache, ids)
+        _, want = decode_checks.decode_step(tiny_model, decode_fill.decoded_cache(q, contents, serving), ids)
         swapped = {**contents, "codes": {n: p[::-1] for n, p in contents["codes"].items()}}
-        _, other = bdm.decode_step(tiny_model, bdm.decoded_cache(q, swapped, serving), ids)
+        _, other = decode_checks.decode_step(tiny_model, decode_fill.decoded_cache(q, swapped, serving), ids)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
     assert (other.float() - want.float()).abs().max() > 10 * (got.float() - want.float()).abs().max()
     page = contents["codes"]["value.b0.l0"][0]
@@ -206,11 +206,11 @@ def test_site_check_follows_the_reference_and_measures_each_site(tiny_model):
         return bdm.fill_cache(cls(q, **dataclasses.asdict(serving), backend="torch"), **contents)
 
     with torch.inference_mode():
-        _, want = bdm.decode_step(tiny_model, filled(QuantizedLoopKVCache), ids)
+        _, want = decode_checks.decode_step(tiny_model, filled(QuantizedLoopKVCache), ids)
     for served_cls, expect in ((QuantizedLoopKVCache, 0.0), (DoubledValues, 1.0)):
-        site = bdm.SiteCheckCache(filled(served_cls), filled(QuantizedLoopKVCache))
+        site = site_check.SiteCheckCache(filled(served_cls), filled(QuantizedLoopKVCache))
         with torch.inference_mode():
-            _, got = bdm.decode_step(tiny_model, site, ids)
+            _, got = decode_checks.decode_step(tiny_model, site, ids)
         assert torch.equal(got, want)
         assert site.sites == [0, 1, 2, 3] and site.get_seq_length() == 76  # the reference cache's, one token on
         summary = site.summary()
