@@ -17,7 +17,7 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout: bench
 
 import torch
 
-from loopvq_calib.calibration.capture.kv import CaptureReader
+from loopvq_calib.calibration.capture.reader import CaptureReader
 from loopvq_calib.calibration.kmeans import solvers as kmeans_backends
 from loopvq_calib.calibration.kmeans.fit import layout_problems, layout_seed
 from loopvq_calib.calibration.kmeans.seeding import kmeans_pp_init

@@ -35,7 +35,7 @@ from benchmarks.common.provenance import short_commit
 from benchmarks.reproduction.reproduce_figures import draw
 from benchmarks.reproduction.reproduce_report import METHODS, STUDY, write_page
 from loopvq_calib import calibrate
-from loopvq_calib.calibration.capture.kv import CaptureReader
+from loopvq_calib.calibration.capture.reader import CaptureReader
 from loopvq_calib.calibration.stages import load_quantizer
 from loopvq_calib.config.schema import DataConfig, FinetuneConfig
 from loopvq_calib.data.corpus import build_calibration_set
@@ -122,7 +122,7 @@ def calibrate_all(workers: int) -> dict[str, float]:
     with ProcessPoolExecutor(workers, initializer=_worker_init) as pool:
         for name, t in pool.map(_calibrate, *zip(*[(n, c, ["capture"]) for n, c in capture_runs.values()])):
             times[f"{name} (capture)"] = t
-        for name, cfg, stages, key in runs:
+        for name, _, _, key in runs:
             share_capture(RUNS / capture_runs[key][0], RUNS / name)
         for name, t in pool.map(_calibrate, *zip(*[(n, c, s) for n, c, s, _ in runs])):
             times[name] = t

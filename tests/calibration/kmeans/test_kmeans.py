@@ -13,7 +13,8 @@ from conftest import make_tiny_ouro
 from safetensors.torch import load_file, save_file
 from support.builders import np_assign
 
-from loopvq_calib.calibration.capture.kv import CaptureReader, MemoryCapture, MemoryReader, capture_kv, write_meta
+from loopvq_calib.calibration.capture.kv import MemoryCapture, capture_kv, write_meta
+from loopvq_calib.calibration.capture.reader import CaptureReader, MemoryReader
 from loopvq_calib.calibration.kmeans import fit as kmeans, seeding, solvers
 from loopvq_calib.calibration.kmeans.fit import fit_codebooks, layout_problems, layout_seed, run_points_per_codebook
 from loopvq_calib.codes.codec import TasqTransform, gather_groups
