@@ -110,10 +110,16 @@ of it (T = 4), one sequence:
 
 | tensor `{case}/...` | shape | meaning |
 |---|---|---|
-| `query` | [T, 4, 8] float32 | post-RoPE query of step `m`: 4 query heads, 2 per KV head (query head `q` reads KV head `q // 2`) |
-| `coded_positions` | [16] int64 | positions 8..23 of the 16 coded tokens; their codes are `tests/golden/expected.safetensors`' `{case}/key.{block}.indices`, `.sigma` (TaSQ) and `{case}/value.{block}.indices` |
-| `key.indices_packed`, `value.indices_packed` | [16, 2, ceil(n * 4 / 8)] uint8 (n: the block's codes per head) | the same codes bit-packed (K = 16: 4 bits per index, LSB first; bundle-format section 8): unpacked, they equal the plain indices above |
-| `fp_keys`, `fp_values` | [T, 13, 2, 8] float32 | full-precision tokens of step `m`'s site, keys pre-RoPE: 8 sinks then 5 window tokens |
+| `query` | [T, 4, 8] float32 | post-RoPE query of step `m`: 4 query heads, 2 per KV head \
+(query head `q` reads KV head `q // 2`) |
+| `coded_positions` | [16] int64 | positions 8..23 of the 16 coded tokens; their codes are \
+`tests/golden/expected.safetensors`' `{case}/key.{block}.indices`, `.sigma` (TaSQ) and \
+`{case}/value.{block}.indices` |
+| `key.indices_packed`, `value.indices_packed` | [16, 2, ceil(n * 4 / 8)] uint8 (n: the block's codes per head) \
+| the same codes bit-packed (K = 16: 4 bits per index, LSB first; bundle-format section 8): unpacked, they \
+equal the plain indices above |
+| `fp_keys`, `fp_values` | [T, 13, 2, 8] float32 | full-precision tokens of step `m`'s site, keys pre-RoPE: \
+8 sinks then 5 window tokens |
 | `fp_positions` | [13] int64 | their positions: 0..7, then 24..28 |
 | `output` | [T, 4, 8] float32 | softmax(q . k / sqrt(8)) v over the 29 tokens, computed in float64 |
 

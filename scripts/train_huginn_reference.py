@@ -23,6 +23,7 @@ import random
 import shutil
 import sysconfig
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -295,7 +296,7 @@ def report(args: argparse.Namespace) -> None:
                 kind=k,
                 tokens=n,
                 items=args.items,
-                context=lambda: model.seeded_initial_state(0),
+                context=partial(model.seeded_initial_state, 0),
             )
             for k in KINDS
             for n in args.lengths

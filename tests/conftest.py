@@ -27,7 +27,8 @@ from transformers import AutoModelForCausalLM
 
 import loopvq_calib  # noqa: F401  (registers the native models)
 from loopvq_calib.bundle.writer import write_bundle
-from loopvq_calib.calibration.capture.kv import CaptureReader, capture_kv, write_meta
+from loopvq_calib.calibration.capture.kv import capture_kv, write_meta
+from loopvq_calib.calibration.capture.reader import CaptureReader
 from loopvq_calib.calibration.finetune.train import FinetuneResult, finetune_codebooks
 from loopvq_calib.codes.codec import BlockCodec, TasqTransform
 from loopvq_calib.codes.layouts import codebook_shape, plan_layouts

@@ -18,7 +18,8 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout: bench
 
 import torch
 
-from loopvq_calib.calibration.kmeans.solvers import kmeans_pp_init, weighted_kmeans
+from loopvq_calib.calibration.kmeans.seeding import kmeans_pp_init
+from loopvq_calib.calibration.kmeans.solvers import weighted_kmeans
 from loopvq_calib.config.schema import KMeansConfig
 from loopvq_calib.kernels.backends import Backend, available
 

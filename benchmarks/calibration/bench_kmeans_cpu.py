@@ -17,10 +17,11 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout: bench
 
 import torch
 
-from loopvq_calib.calibration.capture.kv import CaptureReader
+from loopvq_calib.calibration.capture.reader import CaptureReader
 from loopvq_calib.calibration.kmeans import solvers as kmeans_backends
 from loopvq_calib.calibration.kmeans.fit import layout_problems, layout_seed
-from loopvq_calib.calibration.kmeans.solvers import kmeans_pp_init, weighted_kmeans
+from loopvq_calib.calibration.kmeans.seeding import kmeans_pp_init
+from loopvq_calib.calibration.kmeans.solvers import weighted_kmeans
 from loopvq_calib.calibration.preflight import model_shape
 from loopvq_calib.codes.layouts import plan_layouts
 from loopvq_calib.config.load import load_config

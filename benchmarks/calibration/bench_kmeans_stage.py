@@ -22,7 +22,7 @@ import torch
 
 import loopvq_calib
 from benchmarks.common.provenance import short_commit
-from loopvq_calib.calibration.capture.kv import CaptureReader
+from loopvq_calib.calibration.capture.reader import CaptureReader
 from loopvq_calib.calibration.kmeans.fit import fit_codebooks
 from loopvq_calib.calibration.preflight import model_shape
 from loopvq_calib.codes.layouts import plan_layouts

@@ -26,7 +26,8 @@ import torch
 import triton
 
 from benchmarks.calibration.bench_kmeans import problems
-from loopvq_calib.calibration.kmeans.solvers import _assign, kmeans_pp_init
+from loopvq_calib.calibration.kmeans.seeding import kmeans_pp_init
+from loopvq_calib.calibration.kmeans.solvers import _assign
 from loopvq_calib.kernels import kmeans as kmeans_triton
 
 P, N, G, K = 512, 32640, 16, 256

@@ -36,7 +36,7 @@ from benchmarks.reproduction.reproduce_figures import draw
 from benchmarks.reproduction.reproduce_report import STUDY, write_page
 from benchmarks.reproduction.reproduce_tables import METHODS
 from loopvq_calib import calibrate
-from loopvq_calib.calibration.capture.kv import CaptureReader
+from loopvq_calib.calibration.capture.reader import CaptureReader
 from loopvq_calib.calibration.stages import load_quantizer
 from loopvq_calib.config.schema import DataConfig, FinetuneConfig
 from loopvq_calib.data.corpus import build_calibration_set

@@ -29,7 +29,8 @@ from .format import (
     meta_checksum,
     strict_json,
 )
-from .validate import SITE_FIELDS, check_meta, expected_tensors
+from .validate import SITE_FIELDS, check_meta
+from .validate_blocks import expected_tensors
 
 __all__ = ["Bundle", "BundleError", "inspect_bundle", "load_bundle", "meta_checksum", "resolve_bundle_dir"]
 

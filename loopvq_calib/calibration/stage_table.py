@@ -21,9 +21,10 @@ from ..config.schema import Config
 from ..data.corpus import CalibrationSet, build_calibration_set
 from ..runtime.warmup import Warmup
 from ..version import __version__
-from .capture.kv import CaptureData, CaptureReader, MemoryReader
+from .capture.reader import CaptureData, CaptureReader, MemoryReader
 from .capture.store import StoreChoice
-from .finetune.train import FinetuneResult, training_steps
+from .finetune.schedule import training_steps
+from .finetune.train import FinetuneResult
 from .plan import RunModel, RunPlan
 from .stages import (
     as_saved_finetune,

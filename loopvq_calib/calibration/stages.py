@@ -28,16 +28,8 @@ from ..models.loading import ModelIdentity
 from ..models.sites import KVLayout
 from ..runtime.files import write_bytes_atomic, write_tensors_atomic
 from ..runtime.processes import DistContext
-from .capture.kv import (
-    CaptureData,
-    CaptureReader,
-    MemoryCapture,
-    MemoryReader,
-    capture_kv,
-    capture_meta,
-    share_sequences,
-    write_meta,
-)
+from .capture.kv import MemoryCapture, capture_kv, capture_meta, share_sequences, write_meta
+from .capture.reader import CaptureData, CaptureReader, MemoryReader
 from .capture.store import StoreChoice
 from .finetune.train import FinetuneResult, finetune_codebooks
 from .kmeans.fit import fit_codebooks, shard_tensor_names

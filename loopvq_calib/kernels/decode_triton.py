@@ -32,6 +32,9 @@ class TritonDecodeLaunch:
     num_splits: int | None = None
 
 
+DEFAULT_TRITON_LAUNCH = TritonDecodeLaunch()  # every setting at its default
+
+
 if triton is not None:
 
     @triton.jit
@@ -245,6 +248,18 @@ def _multiprocessors(device: torch.device) -> int:
     return 0
 
 
+def _splits(
+    launch: TritonDecodeLaunch, n_coded: int, heads: int, *, slices: int, device: torch.device
+) -> tuple[int, int]:
+    """(coded splits, tokens per split) of a launch whose batch is cut in ``slices`` of ``batch_per_program`` rows:
+    :func:`plan_splits` over ``num_splits`` programs per KV head when given, else over ``programs_per_sm`` per
+    multiprocessor shared by the slices."""
+    programs = (
+        launch.num_splits * heads if launch.num_splits else _multiprocessors(device) * launch.programs_per_sm // slices
+    )
+    return plan_splits(n_coded, heads, launch.block_n, programs=programs)
+
+
 def decode_attention_triton(
     inputs: KernelInputs, tables: StepTables, coded: CodedTokens, *, fp: FullPrecisionTokens, launch: TritonDecodeLaunch
 ) -> torch.Tensor:
@@ -255,12 +270,7 @@ def decode_attention_triton(
     heads, k = tables.value.shape[0], tables.value.shape[1]
     n, qg = coded.count, hq // heads
     slices = -(-bsz // launch.batch_per_program)
-    programs = (
-        launch.num_splits * heads
-        if launch.num_splits
-        else _multiprocessors(q.device) * launch.programs_per_sm // slices
-    )
-    splits, per_split = plan_splits(n, heads, launch.block_n, programs=programs)
+    splits, per_split = _splits(launch, n, heads, slices=slices, device=q.device)
     kidx, vidx, sig, fk, fv = coded.key_indices, coded.value_indices, inputs.sigma, fp.keys, fp.values
     acc = torch.empty(bsz, hq, splits + 1, d, device=q.device, dtype=torch.float32)
     ml = torch.empty(bsz, hq, splits + 1, 2, device=q.device, dtype=torch.float32)

@@ -12,7 +12,7 @@ about 17 small kernels per k-means++ draw; both bind it to memory traffic and la
   ``index_add_`` on CUDA).
 - :func:`kmeans_pp`: two kernels per draw. One updates D^2 with the last chosen centroid and writes
   per-block sums of w * D^2 (float64); one per problem picks a block by inverse CDF over the block sums,
-  then the point inside it, with the same rules as the torch k-means++ draws (``calibration.kmeans.solvers``).
+  then the point inside it, with the same rules as the torch k-means++ draws (``calibration.kmeans.seeding``).
 
 The kernels also run in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``), which is how the tests
 check them on a machine without a GPU when triton is installed.

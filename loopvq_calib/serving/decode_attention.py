@@ -40,12 +40,12 @@ import torch
 
 from ..codes.codec import BlockCodec, Codes
 from ..codes.layouts import BlockLayout, channel_sets
-from ..kernels import backends, decode_cuda
+from ..kernels import backends, decode_cuda, decode_cuda_plan
 from ..kernels.backends import DECODE_CHOICES, DISPATCH, Backend, Candidate, pow2
 from ..kernels.cuda_build import BuildError
-from ..kernels.decode_cuda import CudaDecodeLaunch
+from ..kernels.decode_cuda_plan import DEFAULT_CUDA_LAUNCH, CudaDecodeLaunch
 from ..kernels.decode_inputs import CodedTokens, FullPrecisionTokens, KernelInputs, StepTables
-from ..kernels.decode_triton import TritonDecodeLaunch, decode_attention_triton
+from ..kernels.decode_triton import DEFAULT_TRITON_LAUNCH, TritonDecodeLaunch, decode_attention_triton
 from ..models.common import apply_rope, pair_channels, rope_angles
 
 __all__ = [
@@ -89,7 +89,8 @@ def channel_codes(codec: BlockCodec, step: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def channel_table(codec: BlockCodec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's codeword value of every channel, [H, K, D] float32 (divided by TaSQ's weight), and the codes [H, D]."""
+    """The step's codeword value of every channel, [H, K, D] float32 (divided by TaSQ's weight), and the codes
+    [H, D]."""
     code, pos = channel_codes(codec, step)
     cb = codec.codebook.detach().float().cpu()  # [Hc, nc, K, G]
     heads = codec.layout.kv_heads
@@ -256,8 +257,8 @@ def decode_attention(
     rope: RopeTable,
     max_position: int | None = None,
     backend: Backend | str = Backend.AUTO,
-    triton: TritonDecodeLaunch = TritonDecodeLaunch(),
-    cuda: CudaDecodeLaunch = CudaDecodeLaunch(),
+    triton: TritonDecodeLaunch = DEFAULT_TRITON_LAUNCH,
+    cuda: CudaDecodeLaunch = DEFAULT_CUDA_LAUNCH,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over coded and full-precision tokens.
 
@@ -267,7 +268,7 @@ def decode_attention(
     sync). ``backend``: ``"cuda"`` the shared-memory kernel of :mod:`~loopvq_calib.kernels.decode_cuda`
     launched with ``cuda``; ``"triton"`` the kernel of :mod:`~loopvq_calib.kernels.decode_triton` launched with
     ``triton``; ``"auto"``: for CUDA tensors the CUDA kernel where the site and the call fit it
-    (:func:`~loopvq_calib.kernels.decode_cuda.launch` gives a plan) and it builds and launches, else (with a
+    (:func:`~loopvq_calib.kernels.decode_cuda_plan.launch` gives a plan) and it builds and launches, else (with a
     warning once per reason) and for other tensors Triton.
     """
     bsz, hq, d = q.shape
@@ -324,8 +325,8 @@ class _CudaCall:
     def unfit(self) -> str:
         """Why the kernel does not take this call ('' when it does: the plan is kept for :meth:`run`)."""
         query_groups = self.q.shape[1] // self.tables.value.shape[0]
-        self.lanes = decode_cuda.site_lanes(self.tables, query_groups, self.settings.lanes_per_token)
-        plan = decode_cuda.launch(
+        self.lanes = decode_cuda_plan.site_lanes(self.tables, query_groups, self.settings.lanes_per_token)
+        plan = decode_cuda_plan.launch(
             self.lanes, self.q, self.fp.keys, fp_values=self.fp.values, coded=self.coded, settings=self.settings
         )
         if isinstance(plan, str):
@@ -340,7 +341,7 @@ class _CudaCall:
             self.coded,
             fp=self.fp,
             rope=self.rope,
-            rows=decode_cuda.rope_rows(self.max_position, self.lanes.lanes),
+            rows=decode_cuda_plan.rope_rows(self.max_position, self.lanes.lanes),
         )
         try:
             return decode_cuda.decode_attention_cuda(

@@ -1,8 +1,8 @@
-"""The CUDA decode kernel's launch (kernels/decode_cuda.py): rows per pass, the launch plan at Ouro shapes,
-the key table's dtype and the tokens per step, the calls it refuses (build failures, devices, 32-bit offsets, shared
-memory), plan checks, the split counters and the launch's device and stream. CPU only: plans need shapes and
-strides (meta tensors); the kernel itself is checked in test_decode_attention_cuda.py, its lane tables in
-test_decode_lanes.py."""
+"""The CUDA decode kernel's launch (kernels/decode_cuda_plan.py, kernels/decode_cuda.py): rows per pass, the
+launch plan at Ouro shapes, the key table's dtype and the tokens per step, the calls it refuses (build failures,
+devices, 32-bit offsets, shared memory), plan checks, the split counters and the launch's device and stream. CPU
+only: plans need shapes and strides (meta tensors); the kernel itself is checked in test_decode_attention_cuda.py,
+its lane tables in test_decode_lanes.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from support.decode import dispatch_case, head_major, make_codecs, make_inputs
 
-from loopvq_calib.kernels import cuda_build, decode_cuda as dc, decode_lanes as dl
+from loopvq_calib.kernels import cuda_build, decode_cuda as dc, decode_cuda_plan as dcp, decode_lanes as dl
 from loopvq_calib.kernels.backends import BackendUnavailable
 from loopvq_calib.serving import decode_attention as da
 
@@ -39,15 +39,15 @@ def test_launch_checks_what_the_kernel_reads(builds, monkeypatch):
     )
 
     def fits(coded, fk=fk, tokens=None) -> bool:
-        settings = dc.CudaDecodeLaunch(warps=8, tokens_per_iteration=tokens)
-        return isinstance(dc.launch(lanes, cuda_q, fk, fp_values=fv, coded=coded, settings=settings), dc.LaunchPlan)
+        settings = dcp.CudaDecodeLaunch(warps=8, tokens_per_iteration=tokens)
+        return isinstance(dcp.launch(lanes, cuda_q, fk, fp_values=fv, coded=coded, settings=settings), dcp.LaunchPlan)
 
     assert fits(u8)
     assert not fits(SimpleNamespace(**{**vars(u8), "value_indices": u8.value_indices.int()}))
     assert not fits(SimpleNamespace(**{**vars(u8), "key_indices": coded.key_indices.to(torch.uint8)}))  # token-major
     assert not fits(SimpleNamespace(**{**vars(u8), "key_sigma": torch.ones(1, 8, 4)}))
     assert not fits(u8, fk.transpose(-1, -2))
-    need = dc.launch_shared(
+    need = dcp.launch_shared(
         lanes, u8, 8, query_groups=1, tokens=8
     )  # 8 lanes per token: 4 groups x 8 tokens per warp step
     assert need == 2 * 64 * 16 * 2 + 8 * 2 * 32 * 64 + 64 * 4 + 8 * 32 * 4 + 2 * 64 * 4  # tables, stages, query,
@@ -78,22 +78,22 @@ def test_large_batches_and_buffers_are_refused_only_where_32_bit_offsets_overflo
     ):
         idx = torch.empty(batch, 16, capacity, 32, dtype=torch.uint8, device="meta").transpose(1, 2)  # CodeBuffer's
         coded = SimpleNamespace(key_indices=idx, value_indices=idx, key_sigma=None, count=capacity - 100)
-        reason = dc.plan_launch(
+        reason = dcp.plan_launch(
             lanes,
             q[:batch],
             fk[:batch],
             fp_values=fk[:batch],
             coded=coded,
-            settings=dc.CudaDecodeLaunch(),
+            settings=dcp.CudaDecodeLaunch(),
             shared_limit=227 * 1024,
             sms=1,
         )
         assert isinstance(reason, str) == refused, (batch, capacity, reason)
-        assert idx.stride(0) == 16 * capacity * 32 and (idx.stride(0) > dc.INT32_MAX) == refused
+        assert idx.stride(0) == 16 * capacity * 32 and (idx.stride(0) > dcp.INT32_MAX) == refused
         if refused:
             assert "stride beyond 2**31 - 1" in reason
-    assert dc.plan_launch(
-        None, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=1
+    assert dcp.plan_launch(
+        None, q, fk, fp_values=fk, coded=coded, settings=dcp.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=1
     ).startswith("the site has no lane tables")
 
 
@@ -105,17 +105,17 @@ def test_rope_rows_cover_every_anchor_read():
         for first, n in ((0, 1), (5, 27), (1000, 24), (65533, 3)):
             last = first + n - 1
             reads = [first + t0 + grp for t0 in range(n) for grp in range(groups)] + [groups]
-            rows = dc.rope_rows(last, lanes)
+            rows = dcp.rope_rows(last, lanes)
             assert max(reads) < rows and rows >= 8, (lanes, first, n)
     first, n = 65000, 534  # 8 lanes, an empty window: the last anchor reads row first + n + 2 = 2**16
-    assert dc.rope_rows(first + n - 1, 8) > 2**16
+    assert dcp.rope_rows(first + n - 1, 8) > 2**16
 
 
 def test_the_launch_runs_on_the_query_device_and_its_stream(builds, monkeypatch):
     """decode_attention_cuda launches inside torch.cuda.device(q.device) on that device's current stream, and
     turns a launch's RuntimeError into LaunchError (stand-ins for the CUDA runtime, CPU tensors)."""
     tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
-    lanes = dc.site_lanes(tables, 1, 16)
+    lanes = dcp.site_lanes(tables, 1, 16)
     inputs = da.kernel_inputs(
         q, tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos, mask), rope=da.RopeTable(64, 1e4), rows=64
     )
@@ -139,7 +139,7 @@ def test_the_launch_runs_on_the_query_device_and_its_stream(builds, monkeypatch)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d: ("stream of", d))
     monkeypatch.setattr(cuda_build, "build_kernel", lambda source, name, *, shared, device: kernel)
     monkeypatch.setattr(
-        dc, "launch", lambda *args, **kwargs: dc.plan_launch(*args, **kwargs, shared_limit=227 * 1024, sms=4)
+        dcp, "launch", lambda *args, **kwargs: dcp.plan_launch(*args, **kwargs, shared_limit=227 * 1024, sms=4)
     )  # CPU q: no CUDA check
     dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv)
     assert launches == [([q.device], ("stream of", q.device))] and entered[-1] == "left"
@@ -159,9 +159,9 @@ def test_rows_per_pass_divide_the_warps_and_never_exceed_the_batch():
         (1, 32, 16, 1),
         (16, 0, 16, 1),
     ):
-        assert dc.rows_per_pass(most, batch, warps) == rows, (most, batch, warps)
+        assert dcp.rows_per_pass(most, batch, warps) == rows, (most, batch, warps)
     with pytest.raises(ValueError, match="at least 1"):
-        dc.rows_per_pass(0, 8, 16)
+        dcp.rows_per_pass(0, 8, 16)
 
 
 def test_launch_plan_at_ouro_shapes():
@@ -182,13 +182,13 @@ def test_launch_plan_at_ouro_shapes():
         idx = torch.empty(batch, 16, n, 32, dtype=torch.uint8, device="meta").transpose(1, 2)
         coded = SimpleNamespace(key_indices=idx, value_indices=idx, key_sigma=None, count=n)
         q = torch.empty(batch, 16, 128, dtype=torch.bfloat16, device="meta")
-        plan = dc.plan_launch(
+        plan = dcp.plan_launch(
             lanes,
             q,
             fk[:batch],
             fp_values=fk[:batch],
             coded=coded,
-            settings=dc.CudaDecodeLaunch(),
+            settings=dcp.CudaDecodeLaunch(),
             shared_limit=227 * 1024,
             sms=132,
         )
@@ -217,32 +217,32 @@ def test_default_rows_give_way_to_a_float32_key_table():
     q = torch.empty(8, 16, 128, dtype=torch.bfloat16, device="meta")
     tables = 128 * 256 * 4 + 128 * 256 * 2
     assert (
-        dc.launch_shared(lanes, coded, 16, query_groups=1, tokens=16, key_dtype=torch.float32)
+        dcp.launch_shared(lanes, coded, 16, query_groups=1, tokens=16, key_dtype=torch.float32)
         == tables + 16 * 2 * 32 * 64 + 512 + 2048 + 1024
     )
-    plan = dc.plan_launch(
-        lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132
+    plan = dcp.plan_launch(
+        lanes, q, fk, fp_values=fk, coded=coded, settings=dcp.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132
     )
     assert (plan.tokens, plan.rows, plan.key_float32) == (8, 2, True)
     assert plan.shared == tables + 16 * 2 * 16 * 64 + 2 * 128 * 4 + 16 * 16 * 4 + 2 * 128 * 4 <= 227 * 1024
-    plan = dc.plan_launch(
+    plan = dcp.plan_launch(
         lanes,
         q,
         fk,
         fp_values=fk,
         coded=coded,
-        settings=dc.CudaDecodeLaunch(rows_per_pass=8),
+        settings=dcp.CudaDecodeLaunch(rows_per_pass=8),
         shared_limit=227 * 1024,
         sms=132,
     )
     assert (plan.tokens, plan.rows, plan.key_float32) == (16, 8, False)
-    plan = dc.plan_launch(
+    plan = dcp.plan_launch(
         lanes,
         q,
         fk,
         fp_values=fk,
         coded=coded,
-        settings=dc.CudaDecodeLaunch(tokens_per_iteration=16),
+        settings=dcp.CudaDecodeLaunch(tokens_per_iteration=16),
         shared_limit=227 * 1024,
         sms=132,
     )
@@ -271,19 +271,19 @@ def test_default_rows_are_lowered_until_a_gqa_call_fits():
         return 2 * 128 * 256 * 2 + 8 * 16 * 130 * 4 + rows * 16 * 128 * 4 + 8 * 16 * 8 * 4 + 2 * 128 * 4
 
     assert need(8) == 268288 and need(4) > limit >= need(2)
-    plan = dc.plan_launch(
-        lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=limit, sms=132
+    plan = dcp.plan_launch(
+        lanes, q, fk, fp_values=fk, coded=coded, settings=dcp.CudaDecodeLaunch(), shared_limit=limit, sms=132
     )
     assert (plan.warps, plan.tokens, plan.rows, plan.key_float32, plan.shared) == (8, 4, 2, False, need(2))
     assert plan.splits == 132 // 4
     assert isinstance(
-        dc.plan_launch(
+        dcp.plan_launch(
             lanes,
             q,
             fk,
             fp_values=fk,
             coded=coded,
-            settings=dc.CudaDecodeLaunch(rows_per_pass=4),
+            settings=dcp.CudaDecodeLaunch(rows_per_pass=4),
             shared_limit=limit,
             sms=132,
         ),
@@ -302,8 +302,8 @@ def test_rows_are_kept_when_a_float32_key_table_fits_at_no_rows():
         return 128 * 256 * (key_bytes + 2) + 8 * 8 * 130 * 4 + rows * 8 * 128 * 4 + 8 * 8 * 8 * 4 + 2 * 128 * 4
 
     assert need(4, 1) == 237056 > limit >= need(2, 8)
-    plan = dc.plan_launch(
-        lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=limit, sms=132
+    plan = dcp.plan_launch(
+        lanes, q, fk, fp_values=fk, coded=coded, settings=dcp.CudaDecodeLaunch(), shared_limit=limit, sms=132
     )
     assert (plan.rows, plan.key_float32, plan.shared) == (8, False, need(2, 8))
 
@@ -315,36 +315,36 @@ def test_a_float32_key_table_asked_for_is_refused_where_it_does_not_fit():
     lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
     limit = 227 * 1024
     need = 128 * 256 * (4 + 2) + 16 * 2 * 16 * 64 + 2 * 128 * 4 + 16 * 16 * 4 + 2 * 128 * 4  # at 2 rows
-    plan = dc.plan_launch(
+    plan = dcp.plan_launch(
         lanes,
         q,
         fk,
         fp_values=fk,
         coded=coded,
-        settings=dc.CudaDecodeLaunch(rows_per_pass=2, key_float32=True),
+        settings=dcp.CudaDecodeLaunch(rows_per_pass=2, key_float32=True),
         shared_limit=limit,
         sms=132,
     )
     assert (plan.tokens, plan.rows, plan.key_float32, plan.shared) == (8, 2, True, need) and need == limit
-    reason = dc.plan_launch(
+    reason = dcp.plan_launch(
         lanes,
         q,
         fk,
         fp_values=fk,
         coded=coded,
-        settings=dc.CudaDecodeLaunch(rows_per_pass=8, key_float32=True),
+        settings=dcp.CudaDecodeLaunch(rows_per_pass=8, key_float32=True),
         shared_limit=limit,
         sms=132,
     )
     at16 = need + 6 * 128 * 4 + 16 * 2 * 16 * 64 + 16 * 16 * 4  # 8 rows, 16 tokens: more stages and weights
     assert reason == f"a float32 key table needs {at16} bytes of shared memory, {limit} available"
-    plan = dc.plan_launch(
+    plan = dcp.plan_launch(
         lanes,
         q,
         fk,
         fp_values=fk,
         coded=coded,
-        settings=dc.CudaDecodeLaunch(key_float32=True),
+        settings=dcp.CudaDecodeLaunch(key_float32=True),
         shared_limit=limit,
         sms=132,
     )
@@ -354,35 +354,35 @@ def test_a_float32_key_table_asked_for_is_refused_where_it_does_not_fit():
 def test_zero_rows_warps_or_tokens_are_refused_not_taken_for_the_default():
     lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
     with pytest.raises(ValueError, match="rows per pass must be at least 1, got 0"):
-        dc.plan_launch(
+        dcp.plan_launch(
             lanes,
             q,
             fk,
             fp_values=fk,
             coded=coded,
-            settings=dc.CudaDecodeLaunch(rows_per_pass=0),
+            settings=dcp.CudaDecodeLaunch(rows_per_pass=0),
             shared_limit=227 * 1024,
             sms=132,
         )
     for warps, tokens in ((0, None), (None, 0)):
         with pytest.raises(ValueError, match="tokens_per_iteration must be"):
-            dc.plan_launch(
+            dcp.plan_launch(
                 lanes,
                 q,
                 fk,
                 fp_values=fk,
                 coded=coded,
-                settings=dc.CudaDecodeLaunch(warps=warps, tokens_per_iteration=tokens),
+                settings=dcp.CudaDecodeLaunch(warps=warps, tokens_per_iteration=tokens),
                 shared_limit=227 * 1024,
                 sms=132,
             )
 
 
 def test_a_given_plan_is_launched_as_is(builds, monkeypatch):
-    """decode_attention_cuda with a plan (the dispatch's, from decode_cuda.launch) does not work it out again:
+    """decode_attention_cuda with a plan (the dispatch's, from decode_cuda_plan.launch) does not work it out again:
     no device query, the plan's grid, block, shared memory and rows per pass."""
     tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
-    lanes = dc.site_lanes(tables, 1, 16)
+    lanes = dcp.site_lanes(tables, 1, 16)
     inputs = da.kernel_inputs(
         q, tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos, mask), rope=da.RopeTable(64, 1e4), rows=64
     )
@@ -402,7 +402,7 @@ def test_a_given_plan_is_launched_as_is(builds, monkeypatch):
         return lambda **kw: launches.append((defines, kw))
 
     monkeypatch.setattr(cuda_build, "build_kernel", build)
-    plan = dc.LaunchPlan(warps=4, tokens=2, rows=2, splits=3, split_len=7, key_float32=False, shared=12345)
+    plan = dcp.LaunchPlan(warps=4, tokens=2, rows=2, splits=3, split_len=7, key_float32=False, shared=12345)
     out = dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv, plan=plan)
     ((defines, kw),) = launches
     assert kw["grid"] == (tables.value.shape[0], 3, 1) and kw["block"] == (128, 1, 1) and kw["shared_mem"] == 12345
@@ -417,15 +417,15 @@ def test_a_hand_made_plan_is_checked_and_no_plan_goes_through_launch(builds, mon
     raises ValueError before any build; without a plan, launch()'s refusals (a CPU query, an earlier failed
     build) raise LaunchError."""
     tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
-    lanes = dc.site_lanes(tables, 1, 16)
+    lanes = dcp.site_lanes(tables, 1, 16)
     inputs = da.kernel_inputs(
         q, tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos, mask), rope=da.RopeTable(64, 1e4), rows=64
     )
     monkeypatch.setattr(cuda_build, "build_kernel", lambda *args, **kwargs: pytest.fail("built despite a bad plan"))
-    plan = dc.LaunchPlan(warps=16, tokens=8, rows=3, splits=2, split_len=11, key_float32=False, shared=0)
+    plan = dcp.LaunchPlan(warps=16, tokens=8, rows=3, splits=2, split_len=11, key_float32=False, shared=0)
     with pytest.raises(ValueError, match=r"rows per pass \(3\) must divide its warps \(16\)"):
         dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv, plan=plan)
-    plan = dc.LaunchPlan(warps=16, tokens=8, rows=4, splits=2, split_len=11, key_float32=False, shared=0)
+    plan = dcp.LaunchPlan(warps=16, tokens=8, rows=4, splits=2, split_len=11, key_float32=False, shared=0)
     with pytest.raises(ValueError, match="a launch plan and warps, rows_per_pass given"):
         dc.decode_attention_cuda(
             inputs,
@@ -434,7 +434,7 @@ def test_a_hand_made_plan_is_checked_and_no_plan_goes_through_launch(builds, mon
             coded=coded,
             fp_keys=fk,
             fp_values=fv,
-            settings=dc.CudaDecodeLaunch(warps=8, rows_per_pass=2),
+            settings=dcp.CudaDecodeLaunch(warps=8, rows_per_pass=2),
             plan=plan,
         )
     with pytest.raises(dc.LaunchError, match="refuses this call: device cpu is not CUDA"):
@@ -467,7 +467,7 @@ def test_cpu_tensors_never_take_the_cuda_kernel():
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
     lanes = dl.lane_tables(da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16))
     assert (
-        dc.launch(lanes, q, fk, fp_values=fv, coded=coded, settings=dc.CudaDecodeLaunch(warps=8))
+        dcp.launch(lanes, q, fk, fp_values=fv, coded=coded, settings=dcp.CudaDecodeLaunch(warps=8))
         == "device cpu is not CUDA"
     )
     tables = da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16)
@@ -486,33 +486,33 @@ def test_default_tokens_per_step_follow_the_lanes():
     """16 tokens per lane group and step by default (one query head per KV head), at most the lanes per token (8
     at 8 lanes); GQA keeps 4; more tokens than lanes are refused."""
     lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
-    plan = dc.plan_launch(
-        lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132
+    plan = dcp.plan_launch(
+        lanes, q, fk, fp_values=fk, coded=coded, settings=dcp.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132
     )
     assert (plan.warps, plan.tokens, plan.rows) == (16, 16, 8)
     kc, vc = make_codecs("loopvq", 16, 128, 256, 16, 4)
     lanes8 = dl.lane_tables(da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16), 8)
     assert (
-        dc.plan_launch(
-            lanes8, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132
+        dcp.plan_launch(
+            lanes8, q, fk, fp_values=fk, coded=coded, settings=dcp.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132
         ).tokens
         == 8
     )
     with pytest.raises(ValueError, match=r"up to the lanes per token \(8\).*got 16"):
-        dc.plan_launch(
+        dcp.plan_launch(
             lanes8,
             q,
             fk,
             fp_values=fk,
             coded=coded,
-            settings=dc.CudaDecodeLaunch(tokens_per_iteration=16),
+            settings=dcp.CudaDecodeLaunch(tokens_per_iteration=16),
             shared_limit=227 * 1024,
             sms=132,
         )
     lanes, q, fk, coded = ouro_like_call("loopvq", 4, 16, 8)
     assert (
-        dc.plan_launch(
-            lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132
+        dcp.plan_launch(
+            lanes, q, fk, fp_values=fk, coded=coded, settings=dcp.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132
         ).tokens
         == 4
     )

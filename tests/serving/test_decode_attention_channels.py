@@ -11,7 +11,7 @@ from conftest import KERNEL_DEVICE as DEVICE, make_tiny_ouro, needs_triton_kerne
 from support.decode import channels_groups, check, gen, make_codecs, make_inputs
 from support.quantizers import sampled_quantizer
 
-from loopvq_calib.kernels import decode_cuda as dc
+from loopvq_calib.kernels import decode_cuda_plan as dcp
 from loopvq_calib.models.common import pair_channels
 from loopvq_calib.serving import decode_attention as da
 from loopvq_calib.serving.cache import QuantizedLoopKVCache
@@ -221,8 +221,8 @@ def test_cuda_kernel_reads_channels_layouts_like_the_reference(style, q_heads, l
 def test_cuda_kernel_channels_at_ouro_shapes_takes_loopvqs_launch(style, monkeypatch):
     """Ouro-1.4B's site shapes, fp16 tables and bf16 inputs: within the fp16 tolerance, and the default plan is
     LoopVQ's (16 tokens per lane group and step, fp16 keys), not free TaSQ's (8 tokens, float32 keys)."""
-    plans, plan_of = [], dc.launch
-    monkeypatch.setattr(dc, "launch", lambda *args, **kwargs: plans.append(plan_of(*args, **kwargs)) or plans[-1])
+    plans, plan_of = [], dcp.launch
+    monkeypatch.setattr(dcp, "launch", lambda *args, **kwargs: plans.append(plan_of(*args, **kwargs)) or plans[-1])
     check(
         "tasq+loopvq",
         style,
@@ -241,7 +241,7 @@ def test_cuda_kernel_channels_at_ouro_shapes_takes_loopvqs_launch(style, monkeyp
         pad=2,
         grouping="channels",
     )
-    assert plans and all(isinstance(p, dc.LaunchPlan) and (p.tokens, p.key_float32) == (16, False) for p in plans)
+    assert plans and all(isinstance(p, dcp.LaunchPlan) and (p.tokens, p.key_float32) == (16, False) for p in plans)
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ import support.decode as decode_cases
 import torch
 from support.decode import check, emulate, make_codecs
 
-from loopvq_calib.kernels import cuda_build, decode_cuda as dc
+from loopvq_calib.kernels import cuda_build, decode_cuda_plan as dcp
 from loopvq_calib.runtime.devices import indexed_device
 from loopvq_calib.serving import decode_attention as da
 
@@ -264,11 +264,11 @@ def test_the_split_merge_in_the_kernel_survives_graph_replays():
 def test_kernel_at_ouro_shapes_in_fp16_tables_and_bf16(method, lanes, key_float32, rows, monkeypatch):
     """fp16 tables, bf16 query and tokens; keys read as packed halves (or widened to fp32) and values summed in
     packed halves over a warp step: relative error within the fp16 tolerance (rows 0 and 7 left-padded). The
-    plans launched (from decode_cuda.launch) have the rows and the float32 key table asked for; at the defaults
+    plans launched (from decode_cuda_plan.launch) have the rows and the float32 key table asked for; at the defaults
     16 tokens per lane group and step with fp16 keys, 8 with TaSQ's float32 keys."""
     pad_the_last_row_too(monkeypatch)
-    plans, plan_of = [], dc.launch
-    monkeypatch.setattr(dc, "launch", lambda *args, **kwargs: plans.append(plan_of(*args, **kwargs)) or plans[-1])
+    plans, plan_of = [], dcp.launch
+    monkeypatch.setattr(dcp, "launch", lambda *args, **kwargs: plans.append(plan_of(*args, **kwargs)) or plans[-1])
     check(
         method,
         "half",
@@ -289,7 +289,7 @@ def test_kernel_at_ouro_shapes_in_fp16_tables_and_bf16(method, lanes, key_float3
         batch=8,
         pad=2,
     )
-    assert plans and all(isinstance(p, dc.LaunchPlan) and p.rows == (rows or p.rows) for p in plans)
+    assert plans and all(isinstance(p, dcp.LaunchPlan) and p.rows == (rows or p.rows) for p in plans)
     assert not key_float32 or all(p.key_float32 for p in plans)
     if rows is None and key_float32 is None:
         assert all((p.tokens, p.key_float32) == ((8, True) if method == "tasq+loopvq" else (16, False)) for p in plans)

@@ -25,9 +25,10 @@ from ...models.sites import KVLayout
 from ...runtime.clock import DeviceSpan
 from ...runtime.processes import SINGLE, DistContext
 from ...runtime.streams import SideStream, to_device
-from ..capture.kv import CaptureData
+from ..capture.reader import CaptureData
+from .seeding import INITS, kmeans_pp_init, random_init
 from .select import resolve_backend
-from .solvers import INITS, KMeansResult, kmeans_pp_init, mix_seed, random_init, weighted_kmeans
+from .solvers import KMeansResult, mix_seed, weighted_kmeans
 
 __all__ = [
     "KMeansResult",

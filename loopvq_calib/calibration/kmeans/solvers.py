@@ -1,10 +1,11 @@
-"""Batched weighted k-means: initialisation (k-means++ / random) and Lloyd iterations (torch, the fused
-Triton kernels of :mod:`~loopvq_calib.kernels.kmeans`, or faiss).
+"""Batched weighted k-means: Lloyd iterations (torch, the fused Triton kernels of
+:mod:`~loopvq_calib.kernels.kmeans`, or faiss) from initial centroids (k-means++ / random:
+:mod:`~loopvq_calib.calibration.kmeans.seeding`).
 
-A batch holds P independent problems of the same size: points x [P, N, G] (float32), non-negative
-weights w [P, N] and initial centroids [P, K, G]. Every backend minimises the weighted objective
-sum_n w_n ||x_n - c_a(n)||^2 / sum_n w_n, which we compute ourselves for all (faiss's ``obj`` is
-unweighted). docs/kmeans.md records the rules and the decisions behind them.
+A batch (:mod:`~loopvq_calib.calibration.kmeans.batch`) holds P independent problems of the same size: points
+x [P, N, G] (float32), non-negative weights w [P, N] and initial centroids [P, K, G]. Every backend minimises the
+weighted objective sum_n w_n ||x_n - c_a(n)||^2 / sum_n w_n, which we compute ourselves for all (faiss's ``obj``
+is unweighted). docs/kmeans.md records the rules and the decisions behind them.
 
 Randomness is drawn on the CPU from seeded generators and only indices or uniforms are moved to the
 compute device, so a seed gives the same draws on any device and for any ``problems_per_batch``.
@@ -13,9 +14,7 @@ compute device, so a seed gives the same draws on any device and for any ``probl
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -24,10 +23,10 @@ import torch
 from ...config.schema import KMeansConfig
 from ...kernels import kmeans as kmeans_kernels
 from ...kernels.backends import DISPATCH
-from ...runtime.streams import to_device
+from .batch import CPU_BLOCK, check_shapes, cpu_map, faiss_module
 from .select import resolve_backend
 
-__all__ = ["resolve_backend", "weighted_kmeans", "kmeans_pp_init", "random_init", "KMeansResult"]
+__all__ = ["resolve_backend", "weighted_kmeans", "KMeansResult"]
 
 
 @dataclass
@@ -45,123 +44,6 @@ class KMeansResult:
 def mix_seed(*parts: int) -> int:
     """A 31-bit seed derived from integers (numpy SeedSequence), stable across runs and platforms."""
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0]) & 0x7FFFFFFF
-
-
-CPU_BLOCK = 8  # problems per task on the CPU: a block's points (8 x 8,064 x 16 fp32 = 4 MB) stay in cache
-
-
-def cpu_map(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
-    """``[fn(i) for i in items]`` on the CPU, the items spread over ``torch.get_num_threads()`` threads that
-    each run single-threaded torch and faiss. The k-means problems are small and independent, so whole
-    problems per thread beat splitting each small op across threads (whose OpenMP teams, torch's and
-    faiss's separate ones, synchronise thousands of times a second and spin on a busy machine;
-    docs/performance.md). Results are those of the sequential loop, in order."""
-    threads = torch.get_num_threads()
-    workers = min(threads, len(items))
-    if workers <= 1:
-        return [fn(i) for i in items]
-    faiss = _faiss_module()
-
-    def run(item: Any) -> Any:
-        if faiss is not None:
-            faiss.omp_set_num_threads(1)  # this thread's OpenMP setting in faiss's own runtime
-        return fn(item)
-
-    torch.set_num_threads(1)  # new threads take this value at their first parallel op
-    try:
-        with ThreadPoolExecutor(workers, thread_name_prefix="loopvq-kmeans") as pool:
-            return list(pool.map(run, items))
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _check_shapes(x: torch.Tensor, w: torch.Tensor, k: int, *, values: bool = True) -> None:
-    """Shapes always; the weights' values too unless ``values`` is False (that check waits for the device)."""
-    if x.dim() != 3 or w.shape != x.shape[:2]:
-        raise ValueError(f"expected points [P, N, G] and weights [P, N], got {tuple(x.shape)} and {tuple(w.shape)}")
-    if x.shape[1] < k:
-        raise ValueError(f"{x.shape[1]} points per problem cannot seed {k} distinct centroids")
-    if values and ((w < 0).any() or not (w.sum(-1) > 0).all()):
-        raise ValueError("weights must be >= 0 with a positive total in every problem")
-
-
-def _draw_one(prob: torch.Tensor, fallback: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One index per row with probability proportional to ``prob`` [P, N] (>= 0), by inverse CDF of the
-    uniforms ``u`` [P] (drawn on the CPU by the caller); a row whose total is zero draws from ``fallback``
-    (same shape, positive total). Zero-probability entries are never drawn. One float64 prefix sum per
-    row: few, large kernels, since the k-means++ draws are sequential and bound by kernel launches on GPU."""
-    cdf = prob.cumsum(-1, dtype=torch.float64)
-    empty = cdf[:, -1] <= 0
-    if empty.any():  # rare: only those rows are redrawn from the fallback (one host sync; the common case skips a pass)
-        cdf = torch.where(empty[:, None], fallback.cumsum(-1, dtype=torch.float64), cdf)
-    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
-    last_positive = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)
-    return torch.minimum(idx, last_positive).squeeze(1)
-
-
-def kmeans_pp_init(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    k: int,
-    *,
-    generator: torch.Generator,
-    fused: bool = False,
-    trusted_weights: bool = False,
-) -> torch.Tensor:
-    """Weighted k-means++: the first centroid drawn with probability ~ w, each next one ~ w * D^2
-    (D^2: squared distance to the nearest chosen centroid; a problem whose w * D^2 is all zero draws
-    ~ w again). x [P, N, G], w [P, N] -> [P, K, G]. ``generator`` is a CPU generator drawing all
-    K x P uniforms at once (one transfer to the device); the result is deterministic given its state.
-
-    D^2 to a new centroid is ||x||^2 - 2 x.c + ||c||^2 (one batched matrix-vector product per draw,
-    not a pass over an [P, N, G] difference); drawn points are pinned to exactly zero. ``fused``: the
-    Triton kernels of :mod:`~loopvq_calib.kernels.kmeans` (same rules and uniforms, D^2 as ||x - c||^2). ``trusted_weights``: the
-    caller guarantees w >= 0 with a positive total per problem (as :func:`~loopvq_calib.calibration.kmeans.fit.layout_problems`
-    makes them), so nothing waits for the device here: the draws queue behind its earlier work."""
-    _check_shapes(x, w, k, values=not trusted_weights)
-    p = x.shape[0]
-    uniforms = to_device(torch.rand(k, p, generator=generator, dtype=torch.float64), x.device)
-    if fused:
-        return kmeans_kernels.kmeans_pp(x.float().contiguous(), w.float().contiguous(), k, uniforms=uniforms)
-    if x.device.type != "cpu":
-        return _kmeans_pp_rows(x, w, k, uniforms=uniforms)
-    blocks = [slice(s, s + CPU_BLOCK) for s in range(0, p, CPU_BLOCK)]
-    return torch.cat(cpu_map(lambda b: _kmeans_pp_rows(x[b], w[b], k, uniforms=uniforms[:, b]), blocks))
-
-
-def _kmeans_pp_rows(x: torch.Tensor, w: torch.Tensor, k: int, *, uniforms: torch.Tensor) -> torch.Tensor:
-    """The torch k-means++ draws of :func:`kmeans_pp_init` with the uniforms [K, P] given; rows independent."""
-    p, _, g = x.shape
-    rows = torch.arange(p, device=x.device)
-    x_sq = x.pow(2).sum(-1)
-    xt = x.transpose(1, 2).contiguous()  # [P, G, N]: a row-vector product over it is fast on CPU and GPU
-    out = x.new_empty(p, k, g)
-    chosen = _draw_one(w, w, uniforms[0])
-    d2 = torch.full_like(x_sq, float("inf"))
-    bias, dist, prob = torch.empty_like(x_sq)[:, None, :], torch.empty_like(x_sq)[:, None, :], torch.empty_like(x_sq)
-    for j in range(k):  # buffers reused across the K draws: each draw is a few passes over [P, N]
-        out[:, j] = x[rows, chosen]
-        c = out[:, j]
-        torch.add(x_sq[:, None, :], c.pow(2).sum(-1)[:, None, None], out=bias)
-        torch.baddbmm(bias, c[:, None, :], xt, alpha=-2.0, out=dist)
-        torch.minimum(d2, dist[:, 0].clamp_min_(0), out=d2)
-        d2[rows, chosen] = 0.0
-        if j + 1 < k:
-            chosen = _draw_one(torch.mul(w, d2, out=prob), w, uniforms[j + 1])
-    return out
-
-
-def random_init(x: torch.Tensor, w: torch.Tensor, k: int, *, generator: torch.Generator) -> torch.Tensor:
-    """K distinct points drawn without replacement with probability ~ w (Efraimidis-Spirakis keys
-    E/w, E ~ Exp(1)); zero-weight points come last, in index order. x [P, N, G] -> [P, K, G]."""
-    _check_shapes(x, w, k)
-    expo = torch.empty(w.shape, dtype=torch.float32).exponential_(generator=generator).to(x.device)
-    keys = torch.where(w > 0, expo / w, torch.full_like(expo, float("inf")))
-    idx = keys.sort(dim=-1, stable=True).indices[:, :k]
-    return x.gather(1, idx[..., None].expand(-1, -1, x.shape[-1]))
-
-
-INITS = {"kmeans++": kmeans_pp_init, "random": random_init}
 
 
 def batch_sizes(cfg: KMeansConfig, device: torch.device | str) -> tuple[int, int]:
@@ -210,21 +92,12 @@ def _assign(
     return err, sums.view(p, k, g), mass.view(p, k)
 
 
-@lru_cache(maxsize=1)
-def _faiss_module() -> Any:
-    try:
-        import faiss
-    except ImportError:
-        return None
-    return faiss
-
-
 def _faiss_search() -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
     """On the CPU the nearest-centroid search of the torch backend is faiss's exact search when faiss is
     installed (``faiss.knn``: the same ||x||^2 - 2 x.c + ||c||^2 distances through BLAS, blocked so they
     stay in cache; 3.5x faster than the chunked ``baddbmm`` on one core of the 2-core CI machine,
     docs/performance.md); the Lloyd rules around it are unchanged. None without faiss."""
-    faiss = _faiss_module()
+    faiss = faiss_module()
     if faiss is None:
         return None
 
@@ -263,8 +136,9 @@ def _lloyd(
 ) -> KMeansResult:
     """Lloyd on one batch of problems, all on x's device; converged problems drop out of the batch.
     ``keys``: per problem the (seed, problem index) its empty-cluster reseeding draws from.
-    ``fused``: each step is one Triton kernel over the active problems (:func:`~loopvq_calib.kernels.kmeans.lloyd_step`),
-    else the chunked torch assignment over copies of the active problems."""
+    ``fused``: each step is one Triton kernel over the active problems
+    (:func:`~loopvq_calib.kernels.kmeans.lloyd_step`), else the chunked torch assignment over copies of the
+    active problems."""
     p = x.shape[0]
     chunk = batch_sizes(cfg, x.device)[1]
     x_sq = None if fused else x.pow(2).sum(-1)
@@ -381,7 +255,7 @@ def weighted_kmeans(
     cost of its Lloyd loop; ``problems_per_batch`` is the torch backend's).
     """
     name = resolve_backend(backend, device, (init.shape[1], init.shape[2]))
-    _check_shapes(x, w, init.shape[1])
+    check_shapes(x, w, init.shape[1])
     if init.shape[0] != x.shape[0] or init.shape[2] != x.shape[2]:
         raise ValueError(f"initial centroids {tuple(init.shape)} do not fit points {tuple(x.shape)}")
     seed = cfg.seed if seed is None else seed

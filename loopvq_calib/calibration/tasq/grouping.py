@@ -29,7 +29,7 @@ from ...models.sites import KVLayout
 from ...runtime.clock import DeviceClock
 from ...runtime.files import write_bytes_atomic, write_tensors_atomic
 from ...runtime.processes import SINGLE, DistContext
-from ..capture.kv import CaptureData
+from ..capture.reader import CaptureData
 from .stats import channel_weights
 
 CHUNK_TOKENS = 4096  # tokens per covariance chunk (bounds the transformed copy of a block)

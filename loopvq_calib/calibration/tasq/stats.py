@@ -116,7 +116,8 @@ def key_weights(
     stats: dict[int, dict[int, torch.Tensor]], kv: KVLayout, sequence_length: int, *, floor: float, device: torch.device
 ) -> dict[int, torch.Tensor]:
     """w [H, D] of every site from the per-sequence statistics, averaged by :func:`mean_query_stat` as
-    :meth:`~loopvq_calib.calibration.capture.kv.CaptureData.query_stats` does, so the TaSQ stage derives the same w."""
+    :meth:`~loopvq_calib.calibration.capture.reader.CaptureData.query_stats` does, so the TaSQ stage derives the
+    same w."""
     n = len(stats)
     out = {}
     for s in kv.sites:

@@ -150,7 +150,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) loopvq_decode_split(
         int buf = 0, since = 0;
         for (int t0 = w_begin; t0 < w_end; t0 += TOK, buf ^= 1, since = since + 1 == AE ? 0 : since + 1) {
             if (since == 0) {  // warp-uniform
-                const i64 pos = pb + t0 + grp;  // < pb + n_coded + GRP - 1: inside the table (decode_cuda.rope_rows)
+                const i64 pos = pb + t0 + grp;  // < pb + n_coded + GRP - 1: inside the table (decode_cuda_plan.rope_rows)
                 float cc[PPL], ss[PPL], cg[PPL], sg2[PPL];  // at the position; rotation by GRP positions
                 load_pairs(cos_t + pos * HD2, fr, cc);
                 load_pairs(sin_t + pos * HD2, fr, ss);

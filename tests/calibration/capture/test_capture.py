@@ -14,15 +14,14 @@ from safetensors.torch import load_file
 from loopvq_calib.calibration.capture import kv as capture_module
 from loopvq_calib.calibration.capture.kv import (
     CaptureError,
-    CaptureReader,
     MemoryCapture,
-    MemoryReader,
     capture_kv,
     capture_sequence,
     shard_path,
     share_sequences,
     write_meta,
 )
+from loopvq_calib.calibration.capture.reader import CaptureReader, MemoryReader
 from loopvq_calib.calibration.kmeans.fit import layout_problems
 from loopvq_calib.calibration.tasq.grouping import rope_pair_units
 from loopvq_calib.calibration.tasq.stats import channel_weights

@@ -12,7 +12,7 @@ from conftest import make_tiny_huginn, make_tiny_ouro, run_finetune
 from support.builders import random_quantizer
 from support.quantizers import sampled_quantizer
 
-from loopvq_calib.calibration.finetune import teacher_cache as teacher_cache_module, train as finetune_module
+from loopvq_calib.calibration.finetune import schedule, teacher_cache as teacher_cache_module, train as finetune_module
 from loopvq_calib.calibration.finetune.teacher_cache import ranked
 from loopvq_calib.calibration.finetune.train import TeacherCache, finetune_codebooks, selection_kl, sequence_kl
 from loopvq_calib.calibration.pipeline import calibrate
@@ -276,11 +276,11 @@ def test_teacher_cache_holds_every_sequence_a_process_is_asked_for(tiny_setup, m
         cfg = FinetuneConfig(epochs=3, batch_size=2, select_every=2, cache_teacher="true")
         result = finetune_codebooks(model, calib, init, cfg=cfg, device=torch.device("cpu"), dist=DistContext(rank, 2))
         assert result.teacher_kept == len(set(seen))
-        plan = finetune_module.teacher_plan(calib, cfg, DistContext(rank, 2))
+        plan = schedule.teacher_plan(calib, cfg, DistContext(rank, 2))
         assert [s for group in plan for s in group] == seen and len(ranked(plan)) == len(set(seen))
     assert len(set(asked[0])) > -(-calib.input_ids.shape[0] // 2)  # more than a fixed half of the sequences
-    assert finetune_module.teacher_plan(calib, FinetuneConfig(enabled=False), DistContext(1, 2)) == []
-    usage = finetune_module.teacher_plan(calib, FinetuneConfig(min_usage=1, batch_size=1, epochs=1), DistContext(1, 2))
+    assert schedule.teacher_plan(calib, FinetuneConfig(enabled=False), DistContext(1, 2)) == []
+    usage = schedule.teacher_plan(calib, FinetuneConfig(min_usage=1, batch_size=1, epochs=1), DistContext(1, 2))
     assert usage[:1] == [[1]]  # its usage share, after its (empty) selection share
 
 
