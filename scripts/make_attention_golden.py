@@ -23,10 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loopvq_calib import load_bundle  # noqa: E402
 from loopvq_calib.codes.packing import indices_entries  # noqa: E402
-from loopvq_calib.serving.decode_attention import (  # noqa: E402
-    CodedTokens,
-    decode_attention_reference,
-)
+from loopvq_calib.serving.decode_attention import CodedTokens, decode_attention_reference  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "golden"
 OUT = Path(__file__).resolve().parents[1] / "tests" / "golden_attention"
