@@ -80,7 +80,7 @@ def test_auto_turns_checkpointing_on_when_the_teacher_cache_would_not_keep_every
         monkeypatch.setattr(
             finetune_module,
             "sequence_kl",
-            lambda *a, _r=real, **k: asks.append(model.loop_checkpointing) or _r(*a, **k),
+            lambda *a, _r=real, _asks=asks, **k: _asks.append(model.loop_checkpointing) or _r(*a, **k),
         )
         monkeypatch.setattr(
             TeacherCache,
@@ -89,9 +89,12 @@ def test_auto_turns_checkpointing_on_when_the_teacher_cache_would_not_keep_every
                 (set(range(self.still_asked())), set()) if _k else ({0}, set())
             ),
         )
-        monkeypatch.setattr(
-            TeacherCache, "settle", lambda self, device, to_come=0, peak_floor=0: sizings.append(len(progress))
-        )
+
+        def record_sizing(self, device, to_come=0, peak_floor=0, _sizings=sizings, _progress=progress):
+            """The cache's sizing, recorded as the number of steps done by then."""
+            _sizings.append(len(_progress))
+
+        monkeypatch.setattr(TeacherCache, "settle", record_sizing)
         finetune_codebooks(
             model, calib, init, cfg=FinetuneConfig(**cfg), device=torch.device("cpu"), progress=progress.append
         )
