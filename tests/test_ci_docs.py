@@ -81,7 +81,8 @@ def _commands(script: str) -> list[tuple[str, list[str]]]:
 
 
 def _parse(name: str, args: list[str]) -> argparse.Namespace:
-    """Parse with the console script's own parser; an unknown or malformed argument fails the test with argparse's message."""
+    """Parse with the console script's own parser; an unknown or malformed argument fails the test with argparse's
+    message."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
@@ -301,7 +302,10 @@ def test_the_docs_checker_reports_each_kind_of_broken_rule(tmp_path):
         "docs/guide.md names missing loopvq_calib/codes/old.py",
         "docs/guide.md names loopvq_calib.qcache: loopvq_calib/__init__.py defines no qcache",
         "docs/guide.md names loopvq_calib.codes.codec.farthest: loopvq_calib/codes/codec.py defines no farthest",
-        "docs/guide.md names loopvq_calib.codes.codec.BlockCodec.fit: BlockCodec in loopvq_calib/codes/codec.py has no fit",
+        (
+            "docs/guide.md names loopvq_calib.codes.codec.BlockCodec.fit: "
+            "BlockCodec in loopvq_calib/codes/codec.py has no fit"
+        ),
         "docs/guide.md cites the team's notes",
         f"docs/guide.md has {MAX_LINES + 5} lines (at most {MAX_LINES})",
         "docs/guide.md tells history: 'run 36' (results pages and git hold it)",

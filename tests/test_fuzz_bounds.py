@@ -32,8 +32,14 @@ from support.bounds import (
     widened_model,
     zero_link,
 )
-from support.fuzz import JSONL, model_copy, report_push
-from test_fuzz import MAX_MESSAGE, snapshot, ws  # noqa: F401 (ws: the fixture)
+from support.fuzz import (
+    JSONL,
+    MAX_MESSAGE,
+    model_copy,
+    report_push,
+    snapshot,
+    ws,  # noqa: F401 (the fixture)
+)
 
 from loopvq_calib.bundle.card import model_card, prepare_eval_report
 from loopvq_calib.bundle.reader import BundleError, load_bundle
@@ -93,7 +99,10 @@ CASES = [
     (
         "d3-hidden-size-over-narrow-shards",
         widened_model,
-        "model.name_or_path: {}/model/model.safetensors: tensor 'model.embed_tokens.weight' has shape [4096, 64], but {}/model/config.json describes a model whose model.embed_tokens.weight is [4096, 128]",
+        (
+            "model.name_or_path: {}/model/model.safetensors: tensor 'model.embed_tokens.weight' has shape "
+            "[4096, 64], but {}/model/config.json describes a model whose model.embed_tokens.weight is [4096, 128]"
+        ),
     ),
     ("d3-finished-run-kept", finished_run_widened, "tensor 'model.embed_tokens.weight' has shape [4096, 64]"),
     ("d3-transposed-header", lambda ws: model_copy(ws, transposed_shard), "(config.json and the weights disagree)"),

@@ -181,13 +181,17 @@ def test_the_checker_reports_each_kind_of_broken_rule(tmp_path):
     files = {
         "__init__.py": "",
         "cli/__init__.py": "",
-        "cli/run.py": "def main():\n    import torch\n    from ..calibration import stage  # the CLI's lazy start: allowed\n",
+        "cli/run.py": (
+            "def main():\n    import torch\n    from ..calibration import stage  # the CLI's lazy start: allowed\n"
+        ),
         "helpers.py": "",
         "kernels/__init__.py": "",
         "kernels/fast.py": "from ..calibration import stage\n",
         "calibration/__init__.py": "",
         "calibration/stage.py": "from . import plan\nfrom ..kernels import fast\n",
-        "calibration/plan.py": "from .stage import run\n\ndef later():\n    import json\n    from ..codes import codec\n",
+        "calibration/plan.py": (
+            "from .stage import run\n\ndef later():\n    import json\n    from ..codes import codec\n"
+        ),
         "codes/__init__.py": "",
         "codes/codec.py": "from ..kernels import fast\n\ndef decode():\n    import triton  # optional heavy: allowed\n",
         "serving/__init__.py": "",

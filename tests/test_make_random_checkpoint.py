@@ -30,8 +30,8 @@ def test_huginn_config_has_the_published_shapes():
     assert (kv.num_sites, kv.kv_heads, kv.head_dim, kv.loop_steps) == (132, 55, 96, 32)
 
 
-# huginn-3.5b slow: the ouro-1.4b case checks the same writer and strict load, test_huginn_config_has_the_published_shapes
-# Huginn's shapes
+# huginn-3.5b slow: the ouro-1.4b case checks the same writer and strict load,
+# test_huginn_config_has_the_published_shapes Huginn's shapes
 @pytest.mark.parametrize("name", ["ouro-1.4b", pytest.param("huginn-3.5b", marks=pytest.mark.slow)])
 def test_scaled_down_checkpoint_loads_strictly(tmp_path, name):
     out = mrc.write_checkpoint(name, tmp_path / name, scale_down=11)

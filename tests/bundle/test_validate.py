@@ -145,7 +145,10 @@ def test_unknown_fields_are_ignored_and_known_ones_pass(bundle_dir):
         (
             QuantMethod("toytasq", loop_layout="loop-axis", tasq_groupings=("free",)),
             setting("blocks", 1, "tasq", value=True),
-            r"TaSQ applies to key blocks of methods tasq, tasq\+loopvq, toytasq only \(this is a value block of 'toytasq'\)",
+            (
+                r"TaSQ applies to key blocks of methods tasq, tasq\+loopvq, toytasq only "
+                r"\(this is a value block of 'toytasq'\)"
+            ),
         ),
         (
             QuantMethod("toycq"),

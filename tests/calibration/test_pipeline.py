@@ -1,4 +1,5 @@
-"""The staged run: fingerprinted reuse and invalidation, crash recovery, determinism, multi-process."""
+"""The staged run: fingerprinted reuse and invalidation, determinism, in-memory stores, multi-process, start-up
+timings. Crash recovery and resume: test_pipeline_resume.py; the console script: test_pipeline_cli.py."""
 
 from __future__ import annotations
 
@@ -16,10 +17,8 @@ from safetensors.torch import load_file
 from support.builders import tiny_config
 
 import loopvq_calib.calibration.stage_table as stage_table
-import loopvq_calib.calibration.stages as stages_module
 from loopvq_calib.calibration.pipeline import Pipeline, calibrate
 from loopvq_calib.calibration.stage_table import STAGES
-from loopvq_calib.cli import calibrate_main
 from loopvq_calib.config.load import load_config
 
 
@@ -30,11 +29,6 @@ def without_timings(path: Path):
         return [strip(v) for v in x] if isinstance(x, list) else x
 
     return strip(json.loads(path.read_text()))
-
-
-def statuses(run: Path) -> dict[str, str]:
-    stages = json.loads((run / "manifest.json").read_text())["stages"]
-    return {k: v["status"] for k, v in stages.items()}
 
 
 def test_full_run_then_reuse_then_partial_invalidation(tiny_ouro_dir, calib_corpus, tmp_path):
@@ -79,36 +73,6 @@ def test_stages_option_stops_early_and_tasq_only_for_tasq_methods(tiny_ouro_dir,
     assert (out / "tasq" / "tasq.safetensors").is_file() and (out / "kmeans" / "quantizer.safetensors").is_file()
 
 
-def test_crash_leaves_nothing_a_rerun_mistakes_for_a_result(tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch):
-    out = tmp_path / "run"
-    cfg = tiny_config(tiny_ouro_dir, calib_corpus, out)
-
-    def crash(*args, **kwargs):
-        raise RuntimeError("simulated crash in fine-tuning")
-
-    monkeypatch.setattr(stages_module, "finetune_codebooks", crash)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        calibrate(cfg)
-    assert statuses(out)["finetune"] == "failed" and not (out / "finetune").exists()
-    # fine-tuning resumes after its last finished epoch: its temporary folder stays, marked, holding no result
-    assert [p.name for p in out.glob(".loopvq-tmp.*")] == [".loopvq-tmp.finetune"]
-    assert [p.name for p in (out / ".loopvq-tmp.finetune").iterdir()] == [".loopvq-resume"]
-    monkeypatch.undo()
-
-    # a process killed mid-stage leaves its temporary folder and a "running" record: neither is reused
-    (out / ".loopvq-tmp.finetune" / "quantizer.json").write_text("{partial")
-    resumed = calibrate(cfg)
-    assert {s["name"]: s["reused"] for s in resumed.stages} == {
-        "data": True,
-        "capture": True,
-        "kmeans": True,
-        "finetune": False,
-        "bundle": False,
-    }
-    assert statuses(out) == dict.fromkeys(["data", "capture", "kmeans", "finetune", "bundle"], "done")
-    assert not (out / ".loopvq-tmp.finetune").exists()
-
-
 def test_two_runs_with_the_same_seed_are_byte_identical(tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch):
     """Run a keeps the k-means and fine-tuning results it saved (no file read back); run b reads them back from
     its files, as a reused stage does: the same bytes everywhere, so the kept values are the reread ones."""
@@ -136,7 +100,9 @@ def test_two_runs_with_the_same_seed_are_byte_identical(tiny_ouro_dir, calib_cor
     ).read_bytes()
 
 
-@pytest.mark.parametrize("store", ["memory"])  # "device" on a CPU is "memory"; its GPU case is in test_capture.py
+@pytest.mark.parametrize(
+    "store", ["memory"]
+)  # "device" on a CPU is "memory"; its GPU case is in test_capture_memory.py
 def test_in_memory_stores_give_the_disk_codebooks_and_later_stages_are_reused(
     tiny_ouro_dir, calib_corpus, tmp_path, store
 ):
@@ -160,19 +126,6 @@ def test_in_memory_stores_give_the_disk_codebooks_and_later_stages_are_reused(
     )
     rerun = calibrate(changed, stages=["capture", "kmeans"])
     assert {s["name"]: s["reused"] for s in rerun.stages} == {"data": True, "capture": False, "kmeans": False}
-
-
-def test_cli_run_writes_bundle_and_reports(tiny_ouro_dir, calib_corpus, tmp_path, capsys):
-    import yaml
-
-    cfg_path = tmp_path / "c.yaml"
-    cfg_path.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "unused")))
-    out = tmp_path / "cli-run"
-    assert calibrate_main(["--config", str(cfg_path), "--output", str(out), "--set", "finetune.epochs=1"]) == 0
-    printed = capsys.readouterr().out
-    assert f"bundle: {out / 'bundle'}" in printed and "selection KL" in printed
-    assert load_config(out / "config.yaml").finetune.epochs == 1
-    assert calibrate_main(["--config", str(cfg_path), "--stages", "bogus"]) == 2
 
 
 @pytest.mark.slow
@@ -246,19 +199,6 @@ def test_two_cpu_processes_equal_one(tiny_ouro_dir, calib_corpus, tmp_path, stor
     assert json.loads((two / "manifest.json").read_text())["processes"] == 2
 
 
-def test_damaged_stage_files_rerun_the_stage(tiny_ouro_dir, calib_corpus, tmp_path):
-    """A truncated or deleted file of a finished stage is noticed (recorded sizes) and the stage runs again."""
-    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")
-    run = calibrate(cfg, stages=["capture", "kmeans"]).run_dir
-    shard = run / "capture" / "seq00001.safetensors"
-    good = shard.read_bytes()
-    shard.write_bytes(good[: len(good) // 2])
-    (run / "kmeans" / "report.json").unlink()
-    again = calibrate(cfg, stages=["capture", "kmeans"])
-    assert {s["name"]: s["reused"] for s in again.stages} == {"data": True, "capture": False, "kmeans": False}
-    assert shard.read_bytes() == good  # the capture is deterministic: the same shard again
-
-
 def test_edited_corpus_reruns_the_data_stage(tiny_ouro_dir, calib_corpus, tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_bytes(calib_corpus.read_bytes())
@@ -271,136 +211,6 @@ def test_edited_corpus_reruns_the_data_stage(tiny_ouro_dir, calib_corpus, tmp_pa
     again = calibrate(cfg, stages=["data"])
     assert not again.stages[0]["reused"]
     assert not torch.equal(load_file(first / "data" / "sequences.safetensors")["input_ids"], ids)
-
-
-def test_cli_exit_codes_for_a_failed_stage_and_a_bad_run_directory(
-    tiny_ouro_dir, calib_corpus, tmp_path, capsys, monkeypatch
-):
-    import yaml
-
-    cfg_path = tmp_path / "c.yaml"
-    cfg_path.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")))
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("simulated k-means failure")
-
-    monkeypatch.setattr("loopvq_calib.calibration.stages.fit_codebooks", broken)
-    assert calibrate_main(["--config", str(cfg_path), "--stages", "kmeans"]) == 3
-    err = capsys.readouterr().err
-    assert "stage kmeans failed: RuntimeError: simulated k-means failure" in err and "run.log" in err
-    assert "simulated k-means failure" in (tmp_path / "run" / "run.log").read_text()
-    assert "Traceback" in (tmp_path / "run" / "run.log").read_text()
-
-    (tmp_path / "run" / "manifest.json").write_text('{"stages": {')
-    assert calibrate_main(["--config", str(cfg_path), "--stages", "data"]) == 2
-    assert "manifest.json is not valid JSON" in capsys.readouterr().err
-    (tmp_path / "afile").write_text("x")
-    assert calibrate_main(["--config", str(cfg_path), "--output", str(tmp_path / "afile")]) == 2
-    assert "afile exists and is not a directory" in capsys.readouterr().err
-    assert calibrate_main(["--config", str(cfg_path), "--output", str(tmp_path / "r2"), "--stages", "tasq"]) == 2
-    assert "tasq stage exists only for quant.method tasq or tasq+loopvq" in capsys.readouterr().err
-    cfg_path.write_text(
-        yaml.safe_dump(
-            tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "r3", kmeans={"backend": "triton", "device": "cpu"})
-        )
-    )
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert calibrate_main(["--config", str(cfg_path)]) == 2  # k-means on the CPU: refused before the data stage
-    assert "kmeans.backend: 'triton' needs the triton package and a CUDA device" in capsys.readouterr().err
-    assert not (tmp_path / "r3" / "data").exists()
-
-
-def test_auto_store_is_chosen_before_any_work_and_refused_with_the_numbers(
-    tiny_ouro_dir, calib_corpus, tmp_path, capsys, monkeypatch
-):
-    import yaml
-
-    import loopvq_calib.calibration.capture.store as cs
-
-    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", capture={"store": "auto"})
-    run = calibrate(cfg, stages=["capture"]).run_dir
-    record = json.loads((run / "manifest.json").read_text())["stages"]["capture"]["details"]
-    assert record["store"] == "memory" and record["store_reason"].startswith("capture.store auto -> memory: ")
-    assert "capture.store auto -> memory" in (run / "run.log").read_text()
-    assert json.loads((run / "capture" / "meta.json").read_text())["store"] == "memory"
-
-    monkeypatch.setattr(cs, "host_available", lambda: 1000)
-    monkeypatch.setattr(cs, "disk_available", lambda folder: 2000)
-    cfg_path = tmp_path / "c.yaml"
-    cfg_path.write_text(
-        yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "refused", capture={"store": "auto"}))
-    )
-    assert calibrate_main(["--config", str(cfg_path)]) == 2
-    err = capsys.readouterr().err
-    assert "capture.store: no store holds the capture" in err and "memory: 0.00 GB" in err
-    assert not (tmp_path / "refused" / "data").exists()  # refused before the data stage
-
-
-def test_an_interrupted_disk_capture_resumes_after_the_sequences_it_wrote(
-    tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch
-):
-    """Within-stage resume: a capture stopped in its 4th sequence keeps its 3 finished shards; the rerun (same
-    fingerprint) captures only the other 3 and publishes shards byte-identical to an uninterrupted run's."""
-    import loopvq_calib.calibration.capture.kv as capture
-
-    clean = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "clean"), stages=["capture"]).run_dir
-    real, calls = capture.capture_sequence, []
-
-    def counted(model, ids, kv, *, seqs, **kwargs):
-        calls.append(list(seqs))
-        if stop_at is not None and len(calls) == stop_at:
-            raise KeyboardInterrupt  # Ctrl-C (a kill -9 leaves the same folder, without the failed record)
-        return real(model, ids, kv, seqs=seqs, **kwargs)
-
-    monkeypatch.setattr(capture, "capture_sequence", counted)
-    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")
-    stop_at = 4
-    with pytest.raises(KeyboardInterrupt):
-        calibrate(cfg, stages=["capture"])
-    assert statuses(tmp_path / "run")["capture"] == "failed"
-    calls.clear()
-    stop_at = None
-    run = calibrate(cfg, stages=["capture"]).run_dir
-    assert calls == [[3], [4], [5]]
-    shards = sorted(p.name for p in (clean / "capture").glob("seq*.safetensors"))
-    assert shards == sorted(p.name for p in (run / "capture").glob("seq*.safetensors")) and len(shards) == 6
-    for name in shards:
-        assert (run / "capture" / name).read_bytes() == (clean / "capture" / name).read_bytes(), name
-    assert not list(run.glob(".loopvq-tmp.*")) and not (run / "capture" / ".loopvq-resume").exists()
-    calls.clear()
-    changed = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", capture={"dtype": "float32"})
-    calibrate(changed, stages=["capture"])  # another fingerprint: everything is captured again
-    assert calls == [[i] for i in range(6)]
-
-
-def test_an_interrupted_finetune_resumes_after_its_last_epoch(tiny_ouro_dir, calib_corpus, tmp_path, monkeypatch):
-    """Within-stage resume: fine-tuning stopped in its 2nd epoch restarts from the state saved after the 1st
-    (parameters, Adam's moments, curve) and gives the codebooks and curve of an uninterrupted run."""
-    import loopvq_calib.calibration.finetune.train as finetune
-
-    clean = calibrate(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "clean"), stages=["finetune"]).run_dir
-    real, calls = finetune.sequence_kl, []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        if stop_at is not None and len(calls) == stop_at:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(finetune, "sequence_kl", counted)
-    cfg = tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run")
-    stop_at = (
-        1 + 4 + 1 + 2
-    )  # initial selection (2 sequences, one forward), epoch 1 (4 steps + selection), 2 steps of epoch 2
-    with pytest.raises(KeyboardInterrupt):
-        calibrate(cfg, stages=["finetune"])
-    calls.clear()
-    stop_at = None
-    run = calibrate(cfg, stages=["finetune"]).run_dir
-    assert len(calls) == 4 + 1  # epoch 2 only: its 4 steps and its selection
-    for name in ("quantizer.safetensors", "curve.json"):
-        assert (run / "finetune" / name).read_bytes() == (clean / "finetune" / name).read_bytes(), name
-    assert not (run / "finetune" / "resume.pt").exists() and not list(run.glob(".loopvq-tmp.*"))
 
 
 def test_the_manifest_records_the_start_up_steps(tiny_ouro_dir, calib_corpus, tmp_path):

@@ -74,8 +74,9 @@ def test_full_precision_accuracy_matches_an_independent_run(reference):
 
 
 @needs_lm_eval
-@pytest.mark.slow  # quick equivalents: test_huginn_served_through_a_bundle_and_a_baseline here, test_qcache's cache-vs-plain
+# slow; quick equivalents: test_huginn_served_through_a_bundle_and_a_baseline here, test_qcache's cache-vs-plain
 # generation tests
+@pytest.mark.slow
 def test_identity_quantizer_keeps_accuracy_and_answers(reference):
     """Served through a quantizer that reproduces the prompts' keys/values exactly, every answer (and so
     the accuracy) equals full precision, while pages are really encoded and decoded."""

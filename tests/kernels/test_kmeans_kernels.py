@@ -3,8 +3,8 @@ their compilation for the GPUs we target.
 
 The kernels run on a CUDA GPU, or on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1`` with
 triton installed). The compilation test needs triton (with its bundled ptxas) but no GPU, and does not run
-under the interpreter. Without triton everything here is skipped.
-tests/calibration/kmeans/test_kmeans_solvers.py runs the Lloyd and init behaviour tests on this backend too."""
+under the interpreter. Without triton everything here is skipped. tests/calibration/kmeans/test_kmeans_solvers.py
+and test_kmeans_init.py run the Lloyd and init behaviour tests on this backend too."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import KERNEL_DEVICE as DEVICE, needs_triton_kernels as needs_kernels
 
-from loopvq_calib.calibration.kmeans.seeding import _draw_one, kmeans_pp_init
+from loopvq_calib.calibration.kmeans.solvers import _draw_one, kmeans_pp_init
 from loopvq_calib.kernels import backends, kmeans as kmeans_triton
 
 needs_compiler = pytest.mark.skipif(

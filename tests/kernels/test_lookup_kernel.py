@@ -32,7 +32,8 @@ for case in cases:
     n, steps, h, d, g, k, hc, nc, per_head = case
     perms = [torch.randperm(steps * d, generator=gen) for _ in range(h if per_head else 1)]
     groups = torch.stack(perms).view(len(perms), -1, g)
-    codec = BlockCodec(BlockLayout("b", "key", tuple(range(steps)), d, h, groups), torch.randn(hc, nc, k, g, generator=gen))
+    layout = BlockLayout("b", "key", tuple(range(steps)), d, h, groups)
+    codec = BlockCodec(layout, torch.randn(hc, nc, k, g, generator=gen))
     codes = codec.encode(torch.randn(n, steps, h, d, generator=gen))
     weight = torch.randn(n, steps, h, d, generator=gen)
     codec.codebook.requires_grad_(True)

@@ -37,7 +37,8 @@ cb = torch.randn(1, 1, 16, 16, generator=gen)
 cb[0, 0, 7] = cb[0, 0, 3]
 z = cb[0, 0, 3].expand(5, 1, 1, 16).clone()
 out["ties"] = nearest_kernel.nearest(z.to(device), cb.to(device)).flatten().tolist()
-out["empty"] = list(nearest_kernel.nearest(torch.zeros(0, 2, 3, 16).to(device), torch.randn(2, 3, 16, 16).to(device)).shape)
+no_tokens = torch.zeros(0, 2, 3, 16).to(device)
+out["empty"] = list(nearest_kernel.nearest(no_tokens, torch.randn(2, 3, 16, 16).to(device)).shape)
 nearest_kernel.probe(device, 64, 16)  # compiles, runs and agrees: no error
 real = nearest_kernel.nearest
 nearest_kernel.nearest = lambda z, cb: real(z, cb).flip(-1)  # a kernel that writes its codes in the wrong places

@@ -22,7 +22,8 @@ from loopvq_calib.models.huginn import sequence_seed
 
 
 def reference_huginn_logits(sd: dict, cfg, ids: torch.Tensor, r: int, state: torch.Tensor) -> torch.Tensor:
-    """Eager functional Huginn from docs/architectures.md (Huginn: forward pass, attention) (interleaved RoPE, sandwich blocks)."""
+    """Eager functional Huginn from docs/architectures.md (Huginn: forward pass, attention) (interleaved RoPE,
+    sandwich blocks)."""
     d, h = cfg.n_embd, cfg.n_heads
     hd = d // h
     b, s = ids.shape

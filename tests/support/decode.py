@@ -129,35 +129,35 @@ def head_major(idx: torch.Tensor) -> torch.Tensor:
 
 
 def check(
-    method,
-    style,
-    heads,
-    q_heads,
-    n,
-    s_fp,
+    method: str,
+    style: str,
+    heads: int,
+    q_heads: int,
+    n: int,
+    s_fp: int,
     *,
-    steps=4,
-    d=16,
-    k=16,
-    g=8,
-    sharing="none",
-    block_n=8,
-    splits=None,
-    pad=0,
-    seed=0,
-    table_dtype=torch.float32,
-    dtype=torch.float32,
-    tol=1e-5,
-    batch=2,
-    per_program=1,
-    hints=False,
-    key_bias=0.0,
-    q_scale=1.0,
-    value_scale=1.0,
-    backend="auto",
-    grouping="free",
+    steps: int = 4,
+    d: int = 16,
+    k: int = 16,
+    g: int = 8,
+    sharing: str = "none",
+    block_n: int = 8,
+    splits: int | None = None,
+    pad: int = 0,
+    seed: int = 0,
+    table_dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32,
+    tol: float = 1e-5,
+    batch: int = 2,
+    per_program: int = 1,
+    hints: bool = False,
+    key_bias: float = 0.0,
+    q_scale: float = 1.0,
+    value_scale: float = 1.0,
+    backend: str = "auto",
+    grouping: str = "free",
     **cuda,
-):
+) -> None:
     """Kernel output against the reference at every step; ``key_bias`` is added to every key (codewords and
     full-precision keys: near-constant channels of that magnitude), the query is multiplied by ``q_scale`` and
     every value (codewords and full-precision values) by ``value_scale``. ``block_n``, ``per_program`` and
@@ -166,29 +166,20 @@ def check(
     kc, vc = make_codecs(method, heads, d, k, g, steps, sharing, seed, grouping=grouping, style=style)
     coded, q, fk, fv, fpos, mask = make_inputs(kc, vc, batch, q_heads, n, s_fp, seed, dtype, pad)
     if key_bias or q_scale != 1.0 or value_scale != 1.0:
-        kc.codebook.data += key_bias
-        vc.codebook.data *= value_scale
-        fk, q = (fk.float() + key_bias).to(dtype), (q.float() * q_scale).to(dtype)
-        fv = (fv.float() * value_scale).to(dtype)
+        q, fk, fv = scale_inputs(
+            kc, vc, q, fk, fv, key_bias=key_bias, q_scale=q_scale, value_scale=value_scale, dtype=dtype
+        )
     rope = da.RopeTable(d, 10000.0)
     for step in range(kc.layout.steps):
         tables = da.step_tables(kc, vc, step, rope_style=style, device=DEVICE, dtype=table_dtype)
         dev = [t.to(DEVICE) if t is not None else None for t in (q, fk, fv, fpos, mask)]
-        store = head_major if backend == "cuda" else (lambda t: t)
-        moved = da.CodedTokens(
-            store(coded.key_indices).to(DEVICE),
-            store(coded.value_indices).to(DEVICE),
-            coded.key_sigma.to(DEVICE) if coded.key_sigma is not None else None,
-            n,
-            coded.first_position,
-        )
         triton = da.TritonDecodeLaunch(
             block_n=block_n, num_splits=splits, batch_per_program=per_program, cache_hints=hints
         )
         out = da.decode_attention(
             dev[0],
             tables,
-            moved,
+            device_tokens(coded, backend),
             fp=da.FullPrecisionTokens(*dev[1:]),
             rope=rope,
             backend=backend,
@@ -211,6 +202,41 @@ def check(
         assert out.dtype == dtype and out.shape == ref.shape and torch.isfinite(out).all()
         err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
         assert err < tol, (method, style, step, err)
+
+
+def scale_inputs(
+    kc: BlockCodec,
+    vc: BlockCodec,
+    q: torch.Tensor,
+    fk: torch.Tensor,
+    fv: torch.Tensor,
+    *,
+    key_bias: float,
+    q_scale: float,
+    value_scale: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``key_bias`` added to every key (the key codewords, in place, and the full-precision keys), the query
+    multiplied by ``q_scale`` and every value (the value codewords, in place, and the full-precision values) by
+    ``value_scale``: the query and full-precision keys and values, in ``dtype``."""
+    kc.codebook.data += key_bias
+    vc.codebook.data *= value_scale
+    fk, q = (fk.float() + key_bias).to(dtype), (q.float() * q_scale).to(dtype)
+    fv = (fv.float() * value_scale).to(dtype)
+    return q, fk, fv
+
+
+def device_tokens(coded: da.CodedTokens, backend: str) -> da.CodedTokens:
+    """``coded`` on the kernels' device; for the CUDA kernel its indices stored head-major, as the cache stores
+    them."""
+    store = head_major if backend == "cuda" else (lambda t: t)
+    return da.CodedTokens(
+        store(coded.key_indices).to(DEVICE),
+        store(coded.value_indices).to(DEVICE),
+        coded.key_sigma.to(DEVICE) if coded.key_sigma is not None else None,
+        coded.count,
+        coded.first_position,
+    )
 
 
 def dispatch_case():

@@ -1,6 +1,6 @@
-"""The inputs of the fuzz table (tests/test_fuzz.py): a workspace folder per case and the builders of its bad
-inputs (bundles, run directories, model folders, evaluation reports), each returning the CLI function and its
-arguments."""
+"""The machinery of the fuzz table (tests/test_fuzz.py and its topic files tests/test_fuzz_*.py): a workspace
+folder per case (the ``ws`` fixture), the check every case passes, and the builders of its bad inputs (bundles,
+run directories, model folders, evaluation reports), each returning the CLI function and its arguments."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import yaml
 from conftest import ROOT, write_tiny_bundle
 from safetensors.torch import load_file, save_file
@@ -25,6 +26,9 @@ from support.builders import tiny_config
 from support.eval_reports import eval_report, write_report
 
 Setup = Callable[["Workspace"], tuple[Callable, list[str]]]
+Case = tuple[str, Setup, int, str]  # (id, setup(ws) -> (main, argv), exit status, fragment of stderr)
+
+MAX_MESSAGE = 2_000  # characters on stderr: no message shows an unbounded value
 
 GOLDEN = ROOT / "tests" / "golden" / "ouro_loopvq"
 JSONL = "\n".join(json.dumps({"text": "To be, or not to be, that is the question. " * 8}) for _ in range(40)) + "\n"
@@ -73,6 +77,47 @@ class Workspace:
         for name, text in (user_files or {}).items():
             self.file(f"run/{name}", text)
         return run
+
+
+@pytest.fixture
+def ws(
+    tmp_path: Path, tiny_ouro_dir: Path, tiny_huginn_dir: Path, calib_corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Workspace]:
+    """The case's workspace, also its working directory; its cleanups run after the case."""
+    root = tmp_path / "ws"
+    root.mkdir()
+    monkeypatch.chdir(root)  # relative paths (--output P) land here, and are checked with the rest
+    space = Workspace(root, tiny_ouro_dir, calib_corpus, tiny_huginn_dir)
+    yield space
+    for cleanup in space.cleanups:
+        cleanup()
+
+
+def case_ids(cases: list) -> list[str]:
+    """The ids of a table's cases, plain or wrapped in ``pytest.param``."""
+    return [c.values[0] if hasattr(c, "marks") else c[0] for c in cases]
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, str]]:
+    """Every entry under ``root``: size and sha256 of files, '-' for folders."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        out[rel] = (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()) if p.is_file() else (0, "-")
+    return out
+
+
+def assert_refused(ws: Workspace, capsys: pytest.CaptureFixture[str], setup: Setup, status: int, fragment: str) -> None:
+    """One case of the table: its CLI call exits ``status`` with one short line on stderr holding ``fragment``
+    (``{}``: the workspace) and no traceback, and writes and deletes nothing in the workspace."""
+    main, argv = setup(ws)
+    capsys.readouterr()
+    before = snapshot(ws.root)
+    assert main(argv) == status
+    err = capsys.readouterr().err
+    assert fragment.format(ws.root) in err, err[:MAX_MESSAGE]
+    assert "Traceback" not in err and len(err) < MAX_MESSAGE and err.count("\n") == 1, err[:MAX_MESSAGE]
+    assert snapshot(ws.root) == before  # nothing written, nothing deleted
 
 
 def edit_meta(field_path: tuple, value) -> Callable[[Path], None]:

@@ -55,7 +55,11 @@ def test_store_choice_and_refusal(tmp_path, monkeypatch):
     # one process, neither alone holds it: the first sequences stay on the accelerator, the rest in host memory;
     # the accelerator keeps room for the copier's 2 sequences in flight to host memory
     per_sequence = cs.capture_bytes(kv, 1, 64, cfg=CaptureConfig(fisher_channels=4))
-    device_room = lambda room: monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1200 + room, 2000))
+
+    def device_room(room: int) -> None:
+        """The accelerator shows ``room`` bytes free past the 1200 that come off."""
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1200 + room, 2000))
+
     device_room(per_sequence * 7 // 2)  # weights 100, step 1000 and 5 % of the card 100 come off
     monkeypatch.setattr(cs, "host_available", lambda: per_sequence * 3)
     split = choose("auto", "cuda")

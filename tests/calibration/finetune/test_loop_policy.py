@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import run_finetune
 
-from loopvq_calib.calibration.finetune import loop_policy, schedule, train as finetune_module
+from loopvq_calib.calibration.finetune import loop_policy, train as finetune_module
 from loopvq_calib.calibration.finetune.loop_policy import LoopPolicy
 from loopvq_calib.calibration.finetune.train import TeacherCache, finetune_codebooks
 from loopvq_calib.config.schema import FinetuneConfig
@@ -62,7 +62,7 @@ def test_a_step_out_of_memory_is_redone_with_checkpointing_and_gives_the_checkpo
     # checkpointing, which stays on; the model's own setting is back afterwards
     assert asks[:3] == [False, False, False] and all(asks[3:]) and len(asks) > 6 and model.loop_checkpointing is False
     assert "loop checkpointing auto -> on" in caplog.text and "injected" in caplog.text
-    plan = schedule.teacher_plan(tiny_setup[1], FinetuneConfig(**RECIPE))
+    plan = finetune_module.teacher_plan(tiny_setup[1], FinetuneConfig(**RECIPE))
     flat = [s for group in plan for s in group]
     assert gets == flat[:3] + flat[1:]  # the redone step asks the cache again for what it asked
 
@@ -89,11 +89,12 @@ def test_auto_turns_checkpointing_on_when_the_teacher_cache_would_not_keep_every
                 (set(range(self.still_asked())), set()) if _k else ({0}, set())
             ),
         )
-        monkeypatch.setattr(
-            TeacherCache,
-            "settle",
-            lambda self, device, to_come=0, peak_floor=0, _s=sizings, _p=progress: _s.append(len(_p)),
-        )
+
+        def record_sizing(self, device, to_come=0, peak_floor=0, _sizings=sizings, _progress=progress):
+            """The cache's sizing, recorded as the number of steps done by then."""
+            _sizings.append(len(_progress))
+
+        monkeypatch.setattr(TeacherCache, "settle", record_sizing)
         finetune_codebooks(
             model, calib, init, cfg=FinetuneConfig(**cfg), device=torch.device("cpu"), progress=progress.append
         )
@@ -105,7 +106,7 @@ def test_auto_turns_checkpointing_on_when_the_teacher_cache_would_not_keep_every
 
 def grad_calls(asks: list[bool], calib, cfg: dict) -> list[bool]:
     """Which of a run's ``sequence_kl`` calls were training steps (not selections), from its plan."""
-    plan = schedule.teacher_plan(calib, FinetuneConfig(**cfg))
+    plan = finetune_module.teacher_plan(calib, FinetuneConfig(**cfg))
     return [len(group) == 1 and group[0] in calib.train for group in plan][: len(asks)]
 
 
