@@ -10,9 +10,7 @@ import yaml
 from conftest import tiny_quantizer, write_tiny_bundle
 from huggingface_hub import ModelCard
 from support.eval_reports import eval_report
-from support.golden import (
-    bundle_dir,  # noqa: F401 (the fixture)
-)
+from support.golden import bundle_dir  # noqa: F401 (the fixture)
 
 from loopvq_calib.bundle.card import EvalReportError, attach_eval_report, evaluation_for, is_hub_id, model_card
 from loopvq_calib.bundle.reader import load_bundle

@@ -15,7 +15,7 @@ import pytest
 import torch
 from support.decode import dispatch_case, head_major, make_codecs, make_inputs
 
-from loopvq_calib.kernels import cuda_build, decode_cuda as dc, decode_lanes as dl
+from loopvq_calib.kernels import cuda_build, decode_cuda as dc, decode_cuda_plan as dcp, decode_lanes as dl
 from loopvq_calib.kernels.backends import BackendUnavailable
 from loopvq_calib.serving import decode_attention as da
 
@@ -40,7 +40,7 @@ def test_launch_checks_what_the_kernel_reads(builds, monkeypatch):
 
     def fits(coded, fk=fk, tokens=None) -> bool:
         settings = dc.CudaDecodeLaunch(warps=8, tokens_per_iteration=tokens)
-        return isinstance(dc.launch(lanes, cuda_q, fk, fp_values=fv, coded=coded, settings=settings), dc.LaunchPlan)
+        return isinstance(dcp.launch(lanes, cuda_q, fk, fp_values=fv, coded=coded, settings=settings), dc.LaunchPlan)
 
     assert fits(u8)
     assert not fits(SimpleNamespace(**{**vars(u8), "value_indices": u8.value_indices.int()}))
@@ -48,7 +48,7 @@ def test_launch_checks_what_the_kernel_reads(builds, monkeypatch):
     assert not fits(SimpleNamespace(**{**vars(u8), "key_sigma": torch.ones(1, 8, 4)}))
     assert not fits(u8, fk.transpose(-1, -2))
     # 8 lanes per token: 4 groups x 8 tokens per warp step
-    need = dc.launch_shared(lanes, u8, 8, query_groups=1, tokens=8)
+    need = dcp.launch_shared(lanes, u8, 8, query_groups=1, tokens=8)
     assert need == 2 * 64 * 16 * 2 + 8 * 2 * 32 * 64 + 64 * 4 + 8 * 32 * 4 + 2 * 64 * 4  # tables, stages, query,
     # weights, channel maps
     limit.shared_memory_per_block_optin = need - 1
@@ -77,7 +77,7 @@ def test_large_batches_and_buffers_are_refused_only_where_32_bit_offsets_overflo
     ):
         idx = torch.empty(batch, 16, capacity, 32, dtype=torch.uint8, device="meta").transpose(1, 2)  # CodeBuffer's
         coded = SimpleNamespace(key_indices=idx, value_indices=idx, key_sigma=None, count=capacity - 100)
-        reason = dc.plan_launch(
+        reason = dcp.plan_launch(
             lanes,
             q[:batch],
             fk[:batch],
@@ -88,10 +88,10 @@ def test_large_batches_and_buffers_are_refused_only_where_32_bit_offsets_overflo
             sms=1,
         )
         assert isinstance(reason, str) == refused, (batch, capacity, reason)
-        assert idx.stride(0) == 16 * capacity * 32 and (idx.stride(0) > dc.INT32_MAX) == refused
+        assert idx.stride(0) == 16 * capacity * 32 and (idx.stride(0) > dcp.INT32_MAX) == refused
         if refused:
             assert "stride beyond 2**31 - 1" in reason
-    assert dc.plan_launch(
+    assert dcp.plan_launch(
         None, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=1
     ).startswith("the site has no lane tables")
 
@@ -104,17 +104,17 @@ def test_rope_rows_cover_every_anchor_read():
         for first, n in ((0, 1), (5, 27), (1000, 24), (65533, 3)):
             last = first + n - 1
             reads = [first + t0 + grp for t0 in range(n) for grp in range(groups)] + [groups]
-            rows = dc.rope_rows(last, lanes)
+            rows = dcp.rope_rows(last, lanes)
             assert max(reads) < rows and rows >= 8, (lanes, first, n)
     first, n = 65000, 534  # 8 lanes, an empty window: the last anchor reads row first + n + 2 = 2**16
-    assert dc.rope_rows(first + n - 1, 8) > 2**16
+    assert dcp.rope_rows(first + n - 1, 8) > 2**16
 
 
 def test_the_launch_runs_on_the_query_device_and_its_stream(builds, monkeypatch):
     """decode_attention_cuda launches inside torch.cuda.device(q.device) on that device's current stream, and
     turns a launch's RuntimeError into LaunchError (stand-ins for the CUDA runtime, CPU tensors)."""
     tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
-    lanes = dc.site_lanes(tables, 1, 16)
+    lanes = dcp.site_lanes(tables, 1, 16)
     inputs = da.kernel_inputs(
         q, tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos, mask), rope=da.RopeTable(64, 1e4), rows=64
     )
@@ -138,7 +138,7 @@ def test_the_launch_runs_on_the_query_device_and_its_stream(builds, monkeypatch)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d: ("stream of", d))
     monkeypatch.setattr(cuda_build, "build_kernel", lambda source, name, *, shared, device: kernel)
     monkeypatch.setattr(
-        dc, "launch", lambda *args, **kwargs: dc.plan_launch(*args, **kwargs, shared_limit=227 * 1024, sms=4)
+        dcp, "launch", lambda *args, **kwargs: dcp.plan_launch(*args, **kwargs, shared_limit=227 * 1024, sms=4)
     )  # CPU q: no CUDA check
     dc.decode_attention_cuda(inputs, tables, lanes, coded=coded, fp_keys=fk, fp_values=fv)
     assert launches == [([q.device], ("stream of", q.device))] and entered[-1] == "left"
@@ -150,7 +150,7 @@ def test_a_given_plan_is_launched_as_is(builds, monkeypatch):
     """decode_attention_cuda with a plan (the dispatch's, from decode_cuda.launch) does not work it out again:
     no device query, the plan's grid, block, shared memory and rows per pass."""
     tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
-    lanes = dc.site_lanes(tables, 1, 16)
+    lanes = dcp.site_lanes(tables, 1, 16)
     inputs = da.kernel_inputs(
         q, tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos, mask), rope=da.RopeTable(64, 1e4), rows=64
     )
@@ -185,7 +185,7 @@ def test_a_hand_made_plan_is_checked_and_no_plan_goes_through_launch(builds, mon
     raises ValueError before any build; without a plan, launch()'s refusals (a CPU query, an earlier failed
     build) raise LaunchError."""
     tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
-    lanes = dc.site_lanes(tables, 1, 16)
+    lanes = dcp.site_lanes(tables, 1, 16)
     inputs = da.kernel_inputs(
         q, tables, coded, fp=da.FullPrecisionTokens(fk, fv, fpos, mask), rope=da.RopeTable(64, 1e4), rows=64
     )
@@ -235,7 +235,7 @@ def test_cpu_tensors_never_take_the_cuda_kernel():
     coded, q, fk, fv, fpos, _ = make_inputs(kc, vc, 1, 2, 5, 3, seed=0)
     lanes = dl.lane_tables(da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16))
     assert (
-        dc.launch(lanes, q, fk, fp_values=fv, coded=coded, settings=dc.CudaDecodeLaunch(warps=8))
+        dcp.launch(lanes, q, fk, fp_values=fv, coded=coded, settings=dc.CudaDecodeLaunch(warps=8))
         == "device cpu is not CUDA"
     )
     tables = da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from support.decode import make_codecs
 
-from loopvq_calib.kernels import decode_cuda as dc, decode_lanes as dl
+from loopvq_calib.kernels import decode_cuda as dc, decode_cuda_plan as dcp, decode_lanes as dl
 from loopvq_calib.serving import decode_attention as da
 
 
@@ -27,9 +27,9 @@ def test_rows_per_pass_divide_the_warps_and_never_exceed_the_batch():
         (1, 32, 16, 1),
         (16, 0, 16, 1),
     ):
-        assert dc.rows_per_pass(most, batch, warps) == rows, (most, batch, warps)
+        assert dcp.rows_per_pass(most, batch, warps) == rows, (most, batch, warps)
     with pytest.raises(ValueError, match="at least 1"):
-        dc.rows_per_pass(0, 8, 16)
+        dcp.rows_per_pass(0, 8, 16)
 
 
 def test_launch_plan_at_ouro_shapes():
@@ -50,7 +50,7 @@ def test_launch_plan_at_ouro_shapes():
         idx = torch.empty(batch, 16, n, 32, dtype=torch.uint8, device="meta").transpose(1, 2)
         coded = SimpleNamespace(key_indices=idx, value_indices=idx, key_sigma=None, count=n)
         q = torch.empty(batch, 16, 128, dtype=torch.bfloat16, device="meta")
-        plan = dc.plan_launch(
+        plan = dcp.plan_launch(
             lanes,
             q,
             fk[:batch],
@@ -85,15 +85,15 @@ def test_default_rows_give_way_to_a_float32_key_table():
     q = torch.empty(8, 16, 128, dtype=torch.bfloat16, device="meta")
     tables = 128 * 256 * 4 + 128 * 256 * 2
     assert (
-        dc.launch_shared(lanes, coded, 16, query_groups=1, tokens=16, key_dtype=torch.float32)
+        dcp.launch_shared(lanes, coded, 16, query_groups=1, tokens=16, key_dtype=torch.float32)
         == tables + 16 * 2 * 32 * 64 + 512 + 2048 + 1024
     )
-    plan = dc.plan_launch(
+    plan = dcp.plan_launch(
         lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132
     )
     assert (plan.tokens, plan.rows, plan.key_float32) == (8, 2, True)
     assert plan.shared == tables + 16 * 2 * 16 * 64 + 2 * 128 * 4 + 16 * 16 * 4 + 2 * 128 * 4 <= 227 * 1024
-    plan = dc.plan_launch(
+    plan = dcp.plan_launch(
         lanes,
         q,
         fk,
@@ -104,7 +104,7 @@ def test_default_rows_give_way_to_a_float32_key_table():
         sms=132,
     )
     assert (plan.tokens, plan.rows, plan.key_float32) == (16, 8, False)
-    plan = dc.plan_launch(
+    plan = dcp.plan_launch(
         lanes,
         q,
         fk,
@@ -139,13 +139,13 @@ def test_default_rows_are_lowered_until_a_gqa_call_fits():
         return 2 * 128 * 256 * 2 + 8 * 16 * 130 * 4 + rows * 16 * 128 * 4 + 8 * 16 * 8 * 4 + 2 * 128 * 4
 
     assert need(8) == 268288 and need(4) > limit >= need(2)
-    plan = dc.plan_launch(
+    plan = dcp.plan_launch(
         lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=limit, sms=132
     )
     assert (plan.warps, plan.tokens, plan.rows, plan.key_float32, plan.shared) == (8, 4, 2, False, need(2))
     assert plan.splits == 132 // 4
     assert isinstance(
-        dc.plan_launch(
+        dcp.plan_launch(
             lanes,
             q,
             fk,
@@ -170,7 +170,7 @@ def test_rows_are_kept_when_a_float32_key_table_fits_at_no_rows():
         return 128 * 256 * (key_bytes + 2) + 8 * 8 * 130 * 4 + rows * 8 * 128 * 4 + 8 * 8 * 8 * 4 + 2 * 128 * 4
 
     assert need(4, 1) == 237056 > limit >= need(2, 8)
-    plan = dc.plan_launch(
+    plan = dcp.plan_launch(
         lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=limit, sms=132
     )
     assert (plan.rows, plan.key_float32, plan.shared) == (8, False, need(2, 8))
@@ -183,7 +183,7 @@ def test_a_float32_key_table_asked_for_is_refused_where_it_does_not_fit():
     lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
     limit = 227 * 1024
     need = 128 * 256 * (4 + 2) + 16 * 2 * 16 * 64 + 2 * 128 * 4 + 16 * 16 * 4 + 2 * 128 * 4  # at 2 rows
-    plan = dc.plan_launch(
+    plan = dcp.plan_launch(
         lanes,
         q,
         fk,
@@ -194,7 +194,7 @@ def test_a_float32_key_table_asked_for_is_refused_where_it_does_not_fit():
         sms=132,
     )
     assert (plan.tokens, plan.rows, plan.key_float32, plan.shared) == (8, 2, True, need) and need == limit
-    reason = dc.plan_launch(
+    reason = dcp.plan_launch(
         lanes,
         q,
         fk,
@@ -206,7 +206,7 @@ def test_a_float32_key_table_asked_for_is_refused_where_it_does_not_fit():
     )
     at16 = need + 6 * 128 * 4 + 16 * 2 * 16 * 64 + 16 * 16 * 4  # 8 rows, 16 tokens: more stages and weights
     assert reason == f"a float32 key table needs {at16} bytes of shared memory, {limit} available"
-    plan = dc.plan_launch(
+    plan = dcp.plan_launch(
         lanes,
         q,
         fk,
@@ -222,7 +222,7 @@ def test_a_float32_key_table_asked_for_is_refused_where_it_does_not_fit():
 def test_zero_rows_warps_or_tokens_are_refused_not_taken_for_the_default():
     lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
     with pytest.raises(ValueError, match="rows per pass must be at least 1, got 0"):
-        dc.plan_launch(
+        dcp.plan_launch(
             lanes,
             q,
             fk,
@@ -234,7 +234,7 @@ def test_zero_rows_warps_or_tokens_are_refused_not_taken_for_the_default():
         )
     for warps, tokens in ((0, None), (None, 0)):
         with pytest.raises(ValueError, match="tokens_per_iteration must be"):
-            dc.plan_launch(
+            dcp.plan_launch(
                 lanes,
                 q,
                 fk,
@@ -250,20 +250,20 @@ def test_default_tokens_per_step_follow_the_lanes():
     """16 tokens per lane group and step by default (one query head per KV head), at most the lanes per token (8
     at 8 lanes); GQA keeps 4; more tokens than lanes are refused."""
     lanes, q, fk, coded = ouro_like_call("loopvq", 16, 16, 8)
-    plan = dc.plan_launch(
+    plan = dcp.plan_launch(
         lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132
     )
     assert (plan.warps, plan.tokens, plan.rows) == (16, 16, 8)
     kc, vc = make_codecs("loopvq", 16, 128, 256, 16, 4)
     lanes8 = dl.lane_tables(da.step_tables(kc, vc, 0, rope_style="half", device="cpu", dtype=torch.float16), 8)
     assert (
-        dc.plan_launch(
+        dcp.plan_launch(
             lanes8, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132
         ).tokens
         == 8
     )
     with pytest.raises(ValueError, match=r"up to the lanes per token \(8\).*got 16"):
-        dc.plan_launch(
+        dcp.plan_launch(
             lanes8,
             q,
             fk,
@@ -275,7 +275,7 @@ def test_default_tokens_per_step_follow_the_lanes():
         )
     lanes, q, fk, coded = ouro_like_call("loopvq", 4, 16, 8)
     assert (
-        dc.plan_launch(
+        dcp.plan_launch(
             lanes, q, fk, fp_values=fk, coded=coded, settings=dc.CudaDecodeLaunch(), shared_limit=227 * 1024, sms=132
         ).tokens
         == 4

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import KERNEL_DEVICE as DEVICE, needs_triton_kernels as needs_kernels
 
-from loopvq_calib.calibration.kmeans.solvers import _draw_one, kmeans_pp_init
+from loopvq_calib.calibration.kmeans.seeding import _draw_one, kmeans_pp_init
 from loopvq_calib.kernels import backends, kmeans as kmeans_triton
 
 needs_compiler = pytest.mark.skipif(

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from loopvq_calib.calibration.capture.kv import CaptureReader, capture_kv, write_meta
+from loopvq_calib.calibration.capture.kv import capture_kv, write_meta
+from loopvq_calib.calibration.capture.reader import CaptureReader
 from loopvq_calib.config.schema import CaptureConfig
 from loopvq_calib.data.corpus import CalibrationSet
 

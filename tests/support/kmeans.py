@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import make_tiny_ouro
 
-from loopvq_calib.calibration.capture.kv import CaptureReader, capture_kv, write_meta
+from loopvq_calib.calibration.capture.kv import capture_kv, write_meta
+from loopvq_calib.calibration.capture.reader import CaptureReader
 from loopvq_calib.codes.codec import TasqTransform
 from loopvq_calib.codes.layouts import BlockLayout
 from loopvq_calib.config.schema import CaptureConfig, Config, KMeansConfig, QuantConfig

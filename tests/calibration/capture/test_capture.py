@@ -12,7 +12,8 @@ from safetensors import safe_open
 from support.capture import run_capture
 
 from loopvq_calib.calibration.capture import kv as capture_module
-from loopvq_calib.calibration.capture.kv import CaptureError, CaptureReader, capture_kv, shard_path, write_meta
+from loopvq_calib.calibration.capture.kv import CaptureError, capture_kv, shard_path, write_meta
+from loopvq_calib.calibration.capture.reader import CaptureReader
 from loopvq_calib.calibration.kmeans.fit import layout_problems
 from loopvq_calib.calibration.tasq.grouping import rope_pair_units
 from loopvq_calib.calibration.tasq.stats import channel_weights

@@ -10,7 +10,8 @@ from conftest import calib_set, make_tiny_ouro
 from safetensors.torch import load_file
 from support.capture import run_capture
 
-from loopvq_calib.calibration.capture.kv import MemoryCapture, MemoryReader, capture_kv, capture_sequence, write_meta
+from loopvq_calib.calibration.capture.kv import MemoryCapture, capture_kv, capture_sequence, write_meta
+from loopvq_calib.calibration.capture.reader import MemoryReader
 from loopvq_calib.config.schema import CaptureConfig
 from loopvq_calib.runtime.processes import DistContext
 

@@ -19,7 +19,7 @@ from support.kmeans import (
     tiny_capture,  # noqa: F401 (the fixture)
 )
 
-from loopvq_calib.calibration.capture.kv import CaptureReader
+from loopvq_calib.calibration.capture.reader import CaptureReader
 from loopvq_calib.calibration.kmeans.fit import fit_codebooks, layout_problems, run_points_per_codebook
 from loopvq_calib.codes.codec import gather_groups
 from loopvq_calib.codes.layouts import plan_layouts, points_per_codebook

@@ -20,8 +20,9 @@ from support.kmeans import (
     tiny_capture,  # noqa: F401 (the fixture)
 )
 
-from loopvq_calib.calibration.capture.kv import MemoryCapture, MemoryReader, capture_kv, write_meta
-from loopvq_calib.calibration.kmeans import fit as kmeans, solvers
+from loopvq_calib.calibration.capture.kv import MemoryCapture, capture_kv, write_meta
+from loopvq_calib.calibration.capture.reader import MemoryReader
+from loopvq_calib.calibration.kmeans import fit as kmeans, seeding, solvers
 from loopvq_calib.calibration.kmeans.fit import fit_codebooks, layout_seed
 from loopvq_calib.codes.layouts import plan_layouts
 from loopvq_calib.config.schema import CaptureConfig, KMeansConfig
@@ -97,7 +98,7 @@ def test_fused_schedule_seeds_the_next_group_before_a_lloyd_loop_and_keeps_the_r
     monkeypatch.setattr(kmeans, "layout_problems", problems)
     monkeypatch.setattr(kmeans, "weighted_kmeans", solve)
     monkeypatch.setattr(kmeans_triton, "lloyd_step", lloyd_step)
-    monkeypatch.setattr(kmeans_triton, "kmeans_pp", solvers._kmeans_pp_rows)
+    monkeypatch.setattr(kmeans_triton, "kmeans_pp", seeding._kmeans_pp_rows)
     problems_per_layout = kv.kv_heads * layouts[0].num_groups
     points = real_problems(
         reader.load(layouts[0].kind, layouts[0].sites),

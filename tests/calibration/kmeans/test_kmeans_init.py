@@ -11,7 +11,7 @@ from conftest import KERNEL_DEVICE as TRITON_DEVICE, needs_triton_kernels as nee
 from support.builders import blobs, np_assign
 from support.kmeans import K, gen
 
-from loopvq_calib.calibration.kmeans.solvers import _draw_one, kmeans_pp_init, random_init
+from loopvq_calib.calibration.kmeans.seeding import _draw_one, kmeans_pp_init, random_init
 
 
 def fused_pp(x: torch.Tensor, w: torch.Tensor, k: int, *, generator: torch.Generator) -> torch.Tensor:

@@ -14,8 +14,9 @@ from conftest import KERNEL_DEVICE as TRITON_DEVICE, needs_triton_kernels as nee
 from support.builders import CPU, blobs, np_assign
 from support.kmeans import G, K, gen, needs_faiss
 
-from loopvq_calib.calibration.kmeans import solvers as kmeans_backends
-from loopvq_calib.calibration.kmeans.solvers import _reseed, kmeans_pp_init, random_init, weighted_kmeans
+from loopvq_calib.calibration.kmeans import seeding, solvers as kmeans_backends
+from loopvq_calib.calibration.kmeans.seeding import kmeans_pp_init, random_init
+from loopvq_calib.calibration.kmeans.solvers import _reseed, weighted_kmeans
 from loopvq_calib.config.schema import KMeansConfig
 from loopvq_calib.kernels.backends import DISPATCH
 
@@ -128,7 +129,7 @@ def test_cpu_problems_spread_over_threads_equal_one_sequential_batch(monkeypatch
     x, w = blobs(11, 300, G, K, seed=21)
     init = kmeans_pp_init(x, w, K, generator=gen(4))
     uniforms = torch.rand(K, 11, generator=gen(4), dtype=torch.float64)  # the draws kmeans_pp_init makes
-    assert torch.equal(init, kmeans_backends._kmeans_pp_rows(x, w, K, uniforms=uniforms))
+    assert torch.equal(init, seeding._kmeans_pp_rows(x, w, K, uniforms=uniforms))
     whole = weighted_kmeans(
         x, w, init, cfg=KMeansConfig(iterations=12, tolerance=1e-4, problems_per_batch=11), backend="torch", device=CPU
     )
