@@ -21,8 +21,7 @@ echo "lint: ruff check, ruff format --check"
 if .venv/bin/python -c "import triton" 2>/dev/null; then
   echo "fused Triton k-means and decode-attention kernels in Triton's CPU interpreter (TRITON_INTERPRET=1):"
   TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -n "$workers" -k "triton or fused" tests/kernels/test_kmeans_kernels.py \
-    tests/calibration/kmeans/test_kmeans_solvers.py tests/calibration/kmeans/test_kmeans_init.py \
-    tests/calibration/kmeans/test_kmeans_backends.py
+    tests/calibration/kmeans/test_kmeans_solvers.py tests/calibration/kmeans/test_kmeans_init.py
   TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -n "$workers" -m "not slow" tests/serving/test_decode_attention.py \
     tests/serving/test_decode_attention_dispatch.py
 fi

@@ -147,7 +147,7 @@ def test_the_launch_runs_on_the_query_device_and_its_stream(builds, monkeypatch)
 
 
 def test_a_given_plan_is_launched_as_is(builds, monkeypatch):
-    """decode_attention_cuda with a plan (the dispatch's, from decode_cuda.launch) does not work it out again:
+    """decode_attention_cuda with a plan (the dispatch's, from decode_cuda_plan.launch) does not work it out again:
     no device query, the plan's grid, block, shared memory and rows per pass."""
     tables, coded, q, fk, fv, fpos, mask, _ = dispatch_case()
     lanes = dcp.site_lanes(tables, 1, 16)

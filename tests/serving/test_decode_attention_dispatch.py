@@ -14,7 +14,7 @@ from conftest import make_tiny_ouro, needs_triton_kernels as needs_kernels
 from support.decode import dispatch_case
 from support.quantizers import sampled_quantizer
 
-from loopvq_calib.kernels import backends, cuda_build, decode_cuda
+from loopvq_calib.kernels import backends, cuda_build, decode_cuda, decode_cuda_plan
 from loopvq_calib.kernels.backends import Backend
 from loopvq_calib.serving import cache as cache_module, decode_attention as da
 
@@ -52,8 +52,8 @@ def test_a_failed_launch_falls_back_to_triton_with_a_warning(stand_in_cuda, monk
         rows.append(inputs.cos.shape[0])
         raise decode_cuda.LaunchError("cuLaunchKernel failed on purpose")
 
-    plan = decode_cuda.LaunchPlan(16, 8, 1, 2, 11, False, 0)
-    monkeypatch.setattr(decode_cuda, "launch", lambda lanes, *args, **kwargs: plan if lanes else "no lane tables")
+    plan = decode_cuda_plan.LaunchPlan(16, 8, 1, 2, 11, False, 0)
+    monkeypatch.setattr(decode_cuda_plan, "launch", lambda lanes, *args, **kwargs: plan if lanes else "no lane tables")
     monkeypatch.setattr(decode_cuda, "decode_attention_cuda", failing_launch)
     out = da.decode_attention(
         q, tables, coded, fp=fp, rope=da.RopeTable(64, 1e4), triton=da.TritonDecodeLaunch(num_splits=2)
@@ -64,7 +64,7 @@ def test_a_failed_launch_falls_back_to_triton_with_a_warning(stand_in_cuda, monk
     )
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
     assert tables.lanes[16] is None and len(rows) == 1
-    assert rows[0] >= decode_cuda.rope_rows(int(coded.first_position.max()) + coded.count, 16)
+    assert rows[0] >= decode_cuda_plan.rope_rows(int(coded.first_position.max()) + coded.count, 16)
     tables.lanes.clear()
     with pytest.raises(decode_cuda.LaunchError, match="on purpose"):
         da.decode_attention(q, tables, coded, fp=fp, rope=da.RopeTable(64, 1e4), backend="cuda")
@@ -77,7 +77,7 @@ def test_a_refused_call_warns_once_per_reason(stand_in_cuda, monkeypatch):
     reason and process (not per call)."""
     tables, coded, q, fk, fv, fpos, mask, ref = dispatch_case()
     fp = da.FullPrecisionTokens(fk, fv, fpos, mask)
-    monkeypatch.setattr(decode_cuda, "launch", lambda *args, **kwargs: "a stride beyond 2**31 - 1 elements")
+    monkeypatch.setattr(decode_cuda_plan, "launch", lambda *args, **kwargs: "a stride beyond 2**31 - 1 elements")
     out = da.decode_attention(q, tables, coded, fp=fp, rope=da.RopeTable(64, 1e4))
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
     da.decode_attention(q, tables, coded, fp=fp, rope=da.RopeTable(64, 1e4))
@@ -99,7 +99,7 @@ def test_a_failed_build_falls_back_to_triton_and_later_calls_do_not_build(stand_
 
     monkeypatch.setattr(cuda_build, "build_kernel", broken)
     monkeypatch.setattr(
-        decode_cuda, "launch", lambda *args, **kwargs: decode_cuda.LaunchPlan(16, 8, 1, 2, 11, False, 0)
+        decode_cuda_plan, "launch", lambda *args, **kwargs: decode_cuda_plan.LaunchPlan(16, 8, 1, 2, 11, False, 0)
     )
     for _ in range(2):
         out = da.decode_attention(
