@@ -54,7 +54,7 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
             free, channels = (kl.get((GROUPINGS[g], width, finetuned)) for g in GROUPINGS)
             if free is None or channels is None:
                 continue
-            excess = f"{100 * (channels / free - 1):+.1f} %"
+            excess = f"{100 * (channels / free - 1):+.2f} %"
             out.append([f"{width:g}", "yes" if finetuned else "no", f"{free:.4f}", f"{channels:.4f}", excess])
     return out
 

@@ -37,8 +37,8 @@ def test_rows_set_each_grouping_beside_the_other_with_channels_excess(tmp_path):
     store(tmp_path)
     result = gt.load("ouro", tmp_path)
     assert gt.rows(result) == [
-        ["0.5", "yes", "0.0800", "0.1000", "+25.0 %"],
-        ["0.25", "no", "0.2000", "0.1900", "-5.0 %"],
+        ["0.5", "yes", "0.0800", "0.1000", "+25.00 %"],
+        ["0.25", "no", "0.2000", "0.1900", "-5.00 %"],
     ]
     section = gt.model_section("ouro", result)
     assert "`python benchmarks/quality/eval_reference.py --model ouro` at `abc1234` on cpu (2 cores)" in section
@@ -52,7 +52,8 @@ def test_the_page_is_written_from_the_stored_results(tmp_path):
     text = page.read_text()
     assert text.startswith("# TaSQ+LoopVQ: `free` against `channels` grouping\n")
     assert (
-        "| 0.5 | yes | 0.0800 | 0.1000 | +25.0 % |" in text and "**`artifacts/tiny-huginn`**: not measured yet." in text
+        "| 0.5 | yes | 0.0800 | 0.1000 | +25.00 % |" in text
+        and "**`artifacts/tiny-huginn`**: not measured yet." in text
     )
 
 
