@@ -222,6 +222,19 @@ def add_residual_dropout(model: torch.nn.Module, p: float) -> None:
             branch.register_forward_hook(lambda mod, inp, out: F.dropout(out, p, mod.training))
 
 
+def scale_branch_norms(model: torch.nn.Module, scale: float) -> None:
+    """Start each attention and MLP branch's output norm (Ouro's sandwich norms ``input_layernorm_2`` and
+    ``post_attention_layernorm_2``) at ``scale`` instead of 1, so that every branch first adds little to the
+    residual stream (as LayerScale does). At 1, the 16 layer passes of 4 layers x 4 loops each add a unit-RMS
+    branch, and the model never forms the attention that copies from its context: 1,500 steps with a quarter or
+    half of the rows recall documents answered 0 of 288 recall items; a 2-layer, 4-loop copy of it learns to
+    copy a repeated random sequence by step 200 at 0.1 and not by step 300 at 1."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.input_layernorm_2.weight.fill_(scale)
+            layer.post_attention_layernorm_2.weight.fill_(scale)
+
+
 def train(args: argparse.Namespace) -> None:
     """Per-loop loss training; the checkpoint with the best held-out last-loop loss goes to the model folder."""
     torch.manual_seed(args.seed)
@@ -229,6 +242,7 @@ def train(args: argparse.Namespace) -> None:
     train_tokens = np.load(args.build / "train_tokens.npy")
     held_tokens = np.load(args.build / "heldout_tokens.npy")
     model = OuroForCausalLM(OuroConfig(**ARCH)).to(device)
+    scale_branch_norms(model, args.branch_scale)
     add_residual_dropout(model, args.dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(args.seed)
@@ -341,6 +355,7 @@ def main() -> None:
     p.add_argument("--gate-weight", type=float, default=0.1)
     p.add_argument("--gate-delta", type=float, default=0.01)
     p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--branch-scale", type=float, default=0.1, help="train: initial weight of the branch output norms")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     {"prepare": prepare, "train": train, "report": report}[args.command](args)

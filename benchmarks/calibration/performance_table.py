@@ -35,6 +35,7 @@ from benchmarks.calibration.performance_runs import (
     one_gpu_partner,
     resolve,
 )
+from benchmarks.calibration.tree_comparison import comparison_section
 from benchmarks.common.markdown import wrap
 from benchmarks.common.paths import RESULTS
 
@@ -269,6 +270,8 @@ def page(paths: list[Path], commits: dict[str, Any], *, results: Path = RESULTS,
         *limits(runs),
         "",
     ]
+    compared = comparison_section(results)
+    lines += [*compared, ""] if compared else []
     demo = demo_section(demo_log)
     return "\n".join(lines + ([*demo, ""] if demo else []))
 
