@@ -2,7 +2,8 @@
 ``free`` and ``channels``) side by side, per shipped reference model, from stored `eval_reference.py` runs of those
 two methods alone (benchmarks/results/tasq-grouping-<model>/: report.json and setup.json): evaluation KL on the
 model's held-out text at 0.5 and 0.25 bit, fine-tuned and k-means only, and how much higher channels' KL is. A model
-without stored results reads "not measured yet". docs/tasq.md says what the default is and why.
+without stored results reads "not measured yet"; results of weights since replaced say so (``EARLIER_WEIGHTS`` of
+reference_models.py). docs/tasq.md says what the default is and why.
 
     python benchmarks/quality/eval_reference.py --model ouro --methods tasq+loopvq,tasq+loopvq-channels \\
         --limit 12 --passkey-lengths '' --out benchmarks/results/tasq-grouping-ouro     # the same for huginn
@@ -20,7 +21,7 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout: bench
 
 from benchmarks.common.markdown import md_table, wrap
 from benchmarks.common.paths import RESULTS, ROOT
-from benchmarks.quality.reference_models import GROUP_SIZES, MODELS, SHIPPED_MODELS
+from benchmarks.quality.reference_models import GROUP_SIZES, MODELS, SHIPPED_MODELS, earlier_weights_note
 
 PAGE = ROOT / "docs" / "tasq-grouping.md"
 INTRO = (
@@ -67,11 +68,13 @@ def model_section(model: str, result: dict[str, Any] | None) -> str:
     setup = result["setup"]
     header = ["bits", "fine-tuned", "KL, free", "KL, channels", "channels vs free"]
     where = f"{setup['device']} ({setup.get('cpu_count', '?')} cores)"
-    note = wrap(
+    note = (
         f"{title}: evaluation KL to full precision on {setup['heldout']}, one calibration per row and grouping "
         f"(K {setup['calibration']['codebook_size']}, T_c {setup['calibration']['steps_per_block']}). Command: "
         f"`{setup['command']}` at `{setup['commit']}` on {where}."
     )
+    earlier = earlier_weights_note(f"tasq-grouping-{model}")
+    note = wrap(f"{note} {earlier}" if earlier else note)
     return f"{note}\n\n{md_table(header, rows(result))}"
 
 

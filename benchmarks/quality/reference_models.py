@@ -69,6 +69,21 @@ MODELS = {
     ),
 }
 SHIPPED_MODELS = tuple(name for name, m in MODELS.items() if m.shipped)
+# Result folders under benchmarks/results/ measured on a shipped model's earlier weights -> (model, the commit that
+# shipped those weights). The pages generated from them say so; drop a folder's entry when it is re-run.
+EARLIER_WEIGHTS: dict[str, tuple[str, str]] = {"tasq-grouping-huginn": ("huginn", "fac1920")}
+
+
+def earlier_weights_note(results_folder: str) -> str:
+    """The sentence a generated page puts beside results of ``results_folder`` when they were measured on weights
+    since replaced (empty when they were measured on the weights shipped now)."""
+    if results_folder not in EARLIER_WEIGHTS:
+        return ""
+    model, commit = EARLIER_WEIGHTS[results_folder]
+    return (
+        f"**Measured on the previous weights of `{MODELS[model].folder}`** (shipped in `{commit}`), not on the "
+        "weights shipped now; not re-run yet."
+    )
 
 
 def calibration_windows(model: ReferenceModel, sequence_length: int = 512) -> int:

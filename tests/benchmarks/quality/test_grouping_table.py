@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.quality import grouping_table as gt
+from benchmarks.quality import grouping_table as gt, reference_models as refs
 
 KL = {
     ("tasq+loopvq", 0.5, True): 0.08,
@@ -43,6 +43,16 @@ def test_rows_set_each_grouping_beside_the_other_with_channels_excess(tmp_path):
     section = gt.model_section("ouro", result)
     assert "`python benchmarks/quality/eval_reference.py --model ouro` at `abc1234` on cpu (2 cores)" in section
     assert gt.model_section("huginn", gt.load("huginn", tmp_path)).endswith("not measured yet.")
+
+
+def test_results_of_replaced_weights_say_so_and_name_the_commit(tmp_path, monkeypatch):
+    store(tmp_path, "ouro")
+    store(tmp_path, "huginn")
+    monkeypatch.setattr(refs, "EARLIER_WEIGHTS", {"tasq-grouping-huginn": ("huginn", "abc1234")})
+    huginn = gt.model_section("huginn", gt.load("huginn", tmp_path))
+    assert "previous weights of `artifacts/tiny-huginn`** (shipped in `abc1234`)" in " ".join(huginn.split())
+    assert "previous weights" not in gt.model_section("ouro", gt.load("ouro", tmp_path))
+    assert refs.earlier_weights_note("tasq-grouping-ouro") == ""
 
 
 def test_the_page_is_written_from_the_stored_results(tmp_path):
