@@ -3,36 +3,21 @@
 from __future__ import annotations
 
 import torch
-from conftest import load_script
+from conftest import load_script, tiny_ouro_config
 
-from loopvq_calib.models import OuroConfig, OuroForCausalLM
+from loopvq_calib.models import OuroForCausalLM
 from loopvq_calib.models.common import build_context
 
 trm = load_script("train_reference_model")
 
 
-def _tiny() -> OuroForCausalLM:
-    torch.manual_seed(0)
-    cfg = OuroConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        total_ut_steps=2,
-    )
-    return OuroForCausalLM(cfg).eval()
-
-
 def test_scaled_branch_norms_scale_each_branchs_contribution_to_the_residual():
     """Every layer's two branch output norms start at the scale, the other norms at 1; a layer then adds exactly
     scale x the branch output it added at 1 (its attention branch, checked on one layer's forward)."""
-    model = _tiny()
+    torch.manual_seed(0)
+    model = OuroForCausalLM(tiny_ouro_config()).eval()
     layer = model.model.layers[0]
-    h = torch.randn(1, 5, 32)
+    h = torch.randn(1, 5, 64)
     ctx = build_context(
         5,
         1,
@@ -53,8 +38,8 @@ def test_scaled_branch_norms_scale_each_branchs_contribution_to_the_residual():
         trm.scale_branch_norms(model, 0.1)
         after = branch()
     for lay in model.model.layers:
-        assert torch.equal(lay.input_layernorm_2.weight, torch.full((32,), 0.1))
-        assert torch.equal(lay.post_attention_layernorm_2.weight, torch.full((32,), 0.1))
-        assert torch.equal(lay.input_layernorm.weight, torch.ones(32))
-        assert torch.equal(lay.post_attention_layernorm.weight, torch.ones(32))
+        assert torch.equal(lay.input_layernorm_2.weight, torch.full((64,), 0.1))
+        assert torch.equal(lay.post_attention_layernorm_2.weight, torch.full((64,), 0.1))
+        assert torch.equal(lay.input_layernorm.weight, torch.ones(64))
+        assert torch.equal(lay.post_attention_layernorm.weight, torch.ones(64))
     torch.testing.assert_close(after, 0.1 * before)
