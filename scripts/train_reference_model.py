@@ -235,14 +235,35 @@ def scale_branch_norms(model: torch.nn.Module, scale: float) -> None:
             layer.post_attention_layernorm_2.weight.fill_(scale)
 
 
+@torch.no_grad()
+def repeat_gain(model: torch.nn.Module, tokens: np.ndarray, *, device: str, length: int = 256, windows: int = 8) -> float:
+    """In-context copying: mean last-loop next-token loss on the first copy of ``windows`` held-out passages of
+    ``length`` tokens, minus that on their second copy when each passage is repeated once (0: the model does not
+    read its context back; a model that copies drives the second copy's loss towards 0)."""
+    data = torch.from_numpy(tokens[: windows * length].astype(np.int64)).view(windows, length)
+    ids = torch.cat([data, data], 1).to(device)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        ces, _ = loop_losses(model, ids)
+    last = ces[-1].float()
+    return (last[:, : length - 1].mean() - last[:, length:].mean()).item()
+
+
+def reference_config(args: argparse.Namespace) -> OuroConfig:
+    """The shipped architecture (:data:`ARCH`), with ``--layers`` looped layers when given."""
+    return OuroConfig(**dict(ARCH, num_hidden_layers=args.layers or ARCH["num_hidden_layers"]))
+
+
 def train(args: argparse.Namespace) -> None:
     """Per-loop loss training; the checkpoint with the best held-out last-loop loss goes to the model folder."""
     torch.manual_seed(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     train_tokens = np.load(args.build / "train_tokens.npy")
     held_tokens = np.load(args.build / "heldout_tokens.npy")
-    model = OuroForCausalLM(OuroConfig(**ARCH)).to(device)
+    model = OuroForCausalLM(reference_config(args)).to(device)
     scale_branch_norms(model, args.branch_scale)
+    if args.embed_std is not None:
+        with torch.no_grad():
+            model.model.embed_tokens.weight.normal_(0.0, args.embed_std)
     add_residual_dropout(model, args.dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(args.seed)
@@ -274,8 +295,17 @@ def train(args: argparse.Namespace) -> None:
         if step % args.eval_every == 0 or step == args.steps or out_of_time:
             model.eval()
             held = heldout_per_loop(model, held_tokens, args.seq_len, device=device)
+            gain = repeat_gain(model, held_tokens, device=device)
             model.train()
-            log.append({"step": step, "train_loss": loss.item(), "heldout_per_loop": held, "s": time.time() - t0})
+            log.append(
+                {
+                    "step": step,
+                    "train_loss": loss.item(),
+                    "heldout_per_loop": held,
+                    "repeat_gain": gain,
+                    "s": time.time() - t0,
+                }
+            )
             print(json.dumps(log[-1]), flush=True)
             if held[-1] < best:
                 best = held[-1]
@@ -302,11 +332,13 @@ def report(args: argparse.Namespace) -> None:
     data = torch.from_numpy(held_tokens.astype(np.int64))
     windows = torch.stack([data[i * args.seq_len : (i + 1) * args.seq_len] for i in range(16)]).to(device)
     structure = kv_structure(model, windows, sinks=8)
+    gain = repeat_gain(model, held_tokens, device=device)
     tokenize = tokenize_with(PreTrainedTokenizerFast.from_pretrained(args.model_dir))
     recall = [recall_accuracy(model, tokenize, kind=k, tokens=n, items=args.items) for k in KINDS for n in args.lengths]
     result = {
         "heldout_loss_per_loop": held,
         "seq_len": args.seq_len,
+        "repeat_gain": gain,
         "correlation": structure,
         "tokens_for_correlation": int(16 * (args.seq_len - 8)),
         "recall": recall,
@@ -356,6 +388,8 @@ def main() -> None:
     p.add_argument("--gate-delta", type=float, default=0.01)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--branch-scale", type=float, default=0.1, help="train: initial weight of the branch output norms")
+    p.add_argument("--embed-std", type=float, default=None, help="train: initial std of the token embedding")
+    p.add_argument("--layers", type=int, default=None, help="train: looped layers (default: the shipped 4)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     {"prepare": prepare, "train": train, "report": report}[args.command](args)
