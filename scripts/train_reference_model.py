@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -157,18 +157,33 @@ def batches(
     batch: int,
     *,
     gen: torch.Generator,
-    recall: Iterator[np.ndarray] | None = None,
-    recall_rows_per_batch: int = 0,
+    extra: Sequence[tuple[Iterator[np.ndarray], int]] = (),
 ) -> Iterator[torch.Tensor]:
-    """Endless training batches [batch, seq] of windows at random starts (drawn from ``gen``), of which the last
-    ``recall_rows_per_batch`` rows come from ``recall`` (rows of recall documents) when it is given."""
+    """Endless training batches [batch, seq] of text windows at random starts (drawn from ``gen``), of which the
+    last rows come from ``extra``: ``rows`` rows from each ``(iterator, rows)`` pair, in order."""
     data = torch.from_numpy(tokens.astype(np.int64))
-    text_rows = batch - (recall_rows_per_batch if recall is not None else 0)
+    text_rows = batch - sum(rows for _, rows in extra)
     while True:
         starts = torch.randint(0, len(data) - seq - 1, (text_rows,), generator=gen)
         rows = [data[s : s + seq] for s in starts]
-        rows += [torch.from_numpy(next(recall)) for _ in range(batch - text_rows)]
+        rows += [torch.from_numpy(next(it)) for it, n in extra for _ in range(n)]
         yield torch.stack(rows)
+
+
+def repeat_rows(
+    rng: np.random.Generator, *, seq: int, vocab: int, first_id: int = len(SPECIALS), spans: tuple[int, int] = (16, 256)
+) -> Iterator[np.ndarray]:
+    """Endless rows of ``seq`` token ids packed from random token spans, each followed by itself (span lengths
+    uniform in ``spans``; ids from ``first_id`` up, no special tokens): every second copy is predictable only
+    by reading the first back, the in-context copying that recall rests on."""
+    while True:
+        row: list[np.ndarray] = []
+        size = 0
+        while size < seq:
+            span = rng.integers(first_id, vocab, int(rng.integers(spans[0], spans[1] + 1)))
+            row += [span, span]
+            size += 2 * len(span)
+        yield np.concatenate(row)[:seq].astype(np.int64)
 
 
 def loop_losses(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -236,7 +251,9 @@ def scale_branch_norms(model: torch.nn.Module, scale: float) -> None:
 
 
 @torch.no_grad()
-def repeat_gain(model: torch.nn.Module, tokens: np.ndarray, *, device: str, length: int = 256, windows: int = 8) -> float:
+def repeat_gain(
+    model: torch.nn.Module, tokens: np.ndarray, *, device: str, length: int = 256, windows: int = 8
+) -> float:
     """In-context copying: mean last-loop next-token loss on the first copy of ``windows`` held-out passages of
     ``length`` tokens, minus that on their second copy when each passage is repeated once (0: the model does not
     read its context back; a model that copies drives the second copy's loss towards 0)."""
@@ -269,14 +286,9 @@ def train(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(args.seed)
     tokenize = tokenize_with(PreTrainedTokenizerFast.from_pretrained(args.model_dir))
     recall = recall_rows(tokenize, random.Random(args.seed), seq=args.seq_len, eos=ARCH["eos_token_id"])
-    stream = batches(
-        train_tokens,
-        args.seq_len,
-        args.batch,
-        gen=gen,
-        recall=recall,
-        recall_rows_per_batch=round(args.batch * args.recall_share),
-    )
+    repeat = repeat_rows(np.random.default_rng(args.seed), seq=args.seq_len, vocab=ARCH["vocab_size"])
+    extra = [(recall, round(args.batch * args.recall_share)), (repeat, round(args.batch * args.repeat_share))]
+    stream = batches(train_tokens, args.seq_len, args.batch, gen=gen, extra=extra)
     best, best_state, log = math.inf, None, []
     t0 = time.time()
     for step in range(1, args.steps + 1):
@@ -388,6 +400,7 @@ def main() -> None:
     p.add_argument("--gate-delta", type=float, default=0.01)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--branch-scale", type=float, default=0.1, help="train: initial weight of the branch output norms")
+    p.add_argument("--repeat-share", type=float, default=0.0, help="rows of each batch that are repeated spans")
     p.add_argument("--embed-std", type=float, default=None, help="train: initial std of the token embedding")
     p.add_argument("--layers", type=int, default=None, help="train: looped layers (default: the shipped 4)")
     p.add_argument("--seed", type=int, default=0)
