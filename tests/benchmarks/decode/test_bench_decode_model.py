@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 from conftest import ROOT, make_tiny_ouro
+from support.decode_bench import tiny_bench_args
 from support.quantizers import sampled_quantizer
 
 from benchmarks.decode import bench_decode_model as bdm, decode_checks, decode_fill, site_check
@@ -26,21 +27,7 @@ from loopvq_calib.serving.cache import QuantizedLoopKVCache
 
 SCRIPT = ROOT / "benchmarks" / "decode" / "bench_decode_model.py"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-ARGS = [
-    "bench_decode_model.py",
-    "--scale-down",
-    "16",
-    "--contexts",
-    "90",
-    "--batches",
-    "2",
-    "--warmup",
-    "1",
-    "--steps",
-    "8",
-    "--device",
-    str(DEVICE),
-]
+ARGS = tiny_bench_args(DEVICE)
 CACHES = ["bf16", "loopvq", "tasq+loopvq", "tasq+loopvq-channels", "bf16-graph", "loopvq-graph"]
 FIGURES = {"loopvq": 50.0, "bf16": 40.0}  # the kernel-modelled tokens/s given at (90, 2)
 

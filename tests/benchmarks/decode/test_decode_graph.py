@@ -9,29 +9,14 @@ import sys
 
 import pytest
 import torch
+from support.decode_bench import tiny_bench_args
 
 from benchmarks.decode import bench_decode_model as bdm, decode_graph as dg
 from loopvq_calib.models import LoopKVCache
 from loopvq_calib.serving.graph_decode import GraphDecoder
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-ARGS = [
-    "bench_decode_model.py",
-    "--scale-down",
-    "16",
-    "--contexts",
-    "90",
-    "--batches",
-    "2",
-    "--warmup",
-    "1",
-    "--steps",
-    "8",
-    "--check-context",
-    "0",
-    "--device",
-    str(DEVICE),
-]
+ARGS = tiny_bench_args(DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +72,8 @@ def test_graph_cases_profile_their_kernels(tmp_path, monkeypatch):
     kernel among them; the replayed steps' wall time (and their kernels where the profiler sees inside graphs)."""
     argv = [
         *ARGS,
+        "--check-context",
+        "0",
         "--caches",
         "loopvq-graph",
         "--profile-steps",
