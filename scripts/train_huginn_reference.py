@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from retrieval_text import KINDS, recall_accuracy, recall_rows, tokenize_with, tokenizer_sample
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from train_reference_model import SPECIALS, batches, kv_structure, write_jsonl
+from train_reference_model import SPECIALS, kv_structure, write_jsonl
+from training_rows import batches
 from transformers import PreTrainedTokenizerFast
 
 from loopvq_calib.models import HuginnConfig, HuginnForCausalLM
@@ -200,8 +201,7 @@ def train_loop(model: HuginnForCausalLM, args: argparse.Namespace, data: Path) -
         args.seq_len,
         args.batch,
         gen=torch.Generator().manual_seed(args.seed),
-        recall=recall,
-        recall_rows_per_batch=round(args.batch * args.recall_share),
+        extra=[(recall, round(args.batch * args.recall_share))],
     )
     rng, cfg = random.Random(args.seed), model.config
     best, best_state, log, t0 = math.inf, None, [], time.time()

@@ -28,7 +28,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from retrieval_text import KINDS, recall_accuracy, recall_rows, tokenize_with, tokenizer_sample
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from training_rows import batches, repeat_rows
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from loopvq_calib.evaluation.kv_structure import average_structure, correlation_structure
@@ -149,41 +149,6 @@ def prepare(args: argparse.Namespace) -> None:
             ids += fast(d, add_special_tokens=False)["input_ids"] + sep
         np.save(args.build / f"{name}_tokens.npy", np.asarray(ids, dtype=np.uint16))
         print(f"{name}: {len(docs)} documents, {len(ids):,} tokens")
-
-
-def batches(
-    tokens: np.ndarray,
-    seq: int,
-    batch: int,
-    *,
-    gen: torch.Generator,
-    extra: Sequence[tuple[Iterator[np.ndarray], int]] = (),
-) -> Iterator[torch.Tensor]:
-    """Endless training batches [batch, seq] of text windows at random starts (drawn from ``gen``), of which the
-    last rows come from ``extra``: ``rows`` rows from each ``(iterator, rows)`` pair, in order."""
-    data = torch.from_numpy(tokens.astype(np.int64))
-    text_rows = batch - sum(rows for _, rows in extra)
-    while True:
-        starts = torch.randint(0, len(data) - seq - 1, (text_rows,), generator=gen)
-        rows = [data[s : s + seq] for s in starts]
-        rows += [torch.from_numpy(next(it)) for it, n in extra for _ in range(n)]
-        yield torch.stack(rows)
-
-
-def repeat_rows(
-    rng: np.random.Generator, *, seq: int, vocab: int, first_id: int = len(SPECIALS), spans: tuple[int, int] = (16, 256)
-) -> Iterator[np.ndarray]:
-    """Endless rows of ``seq`` token ids packed from random token spans, each followed by itself (span lengths
-    uniform in ``spans``; ids from ``first_id`` up, no special tokens): every second copy is predictable only
-    by reading the first back, the in-context copying that recall rests on."""
-    while True:
-        row: list[np.ndarray] = []
-        size = 0
-        while size < seq:
-            span = rng.integers(first_id, vocab, int(rng.integers(spans[0], spans[1] + 1)))
-            row += [span, span]
-            size += 2 * len(span)
-        yield np.concatenate(row)[:seq].astype(np.int64)
 
 
 def loop_losses(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -1,7 +1,9 @@
-"""scripts/train_reference_model.py: the branch output norms' initial scale."""
+"""scripts/train_reference_model.py: the branch output norms' initial scale, the repeat gain."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 from conftest import load_script, tiny_ouro_config
 
@@ -43,3 +45,17 @@ def test_scaled_branch_norms_scale_each_branchs_contribution_to_the_residual():
         assert torch.equal(lay.input_layernorm.weight, torch.ones(64))
         assert torch.equal(lay.post_attention_layernorm.weight, torch.ones(64))
     torch.testing.assert_close(after, 0.1 * before)
+
+
+def test_repeat_gain_is_the_first_copys_loss_minus_the_seconds():
+    """The gain from the model's last-loop logits on each passage repeated once, computed here by hand."""
+    torch.manual_seed(0)
+    model = OuroForCausalLM(tiny_ouro_config()).eval()
+    tokens = np.random.default_rng(0).integers(3, model.config.vocab_size, 200).astype(np.uint16)
+    got = trm.repeat_gain(model, tokens, device="cpu", length=20, windows=3)
+    data = torch.from_numpy(tokens[:60].astype(np.int64)).view(3, 20)
+    ids = torch.cat([data, data], 1)
+    with torch.no_grad():
+        logits = model(ids).logits.float()  # the last loop's readout (early-exit threshold 1)
+    nll = -torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    assert got == pytest.approx((nll[:, :19].mean() - nll[:, 20:].mean()).item(), abs=1e-5)
