@@ -1,11 +1,16 @@
-"""scripts/train_reference_model.py: the branch output norms' initial scale, the repeat gain."""
+"""scripts/train_reference_model.py: the branch output norms' initial scale, the repeat gain, prepare with a given
+tokenizer."""
 
 from __future__ import annotations
+
+import argparse
+import json
 
 import numpy as np
 import pytest
 import torch
-from conftest import load_script, tiny_ouro_config
+from conftest import REFERENCE_MODEL, load_script, tiny_ouro_config
+from transformers import PreTrainedTokenizerFast
 
 from loopvq_calib.models import OuroForCausalLM
 from loopvq_calib.models.common import build_context
@@ -59,3 +64,28 @@ def test_repeat_gain_is_the_first_copys_loss_minus_the_seconds():
         logits = model(ids).logits.float()  # the last loop's readout (early-exit threshold 1)
     nll = -torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
     assert got == pytest.approx((nll[:, :19].mean() - nll[:, 20:].mean()).item(), abs=1e-5)
+
+
+def test_prepare_with_a_given_tokenizer_keeps_it_and_tokenizes_with_it(tmp_path, monkeypatch):
+    """``prepare --tokenizer``: the folder's tokenizer is saved unchanged into the model folder and the token ids
+    are that tokenizer's (checked by decoding them back to the held-out plays)."""
+    plays = tmp_path / "plays"
+    plays.mkdir()
+    names = [*trm.CALIB_PLAYS, *trm.HELDOUT_PLAYS, "lear_gut.txt"]
+    for i, name in enumerate(names):
+        (plays / name).write_text(f"Enter the {i}th player. What say you, good friend?\n", encoding="utf-8")
+    books = {b: f"In the beginning of {b} was the word." for b in (*trm.KJV_CALIB_BOOKS, "Genesis")}
+    monkeypatch.setattr(trm, "shakespeare_dir", lambda: plays)
+    monkeypatch.setattr(trm, "kjv_books", lambda: books)
+    monkeypatch.setattr(trm, "DATA_DIR", tmp_path / "data")
+    args = argparse.Namespace(model_dir=tmp_path / "model", build=tmp_path / "ids", tokenizer=REFERENCE_MODEL, seed=0)
+    trm.prepare(args)
+    saved = json.loads((tmp_path / "model" / "tokenizer.json").read_text())
+    assert saved == json.loads((REFERENCE_MODEL / "tokenizer.json").read_text())
+    tok = PreTrainedTokenizerFast.from_pretrained(REFERENCE_MODEL)
+    held = np.load(tmp_path / "ids" / "heldout_tokens.npy").tolist()
+    assert (
+        tok.decode(held) == "<|endoftext|>".join((plays / n).read_text() for n in trm.HELDOUT_PLAYS) + "<|endoftext|>"
+    )
+    train = np.load(tmp_path / "ids" / "train_tokens.npy").tolist()
+    assert tok.decode(train).count("<|endoftext|>") == 2  # lear and Genesis
