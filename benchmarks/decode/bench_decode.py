@@ -311,8 +311,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     r[f"{kind}_tokens_per_s"] = batch / (bodies[batch] + SITES * r[f"{kind}_ms"]) * 1e3
                 result["cases"].append(r)
                 print(json.dumps(r), flush=True)
+                save(result, args.out)  # after every case: a cut-off run keeps its cases
     result["fits_batch1"] = fits_batch1(device)
     return result
+
+
+def save(result: dict[str, Any], out: Path) -> None:
+    """Write ``result`` as JSON to ``out`` (its folder created)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
 
 
 def main() -> None:
@@ -321,8 +328,7 @@ def main() -> None:
         print_saved(args.table_from)
         return
     result = measure(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    save(result, args.out)
     if not args.variants_only:
         print(table(result))
         print(against_loopvq(result))
