@@ -71,7 +71,7 @@ MODELS = {
 SHIPPED_MODELS = tuple(name for name, m in MODELS.items() if m.shipped)
 # Result folders under benchmarks/results/ measured on a shipped model's earlier weights -> (model, the commit that
 # shipped those weights). The pages generated from them say so; drop a folder's entry when it is re-run.
-EARLIER_WEIGHTS: dict[str, tuple[str, str]] = {"tasq-grouping-huginn": ("huginn", "fac1920")}
+EARLIER_WEIGHTS: dict[str, tuple[str, str]] = {}
 
 
 def earlier_weights_note(results_folder: str) -> str:
