@@ -66,7 +66,12 @@ def test_a_signal_during_the_capture_exits_with_its_status_one_line_and_the_trac
     }
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "loopvq_calib", "--config", str(cfg)], stdout=out, stderr=err, cwd=ROOT, env=env
+            [sys.executable, "-m", "loopvq_calib", "--config", str(cfg)],
+            stdout=out,
+            stderr=err,
+            cwd=ROOT,
+            env=env,
+            preexec_fn=_signals_as_from_a_shell,
         )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None and not _logged(run, "stage capture: running"):
@@ -85,6 +90,14 @@ def test_a_signal_during_the_capture_exits_with_its_status_one_line_and_the_trac
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["stages"]["capture"]["status"] == "failed"  # the stage's cleanup ran
     assert (run / f"{TMP_PREFIX}capture").is_dir()  # the disk capture's shards, kept for the rerun to resume
+
+
+def _signals_as_from_a_shell() -> None:
+    """In the child, before it runs: SIGINT and SIGTERM unblocked and at their default disposition, as a shell's
+    foreground command gets them (a test worker's signal mask and ignored signals would otherwise carry over)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _logged(run, text: str) -> bool:
