@@ -63,6 +63,12 @@ def run_kernel_script(script: str) -> dict:
     return json.loads(code.stdout.strip().splitlines()[-1])
 
 
+def offline_child_env(**extra: str) -> dict[str, str]:
+    """The environment of a ``python -m loopvq_calib`` child: this checkout importable, no PATH, the hub offline;
+    ``extra`` added."""
+    return {"PYTHONPATH": str(ROOT), "PATH": "", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **extra}
+
+
 def load_script(name: str) -> types.ModuleType:
     """scripts/<name>.py as a module, scripts/ on ``sys.path`` (as when it runs, so that it imports its sibling
     modules). The benchmarks are a package: tests import ``benchmarks.<topic>.<module>``."""

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, offline_child_env
 from support.builders import tiny_config
 
 from loopvq_calib.calibration.pipeline import calibrate
@@ -34,7 +34,7 @@ def test_python_m_exits_with_the_status_after_flushing_output_and_log(tiny_ouro_
     teardown) exits with the command's status: the printed error, the printed bundle and the run log's last
     lines (the stage summary, logged just before the command returns) all arrive."""
     root = ROOT
-    env = {"PYTHONPATH": str(root), "PATH": "", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env = offline_child_env()
     bad = tmp_path / "bad.yaml"
     bad.write_text("quant:\n  bits: [1\n")
     done = subprocess.run(

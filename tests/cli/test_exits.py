@@ -14,7 +14,7 @@ import time
 
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, offline_child_env
 from support.builders import tiny_config
 
 from loopvq_calib.bundle import hub, reader
@@ -57,13 +57,7 @@ def test_a_signal_during_the_capture_exits_with_its_status_one_line_and_the_trac
             tiny_config(tiny_ouro_dir, calib_corpus, run, data={"num_sequences": 400, "sequence_length": 128})
         )
     )
-    env = {
-        "PYTHONPATH": str(ROOT),
-        "PATH": "",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-    }
+    env = offline_child_env(OMP_NUM_THREADS="1")
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "loopvq_calib", "--config", str(cfg)],
