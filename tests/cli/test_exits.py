@@ -72,7 +72,7 @@ def test_a_signal_during_the_capture_exits_with_its_status_one_line_and_the_trac
             time.sleep(0.05)
         assert proc.poll() is None, (tmp_path / "stderr").read_text()[-2000:]
         proc.send_signal(sig)
-        assert proc.wait(timeout=120) == status
+        assert proc.wait(timeout=120) == status, _tails(tmp_path / "stderr", run / "run.log")
     stderr = (tmp_path / "stderr").read_text()
     errors = [line for line in stderr.replace("\r", "\n").splitlines() if line.startswith("error:")]
     assert errors == [
@@ -92,6 +92,11 @@ def _signals_as_from_a_shell() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
+
+
+def _tails(*paths) -> str:
+    """The last lines of each file that exists, for an assertion's message."""
+    return "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in paths if p.is_file())
 
 
 def _logged(run, text: str) -> bool:
