@@ -180,18 +180,28 @@ def reference_config(args: argparse.Namespace) -> OuroConfig:
     return OuroConfig(**dict(ARCH, num_hidden_layers=args.layers or ARCH["num_hidden_layers"]))
 
 
+def initial_model(args: argparse.Namespace) -> OuroForCausalLM:
+    """The model before training: :func:`reference_config`'s, branch output norms at ``--branch-scale``, the token
+    embedding at ``--embed-std``, the LM head (untied, as in Ouro) starting as ``--head-from-embedding`` times the
+    embedding (reading a token's embedding back then scores that token), training-only branch dropout."""
+    model = OuroForCausalLM(reference_config(args))
+    scale_branch_norms(model, args.branch_scale)
+    with torch.no_grad():
+        if args.embed_std is not None:
+            model.model.embed_tokens.weight.normal_(0.0, args.embed_std)
+        if args.head_from_embedding is not None:
+            model.lm_head.weight.copy_(model.model.embed_tokens.weight * args.head_from_embedding)
+    add_residual_dropout(model, args.dropout)
+    return model
+
+
 def train(args: argparse.Namespace) -> None:
     """Per-loop loss training; the checkpoint with the best held-out last-loop loss goes to the model folder."""
     torch.manual_seed(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     train_tokens = np.load(args.build / "train_tokens.npy")
     held_tokens = np.load(args.build / "heldout_tokens.npy")
-    model = OuroForCausalLM(reference_config(args)).to(device)
-    scale_branch_norms(model, args.branch_scale)
-    if args.embed_std is not None:
-        with torch.no_grad():
-            model.model.embed_tokens.weight.normal_(0.0, args.embed_std)
-    add_residual_dropout(model, args.dropout)
+    model = initial_model(args).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(args.seed)
     tokenize = tokenize_with(PreTrainedTokenizerFast.from_pretrained(args.model_dir))
@@ -310,6 +320,7 @@ def main() -> None:
     p.add_argument("--repeat-share", type=float, default=0.0, help="rows of each batch that are repeated spans")
     p.add_argument("--tokenizer", type=Path, default=None, help="prepare: use this folder's tokenizer, train none")
     p.add_argument("--embed-std", type=float, default=None, help="train: initial std of the token embedding")
+    p.add_argument("--head-from-embedding", type=float, default=None, help="train: lm_head starts as X * embedding")
     p.add_argument("--layers", type=int, default=None, help="train: looped layers (default: the shipped 4)")
     p.add_argument("--short-seq-len", type=int, default=256, help="train: row length of the first --short-steps")
     p.add_argument("--short-steps", type=int, default=0, help="train: steps of short rows first (copying forms there)")

@@ -87,3 +87,16 @@ def test_the_short_row_warm_up_keeps_the_tokens_per_batch_then_gives_full_rows()
         if seq == 16:
             assert all(torch.equal(row[:4], row[4:8]) and torch.equal(row[8:12], row[12:]) for row in batch[-4:])
     assert shapes == [(16, 16), (16, 16), (4, 64)]
+
+
+def test_the_initial_model_has_the_embedding_std_and_a_separate_head_aligned_with_it():
+    """``--embed-std 1.0 --head-from-embedding 0.02 --layers 2``: a 2-layer model whose embedding has std about 1 and
+    whose LM head equals 0.02 x the embedding, yet is its own tensor (Ouro's head is untied: training moves it
+    apart)."""
+    args = argparse.Namespace(layers=2, branch_scale=0.1, embed_std=1.0, head_from_embedding=0.02, dropout=0.0)
+    model = trm.initial_model(args)
+    embedding, head = model.model.embed_tokens.weight, model.lm_head.weight
+    assert len(model.model.layers) == 2
+    assert embedding.std().item() == pytest.approx(1.0, rel=0.01)
+    assert torch.equal(head, embedding * 0.02)
+    assert head.data_ptr() != embedding.data_ptr()
