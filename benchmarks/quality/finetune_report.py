@@ -33,13 +33,31 @@ def load(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def cell_gains(study: dict[str, Any] | None, variant: str) -> list[float]:
+    """The gain of ``variant`` in each of the study's cells that holds it (none without a study)."""
+    return (
+        []
+        if study is None
+        else [c["variants"][variant]["reduction"] for c in study["cells"] if variant in c["variants"]]
+    )
+
+
 def model_gain(study: dict[str, Any] | None, variant: str, cells: int) -> tuple[float, float] | None:
     """(mean, worst) gain of ``variant`` over the study's cells; None without a study or unless all ``cells``
     cells hold the variant."""
-    if study is None:
-        return None
-    gains = [c["variants"][variant]["reduction"] for c in study["cells"] if variant in c["variants"]]
+    gains = cell_gains(study, variant)
     return (statistics.fmean(gains), min(gains)) if len(gains) == cells else None
+
+
+def _model_cell(study: dict[str, Any] | None, variant: str, cells: int) -> str:
+    """A model's entry in a variant row: its mean gain, the mean of the cells measured so far with their count, or
+    :data:`NOT_MEASURED` without a study."""
+    if study is None:
+        return NOT_MEASURED
+    gains = cell_gains(study, variant)
+    if len(gains) in (0, cells):
+        return _pct(statistics.fmean(gains) if gains else None)
+    return f"{_pct(statistics.fmean(gains))} ({len(gains)} of {cells} cells)"
 
 
 def variant_rows(studies: dict[str, dict[str, Any] | None], variants: list[str], cells: int) -> list[dict[str, Any]]:
@@ -79,7 +97,7 @@ def variant_table(studies: dict[str, dict[str, Any] | None], grid: str) -> str:
     best = best_variant(rows)
     table = []
     for r in rows:
-        cells = [NOT_MEASURED if studies[m] is None else _pct(v[0] if v else None) for m, v in r["per_model"].items()]
+        cells = [_model_cell(studies[m], r["variant"], len(g.cells)) for m in studies]
         mean = _pct(r["mean"])
         name = f"**{r['variant']}** (best)" if r["variant"] == best else r["variant"]
         table.append([name, *cells, f"**{mean}**" if r["variant"] == best else mean, _pct(r["worst"])])

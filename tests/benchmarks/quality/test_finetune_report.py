@@ -136,3 +136,12 @@ def test_the_committed_page_holds_the_block_the_stored_results_give(tmp_path, mo
     study.main()
     assert page.read_text() == (ROOT / "docs" / "finetune.md").read_text()
     assert capsys.readouterr().out.strip() == report.page_block(ROOT / "benchmarks" / "results")
+
+
+def test_a_model_measured_on_some_cells_shows_their_mean_and_count_but_no_cross_model_mean():
+    partial = _study({"shipped": [0.04, 0.06], "paper": [0.01, None]})  # cells 0 and 1 of 4
+    table = report.variant_table({"a": partial, "b": None}, "levers")
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines()}
+    assert rows["shipped"] == "| shipped | +5.0% (2 of 4 cells) | not measured | - | - |"
+    assert rows["paper"] == "| paper | +1.0% (1 of 4 cells) | not measured | - | - |"
+    assert rows["affine"] == "| affine | - | not measured | - | - |"
