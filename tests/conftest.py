@@ -14,6 +14,7 @@ import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -63,10 +64,14 @@ def run_kernel_script(script: str) -> dict:
     return json.loads(code.stdout.strip().splitlines()[-1])
 
 
-def offline_child_env(**extra: str) -> dict[str, str]:
-    """The environment of a ``python -m loopvq_calib`` child: this checkout importable, no PATH, the hub offline;
-    ``extra`` added."""
-    return {"PYTHONPATH": str(ROOT), "PATH": "", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **extra}
+def calibrate_child(config: Path, **env: str) -> dict[str, Any]:
+    """The ``subprocess`` arguments of a ``python -m loopvq_calib --config CONFIG`` child run from the checkout: this
+    checkout importable, no PATH, the hub offline, ``env`` added."""
+    return {
+        "args": [sys.executable, "-m", "loopvq_calib", "--config", str(config)],
+        "cwd": ROOT,
+        "env": {"PYTHONPATH": str(ROOT), "PATH": "", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **env},
+    }
 
 
 def load_script(name: str) -> types.ModuleType:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import ROOT, offline_child_env
+from conftest import calibrate_child
 from support.builders import tiny_config
 
 from loopvq_calib.calibration.pipeline import calibrate
@@ -33,29 +33,13 @@ def test_python_m_exits_with_the_status_after_flushing_output_and_log(tiny_ouro_
     """``python -m loopvq_calib`` (cli.calibrate.process, which ends the process without the interpreter's
     teardown) exits with the command's status: the printed error, the printed bundle and the run log's last
     lines (the stage summary, logged just before the command returns) all arrive."""
-    root = ROOT
-    env = offline_child_env()
     bad = tmp_path / "bad.yaml"
     bad.write_text("quant:\n  bits: [1\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "loopvq_calib", "--config", str(bad)],
-        capture_output=True,
-        text=True,
-        cwd=root,
-        env=env,
-        check=False,
-    )
+    done = subprocess.run(**calibrate_child(bad), capture_output=True, text=True, check=False)
     assert done.returncode == 2 and "error: config error" in done.stderr and "Traceback" not in done.stderr
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(tiny_ouro_dir, calib_corpus, tmp_path / "run", finetune={"epochs": 1})))
-    done = subprocess.run(
-        [sys.executable, "-m", "loopvq_calib", "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        cwd=root,
-        env=env,
-        check=False,
-    )
+    done = subprocess.run(**calibrate_child(cfg), capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"bundle: {tmp_path / 'run' / 'bundle'}" in done.stdout and "selection KL" in done.stdout
     log = (tmp_path / "run" / "run.log").read_text()

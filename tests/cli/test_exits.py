@@ -14,7 +14,7 @@ import time
 
 import pytest
 import yaml
-from conftest import ROOT, offline_child_env
+from conftest import ROOT, calibrate_child
 from support.builders import tiny_config
 
 from loopvq_calib.bundle import hub, reader
@@ -57,16 +57,9 @@ def test_a_signal_during_the_capture_exits_with_its_status_one_line_and_the_trac
             tiny_config(tiny_ouro_dir, calib_corpus, run, data={"num_sequences": 400, "sequence_length": 128})
         )
     )
-    env = offline_child_env(OMP_NUM_THREADS="1")
+    child = calibrate_child(cfg, OMP_NUM_THREADS="1")
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "loopvq_calib", "--config", str(cfg)],
-            stdout=out,
-            stderr=err,
-            cwd=ROOT,
-            env=env,
-            preexec_fn=_signals_as_from_a_shell,
-        )
+        proc = subprocess.Popen(**child, stdout=out, stderr=err, preexec_fn=_signals_as_from_a_shell)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None and not _logged(run, "stage capture: running"):
             time.sleep(0.05)
